@@ -1,0 +1,28 @@
+"""Cost model of flashoverlap-inductor: bandwidth curves + a GEMM wave model + FlashOverlap's pipeline
+recurrence choose the wave groups of a fused GEMM + collective at compile time, and decline fusion where it
+would not pay.
+
+Public API (the contract with the pass and the ops)::
+
+    from flashoverlap_inductor.cost_model import decide, Decision
+    d = decide("all_reduce", m, n, k, "bfloat16", world_size, device_name=torch.cuda.get_device_name())
+    d.fuse, d.plan.to_str(), d.predicted_fused_ms, d.predicted_seq_ms, d.reason
+
+Modules: ``bandwidth`` (NCCL curves, bytes -> ms), ``gemm`` (wave model, ms), ``pipeline`` (recurrence),
+``search`` (partitions), ``decide``, ``registry`` (data files by GPU name), ``schema`` (JSON validation),
+``import_anchor`` (turn ``tools/anchor_bench.py`` output into data files).
+"""
+
+from .bandwidth import BandwidthCurve, SampledCurve
+from .decide import Decision, clear_caches, decide, decide_cache_info
+from .gemm import GemmModel
+from .pipeline import CostModel, PipelineResult, pipeline
+from .registry import DEFAULT_GPU, data_dir, model_for, normalize_gpu_name
+from .schema import ConfigError
+from .search import SearchResult, exhaustive_search, predictive_search
+
+__all__ = [
+    "DEFAULT_GPU", "BandwidthCurve", "ConfigError", "CostModel", "Decision", "GemmModel", "PipelineResult",
+    "SampledCurve", "SearchResult", "clear_caches", "data_dir", "decide", "decide_cache_info",
+    "exhaustive_search", "model_for", "normalize_gpu_name", "pipeline", "predictive_search",
+]

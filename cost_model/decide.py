@@ -1,0 +1,137 @@
+"""``decide``: should one GEMM + collective be fused, and with which wave groups?
+
+Order of sources for the plan: a tuned plan from ``configs/plans/*.json`` for exactly this
+``(GPU, SM count, world size, collective, dtype, m, n, k)``; else, for all_to_all with ``input_split_sizes``,
+``config.all_to_all_default_groups`` equal fractions (every rank must cut at the same fractions, and ranks may
+hold different rows, so nothing rank-specific may choose them); else the predictive search (``search.py``).
+
+Verdict (``fuse``): the plan has >= 2 groups, ``m >= config.min_rows``, and
+``fused <= (1 - config.min_gain_fraction) * sequential``, where both times are measured ones from the plan
+table when it has them and the model's predictions otherwise. ``plan`` is returned even when ``fuse`` is False
+(fuse mode "always" uses it).
+
+``decide`` never raises for positive sizes and a known collective: problems it cannot fuse (indivisible rows,
+a dtype without data, a world of one rank) come back as ``fuse=False`` with the reason; times it cannot predict
+are ``nan`` (unknown dtype) or ``inf`` (a fused layout that cannot exist). Results are memoized on every input,
+including the config settings they depend on; ``clear_caches`` resets them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from flashoverlap_inductor import config
+from flashoverlap_inductor.plan import COLLECTIVES, GroupPlan, chunks_for
+
+from . import registry
+from .pipeline import DTYPE_BYTES, CostModel
+from .search import DEFAULT_TILE, predictive_search
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The cost model's answer for one GEMM + collective (times in ms)."""
+
+    fuse: bool  # the "auto" verdict
+    plan: GroupPlan  # best plan found (also used under fuse mode "always", even when fuse is False)
+    predicted_fused_ms: float
+    predicted_seq_ms: float
+    reason: str  # human-readable
+
+
+def decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int, *,
+           device_name: str | None = None, input_split_sizes: Sequence[int] | None = None) -> Decision:
+    """Decide fusion of ``[m, k] @ [k, n]`` followed by ``collective`` over ``world_size`` ranks.
+
+    ``dtype``: torch dtype name without prefix ("bfloat16"). ``device_name``: ``torch.cuda.get_device_name()``
+    (None = the default GPU, "NVIDIA H200"). ``input_split_sizes``: all_to_all's per-destination rows of this
+    rank (None = even splits; ignored for the other collectives). Raises ``ValueError`` only for an unknown
+    collective or non-positive sizes (and ``ConfigError`` for malformed data files).
+    """
+    if collective not in COLLECTIVES:
+        raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
+    for name, value in (("m", m), ("n", n), ("k", k), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"decide: {name} must be a positive int, got {value!r}")
+    splits = None
+    if collective == "all_to_all" and input_split_sizes is not None:
+        splits = tuple(int(x) for x in input_split_sizes)
+    return _decide(collective, m, n, k, dtype, world_size, device_name, splits, registry.data_dir(),
+                   float(config.min_gain_fraction), int(config.min_rows), int(config.all_to_all_default_groups))
+
+
+def _ratio(fused: float, seq: float) -> str:
+    return f"{seq / fused:.2f}x" if fused > 0 and math.isfinite(fused) else "n/a"
+
+
+@functools.lru_cache(maxsize=4096)
+def _decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int, device_name: str | None,
+            splits: tuple[int, ...] | None, directory: Path, min_gain: float, min_rows: int,
+            a2a_groups: int) -> Decision:
+    del directory  # part of the memo key: the data it names is read through registry (config.config_dir)
+    tile_m, tile_n = DEFAULT_TILE
+    single = GroupPlan(m, n, tile_m, tile_n, (0, m))
+    model, how = registry.model_for(device_name)
+    data_note = "" if how == "exact" else f" [{how} match: using data of {model.gemm.gpu}]"
+    nan, inf = float("nan"), float("inf")
+    if dtype not in DTYPE_BYTES or not model.gemm.supports(dtype):
+        return Decision(False, single, nan, nan, f"declined: no cost data for dtype {dtype!r}{data_note}")
+    seq = model.seq_ms(collective, m, n, k, dtype, world_size)
+    if world_size == 1:
+        return Decision(False, single, seq, seq, f"declined: world size 1, nothing to communicate{data_note}")
+    if splits is not None and (len(splits) != world_size or sum(splits) != m or min(splits) < 0):
+        return Decision(False, single, inf, seq, f"declined: input_split_sizes {list(splits)} do not split "
+                        f"{m} rows among {world_size} ranks{data_note}")
+    try:
+        chunks = chunks_for(collective, m, world_size, splits)
+    except ValueError as exc:
+        return Decision(False, single, inf, seq, f"declined: {exc}{data_note}")
+
+    tuned = registry.tuned_plan(device_name, model.gemm.sm_count, world_size, collective, dtype, m, n, k)
+    plan, source = _choose_plan(model, tuned, collective, m, n, k, dtype, world_size, chunks, splits, a2a_groups)
+    fused = model.fused(plan, collective, chunks, k, dtype, world_size).total_ms
+    verdict_fused, verdict_seq, what = fused, seq, "predicted"
+    if tuned is not None and plan is tuned.plan and tuned.measured_fused_ms and tuned.measured_seq_ms:
+        verdict_fused, verdict_seq, what = tuned.measured_fused_ms, tuned.measured_seq_ms, "measured"
+    summary = (f"{what} {verdict_fused:.3f} ms fused ({plan.num_groups} group{"s" if plan.num_groups > 1 else ""}, {source}) vs "
+               f"{verdict_seq:.3f} ms sequential ({_ratio(verdict_fused, verdict_seq)}){data_note}")
+    if plan.num_groups < 2:
+        return Decision(False, plan, fused, seq, f"declined: best plan has one group, nothing to overlap; {summary}")
+    if m < min_rows:
+        return Decision(False, plan, fused, seq, f"declined: M={m} rows < min_rows={min_rows}; {summary}")
+    if verdict_fused <= (1.0 - min_gain) * verdict_seq:
+        return Decision(True, plan, fused, seq, summary)
+    return Decision(False, plan, fused, seq, f"declined: gain below min_gain_fraction={min_gain:g}; {summary}")
+
+
+def _choose_plan(model: CostModel, tuned: registry.TunedPlan | None, collective: str, m: int, n: int, k: int,
+                 dtype: str, world_size: int, chunks: list[int], splits: tuple[int, ...] | None,
+                 a2a_groups: int) -> tuple[GroupPlan, str]:
+    """The plan and a short word on where it came from."""
+    tile_m, tile_n = DEFAULT_TILE
+    if tuned is not None:
+        try:
+            model.fused(tuned.plan, collective, chunks, k, dtype, world_size)
+            return tuned.plan, f"tuned, {tuned.source}"
+        except ValueError as exc:
+            registry.warn_once(f"ignoring tuned plan from {tuned.source} for {collective} m={m}: {exc}")
+    if splits is not None:
+        groups = a2a_groups if a2a_groups >= 1 and m % a2a_groups == 0 else 1
+        bounds = tuple(dict.fromkeys(m * g // groups for g in range(groups + 1)))
+        return GroupPlan(m, n, tile_m, tile_n, bounds), f"{groups} equal fractions"
+    result = predictive_search(model, collective, m, n, k, dtype, world_size, chunks, tile_m=tile_m, tile_n=tile_n)
+    return result.plan, "searched"
+
+
+def decide_cache_info() -> functools._CacheInfo:
+    """Hit/miss counters of ``decide``'s memo."""
+    return _decide.cache_info()
+
+
+def clear_caches() -> None:
+    """Forget memoized decisions and loaded data (after changing data files)."""
+    registry.clear_caches((_decide.cache_clear,))

@@ -1,0 +1,125 @@
+"""GEMM wave model: how long a GEMM takes and when each wave group's tiles are in memory.
+
+The output ``[M, N]`` is cut into ``tiles = ceil(M / tile_m) * ceil(N / tile_n)`` tiles, processed in
+row-major tile order (the order of ``plan.py``) by ``sms`` persistent CTAs, one tile per SM per *wave*: tile
+number ``t`` (linear, row-major) completes at the end of wave ``floor(t / sms)``. Times, in ms::
+
+    wave_ms(k)  = 2 * tile_m * tile_n * k / (peak_tflops * 1e9 * dtype_scale / sm_count) / efficiency
+                  + wave_overhead_ms
+    T_gemm      = launch_ms + ceil(tiles / sms) * wave_ms(k)
+
+The small-shape efficiency model is the fixed ``launch_ms`` plus wave quantization (a last, partly filled wave
+costs a full wave). ``peak_tflops``, ``launch_ms`` and ``wave_overhead_ms`` are fitted (``import_anchor``) to
+cuBLAS ``torch.mm`` times on all SMs with the model's reference tile (``tile``); other tiles scale the per-wave
+time by their area. So ``reference_ms`` predicts the *sequential baseline's* GEMM (cuBLAS on all SMs).
+
+The *fused* GEMM runs on ``sm_count - nccl_sms`` SMs (the CTAs it leaves to NCCL) at ``kernel_efficiency`` times
+the fitted rate (1.0 = a kernel as fast as cuBLAS per SM). ``interference`` is the measured extra GEMM time per
+ms of a concurrent all_reduce when the GEMM uses every SM (anchor ``gemm_plus_concurrent_ar_ms``); part of it is
+the SMs NCCL takes, which the fused kernel already leaves free, so the pipeline uses
+``effective_interference = max(0, interference - nccl_sms / (sm_count - nccl_sms))``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from flashoverlap_inductor.plan import tiles_per_group
+
+from .schema import validate_gemm
+
+
+@dataclass(frozen=True)
+class GemmModel:
+    """Wave model of one GPU model's GEMMs (see the module docstring for the formulas and units)."""
+
+    gpu: str
+    sm_count: int
+    tile: tuple[int, int]
+    peak_tflops: float
+    launch_ms: float
+    wave_overhead_ms: float
+    dtype_scale: Mapping[str, float]
+    nccl_sms: int = 16
+    kernel_efficiency: float = 1.0
+    interference: float = 0.0
+    anchor_rows: tuple[Mapping[str, Any], ...] = field(default=(), repr=False)
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.nccl_sms < self.sm_count:
+            raise ValueError(f"GemmModel: nccl_sms={self.nccl_sms} must be in [0, sm_count={self.sm_count})")
+        if self.peak_tflops <= 0 or self.kernel_efficiency <= 0:
+            raise ValueError("GemmModel: peak_tflops and kernel_efficiency must be positive")
+
+    @staticmethod
+    def from_json(doc: dict, where: str = "<gemm json>") -> GemmModel:
+        """Build from a validated ``flashoverlap.gemm/1`` document (raises ConfigError if malformed)."""
+        validate_gemm(doc, where)
+        model, fused = doc["model"], doc["fused"]
+        return GemmModel(
+            gpu=doc["gpu"], sm_count=int(doc["sm_count"]), tile=(int(model["tile"][0]), int(model["tile"][1])),
+            peak_tflops=float(model["peak_tflops"]), launch_ms=float(model["launch_ms"]),
+            wave_overhead_ms=float(model["wave_overhead_ms"]),
+            dtype_scale={k: float(v) for k, v in doc["dtype_scale"].items()},
+            nccl_sms=int(fused["nccl_sms"]), kernel_efficiency=float(fused["kernel_efficiency"]),
+            interference=float(doc["interference"]["gemm_slowdown_per_comm_ms"]),
+            anchor_rows=tuple(doc.get("anchor_rows", ())), source=f"{where}: {doc['source']}")
+
+    def supports(self, dtype: str) -> bool:
+        return dtype in self.dtype_scale
+
+    @property
+    def fused_sms(self) -> int:
+        """SMs the fused GEMM runs on (the rest are left to NCCL)."""
+        return self.sm_count - self.nccl_sms
+
+    @property
+    def effective_interference(self) -> float:
+        """Extra fused-GEMM ms per ms of concurrent NCCL, beyond the SMs already left to NCCL (>= 0)."""
+        return max(0.0, self.interference - self.nccl_sms / (self.sm_count - self.nccl_sms))
+
+    def wave_ms(self, k: int, dtype: str, tile_m: int, tile_n: int, efficiency: float = 1.0) -> float:
+        """Time of one wave (every SM computes one ``tile_m x tile_n`` tile over depth ``k``), in ms."""
+        if dtype not in self.dtype_scale:
+            raise ValueError(f"GemmModel({self.gpu}): no rate for dtype {dtype!r}; known {sorted(self.dtype_scale)}")
+        flop_per_ms_per_sm = self.peak_tflops * 1e9 * self.dtype_scale[dtype] / self.sm_count
+        return 2.0 * tile_m * tile_n * k / flop_per_ms_per_sm / efficiency + self.wave_overhead_ms
+
+    def gemm_ms(self, m: int, n: int, k: int, dtype: str, tile_m: int, tile_n: int, sms: int,
+                efficiency: float = 1.0) -> float:
+        """Whole-GEMM time on ``sms`` SMs with the given tile, in ms."""
+        tiles = math.ceil(m / tile_m) * math.ceil(n / tile_n)
+        return self.launch_ms + math.ceil(tiles / sms) * self.wave_ms(k, dtype, tile_m, tile_n, efficiency)
+
+    def reference_ms(self, m: int, n: int, k: int, dtype: str) -> float:
+        """The sequential baseline's GEMM (cuBLAS on all SMs, as fitted), in ms."""
+        return self.gemm_ms(m, n, k, dtype, self.tile[0], self.tile[1], self.sm_count)
+
+    def fused_ms(self, m: int, n: int, k: int, dtype: str, tile_m: int, tile_n: int) -> float:
+        """The fused kernel's GEMM alone (``fused_sms`` SMs, ``kernel_efficiency``), in ms."""
+        return self.gemm_ms(m, n, k, dtype, tile_m, tile_n, self.fused_sms, self.kernel_efficiency)
+
+    def group_completion_ms(self, group_bounds: Sequence[int], n: int, k: int, dtype: str, tile_m: int,
+                            tile_n: int, sms: int | None = None, efficiency: float | None = None) -> list[float]:
+        """When every tile of each group is in memory, in ms from the GEMM's launch (no NCCL interference).
+
+        ``group_bounds`` are buffer-row bounds (``BufferLayout.group_bounds``); the tile -> group mapping is
+        ``plan.tiles_per_group``. Groups are contiguous in row-major tile order, so group g's last tile is
+        linear tile ``P_{g+1} - 1`` (``P`` = prefix sums of tiles per group), done at the end of wave
+        ``floor((P_{g+1} - 1) / sms)``. A group that owns no tile is ready with the group before it.
+        Defaults: the fused kernel's SMs and efficiency. The last value is the whole GEMM's time.
+        """
+        sms = self.fused_sms if sms is None else sms
+        efficiency = self.kernel_efficiency if efficiency is None else efficiency
+        wave = self.wave_ms(k, dtype, tile_m, tile_n, efficiency)
+        out, done, ready = [], 0, self.launch_ms
+        for count in tiles_per_group(group_bounds, tile_m, tile_n, n):
+            done += count
+            if count:
+                ready = self.launch_ms + math.ceil(done / sms) * wave
+            out.append(ready)
+        return out

@@ -1,0 +1,117 @@
+"""FlashOverlap's two-stage pipeline recurrence, with our corrections, and the sequential baseline.
+
+For groups ``g = 0..G-1`` of one fused GEMM + collective (all times in ms from the GEMM's launch):
+
+* ``D_g``: when group g's tiles are done if the GEMM ran alone (``GemmModel.group_completion_ms``);
+  ``W_g = D_g - D_{g-1}`` (``D_{-1} = 0``) is the GEMM work between two group completions.
+* ``T_g = curve(bytes_g) + call_overhead_ms``: group g's collective. The curve's latency floor makes every call
+  cost at least the smallest measured call (per-call launch/latency cost); ``call_overhead_ms`` (default 0) is
+  any extra per-group cost the curve does not contain.
+* Recurrence (FlashOverlap, ``tune/search.py::predict_lat``)::
+
+      E_comp_g = E_comp_{g-1} + W_g                       (no interference)
+      E_comm_g = max(E_comp_g, E_comm_{g-1}) + T_g,       E_comp_{-1} = E_comm_{-1} = 0
+      T_fused  = E_comm_{G-1}
+
+* Interference: while a collective runs, the GEMM progresses ``1 + a`` times slower
+  (``a = GemmModel.effective_interference``). After group g's compute ends, the comm stream is busy exactly on
+  ``[E_comp_g, E_comm_g]`` (comm g starts no earlier than E_comp_g and the ones before it run back to back or
+  have ended), so the state ``(E_comp, E_comm)`` suffices::
+
+      overlap   = max(0, E_comm_{g-1} - E_comp_{g-1})
+      E_comp_g  = E_comp_{g-1} + W_g (1 + a)                   if W_g (1 + a) <= overlap
+                = E_comp_{g-1} + overlap + W_g - overlap/(1+a)  otherwise
+
+  With ``a = 0`` this is FlashOverlap's recurrence. NCCL itself is taken as unslowed.
+
+* Sequential baseline: ``T_seq = T_gemm (cuBLAS, all SMs) + T_comm(all bytes)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from flashoverlap_inductor.plan import GroupPlan, buffer_layout
+
+from .bandwidth import BandwidthCurve
+from .gemm import GemmModel
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of ``dtype`` (torch name without prefix)."""
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; known {sorted(DTYPE_BYTES)}") from None
+
+
+def advance_compute(e_comp: float, e_comm: float, work_ms: float, slowdown: float) -> float:
+    """When ``work_ms`` of GEMM work (at full speed) started at ``e_comp`` ends, if the comm stream is busy until
+    ``e_comm`` and slows the GEMM by ``1 + slowdown`` meanwhile (ms)."""
+    overlap = max(0.0, e_comm - e_comp)
+    slow = work_ms * (1.0 + slowdown)
+    if slow <= overlap:
+        return e_comp + slow
+    return e_comp + overlap + work_ms - overlap / (1.0 + slowdown)
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    """Per-group compute and communication end times of one fused call, in ms from the GEMM's launch."""
+
+    compute_end_ms: tuple[float, ...]
+    comm_end_ms: tuple[float, ...]
+
+    @property
+    def total_ms(self) -> float:
+        return self.comm_end_ms[-1]
+
+
+def pipeline(done_ms: Sequence[float], comm_ms: Sequence[float], slowdown: float = 0.0) -> PipelineResult:
+    """The recurrence above: ``done_ms[g]`` = ``D_g`` (non-decreasing), ``comm_ms[g]`` = ``T_g``."""
+    if len(done_ms) != len(comm_ms) or not done_ms:
+        raise ValueError("pipeline: need one completion time and one comm time per group (>= 1 group)")
+    e_comp = e_comm = prev_done = 0.0
+    comps, comms = [], []
+    for done, t_comm in zip(done_ms, comm_ms):
+        e_comp = advance_compute(e_comp, e_comm, done - prev_done, slowdown)
+        e_comm = max(e_comp, e_comm) + t_comm
+        prev_done = done
+        comps.append(e_comp)
+        comms.append(e_comm)
+    return PipelineResult(tuple(comps), tuple(comms))
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Bandwidth curve + GEMM model of one GPU model: predicts fused and sequential times (ms)."""
+
+    curve: BandwidthCurve
+    gemm: GemmModel
+    call_overhead_ms: float = 0.0
+
+    def group_comm_ms(self, collective: str, world_size: int, rows: int, n: int, dtype: str) -> float:
+        """One group's collective on ``rows x n`` elements, plus the per-call overhead, in ms."""
+        if rows <= 0:
+            return 0.0
+        nbytes = rows * n * dtype_bytes(dtype)
+        return self.curve.comm_ms(collective, world_size, nbytes) + self.call_overhead_ms
+
+    def seq_ms(self, collective: str, m: int, n: int, k: int, dtype: str, world_size: int) -> float:
+        """Sequential baseline: cuBLAS GEMM on all SMs, then one collective on the whole output, in ms."""
+        comm = self.curve.comm_ms(collective, world_size, m * n * dtype_bytes(dtype))
+        return self.gemm.reference_ms(m, n, k, dtype) + comm
+
+    def fused(self, plan: GroupPlan, collective: str, chunks: Sequence[int], k: int, dtype: str,
+              world_size: int) -> PipelineResult:
+        """The reference evaluation of ``plan``: its buffer layout (``plan.buffer_layout``), the GEMM's group
+        completion times, each group's collective, and the recurrence."""
+        layout = buffer_layout(plan, chunks)
+        bounds = layout.group_bounds
+        done = self.gemm.group_completion_ms(bounds, plan.n, k, dtype, plan.tile_m, plan.tile_n)
+        comm = [self.group_comm_ms(collective, world_size, hi - lo, plan.n, dtype)
+                for lo, hi in zip(bounds, bounds[1:])]
+        return pipeline(done, comm, self.gemm.effective_interference)

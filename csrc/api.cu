@@ -1,0 +1,172 @@
+// C ABI of libflashoverlap_sm90.so: configuration registry, GEMM dispatch, bounded wait kernel, stream wait.
+#include <cuda.h>  // CUstream / CUdeviceptr types and CU_STREAM_WAIT_VALUE_GEQ only; the driver is reached at run time
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "flashoverlap_sm90.h"
+#include "registry.hpp"
+
+namespace flashoverlap {
+
+namespace {
+std::vector<GemmConfig>& registry() {
+  static std::vector<GemmConfig> configs;
+  return configs;
+}
+thread_local std::string last_error;
+
+int fail(int code, std::string msg) {
+  last_error = std::move(msg);
+  return code;
+}
+int fail_cuda(char const* what, cudaError_t e) {
+  return fail(100 + int(e), std::string(what) + ": " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
+}
+}  // namespace
+
+void register_config(GemmConfig const& cfg) { registry().push_back(cfg); }
+int num_configs() { return int(registry().size()); }
+GemmConfig const* config_at(int i) { return (i >= 0 && i < num_configs()) ? &registry()[i] : nullptr; }
+
+__device__ __forceinline__ unsigned long long global_timer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ int load_acquire_gpu(int const* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__global__ void wait_counter_kernel(int const* counter, int* expected, int increment, long long timeout_ns,
+                                    int* error_record, int tag) {
+  int const target = int(unsigned((expected != nullptr) ? *expected : 0) + unsigned(increment));
+  unsigned long long const t0 = global_timer_ns();
+  unsigned sleep_ns = 32;
+  int v = load_acquire_gpu(counter);
+  while (int(unsigned(v) - unsigned(target)) < 0) {
+    if ((long long)(global_timer_ns() - t0) > timeout_ns) {
+      if (error_record != nullptr && atomicCAS(error_record, 0, 1) == 0) {
+        error_record[1] = tag;
+        error_record[2] = v;
+        error_record[3] = target;
+        __threadfence_system();
+      }
+      break;
+    }
+    __nanosleep(sleep_ns);
+    sleep_ns = sleep_ns < 256 ? sleep_ns * 2 : 256;
+    v = load_acquire_gpu(counter);
+  }
+  if (expected != nullptr) *expected = target;  // the epoch advances even on timeout: the GEMM still adds later
+}
+
+__global__ void delayed_add_kernel(int* counter, int value, long long delay_ns, long long* stamp) {
+  unsigned long long const t0 = global_timer_ns();
+  while ((long long)(global_timer_ns() - t0) < delay_ns) {
+  }
+  *stamp = (long long)global_timer_ns();
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(counter), "r"(value) : "memory");
+}
+
+__global__ void stamp_kernel(long long* stamp) { *stamp = (long long)global_timer_ns(); }
+
+}  // namespace flashoverlap
+
+using namespace flashoverlap;
+
+extern "C" {
+
+FO_API int fo_abi_version(void) { return 1; }
+
+FO_API const char* fo_last_error(void) { return last_error.c_str(); }
+
+FO_API int fo_num_configs(void) { return num_configs(); }
+
+FO_API int fo_config_info(int index, char* name, int name_len, int* ints) {
+  GemmConfig const* c = config_at(index);
+  if (c == nullptr) return fail(1, "fo_config_info: no configuration " + std::to_string(index));
+  if (name != nullptr && name_len > 0) std::snprintf(name, size_t(name_len), "%s", c->name);
+  if (ints != nullptr) {
+    int const v[12] = {c->tile_m, c->tile_n, c->tile_k, c->cluster_m, c->cluster_n, c->schedule,
+                       c->stages, c->epi_m,  c->epi_n,  c->dtype,     c->b_layout,  0};
+    for (int i = 0; i < 12; ++i) ints[i] = v[i];
+  }
+  return 0;
+}
+
+FO_API int fo_gemm_workspace_size(int config, int m, int n, int k, int sm_count, int raster, int swizzle,
+                                  size_t* bytes) {
+  GemmConfig const* c = config_at(config);
+  if (c == nullptr) return fail(1, "fo_gemm_workspace_size: no configuration " + std::to_string(config));
+  GemmCall call{};
+  call.m = m, call.n = n, call.k = k, call.lda = k, call.ldb = c->b_layout == kBNK ? k : n, call.ldd = n;
+  call.sm_count = sm_count, call.raster = raster, call.swizzle = swizzle;
+  *bytes = c->workspace_size(call);
+  return 0;
+}
+
+FO_API int fo_gemm(int config, const void* a, int64_t lda, const void* b, int64_t ldb, const void* bias, void* d,
+                   int64_t ldd, int m, int n, int k, int* counters, const int* group_of_tile_row, int signal_mode,
+                   int sm_count, int raster, int swizzle, void* workspace, size_t workspace_bytes, void* stream) {
+  GemmConfig const* c = config_at(config);
+  if (c == nullptr) return fail(1, "fo_gemm: no configuration " + std::to_string(config));
+  if (m <= 0 || n <= 0 || k <= 0) return fail(2, "fo_gemm: sizes must be positive");
+  if (signal_mode != 0 && signal_mode != 1) return fail(2, "fo_gemm: signal_mode must be 0 or 1");
+  if (swizzle != 1 && swizzle != 2 && swizzle != 4 && swizzle != 8) return fail(2, "fo_gemm: swizzle must be 1/2/4/8");
+  if (raster < 0 || raster > 2) return fail(2, "fo_gemm: raster must be 0, 1 or 2");
+  GemmCall call{a,        lda,        b,        ldb,   bias,    d,         ldd,           m,
+                n,        k,          counters, group_of_tile_row, signal_mode, sm_count, raster, swizzle,
+                workspace, workspace_bytes, static_cast<cudaStream_t>(stream)};
+  std::string err;
+  int rc = c->run(call, err);
+  if (rc != 0) return fail(rc, err);
+  return 0;
+}
+
+FO_API int fo_wait_counter(const int* counter, int* expected, int increment, int64_t timeout_ns, int* error_record,
+                           int tag, void* stream) {
+  if (counter == nullptr) return fail(2, "fo_wait_counter: counter is null");
+  wait_counter_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(counter, expected, increment,
+                                                                      (long long)timeout_ns, error_record, tag);
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? 0 : fail_cuda("fo_wait_counter launch", e);
+}
+
+FO_API int fo_stream_wait_value(void* stream, int* counter, int target) {
+  using Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+  static Fn fn = nullptr;
+  if (fn == nullptr) {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    cudaError_t e = cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &p, 12000, cudaEnableDefault, &q);
+    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || p == nullptr) {
+      return fail(7, "fo_stream_wait_value: cuStreamWaitValue32 is not available from the driver");
+    }
+    fn = reinterpret_cast<Fn>(p);
+  }
+  CUresult r = fn(static_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(counter), cuuint32_t(target),
+                  CU_STREAM_WAIT_VALUE_GEQ);
+  if (r != CUDA_SUCCESS) return fail(200 + int(r), "cuStreamWaitValue32 failed with CUresult " + std::to_string(int(r)));
+  return 0;
+}
+
+FO_API int fo_test_delayed_add(int* counter, int value, int64_t delay_ns, int64_t* stamp, void* stream) {
+  delayed_add_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(counter, value, (long long)delay_ns,
+                                                                     reinterpret_cast<long long*>(stamp));
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? 0 : fail_cuda("fo_test_delayed_add launch", e);
+}
+
+FO_API int fo_test_stamp(int64_t* stamp, void* stream) {
+  stamp_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(reinterpret_cast<long long*>(stamp));
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? 0 : fail_cuda("fo_test_stamp launch", e);
+}
+
+}  // extern "C"

@@ -1,0 +1,64 @@
+/* C ABI of libflashoverlap_sm90.so (the only exported symbols). Raw device pointers, cudaStream_t as void*.
+ *
+ * Every function returns 0 on success or a nonzero error code; fo_last_error() then returns a message (per
+ * thread, valid until the next failing call on that thread).
+ *
+ * Units: sizes and strides in elements; times in nanoseconds; counters are int32 and compared cyclically
+ * ((int)(value - target) >= 0), so they never need resetting.
+ */
+#ifndef FLASHOVERLAP_SM90_H
+#define FLASHOVERLAP_SM90_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FO_API __attribute__((visibility("default")))
+
+/* ABI version; bumped on any change of the functions below. */
+FO_API int fo_abi_version(void);
+FO_API const char* fo_last_error(void);
+
+/* Compiled GEMM configurations. fo_config_info fills: name (the configuration without dtype/layout, e.g.
+ * "coop_128x256x64_c2x1"), and ints[12] = {tile_m, tile_n, tile_k, cluster_m, cluster_n, schedule (0 coop,
+ * 1 pingpong), stages (0 auto), epi_m, epi_n (0 auto), dtype (0 bf16, 1 fp16), b_layout (0 [N,K], 1 [K,N]), 0}. */
+FO_API int fo_num_configs(void);
+FO_API int fo_config_info(int index, char* name, int name_len, int* ints);
+
+/* D[M,N] = A[M,K] @ B (+ bias[N]), fp32 accumulation, D in the input dtype.
+ * A row-major with row stride lda; B per the configuration's layout with stride ldb; D row-major, row stride ldd.
+ * counters: nullptr = no signals; else counters[group_of_tile_row[t]] (or counters[t] when the map is nullptr)
+ * gets +1 per finished tile of tile-row t, after the tile's stores are complete and visible at GPU scope.
+ * signal_mode: 0 immediate (wait for the stores at the end of each tile), 1 deferred (signal at the next
+ * tile's epilogue, flush at kernel end). sm_count: SMs the GEMM may use (0 = all). raster: 0 heuristic,
+ * 1 along M, 2 along N (row-major tile order). swizzle: 1/2/4/8 tile-rows (or columns) per band. */
+FO_API int fo_gemm_workspace_size(int config, int m, int n, int k, int sm_count, int raster, int swizzle,
+                                  size_t* bytes);
+FO_API int fo_gemm(int config, const void* a, int64_t lda, const void* b, int64_t ldb, const void* bias, void* d,
+                   int64_t ldd, int m, int n, int k, int* counters, const int* group_of_tile_row, int signal_mode,
+                   int sm_count, int raster, int swizzle, void* workspace, size_t workspace_bytes, void* stream);
+
+/* Bounded wait (one thread on `stream`): polls *counter with ld.acquire.gpu and __nanosleep backoff until
+ * (int)(*counter - target) >= 0, where target = (expected ? *expected : 0) + increment. With `expected` (device
+ * int, graph-replay safe) the kernel stores the new target back, so each call waits for one more epoch.
+ * On timeout it records {1, tag, seen value, target} into error_record[0..3] (device-visible memory, e.g.
+ * pinned host memory; only the first error is kept) and exits. */
+FO_API int fo_wait_counter(const int* counter, int* expected, int increment, int64_t timeout_ns, int* error_record,
+                           int tag, void* stream);
+
+/* cuStreamWaitValue32(stream, counter, target, GEQ): waits without a kernel; NOT bounded (no timeout). */
+FO_API int fo_stream_wait_value(void* stream, int* counter, int target);
+
+/* Test helpers: a one-thread kernel that spins delay_ns, writes %globaltimer to *stamp, then release-adds
+ * `value` to *counter; and one that writes %globaltimer to *stamp. */
+FO_API int fo_test_delayed_add(int* counter, int value, int64_t delay_ns, int64_t* stamp, void* stream);
+FO_API int fo_test_stamp(int64_t* stamp, void* stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* FLASHOVERLAP_SM90_H */

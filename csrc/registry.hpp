@@ -1,0 +1,56 @@
+// Internal registry of the compiled GEMM configurations (one translation unit per configuration registers
+// itself at load time). Not part of the C ABI: see flashoverlap_sm90.h for that.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime.h>
+
+namespace flashoverlap {
+
+enum DType : int { kBF16 = 0, kFP16 = 1 };
+enum BLayout : int { kBNK = 0, kBKN = 1 };  // B given as [N,K] (K contiguous, a Linear weight) or [K,N]
+enum Schedule : int { kCooperative = 0, kPingpong = 1 };
+
+// One GEMM call: D[M,N] = A[M,K] @ B (+ bias[N]); row strides in elements; A and D row-major.
+struct GemmCall {
+  void const* a;
+  int64_t lda;
+  void const* b;
+  int64_t ldb;  // [N,K] layout: stride between rows of N; [K,N] layout: stride between rows of K
+  void const* bias;
+  void* d;
+  int64_t ldd;
+  int m, n, k;
+  int* counters;
+  int const* group_of_tile_row;
+  int signal_mode;
+  int sm_count;  // 0: all SMs
+  int raster;    // 0 heuristic, 1 along M, 2 along N
+  int swizzle;   // 1, 2, 4, 8
+  void* workspace;
+  size_t workspace_bytes;
+  cudaStream_t stream;
+};
+
+struct GemmConfig {
+  char const* name;  // "<schedule>_<tm>x<tn>x<tk>_c<cm>x<cn>[...]": the configuration, without dtype/layout
+  int tile_m, tile_n, tile_k;
+  int cluster_m, cluster_n;
+  int schedule;
+  int stages;  // 0 = auto
+  int epi_m, epi_n;  // 0 = auto
+  int dtype;
+  int b_layout;
+  size_t (*workspace_size)(GemmCall const&);
+  // Returns 0 or writes a message to err and returns a nonzero code.
+  int (*run)(GemmCall const&, std::string& err);
+};
+
+void register_config(GemmConfig const& cfg);
+int num_configs();
+GemmConfig const* config_at(int index);
+
+}  // namespace flashoverlap

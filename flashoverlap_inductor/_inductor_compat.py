@@ -1,0 +1,140 @@
+"""The one place that touches Inductor, Dynamo and other torch internals (torch 2.11 and 2.13).
+
+Everything version-dependent lives here, so a torch upgrade is a one-file review:
+
+* ``compile_fx`` and the ``post_grad_custom_pre_pass`` hook: 2.11 accepts ONE callable only, 2.13 also a
+  list/tuple. We always install one ``CustomGraphPass`` object (see ``chain_passes`` for user passes).
+* ``CustomGraphPass`` / ``get_hash_for_files`` (FX-graph-cache key of a pass): same API in both.
+* ``_resolve_process_group`` (group name -> ProcessGroup), fake-mode detection, symbolic-shape queries.
+* The ``_c10d_functional`` op overloads the pass matches (same names and schemas in both).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+__all__ = [
+    "CustomGraphPass",
+    "compile_fx",
+    "inductor_config",
+    "get_hash_for_files",
+    "hash_files",
+    "list_mode_options",
+    "detect_fake_mode",
+    "fake_mode_for",
+    "group_size",
+    "statically_known_true",
+    "is_static_int",
+    "chain_passes",
+    "PRE_PASS_KEY",
+    "c10d",
+]
+
+# Name of the Inductor config entry our pass is installed in (runs on forward AND backward post-grad graphs).
+PRE_PASS_KEY = "post_grad_custom_pre_pass"
+
+c10d = torch.ops._c10d_functional
+
+
+def compile_fx(gm: torch.fx.GraphModule, example_inputs: list[Any], config_patches: dict[str, Any]) -> Any:
+    """Inductor's ``compile_fx``. ``config_patches`` (not ``with config.patch()``) also covers the backward
+    graph, which AOTAutograd compiles lazily after this call has returned."""
+    from torch._inductor.compile_fx import compile_fx as _compile_fx
+
+    return _compile_fx(gm, example_inputs, config_patches=config_patches)
+
+
+def inductor_config() -> Any:
+    """The ``torch._inductor.config`` module."""
+    from torch._inductor import config
+
+    return config
+
+
+def list_mode_options(mode: str, dynamic: bool | None = None) -> dict[str, Any]:
+    """Inductor config patches of a ``torch.compile(mode=...)`` (the same ones ``backend="inductor"`` uses)."""
+    from torch._inductor import list_mode_options as _list_mode_options
+
+    return dict(_list_mode_options(mode, dynamic))
+
+
+def hash_files(paths: Iterable[str], extra: str = "") -> str:
+    """Hex digest of the contents of ``paths`` (sorted, de-duplicated) plus ``extra``."""
+    digest = hashlib.sha256(get_hash_for_files(tuple(sorted(set(paths)))))
+    digest.update(extra.encode())
+    return digest.hexdigest()
+
+
+def detect_fake_mode(values: Any) -> Any:
+    """The FakeTensorMode of the FakeTensors in ``values`` (``meta["val"]`` of post-grad nodes), or None."""
+    from torch._guards import detect_fake_mode as _detect
+
+    return _detect(values)
+
+
+def fake_mode_for(values: Any) -> Any:
+    """The fake mode of ``values``, or a fresh one that accepts real tensors (graphs traced with real values)."""
+    mode = detect_fake_mode(values)
+    if mode is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+    return mode
+
+
+def group_size(group_name: str) -> int | None:
+    """Size of the process group registered under ``group_name`` (as in ``_c10d_functional`` args), or None."""
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return int(_resolve_process_group(group_name).size())
+    except Exception:  # unknown name, no default group, distributed not built
+        return None
+
+
+def statically_known_true(expr: Any) -> bool:
+    """True iff ``expr`` (bool or SymBool) is provably true without adding a guard."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true as _skt
+
+    return bool(_skt(expr))
+
+
+def is_static_int(x: Any) -> bool:
+    """True for Python ints and SymInts whose value is a constant (no free symbols)."""
+    if isinstance(x, int):
+        return True
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    return isinstance(x, torch.SymInt) and is_concrete_int(x)
+
+
+class _ChainedPass(CustomGraphPass):
+    """Runs several post-grad passes in order inside the one hook slot that torch 2.11 offers."""
+
+    def __init__(self, passes: list[Callable[[torch.fx.Graph], None]]) -> None:
+        self.passes = passes
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for p in self.passes:
+            p(graph)
+
+    def uuid(self) -> Any:
+        ids = []
+        for p in self.passes:
+            if not isinstance(p, CustomGraphPass) or not p.uuid():
+                return None  # a plain callable: Inductor cannot key the cache on it -> bypass the FX cache
+            ids.append(str(p.uuid()))
+        return hashlib.sha256("|".join(ids).encode()).hexdigest()
+
+
+def chain_passes(ours: CustomGraphPass, existing: Any) -> CustomGraphPass:
+    """``ours`` first, then any pass the user already configured (a callable, or on 2.13 a list/tuple)."""
+    if not existing:
+        return ours
+    extra = list(existing) if isinstance(existing, (list, tuple)) else [existing]
+    return _ChainedPass([ours, *extra])

@@ -1,0 +1,59 @@
+"""The ``flashoverlap`` torch.compile backend: Inductor plus the FlashOverlap FX pass.
+
+``torch.compile(model, backend="flashoverlap")`` finds ``flashoverlap_backend`` through the
+``torch_dynamo_backends`` entry point in setup.py; this module must never also call ``register_backend`` with
+that name (Dynamo would raise "duplicate name" when it loads the entry point).
+
+Options: ``torch.compile(m, backend="flashoverlap", options={"flashoverlap.fuse": "always", ...})``. Keys with
+the ``flashoverlap.`` prefix are our settings (``config.py``); they, the module config and ``FLASHOVERLAP_FUSE``
+are resolved ONCE here into the pass object, which also serves the backward graph that AOTAutograd compiles
+later (after this call returned). Every other key is an Inductor config patch, exactly as with
+``backend="inductor"``; ``mode=`` works as there too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import _inductor_compat as compat
+from . import config
+
+
+def make_pass(settings: dict[str, Any] | None = None) -> Any:
+    """The pass object for the current settings (``config.snapshot()`` updated with ``settings``)."""
+    from .passes import FlashOverlapPass  # imports .ops, which registers torch.ops.flashoverlap.*
+
+    return FlashOverlapPass(settings)
+
+
+def inductor_patches(mode: str | None = None, options: dict[str, Any] | None = None) -> tuple[dict, dict]:
+    """Split ``torch.compile``'s ``mode``/``options`` into (our settings, Inductor config patches)."""
+    if mode is not None and options:
+        raise RuntimeError("flashoverlap: either mode or options can be given, not both (as with torch.compile)")
+    ours, rest = config.split_options(options)
+    ours = {k: tuple(v) if isinstance(v, list) else v for k, v in ours.items()}
+    patches: dict[str, Any] = {}
+    if mode and mode != "default":
+        patches.update(compat.list_mode_options(mode))
+    patches.update(rest)
+    return ours, patches
+
+
+def flashoverlap_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *, mode: str | None = None,
+                         options: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+    """Compile ``gm`` with Inductor, with ``FlashOverlapPass`` as ``post_grad_custom_pre_pass``.
+
+    Our settings are applied for this compilation only (module config and env var are left as they were); a
+    ``post_grad_custom_pre_pass`` the user configured (option or global config) runs after ours.
+    """
+    if kwargs:
+        raise TypeError(f"flashoverlap_backend: unexpected arguments {sorted(kwargs)}")
+    ours, patches = inductor_patches(mode, options)
+    with config.patch(**ours):
+        settings = config.snapshot()
+    fo_pass = make_pass(settings)
+    existing = patches.get(compat.PRE_PASS_KEY, getattr(compat.inductor_config(), compat.PRE_PASS_KEY, None))
+    patches[compat.PRE_PASS_KEY] = compat.chain_passes(fo_pass, existing)
+    return compat.compile_fx(gm, example_inputs, config_patches=patches)

@@ -1,0 +1,272 @@
+"""Build ``build/libflashoverlap_sm90.so``: the sm90 signal-GEMM configurations, the wait kernel and the C ABI.
+
+Usage::
+
+    python -m flashoverlap_inductor.build [--require] [-j N] [--configs GLOB ...] [--variants all|bf16_nk]
+                                          [--copy-cutlass DIR] [--list]
+
+It finds nvcc (``$NVCC``, ``PATH``, ``$CUDA_HOME/bin``, ``/usr/local/cuda/bin``, the pip ``nvidia/cu13/bin``) and
+the CUTLASS headers (``$CUTLASS_DIR``, ``build/cutlass`` -- a copy made by ``--copy-cutlass`` that travels to a
+GPU machine --, then the ``nvidia-cutlass`` wheel's ``cutlass_library/source``). Without nvcc it prints a message
+and exits 0 (1 with ``--require``). Every (configuration, dtype, B layout) is one translation unit of
+``csrc/gemm_sm90.cu``; units compile in parallel and are rebuilt only when their command or a ``csrc`` file
+changed. The library links cudart statically and exports only the ``fo_*`` C functions, so it loads under any
+Python (ctypes) next to any torch.
+
+``CONFIGS`` below is the one list of kernel configurations; the library reports them at run time
+(``flashoverlap_inductor.kernels.configs()``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CSRC = ROOT / "csrc"
+BUILD = ROOT / "build"
+LIB_NAME = "libflashoverlap_sm90.so"
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One CUTLASS sm90 configuration. ``schedule``: "coop" (two consumer warpgroups share a tile) or "pp"
+    (ping-pong: each consumer warpgroup owns a tile). ``stages`` 0 = as many as fit; ``epi`` (0, 0) = CUTLASS's
+    epilogue subtile. ``variants``: "all" = bf16/fp16 x B [N,K]/[K,N]; "bf16_nk" = tuning candidate only."""
+
+    schedule: str
+    tile: tuple[int, int, int]
+    cluster: tuple[int, int]
+    stages: int = 0
+    epi: tuple[int, int] = (0, 0)
+    variants: str = "all"
+
+    @property
+    def name(self) -> str:
+        s = f"{self.schedule}_{self.tile[0]}x{self.tile[1]}x{self.tile[2]}_c{self.cluster[0]}x{self.cluster[1]}"
+        if self.stages:
+            s += f"_s{self.stages}"
+        if self.epi != (0, 0):
+            s += f"_e{self.epi[0]}x{self.epi[1]}"
+        return s
+
+
+CONFIGS: tuple[KernelConfig, ...] = (
+    KernelConfig("coop", (128, 128, 64), (1, 1)),
+    KernelConfig("coop", (128, 128, 64), (2, 1), variants="bf16_nk"),
+    KernelConfig("coop", (128, 256, 64), (1, 1), variants="bf16_nk"),
+    KernelConfig("coop", (128, 256, 64), (2, 1)),
+    KernelConfig("coop", (128, 256, 64), (1, 2), variants="bf16_nk"),
+    KernelConfig("coop", (128, 256, 64), (2, 1), epi=(128, 64), variants="bf16_nk"),
+    KernelConfig("coop", (256, 128, 64), (1, 1), variants="bf16_nk"),
+    KernelConfig("coop", (256, 128, 64), (2, 1)),
+    KernelConfig("coop", (256, 128, 64), (2, 1), epi=(128, 64), variants="bf16_nk"),
+    KernelConfig("pp", (128, 128, 64), (1, 1), variants="bf16_nk"),
+    KernelConfig("pp", (128, 128, 64), (2, 1)),
+    KernelConfig("pp", (128, 128, 64), (1, 2), variants="bf16_nk"),
+    KernelConfig("pp", (64, 256, 64), (1, 1), variants="bf16_nk"),
+    KernelConfig("pp", (64, 256, 64), (2, 1), variants="bf16_nk"),
+)
+
+DTYPES = {"bf16": 0, "fp16": 1}
+B_LAYOUTS = {"nk": 0, "kn": 1}
+SCHEDULES = {"coop": 0, "pp": 1}
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One translation unit: a configuration in one dtype and B layout."""
+
+    config: KernelConfig
+    dtype: str
+    b_layout: str
+
+    @property
+    def stem(self) -> str:
+        return f"gemm_{self.config.name}_{self.dtype}_{self.b_layout}"
+
+    def defines(self) -> list[str]:
+        c = self.config
+        d = {
+            "FO_NAME": f'"{c.name}"',
+            "FO_SCHED": SCHEDULES[c.schedule],
+            "FO_TM": c.tile[0],
+            "FO_TN": c.tile[1],
+            "FO_TK": c.tile[2],
+            "FO_CM": c.cluster[0],
+            "FO_CN": c.cluster[1],
+            "FO_STAGES": c.stages,
+            "FO_EPI_M": c.epi[0],
+            "FO_EPI_N": c.epi[1],
+            "FO_DTYPE": DTYPES[self.dtype],
+            "FO_BLAYOUT": B_LAYOUTS[self.b_layout],
+        }
+        return [f"-D{k}={v}" for k, v in d.items()]
+
+
+def units(patterns: list[str] | None = None, variants: str = "all") -> list[Unit]:
+    """Translation units for configurations matching ``patterns`` (fnmatch globs on the name; None = all).
+    ``variants="bf16_nk"`` builds only bf16 with B [N,K] (the tuning grid)."""
+    out = []
+    for c in CONFIGS:
+        if patterns and not any(fnmatch.fnmatch(c.name, p) for p in patterns):
+            continue
+        full = c.variants == "all" and variants == "all"
+        for dt in DTYPES if full else ("bf16",):
+            for bl in B_LAYOUTS if full else ("nk",):
+                out.append(Unit(c, dt, bl))
+    return out
+
+
+def find_nvcc() -> str | None:
+    cands = [os.environ.get("NVCC"), shutil.which("nvcc")]
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home:
+            cands.append(os.path.join(home, "bin", "nvcc"))
+    spec = importlib.util.find_spec("nvidia")
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            cands.append(os.path.join(loc, "cu13", "bin", "nvcc"))
+    for c in cands:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+def find_cutlass() -> Path | None:
+    """A folder holding ``include/cutlass`` and ``tools/util/include``."""
+    cands = [os.environ.get("CUTLASS_DIR"), str(BUILD / "cutlass")]
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is not None and spec.origin:
+        cands.append(os.path.join(os.path.dirname(spec.origin), "source"))
+    for c in cands:
+        if c and (Path(c) / "include" / "cutlass" / "cutlass.h").is_file():
+            return Path(c)
+    return None
+
+
+def copy_cutlass(src: Path, dst: Path) -> None:
+    """Copy only the headers the build needs (about 28 MB), e.g. to carry them to a GPU machine."""
+    for sub in ("include", "tools/util/include"):
+        shutil.copytree(src / sub, dst / sub, dirs_exist_ok=True)
+
+
+def _cuda_lib_dirs(nvcc: str) -> list[str]:
+    home = Path(nvcc).resolve().parent.parent
+    return [str(p) for p in (home / "lib64", home / "lib") if p.is_dir()]
+
+
+def _sources_digest() -> str:
+    h = hashlib.sha256()
+    for p in sorted(CSRC.glob("*")):
+        if p.suffix in (".cu", ".hpp", ".h"):
+            h.update(p.name.encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _compile(cmd: list[str], obj: Path, digest: str) -> tuple[Path, bool, str]:
+    """Compile unless ``obj`` was built by the same command from the same sources."""
+    stamp = obj.with_suffix(".cmd")
+    key = " ".join(cmd) + "\n" + digest
+    if obj.is_file() and stamp.is_file() and stamp.read_text() == key:
+        return obj, False, ""
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        return obj, True, f"$ {' '.join(cmd)}\n{r.stdout}{r.stderr}"
+    stamp.write_text(key)
+    return obj, True, ""
+
+
+def build(patterns: list[str] | None = None, variants: str = "all", jobs: int | None = None,
+          require: bool = False, out_dir: Path = BUILD, verbose: bool = True) -> Path | None:
+    """Build the library; returns its path, or None when nvcc is missing (raises with ``require``)."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        msg = "nvcc not found: skipping the CUDA library build (set NVCC or CUDA_HOME to enable it)"
+        if require:
+            raise RuntimeError(msg)
+        print(msg)
+        return None
+    cutlass = find_cutlass()
+    if cutlass is None:
+        raise RuntimeError("CUTLASS headers not found: pip install nvidia-cutlass==4.2.0.0 (no deps needed), "
+                           "or set CUTLASS_DIR to a folder with include/cutlass and tools/util/include")
+    todo = units(patterns, variants)
+    if not todo:
+        raise RuntimeError(f"no configuration matches {patterns}")
+    obj_dir = out_dir / "obj"
+    obj_dir.mkdir(parents=True, exist_ok=True)
+    common = [nvcc, "-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr",
+              "-gencode=arch=compute_90a,code=sm_90a", "-Xcompiler", "-fPIC,-fvisibility=hidden",
+              f"-I{CSRC}", f"-I{cutlass / 'include'}", f"-I{cutlass / 'tools' / 'util' / 'include'}"]
+    cmds = [(common + ["-c", str(CSRC / "api.cu"), "-o", str(obj_dir / "api.o")], obj_dir / "api.o")]
+    for u in todo:
+        obj = obj_dir / f"{u.stem}.o"
+        cmds.append((common + u.defines() + ["-c", str(CSRC / "gemm_sm90.cu"), "-o", str(obj)], obj))
+    digest = _sources_digest()
+    jobs = jobs or max(1, min(len(cmds), os.cpu_count() or 1))
+    if verbose:
+        print(f"nvcc: {nvcc}\nCUTLASS: {cutlass}\ncompiling {len(cmds)} translation units with {jobs} jobs")
+    errors = []
+    with ThreadPoolExecutor(jobs) as pool:
+        for obj, rebuilt, err in pool.map(lambda c: _compile(c[0], c[1], digest), cmds):
+            if err:
+                errors.append(err)
+            elif verbose:
+                print(("built   " if rebuilt else "cached  ") + obj.name, flush=True)
+    if errors:
+        raise RuntimeError("CUDA compilation failed:\n" + "\n".join(errors))
+    lib = out_dir / LIB_NAME
+    link = [nvcc, "-shared", "-cudart", "static", "-gencode=arch=compute_90a,code=sm_90a",
+            "-Xlinker", "--exclude-libs,ALL", "-o", str(lib)]
+    link += [f"-L{d}" for d in _cuda_lib_dirs(nvcc)] + [str(o) for _, o in cmds]
+    r = subprocess.run(link, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"link failed:\n$ {' '.join(link)}\n{r.stdout}{r.stderr}")
+    if verbose:
+        print(f"wrote {lib} ({lib.stat().st_size / 1e6:.1f} MB, {len(todo)} GEMM units)")
+    return lib
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flashoverlap_inductor.build", description=__doc__.split("\n")[0])
+    p.add_argument("--require", action="store_true", help="fail (exit 1) when nvcc is missing")
+    p.add_argument("-j", "--jobs", type=int, default=None, help="parallel nvcc processes (default: CPU count)")
+    p.add_argument("--configs", nargs="*", default=None, help="configuration name globs (default: all)")
+    p.add_argument("--variants", choices=("all", "bf16_nk"), default="all",
+                   help="bf16_nk: only bf16 with B as [N,K] for every configuration (tuning)")
+    p.add_argument("--copy-cutlass", metavar="DIR", help="copy the CUTLASS headers to DIR and exit")
+    p.add_argument("--list", action="store_true", help="list the translation units and exit")
+    a = p.parse_args(argv)
+    if a.list:
+        for u in units(a.configs, a.variants):
+            print(u.stem)
+        return 0
+    if a.copy_cutlass:
+        src = find_cutlass()
+        if src is None:
+            print("CUTLASS headers not found", file=sys.stderr)
+            return 1
+        copy_cutlass(src, Path(a.copy_cutlass))
+        print(f"copied CUTLASS headers from {src} to {a.copy_cutlass}")
+        return 0
+    try:
+        lib = build(a.configs, a.variants, a.jobs, a.require)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0 if lib is not None or not a.require else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""The wave-group schedule on CPU (or any device whose backend has async collectives, e.g. gloo).
+
+For each group g of the plan's buffer layout: compute the group's buffer rows (the input rows named by
+``layout.group_segments(g)`` times ``b``, plus bias), start the group's collective with ``async_op=True`` and go
+on to the next group while it runs; wait for all of them at the end. This is the GPU kernel's schedule with the
+GEMM tiles replaced by row-slice GEMMs: the same layout functions decide what each group holds, so the CPU
+path checks the layout end to end against eager.
+
+Per collective (rows are flattened rows of ``y``, see ``ops``):
+
+* all_reduce: the buffer is the output; each group is reduced in place.
+* reduce_scatter: group g's buffer slice holds the piece ``pieces[g][k]`` of every shard k; a reduce_scatter of
+  that slice lands this rank's piece at rows ``output_offsets(g)[rank]`` of the output shard.
+* all_to_all: group g sends its piece of chunk k to rank k and receives, from every rank j, j's group-g piece
+  of j's chunk for us (``Schedule.recv_pieces``) straight into its rows of the natural output (P2P ops into
+  contiguous views: no staging copy; the piece for ourselves is copied locally).
+
+Invariant: the result equals ``collective(a @ b + bias)`` of eager PyTorch, up to GEMM rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import ops
+
+log = logging.getLogger("flashoverlap")
+
+# torch >= 2.13 renamed reduce_scatter_tensor -> reduce_scatter_single (the old name warns); 2.11 has the old one.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class GroupStep:
+    """One group's work, in flattened rows. ``segments``: (buffer_row, source_row, rows) GEMM copies;
+    ``lo, hi``: its buffer rows; ``out``: reduce_scatter output rows; ``sends``/``recvs``: all_to_all
+    (group rank, lo, hi) ranges of the buffer / output; ``local``: (buf_lo, out_lo, rows) for ourselves."""
+
+    segments: tuple[tuple[int, int, int], ...]
+    lo: int
+    hi: int
+    out: tuple[int, int] = (0, 0)
+    sends: tuple[tuple[int, int, int], ...] = ()
+    recvs: tuple[tuple[int, int, int], ...] = ()
+    local: tuple[int, int, int] | None = None
+
+
+@functools.lru_cache(maxsize=4096)
+def schedule_steps(collective: str, plan_str: str, rows: int, n: int, k: int, dtype: str, world: int, rank: int,
+                   send_rows: tuple[int, ...] | None = None,
+                   recv_rows: tuple[int, ...] | None = None) -> tuple[GroupStep, ...]:
+    """The per-group steps of one call shape on ``rank`` (memoized; the per-call path only walks them)."""
+    sched = ops.resolve_schedule(collective, plan_str, rows, n, k, dtype, world, send_rows, recv_rows)
+    lay = sched.layout
+    log.debug("flashoverlap cpu: %s rows=%d n=%d rank=%d: %d groups (%s)", collective, rows, n, rank,
+              sched.num_groups, sched.description)
+    steps = []
+    for g in range(sched.num_groups):
+        lo, hi = lay.group_bounds[g], lay.group_bounds[g + 1]
+        step = GroupStep(_segments_within(lay.segments, lo, hi), lo, hi)
+        if collective == "reduce_scatter":
+            off = lay.output_offsets(g)[rank]
+            step = GroupStep(step.segments, lo, hi, out=(off, off + lay.pieces[g][rank]))
+        elif collective == "all_to_all":
+            recv_starts = _prefix(recv_rows if recv_rows is not None else ops.even_splits(rows, world, "rows"))
+            sends, recvs, local = [], [], None
+            buf = lo
+            for j in range(world):
+                count_out, count_in = lay.pieces[g][j], sched.recv_pieces[g][j]
+                out_lo = recv_starts[j] + sum(p[j] for p in sched.recv_pieces[:g])
+                if j == rank:
+                    if count_out != count_in:
+                        raise ValueError(f"flashoverlap: all_to_all sends {count_out} rows to itself in group {g} "
+                                         f"but expects {count_in}: input/output split sizes disagree for rank {rank}")
+                    local = (buf, out_lo, count_out) if count_out else None
+                else:
+                    if count_out:
+                        sends.append((j, buf, buf + count_out))
+                    if count_in:
+                        recvs.append((j, out_lo, out_lo + count_in))
+                buf += count_out
+            step = GroupStep(step.segments, lo, hi, sends=tuple(sends), recvs=tuple(recvs), local=local)
+        steps.append(step)
+    return tuple(steps)
+
+
+def _segments_within(segments: Sequence[tuple[int, int, int]], lo: int, hi: int) -> tuple[tuple[int, int, int], ...]:
+    """The parts of ``segments`` inside buffer rows ``[lo, hi)``. ``buffer_layout`` merges runs that are
+    contiguous on both sides, so one segment may span several groups (the identity layout is a single segment);
+    ``BufferLayout.group_segments`` gives such a segment wholly to its first group, which would compute the
+    whole GEMM before the first collective. Clipping keeps every group's GEMM work in its own step."""
+    out = []
+    for buf_row, src_row, rows in segments:
+        start, stop = max(lo, buf_row), min(hi, buf_row + rows)
+        if start < stop:
+            out.append((start, src_row + start - buf_row, stop - start))
+    return tuple(out)
+
+
+def _prefix(sizes: Sequence[int]) -> list[int]:
+    out, acc = [], 0
+    for s in sizes:
+        out.append(acc)
+        acc += s
+    return out
+
+
+class _RowGemm:
+    """Computes rows ``[src, src + rows)`` of the flattened ``y = a @ b (+ bias)`` into a ``[rows, N]`` view.
+
+    A 3D ``a`` is handled batch element by batch element (a row range may span several), so bmm operands,
+    expanded (stride-0) ``b`` and any strides work without copying the inputs.
+    """
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, y_shape: list[int]):
+        self.a, self.b = a, b
+        self.unit = a.shape[1] if a.dim() == 3 else a.shape[0]
+        self.bias = bias.expand(y_shape) if bias is not None else None
+
+    def __call__(self, src: int, rows: int, out: torch.Tensor) -> None:
+        a, b, bias = self.a, self.b, self.bias
+        if a.dim() == 2:
+            self._mm(a[src:src + rows], b, None if bias is None else bias[src:src + rows], out)
+            return
+        done = 0
+        while done < rows:
+            r = src + done
+            bi, m0 = divmod(r, self.unit)
+            m1 = min(self.unit, m0 + rows - done)
+            self._mm(a[bi, m0:m1], b[bi] if b.dim() == 3 else b, None if bias is None else bias[bi, m0:m1],
+                     out[done:done + m1 - m0])
+            done += m1 - m0
+
+    @staticmethod
+    def _mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+        if bias is None:
+            torch.mm(x, w, out=out)
+        else:
+            torch.addmm(bias, x, w, out=out)
+
+
+def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup,
+         plan: str, out: torch.Tensor, buf: torch.Tensor, send_rows=None, recv_rows=None) -> torch.Tensor:
+    """Compute group by group into ``buf`` ([rows, N]) and overlap each group's collective with the next GEMM."""
+    y_shape = ops.gemm_output_shape(a, b, bias)
+    rows, n = buf.shape
+    dtype = str(a.dtype).removeprefix("torch.")
+    world, rank = group.size(), group.rank()
+    if n == 0 or (rows == 0 and send_rows is None):  # nothing to compute or move on any rank
+        return out
+    steps = schedule_steps(collective, plan, rows, n, a.shape[-1], dtype, world, rank, send_rows, recv_rows)
+    gemm = _RowGemm(a, b, bias, y_shape)
+    out_flat = out.view(-1, n)
+    works = []
+    for g, step in enumerate(steps):
+        for buf_row, src_row, count in step.segments:
+            gemm(src_row, count, buf[buf_row:buf_row + count])
+        if step.hi == step.lo and not step.recvs:
+            continue
+        if collective == "all_reduce":
+            works.append(dist.all_reduce(buf[step.lo:step.hi], group=group, async_op=True))
+        elif collective == "reduce_scatter":
+            works.append(_reduce_scatter(out_flat[step.out[0]:step.out[1]], buf[step.lo:step.hi],
+                                         group=group, async_op=True))
+        else:
+            p2p = [dist.P2POp(dist.isend, buf[lo:hi], dist.get_global_rank(group, j), group, tag=g)
+                   for j, lo, hi in step.sends]
+            p2p += [dist.P2POp(dist.irecv, out_flat[lo:hi], dist.get_global_rank(group, j), group, tag=g)
+                    for j, lo, hi in step.recvs]
+            if p2p:
+                works.extend(dist.batch_isend_irecv(p2p))
+            if step.local is not None:
+                b_lo, o_lo, count = step.local
+                out_flat[o_lo:o_lo + count].copy_(buf[b_lo:b_lo + count])
+    for work in works:
+        work.wait()
+    return out
+
+
+def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup,
+                    plan: str) -> torch.Tensor:
+    y_shape = ops.gemm_output_shape(a, b, bias)
+    out = torch.empty(y_shape, dtype=a.dtype, device=a.device)
+    return _run("all_reduce", a, b, bias, group, plan, out, out.view(-1, y_shape[-1]))
+
+
+def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup,
+                        plan: str) -> torch.Tensor:
+    y_shape = ops.gemm_output_shape(a, b, bias)
+    out = torch.empty([y_shape[0] // group.size(), *y_shape[1:]], dtype=a.dtype, device=a.device)
+    buf = torch.empty(_rows(y_shape), y_shape[-1], dtype=a.dtype, device=a.device)
+    return _run("reduce_scatter", a, b, bias, group, plan, out, buf)
+
+
+def gemm_all_to_all(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                    output_split_sizes: Sequence[int] | None, input_split_sizes: Sequence[int] | None,
+                    group: dist.ProcessGroup, plan: str) -> torch.Tensor:
+    y_shape = ops.gemm_output_shape(a, b, bias)
+    outs, ins = ops.all_to_all_splits(y_shape[0], group.size(), output_split_sizes, input_split_sizes)
+    unit = _rows(y_shape) // y_shape[0] if y_shape[0] else 1
+    explicit = output_split_sizes is not None or input_split_sizes is not None
+    send_rows = tuple(s * unit for s in ins) if explicit else None
+    recv_rows = tuple(s * unit for s in outs) if explicit else None
+    out = torch.empty([sum(outs), *y_shape[1:]], dtype=a.dtype, device=a.device)
+    buf = torch.empty(_rows(y_shape), y_shape[-1], dtype=a.dtype, device=a.device)
+    return _run("all_to_all", a, b, bias, group, plan, out, buf, send_rows, recv_rows)
+
+
+def _rows(shape: Sequence[int]) -> int:
+    rows = 1
+    for s in shape[:-1]:
+        rows *= s
+    return rows

@@ -1,0 +1,356 @@
+"""``FlashOverlapPass``: fuse a GEMM and the collective that consumes its output into one FlashOverlap op.
+
+Flow per candidate (one ``wait_tensor`` of an all_reduce / reduce_scatter / all_to_all fed by mm/addmm/bmm):
+
+    match   (``matching.find_matches``)   gemm -> views -> [split/cat] -> collective -> wait
+    check   (``FlashOverlapPass.check``)  users, reduce op, dtype, row geometry, divisibility, group
+    decide  (``FlashOverlapPass.choose_plan``)  fuse mode + cost model -> plan string (or skip)
+    replace (``rewrite.replace``)         flashoverlap::gemm_<collective>(a, b, bias, ..., plan) + reshape
+
+Every skip is logged with its reason and counted (``report.SKIP_REASONS``). Invariants of a rewrite: the wait's
+users see a tensor of exactly the wait's shape and value; the collective still acts on dim 0 of the GEMM's
+flattened output rows; no raw SymInt enters a node argument (shapes reuse existing argument nodes).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+import flashoverlap_inductor
+import flashoverlap_inductor.ops  # noqa: F401  (registers torch.ops.flashoverlap.*; a cached graph calls them)
+from flashoverlap_inductor import config
+from flashoverlap_inductor import _inductor_compat as compat
+
+from . import rewrite
+from .matching import GemmCollectiveMatch, find_matches, known_eq, known_true, node_arg, val
+from .report import log, record_fused, record_skip
+
+aten = torch.ops.aten
+
+
+@dataclass
+class Fusion:
+    """A checked match and everything the rewrite needs. Sizes are ints or SymInts (``rows``: flattened GEMM
+    output rows; ``n``, ``k``: GEMM sizes). ``out_shape``: graph args of the final reshape (None: the op's
+    output already has the wait's shape). ``row_perm``: (reshape args, permutation) that reorders ``a``'s rows
+    for a reduce_scatter over dim > 0. ``split_scale``: all_to_all split sizes are multiplied by it to count
+    elements of the op output's dim 0. ``rows_per_split_unit``: rows per collective split unit (for the cost
+    model)."""
+
+    match: GemmCollectiveMatch
+    a: Node
+    b: Node
+    bias: Node | None
+    rows: Any
+    n: Any
+    k: Any
+    dtype: str
+    group_name: str
+    group_size: int
+    out_shape: list | None = None
+    row_perm: tuple[list, list[int]] | None = None
+    split_scale: int = 1
+    rows_per_split_unit: Any = 1
+    plan: str = "auto"
+
+
+class FlashOverlapPass(compat.CustomGraphPass):
+    """Inductor ``post_grad_custom_pre_pass`` (runs on forward and backward graphs).
+
+    ``settings`` is a ``config.snapshot()`` taken when the backend is called (options and env var applied);
+    the pass uses only these, also for the backward graph that is compiled later, and hashes them into
+    ``uuid()`` so the FX graph cache never serves a graph compiled under other settings.
+    """
+
+    def __init__(self, settings: dict[str, Any] | None = None) -> None:
+        merged = {**config.snapshot(), **(settings or {})}
+        merged = {k: tuple(v) if isinstance(v, list) else v for k, v in merged.items()}
+        with config.patch(**merged):  # validates keys and the fuse mode
+            self.settings = config.snapshot()
+        unknown = set(self.settings["collectives"]) - set(rewrite.FUSED_OP)
+        if unknown:
+            raise ValueError(f"flashoverlap: unknown collectives {sorted(unknown)}; known: {sorted(rewrite.FUSED_OP)}")
+
+    # ------------------------------------------------------------------------------------------------ driver
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        with config.patch(**self.settings):  # the cost model reads the settings captured at compile time
+            self.run(graph)
+
+    def run(self, graph: torch.fx.Graph) -> int:
+        """Rewrite ``graph`` in place; returns the number of fused matches."""
+        if self.settings["fuse"] == "never":
+            record_skip("fuse_never", "fuse mode is 'never'; graph left unchanged")
+            return 0
+        fused = 0
+        for match in find_matches(graph):
+            log.debug("flashoverlap: match %s", match.describe())
+            fusion = self.check(match)
+            if fusion is None:
+                continue
+            plan = self.choose_plan(fusion)
+            if plan is None:
+                continue
+            fusion.plan = plan
+            if rewrite.replace(graph, fusion):
+                fused += 1
+                record_fused(match.collective, "%s (rows=%s n=%s k=%s %s, group %r x%d, plan %s)",
+                             match.describe(), fusion.rows, fusion.n, fusion.k, fusion.dtype, fusion.group_name,
+                             fusion.group_size, plan)
+        if fused:
+            graph.lint()
+        return fused
+
+    def uuid(self) -> str:
+        settings = repr(sorted(self.settings.items()))
+        return compat.hash_files(_source_files(self.settings), extra=settings + "|" + _device_names())
+
+    # ------------------------------------------------------------------------------------------------ check
+
+    def check(self, m: GemmCollectiveMatch) -> Fusion | None:
+        """All static conditions of a fusion; returns None after recording the first failing one."""
+        desc = m.describe()
+        if m.collective not in self.settings["collectives"]:
+            return _skip("collective_disabled", "%s: %s not in config.collectives %s", desc, m.collective,
+                         self.settings["collectives"])
+        extra = _unexpected_user(m)
+        if extra is not None:
+            return _skip("multiple_users", "%s: %s has %d users %s", desc, extra.name, len(extra.users),
+                         [u.name for u in extra.users])
+        if not m.wait.users:
+            return _skip("unused_result", "%s: the collective's result is unused", desc)
+        reduce_op = m.args.get("reduce_op", "sum")
+        if m.collective != "all_to_all" and str(reduce_op).lower() != "sum":
+            return _skip("reduce_op", "%s: reduce op %r is not 'sum'", desc, reduce_op)
+        nodes = [m.gemm, m.rows_node, m.wait, *m.gemm.all_input_nodes]
+        if any(not isinstance(val(x), (torch.Tensor, torch.SymInt, int)) for x in nodes):
+            return _skip("no_meta", "%s: missing meta['val']", desc)
+        y = val(m.gemm)
+        dtype = str(y.dtype).removeprefix("torch.")
+        if dtype not in self.settings["dtypes"]:
+            return _skip("dtype", "%s: dtype %s not in config.dtypes %s", desc, dtype, self.settings["dtypes"])
+        if m.gemm.target is aten.addmm.default:
+            beta, alpha = node_arg(m.gemm, 3, "beta", 1), node_arg(m.gemm, 4, "alpha", 1)
+            if beta != 1 or alpha != 1:
+                return _skip("addmm_scale", "%s: addmm beta=%s alpha=%s", desc, beta, alpha)
+            bias, a, b = m.gemm.args[:3]
+        else:
+            (a, b), bias = m.gemm.args[:2], None
+        group_name = _group_name(m.args.get("group_name"))
+        size = {"all_reduce": lambda: compat.group_size(group_name) if group_name else None,
+                "reduce_scatter": lambda: m.args["group_size"],
+                "all_to_all": lambda: len(m.args["input_split_sizes"])}[m.collective]()
+        if group_name is None or not isinstance(size, int) or size < 1:
+            return _skip("unknown_group", "%s: group %r (size %s) cannot be resolved", desc,
+                         m.args.get("group_name"), size)
+        fusion = Fusion(m, a, b, bias, math.prod(y.shape[:-1]), y.shape[-1], val(a).shape[-1], dtype, group_name,
+                        size)
+        return fusion if self._check_geometry(fusion) else None
+
+    def _check_geometry(self, f: Fusion) -> bool:
+        """Row geometry: the views only regroup rows, the collective's dim 0 covers whole op dim-0 elements,
+        the reduce_scatter form is expressible, sizes divide. Fills ``out_shape``/``row_perm``/``split_scale``."""
+        m, desc = f.match, f.match.describe()
+        y, t = val(m.gemm).shape, val(m.rows_node).shape
+        if m.views and not (known_eq(t[-1], y[-1]) and known_eq(math.prod(t[:-1]), math.prod(y[:-1]))):
+            return _fail("view_shape", "%s: reshape %s -> %s is not a pure row flatten/unflatten", desc,
+                         list(y), list(t))
+        unit_op, unit_c = math.prod(y[1:-1]), math.prod(t[1:-1])  # flattened rows per dim-0 element
+        sc = m.scatter
+        if sc is not None and not self._check_scatter(f, t):
+            return False
+        if m.collective != "all_reduce" and (sc is None or sc.dim == 0):
+            if not known_true(unit_c % unit_op == 0):
+                return _fail("view_shape", "%s: a dim-0 element of the collective input (%s rows) does not hold "
+                             "whole dim-0 elements of the GEMM output (%s rows)", desc, unit_c, unit_op)
+        if m.collective == "reduce_scatter" and sc is None and compat.is_static_int(t[0]):
+            if int(t[0]) % f.group_size:
+                return _fail("indivisible", "%s: dim 0 (%s) does not divide by the group size %d", desc,
+                             t[0], f.group_size)
+        if m.collective == "all_to_all":
+            ins = [val(x) for x in m.args["input_split_sizes"]]
+            if all(compat.is_static_int(x) for x in ins) and compat.is_static_int(t[0]) and sum(ins) != t[0]:
+                return _fail("indivisible", "%s: input_split_sizes %s do not sum to dim 0 = %s", desc, ins, t[0])
+            scale = unit_c // unit_op if compat.is_static_int(unit_c) and compat.is_static_int(unit_op) else None
+            if scale is None and not known_eq(unit_c, unit_op):
+                return _fail("view_shape", "%s: symbolic rows per split unit (%s)", desc, unit_c)
+            f.split_scale, f.rows_per_split_unit = int(scale or 1), unit_c
+        return self._set_out_shape(f, t)
+
+    def _check_scatter(self, f: Fusion, t: Any) -> bool:
+        """The funcol split/cat form of reduce_scatter over ``dim``: equal consecutive pieces, one per rank,
+        along a row dim. For dim > 0 the rewrite reorders ``a``'s rows so that the op's dim-0 shard is the cat's."""
+        sc, desc, ws = f.match.scatter, f.match.describe(), f.group_size
+        assert sc is not None
+        chunk = val(sc.chunk)
+        if sc.dim >= len(t) - 1:
+            return _fail("scatter_dim", "%s: scatter dim %d is the GEMM's column dim", desc, sc.dim)
+        if sc.dim > 0 and f.match.gemm.target is aten.bmm.default:
+            return _fail("scatter_dim", "%s: scatter dim %d > 0 after bmm", desc, sc.dim)
+        even = len(sc.pieces) == ws and known_eq(t[sc.dim], ws * chunk)
+        even = even and all(known_eq(val(p).shape[sc.dim], chunk) for p in sc.pieces)
+        if sc.split is None:  # slice form: piece i starts at i * chunk
+            even = even and all(known_eq(val(node_arg(p, 2, "start", 0)), i * chunk) for i, p in enumerate(sc.pieces))
+        if not even:
+            return _fail("scatter_dim", "%s: %d pieces of %s along dim %d are not %d equal consecutive chunks",
+                         desc, len(sc.pieces), list(t), sc.dim, ws)
+        if sc.dim == 0:
+            return True
+        if f.bias is not None and val(f.bias).dim() == 2 and not known_eq(val(f.bias).shape[0], 1):
+            return _fail("bias_shape", "%s: bias %s varies along the rows that the rewrite reorders", desc,
+                         list(val(f.bias).shape))
+        args = _shape_args(f.match.rows_node)
+        if args is None:
+            return _fail("view_shape", "%s: the view's shape cannot be reused", desc)
+        d = sc.dim
+        f.row_perm = ([*args[:d], ws, sc.chunk, *args[d + 1:-1], -1], [d, *range(d), *range(d + 1, len(t) + 1)])
+        return True
+
+    def _set_out_shape(self, f: Fusion, t: Any) -> bool:
+        m = f.match
+        wait_shape = val(m.wait).shape
+        if all(compat.is_static_int(x) for x in wait_shape):
+            f.out_shape = [int(x) for x in wait_shape]
+            return True
+        if not m.views:
+            return True  # the op returns the collective's shape already
+        args = _shape_args(m.rows_node)
+        if args is None:
+            return _fail("view_shape", "%s: the view's shape %s cannot be reused", m.describe(), m.rows_node.args)
+        if m.scatter is not None:
+            d = m.scatter.dim
+            f.out_shape = [*args[:d], m.scatter.chunk, *args[d + 1:]]
+        elif m.collective == "all_reduce":
+            f.out_shape = list(args)
+        else:
+            f.out_shape = [-1, *args[1:]]
+        return True
+
+    # ------------------------------------------------------------------------------------------------ decide
+
+    def choose_plan(self, f: Fusion) -> str | None:
+        """The op's plan string: the cost model's plan for static sizes, "auto" for symbolic ones; None after
+        recording a skip (fuse mode "auto" only)."""
+        mode, desc = self.settings["fuse"], f.match.describe()
+        splits = None
+        if f.match.collective == "all_to_all":
+            splits = [val(x) * f.rows_per_split_unit for x in f.match.args["input_split_sizes"]]
+        sizes = [f.rows, f.n, f.k, *(splits or [])]
+        if not all(compat.is_static_int(x) for x in sizes):
+            log.info("flashoverlap: %s: symbolic sizes (rows=%s): plan 'auto' (decided per call)", desc, f.rows)
+            return "auto"
+        rows = int(f.rows)
+        if mode == "auto" and rows < self.settings["min_rows"]:
+            return _skip("too_small", "%s: %d rows < config.min_rows=%d", desc, rows, self.settings["min_rows"])
+        try:
+            from flashoverlap_inductor import cost_model  # looked up per call: tests may patch cost_model.decide
+
+            decision = cost_model.decide(f.match.collective, rows, int(f.n), int(f.k), f.dtype, f.group_size,
+                                         device_name=_device_name(val(f.match.gemm)),
+                                         input_split_sizes=[int(x) for x in splits] if splits else None)
+        except Exception as exc:
+            if mode == "auto":
+                return _skip("cost_model_error", "%s: cost model failed: %r", desc, exc, level=logging.WARNING)
+            log.warning("flashoverlap: %s: cost model failed (%r); plan 'auto'", desc, exc)
+            return "auto"
+        if mode == "auto" and not decision.fuse:
+            return _skip("cost_model", "%s: %s", desc, decision.reason)
+        log.info("flashoverlap: %s: %s %s", desc, "fusing:" if decision.fuse else "fusing anyway (always):",
+                 decision.reason)
+        return decision.plan.to_str()
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+
+def _skip(slug: str, msg: str, *args: Any, level: int = logging.INFO) -> None:
+    record_skip(slug, msg, *args, level=level)
+    return None
+
+
+def _fail(slug: str, msg: str, *args: Any) -> bool:
+    record_skip(slug, msg, *args)
+    return False
+
+
+def _unexpected_user(m: GemmCollectiveMatch) -> Node | None:
+    """The first node on the chain whose users are not exactly the next step of the chain."""
+    steps: list[tuple[Node, set[Node]]] = []
+    seq = [m.gemm, *m.views]
+    for node, nxt in zip(seq, seq[1:]):
+        steps.append((node, {nxt}))
+    sc = m.scatter
+    if sc is None:
+        steps.append((seq[-1], {m.coll}))
+    else:
+        steps.append((seq[-1], {sc.split} if sc.split is not None else set(sc.pieces)))
+        if sc.split is not None:
+            steps.append((sc.split, set(sc.pieces)))
+        steps += [(p, {sc.cat}) for p in sc.pieces]
+        steps.append((sc.cat, {m.coll}))
+    steps.append((m.coll, {m.wait}))
+    for node, expected in steps:
+        if set(node.users) != expected:
+            return node
+    return None
+
+
+def _group_name(arg: Any) -> str | None:
+    if isinstance(arg, str):
+        return arg
+    name = getattr(arg, "group_name", None)  # a ProcessGroup passed as an opaque object
+    return name if isinstance(name, str) else None
+
+
+def _shape_args(view: Node) -> list | None:
+    """The shape argument of a view node, with any -1 replaced by its static size (None if symbolic)."""
+    if len(view.args) < 2 or not isinstance(view.args[1], (list, tuple)):
+        return None
+    out = []
+    for i, x in enumerate(view.args[1]):
+        if isinstance(x, int) and x == -1:
+            size = val(view).shape[i]
+            if not compat.is_static_int(size):
+                return None
+            x = int(size)
+        out.append(x)
+    return out
+
+
+def _device_name(y: torch.Tensor) -> str | None:
+    """The GPU name for the cost model's bandwidth curves (None = its default GPU)."""
+    if y.device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(y.device)
+    return None
+
+
+def _device_names() -> str:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return ",".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+    return ""
+
+
+def _source_files(settings: dict[str, Any]) -> list[str]:
+    """Everything whose content changes what the pass emits: its code, the ops, plan/config code, the cost
+    model and its data files."""
+    pkg = Path(flashoverlap_inductor.__file__).parent
+    files = [pkg / name for name in ("ops.py", "plan.py", "config.py", "_inductor_compat.py")]
+    files += sorted(Path(__file__).parent.glob("*.py"))
+    spec = importlib.util.find_spec("flashoverlap_inductor.cost_model")
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        files += sorted(Path(loc).rglob("*.py"))
+    data = settings.get("config_dir")
+    if data is None:
+        spec = importlib.util.find_spec("flashoverlap_inductor.configs")
+        data = next(iter(spec.submodule_search_locations or []), None) if spec else None
+    if data is not None:
+        files += sorted(Path(data).rglob("*.json"))
+    return [str(p) for p in files if p.is_file()]

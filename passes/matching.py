@@ -1,0 +1,193 @@
+"""Structural matching of ``GEMM -> views -> [split/cat] -> collective -> wait`` in a post-grad FX graph.
+
+This module only *recognizes* the shape of the subgraph (which nodes, which arguments); whether the match may
+be fused (users, dtypes, shapes, cost) is decided in ``gemm_collective.py``. A wait whose collective is not fed
+by a GEMM through views is not a match at all (DEBUG log, no counter): e.g. the all_reduce of a gradient.
+
+Recognized forms (torch 2.11 and 2.13 post-grad graphs, see torch_compile.md §3):
+
+* ``mm | addmm | bmm`` then any chain of ``view | reshape | _unsafe_view`` then
+  ``_c10d_functional.all_reduce | reduce_scatter_tensor | all_to_all_single`` then ``wait_tensor``;
+* reduce_scatter along ``scatter_dim > 0``: funcol rewrites it as ``cat([pieces of x along dim d], 0)`` with the
+  pieces from ``split``/``split_with_sizes`` + ``getitem`` (or, with unbacked sizes, ``slice``), then a dim-0
+  reduce_scatter (as Inductor's ``micro_pipeline_tp.find_reduce_scatter_patterns`` also matches).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from flashoverlap_inductor._inductor_compat import c10d, statically_known_true
+
+log = logging.getLogger("flashoverlap")
+aten = torch.ops.aten
+
+GEMM_OPS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
+VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+SPLIT_OPS = (aten.split.Tensor, aten.split.sizes, aten.split_with_sizes.default)
+COLLECTIVE_OPS = {
+    c10d.all_reduce.default: "all_reduce",
+    c10d.reduce_scatter_tensor.default: "reduce_scatter",
+    c10d.all_to_all_single.default: "all_to_all",
+}
+# Positional order of each collective's arguments after the input tensor (schemas identical in 2.11 and 2.13).
+COLLECTIVE_ARGS = {
+    "all_reduce": ("reduce_op", "group_name"),
+    "reduce_scatter": ("reduce_op", "group_size", "group_name"),
+    "all_to_all": ("output_split_sizes", "input_split_sizes", "group_name"),
+}
+
+
+def node_arg(node: Node, index: int, name: str, default: Any = None) -> Any:
+    """Argument ``index`` of ``node`` (positional), else keyword ``name``, else ``default``."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def val(arg: Any) -> Any:
+    """The (fake) value of a graph argument: ``meta["val"]`` for a Node, the argument itself otherwise."""
+    return arg.meta.get("val") if isinstance(arg, Node) else arg
+
+
+def known_true(expr: Any) -> bool:
+    """True iff ``expr`` (bool or SymBool) is provably true without adding a guard."""
+    return bool(expr) if isinstance(expr, bool) else statically_known_true(expr)
+
+
+def known_eq(a: Any, b: Any) -> bool:
+    return known_true(a == b)
+
+
+def op_name(node: Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.__name__.split(".")[0]
+    return getattr(target, "__name__", str(target))
+
+
+@dataclass
+class ScatterCat:
+    """funcol's reduce_scatter over ``dim > 0``: the collective input is ``cat(pieces, 0)`` where ``pieces``
+    cut ``source`` along ``dim`` into consecutive runs. ``chunk`` is a graph argument (int or SymInt node) equal
+    to each piece's size along ``dim``. ``split`` is None for the slice form."""
+
+    source: Node
+    dim: int
+    chunk: Any
+    pieces: list[Node]
+    split: Node | None
+    cat: Node
+
+    def nodes(self) -> list[Node]:
+        """The nodes of the form in graph order (split, pieces, cat)."""
+        return ([self.split] if self.split is not None else []) + self.pieces + [self.cat]
+
+
+@dataclass
+class GemmCollectiveMatch:
+    """One candidate: ``gemm -> views -> [scatter] -> coll -> wait``. ``views`` are in graph order (the first
+    consumes the GEMM output); ``rows_node`` is the tensor the collective (or the scatter form) consumes."""
+
+    collective: str
+    gemm: Node
+    views: list[Node]
+    coll: Node
+    wait: Node
+    scatter: ScatterCat | None = None
+    args: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rows_node(self) -> Node:
+        return self.views[-1] if self.views else self.gemm
+
+    def chain(self) -> list[Node]:
+        """Every node the rewrite removes, in graph order."""
+        return [self.gemm, *self.views, *(self.scatter.nodes() if self.scatter else []), self.coll, self.wait]
+
+    def describe(self) -> str:
+        parts = [op_name(self.gemm), *(op_name(v) for v in self.views)]
+        if self.scatter is not None:
+            parts.append(f"split/cat(dim={self.scatter.dim})")
+        parts += [op_name(self.coll), op_name(self.wait)]
+        return f"{' -> '.join(parts)} at {self.gemm.name}"
+
+
+def find_matches(graph: torch.fx.Graph) -> list[GemmCollectiveMatch]:
+    """All structural candidates in ``graph``, in graph order."""
+    out = []
+    for wait in graph.find_nodes(op="call_function", target=c10d.wait_tensor.default):
+        match = match_at_wait(wait)
+        if match is not None:
+            out.append(match)
+    return out
+
+
+def match_at_wait(wait: Node) -> GemmCollectiveMatch | None:
+    """Walk back from ``wait`` through the collective, an optional split/cat and views to a GEMM."""
+    coll = wait.args[0] if wait.args else None
+    if not isinstance(coll, Node) or coll.target not in COLLECTIVE_OPS:
+        return None
+    collective = COLLECTIVE_OPS[coll.target]
+    args = {name: node_arg(coll, i + 1, name) for i, name in enumerate(COLLECTIVE_ARGS[collective])}
+    x = coll.args[0]
+    scatter = None
+    if collective == "reduce_scatter" and isinstance(x, Node) and x.target is aten.cat.default:
+        scatter = match_scatter_cat(x)
+        if scatter is None:
+            log.debug("flashoverlap: no match at %s: cat input is not funcol's split/cat form", coll.name)
+            return None
+        x = scatter.source
+    views: list[Node] = []
+    while isinstance(x, Node) and x.target in VIEW_OPS:
+        views.append(x)
+        x = x.args[0]
+    if not isinstance(x, Node) or x.target not in GEMM_OPS:
+        what = op_name(x) if isinstance(x, Node) else type(x).__name__
+        log.debug("flashoverlap: no match at %s: its input comes from %s, not mm/addmm/bmm", coll.name, what)
+        return None
+    views.reverse()
+    return GemmCollectiveMatch(collective, x, views, coll, wait, scatter, args)
+
+
+def match_scatter_cat(cat: Node) -> ScatterCat | None:
+    """Recognize ``cat([getitem(split(x, c, d), 0), ..., getitem(.., G-1)], 0)`` or
+    ``cat([slice(x, d, 0, e0), slice(x, d, e0, e1), ...], 0)``. Sizes are checked later (``pieces_are_even``)."""
+    pieces = cat.args[0]
+    if node_arg(cat, 1, "dim", 0) != 0 or not isinstance(pieces, (list, tuple)) or len(pieces) < 1:
+        return None
+    if not all(isinstance(p, Node) for p in pieces):
+        return None
+    first = pieces[0]
+    if first.target is operator.getitem:
+        split = first.args[0]
+        if not isinstance(split, Node) or split.target not in SPLIT_OPS:
+            return None
+        if any(p.target is not operator.getitem or p.args[0] is not split or p.args[1] != i
+               for i, p in enumerate(pieces)):
+            return None
+        sizes = split.args[1]
+        chunk = sizes[0] if isinstance(sizes, (list, tuple)) else sizes
+        source, dim = split.args[0], node_arg(split, 2, "dim", 0)
+    elif first.target is aten.slice.Tensor:
+        split, source, dim = None, first.args[0], node_arg(first, 1, "dim", 0)
+        if node_arg(first, 2, "start", 0) != 0:
+            return None
+        for p in pieces:
+            if p.target is not aten.slice.Tensor or p.args[0] is not source or node_arg(p, 1, "dim", 0) != dim:
+                return None
+            if node_arg(p, 4, "step", 1) != 1:
+                return None
+        chunk = node_arg(first, 3, "end")
+    else:
+        return None
+    src_val = val(source)
+    if not isinstance(source, Node) or src_val is None or not isinstance(dim, int):
+        return None
+    return ScatterCat(source, dim % src_val.dim(), chunk, list(pieces), split, cat)

@@ -1,0 +1,128 @@
+"""A small pool of spawned ranks with one gloo process group, reused by many tests.
+
+Spawning a process and importing torch costs seconds; a pool per test module pays that once. ``pool.run(fn,
+*args)`` runs ``fn(*args)`` on every rank (``fn`` must be a module-level function, pickled by reference) and
+returns the per-rank results; a worker exception is re-raised in the test with the rank's traceback. Nothing can
+hang: every wait is bounded, and a failed or timed-out pool is torn down (the next ``get_pool`` call starts a
+fresh one).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 240.0
+
+
+def _worker(rank: int, world_size: int, init_file: str, tasks, results, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        while True:
+            task = tasks.get()
+            if task is None:
+                break
+            fn, args = task
+            try:
+                results.put((rank, True, fn(*args)))
+            except BaseException:  # noqa: BLE001 - reported to the test process
+                results.put((rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+class WorkerError(AssertionError):
+    """A rank raised; the message holds its traceback."""
+
+
+class DistPool:
+    """``world_size`` spawned ranks in one gloo world (see the module docstring)."""
+
+    def __init__(self, world_size: int = 2, env: dict[str, str] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.world_size, self.timeout_s = world_size, timeout_s
+        ctx = mp.get_context("spawn")
+        fd, self._init_file = tempfile.mkstemp(prefix="fo_gloo_")
+        os.close(fd)
+        os.unlink(self._init_file)  # the FileStore creates it
+        env = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
+               "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", **(env or {})}
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._procs = [ctx.Process(target=_worker, args=(r, world_size, self._init_file, self._tasks[r],
+                                                         self._results, env), daemon=True)
+                       for r in range(world_size)]
+        for p in self._procs:
+            p.start()
+        self.alive = True
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:
+        """Run ``fn(*args)`` on every rank; returns the results indexed by rank."""
+        if not self.alive:
+            raise RuntimeError("DistPool is closed")
+        for q in self._tasks:
+            q.put((fn, args))
+        out: list[Any] = [None] * self.world_size
+        errors: list[str] = []
+        timeout = timeout_s or self.timeout_s
+        for _ in range(self.world_size):
+            try:
+                # once one rank failed, the others may block in a collective: give them only a short grace
+                rank, ok, value = self._results.get(timeout=10.0 if errors else timeout)
+            except queue.Empty:
+                self.close(force=True)
+                raise WorkerError("\n".join(errors) or f"{fn.__name__}: timed out after {timeout} s") from None
+            if ok:
+                out[rank] = value
+            else:
+                errors.append(f"--- rank {rank} ---\n{value}")
+        if errors:
+            self.close(force=True)
+            raise WorkerError("\n".join(errors))
+        return out
+
+    def close(self, force: bool = False) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        if not force:
+            for q in self._tasks:
+                q.put(None)
+            for p in self._procs:
+                p.join(timeout=30)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+        if os.path.exists(self._init_file):
+            os.unlink(self._init_file)
+
+
+_pools: dict[tuple[int, tuple[tuple[str, str], ...]], DistPool] = {}
+
+
+def get_pool(world_size: int = 2, env: dict[str, str] | None = None) -> DistPool:
+    """A live pool for (world_size, env), started on first use and restarted after a failure."""
+    key = (world_size, tuple(sorted((env or {}).items())))
+    pool = _pools.get(key)
+    if pool is None or not pool.alive:
+        pool = _pools[key] = DistPool(world_size, env)
+    return pool
+
+
+def close_pools() -> None:
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()
