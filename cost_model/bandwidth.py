@@ -21,6 +21,7 @@ collective's input tensor size; ``ms`` = one call's median time). Lookup rules, 
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -42,18 +43,16 @@ def ring_traffic_factor(collective: str, world_size: int) -> float:
 
 
 def _isotonic_log(times: Sequence[float]) -> list[float]:
-    """Least-squares non-decreasing fit of ``log(times)`` (pool adjacent violators), returned in ms."""
-    blocks: list[list[float]] = []  # [sum of logs, count]
+    """Least-squares non-decreasing fit of ``log(times)`` (pool adjacent violators), returned in ms. Values
+    that need no pooling are returned bit for bit."""
+    blocks: list[tuple[float, int, float]] = []  # (sum of logs, count, value)
     for t in times:
-        blocks.append([math.log(t), 1.0])
+        blocks.append((math.log(t), 1, t))
         while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            s, c = blocks.pop()
-            blocks[-1][0] += s
-            blocks[-1][1] += c
-    out: list[float] = []
-    for s, c in blocks:
-        out.extend([math.exp(s / c)] * int(c))
-    return out
+            s2, c2, _ = blocks.pop()
+            s1, c1, _ = blocks.pop()
+            blocks.append((s1 + s2, c1 + c2, math.exp((s1 + s2) / (c1 + c2))))
+    return [value for _, count, value in blocks for _ in range(count)]
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,7 @@ class SampledCurve:
             raise ValueError("SampledCurve: need as many (>= 1) byte sizes as times")
         if any(b <= 0 for b in self.nbytes) or any(t <= 0 for t in self.ms):
             raise ValueError("SampledCurve: bytes and ms must be positive")
-        if any(x >= y for x, y in zip(self.nbytes, self.nbytes[1:])):
+        if any(x >= y for x, y in itertools.pairwise(self.nbytes)):
             raise ValueError("SampledCurve: bytes must increase strictly")
         object.__setattr__(self, "ms", tuple(_isotonic_log(self.ms)))
         object.__setattr__(self, "_log_b", tuple(math.log(b) for b in self.nbytes))

@@ -97,7 +97,8 @@ def _decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int
     verdict_fused, verdict_seq, what = fused, seq, "predicted"
     if tuned is not None and plan is tuned.plan and tuned.measured_fused_ms and tuned.measured_seq_ms:
         verdict_fused, verdict_seq, what = tuned.measured_fused_ms, tuned.measured_seq_ms, "measured"
-    summary = (f"{what} {verdict_fused:.3f} ms fused ({plan.num_groups} group{"s" if plan.num_groups > 1 else ""}, {source}) vs "
+    groups = f"{plan.num_groups} group{'s' if plan.num_groups > 1 else ''}"
+    summary = (f"{what} {verdict_fused:.3f} ms fused ({groups}, {source}) vs "
                f"{verdict_seq:.3f} ms sequential ({_ratio(verdict_fused, verdict_seq)}){data_note}")
     if plan.num_groups < 2:
         return Decision(False, plan, fused, seq, f"declined: best plan has one group, nothing to overlap; {summary}")
@@ -119,10 +120,10 @@ def _choose_plan(model: CostModel, tuned: registry.TunedPlan | None, collective:
             return tuned.plan, f"tuned, {tuned.source}"
         except ValueError as exc:
             registry.warn_once(f"ignoring tuned plan from {tuned.source} for {collective} m={m}: {exc}")
-    if splits is not None:
-        groups = a2a_groups if a2a_groups >= 1 and m % a2a_groups == 0 else 1
+    if splits is not None:  # the op cuts every chunk k at floor(L_k * g / G); these bounds give that layout
+        groups = max(1, a2a_groups)  # exactly when G divides m, and approximately (for the model) otherwise
         bounds = tuple(dict.fromkeys(m * g // groups for g in range(groups + 1)))
-        return GroupPlan(m, n, tile_m, tile_n, bounds), f"{groups} equal fractions"
+        return GroupPlan(m, n, tile_m, tile_n, bounds), f"{len(bounds) - 1} equal fractions"
     result = predictive_search(model, collective, m, n, k, dtype, world_size, chunks, tile_m=tile_m, tile_n=tile_n)
     return result.plan, "searched"
 

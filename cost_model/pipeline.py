@@ -29,6 +29,7 @@ For groups ``g = 0..G-1`` of one fused GEMM + collective (all times in ms from t
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -76,7 +77,7 @@ def pipeline(done_ms: Sequence[float], comm_ms: Sequence[float], slowdown: float
         raise ValueError("pipeline: need one completion time and one comm time per group (>= 1 group)")
     e_comp = e_comm = prev_done = 0.0
     comps, comms = [], []
-    for done, t_comm in zip(done_ms, comm_ms):
+    for done, t_comm in zip(done_ms, comm_ms, strict=True):
         e_comp = advance_compute(e_comp, e_comm, done - prev_done, slowdown)
         e_comm = max(e_comp, e_comm) + t_comm
         prev_done = done
@@ -113,5 +114,5 @@ class CostModel:
         bounds = layout.group_bounds
         done = self.gemm.group_completion_ms(bounds, plan.n, k, dtype, plan.tile_m, plan.tile_n)
         comm = [self.group_comm_ms(collective, world_size, hi - lo, plan.n, dtype)
-                for lo, hi in zip(bounds, bounds[1:])]
+                for lo, hi in itertools.pairwise(bounds)]
         return pipeline(done, comm, self.gemm.effective_interference)

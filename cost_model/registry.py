@@ -52,6 +52,11 @@ def data_dir() -> Path:
     """The directory the data is read from (``config.config_dir`` or the package's ``configs/``)."""
     if config.config_dir:
         return Path(os.path.expanduser(config.config_dir))
+    return _package_data_dir()
+
+
+@functools.lru_cache(maxsize=1)
+def _package_data_dir() -> Path:
     return Path(str(importlib.resources.files("flashoverlap_inductor.configs")))
 
 

@@ -62,8 +62,9 @@ def _require(doc: dict[str, Any], key: str, kind: type | tuple[type, ...], where
     if key not in doc:
         raise _fail(where, f"{path}.{key}" if path else key, "missing")
     value = doc[key]
-    if kind in (int, (int,)) and isinstance(value, bool) or not isinstance(value, kind):
-        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        names = "/".join(k.__name__ for k in kinds)
         raise _fail(where, f"{path}.{key}" if path else key, f"expected {names}, got {value!r}")
     return value
 

@@ -158,8 +158,8 @@ def auto_plan(collective: str, m: int, n: int, k: int, dtype: str, world: int, s
     """The cost model's plan for one call shape (memoized); the fallback plan if the cost model is missing."""
     try:
         from flashoverlap_inductor.cost_model import decide
-    except ImportError as exc:
-        _warn_once("no_cost_model", "flashoverlap: cost model unavailable (%s); 'auto' plans are uniform", exc)
+    except Exception as exc:  # missing or broken cost model: a uniform plan is always correct
+        _warn_once("no_cost_model", "flashoverlap: cost model unavailable (%r); 'auto' plans are uniform", exc)
         return _fallback_plan(m, n)
     try:
         decision = decide(collective, m, n, k, dtype, world, device_name=device_name,

@@ -185,11 +185,14 @@ def group_of_tile_row(group_bounds: Sequence[int], tile_m: int) -> list[int]:
 
 
 def tiles_per_group(group_bounds: Sequence[int], tile_m: int, tile_n: int, n: int) -> list[int]:
-    """Tiles whose completion group g waits for (a group may own none: it then waits for nothing)."""
-    counts = [0] * (len(group_bounds) - 1)
-    for g in group_of_tile_row(group_bounds, tile_m):
-        counts[g] += math.ceil(n / tile_n)
-    return counts
+    """Tiles whose completion group g waits for (a group may own none: it then waits for nothing).
+
+    Closed form of counting ``group_of_tile_row``: group g owns the tile-rows t with ``t * tile_m`` in
+    ``[B_g, B_{g+1})``, i.e. ``ceil(B_{g+1} / tile_m) - ceil(B_g / tile_m)`` of them.
+    """
+    cols = math.ceil(n / tile_n)
+    first = [-(-b // tile_m) for b in group_bounds]
+    return [(hi - lo) * cols for lo, hi in zip(first, first[1:])]
 
 
 def chunks_for(collective: str, rows: int, world_size: int, input_split_sizes: Sequence[int] | None = None) -> list[int]:

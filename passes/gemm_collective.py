@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -344,13 +345,21 @@ def _source_files(settings: dict[str, Any]) -> list[str]:
     pkg = Path(flashoverlap_inductor.__file__).parent
     files = [pkg / name for name in ("ops.py", "plan.py", "config.py", "_inductor_compat.py")]
     files += sorted(Path(__file__).parent.glob("*.py"))
-    spec = importlib.util.find_spec("flashoverlap_inductor.cost_model")
-    for loc in (spec.submodule_search_locations or []) if spec else []:
+    for loc in _package_dirs("flashoverlap_inductor.cost_model"):
         files += sorted(Path(loc).rglob("*.py"))
     data = settings.get("config_dir")
-    if data is None:
-        spec = importlib.util.find_spec("flashoverlap_inductor.configs")
-        data = next(iter(spec.submodule_search_locations or []), None) if spec else None
-    if data is not None:
-        files += sorted(Path(data).rglob("*.json"))
+    for loc in [data] if data is not None else _package_dirs("flashoverlap_inductor.configs"):
+        files += sorted(Path(loc).rglob("*.json"))
     return [str(p) for p in files if p.is_file()]
+
+
+def _package_dirs(name: str) -> list[str]:
+    """The directories of package ``name`` without importing it (an imported one: its ``__path__``)."""
+    module = sys.modules.get(name)
+    if module is not None:
+        return list(getattr(module, "__path__", []))
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return []
+    return list(spec.submodule_search_locations or []) if spec else []

@@ -1,0 +1,272 @@
+"""Benchmark the sm90 signal-GEMM against cuBLAS (torch.mm) on one GPU; writes JSON and prints a table.
+
+    python examples/bench_gemm.py --json bench.json                 # the issue's grid, every compiled config
+    python examples/bench_gemm.py --configs coop_128x256x64_c2x1 --ms 8192 --nk 8192x8192 --reps 5
+
+Per shape (M x N x K, bf16, A [M,K], B a Linear weight [N,K]) it times, interleaved round-robin over ``--reps``
+repetitions (each the mean of ``--iters`` back-to-back launches between CUDA events), medians reported:
+cuBLAS; every configuration x swizzle with signals off, deferred and immediate, on all SMs; and every
+configuration with signals on (deferred) and 8/16/24 SMs left free. Signals go to 8 wave groups of whole
+tile-rows (``plan.uniform_plan``). Optionally (``--extras``) the cost of the A-row gather that reduce_scatter
+layouts need, and the release latency of the wait kernel vs ``cuStreamWaitValue32``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from flashoverlap_inductor import kernels, plan  # noqa: E402
+
+GRID_MS = (2048, 4096, 8192, 16384)
+GRID_NK = ((8192, 8192), (8192, 7168), (8192, 14336), (4096, 4096))
+
+
+def _time_variants(variants: dict, reps: int, iters: int) -> dict[str, list[float]]:
+    """Round-robin timing: every repetition runs each variant ``iters`` times between two events, behind a
+    ~0.5 ms spin kernel so that host launch overhead never shows as GPU idle time inside the events."""
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for fn in variants.values():  # warm-up (module load, TMA descriptors, clocks)
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    for _ in range(reps):
+        events = []
+        for name, fn in variants.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(1_000_000)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            events.append((name, start, end))
+        torch.cuda.synchronize()
+        for name, start, end in events:
+            times[name].append(start.elapsed_time(end) / iters)
+    return times
+
+
+def _variant_key(cfg: str, mode: str, free: int, swizzle: int) -> str:
+    return f"{cfg}|{mode}|free{free}|swz{swizzle}"
+
+
+def bench_shape(m: int, n: int, k: int, cfgs: list[kernels.KernelInfo], args) -> list[dict]:
+    gen = torch.Generator(device="cuda").manual_seed(m + n + k)
+    a = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
+    w = torch.randn(n, k, generator=gen, device="cuda").bfloat16()
+    b = w.t()
+    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    variants = {"cublas": lambda: torch.mm(a, b, out=out)}
+    for info in cfgs:
+        p = plan.uniform_plan(m, n, info.tile_m, info.tile_n, args.groups)
+        gmap = plan.group_of_tile_row(p.row_bounds, info.tile_m)
+        counters = torch.zeros(p.num_groups, dtype=torch.int32, device="cuda")
+
+        def run(cfg=info.name, mode="off", free=0, swz=1, gmap=gmap, counters=counters):
+            kernels.signal_gemm(a, b, out=out, config=cfg, counters=None if mode == "off" else counters,
+                                group_of_tile_row=None if mode == "off" else gmap,
+                                sm_count=sms - free if free else 0, swizzle=swz,
+                                signal_mode="deferred" if mode == "off" else mode)
+
+        for swz in args.swizzles:
+            for mode in args.modes:
+                variants[_variant_key(info.name, mode, 0, swz)] = (
+                    lambda cfg=info.name, mode=mode, swz=swz, run=run: run(cfg, mode, 0, swz))
+        for free in args.free:
+            if free:
+                variants[_variant_key(info.name, "deferred", free, args.swizzles[0])] = (
+                    lambda cfg=info.name, free=free, run=run: run(cfg, "deferred", free, args.swizzles[0]))
+    # correctness of every variant's output once (fresh data, poisoned output) before timing
+    ref = torch.mm(a, b)
+    for name, fn in variants.items():
+        out.fill_(float("nan"))
+        fn()
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        if not err < 1e-2:
+            raise RuntimeError(f"{m}x{n}x{k} {name}: relative error {err}")
+    flop = 2.0 * m * n * k
+    times = _time_variants(variants, args.reps, max(args.iters, math.ceil(1e12 / flop)))
+    rows = []
+    for name, t in times.items():
+        med = statistics.median(t)
+        row = {"m": m, "n": n, "k": k, "variant": name, "ms": med, "tflops": flop / med / 1e9,
+               "ms_min": min(t), "ms_max": max(t)}
+        if name != "cublas":
+            cfg, mode, free, swz = name.split("|")
+            row.update(config=cfg, mode=mode, free_sms=int(free[4:]), swizzle=int(swz[3:]))
+        rows.append(row)
+    return rows
+
+
+def bench_gather(m: int, k: int, world: int, groups: int) -> dict:
+    """The reduce_scatter A-row gather (rows in buffer order, plan.BufferLayout.segments), two ways."""
+    a = torch.randn(m, k, device="cuda").bfloat16()
+    dst = torch.empty_like(a)
+    p = plan.uniform_plan(m, 1, 128, 128, groups, align=8)
+    lay = plan.buffer_layout(p, plan.chunks_for("reduce_scatter", m, world))
+    idx = torch.cat([torch.arange(src, src + rows) for _, src, rows in lay.segments]).cuda()
+
+    def by_index():
+        torch.index_select(a, 0, idx, out=dst)
+
+    def by_segments():
+        for buf, src, rows in lay.segments:
+            dst[buf:buf + rows].copy_(a[src:src + rows])
+
+    t = _time_variants({"index_select": by_index, "segments": by_segments}, 10, 5)
+    return {"m": m, "k": k, "world": world, "groups": groups, "segments": len(lay.segments),
+            "index_select_ms": statistics.median(t["index_select"]), "segments_ms": statistics.median(t["segments"]),
+            "bytes": 2 * a.numel() * a.element_size()}
+
+
+def bench_wait(reps: int = 20) -> dict:
+    """Release latency: a kernel spins 100 us then release-adds; a side stream waits (wait kernel or
+    cuStreamWaitValue32) and then stamps %globaltimer. Also the cost of 8 already-satisfied waits."""
+    lib = kernels.library()
+    side, main = torch.cuda.Stream(), torch.cuda.current_stream()
+    out = {}
+    for how in ("kernel", "wait_value"):
+        lat = []
+        for _ in range(reps):
+            counters = torch.zeros(1, dtype=torch.int32, device="cuda")
+            stamps = torch.zeros(2, dtype=torch.int64, device="cuda")
+            torch.cuda.synchronize()
+            if how == "kernel":
+                kernels.wait_group(counters, 0, 1, stream=side, timeout_ms=1000)
+            else:
+                kernels.stream_wait_value(counters, 0, 1, stream=side)
+            kernels._check(lib.fo_test_stamp(stamps.data_ptr() + 8, side.cuda_stream), "stamp")
+            kernels._check(lib.fo_test_delayed_add(counters.data_ptr(), 1, 100_000, stamps.data_ptr(),
+                                                   main.cuda_stream), "delayed_add")
+            torch.cuda.synchronize()
+            s, r = stamps.tolist()
+            lat.append((r - s) / 1e3)
+        kernels.raise_if_timed_out()
+        counters = torch.ones(8, dtype=torch.int32, device="cuda")
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(side)
+        for _ in range(10):
+            for g in range(8):
+                if how == "kernel":
+                    kernels.wait_group(counters, g, 1, stream=side)
+                else:
+                    kernels.stream_wait_value(counters, g, 1, stream=side)
+        end.record(side)
+        torch.cuda.synchronize()
+        out[how] = {"release_latency_us_median": statistics.median(lat), "release_latency_us_max": max(lat),
+                    "satisfied_wait_us": start.elapsed_time(end) * 1e3 / 80}
+    return out
+
+
+def summarize(rows: list[dict], free: list[int]) -> list[dict]:
+    """Per shape: cuBLAS, the best signals-on config (all SMs), its on/off ratio and free-SM scaling."""
+    shapes = sorted({(r["m"], r["n"], r["k"]) for r in rows})
+    out = []
+    for m, n, k in shapes:
+        rs = [r for r in rows if (r["m"], r["n"], r["k"]) == (m, n, k)]
+        cub = next(r for r in rs if r["variant"] == "cublas")
+        on = [r for r in rs if r.get("mode") == "deferred" and r["free_sms"] == 0]
+        best = max(on, key=lambda r: r["tflops"])
+
+        def find(mode, fr=0, swz=best["swizzle"], cfg=best["config"], rs=rs):
+            return next((r for r in rs if r.get("config") == cfg and r.get("mode") == mode
+                         and r["free_sms"] == fr and r["swizzle"] == swz), None)
+
+        off, imm = find("off"), find("immediate")
+        best_off = max((r for r in rs if r.get("mode") == "off"), key=lambda r: r["tflops"], default=None)
+        s = {"m": m, "n": n, "k": k, "cublas_tflops": cub["tflops"], "best_config": best["config"],
+             "best_swizzle": best["swizzle"], "on_tflops": best["tflops"], "ratio_vs_cublas": best["tflops"] /
+             cub["tflops"], "off_tflops": off["tflops"] if off else None,
+             "on_off_ratio": best["tflops"] / off["tflops"] if off else None,
+             "immediate_off_ratio": imm["tflops"] / off["tflops"] if imm and off else None,
+             "best_off_config": best_off["variant"] if best_off else None,
+             "best_off_ratio_vs_cublas": best_off["tflops"] / cub["tflops"] if best_off else None}
+        for fr in free:
+            if fr:
+                # free-SM runs use the first --swizzles value; prefer the best config's own
+                r = find("deferred", fr) or next((x for x in rs if x.get("config") == best["config"]
+                                                  and x["free_sms"] == fr), None)
+                s[f"free{fr}_tflops"] = r["tflops"] if r else None
+        out.append(s)
+    return out
+
+
+def print_table(summary: list[dict], free: list[int]) -> None:
+    hdr = (f"{'M':>6} {'N':>5} {'K':>6} | {'cuBLAS':>6} | {'best config (signals on)':<30} {'on':>6} {'x cuB':>6} |"
+           f" {'off':>6} {'on/off':>6} {'imm/off':>7} | " + " ".join(f"free{f:<2}" for f in free if f))
+    print(hdr)
+    print("-" * len(hdr))
+    for s in summary:
+        frees = " ".join(f"{s.get(f'free{f}_tflops') or float('nan'):6.0f}" for f in free if f)
+        cfg = f"{s['best_config']} s{s['best_swizzle']}"
+        print(f"{s['m']:>6} {s['n']:>5} {s['k']:>6} | {s['cublas_tflops']:6.0f} | {cfg:<30} {s['on_tflops']:6.0f} "
+              f"{s['ratio_vs_cublas']:6.3f} | {s['off_tflops'] or 0:6.0f} {s['on_off_ratio'] or 0:6.3f} "
+              f"{s['immediate_off_ratio'] or 0:7.3f} | {frees}")
+    ratios = [s["ratio_vs_cublas"] for s in summary]
+    onoff = [s["on_off_ratio"] for s in summary if s["on_off_ratio"]]
+    geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+    print(f"geomean best-on/cuBLAS {geo:.3f} (target >= 0.93), min {min(ratios):.3f} (target >= 0.88); "
+          f"on/off min {min(onoff):.3f} max {max(onoff):.3f} (target within 2%)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ms", default=",".join(map(str, GRID_MS)))
+    p.add_argument("--nk", default=",".join(f"{n}x{k}" for n, k in GRID_NK))
+    p.add_argument("--configs", nargs="*", default=None, help="configuration names (default: all compiled)")
+    p.add_argument("--modes", default="off,deferred,immediate")
+    p.add_argument("--swizzles", default="1")
+    p.add_argument("--free", default="0,8,16,24", help="SMs left free (signals on, deferred)")
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--extras", action="store_true", help="also time the A-row gather and the wait mechanisms")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    args.modes = args.modes.split(",")
+    args.swizzles = [int(x) for x in args.swizzles.split(",")]
+    args.free = [int(x) for x in args.free.split(",")]
+    if not kernels.available():
+        print("needs an sm90 GPU and the built library (python -m flashoverlap_inductor.build)")
+        return 1
+    cfgs = [c for c in kernels.configs() if args.configs is None or c.name in args.configs]
+    shapes = [(m, *map(int, nk.split("x"))) for m in map(int, args.ms.split(",")) for nk in args.nk.split(",")]
+    t0 = time.time()
+    rows = []
+    for m, n, k in shapes:
+        rows += bench_shape(m, n, k, cfgs, args)
+        print(f"# {m}x{n}x{k} done ({time.time() - t0:.0f} s)", flush=True)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "configs": [c.name for c in cfgs],
+              "reps": args.reps, "iters": args.iters, "groups": args.groups, "rows": rows,
+              "summary": summarize(rows, args.free)}
+    if args.extras:
+        result["gather"] = [bench_gather(m, k, 8, args.groups) for m in map(int, args.ms.split(","))
+                            for k in sorted({k for _, k in (map(int, nk.split("x")) for nk in args.nk.split(","))})]
+        result["wait"] = bench_wait()
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.extras:
+        gemm_ms = {(s["m"], s["k"]): 2e-9 * s["m"] * s["n"] * s["k"] / s["on_tflops"] * 1e3
+                   for s in result["summary"]}
+        for g in result["gather"]:
+            ref = max((v for (m, k), v in gemm_ms.items() if m == g["m"] and k == g["k"]), default=None)
+            print(f"gather M={g['m']} K={g['k']}: index_select {g['index_select_ms']:.3f} ms, {g['segments']} "
+                  f"segment copies {g['segments_ms']:.3f} ms" + (f" ({g['index_select_ms'] / ref:.1%} of the GEMM)"
+                                                                 if ref else ""))
+        print("wait:", json.dumps(result["wait"]))
+    print_table(result["summary"], args.free)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

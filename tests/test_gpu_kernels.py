@@ -1,0 +1,251 @@
+"""Tests of the sm90 signal-GEMM library: the build script and loader on any machine, kernels on a Hopper GPU.
+
+GPU tests skip without CUDA, without an sm90 device, or without the built library
+(``python -m flashoverlap_inductor.build``). They check results against torch on fresh random data with
+poisoned outputs, that counters end exactly at the plan's group sizes, that every group's rows are complete
+when its wait releases, and that a wait that can never succeed raises ``FlashOverlapTimeout``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashoverlap_inductor import build, kernels, plan
+
+GPU = pytest.mark.skipif(not kernels.available(), reason="needs an sm90 GPU and the built CUDA library")
+
+
+# --------------------------------------------------------------------------------------------- CPU-only parts
+def test_build_skips_cleanly_without_nvcc(monkeypatch, capsys):
+    monkeypatch.setattr(build, "find_nvcc", lambda: None)
+    assert build.build(verbose=False) is None
+    assert "nvcc not found" in capsys.readouterr().out
+    with pytest.raises(RuntimeError, match="nvcc not found"):
+        build.build(require=True)
+    assert build.main([]) == 0
+    assert build.main(["--require"]) == 1
+
+
+def test_build_units_are_unique_and_cover_every_variant():
+    stems = [u.stem for u in build.units()]
+    assert len(stems) == len(set(stems))
+    names = [c.name for c in build.CONFIGS]
+    assert len(names) == len(set(names))
+    full = [c for c in build.CONFIGS if c.variants == "all"]
+    assert {(c.schedule, c.tile[:2]) for c in full} >= {("coop", (128, 128)), ("coop", (128, 256)),
+                                                         ("coop", (256, 128)), ("pp", (128, 128))}
+    for c in full:
+        got = {(u.dtype, u.b_layout) for u in build.units([c.name]) if u.config == c}
+        assert got == {(d, b) for d in build.DTYPES for b in build.B_LAYOUTS}
+    assert kernels.DEFAULT_CONFIG in names
+    assert all(u.dtype == "bf16" and u.b_layout == "nk" for u in build.units(variants="bf16_nk"))
+
+
+def test_loader_reports_missing_library(monkeypatch, tmp_path):
+    monkeypatch.setenv(kernels.LIB_ENV, str(tmp_path / "nope.so"))
+    with pytest.raises(kernels.KernelLibraryError, match="flashoverlap_inductor.build"):
+        kernels.library()
+    assert not kernels.available()
+
+
+def test_wrap32_is_cyclic():
+    assert kernels._wrap32(5) == 5
+    assert kernels._wrap32(2**31) == -(2**31)
+    assert kernels._wrap32(2**32 + 7) == 7
+
+
+# --------------------------------------------------------------------------------------------------- GPU parts
+def _reference(a, b, bias):
+    ref = a.double() @ b.double()
+    if bias is not None:
+        ref += bias.double()
+    return ref
+
+
+def _rel_err(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def _operands(m, n, k, dtype, b_layout, with_bias, gen):
+    a = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
+    if b_layout == "nk":
+        b = torch.randn(n, k, generator=gen, device="cuda").to(dtype).t()  # a Linear weight's view
+    else:
+        b = torch.randn(k, n, generator=gen, device="cuda").to(dtype)
+    bias = torch.randn(n, generator=gen, device="cuda").to(dtype) if with_bias else None
+    return a, b, bias
+
+
+SHAPES = [(512, 1024, 256), (1000, 776, 328), (129, 264, 64), (2048, 2056, 1024), (64, 4096, 8)]
+
+
+@GPU
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_every_config_matches_torch(shape):
+    gen = torch.Generator(device="cuda").manual_seed(sum(shape))
+    m, n, k = shape
+    for info in kernels.configs():
+        for dtype_name, b_layout in info.variants:
+            dtype = getattr(torch, dtype_name)
+            for with_bias in (False, True):
+                a, b, bias = _operands(m, n, k, dtype, b_layout, with_bias, gen)
+                out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+                kernels.signal_gemm(a, b, bias, out, config=info.name)
+                ref = _reference(a, b, bias)
+                assert not out.isnan().any(), f"{info.name} {dtype_name} {b_layout}: unwritten output"
+                err = _rel_err(out, ref)
+                assert err < 1e-2, f"{info.name} {dtype_name} {b_layout} bias={with_bias}: rel err {err}"
+                torch_err = _rel_err(torch.addmm(bias, a, b) if with_bias else a @ b, ref)
+                assert err < 2 * torch_err + 1e-3, f"{info.name}: {err} vs torch {torch_err}"
+
+
+@GPU
+def test_strided_a_and_out_views():
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    big = torch.randn(700, 1040, generator=gen, device="cuda").bfloat16()
+    a = big[:, 8:520]  # row stride 1040, 16-byte aligned offset
+    w = torch.randn(384, 512, generator=gen, device="cuda").bfloat16()
+    out_big = torch.full((700, 400), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = out_big[:, :384]
+    kernels.signal_gemm(a, w.t(), None, out)
+    assert _rel_err(out, _reference(a, w.t(), None)) < 1e-2
+    assert out_big[:, 384:].isnan().all()
+    at = torch.randn(512, 700, generator=gen, device="cuda").bfloat16().t()  # column-major A: copied
+    assert _rel_err(kernels.signal_gemm(at, w.t()), _reference(at, w.t(), None)) < 1e-2
+
+
+@GPU
+@pytest.mark.parametrize("mode", ["deferred", "immediate"])
+def test_counters_end_at_group_sizes(mode):
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    for info in kernels.configs():
+        for m, n, k, groups, sms, swz in ((1000, 1032, 256, 3, 0, 1), (4096, 2048, 512, 5, 116, 4),
+                                          (300, 264, 64, 1, 124, 2)):
+            p = plan.uniform_plan(m, n, info.tile_m, info.tile_n, groups)
+            gmap = plan.group_of_tile_row(p.row_bounds, info.tile_m)
+            expect = plan.tiles_per_group(p.row_bounds, info.tile_m, info.tile_n, n)
+            a, b, _ = _operands(m, n, k, torch.bfloat16, "nk", False, gen)
+            counters = torch.zeros(len(expect), dtype=torch.int32, device="cuda")
+            for rep in range(1, 3):
+                out = kernels.signal_gemm(a, b, config=info.name, counters=counters, group_of_tile_row=gmap,
+                                          sm_count=sms, swizzle=swz, signal_mode=mode)
+                torch.cuda.synchronize()
+                assert counters.tolist() == [rep * e for e in expect], f"{info.name} {m}x{n}x{k} rep {rep}"
+            assert _rel_err(out, _reference(a, b, None)) < 1e-2
+            # identity map: one counter per tile-row
+            per_row = torch.zeros(math.ceil(m / info.tile_m), dtype=torch.int32, device="cuda")
+            kernels.signal_gemm(a, b, config=info.name, counters=per_row, signal_mode=mode, raster="along_m")
+            torch.cuda.synchronize()
+            assert per_row.tolist() == [math.ceil(n / info.tile_n)] * per_row.numel()
+
+
+def _stamp(buf, i, stream):
+    kernels._check(kernels.library().fo_test_stamp(buf.data_ptr() + 8 * i, stream.cuda_stream), "fo_test_stamp")
+
+
+@GPU
+@pytest.mark.parametrize("mode", ["deferred", "immediate"])
+def test_groups_release_in_order_with_complete_rows(mode):
+    """A side stream waits for each group, then snapshots its rows: every snapshot must equal the final output
+    (the rows were in memory when the counter said so), and the releases come in group order, before the end."""
+    m, n, k, groups = 8192, 4096, 2048, 8
+    info = kernels.config_info(kernels.DEFAULT_CONFIG)
+    p = plan.uniform_plan(m, n, info.tile_m, info.tile_n, groups)
+    gmap = plan.group_of_tile_row(p.row_bounds, info.tile_m)
+    tiles = plan.tiles_per_group(p.row_bounds, info.tile_m, info.tile_n, n)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    a, b, _ = _operands(m, n, k, torch.bfloat16, "nk", False, gen)
+    counters = torch.zeros(groups, dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    for epoch in range(1, 3):
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        snap = torch.empty_like(out)
+        stamps = torch.zeros(groups + 1, dtype=torch.int64, device="cuda")
+        torch.cuda.synchronize()
+        main = torch.cuda.current_stream()
+        with torch.cuda.stream(side):
+            for g in range(groups):
+                kernels.wait_group(counters, g, epoch * tiles[g], stream=side, timeout_ms=5000)
+                lo, hi = p.row_bounds[g], p.row_bounds[g + 1]
+                snap[lo:hi].copy_(out[lo:hi])
+                _stamp(stamps, g, side)
+        kernels.signal_gemm(a, b, out=out, counters=counters, group_of_tile_row=gmap, sm_count=120,
+                            signal_mode=mode)
+        _stamp(stamps, groups, main)
+        torch.cuda.synchronize()
+        kernels.raise_if_timed_out()
+        assert torch.equal(snap, out), f"epoch {epoch}: a group was released before its rows were written"
+        t = stamps.tolist()
+        assert t[:groups] == sorted(t[:groups])
+        assert t[0] < t[groups], "group 0 was released only after the GEMM ended"
+
+
+@GPU
+def test_wait_timeout_raises():
+    counters = torch.zeros(2, dtype=torch.int32, device="cuda")
+    kernels.raise_if_timed_out()
+    kernels.wait_group(counters, 1, 5, timeout_ms=20)
+    torch.cuda.synchronize()
+    with pytest.raises(kernels.FlashOverlapTimeout, match="group 1 timed out: counter at 0, target 5"):
+        kernels.raise_if_timed_out()
+    kernels.raise_if_timed_out()  # cleared
+    expected = torch.zeros(2, dtype=torch.int32, device="cuda")
+    kernels.wait_group_epoch(counters, expected, 0, 3, timeout_ms=20)
+    torch.cuda.synchronize()
+    with pytest.raises(kernels.FlashOverlapTimeout):
+        kernels.raise_if_timed_out()
+    assert expected.tolist() == [3, 0]  # the epoch advanced anyway
+
+
+@GPU
+def test_epoch_waits_survive_graph_replay():
+    m, n, k = 1024, 1024, 256
+    info = kernels.config_info(kernels.DEFAULT_CONFIG)
+    p = plan.uniform_plan(m, n, info.tile_m, info.tile_n, 4)
+    gmap = plan.group_of_tile_row(p.row_bounds, info.tile_m)
+    tiles = plan.tiles_per_group(p.row_bounds, info.tile_m, info.tile_n, n)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    a, b, _ = _operands(m, n, k, torch.bfloat16, "nk", False, gen)
+    counters = torch.zeros(len(tiles), dtype=torch.int32, device="cuda")
+    expected = torch.zeros_like(counters)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    side = torch.cuda.Stream()
+    kernels.signal_gemm(a, b, out=out, counters=counters, group_of_tile_row=gmap)  # warm-up (loads, attributes)
+    for g, t in enumerate(tiles):
+        kernels.wait_group_epoch(counters, expected, g, t)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        kernels.signal_gemm(a, b, out=out, counters=counters, group_of_tile_row=gmap, sm_count=124)
+        with torch.cuda.stream(side):
+            for g, t in enumerate(tiles):
+                kernels.wait_group_epoch(counters, expected, g, t, stream=side, timeout_ms=5000)
+        main.wait_stream(side)
+    for _ in range(3):
+        a.copy_(torch.randn(m, k, generator=gen, device="cuda").bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        kernels.raise_if_timed_out()
+        assert _rel_err(out, _reference(a, b, None)) < 1e-2
+    assert counters.tolist() == [4 * t for t in tiles]  # 1 eager + 3 replays (capture does not run)
+    assert expected.tolist() == counters.tolist()
+
+
+@GPU
+def test_stream_wait_value_releases_after_the_add():
+    counters = torch.zeros(1, dtype=torch.int32, device="cuda")
+    stamps = torch.zeros(2, dtype=torch.int64, device="cuda")
+    side = torch.cuda.Stream()
+    main = torch.cuda.current_stream()
+    kernels.stream_wait_value(counters, 0, 3, stream=side)
+    _stamp(stamps, 1, side)
+    kernels._check(kernels.library().fo_test_delayed_add(counters.data_ptr(), 3, 200_000, stamps.data_ptr(),
+                                                         main.cuda_stream), "fo_test_delayed_add")
+    torch.cuda.synchronize()
+    set_at, released_at = stamps.tolist()
+    assert released_at >= set_at

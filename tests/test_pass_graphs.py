@@ -1,0 +1,308 @@
+"""Graph-rewrite tests of FlashOverlapPass: the post-pass graph of every collective and source form, printed and
+compared with expecttest, plus a simulated-collective check that each rewrite computes what the original graph
+computes (``pass_harness.check_equivalent``).
+
+Fuse mode "always" throughout, so the graphs do not depend on cost-model numbers (plan strings are printed as
+``plan(m=..,n=..)``). Refresh expectations with ``EXPECTTEST_ACCEPT=1 python -m pytest tests/test_pass_graphs.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+import torch.nn.functional as F
+from pass_harness import FakePGTestCase, check_equivalent, fused_lines, graph_str
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.testing._internal.common_utils import run_tests
+
+from flashoverlap_inductor.passes import counters
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int = 16, hidden: int = 64, bias: bool = False) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden, bias=bias)
+        self.down = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+class Attention(nn.Module):
+    """Llama-style attention whose projections are tensor-parallel (heads split over ranks)."""
+
+    def __init__(self, dim: int = 32, head_dim: int = 8) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.q, self.k, self.v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.o = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+
+def _mlp_plan(sequence_parallel: bool = False) -> dict:
+    if sequence_parallel:
+        return {"up": ColwiseParallel(input_layouts=Shard(1)), "down": RowwiseParallel(output_layouts=Shard(1))}
+    return {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+class TestFunctionalCollectives(FakePGTestCase):
+    def test_all_reduce_2d(self):
+        g = self.group
+        fn = lambda x, w: funcol.all_reduce(x @ w, "sum", g)
+        (gm,), _ = self.capture(fn, torch.randn(8, 16), torch.randn(16, 32))
+        self.assertExpectedInline(graph_str(gm), """\
+def forward(self, arg0_1, arg1_1):
+    gemm_all_reduce_default = torch.ops.flashoverlap.gemm_all_reduce.default(arg0_1, arg1_1, None, 'sum', '0', 'plan(m=8,n=32)');  arg0_1 = arg1_1 = None
+    return (gemm_all_reduce_default,)""")
+        self.assertEqual(dict(counters), {"fused:all_reduce": 1})
+        self.assert_rewrite_equivalent(fn, torch.randn(8, 16), torch.randn(16, 32))
+
+    def test_all_reduce_3d_linear_bias(self):
+        g = self.group
+        fn = lambda x, w, b: funcol.all_reduce(F.linear(x, w, b), "sum", g)
+        args = torch.randn(2, 4, 16), torch.randn(32, 16), torch.randn(32)
+        (gm,), _ = self.capture(fn, *args)
+        self.assertExpectedInline(graph_str(gm), """\
+def forward(self, arg0_1, arg1_1, arg2_1):
+    view = torch.ops.aten.reshape.default(arg0_1, [8, 16]);  arg0_1 = None
+    permute = torch.ops.aten.permute.default(arg1_1, [1, 0]);  arg1_1 = None
+    gemm_all_reduce_default = torch.ops.flashoverlap.gemm_all_reduce.default(view, permute, arg2_1, 'sum', '0', 'plan(m=8,n=32)');  view = permute = arg2_1 = None
+    reshape_default = torch.ops.aten.reshape.default(gemm_all_reduce_default, [2, 4, 32]);  gemm_all_reduce_default = None
+    return (reshape_default,)""")
+        self.assert_rewrite_equivalent(fn, *args)
+
+    def test_reduce_scatter_dim0(self):
+        g = self.group
+        fn = lambda x, w: funcol.reduce_scatter_tensor(F.linear(x, w), "sum", 0, g)
+        args = torch.randn(4, 3, 16), torch.randn(32, 16)
+        (gm,), out = self.capture(fn, *args)
+        self.assertEqual(out.shape, (2, 3, 32))
+        self.assertExpectedInline(graph_str(gm), """\
+def forward(self, arg0_1, arg1_1):
+    view = torch.ops.aten.reshape.default(arg0_1, [12, 16]);  arg0_1 = None
+    permute = torch.ops.aten.permute.default(arg1_1, [1, 0]);  arg1_1 = None
+    gemm_reduce_scatter_default = torch.ops.flashoverlap.gemm_reduce_scatter.default(view, permute, None, 'sum', 2, '0', 'plan(m=12,n=32)');  view = permute = None
+    reshape_default = torch.ops.aten.reshape.default(gemm_reduce_scatter_default, [2, 3, 32]);  gemm_reduce_scatter_default = None
+    return (reshape_default,)""")
+        self.assertEqual(dict(counters), {"fused:reduce_scatter": 1})
+        self.assert_rewrite_equivalent(fn, *args)
+
+    def test_reduce_scatter_dim1_split_cat(self):
+        """funcol's split/getitem/cat form: the rewrite reorders a's rows so the op scatters dim 0."""
+        g = self.group
+        fn = lambda x, w: funcol.reduce_scatter_tensor(F.linear(x, w), "sum", 1, g)
+        args = torch.randn(2, 8, 16), torch.randn(32, 16)
+        (gm,), out = self.capture(fn, *args)
+        self.assertEqual(out.shape, (2, 4, 32))
+        self.assertExpectedInline(graph_str(gm), """\
+def forward(self, arg0_1, arg1_1):
+    view = torch.ops.aten.reshape.default(arg0_1, [16, 16]);  arg0_1 = None
+    permute = torch.ops.aten.permute.default(arg1_1, [1, 0]);  arg1_1 = None
+    reshape_default = torch.ops.aten.reshape.default(view, [2, 2, 4, -1]);  view = None
+    permute_default = torch.ops.aten.permute.default(reshape_default, [1, 0, 2, 3]);  reshape_default = None
+    reshape_default_1 = torch.ops.aten.reshape.default(permute_default, [-1, 16]);  permute_default = None
+    gemm_reduce_scatter_default = torch.ops.flashoverlap.gemm_reduce_scatter.default(reshape_default_1, permute, None, 'sum', 2, '0', 'plan(m=16,n=32)');  reshape_default_1 = permute = None
+    reshape_default_2 = torch.ops.aten.reshape.default(gemm_reduce_scatter_default, [2, 4, 32]);  gemm_reduce_scatter_default = None
+    return (reshape_default_2,)""")
+        self.assert_rewrite_equivalent(fn, *args)
+
+    def test_reduce_scatter_4d_dim2(self):
+        g = self.group
+        fn = lambda x, w: funcol.reduce_scatter_tensor(F.linear(x, w), "sum", 2, g)
+        args = torch.randn(2, 3, 4, 16), torch.randn(8, 16)
+        (gm,), out = self.capture(fn, *args)
+        self.assertEqual(out.shape, (2, 3, 2, 8))
+        self.assertEqual(dict(counters), {"fused:reduce_scatter": 1})
+        self.assert_rewrite_equivalent(fn, *args)
+
+    def test_all_to_all_even(self):
+        g = self.group
+        fn = lambda x, w: funcol.all_to_all_single(F.linear(x, w), None, None, g)
+        args = torch.randn(4, 3, 16), torch.randn(32, 16)
+        (gm,), _ = self.capture(fn, *args)
+        self.assertExpectedInline(graph_str(gm), """\
+def forward(self, arg0_1, arg1_1):
+    view = torch.ops.aten.reshape.default(arg0_1, [12, 16]);  arg0_1 = None
+    permute = torch.ops.aten.permute.default(arg1_1, [1, 0]);  arg1_1 = None
+    gemm_all_to_all_default = torch.ops.flashoverlap.gemm_all_to_all.default(view, permute, None, [6, 6], [6, 6], '0', 'plan(m=12,n=32)');  view = permute = None
+    reshape_default = torch.ops.aten.reshape.default(gemm_all_to_all_default, [4, 3, 32]);  gemm_all_to_all_default = None
+    return (reshape_default,)""")
+        self.assertEqual(dict(counters), {"fused:all_to_all": 1})
+        self.assert_rewrite_equivalent(fn, *args)
+
+    def test_all_to_all_uneven(self):
+        g = self.group
+        fn = lambda x, w: funcol.all_to_all_single(x @ w, [5, 5], [3, 5], g)
+        args = torch.randn(8, 16), torch.randn(16, 32)
+        (gm,), out = self.capture(fn, *args)
+        self.assertEqual(out.shape, (10, 32))
+        self.assertExpectedInline(graph_str(gm), """\
+def forward(self, arg0_1, arg1_1):
+    gemm_all_to_all_default = torch.ops.flashoverlap.gemm_all_to_all.default(arg0_1, arg1_1, None, [5, 5], [3, 5], '0', 'plan(m=8,n=32)');  arg0_1 = arg1_1 = None
+    return (gemm_all_to_all_default,)""")
+        self.assert_rewrite_equivalent(fn, *args)
+
+    def test_bmm_all_reduce(self):
+        g = self.group
+        fn = lambda x, w: funcol.all_reduce(torch.bmm(x, w), "sum", g)
+        args = torch.randn(2, 4, 16), torch.randn(2, 16, 8)
+        (gm,), _ = self.capture(fn, *args)
+        self.assertExpectedInline(graph_str(gm), """\
+def forward(self, arg0_1, arg1_1):
+    gemm_all_reduce_default = torch.ops.flashoverlap.gemm_all_reduce.default(arg0_1, arg1_1, None, 'sum', '0', 'plan(m=8,n=8)');  arg0_1 = arg1_1 = None
+    return (gemm_all_reduce_default,)""")
+        self.assert_rewrite_equivalent(fn, *args)
+
+    def test_two_layers_chained(self):
+        """The output of one fused op feeds the next GEMM: both rewrites must compose."""
+        g = self.group
+        fn = lambda x, w1, w2: funcol.all_reduce(funcol.all_reduce(x @ w1, "sum", g) @ w2, "sum", g)
+        args = torch.randn(8, 16), torch.randn(16, 16), torch.randn(16, 8)
+        (gm,), _ = self.capture(fn, *args)
+        self.assertEqual(dict(counters), {"fused:all_reduce": 2})
+        self.assertExpectedInline(fused_lines(gm), """\
+gemm_all_reduce_default = torch.ops.flashoverlap.gemm_all_reduce.default(arg0_1, arg1_1, None, 'sum', '0', 'plan(m=8,n=16)');  arg0_1 = arg1_1 = None
+gemm_all_reduce_default_1 = torch.ops.flashoverlap.gemm_all_reduce.default(gemm_all_reduce_default, arg2_1, None, 'sum', '0', 'plan(m=8,n=8)');  gemm_all_reduce_default = arg2_1 = None""")
+        self.assert_rewrite_equivalent(fn, *args)
+
+
+class TestInPlaceDistributed(FakePGTestCase):
+    """``torch.distributed`` in-place calls in the compiled region (Dynamo rewrites them to funcol)."""
+
+    def test_inplace_all_reduce(self):
+        def fn(x, w):
+            y = x @ w
+            dist.all_reduce(y)
+            return y
+
+        args = torch.randn(8, 16), torch.randn(16, 32)
+        (gm,), _ = self.capture(fn, *args)
+        self.assertExpectedInline(graph_str(gm), """\
+def forward(self, arg0_1, arg1_1):
+    gemm_all_reduce_default = torch.ops.flashoverlap.gemm_all_reduce.default(arg0_1, arg1_1, None, 'sum', '0', 'plan(m=8,n=32)');  arg0_1 = arg1_1 = None
+    return (gemm_all_reduce_default,)""")
+        self.assert_rewrite_equivalent(fn, *args)
+
+    def test_inplace_reduce_scatter_and_all_to_all(self):
+        def fn(x, w):
+            y = x @ w
+            rs = torch.empty(4, 32)
+            dist.reduce_scatter_tensor(rs, y)
+            a2a = torch.empty_like(y)
+            dist.all_to_all_single(a2a, x @ w)
+            return rs, a2a
+
+        args = torch.randn(8, 16), torch.randn(16, 32)
+        (gm,), _ = self.capture(fn, *args)
+        self.assertEqual(dict(counters), {"fused:reduce_scatter": 1, "fused:all_to_all": 1})
+        self.assertExpectedInline(fused_lines(gm), """\
+gemm_reduce_scatter_default = torch.ops.flashoverlap.gemm_reduce_scatter.default(arg0_1, arg1_1, None, 'sum', 2, '0', 'plan(m=8,n=32)')
+gemm_all_to_all_default = torch.ops.flashoverlap.gemm_all_to_all.default(arg0_1, arg1_1, None, [4, 4], [4, 4], '0', 'plan(m=8,n=32)');  arg0_1 = arg1_1 = None""")
+        self.assert_rewrite_equivalent(fn, *args)
+
+
+class TestDTensor(FakePGTestCase):
+    """DTensor tensor-parallel plans (inference graphs; parameters are plain post-grad inputs)."""
+
+    def setUp(self):
+        super().setUp()
+        self.mesh = init_device_mesh("cpu", (2,))
+
+    def _run(self, module: nn.Module, plan: dict, x: torch.Tensor) -> torch.fx.GraphModule:
+        torch.manual_seed(0)
+        model = parallelize_module(module, self.mesh, plan)
+        with torch.no_grad():
+            (gm,), _ = self.capture(model, x)
+            self.assert_rewrite_equivalent(model, x)
+        return gm
+
+    def test_mlp_no_bias(self):
+        gm = self._run(MLP(bias=False), _mlp_plan(), torch.randn(2, 8, 16))
+        self.assertExpectedInline(graph_str(gm), """""")
+
+    def test_mlp_bias(self):
+        """DTensor divides the Replicate bias by the world size and uses addmm: the op adds it before the sum."""
+        gm = self._run(MLP(bias=True), _mlp_plan(), torch.randn(2, 8, 16))
+        self.assertExpectedInline(graph_str(gm), """""")
+
+    def test_attention(self):
+        plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel()}
+        gm = self._run(Attention(), plan, torch.randn(2, 6, 32))
+        self.assertEqual(dict(counters), {"fused:all_reduce": 1})
+        self.assertExpectedInline(fused_lines(gm), """""")
+
+    def test_sequence_parallel_mlp(self):
+        """Rowwise with Shard(1) output: reduce_scatter over the sequence dim (split/cat form)."""
+        gm = self._run(MLP(), _mlp_plan(sequence_parallel=True), torch.randn(2, 4, 16))
+        self.assertEqual(dict(counters), {"fused:reduce_scatter": 1})
+        self.assertExpectedInline(graph_str(gm), """""")
+
+
+class TestSymbolicM(FakePGTestCase):
+    """Dynamic batch: the op gets plan 'auto' and the reshapes reuse the graph's SymInt nodes."""
+
+    def test_all_reduce_dynamic_batch(self):
+        g = self.group
+        fn = lambda x, w: funcol.all_reduce(F.linear(x, w), "sum", g)
+        x = torch.randn(3, 4, 16)
+        torch._dynamo.mark_dynamic(x, 0)
+        (gm,), _ = self.capture(fn, x, torch.randn(32, 16))
+        self.assertExpectedInline(graph_str(gm), """""")
+        self.assert_rewrite_equivalent(fn, x, torch.randn(32, 16))
+
+    def test_all_to_all_dynamic_batch(self):
+        """Even splits of a symbolic dim 0 of a 3D view: the op's row splits become ``split * 4`` nodes."""
+        g = self.group
+        fn = lambda x, w: funcol.all_to_all_single(F.linear(x, w), None, None, g)
+        x = torch.randn(6, 4, 16)
+        torch._dynamo.mark_dynamic(x, 0)
+        (gm,), _ = self.capture(fn, x, torch.randn(32, 16))
+        self.assertEqual(dict(counters), {"fused:all_to_all": 1})
+        self.assertExpectedInline(graph_str(gm), """""")
+        self.assert_rewrite_equivalent(fn, x, torch.randn(32, 16))
+
+    def test_sequence_parallel_dynamic_batch(self):
+        mesh = init_device_mesh("cpu", (2,))
+        model = parallelize_module(MLP(), mesh, _mlp_plan(sequence_parallel=True))
+        x = torch.randn(3, 4, 16)
+        torch._dynamo.mark_dynamic(x, 0)
+        with torch.no_grad():
+            (gm,), _ = self.capture(model, x)
+            self.assert_rewrite_equivalent(model, x)
+        self.assertExpectedInline(fused_lines(gm), """""")
+
+
+class TestTraining(FakePGTestCase):
+    def test_training_step_forward_and_backward(self):
+        """Colwise -> Rowwise MLP training step, fully compiled: the forward's Rowwise all_reduce and the
+        backward's Colwise input-gradient all_reduce are both fused; both graphs match the unfused ones."""
+        mesh = init_device_mesh("cpu", (2,))
+        torch.manual_seed(0)
+        model = parallelize_module(MLP(bias=True), mesh, _mlp_plan())
+        x = torch.randn(2, 8, 16, requires_grad=True)
+
+        def step(x):
+            return model(x).sum()
+
+        graphs, loss = self.capture(step, x, full=True)
+        self.assertEqual(len(graphs), 1)  # the backward graph is compiled at the first backward()
+        loss.backward()
+        self.assertEqual(len(graphs), 2)
+        self.assertEqual(x.grad.shape, x.shape)
+        self.assertEqual(dict(counters), {"fused:all_reduce": 2})
+        fwd, bwd = graphs
+        self.assertExpectedInline(fused_lines(fwd), """""")
+        self.assertExpectedInline(fused_lines(bwd), """""")
+
+
+if __name__ == "__main__":
+    run_tests()
