@@ -82,7 +82,22 @@ using namespace flashoverlap;
 
 extern "C" {
 
-FO_API int fo_abi_version(void) { return 1; }
+FO_API int fo_abi_version(void) { return 2; }
+
+FO_API int fo_preload(void) {
+  cudaFuncAttributes attr{};
+  for (void const* k : {reinterpret_cast<void const*>(&wait_counter_kernel),
+                        reinterpret_cast<void const*>(&delayed_add_kernel), reinterpret_cast<void const*>(&stamp_kernel)}) {
+    cudaError_t e = cudaFuncGetAttributes(&attr, k);
+    if (e != cudaSuccess) return fail_cuda("fo_preload", e);
+  }
+  for (int i = 0; i < num_configs(); ++i) {
+    std::string err;
+    int rc = registry()[i].preload(err);
+    if (rc != 0) return fail(rc, err);
+  }
+  return 0;
+}
 
 FO_API const char* fo_last_error(void) { return last_error.c_str(); }
 

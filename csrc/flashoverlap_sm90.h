@@ -22,6 +22,12 @@ extern "C" {
 FO_API int fo_abi_version(void);
 FO_API const char* fo_last_error(void);
 
+/* Load every kernel of the library on the current device now. CUDA's lazy loading would load a kernel at its
+ * first launch, which may synchronize the context: if a wait kernel is spinning for a kernel not yet loaded,
+ * that deadlocks (until the wait's timeout; forever for fo_stream_wait_value). Call once per device before the
+ * first GEMM or wait (the Python binding does). */
+FO_API int fo_preload(void);
+
 /* Compiled GEMM configurations. fo_config_info fills: name (the configuration without dtype/layout, e.g.
  * "coop_128x256x64_c2x1"), and ints[12] = {tile_m, tile_n, tile_k, cluster_m, cluster_n, schedule (0 coop,
  * 1 pingpong), stages (0 auto), epi_m, epi_n (0 auto), dtype (0 bf16, 1 fp16), b_layout (0 [N,K], 1 [K,N]), 0}. */

@@ -42,7 +42,14 @@
 
 namespace {
 
-using namespace cute;
+// No `using namespace cute`: it would make cute's own anonymous namespace ambiguous with this one in the
+// host stub nvcc generates for device_kernel<GemmKernel>.
+using cute::_0;
+using cute::_1;
+using cute::get;
+using cute::Int;
+using cute::Shape;
+using cute::Stride;
 namespace fus = cutlass::epilogue::fusion;
 
 #if FO_DTYPE == 0
@@ -126,7 +133,7 @@ bool make_arguments(flashoverlap::GemmCall const& c, typename Gemm::Arguments& a
     err = "could not read the device's multiprocessor count";
     return false;
   }
-  int64_t const M = c.m, N = c.n, K = c.k;
+  int64_t const M = c.m, N = c.n;
   typename GemmKernel::StrideA sA{};
   get<0>(sA) = c.lda;
   get<2>(sA) = M * c.lda;
@@ -136,7 +143,7 @@ bool make_arguments(flashoverlap::GemmCall const& c, typename Gemm::Arguments& a
   get<2>(sB) = N * c.ldb;
 #else
   get<1>(sB) = c.ldb;
-  get<2>(sB) = K * c.ldb;
+  get<2>(sB) = int64_t(c.k) * c.ldb;
 #endif
   typename GemmKernel::StrideD sD{};
   get<0>(sD) = c.ldd;
@@ -206,10 +213,25 @@ int run(flashoverlap::GemmCall const& c, std::string& err) {
   return 0;
 }
 
+int preload(std::string& err) {
+  cudaFuncAttributes attr{};
+  cudaError_t e = cudaFuncGetAttributes(&attr, cutlass::device_kernel<GemmKernel>);
+  if (e == cudaSuccess && GemmKernel::SharedStorageSize >= (48 << 10)) {
+    e = cudaFuncSetAttribute(cutlass::device_kernel<GemmKernel>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             int(GemmKernel::SharedStorageSize));
+  }
+  if (e != cudaSuccess) {
+    err = std::string(FO_NAME) + ": loading the kernel failed: " + cudaGetErrorString(e);
+    return 7;
+  }
+  return 0;
+}
+
 struct Registrar {
   Registrar() {
     flashoverlap::GemmConfig cfg{FO_NAME, FO_TM,     FO_TN,     FO_TK,          FO_CM, FO_CN, FO_SCHED,
-                                 FO_STAGES, FO_EPI_M, FO_EPI_N, FO_DTYPE, FO_BLAYOUT, &workspace_size, &run};
+                                 FO_STAGES, FO_EPI_M, FO_EPI_N, FO_DTYPE, FO_BLAYOUT, &workspace_size, &run,
+                                 &preload};
     flashoverlap::register_config(cfg);
   }
 };

@@ -47,6 +47,9 @@ struct GemmConfig {
   size_t (*workspace_size)(GemmCall const&);
   // Returns 0 or writes a message to err and returns a nonzero code.
   int (*run)(GemmCall const&, std::string& err);
+  // Loads the kernel now (CUDA lazy loading would otherwise load it at its first launch, which needs a context
+  // synchronization: a spinning waiter that depends on a not-yet-loaded kernel then deadlocks).
+  int (*preload)(std::string& err);
 };
 
 void register_config(GemmConfig const& cfg);

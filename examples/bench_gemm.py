@@ -65,7 +65,9 @@ def bench_shape(m: int, n: int, k: int, cfgs: list[kernels.KernelInfo], args) ->
     b = w.t()
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    variants = {"cublas": lambda: torch.mm(a, b, out=out)}
+    b_kn = b.contiguous()  # the same B stored [K,N]: cuBLAS's other layout, to take its best form
+    variants = {"cublas": lambda: torch.mm(a, b, out=out), "cublas_alloc": lambda: torch.mm(a, b),
+                "cublas_kn": lambda: torch.mm(a, b_kn, out=out)}
     for info in cfgs:
         p = plan.uniform_plan(m, n, info.tile_m, info.tile_n, args.groups)
         gmap = plan.group_of_tile_row(p.row_bounds, info.tile_m)
@@ -81,6 +83,9 @@ def bench_shape(m: int, n: int, k: int, cfgs: list[kernels.KernelInfo], args) ->
             for mode in args.modes:
                 variants[_variant_key(info.name, mode, 0, swz)] = (
                     lambda cfg=info.name, mode=mode, swz=swz, run=run: run(cfg, mode, 0, swz))
+        # control: the signals-off variant twice, to read the noise floor between identical kernels
+        variants[_variant_key(info.name, "off2", 0, args.swizzles[0])] = (
+            lambda cfg=info.name, run=run: run(cfg, "off", 0, args.swizzles[0]))
         for free in args.free:
             if free:
                 variants[_variant_key(info.name, "deferred", free, args.swizzles[0])] = (
@@ -89,8 +94,9 @@ def bench_shape(m: int, n: int, k: int, cfgs: list[kernels.KernelInfo], args) ->
     ref = torch.mm(a, b)
     for name, fn in variants.items():
         out.fill_(float("nan"))
-        fn()
-        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        res = fn()
+        got = res if name == "cublas_alloc" else out
+        err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         if not err < 1e-2:
             raise RuntimeError(f"{m}x{n}x{k} {name}: relative error {err}")
     flop = 2.0 * m * n * k
@@ -100,11 +106,56 @@ def bench_shape(m: int, n: int, k: int, cfgs: list[kernels.KernelInfo], args) ->
         med = statistics.median(t)
         row = {"m": m, "n": n, "k": k, "variant": name, "ms": med, "tflops": flop / med / 1e9,
                "ms_min": min(t), "ms_max": max(t)}
-        if name != "cublas":
+        if not name.startswith("cublas"):
             cfg, mode, free, swz = name.split("|")
             row.update(config=cfg, mode=mode, free_sms=int(free[4:]), swizzle=int(swz[3:]))
         rows.append(row)
     return rows
+
+
+def bench_burst(summary: list[dict], shapes: list[tuple[int, int, int]], groups: int, reps: int = 3) -> list[dict]:
+    """A second harness, like a quick standalone check: after 0.2 s idle, 3 warm-ups and 10 back-to-back launches
+    timed as one block (mean); cuBLAS forms and our best configuration (signals on) alternate; medians of
+    ``reps``. Unlike the sustained round-robin run, the GPU starts cool here."""
+    out_rows = []
+    for m, n, k in shapes:
+        best = next((s for s in summary if (s["m"], s["n"], s["k"]) == (m, n, k)), None)
+        if best is not None:
+            out_rows.append(_burst_one(m, n, k, best, groups, reps))
+    return out_rows
+
+
+def _burst_one(m: int, n: int, k: int, best: dict, groups: int, reps: int) -> dict:
+    a = torch.randn(m, k, device="cuda").bfloat16()
+    w = torch.randn(n, k, device="cuda").bfloat16()
+    b, b_kn = w.t(), w.t().contiguous()
+    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    info = kernels.config_info(best["best_config"])
+    p = plan.uniform_plan(m, n, info.tile_m, info.tile_n, groups)
+    gmap = plan.group_of_tile_row(p.row_bounds, info.tile_m)
+    counters = torch.zeros(p.num_groups, dtype=torch.int32, device="cuda")
+    fns = {"cublas": lambda: torch.mm(a, b, out=out), "cublas_kn": lambda: torch.mm(a, b_kn, out=out),
+           "ours": lambda: kernels.signal_gemm(a, b, out=out, config=info.name, counters=counters,
+                                               group_of_tile_row=gmap, swizzle=best["best_swizzle"])}
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            time.sleep(0.2)
+            for _ in range(3):
+                fn()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            times[name].append(start.elapsed_time(end) / 10)
+    flop = 2.0 * m * n * k
+    row = {"m": m, "n": n, "k": k, "config": info.name, "swizzle": best["best_swizzle"]}
+    row.update({f"{name}_tflops": flop / statistics.median(t) / 1e9 for name, t in times.items()})
+    row["ratio"] = row["ours_tflops"] / max(row["cublas_tflops"], row["cublas_kn_tflops"])
+    return row
 
 
 def bench_gather(m: int, k: int, world: int, groups: int) -> dict:
@@ -131,7 +182,7 @@ def bench_gather(m: int, k: int, world: int, groups: int) -> dict:
 def bench_wait(reps: int = 20) -> dict:
     """Release latency: a kernel spins 100 us then release-adds; a side stream waits (wait kernel or
     cuStreamWaitValue32) and then stamps %globaltimer. Also the cost of 8 already-satisfied waits."""
-    lib = kernels.library()
+    lib = kernels.ready()
     side, main = torch.cuda.Stream(), torch.cuda.current_stream()
     out = {}
     for how in ("kernel", "wait_value"):
@@ -154,6 +205,8 @@ def bench_wait(reps: int = 20) -> dict:
         counters = torch.ones(8, dtype=torch.int32, device="cuda")
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(4_000_000)  # keep the GPU busy while the host enqueues: time GPU cost, not Python
         start.record(side)
         for _ in range(10):
             for g in range(8):
@@ -174,7 +227,8 @@ def summarize(rows: list[dict], free: list[int]) -> list[dict]:
     out = []
     for m, n, k in shapes:
         rs = [r for r in rows if (r["m"], r["n"], r["k"]) == (m, n, k)]
-        cub = next(r for r in rs if r["variant"] == "cublas")
+        cub = max((r for r in rs if r["variant"].startswith("cublas")), key=lambda r: r["tflops"])
+        cub_forms = {r["variant"]: r["tflops"] for r in rs if r["variant"].startswith("cublas")}
         on = [r for r in rs if r.get("mode") == "deferred" and r["free_sms"] == 0]
         best = max(on, key=lambda r: r["tflops"])
 
@@ -183,8 +237,16 @@ def summarize(rows: list[dict], free: list[int]) -> list[dict]:
                          and r["free_sms"] == fr and r["swizzle"] == swz), None)
 
         off, imm = find("off"), find("immediate")
+        ctl = [(find("off", swz=r["swizzle"], cfg=r["config"]), r) for r in rs if r.get("mode") == "off2"]
+        noise = [abs(x["tflops"] / y["tflops"] - 1) for x, y in ctl if x]
         best_off = max((r for r in rs if r.get("mode") == "off"), key=lambda r: r["tflops"], default=None)
-        s = {"m": m, "n": n, "k": k, "cublas_tflops": cub["tflops"], "best_config": best["config"],
+        per_config = {}
+        for r in on:
+            per_config[r["config"]] = max(per_config.get(r["config"], 0.0), r["tflops"] / cub["tflops"])
+        s = {"m": m, "n": n, "k": k, "cublas_tflops": cub["tflops"], "cublas_form": cub["variant"],
+             "per_config_ratio": per_config,
+             "cublas_forms": cub_forms, "noise_off_vs_off_max": max(noise, default=None),
+             "best_config": best["config"],
              "best_swizzle": best["swizzle"], "on_tflops": best["tflops"], "ratio_vs_cublas": best["tflops"] /
              cub["tflops"], "off_tflops": off["tflops"] if off else None,
              "on_off_ratio": best["tflops"] / off["tflops"] if off else None,
@@ -213,10 +275,19 @@ def print_table(summary: list[dict], free: list[int]) -> None:
               f"{s['ratio_vs_cublas']:6.3f} | {s['off_tflops'] or 0:6.0f} {s['on_off_ratio'] or 0:6.3f} "
               f"{s['immediate_off_ratio'] or 0:7.3f} | {frees}")
     ratios = [s["ratio_vs_cublas"] for s in summary]
+    per_cfg: dict[str, list[float]] = {}
+    for s in summary:
+        for cfg, r in s["per_config_ratio"].items():
+            per_cfg.setdefault(cfg, []).append(r)
+    print("per configuration (signals on, best swizzle per shape) vs cuBLAS: geomean / min")
+    for cfg, rs in sorted(per_cfg.items(), key=lambda x: -sum(map(math.log, x[1]))):
+        print(f"  {cfg:<32} {math.exp(sum(map(math.log, rs)) / len(rs)):.3f} / {min(rs):.3f}")
     onoff = [s["on_off_ratio"] for s in summary if s["on_off_ratio"]]
     geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+    noise = [s["noise_off_vs_off_max"] for s in summary if s["noise_off_vs_off_max"] is not None]
     print(f"geomean best-on/cuBLAS {geo:.3f} (target >= 0.93), min {min(ratios):.3f} (target >= 0.88); "
-          f"on/off min {min(onoff):.3f} max {max(onoff):.3f} (target within 2%)")
+          f"on/off min {min(onoff):.3f} max {max(onoff):.3f} (target within 2%); cuBLAS = best of its forms; "
+          f"identical-kernel noise up to {max(noise, default=float('nan')):.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,29 +313,47 @@ def main(argv: list[str] | None = None) -> int:
     cfgs = [c for c in kernels.configs() if args.configs is None or c.name in args.configs]
     shapes = [(m, *map(int, nk.split("x"))) for m in map(int, args.ms.split(",")) for nk in args.nk.split(",")]
     t0 = time.time()
-    rows = []
-    for m, n, k in shapes:
-        rows += bench_shape(m, n, k, cfgs, args)
-        print(f"# {m}x{n}x{k} done ({time.time() - t0:.0f} s)", flush=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "configs": [c.name for c in cfgs],
-              "reps": args.reps, "iters": args.iters, "groups": args.groups, "rows": rows,
-              "summary": summarize(rows, args.free)}
+              "reps": args.reps, "iters": args.iters, "groups": args.groups, "rows": []}
+
+    def save() -> None:  # after every step: a later failure or timeout keeps what was measured
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+
+    for m, n, k in shapes:
+        result["rows"] += bench_shape(m, n, k, cfgs, args)
+        save()
+        print(f"# {m}x{n}x{k} done ({time.time() - t0:.0f} s)", flush=True)
+    result["summary"] = summarize(result["rows"], args.free)
+    save()
+    print_table(result["summary"], args.free)
     if args.extras:
-        result["gather"] = [bench_gather(m, k, 8, args.groups) for m in map(int, args.ms.split(","))
-                            for k in sorted({k for _, k in (map(int, nk.split("x")) for nk in args.nk.split(","))})]
-        result["wait"] = bench_wait()
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    if args.extras:
-        gemm_ms = {(s["m"], s["k"]): 2e-9 * s["m"] * s["n"] * s["k"] / s["on_tflops"] * 1e3
+        try:
+            burst_shapes = [x for x in ((8192, 8192, 8192), (4096, 8192, 8192), (2048, 4096, 4096),
+                                        (16384, 8192, 14336)) if x in shapes]
+            result["burst"] = bench_burst(result["summary"], burst_shapes, args.groups)
+            save()
+            for r in result["burst"]:
+                print(f"burst {r['m']}x{r['n']}x{r['k']}: cuBLAS {r['cublas_tflops']:.0f} / [K,N] "
+                      f"{r['cublas_kn_tflops']:.0f}, ours {r['ours_tflops']:.0f} ({r['config']} s{r['swizzle']}) "
+                      f"ratio {r['ratio']:.3f}")
+            result["wait"] = bench_wait()
+            save()
+            print("wait:", json.dumps(result["wait"]))
+            result["gather"] = [bench_gather(m, k, 8, args.groups) for m in sorted({s[0] for s in shapes})
+                                for k in sorted({s[2] for s in shapes})]
+            save()
+        except Exception as e:  # report, keep the GEMM numbers
+            result["extras_error"] = repr(e)
+            save()
+            print("extras failed:", repr(e))
+        gemm_ms = {(s["m"], s["k"]): 2e-9 * s["m"] * s["n"] * s["k"] / s["on_tflops"]
                    for s in result["summary"]}
-        for g in result["gather"]:
+        for g in result.get("gather", []):
             ref = max((v for (m, k), v in gemm_ms.items() if m == g["m"] and k == g["k"]), default=None)
             print(f"gather M={g['m']} K={g['k']}: index_select {g['index_select_ms']:.3f} ms, {g['segments']} "
                   f"segment copies {g['segments_ms']:.3f} ms" + (f" ({g['index_select_ms'] / ref:.1%} of the GEMM)"
                                                                  if ref else ""))
-        print("wait:", json.dumps(result["wait"]))
-    print_table(result["summary"], args.free)
     return 0
 
 

@@ -4,7 +4,7 @@ Everything version-dependent lives here, so a torch upgrade is a one-file review
 
 * ``compile_fx`` and the ``post_grad_custom_pre_pass`` hook: 2.11 accepts ONE callable only, 2.13 also a
   list/tuple. We always install one ``CustomGraphPass`` object (see ``chain_passes`` for user passes).
-* ``CustomGraphPass`` / ``get_hash_for_files`` (FX-graph-cache key of a pass): same API in both.
+* ``CustomGraphPass`` (its ``uuid()`` keys the FX graph cache): same API in both.
 * ``_resolve_process_group`` (group name -> ProcessGroup), fake-mode detection, symbolic-shape queries.
 * The ``_c10d_functional`` op overloads the pass matches (same names and schemas in both).
 """
@@ -16,13 +16,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 __all__ = [
     "CustomGraphPass",
     "compile_fx",
     "inductor_config",
-    "get_hash_for_files",
     "hash_files",
     "list_mode_options",
     "detect_fake_mode",
@@ -64,8 +63,15 @@ def list_mode_options(mode: str, dynamic: bool | None = None) -> dict[str, Any]:
 
 
 def hash_files(paths: Iterable[str], extra: str = "") -> str:
-    """Hex digest of the contents of ``paths`` (sorted, de-duplicated) plus ``extra``."""
-    digest = hashlib.sha256(get_hash_for_files(tuple(sorted(set(paths)))))
+    """Hex digest of the names and contents of ``paths`` (sorted, de-duplicated) plus ``extra``.
+
+    Read on every call (a few small files per compilation): unlike Inductor's ``get_hash_for_files``, which
+    memoizes by path list, an edited file changes the digest within the same process too."""
+    digest = hashlib.sha256()
+    for path in sorted(set(paths)):
+        digest.update(path.encode() + b"\0")
+        with open(path, "rb") as f:
+            digest.update(hashlib.sha256(f.read()).digest())
     digest.update(extra.encode())
     return digest.hexdigest()
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 LIB_ENV = "FLASHOVERLAP_LIB"
 DEFAULT_LIB = Path(__file__).resolve().parent.parent / "build" / "libflashoverlap_sm90.so"
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
@@ -33,8 +33,8 @@ B_LAYOUTS = ("nk", "kn")  # B given as [N,K] (K contiguous: a Linear weight, b =
 SCHEDULES = ("coop", "pp")
 RASTERS = {"heuristic": 0, "along_m": 1, "along_n": 2}
 SIGNAL_MODES = {"immediate": 0, "deferred": 1}
-# Default configuration when the caller names none (the bench's best on most large H200 shapes).
-DEFAULT_CONFIG = "coop_128x256x64_c2x1"
+# Default configuration when the caller names none (the best on 11 of the 16 H200 bench shapes; csrc/NOTES.md).
+DEFAULT_CONFIG = "coop_128x256x64_c2x1_e128x64"
 
 
 class KernelLibraryError(RuntimeError):
@@ -71,6 +71,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     sig = {
         "fo_abi_version": (c_int, []),
         "fo_last_error": (ctypes.c_char_p, []),
+        "fo_preload": (c_int, []),
         "fo_num_configs": (c_int, []),
         "fo_config_info": (c_int, [c_int, ctypes.c_char_p, c_int, ctypes.POINTER(c_int)]),
         "fo_gemm_workspace_size": (c_int, [c_int] * 7 + [ctypes.POINTER(c_sz)]),
@@ -115,6 +116,26 @@ def available() -> bool:
         return True
     except (KernelLibraryError, RuntimeError):
         return False
+
+
+@functools.cache
+def _ready(path: str, device_index: int) -> ctypes.CDLL:
+    """The library with every kernel loaded on ``device_index``. Lazy loading would load a kernel at its first
+    launch, which can synchronize the context and deadlock against a wait kernel that spins for it."""
+    lib = _load(path)
+    with torch.cuda.device(device_index):
+        _check(lib.fo_preload(), "fo_preload")
+    return lib
+
+
+def ready(device: torch.device | int | None = None) -> ctypes.CDLL:
+    """Load the library and all its kernels on ``device`` (default: current); idempotent."""
+    if device is None:
+        index = torch.cuda.current_device()
+    else:
+        index = device if isinstance(device, int) else (device.index if device.index is not None
+                                                         else torch.cuda.current_device())
+    return _ready(str(library_path()), index)
 
 
 def _check(rc: int, what: str) -> None:
@@ -258,7 +279,7 @@ def signal_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = No
                 raise ValueError(f"signal_gemm: group_of_tile_row needs {tile_rows} entries in "
                                  f"[0, {counters.numel()}), got {len(groups)}")
             gmap = _device_map(groups, a.device)
-    lib = _load(path)
+    lib = ready(a.device)
     with torch.cuda.device(a.device):
         stream = torch.cuda.current_stream(a.device).cuda_stream
         raster_id, mode = RASTERS[raster], SIGNAL_MODES[signal_mode]
@@ -297,8 +318,9 @@ def wait_group(counters: torch.Tensor, group: int, target: int, *, stream: torch
     tiles_in_group``). Bounded by ``timeout_ms`` (default ``config.wait_timeout_ms``); on timeout the kernel
     exits and records the error: call ``raise_if_timed_out()`` after synchronizing."""
     record = _error_record(counters.device.index or 0)
-    _check(library().fo_wait_counter(counters.data_ptr() + 4 * group, None, _wrap32(target), _timeout_ns(timeout_ms),
-                                     record.data_ptr(), group, _stream_ptr(counters, stream)), "fo_wait_counter")
+    lib = ready(counters.device)
+    _check(lib.fo_wait_counter(counters.data_ptr() + 4 * group, None, _wrap32(target), _timeout_ns(timeout_ms),
+                               record.data_ptr(), group, _stream_ptr(counters, stream)), "fo_wait_counter")
 
 
 def wait_group_epoch(counters: torch.Tensor, expected: torch.Tensor, group: int, tiles: int, *,
@@ -307,15 +329,16 @@ def wait_group_epoch(counters: torch.Tensor, expected: torch.Tensor, group: int,
     tiles`` and stores that target back into ``expected[group]`` (int32 CUDA tensor, zero-initialized with the
     counters), so every call -- or graph replay -- waits for one more GEMM's worth of tiles."""
     record = _error_record(counters.device.index or 0)
-    _check(library().fo_wait_counter(counters.data_ptr() + 4 * group, expected.data_ptr() + 4 * group, int(tiles),
-                                     _timeout_ns(timeout_ms), record.data_ptr(), group,
-                                     _stream_ptr(counters, stream)), "fo_wait_counter")
+    lib = ready(counters.device)
+    _check(lib.fo_wait_counter(counters.data_ptr() + 4 * group, expected.data_ptr() + 4 * group, int(tiles),
+                               _timeout_ns(timeout_ms), record.data_ptr(), group, _stream_ptr(counters, stream)),
+           "fo_wait_counter")
 
 
 def stream_wait_value(counters: torch.Tensor, group: int, target: int, *,
                       stream: torch.cuda.Stream | None = None) -> None:
     """``cuStreamWaitValue32(GEQ)`` on ``counters[group]``: no kernel, no SM, but NOT bounded (no timeout)."""
-    _check(library().fo_stream_wait_value(_stream_ptr(counters, stream), counters.data_ptr() + 4 * group,
+    _check(ready(counters.device).fo_stream_wait_value(_stream_ptr(counters, stream), counters.data_ptr() + 4 * group,
                                           _wrap32(target)), "fo_stream_wait_value")
 
 

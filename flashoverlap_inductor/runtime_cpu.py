@@ -145,10 +145,10 @@ class _RowGemm:
             torch.addmm(bias, x, w, out=out)
 
 
-def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup,
-         plan: str, out: torch.Tensor, buf: torch.Tensor, send_rows=None, recv_rows=None) -> torch.Tensor:
+def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, y_shape: list[int],
+         group: dist.ProcessGroup, plan: str, out: torch.Tensor, buf: torch.Tensor, send_rows=None,
+         recv_rows=None) -> torch.Tensor:
     """Compute group by group into ``buf`` ([rows, N]) and overlap each group's collective with the next GEMM."""
-    y_shape = ops.gemm_output_shape(a, b, bias)
     rows, n = buf.shape
     dtype = str(a.dtype).removeprefix("torch.")
     world, rank = group.size(), group.rank()
@@ -187,7 +187,7 @@ def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                     plan: str) -> torch.Tensor:
     y_shape = ops.gemm_output_shape(a, b, bias)
     out = torch.empty(y_shape, dtype=a.dtype, device=a.device)
-    return _run("all_reduce", a, b, bias, group, plan, out, out.view(-1, y_shape[-1]))
+    return _run("all_reduce", a, b, bias, y_shape, group, plan, out, out.view(-1, y_shape[-1]))
 
 
 def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup,
@@ -195,7 +195,7 @@ def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | N
     y_shape = ops.gemm_output_shape(a, b, bias)
     out = torch.empty([y_shape[0] // group.size(), *y_shape[1:]], dtype=a.dtype, device=a.device)
     buf = torch.empty(_rows(y_shape), y_shape[-1], dtype=a.dtype, device=a.device)
-    return _run("reduce_scatter", a, b, bias, group, plan, out, buf)
+    return _run("reduce_scatter", a, b, bias, y_shape, group, plan, out, buf)
 
 
 def gemm_all_to_all(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
@@ -209,7 +209,7 @@ def gemm_all_to_all(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     recv_rows = tuple(s * unit for s in outs) if explicit else None
     out = torch.empty([sum(outs), *y_shape[1:]], dtype=a.dtype, device=a.device)
     buf = torch.empty(_rows(y_shape), y_shape[-1], dtype=a.dtype, device=a.device)
-    return _run("all_to_all", a, b, bias, group, plan, out, buf, send_rows, recv_rows)
+    return _run("all_to_all", a, b, bias, y_shape, group, plan, out, buf, send_rows, recv_rows)
 
 
 def _rows(shape: Sequence[int]) -> int:

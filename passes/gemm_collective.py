@@ -27,8 +27,8 @@ from torch.fx import Node
 
 import flashoverlap_inductor
 import flashoverlap_inductor.ops  # noqa: F401  (registers torch.ops.flashoverlap.*; a cached graph calls them)
-from flashoverlap_inductor import config
 from flashoverlap_inductor import _inductor_compat as compat
+from flashoverlap_inductor import config
 
 from . import rewrite
 from .matching import GemmCollectiveMatch, find_matches, known_eq, known_true, node_arg, val
@@ -60,7 +60,7 @@ class Fusion:
     row_perm: tuple[list, list[int]] | None = None
     split_scale: int = 1
     rows_per_split_unit: Any = 1
-    plan: str = "auto"
+    plan: str | None = "auto"
 
 
 class FlashOverlapPass(compat.CustomGraphPass):
@@ -94,18 +94,20 @@ class FlashOverlapPass(compat.CustomGraphPass):
         fused = 0
         for match in find_matches(graph):
             log.debug("flashoverlap: match %s", match.describe())
-            fusion = self.check(match)
-            if fusion is None:
+            try:  # checks only read the graph: a bug here must cost a fusion, never the compilation
+                fusion = self.check(match)
+                if fusion is not None:
+                    fusion.plan = self.choose_plan(fusion)
+            except Exception as exc:
+                record_skip("internal_error", "%s: %r", match.describe(), exc, level=logging.WARNING, exc_info=True)
                 continue
-            plan = self.choose_plan(fusion)
-            if plan is None:
+            if fusion is None or fusion.plan is None:
                 continue
-            fusion.plan = plan
             if rewrite.replace(graph, fusion):
                 fused += 1
                 record_fused(match.collective, "%s (rows=%s n=%s k=%s %s, group %r x%d, plan %s)",
                              match.describe(), fusion.rows, fusion.n, fusion.k, fusion.dtype, fusion.group_name,
-                             fusion.group_size, plan)
+                             fusion.group_size, fusion.plan)
         if fused:
             graph.lint()
         return fused
@@ -168,18 +170,22 @@ class FlashOverlapPass(compat.CustomGraphPass):
         sc = m.scatter
         if sc is not None and not self._check_scatter(f, t):
             return False
-        if m.collective != "all_reduce" and (sc is None or sc.dim == 0):
-            if not known_true(unit_c % unit_op == 0):
-                return _fail("view_shape", "%s: a dim-0 element of the collective input (%s rows) does not hold "
-                             "whole dim-0 elements of the GEMM output (%s rows)", desc, unit_c, unit_op)
-        if m.collective == "reduce_scatter" and sc is None and compat.is_static_int(t[0]):
-            if int(t[0]) % f.group_size:
+        whole = known_true(unit_c % unit_op == 0)  # a collective dim-0 element holds whole op dim-0 elements
+        if m.collective == "reduce_scatter":
+            if sc is None and compat.is_static_int(t[0]) and int(t[0]) % f.group_size:
                 return _fail("indivisible", "%s: dim 0 (%s) does not divide by the group size %d", desc,
                              t[0], f.group_size)
+            # the op shards dim 0 of the GEMM output (whole bmm batches); the same rows iff that dim divides
+            if not (whole or known_true(y[0] % f.group_size == 0)):
+                return _fail("indivisible", "%s: the GEMM output's dim 0 (%s) does not divide by the group size %d",
+                             desc, y[0], f.group_size)
         if m.collective == "all_to_all":
             ins = [val(x) for x in m.args["input_split_sizes"]]
             if all(compat.is_static_int(x) for x in ins) and compat.is_static_int(t[0]) and sum(ins) != t[0]:
                 return _fail("indivisible", "%s: input_split_sizes %s do not sum to dim 0 = %s", desc, ins, t[0])
+            if not whole:
+                return _fail("view_shape", "%s: a split unit of the collective (%s rows) is not a whole dim-0 "
+                             "element of the GEMM output (%s rows)", desc, unit_c, unit_op)
             scale = unit_c // unit_op if compat.is_static_int(unit_c) and compat.is_static_int(unit_op) else None
             if scale is None and not known_eq(unit_c, unit_op):
                 return _fail("view_shape", "%s: symbolic rows per split unit (%s)", desc, unit_c)
@@ -286,7 +292,7 @@ def _unexpected_user(m: GemmCollectiveMatch) -> Node | None:
     """The first node on the chain whose users are not exactly the next step of the chain."""
     steps: list[tuple[Node, set[Node]]] = []
     seq = [m.gemm, *m.views]
-    for node, nxt in zip(seq, seq[1:]):
+    for node, nxt in zip(seq, seq[1:], strict=False):
         steps.append((node, {nxt}))
     sc = m.scatter
     if sc is None:

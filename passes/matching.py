@@ -158,7 +158,8 @@ def match_at_wait(wait: Node) -> GemmCollectiveMatch | None:
 
 def match_scatter_cat(cat: Node) -> ScatterCat | None:
     """Recognize ``cat([getitem(split(x, c, d), 0), ..., getitem(.., G-1)], 0)`` or
-    ``cat([slice(x, d, 0, e0), slice(x, d, e0, e1), ...], 0)``. Sizes are checked later (``pieces_are_even``)."""
+    ``cat([slice(x, d, 0, e0), slice(x, d, e0, e1), ...], 0)``. Sizes are checked in
+    ``FlashOverlapPass._check_scatter``."""
     pieces = cat.args[0]
     if node_arg(cat, 1, "dim", 0) != 0 or not isinstance(pieces, (list, tuple)) or len(pieces) < 1:
         return None

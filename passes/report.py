@@ -34,6 +34,7 @@ SKIP_REASONS = {
     "too_small": "under 'auto': fewer GEMM output rows than config.min_rows",
     "cost_model": "under 'auto': the cost model predicts no gain",
     "cost_model_error": "under 'auto': the cost model failed",
+    "internal_error": "the checks raised (a bug in the pass; logged with its traceback)",
 }
 
 
@@ -47,9 +48,9 @@ def record_fused(collective: str, msg: str, *args: object) -> None:
     log.info("flashoverlap: fused " + msg, *args)
 
 
-def record_skip(slug: str, msg: str, *args: object, level: int = logging.INFO) -> None:
+def record_skip(slug: str, msg: str, *args: object, level: int = logging.INFO, exc_info: bool = False) -> None:
     """Count ``skip:<slug>`` and log ``msg`` (``slug`` must be one of ``SKIP_REASONS``)."""
     if slug not in SKIP_REASONS:
         raise KeyError(f"unknown skip reason {slug!r}")
     counters[f"skip:{slug}"] += 1
-    log.log(level, f"flashoverlap: skip:{slug}: " + msg, *args)
+    log.log(level, f"flashoverlap: skip:{slug}: " + msg, *args, exc_info=exc_info)

@@ -78,7 +78,7 @@ def replace(graph: torch.fx.Graph, f: Fusion) -> bool:
             out = _emit(build, f)
         want, got = val(m.wait), val(out)
         same = want.dtype == got.dtype and want.dim() == got.dim()
-        if not (same and all(known_eq(x, y) for x, y in zip(want.shape, got.shape))):
+        if not (same and all(known_eq(x, y) for x, y in zip(want.shape, got.shape, strict=True))):
             raise ValueError(f"result {got.dtype}{list(got.shape)} != collective's {want.dtype}{list(want.shape)}")
     except Exception as exc:
         build.rollback()
@@ -105,8 +105,9 @@ def _emit(build: _Builder, f: Fusion) -> Node:
     elif m.collective == "reduce_scatter":
         args = (*head, str(m.args["reduce_op"]).lower(), f.group_size, f.group_name, f.plan)
     else:
-        outs = [_scaled(build, x, f.split_scale) for x in m.args["output_split_sizes"]]
-        ins = [_scaled(build, x, f.split_scale) for x in m.args["input_split_sizes"]]
+        memo: dict[Node, Node] = {}
+        outs = [_scaled(build, x, f.split_scale, memo) for x in m.args["output_split_sizes"]]
+        ins = [_scaled(build, x, f.split_scale, memo) for x in m.args["input_split_sizes"]]
         args = (*head, outs, ins, f.group_name, f.plan)
     out = build.call(FUSED_OP[m.collective], args)
     if f.out_shape is not None and not _is_shape(val(out).shape, f.out_shape):
@@ -114,13 +115,16 @@ def _emit(build: _Builder, f: Fusion) -> Node:
     return out
 
 
-def _scaled(build: _Builder, size: Any, scale: int) -> Any:
-    """``size * scale`` as a graph argument: an int, or a new SymInt node (never a raw SymInt)."""
+def _scaled(build: _Builder, size: Any, scale: int, memo: dict[Node, Node]) -> Any:
+    """``size * scale`` as a graph argument: an int, or a SymInt node (one per distinct ``size`` node; never a
+    raw SymInt)."""
     if scale == 1:
         return size
     if isinstance(size, int):
         return size * scale
-    return build.call(operator.mul, (size, scale))
+    if size not in memo:
+        memo[size] = build.call(operator.mul, (size, scale))
+    return memo[size]
 
 
 def _is_shape(shape: Any, args: list) -> bool:

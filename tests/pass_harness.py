@@ -8,15 +8,17 @@ single-process *semantic* check of a rewrite.
   post-grad graph after our pass (via Inductor's ``post_grad_custom_post_pass``). By default it stops Inductor
   right there (no C++ codegen: ~0.3 s instead of ~5 s per graph) and runs the Dynamo graph eagerly;
   ``full=True`` compiles and runs everything (needed for backward graphs and for the fused op's codegen).
-* ``check_equivalent(before, after)``: runs two post-grad graphs on the same fresh random inputs, with every
-  collective (and every fused op) simulated as rank ``RANK`` of a world where all ranks hold the same data; the
-  outputs must match. This catches wrong row orders, wrong split scaling and wrong views in a rewrite.
+* ``assert_rewrites_equivalent()`` / ``check_equivalent(before, after)``: runs each graph as it entered the
+  pass and as it left Inductor's post-grad passes on the same fresh random inputs, with every collective (and
+  every fused op) simulated as rank ``RANK`` of a world where all ranks hold the same data; the outputs must
+  match. This catches wrong row orders, wrong split scaling and wrong views in a rewrite.
 """
 
 from __future__ import annotations
 
 import re
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -25,6 +27,7 @@ from torch.testing._internal.common_utils import TestCase
 
 from flashoverlap_inductor import passes
 from flashoverlap_inductor.backend import flashoverlap_backend
+from flashoverlap_inductor.passes import FlashOverlapPass
 
 WORLD = 2
 RANK = 1  # simulate a rank whose shard is not the first one
@@ -36,9 +39,17 @@ class _Captured(Exception):
     """Raised by the capture hook to stop Inductor after the post-grad passes."""
 
 
+_SHORT = (("torch.ops.aten.", "aten."), ("torch.ops._c10d_functional.", "c10d."),
+          ("torch.ops.flashoverlap.", "flashoverlap."))
+
+
 def graph_str(gm: torch.fx.GraphModule) -> str:
-    """Stable text of a graph: python code without file comments; plan strings shortened to their sizes."""
+    """Stable, compact text of a graph: python code without file comments and without the ``x = None``
+    buffer-freeing statements, op namespaces shortened, plan strings shortened to their sizes."""
     code = gm.graph.python_code("self").src.strip()
+    code = re.sub(r";  [\w, =]+ = None$", "", code, flags=re.M)
+    for long, short in _SHORT:
+        code = code.replace(long, short)
     return re.sub(r"'v1;m=(\w+);n=(\w+);[^']*'", r"'plan(m=\1,n=\2)'", code)
 
 
@@ -89,6 +100,8 @@ class FakePGTestCase(TestCase):
         passes.reset_counters()
         self._cache = fresh_cache()
         self._cache.__enter__()
+        self.before, self.after = [], []
+        self._record_before()
 
     def tearDown(self) -> None:
         self._cache.__exit__(None, None, None)
@@ -99,18 +112,21 @@ class FakePGTestCase(TestCase):
     def group(self) -> dist.ProcessGroup:
         return dist.group.WORLD
 
-    def capture(self, fn: Any, *args: Any, options: dict | None = None, full: bool = False,
-                dynamic: bool | None = None) -> tuple[list[torch.fx.GraphModule], Any]:
+    def capture(self, fn: Any, *args: Any, options: dict | None = None, fuse: str | None = "always",
+                full: bool = False, dynamic: bool | None = None) -> tuple[list[torch.fx.GraphModule], Any]:
         """Compile ``fn`` with the flashoverlap backend (fullgraph) and run it on ``args``; returns the post-pass
-        graphs (one per compiled graph; forward then backward when ``full``) and the output."""
-        graphs: list[torch.fx.GraphModule] = []
+        graphs (one per compiled graph; with ``full``, a backward graph is appended when it is compiled) and the
+        output. ``self.before`` collects the same graphs as the pass received them. ``fuse`` is passed as the
+        ``flashoverlap.fuse`` option (None: not passed, so config/env decide)."""
+        self.before: list[torch.fx.GraphModule] = []
+        self.after: list[torch.fx.GraphModule] = []
 
         def hook(graph: torch.fx.Graph) -> None:
-            graphs.append(_copy(graph))
+            self.after.append(_copy(graph))
             if not full:
                 raise _Captured
 
-        opts = {"flashoverlap.fuse": "always", **(options or {}), "post_grad_custom_post_pass": hook}
+        opts = {**({"flashoverlap.fuse": fuse} if fuse else {}), **(options or {}), "post_grad_custom_post_pass": hook}
 
         def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
             try:
@@ -122,15 +138,27 @@ class FakePGTestCase(TestCase):
 
         torch._dynamo.reset()
         out = torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)(*args)
-        return graphs, out
+        return self.after, out
 
-    def assert_rewrite_equivalent(self, fn: Any, *args: Any, options: dict | None = None) -> None:
-        """The graph with the pass (fuse 'always') computes what the graph without it computes."""
-        before, _ = self.capture(fn, *args, options={**(options or {}), "flashoverlap.fuse": "never"})
-        after, _ = self.capture(fn, *args, options=options)
-        self.assertEqual(len(before), len(after))
-        for b, a in zip(before, after, strict=True):
-            check_equivalent(self, b, a)
+    def assert_rewrites_equivalent(self) -> None:
+        """Each graph captured by the last ``capture`` computes after the pass what it computed before."""
+        self.assertEqual(len(self.before), len(self.after))
+        self.assertGreater(len(self.after), 0)
+        for before, after in zip(self.before, self.after, strict=True):
+            self.assertNotIn("flashoverlap", graph_str(before))
+            check_equivalent(self, before, after)
+
+    def _record_before(self) -> None:
+        """Snapshot every graph as it enters the pass (also the lazily compiled backward graph)."""
+        original = FlashOverlapPass.run
+
+        def run(pass_self: FlashOverlapPass, graph: torch.fx.Graph) -> int:
+            self.before.append(_copy(graph))
+            return original(pass_self, graph)
+
+        patcher = mock.patch.object(FlashOverlapPass, "run", run)
+        patcher.start()
+        self.addCleanup(patcher.stop)
 
 
 # ------------------------------------------------------------------------------------------- simulation

@@ -42,6 +42,9 @@ def test_build_units_are_unique_and_cover_every_variant():
         assert got == {(d, b) for d in build.DTYPES for b in build.B_LAYOUTS}
     assert kernels.DEFAULT_CONFIG in names
     assert all(u.dtype == "bf16" and u.b_layout == "nk" for u in build.units(variants="bf16_nk"))
+    smoke = build.smoke_units()
+    assert {u.config.schedule for u in smoke} == {"coop", "pp"}
+    assert {u.dtype for u in smoke} == set(build.DTYPES) and {u.b_layout for u in smoke} == set(build.B_LAYOUTS)
 
 
 def test_loader_reports_missing_library(monkeypatch, tmp_path):
@@ -143,7 +146,7 @@ def test_counters_end_at_group_sizes(mode):
 
 
 def _stamp(buf, i, stream):
-    kernels._check(kernels.library().fo_test_stamp(buf.data_ptr() + 8 * i, stream.cuda_stream), "fo_test_stamp")
+    kernels._check(kernels.ready().fo_test_stamp(buf.data_ptr() + 8 * i, stream.cuda_stream), "fo_test_stamp")
 
 
 @GPU
@@ -244,7 +247,7 @@ def test_stream_wait_value_releases_after_the_add():
     main = torch.cuda.current_stream()
     kernels.stream_wait_value(counters, 0, 3, stream=side)
     _stamp(stamps, 1, side)
-    kernels._check(kernels.library().fo_test_delayed_add(counters.data_ptr(), 3, 200_000, stamps.data_ptr(),
+    kernels._check(kernels.ready().fo_test_delayed_add(counters.data_ptr(), 3, 200_000, stamps.data_ptr(),
                                                          main.cuda_stream), "fo_test_delayed_add")
     torch.cuda.synchronize()
     set_at, released_at = stamps.tolist()

@@ -256,6 +256,18 @@ def test_buffer_rows_come_from_the_right_input_rows(world, form, plan_kind):
     torch.testing.assert_close(buf, expect, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_to_all"])
+def test_each_group_computes_exactly_its_rows(collective):
+    """Every group's GEMM work is its own buffer rows, in order: the collective of group g never waits for the
+    GEMM of later groups (also when ``buffer_layout`` merged segments across groups, e.g. the identity layout)."""
+    rows = 48
+    steps = runtime_cpu.schedule_steps(collective, make_plan("multi", rows), rows, N, K, "float32", 2, 1)
+    assert len(steps) == 5
+    for step in steps:
+        covered = [r for buf_row, _, count in step.segments for r in range(buf_row, buf_row + count)]
+        assert covered == list(range(step.lo, step.hi)), step
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_simulated_reduce_scatter_world(world):
     """All ranks' schedules in one process, the collective done by hand per group: equals eager reduce_scatter."""

@@ -30,10 +30,16 @@ if [ ! -f build/libflashoverlap_sm90.so ] || [ -n "${FO_BUILD_ARGS:-}" ]; then
   grep -m3 -A3 'error' "$OUT/build.log" | head -20
 fi
 ls -la build/libflashoverlap_sm90.so && cp build/libflashoverlap_sm90.so "$OUT/" 2>/dev/null
-# resource usage (registers, stack = spills) and the signal's SASS sequence of one configuration
-cuobjdump -res-usage build/libflashoverlap_sm90.so >"$OUT/res.txt" 2>&1
-obj=$(ls build/obj/gemm_coop_128x256x64_c2x1_bf16_nk.o 2>/dev/null)
-[ -n "$obj" ] && cuobjdump -sass "$obj" | grep -n -B12 -A3 'RED' | head -80 >"$OUT/signal_sass.txt"
+if [ -n "${FO_SASS:-}" ]; then  # registers / stack (spills) per kernel, and the signal's SASS sequence
+  cuobjdump -res-usage build/libflashoverlap_sm90.so >"$OUT/res.txt" 2>&1
+  obj=$(ls build/obj/gemm_coop_128x256x64_c2x1_e128x64_bf16_nk.o 2>/dev/null)
+  [ -n "$obj" ] && cuobjdump -sass "$obj" | grep -n -B40 -A3 'REDG' | grep -v '^[0-9]*-  *\/\* 0x' | head -120 \
+    >"$OUT/signal_sass.txt"
+fi
+# SM clock, power and temperature every 0.5 s while the tests and the benchmark run
+nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 500 \
+  >"$OUT/smi.csv" 2>&1 &
+SMI_PID=$!
 
 if [ -z "${FO_SKIP_TESTS:-}" ]; then
   timeout "$(left 200)" python3 -m pytest -q -rs tests/test_gpu_kernels.py >"$OUT/pytest.log" 2>&1
@@ -42,6 +48,16 @@ fi
 if [ -z "${FO_SKIP_BENCH:-}" ]; then
   timeout "$(left 400)" python3 examples/bench_gemm.py --json "$OUT/bench.json" ${FO_BENCH_ARGS:-} \
     >"$OUT/bench.log" 2>&1
-  echo "bench rc=$?"; tail -40 "$OUT/bench.log"
+  echo "bench rc=$?"; grep -v "^# " "$OUT/bench.log" | tail -70
 fi
+kill "$SMI_PID" 2>/dev/null
+python3 - "$OUT/smi.csv" <<'PY'
+import statistics, sys
+rows = [l.split(", ") for l in open(sys.argv[1]) if l.count(",") >= 3]
+clk = [float(r[1].split()[0]) for r in rows if r[1].split()[0].replace(".", "").isdigit()]
+pw = [float(r[2].split()[0]) for r in rows if r[2].split()[0].replace(".", "").isdigit()]
+if clk and pw:
+    print(f"smi: SM clock MHz median {statistics.median(clk):.0f} min {min(clk):.0f}; power W median "
+          f"{statistics.median(pw):.0f} max {max(pw):.0f} ({len(clk)} samples)")
+PY
 echo "total $SECONDS s"

@@ -1,0 +1,162 @@
+"""What a fused call runs on the GPU, decided from its operands alone (pure functions, tested on CPU): the
+operand form the kernel takes, B's layout, the kernel configuration, the SMs left to NCCL and the row gather of
+reduce_scatter / all_to_all layouts. ``runtime_gpu`` memoizes the results per call shape.
+
+Units: rows/columns in elements; strides in elements; tiles ``tile_m x tile_n`` output elements.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import kernels
+from . import plan as planlib
+
+log = logging.getLogger("flashoverlap")
+
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Operands:
+    """``y = a @ b (+ bias)`` as the kernel sees it: ``a`` [rows, K], ``b`` [K, N], ``bias`` contiguous [N]."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    bias: torch.Tensor | None
+
+
+def normalize_operands(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> Operands | tuple[str, str]:
+    """The kernel's operands, or ``(reason, detail)`` when the call must run unfused (shapes were validated by
+    ``ops``)."""
+    if a.dtype not in _DTYPES:
+        return "dtype", f"dtype {a.dtype} (the kernels are bf16/fp16)"
+    if b.dim() == 3:
+        if b.shape[0] > 1 and b.stride(0) != 0:
+            return "bmm", "a batch of distinct b matrices (bmm)"
+        if b.shape[0] == 0:
+            return "degenerate", "empty batch"
+        b = b[0]
+    if a.dim() == 3:
+        a = a.reshape(-1, a.shape[-1])
+    k, n = b.shape
+    if n == 0 or k == 0:
+        return "degenerate", f"empty GEMM N={n} K={k}"
+    if n % 8 or k % 8:
+        return "alignment", f"N={n} and K={k} must be multiples of 8 (16-byte TMA rows)"
+    if bias is not None:
+        if bias.numel() == 1:
+            bias = bias.reshape(1).expand(n)
+        elif bias.numel() != n or bias.shape[-1] != n:
+            return "bias_rows", f"bias {tuple(bias.shape)} varies along the rows"
+        bias = bias.reshape(n)
+        if not bias.is_contiguous() or bias.data_ptr() % 16:
+            bias = bias.clone(memory_format=torch.contiguous_format)
+    return Operands(a, b, bias)
+
+
+def b_layout(b: torch.Tensor) -> str | None:
+    """``"nk"`` for a Linear weight view (``b.stride() == (1, ldb)``), ``"kn"`` for row-major [K,N], None for
+    other strides (16-byte aligned rows required)."""
+    k, n = b.shape
+    if b.data_ptr() % 16:
+        return None
+    if b.stride(0) == 1 and b.stride(1) >= k and b.stride(1) % 8 == 0:
+        return "nk"
+    if b.stride(1) == 1 and b.stride(0) >= n and b.stride(0) % 8 == 0:
+        return "kn"
+    return None
+
+
+def a_is_kernel_ready(a: torch.Tensor) -> bool:
+    """Row-major with a 16-byte aligned row stride (else the runtime copies it)."""
+    return a.stride(1) == 1 and a.stride(0) >= a.shape[1] and a.stride(0) % 8 == 0 and a.data_ptr() % 16 == 0
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The configuration a launch uses; ``b_layout`` is the layout it reads, ``convert_b`` means B is copied
+    into that layout on every call (logged once)."""
+
+    name: str
+    tile_m: int
+    tile_n: int
+    b_layout: str
+    convert_b: bool
+
+
+def choose_kernel(infos: Sequence[Any], plan_kernel: str, tile: tuple[int, int] | None, dtype_name: str,
+                  layout: str | None, preferred: dict[str, str] | None = None) -> KernelChoice | None:
+    """The configuration for a call: among those compiled for (dtype, B layout) -- the operand's own layout
+    first, the other one (B copied) only if none is --: the plan's ``kernel``; else, for the plan's tile, the tuned
+    best (``preferred["<tm>x<tn>"]``), ``kernels.DEFAULT_CONFIG``, or the first by name; else the default config,
+    else the first by name. ``infos``: ``kernels.configs()`` entries. None when nothing is compiled for the dtype."""
+    preferred = preferred or {}
+    layouts = ([layout] if layout else []) + [x for x in kernels.B_LAYOUTS if x != layout]
+    for lay in layouts:
+        have = {i.name: i for i in infos if (dtype_name, lay) in i.variants}
+        if not have:
+            continue
+        pick = have.get(plan_kernel)
+        if pick is None:
+            same = sorted((i for i in have.values() if tile and (i.tile_m, i.tile_n) == tuple(tile)),
+                          key=lambda i: i.name)
+            names = [preferred.get(f"{tile[0]}x{tile[1]}") if tile else None, kernels.DEFAULT_CONFIG]
+            pick = next((have[x] for x in names if x in have and have[x] in same), None)
+            pick = pick or (same[0] if same else have.get(kernels.DEFAULT_CONFIG) or have[sorted(have)[0]])
+        return KernelChoice(pick.name, pick.tile_m, pick.tile_n, lay, lay != layout)
+    return None
+
+
+def gather_rows(layout: planlib.BufferLayout) -> list[int] | None:
+    """Source row of every buffer row (``layout.segments`` expanded), or None for the identity layout."""
+    if layout.is_identity:
+        return None
+    rows: list[int] = []
+    for buf_row, src, count in sorted(layout.segments):
+        if buf_row != len(rows):
+            raise AssertionError(f"buffer layout segments leave a gap at row {len(rows)}: {layout.segments}")
+        rows.extend(range(src, src + count))
+    return rows
+
+
+def sm_reserve(device_name: str, override: int | None = None) -> int:
+    """SMs the fused GEMM leaves to NCCL: ``override`` (``runtime_gpu.SM_RESERVE``), else
+    ``$FLASHOVERLAP_SM_RESERVE``, else the cost model's ``fused.nccl_sms`` (16 when it has no data)."""
+    if override is not None:
+        return int(override)
+    if os.environ.get("FLASHOVERLAP_SM_RESERVE"):
+        return int(os.environ["FLASHOVERLAP_SM_RESERVE"])
+    try:
+        from flashoverlap_inductor.cost_model import model_for
+
+        return int(model_for(device_name)[0].gemm.nccl_sms)
+    except Exception as exc:  # the cost model's data missing: its documented default
+        log.warning("flashoverlap: no cost-model SM reserve (%r); leaving 16 SMs", exc)
+        return 16
+
+
+@functools.lru_cache(maxsize=8)
+def preferred_kernels(device_name: str) -> dict[str, str]:
+    """``"<tm>x<tn>" -> configuration`` measured best by ``tune gemm`` (``tuned_kernels.best_by_tile`` of the
+    GPU's ``flashoverlap.gemm`` data file); empty when not tuned."""
+    try:
+        from flashoverlap_inductor.cost_model import registry
+
+        want = registry.normalize_gpu_name(device_name)
+        for path in sorted(registry.data_dir().glob("*.json")):
+            doc = json.loads(path.read_text())
+            if (isinstance(doc, dict) and str(doc.get("schema", "")).startswith("flashoverlap.gemm/")
+                    and registry.normalize_gpu_name(str(doc.get("gpu", ""))) == want):
+                return dict(doc.get("tuned_kernels", {}).get("best_by_tile", {}))
+    except Exception as exc:  # tuning data is optional
+        log.debug("flashoverlap: no tuned kernel preferences: %r", exc)
+    return {}

@@ -1,0 +1,355 @@
+"""Tuner CLI: measure the NCCL bandwidth curves, the signal-GEMM configurations, and the best wave groups of one
+shape, and write them as the cost model's data files (see ``tune_docs`` for the files and formats).
+
+    torchrun --nproc_per_node=W -m flashoverlap_inductor.tune bandwidth [--out FILE] [--quick]
+    python -m flashoverlap_inductor.tune gemm [--out FILE] [--shapes 8192x8192x8192,...] [--free 0,8,16,24,32]
+    torchrun --nproc_per_node=W -m flashoverlap_inductor.tune search --collective all_reduce --shape 8192x8192x8192
+        [--mode both|exhaustive|predictive] [--max-units 8] [--out-dir DIR]
+
+``bandwidth``: every collective (all_reduce in place, reduce_scatter, all_to_all_single; bf16) from 64 KiB to
+1 GiB at 4 points per octave, world size = the torchrun world; merged into the GPU's bandwidth file (other world
+sizes kept). ``gemm``: one GPU; cuBLAS and every compiled configuration (bf16, B as a Linear weight, 8 wave groups
+signalled) on each shape and with SMs left free; refits ``fused.kernel_efficiency`` and writes ``tuned_kernels``.
+``search``: exhaustive (every composition of at most ``--max-units`` units) and/or predictive (the cost model's
+argmin) candidates, all measured as the fused op on the torchrun world, the fastest refined and written as a
+tuned plan with its measured fused and sequential times. Defaults write into the data directory the cost model
+reads (``config.config_dir`` or the package's ``configs/``); ``--out``/``--out-dir`` write elsewhere (a
+bandwidth file that does not exist yet starts from the data directory's one). Times are CUDA-event medians,
+max over ranks (``tune_measure``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import fnmatch
+import math
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import tune_docs as docs
+from . import tune_measure as tm
+from .plan import chunks_for, group_of_tile_row, uniform_plan
+
+GRID = [(m, n, k) for m in (2048, 4096, 8192, 16384) for n, k in ((8192, 8192), (8192, 7168), (8192, 14336),
+                                                                   (4096, 4096))]
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    """``"8192x8192x8192,4096x4096x4096"`` -> [(m, n, k), ...]; ``"grid"`` -> the benchmark grid."""
+    if text == "grid":
+        return list(GRID)
+    out = []
+    for part in text.split(","):
+        m, n, k = (int(x) for x in part.lower().split("x"))
+        out.append((m, n, k))
+    return out
+
+
+def init_distributed() -> tuple[int, int]:
+    """NCCL process group from torchrun's environment (one GPU per local rank); (rank, world)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local),
+                                timeout=datetime.timedelta(seconds=int(os.environ.get("FO_PG_TIMEOUT_S", "300"))))
+        dist.all_reduce(torch.ones(1, device="cuda"))
+        torch.cuda.synchronize()
+    return tm.world()
+
+
+def data_dir() -> Path:
+    from flashoverlap_inductor.cost_model import registry
+
+    return registry.data_dir()
+
+
+def _say(rank: int, *args: object) -> None:
+    if rank == 0:
+        print(*args, flush=True)
+
+
+# --------------------------------------------------------------------------------------------- bandwidth
+
+
+def cmd_bandwidth(args: argparse.Namespace) -> int:
+    rank, world = init_distributed()
+    if world < 2:
+        print("tune bandwidth: run under torchrun with >= 2 ranks", file=sys.stderr)
+        return 2
+    gpu, sms = torch.cuda.get_device_name(), torch.cuda.get_device_properties(None).multi_processor_count
+    sizes = docs.bandwidth_sizes(args.min_bytes, args.max_bytes, args.points_per_octave, world)
+    _say(rank, f"tune bandwidth: {gpu} x{world}, {len(sizes)} sizes {sizes[0]}..{sizes[-1]} bytes, {args.collectives}")
+    elems = sizes[-1] // 2
+    x = torch.randn(elems, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(elems // world, device="cuda", dtype=torch.bfloat16)
+    z = torch.empty_like(x)
+    timer = tm.Timer(rounds=args.rounds, target_ms=args.target_ms, min_iters=2, max_iters=40, spin_ms=0.05)
+    fns = {
+        "all_reduce": lambda n: dist.all_reduce(x[:n]),
+        "reduce_scatter": lambda n: _reduce_scatter(y[:n // world], x[:n]),
+        "all_to_all": lambda n: dist.all_to_all_single(z[:n], x[:n]),
+    }
+    curves: dict[str, list[list[float]]] = {c: [] for c in args.collectives}
+    bar = tm.Progress(len(sizes), f"bandwidth w{world}", enabled=rank == 0)
+    for nbytes in sizes:
+        n = nbytes // 2
+        got = timer.measure({c: (lambda c=c, n=n: fns[c](n)) for c in args.collectives})
+        for c in args.collectives:
+            curves[c].append([nbytes, got[c].ms])
+        bar.update(note=" ".join(f"{c[:2]}={got[c].ms:.3f}" for c in args.collectives))
+    bar.close()
+    if rank == 0:
+        out = Path(args.out) if args.out else docs.bandwidth_path(data_dir(), gpu)
+        base = docs.read_json(out) or docs.read_json(docs.bandwidth_path(data_dir(), gpu))
+        if base is not None and docs.normalize_gpu_name(base.get("gpu", "")) != docs.normalize_gpu_name(gpu):
+            base = None
+        note = (f"flashoverlap_inductor.tune bandwidth (torch {torch.__version__}, NCCL "
+                f"{'.'.join(map(str, torch.cuda.nccl.version()))}; CUDA-event medians, max over ranks)")
+        doc = docs.merge_bandwidth(base, gpu, sms, world, curves, note)
+        print(f"wrote {docs.write_json(out, doc)}")
+        print("bytes        " + " ".join(f"{c:>14}" for c in args.collectives))
+        for i, nbytes in enumerate(sizes):
+            print(f"{nbytes:>12} " + " ".join(f"{curves[c][i][1]:14.4f}" for c in args.collectives))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- gemm
+
+
+def cmd_gemm(args: argparse.Namespace) -> int:
+    from . import kernels
+
+    if int(os.environ.get("RANK", "0")) != 0:  # one GPU is enough (no process group): other ranks idle
+        return 0
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not kernels.available():
+        print("tune gemm: needs an sm90 GPU and the built library", file=sys.stderr)
+        return 2
+    kernels.ready(torch.cuda.current_device())
+    gpu, sms = torch.cuda.get_device_name(), torch.cuda.get_device_properties(None).multi_processor_count
+    infos = [i for i in kernels.configs() if ("bfloat16", "nk") in i.variants
+             and any(fnmatch.fnmatch(i.name, p) for p in args.configs)]
+    if not infos:
+        print(f"tune gemm: no bf16 configuration matches {args.configs}", file=sys.stderr)
+        return 2
+    shapes = parse_shapes(args.shapes)
+    frees = sorted({int(x) for x in args.free.split(",")})
+    timer = tm.Timer(rounds=args.rounds, target_ms=args.target_ms, spin_ms=0.3)
+    samples: list[docs.GemmSample] = []
+    cublas: list[tuple[int, int, int, float]] = []
+    print(f"tune gemm: {gpu}, {len(infos)} configurations x {len(frees)} SM settings x {len(shapes)} shapes",
+          flush=True)
+    bar = tm.Progress(len(shapes), "gemm")
+    for m, n, k in shapes:
+        got = _time_gemm_shape(m, n, k, infos, [sms - f for f in frees], timer)
+        cublas.append((m, n, k, got.pop("cublas")))
+        for info in infos:
+            for free in frees:
+                samples.append(docs.GemmSample(info.name, info.tile_m, info.tile_n, m, n, k, sms - free,
+                                               got[f"{info.name}@{sms - free}"]))
+        best = min(got, key=got.__getitem__)
+        bar.update(note=f"{m}x{n}x{k}: cublas {cublas[-1][3]:.3f} best {best} {got[best]:.3f}")
+    bar.close()
+    from .cost_model.search import DEFAULT_TILE
+
+    out_path = Path(args.out) if args.out else docs.gemm_path(data_dir(), gpu)
+    base = docs.read_json(out_path) or docs.read_json(docs.gemm_path(data_dir(), gpu))
+    if base is None:
+        print(f"tune gemm: no GEMM model for {gpu} to update (import an anchor first)", file=sys.stderr)
+        return 2
+    doc = docs.update_gemm_doc(base, samples, sms, DEFAULT_TILE, f"flashoverlap_inductor.tune gemm on {gpu}",
+                               cublas)
+    print(f"wrote {docs.write_json(out_path, doc)}")
+    tk = doc["tuned_kernels"]
+    print(f"kernel_efficiency {doc['fused']['kernel_efficiency']}; best by tile {tk['best_by_tile']}; "
+          f"SM scaling {tk['sm_scaling']}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- search
+
+
+def _time_gemm_shape(m: int, n: int, k: int, infos: list, sm_counts: list[int], timer: tm.Timer) -> dict[str, float]:
+    """ms of cuBLAS and of every configuration on every SM count (``"<config>@<sms>"``) for one bf16 shape."""
+    from . import kernels, streams
+
+    lib = streams.kernel_lib()
+    stream = torch.cuda.current_stream()
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k)
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    variants = {"cublas": lambda: torch.mm(a, w.t(), out=out)}
+    for info in infos:
+        p = uniform_plan(m, n, info.tile_m, info.tile_n, 8)
+        gmap = torch.tensor(group_of_tile_row(p.row_bounds, info.tile_m), dtype=torch.int32, device="cuda")
+        counters = torch.zeros(p.num_groups, dtype=torch.int32, device="cuda")
+        idx = lib.config_index(info.name, torch.bfloat16, "nk")
+        for use in sm_counts:
+            ws_bytes = lib.workspace_bytes(idx, m, n, k, use, kernels.RASTERS["along_n"], 1)
+            ws = torch.empty(ws_bytes, dtype=torch.uint8, device="cuda") if ws_bytes else None
+
+            def fn(idx=idx, use=use, ws=ws, gmap=gmap, counters=counters):
+                lib.gemm(idx, a, w.t(), k, None, out, counters.data_ptr(), gmap, kernels.SIGNAL_MODES["deferred"],
+                         use, kernels.RASTERS["along_n"], 1, ws, stream.cuda_stream)
+            variants[f"{info.name}@{use}"] = fn
+    return {name: t.ms for name, t in timer.measure(variants).items()}
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    from . import kernels, runtime_gpu
+    from .cost_model import model_for
+    from .cost_model.search import DEFAULT_TILE, predictive_search
+
+    rank, world = init_distributed()
+    if world < 2 or not kernels.available():
+        print("tune search: needs torchrun with >= 2 ranks, sm90 GPUs and the built library", file=sys.stderr)
+        return 2
+    gpu, sms = torch.cuda.get_device_name(), torch.cuda.get_device_properties(None).multi_processor_count
+    (m, n, k), coll, dtype_name = parse_shapes(args.shape)[0], args.collective, args.dtype
+    dtype = getattr(torch, dtype_name)
+    model = model_for(gpu)[0]
+    chunks = chunks_for(coll, m, world)
+    predictive = predictive_search(model, coll, m, n, k, dtype_name, world, chunks, tile_m=DEFAULT_TILE[0],
+                                   tile_n=DEFAULT_TILE[1], max_units=args.max_units).plan
+    candidates = docs.candidate_plans(coll, m, n, world, DEFAULT_TILE, args.max_units) \
+        if args.mode in ("both", "exhaustive") else []
+    _say(rank, f"tune search: {coll} {m}x{n}x{k} {dtype_name} x{world} on {gpu}: {len(candidates)} exhaustive "
+               f"candidates + predictive {predictive.row_bounds}")
+    gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
+    a = torch.randn(m, k, device="cuda", dtype=dtype, generator=gen)
+    w = (torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) / math.sqrt(k)).to(dtype)
+    b, group = w.t(), dist.group.WORLD
+    op = {"all_reduce": runtime_gpu.gemm_all_reduce, "reduce_scatter": runtime_gpu.gemm_reduce_scatter}.get(coll)
+
+    def fused(plan: str):
+        if op is not None:
+            return lambda: op(a, b, None, group, plan)
+        return lambda: runtime_gpu.gemm_all_to_all(a, b, None, None, None, group, plan)
+
+    seq_fn = _sequential(coll, a, b, world)
+    ref, got = seq_fn(), fused(predictive.to_str())()
+    err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+    ok = tm.agree([err < 2e-2])[0]
+    if not ok:
+        print(f"tune search: the fused op disagrees with cuBLAS+NCCL (rel err {err:.3g} on rank {rank}); abort",
+              file=sys.stderr)
+        return 1
+    bar = tm.Progress(len(candidates) + 1, "search", enabled=rank == 0)
+
+    def measure(plans: list, rounds: int) -> list[float]:
+        timer = tm.Timer(rounds=rounds, target_ms=args.target_ms, spin_ms=0.3)
+        out: list[float] = []
+        for i in range(0, len(plans), 16):  # batches keep each interleaved set small
+            part = plans[i:i + 16]
+            got = timer.measure({p.to_str(): fused(p.to_str()) for p in part})
+            out += [got[p.to_str()].ms for p in part]
+            bar.update(len(part))
+        return out
+
+    def predict(p) -> float:
+        return model.fused(p, coll, chunks, k, dtype_name, world).total_ms
+
+    report = docs.search(candidates, measure, predict=predict, predictive=predictive, refine_top=args.refine,
+                         refine_rounds=args.rounds)
+    seq_ms = tm.Timer(rounds=args.rounds, target_ms=args.target_ms).measure({"seq": seq_fn})["seq"].ms
+    bar.close()
+    if runtime_gpu.stats[f"fused:{coll}"] == 0:
+        print(f"tune search: the fused path never ran ({dict(runtime_gpu.stats)}); abort", file=sys.stderr)
+        return 1
+    if rank == 0:
+        entry = {"world_size": world, "collective": coll, "dtype": dtype_name, "m": m, "n": n, "k": k,
+                 "plan": report.best.to_str(), "measured_fused_ms": round(report.best_ms, 5),
+                 "measured_seq_ms": round(seq_ms, 5), "predicted_fused_ms": round(predict(report.best), 5),
+                 "mode": args.mode, "evaluated": len(report.measured)}
+        directory = Path(args.out_dir) if args.out_dir else data_dir()
+        path = docs.plans_path(directory, gpu, world)
+        doc = docs.merge_plans(docs.read_json(path), gpu, sms, [entry], f"flashoverlap_inductor.tune search on {gpu}")
+        print(f"wrote {docs.write_json(path, doc)}")
+        errs = report.model_errors
+        print(f"best {report.best.row_bounds}: {report.best_ms:.4f} ms fused vs {seq_ms:.4f} ms sequential "
+              f"({seq_ms / report.best_ms:.3f}x); predictive {report.predictive_ms:.4f} ms (relative performance "
+              f"{report.relative_performance:.3f}); cost model median |pred-meas|/meas "
+              f"{tm.median(errs) if errs else math.nan:.3f} over {len(errs)} plans")
+    return 0
+
+
+def _sequential(coll: str, a: torch.Tensor, b: torch.Tensor, world: int):
+    """cuBLAS then one NCCL collective on the whole output (the unfused graph)."""
+    def run() -> torch.Tensor:
+        y = torch.mm(a, b)
+        if coll == "all_reduce":
+            dist.all_reduce(y)
+            return y
+        if coll == "reduce_scatter":
+            out = y.new_empty(y.shape[0] // world, y.shape[1])
+            _reduce_scatter(out, y)
+            return out
+        out = torch.empty_like(y)
+        dist.all_to_all_single(out, y)
+        return out
+    return run
+
+
+# --------------------------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m flashoverlap_inductor.tune", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    bw = sub.add_parser("bandwidth", help="NCCL curve per collective at the torchrun world size")
+    bw.add_argument("--out", help="bandwidth file to write (merged; default: the data directory's)")
+    bw.add_argument("--collectives", nargs="+", default=list(COLLECTIVES), choices=COLLECTIVES)
+    bw.add_argument("--min-bytes", type=int, default=64 * docs.KIB)
+    bw.add_argument("--max-bytes", type=int, default=docs.GIB)
+    bw.add_argument("--points-per-octave", type=int, default=4)
+    bw.add_argument("--rounds", type=int, default=3)
+    bw.add_argument("--target-ms", type=float, default=15.0, help="timed ms per size, collective and round")
+    bw.add_argument("--quick", action="store_true", help="2 rounds of ~4 ms (same sizes)")
+    gm = sub.add_parser("gemm", help="per-configuration GEMM times and their scaling with SMs left free")
+    gm.add_argument("--out", help="GEMM model file to update (default: the data directory's)")
+    gm.add_argument("--shapes", default="grid")
+    gm.add_argument("--free", default="0,8,16,24,32", help="SMs left free, comma separated")
+    gm.add_argument("--configs", nargs="+", default=["*"], help="fnmatch globs of configuration names")
+    gm.add_argument("--rounds", type=int, default=3)
+    gm.add_argument("--target-ms", type=float, default=6.0)
+    gm.add_argument("--quick", action="store_true", help="4 shapes, 0 and 16 SMs free, 2 rounds")
+    se = sub.add_parser("search", help="measure the wave groups of one shape and write the best plan")
+    se.add_argument("--collective", required=True, choices=COLLECTIVES)
+    se.add_argument("--shape", required=True, help="MxNxK")
+    se.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    se.add_argument("--mode", default="both", choices=("both", "exhaustive", "predictive"))
+    se.add_argument("--max-units", type=int, default=8, help="exhaustive candidates: 2^(units-1)")
+    se.add_argument("--refine", type=int, default=5, help="fastest candidates re-measured")
+    se.add_argument("--rounds", type=int, default=5)
+    se.add_argument("--target-ms", type=float, default=8.0)
+    se.add_argument("--out-dir", help="data directory to write plans/<gpu>_w<world>.json into")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "quick", False):
+        if args.command == "bandwidth":
+            args.rounds, args.target_ms = 2, 4.0
+        elif args.command == "gemm":
+            args.rounds, args.free = 2, "0,16"
+            args.shapes = args.shapes if args.shapes != "grid" else "4096x8192x8192,8192x8192x8192,16384x8192x7168," \
+                                                                    "2048x4096x4096"
+    try:
+        return {"bandwidth": cmd_bandwidth, "gemm": cmd_gemm, "search": cmd_search}[args.command](args)
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""Measurement helpers shared by ``tune`` and ``examples/bench_ops.py``: CUDA-event timing of interleaved variants
+with iteration counts agreed across ranks, the max over ranks, summary statistics and a progress bar.
+
+Timing method (all times in ms). ``Timer.measure({name: fn})``:
+
+1. warm-up: every variant runs twice, then the devices synchronize;
+2. estimate: one timed call per variant; the estimates are maxed over ranks (one all_reduce), so every rank runs
+   the same number of calls -- a collective inside a variant must be entered equally often by all ranks;
+   ``iters = clamp(round(target_ms / estimate), min_iters, max_iters)``;
+3. ``rounds`` rounds; in each, every variant (in turn, the order reversed every other round) gets a short spin
+   kernel (so that the host enqueues ahead and host launch gaps do not show) and then ``iters`` back-to-back
+   calls, each between two CUDA events on the current stream;
+4. a variant's time on one rank is the median of all its calls; the reported time is the max over ranks.
+
+The pure statistics (``median``, ``geomean``, ``speedup``, ``overlap_efficiency``, ``rel_error``) run anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# --------------------------------------------------------------------------------------------- statistics
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs)) if xs else math.nan
+
+
+def geomean(xs: Iterable[float]) -> float:
+    """Geometric mean of positive finite values (nan if there are none)."""
+    vals = [x for x in xs if x is not None and math.isfinite(x) and x > 0]
+    return math.exp(sum(math.log(x) for x in vals) / len(vals)) if vals else math.nan
+
+
+def speedup(baseline_ms: float, ms: float) -> float:
+    """``baseline / ms`` (> 1 means faster than the baseline); nan when undefined."""
+    if ms is None or baseline_ms is None or not ms > 0 or not math.isfinite(baseline_ms):
+        return math.nan
+    return baseline_ms / ms
+
+
+def overlap_efficiency(seq_ms: float, fused_ms: float, ideal_ms: float) -> float:
+    """``(T_seq - T_fused) / (T_seq - ideal)``: 1 = perfect overlap, 0 = no gain, < 0 = slower than sequential;
+    nan when the ideal leaves nothing to gain (``T_seq <= ideal``)."""
+    if any(x is None or not math.isfinite(x) for x in (seq_ms, fused_ms, ideal_ms)) or seq_ms - ideal_ms <= 1e-9:
+        return math.nan
+    return (seq_ms - fused_ms) / (seq_ms - ideal_ms)
+
+
+def rel_error(predicted: float, measured: float) -> float:
+    """``|predicted - measured| / measured`` (nan when undefined)."""
+    if predicted is None or measured is None or not measured > 0 or not math.isfinite(predicted):
+        return math.nan
+    return abs(predicted - measured) / measured
+
+
+def finite(xs: Iterable[Any]) -> list[float]:
+    return [float(x) for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
+
+
+# --------------------------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """A progress bar: ``tqdm`` when installed, else a line every ``every_s`` seconds (flushed)."""
+
+    def __init__(self, total: int, desc: str, enabled: bool = True, every_s: float = 5.0) -> None:
+        self.total, self.desc, self.enabled, self.every_s = total, desc, enabled, every_s
+        self.done, self.t0, self.last = 0, time.monotonic(), 0.0
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, desc=desc, file=sys.stdout, mininterval=2.0, ascii=True,
+                                dynamic_ncols=False, ncols=100)
+            except ImportError:
+                self.bar = None
+
+    def update(self, n: int = 1, note: str = "") -> None:
+        self.done += n
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            if note:
+                self.bar.set_postfix_str(note, refresh=False)
+            self.bar.update(n)
+            return
+        now = time.monotonic()
+        if now - self.last >= self.every_s or self.done >= self.total:
+            self.last = now
+            pct = 100.0 * self.done / max(1, self.total)
+            print(f"{self.desc}: {self.done}/{self.total} ({pct:.0f}%) {now - self.t0:.1f} s {note}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        sys.stdout.flush()
+
+
+# --------------------------------------------------------------------------------------------- distributed
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of the default group, (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def reduce_max(values: Sequence[float], group: Any = None) -> list[float]:
+    """Element-wise max over the ranks of ``values`` (one all_reduce; identity without a process group)."""
+    if not values or world()[1] == 1:
+        return [float(v) for v in values]
+    device = "cpu" if dist.get_backend(group) == "gloo" else "cuda"
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [float(v) for v in t.tolist()]
+
+
+def agree(flags: Sequence[bool], group: Any = None) -> list[bool]:
+    """True where every rank says True (one all_reduce)."""
+    return [v > 0.5 for v in [-x for x in reduce_max([-float(bool(f)) for f in flags], group)]]
+
+
+# --------------------------------------------------------------------------------------------- timing
+
+
+def spin(ms: float) -> None:
+    """Keep the current stream busy for about ``ms`` (so the host gets ahead of the GPU)."""
+    if ms > 0:
+        torch.cuda._sleep(int(ms * 1.5e6))
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One variant's result: ``ms`` = max over ranks of the per-rank medians; ``min_ms``/``max_ms`` this rank's
+    extremes; ``calls`` timed calls per rank."""
+
+    ms: float
+    min_ms: float
+    max_ms: float
+    calls: int
+
+
+class Timer:
+    """Interleaved CUDA-event timing of several variants (see the module docstring)."""
+
+    def __init__(self, rounds: int = 5, target_ms: float = 10.0, min_iters: int = 2, max_iters: int = 50,
+                 spin_ms: float = 0.3, group: Any = None) -> None:
+        self.rounds, self.target_ms, self.spin_ms, self.group = rounds, target_ms, spin_ms, group
+        self.min_iters, self.max_iters = min_iters, max_iters
+
+    def iterations(self, estimates_ms: Sequence[float]) -> list[int]:
+        """Calls per round for each variant from its (rank-maxed) single-call estimate."""
+        out = []
+        for est in estimates_ms:
+            n = self.target_ms / est if est > 0 and math.isfinite(est) else self.max_iters
+            out.append(int(min(self.max_iters, max(self.min_iters, round(n)))))
+        return out
+
+    def measure(self, variants: dict[str, Callable[[], Any]]) -> dict[str, Timing]:
+        names = list(variants)
+        if not names:
+            return {}
+        for _ in range(2):
+            for name in names:
+                variants[name]()
+        torch.cuda.synchronize()
+        estimates = []
+        for name in names:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            spin(self.spin_ms)
+            start.record()
+            variants[name]()
+            end.record()
+            end.synchronize()
+            estimates.append(start.elapsed_time(end))
+        iters = dict(zip(names, self.iterations(reduce_max(estimates, self.group)), strict=True))
+        samples: dict[str, list[float]] = {name: [] for name in names}
+        for r in range(self.rounds):
+            pending = []
+            for name in (names if r % 2 == 0 else names[::-1]):
+                fn = variants[name]
+                spin(self.spin_ms)
+                events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                          for _ in range(iters[name])]
+                for start, end in events:
+                    start.record()
+                    fn()
+                    end.record()
+                pending.append((name, events))
+            torch.cuda.synchronize()
+            for name, events in pending:
+                samples[name].extend(s.elapsed_time(e) for s, e in events)
+        meds = reduce_max([median(samples[n]) for n in names], self.group)
+        return {n: Timing(m, min(samples[n]), max(samples[n]), len(samples[n])) for n, m in zip(names, meds,
+                                                                                                strict=True)}

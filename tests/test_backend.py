@@ -1,0 +1,169 @@
+"""The ``flashoverlap`` backend: entry-point discovery, options, fuse-mode sources, settings capture, uuid."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from unittest import mock
+
+import torch
+from pass_harness import FakePGTestCase
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.testing._internal.common_utils import TestCase, run_tests
+
+from flashoverlap_inductor import _inductor_compat as compat
+from flashoverlap_inductor import backend, config
+from flashoverlap_inductor.passes import FlashOverlapPass, counters
+
+c10d = torch.ops._c10d_functional
+
+_FRESH_INTERPRETER = textwrap.dedent("""
+    import json, sys
+    import torch, torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not any(m.startswith("flashoverlap_inductor") for m in sys.modules), "imported too early"
+    assert "flashoverlap" in torch._dynamo.list_backends(), torch._dynamo.list_backends()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    g = dist.group.WORLD
+    fn = torch.compile(lambda x, w: funcol.all_reduce(x @ w, "sum", g), backend="flashoverlap", fullgraph=True)
+    out = fn(torch.randn(8, 16), torch.randn(16, 32))
+    from flashoverlap_inductor.passes import counters
+    print(json.dumps({"shape": list(out.shape), "counters": dict(counters)}))
+""")
+
+
+class TestEntryPoint(TestCase):
+    def test_fresh_interpreter_finds_and_runs_the_backend(self):
+        """``backend="flashoverlap"`` works in an interpreter that never imported the package (entry point), the
+        graph is compiled end to end (no FX cache) and the fused op runs."""
+        env = {**os.environ, "FLASHOVERLAP_FUSE": "always", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+               "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+        proc = subprocess.run([sys.executable, "-c", _FRESH_INTERPRETER], env=env, capture_output=True, text=True,
+                              timeout=300)
+        self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        self.assertEqual(result, {"shape": [8, 32], "counters": {"fused:all_reduce": 1}})
+
+
+def _graph():
+    """A post-grad-like graph with one fusable all_reduce (fake tensors)."""
+    fn = lambda x, w: c10d.wait_tensor(c10d.all_reduce(x @ w, "sum", "0"))
+    return make_fx(fn, tracing_mode="fake")(torch.randn(8, 16), torch.randn(16, 32))
+
+
+class TestBackendOptions(FakePGTestCase):
+    def _patches(self, **kwargs) -> dict:
+        """Run the backend with compile_fx replaced by a recorder; returns the config patches it got."""
+        seen = {}
+
+        def fake_compile_fx(gm, example_inputs, config_patches):
+            seen.update(config_patches)
+            return gm.forward
+
+        gm = torch.fx.symbolic_trace(lambda x: x + 1)
+        with mock.patch.object(compat, "compile_fx", fake_compile_fx):
+            backend.flashoverlap_backend(gm, [torch.randn(2)], **kwargs)
+        return seen
+
+    def test_our_options_are_stripped_and_captured(self):
+        patches = self._patches(options={"flashoverlap.fuse": "never", "flashoverlap.min_rows": 4,
+                                         "flashoverlap.collectives": ["all_reduce"], "max_autotune": False})
+        fo_pass = patches.pop(compat.PRE_PASS_KEY)
+        self.assertEqual(patches, {"max_autotune": False})  # only Inductor's keys are left
+        self.assertIsInstance(fo_pass, FlashOverlapPass)
+        self.assertEqual((fo_pass.settings["fuse"], fo_pass.settings["min_rows"], fo_pass.settings["collectives"]),
+                         ("never", 4, ("all_reduce",)))
+        self.assertIsNone(config.fuse)  # the module config is untouched
+        self.assertEqual(config.min_rows, 256)
+
+    def test_unknown_option_is_an_error(self):
+        with self.assertRaisesRegex(ValueError, "unknown option 'flashoverlap.nope'"):
+            self._patches(options={"flashoverlap.nope": 1})
+        with self.assertRaisesRegex(ValueError, "fuse mode must be one of"):
+            self._patches(options={"flashoverlap.fuse": "sometimes"})
+        with self.assertRaisesRegex(ValueError, "unknown collectives"):
+            self._patches(options={"flashoverlap.collectives": ["all_gather"]})
+
+    def test_unknown_inductor_option_reaches_inductor(self):
+        gm = torch.fx.symbolic_trace(lambda x: x + 1)
+        with self.assertRaises(AttributeError):
+            backend.flashoverlap_backend(gm, [torch.randn(2)], options={"no_such_inductor_option": 1})
+
+    def test_mode(self):
+        patches = self._patches(mode="max-autotune-no-cudagraphs")
+        self.assertTrue(patches["max_autotune"])
+        with self.assertRaisesRegex(RuntimeError, "either mode or options"):
+            self._patches(mode="max-autotune", options={"flashoverlap.fuse": "never"})
+
+    def test_env_var_and_precedence(self):
+        with mock.patch.dict(os.environ, {"FLASHOVERLAP_FUSE": "never"}):
+            self.assertEqual(self._patches()[compat.PRE_PASS_KEY].settings["fuse"], "never")
+            with config.patch(fuse="auto"):  # the module attribute beats the env var
+                self.assertEqual(self._patches()[compat.PRE_PASS_KEY].settings["fuse"], "auto")
+            options = {"flashoverlap.fuse": "always"}  # an option beats both
+            self.assertEqual(self._patches(options=options)[compat.PRE_PASS_KEY].settings["fuse"], "always")
+        with mock.patch.dict(os.environ, {"FLASHOVERLAP_FUSE": "always"}):
+            self.assertEqual(self._patches()[compat.PRE_PASS_KEY].settings["fuse"], "always")
+
+    def test_settings_survive_for_the_lazily_compiled_backward(self):
+        """The pass keeps the settings it was built with, whatever the config says when it finally runs."""
+        fo_pass = self._patches(options={"flashoverlap.fuse": "always"})[compat.PRE_PASS_KEY]
+        gm = _graph()
+        with config.patch(fuse="never"), mock.patch.dict(os.environ, {"FLASHOVERLAP_FUSE": "never"}):
+            fo_pass(gm.graph)
+        self.assertEqual(dict(counters), {"fused:all_reduce": 1})
+
+    def test_user_pre_pass_runs_after_ours(self):
+        order = []
+
+        def user_pass(graph):
+            order.append(sum(1 for n in graph.nodes if "flashoverlap" in str(n.target)))
+
+        chained = self._patches(options={"flashoverlap.fuse": "always",
+                                         "post_grad_custom_pre_pass": user_pass})[compat.PRE_PASS_KEY]
+        chained(_graph().graph)
+        self.assertEqual(order, [1])  # the user's pass saw the fused graph
+        self.assertIsNone(chained.uuid())  # a plain function: Inductor must bypass the FX graph cache
+
+
+class TestUuid(TestCase):
+    def test_uuid_tracks_settings(self):
+        always = FlashOverlapPass({"fuse": "always"})
+        self.assertIsInstance(always.uuid(), str)
+        self.assertEqual(always.uuid(), FlashOverlapPass({"fuse": "always"}).uuid())
+        self.assertNotEqual(always.uuid(), FlashOverlapPass({"fuse": "never"}).uuid())
+        self.assertNotEqual(always.uuid(), FlashOverlapPass({"fuse": "always", "min_rows": 1}).uuid())
+        self.assertNotEqual(always.uuid(), FlashOverlapPass({"fuse": "always", "collectives": ("all_reduce",)}).uuid())
+        with mock.patch.dict(os.environ, {"FLASHOVERLAP_FUSE": "never"}), config.patch(fuse=None):
+            self.assertEqual(FlashOverlapPass().uuid(), FlashOverlapPass({"fuse": "never"}).uuid())
+
+    def test_uuid_covers_sources_and_data(self):
+        from flashoverlap_inductor.passes import gemm_collective
+
+        files = {os.path.basename(p) for p in gemm_collective._source_files(FlashOverlapPass().settings)}
+        self.assertTrue({"gemm_collective.py", "matching.py", "rewrite.py", "ops.py", "plan.py"} <= files, files)
+        self.assertTrue(any(f.endswith(".json") for f in files), files)  # shipped cost-model data
+
+    def test_uuid_changes_when_a_source_changes(self):
+        from flashoverlap_inductor.passes import gemm_collective
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "source.py")
+            with mock.patch.object(gemm_collective, "_source_files", lambda settings: [path]):
+                with open(path, "w") as f:
+                    f.write("x = 1\n")
+                first = FlashOverlapPass().uuid()
+                self.assertEqual(first, FlashOverlapPass().uuid())
+                with open(path, "w") as f:
+                    f.write("x = 2\n")
+                self.assertNotEqual(first, FlashOverlapPass().uuid())
+
+
+if __name__ == "__main__":
+    run_tests()

@@ -1,0 +1,621 @@
+"""CPU tests of the tuner, the benchmark's aggregation and the GPU runtime's pure helpers (no GPU needed).
+
+The tuner's search runs with fake timing functions; its documents are validated by the cost model's schema and
+read back through the cost model's registry (a tuned plan must change ``decide``'s answer). The benchmark's
+derived quantities are checked against hand-computed values.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashoverlap_inductor import config, kernel_select, kernels, runtime_gpu, tune, tune_docs, tune_measure
+from flashoverlap_inductor import plan as planlib
+from flashoverlap_inductor.cost_model import clear_caches, decide, model_for, registry, schema
+from flashoverlap_inductor.cost_model.bandwidth import BandwidthCurve
+from flashoverlap_inductor.cost_model.gemm import GemmModel
+from flashoverlap_inductor.cost_model.search import DEFAULT_TILE, predictive_search
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU = "NVIDIA H200"
+
+
+@pytest.fixture
+def data_copy(tmp_path):
+    """A private data directory holding copies of the shipped bandwidth and GEMM files."""
+    for path in registry.data_dir().glob("*.json"):
+        shutil.copy(path, tmp_path / path.name)
+    clear_caches()
+    runtime_gpu.preferred_kernels.cache_clear()
+    with config.patch(config_dir=str(tmp_path)):
+        yield tmp_path
+    clear_caches()
+    runtime_gpu.preferred_kernels.cache_clear()
+
+
+# --------------------------------------------------------------------------------------------- bandwidth
+
+
+def test_bandwidth_sizes_cover_64k_to_1g_at_4_per_octave():
+    sizes = tune_docs.bandwidth_sizes(world_size=4)
+    assert sizes[0] == 64 * 1024 and sizes[-1] == 1 << 30
+    assert len(sizes) == 14 * 4 + 1
+    assert all(b > a for a, b in zip(sizes, sizes[1:], strict=False))
+    assert all(s % (4 * 128 * 2) == 0 for s in sizes)
+    ratios = [b / a for a, b in zip(sizes, sizes[1:], strict=False)]
+    assert max(abs(r - 2 ** 0.25) for r in ratios) < 0.01
+    odd = tune_docs.bandwidth_sizes(world_size=3)  # rounding to the world never makes two sizes equal
+    assert len(odd) == len(set(odd)) and odd[-1] <= 1 << 30
+
+
+def test_merge_bandwidth_replaces_one_world_and_validates():
+    base = tune_docs.read_json(tune_docs.bandwidth_path(registry.data_dir(), GPU))
+    fake = {c: [[b, 0.01 + b / 1e8] for b in tune_docs.bandwidth_sizes(world_size=4)]
+            for c in ("all_reduce", "reduce_scatter", "all_to_all")}
+    doc = tune_docs.merge_bandwidth(base, GPU, 132, 4, fake, "unit test", date="2026-12-01")
+    assert doc["curves"]["2"] == base["curves"]["2"]  # other worlds untouched
+    got = doc["curves"]["4"]["all_reduce"][5]
+    assert got == [fake["all_reduce"][5][0], pytest.approx(fake["all_reduce"][5][1], rel=1e-5)]
+    assert "world 4: unit test (2026-12-01)" in doc["source"] and doc["date"] == "2026-12-01"
+    curve = BandwidthCurve.from_json(doc, "merged")
+    b = fake["all_reduce"][20][0]
+    assert curve.comm_ms("all_reduce", 4, b) == pytest.approx(0.01 + b / 1e8, rel=1e-5)
+    with pytest.raises(schema.ConfigError, match="missing"):  # a new world must list every collective
+        tune_docs.merge_bandwidth(base, GPU, 132, 8, {"all_reduce": fake["all_reduce"]}, "partial")
+    with pytest.raises(ValueError, match="H200"):
+        tune_docs.merge_bandwidth(base, "NVIDIA B200", 148, 4, fake, "wrong gpu")
+
+
+# --------------------------------------------------------------------------------------------- gemm
+
+
+def _fake_samples(model: GemmModel, effs: dict[str, tuple[int, int, float]], sms_list: list[int]):
+    out = []
+    for (m, n, k) in ((4096, 8192, 8192), (8192, 8192, 7168), (2048, 4096, 4096)):
+        for name, (tm, tn, eff) in effs.items():
+            for sms in sms_list:
+                waves = math.ceil(math.ceil(m / tm) * math.ceil(n / tn) / sms)
+                ms = model.launch_ms + waves * model.wave_ms(k, "bfloat16", tm, tn, eff)
+                out.append(tune_docs.GemmSample(name, tm, tn, m, n, k, sms, ms))
+    return out
+
+
+def test_update_gemm_doc_recovers_efficiency_and_best_kernels(data_copy):
+    doc = tune_docs.read_json(tune_docs.gemm_path(data_copy, GPU))
+    model = GemmModel.from_json(doc)
+    effs = {"coop_128x256x64_c2x1": (128, 256, 0.8), "coop_128x256x64_c1x1": (128, 256, 0.7),
+            "pp_128x128x64_c2x1": (128, 128, 0.9)}
+    samples = _fake_samples(model, effs, [132, 116, 100])
+    new = tune_docs.update_gemm_doc(doc, samples, 132, DEFAULT_TILE, "unit test", cublas=[(1, 2, 3, 0.5)])
+    schema.validate_gemm(new, "test")
+    assert new["fused"]["kernel_efficiency"] == pytest.approx(0.8, abs=1e-3)
+    tk = new["tuned_kernels"]
+    assert tk["best_by_tile"] == {"128x256": "coop_128x256x64_c2x1", "128x128": "pp_128x128x64_c2x1"}
+    assert tk["per_config"]["coop_128x256x64_c1x1"] == pytest.approx(0.7, abs=1e-3)
+    assert tk["fused_sms"] == 116 and len(tk["samples"]) == len(samples)
+    assert set(tk["sm_scaling"]["128x256"]) == {"0", "16", "32"} and tk["sm_scaling"]["128x256"]["0"] == 1.0
+    assert 0 < tk["sm_scaling"]["128x256"]["32"] <= 1.0
+    assert GemmModel.from_json(new).kernel_efficiency == pytest.approx(0.8, abs=1e-3)
+    # the runtime picks its preferred kernels from the written file
+    tune_docs.write_json(tune_docs.gemm_path(data_copy, GPU), new)
+    clear_caches()
+    runtime_gpu.preferred_kernels.cache_clear()
+    assert runtime_gpu.preferred_kernels(GPU) == tk["best_by_tile"]
+
+
+# --------------------------------------------------------------------------------------------- search
+
+
+def test_compositions_and_candidates():
+    comps = tune_docs.compositions(4)
+    assert len(comps) == 8 and all(sum(c) == 4 for c in comps) and len(set(comps)) == 8
+    plans = tune_docs.candidate_plans("reduce_scatter", 8192, 8192, 4, DEFAULT_TILE, 6)
+    assert len(plans) == 2 ** 5 and len(set(plans)) == len(plans)
+    for p in plans:
+        assert p.m == 8192 and p.row_bounds[-1] == 8192
+        assert all(b % 128 == 0 and b % 4 == 0 for b in p.row_bounds)
+        planlib.buffer_layout(p, planlib.chunks_for("reduce_scatter", 8192, 4))  # a valid layout
+    assert {p.num_groups for p in plans} == set(range(1, 7))
+
+
+def _setup_search(collective="all_reduce", m=8192, n=8192, k=8192, world=4, units=6):
+    model = model_for(GPU)[0]
+    chunks = planlib.chunks_for(collective, m, world)
+
+    def predict(p):
+        return model.fused(p, collective, chunks, k, "bfloat16", world).total_ms
+
+    candidates = tune_docs.candidate_plans(collective, m, n, world, DEFAULT_TILE, units)
+    predictive = predictive_search(model, collective, m, n, k, "bfloat16", world, chunks, max_units=units).plan
+    return candidates, predictive, predict
+
+
+def test_search_with_the_model_as_the_clock_finds_the_model_optimum():
+    candidates, predictive, predict = _setup_search()
+    calls = []
+
+    def measure(plans, rounds):
+        calls.append((len(plans), rounds))
+        return [predict(p) for p in plans]
+
+    report = tune_docs.search(candidates, measure, predict=predict, predictive=predictive, refine_top=3,
+                              refine_rounds=4)
+    assert calls[0] == (len(set(candidates) | {predictive}), 1) and calls[1][1] == 4 and calls[1][0] <= 4
+    assert report.best_ms == pytest.approx(min(predict(p) for p in candidates))
+    assert report.relative_performance == pytest.approx(1.0)
+    assert max(report.model_errors) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_search_prefers_measurements_over_predictions():
+    candidates, predictive, predict = _setup_search()
+
+    def measure(plans, rounds):  # the real machine punishes many groups (per-call costs the model lacks)
+        return [predict(p) + 0.2 * max(0, p.num_groups - 2) for p in plans]
+
+    report = tune_docs.search(candidates, measure, predict=predict, predictive=predictive)
+    assert report.best.num_groups <= 2
+    assert report.best_ms == pytest.approx(min(measure([p], 1)[0] for p in candidates))
+    if predictive.num_groups > 2:
+        assert report.relative_performance < 1.0
+    assert tune_measure.median(report.model_errors) > 0
+
+
+def test_tuned_plan_file_changes_decide(data_copy):
+    coll, m, n, k, world = "reduce_scatter", 8192, 8192, 7168, 4
+    before = decide(coll, m, n, k, "bfloat16", world, device_name=GPU)
+    plan = planlib.GroupPlan(m, n, 128, 256, (0, 2048, 4096, 8192))
+    assert plan != before.plan
+    entry = {"world_size": world, "collective": coll, "dtype": "bfloat16", "m": m, "n": n, "k": k,
+             "plan": plan.to_str(), "measured_fused_ms": 1.30, "measured_seq_ms": 1.64, "mode": "both"}
+    path = tune_docs.plans_path(data_copy, GPU, world)
+    doc = tune_docs.merge_plans(None, GPU, 132, [entry], "unit test")
+    doc = tune_docs.merge_plans(doc, GPU, 132, [dict(entry, measured_fused_ms=1.25)], "unit test")
+    assert len(doc["entries"]) == 1 and doc["entries"][0]["measured_fused_ms"] == 1.25
+    tune_docs.write_json(path, doc)
+    clear_caches()
+    after = decide(coll, m, n, k, "bfloat16", world, device_name=GPU)
+    assert after.plan == plan and after.fuse and "measured" in after.reason
+    with pytest.raises(ValueError, match="SMs"):
+        tune_docs.merge_plans(doc, GPU, 114, [entry], "other machine")
+
+
+# --------------------------------------------------------------------------------------------- statistics
+
+
+def test_statistics():
+    assert tune_measure.geomean([1.0, 4.0, float("nan"), None]) == pytest.approx(2.0)
+    assert math.isnan(tune_measure.geomean([]))
+    assert tune_measure.speedup(2.0, 1.0) == 2.0 and math.isnan(tune_measure.speedup(2.0, float("nan")))
+    eff = tune_measure.overlap_efficiency
+    assert eff(2.1, 1.45, 1.45) == pytest.approx(1.0)
+    assert eff(2.1, 2.1, 1.45) == pytest.approx(0.0)
+    assert eff(2.1, 2.3, 1.45) < 0
+    assert eff(2.1, 1.775, 1.45) == pytest.approx(0.5)
+    assert math.isnan(eff(1.0, 0.9, 1.0))
+    assert tune_measure.rel_error(1.1, 1.0) == pytest.approx(0.1)
+    assert tune_measure.agree([True, False]) == [True, False]  # no process group: this rank decides
+    assert tune_measure.reduce_max([1.0, 2.0]) == [1.0, 2.0]
+
+
+def test_timer_iteration_counts():
+    timer = tune_measure.Timer(target_ms=10.0, min_iters=2, max_iters=40)
+    assert timer.iterations([0.1, 1.0, 8.0, 100.0, float("nan"), 0.0]) == [40, 10, 2, 2, 40, 40]
+
+
+def test_progress_without_tqdm(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import fails
+    bar = tune_measure.Progress(3, "demo", every_s=0.0)
+    for i in range(3):
+        bar.update(note=f"step {i}")
+    bar.close()
+    out = capsys.readouterr().out
+    assert "demo: 3/3 (100%)" in out and "step 2" in out
+    silent = tune_measure.Progress(3, "quiet", enabled=False)
+    silent.update()
+    assert "quiet" not in capsys.readouterr().out
+
+
+def test_cli_parsing():
+    p = tune.build_parser()
+    bw = p.parse_args(["bandwidth", "--quick", "--out", "x.json"])
+    assert bw.command == "bandwidth" and bw.points_per_octave == 4 and bw.max_bytes == 1 << 30
+    se = p.parse_args(["search", "--collective", "all_to_all", "--shape", "4096x4096x4096", "--mode", "predictive"])
+    assert se.max_units == 8 and se.mode == "predictive"
+    assert tune.parse_shapes("8192x8192x14336,2048x4096x4096") == [(8192, 8192, 14336), (2048, 4096, 4096)]
+    assert tune.parse_shapes("grid") == tune.GRID and len(tune.GRID) == 16
+    with pytest.raises(SystemExit):
+        p.parse_args(["search", "--collective", "broadcast", "--shape", "1x1x1"])
+
+
+# --------------------------------------------------------------------------------------------- benchmark
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_ops", ROOT / "examples" / "bench_ops.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(bench, op, m, seq, fused, gemm, comm, asynctp=math.nan, auto_fuse=True, pred=None, rel=1e-3):
+    row = {"op": op, "m": m, "n": 8192, "k": 8192, "world": 4, "gemm_ms": gemm, "comm_ms": comm, "seq_ms": seq,
+           "chunked": {"2": seq * 0.99}, "chunked_ms": seq * 0.99, "asynctp_ms": asynctp, "fused_ms": fused,
+           "ideal_ms": max(gemm, comm), "auto_fuse": auto_fuse, "auto_ms": fused if auto_fuse else seq,
+           "plan": "", "groups": 4, "decision": "", "fused_path": True, "fallback": [], "launch": "",
+           "relerr_fused": rel, "relerr_asynctp": math.nan, "host_ms_fused": 0.1,
+           "pred_fused_ms": pred if pred is not None else fused, "pred_seq_ms": seq, "errors": {}}
+    return bench.derive(row)
+
+
+def test_bench_derive_and_summary(bench):
+    r = _row(bench, "all_reduce", 8192, seq=2.13, fused=1.60, gemm=1.45, comm=0.72, pred=1.76)
+    assert r["speedup"] == pytest.approx(2.13 / 1.60) and r["ideal_speedup"] == pytest.approx(2.13 / 1.45)
+    assert r["efficiency"] == pytest.approx((2.13 - 1.60) / (2.13 - 1.45))
+    assert r["err_fused"] == pytest.approx(0.1) and r["correct"] is True
+    rows = [r, _row(bench, "all_reduce", 4096, seq=1.07, fused=0.90, gemm=0.69, comm=0.37),
+            _row(bench, "reduce_scatter", 8192, seq=1.87, fused=1.55, gemm=1.45, comm=0.40, asynctp=1.86),
+            _row(bench, "reduce_scatter", 4096, seq=0.94, fused=1.10, gemm=0.69, comm=0.24, asynctp=1.03,
+                 auto_fuse=False),
+            _row(bench, "all_to_all", 8192, seq=1.86, fused=1.70, gemm=1.45, comm=0.42, rel=0.5)]
+    s = bench.summarize(rows, 4)
+    ar = s["ops"]["all_reduce"]
+    assert ar["geomean_speedup"] == pytest.approx(math.sqrt((2.13 / 1.60) * (1.07 / 0.90)))
+    assert ar["speedup_8192"] == pytest.approx(2.13 / 1.60)
+    assert s["checks"]["all_reduce geomean speedup"]["pass"] is True
+    assert s["checks"]["all_reduce 8192^3 speedup"]["pass"] is False  # 1.33 < 1.35
+    rs = s["ops"]["reduce_scatter"]
+    assert rs["faster_than_asynctp"] == "1/2" and rs["all_faster_than_asynctp"] is False
+    assert rs["worst_auto_ratio"] == pytest.approx(1.0)  # auto declined the slow shape
+    assert s["checks"]["reduce_scatter auto never > 1.02 x T_seq"]["pass"] is True
+    assert s["ops"]["all_to_all"]["wrong"] == ["8192x8192x8192"]
+    assert s["checks"]["all_to_all results correct"]["pass"] is False
+    table = bench.format_table(rows, s)
+    assert "[FAIL] all_reduce 8192^3 speedup" in table and "WRONG" in table and "== reduce_scatter" in table
+    text = json.dumps(bench._jsonable({"rows": rows, "summary": s}))
+    assert "NaN" not in text and "Infinity" not in text
+
+
+def test_bench_arguments(bench):
+    args = bench.parse_args(["--ops", "all_reduce,reduce_scatter", "--fuse", "auto", "--shapes", "8192x8192x8192"])
+    assert args.ops == ["all_reduce", "reduce_scatter"] and args.fuse == "auto" and args.call == "op"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--ops", "all_gather"])
+
+
+# --------------------------------------------------------------------------------------------- runtime helpers
+
+
+def test_normalize_operands():
+    bf = torch.bfloat16
+    a, w = torch.randn(64, 32).to(bf), torch.randn(48, 32).to(bf)
+    got = runtime_gpu.normalize_operands(a, w.t(), torch.randn(1, 48).to(bf))
+    assert isinstance(got, runtime_gpu.Operands) and got.bias.shape == (48,) and got.b.stride() == (1, 32)
+    assert runtime_gpu.normalize_operands(a.float(), w.t().float(), None)[0] == "dtype"
+    a3 = torch.randn(16, 4, 32).to(bf).permute(1, 0, 2)
+    got = runtime_gpu.normalize_operands(a3, w.t().expand(4, 32, 48), None)  # x.transpose(0,1) @ w as bmm
+    assert got.a.shape == (64, 32) and got.b.shape == (32, 48) and got.b.stride(1) == 32
+    assert torch.equal(got.a, a3.reshape(64, 32))
+    assert runtime_gpu.normalize_operands(a3, torch.randn(4, 32, 48).to(bf), None)[0] == "bmm"
+    assert runtime_gpu.normalize_operands(a, w.t(), torch.randn(64, 48).to(bf))[0] == "bias_rows"
+    assert runtime_gpu.normalize_operands(a[:, :30], w[:, :30].t(), None)[0] == "alignment"
+    assert runtime_gpu.normalize_operands(a, torch.randn(32, 0).to(bf), None)[0] == "degenerate"
+    scalar = runtime_gpu.normalize_operands(a, w.t(), torch.tensor(2.0).to(bf))
+    assert scalar.bias.shape == (48,) and torch.all(scalar.bias == 2)
+
+
+def test_b_layout():
+    w = torch.randn(48, 32)
+    assert runtime_gpu.b_layout(w.t()) == "nk" and runtime_gpu.b_layout(w.t().contiguous()) == "kn"
+    assert runtime_gpu.b_layout(torch.randn(32, 96)[:, ::2]) is None
+    assert runtime_gpu.a_is_kernel_ready(torch.randn(8, 32))
+    assert not runtime_gpu.a_is_kernel_ready(torch.randn(32, 8).t())
+
+
+class _Info:
+    def __init__(self, name, tm, tn, variants):
+        self.name, self.tile_m, self.tile_n, self.variants = name, tm, tn, tuple(variants)
+
+
+def test_choose_kernel():
+    full = [("bfloat16", "nk"), ("bfloat16", "kn"), ("float16", "nk"), ("float16", "kn")]
+    infos = [_Info(kernels.DEFAULT_CONFIG, 128, 256, full), _Info("coop_128x128x64_c1x1", 128, 128, full),
+             _Info("pp_64x256x64_c1x1", 64, 256, [("bfloat16", "nk")]),
+             _Info("pp_64x256x64_c2x1", 64, 256, [("bfloat16", "nk")])]
+    pick = runtime_gpu.choose_kernel
+    assert pick(infos, "", (128, 256), "bfloat16", "nk").name == kernels.DEFAULT_CONFIG
+    assert pick(infos, "", (128, 128), "float16", "kn").name == "coop_128x128x64_c1x1"
+    assert pick(infos, "", (64, 256), "bfloat16", "nk").name == "pp_64x256x64_c1x1"
+    assert pick(infos, "", (64, 256), "bfloat16", "nk", {"64x256": "pp_64x256x64_c2x1"}).name == "pp_64x256x64_c2x1"
+    assert pick(infos, "", (64, 256), "float16", "nk").name == kernels.DEFAULT_CONFIG  # tile not compiled for fp16
+    assert pick(infos, "pp_64x256x64_c2x1", (128, 256), "bfloat16", "nk").name == "pp_64x256x64_c2x1"
+    assert pick(infos, "", None, "bfloat16", "kn").name == kernels.DEFAULT_CONFIG
+    only_nk = [_Info("x", 128, 256, [("bfloat16", "nk")])]
+    c = pick(only_nk, "", (128, 256), "bfloat16", "kn")
+    assert (c.name, c.b_layout, c.convert_b) == ("x", "nk", True)
+    c = pick(only_nk, "", (128, 256), "bfloat16", None)  # strided B: copied
+    assert c.b_layout == "nk" and c.convert_b
+    assert pick(only_nk, "", (128, 256), "float16", "nk") is None
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gather_rows_follow_the_buffer_layout(world):
+    rows = 48 * world
+    p = planlib.uniform_plan(rows, 64, 8, 8, 3, align=world)
+    layout = planlib.buffer_layout(p, planlib.chunks_for("reduce_scatter", rows, world))
+    src = runtime_gpu.gather_rows(layout)
+    assert sorted(src) == list(range(rows)) and src != list(range(rows))
+    pieces = planlib.chunk_pieces([rows // world] * world, p.row_bounds)  # independent statement of the layout
+    expect, done = [], [0] * world
+    for per_chunk in pieces:
+        for kk, count in enumerate(per_chunk):
+            start = kk * rows // world + done[kk]
+            expect += list(range(start, start + count))
+            done[kk] += count
+    assert src == expect
+    ar = planlib.buffer_layout(p, [rows])
+    assert runtime_gpu.gather_rows(ar) is None
+
+
+def test_sm_reserve_sources(monkeypatch):
+    monkeypatch.delenv("FLASHOVERLAP_SM_RESERVE", raising=False)
+    assert kernel_select.sm_reserve(GPU) == model_for(GPU)[0].gemm.nccl_sms
+    monkeypatch.setenv("FLASHOVERLAP_SM_RESERVE", "24")
+    assert kernel_select.sm_reserve(GPU) == 24
+    assert kernel_select.sm_reserve(GPU, 8) == 8  # runtime_gpu.SM_RESERVE wins
+
+
+def test_without_the_library_calls_run_unfused(monkeypatch):
+    """No sm90 GPU here: every op goes to runtime_cuda, counted and logged once."""
+    calls = []
+    from flashoverlap_inductor import runtime_cuda
+
+    monkeypatch.setattr(runtime_cuda, "gemm_reduce_scatter", lambda *args: calls.append(args) or "unfused")
+    monkeypatch.setattr(runtime_gpu, "_ready", [])
+    runtime_gpu.stats.clear()
+    a, b = torch.randn(8, 16).bfloat16(), torch.randn(16, 8).bfloat16()
+    assert runtime_gpu.gemm_reduce_scatter(a, b, None, object(), "auto") == "unfused"
+    assert runtime_gpu.stats["fallback:library"] == 1 and len(calls) == 1 and not runtime_gpu.available()
+    runtime_gpu.check()  # nothing was set up: nothing to report
+
+
+# --------------------------------------------------------------------------------------------- simulated GPU path
+# runtime_gpu's real per-call path on CPU tensors over 2 gloo ranks: streams and the C library are replaced by
+# synchronous fakes (the GEMM computes in fp32 and adds to the counters exactly what the kernel's contract says;
+# every wait checks that its counter reached exactly the target the runtime asked for). What runs for real: operand
+# normalization, the launch (schedule, layout, kernel choice, tile-row map, tiles per group, gather index), the
+# epoch protocol's bookkeeping, buffers and every per-group collective.
+
+
+class _FakeStream:
+    cuda_stream = 4242
+
+    def wait_stream(self, other) -> None:
+        pass
+
+
+class _FakeLib:
+    def __init__(self, res, infos):
+        self.res, self.infos = res, {i.name: i for i in infos}
+        self.names = sorted(self.infos)
+        self.waits = 0
+
+    def config_index(self, name, dtype, layout):
+        return self.names.index(name)
+
+    def workspace_bytes(self, *args):
+        return 0
+
+    def gemm(self, index, a, b, ldb, bias, out, counters_ptr, gmap, mode, sms, raster, swizzle, workspace, stream):
+        info = self.infos[self.names[index]]
+        assert ldb == (b.stride(1) if b.stride(0) == 1 else b.stride(0)) and a.stride(1) == 1
+        y = a.float() @ b.float() + (bias.float() if bias is not None else 0.0)
+        out.copy_(y.to(out.dtype))
+        counters = self._slot(counters_ptr, "counters")
+        assert gmap.numel() == math.ceil(a.shape[0] / info.tile_m)
+        for g in gmap.tolist():
+            counters[g] += math.ceil(out.shape[1] / info.tile_n)
+
+    def wait(self, counter_ptr, expected_ptr, tiles, timeout_ns, record_ptr, tag, stream):
+        counters, g = self._slot(counter_ptr, "counters", element=True)
+        expected, g2 = self._slot(expected_ptr, "expected", element=True)
+        assert g == g2 == tag and timeout_ns > 0
+        target = int(expected[g]) + tiles
+        assert int(counters[g]) == target, f"group {g}: counter {int(counters[g])} != target {target}"
+        expected[g] = target
+        self.waits += 1
+
+    def _slot(self, ptr, which, element=False):
+        table = getattr(self.res, which)
+        for row in range(table.shape[0]):
+            base = table[row].data_ptr()
+            if base <= ptr < base + 4 * table.shape[1]:
+                return (table[row], (ptr - base) // 4) if element else table[row]
+        raise AssertionError(f"pointer {ptr:#x} is not in the {which} pool")
+
+
+SIM_CASES = (("2d", 76, "nk", True, "multi"), ("2d", 76, "kn", False, "tiles"), ("3d", 80, "nk", False, "multi"),
+             ("bmm", 80, "nk", True, "tiles"), ("2d", 96, None, True, "multi"), ("2d", 100, "nk", False, "auto"))
+
+
+def simulated_gpu_worker() -> dict[str, int]:
+    import contextlib
+
+    import torch.distributed as dist
+
+    from flashoverlap_inductor import runtime_gpu, streams
+
+    full = [("bfloat16", "nk"), ("bfloat16", "kn"), ("float16", "nk"), ("float16", "kn")]
+    infos = [_Info(kernels.DEFAULT_CONFIG, 8, 16, full), _Info("pp_4x8", 4, 8, [("bfloat16", "nk")])]
+    res = streams.DeviceResources(0, "NVIDIA H200", 132, _FakeStream(),
+                                  torch.zeros(4, 16, dtype=torch.int32), torch.zeros(4, 16, dtype=torch.int32),
+                                  torch.zeros(4, dtype=torch.int32))
+    lib = _FakeLib(res, infos)
+    cur = _FakeStream()
+    runtime_gpu.reset()
+    saved = (streams.resources, streams.kernel_lib, torch.cuda.current_stream, torch.cuda.stream,
+             torch.cuda.is_current_stream_capturing, runtime_gpu._kernel_infos)
+    streams.resources, streams.kernel_lib = (lambda index: res), (lambda: lib)
+    torch.cuda.current_stream = lambda device=None: cur
+    torch.cuda.stream = lambda s: contextlib.nullcontext()
+    torch.cuda.is_current_stream_capturing = lambda: False
+    runtime_gpu._kernel_infos = lambda: tuple(infos)
+    runtime_gpu._ready[:] = [True]
+    runtime_gpu.FUSE_SINGLE_GROUP = True  # "auto" gives these tiny shapes one group: run it fused anyway
+    rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
+    bf, cases = torch.bfloat16, 0
+    torch.use_deterministic_algorithms(True)  # fresh outputs are NaN: unwritten rows fail
+    try:
+        for coll in ("all_reduce", "reduce_scatter", "all_to_all"):
+            for form, rows, layout, bias, plan_kind in SIM_CASES:
+                gen = torch.Generator().manual_seed(rows * 7 + rank + cases)
+                a = torch.randn(rows, 16, generator=gen).to(bf)
+                w = torch.randn(24, 16, generator=gen).to(bf)
+                strided = torch.randn(16, 48, generator=gen).to(bf)[:, ::2]
+                b = {"nk": w.t(), "kn": w.t().contiguous(), None: strided}[layout]
+                if form != "2d":
+                    a = a.reshape(4, rows // 4, 16)
+                if form == "bmm":
+                    a, b = a.transpose(0, 1).contiguous().transpose(0, 1), b.expand(4, 16, 24)
+                c = torch.randn(24, generator=gen).to(bf) if bias else None
+                kernel_tile = (4, 8) if plan_kind == "tiles" and layout == "nk" else (8, 16)
+                if plan_kind == "multi":
+                    plan = planlib.uniform_plan(rows, 24, 8, 16, 4, align=1 if coll == "all_reduce" else world).to_str()
+                elif plan_kind == "tiles":
+                    plan = planlib.plan_from_tile_row_counts(rows, 24, *kernel_tile, [3, 1, 5, 2]).to_str()
+                else:
+                    plan = "auto"
+                y = (torch.matmul(a.float(), b.float()) + (c.float() if bias else 0)).reshape(-1, 24).to(bf)
+                ref = _eager_collective(coll, y.contiguous(), world)
+                fn = {"all_reduce": runtime_gpu.gemm_all_reduce, "reduce_scatter": runtime_gpu.gemm_reduce_scatter}
+                before = runtime_gpu.stats[f"fused:{coll}"]
+                if coll == "all_to_all":
+                    out = runtime_gpu.gemm_all_to_all(a, b, c, None, None, group, plan)
+                else:
+                    out = fn[coll](a, b, c, group, plan)
+                assert runtime_gpu.stats[f"fused:{coll}"] == before + 1, (coll, form, dict(runtime_gpu.stats))
+                torch.testing.assert_close(out.reshape(ref.shape).float(), ref.float(), rtol=2e-2, atol=5e-2)
+                cases += 1
+        for ins_all in ([[30, 50], [10, 22]], [[0, 0], [40, 24]]):  # uneven all_to_all, one rank empty
+            ins, outs = ins_all[rank], [ins_all[j][rank] for j in range(world)]
+            gen = torch.Generator().manual_seed(99 + rank)
+            a = torch.randn(sum(ins), 16, generator=gen).to(bf)
+            b = torch.randn(24, 16, generator=gen).to(bf).t()
+            y = (a.float() @ b.float()).to(bf)
+            ref = y.new_empty(sum(outs), 24)
+            dist.all_to_all_single(ref, y, outs, ins)
+            out = runtime_gpu.gemm_all_to_all(a, b, None, outs, ins, group, "auto")
+            torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=5e-2)
+            cases += 1
+    finally:
+        torch.use_deterministic_algorithms(False)
+        (streams.resources, streams.kernel_lib, torch.cuda.current_stream, torch.cuda.stream,
+         torch.cuda.is_current_stream_capturing, runtime_gpu._kernel_infos) = saved
+        runtime_gpu.FUSE_SINGLE_GROUP = False
+    assert runtime_gpu.stats["fused:all_to_all"] == 8 and not any(k.startswith("fallback") for k in runtime_gpu.stats)
+    assert len(res.slots) == 1 and lib.waits > 0
+    return {"cases": cases, "waits": lib.waits, "launches": len(runtime_gpu._launches)}
+
+
+def _eager_collective(coll, y, world):
+    import torch.distributed as dist
+
+    if coll == "all_reduce":
+        dist.all_reduce(y)
+        return y
+    if coll == "reduce_scatter":
+        out = y.new_empty(y.shape[0] // world, y.shape[1])
+        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, y)
+        return out
+    out = torch.empty_like(y)
+    dist.all_to_all_single(out, y)
+    return out
+
+
+def test_simulated_gpu_path_matches_eager():
+    from dist_utils import get_pool
+
+    results = get_pool(2).run(simulated_gpu_worker)
+    assert [r["cases"] for r in results] == [20, 20], results
+    assert all(r["waits"] > 40 and r["launches"] == 20 for r in results), results
+
+
+# --------------------------------------------------------------------------------------------- benchmark dry run
+# examples/bench_ops.py end to end on 2 gloo ranks with CPU tensors: torch.cuda's streams, events and sleeps are
+# replaced by host-clock fakes, the fused op runs its CPU schedule (runtime_cpu), async-TP has no CPU kernel (the
+# probe must drop it on both ranks). Checks the orchestration: probing and agreement, correctness checks, the
+# interleaved timer, rows, summary, JSON and the printed table.
+
+
+class _FakeEvent:
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.t = 0.0
+
+    def record(self, stream=None) -> None:
+        import time
+
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end) -> float:
+        return (end.t - self.t) * 1e3
+
+
+def bench_dry_run_worker(json_path: str) -> dict:
+    import contextlib
+
+    spec = importlib.util.spec_from_file_location("bench_ops_dry", ROOT / "examples" / "bench_ops.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.DEVICE = "cpu"
+    fake = {"Event": _FakeEvent, "synchronize": lambda *a: None, "_sleep": lambda cycles: None,
+            "Stream": lambda *a, **k: _FakeStream(), "current_stream": lambda *a: _FakeStream(),
+            "stream": lambda s: contextlib.nullcontext(), "get_device_name": lambda *a: GPU,
+            "empty_cache": lambda: None}
+    saved = {name: getattr(torch.cuda, name) for name in fake}
+    saved_nccl = torch.cuda.nccl.version
+    for name, fn in fake.items():
+        setattr(torch.cuda, name, fn)
+    torch.cuda.nccl.version = lambda: (2, 28, 9)
+    try:
+        rc = bench.main(["--shapes", "256x64x64,512x128x32", "--rounds", "2", "--target-ms", "2", "--json", json_path,
+                         "--png", json_path + ".png"])
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.cuda, name, fn)
+        torch.cuda.nccl.version = saved_nccl
+    return {"rc": rc}
+
+
+def test_bench_dry_run_on_cpu(tmp_path, capfd):
+    from dist_utils import get_pool
+
+    path = str(tmp_path / "bench.json")
+    assert get_pool(2).run(bench_dry_run_worker, path) == [{"rc": 0}, {"rc": 0}]
+    doc = json.loads(Path(path).read_text())
+    assert doc["meta"]["world"] == 2 and doc["meta"]["available"] is False
+    rows = doc["rows"]
+    assert [(r["op"], r["m"]) for r in rows] == [(op, m) for m in (256, 512) for op in ("all_reduce", "reduce_scatter",
+                                                                                        "all_to_all")]
+    for r in rows:
+        for key in ("gemm_ms", "comm_ms", "seq_ms", "chunked_ms", "fused_ms", "ideal_ms", "pred_fused_ms"):
+            assert r[key] is not None and r[key] > 0, (r["op"], key, r[key])
+        assert r["relerr_fused"] < 2e-2 and r["correct"] is True, r
+        assert r["speedup"] == pytest.approx(r["seq_ms"] / r["fused_ms"])
+        assert r["auto_ms"] == (r["fused_ms"] if r["auto_fuse"] else r["seq_ms"])
+        assert r["fused_path"] is False  # no GPU: the CPU schedule ran, and the row says so
+    rs = [r for r in rows if r["op"] == "reduce_scatter"]
+    assert all("reduce_scatter:asynctp" in r["errors"] and r["asynctp_ms"] is None for r in rs)
+    assert set(doc["summary"]["ops"]) == {"all_reduce", "reduce_scatter", "all_to_all"}
+    out = capfd.readouterr().out
+    assert "== target checks" in out and "geomean speedup" in out
