@@ -24,6 +24,7 @@ __all__ = [
     "inductor_config",
     "hash_files",
     "list_mode_options",
+    "reset_cudagraph_trees",
     "detect_fake_mode",
     "fake_mode_for",
     "group_size",
@@ -60,6 +61,15 @@ def list_mode_options(mode: str, dynamic: bool | None = None) -> dict[str, Any]:
     from torch._inductor import list_mode_options as _list_mode_options
 
     return dict(_list_mode_options(mode, dynamic))
+
+
+def reset_cudagraph_trees() -> None:
+    """What ``torch._dynamo.reset()`` does for ``backend="inductor"`` (mode "reduce-overhead"): drop the
+    CUDA-graph trees of compiled graphs. A no-op without CUDA."""
+    if torch.cuda.is_available():
+        from torch._inductor.cudagraph_trees import reset_cudagraph_trees as _reset
+
+        _reset()
 
 
 def hash_files(paths: Iterable[str], extra: str = "") -> str:

@@ -57,3 +57,11 @@ def flashoverlap_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
     existing = patches.get(compat.PRE_PASS_KEY, getattr(compat.inductor_config(), compat.PRE_PASS_KEY, None))
     patches[compat.PRE_PASS_KEY] = compat.chain_passes(fo_pass, existing)
     return compat.compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def _reset() -> None:
+    compat.reset_cudagraph_trees()
+
+
+# ``torch._dynamo.reset()`` calls ``reset`` of a backend that has one (as it does for backend="inductor").
+flashoverlap_backend.reset = _reset  # type: ignore[attr-defined]
