@@ -1,14 +1,18 @@
 """Benchmark the sm90 signal-GEMM against cuBLAS (torch.mm) on one GPU; writes JSON and prints a table.
 
-    python examples/bench_gemm.py --json bench.json                 # the issue's grid, every compiled config
-    python examples/bench_gemm.py --configs coop_128x256x64_c2x1 --ms 8192 --nk 8192x8192 --reps 5
+    python examples/bench_gemm.py --swizzles 1,2,4,8 --json sweep.json          # sweep every compiled config
+    python examples/bench_gemm.py --select selection.json --reps 12 --extras --json eval.json   # evaluate
 
-Per shape (M x N x K, bf16, A [M,K], B a Linear weight [N,K]) it times, interleaved round-robin over ``--reps``
-repetitions (each the mean of ``--iters`` back-to-back launches between CUDA events), medians reported:
-cuBLAS; every configuration x swizzle with signals off, deferred and immediate, on all SMs; and every
-configuration with signals on (deferred) and 8/16/24 SMs left free. Signals go to 8 wave groups of whole
-tile-rows (``plan.uniform_plan``). Optionally (``--extras``) the cost of the A-row gather that reduce_scatter
-layouts need, and the release latency of the wait kernel vs ``cuStreamWaitValue32``.
+Per shape (M x N x K, bf16, A [M,K], B a Linear weight [N,K]) it times cuBLAS in three forms (the best is the
+baseline) and our configurations with signals off, on (deferred) and on (immediate), plus signals on with
+8/16/24 SMs left free. Timing: ``--reps`` interleaved repetitions in a fresh random order, each the mean of
+``--iters`` (more for small shapes) back-to-back launches between CUDA events, all enqueued before one
+synchronization (no idle gaps: the H200 is power-capped, and idle gaps favour whatever runs next); medians.
+A sweep tries every configuration x ``--swizzles``; ``--select`` evaluates the per-shape choices of an earlier run
+(no winner's curse) with the on/off/immediate variants of the chosen configuration adjacent, for paired ratios.
+Signals go to ``--groups`` wave groups of whole tile-rows (``plan.uniform_plan``), with no waiter.
+``--extras`` adds: a cool-GPU burst measurement (0.2 s idle, 3 warm-ups, 10 timed), the wait kernel vs
+``cuStreamWaitValue32`` (release latency, cost), and the A-row gather that reduce_scatter layouts need.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import statistics
 import sys
 import time
@@ -30,27 +35,35 @@ GRID_MS = (2048, 4096, 8192, 16384)
 GRID_NK = ((8192, 8192), (8192, 7168), (8192, 14336), (4096, 4096))
 
 
-def _time_variants(variants: dict, reps: int, iters: int) -> dict[str, list[float]]:
-    """Round-robin timing: every repetition runs each variant ``iters`` times between two events, behind a
-    ~0.5 ms spin kernel so that host launch overhead never shows as GPU idle time inside the events."""
+def _time_variants(variants: dict, reps: int, iters: int, seed: int = 0,
+                   block: list[str] | None = None) -> dict[str, list[float]]:
+    """Interleaved timing: every repetition runs each variant ``iters`` times between two events, in a fresh
+    random order (so no variant sits at a favoured position of the power/clock cycle), with no idle gap: all
+    repetitions are enqueued before one synchronization, the host far ahead of the GPU. The variants in
+    ``block`` stay adjacent (in random order) so that their per-repetition ratios are paired comparisons."""
     times: dict[str, list[float]] = {k: [] for k in variants}
     for fn in variants.values():  # warm-up (module load, TMA descriptors, clocks)
         fn()
         fn()
     torch.cuda.synchronize()
+    block = [b for b in block or [] if b in variants]
+    units = [[name] for name in variants if name not in block] + ([block] if block else [])
+    rng, events = random.Random(seed), []
+    torch.cuda._sleep(2_000_000)  # let the host get ahead before the first event
     for _ in range(reps):
-        events = []
-        for name, fn in variants.items():
+        rng.shuffle(units)
+        for unit in units:
+            rng.shuffle(unit)
+        for name in (x for unit in units for x in unit):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(1_000_000)
             start.record()
             for _ in range(iters):
-                fn()
+                variants[name]()
             end.record()
             events.append((name, start, end))
-        torch.cuda.synchronize()
-        for name, start, end in events:
-            times[name].append(start.elapsed_time(end) / iters)
+    torch.cuda.synchronize()
+    for name, start, end in events:
+        times[name].append(start.elapsed_time(end) / iters)
     return times
 
 
@@ -68,7 +81,10 @@ def bench_shape(m: int, n: int, k: int, cfgs: list[kernels.KernelInfo], args) ->
     b_kn = b.contiguous()  # the same B stored [K,N]: cuBLAS's other layout, to take its best form
     variants = {"cublas": lambda: torch.mm(a, b, out=out), "cublas_alloc": lambda: torch.mm(a, b),
                 "cublas_kn": lambda: torch.mm(a, b_kn, out=out)}
+    sel = args.selection.get(f"{m}x{n}x{k}") if args.selection else None
     for info in cfgs:
+        if sel is not None and info.name not in sel["per_config"]:
+            continue
         p = plan.uniform_plan(m, n, info.tile_m, info.tile_n, args.groups)
         gmap = plan.group_of_tile_row(p.row_bounds, info.tile_m)
         counters = torch.zeros(p.num_groups, dtype=torch.int32, device="cuda")
@@ -79,17 +95,25 @@ def bench_shape(m: int, n: int, k: int, cfgs: list[kernels.KernelInfo], args) ->
                                 sm_count=sms - free if free else 0, swizzle=swz,
                                 signal_mode="deferred" if mode == "off" else mode)
 
-        for swz in args.swizzles:
-            for mode in args.modes:
+        if sel is None:  # tuning sweep: every swizzle and signal mode; free SMs at the first swizzle
+            swizzles, modes, free_swz = args.swizzles, args.modes, args.swizzles[0]
+        else:  # evaluation of a selection made by an earlier run (no winner's curse): its swizzle only, and
+            # the signal-mode comparison for the shape's selected configuration only
+            free_swz = sel["per_config"][info.name]
+            swizzles = [free_swz]
+            modes = args.modes if info.name == sel["best"][0] else ["deferred"]
+        for swz in swizzles:
+            for mode in modes:
                 variants[_variant_key(info.name, mode, 0, swz)] = (
                     lambda cfg=info.name, mode=mode, swz=swz, run=run: run(cfg, mode, 0, swz))
-        # control: the signals-off variant twice, to read the noise floor between identical kernels
-        variants[_variant_key(info.name, "off2", 0, args.swizzles[0])] = (
-            lambda cfg=info.name, run=run: run(cfg, "off", 0, args.swizzles[0]))
+        if sel is None or info.name == sel["best"][0]:
+            # control: the signals-off variant twice, to read the noise floor between identical kernels
+            variants[_variant_key(info.name, "off2", 0, free_swz)] = (
+                lambda cfg=info.name, run=run, swz=free_swz: run(cfg, "off", 0, swz))
         for free in args.free:
             if free:
-                variants[_variant_key(info.name, "deferred", free, args.swizzles[0])] = (
-                    lambda cfg=info.name, free=free, run=run: run(cfg, "deferred", free, args.swizzles[0]))
+                variants[_variant_key(info.name, "deferred", free, free_swz)] = (
+                    lambda cfg=info.name, free=free, run=run, swz=free_swz: run(cfg, "deferred", free, swz))
     # correctness of every variant's output once (fresh data, poisoned output) before timing
     ref = torch.mm(a, b)
     for name, fn in variants.items():
@@ -100,12 +124,17 @@ def bench_shape(m: int, n: int, k: int, cfgs: list[kernels.KernelInfo], args) ->
         if not err < 1e-2:
             raise RuntimeError(f"{m}x{n}x{k} {name}: relative error {err}")
     flop = 2.0 * m * n * k
-    times = _time_variants(variants, args.reps, max(args.iters, math.ceil(1e12 / flop)))
+    block = None
+    if sel is not None:
+        cfg, swz = sel["best"]
+        block = [_variant_key(cfg, mode, 0, swz) for mode in (*args.modes, "off2")]
+    times = _time_variants(variants, args.reps, max(args.iters, math.ceil(1e12 / flop)), seed=m + n + k,
+                           block=block)
     rows = []
     for name, t in times.items():
         med = statistics.median(t)
         row = {"m": m, "n": n, "k": k, "variant": name, "ms": med, "tflops": flop / med / 1e9,
-               "ms_min": min(t), "ms_max": max(t)}
+               "ms_min": min(t), "ms_max": max(t), "ms_all": t}
         if not name.startswith("cublas"):
             cfg, mode, free, swz = name.split("|")
             row.update(config=cfg, mode=mode, free_sms=int(free[4:]), swizzle=int(swz[3:]))
@@ -221,8 +250,10 @@ def bench_wait(reps: int = 20) -> dict:
     return out
 
 
-def summarize(rows: list[dict], free: list[int]) -> list[dict]:
-    """Per shape: cuBLAS, the best signals-on config (all SMs), its on/off ratio and free-SM scaling."""
+def summarize(rows: list[dict], free: list[int], selection: dict | None = None) -> list[dict]:
+    """Per shape: cuBLAS (the best of its forms), the best signals-on configuration on all SMs -- the one an
+    earlier run selected when ``selection`` is given, else the fastest here --, its on/off ratio, free-SM
+    scaling, and every configuration's ratio."""
     shapes = sorted({(r["m"], r["n"], r["k"]) for r in rows})
     out = []
     for m, n, k in shapes:
@@ -231,12 +262,20 @@ def summarize(rows: list[dict], free: list[int]) -> list[dict]:
         cub_forms = {r["variant"]: r["tflops"] for r in rs if r["variant"].startswith("cublas")}
         on = [r for r in rs if r.get("mode") == "deferred" and r["free_sms"] == 0]
         best = max(on, key=lambda r: r["tflops"])
+        chosen = (selection or {}).get(f"{m}x{n}x{k}")
+        if chosen is not None:
+            best = next(r for r in on if [r["config"], r["swizzle"]] == chosen["best"])
 
         def find(mode, fr=0, swz=best["swizzle"], cfg=best["config"], rs=rs):
             return next((r for r in rs if r.get("config") == cfg and r.get("mode") == mode
                          and r["free_sms"] == fr and r["swizzle"] == swz), None)
 
-        off, imm = find("off"), find("immediate")
+        off, imm, off2 = find("off"), find("immediate"), find("off2")
+
+        def paired(x, y):  # median over repetitions of y's time / x's time (x's throughput relative to y)
+            if x is None or y is None or len(x["ms_all"]) != len(y["ms_all"]):
+                return None
+            return statistics.median([b / a for a, b in zip(x["ms_all"], y["ms_all"], strict=True)])
         ctl = [(find("off", swz=r["swizzle"], cfg=r["config"]), r) for r in rs if r.get("mode") == "off2"]
         noise = [abs(x["tflops"] / y["tflops"] - 1) for x, y in ctl if x]
         best_off = max((r for r in rs if r.get("mode") == "off"), key=lambda r: r["tflops"], default=None)
@@ -252,7 +291,11 @@ def summarize(rows: list[dict], free: list[int]) -> list[dict]:
              "on_off_ratio": best["tflops"] / off["tflops"] if off else None,
              "immediate_off_ratio": imm["tflops"] / off["tflops"] if imm and off else None,
              "best_off_config": best_off["variant"] if best_off else None,
-             "best_off_ratio_vs_cublas": best_off["tflops"] / cub["tflops"] if best_off else None}
+             "best_off_ratio_vs_cublas": best_off["tflops"] / cub["tflops"] if best_off else None,
+             "on_off_paired": paired(best, off), "immediate_off_paired": paired(imm, off),
+             "off2_off_paired": paired(off2, off)}
+        s["free_sms_tflops"] = {r["config"]: {str(x["free_sms"]): x["tflops"] for x in rs if x.get("config") ==
+                                              r["config"] and x.get("mode") == "deferred"} for r in on}
         for fr in free:
             if fr:
                 # free-SM runs use the first --swizzles value; prefer the best config's own
@@ -283,6 +326,15 @@ def print_table(summary: list[dict], free: list[int]) -> None:
     for cfg, rs in sorted(per_cfg.items(), key=lambda x: -sum(map(math.log, x[1]))):
         print(f"  {cfg:<32} {math.exp(sum(map(math.log, rs)) / len(rs)):.3f} / {min(rs):.3f}")
     onoff = [s["on_off_ratio"] for s in summary if s["on_off_ratio"]]
+    paired = [(s["on_off_paired"], s["immediate_off_paired"], s["off2_off_paired"]) for s in summary
+              if s.get("on_off_paired")]
+    if paired:
+        print("signals on/off, paired per repetition (median): deferred " + " ".join(f"{x[0]:.3f}" for x in paired))
+        print("                                               immediate " + " ".join(f"{x[1]:.3f}" for x in paired
+                                                                                      if x[1]))
+        print("                                   off vs off (noise floor) " + " ".join(f"{x[2]:.3f}" for x in paired
+                                                                                       if x[2]))
+        print(f"paired deferred/off min {min(x[0] for x in paired):.3f} max {max(x[0] for x in paired):.3f}")
     geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
     noise = [s["noise_off_vs_off_max"] for s in summary if s["noise_off_vs_off_max"] is not None]
     print(f"geomean best-on/cuBLAS {geo:.3f} (target >= 0.93), min {min(ratios):.3f} (target >= 0.88); "
@@ -303,7 +355,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--extras", action="store_true", help="also time the A-row gather and the wait mechanisms")
     p.add_argument("--json", default=None)
+    p.add_argument("--select", default=None, metavar="JSON",
+                   help="evaluate the per-shape choices of an earlier run ({'shapes': {'MxNxK': {'best': [config, "
+                        "swizzle], 'per_config': {config: swizzle}}}}) instead of sweeping")
     args = p.parse_args(argv)
+    args.selection = json.loads(Path(args.select).read_text())["shapes"] if args.select else None
     args.modes = args.modes.split(",")
     args.swizzles = [int(x) for x in args.swizzles.split(",")]
     args.free = [int(x) for x in args.free.split(",")]
@@ -314,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [(m, *map(int, nk.split("x"))) for m in map(int, args.ms.split(",")) for nk in args.nk.split(",")]
     t0 = time.time()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "configs": [c.name for c in cfgs],
-              "reps": args.reps, "iters": args.iters, "groups": args.groups, "rows": []}
+              "reps": args.reps, "iters": args.iters, "groups": args.groups, "selection": args.selection,
+              "rows": []}
 
     def save() -> None:  # after every step: a later failure or timeout keeps what was measured
         if args.json:
@@ -324,19 +381,31 @@ def main(argv: list[str] | None = None) -> int:
         result["rows"] += bench_shape(m, n, k, cfgs, args)
         save()
         print(f"# {m}x{n}x{k} done ({time.time() - t0:.0f} s)", flush=True)
-    result["summary"] = summarize(result["rows"], args.free)
+    result["summary"] = summarize(result["rows"], args.free, args.selection)
     save()
     print_table(result["summary"], args.free)
     if args.extras:
         try:
-            burst_shapes = [x for x in ((8192, 8192, 8192), (4096, 8192, 8192), (2048, 4096, 4096),
-                                        (16384, 8192, 14336)) if x in shapes]
+            burst_shapes = shapes if args.selection else [
+                x for x in ((8192, 8192, 8192), (4096, 8192, 8192), (2048, 4096, 4096), (16384, 8192, 14336))
+                if x in shapes]
             result["burst"] = bench_burst(result["summary"], burst_shapes, args.groups)
             save()
             for r in result["burst"]:
                 print(f"burst {r['m']}x{r['n']}x{r['k']}: cuBLAS {r['cublas_tflops']:.0f} / [K,N] "
                       f"{r['cublas_kn_tflops']:.0f}, ours {r['ours_tflops']:.0f} ({r['config']} s{r['swizzle']}) "
                       f"ratio {r['ratio']:.3f}")
+            br = [r["ratio"] for r in result["burst"]]
+            print(f"burst geomean {math.exp(sum(map(math.log, br)) / len(br)):.3f} min {min(br):.3f}")
+            if (8192, 8192, 8192) in shapes:  # every configuration in the cool regime, on one shape
+                one = next(x for x in result["summary"] if (x["m"], x["n"], x["k"]) == (8192, 8192, 8192))
+                result["burst_configs"] = [
+                    _burst_one(8192, 8192, 8192, dict(one, best_config=c.name, best_swizzle=swz), args.groups, 3)
+                    for c in cfgs for swz in ((4, 8) if args.selection else (1,))]
+                save()
+                for r in result["burst_configs"]:
+                    print(f"burst 8192^3 {r['config']:<30} s{r['swizzle']}: {r['ours_tflops']:.0f} vs cuBLAS "
+                          f"{max(r['cublas_tflops'], r['cublas_kn_tflops']):.0f} ({r['ratio']:.3f})")
             result["wait"] = bench_wait()
             save()
             print("wait:", json.dumps(result["wait"]))

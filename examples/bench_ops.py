@@ -49,6 +49,7 @@ from flashoverlap_inductor.tune import GRID, init_distributed, parse_shapes  # n
 
 DEVICE = "cuda"  # "cpu" only for the CPU dry run of tests/test_tune_cpu.py (gloo, fake CUDA timing)
 OPS = ("all_reduce", "reduce_scatter", "all_to_all")
+SHORT = {"all_reduce": "AR", "reduce_scatter": "RS", "all_to_all": "A2A"}
 CHUNKS = (2, 4, 8)
 TARGETS = {  # (world, op): geomean speedup over T_seq the issue asks for
     (4, "all_reduce"): 1.25, (4, "reduce_scatter"): 1.15, (4, "all_to_all"): 1.10, (2, "all_reduce"): 1.12,
@@ -65,7 +66,7 @@ def route_ops_to_gpu_runtime() -> str:
     if ops._runtime(probe) is runtime_gpu:
         return "native"
     original = ops._runtime
-    ops._runtime = lambda a: runtime_gpu if a.device.type == "cuda" else original(a)
+    ops._runtime = lambda a: runtime_gpu if a.device.type == probe.device.type else original(a)
     return "patched"
 
 
@@ -483,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         new = bench_shape(m, n, k, args, ctx)
         torch.cuda.empty_cache()  # the shape's tensors died with bench_shape's frame
         rows += new
-        bar.update(note=f"{m}x{n}x{k}: " + " ".join(f"{r['op'][:2]} {r['speedup']:.2f}x" for r in new))
+        bar.update(note=f"{m}x{n}x{k}: " + " ".join(f"{SHORT[r['op']]} {r['speedup']:.2f}x" for r in new))
         if rank == 0 and args.json:
             _write(args.json, meta, rows, world)
     bar.close()

@@ -153,17 +153,17 @@ def _fallback_plan(rows: int, n: int) -> planlib.GroupPlan:
 
 
 @functools.lru_cache(maxsize=4096)
-def auto_plan(collective: str, m: int, n: int, k: int, dtype: str, world: int, splits: tuple[int, ...] | None,
-              device_name: str | None) -> planlib.GroupPlan:
-    """The cost model's plan for one call shape (memoized); the fallback plan if the cost model is missing."""
+def auto_plan(collective: str, m: int, n: int, k: int, dtype: str, world: int,
+              device_name: str | None = None) -> planlib.GroupPlan:
+    """The cost model's plan for one call shape with even chunks (memoized); the fallback plan if the cost model
+    is missing or fails. (all_to_all with explicit split sizes never gets here: see ``resolve_schedule``.)"""
     try:
         from flashoverlap_inductor.cost_model import decide
     except Exception as exc:  # missing or broken cost model: a uniform plan is always correct
         _warn_once("no_cost_model", "flashoverlap: cost model unavailable (%r); 'auto' plans are uniform", exc)
         return _fallback_plan(m, n)
     try:
-        decision = decide(collective, m, n, k, dtype, world, device_name=device_name,
-                          input_split_sizes=list(splits) if splits else None)
+        decision = decide(collective, m, n, k, dtype, world, device_name=device_name)
     except Exception as exc:  # a cost-model bug must not break the op: a uniform plan is always correct
         _warn_once(f"decide:{type(exc).__name__}", "flashoverlap: cost model failed (%r); using a uniform plan", exc)
         return _fallback_plan(m, n)
@@ -184,9 +184,12 @@ def resolve_schedule(collective: str, plan_str: str, rows: int, n: int, k: int, 
         frac = _FractionPlan(rows, tuple(range(groups + 1)))
         layout = planlib.buffer_layout(frac, send)  # type: ignore[arg-type]  # duck-typed: m + row_bounds
         recv_pieces = planlib.chunk_pieces(recv, frac.row_bounds)
+        if plan_str != "auto":
+            log.debug("flashoverlap: all_to_all with explicit split sizes: plan %s replaced by uniform fractions "
+                      "1/%d (ranks may hold different rows; only rank-independent fractions agree)", plan_str, groups)
         return Schedule(layout, tuple(map(tuple, recv_pieces)), None, f"uniform fractions 1/{groups}")
     if plan_str == "auto":
-        plan = auto_plan(collective, rows, n, k, dtype, world, None, device_name)
+        plan = auto_plan(collective, rows, n, k, dtype, world, device_name)
     else:
         try:
             plan = planlib.GroupPlan.from_str(plan_str)

@@ -82,7 +82,9 @@ class GroupPlan:
         return GroupPlan(int(fields["m"]), int(fields["n"]), tm, tn, bounds, fields.get("kernel", ""))
 
 
-def uniform_plan(m: int, n: int, tile_m: int, tile_n: int, num_groups: int, align: int = 1, kernel: str = "") -> GroupPlan:
+def uniform_plan(
+    m: int, n: int, tile_m: int, tile_n: int, num_groups: int, align: int = 1, kernel: str = ""
+) -> GroupPlan:
     """``num_groups`` groups of (nearly) equal whole tile-rows; every inner bound is a multiple of
     ``lcm(tile_m, align)`` rows. Fewer groups result when the matrix has fewer aligned blocks."""
     unit = math.lcm(tile_m, align)
@@ -93,7 +95,9 @@ def uniform_plan(m: int, n: int, tile_m: int, tile_n: int, num_groups: int, alig
     return GroupPlan(m, n, tile_m, tile_n, bounds, kernel)
 
 
-def plan_from_tile_row_counts(m: int, n: int, tile_m: int, tile_n: int, counts: Sequence[int], kernel: str = "") -> GroupPlan:
+def plan_from_tile_row_counts(
+    m: int, n: int, tile_m: int, tile_n: int, counts: Sequence[int], kernel: str = ""
+) -> GroupPlan:
     """A plan whose group g holds ``counts[g]`` tile-rows (the last group is clipped at ``m``)."""
     bounds, acc = [0], 0
     for c in counts:
@@ -135,9 +139,15 @@ class BufferLayout:
         return len(self.segments) == 1 and self.segments[0][0] == self.segments[0][1] == 0
 
     def group_segments(self, g: int) -> list[tuple[int, int, int]]:
-        """The segments of group g (buffer rows inside ``group_bounds[g]..group_bounds[g+1]``)."""
+        """The segments of group g, clipped to its buffer rows ``group_bounds[g]..group_bounds[g+1]``
+        (a merged segment may span several groups)."""
         lo, hi = self.group_bounds[g], self.group_bounds[g + 1]
-        return [s for s in self.segments if lo <= s[0] < hi]
+        out = []
+        for dst, src, rows in self.segments:
+            start, stop = max(dst, lo), min(dst + rows, hi)
+            if start < stop:
+                out.append((start, src + start - dst, stop - start))
+        return out
 
     def output_offsets(self, g: int) -> list[int]:
         """For each chunk k, the row offset inside chunk k's destination where group g's piece lands
@@ -195,7 +205,9 @@ def tiles_per_group(group_bounds: Sequence[int], tile_m: int, tile_n: int, n: in
     return [(hi - lo) * cols for lo, hi in zip(first, first[1:])]
 
 
-def chunks_for(collective: str, rows: int, world_size: int, input_split_sizes: Sequence[int] | None = None) -> list[int]:
+def chunks_for(
+    collective: str, rows: int, world_size: int, input_split_sizes: Sequence[int] | None = None
+) -> list[int]:
     """The input chunks of ``collective`` over ``rows`` output rows (see the module docstring)."""
     if collective == "all_reduce":
         return [rows]

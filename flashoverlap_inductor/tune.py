@@ -39,6 +39,7 @@ from .plan import chunks_for, group_of_tile_row, uniform_plan
 GRID = [(m, n, k) for m in (2048, 4096, 8192, 16384) for n, k in ((8192, 8192), (8192, 7168), (8192, 14336),
                                                                    (4096, 4096))]
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
+DEVICE = "cuda"  # "cpu" only for the CPU dry runs of tests/test_tune_cpu.py (gloo, simulated kernels)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -53,9 +54,13 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     return out
 
 
+_created_group: list[bool] = []
+
+
 def init_distributed() -> tuple[int, int]:
-    """NCCL process group from torchrun's environment (one GPU per local rank); (rank, world)."""
+    """NCCL process group from torchrun's environment (one GPU per local rank), unless one exists; (rank, world)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        _created_group.append(True)
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         dist.init_process_group("nccl", device_id=torch.device("cuda", local),
@@ -88,8 +93,8 @@ def cmd_bandwidth(args: argparse.Namespace) -> int:
     sizes = docs.bandwidth_sizes(args.min_bytes, args.max_bytes, args.points_per_octave, world)
     _say(rank, f"tune bandwidth: {gpu} x{world}, {len(sizes)} sizes {sizes[0]}..{sizes[-1]} bytes, {args.collectives}")
     elems = sizes[-1] // 2
-    x = torch.randn(elems, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty(elems // world, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(elems, device=DEVICE, dtype=torch.bfloat16)
+    y = torch.empty(elems // world, device=DEVICE, dtype=torch.bfloat16)
     z = torch.empty_like(x)
     timer = tm.Timer(rounds=args.rounds, target_ms=args.target_ms, min_iters=2, max_iters=40, spin_ms=0.05)
     fns = {
@@ -142,7 +147,7 @@ def cmd_gemm(args: argparse.Namespace) -> int:
         return 2
     shapes = parse_shapes(args.shapes)
     frees = sorted({int(x) for x in args.free.split(",")})
-    timer = tm.Timer(rounds=args.rounds, target_ms=args.target_ms, spin_ms=0.3)
+    timer = tm.Timer(rounds=args.rounds, target_ms=args.target_ms, spin_ms=0.3, distributed=False)
     samples: list[docs.GemmSample] = []
     cublas: list[tuple[int, int, int, float]] = []
     print(f"tune gemm: {gpu}, {len(infos)} configurations x {len(frees)} SM settings x {len(shapes)} shapes",
@@ -183,18 +188,18 @@ def _time_gemm_shape(m: int, n: int, k: int, infos: list, sm_counts: list[int], 
 
     lib = streams.kernel_lib()
     stream = torch.cuda.current_stream()
-    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k)
-    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / math.sqrt(k)
+    out = torch.empty(m, n, device=DEVICE, dtype=torch.bfloat16)
     variants = {"cublas": lambda: torch.mm(a, w.t(), out=out)}
     for info in infos:
         p = uniform_plan(m, n, info.tile_m, info.tile_n, 8)
-        gmap = torch.tensor(group_of_tile_row(p.row_bounds, info.tile_m), dtype=torch.int32, device="cuda")
-        counters = torch.zeros(p.num_groups, dtype=torch.int32, device="cuda")
+        gmap = torch.tensor(group_of_tile_row(p.row_bounds, info.tile_m), dtype=torch.int32, device=DEVICE)
+        counters = torch.zeros(p.num_groups, dtype=torch.int32, device=DEVICE)
         idx = lib.config_index(info.name, torch.bfloat16, "nk")
         for use in sm_counts:
             ws_bytes = lib.workspace_bytes(idx, m, n, k, use, kernels.RASTERS["along_n"], 1)
-            ws = torch.empty(ws_bytes, dtype=torch.uint8, device="cuda") if ws_bytes else None
+            ws = torch.empty(ws_bytes, dtype=torch.uint8, device=DEVICE) if ws_bytes else None
 
             def fn(idx=idx, use=use, ws=ws, gmap=gmap, counters=counters):
                 lib.gemm(idx, a, w.t(), k, None, out, counters.data_ptr(), gmap, kernels.SIGNAL_MODES["deferred"],
@@ -223,9 +228,9 @@ def cmd_search(args: argparse.Namespace) -> int:
         if args.mode in ("both", "exhaustive") else []
     _say(rank, f"tune search: {coll} {m}x{n}x{k} {dtype_name} x{world} on {gpu}: {len(candidates)} exhaustive "
                f"candidates + predictive {predictive.row_bounds}")
-    gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
-    a = torch.randn(m, k, device="cuda", dtype=dtype, generator=gen)
-    w = (torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) / math.sqrt(k)).to(dtype)
+    gen = torch.Generator(device=DEVICE).manual_seed(1234 + rank)
+    a = torch.randn(m, k, device=DEVICE, dtype=dtype, generator=gen)
+    w = (torch.randn(n, k, device=DEVICE, dtype=dtype, generator=gen) / math.sqrt(k)).to(dtype)
     b, group = w.t(), dist.group.WORLD
     op = {"all_reduce": runtime_gpu.gemm_all_reduce, "reduce_scatter": runtime_gpu.gemm_reduce_scatter}.get(coll)
 
@@ -346,9 +351,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return {"bandwidth": cmd_bandwidth, "gemm": cmd_gemm, "search": cmd_search}[args.command](args)
     finally:
-        if dist.is_initialized():
+        if _created_group and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+            _created_group.clear()
 
 
 if __name__ == "__main__":

@@ -118,6 +118,10 @@ class GemmSample:
     ms: float
 
 
+def _sig(x: float, digits: int = 4) -> float:
+    return float(f"{x:.{digits}g}")
+
+
 def kernel_efficiency(model: GemmModel, s: GemmSample, dtype: str = "bfloat16") -> float:
     """The ``efficiency`` at which the wave model reproduces ``s``: ideal wave time (rate of the fitted cuBLAS
     model) / measured wave time, waves = ceil(tiles / sms)."""
@@ -167,16 +171,16 @@ def update_gemm_doc(doc: dict[str, Any], samples: Sequence[GemmSample], sm_count
             ratios = [full[(m, n, k)] / ms for (cc, m, n, k, sms), ms in by_key.items()
                       if cc == c and sms == sm_count - free and (m, n, k) in full]
             if ratios:
-                per_free[str(free)] = round(statistics.median(ratios), 4)
+                per_free[str(free)] = _sig(statistics.median(ratios))
         scaling[key] = per_free
     default_key = f"{default_tile[0]}x{default_tile[1]}"
     if default_key in best:
-        out["fused"]["kernel_efficiency"] = round(eff[best[default_key]], 4)
+        out["fused"]["kernel_efficiency"] = _sig(eff[best[default_key]])
         out["fused"]["note"] = (f"kernel_efficiency = median measured efficiency of {best[default_key]} on "
                                 f"{fused_sms} SMs over {len(per_config[best[default_key]])} shapes (tune gemm)")
     out["tuned_kernels"] = {
         "note": note, "date": date or today(), "fused_sms": fused_sms,
-        "per_config": {c: round(e, 4) for c, e in sorted(eff.items()) if math.isfinite(e)},
+        "per_config": {c: _sig(e) for c, e in sorted(eff.items()) if math.isfinite(e)},
         "best_by_tile": best, "sm_scaling": scaling,
         "samples": [[s.config, s.m, s.n, s.k, s.sms, round(s.ms, 5)] for s in samples],
         "cublas": [[m, n, k, round(ms, 5)] for m, n, k, ms in cublas],

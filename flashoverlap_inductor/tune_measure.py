@@ -156,8 +156,10 @@ class Timer:
     """Interleaved CUDA-event timing of several variants (see the module docstring)."""
 
     def __init__(self, rounds: int = 5, target_ms: float = 10.0, min_iters: int = 2, max_iters: int = 50,
-                 spin_ms: float = 0.3, group: Any = None) -> None:
+                 spin_ms: float = 0.3, group: Any = None, distributed: bool = True) -> None:
+        """``distributed=False``: this rank measures alone (no all_reduce of estimates or results)."""
         self.rounds, self.target_ms, self.spin_ms, self.group = rounds, target_ms, spin_ms, group
+        self.distributed = distributed
         self.min_iters, self.max_iters = min_iters, max_iters
 
     def iterations(self, estimates_ms: Sequence[float]) -> list[int]:
@@ -167,6 +169,9 @@ class Timer:
             n = self.target_ms / est if est > 0 and math.isfinite(est) else self.max_iters
             out.append(int(min(self.max_iters, max(self.min_iters, round(n)))))
         return out
+
+    def _max(self, values: list[float]) -> list[float]:
+        return reduce_max(values, self.group) if self.distributed else values
 
     def measure(self, variants: dict[str, Callable[[], Any]]) -> dict[str, Timing]:
         names = list(variants)
@@ -185,7 +190,7 @@ class Timer:
             end.record()
             end.synchronize()
             estimates.append(start.elapsed_time(end))
-        iters = dict(zip(names, self.iterations(reduce_max(estimates, self.group)), strict=True))
+        iters = dict(zip(names, self.iterations(self._max(estimates)), strict=True))
         samples: dict[str, list[float]] = {name: [] for name in names}
         for r in range(self.rounds):
             pending = []
@@ -202,6 +207,6 @@ class Timer:
             torch.cuda.synchronize()
             for name, events in pending:
                 samples[name].extend(s.elapsed_time(e) for s, e in events)
-        meds = reduce_max([median(samples[n]) for n in names], self.group)
+        meds = self._max([median(samples[n]) for n in names])
         return {n: Timing(m, min(samples[n]), max(samples[n]), len(samples[n])) for n, m in zip(names, meds,
                                                                                                 strict=True)}

@@ -9,6 +9,7 @@ fresh one).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import queue
@@ -126,3 +127,6 @@ def close_pools() -> None:
     for pool in _pools.values():
         pool.close()
     _pools.clear()
+
+
+atexit.register(close_pools)

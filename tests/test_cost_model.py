@@ -8,6 +8,8 @@ import statistics
 import time
 
 import pytest
+
+from flashoverlap_inductor import config
 from flashoverlap_inductor.cost_model import (
     BandwidthCurve,
     CostModel,
@@ -22,8 +24,6 @@ from flashoverlap_inductor.cost_model import (
     predictive_search,
 )
 from flashoverlap_inductor.cost_model.search import candidate_bounds
-
-from flashoverlap_inductor import config
 from flashoverlap_inductor.plan import COLLECTIVES, GroupPlan, chunks_for, group_of_tile_row
 
 

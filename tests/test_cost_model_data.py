@@ -9,6 +9,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+
+from flashoverlap_inductor import config
 from flashoverlap_inductor.cost_model import (
     BandwidthCurve,
     ConfigError,
@@ -20,8 +22,6 @@ from flashoverlap_inductor.cost_model import (
     normalize_gpu_name,
 )
 from flashoverlap_inductor.cost_model.import_anchor import convert, fit_gemm, main
-
-from flashoverlap_inductor import config
 from flashoverlap_inductor.plan import COLLECTIVES, GroupPlan, uniform_plan
 
 SHARED_DATA = Path("/work/shared/data")

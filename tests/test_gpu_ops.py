@@ -28,6 +28,7 @@ from flashoverlap_inductor import kernels
 
 WORLD = 2
 TIMEOUT_S = 300.0
+DEVICE = "cuda"  # "cpu" only for the CPU dry run of these tasks in tests/test_tune_cpu.py (simulated kernels)
 
 
 def _gpus_ready() -> bool:
@@ -139,13 +140,14 @@ def _route_ops() -> None:
     """``torch.ops.flashoverlap.*`` on CUDA -> ``runtime_gpu`` (a no-op once ``ops`` dispatches there)."""
     from flashoverlap_inductor import ops, runtime_gpu
 
-    if ops._runtime(torch.empty(1, device="cuda")) is not runtime_gpu:
+    probe = torch.empty(1, device=DEVICE)
+    if ops._runtime(probe) is not runtime_gpu:
         original = ops._runtime
-        ops._runtime = lambda a: runtime_gpu if a.device.type == "cuda" else original(a)
+        ops._runtime = lambda a: runtime_gpu if a.device.type == probe.device.type else original(a)
 
 
 def _rand(gen: torch.Generator, *shape: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen).to(dtype).cuda()
+    return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
 
 
 def _operands(seed: int, rank: int, form: str, rows: int, n: int, k: int, dtype: torch.dtype, layout: str,
@@ -374,14 +376,16 @@ def repeated_calls_task(calls: int) -> dict[str, int]:
     return out
 
 
+IN_FLIGHT = [("all_reduce", 1024, 512, 256), ("reduce_scatter", 2048, 1024, 512), ("all_to_all", 1536, 768, 256)]
+
+
 def in_flight_task() -> int:
     """Three fused ops queued without a sync in between, then two at once on two user streams."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    specs = [("all_reduce", 1024, 512, 256), ("reduce_scatter", 2048, 1024, 512), ("all_to_all", 1536, 768, 256)]
     data = []
-    for i, (op, rows, n, k) in enumerate(specs):
+    for i, (op, rows, n, k) in enumerate(IN_FLIGHT):
         args = [_operands(20 + i, r, "2d", rows, n, k, torch.bfloat16, "nk", i == 1) for r in range(WORLD)]
         data.append((op, args, _plan("multi", rows, n, op), _reference(op, [_y64(*x) for x in args], rank)))
     outs = [_call(op, *args[rank], plan) for op, args, plan, _ in data]  # queued back to back

@@ -339,7 +339,7 @@ def test_auto_plan_is_memoized():
     ops.resolve_schedule.cache_clear()
     s = ops.resolve_schedule("all_reduce", "auto", 512, N, K, "bfloat16", 2)
     ops.resolve_schedule("all_reduce", "auto", 512, N, K, "bfloat16", 4)
-    ops.auto_plan("all_reduce", 512, N, K, "bfloat16", 2, None, None)
+    ops.auto_plan("all_reduce", 512, N, K, "bfloat16", 2, None)
     info = ops.auto_plan.cache_info()
     assert info.misses == 2 and info.hits == 1
     assert s.plan is not None and s.plan.m == 512 and s.layout.group_bounds[-1] == 512

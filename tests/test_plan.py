@@ -147,3 +147,15 @@ def test_all_to_all_groups_deliver_the_natural_all_to_all_output(seed: int) -> N
                 off = recv_off[src] + layout.output_offsets(g)[dst]
                 got[off:off + rows] = buf[lo:lo + rows]
         torch.testing.assert_close(got, expected)
+
+
+def test_group_segments_are_clipped_to_their_group() -> None:
+    p = P.uniform_plan(1024, 8, 128, 8, 4)
+    layout = P.buffer_layout(p, [1024])
+    assert layout.segments == ((0, 0, 1024),)
+    assert [layout.group_segments(g) for g in range(4)] == [[(0, 0, 256)], [(256, 256, 256)], [(512, 512, 256)],
+                                                            [(768, 768, 256)]]
+    rs = P.buffer_layout(p, [512, 512])
+    for g in range(4):
+        rows = sum(s[2] for s in rs.group_segments(g))
+        assert rows == rs.group_bounds[g + 1] - rs.group_bounds[g]

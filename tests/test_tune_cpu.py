@@ -7,6 +7,7 @@ derived quantities are checked against hand-computed values.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -387,12 +388,13 @@ def test_without_the_library_calls_run_unfused(monkeypatch):
     runtime_gpu.check()  # nothing was set up: nothing to report
 
 
-# --------------------------------------------------------------------------------------------- simulated GPU path
-# runtime_gpu's real per-call path on CPU tensors over 2 gloo ranks: streams and the C library are replaced by
-# synchronous fakes (the GEMM computes in fp32 and adds to the counters exactly what the kernel's contract says;
-# every wait checks that its counter reached exactly the target the runtime asked for). What runs for real: operand
-# normalization, the launch (schedule, layout, kernel choice, tile-row map, tiles per group, gather index), the
-# epoch protocol's bookkeeping, buffers and every per-group collective.
+# --------------------------------------------------------------------------------------------- simulated GPU
+# runtime_gpu's real per-call path (and the benchmark and tuner around it) on CPU tensors over 2 gloo ranks:
+# torch.cuda's streams, events and sleeps and the C library are replaced by synchronous host fakes. The fake GEMM
+# computes in fp32 and adds to the counters exactly what the kernel's contract says; every fake wait checks that
+# its counter reached exactly the target the runtime asked for. What runs for real: operand normalization, the
+# launch (schedule, layout, kernel choice, tile-row map, tiles per group, gather index), the epoch bookkeeping,
+# buffers, every per-group collective, and the benchmark's and tuner's orchestration.
 
 
 class _FakeStream:
@@ -400,6 +402,22 @@ class _FakeStream:
 
     def wait_stream(self, other) -> None:
         pass
+
+
+class _FakeEvent:
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.t = 0.0
+
+    def record(self, stream=None) -> None:
+        import time
+
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end) -> float:
+        return (end.t - self.t) * 1e3
 
 
 class _FakeLib:
@@ -419,10 +437,11 @@ class _FakeLib:
         assert ldb == (b.stride(1) if b.stride(0) == 1 else b.stride(0)) and a.stride(1) == 1
         y = a.float() @ b.float() + (bias.float() if bias is not None else 0.0)
         out.copy_(y.to(out.dtype))
-        counters = self._slot(counters_ptr, "counters")
         assert gmap.numel() == math.ceil(a.shape[0] / info.tile_m)
-        for g in gmap.tolist():
-            counters[g] += math.ceil(out.shape[1] / info.tile_n)
+        counters = self._slot(counters_ptr, "counters")
+        if counters is not None:  # the tuner's GEMM timing signals into counters of its own
+            for g in gmap.tolist():
+                counters[g] += math.ceil(out.shape[1] / info.tile_n)
 
     def wait(self, counter_ptr, expected_ptr, tiles, timeout_ns, record_ptr, tag, stream):
         counters, g = self._slot(counter_ptr, "counters", element=True)
@@ -439,7 +458,64 @@ class _FakeLib:
             base = table[row].data_ptr()
             if base <= ptr < base + 4 * table.shape[1]:
                 return (table[row], (ptr - base) // 4) if element else table[row]
-        raise AssertionError(f"pointer {ptr:#x} is not in the {which} pool")
+        assert not element, f"pointer {ptr:#x} is not in the {which} pool"
+        return None
+
+
+FULL = [("bfloat16", "nk"), ("bfloat16", "kn"), ("float16", "nk"), ("float16", "kn")]
+SIM_INFOS = [_Info(kernels.DEFAULT_CONFIG, 8, 16, FULL), _Info("pp_4x8", 4, 8, [("bfloat16", "nk")])]
+
+
+class _Props:
+    name, multi_processor_count = GPU, 132
+
+
+@contextlib.contextmanager
+def simulated_gpu(force_groups: int | None = None):
+    """Fake CUDA timing + fake kernel library around runtime_gpu (see above); ``force_groups`` makes
+    ``cost_model.decide`` fuse with that many uniform groups (small shapes would get one)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from flashoverlap_inductor import cost_model, ops, runtime_gpu, streams
+
+    res = streams.DeviceResources(0, GPU, 132, _FakeStream(), torch.zeros(4, 16, dtype=torch.int32),
+                                  torch.zeros(4, 16, dtype=torch.int32), torch.zeros(4, dtype=torch.int32))
+    lib = _FakeLib(res, SIM_INFOS)
+    cuda_fakes = {"Event": _FakeEvent, "synchronize": lambda *a: None, "_sleep": lambda cycles: None,
+                  "Stream": lambda *a, **k: _FakeStream(), "current_stream": lambda *a: _FakeStream(),
+                  "stream": lambda s: contextlib.nullcontext(), "get_device_name": lambda *a: GPU,
+                  "empty_cache": lambda: None, "is_current_stream_capturing": lambda: False,
+                  "get_device_properties": lambda *a: _Props(), "set_device": lambda *a: None,
+                  "current_device": lambda: 0}
+    real_decide = cost_model.decide
+
+    def decide(collective, m, n, k, dtype, world_size, **kw):
+        d = real_decide(collective, m, n, k, dtype, world_size, **kw)
+        align = 1 if collective == "all_reduce" else world_size
+        return dataclasses.replace(d, fuse=True, plan=planlib.uniform_plan(m, n, 8, 16, force_groups, align=align))
+
+    patches = [(torch.cuda, name, fn) for name, fn in cuda_fakes.items()]
+    patches += [(torch.cuda.nccl, "version", lambda: (2, 28, 9)), (streams, "resources", lambda index: res),
+                (streams, "kernel_lib", lambda: lib), (kernels, "available", lambda: True),
+                (kernels, "configs", lambda: list(SIM_INFOS)),
+                (kernels, "ready", lambda *a: None), (ops, "_runtime", ops._runtime)]
+    if force_groups:
+        patches.append((cost_model, "decide", decide))
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    for obj, name, fn in patches:
+        setattr(obj, name, fn)
+    runtime_gpu.reset()
+    runtime_gpu._ready[:] = [True]
+    try:
+        yield res, lib
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+        runtime_gpu._ready.clear()  # the pool's ranks serve later tests: no GPU path there
+        runtime_gpu._kernel_infos.cache_clear()
+        dist.barrier()
 
 
 SIM_CASES = (("2d", 76, "nk", True, "multi"), ("2d", 76, "kn", False, "tiles"), ("3d", 80, "nk", False, "multi"),
@@ -447,82 +523,65 @@ SIM_CASES = (("2d", 76, "nk", True, "multi"), ("2d", 76, "kn", False, "tiles"), 
 
 
 def simulated_gpu_worker() -> dict[str, int]:
-    import contextlib
-
     import torch.distributed as dist
 
-    from flashoverlap_inductor import runtime_gpu, streams
+    from flashoverlap_inductor import runtime_gpu
 
-    full = [("bfloat16", "nk"), ("bfloat16", "kn"), ("float16", "nk"), ("float16", "kn")]
-    infos = [_Info(kernels.DEFAULT_CONFIG, 8, 16, full), _Info("pp_4x8", 4, 8, [("bfloat16", "nk")])]
-    res = streams.DeviceResources(0, "NVIDIA H200", 132, _FakeStream(),
-                                  torch.zeros(4, 16, dtype=torch.int32), torch.zeros(4, 16, dtype=torch.int32),
-                                  torch.zeros(4, dtype=torch.int32))
-    lib = _FakeLib(res, infos)
-    cur = _FakeStream()
-    runtime_gpu.reset()
-    saved = (streams.resources, streams.kernel_lib, torch.cuda.current_stream, torch.cuda.stream,
-             torch.cuda.is_current_stream_capturing, runtime_gpu._kernel_infos)
-    streams.resources, streams.kernel_lib = (lambda index: res), (lambda: lib)
-    torch.cuda.current_stream = lambda device=None: cur
-    torch.cuda.stream = lambda s: contextlib.nullcontext()
-    torch.cuda.is_current_stream_capturing = lambda: False
-    runtime_gpu._kernel_infos = lambda: tuple(infos)
-    runtime_gpu._ready[:] = [True]
-    runtime_gpu.FUSE_SINGLE_GROUP = True  # "auto" gives these tiny shapes one group: run it fused anyway
     rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
     bf, cases = torch.bfloat16, 0
     torch.use_deterministic_algorithms(True)  # fresh outputs are NaN: unwritten rows fail
+    runtime_gpu.FUSE_SINGLE_GROUP = True  # "auto" gives these tiny shapes one group: run it fused anyway
     try:
-        for coll in ("all_reduce", "reduce_scatter", "all_to_all"):
-            for form, rows, layout, bias, plan_kind in SIM_CASES:
-                gen = torch.Generator().manual_seed(rows * 7 + rank + cases)
-                a = torch.randn(rows, 16, generator=gen).to(bf)
-                w = torch.randn(24, 16, generator=gen).to(bf)
-                strided = torch.randn(16, 48, generator=gen).to(bf)[:, ::2]
-                b = {"nk": w.t(), "kn": w.t().contiguous(), None: strided}[layout]
-                if form != "2d":
-                    a = a.reshape(4, rows // 4, 16)
-                if form == "bmm":
-                    a, b = a.transpose(0, 1).contiguous().transpose(0, 1), b.expand(4, 16, 24)
-                c = torch.randn(24, generator=gen).to(bf) if bias else None
-                kernel_tile = (4, 8) if plan_kind == "tiles" and layout == "nk" else (8, 16)
-                if plan_kind == "multi":
-                    plan = planlib.uniform_plan(rows, 24, 8, 16, 4, align=1 if coll == "all_reduce" else world).to_str()
-                elif plan_kind == "tiles":
-                    plan = planlib.plan_from_tile_row_counts(rows, 24, *kernel_tile, [3, 1, 5, 2]).to_str()
-                else:
-                    plan = "auto"
-                y = (torch.matmul(a.float(), b.float()) + (c.float() if bias else 0)).reshape(-1, 24).to(bf)
-                ref = _eager_collective(coll, y.contiguous(), world)
-                fn = {"all_reduce": runtime_gpu.gemm_all_reduce, "reduce_scatter": runtime_gpu.gemm_reduce_scatter}
-                before = runtime_gpu.stats[f"fused:{coll}"]
-                if coll == "all_to_all":
-                    out = runtime_gpu.gemm_all_to_all(a, b, c, None, None, group, plan)
-                else:
-                    out = fn[coll](a, b, c, group, plan)
-                assert runtime_gpu.stats[f"fused:{coll}"] == before + 1, (coll, form, dict(runtime_gpu.stats))
-                torch.testing.assert_close(out.reshape(ref.shape).float(), ref.float(), rtol=2e-2, atol=5e-2)
+        with simulated_gpu() as (res, lib):
+            for coll in ("all_reduce", "reduce_scatter", "all_to_all"):
+                for form, rows, layout, bias, plan_kind in SIM_CASES:
+                    gen = torch.Generator().manual_seed(rows * 7 + rank + cases)
+                    a = torch.randn(rows, 16, generator=gen).to(bf)
+                    w = torch.randn(24, 16, generator=gen).to(bf)
+                    strided = torch.randn(16, 48, generator=gen).to(bf)[:, ::2]
+                    b = {"nk": w.t(), "kn": w.t().contiguous(), None: strided}[layout]
+                    if form != "2d":
+                        a = a.reshape(4, rows // 4, 16)
+                    if form == "bmm":
+                        a, b = a.transpose(0, 1).contiguous().transpose(0, 1), b.expand(4, 16, 24)
+                    c = torch.randn(24, generator=gen).to(bf) if bias else None
+                    align = 1 if coll == "all_reduce" else world
+                    if plan_kind == "multi":
+                        plan = planlib.uniform_plan(rows, 24, 8, 16, 4, align=align).to_str()
+                    elif plan_kind == "tiles":
+                        tile = (4, 8) if layout == "nk" else (8, 16)
+                        plan = planlib.plan_from_tile_row_counts(rows, 24, *tile, [3, 1, 5, 2]).to_str()
+                    else:
+                        plan = "auto"
+                    y = (torch.matmul(a.float(), b.float()) + (c.float() if bias else 0)).reshape(-1, 24).to(bf)
+                    ref = _eager_collective(coll, y.contiguous(), world)
+                    fn = {"all_reduce": runtime_gpu.gemm_all_reduce, "reduce_scatter": runtime_gpu.gemm_reduce_scatter}
+                    before = runtime_gpu.stats[f"fused:{coll}"]
+                    if coll == "all_to_all":
+                        out = runtime_gpu.gemm_all_to_all(a, b, c, None, None, group, plan)
+                    else:
+                        out = fn[coll](a, b, c, group, plan)
+                    assert runtime_gpu.stats[f"fused:{coll}"] == before + 1, (coll, form, dict(runtime_gpu.stats))
+                    torch.testing.assert_close(out.reshape(ref.shape).float(), ref.float(), rtol=2e-2, atol=5e-2)
+                    cases += 1
+            for ins_all in ([[30, 50], [10, 22]], [[0, 0], [40, 24]]):  # uneven all_to_all, one rank empty
+                ins, outs = ins_all[rank], [ins_all[j][rank] for j in range(world)]
+                gen = torch.Generator().manual_seed(99 + rank)
+                a = torch.randn(sum(ins), 16, generator=gen).to(bf)
+                b = torch.randn(24, 16, generator=gen).to(bf).t()
+                y = (a.float() @ b.float()).to(bf)
+                ref = y.new_empty(sum(outs), 24)
+                dist.all_to_all_single(ref, y, outs, ins)
+                out = runtime_gpu.gemm_all_to_all(a, b, None, outs, ins, group, "auto")
+                torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=5e-2)
                 cases += 1
-        for ins_all in ([[30, 50], [10, 22]], [[0, 0], [40, 24]]):  # uneven all_to_all, one rank empty
-            ins, outs = ins_all[rank], [ins_all[j][rank] for j in range(world)]
-            gen = torch.Generator().manual_seed(99 + rank)
-            a = torch.randn(sum(ins), 16, generator=gen).to(bf)
-            b = torch.randn(24, 16, generator=gen).to(bf).t()
-            y = (a.float() @ b.float()).to(bf)
-            ref = y.new_empty(sum(outs), 24)
-            dist.all_to_all_single(ref, y, outs, ins)
-            out = runtime_gpu.gemm_all_to_all(a, b, None, outs, ins, group, "auto")
-            torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=5e-2)
-            cases += 1
+            slots, waits, launches = len(res.slots), lib.waits, len(runtime_gpu._launches)
     finally:
         torch.use_deterministic_algorithms(False)
-        (streams.resources, streams.kernel_lib, torch.cuda.current_stream, torch.cuda.stream,
-         torch.cuda.is_current_stream_capturing, runtime_gpu._kernel_infos) = saved
         runtime_gpu.FUSE_SINGLE_GROUP = False
     assert runtime_gpu.stats["fused:all_to_all"] == 8 and not any(k.startswith("fallback") for k in runtime_gpu.stats)
-    assert len(res.slots) == 1 and lib.waits > 0
-    return {"cases": cases, "waits": lib.waits, "launches": len(runtime_gpu._launches)}
+    assert slots == 1 and waits > 0
+    return {"cases": cases, "waits": waits, "launches": launches}
 
 
 def _eager_collective(coll, y, world):
@@ -548,62 +607,25 @@ def test_simulated_gpu_path_matches_eager():
     assert all(r["waits"] > 40 and r["launches"] == 20 for r in results), results
 
 
-# --------------------------------------------------------------------------------------------- benchmark dry run
-# examples/bench_ops.py end to end on 2 gloo ranks with CPU tensors: torch.cuda's streams, events and sleeps are
-# replaced by host-clock fakes, the fused op runs its CPU schedule (runtime_cpu), async-TP has no CPU kernel (the
-# probe must drop it on both ranks). Checks the orchestration: probing and agreement, correctness checks, the
-# interleaved timer, rows, summary, JSON and the printed table.
-
-
-class _FakeEvent:
-    def __init__(self, enable_timing: bool = False) -> None:
-        self.t = 0.0
-
-    def record(self, stream=None) -> None:
-        import time
-
-        self.t = time.perf_counter()
-
-    def synchronize(self) -> None:
-        pass
-
-    def elapsed_time(self, end) -> float:
-        return (end.t - self.t) * 1e3
-
-
-def bench_dry_run_worker(json_path: str) -> dict:
-    import contextlib
-
+def bench_dry_run_worker(json_path: str) -> int:
     spec = importlib.util.spec_from_file_location("bench_ops_dry", ROOT / "examples" / "bench_ops.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     bench.DEVICE = "cpu"
-    fake = {"Event": _FakeEvent, "synchronize": lambda *a: None, "_sleep": lambda cycles: None,
-            "Stream": lambda *a, **k: _FakeStream(), "current_stream": lambda *a: _FakeStream(),
-            "stream": lambda s: contextlib.nullcontext(), "get_device_name": lambda *a: GPU,
-            "empty_cache": lambda: None}
-    saved = {name: getattr(torch.cuda, name) for name in fake}
-    saved_nccl = torch.cuda.nccl.version
-    for name, fn in fake.items():
-        setattr(torch.cuda, name, fn)
-    torch.cuda.nccl.version = lambda: (2, 28, 9)
-    try:
-        rc = bench.main(["--shapes", "256x64x64,512x128x32", "--rounds", "2", "--target-ms", "2", "--json", json_path,
-                         "--png", json_path + ".png"])
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.cuda, name, fn)
-        torch.cuda.nccl.version = saved_nccl
-    return {"rc": rc}
+    with simulated_gpu(force_groups=4):
+        return bench.main(["--shapes", "256x64x64,512x128x32", "--rounds", "2", "--target-ms", "2", "--json",
+                           json_path, "--png", json_path + ".png"])
 
 
-def test_bench_dry_run_on_cpu(tmp_path, capfd):
+def test_bench_dry_run_on_cpu(tmp_path):
+    """examples/bench_ops.py end to end: probing and agreement, correctness checks, the interleaved timer, rows,
+    summary and JSON; async-TP has no CPU kernel, so the probe must drop it on both ranks."""
     from dist_utils import get_pool
 
     path = str(tmp_path / "bench.json")
-    assert get_pool(2).run(bench_dry_run_worker, path) == [{"rc": 0}, {"rc": 0}]
+    assert get_pool(2).run(bench_dry_run_worker, path) == [0, 0]
     doc = json.loads(Path(path).read_text())
-    assert doc["meta"]["world"] == 2 and doc["meta"]["available"] is False
+    assert doc["meta"]["world"] == 2 and doc["meta"]["available"] is True and doc["meta"]["routing"] == "patched"
     rows = doc["rows"]
     assert [(r["op"], r["m"]) for r in rows] == [(op, m) for m in (256, 512) for op in ("all_reduce", "reduce_scatter",
                                                                                         "all_to_all")]
@@ -611,11 +633,82 @@ def test_bench_dry_run_on_cpu(tmp_path, capfd):
         for key in ("gemm_ms", "comm_ms", "seq_ms", "chunked_ms", "fused_ms", "ideal_ms", "pred_fused_ms"):
             assert r[key] is not None and r[key] > 0, (r["op"], key, r[key])
         assert r["relerr_fused"] < 2e-2 and r["correct"] is True, r
+        assert r["fused_path"] is True and r["groups"] == 4 and r["launch"].startswith(r["op"]), r
         assert r["speedup"] == pytest.approx(r["seq_ms"] / r["fused_ms"])
-        assert r["auto_ms"] == (r["fused_ms"] if r["auto_fuse"] else r["seq_ms"])
-        assert r["fused_path"] is False  # no GPU: the CPU schedule ran, and the row says so
+        assert r["auto_fuse"] is True and r["auto_ms"] == r["fused_ms"]
     rs = [r for r in rows if r["op"] == "reduce_scatter"]
     assert all("reduce_scatter:asynctp" in r["errors"] and r["asynctp_ms"] is None for r in rs)
     assert set(doc["summary"]["ops"]) == {"all_reduce", "reduce_scatter", "all_to_all"}
-    out = capfd.readouterr().out
-    assert "== target checks" in out and "geomean speedup" in out
+    assert "all_reduce geomean speedup" in doc["summary"]["checks"]  # world 2 has an all_reduce target
+
+
+def tune_dry_run_worker(out_dir: str) -> list[int]:
+    import torch.distributed as dist
+
+    from flashoverlap_inductor import runtime_gpu
+
+    tune.DEVICE = "cpu"
+    rcs = []
+    runtime_gpu.FUSE_SINGLE_GROUP = True
+    try:
+        with simulated_gpu():
+            rcs.append(tune.main(["bandwidth", "--quick", "--min-bytes", "65536", "--max-bytes", "1048576",
+                                  "--out", f"{out_dir}/bandwidth.json"]))
+            rcs.append(tune.main(["search", "--collective", "reduce_scatter", "--shape", "1024x64x32",
+                                  "--max-units", "3", "--rounds", "2", "--refine", "2", "--out-dir", out_dir]))
+            if dist.get_rank() == 0:
+                rcs.append(tune.main(["gemm", "--shapes", "64x32x32,128x64x32", "--free", "0,16", "--rounds", "2",
+                                      "--out", f"{out_dir}/gemm.json"]))
+    finally:
+        runtime_gpu.FUSE_SINGLE_GROUP = False
+    return rcs
+
+
+def test_tune_dry_run_on_cpu(tmp_path):
+    """The tuner's three commands end to end; their files pass the cost model's schema and loader."""
+    from dist_utils import get_pool
+
+    assert get_pool(2).run(tune_dry_run_worker, str(tmp_path)) == [[0, 0, 0], [0, 0]]
+    bw = json.loads((tmp_path / "bandwidth.json").read_text())
+    assert set(bw["curves"]) >= {"2", "4"}  # the shipped world 4 kept, world 2 measured
+    assert len(bw["curves"]["2"]["all_reduce"]) == 4 * 4 + 1 and "tune bandwidth" in bw["source"]
+    BandwidthCurve.from_json(bw, "dry run")
+    plans = json.loads(tune_docs.plans_path(tmp_path, GPU, 2).read_text())
+    (entry,) = schema.validate_plans(plans, "dry run")
+    assert (entry["collective"], entry["m"], entry["world_size"], entry["mode"]) == ("reduce_scatter", 1024, 2, "both")
+    assert entry["measured_fused_ms"] > 0 and entry["measured_seq_ms"] > 0 and entry["evaluated"] >= 4
+    gemm = json.loads((tmp_path / "gemm.json").read_text())
+    schema.validate_gemm(gemm, "dry run")
+    assert set(gemm["tuned_kernels"]["best_by_tile"]) <= {"8x16", "4x8"} and gemm["tuned_kernels"]["samples"]
+
+
+def gpu_tests_dry_run_worker() -> dict[str, object]:
+    """The tasks of tests/test_gpu_ops.py that need no CUDA graph or Inductor, on the simulated GPU (bf16 only:
+    gloo; smaller shapes: fp64 references on 2 cores)."""
+    import test_gpu_ops as g
+
+    g.DEVICE = "cpu"
+    g.SHAPES = [("2d", 256, 776, 328), ("2d", 40, 264, 64), ("bmm_expand", 256, 128, 64)]
+    g.IN_FLIGHT = [("all_reduce", 256, 64, 32), ("reduce_scatter", 512, 128, 32), ("all_to_all", 384, 96, 32)]
+    out: dict[str, object] = {}
+    with simulated_gpu():
+        g._route_ops()
+        for op in ("all_reduce", "reduce_scatter", "all_to_all"):
+            out[op] = g.match_eager_task(op, "bfloat16")
+        out["uneven"] = g.uneven_all_to_all_task()
+        out["fallback"] = sorted(k for k in g.fallback_task() if k.startswith("fallback:"))
+        out["repeated"] = g.repeated_calls_task(20)
+        out["in_flight"] = g.in_flight_task()
+        out["timeout"] = g.timeout_record_task()
+    return out
+
+
+def test_gpu_test_tasks_dry_run_on_cpu():
+    from dist_utils import get_pool
+
+    for r in get_pool(2).run(gpu_tests_dry_run_worker):
+        for op in ("all_reduce", "reduce_scatter", "all_to_all"):
+            assert r[op]["cases"] == 3 * 2 * 4 and r[op]["fused"] >= r[op]["fused_expected"] > 0, r[op]
+        assert r["uneven"] == 12 and r["in_flight"] == 9 and r["timeout"].startswith("ok")
+        assert r["fallback"] == ["fallback:alignment", "fallback:bias_rows", "fallback:bmm", "fallback:dtype"]
+        assert all(v >= 20 for v in r["repeated"].values())
