@@ -37,7 +37,7 @@ class Decision:
     """The cost model's answer for one GEMM + collective (times in ms)."""
 
     fuse: bool  # the "auto" verdict
-    plan: GroupPlan  # best plan found (also used under fuse mode "always", even when fuse is False)
+    plan: GroupPlan  # best plan of >= 2 groups where the rows allow (fuse mode "always" runs it regardless)
     predicted_fused_ms: float
     predicted_seq_ms: float
     reason: str  # human-readable
@@ -101,7 +101,7 @@ def _decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int
     summary = (f"{what} {verdict_fused:.3f} ms fused ({groups}, {source}) vs "
                f"{verdict_seq:.3f} ms sequential ({_ratio(verdict_fused, verdict_seq)}){data_note}")
     if plan.num_groups < 2:
-        return Decision(False, plan, fused, seq, f"declined: best plan has one group, nothing to overlap; {summary}")
+        return Decision(False, plan, fused, seq, f"declined: too few rows for two groups; {summary}")
     if m < min_rows:
         return Decision(False, plan, fused, seq, f"declined: M={m} rows < min_rows={min_rows}; {summary}")
     if verdict_fused <= (1.0 - min_gain) * verdict_seq:
@@ -125,6 +125,10 @@ def _choose_plan(model: CostModel, tuned: registry.TunedPlan | None, collective:
         bounds = tuple(dict.fromkeys(m * g // groups for g in range(groups + 1)))
         return GroupPlan(m, n, tile_m, tile_n, bounds), f"{len(bounds) - 1} equal fractions"
     result = predictive_search(model, collective, m, n, k, dtype, world_size, chunks, tile_m=tile_m, tile_n=tile_n)
+    if result.plan.num_groups == 1:  # nothing to overlap: offer the best overlapping plan (fuse mode "always")
+        result = predictive_search(model, collective, m, n, k, dtype, world_size, chunks, tile_m=tile_m,
+                                   tile_n=tile_n, min_groups=2)
+        return result.plan, "searched, >= 2 groups"
     return result.plan, "searched"
 
 

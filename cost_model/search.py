@@ -71,9 +71,10 @@ def unit_bounds(bounds: Sequence[int], max_units: int) -> list[int]:
 
 def predictive_search(model: CostModel, collective: str, m: int, n: int, k: int, dtype: str, world_size: int,
                       chunks: Sequence[int], *, tile_m: int = DEFAULT_TILE[0], tile_n: int = DEFAULT_TILE[1],
-                      max_units: int = DEFAULT_MAX_UNITS, kernel: str = "") -> SearchResult:
+                      max_units: int = DEFAULT_MAX_UNITS, kernel: str = "", min_groups: int = 1) -> SearchResult:
     """Best composition of units by branch-and-bound (see the module docstring); ``chunks`` as
-    ``plan.chunks_for``. The returned time equals ``model.fused(plan, ...).total_ms``."""
+    ``plan.chunks_for``. The returned time equals ``model.fused(plan, ...).total_ms``. Only plans of at least
+    ``min_groups`` groups compete (fewer when there are fewer units)."""
     ub = unit_bounds(candidate_bounds(collective, m, tile_m, world_size), max_units)
     units = len(ub) - 1
     fine = GroupPlan(m, n, tile_m, tile_n, tuple(ub), kernel)
@@ -98,7 +99,7 @@ def predictive_search(model: CostModel, collective: str, m: int, n: int, k: int,
             cuts.append(j)
             if j == units:
                 evaluated += 1
-                if e < best_ms:
+                if e < best_ms and len(cuts) >= min(min_groups, units):
                     best_ms, best_cuts = e, list(cuts)
             else:
                 bound = c + (cf[units] - cf[j]) + last_min
