@@ -211,10 +211,11 @@ def resolve_schedule(collective: str, plan_str: str, rows: int, n: int, k: int, 
 
 
 def _runtime(a: torch.Tensor):
-    """CUDA tensors go to the CUDA runtime; everything else to the CPU (gloo) wave-group schedule."""
+    """CUDA tensors go to the overlapped GPU runtime (which falls back to cuBLAS then NCCL, logged, where the
+    kernel library or the inputs do not fit); everything else to the CPU (gloo) wave-group schedule."""
     if a.device.type == "cuda":
-        from . import runtime_cuda
-        return runtime_cuda
+        from . import runtime_gpu
+        return runtime_gpu
     from . import runtime_cpu
     return runtime_cpu
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -203,7 +204,7 @@ def gemm_all_to_all(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                     group: dist.ProcessGroup, plan: str) -> torch.Tensor:
     y_shape = ops.gemm_output_shape(a, b, bias)
     outs, ins = ops.all_to_all_splits(y_shape[0], group.size(), output_split_sizes, input_split_sizes)
-    unit = _rows(y_shape) // y_shape[0] if y_shape[0] else 1
+    unit = math.prod(y_shape[1:-1])  # flattened rows per dim-0 element (also when dim 0 is empty)
     explicit = output_split_sizes is not None or input_split_sizes is not None
     send_rows = tuple(s * unit for s in ins) if explicit else None
     recv_rows = tuple(s * unit for s in outs) if explicit else None

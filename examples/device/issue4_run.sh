@@ -67,7 +67,7 @@ fi
 (cd /tmp/fo_cwd && python3 -c "$CHECK") 2>&1 | tee -a "$LOG"
 
 # --- steps, most important first
-step tests 210 python3 -m pytest -v -rs -p no:cacheprovider "$REPO/tests/test_gpu_ops.py"
+step tests 210 python3 -m pytest -v -rs -p no:cacheprovider "$REPO/tests/test_gpu_ops.py" "$REPO/tests/test_gpu_kernels.py"
 step bench4 170 "${TORCHRUN[@]}" --nproc_per_node=4 "$REPO/examples/bench_ops.py" --json "$OUT/bench_w4.json" \
   --png "$OUT/bench_w4.png" --time-budget-s "$(( $(left 170) - 45 ))" ${FO_BENCH_ARGS:-}
 step bench2 130 "${TORCHRUN[@]}" --nproc_per_node=2 "$REPO/examples/bench_ops.py" --json "$OUT/bench_w2.json" \
@@ -83,8 +83,8 @@ step search 50 "${TORCHRUN[@]}" --nproc_per_node=4 -m flashoverlap_inductor.tune
 {
   echo "issue 4 device run, $(date -u +%FT%TZ), ${SECONDS}s"
   printf '  %s\n' "${STATUS[@]}"
-  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|(passed|failed|error).* in [0-9.]+s" "$LOG" | tail -25 || true
-  grep -E "tests/test_gpu_ops.py::.* (PASSED|FAILED|ERROR|SKIPPED)" "$LOG" | sed 's/^/  /' || true
+  grep -E "tests/test_gpu_ops.py::.* (PASSED|FAILED|ERROR|SKIPPED)" "$LOG" | sed 's/^.*test_gpu_ops.py::/  /' || true
+  grep -E "^=+ .*(passed|failed|skipped|error).* in [0-9.]+s" "$LOG" | head -3 || true
   python3 - "$OUT" <<'EOF'
 import json, math, sys
 from pathlib import Path
