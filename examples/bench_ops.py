@@ -70,8 +70,20 @@ def route_ops_to_gpu_runtime() -> str:
     return "patched"
 
 
+# The process group of the fused path (``--fused-max-ctas``: a group whose NCCL config caps its CTAs, so NCCL fits
+# beside the persistent GEMM); the baselines always use the default WORLD group with NCCL's default config.
+FUSED_GROUP: dist.ProcessGroup | None = None
+
+
+def make_capped_group(max_ctas: int) -> dist.ProcessGroup:
+    """A new NCCL group over all ranks with ``config.max_ctas = max_ctas``."""
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.config.max_ctas = max_ctas
+    return dist.new_group(backend="nccl", pg_options=opts)
+
+
 def fused_call(op: str, a: torch.Tensor, b: torch.Tensor, plan: str, world: int, call: str):
-    group = dist.group.WORLD
+    group = FUSED_GROUP or dist.group.WORLD
     name = group.group_name
     fo = torch.ops.flashoverlap
     if call == "runtime":
@@ -431,6 +443,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fuse", default="always", choices=("always", "auto"))
     p.add_argument("--call", default="op", choices=("op", "runtime"))
     p.add_argument("--sm-reserve", type=int, default=None, help="SMs the fused GEMM leaves to NCCL")
+    p.add_argument("--fused-max-ctas", type=int, default=None,
+                   help="run the fused path on a group whose NCCL config has this max_ctas (baselines: defaults)")
     p.add_argument("--time-budget-s", type=float, default=420.0, help="no new shape starts after this")
     p.add_argument("--json", default=None)
     p.add_argument("--png", default=None)
@@ -453,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name()
     if args.sm_reserve is not None:
         runtime_gpu.SM_RESERVE = args.sm_reserve
+    global FUSED_GROUP
+    if args.fused_max_ctas:
+        FUSED_GROUP = make_capped_group(args.fused_max_ctas)
     routing = route_ops_to_gpu_runtime() if args.call == "op" else "direct"
     try:
         from flashoverlap_inductor.cost_model import model_for
@@ -467,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"world": world, "gpu": gpu, "torch": torch.__version__,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())), "available": runtime_gpu.available(),
             "routing": routing, "call": args.call, "fuse": args.fuse, "rounds": args.rounds,
-            "target_ms": args.target_ms, "sm_reserve": args.sm_reserve,
+            "target_ms": args.target_ms, "sm_reserve": args.sm_reserve, "fused_max_ctas": args.fused_max_ctas,
             "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                                    "FLASHOVERLAP_SM_RESERVE", "FLASHOVERLAP_SIGNAL_MODE")}}
     if rank == 0:

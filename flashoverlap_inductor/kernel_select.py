@@ -128,13 +128,17 @@ def gather_rows(layout: planlib.BufferLayout) -> list[int] | None:
     return rows
 
 
-def sm_reserve(device_name: str, override: int | None = None) -> int:
-    """SMs the fused GEMM leaves to NCCL: ``override`` (``runtime_gpu.SM_RESERVE``), else
-    ``$FLASHOVERLAP_SM_RESERVE``, else the cost model's ``fused.nccl_sms`` (16 when it has no data)."""
+def sm_reserve(device_name: str, override: int | None = None, group_max_ctas: int | None = None) -> int:
+    """SMs the fused GEMM leaves to NCCL and the wait kernel: ``override`` (``runtime_gpu.SM_RESERVE``), else
+    ``$FLASHOVERLAP_SM_RESERVE``, else ``group_max_ctas + 2`` when the process group's NCCL config caps its CTAs
+    (NCCL's CTAs must all be resident beside the persistent GEMM, or the collective waits for the GEMM to end),
+    else the cost model's ``fused.nccl_sms`` (16 when it has no data)."""
     if override is not None:
         return int(override)
     if os.environ.get("FLASHOVERLAP_SM_RESERVE"):
         return int(os.environ["FLASHOVERLAP_SM_RESERVE"])
+    if group_max_ctas:
+        return int(group_max_ctas) + 2
     try:
         from flashoverlap_inductor.cost_model import model_for
 
@@ -142,6 +146,20 @@ def sm_reserve(device_name: str, override: int | None = None) -> int:
     except Exception as exc:  # the cost model's data missing: its documented default
         log.warning("flashoverlap: no cost-model SM reserve (%r); leaving 16 SMs", exc)
         return 16
+
+
+def nccl_max_ctas(group: object) -> int | None:
+    """``max_ctas`` of the NCCL config of ``group`` (``ProcessGroupNCCL.Options().config.max_ctas``), or of
+    ``$NCCL_MAX_CTAS``; None when neither caps NCCL's CTAs (or the group is not NCCL)."""
+    try:
+        backend = group._get_backend(torch.device("cuda"))  # type: ignore[attr-defined]
+        value = int(backend.options.config.max_ctas)
+        if 0 < value <= 64:  # NCCL's "unset" is INT_MIN
+            return value
+    except Exception:  # not NCCL, or a torch without these bindings
+        pass
+    env = os.environ.get("NCCL_MAX_CTAS")
+    return int(env) if env and env.isdigit() and int(env) > 0 else None
 
 
 @functools.lru_cache(maxsize=8)

@@ -50,6 +50,7 @@ from .kernel_select import (
     b_layout,
     choose_kernel,
     gather_rows,
+    nccl_max_ctas,
     normalize_operands,
     preferred_kernels,
     sm_reserve,
@@ -180,15 +181,16 @@ def _make_launch(collective: str, plan: str, rows: int, n: int, k: int, dtype: t
               choice.b_layout, choice.name)
     lib = streams.kernel_lib()
     index = lib.config_index(choice.name, dtype, choice.b_layout)
-    sm_count = max(1, res.sm_count - sm_reserve(res.name, SM_RESERVE))
+    sm_count = max(1, res.sm_count - sm_reserve(res.name, SM_RESERVE, nccl_max_ctas(group)))
     gmap = gather = None
     tiles = (0,) * groups
     workspace = 0
     if rows:
-        gmap = torch.tensor(planlib.group_of_tile_row(bounds, choice.tile_m), dtype=torch.int32, device=device)
         tiles = tuple(planlib.tiles_per_group(bounds, choice.tile_m, choice.tile_n, n))
         src = gather_rows(sched.layout)
-        gather = torch.tensor(src, dtype=torch.int64, device=device) if src is not None else None
+        gmap, gather = streams.persistent(res.index, lambda: (
+            torch.tensor(planlib.group_of_tile_row(bounds, choice.tile_m), dtype=torch.int32, device=device),
+            torch.tensor(src, dtype=torch.int64, device=device) if src is not None else None))
         workspace = lib.workspace_bytes(index, rows, n, k, sm_count, kernels.RASTERS[RASTER], SWIZZLE)
     peers = tuple(dist.get_global_rank(group, j) for j in range(world)) if collective == "all_to_all" else ()
     desc = (f"{collective} rows={rows} n={n} k={k} {dname}: {groups} groups, tiles {list(tiles)}, kernel "

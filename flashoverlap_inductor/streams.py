@@ -21,14 +21,19 @@ capturing: ``resources()`` returns None then if the device has none yet, and the
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
 from . import kernels
+
+T = TypeVar("T")
 
 log = logging.getLogger("flashoverlap")
 
@@ -148,6 +153,29 @@ class DeviceResources:
 
 
 _resources: dict[int, DeviceResources] = {}
+_alloc_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashoverlap-alloc")
+
+
+def persistent(index: int, make: Callable[[], T]) -> T:
+    """Run ``make`` (which allocates tensors that live across calls) on device ``index`` in a worker thread.
+
+    Inductor's CUDA-graph trees route every allocation *of the calling thread* into their graph pool while they
+    warm up or record a graph, and then reject pool tensors that are not graph outputs. Our cached buffers
+    (counters, tile->group maps, gather indices) must outlive any one graph, so they are allocated from another
+    thread, which the pool's thread filter does not see. ``make`` must not launch work that the caller's stream
+    has to order against except through a device synchronize, which this function does.
+    """
+
+    if not torch.cuda.is_available():  # CPU dry runs (tests with fakes): no graph pool to escape
+        return make()
+
+    def run() -> T:
+        with torch.cuda.device(index):
+            out = make()
+            torch.cuda.synchronize(index)
+            return out
+
+    return _alloc_thread.submit(run).result()
 
 
 def resources(index: int) -> DeviceResources | None:
@@ -163,8 +191,8 @@ def resources(index: int) -> DeviceResources | None:
     with torch.cuda.device(index):
         props = torch.cuda.get_device_properties(index)
         side = torch.cuda.Stream(device=index, priority=-100)  # clamped to the highest priority there is
-        zeros = torch.zeros(2, MAX_SLOTS, MAX_GROUPS, dtype=torch.int32, device=f"cuda:{index}")
-        torch.cuda.synchronize(index)
+        zeros = persistent(index, lambda: torch.zeros(2, MAX_SLOTS, MAX_GROUPS, dtype=torch.int32,
+                                                      device=f"cuda:{index}"))
         res = DeviceResources(index, props.name, int(props.multi_processor_count), side, zeros[0], zeros[1],
                               error_record(index))
     _resources[index] = res
