@@ -46,6 +46,8 @@ class GemmModel:
     nccl_sms: int = 16
     kernel_efficiency: float = 1.0
     interference: float = 0.0
+    fused_gemm_slowdown: float | None = None  # measured on the fused path (overrides the cuBLAS-derived value)
+    comm_slowdown: float = 0.0  # NCCL runs (1 + this) times slower while the fused GEMM occupies its SMs
     anchor_rows: tuple[Mapping[str, Any], ...] = field(default=(), repr=False)
     source: str = ""
 
@@ -67,6 +69,8 @@ class GemmModel:
             dtype_scale={k: float(v) for k, v in doc["dtype_scale"].items()},
             nccl_sms=int(fused["nccl_sms"]), kernel_efficiency=float(fused["kernel_efficiency"]),
             interference=float(doc["interference"]["gemm_slowdown_per_comm_ms"]),
+            fused_gemm_slowdown=None if fused.get("gemm_slowdown") is None else float(fused["gemm_slowdown"]),
+            comm_slowdown=float(fused.get("comm_slowdown", 0.0)),
             anchor_rows=tuple(doc.get("anchor_rows", ())), source=f"{where}: {doc['source']}")
 
     def supports(self, dtype: str) -> bool:
@@ -79,7 +83,10 @@ class GemmModel:
 
     @property
     def effective_interference(self) -> float:
-        """Extra fused-GEMM ms per ms of concurrent NCCL, beyond the SMs already left to NCCL (>= 0)."""
+        """Extra fused-GEMM ms per ms of concurrent NCCL, beyond the SMs already left to NCCL (>= 0): the
+        measured ``fused.gemm_slowdown`` when the data has it, else derived from the cuBLAS anchor rows."""
+        if self.fused_gemm_slowdown is not None:
+            return self.fused_gemm_slowdown
         return max(0.0, self.interference - self.nccl_sms / (self.sm_count - self.nccl_sms))
 
     def wave_ms(self, k: int, dtype: str, tile_m: int, tile_n: int, efficiency: float = 1.0) -> float:

@@ -22,7 +22,11 @@ For groups ``g = 0..G-1`` of one fused GEMM + collective (all times in ms from t
       E_comp_g  = E_comp_{g-1} + W_g (1 + a)                   if W_g (1 + a) <= overlap
                 = E_comp_{g-1} + overlap + W_g - overlap/(1+a)  otherwise
 
-  With ``a = 0`` this is FlashOverlap's recurrence. NCCL itself is taken as unslowed.
+  With ``a = 0`` this is FlashOverlap's recurrence.
+
+* NCCL slowdown (measured on H200: NCCL on the SMs the persistent GEMM leaves free runs about 2x slower than
+  alone, while the GEMM barely slows): until the GEMM ends (``D_{G-1}``), a collective progresses
+  ``1 + c`` times slower (``c = GemmModel.comm_slowdown``); ``advance_comm`` gives its end.
 
 * Sequential baseline: ``T_seq = T_gemm (cuBLAS, all SMs) + T_comm(all bytes)``.
 """
@@ -59,6 +63,17 @@ def advance_compute(e_comp: float, e_comm: float, work_ms: float, slowdown: floa
     return e_comp + overlap + work_ms - overlap / (1.0 + slowdown)
 
 
+def advance_comm(start: float, comm_ms: float, gemm_end: float, slowdown: float) -> float:
+    """When a collective of ``comm_ms`` (alone) started at ``start`` ends, if it runs ``1 + slowdown`` times
+    slower until ``gemm_end`` (ms)."""
+    if start >= gemm_end or slowdown <= 0.0:
+        return start + comm_ms
+    slow = comm_ms * (1.0 + slowdown)
+    if start + slow <= gemm_end:
+        return start + slow
+    return gemm_end + comm_ms - (gemm_end - start) / (1.0 + slowdown)
+
+
 @dataclass(frozen=True)
 class PipelineResult:
     """Per-group compute and communication end times of one fused call, in ms from the GEMM's launch."""
@@ -71,7 +86,8 @@ class PipelineResult:
         return self.comm_end_ms[-1]
 
 
-def pipeline(done_ms: Sequence[float], comm_ms: Sequence[float], slowdown: float = 0.0) -> PipelineResult:
+def pipeline(done_ms: Sequence[float], comm_ms: Sequence[float], slowdown: float = 0.0,
+             comm_slowdown: float = 0.0) -> PipelineResult:
     """The recurrence above: ``done_ms[g]`` = ``D_g`` (non-decreasing), ``comm_ms[g]`` = ``T_g``."""
     if len(done_ms) != len(comm_ms) or not done_ms:
         raise ValueError("pipeline: need one completion time and one comm time per group (>= 1 group)")
@@ -79,7 +95,7 @@ def pipeline(done_ms: Sequence[float], comm_ms: Sequence[float], slowdown: float
     comps, comms = [], []
     for done, t_comm in zip(done_ms, comm_ms, strict=True):
         e_comp = advance_compute(e_comp, e_comm, done - prev_done, slowdown)
-        e_comm = max(e_comp, e_comm) + t_comm
+        e_comm = advance_comm(max(e_comp, e_comm), t_comm, done_ms[-1], comm_slowdown)
         prev_done = done
         comps.append(e_comp)
         comms.append(e_comm)
@@ -115,4 +131,4 @@ class CostModel:
         done = self.gemm.group_completion_ms(bounds, plan.n, k, dtype, plan.tile_m, plan.tile_n)
         comm = [self.group_comm_ms(collective, world_size, hi - lo, plan.n, dtype)
                 for lo, hi in itertools.pairwise(bounds)]
-        return pipeline(done, comm, self.gemm.effective_interference)
+        return pipeline(done, comm, self.gemm.effective_interference, self.gemm.comm_slowdown)

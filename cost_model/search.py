@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from flashoverlap_inductor.plan import GroupPlan, buffer_layout
 
-from .pipeline import CostModel, advance_compute
+from .pipeline import CostModel, advance_comm, advance_compute
 
 DEFAULT_TILE = (128, 256)
 DEFAULT_MAX_UNITS = 10
@@ -86,6 +86,7 @@ def predictive_search(model: CostModel, collective: str, m: int, n: int, k: int,
         for j in range(i + 1, units + 1):
             comm[i][j] = model.group_comm_ms(collective, world_size, rb[j] - rb[i], n, dtype)
     slowdown = model.gemm.effective_interference
+    comm_slow = model.gemm.comm_slowdown
     subadditive = model.curve.is_subadditive(collective, world_size)
     last_min = comm[units - 1][units]
     best_ms, best_cuts, evaluated = math.inf, [units], 0
@@ -95,7 +96,7 @@ def predictive_search(model: CostModel, collective: str, m: int, n: int, k: int,
         nonlocal best_ms, best_cuts, evaluated
         for j in range(units, i, -1):  # large groups first: good plans early, stronger pruning
             c = advance_compute(e_comp, e_comm, cf[j] - cf[i], slowdown)
-            e = max(c, e_comm) + comm[i][j]
+            e = advance_comm(max(c, e_comm), comm[i][j], cf[units], comm_slow)
             cuts.append(j)
             if j == units:
                 evaluated += 1

@@ -43,19 +43,57 @@ _SHORT = (("torch.ops.aten.", "aten."), ("torch.ops._c10d_functional.", "c10d.")
           ("torch.ops.flashoverlap.", "flashoverlap."))
 
 
-def graph_str(gm: torch.fx.GraphModule) -> str:
+def graph_str(gm: torch.fx.GraphModule, canonical: bool = False) -> str:
     """Stable, compact text of a graph: python code without file comments and without the ``x = None``
-    buffer-freeing statements, op namespaces shortened, plan strings shortened to their sizes."""
+    buffer-freeing statements, op namespaces shortened, plan strings shortened to their sizes.
+    ``canonical``: also rename values as ``canonical_names`` does (version-robust expectations)."""
     code = gm.graph.python_code("self").src.strip()
     code = re.sub(r";  [\w, =]+ = None$", "", code, flags=re.M)
     for long, short in _SHORT:
         code = code.replace(long, short)
-    return re.sub(r"'v1;m=(\w+);n=(\w+);[^']*'", r"'plan(m=\1,n=\2)'", code)
+    code = re.sub(r"'v1;m=(\w+);n=(\w+);[^']*'", r"'plan(m=\1,n=\2)'", code)
+    return canonical_names(code) if canonical else code
 
 
-def fused_lines(gm: torch.fx.GraphModule) -> str:
-    """Only the lines of ``graph_str`` that mention our ops (compact expectations for big graphs)."""
-    return "\n".join(line.strip() for line in graph_str(gm).splitlines() if "flashoverlap" in line)
+def fused_lines(gm: torch.fx.GraphModule, canonical: bool = False) -> str:
+    """Only the lines of ``graph_str`` that mention our ops (compact expectations for big graphs); ``canonical``
+    names are those of the whole graph."""
+    return "\n".join(line.strip() for line in graph_str(gm, canonical).splitlines() if "flashoverlap" in line)
+
+
+_HEADER = re.compile(r"^def forward\(self(?:, )?([^)]*)\):$")
+_ASSIGNED = re.compile(r"^\s+(\w+) = ")
+_NAME = re.compile(r"(?<![\w.'])[A-Za-z_]\w*(?![\w'])")
+
+
+def canonical_names(code: str) -> str:
+    """``code`` (a ``graph_str``) with the names that torch versions choose differently made canonical.
+
+    Only names change, never the statements: the inputs the graph reads become ``in0, in1, ...`` in placeholder
+    order and inputs it never reads are dropped from the signature (DTensor lifts a version-dependent number of
+    them); every assigned value ``base`` / ``base_<k>`` becomes ``base``, ``base_1``, ``base_2``... in order of
+    definition (the suffixes count nodes the tracer created and discarded, which differs between versions, e.g.
+    ``mul_23`` on 2.13 vs ``mul_21`` on 2.11).
+    """
+    lines = code.splitlines()
+    header = _HEADER.match(lines[0])
+    assert header is not None, lines[0]
+    params = [p.strip() for p in header.group(1).split(",") if p.strip()]
+    body = "\n".join(lines[1:])
+    used = set(_NAME.findall(body))
+    rename = {p: f"in{i}" for i, p in enumerate(p for p in params if p in used)}
+    seen: dict[str, int] = {}
+    for line in lines[1:]:
+        m = _ASSIGNED.match(line)
+        if m is None or m.group(1) in rename:
+            continue
+        base = re.sub(r"_\d+$", "", m.group(1))
+        k = seen[base] = seen.get(base, -1) + 1
+        rename[m.group(1)] = base if k == 0 else f"{base}_{k}"
+    assert len(set(rename.values())) == len(rename), f"canonical names collide: {rename}"
+    body = _NAME.sub(lambda t: rename.get(t.group(0), t.group(0)), body)
+    signature = "".join(f", {rename[p]}" for p in params if p in rename)
+    return f"def forward(self{signature}):\n{body}"
 
 
 def _copy(graph: torch.fx.Graph) -> torch.fx.GraphModule:

@@ -283,3 +283,14 @@ def test_decide_is_memoized_and_fast():
         times.append(time.perf_counter() - t0)
     # the contract is < 5 ms per uncached call; the bound here only catches blow-ups on a loaded CI machine
     assert statistics.median(times) < 0.05, times
+
+
+def test_comm_slowdown_stretches_collectives_that_overlap_the_gemm() -> None:
+    from flashoverlap_inductor.cost_model.pipeline import advance_comm, pipeline
+
+    assert advance_comm(2.0, 0.5, 1.0, 1.0) == 2.5  # after the GEMM: alone speed
+    assert advance_comm(0.0, 0.25, 1.0, 1.0) == 0.5  # entirely under the GEMM: twice as long
+    # 0.5 ms of comm from t=0.8 with the GEMM ending at 1.0: 0.2 ms at half speed (0.1 done), then 0.4 ms
+    assert abs(advance_comm(0.8, 0.5, 1.0, 1.0) - 1.4) < 1e-12
+    r = pipeline([0.5, 1.0], [0.25, 0.25], 0.0, 1.0)
+    assert r.comm_end_ms == (1.0, 1.25)

@@ -380,6 +380,7 @@ def test_without_the_library_calls_run_unfused(monkeypatch):
     from flashoverlap_inductor import runtime_cuda
 
     monkeypatch.setattr(runtime_cuda, "gemm_reduce_scatter", lambda *args: calls.append(args) or "unfused")
+    monkeypatch.setattr(kernels, "available", lambda: False)  # also on a machine with sm90 GPUs and the library
     monkeypatch.setattr(runtime_gpu, "_ready", [])
     runtime_gpu.stats.clear()
     a, b = torch.randn(8, 16).bfloat16(), torch.randn(16, 8).bfloat16()
@@ -467,7 +468,9 @@ SIM_INFOS = [_Info(kernels.DEFAULT_CONFIG, 8, 16, FULL), _Info("pp_4x8", 4, 8, [
 
 
 class _Props:
-    name, multi_processor_count = GPU, 132
+    """Every field of ``torch.cuda.get_device_properties`` that our code or torch's own checks read."""
+
+    name, multi_processor_count, major, minor, total_memory = GPU, 132, 9, 0, 141 << 30
 
 
 @contextlib.contextmanager
@@ -488,7 +491,11 @@ def simulated_gpu(force_groups: int | None = None):
                   "stream": lambda s: contextlib.nullcontext(), "get_device_name": lambda *a: GPU,
                   "empty_cache": lambda: None, "is_current_stream_capturing": lambda: False,
                   "get_device_properties": lambda *a: _Props(), "set_device": lambda *a: None,
-                  "current_device": lambda: 0}
+                  "current_device": lambda: 0, "get_device_capability": lambda *a: (9, 0),
+                  # A machine with GPUs must not see a CUDA runtime either: is_available() gates streams.persistent
+                  # (and kernels.available, faked below) onto their CPU dry-run branch, and torch.cuda.device would
+                  # lazily initialize the real runtime.
+                  "is_available": lambda: False, "device": lambda *a: contextlib.nullcontext()}
     real_decide = cost_model.decide
 
     def decide(collective, m, n, k, dtype, world_size, **kw):
