@@ -387,8 +387,19 @@ class TestTraining(FakePGTestCase):
         self.assertEqual(dict(counters), {"fused:all_reduce": 2})
         self.assert_rewrites_equivalent()
         fwd, bwd = graphs
-        self.assertExpectedInline(fused_lines(fwd, canonical=True), """gemm_all_reduce_default = flashoverlap.gemm_all_reduce.default(view_5, permute_1, div, 'sum', '0', 'plan(m=16,n=16)')""")
-        self.assertExpectedInline(fused_lines(bwd, canonical=True), """gemm_all_reduce_default = flashoverlap.gemm_all_reduce.default(view_13, permute_6, None, 'sum', '0', 'plan(m=16,n=16)')""")
+        # Version-independent facts: one fused op per graph, no all_reduce left, operands of the right shapes
+        # (fwd: relu output [16, 32] x down.weight^T [32, 16], the bias/2 added before the sum; bwd: grad of up's
+        # output [16, 32] x up.weight [32, 16]), the fixed arguments.
+        for gm, bias in ((fwd, "div"), (bwd, "None")):
+            text = graph_str(gm, canonical=True)
+            FileCheck().check_count("flashoverlap.gemm_all_reduce.default(", 1, exactly=True).check_not(
+                "c10d.all_reduce").run(text)
+            FileCheck().check_regex(rf"gemm_all_reduce\.default\(\w+, \w+, {bias}, 'sum', '0', 'plan\(m=16,n=16\)'\)").run(text)
+            (node,) = [n for n in gm.graph.nodes if n.target is torch.ops.flashoverlap.gemm_all_reduce.default]
+            self.assertEqual([tuple(arg.meta["val"].shape) for arg in node.args[:2]], [(16, 32), (32, 16)])
+        self.assertExpectedInline(fused_lines(fwd, canonical=True), """gemm_all_reduce_default = flashoverlap.gemm_all_reduce.default(view_2, permute_1, div, 'sum', '0', 'plan(m=16,n=16)')""")
+        if torch.__version__ >= "2.13":  # the backward's recomputed views and their order are the partitioner's choice
+            self.assertExpectedInline(fused_lines(bwd, canonical=True), """gemm_all_reduce_default = flashoverlap.gemm_all_reduce.default(view_3, permute_2, None, 'sum', '0', 'plan(m=16,n=16)')""")
 
 
 if __name__ == "__main__":
