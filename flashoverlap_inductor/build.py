@@ -146,9 +146,34 @@ def find_nvcc() -> str | None:
     return None
 
 
+CUTLASS_WHEEL = "nvidia-cutlass==4.2.0.0"
+FETCHED_CUTLASS = BUILD / "_deps" / "cutlass"
+
+
+def fetch_cutlass(dst: Path = FETCHED_CUTLASS) -> Path:
+    """Download the ``nvidia-cutlass`` wheel (no dependencies) and unpack only its C++ headers
+    (``include/`` and ``tools/util/include/``) into ``dst``; returns ``dst``."""
+    import tempfile
+    import zipfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                        CUTLASS_WHEEL, "-d", tmp], check=True)
+        wheel = next(Path(tmp).glob("nvidia_cutlass-*.whl"))
+        prefix = "cutlass_library/source/"
+        with zipfile.ZipFile(wheel) as zf:
+            for name in zf.namelist():
+                rel = name[len(prefix):] if name.startswith(prefix) else ""
+                if rel.startswith(("include/", "tools/util/include/")) and not name.endswith("/"):
+                    target = dst / rel
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(zf.read(name))
+    return dst
+
+
 def find_cutlass() -> Path | None:
     """A folder holding ``include/cutlass`` and ``tools/util/include``."""
-    cands = [os.environ.get("CUTLASS_DIR"), str(BUILD / "cutlass")]
+    cands = [os.environ.get("CUTLASS_DIR"), str(BUILD / "cutlass"), str(FETCHED_CUTLASS)]
     spec = importlib.util.find_spec("cutlass_library")
     if spec is not None and spec.origin:
         cands.append(os.path.join(os.path.dirname(spec.origin), "source"))
@@ -204,6 +229,13 @@ def build(patterns: list[str] | None = None, variants: str = "all", jobs: int | 
         print(msg)
         return None
     cutlass = find_cutlass()
+    if cutlass is None:
+        print(f"CUTLASS headers not found: fetching {CUTLASS_WHEEL} (headers only) into {FETCHED_CUTLASS}", flush=True)
+        try:
+            cutlass = fetch_cutlass()
+        except (subprocess.CalledProcessError, StopIteration, OSError) as exc:
+            print(f"fetching CUTLASS failed: {exc!r}", flush=True)
+            cutlass = find_cutlass()
     if cutlass is None:
         raise RuntimeError("CUTLASS headers not found: pip install nvidia-cutlass==4.2.0.0 (no deps needed), "
                            "or set CUTLASS_DIR to a folder with include/cutlass and tools/util/include")
