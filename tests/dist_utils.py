@@ -1,4 +1,5 @@
-"""A small pool of spawned ranks with one gloo process group, reused by many tests.
+"""A small pool of spawned ranks with one process group (gloo on CPU, or NCCL with one GPU per rank), reused by
+many tests.
 
 Spawning a process and importing torch costs seconds; a pool per test module pays that once. ``pool.run(fn,
 *args)`` runs ``fn(*args)`` on every rank (``fn`` must be a module-level function, pickled by reference) and
@@ -23,14 +24,24 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT_S = 240.0
 
 
-def _worker(rank: int, world_size: int, init_file: str, tasks, results, env: dict[str, str]) -> None:
+def _worker(rank: int, world_size: int, init_file: str, tasks, results, env: dict[str, str], backend: str,
+            setup: Callable[[], None] | None) -> None:
     os.environ.update(env)
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=120))
+    kwargs: dict[str, Any] = {}
+    if backend == "nccl":  # one GPU per rank, communicator created eagerly
+        torch.cuda.set_device(rank)
+        kwargs["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120), **kwargs)
+    if backend == "nccl":
+        dist.all_reduce(torch.ones(1, device="cuda"))
+        torch.cuda.synchronize()
+    if setup is not None:
+        setup()
     try:
         while True:
             task = tasks.get()
@@ -50,9 +61,11 @@ class WorkerError(AssertionError):
 
 
 class DistPool:
-    """``world_size`` spawned ranks in one gloo world (see the module docstring)."""
+    """``world_size`` spawned ranks in one gloo (or NCCL) world (see the module docstring). ``setup``: a
+    module-level function every rank runs once after joining the group."""
 
-    def __init__(self, world_size: int = 2, env: dict[str, str] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, world_size: int = 2, env: dict[str, str] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 backend: str = "gloo", setup: Callable[[], None] | None = None):
         self.world_size, self.timeout_s = world_size, timeout_s
         ctx = mp.get_context("spawn")
         fd, self._init_file = tempfile.mkstemp(prefix="fo_gloo_")
@@ -63,7 +76,7 @@ class DistPool:
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._procs = [ctx.Process(target=_worker, args=(r, world_size, self._init_file, self._tasks[r],
-                                                         self._results, env), daemon=True)
+                                                         self._results, env, backend, setup), daemon=True)
                        for r in range(world_size)]
         for p in self._procs:
             p.start()

@@ -13,16 +13,12 @@ replay, the timeout record, and compiled TP models (forward + backward, and ``mo
 
 from __future__ import annotations
 
-import datetime
-import os
-import queue
-import tempfile
-import traceback
 import zlib
 from typing import Any
 
 import pytest
 import torch
+from dist_utils import DistPool
 
 from flashoverlap_inductor import kernels
 
@@ -41,94 +37,11 @@ def _gpus_ready() -> bool:
 pytestmark = pytest.mark.skipif(not _gpus_ready(), reason="needs >= 2 CUDA GPUs (sm90) and the built library")
 
 
-# ----------------------------------------------------------------------------------------------- rank pool
-
-
-def _worker(rank: int, init_file: str, tasks, results) -> None:
-    os.environ.update({"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
-                       "TORCHINDUCTOR_AUTOGRAD_CACHE": "0", "TORCHINDUCTOR_COMPILE_THREADS": "1"})
-    import torch.distributed as dist
-
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            device_id=torch.device("cuda", rank), timeout=datetime.timedelta(seconds=120))
-    dist.all_reduce(torch.ones(1, device="cuda"))
-    torch.cuda.synchronize()
-    _route_ops()
-    try:
-        while True:
-            task = tasks.get()
-            if task is None:
-                break
-            fn, args = task
-            try:
-                results.put((rank, True, fn(*args)))
-            except BaseException:  # noqa: BLE001 - reported to the test
-                results.put((rank, False, traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
-
-
-class _Pool:
-    """``WORLD`` spawned NCCL ranks; ``run(fn, *args)`` runs ``fn`` on all of them (bounded; torn down on error)."""
-
-    def __init__(self) -> None:
-        import torch.multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        fd, self.init_file = tempfile.mkstemp(prefix="fo_nccl_")
-        os.close(fd)
-        os.unlink(self.init_file)
-        self.results = ctx.Queue()
-        self.tasks = [ctx.Queue() for _ in range(WORLD)]
-        self.procs = [ctx.Process(target=_worker, args=(r, self.init_file, self.tasks[r], self.results), daemon=True)
-                      for r in range(WORLD)]
-        for p in self.procs:
-            p.start()
-        self.alive = True
-
-    def run(self, fn, *args: Any, timeout_s: float = TIMEOUT_S) -> list[Any]:
-        if not self.alive:
-            pytest.fail("the rank pool died in an earlier test")
-        for q in self.tasks:
-            q.put((fn, args))
-        out: list[Any] = [None] * WORLD
-        errors = []
-        for _ in range(WORLD):
-            try:
-                rank, ok, value = self.results.get(timeout=15.0 if errors else timeout_s)
-            except queue.Empty:
-                self.close(force=True)
-                raise AssertionError("\n".join(errors) or f"{fn.__name__} timed out after {timeout_s} s") from None
-            if ok:
-                out[rank] = value
-            else:
-                errors.append(f"--- rank {rank} ---\n{value}")
-        if errors:
-            self.close(force=True)
-            raise AssertionError("\n".join(errors))
-        return out
-
-    def close(self, force: bool = False) -> None:
-        if not self.alive:
-            return
-        self.alive = False
-        if not force:
-            for q in self.tasks:
-                q.put(None)
-            for p in self.procs:
-                p.join(timeout=30)
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
-        if os.path.exists(self.init_file):
-            os.unlink(self.init_file)
-
-
 @pytest.fixture(scope="module")
 def pool():
-    p = _Pool()
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+           "TORCHINDUCTOR_AUTOGRAD_CACHE": "0", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    p = DistPool(WORLD, env, timeout_s=TIMEOUT_S, backend="nccl", setup=_route_ops)
     yield p
     p.close()
 

@@ -5,19 +5,9 @@
 #   run(command="bash examples/device/overlap_sweep.sh", carry=["build/libflashoverlap_sm90.so", ".whl"],
 #       kind="nvidia-h200-x4")
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export TORCHINDUCTOR_FX_GRAPH_CACHE=0 TORCHINDUCTOR_AUTOGRAD_CACHE=0 OMP_NUM_THREADS=4
-REPO=$(pwd); OUT=${OUT:-/tmp/fo_out}; SW=/tmp/fo_sweep
-mkdir -p "$OUT" "$SW" /tmp/fo_cwd
-export FLASHOVERLAP_LIB=$REPO/build/libflashoverlap_sm90.so
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-timeout 120 python3 -m pip install -q -e "$REPO" --no-deps --no-build-isolation >"$OUT/install.log" 2>&1 \
-  || echo "pip install -e failed" >>"$OUT/install.log"
-cd /tmp/fo_cwd
-python3 -c "import flashoverlap_inductor.passes, torch; print('package ok, torch', torch.__version__)" \
-  >>"$OUT/install.log" 2>&1
+source examples/device/setup_env.sh
+export OMP_NUM_THREADS=4
+SW=/tmp/fo_sweep; mkdir -p "$SW"
 (timeout 360 python3 -m pytest "$REPO/tests" -q -n 8 -p no:cacheprovider --ignore="$REPO/tests/test_gpu_ops.py" \
    --ignore="$REPO/tests/test_gpu_kernels.py" >"$OUT/tests_211.log" 2>&1; echo "pytest rc=$?" >>"$OUT/tests_211.log") &
 timeout 120 python3 -m pytest -q -rs -p no:cacheprovider "$REPO/tests/test_gpu_ops.py" "$REPO/tests/test_gpu_kernels.py" \
