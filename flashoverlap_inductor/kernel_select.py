@@ -34,12 +34,17 @@ class Operands:
     bias: torch.Tensor | None
 
 
-def normalize_operands(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> Operands | tuple[str, str]:
+def normalize_operands(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                       collective: str = "all_reduce") -> Operands | tuple[str, str]:
     """The kernel's operands, or ``(reason, detail)`` when the call must run unfused (shapes were validated by
-    ``ops``)."""
+    ``ops``). Every rank must reach the same answer: all_reduce/reduce_scatter ranks hold equal shapes, but
+    all_to_all ranks may hold different batch sizes, so there a batched ``b`` always runs unfused (whether it is
+    one expanded matrix cannot be told from a batch of one)."""
     if a.dtype not in _DTYPES:
         return "dtype", f"dtype {a.dtype} (the kernels are bf16/fp16)"
     if b.dim() == 3:
+        if collective == "all_to_all":
+            return "bmm", "all_to_all after a batched b (bmm)"
         if b.shape[0] > 1 and b.stride(0) != 0:
             return "bmm", "a batch of distinct b matrices (bmm)"
         if b.shape[0] == 0:

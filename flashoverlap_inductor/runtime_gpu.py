@@ -71,7 +71,8 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 stats: collections.Counter = collections.Counter()
 last_launch: Launch | None = None
-_launches: collections.OrderedDict[tuple, Launch | tuple[str, str]] = collections.OrderedDict()
+_launches: collections.OrderedDict[tuple, Launch | tuple[str, str]] = collections.OrderedDict()  # LRU order
+_captured: set[tuple] = set()  # keys of launches captured into CUDA graphs (never evicted)
 _noted: set[str] = set()
 _ready: list[bool] = []
 
@@ -106,11 +107,13 @@ def check(sync: bool = True) -> None:
 
 def reset() -> None:
     """Forget memoized launches, statistics and logged notes (tests; after changing settings). Synchronizes the
-    devices first: calls in flight may still read the launches' index tensors."""
+    devices first: calls in flight may still read the launches' index tensors. CUDA graphs captured before a
+    reset hold pointers into the forgotten launches and must not be replayed after it."""
     global last_launch
     for res in streams.existing():
         torch.cuda.synchronize(res.index)
     _launches.clear()
+    _captured.clear()
     _kernel_infos.cache_clear()
     preferred_kernels.cache_clear()
     stats.clear()
@@ -209,7 +212,7 @@ def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor |
             return _run(*call)
     if not available():
         return _fallback("library", "the library or an sm90 GPU is missing", call)
-    opnd = normalize_operands(a, b, bias)
+    opnd = normalize_operands(a, b, bias, collective)
     if isinstance(opnd, tuple):
         return _fallback(*opnd, call)
     y_shape = ops.gemm_output_shape(a, b, bias)
@@ -237,21 +240,27 @@ def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor |
     layout = b_layout(opnd.b)
     key = (collective, plan, rows, n, k, a.dtype, world, rank, send_rows, recv_rows, res.index, layout,
            getattr(group, "group_name", id(group)), SIGNAL_MODE, SWIZZLE, SM_RESERVE)
+    capturing = torch.cuda.is_current_stream_capturing()
     launch = _launches.get(key)
     if launch is None:
-        if torch.cuda.is_current_stream_capturing():
+        if capturing:
             return _fallback("capturing", "a new call shape first seen inside a CUDA-graph capture", call)
-        if len(_launches) >= MAX_LAUNCHES:  # evict the oldest; calls in flight may still read its index tensors
-            _note("evict", logging.INFO, "flashoverlap: more than %d call shapes; evicting the oldest (with a device "
-                  "sync each time)", MAX_LAUNCHES)
-            torch.cuda.synchronize(a.device)
-            _launches.popitem(last=False)
+        if len(_launches) >= MAX_LAUNCHES:  # evict the least recently used launch that no captured graph uses
+            victim = next((k for k in _launches if k not in _captured), None)
+            if victim is not None:
+                _note("evict", logging.INFO, "flashoverlap: more than %d call shapes; evicting the least recently "
+                      "used (with a device sync each time)", MAX_LAUNCHES)
+                torch.cuda.synchronize(a.device)  # calls in flight may still read its index tensors
+                del _launches[victim]
         launch = _launches[key] = _make_launch(collective, plan, rows, n, k, a.dtype, world, rank, send_rows,
                                                recv_rows, layout, res, group, a.device)
+    _launches.move_to_end(key)
     if isinstance(launch, tuple):
         return _fallback(*launch, call)
+    if capturing:  # a graph keeps raw pointers to this launch's tensors: never evict it
+        _captured.add(key)
     cur = torch.cuda.current_stream(a.device)
-    slot = res.slot(cur)
+    slot = res.slot(cur, dedicated=capturing)
     if slot is None:
         return _fallback("slots", f"more than {streams.MAX_SLOTS} caller streams on one device", call)
     out = _execute(launch, opnd, out_shape, group, res, cur, slot)

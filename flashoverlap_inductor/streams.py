@@ -38,7 +38,7 @@ T = TypeVar("T")
 log = logging.getLogger("flashoverlap")
 
 MAX_GROUPS = 256  # counters per slot: the most wave groups one fused call may have
-MAX_SLOTS = 64  # caller streams per device with their own counters
+MAX_SLOTS = 512  # counter slots per device: one per caller stream, plus one per captured call
 
 
 class KernelLib:
@@ -126,15 +126,23 @@ class DeviceResources:
     expected: torch.Tensor  # int32 [MAX_SLOTS, MAX_GROUPS]
     record: torch.Tensor  # pinned int32 [4]
     slots: dict[int, int] = field(default_factory=dict)
+    used: int = 0
 
-    def slot(self, stream: torch.cuda.Stream) -> int | None:
-        """The counter slot of ``stream`` (assigned on first use; None when all are taken)."""
-        key = stream.cuda_stream
-        i = self.slots.get(key)
-        if i is None:
-            if len(self.slots) >= MAX_SLOTS:
-                return None
-            i = self.slots[key] = len(self.slots)
+    def slot(self, stream: torch.cuda.Stream, dedicated: bool = False) -> int | None:
+        """The counter slot of ``stream`` (assigned on first use; None when all are taken).
+
+        ``dedicated``: a new slot that nothing else ever gets, for a call being captured into a CUDA graph: its
+        replays may run beside eager calls on any stream (pool streams reuse handles), and two captured calls
+        must not share counters either."""
+        if not dedicated:
+            i = self.slots.get(stream.cuda_stream)
+            if i is not None:
+                return i
+        if self.used >= MAX_SLOTS:
+            return None
+        i, self.used = self.used, self.used + 1
+        if not dedicated:
+            self.slots[stream.cuda_stream] = i
         return i
 
     def timed_out(self) -> bool:

@@ -247,6 +247,12 @@ class FlashOverlapPass(compat.CustomGraphPass):
         """The op's plan string: the cost model's plan for static sizes, "auto" for symbolic ones; None after
         recording a skip (fuse mode "auto" only)."""
         mode, desc = self.settings["fuse"], f.match.describe()
+        if f.match.collective == "all_to_all" and mode == "auto":
+            # Every rank must take the same decision or their collectives mismatch (a hang). all_to_all ranks may
+            # hold different rows, and a cost verdict from this rank's rows could differ between ranks; it also
+            # measured slower than unfused on 2 and 4 H200s (examples/RESULTS.md). The op's all_to_all schedule
+            # uses rank-independent fractions, so "always" is safe.
+            return _skip("all_to_all_auto", "%s: all_to_all is fused only under fuse='always'", desc)
         splits = None
         if f.match.collective == "all_to_all":
             splits = [val(x) * f.rows_per_split_unit for x in f.match.args["input_split_sizes"]]

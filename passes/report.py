@@ -34,6 +34,8 @@ SKIP_REASONS = {
     "too_small": "under 'auto': fewer GEMM output rows than config.min_rows",
     "cost_model": "under 'auto': the cost model predicts no gain",
     "cost_model_error": "under 'auto': the cost model failed",
+    "all_to_all_auto": "under 'auto': all_to_all is fused only under 'always' (ranks may hold different rows, so a "
+                       "per-rank verdict could differ between ranks)",
     "internal_error": "the checks raised (a bug in the pass; logged with its traceback)",
 }
 

@@ -185,8 +185,9 @@ def match_eager_task(op: str, dtype_name: str) -> dict[str, int]:
                     fused = runtime_gpu.stats[f"fused:{op}"] > before
                     where = f"{op} {dtype_name} {form} {rows}x{n}x{k} b={layout} bias={bias} plan={kind}"
                     _check(out, ref, _eager(op, a, b, c), where)
+                    batched_a2a = op == "all_to_all" and b.dim() == 3  # runs unfused by design (rank-safe)
                     if kind == "multi" and rows >= 256:
-                        assert fused, f"{where}: expected the overlapped path, stats {dict(runtime_gpu.stats)}"
+                        assert fused != batched_a2a, f"{where}: fused={fused}, stats {dict(runtime_gpu.stats)}"
                         fused_expected += 1
                     cases += 1
     finally:

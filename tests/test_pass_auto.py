@@ -93,11 +93,20 @@ class TestAutoDecision(FakePGTestCase):
                                                target=torch.ops.flashoverlap.gemm_all_reduce.default)
         self.assertEqual(op.args[-1], self.decide.plan.to_str())
 
+    def test_auto_never_fuses_all_to_all(self):
+        """A per-rank verdict could differ between ranks holding different rows: all_to_all needs "always"."""
+        self.decide.error = AssertionError("decide must not be called for all_to_all under auto")
+        g = self.group
+        fn = lambda x, w: funcol.all_to_all_single(F.linear(x, w), [3, 3], [1, 3], g)
+        (gm,), _ = self.capture(fn, torch.randn(4, 128, 16), torch.randn(32, 16), fuse="auto")
+        self.assertEqual(dict(counters), {"skip:all_to_all_auto": 1})
+        self.assertFalse(gm.graph.find_nodes(op="call_function", target=torch.ops.flashoverlap.gemm_all_to_all.default))
+
     def test_decide_gets_rows_and_row_splits_of_3d_all_to_all(self):
         """Split sizes count dim-0 elements of the collective input ([4, 128, N] -> 128 rows each)."""
         g = self.group
         fn = lambda x, w: funcol.all_to_all_single(F.linear(x, w), [3, 3], [1, 3], g)
-        self.capture(fn, torch.randn(4, 128, 16), torch.randn(32, 16), fuse="auto")
+        self.capture(fn, torch.randn(4, 128, 16), torch.randn(32, 16), fuse="always")
         self.assertEqual(dict(counters), {"fused:all_to_all": 1})
         call = self.decide.calls[0]
         self.assertEqual((call["collective"], call["m"], call["input_split_sizes"]), ("all_to_all", 512, [128, 384]))
