@@ -35,6 +35,10 @@ from . import plan as planlib
 
 log = logging.getLogger("flashoverlap")
 
+# torch >= 2.13 renamed dist.reduce_scatter_tensor -> reduce_scatter_single (the old name warns); 2.11 has only the
+# old one. ``reduce_scatter_into(out, inp, group=...)``: the one version shim every runtime and tool uses.
+reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 NAMESPACE = "flashoverlap"
 # Tile shape and group count of the fallback plan when "auto" cannot ask the cost model or a plan is stale.
 FALLBACK_TILE = (128, 128)

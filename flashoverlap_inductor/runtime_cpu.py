@@ -33,8 +33,6 @@ from . import ops
 
 log = logging.getLogger("flashoverlap")
 
-# torch >= 2.13 renamed reduce_scatter_tensor -> reduce_scatter_single (the old name warns); 2.11 has the old one.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass(frozen=True)
@@ -167,7 +165,7 @@ def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor |
         if collective == "all_reduce":
             works.append(dist.all_reduce(buf[step.lo:step.hi], group=group, async_op=True))
         elif collective == "reduce_scatter":
-            works.append(_reduce_scatter(out_flat[step.out[0]:step.out[1]], buf[step.lo:step.hi],
+            works.append(ops.reduce_scatter_into(out_flat[step.out[0]:step.out[1]], buf[step.lo:step.hi],
                                          group=group, async_op=True))
         else:
             p2p = [dist.P2POp(dist.isend, buf[lo:hi], dist.get_global_rank(group, j), group, tag=g)

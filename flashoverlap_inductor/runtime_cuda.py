@@ -16,7 +16,6 @@ from . import ops
 
 log = logging.getLogger("flashoverlap")
 
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _announced = False
 
 
@@ -45,7 +44,7 @@ def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | N
                         plan: str) -> torch.Tensor:
     y = _gemm(a, b, bias)
     out = y.new_empty([y.shape[0] // group.size(), *y.shape[1:]])
-    _reduce_scatter(out, y, group=group)
+    ops.reduce_scatter_into(out, y, group=group)
     return out
 
 

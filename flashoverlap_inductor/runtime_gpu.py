@@ -66,8 +66,6 @@ RASTER = "along_n"  # row-major tile order: tile-rows, hence groups, complete in
 FUSE_SINGLE_GROUP = False  # a one-group plan overlaps nothing: cuBLAS then NCCL is faster
 MAX_LAUNCHES = 512
 
-# torch >= 2.13 renamed reduce_scatter_tensor -> reduce_scatter_single (same rule as runtime_cpu).
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 stats: collections.Counter = collections.Counter()
 last_launch: Launch | None = None
@@ -315,7 +313,7 @@ def group_collective(collective: str, peers: Sequence[int], g: int, step: runtim
             dist.all_reduce(buf[step.lo:step.hi], group=group)
     elif collective == "reduce_scatter":
         if step.hi > step.lo:
-            _reduce_scatter(out_flat[step.out[0]:step.out[1]], buf[step.lo:step.hi], group=group)
+            ops.reduce_scatter_into(out_flat[step.out[0]:step.out[1]], buf[step.lo:step.hi], group=group)
     else:
         p2p = [dist.P2POp(dist.isend, buf[lo:hi], peers[j], group, tag=g) for j, lo, hi in step.sends]
         p2p += [dist.P2POp(dist.irecv, out_flat[lo:hi], peers[j], group, tag=g) for j, lo, hi in step.recvs]

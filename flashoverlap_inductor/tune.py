@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from . import ops
 from . import tune_docs as docs
 from . import tune_measure as tm
 from .plan import chunks_for, group_of_tile_row, uniform_plan
@@ -40,7 +41,6 @@ GRID = [(m, n, k) for m in (2048, 4096, 8192, 16384) for n, k in ((8192, 8192), 
                                                                    (4096, 4096))]
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
 DEVICE = "cuda"  # "cpu" only for the CPU dry runs of tests/test_tune_cpu.py (gloo, simulated kernels)
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, int]]:
@@ -99,7 +99,7 @@ def cmd_bandwidth(args: argparse.Namespace) -> int:
     timer = tm.Timer(rounds=args.rounds, target_ms=args.target_ms, min_iters=2, max_iters=40, spin_ms=0.05)
     fns = {
         "all_reduce": lambda n: dist.all_reduce(x[:n]),
-        "reduce_scatter": lambda n: _reduce_scatter(y[:n // world], x[:n]),
+        "reduce_scatter": lambda n: ops.reduce_scatter_into(y[:n // world], x[:n]),
         "all_to_all": lambda n: dist.all_to_all_single(z[:n], x[:n]),
     }
     curves: dict[str, list[list[float]]] = {c: [] for c in args.collectives}
@@ -295,7 +295,7 @@ def _sequential(coll: str, a: torch.Tensor, b: torch.Tensor, world: int):
             return y
         if coll == "reduce_scatter":
             out = y.new_empty(y.shape[0] // world, y.shape[1])
-            _reduce_scatter(out, y)
+            ops.reduce_scatter_into(out, y)
             return out
         out = torch.empty_like(y)
         dist.all_to_all_single(out, y)

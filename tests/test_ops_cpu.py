@@ -77,7 +77,7 @@ def _eager_collective(collective: str, y: torch.Tensor, outs=None, ins=None) -> 
         return y
     if collective == "reduce_scatter":
         out = y.new_empty(y.shape[0] // dist.get_world_size(), *y.shape[1:])
-        runtime_cpu._reduce_scatter(out, y)
+        ops.reduce_scatter_into(out, y)
         return out
     out = y.new_empty(sum(outs) if outs is not None else y.shape[0], *y.shape[1:])
     dist.all_to_all_single(out, y, outs, ins)
@@ -394,7 +394,7 @@ def _fake_reduce_scatter_writes_output() -> bool:
     y = torch.arange(8.0).reshape(4, 2)
     outs = [torch.full((2, 2), fill) for fill in (-1.0, -2.0)]
     for out in outs:
-        runtime_cpu._reduce_scatter(out, y)
+        ops.reduce_scatter_into(out, y)
     return torch.equal(outs[0], outs[1])
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashoverlap_inductor import config, kernel_select, kernels, runtime_gpu, tune, tune_docs, tune_measure
+from flashoverlap_inductor import config, kernel_select, kernels, ops, runtime_gpu, tune, tune_docs, tune_measure
 from flashoverlap_inductor import plan as planlib
 from flashoverlap_inductor.cost_model import clear_caches, decide, model_for, registry, schema
 from flashoverlap_inductor.cost_model.bandwidth import BandwidthCurve
@@ -604,7 +604,7 @@ def _eager_collective(coll, y, world):
         return y
     if coll == "reduce_scatter":
         out = y.new_empty(y.shape[0] // world, y.shape[1])
-        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, y)
+        ops.reduce_scatter_into(out, y)
         return out
     out = torch.empty_like(y)
     dist.all_to_all_single(out, y)
