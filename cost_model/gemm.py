@@ -48,6 +48,7 @@ class GemmModel:
     interference: float = 0.0
     fused_gemm_slowdown: float | None = None  # measured on the fused path (overrides the cuBLAS-derived value)
     comm_slowdown: float = 0.0  # NCCL runs (1 + this) times slower while the fused GEMM occupies its SMs
+    grid: str = "persistent"  # how the fused GEMM is launched ("persistent" or "tiles"; schema.py)
     anchor_rows: tuple[Mapping[str, Any], ...] = field(default=(), repr=False)
     source: str = ""
 
@@ -70,7 +71,7 @@ class GemmModel:
             nccl_sms=int(fused["nccl_sms"]), kernel_efficiency=float(fused["kernel_efficiency"]),
             interference=float(doc["interference"]["gemm_slowdown_per_comm_ms"]),
             fused_gemm_slowdown=None if fused.get("gemm_slowdown") is None else float(fused["gemm_slowdown"]),
-            comm_slowdown=float(fused.get("comm_slowdown", 0.0)),
+            comm_slowdown=float(fused.get("comm_slowdown", 0.0)), grid=str(fused.get("grid", "persistent")),
             anchor_rows=tuple(doc.get("anchor_rows", ())), source=f"{where}: {doc['source']}")
 
     def supports(self, dtype: str) -> bool:

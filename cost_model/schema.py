@@ -17,9 +17,13 @@ Three kinds of document live in the config directory (``configs/`` of the packag
     {"schema": "flashoverlap.gemm/1", "gpu": "NVIDIA H200", "sm_count": 132, "source": "...", "date": "...",
      "model": {"tile": [128, 256], "peak_tflops": 739.0, "launch_ms": 0.016, "wave_overhead_ms": 0.0},
      "dtype_scale": {"bfloat16": 1.0, "float16": 1.0, "float32": 0.068},
-     "fused": {"nccl_sms": 16, "kernel_efficiency": 1.0},
+     "fused": {"nccl_sms": 16, "kernel_efficiency": 1.0, "grid": "persistent"},
      "interference": {"gemm_slowdown_per_comm_ms": 0.31},
      "anchor_rows": [{"m": ..., "n": ..., "k": ..., "dtype": "bfloat16", "world": 2, "gemm_ms": ..., ...}]}
+
+  ``fused.grid`` (optional, default ``"persistent"``): how the fused GEMM is launched, one persistent CTA per
+  SM on ``sm_count - nccl_sms`` SMs, or ``"tiles"``, one CTA per tile on every SM (NCCL then takes SMs as
+  tiles finish; ``nccl_sms`` is 0); ``runtime_gpu`` launches what the model assumes.
 
 ``flashoverlap.plans/1`` (``configs/plans/*.json``): tuned plans that override the search::
 
@@ -40,6 +44,8 @@ import math
 from typing import Any
 
 from flashoverlap_inductor.plan import COLLECTIVES, GroupPlan
+
+GEMM_GRIDS = ("persistent", "tiles")
 
 BANDWIDTH_SCHEMA = "flashoverlap.bandwidth/1"
 GEMM_SCHEMA = "flashoverlap.gemm/1"
@@ -159,6 +165,8 @@ def validate_gemm(doc: Any, where: str) -> dict[str, Any]:
     nccl_sms = _require(fused, "nccl_sms", int, where, "fused")
     if not 0 <= nccl_sms < doc["sm_count"]:
         raise _fail(where, "fused.nccl_sms", f"must be in [0, sm_count={doc['sm_count']}), got {nccl_sms}")
+    if fused.get("grid", "persistent") not in GEMM_GRIDS:
+        raise _fail(where, "fused.grid", f"must be one of {GEMM_GRIDS}, got {fused.get('grid')!r}")
     eff = _positive(_require(fused, "kernel_efficiency", (int, float), where, "fused"), where,
                     "fused.kernel_efficiency")
     if eff > 2:

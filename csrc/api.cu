@@ -82,7 +82,7 @@ using namespace flashoverlap;
 
 extern "C" {
 
-FO_API int fo_abi_version(void) { return 2; }
+FO_API int fo_abi_version(void) { return 3; }
 
 FO_API int fo_preload(void) {
   cudaFuncAttributes attr{};

@@ -39,7 +39,9 @@ FO_API int fo_config_info(int index, char* name, int name_len, int* ints);
  * counters: nullptr = no signals; else counters[group_of_tile_row[t]] (or counters[t] when the map is nullptr)
  * gets +1 per finished tile of tile-row t, after the tile's stores are complete and visible at GPU scope.
  * signal_mode: 0 immediate (wait for the stores at the end of each tile), 1 deferred (signal at the next
- * tile's epilogue, flush at kernel end). sm_count: SMs the GEMM may use (0 = all). raster: 0 heuristic,
+ * tile's epilogue, flush at kernel end). sm_count: SMs the GEMM may use (0 = all); above the device's SM count
+ * it is the number of CTAs (persistent CTAs beyond one per SM; >= the tile count: one CTA per tile, so SMs freed
+ * by finished tiles go to higher-priority streams first). raster: 0 heuristic,
  * 1 along M, 2 along N (row-major tile order). swizzle: 1/2/4/8 tile-rows (or columns) per band. */
 FO_API int fo_gemm_workspace_size(int config, int m, int n, int k, int sm_count, int raster, int swizzle,
                                   size_t* bytes);

@@ -168,7 +168,9 @@ bool make_arguments(flashoverlap::GemmCall const& c, typename Gemm::Arguments& a
   signal_args.group_of_tile_row = c.group_of_tile_row;
   signal_args.mode = c.signal_mode;
   args.hw_info.device_id = device;
-  args.hw_info.sm_count = (c.sm_count > 0 && c.sm_count < total) ? c.sm_count : total;
+  // sm_count > total launches more CTAs than SMs: with sm_count >= tiles every CTA owns one tile (not persistent),
+  // so the hardware hands SMs freed by finished tiles to higher-priority kernels (NCCL) first.
+  args.hw_info.sm_count = c.sm_count > 0 ? c.sm_count : total;
   args.scheduler.max_swizzle_size = c.swizzle > 0 ? c.swizzle : 1;
   args.scheduler.raster_order = c.raster == 1   ? RasterOrder::AlongM
                                 : c.raster == 2 ? RasterOrder::AlongN

@@ -42,7 +42,7 @@ try:
     import flashoverlap_inductor  # noqa: F401  (installed, or on PYTHONPATH: then its subpackages resolve too)
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from flashoverlap_inductor import ops, runtime_cpu, runtime_gpu  # noqa: E402
+from flashoverlap_inductor import nccl_direct, ops, runtime_cpu, runtime_gpu  # noqa: E402
 from flashoverlap_inductor import plan as planlib  # noqa: E402
 from flashoverlap_inductor import tune_measure as tm  # noqa: E402
 from flashoverlap_inductor.tune import GRID, init_distributed, parse_shapes  # noqa: E402
@@ -92,6 +92,21 @@ def fused_call(op: str, a: torch.Tensor, b: torch.Tensor, plan: str, world: int,
     return {"all_reduce": lambda: fo.gemm_all_reduce(a, b, None, "sum", name, plan),
             "reduce_scatter": lambda: fo.gemm_reduce_scatter(a, b, None, "sum", world, name, plan),
             "all_to_all": lambda: fo.gemm_all_to_all(a, b, None, None, None, name, plan)}[op]
+
+
+def with_mode(spec: str, fn):
+    """``fn`` run with the fused path's GEMM grid and NCCL route set to ``spec`` = ``"<grid>/<nccl>"`` (grid
+    ``persistent|tiles``: ``runtime_gpu.GEMM_GRID``; nccl ``direct|torch``: ``nccl_direct.MODE``)."""
+    grid, mode = spec.split("/")
+
+    def run():
+        old = runtime_gpu.GEMM_GRID, nccl_direct.MODE
+        runtime_gpu.GEMM_GRID, nccl_direct.MODE = grid, mode
+        try:
+            return fn()
+        finally:
+            runtime_gpu.GEMM_GRID, nccl_direct.MODE = old
+    return run
 
 
 def collective_into(op: str, src: torch.Tensor, out: torch.Tensor):
@@ -182,6 +197,9 @@ def bench_shape(m: int, n: int, k: int, args: argparse.Namespace, ctx: dict[str,
                 variants[f"{op}:asynctp"] = fn
         if args.fuse == "always" or d.fuse:
             variants[f"{op}:fused"] = fused_call(op, a, b, info[op]["plan"], world, args.call)
+            for spec in args.fused_variants:
+                variants[f"{op}:fused@{spec}"] = with_mode(spec, fused_call(op, a, b, info[op]["plan"], world,
+                                                                           args.call))
 
     # probe: every variant once on every rank; a variant failing anywhere is dropped everywhere
     errors: dict[str, str] = {}
@@ -208,7 +226,7 @@ def bench_shape(m: int, n: int, k: int, args: argparse.Namespace, ctx: dict[str,
     found = []
     for op in args.ops:
         ref = variants[f"{op}:seq"]().clone() if f"{op}:seq" in variants else None
-        for kind in ("fused", "asynctp"):
+        for kind in ("fused", "asynctp", *(f"fused@{spec}" for spec in args.fused_variants)):
             if ref is not None and f"{op}:{kind}" in variants:
                 got = variants[f"{op}:{kind}"]()
                 err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
@@ -222,7 +240,12 @@ def bench_shape(m: int, n: int, k: int, args: argparse.Namespace, ctx: dict[str,
     ms = {name: t.ms for name, t in times.items()}
     rows = []
     for op in args.ops:
-        rows.append(make_row(op, m, n, k, world, ms, info[op], errors, model))
+        row = make_row(op, m, n, k, world, ms, info[op], errors, model)
+        row["variants"] = {spec: {"ms": ms.get(f"{op}:fused@{spec}", math.nan),
+                                  "speedup": tm.speedup(row["seq_ms"], ms.get(f"{op}:fused@{spec}", math.nan)),
+                                  "relerr": info[op].get(f"relerr_fused@{spec}", math.nan)}
+                           for spec in args.fused_variants}
+        rows.append(row)
     return rows
 
 
@@ -318,6 +341,11 @@ def summarize(rows: list[dict[str, Any]], world: int) -> dict[str, Any]:
             "wrong": [f"{r['m']}x{r['n']}x{r['k']}" for r in rs if r["correct"] is False],
             "unfused": [f"{r['m']}x{r['n']}x{r['k']}" for r in rs if not r["fused_path"]],
         }
+        specs = sorted({spec for r in rs for spec in r.get("variants", {})})
+        agg["variants"] = {spec: {"geomean_speedup": tm.geomean(r["variants"][spec]["speedup"] for r in rs),
+                                  "wrong": [f"{r['m']}x{r['n']}x{r['k']}" for r in rs
+                                            if not r["variants"][spec]["relerr"] <= 2e-2]}
+                           for spec in specs}
         if op == "reduce_scatter":
             both = [r for r in rs if math.isfinite(r["asynctp_ms"]) and math.isfinite(r["fused_ms"])]
             agg["faster_than_asynctp"] = f"{sum(r['fused_ms'] < r['asynctp_ms'] for r in both)}/{len(both)}"
@@ -376,6 +404,10 @@ def format_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
                          f"{_f(r['efficiency'], '6.2f')} {_f(r['pred_fused_ms'])} {_f(r['err_fused'], '6.1%')} "
                          f"{_f(r['auto_ms'])} {r['groups']:>3} {'; '.join(note)}")
         agg = summary["ops"][op]
+        for spec in sorted(rs[0].get("variants", {})):
+            lines.append(f"   variant {spec:18s}: " + " ".join(
+                f"{_f(r['variants'][spec]['ms'])}" for r in rs) + f" | geomean speedup "
+                f"{agg['variants'][spec]['geomean_speedup']:.3f} wrong {agg['variants'][spec]['wrong']}")
         lines.append(f"   geomean speedup {agg['geomean_speedup']:.3f} (ideal {agg['geomean_ideal_speedup']:.3f}, "
                      f"chunked {agg['geomean_chunked_speedup']:.3f}, async-TP {agg['geomean_asynctp_speedup']:.3f}); "
                      f"min {agg['min_speedup']:.3f}; worst auto/seq {agg['worst_auto_ratio']:.3f}; cost model "
@@ -444,11 +476,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sm-reserve", type=int, default=None, help="SMs the fused GEMM leaves to NCCL")
     p.add_argument("--fused-max-ctas", type=int, default=None,
                    help="run the fused path on a group whose NCCL config has this max_ctas (baselines: defaults)")
+    p.add_argument("--gemm-grid", choices=("persistent", "tiles"), default=None,
+                   help="the fused GEMM's grid (runtime_gpu.GEMM_GRID; default: the runtime's)")
+    p.add_argument("--nccl", choices=("direct", "torch"), default=None,
+                   help="per-group collectives: direct NCCL calls or torch.distributed (default: the runtime's)")
+    p.add_argument("--fused-variants", default="",
+                   help="extra fused variants timed side by side, e.g. persistent/torch,tiles/direct")
     p.add_argument("--time-budget-s", type=float, default=420.0, help="no new shape starts after this")
     p.add_argument("--json", default=None)
     p.add_argument("--png", default=None)
     args = p.parse_args(argv)
     args.ops = [x for x in args.ops.split(",") if x]
+    args.fused_variants = [x for x in args.fused_variants.split(",") if x]
+    for spec in args.fused_variants:
+        grid, _, mode = spec.partition("/")
+        if grid not in ("persistent", "tiles") or mode not in ("direct", "torch"):
+            p.error(f"--fused-variants: {spec!r} is not <persistent|tiles>/<direct|torch>")
     unknown = set(args.ops) - set(OPS)
     if unknown:
         p.error(f"unknown ops {sorted(unknown)}")
@@ -466,6 +509,10 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name()
     if args.sm_reserve is not None:
         runtime_gpu.SM_RESERVE = args.sm_reserve
+    if args.gemm_grid:
+        runtime_gpu.GEMM_GRID = args.gemm_grid
+    if args.nccl:
+        nccl_direct.MODE = args.nccl
     global FUSED_GROUP
     if args.fused_max_ctas:
         FUSED_GROUP = make_capped_group(args.fused_max_ctas)
@@ -484,8 +531,11 @@ def main(argv: list[str] | None = None) -> int:
             "nccl": ".".join(map(str, torch.cuda.nccl.version())), "available": runtime_gpu.available(),
             "routing": routing, "call": args.call, "fuse": args.fuse, "rounds": args.rounds,
             "target_ms": args.target_ms, "sm_reserve": args.sm_reserve, "fused_max_ctas": args.fused_max_ctas,
+            "gemm_grid": runtime_gpu.GEMM_GRID or "model", "nccl_route": nccl_direct.MODE,
+            "fused_variants": args.fused_variants,
             "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                                                   "FLASHOVERLAP_SM_RESERVE", "FLASHOVERLAP_SIGNAL_MODE")}}
+                                                   "FLASHOVERLAP_SM_RESERVE", "FLASHOVERLAP_SIGNAL_MODE",
+                                                   "FLASHOVERLAP_GEMM_GRID", "FLASHOVERLAP_NCCL")}}
     if rank == 0:
         print(f"bench_ops: {gpu} x{world}, {len(shapes)} shapes, ops {args.ops}, overlapped path "
               f"{'on' if meta['available'] else 'OFF'} ({routing})", flush=True)

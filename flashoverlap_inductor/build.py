@@ -194,10 +194,12 @@ def _cuda_lib_dirs(nvcc: str) -> list[str]:
     return [str(p) for p in (home / "lib64", home / "lib") if p.is_dir()]
 
 
-def _sources_digest() -> str:
+def _sources_digest(unit: str) -> str:
+    """Digest of the sources translation unit ``unit`` (a ``csrc`` file name) is built from: itself and every
+    header in ``csrc`` (so changing ``api.cu`` does not rebuild the GEMM units)."""
     h = hashlib.sha256()
     for p in sorted(CSRC.glob("*")):
-        if p.suffix in (".cu", ".hpp", ".h"):
+        if p.name == unit or p.suffix in (".hpp", ".h"):
             h.update(p.name.encode())
             h.update(p.read_bytes())
     return h.hexdigest()[:16]
@@ -251,13 +253,17 @@ def build(patterns: list[str] | None = None, variants: str = "all", jobs: int | 
     for u in todo:
         obj = obj_dir / f"{u.stem}.o"
         cmds.append((common + u.defines() + ["-c", str(CSRC / "gemm_sm90.cu"), "-o", str(obj)], obj))
-    digest = _sources_digest()
+    digests = {name: _sources_digest(name) for name in ("api.cu", "gemm_sm90.cu")}
     jobs = jobs or max(1, min(len(cmds), os.cpu_count() or 1))
     if verbose:
         print(f"nvcc: {nvcc}\nCUTLASS: {cutlass}\ncompiling {len(cmds)} translation units with {jobs} jobs")
     errors, objs = [], []
     with ThreadPoolExecutor(jobs) as pool:
-        for obj, rebuilt, err in pool.map(lambda c: _compile(c[0], c[1], digest), cmds):
+        def one(c: tuple[list[str], Path]) -> tuple[Path, bool, str]:
+            source = Path(c[0][c[0].index("-c") + 1]).name
+            return _compile(c[0], c[1], digests[source])
+
+        for obj, rebuilt, err in pool.map(one, cmds):
             if err:
                 errors.append(err)
                 if verbose:

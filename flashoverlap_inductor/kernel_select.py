@@ -153,6 +153,25 @@ def sm_reserve(device_name: str, override: int | None = None, group_max_ctas: in
         return 16
 
 
+def gemm_grid(device_name: str, override: str | None = None) -> str:
+    """How the fused GEMM is launched: ``override`` (``runtime_gpu.GEMM_GRID``), else ``$FLASHOVERLAP_GEMM_GRID``,
+    else the cost model's ``fused.grid`` (what its predictions assume), else ``"persistent"``.
+    ``"persistent"``: one CTA per SM on the SMs ``sm_reserve`` does not leave to NCCL; ``"tiles"``: one CTA per
+    tile on every SM, so SMs freed by finished tiles go to NCCL's kernels on the highest-priority side stream."""
+    value = override or os.environ.get("FLASHOVERLAP_GEMM_GRID")
+    if not value:
+        try:
+            from flashoverlap_inductor.cost_model import model_for
+
+            value = model_for(device_name)[0].gemm.grid
+        except Exception as exc:  # the cost model's data missing
+            log.debug("flashoverlap: no cost-model GEMM grid (%r); persistent", exc)
+            value = "persistent"
+    if value not in ("persistent", "tiles"):
+        raise ValueError(f"flashoverlap: GEMM grid must be 'persistent' or 'tiles', got {value!r}")
+    return value
+
+
 def nccl_max_ctas(group: object) -> int | None:
     """``max_ctas`` of the NCCL config of ``group`` (``ProcessGroupNCCL.Options().config.max_ctas``), or of
     ``$NCCL_MAX_CTAS``; None when neither caps NCCL's CTAs (or the group is not NCCL)."""

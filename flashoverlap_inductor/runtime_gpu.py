@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import config, kernels, ops, runtime_cpu, runtime_cuda, streams
+from . import config, kernels, nccl_direct, ops, runtime_cpu, runtime_cuda, streams
 from . import plan as planlib
 from .kernel_select import (
     KernelChoice,
@@ -50,6 +50,7 @@ from .kernel_select import (
     b_layout,
     choose_kernel,
     gather_rows,
+    gemm_grid,
     nccl_max_ctas,
     normalize_operands,
     preferred_kernels,
@@ -63,6 +64,9 @@ SM_RESERVE: int | None = None
 SIGNAL_MODE: str = os.environ.get("FLASHOVERLAP_SIGNAL_MODE", "deferred")  # or "immediate"
 SWIZZLE: int = int(os.environ.get("FLASHOVERLAP_SWIZZLE", str(kernels.DEFAULT_SWIZZLE)))
 RASTER = "along_n"  # row-major tile order: tile-rows, hence groups, complete in order
+# The fused GEMM's grid ("persistent" | "tiles", ``kernel_select.gemm_grid``); None = $FLASHOVERLAP_GEMM_GRID, else
+# the cost model's ``fused.grid``.
+GEMM_GRID: str | None = None
 FUSE_SINGLE_GROUP = False  # a one-group plan overlaps nothing: cuBLAS then NCCL is faster
 MAX_LAUNCHES = 512
 
@@ -182,7 +186,10 @@ def _make_launch(collective: str, plan: str, rows: int, n: int, k: int, dtype: t
               choice.b_layout, choice.name)
     lib = streams.kernel_lib()
     index = lib.config_index(choice.name, dtype, choice.b_layout)
-    sm_count = max(1, res.sm_count - sm_reserve(res.name, SM_RESERVE, nccl_max_ctas(group)))
+    if gemm_grid(res.name, GEMM_GRID) == "tiles":
+        sm_count = max(res.sm_count, -(-rows // choice.tile_m) * -(-n // choice.tile_n))
+    else:
+        sm_count = max(1, res.sm_count - sm_reserve(res.name, SM_RESERVE, nccl_max_ctas(group)))
     gmap = gather = None
     tiles = (0,) * groups
     workspace = 0
@@ -195,7 +202,7 @@ def _make_launch(collective: str, plan: str, rows: int, n: int, k: int, dtype: t
         workspace = lib.workspace_bytes(index, rows, n, k, sm_count, kernels.RASTERS[RASTER], SWIZZLE)
     peers = tuple(dist.get_global_rank(group, j) for j in range(world)) if collective == "all_to_all" else ()
     desc = (f"{collective} rows={rows} n={n} k={k} {dname}: {groups} groups, tiles {list(tiles)}, kernel "
-            f"{choice.name} ({choice.b_layout}), {sm_count}/{res.sm_count} SMs, {sched.description}")
+            f"{choice.name} ({choice.b_layout}), {_grid_text(sm_count, res.sm_count)}, {sched.description}")
     log.info("flashoverlap: launch %s", desc)
     return Launch(collective, tuple(steps), tiles, choice, index, gmap, gather, workspace, sm_count, peers, desc)
 
@@ -237,7 +244,7 @@ def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor |
         res.raise_if_timed_out()
     layout = b_layout(opnd.b)
     key = (collective, plan, rows, n, k, a.dtype, world, rank, send_rows, recv_rows, res.index, layout,
-           getattr(group, "group_name", id(group)), SIGNAL_MODE, SWIZZLE, SM_RESERVE)
+           getattr(group, "group_name", id(group)), SIGNAL_MODE, SWIZZLE, SM_RESERVE, GEMM_GRID)
     capturing = torch.cuda.is_current_stream_capturing()
     launch = _launches.get(key)
     if launch is None:
@@ -294,13 +301,47 @@ def _execute(launch: Launch, opnd: Operands, out_shape: list[int], group: dist.P
                  launch.sm_count, kernels.RASTERS[RASTER], SWIZZLE, workspace, cur.cuda_stream)
     timeout_ns = max(1, int(config.wait_timeout_ms * 1e6))
     record = res.record.data_ptr()
+    comm = nccl_direct.communicator(group, device) if a.dtype in nccl_direct.NCCL_DTYPES else None
+    stats["nccl:direct" if comm is not None else "nccl:torch"] += 1
     with torch.cuda.stream(side):
         for g, step in enumerate(launch.steps):
             if launch.tiles[g]:
                 lib.wait(c_ptr + 4 * g, e_ptr + 4 * g, launch.tiles[g], timeout_ns, record, g, side.cuda_stream)
-            group_collective(launch.collective, launch.peers, g, step, buf, out_flat, group)
+            if comm is not None:
+                direct_group_collective(comm, launch.collective, step, buf, out_flat, side.cuda_stream)
+            else:
+                group_collective(launch.collective, launch.peers, g, step, buf, out_flat, group)
     cur.wait_stream(side)  # the output (and the buffers freed on return) are ready in the caller's stream order
     return out
+
+
+def direct_group_collective(comm: nccl_direct.Communicator, collective: str, step: runtime_cpu.GroupStep,
+                            buf: torch.Tensor, out_flat: torch.Tensor, stream: int) -> None:
+    """``group_collective`` issued straight into NCCL on ``stream`` (the same transfers on the same communicator;
+    all_to_all peers are group ranks, which are the communicator's ranks). Every range is contiguous rows of a
+    row-major [rows, N] tensor, so it is one pointer and an element count."""
+    n, dtype = buf.shape[1], buf.dtype
+    row_bytes = n * buf.element_size()
+    b0, o0 = buf.data_ptr(), out_flat.data_ptr()
+    if collective == "all_reduce":
+        if step.hi > step.lo:
+            comm.all_reduce(b0 + step.lo * row_bytes, b0 + step.lo * row_bytes, (step.hi - step.lo) * n, dtype, stream)
+    elif collective == "reduce_scatter":
+        if step.hi > step.lo:
+            comm.reduce_scatter(b0 + step.lo * row_bytes, o0 + step.out[0] * row_bytes,
+                                (step.out[1] - step.out[0]) * n, dtype, stream)
+    else:
+        sends = [(j, b0 + lo * row_bytes, (hi - lo) * n) for j, lo, hi in step.sends if hi > lo]
+        recvs = [(j, o0 + lo * row_bytes, (hi - lo) * n) for j, lo, hi in step.recvs if hi > lo]
+        if sends or recvs:
+            comm.send_recv(sends, recvs, dtype, stream)
+        if step.local is not None:
+            b_lo, o_lo, count = step.local
+            out_flat[o_lo:o_lo + count].copy_(buf[b_lo:b_lo + count])
+
+
+def _grid_text(sm_count: int, total: int) -> str:
+    return f"{sm_count}/{total} SMs" if sm_count <= total else f"{sm_count} CTAs (one per tile) on {total} SMs"
 
 
 def group_collective(collective: str, peers: Sequence[int], g: int, step: runtime_cpu.GroupStep, buf: torch.Tensor,

@@ -6,9 +6,11 @@ group, reused by every test of this module) run each check; ``torch.ops.flashove
 reference built from *all* ranks' inputs (each rank regenerates the others' from their seeds), next to eager
 PyTorch's own error, on fresh random data; ``torch.use_deterministic_algorithms`` fills fresh outputs with NaN, so
 rows the schedule never writes or receives fail. Covered: each op (bf16/fp16, ragged and tiny shapes, 3D and
-expanded-bmm operands, both B layouts, bias, explicit/auto/stale plans), uneven all_to_all with an empty rank,
-the unfused fallbacks, 1000 repeated calls, ops in flight on one and on two streams, CUDA-graph capture and
-replay, the timeout record, and compiled TP models (forward + backward, and ``mode="reduce-overhead"``).
+expanded-bmm operands, both B layouts, bias, explicit/auto/stale plans), both GEMM grids (persistent, one CTA per
+tile) and both per-group NCCL routes (direct calls on the group's communicator, torch.distributed), uneven
+all_to_all with an empty rank, the unfused fallbacks, 1000 repeated calls, ops in flight on one and on two
+streams, CUDA-graph capture and replay, the timeout record, and compiled TP models (forward + backward, and
+``mode="reduce-overhead"``).
 """
 
 from __future__ import annotations
@@ -194,6 +196,21 @@ def match_eager_task(op: str, dtype_name: str) -> dict[str, int]:
         torch.use_deterministic_algorithms(False)
     runtime_gpu.check()
     return {"cases": cases, "fused_expected": fused_expected, "fused": runtime_gpu.stats[f"fused:{op}"]}
+
+
+def route_task(op: str, grid: str, mode: str) -> dict[str, int]:
+    """``match_eager_task`` (bf16) with the GEMM grid (``runtime_gpu.GEMM_GRID``) and the per-group NCCL route
+    (``nccl_direct.MODE``) set; returns its counts plus how many fused calls took each NCCL route."""
+    from flashoverlap_inductor import nccl_direct, runtime_gpu
+
+    old = runtime_gpu.GEMM_GRID, nccl_direct.MODE
+    runtime_gpu.GEMM_GRID, nccl_direct.MODE = grid, mode
+    try:
+        out = match_eager_task(op, "bfloat16")
+        out.update(direct=runtime_gpu.stats["nccl:direct"], torch=runtime_gpu.stats["nccl:torch"])
+        return out
+    finally:
+        runtime_gpu.GEMM_GRID, nccl_direct.MODE = old
 
 
 def uneven_all_to_all_task() -> int:
@@ -494,6 +511,16 @@ def test_ops_match_eager(pool, op, dtype_name):
     expected = len(SHAPES) * 2 * 4
     assert [r["cases"] for r in per_rank] == [expected] * WORLD
     assert all(r["fused"] >= r["fused_expected"] > 0 for r in per_rank), per_rank
+
+
+@pytest.mark.parametrize("grid,mode", [("persistent", "torch"), ("persistent", "direct"), ("tiles", "direct"),
+                                       ("tiles", "torch")])
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_to_all"])
+def test_grid_and_nccl_route_match_eager(pool, op, grid, mode):
+    per_rank = pool.run(route_task, op, grid, mode)
+    assert all(r["fused"] >= r["fused_expected"] > 0 for r in per_rank), per_rank
+    used = "direct" if mode == "direct" else "torch"
+    assert all(r[used] == r["fused"] and r["direct" if used == "torch" else "torch"] == 0 for r in per_rank), per_rank
 
 
 def test_uneven_all_to_all(pool):

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Issue 4 on one nvidia-h200-x4 machine, < 9.5 min: the GPU tests (2 ranks on GPUs 0,1) beside a 2-GPU benchmark
+# (GPUs 2,3), then the 4-GPU benchmark; every benchmark times, side by side, the fused path in each GEMM grid /
+# NCCL route (FO_VARIANTS) next to all baselines.
+#   run(command="bash examples/device/overlap_modes.sh", carry=["build/libflashoverlap_sm90.so", ".whl"],
+#       kind="nvidia-h200-x4")
+# Knobs: FO_SHAPES4 / FO_SHAPES2 (bench --shapes), FO_VARIANTS (bench --fused-variants), FO_ARGS (more bench
+# flags), FO_SKIP ("tests bench2 bench4"), FO_BUDGET_S (default 560).
+set -uo pipefail
+source examples/device/setup_env.sh
+END=$((SECONDS + ${FO_BUDGET_S:-560}))
+SKIP=" ${FO_SKIP:-} "
+VARIANTS=${FO_VARIANTS:-persistent/torch,persistent/direct,tiles/direct,tiles/torch}
+SHAPES4=${FO_SHAPES4:-grid}
+SHAPES2=${FO_SHAPES2:-grid}
+export OMP_NUM_THREADS=4 FO_PG_TIMEOUT_S=120
+TORCHRUN=(python3 -m torch.distributed.run --standalone)
+nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu,power.draw --format=csv >"$OUT/gpus.txt" 2>&1
+left() { echo $((END - SECONDS - 20)); }
+
+pids=()
+if [[ "$SKIP" != *" tests "* ]]; then
+  (CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 -m pytest -q -rs -p no:cacheprovider \
+     "$REPO/tests/test_gpu_ops.py" "$REPO/tests/test_gpu_kernels.py" >"$OUT/gpu_tests.log" 2>&1
+   echo "gpu pytest rc=$?" >>"$OUT/gpu_tests.log") &
+  pids+=($!)
+fi
+if [[ "$SKIP" != *" bench2 "* ]]; then
+  (CUDA_VISIBLE_DEVICES=2,3 timeout 300 "${TORCHRUN[@]}" --master-port 29611 --nproc_per_node=2 \
+     "$REPO/examples/bench_ops.py" --json "$OUT/bench_w2.json" --png "$OUT/bench_w2.png" --shapes "$SHAPES2" \
+     --fused-variants "$VARIANTS" --time-budget-s 240 ${FO_ARGS:-} >"$OUT/bench_w2.log" 2>&1
+   echo "bench2 rc=$?" >>"$OUT/bench_w2.log") &
+  pids+=($!)
+fi
+wait "${pids[@]}" 2>/dev/null
+if [[ "$SKIP" != *" bench4 "* ]]; then
+  L=$(left)
+  timeout "$L" "${TORCHRUN[@]}" --nproc_per_node=4 "$REPO/examples/bench_ops.py" --json "$OUT/bench_w4.json" \
+    --png "$OUT/bench_w4.png" --shapes "$SHAPES4" --fused-variants "$VARIANTS" --time-budget-s $((L - 50)) \
+    ${FO_ARGS:-} >"$OUT/bench_w4.log" 2>&1
+  echo "bench4 rc=$?" >>"$OUT/bench_w4.log"
+fi
+echo "=== GPU tests"; grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/gpu_tests.log" | tail -8
+for w in 2 4; do
+  echo "=== bench w$w"; grep -vE "Warning|warn|^\*|OMP_NUM|^\s*$" "$OUT/bench_w$w.log" 2>/dev/null | tail -60
+done

@@ -1,0 +1,206 @@
+"""Per-group collectives issued straight into NCCL, on the communicator torch.distributed already made.
+
+``ProcessGroupNCCL`` exposes its ``ncclComm_t`` (``backend._comm_ptr()``), and the NCCL library it calls is
+loaded in this process. Calling that library's ``ncclAllReduce`` / ``ncclReduceScatter`` / ``ncclSend`` +
+``ncclRecv`` through ctypes on our side stream costs a few microseconds per group, where a ``torch.distributed``
+call costs tens (work objects, events between the caller's and the process group's streams) -- the per-group host
+cost that kept small fused shapes from overlapping. It also puts the NCCL kernels on the side stream, whose
+priority is the highest there is, so SMs that the GEMM frees go to NCCL first.
+
+Invariants:
+
+* One NCCL library: the one already mapped into the process (``/proc/self/maps``), checked against
+  ``torch.cuda.nccl.version()``; never a second copy (a ``ncclComm_t`` is only valid in the library that made it).
+* One communicator: the process group's own (the issue's "torch.distributed's communicator, not a second one").
+  Ranks of the communicator are the group's ranks. NCCL orders the operations of one communicator in issue order
+  across streams, so calls made here and torch's own calls on the group interleave the same way on every rank.
+* No communicator yet (torch creates it lazily at the group's first collective), a non-NCCL group, a missing
+  library or a version mismatch: ``communicator()`` returns None and the caller uses ``torch.distributed``. Whether
+  a communicator exists is the same on every rank at the same call (they run the same collectives), so every rank
+  takes the same path.
+
+Sizes are in elements; pointers are raw device addresses; ``stream`` is a ``cudaStream_t`` as an int.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("flashoverlap")
+
+NCCL_SUCCESS = 0
+NCCL_IN_PROGRESS = 7
+NCCL_SUM = 0
+NCCL_DTYPES = {torch.float16: 6, torch.float32: 7, torch.bfloat16: 9}
+
+# "direct" (default: ctypes calls on the process group's communicator) or "torch" (torch.distributed calls).
+MODE: str = os.environ.get("FLASHOVERLAP_NCCL", "direct")
+
+
+class NcclError(RuntimeError):
+    """A direct NCCL call returned an error code."""
+
+
+def _mapped_nccl_paths() -> list[str]:
+    """Paths of every ``libnccl.so*`` mapped into this process (Linux), in map order."""
+    paths: list[str] = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rsplit(None, 1)[-1] if "/" in line else ""
+                if "libnccl.so" in os.path.basename(path) and path not in paths:
+                    paths.append(path)
+    except OSError:
+        pass
+    return paths
+
+
+class NcclLibrary:
+    """The process's NCCL library, bound through ctypes (argument types declared once)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        lib = ctypes.CDLL(path)  # already mapped: dlopen returns the loaded instance
+        v = ctypes.c_int(0)
+        if lib.ncclGetVersion(ctypes.byref(v)) != NCCL_SUCCESS:
+            raise NcclError(f"ncclGetVersion failed in {path}")
+        self.version = int(v.value)
+        p, sz, i, u = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint
+        lib.ncclAllReduce.argtypes = [p, p, sz, i, i, p, p]
+        lib.ncclReduceScatter.argtypes = [p, p, sz, i, i, p, p]
+        lib.ncclSend.argtypes = [p, sz, i, i, p, p]
+        lib.ncclRecv.argtypes = [p, sz, i, i, p, p]
+        lib.ncclGroupStart.argtypes = []
+        lib.ncclGroupEnd.argtypes = []
+        lib.ncclGetErrorString.argtypes = [i]
+        lib.ncclGetErrorString.restype = ctypes.c_char_p
+        lib.ncclCommCount.argtypes = [p, ctypes.POINTER(i)]
+        lib.ncclCommUserRank.argtypes = [p, ctypes.POINTER(i)]
+        lib.ncclCommGetAsyncError.argtypes = [p, ctypes.POINTER(i)]
+        for fn in (lib.ncclAllReduce, lib.ncclReduceScatter, lib.ncclSend, lib.ncclRecv, lib.ncclGroupStart,
+                   lib.ncclGroupEnd, lib.ncclCommCount, lib.ncclCommUserRank, lib.ncclCommGetAsyncError):
+            fn.restype = u
+        self.lib = lib
+
+    def check(self, rc: int, what: str, comm: int | None = None) -> None:
+        """Raise ``NcclError`` for an error code. ``ncclInProgress`` (a non-blocking communicator) is waited out
+        through ``ncclCommGetAsyncError`` (bounded by ``config.wait_timeout_ms``) before the next call."""
+        if rc == NCCL_IN_PROGRESS and comm is not None:
+            from . import config
+
+            state, deadline = ctypes.c_int(NCCL_IN_PROGRESS), time.monotonic() + config.wait_timeout_ms / 1e3
+            while state.value == NCCL_IN_PROGRESS and time.monotonic() < deadline:
+                self.lib.ncclCommGetAsyncError(ctypes.c_void_p(comm), ctypes.byref(state))
+            rc = state.value
+            if rc == NCCL_IN_PROGRESS:
+                raise NcclError(f"{what}: the non-blocking communicator stayed in progress past the timeout")
+        if rc != NCCL_SUCCESS:
+            msg = self.lib.ncclGetErrorString(rc)
+            raise NcclError(f"{what} failed: NCCL error {rc} ({msg.decode() if msg else '?'})")
+
+
+def _version_code(v: tuple[int, ...] | int) -> int:
+    if isinstance(v, int):
+        return v
+    major, minor, patch = (list(v) + [0, 0, 0])[:3]
+    return major * 10000 + minor * 100 + patch if (major, minor) >= (2, 9) else major * 1000 + minor * 100 + patch
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> NcclLibrary | None:
+    """The NCCL library torch uses, or None (logged) when it cannot be found or its version differs."""
+    try:
+        want = _version_code(torch.cuda.nccl.version())
+    except Exception as exc:
+        log.info("flashoverlap: torch reports no NCCL (%r); per-group collectives go through torch.distributed", exc)
+        return None
+    for path in _mapped_nccl_paths():
+        try:
+            lib = NcclLibrary(path)
+        except (OSError, AttributeError, NcclError) as exc:
+            log.info("flashoverlap: %s is not usable (%r)", path, exc)
+            continue
+        if lib.version == want:
+            log.info("flashoverlap: direct NCCL calls through %s (version %d)", path, lib.version)
+            return lib
+        log.info("flashoverlap: %s has NCCL %d, torch uses %d: not used", path, lib.version, want)
+    log.info("flashoverlap: torch's NCCL library is not mapped as a shared library; per-group collectives go "
+             "through torch.distributed")
+    return None
+
+
+@dataclass(frozen=True)
+class Communicator:
+    """A process group's ``ncclComm_t`` on one device, with the library to call it through."""
+
+    lib: NcclLibrary
+    comm: int
+    size: int
+    rank: int
+
+    def all_reduce(self, send: int, recv: int, count: int, dtype: torch.dtype, stream: int) -> None:
+        """Sum ``count`` elements of every rank's ``send`` into ``recv`` (may alias)."""
+        self.lib.check(self.lib.lib.ncclAllReduce(send, recv, count, NCCL_DTYPES[dtype], NCCL_SUM, self.comm, stream),
+                       "ncclAllReduce", self.comm)
+
+    def reduce_scatter(self, send: int, recv: int, recv_count: int, dtype: torch.dtype, stream: int) -> None:
+        """``recv`` (``recv_count`` elements) = the sum over ranks of block ``rank`` of ``send`` (``size`` blocks)."""
+        self.lib.check(self.lib.lib.ncclReduceScatter(send, recv, recv_count, NCCL_DTYPES[dtype], NCCL_SUM,
+                                                      self.comm, stream), "ncclReduceScatter", self.comm)
+
+    def send_recv(self, sends: list[tuple[int, int, int]], recvs: list[tuple[int, int, int]], dtype: torch.dtype,
+                  stream: int) -> None:
+        """One NCCL group of point-to-point transfers: ``sends``/``recvs`` are ``(peer, pointer, count)`` with
+        ``peer`` a rank of the communicator (= of the process group)."""
+        lib, t = self.lib.lib, NCCL_DTYPES[dtype]
+        self.lib.check(lib.ncclGroupStart(), "ncclGroupStart")
+        try:
+            for peer, ptr, count in sends:
+                self.lib.check(lib.ncclSend(ptr, count, t, peer, self.comm, stream), "ncclSend")
+            for peer, ptr, count in recvs:
+                self.lib.check(lib.ncclRecv(ptr, count, t, peer, self.comm, stream), "ncclRecv")
+        finally:
+            self.lib.check(lib.ncclGroupEnd(), "ncclGroupEnd", self.comm)
+
+
+_validated: dict[tuple[int, int, int], Communicator] = {}
+
+
+def communicator(group: object, device: torch.device) -> Communicator | None:
+    """The ``ncclComm_t`` of ``group`` on ``device`` (None: use ``torch.distributed``; see the module docstring).
+
+    The pointer is read on every call (torch creates the communicator lazily and may replace it after an abort);
+    its size/rank check against the group is done once per pointer."""
+    if MODE != "direct":
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    try:
+        backend = group._get_backend(device)  # type: ignore[attr-defined]
+        ptr = int(backend._comm_ptr())
+    except Exception:  # not NCCL, no communicator yet, or a torch without _comm_ptr
+        return None
+    if not ptr:
+        return None
+    size, rank = group.size(), group.rank()  # type: ignore[attr-defined]
+    key = (ptr, size, rank)
+    found = _validated.get(key)
+    if found is not None:
+        return found
+    count, user_rank = ctypes.c_int(0), ctypes.c_int(0)
+    lib.check(lib.lib.ncclCommCount(ptr, ctypes.byref(count)), "ncclCommCount")
+    lib.check(lib.lib.ncclCommUserRank(ptr, ctypes.byref(user_rank)), "ncclCommUserRank")
+    if (count.value, user_rank.value) != (size, rank):
+        log.warning("flashoverlap: the process group's communicator has %d ranks (rank %d), the group %d (rank %d): "
+                    "using torch.distributed", count.value, user_rank.value, size, rank)
+        return None
+    _validated[key] = Communicator(lib, ptr, size, rank)
+    return _validated[key]

@@ -1,0 +1,114 @@
+"""CPU tests of the direct NCCL route (``nccl_direct`` and ``runtime_gpu.direct_group_collective``).
+
+The route's NCCL calls are checked against the ``torch.distributed`` route they replace: every call must cover
+exactly the rows that ``runtime_gpu.group_collective`` passes as tensor slices (same pointers, same element counts,
+same peers), for real schedules of every collective. The GPU run of both routes against eager is in
+``tests/test_gpu_ops.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashoverlap_inductor import nccl_direct, runtime_cpu, runtime_gpu
+from flashoverlap_inductor import plan as planlib
+
+
+class RecordingComm:
+    """Stands in for ``nccl_direct.Communicator``: records (kind, args) instead of calling NCCL."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def all_reduce(self, send, recv, count, dtype, stream):
+        self.calls.append(("all_reduce", send, recv, count, dtype, stream))
+
+    def reduce_scatter(self, send, recv, recv_count, dtype, stream):
+        self.calls.append(("reduce_scatter", send, recv, recv_count, dtype, stream))
+
+    def send_recv(self, sends, recvs, dtype, stream):
+        self.calls.append(("send_recv", tuple(sends), tuple(recvs), dtype, stream))
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.numel()
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_to_all"])
+@pytest.mark.parametrize("world,rank", [(2, 0), (2, 1), (4, 3)])
+def test_direct_calls_cover_the_same_rows_as_torch_calls(collective, world, rank):
+    rows, n, k, groups = 1000 if collective == "all_reduce" else 1024, 264, 64, 3
+    align = 1 if collective == "all_reduce" else world
+    plan = planlib.uniform_plan(rows, n, 128, 128, groups, align=align).to_str()
+    steps = runtime_cpu.schedule_steps(collective, plan, rows, n, k, "bfloat16", world, rank)
+    buf = torch.empty(rows, n, dtype=torch.bfloat16)
+    out_rows = rows // world if collective == "reduce_scatter" else rows
+    out_flat = buf if collective == "all_reduce" else torch.empty(out_rows, n, dtype=torch.bfloat16)
+    covered = 0
+    for step in steps:
+        comm = RecordingComm()
+        runtime_gpu.direct_group_collective(comm, collective, step, buf, out_flat, stream=1234)
+        if collective == "all_reduce":
+            ptr, count = _span(buf[step.lo:step.hi])
+            assert comm.calls == [("all_reduce", ptr, ptr, count, torch.bfloat16, 1234)]
+            covered += count
+        elif collective == "reduce_scatter":
+            send, _ = _span(buf[step.lo:step.hi])
+            recv, count = _span(out_flat[step.out[0]:step.out[1]])
+            assert count * world == (step.hi - step.lo) * n
+            assert comm.calls == [("reduce_scatter", send, recv, count, torch.bfloat16, 1234)]
+            covered += count
+        else:
+            sends = tuple((j, *_span(buf[lo:hi])) for j, lo, hi in step.sends if hi > lo)
+            recvs = tuple((j, *_span(out_flat[lo:hi])) for j, lo, hi in step.recvs if hi > lo)
+            assert comm.calls == ([("send_recv", sends, recvs, torch.bfloat16, 1234)] if sends or recvs else [])
+            assert all(j != rank for j, _, _ in sends + recvs)  # our own rows go by the local copy
+            covered += sum(c for _, _, c in recvs) + (step.local[2] * n if step.local else 0)
+    assert covered == out_flat.numel()  # every output element is produced by exactly one call
+
+
+def test_direct_all_to_all_local_rows_are_copied():
+    world, rank, rows, n = 2, 1, 512, 128
+    plan = planlib.uniform_plan(rows, n, 128, 128, 2, align=world).to_str()
+    steps = runtime_cpu.schedule_steps("all_to_all", plan, rows, n, 64, "float16", world, rank)
+    buf = torch.randn(rows, n).to(torch.float16)
+    out = torch.full((rows, n), float("nan"), dtype=torch.float16)
+    for step in steps:
+        runtime_gpu.direct_group_collective(RecordingComm(), "all_to_all", step, buf, out, stream=0)
+        if step.local is not None:
+            b_lo, o_lo, count = step.local
+            assert torch.equal(out[o_lo:o_lo + count], buf[b_lo:b_lo + count])
+
+
+def test_mapped_library_paths_and_versions(tmp_path, monkeypatch):
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n"
+        "7f02-7f03 r-xp 00000000 08:01 2 /site/nvidia/nccl/lib/libnccl.so.2\n"
+        "7f04-7f05 r--p 00001000 08:01 2 /site/nvidia/nccl/lib/libnccl.so.2\n"
+        "7f06-7f07 rw-p 00000000 00:00 0 [heap]\n"
+        "7f08-7f09 rw-p 00000000 00:00 0\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda p, *a, **kw: real_open(maps if p == "/proc/self/maps" else p, *a, **kw))
+    assert nccl_direct._mapped_nccl_paths() == ["/site/nvidia/nccl/lib/libnccl.so.2"]
+    assert nccl_direct._version_code((2, 28, 9)) == 22809
+    assert nccl_direct._version_code((2, 8, 4)) == 2804
+    assert nccl_direct._version_code(22809) == 22809
+
+
+def test_no_communicator_means_the_torch_route(monkeypatch):
+    class NoNccl:  # a gloo-like group: no CUDA backend, no _comm_ptr
+        def _get_backend(self, device):
+            raise RuntimeError("no backend for cuda")
+
+        def size(self):
+            return 2
+
+        def rank(self):
+            return 0
+
+    monkeypatch.setattr(nccl_direct, "MODE", "torch")
+    assert nccl_direct.communicator(NoNccl(), torch.device("cuda", 0)) is None
+    monkeypatch.setattr(nccl_direct, "MODE", "direct")
+    assert nccl_direct.communicator(NoNccl(), torch.device("cuda", 0)) is None
