@@ -5,6 +5,7 @@ shape, and write them as the cost model's data files (see ``tune_docs`` for the 
     python -m flashoverlap_inductor.tune gemm [--out FILE] [--shapes 8192x8192x8192,...] [--free 0,8,16,24,32]
     torchrun --nproc_per_node=W -m flashoverlap_inductor.tune search --collective all_reduce --shape 8192x8192x8192
         [--mode both|exhaustive|predictive] [--max-units 8] [--out-dir DIR]
+    python -m flashoverlap_inductor.tune fit --bench bench_w4.json [bench_w2.json] [--variant G/R] [--write]
 
 ``bandwidth``: every collective (all_reduce in place, reduce_scatter, all_to_all_single; bf16) from 64 KiB to
 1 GiB at 4 points per octave, world size = the torchrun world; merged into the GPU's bandwidth file (other world
@@ -12,7 +13,8 @@ sizes kept). ``gemm``: one GPU; cuBLAS and every compiled configuration (bf16, B
 signalled) on each shape and with SMs left free; refits ``fused.kernel_efficiency`` and writes ``tuned_kernels``.
 ``search``: exhaustive (every composition of at most ``--max-units`` units) and/or predictive (the cost model's
 argmin) candidates, all measured as the fused op on the torchrun world, the fastest refined and written as a
-tuned plan with its measured fused and sequential times. Defaults write into the data directory the cost model
+tuned plan with its measured fused and sequential times. ``fit`` (CPU): the fused-path parameters of the GEMM
+model fitted to ``examples/bench_ops.py`` results (``tune_fit``). Defaults write into the data directory the cost model
 reads (``config.config_dir`` or the package's ``configs/``); ``--out``/``--out-dir`` write elsewhere (a
 bandwidth file that does not exist yet starts from the data directory's one). Times are CUDA-event medians,
 max over ranks (``tune_measure``).
@@ -32,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import ops
+from . import ops, tune_fit
 from . import tune_docs as docs
 from . import tune_measure as tm
 from .plan import chunks_for, group_of_tile_row, uniform_plan
@@ -336,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--rounds", type=int, default=5)
     se.add_argument("--target-ms", type=float, default=8.0)
     se.add_argument("--out-dir", help="data directory to write plans/<gpu>_w<world>.json into")
+    tune_fit.add_parser(sub)
     return p
 
 
@@ -349,7 +352,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.shapes = args.shapes if args.shapes != "grid" else "4096x8192x8192,8192x8192x8192,16384x8192x7168," \
                                                                     "2048x4096x4096"
     try:
-        return {"bandwidth": cmd_bandwidth, "gemm": cmd_gemm, "search": cmd_search}[args.command](args)
+        return {"bandwidth": cmd_bandwidth, "gemm": cmd_gemm, "search": cmd_search,
+                "fit": tune_fit.cmd_fit}[args.command](args)
     finally:
         if _created_group and dist.is_initialized():
             dist.barrier()
