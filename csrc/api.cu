@@ -1,4 +1,5 @@
-// C ABI of libflashoverlap_sm90.so: configuration registry, GEMM dispatch, bounded wait kernel, stream wait.
+// C ABI of libflashoverlap_sm90.so: configuration registry, GEMM dispatch, bounded wait kernel, stream wait
+// (fo_fused_call, the whole fused op in one call, is in fused_call.cu).
 #include <cuda.h>  // CUstream / CUdeviceptr types and CU_STREAM_WAIT_VALUE_GEQ only; the driver is reached at run time
 #include <cuda_runtime.h>
 
@@ -30,6 +31,18 @@ int fail_cuda(char const* what, cudaError_t e) {
 void register_config(GemmConfig const& cfg) { registry().push_back(cfg); }
 int num_configs() { return int(registry().size()); }
 GemmConfig const* config_at(int i) { return (i >= 0 && i < num_configs()) ? &registry()[i] : nullptr; }
+
+int fail_code(int code, std::string msg) { return fail(code, std::move(msg)); }
+
+__global__ void wait_counter_kernel(int const* counter, int* expected, int increment, long long timeout_ns,
+                                    int* error_record, int tag);
+
+int launch_wait(int const* counter, int* expected, int increment, long long timeout_ns, int* error_record, int tag,
+                cudaStream_t stream) {
+  wait_counter_kernel<<<1, 1, 0, stream>>>(counter, expected, increment, timeout_ns, error_record, tag);
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? 0 : fail_cuda("wait kernel launch", e);
+}
 
 __device__ __forceinline__ unsigned long long global_timer_ns() {
   unsigned long long t;
@@ -147,10 +160,8 @@ FO_API int fo_gemm(int config, const void* a, int64_t lda, const void* b, int64_
 FO_API int fo_wait_counter(const int* counter, int* expected, int increment, int64_t timeout_ns, int* error_record,
                            int tag, void* stream) {
   if (counter == nullptr) return fail(2, "fo_wait_counter: counter is null");
-  wait_counter_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(counter, expected, increment,
-                                                                      (long long)timeout_ns, error_record, tag);
-  cudaError_t e = cudaGetLastError();
-  return e == cudaSuccess ? 0 : fail_cuda("fo_wait_counter launch", e);
+  return launch_wait(counter, expected, increment, (long long)timeout_ns, error_record, tag,
+                     static_cast<cudaStream_t>(stream));
 }
 
 FO_API int fo_stream_wait_value(void* stream, int* counter, int target) {

@@ -60,6 +60,44 @@ FO_API int fo_wait_counter(const int* counter, int* expected, int increment, int
 /* cuStreamWaitValue32(stream, counter, target, GEQ): waits without a kernel; NOT bounded (no timeout). */
 FO_API int fo_stream_wait_value(void* stream, int* counter, int target);
 
+/* The whole fused op in one host call (csrc/fused_call.cu). Offsets and counts in elements, relative to `buf`
+ * (the GEMM's [m, n] output, row stride ldd) or `out` (the op's output). */
+typedef struct {
+  int32_t tiles;       /* tiles the GEMM signals for this group; 0 = no wait */
+  int32_t kind;        /* 0 all_reduce of buf (in place), 1 reduce_scatter buf -> out, 2 send/recv, 3 nothing */
+  int64_t buf_offset;  /* kinds 0, 1: first element in buf */
+  int64_t out_offset;  /* kind 1: first element in out */
+  int64_t count;       /* kind 0: elements reduced; kind 1: elements each rank receives */
+  int32_t first_p2p;   /* kind 2: this group's entries of the p2p array */
+  int32_t num_p2p;
+  int64_t local_buf;   /* kind 2: this rank's own rows, copied buf -> out (local_count 0: none) */
+  int64_t local_out;
+  int64_t local_count;
+} fo_group_step;
+
+typedef struct {
+  int32_t recv;    /* 0: send from buf + offset; 1: receive into out + offset */
+  int32_t peer;    /* rank in the communicator */
+  int64_t offset;  /* elements */
+  int64_t count;   /* elements */
+} fo_p2p_step;
+
+/* Bind the NCCL library at `path`, which must already be loaded in the process (dlopen RTLD_NOLOAD): the one the
+ * caller's communicators were made by. */
+FO_API int fo_nccl_bind(const char* path);
+
+/* On cur_stream: counters -> expected (num_groups ints), a fork event, then the signal GEMM (as fo_gemm, into
+ * buf, signalling counters[group_of_tile_row[t]]; skipped when m == 0). On side_stream, after the fork: per
+ * group g, fo_wait_counter(counters + g, expected + g, steps[g].tiles, ...) unless tiles == 0, then its NCCL
+ * call(s) on `comm` (ncclComm_t; nccl_dtype an ncclDataType_t, sum). Finally cur_stream waits for side_stream.
+ * elem_bytes: the element size of buf and out. */
+FO_API int fo_fused_call(int config, const void* a, int64_t lda, const void* b, int64_t ldb, const void* bias,
+                         void* buf, int64_t ldd, int m, int n, int k, const int* group_of_tile_row, int signal_mode,
+                         int sm_count, int raster, int swizzle, void* workspace, size_t workspace_bytes,
+                         int* counters, int* expected, int num_groups, const fo_group_step* steps,
+                         const fo_p2p_step* p2p, void* out, int elem_bytes, int nccl_dtype, void* comm,
+                         int64_t timeout_ns, int* error_record, void* cur_stream, void* side_stream);
+
 /* Test helpers: a one-thread kernel that spins delay_ns, writes %globaltimer to *stamp, then release-adds
  * `value` to *counter; and one that writes %globaltimer to *stamp. */
 FO_API int fo_test_delayed_add(int* counter, int value, int64_t delay_ns, int64_t* stamp, void* stream);

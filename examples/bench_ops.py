@@ -42,7 +42,7 @@ try:
     import flashoverlap_inductor  # noqa: F401  (installed, or on PYTHONPATH: then its subpackages resolve too)
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from flashoverlap_inductor import nccl_direct, ops, runtime_cpu, runtime_gpu  # noqa: E402
+from flashoverlap_inductor import fused_launch, nccl_direct, ops, runtime_cpu, runtime_gpu  # noqa: E402
 from flashoverlap_inductor import plan as planlib  # noqa: E402
 from flashoverlap_inductor import tune_measure as tm  # noqa: E402
 from flashoverlap_inductor.tune import GRID, init_distributed, parse_shapes  # noqa: E402
@@ -95,17 +95,18 @@ def fused_call(op: str, a: torch.Tensor, b: torch.Tensor, plan: str, world: int,
 
 
 def with_mode(spec: str, fn):
-    """``fn`` run with the fused path's GEMM grid and NCCL route set to ``spec`` = ``"<grid>/<nccl>"`` (grid
-    ``persistent|tiles``: ``runtime_gpu.GEMM_GRID``; nccl ``direct|torch``: ``nccl_direct.MODE``)."""
-    grid, mode = spec.split("/")
+    """``fn`` run with the fused path's GEMM grid, NCCL route and host loop set to ``spec`` =
+    ``"<grid>/<nccl>[/<host>]"`` (grid ``persistent|tiles``: ``runtime_gpu.GEMM_GRID``; nccl ``direct|torch``:
+    ``nccl_direct.MODE``; host ``c|python``: ``fused_launch.HOST_LOOP``, default c)."""
+    grid, mode, host = (spec.split("/") + ["c"])[:3]
 
     def run():
-        old = runtime_gpu.GEMM_GRID, nccl_direct.MODE
-        runtime_gpu.GEMM_GRID, nccl_direct.MODE = grid, mode
+        old = runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP
+        runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP = grid, mode, host
         try:
             return fn()
         finally:
-            runtime_gpu.GEMM_GRID, nccl_direct.MODE = old
+            runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP = old
     return run
 
 
@@ -481,7 +482,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nccl", choices=("direct", "torch"), default=None,
                    help="per-group collectives: direct NCCL calls or torch.distributed (default: the runtime's)")
     p.add_argument("--fused-variants", default="",
-                   help="extra fused variants timed side by side, e.g. persistent/torch,tiles/direct")
+                   help="extra fused variants timed side by side, e.g. persistent/torch,tiles/direct/python")
     p.add_argument("--time-budget-s", type=float, default=420.0, help="no new shape starts after this")
     p.add_argument("--json", default=None)
     p.add_argument("--png", default=None)
@@ -489,9 +490,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.ops = [x for x in args.ops.split(",") if x]
     args.fused_variants = [x for x in args.fused_variants.split(",") if x]
     for spec in args.fused_variants:
-        grid, _, mode = spec.partition("/")
-        if grid not in ("persistent", "tiles") or mode not in ("direct", "torch"):
-            p.error(f"--fused-variants: {spec!r} is not <persistent|tiles>/<direct|torch>")
+        grid, mode, host = (spec.split("/") + ["c"])[:3]
+        if grid not in ("persistent", "tiles") or mode not in ("direct", "torch") or host not in ("c", "python"):
+            p.error(f"--fused-variants: {spec!r} is not <persistent|tiles>/<direct|torch>[/<c|python>]")
     unknown = set(args.ops) - set(OPS)
     if unknown:
         p.error(f"unknown ops {sorted(unknown)}")
@@ -532,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
             "routing": routing, "call": args.call, "fuse": args.fuse, "rounds": args.rounds,
             "target_ms": args.target_ms, "sm_reserve": args.sm_reserve, "fused_max_ctas": args.fused_max_ctas,
             "gemm_grid": runtime_gpu.GEMM_GRID or "model", "nccl_route": nccl_direct.MODE,
+            "host_loop": fused_launch.HOST_LOOP,
             "fused_variants": args.fused_variants,
             "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                                    "FLASHOVERLAP_SM_RESERVE", "FLASHOVERLAP_SIGNAL_MODE",

@@ -249,11 +249,12 @@ def build(patterns: list[str] | None = None, variants: str = "all", jobs: int | 
     common = [nvcc, "-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr",
               "-gencode=arch=compute_90a,code=sm_90a", "-Xcompiler", "-fPIC,-fvisibility=hidden",
               f"-I{CSRC}", f"-I{cutlass / 'include'}", f"-I{cutlass / 'tools' / 'util' / 'include'}"]
-    cmds = [(common + ["-c", str(CSRC / "api.cu"), "-o", str(obj_dir / "api.o")], obj_dir / "api.o")]
+    cmds = [(common + ["-c", str(CSRC / f"{src}.cu"), "-o", str(obj_dir / f"{src}.o")], obj_dir / f"{src}.o")
+            for src in ("api", "fused_call")]
     for u in todo:
         obj = obj_dir / f"{u.stem}.o"
         cmds.append((common + u.defines() + ["-c", str(CSRC / "gemm_sm90.cu"), "-o", str(obj)], obj))
-    digests = {name: _sources_digest(name) for name in ("api.cu", "gemm_sm90.cu")}
+    digests = {name: _sources_digest(name) for name in ("api.cu", "fused_call.cu", "gemm_sm90.cu")}
     jobs = jobs or max(1, min(len(cmds), os.cpu_count() or 1))
     if verbose:
         print(f"nvcc: {nvcc}\nCUTLASS: {cutlass}\ncompiling {len(cmds)} translation units with {jobs} jobs")
@@ -272,19 +273,20 @@ def build(patterns: list[str] | None = None, variants: str = "all", jobs: int | 
                 objs.append(obj)
                 if verbose:
                     print(("built   " if rebuilt else "cached  ") + obj.name, flush=True)
-    if errors and (not keep_going or obj_dir / "api.o" not in objs or len(objs) < 2):
+    if errors and (not keep_going or obj_dir / "api.o" not in objs or obj_dir / "fused_call.o" not in objs
+                   or len(objs) < 3):
         raise RuntimeError("CUDA compilation failed:\n" + "\n".join(errors))
     if errors:
         print("CUDA compilation failed for some units (linking the rest):\n" + "\n".join(errors), file=sys.stderr)
     lib = out_dir / LIB_NAME
     link = [nvcc, "-shared", "-cudart", "static", "-gencode=arch=compute_90a,code=sm_90a",
-            "-Xlinker", "--exclude-libs,ALL", "-o", str(lib)]
+            "-Xlinker", "--exclude-libs,ALL", "-o", str(lib), "-ldl"]
     link += [f"-L{d}" for d in _cuda_lib_dirs(nvcc)] + [str(o) for o in objs]
     r = subprocess.run(link, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"link failed:\n$ {' '.join(link)}\n{r.stdout}{r.stderr}")
     if verbose:
-        print(f"wrote {lib} ({lib.stat().st_size / 1e6:.1f} MB, {len(objs) - 1} GEMM units)")
+        print(f"wrote {lib} ({lib.stat().st_size / 1e6:.1f} MB, {len(objs) - 2} GEMM units)")
     return lib
 
 

@@ -66,6 +66,25 @@ class KernelInfo:
     variants: tuple[tuple[str, str], ...]  # (dtype name, B layout) pairs compiled
 
 
+class GroupStep(ctypes.Structure):
+    """``fo_group_step`` of ``csrc/flashoverlap_sm90.h`` (offsets and counts in elements)."""
+
+    _fields_ = [("tiles", ctypes.c_int32), ("kind", ctypes.c_int32), ("buf_offset", ctypes.c_int64),
+                ("out_offset", ctypes.c_int64), ("count", ctypes.c_int64), ("first_p2p", ctypes.c_int32),
+                ("num_p2p", ctypes.c_int32), ("local_buf", ctypes.c_int64), ("local_out", ctypes.c_int64),
+                ("local_count", ctypes.c_int64)]
+
+
+class P2PStep(ctypes.Structure):
+    """``fo_p2p_step`` of ``csrc/flashoverlap_sm90.h``."""
+
+    _fields_ = [("recv", ctypes.c_int32), ("peer", ctypes.c_int32), ("offset", ctypes.c_int64),
+                ("count", ctypes.c_int64)]
+
+
+STEP_KINDS = {"all_reduce": 0, "reduce_scatter": 1, "all_to_all": 2, "none": 3}
+
+
 def library_path() -> Path:
     return Path(os.environ.get(LIB_ENV) or DEFAULT_LIB)
 
@@ -83,6 +102,10 @@ def _declare(lib: ctypes.CDLL) -> None:
                             c_int, c_int, c_int, c_int, c_p, c_sz, c_p]),
         "fo_wait_counter": (c_int, [c_p, c_p, c_int, c_i64, c_p, c_int, c_p]),
         "fo_stream_wait_value": (c_int, [c_p, c_p, c_int]),
+        "fo_nccl_bind": (c_int, [ctypes.c_char_p]),
+        "fo_fused_call": (c_int, [c_int, c_p, c_i64, c_p, c_i64, c_p, c_p, c_i64, c_int, c_int, c_int, c_p, c_int,
+                                  c_int, c_int, c_int, c_p, c_sz, c_p, c_p, c_int, c_p, c_p, c_p, c_int, c_int, c_p,
+                                  c_i64, c_p, c_p, c_p]),
         "fo_test_delayed_add": (c_int, [c_p, c_int, c_i64, c_p, c_p]),
         "fo_test_stamp": (c_int, [c_p, c_p]),
     }

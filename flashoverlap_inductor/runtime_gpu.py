@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import config, kernels, nccl_direct, ops, runtime_cpu, runtime_cuda, streams
+from . import config, fused_launch, kernels, nccl_direct, ops, runtime_cpu, runtime_cuda, streams
 from . import plan as planlib
 from .kernel_select import (
     KernelChoice,
@@ -158,6 +158,7 @@ class Launch:
     sm_count: int
     peers: tuple[int, ...]  # global rank of every group rank (all_to_all)
     description: str
+    csteps: fused_launch.CSteps  # the steps as fo_fused_call takes them
 
 
 def _make_launch(collective: str, plan: str, rows: int, n: int, k: int, dtype: torch.dtype, world: int, rank: int,
@@ -204,7 +205,8 @@ def _make_launch(collective: str, plan: str, rows: int, n: int, k: int, dtype: t
     desc = (f"{collective} rows={rows} n={n} k={k} {dname}: {groups} groups, tiles {list(tiles)}, kernel "
             f"{choice.name} ({choice.b_layout}), {_grid_text(sm_count, res.sm_count)}, {sched.description}")
     log.info("flashoverlap: launch %s", desc)
-    return Launch(collective, tuple(steps), tiles, choice, index, gmap, gather, workspace, sm_count, peers, desc)
+    return Launch(collective, tuple(steps), tiles, choice, index, gmap, gather, workspace, sm_count, peers, desc,
+                  fused_launch.group_steps(collective, steps, tiles, n))
 
 
 def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup,
@@ -280,7 +282,7 @@ def _execute(launch: Launch, opnd: Operands, out_shape: list[int], group: dist.P
              res: streams.DeviceResources, cur: torch.cuda.Stream, slot: int) -> torch.Tensor:
     """Steps 3-5 of the module docstring."""
     a, b = opnd.a, opnd.b
-    rows, n = a.shape[0], b.shape[1]
+    rows, k, n = a.shape[0], a.shape[1], b.shape[1]
     device = a.device
     out = torch.empty(out_shape, dtype=a.dtype, device=device)
     out_flat = out.view(-1, n)
@@ -289,55 +291,41 @@ def _execute(launch: Launch, opnd: Operands, out_shape: list[int], group: dist.P
     counters, expected = res.counters[slot], res.expected[slot]
     c_ptr, e_ptr = counters.data_ptr(), expected.data_ptr()
     side = res.side
+    a_in = b_in = workspace = None
+    ldb = 0
     if rows:
         a_in = a.index_select(0, launch.gather) if launch.gather is not None else _row_major(a)
         b_in, ldb = _kernel_b(b, launch.kernel)
         workspace = torch.empty(launch.workspace_bytes, dtype=torch.uint8, device=device) \
             if launch.workspace_bytes else None
+    timeout_ns = max(1, int(config.wait_timeout_ms * 1e6))
+    record = res.record.data_ptr()
+    comm = nccl_direct.communicator(group, device) if a.dtype in nccl_direct.NCCL_DTYPES else None
+    stats["nccl:direct" if comm is not None else "nccl:torch"] += 1
+    if fused_launch.ready(comm):  # the whole op in one host call
+        stats["host:c"] += 1
+        lib.fused_call(launch.index, a_in, b_in, ldb, opnd.bias, buf, rows, k, launch.gmap,
+                       kernels.SIGNAL_MODES[SIGNAL_MODE], launch.sm_count, kernels.RASTERS[RASTER], SWIZZLE, workspace,
+                       c_ptr, e_ptr, launch.csteps, out_flat, nccl_direct.NCCL_DTYPES[a.dtype], comm.comm, timeout_ns,
+                       record, cur.cuda_stream, side.cuda_stream)
+        return out
+    stats["host:python"] += 1
+    if rows:
         expected.copy_(counters)  # epoch resync; every earlier user of this slot was joined into `cur`
     side.wait_stream(cur)  # inputs, fresh buffers and the resync are ordered before the side stream's work
     if rows:
         lib.gemm(launch.index, a_in, b_in, ldb, opnd.bias, buf, c_ptr, launch.gmap, kernels.SIGNAL_MODES[SIGNAL_MODE],
                  launch.sm_count, kernels.RASTERS[RASTER], SWIZZLE, workspace, cur.cuda_stream)
-    timeout_ns = max(1, int(config.wait_timeout_ms * 1e6))
-    record = res.record.data_ptr()
-    comm = nccl_direct.communicator(group, device) if a.dtype in nccl_direct.NCCL_DTYPES else None
-    stats["nccl:direct" if comm is not None else "nccl:torch"] += 1
     with torch.cuda.stream(side):
         for g, step in enumerate(launch.steps):
             if launch.tiles[g]:
                 lib.wait(c_ptr + 4 * g, e_ptr + 4 * g, launch.tiles[g], timeout_ns, record, g, side.cuda_stream)
             if comm is not None:
-                direct_group_collective(comm, launch.collective, step, buf, out_flat, side.cuda_stream)
+                nccl_direct.issue_group(comm, launch.collective, step, buf, out_flat, side.cuda_stream)
             else:
                 group_collective(launch.collective, launch.peers, g, step, buf, out_flat, group)
     cur.wait_stream(side)  # the output (and the buffers freed on return) are ready in the caller's stream order
     return out
-
-
-def direct_group_collective(comm: nccl_direct.Communicator, collective: str, step: runtime_cpu.GroupStep,
-                            buf: torch.Tensor, out_flat: torch.Tensor, stream: int) -> None:
-    """``group_collective`` issued straight into NCCL on ``stream`` (the same transfers on the same communicator;
-    all_to_all peers are group ranks, which are the communicator's ranks). Every range is contiguous rows of a
-    row-major [rows, N] tensor, so it is one pointer and an element count."""
-    n, dtype = buf.shape[1], buf.dtype
-    row_bytes = n * buf.element_size()
-    b0, o0 = buf.data_ptr(), out_flat.data_ptr()
-    if collective == "all_reduce":
-        if step.hi > step.lo:
-            comm.all_reduce(b0 + step.lo * row_bytes, b0 + step.lo * row_bytes, (step.hi - step.lo) * n, dtype, stream)
-    elif collective == "reduce_scatter":
-        if step.hi > step.lo:
-            comm.reduce_scatter(b0 + step.lo * row_bytes, o0 + step.out[0] * row_bytes,
-                                (step.out[1] - step.out[0]) * n, dtype, stream)
-    else:
-        sends = [(j, b0 + lo * row_bytes, (hi - lo) * n) for j, lo, hi in step.sends if hi > lo]
-        recvs = [(j, o0 + lo * row_bytes, (hi - lo) * n) for j, lo, hi in step.recvs if hi > lo]
-        if sends or recvs:
-            comm.send_recv(sends, recvs, dtype, stream)
-        if step.local is not None:
-            b_lo, o_lo, count = step.local
-            out_flat[o_lo:o_lo + count].copy_(buf[b_lo:b_lo + count])
 
 
 def _grid_text(sm_count: int, total: int) -> str:

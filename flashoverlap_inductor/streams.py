@@ -27,7 +27,7 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -89,6 +89,23 @@ class KernelLib:
                               workspace.data_ptr() if workspace is not None else None,
                               workspace.numel() if workspace is not None else 0, stream_ptr)
         self.check(rc, "fo_gemm")
+
+    def fused_call(self, index: int, a: torch.Tensor | None, b: torch.Tensor | None, ldb: int,
+                   bias: torch.Tensor | None, buf: torch.Tensor, rows: int, k: int, gmap: torch.Tensor | None,
+                   signal_mode: int, sm_count: int, raster: int, swizzle: int, workspace: torch.Tensor | None,
+                   counters_ptr: int, expected_ptr: int, csteps: Any, out: torch.Tensor, nccl_dtype: int,
+                   comm: int, timeout_ns: int, record_ptr: int, cur_ptr: int, side_ptr: int) -> None:
+        """The whole fused op (``fo_fused_call``): GEMM ``buf = a @ b (+ bias)`` on ``cur_ptr`` (skipped when
+        ``rows`` is 0), every group's wait and NCCL call(s) on ``side_ptr``, then the join."""
+        rc = self.lib.fo_fused_call(
+            index, a.data_ptr() if a is not None else None, a.stride(0) if a is not None else 0,
+            b.data_ptr() if b is not None else None, ldb, bias.data_ptr() if bias is not None else None,
+            buf.data_ptr(), buf.stride(0), rows, buf.shape[1], k, gmap.data_ptr() if gmap is not None else None,
+            signal_mode, sm_count, raster, swizzle, workspace.data_ptr() if workspace is not None else None,
+            workspace.numel() if workspace is not None else 0, counters_ptr, expected_ptr, csteps.groups,
+            csteps.steps_ptr, csteps.p2p_ptr, out.data_ptr(), buf.element_size(), nccl_dtype, comm, timeout_ns,
+            record_ptr, cur_ptr, side_ptr)
+        self.check(rc, "fo_fused_call")
 
     def wait(self, counter_ptr: int, expected_ptr: int, tiles: int, timeout_ns: int, record_ptr: int, tag: int,
              stream_ptr: int) -> None:

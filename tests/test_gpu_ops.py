@@ -7,7 +7,8 @@ reference built from *all* ranks' inputs (each rank regenerates the others' from
 PyTorch's own error, on fresh random data; ``torch.use_deterministic_algorithms`` fills fresh outputs with NaN, so
 rows the schedule never writes or receives fail. Covered: each op (bf16/fp16, ragged and tiny shapes, 3D and
 expanded-bmm operands, both B layouts, bias, explicit/auto/stale plans), both GEMM grids (persistent, one CTA per
-tile) and both per-group NCCL routes (direct calls on the group's communicator, torch.distributed), uneven
+tile), both per-group NCCL routes (direct calls on the group's communicator, torch.distributed) and host loops
+(one C call per op, Python), uneven
 all_to_all with an empty rank, the unfused fallbacks, 1000 repeated calls, ops in flight on one and on two
 streams, CUDA-graph capture and replay, the timeout record, and compiled TP models (forward + backward, and
 ``mode="reduce-overhead"``).
@@ -198,19 +199,21 @@ def match_eager_task(op: str, dtype_name: str) -> dict[str, int]:
     return {"cases": cases, "fused_expected": fused_expected, "fused": runtime_gpu.stats[f"fused:{op}"]}
 
 
-def route_task(op: str, grid: str, mode: str) -> dict[str, int]:
-    """``match_eager_task`` (bf16) with the GEMM grid (``runtime_gpu.GEMM_GRID``) and the per-group NCCL route
-    (``nccl_direct.MODE``) set; returns its counts plus how many fused calls took each NCCL route."""
-    from flashoverlap_inductor import nccl_direct, runtime_gpu
+def route_task(op: str, grid: str, mode: str, host: str) -> dict[str, int]:
+    """``match_eager_task`` (bf16) with the GEMM grid (``runtime_gpu.GEMM_GRID``), the per-group NCCL route
+    (``nccl_direct.MODE``) and the host loop (``fused_launch.HOST_LOOP``) set; returns its counts plus how many
+    fused calls took each route."""
+    from flashoverlap_inductor import fused_launch, nccl_direct, runtime_gpu
 
-    old = runtime_gpu.GEMM_GRID, nccl_direct.MODE
-    runtime_gpu.GEMM_GRID, nccl_direct.MODE = grid, mode
+    old = runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP
+    runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP = grid, mode, host
     try:
         out = match_eager_task(op, "bfloat16")
-        out.update(direct=runtime_gpu.stats["nccl:direct"], torch=runtime_gpu.stats["nccl:torch"])
+        out.update({key.split(":")[1]: runtime_gpu.stats[key] for key in
+                    ("nccl:direct", "nccl:torch", "host:c", "host:python")})
         return out
     finally:
-        runtime_gpu.GEMM_GRID, nccl_direct.MODE = old
+        runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP = old
 
 
 def uneven_all_to_all_task() -> int:
@@ -513,14 +516,17 @@ def test_ops_match_eager(pool, op, dtype_name):
     assert all(r["fused"] >= r["fused_expected"] > 0 for r in per_rank), per_rank
 
 
-@pytest.mark.parametrize("grid,mode", [("persistent", "torch"), ("persistent", "direct"), ("tiles", "direct"),
-                                       ("tiles", "torch")])
+@pytest.mark.parametrize("grid,mode,host", [("persistent", "torch", "c"), ("persistent", "direct", "c"),
+                                            ("tiles", "direct", "c"), ("tiles", "direct", "python"),
+                                            ("tiles", "torch", "python")])
 @pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_to_all"])
-def test_grid_and_nccl_route_match_eager(pool, op, grid, mode):
-    per_rank = pool.run(route_task, op, grid, mode)
+def test_grid_nccl_route_and_host_loop_match_eager(pool, op, grid, mode, host):
+    per_rank = pool.run(route_task, op, grid, mode, host)
     assert all(r["fused"] >= r["fused_expected"] > 0 for r in per_rank), per_rank
-    used = "direct" if mode == "direct" else "torch"
-    assert all(r[used] == r["fused"] and r["direct" if used == "torch" else "torch"] == 0 for r in per_rank), per_rank
+    direct, c_loop = mode == "direct", mode == "direct" and host == "c"  # the C loop needs the direct route
+    for r in per_rank:
+        assert (r["direct"], r["torch"]) == ((r["fused"], 0) if direct else (0, r["fused"])), per_rank
+        assert (r["c"], r["python"]) == ((r["fused"], 0) if c_loop else (0, r["fused"])), per_rank
 
 
 def test_uneven_all_to_all(pool):

@@ -1,4 +1,4 @@
-"""CPU tests of the direct NCCL route (``nccl_direct`` and ``runtime_gpu.direct_group_collective``).
+"""CPU tests of the direct NCCL route (``nccl_direct``, ``fused_launch``).
 
 The route's NCCL calls are checked against the ``torch.distributed`` route they replace: every call must cover
 exactly the rows that ``runtime_gpu.group_collective`` passes as tensor slices (same pointers, same element counts,
@@ -8,10 +8,12 @@ same peers), for real schedules of every collective. The GPU run of both routes 
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
-from flashoverlap_inductor import nccl_direct, runtime_cpu, runtime_gpu
+from flashoverlap_inductor import fused_launch, nccl_direct, runtime_cpu
 from flashoverlap_inductor import plan as planlib
 
 
@@ -48,7 +50,7 @@ def test_direct_calls_cover_the_same_rows_as_torch_calls(collective, world, rank
     covered = 0
     for step in steps:
         comm = RecordingComm()
-        runtime_gpu.direct_group_collective(comm, collective, step, buf, out_flat, stream=1234)
+        nccl_direct.issue_group(comm, collective, step, buf, out_flat, stream=1234)
         if collective == "all_reduce":
             ptr, count = _span(buf[step.lo:step.hi])
             assert comm.calls == [("all_reduce", ptr, ptr, count, torch.bfloat16, 1234)]
@@ -75,7 +77,7 @@ def test_direct_all_to_all_local_rows_are_copied():
     buf = torch.randn(rows, n).to(torch.float16)
     out = torch.full((rows, n), float("nan"), dtype=torch.float16)
     for step in steps:
-        runtime_gpu.direct_group_collective(RecordingComm(), "all_to_all", step, buf, out, stream=0)
+        nccl_direct.issue_group(RecordingComm(), "all_to_all", step, buf, out, stream=0)
         if step.local is not None:
             b_lo, o_lo, count = step.local
             assert torch.equal(out[o_lo:o_lo + count], buf[b_lo:b_lo + count])
@@ -112,3 +114,39 @@ def test_no_communicator_means_the_torch_route(monkeypatch):
     assert nccl_direct.communicator(NoNccl(), torch.device("cuda", 0)) is None
     monkeypatch.setattr(nccl_direct, "MODE", "direct")
     assert nccl_direct.communicator(NoNccl(), torch.device("cuda", 0)) is None
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_to_all"])
+@pytest.mark.parametrize("world,rank", [(2, 1), (4, 2)])
+def test_c_steps_match_the_python_route(collective, world, rank):
+    """``fused_launch.group_steps`` (what ``fo_fused_call`` runs) describes the same NCCL calls, element for
+    element, as ``nccl_direct.issue_group`` makes from Python, plus the GEMM's tiles per group."""
+    rows, n, k = 1024, 264, 64
+    plan = planlib.uniform_plan(rows, n, 128, 128, 3, align=1 if collective == "all_reduce" else world).to_str()
+    steps = runtime_cpu.schedule_steps(collective, plan, rows, n, k, "bfloat16", world, rank)
+    tiles = [7 + g for g in range(len(steps))]
+    c = fused_launch.group_steps(collective, steps, tiles, n)
+    assert c.groups == len(steps) and c.steps_ptr == ctypes.addressof(c.steps)
+    buf = torch.empty(rows, n, dtype=torch.bfloat16)
+    out = buf if collective == "all_reduce" else torch.empty(rows // world if collective == "reduce_scatter"
+                                                              else rows, n, dtype=torch.bfloat16)
+    b0, o0, es = buf.data_ptr(), out.data_ptr(), buf.element_size()
+    for g, step in enumerate(steps):
+        comm = RecordingComm()
+        nccl_direct.issue_group(comm, collective, step, buf, out, stream=0)
+        s = c.steps[g]
+        assert s.tiles == tiles[g]
+        if collective == "all_reduce":
+            assert comm.calls == ([("all_reduce", b0 + s.buf_offset * es, b0 + s.buf_offset * es, s.count,
+                                    torch.bfloat16, 0)] if s.kind == 0 else [])
+        elif collective == "reduce_scatter":
+            assert comm.calls == ([("reduce_scatter", b0 + s.buf_offset * es, o0 + s.out_offset * es, s.count,
+                                    torch.bfloat16, 0)] if s.kind == 1 else [])
+        else:
+            assert s.kind == 2
+            entries = [c.p2p[s.first_p2p + i] for i in range(s.num_p2p)]
+            sends = tuple((e.peer, b0 + e.offset * es, e.count) for e in entries if not e.recv)
+            recvs = tuple((e.peer, o0 + e.offset * es, e.count) for e in entries if e.recv)
+            assert comm.calls == ([("send_recv", sends, recvs, torch.bfloat16, 0)] if entries else [])
+            local = (step.local[0] * n, step.local[1] * n, step.local[2] * n) if step.local else (0, 0, 0)
+            assert (s.local_buf, s.local_out, s.local_count) == local

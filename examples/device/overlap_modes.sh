@@ -5,7 +5,7 @@
 #   run(command="bash examples/device/overlap_modes.sh", carry=["build/libflashoverlap_sm90.so", ".whl"],
 #       kind="nvidia-h200-x4")
 # Knobs: FO_SHAPES4 / FO_SHAPES2 (bench --shapes), FO_VARIANTS (bench --fused-variants), FO_ARGS (more bench
-# flags), FO_SKIP ("tests bench2 bench4"), FO_BUDGET_S (default 560).
+# flags), FO_TUNE=1 (tuner after the benchmarks), FO_SKIP ("tests bench2 bench4"), FO_BUDGET_S (default 560).
 set -uo pipefail
 source examples/device/setup_env.sh
 END=$((SECONDS + ${FO_BUDGET_S:-560}))
@@ -40,7 +40,22 @@ if [[ "$SKIP" != *" bench4 "* ]]; then
     ${FO_ARGS:-} >"$OUT/bench_w4.log" 2>&1
   echo "bench4 rc=$?" >>"$OUT/bench_w4.log"
 fi
+# Tuner (FO_TUNE=1): NCCL curves on 4 and 2 GPUs, then measured plan searches (FO_SEARCH: "op:MxNxK ..." on 4 GPUs).
+if [[ "${FO_TUNE:-0}" == 1 ]]; then
+  for w in 4 2; do
+    L=$(left); [ "$L" -gt 60 ] || break
+    timeout $((L < 120 ? L : 120)) "${TORCHRUN[@]}" --nproc_per_node=$w -m flashoverlap_inductor.tune bandwidth \
+      --out "$OUT/bandwidth_h200.json" >"$OUT/tune_bw$w.log" 2>&1; echo "bandwidth w$w rc=$?" >>"$OUT/tune_bw$w.log"
+  done
+  for job in ${FO_SEARCH:-all_reduce:8192x8192x8192}; do
+    L=$(left); [ "$L" -gt 60 ] || break
+    timeout $((L < 150 ? L : 150)) "${TORCHRUN[@]}" --nproc_per_node=4 -m flashoverlap_inductor.tune search \
+      --collective "${job%%:*}" --shape "${job##*:}" --mode both --max-units 6 --rounds 3 --out-dir "$OUT" \
+      >>"$OUT/tune_search.log" 2>&1; echo "search $job rc=$?" >>"$OUT/tune_search.log"
+  done
+fi
 echo "=== GPU tests"; grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/gpu_tests.log" | tail -8
 for w in 2 4; do
-  echo "=== bench w$w"; grep -vE "Warning|warn|^\*|OMP_NUM|^\s*$" "$OUT/bench_w$w.log" 2>/dev/null | tail -60
+  echo "=== bench w$w"; grep -vE "Warning|warn|^\*|OMP_NUM|^\s*$|^ +[0-9]+x" "$OUT/bench_w$w.log" 2>/dev/null | tail -40
 done
+echo "=== tuner"; tail -2 "$OUT"/tune_bw*.log 2>/dev/null; grep -E "rc=|best|plan|wrote" "$OUT/tune_search.log" 2>/dev/null | tail -12

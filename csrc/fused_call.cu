@@ -1,0 +1,197 @@
+// fo_fused_call: one fused GEMM + per-group collectives issued from C (one host call per fused op).
+//
+// Order of work (all asynchronous; the host returns after enqueueing):
+//   caller stream:  expected := counters (epoch resync), fork event, signal GEMM into buf
+//   side stream:    waits for the fork; per group: bounded wait kernel, then the group's NCCL call(s)
+//                   (all_reduce in place / reduce_scatter buf -> out / grouped send+recv + a local copy)
+//   caller stream:  waits for the side stream's join event
+// The fork is recorded before the GEMM launch, so the side stream depends on the GEMM's inputs but not on the
+// GEMM itself; it is released group by group by the GEMM's tile counters. NCCL is reached through the library
+// already loaded in the process (fo_nccl_bind), with the communicator the caller passes (the process group's).
+#include <cuda_runtime.h>
+#include <dlfcn.h>
+
+#include <string>
+#include <unordered_map>
+
+#include "flashoverlap_sm90.h"
+#include "registry.hpp"
+
+namespace flashoverlap {
+
+// api.cu
+int fail_code(int code, std::string msg);
+int launch_wait(int const* counter, int* expected, int increment, long long timeout_ns, int* error_record, int tag,
+                cudaStream_t stream);
+
+namespace {
+
+using NcclResult = int;  // ncclResult_t: 0 success, 7 in progress (non-blocking communicators)
+using AllReduceFn = NcclResult (*)(void const*, void*, size_t, int, int, void*, cudaStream_t);
+using ReduceScatterFn = NcclResult (*)(void const*, void*, size_t, int, int, void*, cudaStream_t);
+using SendFn = NcclResult (*)(void const*, size_t, int, int, void*, cudaStream_t);
+using RecvFn = NcclResult (*)(void*, size_t, int, int, void*, cudaStream_t);
+using GroupFn = NcclResult (*)();
+using ErrorStringFn = char const* (*)(NcclResult);
+
+struct Nccl {
+  AllReduceFn all_reduce = nullptr;
+  ReduceScatterFn reduce_scatter = nullptr;
+  SendFn send = nullptr;
+  RecvFn recv = nullptr;
+  GroupFn group_start = nullptr;
+  GroupFn group_end = nullptr;
+  ErrorStringFn error_string = nullptr;
+  bool ready() const { return all_reduce && reduce_scatter && send && recv && group_start && group_end; }
+};
+
+Nccl& nccl() {
+  static Nccl n;
+  return n;
+}
+
+constexpr int kNcclSum = 0;
+constexpr int kNcclInProgress = 7;
+
+int nccl_check(NcclResult r, char const* what) {
+  if (r == 0 || r == kNcclInProgress) return 0;
+  char const* msg = nccl().error_string ? nccl().error_string(r) : "?";
+  return fail_code(300 + r, std::string(what) + " failed: NCCL error " + std::to_string(r) + " (" + msg + ")");
+}
+
+struct Events {
+  cudaEvent_t fork = nullptr, join = nullptr;
+};
+
+// Per host thread and device: two threads (e.g. autograd's device thread and the main one) must not interleave
+// record/wait pairs on one event.
+int events_for_current_device(Events*& out) {
+  thread_local std::unordered_map<int, Events> table;
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return fail_code(100 + int(e), std::string("cudaGetDevice: ") + cudaGetErrorString(e));
+  Events& ev = table[device];
+  if (ev.fork == nullptr) {
+    if ((e = cudaEventCreateWithFlags(&ev.fork, cudaEventDisableTiming)) != cudaSuccess ||
+        (e = cudaEventCreateWithFlags(&ev.join, cudaEventDisableTiming)) != cudaSuccess) {
+      return fail_code(100 + int(e), std::string("cudaEventCreate: ") + cudaGetErrorString(e));
+    }
+  }
+  out = &ev;
+  return 0;
+}
+
+int cuda_check(cudaError_t e, char const* what) {
+  return e == cudaSuccess ? 0 : fail_code(100 + int(e), std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// Group g's collective(s) on `side` (after its wait).
+int issue_group(fo_group_step const& s, fo_p2p_step const* p2p, char* buf, char* out, int elem_bytes, int dtype,
+                void* comm, cudaStream_t side) {
+  Nccl const& n = nccl();
+  switch (s.kind) {
+    case 0:
+      if (s.count == 0) return 0;
+      return nccl_check(n.all_reduce(buf + s.buf_offset * elem_bytes, buf + s.buf_offset * elem_bytes,
+                                     size_t(s.count), dtype, kNcclSum, comm, side), "ncclAllReduce");
+    case 1:
+      if (s.count == 0) return 0;
+      return nccl_check(n.reduce_scatter(buf + s.buf_offset * elem_bytes, out + s.out_offset * elem_bytes,
+                                         size_t(s.count), dtype, kNcclSum, comm, side), "ncclReduceScatter");
+    case 2: {
+      if (s.num_p2p > 0) {
+        int rc = nccl_check(n.group_start(), "ncclGroupStart");
+        for (int i = 0; rc == 0 && i < s.num_p2p; ++i) {
+          fo_p2p_step const& p = p2p[s.first_p2p + i];
+          rc = p.recv ? nccl_check(n.recv(out + p.offset * elem_bytes, size_t(p.count), dtype, p.peer, comm, side),
+                                   "ncclRecv")
+                      : nccl_check(n.send(buf + p.offset * elem_bytes, size_t(p.count), dtype, p.peer, comm, side),
+                                   "ncclSend");
+        }
+        int rc_end = nccl_check(n.group_end(), "ncclGroupEnd");  // always close the group
+        if (rc != 0) return rc;
+        if (rc_end != 0) return rc_end;
+      }
+      if (s.local_count > 0) {
+        return cuda_check(cudaMemcpyAsync(out + s.local_out * elem_bytes, buf + s.local_buf * elem_bytes,
+                                          size_t(s.local_count) * elem_bytes, cudaMemcpyDeviceToDevice, side),
+                          "local copy");
+      }
+      return 0;
+    }
+    default:
+      return 0;
+  }
+}
+
+}  // namespace
+}  // namespace flashoverlap
+
+using namespace flashoverlap;
+
+extern "C" {
+
+FO_API int fo_nccl_bind(const char* path) {
+  void* h = dlopen(path, RTLD_NOW | RTLD_NOLOAD);  // only a library already loaded: never a second NCCL
+  if (h == nullptr) return fail_code(8, std::string("fo_nccl_bind: ") + path + " is not loaded in this process");
+  Nccl n;
+  n.all_reduce = reinterpret_cast<AllReduceFn>(dlsym(h, "ncclAllReduce"));
+  n.reduce_scatter = reinterpret_cast<ReduceScatterFn>(dlsym(h, "ncclReduceScatter"));
+  n.send = reinterpret_cast<SendFn>(dlsym(h, "ncclSend"));
+  n.recv = reinterpret_cast<RecvFn>(dlsym(h, "ncclRecv"));
+  n.group_start = reinterpret_cast<GroupFn>(dlsym(h, "ncclGroupStart"));
+  n.group_end = reinterpret_cast<GroupFn>(dlsym(h, "ncclGroupEnd"));
+  n.error_string = reinterpret_cast<ErrorStringFn>(dlsym(h, "ncclGetErrorString"));
+  if (!n.ready()) return fail_code(8, std::string("fo_nccl_bind: ") + path + " lacks NCCL's collective symbols");
+  nccl() = n;
+  return 0;
+}
+
+FO_API int fo_fused_call(int config, const void* a, int64_t lda, const void* b, int64_t ldb, const void* bias,
+                         void* buf, int64_t ldd, int m, int n, int k, const int* group_of_tile_row, int signal_mode,
+                         int sm_count, int raster, int swizzle, void* workspace, size_t workspace_bytes,
+                         int* counters, int* expected, int num_groups, const fo_group_step* steps,
+                         const fo_p2p_step* p2p, void* out, int elem_bytes, int nccl_dtype, void* comm,
+                         int64_t timeout_ns, int* error_record, void* cur_stream, void* side_stream) {
+  if (!nccl().ready()) return fail_code(8, "fo_fused_call: call fo_nccl_bind first");
+  if (num_groups < 1 || steps == nullptr || counters == nullptr || expected == nullptr) {
+    return fail_code(2, "fo_fused_call: needs >= 1 group, steps, counters and expected");
+  }
+  GemmConfig const* c = config_at(config);
+  if (c == nullptr) return fail_code(1, "fo_fused_call: no configuration " + std::to_string(config));
+  auto cur = static_cast<cudaStream_t>(cur_stream);
+  auto side = static_cast<cudaStream_t>(side_stream);
+  Events* ev = nullptr;
+  int rc = events_for_current_device(ev);
+  if (rc != 0) return rc;
+  bool const rows = m > 0;
+  if (rows) {  // epoch resync: every earlier user of these counters has been joined into `cur`
+    rc = cuda_check(cudaMemcpyAsync(expected, counters, size_t(num_groups) * sizeof(int), cudaMemcpyDeviceToDevice,
+                                    cur), "epoch resync");
+    if (rc != 0) return rc;
+  }
+  if ((rc = cuda_check(cudaEventRecord(ev->fork, cur), "fork record")) != 0) return rc;
+  if ((rc = cuda_check(cudaStreamWaitEvent(side, ev->fork, 0), "fork wait")) != 0) return rc;
+  if (rows) {
+    GemmCall call{a,        lda,        b,        ldb,   bias,    buf,       ldd,           m,
+                  n,        k,          counters, group_of_tile_row, signal_mode, sm_count, raster, swizzle,
+                  workspace, workspace_bytes, cur};
+    std::string err;
+    rc = c->run(call, err);
+    if (rc != 0) return fail_code(rc, err);  // nothing is queued on `side` but the fork: no join needed
+  }
+  char* const bufp = static_cast<char*>(buf);
+  char* const outp = static_cast<char*>(out);
+  for (int g = 0; g < num_groups && rc == 0; ++g) {
+    if (steps[g].tiles > 0) {
+      rc = launch_wait(counters + g, expected + g, steps[g].tiles, (long long)timeout_ns, error_record, g, side);
+    }
+    if (rc == 0) rc = issue_group(steps[g], p2p, bufp, outp, elem_bytes, nccl_dtype, comm, side);
+  }
+  // Join even after a failure, so the caller's stream never runs ahead of work already queued on `side`.
+  int rc_join = cuda_check(cudaEventRecord(ev->join, side), "join record");
+  if (rc_join == 0) rc_join = cuda_check(cudaStreamWaitEvent(cur, ev->join, 0), "join wait");
+  return rc != 0 ? rc : rc_join;
+}
+
+}  // extern "C"
