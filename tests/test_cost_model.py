@@ -153,7 +153,7 @@ def test_group_completion_follows_plan_tile_order():
     done = g.group_completion_ms(plan.row_bounds, n, k, "bfloat16", 128, 256)
     # tile-row -> group from plan.py; group g's last tile is the last tile of its last tile-row
     owner = group_of_tile_row(plan.row_bounds, 128)
-    wave = g.wave_ms(k, "bfloat16", 128, 256)
+    wave = g.wave_ms(k, "bfloat16", 128, 256, g.kernel_efficiency)
     for grp in range(3):
         last_row = max(t for t, o in enumerate(owner) if o == grp)
         tiles_done = (last_row + 1) * plan.tile_cols

@@ -252,9 +252,9 @@ def test_shipped_files_are_the_converted_anchors():
     bandwidth, gemm = convert(anchors, ["tp2", "tp4"], measured="2026-11-22")
     assert bandwidth["curves"] == _shipped("bandwidth")["curves"]
     shipped = _shipped("gemm")
-    # fused-path slowdowns are measured on the fused kernel (examples/device/timeline.py), not in the anchors
-    measured = {"gemm_slowdown", "comm_slowdown", "slowdown_note"}
-    shipped["fused"] = {k: v for k, v in shipped["fused"].items() if k not in measured}
-    for key in ("model", "dtype_scale", "fused", "interference", "anchor_rows"):
+    # the fused-path section is fitted to the fused op's own benchmark (``tune fit``), not to the anchors
+    assert set(shipped["fused"]["fit"]) >= {"inputs", "median_rel_error", "rows"}
+    assert shipped["fused"]["grid"] in ("persistent", "tiles")
+    for key in ("model", "dtype_scale", "interference", "anchor_rows"):
         assert gemm[key] == shipped[key], key
     assert set(COLLECTIVES) == set(bandwidth["curves"]["2"])
