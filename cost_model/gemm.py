@@ -49,6 +49,7 @@ class GemmModel:
     fused_gemm_slowdown: float | None = None  # measured on the fused path (overrides the cuBLAS-derived value)
     comm_slowdown: float = 0.0  # NCCL runs (1 + this) times slower while the fused GEMM occupies its SMs
     grid: str = "persistent"  # how the fused GEMM is launched ("persistent" or "tiles"; schema.py)
+    group_overhead_ms: float = 0.0  # fixed cost of each group's wait + collective launch (CostModel.call_overhead_ms)
     anchor_rows: tuple[Mapping[str, Any], ...] = field(default=(), repr=False)
     source: str = ""
 
@@ -72,6 +73,7 @@ class GemmModel:
             interference=float(doc["interference"]["gemm_slowdown_per_comm_ms"]),
             fused_gemm_slowdown=None if fused.get("gemm_slowdown") is None else float(fused["gemm_slowdown"]),
             comm_slowdown=float(fused.get("comm_slowdown", 0.0)), grid=str(fused.get("grid", "persistent")),
+            group_overhead_ms=float(fused.get("group_overhead_ms", 0.0)),
             anchor_rows=tuple(doc.get("anchor_rows", ())), source=f"{where}: {doc['source']}")
 
     def supports(self, dtype: str) -> bool:

@@ -162,7 +162,7 @@ def _model_for(directory: Path, name: str) -> tuple[CostModel, str]:
     curve, how_c = _resolve(data.curves, name, "bandwidth curve")
     gemm, how_g = _resolve(data.gemms, name, "GEMM model")
     how = how_c if how_c == how_g else f"curve {how_c}, GEMM {how_g}"
-    return CostModel(curve, gemm), how
+    return CostModel(curve, gemm, call_overhead_ms=gemm.group_overhead_ms), how
 
 
 def model_for(device_name: str | None) -> tuple[CostModel, str]:

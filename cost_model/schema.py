@@ -23,7 +23,8 @@ Three kinds of document live in the config directory (``configs/`` of the packag
 
   ``fused.grid`` (optional, default ``"persistent"``): how the fused GEMM is launched, one persistent CTA per
   SM on ``sm_count - nccl_sms`` SMs, or ``"tiles"``, one CTA per tile on every SM (NCCL then takes SMs as
-  tiles finish; ``nccl_sms`` is 0); ``runtime_gpu`` launches what the model assumes.
+  tiles finish; ``nccl_sms`` is 0); ``runtime_gpu`` launches what the model assumes. ``fused.group_overhead_ms``
+  (optional, default 0): a fixed cost added to each group's collective (its wait and NCCL launch).
 
 ``flashoverlap.plans/1`` (``configs/plans/*.json``): tuned plans that override the search::
 
@@ -167,6 +168,8 @@ def validate_gemm(doc: Any, where: str) -> dict[str, Any]:
         raise _fail(where, "fused.nccl_sms", f"must be in [0, sm_count={doc['sm_count']}), got {nccl_sms}")
     if fused.get("grid", "persistent") not in GEMM_GRIDS:
         raise _fail(where, "fused.grid", f"must be one of {GEMM_GRIDS}, got {fused.get('grid')!r}")
+    if "group_overhead_ms" in fused:
+        _positive(fused["group_overhead_ms"], where, "fused.group_overhead_ms", allow_zero=True)
     eff = _positive(_require(fused, "kernel_efficiency", (int, float), where, "fused"), where,
                     "fused.kernel_efficiency")
     if eff > 2:

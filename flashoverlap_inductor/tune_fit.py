@@ -1,7 +1,7 @@
 """``tune fit``: calibrate the cost model's fused-path parameters to measured benchmark rows (CPU only).
 
     python -m flashoverlap_inductor.tune fit --bench bench_w4.json bench_w2.json [--variant tiles/direct]
-                                             [--grid tiles] [--write]
+                                             [--grid tiles] [--gemm] [--write]
 
 Input: the JSON of ``examples/bench_ops.py`` (each row holds the plan it ran and T_fused; ``--variant`` takes the
 times of one ``--fused-variants`` entry instead of the default fused column). The model's GEMM rate and the NCCL
@@ -11,9 +11,12 @@ of T_fused over the rows:
 
 * ``kernel_efficiency``: the signal GEMM's rate relative to the fitted cuBLAS rate;
 * ``gemm_slowdown``: extra GEMM ms per ms of concurrent NCCL;
-* ``comm_slowdown``: NCCL runs ``1 + comm_slowdown`` times slower beside the GEMM.
+* ``comm_slowdown``: NCCL runs ``1 + comm_slowdown`` times slower beside the GEMM;
+* ``group_overhead_ms``: a fixed cost per group (its wait's release and NCCL launch latency).
 
-``--grid`` names the GEMM grid the rows ran with (``tiles``: ``nccl_sms`` = 0, every SM to the GEMM). ``--write``
+``--gemm`` first refits the cuBLAS wave model (``peak_tflops``, ``launch_ms``; what T_seq is predicted with) to the
+rows' T_gemm. ``--grid`` names the GEMM grid the rows ran with (default: the variant's, else the model's; ``tiles``:
+``nccl_sms`` = 0, every SM to the GEMM). ``--write``
 stores the result, with the grid, the fit's error and its inputs, in the ``fused`` section of the GPU's
 ``flashoverlap.gemm/1`` file (``runtime_gpu`` then launches the grid the model assumes).
 """
@@ -30,9 +33,10 @@ from typing import Any
 
 from flashoverlap_inductor.plan import GroupPlan, chunks_for
 
-EFFICIENCIES = tuple(round(0.70 + 0.025 * i, 3) for i in range(15))  # 0.70 .. 1.05
-GEMM_SLOWDOWNS = tuple(round(0.05 * i, 2) for i in range(13))  # 0 .. 0.60
-COMM_SLOWDOWNS = tuple(round(0.1 * i, 1) for i in range(21))  # 0 .. 2.0
+EFFICIENCIES = tuple(round(0.75 + 0.025 * i, 3) for i in range(12))  # 0.75 .. 1.025
+GEMM_SLOWDOWNS = tuple(round(0.05 * i, 2) for i in range(9))  # 0 .. 0.40
+COMM_SLOWDOWNS = tuple(round(0.1 * i, 1) for i in range(13))  # 0 .. 1.2
+GROUP_OVERHEADS_MS = (0.0, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1)
 
 
 def load_rows(paths: list[str], variant: str | None) -> tuple[list[dict[str, Any]], str]:
@@ -62,24 +66,40 @@ def fit(model: Any, rows: list[dict[str, Any]], grid: str) -> dict[str, Any]:
     """The best (kernel_efficiency, gemm_slowdown, comm_slowdown) for ``rows`` and the errors before/after."""
     nccl_sms = 0 if grid == "tiles" else model.gemm.nccl_sms
 
-    def errors(eff: float, gs: float, cs: float) -> list[float]:
+    def errors(eff: float, gs: float, cs: float, oh: float) -> list[float]:
         gemm = dataclasses.replace(model.gemm, nccl_sms=nccl_sms, kernel_efficiency=eff, fused_gemm_slowdown=gs,
-                                   comm_slowdown=cs, grid=grid)
-        m = dataclasses.replace(model, gemm=gemm)
+                                   comm_slowdown=cs, grid=grid, group_overhead_ms=oh)
+        m = dataclasses.replace(model, gemm=gemm, call_overhead_ms=oh)
         return [abs(predict(m, r) - r["fused_ms"]) / r["fused_ms"] for r in rows]
 
-    before = errors(model.gemm.kernel_efficiency, model.gemm.effective_interference, model.gemm.comm_slowdown)
-    best: tuple[float, float, tuple[float, float, float]] | None = None
-    for eff, gs, cs in itertools.product(EFFICIENCIES, GEMM_SLOWDOWNS, COMM_SLOWDOWNS):
-        errs = sorted(errors(eff, gs, cs))
+    before = errors(model.gemm.kernel_efficiency, model.gemm.effective_interference, model.gemm.comm_slowdown,
+                    model.call_overhead_ms)
+    best: tuple[float, float, tuple[float, float, float, float]] | None = None
+    for eff, gs, cs, oh in itertools.product(EFFICIENCIES, GEMM_SLOWDOWNS, COMM_SLOWDOWNS, GROUP_OVERHEADS_MS):
+        errs = sorted(errors(eff, gs, cs, oh))
         key = (errs[len(errs) // 2], sum(errs) / len(errs))
         if best is None or key < best[:2]:
-            best = (*key, (eff, gs, cs))
+            best = (*key, (eff, gs, cs, oh))
     assert best is not None
-    eff, gs, cs = best[2]
+    eff, gs, cs, oh = best[2]
     return {"grid": grid, "nccl_sms": nccl_sms, "kernel_efficiency": eff, "gemm_slowdown": gs, "comm_slowdown": cs,
+            "group_overhead_ms": oh,
             "median_rel_error": round(best[0], 4), "mean_rel_error": round(best[1], 4),
             "median_rel_error_before": round(sorted(before)[len(before) // 2], 4), "rows": len(rows)}
+
+
+def fit_cublas(paths: list[str], sm_count: int, tile: tuple[int, int]) -> dict[str, float]:
+    """``import_anchor.fit_gemm`` on the benchmark's cuBLAS times (``gemm_ms``; the median per shape over the
+    files), with those ``samples`` ([m, n, k, ms]) kept in the result."""
+    from flashoverlap_inductor.cost_model.import_anchor import fit_gemm
+
+    per_shape: dict[tuple[int, int, int], list[float]] = {}
+    for path in paths:
+        for r in json.loads(Path(path).read_text())["rows"]:
+            if r.get("gemm_ms") and math.isfinite(r["gemm_ms"]):
+                per_shape.setdefault((r["m"], r["n"], r["k"]), []).append(float(r["gemm_ms"]))
+    samples = [(m, n, k, sorted(v)[len(v) // 2]) for (m, n, k), v in sorted(per_shape.items())]
+    return {**fit_gemm(samples, sm_count, tile), "samples": [list(x) for x in samples]}
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
@@ -89,8 +109,15 @@ def cmd_fit(args: argparse.Namespace) -> int:
     if not rows:
         print("tune fit: no usable rows")
         return 2
-    grid = args.grid or (args.variant.split("/")[0] if args.variant else "persistent")
     model = model_for(gpu)[0]
+    grid = args.grid or (args.variant.split("/")[0] if args.variant else model.gemm.grid)
+    refit = None
+    if args.gemm:  # the sequential baseline's cuBLAS model first: the fused fit builds on its rate
+        refit = fit_cublas(args.bench, model.gemm.sm_count, model.gemm.tile)
+        model = dataclasses.replace(model, gemm=dataclasses.replace(
+            model.gemm, peak_tflops=refit["peak_tflops"], launch_ms=refit["launch_ms"],
+            wave_overhead_ms=refit["wave_overhead_ms"]))
+        print(json.dumps({"cublas": refit}, indent=1))
     result = fit(model, rows, grid)
     print(json.dumps(result, indent=1))
     if args.write:
@@ -99,9 +126,19 @@ def cmd_fit(args: argparse.Namespace) -> int:
             doc = json.loads(path.read_text())
             if str(doc.get("schema", "")).startswith("flashoverlap.gemm/") and \
                     registry.normalize_gpu_name(str(doc.get("gpu", ""))) == want:
+                if refit is not None:
+                    doc["model"].update(refit)
+                    doc["model"]["note"] = (f"refitted by tune fit to the cuBLAS GEMM times of "
+                                            f"{', '.join(Path(p).name for p in args.bench)} (minimax log error), "
+                                            f"all SMs")
                 fused = doc["fused"]
-                for key in ("grid", "nccl_sms", "kernel_efficiency", "gemm_slowdown", "comm_slowdown"):
+                for key in ("grid", "nccl_sms", "kernel_efficiency", "gemm_slowdown", "comm_slowdown",
+                            "group_overhead_ms"):
                     fused[key] = result[key]
+                fused.pop("slowdown_note", None)
+                fused["note"] = (f"fitted by tune fit to T_fused of the op benchmark ({grid} grid): GEMM rate "
+                                 f"(kernel_efficiency, relative to the cuBLAS model), GEMM slowdown per ms of "
+                                 f"concurrent NCCL, NCCL slowdown beside the GEMM, fixed cost per group")
                 fused["fit"] = {"inputs": [Path(p).name for p in args.bench], "variant": args.variant or "fused",
                                 **{k: result[k] for k in ("median_rel_error", "mean_rel_error",
                                                           "median_rel_error_before", "rows")}}
@@ -120,4 +157,6 @@ def add_parser(sub: Any) -> None:
     fi.add_argument("--variant", default=None, help="a --fused-variants entry (default: the fused column)")
     fi.add_argument("--grid", choices=("persistent", "tiles"), default=None,
                     help="the GEMM grid the rows ran with (default: the variant's, else persistent)")
+    fi.add_argument("--gemm", action="store_true",
+                    help="also refit the cuBLAS model (peak rate, launch time) to the rows' T_gemm")
     fi.add_argument("--write", action="store_true", help="store the result in the GPU's GEMM model file")

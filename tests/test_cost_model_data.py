@@ -247,14 +247,27 @@ def test_convert_rejects_mixed_gpus():
 
 
 @pytest.mark.skipif(not (SHARED_DATA / "h200_nvlink_tp2_anchor.json").exists(), reason="shared anchors absent")
-def test_shipped_files_are_the_converted_anchors():
+def test_shipped_files_derive_from_the_anchors_and_the_tuner():
+    """configs/: the GEMM file keeps the anchors' conversion (dtype scales, interference, rows) with the cuBLAS
+    model either converted or refitted by ``tune fit --gemm`` (then with its samples) and a fused section fitted by
+    ``tune fit``; the bandwidth file holds ``tune bandwidth`` curves (4 points per octave, 64 KiB .. 1 GiB) for
+    worlds 2 and 4, which agree with the anchors' own points of >= 64 MiB within 35% (a different harness)."""
     anchors = [json.loads((SHARED_DATA / f"h200_nvlink_tp{w}_anchor.json").read_text()) for w in (2, 4)]
     bandwidth, gemm = convert(anchors, ["tp2", "tp4"], measured="2026-11-22")
-    assert bandwidth["curves"] == _shipped("bandwidth")["curves"]
     shipped = _shipped("gemm")
-    # the fused-path section is fitted to the fused op's own benchmark (``tune fit``), not to the anchors
     assert set(shipped["fused"]["fit"]) >= {"inputs", "median_rel_error", "rows"}
     assert shipped["fused"]["grid"] in ("persistent", "tiles")
-    for key in ("model", "dtype_scale", "interference", "anchor_rows"):
+    for key in ("dtype_scale", "interference", "anchor_rows"):
         assert gemm[key] == shipped[key], key
-    assert set(COLLECTIVES) == set(bandwidth["curves"]["2"])
+    assert shipped["model"] == gemm["model"] or len(shipped["model"]["samples"]) >= 8
+    tuned = _shipped("bandwidth")
+    assert "tune bandwidth" in tuned["source"]
+    for world in ("2", "4"):
+        assert set(COLLECTIVES) == set(tuned["curves"][world])
+        for coll in COLLECTIVES:
+            points = tuned["curves"][world][coll]
+            assert points[0][0] <= 64 * 1024 and points[-1][0] >= 1 << 30 and len(points) >= 4 * 14
+            curve = dict(points)
+            for nbytes, ms in bandwidth["curves"][world][coll]:
+                if nbytes in curve and nbytes >= 64 << 20:  # latency-bound sizes differ most between harnesses
+                    assert curve[nbytes] == pytest.approx(ms, rel=0.35), (world, coll, nbytes)

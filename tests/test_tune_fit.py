@@ -30,13 +30,15 @@ def _bench_doc(model, variant: str) -> dict:
 def test_fit_recovers_the_parameters_that_made_the_rows(tmp_path):
     base = model_for("NVIDIA H200")[0]
     truth = dataclasses.replace(base, gemm=dataclasses.replace(
-        base.gemm, nccl_sms=0, kernel_efficiency=0.9, fused_gemm_slowdown=0.25, comm_slowdown=0.6, grid="tiles"))
+        base.gemm, nccl_sms=0, kernel_efficiency=0.9, fused_gemm_slowdown=0.25, comm_slowdown=0.6, grid="tiles"),
+        call_overhead_ms=0.02)
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(_bench_doc(truth, "tiles/direct")))
     rows, gpu = tune_fit.load_rows([str(path)], "tiles/direct")
     assert gpu == "NVIDIA H200" and len(rows) == 2 * 2 * len(SHAPES) * 2
     got = tune_fit.fit(base, rows, "tiles")
-    assert (got["kernel_efficiency"], got["gemm_slowdown"], got["comm_slowdown"]) == (0.9, 0.25, 0.6), got
+    assert (got["kernel_efficiency"], got["gemm_slowdown"], got["comm_slowdown"], got["group_overhead_ms"]) == \
+        (0.9, 0.25, 0.6, 0.02), got
     assert got["median_rel_error"] < 1e-9 < got["median_rel_error_before"]
 
 
