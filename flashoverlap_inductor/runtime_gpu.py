@@ -11,11 +11,15 @@ Same entry points and semantics as ``runtime_cpu``/``runtime_cuda`` (see ``ops``
    best compiled one for the plan's tile), ``plan.group_of_tile_row`` / ``plan.tiles_per_group`` with the kernel's
    tile, the row index that gathers A's rows in buffer order (reduce_scatter / all_to_all layouts), the workspace.
 3. Caller's stream: ``expected := counters`` (epoch resync, see ``streams``), fork to the side stream, signal-GEMM
-   into the buffer on ``sm_count - sm_reserve`` SMs (the rest are left to NCCL).
+   into the buffer: one CTA per tile on every SM (grid "tiles", the H200 default: SMs freed by finished tiles go
+   to NCCL's higher-priority kernels first) or one persistent CTA per SM on ``sm_count - sm_reserve`` SMs.
 4. Side stream, per group: the wait for the group's tiles, then its collective on the group's contiguous rows:
    all_reduce in place, reduce_scatter into this rank's output rows, all_to_all as grouped send/recv straight into
-   the output plus a local copy.
+   the output plus a local copy. The collectives are direct NCCL calls on the process group's own communicator
+   (``nccl_direct``), else ``torch.distributed`` calls.
 5. The caller's stream waits for the side stream.
+
+With the direct route, steps 3-5 are one host call into the library (``fused_launch``, ``fo_fused_call``).
 
 Unfused fallback (``runtime_cuda``; logged once per reason, counted in ``stats["fallback:<reason>"]``): the library
 or an sm90 GPU missing, fp32, N or K not multiples of 8, a batch of distinct ``b`` matrices, a bias varying along

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 4 on one nvidia-h200-x4 machine, < 9.5 min: the GPU tests (2 ranks on GPUs 0,1) beside a 2-GPU benchmark
-# (GPUs 2,3), then the 4-GPU benchmark; every benchmark times, side by side, the fused path in each GEMM grid /
+# (GPUs 2,3), then the 4-GPU benchmark (on an -x2 machine: the tests, then the 2-GPU benchmark); every benchmark times, side by side, the fused path in each GEMM grid /
 # NCCL route (FO_VARIANTS) next to all baselines.
 #   run(command="bash examples/device/overlap_modes.sh", carry=["build/libflashoverlap_sm90.so", ".whl"],
 #       kind="nvidia-h200-x4")
@@ -18,15 +18,22 @@ TORCHRUN=(python3 -m torch.distributed.run --standalone)
 nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu,power.draw --format=csv >"$OUT/gpus.txt" 2>&1
 left() { echo $((END - SECONDS - 20)); }
 
+NGPU=$(nvidia-smi -L | wc -l)
+B2GPUS=2,3
+if [ "$NGPU" -lt 4 ]; then  # one pair of GPUs: tests first, then the 2-GPU benchmark on the same pair; no bench4
+  B2GPUS=0,1
+  SKIP="$SKIP bench4 "
+fi
 pids=()
 if [[ "$SKIP" != *" tests "* ]]; then
   (CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 -m pytest -q -rs -p no:cacheprovider \
      "$REPO/tests/test_gpu_ops.py" "$REPO/tests/test_gpu_kernels.py" >"$OUT/gpu_tests.log" 2>&1
    echo "gpu pytest rc=$?" >>"$OUT/gpu_tests.log") &
   pids+=($!)
+  [ "$NGPU" -lt 4 ] && wait "${pids[@]}"
 fi
 if [[ "$SKIP" != *" bench2 "* ]]; then
-  (CUDA_VISIBLE_DEVICES=2,3 timeout 300 "${TORCHRUN[@]}" --master-port 29611 --nproc_per_node=2 \
+  (CUDA_VISIBLE_DEVICES=$B2GPUS timeout 300 "${TORCHRUN[@]}" --master-port 29611 --nproc_per_node=2 \
      "$REPO/examples/bench_ops.py" --json "$OUT/bench_w2.json" --png "$OUT/bench_w2.png" --shapes "$SHAPES2" \
      --fused-variants "$VARIANTS" --time-budget-s 240 ${FO_ARGS:-} >"$OUT/bench_w2.log" 2>&1
    echo "bench2 rc=$?" >>"$OUT/bench_w2.log") &
