@@ -175,15 +175,22 @@ class Communicator:
 
 
 _validated: dict[tuple[int, int, int], Communicator] = {}
+# (id(group), device index) -> (group, communicator): reading ``_comm_ptr()`` costs ~100 us per call on torch 2.11,
+# so a group's communicator is looked up once. A process group keeps its communicator for its whole life (an
+# aborted group is unusable; a re-initialized one is a new group object).
+_by_group: dict[tuple[int, int | None], tuple[object, Communicator]] = {}
 
 
 def communicator(group: object, device: torch.device) -> Communicator | None:
     """The ``ncclComm_t`` of ``group`` on ``device`` (None: use ``torch.distributed``; see the module docstring).
 
-    The pointer is read on every call (torch creates the communicator lazily and may replace it after an abort);
-    its size/rank check against the group is done once per pointer."""
+    Until torch has created the communicator (lazily, at the group's first collective) this returns None on every
+    rank alike; once found it is cached per group and device, after a size/rank check against the group."""
     if MODE != "direct":
         return None
+    cached = _by_group.get((id(group), device.index))
+    if cached is not None and cached[0] is group:  # the group object itself is kept alive: its id is not reused
+        return cached[1]
     lib = library()
     if lib is None:
         return None
@@ -207,6 +214,7 @@ def communicator(group: object, device: torch.device) -> Communicator | None:
                     "using torch.distributed", count.value, user_rank.value, size, rank)
         return None
     _validated[key] = Communicator(lib, ptr, size, rank)
+    _by_group[(id(group), device.index)] = (group, _validated[key])
     return _validated[key]
 
 

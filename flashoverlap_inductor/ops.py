@@ -228,11 +228,14 @@ def _new_output(a: torch.Tensor, shape: list) -> torch.Tensor:
     return torch.empty(shape, dtype=a.dtype, device=a.device)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::gemm_all_reduce", mutates_args=(), schema=_SCHEMAS["gemm_all_reduce"])
-def gemm_all_reduce(a, b, bias, reduce_op, group_name, plan):
+def _gemm_all_reduce(a, b, bias, reduce_op, group_name, plan):
     check_reduce_op(reduce_op)
     gemm_output_shape(a, b, bias)
     return _runtime(a).gemm_all_reduce(a, b, bias, resolve_group(group_name), plan)
+
+
+gemm_all_reduce = torch.library.custom_op(f"{NAMESPACE}::gemm_all_reduce", mutates_args=(),
+                                          schema=_SCHEMAS["gemm_all_reduce"])(_gemm_all_reduce)
 
 
 @gemm_all_reduce.register_fake
@@ -241,9 +244,7 @@ def _(a, b, bias, reduce_op, group_name, plan):
     return _new_output(a, gemm_output_shape(a, b, bias))
 
 
-@torch.library.custom_op(f"{NAMESPACE}::gemm_reduce_scatter", mutates_args=(),
-                         schema=_SCHEMAS["gemm_reduce_scatter"])
-def gemm_reduce_scatter(a, b, bias, reduce_op, group_size, group_name, plan):
+def _gemm_reduce_scatter(a, b, bias, reduce_op, group_size, group_name, plan):
     check_reduce_op(reduce_op)
     shape = gemm_output_shape(a, b, bias)
     group = resolve_group(group_name)
@@ -251,6 +252,10 @@ def gemm_reduce_scatter(a, b, bias, reduce_op, group_size, group_name, plan):
         raise ValueError(f"flashoverlap: group_size {group_size} != size {group.size()} of group {group_name!r}")
     even_splits(shape[0], group_size, "reduce_scatter")
     return _runtime(a).gemm_reduce_scatter(a, b, bias, group, plan)
+
+
+gemm_reduce_scatter = torch.library.custom_op(f"{NAMESPACE}::gemm_reduce_scatter", mutates_args=(),
+                                              schema=_SCHEMAS["gemm_reduce_scatter"])(_gemm_reduce_scatter)
 
 
 @gemm_reduce_scatter.register_fake
@@ -262,8 +267,7 @@ def _(a, b, bias, reduce_op, group_size, group_name, plan):
     return _new_output(a, [shape[0] // group_size, *shape[1:]])
 
 
-@torch.library.custom_op(f"{NAMESPACE}::gemm_all_to_all", mutates_args=(), schema=_SCHEMAS["gemm_all_to_all"])
-def gemm_all_to_all(a, b, bias, output_split_sizes, input_split_sizes, group_name, plan):
+def _gemm_all_to_all(a, b, bias, output_split_sizes, input_split_sizes, group_name, plan):
     shape = gemm_output_shape(a, b, bias)
     group = resolve_group(group_name)
     outs, ins = all_to_all_splits(shape[0], group.size(), output_split_sizes, input_split_sizes)
@@ -271,6 +275,10 @@ def gemm_all_to_all(a, b, bias, output_split_sizes, input_split_sizes, group_nam
         raise ValueError(f"flashoverlap: all_to_all rank {group.rank()} sends itself {ins[group.rank()]} rows but "
                          f"expects {outs[group.rank()]} (input_split_sizes {ins}, output_split_sizes {outs})")
     return _runtime(a).gemm_all_to_all(a, b, bias, output_split_sizes, input_split_sizes, group, plan)
+
+
+gemm_all_to_all = torch.library.custom_op(f"{NAMESPACE}::gemm_all_to_all", mutates_args=(),
+                                          schema=_SCHEMAS["gemm_all_to_all"])(_gemm_all_to_all)
 
 
 @gemm_all_to_all.register_fake
@@ -282,6 +290,27 @@ def _(a, b, bias, output_split_sizes, input_split_sizes, group_name, plan):
     rows = sum(output_split_sizes) if output_split_sizes is not None else shape[0]
     return _new_output(a, [rows, *shape[1:]])
 
+
+# The CUDA fast path: a plain kernel on the AutogradCUDA key runs the implementation directly, skipping the
+# custom-op layers (autograd wrapper, dynamo guard, aliasing check) that cost ~130 us of host time per call on
+# torch 2.11 (examples/device/host_profile.py). The ops have no autograd formula (the pass inserts them after
+# autograd): with grad enabled and an input that requires grad, this kernel raises instead.
+_fast_lib = torch.library.Library(NAMESPACE, "IMPL")
+
+
+def _fast_kernel(name: str, impl):
+    def kernel(*args):
+        if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in args):
+            raise RuntimeError(f"{NAMESPACE}::{name} has no autograd formula; it is meant for graphs after autograd "
+                               "(torch.compile with backend='flashoverlap' inserts it there)")
+        return impl(*args)
+    kernel.__name__ = f"{name}_cuda"
+    return kernel
+
+
+for _name, _impl in (("gemm_all_reduce", _gemm_all_reduce), ("gemm_reduce_scatter", _gemm_reduce_scatter),
+                     ("gemm_all_to_all", _gemm_all_to_all)):
+    _fast_lib.impl(_name, _fast_kernel(_name, _impl), "AutogradCUDA")
 
 FUSED_OPS = (
     torch.ops.flashoverlap.gemm_all_reduce.default,
