@@ -96,17 +96,19 @@ def fused_call(op: str, a: torch.Tensor, b: torch.Tensor, plan: str, world: int,
 
 def with_mode(spec: str, fn):
     """``fn`` run with the fused path's GEMM grid, NCCL route and host loop set to ``spec`` =
-    ``"<grid>/<nccl>[/<host>]"`` (grid ``persistent|tiles``: ``runtime_gpu.GEMM_GRID``; nccl ``direct|torch``:
-    ``nccl_direct.MODE``; host ``c|python``: ``fused_launch.HOST_LOOP``, default c)."""
-    grid, mode, host = (spec.split("/") + ["c"])[:3]
+    ``"<grid>/<nccl>[/<host>[/<kernel>]]"`` (grid ``persistent|tiles``: ``runtime_gpu.GEMM_GRID``; nccl
+    ``direct|torch``: ``nccl_direct.MODE``; host ``c|python``: ``fused_launch.HOST_LOOP``, default c; kernel: a
+    configuration name for ``runtime_gpu.KERNEL``, default the plan's)."""
+    grid, mode, host, kernel = (spec.split("/") + ["c", ""])[:4]
 
     def run():
-        old = runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP
+        old = runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.KERNEL
         runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP = grid, mode, host
+        runtime_gpu.KERNEL = kernel or None
         try:
             return fn()
         finally:
-            runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP = old
+            runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.KERNEL = old
     return run
 
 
@@ -492,7 +494,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for spec in args.fused_variants:
         grid, mode, host = (spec.split("/") + ["c"])[:3]
         if grid not in ("persistent", "tiles") or mode not in ("direct", "torch") or host not in ("c", "python"):
-            p.error(f"--fused-variants: {spec!r} is not <persistent|tiles>/<direct|torch>[/<c|python>]")
+            p.error(f"--fused-variants: {spec!r} is not <persistent|tiles>/<direct|torch>[/<c|python>[/<kernel>]]")
     unknown = set(args.ops) - set(OPS)
     if unknown:
         p.error(f"unknown ops {sorted(unknown)}")

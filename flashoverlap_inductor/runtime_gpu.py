@@ -71,6 +71,8 @@ RASTER = "along_n"  # row-major tile order: tile-rows, hence groups, complete in
 # The fused GEMM's grid ("persistent" | "tiles", ``kernel_select.gemm_grid``); None = $FLASHOVERLAP_GEMM_GRID, else
 # the cost model's ``fused.grid``.
 GEMM_GRID: str | None = None
+# A kernel configuration every fused GEMM uses instead of the plan's (experiments; None = the plan's / preferred).
+KERNEL: str | None = os.environ.get("FLASHOVERLAP_KERNEL") or None
 FUSE_SINGLE_GROUP = False  # a one-group plan overlaps nothing: cuBLAS then NCCL is faster
 MAX_LAUNCHES = 512
 
@@ -181,8 +183,8 @@ def _make_launch(collective: str, plan: str, rows: int, n: int, k: int, dtype: t
     if groups < 2 and not FUSE_SINGLE_GROUP:
         return "single_group", "the plan has one group: nothing to overlap"
     tile = (sched.plan.tile_m, sched.plan.tile_n) if sched.plan is not None else None
-    choice = choose_kernel(_kernel_infos(), sched.plan.kernel if sched.plan is not None else "", tile, dname,
-                           layout, preferred_kernels(res.name))
+    plan_kernel = KERNEL or (sched.plan.kernel if sched.plan is not None else "")
+    choice = choose_kernel(_kernel_infos(), plan_kernel, tile, dname, layout, preferred_kernels(res.name))
     if choice is None:
         return "no_config", f"no configuration compiled for {dname}"
     if choice.convert_b:
@@ -250,7 +252,7 @@ def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor |
         res.raise_if_timed_out()
     layout = b_layout(opnd.b)
     key = (collective, plan, rows, n, k, a.dtype, world, rank, send_rows, recv_rows, res.index, layout,
-           getattr(group, "group_name", id(group)), SIGNAL_MODE, SWIZZLE, SM_RESERVE, GEMM_GRID)
+           getattr(group, "group_name", id(group)), SIGNAL_MODE, SWIZZLE, SM_RESERVE, GEMM_GRID, KERNEL)
     capturing = torch.cuda.is_current_stream_capturing()
     launch = _launches.get(key)
     if launch is None:
