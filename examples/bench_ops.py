@@ -335,6 +335,7 @@ def summarize(rows: list[dict[str, Any]], world: int) -> dict[str, Any]:
             "geomean_ideal_speedup": tm.geomean(r["ideal_speedup"] for r in rs),
             "geomean_chunked_speedup": tm.geomean(r["chunked_speedup"] for r in rs),
             "geomean_asynctp_speedup": tm.geomean(r["asynctp_speedup"] for r in rs),
+            "geomean_auto_speedup": tm.geomean(r["auto_speedup"] for r in rs),
             "speedup_8192": at[0]["speedup"] if at else math.nan,
             "median_efficiency": tm.median(tm.finite(r["efficiency"] for r in rs)),
             "worst_auto_ratio": max(tm.finite(r["auto_ms"] / r["seq_ms"] for r in rs if r["seq_ms"] > 0),
@@ -412,7 +413,8 @@ def format_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
                 f"{_f(r['variants'][spec]['ms'])}" for r in rs) + f" | geomean speedup "
                 f"{agg['variants'][spec]['geomean_speedup']:.3f} wrong {agg['variants'][spec]['wrong']}")
         lines.append(f"   geomean speedup {agg['geomean_speedup']:.3f} (ideal {agg['geomean_ideal_speedup']:.3f}, "
-                     f"chunked {agg['geomean_chunked_speedup']:.3f}, async-TP {agg['geomean_asynctp_speedup']:.3f}); "
+                     f"chunked {agg['geomean_chunked_speedup']:.3f}, async-TP {agg['geomean_asynctp_speedup']:.3f}, "
+                     f"auto {agg['geomean_auto_speedup']:.3f}); "
                      f"min {agg['min_speedup']:.3f}; worst auto/seq {agg['worst_auto_ratio']:.3f}; cost model "
                      f"median err fused {agg['median_err_fused']:.1%} seq {agg['median_err_seq']:.1%}")
     lines.append("== target checks")
