@@ -8,10 +8,9 @@ PyTorch's own error, on fresh random data; ``torch.use_deterministic_algorithms`
 rows the schedule never writes or receives fail. Covered: each op (bf16/fp16, ragged and tiny shapes, 3D and
 expanded-bmm operands, both B layouts, bias, explicit/auto/stale plans), both GEMM grids (persistent, one CTA per
 tile), both per-group NCCL routes (direct calls on the group's communicator, torch.distributed) and host loops
-(one C call per op, Python), uneven
-all_to_all with an empty rank, the unfused fallbacks, 1000 repeated calls, ops in flight on one and on two
-streams, CUDA-graph capture and replay, the timeout record, and compiled TP models (forward + backward, and
-``mode="reduce-overhead"``).
+(one C call per op, Python), uneven all_to_all with an empty rank, the unfused fallbacks, 1000 repeated calls, ops
+in flight on one and on two streams, CUDA-graph capture and replay, the timeout record, and compiled TP models
+(forward + backward, and ``mode="reduce-overhead"``).
 """
 
 from __future__ import annotations
