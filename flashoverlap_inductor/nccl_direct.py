@@ -174,7 +174,6 @@ class Communicator:
             self.lib.check(lib.ncclGroupEnd(), "ncclGroupEnd", self.comm)
 
 
-_validated: dict[tuple[int, int, int], Communicator] = {}
 # (id(group), device index) -> (group, communicator): reading ``_comm_ptr()`` costs ~100 us per call on torch 2.11,
 # so a group's communicator is looked up once. A process group keeps its communicator for its whole life (an
 # aborted group is unusable; a re-initialized one is a new group object).
@@ -202,10 +201,6 @@ def communicator(group: object, device: torch.device) -> Communicator | None:
     if not ptr:
         return None
     size, rank = group.size(), group.rank()  # type: ignore[attr-defined]
-    key = (ptr, size, rank)
-    found = _validated.get(key)
-    if found is not None:
-        return found
     count, user_rank = ctypes.c_int(0), ctypes.c_int(0)
     lib.check(lib.lib.ncclCommCount(ptr, ctypes.byref(count)), "ncclCommCount")
     lib.check(lib.lib.ncclCommUserRank(ptr, ctypes.byref(user_rank)), "ncclCommUserRank")
@@ -213,9 +208,9 @@ def communicator(group: object, device: torch.device) -> Communicator | None:
         log.warning("flashoverlap: the process group's communicator has %d ranks (rank %d), the group %d (rank %d): "
                     "using torch.distributed", count.value, user_rank.value, size, rank)
         return None
-    _validated[key] = Communicator(lib, ptr, size, rank)
-    _by_group[(id(group), device.index)] = (group, _validated[key])
-    return _validated[key]
+    comm = Communicator(lib, ptr, size, rank)
+    _by_group[(id(group), device.index)] = (group, comm)
+    return comm
 
 
 def issue_group(comm: Communicator, collective: str, step: GroupStep, buf: torch.Tensor, out_flat: torch.Tensor,

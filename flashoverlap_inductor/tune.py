@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import ops, tune_fit
+from . import ops, runtime_cuda, tune_fit
 from . import tune_docs as docs
 from . import tune_measure as tm
 from .plan import chunks_for, group_of_tile_row, uniform_plan
@@ -241,7 +241,10 @@ def cmd_search(args: argparse.Namespace) -> int:
             return lambda: op(a, b, None, group, plan)
         return lambda: runtime_gpu.gemm_all_to_all(a, b, None, None, None, group, plan)
 
-    seq_fn = _sequential(coll, a, b, world)
+    seq_fn = {  # the unfused graph: cuBLAS then one collective (runtime_cuda)
+              "all_reduce": lambda: runtime_cuda.gemm_all_reduce(a, b, None, group, ""),
+              "reduce_scatter": lambda: runtime_cuda.gemm_reduce_scatter(a, b, None, group, ""),
+              "all_to_all": lambda: runtime_cuda.gemm_all_to_all(a, b, None, None, None, group, "")}[coll]
     ref, got = seq_fn(), fused(predictive.to_str())()
     err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
     ok = tm.agree([err < 2e-2])[0]
@@ -286,23 +289,6 @@ def cmd_search(args: argparse.Namespace) -> int:
               f"{report.relative_performance:.3f}); cost model median |pred-meas|/meas "
               f"{tm.median(errs) if errs else math.nan:.3f} over {len(errs)} plans")
     return 0
-
-
-def _sequential(coll: str, a: torch.Tensor, b: torch.Tensor, world: int):
-    """cuBLAS then one NCCL collective on the whole output (the unfused graph)."""
-    def run() -> torch.Tensor:
-        y = torch.mm(a, b)
-        if coll == "all_reduce":
-            dist.all_reduce(y)
-            return y
-        if coll == "reduce_scatter":
-            out = y.new_empty(y.shape[0] // world, y.shape[1])
-            ops.reduce_scatter_into(out, y)
-            return out
-        out = torch.empty_like(y)
-        dist.all_to_all_single(out, y)
-        return out
-    return run
 
 
 # --------------------------------------------------------------------------------------------- CLI
