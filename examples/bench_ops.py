@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node=4 examples/bench_ops.py --json bench_w4.json --png bench_w4.png
         [--ops all_reduce,reduce_scatter,all_to_all] [--shapes grid|MxNxK,...] [--rounds 5] [--target-ms 8]
-        [--fuse always|auto] [--sm-reserve N] [--time-budget-s 420] [--call op|runtime]
+        [--fuse always|auto] [--sm-reserve N] [--time-budget-s 420] [--call op|runtime] [--graphs]
+        [--fused-variants tiles/direct,tiles/direct/gemm,tiles/direct/c//8,...]
 
 Per shape (A [M,K] and B = W.t() with W [N,K] a Linear weight; bf16, fresh random data per rank) and per op, all
 variants are timed side by side in one interleaved run (``flashoverlap_inductor.tune_measure.Timer``: CUDA events
@@ -11,9 +12,14 @@ around every call, back-to-back calls behind a short spin, rounds in alternating
 * ``gemm``: cuBLAS ``torch.mm``; ``comm``: the collective alone on an [M,N] tensor; ``seq``: cuBLAS then the
   collective on one stream (the unfused graph); ``chunked{2,4,8}``: the rows cut into c groups of the same
   layout, each group's cuBLAS GEMM then its collective on a side stream (``T_chunked`` = the best c);
+* ``concurrent``: the cuBLAS GEMM while the collective of an unrelated tensor runs on a side stream (no
+  dependency): the floor that overlapping SM-based NCCL with a GEMM can reach on this machine;
 * ``asynctp`` (reduce_scatter only): ``torch.ops.symm_mem.fused_matmul_reduce_scatter``;
 * ``fused``: ``torch.ops.flashoverlap.gemm_<op>`` (``--call op``, through the dispatcher, the ops routed to
   ``runtime_gpu``) or ``runtime_gpu`` directly (``--call runtime``), with the plan of ``cost_model.decide``.
+
+``--graphs`` adds ``seq`` and ``fused`` replayed from CUDA graphs (``graph_speedup``: their ratio, the host cost
+removed from both). ``--fused-variants`` times the fused op in other modes side by side (``with_mode``).
 
 Derived per row: ``ideal = max(T_gemm, T_comm)``, ``speedup = T_seq / T_fused``, overlap efficiency
 ``(T_seq - T_fused) / (T_seq - ideal)``, ``auto`` = what ``FLASHOVERLAP_FUSE=auto`` runs (fused where ``decide``
@@ -69,20 +75,30 @@ def route_ops_to_gpu_runtime() -> str:
     return "patched"
 
 
-# The process group of the fused path (``--fused-max-ctas``: a group whose NCCL config caps its CTAs, so NCCL fits
-# beside the persistent GEMM); the baselines always use the default WORLD group with NCCL's default config.
+# The process group of the fused path (``--fused-max-ctas``: a group whose NCCL config caps its CTAs, as a user
+# would configure their TP group); the baselines always use the default WORLD group with NCCL's default config.
 FUSED_GROUP: dist.ProcessGroup | None = None
+_CAPPED: dict[tuple[int, int | None], dist.ProcessGroup] = {}
 
 
-def make_capped_group(max_ctas: int) -> dist.ProcessGroup:
-    """A new NCCL group over all ranks with ``config.max_ctas = max_ctas``."""
-    opts = dist.ProcessGroupNCCL.Options()
-    opts.config.max_ctas = max_ctas
-    return dist.new_group(backend="nccl", pg_options=opts)
+def make_capped_group(max_ctas: int, min_ctas: int | None = None) -> dist.ProcessGroup:
+    """A new NCCL group over all ranks with ``config.max_ctas = max_ctas`` (and ``min_ctas``), one per setting;
+    its communicator is created at once, so the direct NCCL route finds it from the first fused call."""
+    key = (max_ctas, min_ctas)
+    if key not in _CAPPED:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.config.max_ctas = max_ctas
+        if min_ctas is not None:
+            opts.config.min_ctas = min_ctas
+        group = dist.new_group(backend="nccl", pg_options=opts)
+        dist.all_reduce(torch.ones(1, device=DEVICE), group=group)
+        _CAPPED[key] = group
+    return _CAPPED[key]
 
 
-def fused_call(op: str, a: torch.Tensor, b: torch.Tensor, plan: str, world: int, call: str):
-    group = FUSED_GROUP or dist.group.WORLD
+def fused_call(op: str, a: torch.Tensor, b: torch.Tensor, plan: str, world: int, call: str,
+               group: dist.ProcessGroup | None = None):
+    group = group or FUSED_GROUP or dist.group.WORLD
     name = group.group_name
     fo = torch.ops.flashoverlap
     if call == "runtime":
@@ -94,22 +110,57 @@ def fused_call(op: str, a: torch.Tensor, b: torch.Tensor, plan: str, world: int,
             "all_to_all": lambda: fo.gemm_all_to_all(a, b, None, None, None, name, plan)}[op]
 
 
+def parse_spec(spec: str) -> tuple[str, str, str, str, tuple[int, int | None] | None]:
+    """``"<grid>/<nccl>[/<host>[/<kernel>[/<ctas>]]]"`` -> (grid, nccl, host, kernel, (max_ctas, min_ctas) or None);
+    ``ctas`` is ``max`` or ``min-max``; see ``with_mode``. Raises ValueError on a malformed spec."""
+    parts = spec.split("/")
+    grid, mode, host, kernel, ctas = (parts + [""] * 5)[:5]
+    host = host or "c"
+    if not 2 <= len(parts) <= 5 or grid not in ("persistent", "tiles") or mode not in ("direct", "torch") \
+            or host not in ("c", "python", "gemm") or (ctas and not ctas.replace("-", "", 1).isdigit()) \
+            or not kernel.partition("@")[2].isdigit() and "@" in kernel:
+        raise ValueError(f"{spec!r} is not <persistent|tiles>/<direct|torch>[/<c|python|gemm>[/<kernel>"
+                         "[/<max_ctas>|<min_ctas>-<max_ctas>]]]; kernel = [<configuration>][@<swizzle>]")
+    lo, _, hi = ctas.rpartition("-")
+    return grid, mode, host, kernel, (int(hi), int(lo) if lo else None) if ctas else None
+
+
 def with_mode(spec: str, fn):
     """``fn`` run with the fused path's GEMM grid, NCCL route and host loop set to ``spec`` =
-    ``"<grid>/<nccl>[/<host>[/<kernel>]]"`` (grid ``persistent|tiles``: ``runtime_gpu.GEMM_GRID``; nccl
-    ``direct|torch``: ``nccl_direct.MODE``; host ``c|python``: ``fused_launch.HOST_LOOP``, default c; kernel: a
-    configuration name for ``runtime_gpu.KERNEL``, default the plan's)."""
-    grid, mode, host, kernel = (spec.split("/") + ["c", ""])[:4]
+    ``"<grid>/<nccl>[/<host>[/<kernel>[/<ctas>]]]"`` (grid ``persistent|tiles``: ``runtime_gpu.GEMM_GRID``;
+    nccl ``direct|torch``: ``nccl_direct.MODE``; host ``c|python``: ``fused_launch.HOST_LOOP``, default c, or
+    ``gemm``: the diagnostic ``runtime_gpu.GEMM_ONLY`` -- the fused path without its collectives, a time split, not
+    a result; kernel: ``[<configuration>][@<swizzle>]``, ``runtime_gpu.KERNEL`` (default the plan's) and
+    ``runtime_gpu.SWIZZLE`` (default the runtime's); ctas: the caller
+    builds ``fn`` on ``make_capped_group(max_ctas, min_ctas)``)."""
+    grid, mode, host, kernel, _ = parse_spec(spec)
+    kernel, _, swizzle = kernel.partition("@")
 
     def run():
-        old = runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.KERNEL
-        runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP = grid, mode, host
-        runtime_gpu.KERNEL = kernel or None
+        old = (runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.KERNEL,
+               runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE)
+        runtime_gpu.GEMM_GRID, nccl_direct.MODE = grid, mode
+        fused_launch.HOST_LOOP = "python" if host == "gemm" else host
+        runtime_gpu.KERNEL, runtime_gpu.GEMM_ONLY = kernel or None, host == "gemm"
+        runtime_gpu.SWIZZLE = int(swizzle) if swizzle else runtime_gpu.SWIZZLE
         try:
             return fn()
         finally:
-            runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.KERNEL = old
+            (runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.KERNEL,
+             runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE) = old
     return run
+
+
+def graphed(fn):
+    """``fn`` captured once into a CUDA graph (after one eager warm-up call); returns the graph's replay. The
+    variant then costs its GPU work only, as under ``torch.compile(mode="reduce-overhead")``."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph.replay
 
 
 def collective_into(op: str, src: torch.Tensor, out: torch.Tensor):
@@ -119,6 +170,24 @@ def collective_into(op: str, src: torch.Tensor, out: torch.Tensor):
     if op == "reduce_scatter":
         return lambda: (ops.reduce_scatter_into(out, src), out)[1]
     return lambda: (dist.all_to_all_single(out, src), out)[1]
+
+
+def concurrent_call(op: str, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, src: torch.Tensor,
+                    out: torch.Tensor, side: torch.cuda.Stream):
+    """cuBLAS GEMM into ``c`` while the op's collective of an unrelated tensor ``src`` of the same size runs on
+    ``side`` (no dependency between them): what GEMM and NCCL cost when they share the GPU, the floor an overlap
+    of one into the other can reach with SM-based NCCL kernels (``gemm_plus_concurrent_ar_ms`` of the anchors)."""
+    coll = collective_into(op, src, out)
+
+    def run() -> torch.Tensor:
+        cur = torch.cuda.current_stream()
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            coll()
+        torch.mm(a, b, out=c)
+        cur.wait_stream(side)
+        return c
+    return run
 
 
 def chunked_call(op: str, a: torch.Tensor, b: torch.Tensor, chunks: int, world: int, rank: int,
@@ -191,6 +260,8 @@ def bench_shape(m: int, n: int, k: int, args: argparse.Namespace, ctx: dict[str,
             torch.mm(a, b, out=c)
             return collective_into(op, c, outs[op])()
         variants[f"{op}:seq"] = seq
+        variants[f"{op}:concurrent"] = concurrent_call(op, a, b, c, src, out_a2a if op == "all_to_all" else out_rs,
+                                                       ctx["side"])
         for ch in CHUNKS:
             variants[f"{op}:chunked{ch}"] = chunked_call(op, a, b, ch, world, rank, ctx["side"])
         if op == "reduce_scatter":
@@ -201,8 +272,10 @@ def bench_shape(m: int, n: int, k: int, args: argparse.Namespace, ctx: dict[str,
         if args.fuse == "always" or d.fuse:
             variants[f"{op}:fused"] = fused_call(op, a, b, info[op]["plan"], world, args.call)
             for spec in args.fused_variants:
+                ctas = parse_spec(spec)[4]
+                group = make_capped_group(*ctas) if ctas else None
                 variants[f"{op}:fused@{spec}"] = with_mode(spec, fused_call(op, a, b, info[op]["plan"], world,
-                                                                           args.call))
+                                                                           args.call, group))
 
     # probe: every variant once on every rank; a variant failing anywhere is dropped everywhere
     errors: dict[str, str] = {}
@@ -229,7 +302,8 @@ def bench_shape(m: int, n: int, k: int, args: argparse.Namespace, ctx: dict[str,
     found = []
     for op in args.ops:
         ref = variants[f"{op}:seq"]().clone() if f"{op}:seq" in variants else None
-        for kind in ("fused", "asynctp", *(f"fused@{spec}" for spec in args.fused_variants)):
+        for kind in ("fused", "asynctp", *(f"fused@{spec}" for spec in args.fused_variants
+                                           if parse_spec(spec)[2] != "gemm")):
             if ref is not None and f"{op}:{kind}" in variants:
                 got = variants[f"{op}:{kind}"]()
                 err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
@@ -238,6 +312,18 @@ def bench_shape(m: int, n: int, k: int, args: argparse.Namespace, ctx: dict[str,
     for (op, kind, _), err in zip(found, tm.reduce_max([e for _, _, e in found]), strict=True):
         info[op][f"relerr_{kind}"] = err if err < 1e30 else math.inf
     torch.cuda.synchronize()
+    if args.graphs:  # the unfused graph and the fused op, each replayed from a CUDA graph (no host cost)
+        captured: dict[str, Any] = {}
+        for op in args.ops:
+            for kind in ("seq", "fused"):
+                if f"{op}:{kind}" in variants:
+                    try:
+                        captured[f"{op}:{kind}@graph"] = graphed(variants[f"{op}:{kind}"])
+                    except Exception as exc:  # noqa: BLE001 - reported
+                        errors[f"{op}:{kind}@graph"] = repr(exc)[:300]
+                        captured[f"{op}:{kind}@graph"] = None
+        keep = tm.agree([fn is not None for fn in captured.values()])
+        variants.update({name: fn for (name, fn), ok in zip(captured.items(), keep, strict=True) if ok})
 
     times = ctx["timer"].measure(variants)
     ms = {name: t.ms for name, t in times.items()}
@@ -277,6 +363,9 @@ def make_row(op: str, m: int, n: int, k: int, world: int, ms: dict[str, float], 
     row["chunked"] = {str(c): ms[f"{op}:chunked{c}"] for c in CHUNKS if f"{op}:chunked{c}" in ms}
     row["chunked_ms"] = min(row["chunked"].values(), default=math.nan)
     row["asynctp_ms"] = ms.get(f"{op}:asynctp", math.nan)
+    row["concurrent_ms"] = ms.get(f"{op}:concurrent", math.nan)
+    row["seq_graph_ms"] = ms.get(f"{op}:seq@graph", math.nan)
+    row["fused_graph_ms"] = ms.get(f"{op}:fused@graph", math.nan)
     row["fused_ms"] = ms.get(f"{op}:fused", math.nan)
     row["ideal_ms"] = max(row["gemm_ms"], row["comm_ms"])
     row["auto_fuse"] = bool(d.fuse)
@@ -308,6 +397,8 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
     row["ideal_speedup"] = tm.speedup(seq, row["ideal_ms"])
     row["chunked_speedup"] = tm.speedup(seq, row["chunked_ms"])
     row["asynctp_speedup"] = tm.speedup(seq, row["asynctp_ms"])
+    row["concurrent_speedup"] = tm.speedup(seq, row.get("concurrent_ms", math.nan))
+    row["graph_speedup"] = tm.speedup(row.get("seq_graph_ms", math.nan), row.get("fused_graph_ms", math.nan))
     row["auto_speedup"] = tm.speedup(seq, row["auto_ms"])
     row["efficiency"] = tm.overlap_efficiency(seq, row["fused_ms"], row["ideal_ms"])
     row["err_fused"] = tm.rel_error(row.get("pred_fused_ms"), row["fused_ms"]) if row.get("fused_path") else math.nan
@@ -336,6 +427,8 @@ def summarize(rows: list[dict[str, Any]], world: int) -> dict[str, Any]:
             "geomean_chunked_speedup": tm.geomean(r["chunked_speedup"] for r in rs),
             "geomean_asynctp_speedup": tm.geomean(r["asynctp_speedup"] for r in rs),
             "geomean_auto_speedup": tm.geomean(r["auto_speedup"] for r in rs),
+            "geomean_concurrent_speedup": tm.geomean(r.get("concurrent_speedup", math.nan) for r in rs),
+            "geomean_graph_speedup": tm.geomean(r.get("graph_speedup", math.nan) for r in rs),
             "speedup_8192": at[0]["speedup"] if at else math.nan,
             "median_efficiency": tm.median(tm.finite(r["efficiency"] for r in rs)),
             "worst_auto_ratio": max(tm.finite(r["auto_ms"] / r["seq_ms"] for r in rs if r["seq_ms"] > 0),
@@ -348,7 +441,8 @@ def summarize(rows: list[dict[str, Any]], world: int) -> dict[str, Any]:
         specs = sorted({spec for r in rs for spec in r.get("variants", {})})
         agg["variants"] = {spec: {"geomean_speedup": tm.geomean(r["variants"][spec]["speedup"] for r in rs),
                                   "wrong": [f"{r['m']}x{r['n']}x{r['k']}" for r in rs
-                                            if not r["variants"][spec]["relerr"] <= 2e-2]}
+                                            if not r["variants"][spec]["relerr"] <= 2e-2
+                                            and parse_spec(spec)[2] != "gemm"]}
                            for spec in specs}
         if op == "reduce_scatter":
             both = [r for r in rs if math.isfinite(r["asynctp_ms"]) and math.isfinite(r["fused_ms"])]
@@ -414,7 +508,9 @@ def format_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
                 f"{agg['variants'][spec]['geomean_speedup']:.3f} wrong {agg['variants'][spec]['wrong']}")
         lines.append(f"   geomean speedup {agg['geomean_speedup']:.3f} (ideal {agg['geomean_ideal_speedup']:.3f}, "
                      f"chunked {agg['geomean_chunked_speedup']:.3f}, async-TP {agg['geomean_asynctp_speedup']:.3f}, "
-                     f"auto {agg['geomean_auto_speedup']:.3f}); "
+                     f"auto {agg['geomean_auto_speedup']:.3f}, GEMM || comm "
+                     f"{agg['geomean_concurrent_speedup']:.3f}, graphs fused/seq "
+                     f"{agg['geomean_graph_speedup']:.3f}); "
                      f"min {agg['min_speedup']:.3f}; worst auto/seq {agg['worst_auto_ratio']:.3f}; cost model "
                      f"median err fused {agg['median_err_fused']:.1%} seq {agg['median_err_seq']:.1%}")
     lines.append("== target checks")
@@ -487,6 +583,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="per-group collectives: direct NCCL calls or torch.distributed (default: the runtime's)")
     p.add_argument("--fused-variants", default="",
                    help="extra fused variants timed side by side, e.g. persistent/torch,tiles/direct/python")
+    p.add_argument("--graphs", action="store_true",
+                   help="also time the sequential graph and the fused op replayed from CUDA graphs")
     p.add_argument("--time-budget-s", type=float, default=420.0, help="no new shape starts after this")
     p.add_argument("--json", default=None)
     p.add_argument("--png", default=None)
@@ -494,9 +592,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.ops = [x for x in args.ops.split(",") if x]
     args.fused_variants = [x for x in args.fused_variants.split(",") if x]
     for spec in args.fused_variants:
-        grid, mode, host = (spec.split("/") + ["c"])[:3]
-        if grid not in ("persistent", "tiles") or mode not in ("direct", "torch") or host not in ("c", "python"):
-            p.error(f"--fused-variants: {spec!r} is not <persistent|tiles>/<direct|torch>[/<c|python>[/<kernel>]]")
+        try:
+            parse_spec(spec)
+        except ValueError as exc:
+            p.error(f"--fused-variants: {exc}")
     unknown = set(args.ops) - set(OPS)
     if unknown:
         p.error(f"unknown ops {sorted(unknown)}")

@@ -73,6 +73,10 @@ RASTER = "along_n"  # row-major tile order: tile-rows, hence groups, complete in
 GEMM_GRID: str | None = None
 # A kernel configuration every fused GEMM uses instead of the plan's (experiments; None = the plan's / preferred).
 KERNEL: str | None = os.environ.get("FLASHOVERLAP_KERNEL") or None
+# Diagnostics only (``examples/bench_ops.py`` host field "gemm"): run the fused path's GEMM (gather, signal GEMM,
+# fork/join) without the waits and collectives, to split T_fused into GEMM and communication. Results are not
+# reduced: never set it outside a benchmark.
+GEMM_ONLY: bool = False
 FUSE_SINGLE_GROUP = False  # a one-group plan overlaps nothing: cuBLAS then NCCL is faster
 MAX_LAUNCHES = 512
 
@@ -308,7 +312,7 @@ def _execute(launch: Launch, opnd: Operands, out_shape: list[int], group: dist.P
     record = res.record.data_ptr()
     comm = nccl_direct.communicator(group, device) if a.dtype in nccl_direct.NCCL_DTYPES else None
     stats["nccl:direct" if comm is not None else "nccl:torch"] += 1
-    if fused_launch.ready(comm):  # the whole op in one host call
+    if fused_launch.ready(comm) and not GEMM_ONLY:  # the whole op in one host call
         stats["host:c"] += 1
         lib.fused_call(launch.index, a_in, b_in, ldb, opnd.bias, buf, rows, k, launch.gmap,
                        kernels.SIGNAL_MODES[SIGNAL_MODE], launch.sm_count, kernels.RASTERS[RASTER], SWIZZLE, workspace,
@@ -323,7 +327,7 @@ def _execute(launch: Launch, opnd: Operands, out_shape: list[int], group: dist.P
         lib.gemm(launch.index, a_in, b_in, ldb, opnd.bias, buf, c_ptr, launch.gmap, kernels.SIGNAL_MODES[SIGNAL_MODE],
                  launch.sm_count, kernels.RASTERS[RASTER], SWIZZLE, workspace, cur.cuda_stream)
     with torch.cuda.stream(side):
-        for g, step in enumerate(launch.steps):
+        for g, step in enumerate(launch.steps if not GEMM_ONLY else ()):
             if launch.tiles[g]:
                 lib.wait(c_ptr + 4 * g, e_ptr + 4 * g, launch.tiles[g], timeout_ns, record, g, side.cuda_stream)
             if comm is not None:

@@ -5,7 +5,8 @@
 #   run(command="bash examples/device/overlap_modes.sh", carry=["build/libflashoverlap_sm90.so", ".whl"],
 #       kind="nvidia-h200-x4")
 # Knobs: FO_SHAPES4 / FO_SHAPES2 (bench --shapes), FO_VARIANTS (bench --fused-variants), FO_ARGS (more bench
-# flags), FO_TUNE=1 (tuner after the benchmarks), FO_SKIP ("tests bench2 bench4"), FO_BUDGET_S (default 560).
+# flags), FO_TUNE=1 (tuner after the benchmarks), FO_SKIP ("tests bench2 bench4"), FO_BUDGET_S (default 560),
+# FO_B2_BUDGET_S (the 2-GPU benchmark's --time-budget-s, default 240).
 set -uo pipefail
 source examples/device/setup_env.sh
 END=$((SECONDS + ${FO_BUDGET_S:-560}))
@@ -33,9 +34,10 @@ if [[ "$SKIP" != *" tests "* ]]; then
   [ "$NGPU" -lt 4 ] && wait "${pids[@]}"
 fi
 if [[ "$SKIP" != *" bench2 "* ]]; then
-  (CUDA_VISIBLE_DEVICES=$B2GPUS timeout 300 "${TORCHRUN[@]}" --master-port 29611 --nproc_per_node=2 \
+  B2=${FO_B2_BUDGET_S:-240}
+  (CUDA_VISIBLE_DEVICES=$B2GPUS timeout $((B2 + 60)) "${TORCHRUN[@]}" --master-port 29611 --nproc_per_node=2 \
      "$REPO/examples/bench_ops.py" --json "$OUT/bench_w2.json" --png "$OUT/bench_w2.png" --shapes "$SHAPES2" \
-     --fused-variants "$VARIANTS" --time-budget-s 240 ${FO_ARGS:-} >"$OUT/bench_w2.log" 2>&1
+     --fused-variants "$VARIANTS" --time-budget-s "$B2" ${FO_ARGS:-} >"$OUT/bench_w2.log" 2>&1
    echo "bench2 rc=$?" >>"$OUT/bench_w2.log") &
   pids+=($!)
 fi
