@@ -116,9 +116,10 @@ def parse_spec(spec: str) -> tuple[str, str, str, str, tuple[int, int | None] | 
     parts = spec.split("/")
     grid, mode, host, kernel, ctas = (parts + [""] * 5)[:5]
     host = host or "c"
+    bad_ctas = bool(ctas) and not ctas.replace("-", "", 1).isdigit()
+    bad_kernel = "@" in kernel and not kernel.partition("@")[2].isdigit()
     if not 2 <= len(parts) <= 5 or grid not in ("persistent", "tiles") or mode not in ("direct", "torch") \
-            or host not in ("c", "python", "gemm") or (ctas and not ctas.replace("-", "", 1).isdigit()) \
-            or not kernel.partition("@")[2].isdigit() and "@" in kernel:
+            or host not in ("c", "python", "gemm") or bad_ctas or bad_kernel:
         raise ValueError(f"{spec!r} is not <persistent|tiles>/<direct|torch>[/<c|python|gemm>[/<kernel>"
                          "[/<max_ctas>|<min_ctas>-<max_ctas>]]]; kernel = [<configuration>][@<swizzle>]")
     lo, _, hi = ctas.rpartition("-")
@@ -126,13 +127,14 @@ def parse_spec(spec: str) -> tuple[str, str, str, str, tuple[int, int | None] | 
 
 
 def with_mode(spec: str, fn):
-    """``fn`` run with the fused path's GEMM grid, NCCL route and host loop set to ``spec`` =
-    ``"<grid>/<nccl>[/<host>[/<kernel>[/<ctas>]]]"`` (grid ``persistent|tiles``: ``runtime_gpu.GEMM_GRID``;
-    nccl ``direct|torch``: ``nccl_direct.MODE``; host ``c|python``: ``fused_launch.HOST_LOOP``, default c, or
-    ``gemm``: the diagnostic ``runtime_gpu.GEMM_ONLY`` -- the fused path without its collectives, a time split, not
-    a result; kernel: ``[<configuration>][@<swizzle>]``, ``runtime_gpu.KERNEL`` (default the plan's) and
-    ``runtime_gpu.SWIZZLE`` (default the runtime's); ctas: the caller
-    builds ``fn`` on ``make_capped_group(max_ctas, min_ctas)``)."""
+    """``fn`` run with the fused path in the mode ``spec`` = ``"<grid>/<nccl>[/<host>[/<kernel>[/<ctas>]]]"``:
+
+    * grid ``persistent|tiles``: ``runtime_gpu.GEMM_GRID``; nccl ``direct|torch``: ``nccl_direct.MODE``;
+    * host ``c`` (default) or ``python``: ``fused_launch.HOST_LOOP``; ``gemm``: the diagnostic
+      ``runtime_gpu.GEMM_ONLY`` (the fused path without its collectives, in the Python loop: a time split, not a
+      result);
+    * kernel ``[<configuration>][@<swizzle>]``: ``runtime_gpu.KERNEL`` (default the plan's), ``runtime_gpu.SWIZZLE``;
+    * ctas ``<max>`` or ``<min>-<max>``: the caller builds ``fn`` on ``make_capped_group(max_ctas, min_ctas)``."""
     grid, mode, host, kernel, _ = parse_spec(spec)
     kernel, _, swizzle = kernel.partition("@")
 

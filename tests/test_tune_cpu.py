@@ -290,6 +290,22 @@ def test_bench_arguments(bench):
     assert args.ops == ["all_reduce", "reduce_scatter"] and args.fuse == "auto" and args.call == "op"
     with pytest.raises(SystemExit):
         bench.parse_args(["--ops", "all_gather"])
+    assert bench.parse_args(["--graphs", "--fused-variants", "tiles/direct/gemm,tiles/direct/c//8"]).graphs
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--fused-variants", "tiles/nccl"])
+
+
+def test_bench_variant_specs(bench):
+    assert bench.parse_spec("tiles/direct") == ("tiles", "direct", "c", "", None)
+    assert bench.parse_spec("persistent/torch/python/coop_128x128x64_c2x1") == (
+        "persistent", "torch", "python", "coop_128x128x64_c2x1", None)
+    assert bench.parse_spec("tiles/direct/gemm/@8") == ("tiles", "direct", "gemm", "@8", None)
+    assert bench.parse_spec("tiles/direct/c//8")[4] == (8, None)
+    assert bench.parse_spec("tiles/direct///32-64")[4] == (64, 32)
+    for bad in ("tiles", "tiles/x", "grid/direct", "tiles/direct/fast", "tiles/direct/c/k/8/9",
+                "tiles/direct/c/k/a", "tiles/direct/c/@x", "tiles/direct/c//-3-4"):
+        with pytest.raises(ValueError):
+            bench.parse_spec(bad)
 
 
 # --------------------------------------------------------------------------------------------- runtime helpers
@@ -643,7 +659,8 @@ def test_bench_dry_run_on_cpu(tmp_path):
     assert [(r["op"], r["m"]) for r in rows] == [(op, m) for m in (256, 512) for op in ("all_reduce", "reduce_scatter",
                                                                                         "all_to_all")]
     for r in rows:
-        for key in ("gemm_ms", "comm_ms", "seq_ms", "chunked_ms", "fused_ms", "ideal_ms", "pred_fused_ms"):
+        for key in ("gemm_ms", "comm_ms", "seq_ms", "chunked_ms", "fused_ms", "ideal_ms", "pred_fused_ms",
+                    "concurrent_ms"):
             assert r[key] is not None and r[key] > 0, (r["op"], key, r[key])
         assert r["relerr_fused"] < 2e-2 and r["correct"] is True, r
         assert r["fused_path"] is True and r["groups"] == 4 and r["launch"].startswith(r["op"]), r
