@@ -53,8 +53,9 @@ from flashoverlap_inductor import tune_measure as tm  # noqa: E402
 from flashoverlap_inductor.tune import GRID, init_distributed, parse_shapes  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_report, beside this file
-# derive, format_table, summarize, _jsonable: re-exported for the tests
-from bench_report import OPS, _jsonable, derive, format_table, is_diagnostic, plot, summarize, write_json  # noqa
+# derive, format_table, summarize, parse_spec, _jsonable: re-exported for the tests
+from bench_report import (OPS, _jsonable, derive, format_table, is_diagnostic, parse_spec, plot,  # noqa
+                          summarize, write_json)
 
 DEVICE = "cuda"  # "cpu" only for the CPU dry run of tests/test_tune_cpu.py (gloo, fake CUDA timing)
 SHORT = {"all_reduce": "AR", "reduce_scatter": "RS", "all_to_all": "A2A"}
@@ -74,9 +75,8 @@ def route_ops_to_gpu_runtime() -> str:
     return "patched"
 
 
-# The process group of the fused path (``--fused-max-ctas``: a group whose NCCL config caps its CTAs, as a user
-# would configure their TP group); the baselines always use the default WORLD group with NCCL's default config.
-FUSED_GROUP: dist.ProcessGroup | None = None
+# NCCL groups whose config limits their CTAs (``--fused-max-ctas``, a variant's ctas field), as a user would configure
+# a TP group; the baselines always use the default WORLD group with NCCL's default config.
 _CAPPED: dict[tuple[int, int | None], dist.ProcessGroup] = {}
 
 
@@ -97,7 +97,7 @@ def make_capped_group(max_ctas: int, min_ctas: int | None = None) -> dist.Proces
 
 def fused_call(op: str, a: torch.Tensor, b: torch.Tensor, plan: str, world: int, call: str,
                group: dist.ProcessGroup | None = None):
-    group = group or FUSED_GROUP or dist.group.WORLD
+    group = group or dist.group.WORLD
     name = group.group_name
     fo = torch.ops.flashoverlap
     if call == "runtime":
@@ -107,22 +107,6 @@ def fused_call(op: str, a: torch.Tensor, b: torch.Tensor, plan: str, world: int,
     return {"all_reduce": lambda: fo.gemm_all_reduce(a, b, None, "sum", name, plan),
             "reduce_scatter": lambda: fo.gemm_reduce_scatter(a, b, None, "sum", world, name, plan),
             "all_to_all": lambda: fo.gemm_all_to_all(a, b, None, None, None, name, plan)}[op]
-
-
-def parse_spec(spec: str) -> tuple[str, str, str, str, tuple[int, int | None] | None]:
-    """``"<grid>/<nccl>[/<host>[/<kernel>[/<ctas>]]]"`` -> (grid, nccl, host, kernel, (max_ctas, min_ctas) or None);
-    ``ctas`` is ``max`` or ``min-max``; see ``with_mode``. Raises ValueError on a malformed spec."""
-    parts = spec.split("/")
-    grid, mode, host, kernel, ctas = (parts + [""] * 5)[:5]
-    host = host or "c"
-    bad_ctas = bool(ctas) and not ctas.replace("-", "", 1).isdigit()
-    bad_kernel = "@" in kernel and not kernel.partition("@")[2].isdigit()
-    if not 2 <= len(parts) <= 5 or grid not in ("persistent", "tiles") or mode not in ("direct", "torch") \
-            or host not in ("c", "python", "gemm") or bad_ctas or bad_kernel:
-        raise ValueError(f"{spec!r} is not <persistent|tiles>/<direct|torch>[/<c|python|gemm>[/<kernel>"
-                         "[/<max_ctas>|<min_ctas>-<max_ctas>]]]; kernel = [<configuration>][@<swizzle>]")
-    lo, _, hi = ctas.rpartition("-")
-    return grid, mode, host, kernel, (int(hi), int(lo) if lo else None) if ctas else None
 
 
 def with_mode(spec: str, fn):
@@ -255,14 +239,14 @@ def bench_shape(m: int, n: int, k: int, args: argparse.Namespace, ctx: dict[str,
     for op in args.ops:
         d = decide(op, m, n, k, "bfloat16", world, device_name=gpu)
         info[op] = {"decision": d, "plan": d.plan.to_str()}
-        variants[f"{op}:comm"] = collective_into(op, src, out_a2a if op == "all_to_all" else out_rs)
+        coll_out = out_a2a if op == "all_to_all" else out_rs
+        variants[f"{op}:comm"] = collective_into(op, src, coll_out)
 
         def seq(op=op):
             torch.mm(a, b, out=c)
             return collective_into(op, c, outs[op])()
         variants[f"{op}:seq"] = seq
-        variants[f"{op}:concurrent"] = concurrent_call(op, a, b, c, src, out_a2a if op == "all_to_all" else out_rs,
-                                                       ctx["side"])
+        variants[f"{op}:concurrent"] = concurrent_call(op, a, b, c, src, coll_out, ctx["side"])
         for ch in CHUNKS:
             variants[f"{op}:chunked{ch}"] = chunked_call(op, a, b, ch, world, rank, ctx["side"])
         if op == "reduce_scatter":
@@ -271,7 +255,7 @@ def bench_shape(m: int, n: int, k: int, args: argparse.Namespace, ctx: dict[str,
             if fn is not None:
                 variants[f"{op}:asynctp"] = fn
         if args.fuse == "always" or d.fuse:
-            variants[f"{op}:fused"] = fused_call(op, a, b, info[op]["plan"], world, args.call)
+            variants[f"{op}:fused"] = fused_call(op, a, b, info[op]["plan"], world, args.call, ctx["fused_group"])
             for spec in args.fused_variants:
                 ctas = parse_spec(spec)[4]
                 group = make_capped_group(*ctas) if ctas else None
@@ -445,9 +429,6 @@ def main(argv: list[str] | None = None) -> int:
         runtime_gpu.GEMM_GRID = args.gemm_grid
     if args.nccl:
         nccl_direct.MODE = args.nccl
-    global FUSED_GROUP
-    if args.fused_max_ctas:
-        FUSED_GROUP = make_capped_group(args.fused_max_ctas)
     routing = route_ops_to_gpu_runtime() if args.call == "op" else "direct"
     try:
         from flashoverlap_inductor.cost_model import model_for
@@ -458,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         model = None
     shapes = parse_shapes(args.shapes) if args.shapes != "grid" else list(GRID)
     ctx = {"rank": rank, "world": world, "gpu": gpu, "model": model, "side": torch.cuda.Stream(),
+           "fused_group": make_capped_group(args.fused_max_ctas) if args.fused_max_ctas else None,
            "timer": tm.Timer(rounds=args.rounds, target_ms=args.target_ms, min_iters=2, max_iters=40, spin_ms=0.3)}
     meta = {"world": world, "gpu": gpu, "torch": torch.__version__,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())), "available": runtime_gpu.available(),
