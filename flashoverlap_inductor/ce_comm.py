@@ -1,0 +1,158 @@
+"""Copy-engine (CE) communication for the fused ops: each group's data crosses NVLink as ``cudaMemcpyAsync``
+pushes and pulls between symmetric-memory buffers (``torch.distributed._symmetric_memory``), so the transfers take
+no SMs. Only the reduction (an elementwise add over 1/W of each group) and one-block signal kernels run on SMs.
+
+Why: with SM-based NCCL the GEMM and the collective share SMs; measured on 2 H200s (``examples/device/ce_probe.py``),
+the CE all-reduce of 128 MiB takes 0.438 ms against NCCL's 0.518 ms, with no SMs held while data moves.
+
+Opt-in route (``runtime_gpu.COMM = "ce"`` / ``$FLASHOVERLAP_COMM=ce``), all_reduce and reduce_scatter; all_to_all
+keeps NCCL. Per call the GEMM writes into this rank's symmetric ``data`` region instead of a private buffer.
+
+Buffer of one (device, group, dtype): ``[data | slot 0 | ... | slot W-2]``, each ``capacity`` elements. Slot ``s``
+of rank ``me`` receives the partial sums of rank ``src`` (``s = src if src < me else src - 1``) at the same row
+offsets as in ``data``.
+
+Per group, rows ``[lo, hi)`` of ``data`` (all_reduce: split into W row chunks, chunk p owned by rank p;
+reduce_scatter: W blocks, block p reduced on rank p), on the side stream after the group's GEMM wait:
+
+1. push: for every peer p, chunk p of ``data`` -> p's slot for us (CE);
+2. signal channel 0 to every peer, wait for every peer's (the pushes into our slots have landed);
+3. reduce: all_reduce ``data[chunk me] += slots[chunk me]`` then ``out[chunk me] := data[chunk me]``;
+   reduce_scatter ``out[group's rows] := data[block me] + slots[block me]``;
+4. all_reduce only: signal / wait channel 1 (every owner has reduced its chunk), then pull every peer's reduced
+   chunk from its ``data`` into ``out`` (CE).
+
+After the last group, ``finish``: signal / wait channel 2 (no peer still reads our ``data`` or writes our slots), so
+the next call's GEMM and pushes cannot overwrite what a peer is still using.
+
+Limits: the signal kernels are torch's (``put_signal`` / ``wait_signal`` with a timeout); a timeout there traps the
+CUDA context instead of raising ``kernels.FlashOverlapTimeout``. Growing the buffer is a rendezvous (collective):
+every rank grows at the same call, because every decision depends on shapes all ranks share. Not under CUDA-graph
+capture (the runtime falls back to NCCL there).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .runtime_cpu import GroupStep
+
+log = logging.getLogger("flashoverlap")
+
+COLLECTIVES = ("all_reduce", "reduce_scatter")
+CH_PUSHED, CH_REDUCED, CH_DONE = 0, 1, 2
+
+
+@dataclass
+class Workspace:
+    """The symmetric buffer of one (device, group, dtype) and its peers' views (elements, row-major)."""
+
+    group_name: str
+    rank: int
+    world: int
+    capacity: int  # elements per region
+    buf: torch.Tensor
+    hdl: object
+    peer_bufs: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def data(self, rows: int, n: int) -> torch.Tensor:
+        return self.buf[:rows * n].view(rows, n)
+
+    def slot(self, src: int, me: int) -> int:
+        return src if src < me else src - 1
+
+    def region(self, t: torch.Tensor, index: int, rows: int, n: int) -> torch.Tensor:
+        """Region ``index`` (0 = data, 1 + s = slot s) of a buffer view ``t``, as [rows, n]."""
+        start = index * self.capacity
+        return t[start:start + rows * n].view(rows, n)
+
+
+_workspaces: dict[tuple[int, str, torch.dtype], Workspace] = {}
+
+
+def supported(collective: str, dtype: torch.dtype) -> bool:
+    return collective in COLLECTIVES and dtype in (torch.bfloat16, torch.float16, torch.float32)
+
+
+def workspace(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, elements: int) -> Workspace:
+    """The cached workspace with room for ``elements`` per region (grown by a rendezvous on every rank)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    name = group.group_name
+    key = (device.index, name, dtype)
+    ws = _workspaces.get(key)
+    if ws is not None and ws.capacity >= elements:
+        return ws
+    world, rank = group.size(), group.rank()
+    capacity = max(elements, 2 * ws.capacity if ws is not None else 0)
+    if ws is not None:
+        torch.cuda.synchronize(device)  # calls in flight may still use the old buffer
+    buf = symm_mem.empty(world * capacity, dtype=dtype, device=device)
+    hdl = symm_mem.rendezvous(buf, name)
+    peers = {p: hdl.get_buffer(p, (world * capacity,), dtype) for p in range(world) if p != rank}
+    ws = _workspaces[key] = Workspace(name, rank, world, capacity, buf, hdl, peers)
+    log.info("flashoverlap ce: symmetric workspace %d x %d %s elements on %s, group %s", world, capacity, dtype,
+             device, name)
+    return ws
+
+
+def _signal_all(ws: Workspace, channel: int, timeout_ms: int) -> None:
+    for p in ws.peer_bufs:
+        ws.hdl.put_signal(p, channel, timeout_ms)
+    for p in ws.peer_bufs:
+        ws.hdl.wait_signal(p, channel, timeout_ms)
+
+
+def _split(lo: int, hi: int, world: int) -> list[tuple[int, int]]:
+    """Row chunks of ``[lo, hi)``, one per rank (the first ones one row larger when uneven)."""
+    bounds = [lo + (hi - lo) * p // world for p in range(world + 1)]
+    return list(zip(bounds, bounds[1:], strict=False))
+
+
+def issue_group(ws: Workspace, collective: str, step: GroupStep, rows: int, n: int, out_flat: torch.Tensor,
+                timeout_ms: int) -> None:
+    """Steps 1-4 of the module docstring for one group, on the current (side) stream."""
+    if step.hi <= step.lo:
+        return
+    me = ws.rank
+    data = ws.region(ws.buf, 0, rows, n)
+    if collective == "all_reduce":
+        parts = _split(step.lo, step.hi, ws.world)
+    else:  # reduce_scatter: W equal blocks, block p -> rank p's output rows step.out
+        c = step.out[1] - step.out[0]
+        parts = [(step.lo + p * c, step.lo + (p + 1) * c) for p in range(ws.world)]
+    for p, pb in ws.peer_bufs.items():
+        a, b = parts[p]
+        if b > a:
+            ws.region(pb, 1 + ws.slot(me, p), rows, n)[a:b].copy_(data[a:b])
+    _signal_all(ws, CH_PUSHED, timeout_ms)
+    a, b = parts[me]
+    slots = [ws.region(ws.buf, 1 + s, rows, n)[a:b] for s in range(ws.world - 1)]
+    if collective == "all_reduce":
+        if b > a:
+            own = data[a:b]
+            for s in slots:
+                own.add_(s)
+            out_flat[a:b].copy_(own)
+        _signal_all(ws, CH_REDUCED, timeout_ms)
+        for p, pb in ws.peer_bufs.items():
+            pa, pz = parts[p]
+            if pz > pa:
+                out_flat[pa:pz].copy_(ws.region(pb, 0, rows, n)[pa:pz])
+    else:
+        o = out_flat[step.out[0]:step.out[1]]
+        if b > a:
+            torch.add(data[a:b], slots[0], out=o)
+            for s in slots[1:]:
+                o.add_(s)
+
+
+def finish(ws: Workspace, timeout_ms: int) -> None:
+    """The end-of-call handshake (module docstring), on the current (side) stream."""
+    _signal_all(ws, CH_DONE, timeout_ms)
