@@ -47,6 +47,16 @@ log = logging.getLogger("flashoverlap")
 
 COLLECTIVES = ("all_reduce", "reduce_scatter")
 CH_PUSHED, CH_REDUCED, CH_DONE = 0, 1, 2
+# Diagnostics (examples/device/ce_timeline.py): when a list, every phase appends (label, CUDA event) recorded on the
+# stream it ran on; "start" is recorded on the caller's stream before the GEMM.
+TRACE: list[tuple[str, torch.cuda.Event]] | None = None
+
+
+def mark(label: str) -> None:
+    if TRACE is not None:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        TRACE.append((label, e))
 
 
 @dataclass
@@ -127,11 +137,14 @@ def issue_group(ws: Workspace, collective: str, step: GroupStep, rows: int, n: i
     else:  # reduce_scatter: W equal blocks, block p -> rank p's output rows step.out
         c = step.out[1] - step.out[0]
         parts = [(step.lo + p * c, step.lo + (p + 1) * c) for p in range(ws.world)]
+    mark("released")
     for p, pb in ws.peer_bufs.items():
         a, b = parts[p]
         if b > a:
             ws.region(pb, 1 + ws.slot(me, p), rows, n)[a:b].copy_(data[a:b])
+    mark("pushed")
     _signal_all(ws, CH_PUSHED, timeout_ms)
+    mark("signalled")
     a, b = parts[me]
     slots = [ws.region(ws.buf, 1 + s, rows, n)[a:b] for s in range(ws.world - 1)]
     if collective == "all_reduce":
@@ -140,11 +153,14 @@ def issue_group(ws: Workspace, collective: str, step: GroupStep, rows: int, n: i
             for s in slots:
                 own.add_(s)
             out_flat[a:b].copy_(own)
+        mark("reduced")
         _signal_all(ws, CH_REDUCED, timeout_ms)
+        mark("signalled2")
         for p, pb in ws.peer_bufs.items():
             pa, pz = parts[p]
             if pz > pa:
                 out_flat[pa:pz].copy_(ws.region(pb, 0, rows, n)[pa:pz])
+        mark("pulled")
     else:
         o = out_flat[step.out[0]:step.out[1]]
         if b > a:
@@ -156,3 +172,4 @@ def issue_group(ws: Workspace, collective: str, step: GroupStep, rows: int, n: i
 def finish(ws: Workspace, timeout_ms: int) -> None:
     """The end-of-call handshake (module docstring), on the current (side) stream."""
     _signal_all(ws, CH_DONE, timeout_ms)
+    mark("finished")

@@ -360,10 +360,12 @@ def _execute_ce(launch: Launch, opnd: Operands, out: torch.Tensor, group: dist.P
         if launch.workspace_bytes else None
     side = res.side
     stats["comm:ce"] += 1
+    ce_comm.mark("start")
     expected.copy_(counters)
     side.wait_stream(cur)
     lib.gemm(launch.index, a_in, b_in, ldb, opnd.bias, buf, c_ptr, launch.gmap, kernels.SIGNAL_MODES[SIGNAL_MODE],
              launch.sm_count, kernels.RASTERS[RASTER], SWIZZLE, workspace, cur.cuda_stream)
+    ce_comm.mark("gemm_done")
     timeout_ms = max(1, timeout_ns // 1_000_000)
     out_flat = out.view(-1, n)
     with torch.cuda.stream(side):

@@ -12,6 +12,11 @@ Per shape (bf16, y = a @ b, [M,K] @ [K,N]), side by side in one run, medians of 
   conc_ce     gemm || ce_ar of an unrelated tensor: the floor with CE communication
   chunk<c>_ce c row chunks: cuBLAS per chunk, then that chunk's ce_ar on a side stream (real dependency)
 The ce_ar result is checked against NCCL's on fresh random data.
+
+``--interference``: the GEMM's own time (events on its stream) while a side stream keeps one kind of traffic
+running for the whole GEMM, each next to the GEMM alone: ``nccl`` (back-to-back NCCL all_reduces), ``ce_peer``
+(back-to-back copy-engine pushes to the peer over NVLink: no SMs), ``ce_local`` (local device-to-device copies
+by copy engine: HBM only, no SMs). Sample clocks and power beside it with nvidia-smi.
 """
 
 from __future__ import annotations
@@ -83,13 +88,64 @@ class CEAllReduce:
         self.hdl.barrier(channel=0)
 
 
+def interference(rows: list[dict], side: torch.cuda.Stream) -> None:
+    """The ``--interference`` table (module docstring)."""
+    r, dt = dist.get_rank(), torch.bfloat16
+    gname = dist.group.WORLD.group_name
+    for m, n, k in [(8192, 8192, 8192), (16384, 8192, 8192), (8192, 8192, 14336)]:
+        a = torch.randn(m, k, device="cuda", dtype=dt)
+        b = torch.randn(k, n, device="cuda", dtype=dt)
+        y = torch.empty(m, n, device="cuda", dtype=dt)
+        chunk = 32 << 20  # elements per transfer (64 MiB)
+        src = torch.randn(chunk, device="cuda", dtype=dt)
+        dst = torch.empty(chunk, device="cuda", dtype=dt)
+        sym = symm_mem.empty(chunk, dtype=dt, device="cuda")
+        hdl = symm_mem.rendezvous(sym, gname)
+        peer = hdl.get_buffer(1 - r, (chunk,), dt)
+        traffic = {"nccl": (40, lambda: dist.all_reduce(src)), "ce_peer": (60, lambda: peer.copy_(src)),
+                   "ce_local": (300, lambda: dst.copy_(src))}  # (transfers that outlast the GEMM, transfer)
+        row = {"m": m, "n": n, "k": k}
+        for rep in range(2):
+            for name, (count, fn) in [("alone", (0, None)), *traffic.items()]:
+                ts = []
+                for _ in range(12):
+                    torch.cuda.synchronize()
+                    dist.barrier()
+                    if fn is not None:
+                        side.wait_stream(torch.cuda.current_stream())
+                        with torch.cuda.stream(side):
+                            for _ in range(count):
+                                fn()
+                        torch.cuda._sleep(2_000_000)  # ~1 ms: the GEMM starts once the traffic runs
+                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    s.record()
+                    torch.mm(a, b, out=y)
+                    e.record()
+                    torch.cuda.synchronize()
+                    ts.append(s.elapsed_time(e))
+                row[f"{name}{rep}"] = statistics.median(ts[2:])
+        rows.append(row)
+        if r == 0:
+            print(f"{m}x{n}x{k} GEMM ms: " + " ".join(f"{key} {v:.3f}" for key, v in row.items()
+                                                      if isinstance(v, float)), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default="")
+    ap.add_argument("--interference", action="store_true")
     args = ap.parse_args()
     dist.init_process_group("nccl")
     r = dist.get_rank()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", r)))
+    if args.interference:
+        rows: list[dict] = []
+        interference(rows, torch.cuda.Stream(priority=-1))
+        if r == 0 and args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        dist.destroy_process_group()
+        return
     gname = dist.group.WORLD.group_name
     dt = torch.bfloat16
     side = torch.cuda.Stream(priority=-1)
