@@ -33,6 +33,7 @@ capture (the runtime falls back to NCCL there).
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -47,6 +48,9 @@ log = logging.getLogger("flashoverlap")
 
 COLLECTIVES = ("all_reduce", "reduce_scatter")
 CH_PUSHED, CH_REDUCED, CH_DONE = 0, 1, 2
+# CTAs of the reduction kernel (Triton, persistent); 0 = torch's elementwise add (one CTA per few KiB: under a running
+# GEMM its CTAs trickle onto SMs as tiles finish). Few CTAs get their SMs sooner.
+ADD_CTAS: int = 0
 # Diagnostics (examples/device/ce_timeline.py): when a list, every phase appends (label, CUDA event) recorded on the
 # stream it ran on; "start" is recorded on the caller's stream before the GEMM.
 TRACE: list[tuple[str, torch.cuda.Event]] | None = None
@@ -119,6 +123,37 @@ def _signal_all(ws: Workspace, channel: int, timeout_ms: int) -> None:
         ws.hdl.wait_signal(p, channel, timeout_ms)
 
 
+@functools.lru_cache(maxsize=1)
+def _triton_add():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_kernel(x_ptr, y_ptr, o1_ptr, o2_ptr, n, BLOCK: tl.constexpr, TWO: tl.constexpr):
+        pid, progs = tl.program_id(0), tl.num_programs(0)
+        for blk in range(pid, tl.cdiv(n, BLOCK), progs):
+            offs = blk * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            v = tl.load(x_ptr + offs, mask=mask).to(tl.float32) + tl.load(y_ptr + offs, mask=mask).to(tl.float32)
+            v = v.to(o1_ptr.dtype.element_ty)
+            tl.store(o1_ptr + offs, v, mask=mask)
+            if TWO:
+                tl.store(o2_ptr + offs, v, mask=mask)
+
+    return add_kernel
+
+
+def add_into(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, out2: torch.Tensor | None = None) -> None:
+    """``out = x + y`` (fp32 sum rounded to the dtype; also into ``out2`` when given); contiguous equal shapes."""
+    if ADD_CTAS <= 0:
+        torch.add(x, y, out=out)
+        if out2 is not None:
+            out2.copy_(out)
+        return
+    _triton_add()[(ADD_CTAS,)](x, y, out, out2 if out2 is not None else out, out.numel(), BLOCK=4096,
+                               TWO=out2 is not None, num_warps=8)
+
+
 def _split(lo: int, hi: int, world: int) -> list[tuple[int, int]]:
     """Row chunks of ``[lo, hi)``, one per rank (the first ones one row larger when uneven)."""
     bounds = [lo + (hi - lo) * p // world for p in range(world + 1)]
@@ -150,9 +185,9 @@ def issue_group(ws: Workspace, collective: str, step: GroupStep, rows: int, n: i
     if collective == "all_reduce":
         if b > a:
             own = data[a:b]
-            for s in slots:
-                own.add_(s)
-            out_flat[a:b].copy_(own)
+            for s in slots[:-1]:
+                add_into(own, s, own)
+            add_into(own, slots[-1], own, out_flat[a:b])
         mark("reduced")
         _signal_all(ws, CH_REDUCED, timeout_ms)
         mark("signalled2")
@@ -164,9 +199,9 @@ def issue_group(ws: Workspace, collective: str, step: GroupStep, rows: int, n: i
     else:
         o = out_flat[step.out[0]:step.out[1]]
         if b > a:
-            torch.add(data[a:b], slots[0], out=o)
+            add_into(data[a:b], slots[0], o)
             for s in slots[1:]:
-                o.add_(s)
+                add_into(o, s, o)
 
 
 def finish(ws: Workspace, timeout_ms: int) -> None:

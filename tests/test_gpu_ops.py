@@ -215,19 +215,20 @@ def route_task(op: str, grid: str, mode: str, host: str) -> dict[str, int]:
         runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP = old
 
 
-def ce_route_task(op: str) -> dict[str, int]:
-    """``match_eager_task`` (bf16) with copy-engine communication (``runtime_gpu.COMM = "ce"``); returns its
-    counts plus how many fused calls moved their data by copy engine."""
-    from flashoverlap_inductor import runtime_gpu
+def ce_route_task(op: str, add_ctas: int) -> dict[str, int]:
+    """``match_eager_task`` (bf16) with copy-engine communication (``runtime_gpu.COMM = "ce"``) and reductions on
+    ``add_ctas`` CTAs (0: torch's add); returns its counts plus how many fused calls moved their data by copy
+    engine."""
+    from flashoverlap_inductor import ce_comm, runtime_gpu
 
-    old = runtime_gpu.COMM
-    runtime_gpu.COMM = "ce"
+    old = runtime_gpu.COMM, ce_comm.ADD_CTAS
+    runtime_gpu.COMM, ce_comm.ADD_CTAS = "ce", add_ctas
     try:
         out = match_eager_task(op, "bfloat16")
         out["ce"] = runtime_gpu.stats["comm:ce"]
         return out
     finally:
-        runtime_gpu.COMM = old
+        runtime_gpu.COMM, ce_comm.ADD_CTAS = old
 
 
 def uneven_all_to_all_task() -> int:
@@ -543,9 +544,10 @@ def test_grid_nccl_route_and_host_loop_match_eager(pool, op, grid, mode, host):
         assert (r["c"], r["python"]) == ((r["fused"], 0) if c_loop else (0, r["fused"])), per_rank
 
 
+@pytest.mark.parametrize("add_ctas", [0, 16])
 @pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter"])
-def test_copy_engine_route_matches_eager(pool, op):
-    per_rank = pool.run(ce_route_task, op)
+def test_copy_engine_route_matches_eager(pool, op, add_ctas):
+    per_rank = pool.run(ce_route_task, op, add_ctas)
     assert all(r["fused"] >= r["fused_expected"] > 0 for r in per_rank), per_rank
     assert all(r["ce"] == r["fused"] for r in per_rank), per_rank
 

@@ -2,7 +2,8 @@
 
 torchrun --nproc_per_node=2 examples/device/ce_timeline.py
 
-8192^3 bf16 all_reduce with the plan's groups and with 4 / 8 equal groups; prints rank 0's median over 10 calls of
+8192^3 bf16 all_reduce with the plan's groups and with 4 / 8 / 16 equal groups, reductions by torch or by a
+Triton kernel on few CTAs (``ce_comm.ADD_CTAS``); prints rank 0's median over 10 calls of
 each phase's end (``ce_comm.TRACE`` events), and T_fused with NCCL and with CE communication.
 """
 
@@ -28,7 +29,8 @@ def main() -> None:
     b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
     dist.all_reduce(torch.ones(1, device="cuda"))
     runtime_gpu.COMM = "ce"
-    for groups in ("auto", 4, 8):
+    for groups, ctas in (("auto", 0), (4, 0), (8, 0), ("auto", 16), (4, 16), (8, 16), (8, 32), (8, 8), (16, 16)):
+        ce_comm.ADD_CTAS = ctas
         plan = "auto" if groups == "auto" else P.uniform_plan(m, n, 128, 256, groups).to_str()
         for _ in range(3):  # warm-up (launch, workspace)
             runtime_gpu.gemm_all_reduce(a, b, None, group, plan)
@@ -60,8 +62,9 @@ def main() -> None:
             times[comm] = statistics.median(ts)
         runtime_gpu.COMM = "ce"
         if r == 0:
+            print(f"== 8192^3 all_reduce, plan {groups}, add CTAs {ctas or 'torch'}: "
+                  f"{runtime_gpu.last_launch.description}")
             print(f"   T_fused ms: NCCL {times['nccl']:.3f}, CE {times['ce']:.3f}")
-            print(f"== 8192^3 all_reduce, plan {groups}: {runtime_gpu.last_launch.description}")
             labels = [lab for lab, _ in traces[0]]
             meds = [statistics.median(t[i][1] for t in traces) for i in range(len(labels))]
             print("   " + "  ".join(f"{lab} {t:.3f}" for lab, t in zip(labels, meds, strict=True)), flush=True)
