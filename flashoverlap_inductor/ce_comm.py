@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("flashoverlap")
 
-COLLECTIVES = ("all_reduce", "reduce_scatter")
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
 CH_PUSHED, CH_REDUCED, CH_DONE = 0, 1, 2
 # CTAs of the reduction kernel (Triton, persistent); 0 = torch's elementwise add (one CTA per few KiB: under a running
 # GEMM its CTAs trickle onto SMs as tiles finish). Few CTAs get their SMs sooner.
@@ -158,6 +158,30 @@ def _split(lo: int, hi: int, world: int) -> list[tuple[int, int]]:
     """Row chunks of ``[lo, hi)``, one per rank (the first ones one row larger when uneven)."""
     bounds = [lo + (hi - lo) * p // world for p in range(world + 1)]
     return list(zip(bounds, bounds[1:], strict=False))
+
+
+def issue_all_to_all(ws: Workspace, step: GroupStep, peer_sends: dict[int, tuple[int, int]], rows: int, n: int,
+                     out_flat: torch.Tensor, timeout_ms: int) -> None:
+    """One all_to_all group (equal splits: every rank has ``rows``): push each peer's rows into its slot for us at
+    our buffer rows, signal / wait, then copy every source's rows from our slot for it into the output (CE).
+    ``peer_sends[j]``: the buffer rows ``[lo, hi)`` that rank j sends us in this group."""
+    me = ws.rank
+    data = ws.region(ws.buf, 0, rows, n)
+    mark("released")
+    for p, lo, hi in step.sends:
+        if hi > lo:
+            ws.region(ws.peer_bufs[p], 1 + ws.slot(me, p), rows, n)[lo:hi].copy_(data[lo:hi])
+    if step.local is not None:
+        b_lo, o_lo, count = step.local
+        out_flat[o_lo:o_lo + count].copy_(data[b_lo:b_lo + count])
+    mark("pushed")
+    _signal_all(ws, CH_PUSHED, timeout_ms)
+    mark("signalled")
+    for j, o_lo, o_hi in step.recvs:
+        lo, hi = peer_sends[j]
+        if o_hi > o_lo:
+            out_flat[o_lo:o_hi].copy_(ws.region(ws.buf, 1 + ws.slot(j, me), rows, n)[lo:hi])
+    mark("pulled")
 
 
 def issue_group(ws: Workspace, collective: str, step: GroupStep, rows: int, n: int, out_flat: torch.Tensor,

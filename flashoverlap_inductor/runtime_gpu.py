@@ -172,6 +172,8 @@ class Launch:
     peers: tuple[int, ...]  # global rank of every group rank (all_to_all)
     description: str
     csteps: fused_launch.CSteps  # the steps as fo_fused_call takes them
+    # all_to_all with equal splits (copy-engine route): per group, {rank j: the buffer rows j sends us}
+    peer_sends: tuple[dict[int, tuple[int, int]], ...] = ()
 
 
 def _make_launch(collective: str, plan: str, rows: int, n: int, k: int, dtype: torch.dtype, world: int, rank: int,
@@ -218,8 +220,14 @@ def _make_launch(collective: str, plan: str, rows: int, n: int, k: int, dtype: t
     desc = (f"{collective} rows={rows} n={n} k={k} {dname}: {groups} groups, tiles {list(tiles)}, kernel "
             f"{choice.name} ({choice.b_layout}), {_grid_text(sm_count, res.sm_count)}, {sched.description}")
     log.info("flashoverlap: launch %s", desc)
+    peer_sends: tuple[dict[int, tuple[int, int]], ...] = ()
+    if collective == "all_to_all" and send_rows is None:
+        others = {j: runtime_cpu.schedule_steps(collective, plan, rows, n, k, dname, world, j)
+                  for j in range(world) if j != rank}
+        peer_sends = tuple({j: next(((lo, hi) for p, lo, hi in others[j][g].sends if p == rank), (0, 0))
+                            for j in others} for g in range(groups))
     return Launch(collective, tuple(steps), tiles, choice, index, gmap, gather, workspace, sm_count, peers, desc,
-                  fused_launch.group_steps(collective, steps, tiles, n))
+                  fused_launch.group_steps(collective, steps, tiles, n), peer_sends)
 
 
 def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup,
@@ -301,6 +309,7 @@ def _execute(launch: Launch, opnd: Operands, out_shape: list[int], group: dist.P
     out_flat = out.view(-1, n)
     timeout_ns = max(1, int(config.wait_timeout_ms * 1e6))
     if COMM == "ce" and ce_comm.supported(launch.collective, a.dtype) and rows \
+            and (launch.collective != "all_to_all" or launch.peer_sends) \
             and not torch.cuda.is_current_stream_capturing():
         return _execute_ce(launch, opnd, out, group, res, cur, slot, timeout_ns)
     buf = out_flat if launch.collective == "all_reduce" else torch.empty(rows, n, dtype=a.dtype, device=device)
@@ -373,7 +382,10 @@ def _execute_ce(launch: Launch, opnd: Operands, out: torch.Tensor, group: dist.P
             if launch.tiles[g]:
                 lib.wait(c_ptr + 4 * g, e_ptr + 4 * g, launch.tiles[g], timeout_ns, res.record.data_ptr(), g,
                          side.cuda_stream)
-            ce_comm.issue_group(ws, launch.collective, step, rows, n, out_flat, timeout_ms)
+            if launch.collective == "all_to_all":
+                ce_comm.issue_all_to_all(ws, step, launch.peer_sends[g], rows, n, out_flat, timeout_ms)
+            else:
+                ce_comm.issue_group(ws, launch.collective, step, rows, n, out_flat, timeout_ms)
         ce_comm.finish(ws, timeout_ms)
     cur.wait_stream(side)
     return out

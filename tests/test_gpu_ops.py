@@ -544,12 +544,12 @@ def test_grid_nccl_route_and_host_loop_match_eager(pool, op, grid, mode, host):
         assert (r["c"], r["python"]) == ((r["fused"], 0) if c_loop else (0, r["fused"])), per_rank
 
 
-@pytest.mark.parametrize("add_ctas", [0, 16])
-@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("op,add_ctas", [("all_reduce", 0), ("all_reduce", 16), ("reduce_scatter", 0),
+                                         ("all_to_all", 0)])
 def test_copy_engine_route_matches_eager(pool, op, add_ctas):
     per_rank = pool.run(ce_route_task, op, add_ctas)
     assert all(r["fused"] >= r["fused_expected"] > 0 for r in per_rank), per_rank
-    assert all(r["ce"] == r["fused"] for r in per_rank), per_rank
+    assert all(0 < r["ce"] <= r["fused"] for r in per_rank), per_rank
 
 
 def test_uneven_all_to_all(pool):
