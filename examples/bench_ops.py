@@ -112,8 +112,7 @@ def fused_call(op: str, a: torch.Tensor, b: torch.Tensor, plan: str, world: int,
 def with_mode(spec: str, fn):
     """``fn`` run with the fused path in the mode ``spec`` = ``"<grid>/<nccl>[/<host>[/<kernel>[/<ctas>]]]"``:
 
-    * grid ``persistent|tiles``: ``runtime_gpu.GEMM_GRID``; nccl ``direct|torch``: ``nccl_direct.MODE``, ``ce``:
-      ``runtime_gpu.COMM = "ce"`` (copy-engine transfers, all_reduce / reduce_scatter; NCCL direct otherwise);
+    * grid ``persistent|tiles``: ``runtime_gpu.GEMM_GRID``; nccl ``direct|torch``: ``nccl_direct.MODE``;
     * host ``c`` (default) or ``python``: ``fused_launch.HOST_LOOP``; ``gemm``: the diagnostic
       ``runtime_gpu.GEMM_ONLY`` (the fused path without its collectives, in the Python loop: a time split, not a
       result);
@@ -124,9 +123,8 @@ def with_mode(spec: str, fn):
 
     def run():
         old = (runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.KERNEL,
-               runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE, runtime_gpu.COMM)
-        runtime_gpu.GEMM_GRID, nccl_direct.MODE = grid, "direct" if mode == "ce" else mode
-        runtime_gpu.COMM = "ce" if mode == "ce" else "nccl"
+               runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE)
+        runtime_gpu.GEMM_GRID, nccl_direct.MODE = grid, mode
         fused_launch.HOST_LOOP = "python" if host == "gemm" else host
         runtime_gpu.KERNEL, runtime_gpu.GEMM_ONLY = kernel or None, host == "gemm"
         runtime_gpu.SWIZZLE = int(swizzle) if swizzle else runtime_gpu.SWIZZLE
@@ -134,7 +132,7 @@ def with_mode(spec: str, fn):
             return fn()
         finally:
             (runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.KERNEL,
-             runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE, runtime_gpu.COMM) = old
+             runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE) = old
     return run
 
 

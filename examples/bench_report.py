@@ -24,9 +24,9 @@ def parse_spec(spec: str) -> tuple[str, str, str, str, tuple[int, int | None] | 
     host = host or "c"
     bad_ctas = bool(ctas) and not ctas.replace("-", "", 1).isdigit()
     bad_kernel = "@" in kernel and not kernel.partition("@")[2].isdigit()
-    if not 2 <= len(parts) <= 5 or grid not in ("persistent", "tiles") or mode not in ("direct", "torch", "ce") \
+    if not 2 <= len(parts) <= 5 or grid not in ("persistent", "tiles") or mode not in ("direct", "torch") \
             or host not in ("c", "python", "gemm") or bad_ctas or bad_kernel:
-        raise ValueError(f"{spec!r} is not <persistent|tiles>/<direct|torch|ce>[/<c|python|gemm>[/<kernel>"
+        raise ValueError(f"{spec!r} is not <persistent|tiles>/<direct|torch>[/<c|python|gemm>[/<kernel>"
                          "[/<max_ctas>|<min_ctas>-<max_ctas>]]]; kernel = [<configuration>][@<swizzle>]")
     lo, _, hi = ctas.rpartition("-")
     return grid, mode, host, kernel, (int(hi), int(lo) if lo else None) if ctas else None

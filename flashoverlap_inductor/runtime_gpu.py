@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import ce_comm, config, fused_launch, kernels, nccl_direct, ops, runtime_cpu, runtime_cuda, streams
+from . import config, fused_launch, kernels, nccl_direct, ops, runtime_cpu, runtime_cuda, streams
 from . import plan as planlib
 from .kernel_select import (
     KernelChoice,
@@ -77,9 +77,6 @@ KERNEL: str | None = os.environ.get("FLASHOVERLAP_KERNEL") or None
 # fork/join) without the waits and collectives, to split T_fused into GEMM and communication. Results are not
 # reduced: never set it outside a benchmark.
 GEMM_ONLY: bool = False
-# How each group's data moves: "nccl" (the default: NCCL collectives, ``nccl_direct`` or torch.distributed) or
-# "ce" (opt-in, all_reduce / reduce_scatter: copy-engine transfers through symmetric memory, ``ce_comm``).
-COMM: str = os.environ.get("FLASHOVERLAP_COMM", "nccl")
 FUSE_SINGLE_GROUP = False  # a one-group plan overlaps nothing: cuBLAS then NCCL is faster
 MAX_LAUNCHES = 512
 
@@ -172,8 +169,6 @@ class Launch:
     peers: tuple[int, ...]  # global rank of every group rank (all_to_all)
     description: str
     csteps: fused_launch.CSteps  # the steps as fo_fused_call takes them
-    # all_to_all with equal splits (copy-engine route): per group, {rank j: the buffer rows j sends us}
-    peer_sends: tuple[dict[int, tuple[int, int]], ...] = ()
 
 
 def _make_launch(collective: str, plan: str, rows: int, n: int, k: int, dtype: torch.dtype, world: int, rank: int,
@@ -220,14 +215,8 @@ def _make_launch(collective: str, plan: str, rows: int, n: int, k: int, dtype: t
     desc = (f"{collective} rows={rows} n={n} k={k} {dname}: {groups} groups, tiles {list(tiles)}, kernel "
             f"{choice.name} ({choice.b_layout}), {_grid_text(sm_count, res.sm_count)}, {sched.description}")
     log.info("flashoverlap: launch %s", desc)
-    peer_sends: tuple[dict[int, tuple[int, int]], ...] = ()
-    if collective == "all_to_all" and send_rows is None:
-        others = {j: runtime_cpu.schedule_steps(collective, plan, rows, n, k, dname, world, j)
-                  for j in range(world) if j != rank}
-        peer_sends = tuple({j: next(((lo, hi) for p, lo, hi in others[j][g].sends if p == rank), (0, 0))
-                            for j in others} for g in range(groups))
     return Launch(collective, tuple(steps), tiles, choice, index, gmap, gather, workspace, sm_count, peers, desc,
-                  fused_launch.group_steps(collective, steps, tiles, n), peer_sends)
+                  fused_launch.group_steps(collective, steps, tiles, n))
 
 
 def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup,
@@ -307,11 +296,6 @@ def _execute(launch: Launch, opnd: Operands, out_shape: list[int], group: dist.P
     device = a.device
     out = torch.empty(out_shape, dtype=a.dtype, device=device)
     out_flat = out.view(-1, n)
-    timeout_ns = max(1, int(config.wait_timeout_ms * 1e6))
-    if COMM == "ce" and ce_comm.supported(launch.collective, a.dtype) and rows \
-            and (launch.collective != "all_to_all" or launch.peer_sends) \
-            and not torch.cuda.is_current_stream_capturing():
-        return _execute_ce(launch, opnd, out, group, res, cur, slot, timeout_ns)
     buf = out_flat if launch.collective == "all_reduce" else torch.empty(rows, n, dtype=a.dtype, device=device)
     lib = streams.kernel_lib()
     counters, expected = res.counters[slot], res.expected[slot]
@@ -324,6 +308,7 @@ def _execute(launch: Launch, opnd: Operands, out_shape: list[int], group: dist.P
         b_in, ldb = _kernel_b(b, launch.kernel)
         workspace = torch.empty(launch.workspace_bytes, dtype=torch.uint8, device=device) \
             if launch.workspace_bytes else None
+    timeout_ns = max(1, int(config.wait_timeout_ms * 1e6))
     record = res.record.data_ptr()
     comm = nccl_direct.communicator(group, device) if a.dtype in nccl_direct.NCCL_DTYPES else None
     stats["nccl:direct" if comm is not None else "nccl:torch"] += 1
@@ -350,44 +335,6 @@ def _execute(launch: Launch, opnd: Operands, out_shape: list[int], group: dist.P
             else:
                 group_collective(launch.collective, launch.peers, g, step, buf, out_flat, group)
     cur.wait_stream(side)  # the output (and the buffers freed on return) are ready in the caller's stream order
-    return out
-
-
-def _execute_ce(launch: Launch, opnd: Operands, out: torch.Tensor, group: dist.ProcessGroup,
-                res: streams.DeviceResources, cur: torch.cuda.Stream, slot: int, timeout_ns: int) -> torch.Tensor:
-    """Steps 3-5 with copy-engine communication (``ce_comm``): the GEMM writes into the symmetric workspace."""
-    a, b = opnd.a, opnd.b
-    rows, n = a.shape[0], b.shape[1]
-    ws = ce_comm.workspace(group, a.device, a.dtype, rows * n)
-    buf = ws.data(rows, n)
-    lib = streams.kernel_lib()
-    counters, expected = res.counters[slot], res.expected[slot]
-    c_ptr, e_ptr = counters.data_ptr(), expected.data_ptr()
-    a_in = a.index_select(0, launch.gather) if launch.gather is not None else _row_major(a)
-    b_in, ldb = _kernel_b(b, launch.kernel)
-    workspace = torch.empty(launch.workspace_bytes, dtype=torch.uint8, device=a.device) \
-        if launch.workspace_bytes else None
-    side = res.side
-    stats["comm:ce"] += 1
-    ce_comm.mark("start")
-    expected.copy_(counters)
-    side.wait_stream(cur)
-    lib.gemm(launch.index, a_in, b_in, ldb, opnd.bias, buf, c_ptr, launch.gmap, kernels.SIGNAL_MODES[SIGNAL_MODE],
-             launch.sm_count, kernels.RASTERS[RASTER], SWIZZLE, workspace, cur.cuda_stream)
-    ce_comm.mark("gemm_done")
-    timeout_ms = max(1, timeout_ns // 1_000_000)
-    out_flat = out.view(-1, n)
-    with torch.cuda.stream(side):
-        for g, step in enumerate(launch.steps):
-            if launch.tiles[g]:
-                lib.wait(c_ptr + 4 * g, e_ptr + 4 * g, launch.tiles[g], timeout_ns, res.record.data_ptr(), g,
-                         side.cuda_stream)
-            if launch.collective == "all_to_all":
-                ce_comm.issue_all_to_all(ws, step, launch.peer_sends[g], rows, n, out_flat, timeout_ms)
-            else:
-                ce_comm.issue_group(ws, launch.collective, step, rows, n, out_flat, timeout_ms)
-        ce_comm.finish(ws, timeout_ms)
-    cur.wait_stream(side)
     return out
 
 

@@ -215,22 +215,6 @@ def route_task(op: str, grid: str, mode: str, host: str) -> dict[str, int]:
         runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP = old
 
 
-def ce_route_task(op: str, add_ctas: int) -> dict[str, int]:
-    """``match_eager_task`` (bf16) with copy-engine communication (``runtime_gpu.COMM = "ce"``) and reductions on
-    ``add_ctas`` CTAs (0: torch's add); returns its counts plus how many fused calls moved their data by copy
-    engine."""
-    from flashoverlap_inductor import ce_comm, runtime_gpu
-
-    old = runtime_gpu.COMM, ce_comm.ADD_CTAS
-    runtime_gpu.COMM, ce_comm.ADD_CTAS = "ce", add_ctas
-    try:
-        out = match_eager_task(op, "bfloat16")
-        out["ce"] = runtime_gpu.stats["comm:ce"]
-        return out
-    finally:
-        runtime_gpu.COMM, ce_comm.ADD_CTAS = old
-
-
 def uneven_all_to_all_task() -> int:
     """Ranks with different rows, one with none; 2D and 3D; both B layouts; explicit and "auto" plans."""
     import torch.distributed as dist
@@ -542,14 +526,6 @@ def test_grid_nccl_route_and_host_loop_match_eager(pool, op, grid, mode, host):
     for r in per_rank:
         assert (r["direct"], r["torch"]) == ((r["fused"], 0) if direct else (0, r["fused"])), per_rank
         assert (r["c"], r["python"]) == ((r["fused"], 0) if c_loop else (0, r["fused"])), per_rank
-
-
-@pytest.mark.parametrize("op,add_ctas", [("all_reduce", 0), ("all_reduce", 16), ("reduce_scatter", 0),
-                                         ("all_to_all", 0)])
-def test_copy_engine_route_matches_eager(pool, op, add_ctas):
-    per_rank = pool.run(ce_route_task, op, add_ctas)
-    assert all(r["fused"] >= r["fused_expected"] > 0 for r in per_rank), per_rank
-    assert all(0 < r["ce"] <= r["fused"] for r in per_rank), per_rank
 
 
 def test_uneven_all_to_all(pool):
