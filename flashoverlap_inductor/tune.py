@@ -4,7 +4,7 @@ shape, and write them as the cost model's data files (see ``tune_docs`` for the 
     torchrun --nproc_per_node=W -m flashoverlap_inductor.tune bandwidth [--out FILE] [--quick]
     python -m flashoverlap_inductor.tune gemm [--out FILE] [--shapes 8192x8192x8192,...] [--free 0,8,16,24,32]
     torchrun --nproc_per_node=W -m flashoverlap_inductor.tune search --collective all_reduce --shape 8192x8192x8192
-        [--mode both|exhaustive|predictive] [--max-units 8] [--out-dir DIR]
+        [--mode both|exhaustive|predictive] [--max-units 8] [--out-dir DIR] [--record FILE]
     python -m flashoverlap_inductor.tune fit --bench bench_w4.json [bench_w2.json] [--variant G/R] [--write]
 
 ``bandwidth``: every collective (all_reduce in place, reduce_scatter, all_to_all_single; bf16) from 64 KiB to
@@ -283,6 +283,10 @@ def cmd_search(args: argparse.Namespace) -> int:
         path = docs.plans_path(directory, gpu, world)
         doc = docs.merge_plans(docs.read_json(path), gpu, sms, [entry], f"flashoverlap_inductor.tune search on {gpu}")
         print(f"wrote {docs.write_json(path, doc)}")
+        if args.record:  # every candidate's times, for ranking-aware calibration of the cost model
+            rec = report.record(gpu=gpu, sm_count=sms, world_size=world, collective=coll, dtype=dtype_name, m=m, n=n,
+                                k=k, measured_seq_ms=seq_ms)
+            print(f"wrote {docs.write_json(Path(args.record), rec)}")
         errs = report.model_errors
         print(f"best {report.best.row_bounds}: {report.best_ms:.4f} ms fused vs {seq_ms:.4f} ms sequential "
               f"({seq_ms / report.best_ms:.3f}x); predictive {report.predictive_ms:.4f} ms (relative performance "
@@ -324,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--rounds", type=int, default=5)
     se.add_argument("--target-ms", type=float, default=8.0)
     se.add_argument("--out-dir", help="data directory to write plans/<gpu>_w<world>.json into")
+    se.add_argument("--record", help="also write every candidate's measured, refined and predicted ms (JSON)")
     tune_fit.add_parser(sub)
     return p
 

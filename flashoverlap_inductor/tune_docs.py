@@ -243,6 +243,15 @@ class SearchReport:
         """best measured / measured time of the model's argmin (1.0 = the model found the best plan)."""
         return self.best_ms / self.predictive_ms if self.predictive_ms > 0 else math.nan
 
+    def record(self, **meta: Any) -> dict[str, Any]:
+        """Every candidate's times (``tune search --record``): the cost model's ranking data for later fits.
+        ``meta`` (GPU, world size, collective, shape, sequential time, ...) goes in as given."""
+        keys = list(dict.fromkeys([*self.measured, *self.refined]))
+        return {**meta, "best": self.best.to_str(), "predictive": self.predictive.to_str() if self.predictive else None,
+                "candidates": [{"plan": key, "measured_ms": self.measured.get(key),
+                                "refined_ms": self.refined.get(key), "predicted_ms": self.predicted.get(key)}
+                               for key in keys]}
+
     @property
     def model_errors(self) -> list[float]:
         """``|predicted - measured| / measured`` of every measured candidate with a prediction."""

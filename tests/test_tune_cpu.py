@@ -153,6 +153,13 @@ def test_search_with_the_model_as_the_clock_finds_the_model_optimum():
     assert report.best_ms == pytest.approx(min(predict(p) for p in candidates))
     assert report.relative_performance == pytest.approx(1.0)
     assert max(report.model_errors) == pytest.approx(0.0, abs=1e-12)
+    rec = json.loads(json.dumps(report.record(world_size=4, m=candidates[0].m)))  # JSON-safe
+    assert rec["world_size"] == 4 and rec["best"] == report.best.to_str()
+    assert {c["plan"] for c in rec["candidates"]} == {p.to_str() for p in set(candidates) | {predictive}}
+    for c in rec["candidates"]:
+        plan = planlib.GroupPlan.from_str(c["plan"])
+        assert c["measured_ms"] == pytest.approx(predict(plan)) and c["predicted_ms"] == pytest.approx(predict(plan))
+        assert (c["refined_ms"] is not None) == (c["plan"] in report.refined)
 
 
 def test_search_prefers_measurements_over_predictions():
