@@ -246,11 +246,10 @@ class SearchReport:
     def record(self, **meta: Any) -> dict[str, Any]:
         """Every candidate's times (``tune search --record``): the cost model's ranking data for later fits.
         ``meta`` (GPU, world size, collective, shape, sequential time, ...) goes in as given."""
-        keys = list(dict.fromkeys([*self.measured, *self.refined]))
         return {**meta, "best": self.best.to_str(), "predictive": self.predictive.to_str() if self.predictive else None,
-                "candidates": [{"plan": key, "measured_ms": self.measured.get(key),
-                                "refined_ms": self.refined.get(key), "predicted_ms": self.predicted.get(key)}
-                               for key in keys]}
+                "candidates": [{"plan": key, "measured_ms": ms, "refined_ms": self.refined.get(key),
+                                "predicted_ms": self.predicted.get(key)}
+                               for key, ms in self.measured.items()]}  # every refined plan was measured first
 
     @property
     def model_errors(self) -> list[float]:
