@@ -95,7 +95,7 @@ using namespace flashoverlap;
 
 extern "C" {
 
-FO_API int fo_abi_version(void) { return 3; }
+FO_API int fo_abi_version(void) { return 4; }
 
 FO_API int fo_preload(void) {
   cudaFuncAttributes attr{};
@@ -140,17 +140,18 @@ FO_API int fo_gemm_workspace_size(int config, int m, int n, int k, int sm_count,
 }
 
 FO_API int fo_gemm(int config, const void* a, int64_t lda, const void* b, int64_t ldb, const void* bias, void* d,
-                   int64_t ldd, int m, int n, int k, int* counters, const int* group_of_tile_row, int signal_mode,
-                   int sm_count, int raster, int swizzle, void* workspace, size_t workspace_bytes, void* stream) {
+                   int64_t ldd, int m, int n, int k, int* counters, const int* group_of_tile_row,
+                   const int* tile_row_order, int signal_mode, int sm_count, int raster, int swizzle, void* workspace,
+                   size_t workspace_bytes, void* stream) {
   GemmConfig const* c = config_at(config);
   if (c == nullptr) return fail(1, "fo_gemm: no configuration " + std::to_string(config));
   if (m <= 0 || n <= 0 || k <= 0) return fail(2, "fo_gemm: sizes must be positive");
   if (signal_mode != 0 && signal_mode != 1) return fail(2, "fo_gemm: signal_mode must be 0 or 1");
   if (swizzle != 1 && swizzle != 2 && swizzle != 4 && swizzle != 8) return fail(2, "fo_gemm: swizzle must be 1/2/4/8");
   if (raster < 0 || raster > 2) return fail(2, "fo_gemm: raster must be 0, 1 or 2");
-  GemmCall call{a,        lda,        b,        ldb,   bias,    d,         ldd,           m,
-                n,        k,          counters, group_of_tile_row, signal_mode, sm_count, raster, swizzle,
-                workspace, workspace_bytes, static_cast<cudaStream_t>(stream)};
+  GemmCall call{a,        lda,       b,        ldb,         bias,     d,      ldd,     m,
+                n,        k,         counters, group_of_tile_row, tile_row_order, signal_mode, sm_count, raster,
+                swizzle,  workspace, workspace_bytes, static_cast<cudaStream_t>(stream)};
   std::string err;
   int rc = c->run(call, err);
   if (rc != 0) return fail(rc, err);

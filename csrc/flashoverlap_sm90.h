@@ -39,15 +39,18 @@ FO_API int fo_config_info(int index, char* name, int name_len, int* ints);
  * counters: nullptr = no signals; else counters[group_of_tile_row[t]] (or counters[t] when the map is nullptr)
  * gets +1 per finished tile of tile-row t, after the tile's stores are complete and visible at GPU scope.
  * signal_mode: 0 immediate (wait for the stores at the end of each tile), 1 deferred (signal at the next
- * tile's epilogue, flush at kernel end). sm_count: SMs the GEMM may use (0 = all); above the device's SM count
+ * tile's epilogue, flush at kernel end). tile_row_order: nullptr = tile-rows in natural order; else a device
+ * int32 permutation of [0, ceil(m / tile_m)): the scheduler's s-th tile-row is tile-row tile_row_order[s] (A is
+ * read and D written at that row; csrc/tile_order.hpp). sm_count: SMs the GEMM may use (0 = all); above the device's SM count
  * it is the number of CTAs (persistent CTAs beyond one per SM; >= the tile count: one CTA per tile, so SMs freed
  * by finished tiles go to higher-priority streams first). raster: 0 heuristic,
  * 1 along M, 2 along N (row-major tile order). swizzle: 1/2/4/8 tile-rows (or columns) per band. */
 FO_API int fo_gemm_workspace_size(int config, int m, int n, int k, int sm_count, int raster, int swizzle,
                                   size_t* bytes);
 FO_API int fo_gemm(int config, const void* a, int64_t lda, const void* b, int64_t ldb, const void* bias, void* d,
-                   int64_t ldd, int m, int n, int k, int* counters, const int* group_of_tile_row, int signal_mode,
-                   int sm_count, int raster, int swizzle, void* workspace, size_t workspace_bytes, void* stream);
+                   int64_t ldd, int m, int n, int k, int* counters, const int* group_of_tile_row,
+                   const int* tile_row_order, int signal_mode, int sm_count, int raster, int swizzle, void* workspace,
+                   size_t workspace_bytes, void* stream);
 
 /* Bounded wait (one thread on `stream`): polls *counter with ld.acquire.gpu and __nanosleep backoff until
  * (int)(*counter - target) >= 0, where target = (expected ? *expected : 0) + increment. With `expected` (device
@@ -73,6 +76,12 @@ typedef struct {
   int64_t local_buf;   /* kind 2: this rank's own rows, copied buf -> out (local_count 0: none) */
   int64_t local_out;
   int64_t local_count;
+  int64_t copy_src;        /* staging before the collective (copy_width 0: none): copy_height pieces of copy_width */
+  int64_t copy_dst;        /* elements, from d + copy_src (pitch copy_src_pitch) to buf + copy_dst (pitch */
+  int64_t copy_width;      /* copy_dst_pitch) */
+  int64_t copy_height;
+  int64_t copy_src_pitch;
+  int64_t copy_dst_pitch;
 } fo_group_step;
 
 typedef struct {
@@ -87,13 +96,14 @@ typedef struct {
 FO_API int fo_nccl_bind(const char* path);
 
 /* On cur_stream: counters -> expected (num_groups ints), a fork event, then the signal GEMM (as fo_gemm, into
- * buf, signalling counters[group_of_tile_row[t]]; skipped when m == 0). On side_stream, after the fork: per
- * group g, fo_wait_counter(counters + g, expected + g, steps[g].tiles, ...) unless tiles == 0, then its NCCL
- * call(s) on `comm` (ncclComm_t; nccl_dtype an ncclDataType_t, sum). Finally cur_stream waits for side_stream.
+ * d -- row stride ldd --, signalling counters[group_of_tile_row[t]], in tile_row_order; skipped when m == 0). On
+ * side_stream, after the fork: per group g, fo_wait_counter(counters + g, expected + g, steps[g].tiles, ...)
+ * unless tiles == 0, then its staging copy d -> buf (if any), then its NCCL call(s) on `comm` (ncclComm_t; nccl_dtype an ncclDataType_t, sum). Finally cur_stream waits for side_stream.
  * elem_bytes: the element size of buf and out. */
 FO_API int fo_fused_call(int config, const void* a, int64_t lda, const void* b, int64_t ldb, const void* bias,
-                         void* buf, int64_t ldd, int m, int n, int k, const int* group_of_tile_row, int signal_mode,
-                         int sm_count, int raster, int swizzle, void* workspace, size_t workspace_bytes,
+                         void* d, void* buf, int64_t ldd, int m, int n, int k, const int* group_of_tile_row,
+                         const int* tile_row_order, int signal_mode, int sm_count, int raster, int swizzle,
+                         void* workspace, size_t workspace_bytes,
                          int* counters, int* expected, int num_groups, const fo_group_step* steps,
                          const fo_p2p_step* p2p, void* out, int elem_bytes, int nccl_dtype, void* comm,
                          int64_t timeout_ns, int* error_record, void* cur_stream, void* side_stream);

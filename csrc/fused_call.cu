@@ -1,8 +1,9 @@
 // fo_fused_call: one fused GEMM + per-group collectives issued from C (one host call per fused op).
 //
 // Order of work (all asynchronous; the host returns after enqueueing):
-//   caller stream:  expected := counters (epoch resync), fork event, signal GEMM into buf
-//   side stream:    waits for the fork; per group: bounded wait kernel, then the group's NCCL call(s)
+//   caller stream:  expected := counters (epoch resync), fork event, signal GEMM into d
+//   side stream:    waits for the fork; per group: bounded wait kernel, the group's staging copy d -> buf (if
+//                   any: reduce_scatter with the tile-row order), then the group's NCCL call(s)
 //                   (all_reduce in place / reduce_scatter buf -> out / grouped send+recv + a local copy)
 //   caller stream:  waits for the side stream's join event
 // The fork is recorded before the GEMM launch, so the side stream depends on the GEMM's inputs but not on the
@@ -85,6 +86,17 @@ int cuda_check(cudaError_t e, char const* what) {
   return e == cudaSuccess ? 0 : fail_code(100 + int(e), std::string(what) + ": " + cudaGetErrorString(e));
 }
 
+// Group g's rows from the GEMM output d into the collective's buffer on `side` (after its wait, before its
+// collective): one 2-D copy of copy_height pieces of copy_width elements (d and buf pitches in elements).
+int stage_group(fo_group_step const& s, char const* d, char* buf, int elem_bytes, cudaStream_t side) {
+  if (s.copy_width <= 0 || s.copy_height <= 0) return 0;
+  size_t const e = size_t(elem_bytes);
+  return cuda_check(cudaMemcpy2DAsync(buf + s.copy_dst * e, size_t(s.copy_dst_pitch) * e, d + s.copy_src * e,
+                                      size_t(s.copy_src_pitch) * e, size_t(s.copy_width) * e, size_t(s.copy_height),
+                                      cudaMemcpyDeviceToDevice, side),
+                    "stage copy");
+}
+
 // Group g's collective(s) on `side` (after its wait).
 int issue_group(fo_group_step const& s, fo_p2p_step const* p2p, char* buf, char* out, int elem_bytes, int dtype,
                 void* comm, cudaStream_t side) {
@@ -148,8 +160,9 @@ FO_API int fo_nccl_bind(const char* path) {
 }
 
 FO_API int fo_fused_call(int config, const void* a, int64_t lda, const void* b, int64_t ldb, const void* bias,
-                         void* buf, int64_t ldd, int m, int n, int k, const int* group_of_tile_row, int signal_mode,
-                         int sm_count, int raster, int swizzle, void* workspace, size_t workspace_bytes,
+                         void* d, void* buf, int64_t ldd, int m, int n, int k, const int* group_of_tile_row,
+                         const int* tile_row_order, int signal_mode, int sm_count, int raster, int swizzle,
+                         void* workspace, size_t workspace_bytes,
                          int* counters, int* expected, int num_groups, const fo_group_step* steps,
                          const fo_p2p_step* p2p, void* out, int elem_bytes, int nccl_dtype, void* comm,
                          int64_t timeout_ns, int* error_record, void* cur_stream, void* side_stream) {
@@ -173,19 +186,21 @@ FO_API int fo_fused_call(int config, const void* a, int64_t lda, const void* b, 
   if ((rc = cuda_check(cudaEventRecord(ev->fork, cur), "fork record")) != 0) return rc;
   if ((rc = cuda_check(cudaStreamWaitEvent(side, ev->fork, 0), "fork wait")) != 0) return rc;
   if (rows) {
-    GemmCall call{a,        lda,        b,        ldb,   bias,    buf,       ldd,           m,
-                  n,        k,          counters, group_of_tile_row, signal_mode, sm_count, raster, swizzle,
-                  workspace, workspace_bytes, cur};
+    GemmCall call{a,        lda,       b,        ldb,         bias,     d,      ldd,     m,
+                  n,        k,         counters, group_of_tile_row, tile_row_order, signal_mode, sm_count, raster,
+                  swizzle,  workspace, workspace_bytes, cur};
     std::string err;
     rc = c->run(call, err);
     if (rc != 0) return fail_code(rc, err);  // nothing is queued on `side` but the fork: no join needed
   }
+  char* const dp = static_cast<char*>(d);
   char* const bufp = static_cast<char*>(buf);
   char* const outp = static_cast<char*>(out);
   for (int g = 0; g < num_groups && rc == 0; ++g) {
     if (steps[g].tiles > 0) {
       rc = launch_wait(counters + g, expected + g, steps[g].tiles, (long long)timeout_ns, error_record, g, side);
     }
+    if (rc == 0) rc = stage_group(steps[g], dp, bufp, elem_bytes, side);
     if (rc == 0) rc = issue_group(steps[g], p2p, bufp, outp, elem_bytes, nccl_dtype, comm, side);
   }
   // Join even after a failure, so the caller's stream never runs ahead of work already queued on `side`.

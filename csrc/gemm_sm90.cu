@@ -12,7 +12,8 @@
 //
 // D = A @ B (+ bias), then the tile-signal EVT node (tile_signal.hpp). The bias is a row broadcast with a
 // nullptr fallback, so one kernel serves both. A persistent tile scheduler walks the tiles in the raster order
-// and swizzle given at launch; hw_info.sm_count limits the SMs it uses.
+// and swizzle given at launch, its tile-rows in the launch's tile-row order (tile_order.hpp; nullptr = natural);
+// hw_info.sm_count limits the SMs it uses.
 #include <cstdio>
 #include <string>
 
@@ -26,6 +27,7 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 
 #include "registry.hpp"
+#include "tile_order.hpp"
 #include "tile_signal.hpp"
 
 #if !defined(FO_NAME) || !defined(FO_SCHED) || !defined(FO_TM) || !defined(FO_TN) || !defined(FO_TK) || \
@@ -106,7 +108,7 @@ using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder
     TileShape, ClusterShape, StageCount, MainloopSchedule>::CollectiveOp;
 
 using GemmKernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
-                                                        CollectiveEpilogue>;
+                                                        CollectiveEpilogue, flashoverlap::RowOrderScheduler>;
 using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 using RasterOrder = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90Params::RasterOrderOptions;
 
@@ -172,6 +174,7 @@ bool make_arguments(flashoverlap::GemmCall const& c, typename Gemm::Arguments& a
   // so the hardware hands SMs freed by finished tiles to higher-priority kernels (NCCL) first.
   args.hw_info.sm_count = c.sm_count > 0 ? c.sm_count : total;
   args.scheduler.max_swizzle_size = c.swizzle > 0 ? c.swizzle : 1;
+  args.scheduler.tile_row_order = c.tile_row_order;
   args.scheduler.raster_order = c.raster == 1   ? RasterOrder::AlongM
                                 : c.raster == 2 ? RasterOrder::AlongN
                                                 : RasterOrder::Heuristic;

@@ -26,6 +26,7 @@ struct GemmCall {
   int m, n, k;
   int* counters;
   int const* group_of_tile_row;
+  int const* tile_row_order;  // nullptr: natural order; else a permutation of [0, ceil(m / tile_m)) (tile_order.hpp)
   int signal_mode;
   int sm_count;  // 0: all SMs
   int raster;    // 0 heuristic, 1 along M, 2 along N

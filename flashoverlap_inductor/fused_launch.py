@@ -17,7 +17,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from . import kernels, nccl_direct, runtime_cpu
+from . import kernels, nccl_direct, row_order, runtime_cpu
 
 log = logging.getLogger("flashoverlap")
 
@@ -42,14 +42,20 @@ class CSteps:
         return ctypes.addressof(self.p2p) if self.p2p is not None else None
 
 
-def group_steps(collective: str, steps: Sequence[runtime_cpu.GroupStep], tiles: Sequence[int], n: int) -> CSteps:
-    """``fo_group_step``/``fo_p2p_step`` arrays for ``steps`` (``runtime_cpu.schedule_steps``) with the GEMM's
-    ``tiles`` per group; ``n`` = elements per row. all_to_all peers are group ranks (= the communicator's)."""
+def group_steps(collective: str, steps: Sequence[runtime_cpu.GroupStep], tiles: Sequence[int], n: int,
+                stage: Sequence[row_order.StageCopy | None] | None = None) -> CSteps:
+    """``fo_group_step``/``fo_p2p_step`` arrays for ``steps`` (``runtime_cpu.schedule_steps``, or their natural-row
+    form from ``row_order``) with the GEMM's ``tiles`` per group and, per group, its staging copy (``stage``);
+    ``n`` = elements per row. all_to_all peers are group ranks (= the communicator's)."""
     arr = (kernels.GroupStep * len(steps))()
     p2p: list[tuple[int, int, int, int]] = []
     for g, step in enumerate(steps):
         s = arr[g]
         s.tiles = int(tiles[g])
+        copy = stage[g] if stage else None
+        if copy is not None:
+            s.copy_src, s.copy_dst, s.copy_width, s.copy_height = copy.src, copy.dst, copy.width, copy.height
+            s.copy_src_pitch, s.copy_dst_pitch = copy.src_pitch, copy.dst_pitch
         if collective == "all_reduce":
             s.kind = kernels.STEP_KINDS["all_reduce"] if step.hi > step.lo else kernels.STEP_KINDS["none"]
             s.buf_offset, s.count = step.lo * n, (step.hi - step.lo) * n

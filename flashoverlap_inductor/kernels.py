@@ -19,13 +19,14 @@ import ctypes
 import functools
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 LIB_ENV = "FLASHOVERLAP_LIB"
 DEFAULT_LIB = Path(__file__).resolve().parent.parent / "build" / "libflashoverlap_sm90.so"
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
@@ -72,7 +73,9 @@ class GroupStep(ctypes.Structure):
     _fields_ = [("tiles", ctypes.c_int32), ("kind", ctypes.c_int32), ("buf_offset", ctypes.c_int64),
                 ("out_offset", ctypes.c_int64), ("count", ctypes.c_int64), ("first_p2p", ctypes.c_int32),
                 ("num_p2p", ctypes.c_int32), ("local_buf", ctypes.c_int64), ("local_out", ctypes.c_int64),
-                ("local_count", ctypes.c_int64)]
+                ("local_count", ctypes.c_int64), ("copy_src", ctypes.c_int64), ("copy_dst", ctypes.c_int64),
+                ("copy_width", ctypes.c_int64), ("copy_height", ctypes.c_int64), ("copy_src_pitch", ctypes.c_int64),
+                ("copy_dst_pitch", ctypes.c_int64)]
 
 
 class P2PStep(ctypes.Structure):
@@ -98,14 +101,14 @@ def _declare(lib: ctypes.CDLL) -> None:
         "fo_num_configs": (c_int, []),
         "fo_config_info": (c_int, [c_int, ctypes.c_char_p, c_int, ctypes.POINTER(c_int)]),
         "fo_gemm_workspace_size": (c_int, [c_int] * 7 + [ctypes.POINTER(c_sz)]),
-        "fo_gemm": (c_int, [c_int, c_p, c_i64, c_p, c_i64, c_p, c_p, c_i64, c_int, c_int, c_int, c_p, c_p,
+        "fo_gemm": (c_int, [c_int, c_p, c_i64, c_p, c_i64, c_p, c_p, c_i64, c_int, c_int, c_int, c_p, c_p, c_p,
                             c_int, c_int, c_int, c_int, c_p, c_sz, c_p]),
         "fo_wait_counter": (c_int, [c_p, c_p, c_int, c_i64, c_p, c_int, c_p]),
         "fo_stream_wait_value": (c_int, [c_p, c_p, c_int]),
         "fo_nccl_bind": (c_int, [ctypes.c_char_p]),
-        "fo_fused_call": (c_int, [c_int, c_p, c_i64, c_p, c_i64, c_p, c_p, c_i64, c_int, c_int, c_int, c_p, c_int,
-                                  c_int, c_int, c_int, c_p, c_sz, c_p, c_p, c_int, c_p, c_p, c_p, c_int, c_int, c_p,
-                                  c_i64, c_p, c_p, c_p]),
+        "fo_fused_call": (c_int, [c_int, c_p, c_i64, c_p, c_i64, c_p, c_p, c_p, c_i64, c_int, c_int, c_int, c_p,
+                                  c_p, c_int, c_int, c_int, c_int, c_p, c_sz, c_p, c_p, c_int, c_p, c_p, c_p, c_int,
+                                  c_int, c_p, c_i64, c_p, c_p, c_p]),
         "fo_test_delayed_add": (c_int, [c_p, c_int, c_i64, c_p, c_p]),
         "fo_test_stamp": (c_int, [c_p, c_p]),
     }
@@ -249,7 +252,8 @@ def _device_map(groups: tuple[int, ...], device: torch.device) -> torch.Tensor:
 def signal_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
                 *, config: str | None = None, counters: torch.Tensor | None = None,
                 group_of_tile_row: torch.Tensor | list[int] | tuple[int, ...] | None = None, sm_count: int = 0,
-                raster: str = "along_n", swizzle: int = DEFAULT_SWIZZLE, signal_mode: str = "deferred") -> torch.Tensor:
+                raster: str = "along_n", swizzle: int = DEFAULT_SWIZZLE, signal_mode: str = "deferred",
+                tile_row_order: Sequence[int] | None = None) -> torch.Tensor:
     """``out[M,N] = a[M,K] @ b[K,N] (+ bias[N])`` on the current stream, signalling tile completion.
 
     ``a``: bf16/fp16, row-major (any 16-byte aligned row stride; other layouts are copied). ``b``: same dtype,
@@ -260,7 +264,9 @@ def signal_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = No
     ``raster``/``swizzle``: the persistent scheduler's tile order (correctness never depends on it): "along_n"
     walks each band of ``swizzle`` tile-rows column by column, so tile-rows finish band by band, in order.
     ``signal_mode``: "deferred" (signal each tile at the issuing warp's next epilogue; no store-drain stall) or
-    "immediate" (drain and signal at the end of every tile).
+    "immediate" (drain and signal at the end of every tile). ``tile_row_order``: a permutation of the tile-rows
+    (``plan.scheduled_tile_rows``): the scheduler computes tile-row ``tile_row_order[s]`` where it would compute
+    tile-row ``s`` (None = natural order); the values in ``out`` never depend on it.
     """
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"signal_gemm: need a [M,K] and b [K,N], got {tuple(a.shape)} and {tuple(b.shape)}")
@@ -307,6 +313,13 @@ def signal_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = No
                 raise ValueError(f"signal_gemm: group_of_tile_row needs {tile_rows} entries in "
                                  f"[0, {counters.numel()}), got {len(groups)}")
             gmap = _device_map(groups, a.device)
+    order = None
+    if tile_row_order is not None:
+        perm = tuple(int(t) for t in tile_row_order)
+        if sorted(perm) != list(range(math.ceil(m / tile_m))):
+            raise ValueError(f"signal_gemm: tile_row_order must be a permutation of the {math.ceil(m / tile_m)} "
+                             f"tile-rows, got {len(perm)} values")
+        order = _device_map(perm, a.device)
     lib = ready(a.device)
     with torch.cuda.device(a.device):
         stream = torch.cuda.current_stream(a.device).cuda_stream
@@ -316,7 +329,8 @@ def signal_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = No
         _check(lib.fo_gemm(idx, a.data_ptr(), a.stride(0), b.data_ptr(), ldb,
                            bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), m, n, k,
                            counters.data_ptr() if counters is not None else None,
-                           gmap.data_ptr() if gmap is not None else None, mode, sm_count, raster_id, swizzle,
+                           gmap.data_ptr() if gmap is not None else None,
+                           order.data_ptr() if order is not None else None, mode, sm_count, raster_id, swizzle,
                            ws.data_ptr() if ws is not None else None, ws_bytes, stream), f"fo_gemm[{name}]")
     return out
 

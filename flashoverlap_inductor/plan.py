@@ -154,6 +154,25 @@ class BufferLayout:
         (the sum of the earlier groups' pieces of that chunk)."""
         return [sum(p[k] for p in self.pieces[:g]) for k in range(len(self.pieces[0]))]
 
+    def natural_pieces(self, g: int) -> list[tuple[int, int, int]]:
+        """``(buffer_row, natural_row, rows)`` of every chunk's piece in group g, chunk by chunk (empty pieces
+        included): where the piece sits in the buffer and in the natural (input / GEMM output) row order."""
+        chunk_len = [sum(p[k] for p in self.pieces) for k in range(len(self.pieces[0]))]
+        offsets = self.output_offsets(g)
+        out, buf_row = [], self.group_bounds[g]
+        for k, rows in enumerate(self.pieces[g]):
+            out.append((buf_row, sum(chunk_len[:k]) + offsets[k], rows))
+            buf_row += rows
+        return out
+
+    def natural_row(self, buffer_row: int, rows: int = 1) -> int:
+        """The natural row of ``buffer_row``; raises unless the ``rows`` buffer rows from it are also contiguous in
+        natural order (one piece, or pieces that happen to be adjacent)."""
+        for dst, src, count in self.segments:
+            if dst <= buffer_row and buffer_row + rows <= dst + count:
+                return src + buffer_row - dst
+        raise ValueError(f"buffer rows {buffer_row}..{buffer_row + rows} are not contiguous in natural order")
+
 
 def buffer_layout(plan: GroupPlan, chunks: Sequence[int]) -> BufferLayout:
     """The buffer layout of ``plan`` for input chunks ``chunks`` (see the module docstring)."""
@@ -191,6 +210,40 @@ def group_of_tile_row(group_bounds: Sequence[int], tile_m: int) -> list[int]:
         while group_bounds[g + 1] <= t * tile_m:
             g += 1
         out.append(g)
+    return out
+
+
+def natural_group_of_tile_row(layout: BufferLayout, tile_m: int) -> list[int]:
+    """THE tile -> group mapping when the GEMM keeps the natural row order and the scheduler runs the tile-rows in
+    group order (``scheduled_tile_rows``; the "schedule" route of reduce_scatter / all_to_all layouts).
+
+    Natural tile-row t belongs to the earliest group that holds any of its rows (a tile-row may straddle pieces
+    of several groups, e.g. two chunks). Groups are released in order on one stream, so every later group it
+    touches is released after it: no group ever reads rows before they are written.
+    """
+    rows = layout.group_bounds[-1]
+    out = [len(layout.pieces)] * math.ceil(rows / tile_m)
+    for g in range(len(layout.pieces)):
+        for _, natural, count in layout.natural_pieces(g):
+            if count:
+                for t in range(natural // tile_m, -(-(natural + count) // tile_m)):
+                    out[t] = min(out[t], g)
+    return out
+
+
+def scheduled_tile_rows(group_of_row: Sequence[int]) -> list[int]:
+    """The scheduler's tile-row order for ``group_of_row`` (``natural_group_of_tile_row``): by group, then by
+    tile-row. Entry s is the tile-row computed where the natural schedule would compute tile-row s
+    (``csrc/tile_order.hpp``)."""
+    return sorted(range(len(group_of_row)), key=lambda t: (group_of_row[t], t))
+
+
+def tiles_of_groups(group_of_row: Sequence[int], num_groups: int, tile_n: int, n: int) -> list[int]:
+    """Tiles each group waits for under a tile-row -> group map (any layout): tile-rows x ``ceil(n / tile_n)``."""
+    cols = math.ceil(n / tile_n)
+    out = [0] * num_groups
+    for g in group_of_row:
+        out[g] += cols
     return out
 
 

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import config, fused_launch, kernels, nccl_direct, ops, runtime_cpu, runtime_cuda, streams
+from . import config, fused_launch, kernels, nccl_direct, ops, row_order, runtime_cpu, runtime_cuda, streams
 from . import plan as planlib
 from .kernel_select import (
     KernelChoice,
@@ -71,6 +71,10 @@ RASTER = "along_n"  # row-major tile order: tile-rows, hence groups, complete in
 # The fused GEMM's grid ("persistent" | "tiles", ``kernel_select.gemm_grid``); None = $FLASHOVERLAP_GEMM_GRID, else
 # the cost model's ``fused.grid``.
 GEMM_GRID: str | None = None
+# reduce_scatter / all_to_all layouts: "schedule" (tile-row order in the GEMM's scheduler, A and the output in
+# natural row order) or "gather" (A's rows copied into buffer order first); None = $FLASHOVERLAP_ROW_ORDER, else
+# "schedule" (``row_order``).
+ROW_ORDER: str | None = None
 # A kernel configuration every fused GEMM uses instead of the plan's (experiments; None = the plan's / preferred).
 KERNEL: str | None = os.environ.get("FLASHOVERLAP_KERNEL") or None
 # Diagnostics only (``examples/bench_ops.py`` host field "gemm"): run the fused path's GEMM (gather, signal GEMM,
@@ -163,7 +167,10 @@ class Launch:
     kernel: KernelChoice
     index: int  # configuration index in the library
     gmap: torch.Tensor | None  # int32 [tile-rows]: group of each tile-row (None when this rank has no rows)
-    gather: torch.Tensor | None  # int64 [rows]: source row of each buffer row (None = identity)
+    gather: torch.Tensor | None  # int64 [rows]: source row of each buffer row (None = identity or "schedule")
+    order: torch.Tensor | None  # int32 [tile-rows]: the scheduler's tile-row order (None = natural)
+    stage: tuple[row_order.StageCopy | None, ...] | None  # per group: copy d -> buf before its collective
+    rows: str  # "natural" (identity layout), "schedule" or "gather" (``row_order``)
     workspace_bytes: int
     sm_count: int
     peers: tuple[int, ...]  # global rank of every group rank (all_to_all)
@@ -201,22 +208,36 @@ def _make_launch(collective: str, plan: str, rows: int, n: int, k: int, dtype: t
         sm_count = max(res.sm_count, -(-rows // choice.tile_m) * -(-n // choice.tile_n))
     else:
         sm_count = max(1, res.sm_count - sm_reserve(res.name, SM_RESERVE, nccl_max_ctas(group)))
-    gmap = gather = None
+    gmap = gather = order = stage = None
     tiles = (0,) * groups
     workspace = 0
-    if rows:
+    route = "natural"
+    if rows and not sched.layout.is_identity and row_order.route(ROW_ORDER) == "schedule":
+        nat = row_order.natural_order(collective, sched.layout, steps, choice.tile_m, choice.tile_n, n,
+                                      dtype.itemsize)
+        if isinstance(nat, str):
+            _note(f"gather:{nat}", logging.INFO, "flashoverlap: %s gathers A's rows: %s", collective, nat)
+        else:
+            route, tiles, steps, stage = "schedule", nat.tiles, list(nat.steps), nat.stage
+            gmap, order = streams.persistent(res.index, lambda: (
+                torch.tensor(nat.group_of_row, dtype=torch.int32, device=device),
+                torch.tensor(nat.order, dtype=torch.int32, device=device)))
+    if rows and route == "natural":
         tiles = tuple(planlib.tiles_per_group(bounds, choice.tile_m, choice.tile_n, n))
         src = gather_rows(sched.layout)
+        route = "gather" if src is not None else route
         gmap, gather = streams.persistent(res.index, lambda: (
             torch.tensor(planlib.group_of_tile_row(bounds, choice.tile_m), dtype=torch.int32, device=device),
             torch.tensor(src, dtype=torch.int64, device=device) if src is not None else None))
+    if rows:
         workspace = lib.workspace_bytes(index, rows, n, k, sm_count, kernels.RASTERS[RASTER], SWIZZLE)
     peers = tuple(dist.get_global_rank(group, j) for j in range(world)) if collective == "all_to_all" else ()
     desc = (f"{collective} rows={rows} n={n} k={k} {dname}: {groups} groups, tiles {list(tiles)}, kernel "
-            f"{choice.name} ({choice.b_layout}), {_grid_text(sm_count, res.sm_count)}, {sched.description}")
+            f"{choice.name} ({choice.b_layout}), {_grid_text(sm_count, res.sm_count)}, rows {route}, "
+            f"{sched.description}")
     log.info("flashoverlap: launch %s", desc)
-    return Launch(collective, tuple(steps), tiles, choice, index, gmap, gather, workspace, sm_count, peers, desc,
-                  fused_launch.group_steps(collective, steps, tiles, n))
+    return Launch(collective, tuple(steps), tiles, choice, index, gmap, gather, order, stage, route, workspace,
+                  sm_count, peers, desc, fused_launch.group_steps(collective, steps, tiles, n, stage))
 
 
 def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup,
@@ -256,7 +277,8 @@ def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor |
         res.raise_if_timed_out()
     layout = b_layout(opnd.b)
     key = (collective, plan, rows, n, k, a.dtype, world, rank, send_rows, recv_rows, res.index, layout,
-           getattr(group, "group_name", id(group)), SIGNAL_MODE, SWIZZLE, SM_RESERVE, GEMM_GRID, KERNEL)
+           getattr(group, "group_name", id(group)), SIGNAL_MODE, SWIZZLE, SM_RESERVE, GEMM_GRID, KERNEL,
+           row_order.route(ROW_ORDER))
     capturing = torch.cuda.is_current_stream_capturing()
     launch = _launches.get(key)
     if launch is None:
@@ -283,6 +305,7 @@ def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor |
     out = _execute(launch, opnd, out_shape, group, res, cur, slot)
     last_launch = launch
     stats[f"fused:{collective}"] += 1
+    stats[f"rows:{launch.rows}"] += 1
     if torch.cuda.is_current_stream_capturing():
         stats["captured"] += 1
     return out
@@ -296,7 +319,9 @@ def _execute(launch: Launch, opnd: Operands, out_shape: list[int], group: dist.P
     device = a.device
     out = torch.empty(out_shape, dtype=a.dtype, device=device)
     out_flat = out.view(-1, n)
-    buf = out_flat if launch.collective == "all_reduce" else torch.empty(rows, n, dtype=a.dtype, device=device)
+    # d: the GEMM's output; buf: what the collectives read (reduce_scatter's staging buffer on the "schedule" route)
+    d = out_flat if launch.collective == "all_reduce" else torch.empty(rows, n, dtype=a.dtype, device=device)
+    buf = torch.empty(rows, n, dtype=a.dtype, device=device) if launch.stage else d
     lib = streams.kernel_lib()
     counters, expected = res.counters[slot], res.expected[slot]
     c_ptr, e_ptr = counters.data_ptr(), expected.data_ptr()
@@ -314,7 +339,7 @@ def _execute(launch: Launch, opnd: Operands, out_shape: list[int], group: dist.P
     stats["nccl:direct" if comm is not None else "nccl:torch"] += 1
     if fused_launch.ready(comm) and not GEMM_ONLY:  # the whole op in one host call
         stats["host:c"] += 1
-        lib.fused_call(launch.index, a_in, b_in, ldb, opnd.bias, buf, rows, k, launch.gmap,
+        lib.fused_call(launch.index, a_in, b_in, ldb, opnd.bias, d, buf, rows, k, launch.gmap, launch.order,
                        kernels.SIGNAL_MODES[SIGNAL_MODE], launch.sm_count, kernels.RASTERS[RASTER], SWIZZLE, workspace,
                        c_ptr, e_ptr, launch.csteps, out_flat, nccl_direct.NCCL_DTYPES[a.dtype], comm.comm, timeout_ns,
                        record, cur.cuda_stream, side.cuda_stream)
@@ -324,12 +349,15 @@ def _execute(launch: Launch, opnd: Operands, out_shape: list[int], group: dist.P
         expected.copy_(counters)  # epoch resync; every earlier user of this slot was joined into `cur`
     side.wait_stream(cur)  # inputs, fresh buffers and the resync are ordered before the side stream's work
     if rows:
-        lib.gemm(launch.index, a_in, b_in, ldb, opnd.bias, buf, c_ptr, launch.gmap, kernels.SIGNAL_MODES[SIGNAL_MODE],
-                 launch.sm_count, kernels.RASTERS[RASTER], SWIZZLE, workspace, cur.cuda_stream)
+        lib.gemm(launch.index, a_in, b_in, ldb, opnd.bias, d, c_ptr, launch.gmap, launch.order,
+                 kernels.SIGNAL_MODES[SIGNAL_MODE], launch.sm_count, kernels.RASTERS[RASTER], SWIZZLE, workspace,
+                 cur.cuda_stream)
     with torch.cuda.stream(side):
         for g, step in enumerate(launch.steps if not GEMM_ONLY else ()):
             if launch.tiles[g]:
                 lib.wait(c_ptr + 4 * g, e_ptr + 4 * g, launch.tiles[g], timeout_ns, record, g, side.cuda_stream)
+            if launch.stage and launch.stage[g] is not None:
+                launch.stage[g].apply(d, buf)
             if comm is not None:
                 nccl_direct.issue_group(comm, launch.collective, step, buf, out_flat, side.cuda_stream)
             else:

@@ -79,28 +79,33 @@ class KernelLib:
         return int(size.value)
 
     def gemm(self, index: int, a: torch.Tensor, b: torch.Tensor, ldb: int, bias: torch.Tensor | None,
-             out: torch.Tensor, counters_ptr: int, gmap: torch.Tensor, signal_mode: int, sm_count: int, raster: int,
-             swizzle: int, workspace: torch.Tensor | None, stream_ptr: int) -> None:
-        """``out[M,N] = a[M,K] @ b (+ bias)`` on ``stream_ptr``, signalling ``counters[gmap[tile_row]]``."""
+             out: torch.Tensor, counters_ptr: int, gmap: torch.Tensor, order: torch.Tensor | None, signal_mode: int,
+             sm_count: int, raster: int, swizzle: int, workspace: torch.Tensor | None, stream_ptr: int) -> None:
+        """``out[M,N] = a[M,K] @ b (+ bias)`` on ``stream_ptr``, signalling ``counters[gmap[tile_row]]``, tile-rows
+        in ``order`` (None = natural order)."""
         m, k = a.shape
         rc = self.lib.fo_gemm(index, a.data_ptr(), a.stride(0), b.data_ptr(), ldb,
                               bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), m,
-                              out.shape[1], k, counters_ptr, gmap.data_ptr(), signal_mode, sm_count, raster, swizzle,
+                              out.shape[1], k, counters_ptr, gmap.data_ptr(),
+                              order.data_ptr() if order is not None else None, signal_mode, sm_count, raster, swizzle,
                               workspace.data_ptr() if workspace is not None else None,
                               workspace.numel() if workspace is not None else 0, stream_ptr)
         self.check(rc, "fo_gemm")
 
     def fused_call(self, index: int, a: torch.Tensor | None, b: torch.Tensor | None, ldb: int,
-                   bias: torch.Tensor | None, buf: torch.Tensor, rows: int, k: int, gmap: torch.Tensor | None,
-                   signal_mode: int, sm_count: int, raster: int, swizzle: int, workspace: torch.Tensor | None,
-                   counters_ptr: int, expected_ptr: int, csteps: Any, out: torch.Tensor, nccl_dtype: int,
-                   comm: int, timeout_ns: int, record_ptr: int, cur_ptr: int, side_ptr: int) -> None:
-        """The whole fused op (``fo_fused_call``): GEMM ``buf = a @ b (+ bias)`` on ``cur_ptr`` (skipped when
-        ``rows`` is 0), every group's wait and NCCL call(s) on ``side_ptr``, then the join."""
+                   bias: torch.Tensor | None, d: torch.Tensor, buf: torch.Tensor, rows: int, k: int,
+                   gmap: torch.Tensor | None, order: torch.Tensor | None, signal_mode: int, sm_count: int,
+                   raster: int, swizzle: int, workspace: torch.Tensor | None, counters_ptr: int, expected_ptr: int,
+                   csteps: Any, out: torch.Tensor, nccl_dtype: int, comm: int, timeout_ns: int, record_ptr: int,
+                   cur_ptr: int, side_ptr: int) -> None:
+        """The whole fused op (``fo_fused_call``): GEMM ``d = a @ b (+ bias)`` on ``cur_ptr`` (skipped when
+        ``rows`` is 0; tile-rows in ``order``), every group's wait, staging copy ``d -> buf`` and NCCL call(s) on
+        ``side_ptr``, then the join. ``d`` and ``buf`` are the same tensor unless the steps stage."""
         rc = self.lib.fo_fused_call(
             index, a.data_ptr() if a is not None else None, a.stride(0) if a is not None else 0,
             b.data_ptr() if b is not None else None, ldb, bias.data_ptr() if bias is not None else None,
-            buf.data_ptr(), buf.stride(0), rows, buf.shape[1], k, gmap.data_ptr() if gmap is not None else None,
+            d.data_ptr(), buf.data_ptr(), d.stride(0), rows, d.shape[1], k,
+            gmap.data_ptr() if gmap is not None else None, order.data_ptr() if order is not None else None,
             signal_mode, sm_count, raster, swizzle, workspace.data_ptr() if workspace is not None else None,
             workspace.numel() if workspace is not None else 0, counters_ptr, expected_ptr, csteps.groups,
             csteps.steps_ptr, csteps.p2p_ptr, out.data_ptr(), buf.element_size(), nccl_dtype, comm, timeout_ns,

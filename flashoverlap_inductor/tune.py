@@ -204,8 +204,8 @@ def _time_gemm_shape(m: int, n: int, k: int, infos: list, sm_counts: list[int], 
             ws = torch.empty(ws_bytes, dtype=torch.uint8, device=DEVICE) if ws_bytes else None
 
             def fn(idx=idx, use=use, ws=ws, gmap=gmap, counters=counters):
-                lib.gemm(idx, a, w.t(), k, None, out, counters.data_ptr(), gmap, kernels.SIGNAL_MODES["deferred"],
-                         use, kernels.RASTERS["along_n"], 1, ws, stream.cuda_stream)
+                lib.gemm(idx, a, w.t(), k, None, out, counters.data_ptr(), gmap, None,
+                         kernels.SIGNAL_MODES["deferred"], use, kernels.RASTERS["along_n"], 1, ws, stream.cuda_stream)
             variants[f"{info.name}@{use}"] = fn
     return {name: t.ms for name, t in timer.measure(variants).items()}
 

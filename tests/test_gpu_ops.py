@@ -198,21 +198,24 @@ def match_eager_task(op: str, dtype_name: str) -> dict[str, int]:
     return {"cases": cases, "fused_expected": fused_expected, "fused": runtime_gpu.stats[f"fused:{op}"]}
 
 
-def route_task(op: str, grid: str, mode: str, host: str) -> dict[str, int]:
+def route_task(op: str, grid: str, mode: str, host: str, rows: str = "schedule") -> dict[str, int]:
     """``match_eager_task`` (bf16) with the GEMM grid (``runtime_gpu.GEMM_GRID``), the per-group NCCL route
-    (``nccl_direct.MODE``) and the host loop (``fused_launch.HOST_LOOP``) set; returns its counts plus how many
-    fused calls took each route."""
+    (``nccl_direct.MODE``), the host loop (``fused_launch.HOST_LOOP``) and the row order of reduce_scatter /
+    all_to_all layouts (``runtime_gpu.ROW_ORDER``) set; returns its counts plus how many fused calls took each
+    route."""
     from flashoverlap_inductor import fused_launch, nccl_direct, runtime_gpu
 
-    old = runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP
-    runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP = grid, mode, host
+    old = runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.ROW_ORDER
+    runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.ROW_ORDER = grid, mode, host, rows
+    runtime_gpu.reset()
     try:
         out = match_eager_task(op, "bfloat16")
         out.update({key.split(":")[1]: runtime_gpu.stats[key] for key in
-                    ("nccl:direct", "nccl:torch", "host:c", "host:python")})
+                    ("nccl:direct", "nccl:torch", "host:c", "host:python", "rows:schedule", "rows:gather")})
         return out
     finally:
-        runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP = old
+        runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.ROW_ORDER = old
+        runtime_gpu.reset()
 
 
 def uneven_all_to_all_task() -> int:
@@ -526,6 +529,15 @@ def test_grid_nccl_route_and_host_loop_match_eager(pool, op, grid, mode, host):
     for r in per_rank:
         assert (r["direct"], r["torch"]) == ((r["fused"], 0) if direct else (0, r["fused"])), per_rank
         assert (r["c"], r["python"]) == ((r["fused"], 0) if c_loop else (0, r["fused"])), per_rank
+        assert r["gather"] == 0 and (r["schedule"] > 0) == (op != "all_reduce"), per_rank
+
+
+@pytest.mark.parametrize("host", ["c", "python"])
+@pytest.mark.parametrize("op", ["reduce_scatter", "all_to_all"])
+def test_gather_row_order_matches_eager(pool, op, host):
+    per_rank = pool.run(route_task, op, "tiles", "direct", host, "gather")
+    assert all(r["fused"] >= r["fused_expected"] > 0 for r in per_rank), per_rank
+    assert all(r["schedule"] == 0 and r["gather"] > 0 for r in per_rank), per_rank
 
 
 def test_uneven_all_to_all(pool):

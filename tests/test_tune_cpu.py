@@ -303,13 +303,14 @@ def test_bench_arguments(bench):
 
 
 def test_bench_variant_specs(bench):
-    assert bench.parse_spec("tiles/direct") == ("tiles", "direct", "c", "", None)
+    assert bench.parse_spec("tiles/direct") == ("tiles", "direct", "c", "", None, "")
+    assert bench.parse_spec("tiles/direct/gemm///gather")[2:] == ("gemm", "", None, "gather")
     assert bench.parse_spec("persistent/torch/python/coop_128x128x64_c2x1") == (
-        "persistent", "torch", "python", "coop_128x128x64_c2x1", None)
-    assert bench.parse_spec("tiles/direct/gemm/@8") == ("tiles", "direct", "gemm", "@8", None)
+        "persistent", "torch", "python", "coop_128x128x64_c2x1", None, "")
+    assert bench.parse_spec("tiles/direct/gemm/@8") == ("tiles", "direct", "gemm", "@8", None, "")
     assert bench.parse_spec("tiles/direct/c//8")[4] == (8, None)
     assert bench.parse_spec("tiles/direct///32-64")[4] == (64, 32)
-    for bad in ("tiles", "tiles/x", "grid/direct", "tiles/direct/fast", "tiles/direct/c/k/8/9",
+    for bad in ("tiles", "tiles/x", "grid/direct", "tiles/direct/fast", "tiles/direct/c/k/8/9", "tiles/direct/c/k/8/x/",
                 "tiles/direct/c/k/a", "tiles/direct/c/@x", "tiles/direct/c//-3-4"):
         with pytest.raises(ValueError):
             bench.parse_spec(bad)
@@ -448,7 +449,7 @@ class _FakeLib:
     def __init__(self, res, infos):
         self.res, self.infos = res, {i.name: i for i in infos}
         self.names = sorted(self.infos)
-        self.waits = 0
+        self.waits = self.ordered = 0
 
     def config_index(self, name, dtype, layout):
         return self.names.index(name)
@@ -456,8 +457,13 @@ class _FakeLib:
     def workspace_bytes(self, *args):
         return 0
 
-    def gemm(self, index, a, b, ldb, bias, out, counters_ptr, gmap, mode, sms, raster, swizzle, workspace, stream):
+    def gemm(self, index, a, b, ldb, bias, out, counters_ptr, gmap, order, mode, sms, raster, swizzle, workspace,
+             stream):
         info = self.infos[self.names[index]]
+        if order is not None:  # the "schedule" route: a permutation of the tile-rows, by group
+            assert sorted(order.tolist()) == list(range(math.ceil(a.shape[0] / info.tile_m)))
+            assert [gmap.tolist()[t] for t in order.tolist()] == sorted(gmap.tolist())
+            self.ordered += 1
         assert ldb == (b.stride(1) if b.stride(0) == 1 else b.stride(0)) and a.stride(1) == 1
         y = a.float() @ b.float() + (bias.float() if bias is not None else 0.0)
         out.copy_(y.to(out.dtype))
@@ -608,7 +614,7 @@ def simulated_gpu_worker() -> dict[str, int]:
                 out = runtime_gpu.gemm_all_to_all(a, b, None, outs, ins, group, "auto")
                 torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=5e-2)
                 cases += 1
-            slots, waits, launches = len(res.slots), lib.waits, len(runtime_gpu._launches)
+            slots, waits, launches, ordered = len(res.slots), lib.waits, len(runtime_gpu._launches), lib.ordered
     finally:
         torch.use_deterministic_algorithms(False)
         runtime_gpu.FUSE_SINGLE_GROUP = False
@@ -616,6 +622,10 @@ def simulated_gpu_worker() -> dict[str, int]:
     assert stats["fused:all_to_all"] >= 2 and stats["fused:all_to_all"] + stats["fallback:bmm"] == 8, dict(stats)
     assert not any(k.startswith("fallback") and k != "fallback:bmm" for k in stats), dict(stats)
     assert slots == 1 and waits > 0
+    # every fused reduce_scatter / all_to_all with a reordering layout (> 1 group, rows here) took the "schedule"
+    # route (tile-row order, natural rows); the others have the identity layout
+    assert ordered == stats["rows:schedule"] >= stats["fused:reduce_scatter"] > 0 and not stats["rows:gather"], (
+        ordered, dict(stats))
     return {"cases": cases, "waits": waits, "launches": launches}
 
 

@@ -38,7 +38,7 @@ def timeline(launch, a, b, out, scratch, group, mode: str) -> tuple[float, list[
     rel = [ev() for _ in launch.steps]
     done = [ev() for _ in launch.steps]
     e0.record(cur)
-    lib.gemm(launch.index, a, b_in, ldb, None, out, counters.data_ptr(), launch.gmap,
+    lib.gemm(launch.index, a, b_in, ldb, None, out, counters.data_ptr(), launch.gmap, launch.order,
              kernels.SIGNAL_MODES[runtime_gpu.SIGNAL_MODE], launch.sm_count, kernels.RASTERS[runtime_gpu.RASTER],
              runtime_gpu.SWIZZLE, workspace, cur.cuda_stream)
     eg.record(cur)
