@@ -30,6 +30,7 @@ namespace {
 using NcclResult = int;  // ncclResult_t: 0 success, 7 in progress (non-blocking communicators)
 using AllReduceFn = NcclResult (*)(void const*, void*, size_t, int, int, void*, cudaStream_t);
 using ReduceScatterFn = NcclResult (*)(void const*, void*, size_t, int, int, void*, cudaStream_t);
+using ReduceFn = NcclResult (*)(void const*, void*, size_t, int, int, int, void*, cudaStream_t);
 using SendFn = NcclResult (*)(void const*, size_t, int, int, void*, cudaStream_t);
 using RecvFn = NcclResult (*)(void*, size_t, int, int, void*, cudaStream_t);
 using GroupFn = NcclResult (*)();
@@ -38,6 +39,7 @@ using ErrorStringFn = char const* (*)(NcclResult);
 struct Nccl {
   AllReduceFn all_reduce = nullptr;
   ReduceScatterFn reduce_scatter = nullptr;
+  ReduceFn reduce = nullptr;  // optional: only step kind 4 needs it
   SendFn send = nullptr;
   RecvFn recv = nullptr;
   GroupFn group_start = nullptr;
@@ -131,6 +133,19 @@ int issue_group(fo_group_step const& s, fo_p2p_step const* p2p, char* buf, char*
       }
       return 0;
     }
+    case 4: {  // reduce_scatter from natural rows: one ncclReduce per chunk piece (peer = the chunk's rank, the
+               // root), grouped; each root receives its sum at out + out_offset
+      if (s.num_p2p == 0) return 0;
+      if (n.reduce == nullptr) return fail_code(8, "fo_fused_call: the bound NCCL lacks ncclReduce");
+      int rc = nccl_check(n.group_start(), "ncclGroupStart");
+      for (int i = 0; rc == 0 && i < s.num_p2p; ++i) {
+        fo_p2p_step const& p = p2p[s.first_p2p + i];
+        rc = nccl_check(n.reduce(buf + p.offset * elem_bytes, out + s.out_offset * elem_bytes, size_t(p.count), dtype,
+                                 kNcclSum, p.peer, comm, side), "ncclReduce");
+      }
+      int rc_end = nccl_check(n.group_end(), "ncclGroupEnd");
+      return rc != 0 ? rc : rc_end;
+    }
     default:
       return 0;
   }
@@ -149,6 +164,7 @@ FO_API int fo_nccl_bind(const char* path) {
   Nccl n;
   n.all_reduce = reinterpret_cast<AllReduceFn>(dlsym(h, "ncclAllReduce"));
   n.reduce_scatter = reinterpret_cast<ReduceScatterFn>(dlsym(h, "ncclReduceScatter"));
+  n.reduce = reinterpret_cast<ReduceFn>(dlsym(h, "ncclReduce"));
   n.send = reinterpret_cast<SendFn>(dlsym(h, "ncclSend"));
   n.recv = reinterpret_cast<RecvFn>(dlsym(h, "ncclRecv"));
   n.group_start = reinterpret_cast<GroupFn>(dlsym(h, "ncclGroupStart"));

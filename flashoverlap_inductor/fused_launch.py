@@ -59,6 +59,10 @@ def group_steps(collective: str, steps: Sequence[runtime_cpu.GroupStep], tiles: 
         if collective == "all_reduce":
             s.kind = kernels.STEP_KINDS["all_reduce"] if step.hi > step.lo else kernels.STEP_KINDS["none"]
             s.buf_offset, s.count = step.lo * n, (step.hi - step.lo) * n
+        elif collective == "reduce_scatter" and step.sends:  # natural rows: one ncclReduce per piece (row_order)
+            s.kind, s.out_offset, s.first_p2p = kernels.STEP_KINDS["reduce_pieces"], step.out[0] * n, len(p2p)
+            p2p += [(0, j, lo * n, (hi - lo) * n) for j, lo, hi in step.sends if hi > lo]
+            s.num_p2p = len(p2p) - s.first_p2p
         elif collective == "reduce_scatter":
             s.kind = kernels.STEP_KINDS["reduce_scatter"] if step.hi > step.lo else kernels.STEP_KINDS["none"]
             s.buf_offset, s.out_offset = step.lo * n, step.out[0] * n

@@ -85,7 +85,8 @@ class P2PStep(ctypes.Structure):
                 ("count", ctypes.c_int64)]
 
 
-STEP_KINDS = {"all_reduce": 0, "reduce_scatter": 1, "all_to_all": 2, "none": 3}
+# fo_group_step.kind; "reduce_pieces": reduce_scatter from natural rows, one ncclReduce per chunk piece
+STEP_KINDS = {"all_reduce": 0, "reduce_scatter": 1, "all_to_all": 2, "none": 3, "reduce_pieces": 4}
 
 
 def library_path() -> Path:

@@ -79,6 +79,7 @@ class NcclLibrary:
         p, sz, i, u = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint
         lib.ncclAllReduce.argtypes = [p, p, sz, i, i, p, p]
         lib.ncclReduceScatter.argtypes = [p, p, sz, i, i, p, p]
+        lib.ncclReduce.argtypes = [p, p, sz, i, i, i, p, p]
         lib.ncclSend.argtypes = [p, sz, i, i, p, p]
         lib.ncclRecv.argtypes = [p, sz, i, i, p, p]
         lib.ncclGroupStart.argtypes = []
@@ -88,8 +89,9 @@ class NcclLibrary:
         lib.ncclCommCount.argtypes = [p, ctypes.POINTER(i)]
         lib.ncclCommUserRank.argtypes = [p, ctypes.POINTER(i)]
         lib.ncclCommGetAsyncError.argtypes = [p, ctypes.POINTER(i)]
-        for fn in (lib.ncclAllReduce, lib.ncclReduceScatter, lib.ncclSend, lib.ncclRecv, lib.ncclGroupStart,
-                   lib.ncclGroupEnd, lib.ncclCommCount, lib.ncclCommUserRank, lib.ncclCommGetAsyncError):
+        for fn in (lib.ncclAllReduce, lib.ncclReduceScatter, lib.ncclReduce, lib.ncclSend, lib.ncclRecv,
+                   lib.ncclGroupStart, lib.ncclGroupEnd, lib.ncclCommCount, lib.ncclCommUserRank,
+                   lib.ncclCommGetAsyncError):
             fn.restype = u
         self.lib = lib
 
@@ -159,6 +161,17 @@ class Communicator:
         self.lib.check(self.lib.lib.ncclReduceScatter(send, recv, recv_count, NCCL_DTYPES[dtype], NCCL_SUM,
                                                       self.comm, stream), "ncclReduceScatter", self.comm)
 
+    def reduce_pieces(self, pieces: list[tuple[int, int, int]], recv: int, dtype: torch.dtype, stream: int) -> None:
+        """One NCCL group of ``ncclReduce`` calls: ``pieces`` are ``(root, pointer, count)``; each root receives the
+        sum of its piece over the ranks at ``recv`` (reduce_scatter from natural rows, ``row_order``)."""
+        lib, t = self.lib.lib, NCCL_DTYPES[dtype]
+        self.lib.check(lib.ncclGroupStart(), "ncclGroupStart")
+        try:
+            for root, ptr, count in pieces:
+                self.lib.check(lib.ncclReduce(ptr, recv, count, t, NCCL_SUM, root, self.comm, stream), "ncclReduce")
+        finally:
+            self.lib.check(lib.ncclGroupEnd(), "ncclGroupEnd", self.comm)
+
     def send_recv(self, sends: list[tuple[int, int, int]], recvs: list[tuple[int, int, int]], dtype: torch.dtype,
                   stream: int) -> None:
         """One NCCL group of point-to-point transfers: ``sends``/``recvs`` are ``(peer, pointer, count)`` with
@@ -224,6 +237,10 @@ def issue_group(comm: Communicator, collective: str, step: GroupStep, buf: torch
     if collective == "all_reduce":
         if step.hi > step.lo:
             comm.all_reduce(b0 + step.lo * row_bytes, b0 + step.lo * row_bytes, (step.hi - step.lo) * n, dtype, stream)
+    elif collective == "reduce_scatter" and step.sends:  # natural rows: one reduce per chunk piece (row_order)
+        pieces = [(j, b0 + lo * row_bytes, (hi - lo) * n) for j, lo, hi in step.sends if hi > lo]
+        if pieces:
+            comm.reduce_pieces(pieces, o0 + step.out[0] * row_bytes, dtype, stream)
     elif collective == "reduce_scatter":
         if step.hi > step.lo:
             comm.reduce_scatter(b0 + step.lo * row_bytes, o0 + step.out[0] * row_bytes,

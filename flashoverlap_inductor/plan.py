@@ -17,6 +17,10 @@ nominal row bounds and ``M`` the total rows. The buffer holds group 0's pieces (
 1's, ...), then group 1's, and so on. So each group is one contiguous range of the buffer, and a collective on
 that range delivers, for reduce_scatter and all_to_all, the next contiguous piece of every rank's natural
 output. With one chunk the buffer *is* the natural [M, N] output (no reordering at all).
+
+On the GPU the buffer order can also be reached without moving A (``row_order``, the default): the GEMM keeps the
+natural rows and its scheduler runs the tile-rows in group order; ``natural_group_of_tile_row`` is the tile ->
+group mapping of that route and ``scheduled_tile_rows`` its order.
 """
 
 from __future__ import annotations

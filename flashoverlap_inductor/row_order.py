@@ -8,11 +8,12 @@ the natural rows (group 0's piece of every chunk, then group 1's, ...). Two rout
   before the GEMM), then run the GEMM in natural tile order into the buffer.
 * ``"schedule"`` (default): keep A and the GEMM output ``d`` in natural row order and let the tile scheduler run
   the tile-rows in group order (``csrc/tile_order.hpp``; ``plan.natural_group_of_tile_row`` and
-  ``plan.scheduled_tile_rows`` give the map and the order). Then
-
-  - all_to_all sends every piece straight from ``d`` (each piece is contiguous in natural order);
-  - reduce_scatter needs each group contiguous: after the group's wait, one 2-D copy (copy engine, no SMs) moves
-    its W equal pieces from ``d`` into the buffer, and the collective runs on the buffer as before.
+  ``plan.scheduled_tile_rows`` give the map and the order). Then all_to_all sends every piece straight from ``d``
+  (each piece is contiguous in natural order), and reduce_scatter issues, per group, one NCCL group of W
+  ``ncclReduce`` calls, one per chunk piece with the chunk's rank as root (the step's ``sends`` list them as
+  ``(root, lo, hi)`` natural rows); each root receives its piece's sum straight into its output rows.
+* ``"stage"``: as "schedule", but reduce_scatter copies each group's W pieces into a contiguous buffer (one 2-D
+  copy after the group's wait) and runs ``ncclReduceScatter`` on it (measured against "schedule").
 
 Units: rows of the GEMM output; the copy descriptors are in elements (rows x N).
 """
@@ -31,7 +32,7 @@ from . import runtime_cpu
 
 log = logging.getLogger("flashoverlap")
 
-ROUTES = ("schedule", "gather")
+ROUTES = ("schedule", "stage", "gather")
 MAX_PITCH_BYTES = (1 << 31) - 1  # cudaMemcpy2DAsync's pitch limit on current GPUs
 
 
@@ -74,9 +75,9 @@ class NaturalOrder:
 
 
 def natural_order(collective: str, layout: planlib.BufferLayout, steps: Sequence[runtime_cpu.GroupStep],
-                  tile_m: int, tile_n: int, n: int, elem_bytes: int) -> NaturalOrder | str:
-    """The "schedule" route for ``steps`` (``runtime_cpu.schedule_steps``) on ``layout``, or the reason it cannot
-    run (the caller then gathers)."""
+                  tile_m: int, tile_n: int, n: int, elem_bytes: int, stage: bool = False) -> NaturalOrder | str:
+    """The "schedule" route (``stage``: the "stage" route) for ``steps`` (``runtime_cpu.schedule_steps``) on
+    ``layout``, or the reason it cannot run (the caller then gathers)."""
     groups = len(steps)
     gmap = planlib.natural_group_of_tile_row(layout, tile_m)
     order = planlib.scheduled_tile_rows(gmap)
@@ -93,7 +94,12 @@ def natural_order(collective: str, layout: planlib.BufferLayout, steps: Sequence
         return NaturalOrder(order, gmap, tiles, tuple(new_steps), None)
     if collective != "reduce_scatter":
         return f"{collective} has no buffer layout"
-    stage: list[StageCopy | None] = []
+    if not stage:
+        new_steps = [replace(step, sends=tuple((k, nat, nat + count) for k, (_, nat, count)
+                                               in enumerate(layout.natural_pieces(g)) if count))
+                     for g, step in enumerate(steps)]
+        return NaturalOrder(order, gmap, tiles, tuple(new_steps), None)
+    copies: list[StageCopy | None] = []
     for g in range(groups):
         pieces = layout.natural_pieces(g)
         rows = {count for _, _, count in pieces}
@@ -101,7 +107,7 @@ def natural_order(collective: str, layout: planlib.BufferLayout, steps: Sequence
             return f"group {g} has unequal pieces {[c for _, _, c in pieces]}"
         count = rows.pop()
         if count == 0:
-            stage.append(None)
+            copies.append(None)
             continue
         naturals = [nat for _, nat, _ in pieces]
         pitch = naturals[1] - naturals[0] if len(naturals) > 1 else count
@@ -109,5 +115,5 @@ def natural_order(collective: str, layout: planlib.BufferLayout, steps: Sequence
             return f"group {g}'s pieces are not evenly spaced"
         if pitch * n * elem_bytes > MAX_PITCH_BYTES:
             return f"a pitch of {pitch * n * elem_bytes} bytes exceeds cudaMemcpy2D's limit"
-        stage.append(StageCopy(naturals[0] * n, pieces[0][0] * n, count * n, len(pieces), pitch * n, count * n))
-    return NaturalOrder(order, gmap, tiles, tuple(steps), tuple(stage))
+        copies.append(StageCopy(naturals[0] * n, pieces[0][0] * n, count * n, len(pieces), pitch * n, count * n))
+    return NaturalOrder(order, gmap, tiles, tuple(steps), tuple(copies))

@@ -72,8 +72,8 @@ RASTER = "along_n"  # row-major tile order: tile-rows, hence groups, complete in
 # the cost model's ``fused.grid``.
 GEMM_GRID: str | None = None
 # reduce_scatter / all_to_all layouts: "schedule" (tile-row order in the GEMM's scheduler, A and the output in
-# natural row order) or "gather" (A's rows copied into buffer order first); None = $FLASHOVERLAP_ROW_ORDER, else
-# "schedule" (``row_order``).
+# natural row order), "stage" (the same with reduce_scatter staged by copies) or "gather" (A's rows copied into
+# buffer order first); None = $FLASHOVERLAP_ROW_ORDER, else "schedule" (``row_order``).
 ROW_ORDER: str | None = None
 # A kernel configuration every fused GEMM uses instead of the plan's (experiments; None = the plan's / preferred).
 KERNEL: str | None = os.environ.get("FLASHOVERLAP_KERNEL") or None
@@ -170,7 +170,7 @@ class Launch:
     gather: torch.Tensor | None  # int64 [rows]: source row of each buffer row (None = identity or "schedule")
     order: torch.Tensor | None  # int32 [tile-rows]: the scheduler's tile-row order (None = natural)
     stage: tuple[row_order.StageCopy | None, ...] | None  # per group: copy d -> buf before its collective
-    rows: str  # "natural" (identity layout), "schedule" or "gather" (``row_order``)
+    rows: str  # "natural" (identity layout), "schedule", "stage" or "gather" (``row_order``)
     workspace_bytes: int
     sm_count: int
     peers: tuple[int, ...]  # global rank of every group rank (all_to_all)
@@ -212,13 +212,13 @@ def _make_launch(collective: str, plan: str, rows: int, n: int, k: int, dtype: t
     tiles = (0,) * groups
     workspace = 0
     route = "natural"
-    if rows and not sched.layout.is_identity and row_order.route(ROW_ORDER) == "schedule":
+    if rows and not sched.layout.is_identity and row_order.route(ROW_ORDER) != "gather":
         nat = row_order.natural_order(collective, sched.layout, steps, choice.tile_m, choice.tile_n, n,
-                                      dtype.itemsize)
+                                      dtype.itemsize, stage=row_order.route(ROW_ORDER) == "stage")
         if isinstance(nat, str):
             _note(f"gather:{nat}", logging.INFO, "flashoverlap: %s gathers A's rows: %s", collective, nat)
         else:
-            route, tiles, steps, stage = "schedule", nat.tiles, list(nat.steps), nat.stage
+            route, tiles, steps, stage = row_order.route(ROW_ORDER), nat.tiles, list(nat.steps), nat.stage
             gmap, order = streams.persistent(res.index, lambda: (
                 torch.tensor(nat.group_of_row, dtype=torch.int32, device=device),
                 torch.tensor(nat.order, dtype=torch.int32, device=device)))
@@ -378,6 +378,13 @@ def group_collective(collective: str, peers: Sequence[int], g: int, step: runtim
     if collective == "all_reduce":
         if step.hi > step.lo:
             dist.all_reduce(buf[step.lo:step.hi], group=group)
+    elif collective == "reduce_scatter" and step.sends:  # natural rows: one reduce per chunk piece, in place
+        for j, lo, hi in step.sends:
+            if hi > lo:
+                dist.reduce(buf[lo:hi], dist.get_global_rank(group, j), group=group)
+        own = next((lo for j, lo, hi in step.sends if j == group.rank() and hi > lo), None)
+        if own is not None:
+            out_flat[step.out[0]:step.out[1]].copy_(buf[own:own + step.out[1] - step.out[0]])
     elif collective == "reduce_scatter":
         if step.hi > step.lo:
             ops.reduce_scatter_into(out_flat[step.out[0]:step.out[1]], buf[step.lo:step.hi], group=group)

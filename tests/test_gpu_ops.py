@@ -211,7 +211,8 @@ def route_task(op: str, grid: str, mode: str, host: str, rows: str = "schedule")
     try:
         out = match_eager_task(op, "bfloat16")
         out.update({key.split(":")[1]: runtime_gpu.stats[key] for key in
-                    ("nccl:direct", "nccl:torch", "host:c", "host:python", "rows:schedule", "rows:gather")})
+                    ("nccl:direct", "nccl:torch", "host:c", "host:python", "rows:schedule", "rows:stage",
+                     "rows:gather")})
         return out
     finally:
         runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.ROW_ORDER = old
@@ -533,11 +534,12 @@ def test_grid_nccl_route_and_host_loop_match_eager(pool, op, grid, mode, host):
 
 
 @pytest.mark.parametrize("host", ["c", "python"])
+@pytest.mark.parametrize("rows", ["stage", "gather"])
 @pytest.mark.parametrize("op", ["reduce_scatter", "all_to_all"])
-def test_gather_row_order_matches_eager(pool, op, host):
-    per_rank = pool.run(route_task, op, "tiles", "direct", host, "gather")
+def test_other_row_orders_match_eager(pool, op, rows, host):
+    per_rank = pool.run(route_task, op, "tiles", "direct", host, rows)
     assert all(r["fused"] >= r["fused_expected"] > 0 for r in per_rank), per_rank
-    assert all(r["schedule"] == 0 and r["gather"] > 0 for r in per_rank), per_rank
+    assert all(r["schedule"] == 0 and r[rows] > 0 for r in per_rank), per_rank
 
 
 def test_uneven_all_to_all(pool):

@@ -13,7 +13,7 @@ import ctypes
 import pytest
 import torch
 
-from flashoverlap_inductor import fused_launch, nccl_direct, runtime_cpu
+from flashoverlap_inductor import fused_launch, kernels, nccl_direct, runtime_cpu
 from flashoverlap_inductor import plan as planlib
 
 
@@ -31,6 +31,9 @@ class RecordingComm:
 
     def send_recv(self, sends, recvs, dtype, stream):
         self.calls.append(("send_recv", tuple(sends), tuple(recvs), dtype, stream))
+
+    def reduce_pieces(self, pieces, recv, dtype, stream):
+        self.calls.append(("reduce_pieces", tuple(pieces), recv, dtype, stream))
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -114,6 +117,33 @@ def test_no_communicator_means_the_torch_route(monkeypatch):
     assert nccl_direct.communicator(NoNccl(), torch.device("cuda", 0)) is None
     monkeypatch.setattr(nccl_direct, "MODE", "direct")
     assert nccl_direct.communicator(NoNccl(), torch.device("cuda", 0)) is None
+
+
+@pytest.mark.parametrize("world,rank", [(2, 1), (4, 2)])
+def test_c_reduce_pieces_match_the_python_route(world, rank):
+    """reduce_scatter on the "schedule" route (natural rows, ``row_order``): the C step (kind reduce_pieces) makes
+    the same ncclReduce calls -- root, pointer, count, receive pointer -- as ``nccl_direct.issue_group``."""
+    from flashoverlap_inductor import row_order
+
+    rows, n, k = 1024, 264, 64
+    plan = planlib.uniform_plan(rows, n, 128, 128, 3, align=world)
+    layout = planlib.buffer_layout(plan, planlib.chunks_for("reduce_scatter", rows, world))
+    steps = runtime_cpu.schedule_steps("reduce_scatter", plan.to_str(), rows, n, k, "bfloat16", world, rank)
+    nat = row_order.natural_order("reduce_scatter", layout, steps, 128, 128, n, 2)
+    c = fused_launch.group_steps("reduce_scatter", nat.steps, nat.tiles, n)
+    d = torch.empty(rows, n, dtype=torch.bfloat16)
+    out = torch.empty(rows // world, n, dtype=torch.bfloat16)
+    b0, o0, es = d.data_ptr(), out.data_ptr(), d.element_size()
+    for g, step in enumerate(nat.steps):
+        comm = RecordingComm()
+        nccl_direct.issue_group(comm, "reduce_scatter", step, d, out, stream=0)
+        s = c.steps[g]
+        assert s.kind == kernels.STEP_KINDS["reduce_pieces"] and s.num_p2p == world
+        entries = [c.p2p[s.first_p2p + i] for i in range(s.num_p2p)]
+        pieces = tuple((e.peer, b0 + e.offset * es, e.count) for e in entries)
+        assert sorted(e.peer for e in entries) == list(range(world)) and not any(e.recv for e in entries)
+        assert comm.calls == [("reduce_pieces", pieces, o0 + s.out_offset * es, torch.bfloat16, 0)]
+        assert s.out_offset == step.out[0] * n and all(e.count == (step.out[1] - step.out[0]) * n for e in entries)
 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_to_all"])

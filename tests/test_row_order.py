@@ -41,7 +41,7 @@ def test_reduce_scatter_staging_rebuilds_the_gather_buffer(seed: int) -> None:
     p = P.GroupPlan(m, n, tile_m, 128, _random_bounds(rng, m, 6, align=world))
     layout = P.buffer_layout(p, P.chunks_for("reduce_scatter", m, world))
     steps = runtime_cpu.schedule_steps("reduce_scatter", p.to_str(), m, n, 32, "bfloat16", world, 0)
-    nat = row_order.natural_order("reduce_scatter", layout, steps, tile_m, 128, n, 2)
+    nat = row_order.natural_order("reduce_scatter", layout, steps, tile_m, 128, n, 2, stage=True)
     assert not isinstance(nat, str), nat
     _check_release_order(layout, nat.group_of_row, nat.order, tile_m)
     assert sum(nat.tiles) == -(-m // tile_m) * -(-n // 128)
@@ -52,6 +52,31 @@ def test_reduce_scatter_staging_rebuilds_the_gather_buffer(seed: int) -> None:
         if nat.stage[g] is not None:
             nat.stage[g].apply(d, buf)
         torch.testing.assert_close(buf[step.lo:step.hi], expected[step.lo:step.hi])  # what the collective reads
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_reduce_scatter_pieces_deliver_each_rank_its_shard(seed: int) -> None:
+    """The "schedule" route: per group, one reduce per chunk piece (root = the chunk's rank) from natural rows."""
+    rng = random.Random(seed)
+    world = rng.choice([2, 4, 8])
+    tile_m = rng.choice([64, 128])
+    m, n = world * rng.randint(1, 100) * rng.choice([1, 8]), 8
+    p = P.GroupPlan(m, n, tile_m, 128, _random_bounds(rng, m, 6, align=world))
+    layout = P.buffer_layout(p, P.chunks_for("reduce_scatter", m, world))
+    ds = [torch.randn(m, n, dtype=torch.float64) for _ in range(world)]  # every rank's GEMM output, natural rows
+    expected = sum(ds).chunk(world)
+    for rank in range(world):
+        steps = runtime_cpu.schedule_steps("reduce_scatter", p.to_str(), m, n, 32, "bfloat16", world, rank)
+        nat = row_order.natural_order("reduce_scatter", layout, steps, tile_m, 128, n, 2)
+        assert nat.stage is None
+        _check_release_order(layout, nat.group_of_row, nat.order, tile_m)
+        out = torch.full((m // world, n), float("nan"), dtype=torch.float64)
+        for step in nat.steps:
+            for root, lo, hi in step.sends:
+                if root == rank:  # what ncclReduce delivers to this root: the sum of the piece over the ranks
+                    assert hi - lo == step.out[1] - step.out[0]
+                    out[step.out[0]:step.out[1]] = sum(d[lo:hi] for d in ds)
+        torch.testing.assert_close(out, expected[rank])
 
 
 @pytest.mark.parametrize("seed", range(25))
@@ -100,7 +125,7 @@ def test_c_steps_carry_the_staging_copies() -> None:
     p = P.uniform_plan(m, n, 128, 128, 4, align=world)
     layout = P.buffer_layout(p, P.chunks_for("reduce_scatter", m, world))
     steps = runtime_cpu.schedule_steps("reduce_scatter", p.to_str(), m, n, 32, "bfloat16", world, 1)
-    nat = row_order.natural_order("reduce_scatter", layout, steps, 128, 128, n, 2)
+    nat = row_order.natural_order("reduce_scatter", layout, steps, 128, 128, n, 2, stage=True)
     c = fused_launch.group_steps("reduce_scatter", nat.steps, nat.tiles, n, nat.stage)
     for g, copy in enumerate(nat.stage):
         s = c.steps[g]
@@ -116,6 +141,6 @@ def test_route_setting(monkeypatch) -> None:
     monkeypatch.delenv("FLASHOVERLAP_ROW_ORDER", raising=False)
     assert row_order.route() == "schedule"
     monkeypatch.setenv("FLASHOVERLAP_ROW_ORDER", "gather")
-    assert row_order.route() == "gather" and row_order.route("schedule") == "schedule"
+    assert row_order.route() == "gather" and row_order.route("stage") == "stage"
     with pytest.raises(ValueError):
         row_order.route("sideways")
