@@ -67,11 +67,13 @@ FO_API int fo_stream_wait_value(void* stream, int* counter, int target);
  * (the GEMM's [m, n] output, row stride ldd) or `out` (the op's output). */
 typedef struct {
   int32_t tiles;       /* tiles the GEMM signals for this group; 0 = no wait */
-  int32_t kind;        /* 0 all_reduce of buf (in place), 1 reduce_scatter buf -> out, 2 send/recv, 3 nothing */
+  int32_t kind;        /* 0 all_reduce of buf (in place), 1 reduce_scatter buf -> out, 2 send/recv, 3 nothing,
+                          4 reduce pieces: one NCCL group of ncclReduce calls, one per p2p entry (peer = root,
+                          offset/count in buf), each root receiving at out + out_offset */
   int64_t buf_offset;  /* kinds 0, 1: first element in buf */
-  int64_t out_offset;  /* kind 1: first element in out */
+  int64_t out_offset;  /* kinds 1, 4: first element in out */
   int64_t count;       /* kind 0: elements reduced; kind 1: elements each rank receives */
-  int32_t first_p2p;   /* kind 2: this group's entries of the p2p array */
+  int32_t first_p2p;   /* kinds 2, 4: this group's entries of the p2p array */
   int32_t num_p2p;
   int64_t local_buf;   /* kind 2: this rank's own rows, copied buf -> out (local_count 0: none) */
   int64_t local_out;
@@ -85,8 +87,8 @@ typedef struct {
 } fo_group_step;
 
 typedef struct {
-  int32_t recv;    /* 0: send from buf + offset; 1: receive into out + offset */
-  int32_t peer;    /* rank in the communicator */
+  int32_t recv;    /* 0: send from buf + offset (kind 4: reduce it); 1: receive into out + offset */
+  int32_t peer;    /* rank in the communicator (kind 4: the reduce's root) */
   int64_t offset;  /* elements */
   int64_t count;   /* elements */
 } fo_p2p_step;

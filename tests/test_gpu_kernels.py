@@ -214,9 +214,9 @@ def test_tile_row_order_scatters_groups_and_releases_them_complete(grid):
         with torch.cuda.stream(side):
             for g in range(groups):
                 kernels.wait_group(counters, g, tiles[g], stream=side, timeout_ms=5000)
+                _stamp(stamps, g, side)  # the release time
                 for nat, cnt in rows[g]:
                     snap[nat:nat + cnt].copy_(out[nat:nat + cnt])
-                _stamp(stamps, g, side)
         kernels.signal_gemm(a, b, out=out, config=info.name, counters=counters, group_of_tile_row=gmap,
                             sm_count=sms, tile_row_order=order)
         _stamp(stamps, groups, torch.cuda.current_stream())
