@@ -36,9 +36,12 @@ ROUTES = ("schedule", "stage", "gather")
 MAX_PITCH_BYTES = (1 << 31) - 1  # cudaMemcpy2DAsync's pitch limit on current GPUs
 
 
-def route(override: str | None = None) -> str:
-    """``override`` (``runtime_gpu.ROW_ORDER``), else ``$FLASHOVERLAP_ROW_ORDER``, else "schedule"."""
-    value = override or os.environ.get("FLASHOVERLAP_ROW_ORDER") or "schedule"
+def route(override: str | None = None, collective: str = "all_to_all", world: int = 2) -> str:
+    """``override`` (``runtime_gpu.ROW_ORDER``), else ``$FLASHOVERLAP_ROW_ORDER``, else the measured default:
+    "schedule", except reduce_scatter on more than 2 ranks, which keeps "gather" (its grouped ``ncclReduce`` calls
+    are measured on 2 GPUs only; all_to_all moves the same pieces on either route, so only its GEMM changes)."""
+    default = "gather" if collective == "reduce_scatter" and world > 2 else "schedule"
+    value = override or os.environ.get("FLASHOVERLAP_ROW_ORDER") or default
     if value not in ROUTES:
         raise ValueError(f"flashoverlap: row order must be one of {ROUTES}, got {value!r}")
     return value

@@ -73,7 +73,7 @@ RASTER = "along_n"  # row-major tile order: tile-rows, hence groups, complete in
 GEMM_GRID: str | None = None
 # reduce_scatter / all_to_all layouts: "schedule" (tile-row order in the GEMM's scheduler, A and the output in
 # natural row order), "stage" (the same with reduce_scatter staged by copies) or "gather" (A's rows copied into
-# buffer order first); None = $FLASHOVERLAP_ROW_ORDER, else "schedule" (``row_order``).
+# buffer order first); None = $FLASHOVERLAP_ROW_ORDER, else the measured default (``row_order.route``).
 ROW_ORDER: str | None = None
 # A kernel configuration every fused GEMM uses instead of the plan's (experiments; None = the plan's / preferred).
 KERNEL: str | None = os.environ.get("FLASHOVERLAP_KERNEL") or None
@@ -212,13 +212,14 @@ def _make_launch(collective: str, plan: str, rows: int, n: int, k: int, dtype: t
     tiles = (0,) * groups
     workspace = 0
     route = "natural"
-    if rows and not sched.layout.is_identity and row_order.route(ROW_ORDER) != "gather":
+    rows_route = row_order.route(ROW_ORDER, collective, world)
+    if rows and not sched.layout.is_identity and rows_route != "gather":
         nat = row_order.natural_order(collective, sched.layout, steps, choice.tile_m, choice.tile_n, n,
-                                      dtype.itemsize, stage=row_order.route(ROW_ORDER) == "stage")
+                                      dtype.itemsize, stage=rows_route == "stage")
         if isinstance(nat, str):
             _note(f"gather:{nat}", logging.INFO, "flashoverlap: %s gathers A's rows: %s", collective, nat)
         else:
-            route, tiles, steps, stage = row_order.route(ROW_ORDER), nat.tiles, list(nat.steps), nat.stage
+            route, tiles, steps, stage = rows_route, nat.tiles, list(nat.steps), nat.stage
             gmap, order = streams.persistent(res.index, lambda: (
                 torch.tensor(nat.group_of_row, dtype=torch.int32, device=device),
                 torch.tensor(nat.order, dtype=torch.int32, device=device)))
@@ -278,7 +279,7 @@ def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor |
     layout = b_layout(opnd.b)
     key = (collective, plan, rows, n, k, a.dtype, world, rank, send_rows, recv_rows, res.index, layout,
            getattr(group, "group_name", id(group)), SIGNAL_MODE, SWIZZLE, SM_RESERVE, GEMM_GRID, KERNEL,
-           row_order.route(ROW_ORDER))
+           row_order.route(ROW_ORDER, collective, world))
     capturing = torch.cuda.is_current_stream_capturing()
     launch = _launches.get(key)
     if launch is None:

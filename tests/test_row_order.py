@@ -140,7 +140,12 @@ def test_c_steps_carry_the_staging_copies() -> None:
 def test_route_setting(monkeypatch) -> None:
     monkeypatch.delenv("FLASHOVERLAP_ROW_ORDER", raising=False)
     assert row_order.route() == "schedule"
+    assert row_order.route(None, "reduce_scatter", 2) == "schedule"
+    assert row_order.route(None, "all_to_all", 4) == "schedule"
+    assert row_order.route(None, "reduce_scatter", 4) == "gather"  # measured on 2 GPUs only
+    assert row_order.route("schedule", "reduce_scatter", 4) == "schedule"
     monkeypatch.setenv("FLASHOVERLAP_ROW_ORDER", "gather")
     assert row_order.route() == "gather" and row_order.route("stage") == "stage"
+    assert row_order.route(None, "all_to_all", 2) == "gather"
     with pytest.raises(ValueError):
         row_order.route("sideways")
