@@ -278,8 +278,7 @@ def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor |
         res.raise_if_timed_out()
     layout = b_layout(opnd.b)
     key = (collective, plan, rows, n, k, a.dtype, world, rank, send_rows, recv_rows, res.index, layout,
-           getattr(group, "group_name", id(group)), SIGNAL_MODE, SWIZZLE, SM_RESERVE, GEMM_GRID, KERNEL,
-           row_order.route(ROW_ORDER, collective, world))
+           getattr(group, "group_name", id(group)), SIGNAL_MODE, SWIZZLE, SM_RESERVE, GEMM_GRID, KERNEL, ROW_ORDER)
     capturing = torch.cuda.is_current_stream_capturing()
     launch = _launches.get(key)
     if launch is None:
