@@ -118,16 +118,23 @@ class GemmModel:
         """When every tile of each group is in memory, in ms from the GEMM's launch (no NCCL interference).
 
         ``group_bounds`` are buffer-row bounds (``BufferLayout.group_bounds``); the tile -> group mapping is
-        ``plan.tiles_per_group``. Groups are contiguous in row-major tile order, so group g's last tile is
-        linear tile ``P_{g+1} - 1`` (``P`` = prefix sums of tiles per group), done at the end of wave
-        ``floor((P_{g+1} - 1) / sms)``. A group that owns no tile is ready with the group before it.
+        ``plan.tiles_per_group``; ``completion_ms`` turns the tile counts into times.
         Defaults: the fused kernel's SMs and efficiency. The last value is the whole GEMM's time.
         """
+        counts = tiles_per_group(group_bounds, tile_m, tile_n, n)
+        return self.completion_ms(counts, k, dtype, tile_m, tile_n, sms, efficiency)
+
+    def completion_ms(self, tiles_of_groups: Sequence[int], k: int, dtype: str, tile_m: int, tile_n: int,
+                      sms: int | None = None, efficiency: float | None = None) -> list[float]:
+        """Group completion times (ms from launch) from each group's tile count, groups in release order.
+        Groups are contiguous in row-major tile order, so group g's last tile is linear tile ``P_{g+1} - 1``
+        (``P`` = prefix sums of tiles per group), done at the end of wave ``floor((P_{g+1} - 1) / sms)``. A group
+        that owns no tile is ready with the group before it."""
         sms = self.fused_sms if sms is None else sms
         efficiency = self.kernel_efficiency if efficiency is None else efficiency
         wave = self.wave_ms(k, dtype, tile_m, tile_n, efficiency)
         out, done, ready = [], 0, self.launch_ms
-        for count in tiles_per_group(group_bounds, tile_m, tile_n, n):
+        for count in tiles_of_groups:
             done += count
             if count:
                 ready = self.launch_ms + math.ceil(done / sms) * wave

@@ -4,7 +4,7 @@ shape, and write them as the cost model's data files (see ``tune_docs`` for the 
     torchrun --nproc_per_node=W -m flashoverlap_inductor.tune bandwidth [--out FILE] [--quick]
     python -m flashoverlap_inductor.tune gemm [--out FILE] [--shapes 8192x8192x8192,...] [--free 0,8,16,24,32]
     torchrun --nproc_per_node=W -m flashoverlap_inductor.tune search --collective all_reduce --shape 8192x8192x8192
-        [--mode both|exhaustive|predictive] [--max-units 8] [--out-dir DIR] [--record FILE]
+        [--mode both|exhaustive|predictive] [--max-units 8] [--out-dir DIR] [--record FILE] [--time-budget-s S]
     python -m flashoverlap_inductor.tune fit --bench bench_w4.json [bench_w2.json] [--variant G/R] [--write]
 
 ``bandwidth``: every collective (all_reduce in place, reduce_scatter, all_to_all_single; bf16) from 64 KiB to
@@ -211,18 +211,47 @@ def _time_gemm_shape(m: int, n: int, k: int, infos: list, sm_counts: list[int], 
 
 
 def cmd_search(args: argparse.Namespace) -> int:
-    from . import kernels, runtime_gpu
+    """Every shape of ``--shape`` in turn (no new shape once ``--time-budget-s`` has passed); one plans file, and
+    with ``--record`` one records file (``flashoverlap.search_records/1``) holding every searched shape."""
+    import time
+
+    from . import kernels
     from .cost_model import model_for
-    from .cost_model.search import DEFAULT_TILE, predictive_search
 
     rank, world = init_distributed()
     if world < 2 or not kernels.available():
         print("tune search: needs torchrun with >= 2 ranks, sm90 GPUs and the built library", file=sys.stderr)
         return 2
     gpu, sms = torch.cuda.get_device_name(), torch.cuda.get_device_properties(None).multi_processor_count
-    (m, n, k), coll, dtype_name = parse_shapes(args.shape)[0], args.collective, args.dtype
-    dtype = getattr(torch, dtype_name)
     model = model_for(gpu)[0]
+    start, records = time.monotonic(), []
+    for i, shape in enumerate(parse_shapes(args.shape)):
+        if not tm.agree([time.monotonic() - start <= args.time_budget_s])[0]:  # all ranks stop at one shape
+            _say(rank, f"tune search: time budget spent; {len(parse_shapes(args.shape)) - i} shapes not searched")
+            break
+        rc, entry, record = search_shape(args, shape, rank, world, gpu, sms, model)
+        if rc:
+            return rc
+        if rank == 0:
+            directory = Path(args.out_dir) if args.out_dir else data_dir()
+            path = docs.plans_path(directory, gpu, world)
+            doc = docs.merge_plans(docs.read_json(path), gpu, sms, [entry],
+                                   f"flashoverlap_inductor.tune search on {gpu}")
+            print(f"wrote {docs.write_json(path, doc)}")
+            if args.record:  # every candidate's times, for ranking-aware calibration of the cost model
+                records.append(record)
+                print(f"wrote {docs.write_json(Path(args.record), docs.records_doc(records))}")
+    return 0
+
+
+def search_shape(args: argparse.Namespace, shape: tuple[int, int, int], rank: int, world: int, gpu: str, sms: int,
+                 model) -> tuple[int, dict, dict]:
+    """One shape's search: ``(rc, plans entry, record)``; rank 0 prints the summary line."""
+    from . import runtime_gpu
+    from .cost_model.search import DEFAULT_TILE, predictive_search
+
+    (m, n, k), coll, dtype_name = shape, args.collective, args.dtype
+    dtype = getattr(torch, dtype_name)
     chunks = chunks_for(coll, m, world)
     predictive = predictive_search(model, coll, m, n, k, dtype_name, world, chunks, tile_m=DEFAULT_TILE[0],
                                    tile_n=DEFAULT_TILE[1], max_units=args.max_units).plan
@@ -251,7 +280,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     if not ok:
         print(f"tune search: the fused op disagrees with cuBLAS+NCCL (rel err {err:.3g} on rank {rank}); abort",
               file=sys.stderr)
-        return 1
+        return 1, {}, {}
+    fused_before = runtime_gpu.stats[f"fused:{coll}"]
     bar = tm.Progress(len(candidates) + 1, "search", enabled=rank == 0)
 
     def measure(plans: list, rounds: int) -> list[float]:
@@ -271,28 +301,22 @@ def cmd_search(args: argparse.Namespace) -> int:
                          refine_rounds=args.rounds)
     seq_ms = tm.Timer(rounds=args.rounds, target_ms=args.target_ms).measure({"seq": seq_fn})["seq"].ms
     bar.close()
-    if runtime_gpu.stats[f"fused:{coll}"] == 0:
+    if runtime_gpu.stats[f"fused:{coll}"] == fused_before:
         print(f"tune search: the fused path never ran ({dict(runtime_gpu.stats)}); abort", file=sys.stderr)
-        return 1
+        return 1, {}, {}
+    entry = {"world_size": world, "collective": coll, "dtype": dtype_name, "m": m, "n": n, "k": k,
+             "plan": report.best.to_str(), "measured_fused_ms": round(report.best_ms, 5),
+             "measured_seq_ms": round(seq_ms, 5), "predicted_fused_ms": round(predict(report.best), 5),
+             "mode": args.mode, "evaluated": len(report.measured)}
+    record = report.record(gpu=gpu, sm_count=sms, world_size=world, collective=coll, dtype=dtype_name, m=m, n=n,
+                           k=k, max_units=args.max_units, measured_seq_ms=seq_ms)
     if rank == 0:
-        entry = {"world_size": world, "collective": coll, "dtype": dtype_name, "m": m, "n": n, "k": k,
-                 "plan": report.best.to_str(), "measured_fused_ms": round(report.best_ms, 5),
-                 "measured_seq_ms": round(seq_ms, 5), "predicted_fused_ms": round(predict(report.best), 5),
-                 "mode": args.mode, "evaluated": len(report.measured)}
-        directory = Path(args.out_dir) if args.out_dir else data_dir()
-        path = docs.plans_path(directory, gpu, world)
-        doc = docs.merge_plans(docs.read_json(path), gpu, sms, [entry], f"flashoverlap_inductor.tune search on {gpu}")
-        print(f"wrote {docs.write_json(path, doc)}")
-        if args.record:  # every candidate's times, for ranking-aware calibration of the cost model
-            rec = report.record(gpu=gpu, sm_count=sms, world_size=world, collective=coll, dtype=dtype_name, m=m, n=n,
-                                k=k, measured_seq_ms=seq_ms)
-            print(f"wrote {docs.write_json(Path(args.record), rec)}")
         errs = report.model_errors
         print(f"best {report.best.row_bounds}: {report.best_ms:.4f} ms fused vs {seq_ms:.4f} ms sequential "
               f"({seq_ms / report.best_ms:.3f}x); predictive {report.predictive_ms:.4f} ms (relative performance "
               f"{report.relative_performance:.3f}); cost model median |pred-meas|/meas "
-              f"{tm.median(errs) if errs else math.nan:.3f} over {len(errs)} plans")
-    return 0
+              f"{tm.median(errs) if errs else math.nan:.3f} over {len(errs)} plans", flush=True)
+    return 0, entry, record
 
 
 # --------------------------------------------------------------------------------------------- CLI
@@ -320,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     gm.add_argument("--quick", action="store_true", help="4 shapes, 0 and 16 SMs free, 2 rounds")
     se = sub.add_parser("search", help="measure the wave groups of one shape and write the best plan")
     se.add_argument("--collective", required=True, choices=COLLECTIVES)
-    se.add_argument("--shape", required=True, help="MxNxK")
+    se.add_argument("--shape", required=True, help="MxNxK[,MxNxK...] or grid: searched one after the other")
     se.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     se.add_argument("--mode", default="both", choices=("both", "exhaustive", "predictive"))
     se.add_argument("--max-units", type=int, default=8, help="exhaustive candidates: 2^(units-1)")
@@ -329,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--target-ms", type=float, default=8.0)
     se.add_argument("--out-dir", help="data directory to write plans/<gpu>_w<world>.json into")
     se.add_argument("--record", help="also write every candidate's measured, refined and predicted ms (JSON)")
+    se.add_argument("--time-budget-s", type=float, default=math.inf, help="no new shape starts after this")
     tune_fit.add_parser(sub)
     return p
 

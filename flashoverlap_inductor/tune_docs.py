@@ -63,6 +63,24 @@ def write_json(path: Path, doc: dict[str, Any]) -> Path:
     return path
 
 
+RECORDS_SCHEMA = "flashoverlap.search_records/1"
+
+
+def records_doc(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The ``tune search --record`` file: one ``SearchReport.record`` per searched shape."""
+    return {"schema": RECORDS_SCHEMA, "records": list(records)}
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a ``--record`` file (a bare single record, as written before, is read as one)."""
+    doc = json.loads(Path(path).read_text())
+    if isinstance(doc, dict) and doc.get("schema") == RECORDS_SCHEMA:
+        return list(doc["records"])
+    if isinstance(doc, dict) and "candidates" in doc:
+        return [doc]
+    raise ValueError(f"{path}: not a tune search record file ({RECORDS_SCHEMA})")
+
+
 # --------------------------------------------------------------------------------------------- bandwidth
 
 

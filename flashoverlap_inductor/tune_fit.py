@@ -1,7 +1,7 @@
 """``tune fit``: calibrate the cost model's fused-path parameters to measured benchmark rows (CPU only).
 
     python -m flashoverlap_inductor.tune fit --bench bench_w4.json bench_w2.json [--variant tiles/direct]
-                                             [--grid tiles] [--gemm] [--write]
+                                             [--records search_w2.json ...] [--grid tiles] [--gemm] [--write]
 
 Input: the JSON of ``examples/bench_ops.py`` (each row holds the plan it ran and T_fused; ``--variant`` takes the
 times of one ``--fused-variants`` entry instead of the default fused column). The model's GEMM rate and the NCCL
@@ -13,6 +13,10 @@ of T_fused over the rows:
 * ``gemm_slowdown``: extra GEMM ms per ms of concurrent NCCL;
 * ``comm_slowdown``: NCCL runs ``1 + comm_slowdown`` times slower beside the GEMM;
 * ``group_overhead_ms``: a fixed cost per group (its wait's release and NCCL launch latency).
+
+``--records`` (files of ``tune search --record``) makes the plan *ranking* the first goal: per searched shape,
+the candidate the model predicts fastest should measure within ``--tolerance`` (3%) of the measured best, which
+is what the predictive search relies on; the error above then breaks ties, and must stay within 10%.
 
 ``--gemm`` first refits the cuBLAS wave model (``peak_tflops``, ``launch_ms``; what T_seq is predicted with) to the
 rows' T_gemm. ``--grid`` names the GEMM grid the rows ran with (default: the variant's, else the model's; ``tiles``:
@@ -28,10 +32,15 @@ import dataclasses
 import itertools
 import json
 import math
+import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flashoverlap_inductor.plan import GroupPlan, chunks_for
+from flashoverlap_inductor.cost_model.pipeline import pipeline
+from flashoverlap_inductor.plan import GroupPlan, buffer_layout, chunks_for, tiles_per_group
+
+from .tune_docs import read_records
 
 EFFICIENCIES = tuple(round(0.75 + 0.025 * i, 3) for i in range(12))  # 0.75 .. 1.025
 GEMM_SLOWDOWNS = tuple(round(0.05 * i, 2) for i in range(9))  # 0 .. 0.40
@@ -62,30 +71,113 @@ def predict(model: Any, row: dict[str, Any]) -> float:
     return model.fused(plan, row["op"], chunks, row["k"], "bfloat16", row["world"]).total_ms
 
 
-def fit(model: Any, rows: list[dict[str, Any]], grid: str) -> dict[str, Any]:
-    """The best (kernel_efficiency, gemm_slowdown, comm_slowdown) for ``rows`` and the errors before/after."""
-    nccl_sms = 0 if grid == "tiles" else model.gemm.nccl_sms
+@dataclass(frozen=True)
+class Prepared:
+    """The parts of one plan's prediction that no fitted parameter changes: each group's tile count and its
+    collective's time on the NCCL curve (ms; None for a group without rows, whose collective costs nothing)."""
 
-    def errors(eff: float, gs: float, cs: float, oh: float) -> list[float]:
+    k: int
+    tile: tuple[int, int]
+    tiles_of_groups: tuple[int, ...]
+    curve_ms: tuple[float | None, ...]
+
+
+def prepare(model: Any, op: str, m: int, k: int, world: int, plan_str: str) -> Prepared:
+    """``model.fused``'s layout, tile counts and NCCL curve for one plan, computed once."""
+    plan = GroupPlan.from_str(plan_str)
+    bounds = buffer_layout(plan, chunks_for(op, m, world)).group_bounds
+    curve = [model.curve.comm_ms(op, world, (hi - lo) * plan.n * 2) if hi > lo else None
+             for lo, hi in itertools.pairwise(bounds)]
+    return Prepared(k, (plan.tile_m, plan.tile_n), tuple(tiles_per_group(bounds, plan.tile_m, plan.tile_n, plan.n)),
+                    tuple(curve))
+
+
+def predict_prepared(gemm: Any, p: Prepared, overhead_ms: float) -> float:
+    """``CostModel.fused(...).total_ms`` for a prepared plan with GEMM model ``gemm`` and the per-group overhead
+    (ms); equal to the full evaluation (``tests/test_tune_fit.py``)."""
+    done = gemm.completion_ms(p.tiles_of_groups, p.k, "bfloat16", *p.tile)
+    comm = [0.0 if c is None else c + overhead_ms for c in p.curve_ms]
+    return pipeline(done, comm, gemm.effective_interference, gemm.comm_slowdown).total_ms
+
+
+def load_records(paths: list[str]) -> list[dict[str, Any]]:
+    """Shapes searched with ``tune search --record``: per shape its candidates with their best measured time (the
+    refined one where the search re-measured it)."""
+    out = []
+    for path in paths:
+        for rec in read_records(Path(path)):
+            cands = [(c["plan"], float(c["refined_ms"] if c.get("refined_ms") else c["measured_ms"]))
+                     for c in rec["candidates"] if c.get("measured_ms")]
+            if len(cands) >= 2:
+                out.append({"op": rec["collective"], "m": rec["m"], "n": rec["n"], "k": rec["k"],
+                            "world": rec["world_size"], "candidates": cands})
+    return out
+
+
+def regret(times_pred: list[float], times_meas: list[float]) -> float:
+    """How much slower the predicted-best candidate measured than the measured best (0 = the model's pick won)."""
+    pick = min(range(len(times_pred)), key=times_pred.__getitem__)
+    return times_meas[pick] / min(times_meas) - 1.0
+
+
+def fit(model: Any, rows: list[dict[str, Any]], grid: str, records: list[dict[str, Any]] | None = None,
+        tolerance: float = 0.03, max_error: float = 0.10) -> dict[str, Any]:
+    """The best (kernel_efficiency, gemm_slowdown, comm_slowdown, group_overhead_ms) by exhaustive grid search.
+
+    Without ``records``: the smallest median (then mean) |predicted - measured| / measured of T_fused over ``rows``.
+    With ``records`` (``load_records``): the ranking first -- the fewest shapes whose predicted-best candidate
+    measured more than ``tolerance`` slower than their measured best, then the smallest mean regret -- among the
+    parameters whose median error over ``rows`` (over the records' candidates when there are no rows) stays within
+    ``max_error``; then the error as above."""
+    records = records or []
+    nccl_sms = 0 if grid == "tiles" else model.gemm.nccl_sms
+    prepared = [(prepare(model, r["op"], r["m"], r["k"], r["world"], r["plan"]), r["fused_ms"]) for r in rows]
+    ranked = [([prepare(model, r["op"], r["m"], r["k"], r["world"], plan) for plan, _ in r["candidates"]],
+               [ms for _, ms in r["candidates"]]) for r in records]
+
+    def evaluate(eff: float, gs: float, cs: float, oh: float) -> tuple[list[float], list[float]]:
         gemm = dataclasses.replace(model.gemm, nccl_sms=nccl_sms, kernel_efficiency=eff, fused_gemm_slowdown=gs,
                                    comm_slowdown=cs, grid=grid, group_overhead_ms=oh)
-        m = dataclasses.replace(model, gemm=gemm, call_overhead_ms=oh)
-        return [abs(predict(m, r) - r["fused_ms"]) / r["fused_ms"] for r in rows]
+        errs = [abs(predict_prepared(gemm, p, oh) - ms) / ms for p, ms in prepared]
+        regrets = []
+        for plans, meas in ranked:
+            pred = [predict_prepared(gemm, p, oh) for p in plans]
+            regrets.append(regret(pred, meas))
+            if not rows:
+                errs += [abs(x - ms) / ms for x, ms in zip(pred, meas, strict=True)]
+        return errs, regrets
 
-    before = errors(model.gemm.kernel_efficiency, model.gemm.effective_interference, model.gemm.comm_slowdown,
-                    model.call_overhead_ms)
-    best: tuple[float, float, tuple[float, float, float, float]] | None = None
-    for eff, gs, cs, oh in itertools.product(EFFICIENCIES, GEMM_SLOWDOWNS, COMM_SLOWDOWNS, GROUP_OVERHEADS_MS):
-        errs = sorted(errors(eff, gs, cs, oh))
-        key = (errs[len(errs) // 2], sum(errs) / len(errs))
-        if best is None or key < best[:2]:
-            best = (*key, (eff, gs, cs, oh))
+    def key(errs: list[float], regrets: list[float]) -> tuple[float, ...]:
+        med = statistics.median(errs) if errs else 0.0
+        mean = sum(errs) / len(errs) if errs else 0.0
+        if not records:
+            return (med, mean)
+        misses = sum(r > tolerance for r in regrets)
+        return (med > max_error, misses, round(sum(regrets) / len(regrets), 4), med, mean)
+
+    before_errs, before_regrets = evaluate(model.gemm.kernel_efficiency, model.gemm.effective_interference,
+                                           model.gemm.comm_slowdown, model.call_overhead_ms)
+    best: tuple[tuple[float, ...], tuple[float, float, float, float], list[float], list[float]] | None = None
+    for params in itertools.product(EFFICIENCIES, GEMM_SLOWDOWNS, COMM_SLOWDOWNS, GROUP_OVERHEADS_MS):
+        errs, regrets = evaluate(*params)
+        k = key(errs, regrets)
+        if best is None or k < best[0]:
+            best = (k, params, errs, regrets)
     assert best is not None
-    eff, gs, cs, oh = best[2]
-    return {"grid": grid, "nccl_sms": nccl_sms, "kernel_efficiency": eff, "gemm_slowdown": gs, "comm_slowdown": cs,
-            "group_overhead_ms": oh,
-            "median_rel_error": round(best[0], 4), "mean_rel_error": round(best[1], 4),
-            "median_rel_error_before": round(sorted(before)[len(before) // 2], 4), "rows": len(rows)}
+    (eff, gs, cs, oh), errs, regrets = best[1], best[2], best[3]
+    out = {"grid": grid, "nccl_sms": nccl_sms, "kernel_efficiency": eff, "gemm_slowdown": gs, "comm_slowdown": cs,
+           "group_overhead_ms": oh,
+           "median_rel_error": round(statistics.median(errs), 4) if errs else None,
+           "mean_rel_error": round(sum(errs) / len(errs), 4) if errs else None,
+           "median_rel_error_before": round(statistics.median(before_errs), 4) if before_errs else None,
+           "rows": len(rows)}
+    if records:
+        out.update({"records": len(records), "tolerance": tolerance,
+                    "ranking_misses": sum(r > tolerance for r in regrets),
+                    "ranking_misses_before": sum(r > tolerance for r in before_regrets),
+                    "regrets": [round(r, 4) for r in regrets],
+                    "regrets_before": [round(r, 4) for r in before_regrets]})
+    return out
 
 
 def fit_cublas(paths: list[str], sm_count: int, tile: tuple[int, int]) -> dict[str, float]:
@@ -106,9 +198,12 @@ def cmd_fit(args: argparse.Namespace) -> int:
     from flashoverlap_inductor.cost_model import model_for, registry
 
     rows, gpu = load_rows(args.bench, args.variant)
-    if not rows:
+    records = load_records(args.records)
+    if not rows and not records:
         print("tune fit: no usable rows")
         return 2
+    if not gpu and args.records:
+        gpu = read_records(Path(args.records[0]))[0]["gpu"]
     model = model_for(gpu)[0]
     grid = args.grid or (args.variant.split("/")[0] if args.variant else model.gemm.grid)
     refit = None
@@ -118,7 +213,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
             model.gemm, peak_tflops=refit["peak_tflops"], launch_ms=refit["launch_ms"],
             wave_overhead_ms=refit["wave_overhead_ms"]))
         print(json.dumps({"cublas": refit}, indent=1))
-    result = fit(model, rows, grid)
+    result = fit(model, rows, grid, records, tolerance=args.tolerance)
     print(json.dumps(result, indent=1))
     if args.write:
         want = registry.normalize_gpu_name(gpu)
@@ -139,9 +234,12 @@ def cmd_fit(args: argparse.Namespace) -> int:
                 fused["note"] = (f"fitted by tune fit to T_fused of the op benchmark ({grid} grid): GEMM rate "
                                  f"(kernel_efficiency, relative to the cuBLAS model), GEMM slowdown per ms of "
                                  f"concurrent NCCL, NCCL slowdown beside the GEMM, fixed cost per group")
-                fused["fit"] = {"inputs": [Path(p).name for p in args.bench], "variant": args.variant or "fused",
+                fused["fit"] = {"inputs": [Path(p).name for p in args.bench + args.records],
+                                "variant": args.variant or "fused",
                                 **{k: result[k] for k in ("median_rel_error", "mean_rel_error",
-                                                          "median_rel_error_before", "rows")}}
+                                                          "median_rel_error_before", "rows", "records",
+                                                          "ranking_misses", "ranking_misses_before",
+                                                          "tolerance") if k in result}}
                 path.write_text(json.dumps(doc, indent=1) + "\n")
                 print(f"tune fit: wrote the fused section of {path}")
                 break
@@ -153,7 +251,11 @@ def cmd_fit(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Any) -> None:
     fi = sub.add_parser("fit", help="fit the fused-path parameters of the cost model to bench_ops JSON (CPU)")
-    fi.add_argument("--bench", nargs="+", required=True, help="bench_ops JSON files")
+    fi.add_argument("--bench", nargs="*", default=[], help="bench_ops JSON files")
+    fi.add_argument("--records", nargs="*", default=[],
+                    help="tune search --record files: fit the plan ranking first (see tune_fit.fit)")
+    fi.add_argument("--tolerance", type=float, default=0.03,
+                    help="a searched shape's predicted-best plan counts as a miss above this regret")
     fi.add_argument("--variant", default=None, help="a --fused-variants entry (default: the fused column)")
     fi.add_argument("--grid", choices=("persistent", "tiles"), default=None,
                     help="the GEMM grid the rows ran with (default: the variant's, else persistent)")

@@ -701,8 +701,9 @@ def tune_dry_run_worker(out_dir: str) -> list[int]:
         with simulated_gpu():
             rcs.append(tune.main(["bandwidth", "--quick", "--min-bytes", "65536", "--max-bytes", "1048576",
                                   "--out", f"{out_dir}/bandwidth.json"]))
-            rcs.append(tune.main(["search", "--collective", "reduce_scatter", "--shape", "1024x64x32",
-                                  "--max-units", "3", "--rounds", "2", "--refine", "2", "--out-dir", out_dir]))
+            rcs.append(tune.main(["search", "--collective", "reduce_scatter", "--shape", "1024x64x32,512x64x32",
+                                  "--max-units", "3", "--rounds", "2", "--refine", "2", "--out-dir", out_dir,
+                                  "--record", f"{out_dir}/records.json"]))
             if dist.get_rank() == 0:
                 rcs.append(tune.main(["gemm", "--shapes", "64x32x32,128x64x32", "--free", "0,16", "--rounds", "2",
                                       "--out", f"{out_dir}/gemm.json"]))
@@ -721,8 +722,14 @@ def test_tune_dry_run_on_cpu(tmp_path):
     assert len(bw["curves"]["2"]["all_reduce"]) == 4 * 4 + 1 and "tune bandwidth" in bw["source"]
     BandwidthCurve.from_json(bw, "dry run")
     plans = json.loads(tune_docs.plans_path(tmp_path, GPU, 2).read_text())
-    (entry,) = schema.validate_plans(plans, "dry run")
-    assert (entry["collective"], entry["m"], entry["world_size"], entry["mode"]) == ("reduce_scatter", 1024, 2, "both")
+    entries = sorted(schema.validate_plans(plans, "dry run"), key=lambda e: -e["m"])
+    assert [(e["collective"], e["m"], e["world_size"], e["mode"]) for e in entries] == \
+        [("reduce_scatter", 1024, 2, "both"), ("reduce_scatter", 512, 2, "both")]
+    entry = entries[0]
+    records = tune_docs.read_records(tmp_path / "records.json")  # both shapes, every candidate measured
+    assert [(r["m"], r["max_units"]) for r in records] == [(1024, 3), (512, 3)]
+    assert all(len(r["candidates"]) >= 2 and all(c["measured_ms"] > 0 for c in r["candidates"]) for r in records), \
+        [[c["measured_ms"] for c in r["candidates"]] for r in records]
     assert entry["measured_fused_ms"] > 0 and entry["measured_seq_ms"] > 0 and entry["evaluated"] >= 4
     gemm = json.loads((tmp_path / "gemm.json").read_text())
     schema.validate_gemm(gemm, "dry run")
