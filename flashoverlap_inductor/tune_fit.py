@@ -101,12 +101,12 @@ def predict_prepared(gemm: Any, p: Prepared, overhead_ms: float) -> float:
 
 
 def load_records(paths: list[str]) -> list[dict[str, Any]]:
-    """Shapes searched with ``tune search --record``: per shape its candidates with their best measured time (the
-    refined one where the search re-measured it)."""
+    """Shapes searched with ``tune search --record``: per shape its candidates with their measured time (the refined
+    one where the search re-measured it) and whether it was refined."""
     out = []
     for path in paths:
         for rec in read_records(Path(path)):
-            cands = [(c["plan"], float(c["refined_ms"] if c.get("refined_ms") else c["measured_ms"]))
+            cands = [(c["plan"], float(c["refined_ms"] or c["measured_ms"]), bool(c.get("refined_ms")))
                      for c in rec["candidates"] if c.get("measured_ms")]
             if len(cands) >= 2:
                 out.append({"op": rec["collective"], "m": rec["m"], "n": rec["n"], "k": rec["k"],
@@ -114,10 +114,13 @@ def load_records(paths: list[str]) -> list[dict[str, Any]]:
     return out
 
 
-def regret(times_pred: list[float], times_meas: list[float]) -> float:
-    """How much slower the predicted-best candidate measured than the measured best (0 = the model's pick won)."""
+def regret(times_pred: list[float], times_meas: list[float], refined: list[bool] | None = None) -> float:
+    """How much slower the predicted-best candidate measured than the best (0 = the model's pick won). With
+    ``refined`` flags, the best is the fastest re-measured candidate (as ``tune search`` reports it: the minimum of
+    many one-round times is biased low), and a pick that was not re-measured counts no less than 0."""
     pick = min(range(len(times_pred)), key=times_pred.__getitem__)
-    return times_meas[pick] / min(times_meas) - 1.0
+    pool = [t for t, r in zip(times_meas, refined, strict=True) if r] if refined and any(refined) else times_meas
+    return max(0.0, times_meas[pick] / min(pool) - 1.0)
 
 
 def fit(model: Any, rows: list[dict[str, Any]], grid: str, records: list[dict[str, Any]] | None = None,
@@ -132,17 +135,17 @@ def fit(model: Any, rows: list[dict[str, Any]], grid: str, records: list[dict[st
     records = records or []
     nccl_sms = 0 if grid == "tiles" else model.gemm.nccl_sms
     prepared = [(prepare(model, r["op"], r["m"], r["k"], r["world"], r["plan"]), r["fused_ms"]) for r in rows]
-    ranked = [([prepare(model, r["op"], r["m"], r["k"], r["world"], plan) for plan, _ in r["candidates"]],
-               [ms for _, ms in r["candidates"]]) for r in records]
+    ranked = [([prepare(model, r["op"], r["m"], r["k"], r["world"], plan) for plan, _, _ in r["candidates"]],
+               [ms for _, ms, _ in r["candidates"]], [ref for _, _, ref in r["candidates"]]) for r in records]
 
     def evaluate(eff: float, gs: float, cs: float, oh: float) -> tuple[list[float], list[float]]:
         gemm = dataclasses.replace(model.gemm, nccl_sms=nccl_sms, kernel_efficiency=eff, fused_gemm_slowdown=gs,
                                    comm_slowdown=cs, grid=grid, group_overhead_ms=oh)
         errs = [abs(predict_prepared(gemm, p, oh) - ms) / ms for p, ms in prepared]
         regrets = []
-        for plans, meas in ranked:
+        for plans, meas, refined in ranked:
             pred = [predict_prepared(gemm, p, oh) for p in plans]
-            regrets.append(regret(pred, meas))
+            regrets.append(regret(pred, meas, refined))
             if not rows:
                 errs += [abs(x - ms) / ms for x, ms in zip(pred, meas, strict=True)]
         return errs, regrets

@@ -121,6 +121,9 @@ def test_fit_with_records_ranks_the_searched_plans(tmp_path):
 def test_regret_is_the_predicted_picks_loss():
     assert tune_fit.regret([3.0, 1.0, 2.0], [1.0, 1.1, 1.05]) == pytest.approx(0.1)
     assert tune_fit.regret([1.0, 2.0], [1.0, 1.2]) == 0.0
+    # against the fastest re-measured candidate; a one-round time below it does not make the regret negative
+    assert tune_fit.regret([3.0, 1.0, 2.0], [0.9, 1.1, 1.0], [False, False, True]) == pytest.approx(0.1)
+    assert tune_fit.regret([1.0, 2.0, 3.0], [0.9, 1.1, 1.0], [False, False, True]) == 0.0
 
 
 def test_read_records_accepts_a_bare_record(tmp_path):

@@ -20,7 +20,7 @@ for job in $JOBS; do
   [ "$budget" -lt $((L - 40)) ] || budget=$((L - 40))
   timeout "$L" python3 -m torch.distributed.run --standalone --nproc_per_node="$W" -m flashoverlap_inductor.tune \
     search --collective "$coll" --shape "$shapes" --mode both --max-units "${FO_MAX_UNITS:-6}" --rounds 3 \
-    --out-dir "$OUT/plans" --record "$OUT/records_${coll}_w$W.json" --time-budget-s "$budget" \
+    --out-dir "$OUT" --record "$OUT/records_${coll}_w$W.json" --time-budget-s "$budget" \
     >"$OUT/search_${coll}_w$W.log" 2>&1
   echo "search $coll rc=$?" >>"$OUT/search_${coll}_w$W.log"
 done
