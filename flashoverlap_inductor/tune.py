@@ -13,7 +13,8 @@ sizes kept). ``gemm``: one GPU; cuBLAS and every compiled configuration (bf16, B
 signalled) on each shape and with SMs left free; refits ``fused.kernel_efficiency`` and writes ``tuned_kernels``.
 ``search``: exhaustive (every composition of at most ``--max-units`` units) and/or predictive (the cost model's
 argmin) candidates, all measured as the fused op on the torchrun world, the fastest refined and written as a
-tuned plan with its measured fused and sequential times. ``fit`` (CPU): the fused-path parameters of the GEMM
+tuned plan with its measured fused and sequential times (cuBLAS then NCCL, timed inside every batch beside the
+plans: a baseline timed apart ran at other clocks and skewed the verdict by up to 13%). ``fit`` (CPU): the fused-path parameters of the GEMM
 model fitted to ``examples/bench_ops.py`` results (``tune_fit``). Defaults write into the data directory the cost model
 reads (``config.config_dir`` or the package's ``configs/``); ``--out``/``--out-dir`` write elsewhere (a
 bandwidth file that does not exist yet starts from the data directory's one). Times are CUDA-event medians,
@@ -42,6 +43,7 @@ from .plan import chunks_for, group_of_tile_row, uniform_plan
 GRID = [(m, n, k) for m in (2048, 4096, 8192, 16384) for n, k in ((8192, 8192), (8192, 7168), (8192, 14336),
                                                                    (4096, 4096))]
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
+SEQ = "<seq>"  # the sequential baseline's name among a search batch's variants (no plan string looks like it)
 DEVICE = "cuda"  # "cpu" only for the CPU dry runs of tests/test_tune_cpu.py (gloo, simulated kernels)
 
 
@@ -283,14 +285,17 @@ def search_shape(args: argparse.Namespace, shape: tuple[int, int, int], rank: in
         return 1, {}, {}
     fused_before = runtime_gpu.stats[f"fused:{coll}"]
     bar = tm.Progress(len(candidates) + 1, "search", enabled=rank == 0)
+    seq_runs: list[list[float]] = []  # per measure call: the sequential baseline timed inside each batch
 
     def measure(plans: list, rounds: int) -> list[float]:
         timer = tm.Timer(rounds=rounds, target_ms=args.target_ms, spin_ms=0.3)
         out: list[float] = []
+        seq_runs.append([])
         for i in range(0, len(plans), 16):  # batches keep each interleaved set small
             part = plans[i:i + 16]
-            got = timer.measure({p.to_str(): fused(p.to_str()) for p in part})
+            got = timer.measure({**{p.to_str(): fused(p.to_str()) for p in part}, SEQ: seq_fn})
             out += [got[p.to_str()].ms for p in part]
+            seq_runs[-1].append(got[SEQ].ms)
             bar.update(len(part))
         return out
 
@@ -299,7 +304,7 @@ def search_shape(args: argparse.Namespace, shape: tuple[int, int, int], rank: in
 
     report = docs.search(candidates, measure, predict=predict, predictive=predictive, refine_top=args.refine,
                          refine_rounds=args.rounds)
-    seq_ms = tm.Timer(rounds=args.rounds, target_ms=args.target_ms).measure({"seq": seq_fn})["seq"].ms
+    seq_ms = tm.median(seq_runs[-1])  # timed beside the finalists, as their times were (same clocks and heat)
     bar.close()
     if runtime_gpu.stats[f"fused:{coll}"] == fused_before:
         print(f"tune search: the fused path never ran ({dict(runtime_gpu.stats)}); abort", file=sys.stderr)
