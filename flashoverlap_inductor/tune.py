@@ -14,8 +14,9 @@ signalled) on each shape and with SMs left free; refits ``fused.kernel_efficienc
 ``search``: exhaustive (every composition of at most ``--max-units`` units) and/or predictive (the cost model's
 argmin) candidates, all measured as the fused op on the torchrun world, the fastest refined and written as a
 tuned plan with its measured fused and sequential times (cuBLAS then NCCL, timed inside every batch beside the
-plans: a baseline timed apart ran at other clocks and skewed the verdict by up to 13%). ``fit`` (CPU): the fused-path parameters of the GEMM
-model fitted to ``examples/bench_ops.py`` results (``tune_fit``). Defaults write into the data directory the cost model
+plans: a baseline timed apart ran at other clocks and skewed the verdict by up to 13%); ``--record`` keeps every
+candidate's times. ``fit`` (CPU): the fused-path parameters of the GEMM model fitted to ``examples/bench_ops.py``
+results and to search records (``tune_fit``). Defaults write into the data directory the cost model
 reads (``config.config_dir`` or the package's ``configs/``); ``--out``/``--out-dir`` write elsewhere (a
 bandwidth file that does not exist yet starts from the data directory's one). Times are CUDA-event medians,
 max over ranks (``tune_measure``).

@@ -134,17 +134,24 @@ def fit(model: Any, rows: list[dict[str, Any]], grid: str, records: list[dict[st
     ``max_error``; then the error as above."""
     records = records or []
     nccl_sms = 0 if grid == "tiles" else model.gemm.nccl_sms
-    prepared = [(prepare(model, r["op"], r["m"], r["k"], r["world"], r["plan"]), r["fused_ms"]) for r in rows]
-    ranked = [([prepare(model, r["op"], r["m"], r["k"], r["world"], plan) for plan, _, _ in r["candidates"]],
+    unique: dict[tuple, int] = {}  # each distinct (op, shape, world, plan) is predicted once per parameter set
+
+    def index(op: str, m: int, k: int, world: int, plan: str) -> int:
+        return unique.setdefault((op, m, k, world, plan), len(unique))
+
+    prepared = [(index(r["op"], r["m"], r["k"], r["world"], r["plan"]), r["fused_ms"]) for r in rows]
+    ranked = [([index(r["op"], r["m"], r["k"], r["world"], plan) for plan, _, _ in r["candidates"]],
                [ms for _, ms, _ in r["candidates"]], [ref for _, _, ref in r["candidates"]]) for r in records]
+    plans_once = [prepare(model, *key) for key in unique]
 
     def evaluate(eff: float, gs: float, cs: float, oh: float) -> tuple[list[float], list[float]]:
         gemm = dataclasses.replace(model.gemm, nccl_sms=nccl_sms, kernel_efficiency=eff, fused_gemm_slowdown=gs,
                                    comm_slowdown=cs, grid=grid, group_overhead_ms=oh)
-        errs = [abs(predict_prepared(gemm, p, oh) - ms) / ms for p, ms in prepared]
+        times = [predict_prepared(gemm, p, oh) for p in plans_once]
+        errs = [abs(times[i] - ms) / ms for i, ms in prepared]
         regrets = []
-        for plans, meas, refined in ranked:
-            pred = [predict_prepared(gemm, p, oh) for p in plans]
+        for idx, meas, refined in ranked:
+            pred = [times[i] for i in idx]
             regrets.append(regret(pred, meas, refined))
             if not rows:
                 errs += [abs(x - ms) / ms for x, ms in zip(pred, meas, strict=True)]
