@@ -5,7 +5,7 @@ shape, and write them as the cost model's data files (see ``tune_docs`` for the 
     python -m flashoverlap_inductor.tune gemm [--out FILE] [--shapes 8192x8192x8192,...] [--free 0,8,16,24,32]
     torchrun --nproc_per_node=W -m flashoverlap_inductor.tune search --collective all_reduce --shape 8192x8192x8192
         [--mode both|exhaustive|predictive] [--max-units 8] [--out-dir DIR] [--record FILE] [--time-budget-s S]
-    python -m flashoverlap_inductor.tune fit --bench bench_w4.json [bench_w2.json] [--variant G/R] [--write]
+    python -m flashoverlap_inductor.tune fit --bench bench_w4.json [bench_w2.json] [--records FILE ...] [--write]
 
 ``bandwidth``: every collective (all_reduce in place, reduce_scatter, all_to_all_single; bf16) from 64 KiB to
 1 GiB at 4 points per octave, world size = the torchrun world; merged into the GPU's bandwidth file (other world
@@ -39,6 +39,7 @@ import torch.distributed as dist
 from . import ops, runtime_cuda, tune_fit
 from . import tune_docs as docs
 from . import tune_measure as tm
+from .cost_model.pipeline import CostModel
 from .plan import chunks_for, group_of_tile_row, uniform_plan
 
 GRID = [(m, n, k) for m in (2048, 4096, 8192, 16384) for n, k in ((8192, 8192), (8192, 7168), (8192, 14336),
@@ -248,7 +249,7 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def search_shape(args: argparse.Namespace, shape: tuple[int, int, int], rank: int, world: int, gpu: str, sms: int,
-                 model) -> tuple[int, dict, dict]:
+                 model: CostModel) -> tuple[int, dict, dict]:
     """One shape's search: ``(rc, plans entry, record)``; rank 0 prints the summary line."""
     from . import runtime_gpu
     from .cost_model.search import DEFAULT_TILE, predictive_search
