@@ -37,7 +37,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from flashoverlap_inductor.plan import GroupPlan, buffer_layout
+from flashoverlap_inductor.plan import GroupPlan, buffer_layout, tiles_per_group
 
 from .bandwidth import BandwidthCurve
 from .gemm import GemmModel
@@ -110,25 +110,53 @@ class CostModel:
     gemm: GemmModel
     call_overhead_ms: float = 0.0
 
-    def group_comm_ms(self, collective: str, world_size: int, rows: int, n: int, dtype: str) -> float:
-        """One group's collective on ``rows x n`` elements, plus the per-call overhead, in ms."""
+    def group_curve_ms(self, collective: str, world_size: int, rows: int, n: int, dtype: str) -> float | None:
+        """One group's collective on ``rows x n`` elements on the NCCL curve alone, in ms (None without rows)."""
         if rows <= 0:
-            return 0.0
-        nbytes = rows * n * dtype_bytes(dtype)
-        return self.curve.comm_ms(collective, world_size, nbytes) + self.call_overhead_ms
+            return None
+        return self.curve.comm_ms(collective, world_size, rows * n * dtype_bytes(dtype))
+
+    def group_comm_ms(self, collective: str, world_size: int, rows: int, n: int, dtype: str) -> float:
+        """One group's collective on ``rows x n`` elements, plus the per-call overhead, in ms (0 without rows)."""
+        curve = self.group_curve_ms(collective, world_size, rows, n, dtype)
+        return 0.0 if curve is None else curve + self.call_overhead_ms
 
     def seq_ms(self, collective: str, m: int, n: int, k: int, dtype: str, world_size: int) -> float:
         """Sequential baseline: cuBLAS GEMM on all SMs, then one collective on the whole output, in ms."""
         comm = self.curve.comm_ms(collective, world_size, m * n * dtype_bytes(dtype))
         return self.gemm.reference_ms(m, n, k, dtype) + comm
 
+    def parts(self, plan: GroupPlan, collective: str, chunks: Sequence[int], k: int, dtype: str,
+              world_size: int) -> GroupParts:
+        """What ``fused`` derives from ``plan`` before any fused-path parameter enters: its buffer layout
+        (``plan.buffer_layout``), each group's tiles and each group's collective on the curve."""
+        bounds = buffer_layout(plan, chunks).group_bounds
+        return GroupParts(k, dtype, (plan.tile_m, plan.tile_n),
+                          tuple(tiles_per_group(bounds, plan.tile_m, plan.tile_n, plan.n)),
+                          tuple(self.group_curve_ms(collective, world_size, hi - lo, plan.n, dtype)
+                                for lo, hi in itertools.pairwise(bounds)))
+
     def fused(self, plan: GroupPlan, collective: str, chunks: Sequence[int], k: int, dtype: str,
               world_size: int) -> PipelineResult:
-        """The reference evaluation of ``plan``: its buffer layout (``plan.buffer_layout``), the GEMM's group
-        completion times, each group's collective, and the recurrence."""
-        layout = buffer_layout(plan, chunks)
-        bounds = layout.group_bounds
-        done = self.gemm.group_completion_ms(bounds, plan.n, k, dtype, plan.tile_m, plan.tile_n)
-        comm = [self.group_comm_ms(collective, world_size, hi - lo, plan.n, dtype)
-                for lo, hi in itertools.pairwise(bounds)]
-        return pipeline(done, comm, self.gemm.effective_interference, self.gemm.comm_slowdown)
+        """The reference evaluation of ``plan``: ``parts``, the GEMM's group completion times, each group's
+        collective with the per-call overhead, and the recurrence."""
+        return self.parts(plan, collective, chunks, k, dtype, world_size).evaluate(self.gemm, self.call_overhead_ms)
+
+
+@dataclass(frozen=True)
+class GroupParts:
+    """A plan's groups as the recurrence needs them: each group's tile count and its collective's time on the NCCL
+    curve (ms, without the per-call overhead; None for a group without rows, whose collective costs nothing).
+    ``tune fit`` computes these once per plan and evaluates them under many GEMM parameters."""
+
+    k: int
+    dtype: str
+    tile: tuple[int, int]
+    tiles_of_groups: tuple[int, ...]
+    curve_ms: tuple[float | None, ...]
+
+    def evaluate(self, gemm: GemmModel, overhead_ms: float) -> PipelineResult:
+        """The recurrence with GEMM model ``gemm`` and ``overhead_ms`` added to every group's collective."""
+        done = gemm.completion_ms(self.tiles_of_groups, self.k, self.dtype, *self.tile)
+        comm = [0.0 if c is None else c + overhead_ms for c in self.curve_ms]
+        return pipeline(done, comm, gemm.effective_interference, gemm.comm_slowdown)

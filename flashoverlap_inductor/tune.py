@@ -228,10 +228,10 @@ def cmd_search(args: argparse.Namespace) -> int:
         return 2
     gpu, sms = torch.cuda.get_device_name(), torch.cuda.get_device_properties(None).multi_processor_count
     model = model_for(gpu)[0]
-    start, records = time.monotonic(), []
-    for i, shape in enumerate(parse_shapes(args.shape)):
+    start, records, shapes = time.monotonic(), [], parse_shapes(args.shape)
+    for i, shape in enumerate(shapes):
         if not tm.agree([time.monotonic() - start <= args.time_budget_s])[0]:  # all ranks stop at one shape
-            _say(rank, f"tune search: time budget spent; {len(parse_shapes(args.shape)) - i} shapes not searched")
+            _say(rank, f"tune search: time budget spent; {len(shapes) - i} shapes not searched")
             break
         rc, entry, record = search_shape(args, shape, rank, world, gpu, sms, model)
         if rc:

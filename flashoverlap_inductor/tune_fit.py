@@ -33,12 +33,11 @@ import itertools
 import json
 import math
 import statistics
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flashoverlap_inductor.cost_model.pipeline import pipeline
-from flashoverlap_inductor.plan import GroupPlan, buffer_layout, chunks_for, tiles_per_group
+from flashoverlap_inductor.cost_model.pipeline import GroupParts
+from flashoverlap_inductor.plan import GroupPlan, chunks_for
 
 from .tune_docs import read_records
 
@@ -71,33 +70,14 @@ def predict(model: Any, row: dict[str, Any]) -> float:
     return model.fused(plan, row["op"], chunks, row["k"], "bfloat16", row["world"]).total_ms
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """The parts of one plan's prediction that no fitted parameter changes: each group's tile count and its
-    collective's time on the NCCL curve (ms; None for a group without rows, whose collective costs nothing)."""
-
-    k: int
-    tile: tuple[int, int]
-    tiles_of_groups: tuple[int, ...]
-    curve_ms: tuple[float | None, ...]
+def prepare(model: Any, op: str, m: int, k: int, world: int, plan_str: str) -> GroupParts:
+    """``model.fused``'s parts of one plan (``CostModel.parts``), computed once."""
+    return model.parts(GroupPlan.from_str(plan_str), op, chunks_for(op, m, world), k, "bfloat16", world)
 
 
-def prepare(model: Any, op: str, m: int, k: int, world: int, plan_str: str) -> Prepared:
-    """``model.fused``'s layout, tile counts and NCCL curve for one plan, computed once."""
-    plan = GroupPlan.from_str(plan_str)
-    bounds = buffer_layout(plan, chunks_for(op, m, world)).group_bounds
-    curve = [model.curve.comm_ms(op, world, (hi - lo) * plan.n * 2) if hi > lo else None
-             for lo, hi in itertools.pairwise(bounds)]
-    return Prepared(k, (plan.tile_m, plan.tile_n), tuple(tiles_per_group(bounds, plan.tile_m, plan.tile_n, plan.n)),
-                    tuple(curve))
-
-
-def predict_prepared(gemm: Any, p: Prepared, overhead_ms: float) -> float:
-    """``CostModel.fused(...).total_ms`` for a prepared plan with GEMM model ``gemm`` and the per-group overhead
-    (ms); equal to the full evaluation (``tests/test_tune_fit.py``)."""
-    done = gemm.completion_ms(p.tiles_of_groups, p.k, "bfloat16", *p.tile)
-    comm = [0.0 if c is None else c + overhead_ms for c in p.curve_ms]
-    return pipeline(done, comm, gemm.effective_interference, gemm.comm_slowdown).total_ms
+def predict_prepared(gemm: Any, p: GroupParts, overhead_ms: float) -> float:
+    """``CostModel.fused(...).total_ms`` for prepared parts with GEMM model ``gemm`` and the per-group overhead (ms)."""
+    return p.evaluate(gemm, overhead_ms).total_ms
 
 
 def load_records(paths: list[str]) -> list[dict[str, Any]]:
