@@ -45,18 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import (
-    config,
-    fused_launch,
-    kernels,
-    nccl_direct,
-    nccl_window,
-    ops,
-    row_order,
-    runtime_cpu,
-    runtime_cuda,
-    streams,
-)
+from . import config, fused_launch, kernels, nccl_direct, ops, row_order, runtime_cpu, runtime_cuda, streams
 from . import plan as planlib
 from .group_comm import group_collective
 from .kernel_select import (
@@ -93,9 +82,6 @@ KERNEL: str | None = os.environ.get("FLASHOVERLAP_KERNEL") or None
 # fork/join) without the waits and collectives, to split T_fused into GEMM and communication. Results are not
 # reduced: never set it outside a benchmark.
 GEMM_ONLY: bool = False
-# Experiment (``nccl_window``): all_reduce's GEMM output in a symmetric NCCL window, reduced "oop" (out of place into
-# the output) or "copy" (in place, then copied out); "" = off. Runs the Python host loop.
-AR_WINDOW: str = os.environ.get("FLASHOVERLAP_AR_WINDOW", "")
 FUSE_SINGLE_GROUP = False  # a one-group plan overlaps nothing: cuBLAS then NCCL is faster
 MAX_LAUNCHES = 512
 
@@ -352,11 +338,7 @@ def _execute(launch: Launch, opnd: Operands, out_shape: list[int], group: dist.P
     record = res.record.data_ptr()
     comm = nccl_direct.communicator(group, device) if a.dtype in nccl_direct.NCCL_DTYPES else None
     stats["nccl:direct" if comm is not None else "nccl:torch"] += 1
-    win = nccl_window.get(comm, slot, rows * n * a.element_size(), device) \
-        if AR_WINDOW and comm is not None and rows and launch.collective == "all_reduce" and not launch.stage else None
-    if win is not None:
-        d = buf = win.view(rows, n, a.dtype)
-    if fused_launch.ready(comm) and not GEMM_ONLY and win is None:  # the whole op in one host call
+    if fused_launch.ready(comm) and not GEMM_ONLY:  # the whole op in one host call
         stats["host:c"] += 1
         lib.fused_call(launch.index, a_in, b_in, ldb, opnd.bias, d, buf, rows, k, launch.gmap, launch.order,
                        kernels.SIGNAL_MODES[SIGNAL_MODE], launch.sm_count, kernels.RASTERS[RASTER], SWIZZLE, workspace,
@@ -377,9 +359,7 @@ def _execute(launch: Launch, opnd: Operands, out_shape: list[int], group: dist.P
                 lib.wait(c_ptr + 4 * g, e_ptr + 4 * g, launch.tiles[g], timeout_ns, record, g, side.cuda_stream)
             if launch.stage and launch.stage[g] is not None:
                 launch.stage[g].apply(d, buf)
-            if win is not None:
-                nccl_window.issue_all_reduce(comm, step.lo, step.hi, buf, out_flat, AR_WINDOW, side)
-            elif comm is not None:
+            if comm is not None:
                 nccl_direct.issue_group(comm, launch.collective, step, buf, out_flat, side.cuda_stream)
             else:
                 group_collective(launch.collective, launch.peers, g, step, buf, out_flat, group)

@@ -305,8 +305,9 @@ def search_shape(args: argparse.Namespace, shape: tuple[int, int, int], rank: in
         return model.fused(p, coll, chunks, k, dtype_name, world).total_ms
 
     report = docs.search(candidates, measure, predict=predict, predictive=predictive, refine_top=args.refine,
-                         refine_rounds=args.rounds)
-    seq_ms = tm.median(seq_runs[-1])  # timed beside the finalists, as their times were (same clocks and heat)
+                         refine_rounds=args.rounds, confirm_rounds=args.confirm_rounds)
+    # timed beside the finalists, as their times were (same clocks and heat): the refinement batch
+    seq_ms = tm.median(seq_runs[min(1, len(seq_runs) - 1)])
     bar.close()
     if runtime_gpu.stats[f"fused:{coll}"] == fused_before:
         print(f"tune search: the fused path never ran ({dict(runtime_gpu.stats)}); abort", file=sys.stderr)
@@ -321,7 +322,8 @@ def search_shape(args: argparse.Namespace, shape: tuple[int, int, int], rank: in
         errs = report.model_errors
         print(f"best {report.best.row_bounds}: {report.best_ms:.4f} ms fused vs {seq_ms:.4f} ms sequential "
               f"({seq_ms / report.best_ms:.3f}x); predictive {report.predictive_ms:.4f} ms (relative performance "
-              f"{report.relative_performance:.3f}); cost model median |pred-meas|/meas "
+              f"{report.relative_performance:.3f}, refinement batch {report.refined_relative_performance:.3f}); "
+              f"cost model median |pred-meas|/meas "
               f"{tm.median(errs) if errs else math.nan:.3f} over {len(errs)} plans", flush=True)
     return 0, entry, record
 
@@ -357,6 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--max-units", type=int, default=8, help="exhaustive candidates: 2^(units-1)")
     se.add_argument("--refine", type=int, default=5, help="fastest candidates re-measured")
     se.add_argument("--rounds", type=int, default=5)
+    se.add_argument("--confirm-rounds", type=int, default=5,
+                    help="rounds of the batch that re-measures the best and the predictive plan (0: none)")
     se.add_argument("--target-ms", type=float, default=8.0)
     se.add_argument("--out-dir", help="data directory to write plans/<gpu>_w<world>.json into")
     se.add_argument("--record", help="also write every candidate's measured, refined and predicted ms (JSON)")

@@ -239,8 +239,10 @@ def candidate_plans(collective: str, m: int, n: int, world_size: int, tile: tupl
 
 @dataclass
 class SearchReport:
-    """Outcome of one plan search (times in ms). ``measured``/``predicted`` map ``plan.to_str()`` to times;
-    ``best`` is the plan of least refined time; ``predictive`` the model's own argmin (if given)."""
+    """Outcome of one plan search (times in ms). ``measured``/``refined``/``confirmed``/``predicted`` map
+    ``plan.to_str()`` to times; ``best`` is the plan of least refined time; ``predictive`` the model's own argmin
+    (if given); ``confirmed`` holds ``best`` and ``predictive`` re-measured together in a batch of their own (empty
+    when they are the same plan or no confirmation ran)."""
 
     best: GroupPlan
     best_ms: float
@@ -248,6 +250,7 @@ class SearchReport:
     measured: dict[str, float] = field(default_factory=dict)
     refined: dict[str, float] = field(default_factory=dict)
     predicted: dict[str, float] = field(default_factory=dict)
+    confirmed: dict[str, float] = field(default_factory=dict)
 
     @property
     def predictive_ms(self) -> float:
@@ -257,16 +260,26 @@ class SearchReport:
         return self.refined.get(key, self.measured.get(key, math.nan))
 
     @property
-    def relative_performance(self) -> float:
-        """best measured / measured time of the model's argmin (1.0 = the model found the best plan)."""
+    def refined_relative_performance(self) -> float:
+        """best refined / refined time of the model's argmin, from the batch that chose the best (biased against
+        the argmin: the best is the minimum of several noisy times)."""
         return self.best_ms / self.predictive_ms if self.predictive_ms > 0 else math.nan
+
+    @property
+    def relative_performance(self) -> float:
+        """Time of the best plan / time of the model's argmin (1.0 = the model found the best plan), from the
+        confirmation batch when there is one (times not used to choose the best), else from the refinement."""
+        if self.predictive is not None and self.confirmed:
+            best, pred = self.confirmed[self.best.to_str()], self.confirmed[self.predictive.to_str()]
+            return best / pred if pred > 0 else math.nan
+        return 1.0 if self.predictive == self.best else self.refined_relative_performance
 
     def record(self, **meta: Any) -> dict[str, Any]:
         """Every candidate's times (``tune search --record``): the cost model's ranking data for later fits.
         ``meta`` (GPU, world size, collective, shape, sequential time, ...) goes in as given."""
         return {**meta, "best": self.best.to_str(), "predictive": self.predictive.to_str() if self.predictive else None,
                 "candidates": [{"plan": key, "measured_ms": ms, "refined_ms": self.refined.get(key),
-                                "predicted_ms": self.predicted.get(key)}
+                                "confirmed_ms": self.confirmed.get(key), "predicted_ms": self.predicted.get(key)}
                                for key, ms in self.measured.items()]}  # every refined plan was measured first
 
     @property
@@ -281,10 +294,13 @@ class SearchReport:
 
 def search(candidates: Sequence[GroupPlan], measure: Callable[[list[GroupPlan], int], list[float]], *,
            predict: Callable[[GroupPlan], float] | None = None, predictive: GroupPlan | None = None,
-           refine_top: int = 5, refine_rounds: int = 5, first_rounds: int = 1) -> SearchReport:
+           refine_top: int = 5, refine_rounds: int = 5, first_rounds: int = 1,
+           confirm_rounds: int = 0) -> SearchReport:
     """Measure every candidate (``measure(plans, rounds) -> ms``, one batch, ``first_rounds`` rounds), re-measure
     the ``refine_top`` fastest plus ``predictive`` together with ``refine_rounds`` rounds, and pick the fastest of
-    those. ``predict`` (the cost model) only annotates the report."""
+    those. With ``confirm_rounds`` and a ``predictive`` that is not the best, the two are measured once more in a
+    batch of their own: the verdict on the model's pick then comes from times that did not choose the best (the
+    minimum of several noisy times is biased low). ``predict`` (the cost model) only annotates the report."""
     plans = list(dict.fromkeys(list(candidates) + ([predictive] if predictive is not None else [])))
     if not plans:
         raise ValueError("search: no candidate plans")
@@ -298,7 +314,11 @@ def search(candidates: Sequence[GroupPlan], measure: Callable[[list[GroupPlan], 
     refined = {p.to_str(): t for p, t in zip(finalists, refined_ms, strict=True)}
     best = min(finalists, key=lambda p: refined[p.to_str()])
     predicted = {p.to_str(): predict(p) for p in plans} if predict is not None else {}
-    return SearchReport(best, refined[best.to_str()], predictive, measured, refined, predicted)
+    confirmed: dict[str, float] = {}
+    if confirm_rounds > 0 and predictive is not None and predictive != best:
+        confirmed = dict(zip((best.to_str(), predictive.to_str()), measure([best, predictive], confirm_rounds),
+                             strict=True))
+    return SearchReport(best, refined[best.to_str()], predictive, measured, refined, predicted, confirmed)
 
 
 def merge_plans(existing: dict[str, Any] | None, gpu: str, sm_count: int, entries: Sequence[dict[str, Any]],

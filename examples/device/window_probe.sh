@@ -6,7 +6,7 @@ source examples/device/setup_env.sh
 python3 - >"$OUT/nccl_strings.txt" 2>&1 <<'PY'
 import glob, os, re, torch
 import nvidia.nccl as n
-for lib in glob.glob(os.path.join(os.path.dirname(n.__file__), "lib", "libnccl.so*")):
+for lib in glob.glob(os.path.join(list(n.__path__)[0], "lib", "libnccl.so*")):
     data = open(lib, "rb").read()
     hits = sorted({m.decode() for m in re.findall(rb"NCCL_(?:CTA_POLICY|SYM[A-Z_]*|WIN[A-Z_]*)", data)})
     print(lib, hits)
@@ -20,4 +20,4 @@ NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,REG,TUNING,ENV NCCL_DEBUG_FILE=/tmp/ncdbg
   torchrun --nproc_per_node=2 "$P" --rounds 1 --json "$OUT/window_dbg.json" >"$OUT/window_dbg.log" 2>&1
 cat /tmp/ncdbg/*.log | grep -i -E "sym|window|cta|policy|AllReduce" | sort | uniq -c | sort -rn | head -80 \
   >"$OUT/nccl_info_filtered.txt"
-tail -3 "$OUT"/window_*.log
+tail -n 3 "$OUT"/window_*.log
