@@ -1,7 +1,8 @@
 """``decide``: should one GEMM + collective be fused, and with which wave groups?
 
 Order of sources for the plan: a tuned plan from ``configs/plans/*.json`` for exactly this
-``(GPU, SM count, world size, collective, dtype, m, n, k)``; else, for all_to_all with ``input_split_sizes``,
+``(GPU, SM count, world size, collective, dtype, m, n, k)`` (never for all_to_all with ``input_split_sizes``,
+whose ``m`` may differ between ranks); else, for all_to_all with ``input_split_sizes``,
 ``config.all_to_all_default_groups`` equal fractions (every rank must cut at the same fractions, and ranks may
 hold different rows, so nothing rank-specific may choose them); else the predictive search (``search.py``).
 
@@ -91,7 +92,10 @@ def _decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int
     except ValueError as exc:
         return Decision(False, single, inf, seq, f"declined: {exc}{data_note}")
 
-    tuned = registry.tuned_plan(device_name, model.gemm.sm_count, world_size, collective, dtype, m, n, k)
+    # not for all_to_all with input_split_sizes: ranks may hold different rows, and a plan keyed by this rank's
+    # rows could then differ from its peers' (other group cuts, mismatched collectives)
+    tuned = None if splits is not None else registry.tuned_plan(device_name, model.gemm.sm_count, world_size,
+                                                                 collective, dtype, m, n, k)
     plan, source = _choose_plan(model, tuned, collective, m, n, k, dtype, world_size, chunks, splits, a2a_groups)
     fused = model.fused(plan, collective, chunks, k, dtype, world_size).total_ms
     verdict_fused, verdict_seq, what = fused, seq, "predicted"
