@@ -90,14 +90,15 @@ def workspace(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype
     return ws
 
 
-def _signal_all(ws: Workspace, channel: int, timeout_ms: int) -> None:
+def _signal_all(ws: Workspace, channel: int, timeout_ms: float) -> None:
+    t = max(1, int(timeout_ms))
     for p in ws.peer_bufs:
-        ws.hdl.put_signal(p, channel, timeout_ms)
+        ws.hdl.put_signal(p, channel, t)
     for p in ws.peer_bufs:
-        ws.hdl.wait_signal(p, channel, timeout_ms)
+        ws.hdl.wait_signal(p, channel, t)
 
 
-def begin(ws: Workspace, timeout_ms: int) -> None:
+def begin(ws: Workspace, timeout_ms: float) -> None:
     """Step 1 of the module docstring, on the current (side) stream."""
     _signal_all(ws, CH_FREE, timeout_ms)
 
@@ -115,7 +116,7 @@ def push(ws: Workspace, step: GroupStep, buf: torch.Tensor, block_rows: int) -> 
         ws.slot(dst, ws.rank, block_rows, n)[o_lo:o_hi].copy_(buf[step.lo + p * c:step.lo + (p + 1) * c])
 
 
-def finish(ws: Workspace, out: torch.Tensor, timeout_ms: int) -> None:
+def finish(ws: Workspace, out: torch.Tensor, timeout_ms: float) -> None:
     """Step 3: ``out`` [block_rows, N] := the sum over the slots, on the current (side) stream."""
     _signal_all(ws, CH_PUSHED, timeout_ms)
     rows, n = out.shape
