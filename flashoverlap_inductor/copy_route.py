@@ -12,9 +12,9 @@ of ``world`` slots, each ``capacity`` elements; slot ``s`` of rank ``r`` receive
 
 1. ``begin``: signal every peer and wait for every peer's signal (channel 0): each peer has finished the previous
    call's sum over its slots, so they may be written again;
-2. per group, after its wait (``push``): the group's piece for rank p (buffer rows ``lo + p*c .. lo + (p+1)*c`` of
-   the "gather" layout, ``c`` = the group's output rows) is copied into p's slot for us, at the output rows of the
-   group; our own piece into our own slot;
+2. per group, after its wait (``push``): the group's piece for rank p (``pieces``: natural rows on the
+   "schedule" route, the default here, so A is not gathered) is copied into p's slot for us, at its output rows;
+   our own piece into our own slot;
 3. ``finish``: signal / wait channel 1 (every peer's pushes into our slots have landed), then
    ``out = sum of the slots`` (one kernel, fp32 accumulation, rounded once).
 
@@ -103,17 +103,34 @@ def begin(ws: Workspace, timeout_ms: float) -> None:
     _signal_all(ws, CH_FREE, timeout_ms)
 
 
+def pieces(step: GroupStep, world: int, block_rows: int) -> list[tuple[int, int, int, int]]:
+    """The group's ``(rank, lo, hi, row)``: GEMM output rows ``[lo, hi)`` go to ``rank``'s slot at output row
+    ``row``. The "schedule" route (``step.sends`` in natural rows: rank j's block starts at ``j * block_rows``) or
+    the "gather" layout (``world`` equal pieces of the group's buffer rows, each at the group's output rows)."""
+    if step.sends:
+        return [(j, lo, hi, lo - j * block_rows) for j, lo, hi in step.sends if hi > lo]
+    c = step.out[1] - step.out[0]
+    return [(p, step.lo + p * c, step.lo + (p + 1) * c, step.out[0]) for p in range(world)] if c > 0 else []
+
+
+def fits(steps: tuple[GroupStep, ...] | list[GroupStep], world: int, block_rows: int) -> bool:
+    """Whether every piece lies inside its rank's block (schedule route) or every group's buffer rows are ``world``
+    equal pieces of its output rows (gather layout), as ``pieces`` assumes."""
+    for s in steps:
+        if not s.sends and s.hi - s.lo != world * (s.out[1] - s.out[0]):
+            return False
+        if any(not 0 <= row <= row + hi - lo <= block_rows for _, lo, hi, row in pieces(s, world, block_rows)):
+            return False
+    return True
+
+
 def push(ws: Workspace, step: GroupStep, buf: torch.Tensor, block_rows: int) -> None:
-    """Step 2 for one group: ``buf`` is the GEMM output [rows, N] in the "gather" layout; ``block_rows`` each
-    rank's output rows. Copies only (copy engine), on the current (side) stream."""
-    o_lo, o_hi = step.out
-    c = o_hi - o_lo
-    if c <= 0:
-        return
+    """Step 2 for one group: ``buf`` is the GEMM output [rows, N]; ``block_rows`` each rank's output rows. Copies
+    only (copy engine), on the current (side) stream."""
     n = buf.shape[1]
-    for p in range(ws.world):
+    for p, lo, hi, row in pieces(step, ws.world, block_rows):
         dst = ws.peer_bufs[p] if p != ws.rank else ws.buf
-        ws.slot(dst, ws.rank, block_rows, n)[o_lo:o_hi].copy_(buf[step.lo + p * c:step.lo + (p + 1) * c])
+        ws.slot(dst, ws.rank, block_rows, n)[row:row + hi - lo].copy_(buf[lo:hi])
 
 
 def finish(ws: Workspace, out: torch.Tensor, timeout_ms: float) -> None:
@@ -122,8 +139,3 @@ def finish(ws: Workspace, out: torch.Tensor, timeout_ms: float) -> None:
     rows, n = out.shape
     torch.sum(ws.slots(rows, n), dim=0, out=out.view(-1))
 
-
-def fits(steps: tuple[GroupStep, ...] | list[GroupStep], world: int) -> bool:
-    """Whether every group's buffer rows are ``world`` equal pieces of its output rows (the "gather" layout with
-    blocks that divide evenly), as ``push`` assumes."""
-    return all(s.hi - s.lo == world * (s.out[1] - s.out[0]) for s in steps)

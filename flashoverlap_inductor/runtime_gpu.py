@@ -83,7 +83,7 @@ KERNEL: str | None = os.environ.get("FLASHOVERLAP_KERNEL") or None
 # reduced: never set it outside a benchmark.
 GEMM_ONLY: bool = False
 # reduce_scatter's transfers: "nccl" (per group, the default) or "copy" (``copy_route``: copy-engine pushes into the
-# peers' symmetric memory, one sum at the end; the "gather" layout, the Python host loop, not under graph capture).
+# peers' symmetric memory, one sum at the end; the Python host loop, not under graph capture).
 COMM: str = os.environ.get("FLASHOVERLAP_COMM", "nccl")
 FUSE_SINGLE_GROUP = False  # a one-group plan overlaps nothing: cuBLAS then NCCL is faster
 MAX_LAUNCHES = 512
@@ -216,7 +216,7 @@ def _make_launch(collective: str, plan: str, rows: int, n: int, k: int, dtype: t
     tiles = (0,) * groups
     workspace = 0
     route = "natural"
-    rows_route = "gather" if COMM == "copy" and collective == "reduce_scatter" else \
+    rows_route = (ROW_ORDER or "schedule") if COMM == "copy" and collective == "reduce_scatter" else \
         row_order.route(ROW_ORDER, collective, world)
     if rows and not sched.layout.is_identity and rows_route != "gather":
         nat = row_order.natural_order(collective, sched.layout, steps, choice.tile_m, choice.tile_n, n,
@@ -344,7 +344,8 @@ def _execute(launch: Launch, opnd: Operands, out_shape: list[int], group: dist.P
     comm = nccl_direct.communicator(group, device) if a.dtype in nccl_direct.NCCL_DTYPES else None
     stats["nccl:direct" if comm is not None else "nccl:torch"] += 1
     ws = copy_route.workspace(group, device, a.dtype, out_flat.numel(), slot) if COMM == "copy" and rows and \
-        launch.collective == "reduce_scatter" and not GEMM_ONLY and copy_route.fits(launch.steps, group.size()) \
+        launch.collective == "reduce_scatter" and not GEMM_ONLY and not launch.stage and \
+        copy_route.fits(launch.steps, group.size(), out_flat.shape[0]) \
         else None
     stats["comm:copy"] += ws is not None
     if fused_launch.ready(comm) and not GEMM_ONLY and ws is None:  # the whole op in one host call
