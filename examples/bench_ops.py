@@ -110,8 +110,7 @@ def fused_call(op: str, a: torch.Tensor, b: torch.Tensor, plan: str, world: int,
 
 
 def with_mode(spec: str, fn):
-    """``fn`` run with the fused path in the mode
-    ``spec`` = ``"<grid>/<nccl>[/<host>[/<kernel>[/<ctas>[/<rows>[/<comm>]]]]]"``:
+    """``fn`` run with the fused path in the mode ``spec`` = ``"<grid>/<nccl>[/<host>[/<kernel>[/<ctas>[/<rows>]]]]"``:
 
     * grid ``persistent|tiles``: ``runtime_gpu.GEMM_GRID``; nccl ``direct|torch``: ``nccl_direct.MODE``;
     * host ``c`` (default) or ``python``: ``fused_launch.HOST_LOOP``; ``gemm``: the diagnostic
@@ -119,15 +118,13 @@ def with_mode(spec: str, fn):
       result);
     * kernel ``[<configuration>][@<swizzle>]``: ``runtime_gpu.KERNEL`` (default the plan's), ``runtime_gpu.SWIZZLE``;
     * ctas ``<max>`` or ``<min>-<max>``: the caller builds ``fn`` on ``make_capped_group(max_ctas, min_ctas)``;
-    * rows ``schedule|gather``: ``runtime_gpu.ROW_ORDER`` (reduce_scatter / all_to_all layouts);
-    * comm ``nccl|copy``: ``runtime_gpu.COMM`` (reduce_scatter's transfers, ``copy_route``)."""
-    grid, mode, host, kernel, _, rows, comm = parse_spec(spec)
+    * rows ``schedule|gather``: ``runtime_gpu.ROW_ORDER`` (reduce_scatter / all_to_all layouts)."""
+    grid, mode, host, kernel, _, rows = parse_spec(spec)
     kernel, _, swizzle = kernel.partition("@")
 
     def run():
         old = (runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.KERNEL,
-               runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE, runtime_gpu.ROW_ORDER, runtime_gpu.COMM)
-        runtime_gpu.COMM = comm or runtime_gpu.COMM
+               runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE, runtime_gpu.ROW_ORDER)
         runtime_gpu.GEMM_GRID, nccl_direct.MODE = grid, mode
         runtime_gpu.ROW_ORDER = rows or runtime_gpu.ROW_ORDER
         fused_launch.HOST_LOOP = "python" if host == "gemm" else host
@@ -137,7 +134,7 @@ def with_mode(spec: str, fn):
             return fn()
         finally:
             (runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.KERNEL,
-             runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE, runtime_gpu.ROW_ORDER, runtime_gpu.COMM) = old
+             runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE, runtime_gpu.ROW_ORDER) = old
     return run
 
 

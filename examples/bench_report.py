@@ -16,25 +16,24 @@ TARGETS = {  # (world, op): geomean speedup over T_seq the issue asks for
 }
 
 
-def parse_spec(spec: str) -> tuple[str, str, str, str, tuple[int, int | None] | None, str, str]:
-    """``"<grid>/<nccl>[/<host>[/<kernel>[/<ctas>[/<rows>[/<comm>]]]]]"`` -> (grid, nccl, host, kernel,
-    (max_ctas, min_ctas) or None, rows, comm); ``ctas`` is ``max`` or ``min-max``; ``rows`` the row order of
-    reduce_scatter / all_to_all layouts (``schedule|stage|gather``, "" = the runtime's); ``comm`` reduce_scatter's
-    transfers (``nccl|copy``, "" = the runtime's: ``runtime_gpu.COMM``); see ``bench_ops.with_mode``. Raises
-    ValueError on a malformed spec."""
+def parse_spec(spec: str) -> tuple[str, str, str, str, tuple[int, int | None] | None, str]:
+    """``"<grid>/<nccl>[/<host>[/<kernel>[/<ctas>[/<rows>]]]]"`` -> (grid, nccl, host, kernel, (max_ctas, min_ctas)
+    or None, rows); ``ctas`` is ``max`` or ``min-max``; ``rows`` the row order of reduce_scatter / all_to_all
+    layouts (``schedule|stage|gather``, "" = the runtime's); see ``bench_ops.with_mode``. Raises ValueError on a
+    malformed spec."""
     parts = spec.split("/")
-    grid, mode, host, kernel, ctas, rows, comm = (parts + [""] * 7)[:7]
+    grid, mode, host, kernel, ctas, rows = (parts + [""] * 6)[:6]
     host = host or "c"
     bad_ctas = bool(ctas) and not ctas.replace("-", "", 1).isdigit()
     bad_kernel = "@" in kernel and not kernel.partition("@")[2].isdigit()
-    bad_rows = rows not in ("", "schedule", "stage", "gather") or comm not in ("", "nccl", "copy")
-    if not 2 <= len(parts) <= 7 or grid not in ("persistent", "tiles") or mode not in ("direct", "torch") \
+    bad_rows = rows not in ("", "schedule", "stage", "gather")
+    if not 2 <= len(parts) <= 6 or grid not in ("persistent", "tiles") or mode not in ("direct", "torch") \
             or host not in ("c", "python", "gemm") or bad_ctas or bad_kernel or bad_rows:
         raise ValueError(f"{spec!r} is not <persistent|tiles>/<direct|torch>[/<c|python|gemm>[/<kernel>"
-                         "[/<max_ctas>|<min_ctas>-<max_ctas>[/<schedule|stage|gather>[/<nccl|copy>]]]]]; kernel = "
+                         "[/<max_ctas>|<min_ctas>-<max_ctas>[/<schedule|stage|gather>]]]]; kernel = "
                          "[<configuration>][@<swizzle>]")
     lo, _, hi = ctas.rpartition("-")
-    return grid, mode, host, kernel, (int(hi), int(lo) if lo else None) if ctas else None, rows, comm
+    return grid, mode, host, kernel, (int(hi), int(lo) if lo else None) if ctas else None, rows
 
 
 def is_diagnostic(spec: str) -> bool:

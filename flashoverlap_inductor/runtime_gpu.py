@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import config, copy_route, fused_launch, kernels, nccl_direct, ops, row_order, runtime_cpu, runtime_cuda, streams
+from . import config, fused_launch, kernels, nccl_direct, ops, row_order, runtime_cpu, runtime_cuda, streams
 from . import plan as planlib
 from .group_comm import group_collective
 from .kernel_select import (
@@ -82,9 +82,6 @@ KERNEL: str | None = os.environ.get("FLASHOVERLAP_KERNEL") or None
 # fork/join) without the waits and collectives, to split T_fused into GEMM and communication. Results are not
 # reduced: never set it outside a benchmark.
 GEMM_ONLY: bool = False
-# reduce_scatter's transfers: "nccl" (per group, the default) or "copy" (``copy_route``: copy-engine pushes into the
-# peers' symmetric memory, one sum at the end; the Python host loop, not under graph capture).
-COMM: str = os.environ.get("FLASHOVERLAP_COMM", "nccl")
 FUSE_SINGLE_GROUP = False  # a one-group plan overlaps nothing: cuBLAS then NCCL is faster
 MAX_LAUNCHES = 512
 
@@ -216,8 +213,7 @@ def _make_launch(collective: str, plan: str, rows: int, n: int, k: int, dtype: t
     tiles = (0,) * groups
     workspace = 0
     route = "natural"
-    rows_route = (ROW_ORDER or "schedule") if COMM == "copy" and collective == "reduce_scatter" else \
-        row_order.route(ROW_ORDER, collective, world)
+    rows_route = row_order.route(ROW_ORDER, collective, world)
     if rows and not sched.layout.is_identity and rows_route != "gather":
         nat = row_order.natural_order(collective, sched.layout, steps, choice.tile_m, choice.tile_n, n,
                                       dtype.itemsize, stage=rows_route == "stage")
@@ -283,8 +279,7 @@ def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor |
         res.raise_if_timed_out()
     layout = b_layout(opnd.b)
     key = (collective, plan, rows, n, k, a.dtype, world, rank, send_rows, recv_rows, res.index, layout,
-           getattr(group, "group_name", id(group)), SIGNAL_MODE, SWIZZLE, SM_RESERVE, GEMM_GRID, KERNEL, ROW_ORDER,
-           COMM)
+           getattr(group, "group_name", id(group)), SIGNAL_MODE, SWIZZLE, SM_RESERVE, GEMM_GRID, KERNEL, ROW_ORDER)
     capturing = torch.cuda.is_current_stream_capturing()
     launch = _launches.get(key)
     if launch is None:
@@ -343,12 +338,7 @@ def _execute(launch: Launch, opnd: Operands, out_shape: list[int], group: dist.P
     record = res.record.data_ptr()
     comm = nccl_direct.communicator(group, device) if a.dtype in nccl_direct.NCCL_DTYPES else None
     stats["nccl:direct" if comm is not None else "nccl:torch"] += 1
-    ws = copy_route.workspace(group, device, a.dtype, out_flat.numel(), slot) if COMM == "copy" and rows and \
-        launch.collective == "reduce_scatter" and not GEMM_ONLY and not launch.stage and \
-        copy_route.fits(launch.steps, group.size(), out_flat.shape[0]) \
-        else None
-    stats["comm:copy"] += ws is not None
-    if fused_launch.ready(comm) and not GEMM_ONLY and ws is None:  # the whole op in one host call
+    if fused_launch.ready(comm) and not GEMM_ONLY:  # the whole op in one host call
         stats["host:c"] += 1
         lib.fused_call(launch.index, a_in, b_in, ldb, opnd.bias, d, buf, rows, k, launch.gmap, launch.order,
                        kernels.SIGNAL_MODES[SIGNAL_MODE], launch.sm_count, kernels.RASTERS[RASTER], SWIZZLE, workspace,
@@ -364,21 +354,15 @@ def _execute(launch: Launch, opnd: Operands, out_shape: list[int], group: dist.P
                  kernels.SIGNAL_MODES[SIGNAL_MODE], launch.sm_count, kernels.RASTERS[RASTER], SWIZZLE, workspace,
                  cur.cuda_stream)
     with torch.cuda.stream(side):
-        if ws is not None:
-            copy_route.begin(ws, config.wait_timeout_ms)
         for g, step in enumerate(launch.steps if not GEMM_ONLY else ()):
             if launch.tiles[g]:
                 lib.wait(c_ptr + 4 * g, e_ptr + 4 * g, launch.tiles[g], timeout_ns, record, g, side.cuda_stream)
             if launch.stage and launch.stage[g] is not None:
                 launch.stage[g].apply(d, buf)
-            if ws is not None:
-                copy_route.push(ws, step, buf, out_flat.shape[0])
-            elif comm is not None:
+            if comm is not None:
                 nccl_direct.issue_group(comm, launch.collective, step, buf, out_flat, side.cuda_stream)
             else:
                 group_collective(launch.collective, launch.peers, g, step, buf, out_flat, group)
-        if ws is not None:
-            copy_route.finish(ws, out_flat, config.wait_timeout_ms)
     cur.wait_stream(side)  # the output (and the buffers freed on return) are ready in the caller's stream order
     return out
 
