@@ -306,8 +306,9 @@ def search_shape(args: argparse.Namespace, shape: tuple[int, int, int], rank: in
 
     report = docs.search(candidates, measure, predict=predict, predictive=predictive, refine_top=args.refine,
                          refine_rounds=args.rounds, confirm_rounds=args.confirm_rounds)
-    # timed beside the finalists, as their times were (same clocks and heat): the refinement batch
-    seq_ms = tm.median(seq_runs[min(1, len(seq_runs) - 1)])
+    # timed beside the finalists, as their times were (same clocks and heat): the refinement batch (the second
+    # measure call; the first when there is no refinement)
+    seq_ms = tm.median(seq_runs[1 if args.rounds > 0 else 0])
     bar.close()
     if runtime_gpu.stats[f"fused:{coll}"] == fused_before:
         print(f"tune search: the fused path never ran ({dict(runtime_gpu.stats)}); abort", file=sys.stderr)
