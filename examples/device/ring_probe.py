@@ -23,8 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 
+import probe_setup  # examples/device (the script's folder)
 import torch
 import torch.distributed as dist
 
@@ -91,16 +91,8 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    if os.environ.get("NCCL_NVLS_ENABLE") != "0":
-        raise SystemExit("NCCL_NVLS_ENABLE must be 0")
-    rank = int(os.environ["RANK"])
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
-    world = dist.get_world_size()
-    dist.all_reduce(torch.ones(1, device=device))
-    comm = nccl_direct.communicator(dist.group.WORLD, device)
-    assert comm is not None
+    rank, device, comm = probe_setup.start()
+    world = comm.size
     side = torch.cuda.Stream(device=device, priority=-1)
     timer = tune_measure.Timer(rounds=args.rounds, target_ms=8.0, min_iters=2, max_iters=40, spin_ms=0.3)
     import flashoverlap_inductor.ops  # noqa: F401  (registers torch.ops.flashoverlap)
@@ -162,15 +154,13 @@ def main() -> None:
         rows_out.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)
+    geo: dict[str, float] = {}
     if rank == 0:
-        geo = {}
         for key in rows_out[0]["speedup"]:
             vals = [r["speedup"][key] for r in rows_out if key in r["speedup"]]
             geo[key] = round(math.exp(sum(math.log(v) for v in vals) / len(vals)), 4)
         print("geomean", json.dumps(geo), flush=True)
-        with open(args.json, "w") as f:
-            json.dump({"world": world, "rows": rows_out, "geomean": geo}, f, indent=1)
-    dist.destroy_process_group()
+    probe_setup.finish(rank, args.json, {"world": world, "rows": rows_out, "geomean": geo})
 
 
 if __name__ == "__main__":

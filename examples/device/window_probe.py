@@ -28,6 +28,7 @@ import json
 import os
 import statistics
 
+import probe_setup  # examples/device (the script's folder)
 import torch
 import torch.distributed as dist
 
@@ -72,17 +73,8 @@ def main() -> None:
     ap.add_argument("--groups", default="2,4")
     ap.add_argument("--burst", type=int, default=4, help="calls back to back per timed sample")
     args = ap.parse_args()
-    if os.environ.get("NCCL_NVLS_ENABLE") != "0":
-        raise SystemExit("NCCL_NVLS_ENABLE must be 0 (no NVLink multicast)")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
-    group = dist.group.WORLD
-    warm = torch.ones(1, device=device)
-    dist.all_reduce(warm)
-    comm = nccl_direct.communicator(group, device)
-    assert comm is not None, "no direct NCCL communicator"
+    rank, device, comm = probe_setup.start()
+    world = comm.size
     side = torch.cuda.Stream(device=device, priority=-1)
     main_stream = torch.cuda.current_stream(device)
     mmax = max(s[0] for s in SHAPES) * max(s[1] for s in SHAPES)
@@ -171,10 +163,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     for w in windows:
         w.close()
-    if rank == 0:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.destroy_process_group()
+    probe_setup.finish(rank, args.json, results)
 
 
 if __name__ == "__main__":

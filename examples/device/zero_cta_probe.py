@@ -27,6 +27,7 @@ import torch.distributed as dist
 from flashoverlap_inductor import nccl_direct, tune_measure
 
 sys.path.insert(0, os.path.dirname(__file__))
+import probe_setup  # noqa: E402
 from window_probe import Window  # noqa: E402
 
 
@@ -34,15 +35,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
-    if os.environ.get("NCCL_NVLS_ENABLE") != "0":
-        raise SystemExit("NCCL_NVLS_ENABLE must be 0")
-    rank = int(os.environ["RANK"])
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
-    w = dist.get_world_size()
-    dist.all_reduce(torch.ones(1, device=device))
-    comm = nccl_direct.communicator(dist.group.WORLD, device)
+    rank, device, comm = probe_setup.start()
+    w = comm.size
     lib = comm.lib.lib
     has_a2a = hasattr(lib, "ncclAlltoAll")
     p, sz, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
@@ -102,10 +96,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     for x in wins:
         x.close()
-    if rank == 0:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    dist.destroy_process_group()
+    probe_setup.finish(rank, args.json, out)
 
 
 if __name__ == "__main__":
