@@ -28,6 +28,13 @@ def start() -> tuple[int, torch.device, nccl_direct.Communicator]:
     return rank, device, comm
 
 
+def emit(rank: int, rows: list[dict], row: dict) -> None:
+    """Add one shape's ``row`` to ``rows``; rank 0 prints it as a JSON line."""
+    rows.append(row)
+    if rank == 0:
+        print(json.dumps(row), flush=True)
+
+
 def finish(rank: int, path: str, doc: dict) -> None:
     """Rank 0 writes ``doc`` as JSON to ``path``; every rank leaves the group."""
     if rank == 0:

@@ -151,9 +151,7 @@ def main() -> None:
         row["speedup"] = {v: round(row["seq"] / row[v], 4) for v in variants if v not in ("gemm", "comm", "seq")}
         row["speedup"]["ring_best"] = round(row["seq"] / best_ring, 4)
         row["speedup"]["ideal"] = round(row["seq"] / max(row["gemm"], row["comm"]), 4)
-        rows_out.append(row)
-        if rank == 0:
-            print(json.dumps(row), flush=True)
+        probe_setup.emit(rank, rows_out, row)
     geo: dict[str, float] = {}
     if rank == 0:
         for key in rows_out[0]["speedup"]:

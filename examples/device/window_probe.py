@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import statistics
 
@@ -158,9 +157,7 @@ def main() -> None:
             row[f"speedup_conc_{kind}"] = round(row[f"seq_{kind}"] / row[f"conc_{kind}"], 4)
             for parts in groups:
                 row[f"speedup_pipe{parts}_{kind}"] = round(row["seq_reg"] / row[f"pipe{parts}_{kind}"], 4)
-        results["rows"].append(row)
-        if rank == 0:
-            print(json.dumps(row), flush=True)
+        probe_setup.emit(rank, results["rows"], row)
     for w in windows:
         w.close()
     probe_setup.finish(rank, args.json, results)

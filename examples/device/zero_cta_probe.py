@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import sys
 
@@ -91,9 +90,7 @@ def main() -> None:
         row = {"m": m, "maxerr": errs, **{k: round(v.ms, 4) for k, v in t.items()}}
         for kind in ("reg", "win"):
             row[f"seq_over_conc_{kind}"] = round((row["gemm"] + row[f"a2a_{kind}"]) / row[f"conc_{kind}"], 4)
-        out["rows"].append(row)
-        if rank == 0:
-            print(json.dumps(row), flush=True)
+        probe_setup.emit(rank, out["rows"], row)
     for x in wins:
         x.close()
     probe_setup.finish(rank, args.json, out)
