@@ -47,7 +47,7 @@ try:
     import flashoverlap_inductor  # noqa: F401  (installed, or on PYTHONPATH: then its subpackages resolve too)
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from flashoverlap_inductor import fused_launch, nccl_direct, ops, runtime_cpu, runtime_gpu  # noqa: E402
+from flashoverlap_inductor import fused_launch, kernel_select, nccl_direct, ops, runtime_cpu, runtime_gpu  # noqa: E402
 from flashoverlap_inductor import plan as planlib  # noqa: E402
 from flashoverlap_inductor import tune_measure as tm  # noqa: E402
 from flashoverlap_inductor.tune import GRID, init_distributed, parse_shapes  # noqa: E402
@@ -116,16 +116,19 @@ def with_mode(spec: str, fn):
     * host ``c`` (default) or ``python``: ``fused_launch.HOST_LOOP``; ``gemm``: the diagnostic
       ``runtime_gpu.GEMM_ONLY`` (the fused path without its collectives, in the Python loop: a time split, not a
       result);
-    * kernel ``[<configuration>][@<swizzle>]``: ``runtime_gpu.KERNEL`` (default the plan's), ``runtime_gpu.SWIZZLE``;
+    * kernel ``[<configuration>][@<swizzle>][+<immediate|deferred>]``: ``runtime_gpu.KERNEL`` (default the plan's),
+      ``runtime_gpu.SWIZZLE``, ``runtime_gpu.SIGNAL_MODE``;
     * ctas ``<max>`` or ``<min>-<max>``: the caller builds ``fn`` on ``make_capped_group(max_ctas, min_ctas)``;
     * rows ``schedule|gather``: ``runtime_gpu.ROW_ORDER`` (reduce_scatter / all_to_all layouts)."""
     grid, mode, host, kernel, _, rows = parse_spec(spec)
+    kernel, _, signal = kernel.partition("+")
     kernel, _, swizzle = kernel.partition("@")
 
     def run():
         old = (runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.KERNEL,
-               runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE, runtime_gpu.ROW_ORDER)
+               runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE, runtime_gpu.ROW_ORDER, runtime_gpu.SIGNAL_MODE)
         runtime_gpu.GEMM_GRID, nccl_direct.MODE = grid, mode
+        runtime_gpu.SIGNAL_MODE = signal or runtime_gpu.SIGNAL_MODE
         runtime_gpu.ROW_ORDER = rows or runtime_gpu.ROW_ORDER
         fused_launch.HOST_LOOP = "python" if host == "gemm" else host
         runtime_gpu.KERNEL, runtime_gpu.GEMM_ONLY = kernel or None, host == "gemm"
@@ -134,7 +137,7 @@ def with_mode(spec: str, fn):
             return fn()
         finally:
             (runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.KERNEL,
-             runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE, runtime_gpu.ROW_ORDER) = old
+             runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE, runtime_gpu.ROW_ORDER, runtime_gpu.SIGNAL_MODE) = old
     return run
 
 
@@ -391,8 +394,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sm-reserve", type=int, default=None, help="SMs the fused GEMM leaves to NCCL")
     p.add_argument("--fused-max-ctas", type=int, default=None,
                    help="run the fused path on a group whose NCCL config has this max_ctas (baselines: defaults)")
-    p.add_argument("--gemm-grid", choices=("persistent", "tiles"), default=None,
-                   help="the fused GEMM's grid (runtime_gpu.GEMM_GRID; default: the runtime's)")
+    p.add_argument("--gemm-grid", default=None,
+                   help="the fused GEMM's grid: persistent, tiles or tiles<k> (runtime_gpu.GEMM_GRID; default: the "
+                        "runtime's)")
     p.add_argument("--nccl", choices=("direct", "torch"), default=None,
                    help="per-group collectives: direct NCCL calls or torch.distributed (default: the runtime's)")
     p.add_argument("--fused-variants", default="",
@@ -410,6 +414,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parse_spec(spec)
         except ValueError as exc:
             p.error(f"--fused-variants: {exc}")
+    if args.gemm_grid:
+        try:
+            kernel_select.tiles_per_cta(args.gemm_grid)
+        except ValueError as exc:
+            p.error(f"--gemm-grid: {exc}")
     unknown = set(args.ops) - set(OPS)
     if unknown:
         p.error(f"unknown ops {sorted(unknown)}")

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from flashoverlap_inductor import kernel_select
 from flashoverlap_inductor import tune_measure as tm
 
 OPS = ("all_reduce", "reduce_scatter", "all_to_all")
@@ -25,13 +26,20 @@ def parse_spec(spec: str) -> tuple[str, str, str, str, tuple[int, int | None] | 
     grid, mode, host, kernel, ctas, rows = (parts + [""] * 6)[:6]
     host = host or "c"
     bad_ctas = bool(ctas) and not ctas.replace("-", "", 1).isdigit()
-    bad_kernel = "@" in kernel and not kernel.partition("@")[2].isdigit()
+    config, _, signal = kernel.partition("+")
+    bad_kernel = ("@" in config and not config.partition("@")[2].isdigit()) or \
+        ("+" in kernel and signal not in ("immediate", "deferred"))
     bad_rows = rows not in ("", "schedule", "stage", "gather")
-    if not 2 <= len(parts) <= 6 or grid not in ("persistent", "tiles") or mode not in ("direct", "torch") \
+    try:
+        kernel_select.tiles_per_cta(grid)
+        bad_grid = False
+    except ValueError:
+        bad_grid = True
+    if not 2 <= len(parts) <= 6 or bad_grid or mode not in ("direct", "torch") \
             or host not in ("c", "python", "gemm") or bad_ctas or bad_kernel or bad_rows:
-        raise ValueError(f"{spec!r} is not <persistent|tiles>/<direct|torch>[/<c|python|gemm>[/<kernel>"
+        raise ValueError(f"{spec!r} is not <persistent|tiles|tiles<k>>/<direct|torch>[/<c|python|gemm>[/<kernel>"
                          "[/<max_ctas>|<min_ctas>-<max_ctas>[/<schedule|stage|gather>]]]]; kernel = "
-                         "[<configuration>][@<swizzle>]")
+                         "[<configuration>][@<swizzle>][+<immediate|deferred>]")
     lo, _, hi = ctas.rpartition("-")
     return grid, mode, host, kernel, (int(hi), int(lo) if lo else None) if ctas else None, rows
 

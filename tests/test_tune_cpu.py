@@ -336,8 +336,11 @@ def test_bench_variant_specs(bench):
     assert bench.parse_spec("tiles/direct/gemm/@8") == ("tiles", "direct", "gemm", "@8", None, "")
     assert bench.parse_spec("tiles/direct/c//8")[4] == (8, None)
     assert bench.parse_spec("tiles/direct///32-64")[4] == (64, 32)
+    assert bench.parse_spec("tiles2/direct/c/pp_128x128x64_c1x1@4+immediate")[:4] == (
+        "tiles2", "direct", "c", "pp_128x128x64_c1x1@4+immediate")
     for bad in ("tiles", "tiles/x", "grid/direct", "tiles/direct/fast", "tiles/direct/c/k/8/9", "tiles/direct/c/k/8/x/",
-                "tiles/direct/c/k/a", "tiles/direct/c/@x", "tiles/direct/c//-3-4"):
+                "tiles/direct/c/k/a", "tiles/direct/c/@x", "tiles/direct/c//-3-4", "tiles1/direct", "tiles17/direct",
+                "tiles02/direct", "tilesx/direct", "tiles/direct/c/k+soon", "tiles/direct/c/k+"):
         with pytest.raises(ValueError):
             bench.parse_spec(bad)
 
@@ -422,6 +425,81 @@ def test_sm_reserve_sources(monkeypatch):
     monkeypatch.setenv("FLASHOVERLAP_SM_RESERVE", "24")
     assert kernel_select.sm_reserve(GPU) == 24
     assert kernel_select.sm_reserve(GPU, 8) == 8  # runtime_gpu.SM_RESERVE wins
+
+
+def test_gemm_grid_names_and_ctas(monkeypatch):
+    monkeypatch.delenv("FLASHOVERLAP_GEMM_GRID", raising=False)
+    assert [kernel_select.tiles_per_cta(g) for g in ("persistent", "tiles", "tiles2", "tiles16")] == [None, 1, 2, 16]
+    for bad in ("tiles1", "tiles17", "tiles02", "tiles-2", "tile", "waves", ""):
+        with pytest.raises(ValueError):
+            kernel_select.tiles_per_cta(bad)
+    assert kernel_select.gemm_grid(GPU, "tiles4") == "tiles4"
+    monkeypatch.setenv("FLASHOVERLAP_GEMM_GRID", "tiles3")
+    assert kernel_select.gemm_grid(GPU) == "tiles3"
+    monkeypatch.setenv("FLASHOVERLAP_GEMM_GRID", "tiles0")
+    with pytest.raises(ValueError, match="tiles<k>"):
+        kernel_select.gemm_grid(GPU)
+    # 8192^3 at 128x256: 2048 tiles on 132 SMs
+    assert kernel_select.grid_ctas("persistent", 132, 2048, 16) == 116
+    assert kernel_select.grid_ctas("tiles", 132, 2048, 16) == 2048
+    assert kernel_select.grid_ctas("tiles2", 132, 2048, 0) == 1024
+    assert kernel_select.grid_ctas("tiles3", 132, 2048, 0) == 683
+    assert kernel_select.grid_ctas("tiles2", 132, 200, 0) == 132  # fewer tiles: persistent waves on every SM
+    assert kernel_select.grid_ctas("tiles", 132, 64, 0) == 132
+
+
+_TILE_WALK_CHECK = r"""
+#include <cstdio>
+#include <vector>
+#include "tile_walk.hpp"
+int main() {
+  using flashoverlap::consecutive_unit;
+  for (unsigned long grid = 1; grid <= 40; ++grid) {
+    for (unsigned long problem = 1; problem <= 130; ++problem) {
+      std::vector<int> hits(problem, 0);
+      unsigned long steps = (problem + grid - 1) / grid;
+      for (unsigned long u = 0; u < grid; ++u) {
+        long last = -1;
+        for (unsigned long i = 0; i <= steps; ++i) {
+          unsigned long s = u + i * grid, got = consecutive_unit(s, grid, problem);
+          if (s >= problem) {
+            if (got != s) { std::printf("invalid index moved: %lu %lu %lu\n", grid, problem, s); return 1; }
+            continue;
+          }
+          if (got >= problem) { std::printf("out of range: %lu %lu %lu\n", grid, problem, s); return 1; }
+          if (grid < problem && last >= 0 && long(got) != last + 1) {
+            std::printf("not consecutive: %lu %lu %lu\n", grid, problem, u); return 1;
+          }
+          if (grid >= problem && got != s) { std::printf("not identity: %lu %lu\n", grid, problem); return 1; }
+          last = long(got);
+          hits[got] += 1;
+        }
+      }
+      for (unsigned long t = 0; t < problem; ++t) {
+        if (hits[t] != 1) { std::printf("unit %lu hit %d times: %lu %lu\n", t, hits[t], grid, problem); return 1; }
+      }
+    }
+  }
+  std::printf("ok\n");
+  return 0;
+}
+"""
+
+
+def test_consecutive_tile_walk_is_a_bijection(tmp_path):
+    """``csrc/tile_walk.hpp`` compiled by the host compiler: for every grid of 1-40 CTAs and problem of 1-130 units,
+    the strided steps of each CTA map to consecutive units, every unit exactly once, invalid steps unchanged."""
+    import subprocess
+
+    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    src = tmp_path / "walk.cpp"
+    src.write_text(_TILE_WALK_CHECK)
+    csrc = Path(__file__).resolve().parents[1] / "csrc"
+    subprocess.run([cxx, "-std=c++17", "-O1", f"-I{csrc}", str(src), "-o", str(tmp_path / "walk")], check=True)
+    run = subprocess.run([str(tmp_path / "walk")], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout
 
 
 def test_without_the_library_calls_run_unfused(monkeypatch):
