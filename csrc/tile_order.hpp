@@ -13,9 +13,10 @@
 // reads the remapped M_idx, so loads, stores and counters stay consistent. CTAs of one cluster keep their common
 // N_idx (B multicast) and, for clusters along N, their common scheduled s and hence physical row (A multicast).
 //
-// The walk itself (Arguments::consecutive, set when the grid has more CTAs than the GPU has SMs): CUTLASS's
-// strided walk (CTA u takes units u, u + U, ...), or k consecutive units per CTA (tile_walk.hpp), so a CTA of an
-// oversubscribed grid finishes neighbouring tiles and the tile-rows still complete roughly in order.
+// The walk itself: CUTLASS's strided walk (CTA u takes units u, u + U, ...), or, in a grid of more CTAs than SMs
+// (Arguments::block_ctas = the SM count), blocks of one wave of CTAs each walking their own tiles in waves
+// (tile_walk.hpp), so the CTAs resident at one time compute one compact band and tile-rows complete in order. A unit
+// is one cluster: its CTAs stay together.
 //
 // Every work-producing entry point the sm90 kernels call is shadowed and runs on this class's own linear index:
 // the constructor, initial_work_tile_info, get_current_work, advance_to_next_work, both fetch_next_work overloads
@@ -40,13 +41,13 @@ class RowOrderTileSchedulerSm90 : public cutlass::gemm::kernel::detail::Persiste
 
   struct Arguments : BaseArguments {
     int const* tile_row_order = nullptr;  // int32 [tile_rows] on the device; nullptr = natural order
-    bool consecutive = false;             // k consecutive units per CTA (tile_walk.hpp) instead of the strided walk
+    int block_ctas = 0;                   // > 0: CTAs per block of the blocked walk (tile_walk.hpp); 0 = strided
   };
 
   struct Params : BaseParams {
     int const* tile_row_order = nullptr;
     int tile_rows = 0;
-    bool consecutive = false;
+    int block_ctas = 0;
   };
 
   template <class ProblemShapeMNKL, class TileShape, class ClusterShape, class... Rest>
@@ -62,7 +63,7 @@ class RowOrderTileSchedulerSm90 : public cutlass::gemm::kernel::detail::Persiste
     int const m = int(cute::get<0>(problem_shape_mnkl));
     int const tile_m = int(cute::size<0>(tile_shape));
     p.tile_rows = (m + tile_m - 1) / tile_m;
-    p.consecutive = args.consecutive;
+    p.block_ctas = args.block_ctas;
     return p;
   }
 
@@ -77,8 +78,10 @@ class RowOrderTileSchedulerSm90 : public cutlass::gemm::kernel::detail::Persiste
       linear_ = uint64_t(blockIdx.x) * uint64_t(gridDim.y) + uint64_t(blockIdx.y);
     }
     total_ = uint64_t(gridDim.x) * uint64_t(gridDim.y) * uint64_t(gridDim.z);
-    // Units are clusters' worth of CTAs along the minor mode: the CTAs of one cluster share a unit.
-    unit_ = p.consecutive ? uint64_t(p.divmod_cluster_shape_minor_.divisor) : 0;
+    // A unit is one cluster (consecutive linear indices): its CTAs keep the base's offsets within the cluster.
+    uint64_t const cluster = uint64_t(p.divmod_cluster_shape_minor_.divisor) * p.divmod_cluster_shape_major_.divisor;
+    unit_ = p.block_ctas > 0 ? cluster : 0;
+    block_ = uint64_t(p.block_ctas) / cluster;
     problem_ = p.blocks_per_problem_;
 #endif
   }
@@ -111,13 +114,14 @@ class RowOrderTileSchedulerSm90 : public cutlass::gemm::kernel::detail::Persiste
   }
 
  private:
-  // Strided linear index -> the linear index of the unit computed there (identity for the strided walk).
+  // Strided linear index -> the linear index of the unit computed there (identity for the strided walk); an index
+  // >= problem_ is invalid work.
   CUTLASS_DEVICE uint64_t walk(uint64_t linear) const {
-    if (unit_ == 0 || linear >= problem_) {
+    if (unit_ == 0 || block_ == 0) {
       return linear;
     }
-    uint64_t const offset = linear % unit_;  // CTA within the cluster unit (the base reads it from the cluster)
-    return consecutive_unit(linear / unit_, total_ / unit_, problem_ / unit_) * unit_ + offset;
+    uint64_t const offset = linear % unit_;  // CTA within the cluster
+    return blocked_unit(linear / unit_, total_ / unit_, problem_ / unit_, block_) * unit_ + offset;
   }
 
   CUTLASS_DEVICE WorkTileInfo remap(WorkTileInfo w) const {
@@ -131,7 +135,8 @@ class RowOrderTileSchedulerSm90 : public cutlass::gemm::kernel::detail::Persiste
   int tile_rows_ = 0;
   uint64_t linear_ = 0;
   uint64_t total_ = 0;
-  uint64_t unit_ = 0;  // CTAs per unit for the consecutive walk; 0 = CUTLASS's strided walk
+  uint64_t unit_ = 0;   // CTAs per unit (one cluster) for the blocked walk; 0 = CUTLASS's strided walk
+  uint64_t block_ = 0;  // units per block
   uint64_t problem_ = 0;
 };
 

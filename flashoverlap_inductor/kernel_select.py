@@ -158,8 +158,8 @@ def gemm_grid(device_name: str, override: str | None = None) -> str:
     else the cost model's ``fused.grid`` (what its predictions assume), else ``"persistent"``.
     ``"persistent"``: one CTA per SM on the SMs ``sm_reserve`` does not leave to NCCL; ``"tiles"``: one CTA per
     tile on every SM, so SMs freed by finished tiles go to NCCL's kernels on the highest-priority side stream;
-    ``"tiles<k>"`` (k = 2..16): the same with k consecutive tiles per CTA (``grid_ctas``), which amortizes each
-    CTA's pipeline fill and gives a ping-pong kernel's second math warpgroup a tile of its own."""
+    ``"tiles<k>"`` (k = 2..16): the same with k tiles per CTA (``grid_ctas``), which amortizes each CTA's pipeline
+    fill and gives a ping-pong kernel's second math warpgroup tiles of its own."""
     value = override or os.environ.get("FLASHOVERLAP_GEMM_GRID")
     if not value:
         try:
@@ -188,8 +188,9 @@ def grid_ctas(grid: str, sms: int, tiles: int, reserve: int) -> int:
     """CTAs the fused GEMM launches (the kernel's ``sm_count``) for ``tiles`` output tiles on ``sms`` SMs.
 
     ``"persistent"``: ``sms - reserve`` (at least 1). ``"tiles<k>"``: ``ceil(tiles / k)`` CTAs but never fewer than
-    ``sms``. More CTAs than SMs make the kernel non-persistent, each CTA taking ``ceil(tiles / CTAs)`` consecutive
-    tiles (``csrc/tile_walk.hpp``); at most ``sms`` CTAs walk the tiles in persistent waves."""
+    ``sms``. More CTAs than SMs make the kernel non-persistent: blocks of ``sms`` CTAs each walk their
+    ``ceil(tiles / CTAs)`` tiles per CTA in waves (``csrc/tile_walk.hpp``); at most ``sms`` CTAs walk all tiles in
+    persistent waves."""
     k = tiles_per_cta(grid)
     if k is None:
         return max(1, sms - reserve)

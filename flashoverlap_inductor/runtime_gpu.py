@@ -12,7 +12,7 @@ Same entry points and semantics as ``runtime_cpu``/``runtime_cuda`` (see ``ops``
    tile, the row index that gathers A's rows in buffer order (reduce_scatter / all_to_all layouts), the workspace.
 3. Caller's stream: ``expected := counters`` (epoch resync, see ``streams``), fork to the side stream, signal-GEMM
    into the buffer: one CTA per tile on every SM (grid "tiles", the H200 default: SMs freed by finished tiles go
-   to NCCL's higher-priority kernels first), k consecutive tiles per CTA (grid "tiles<k>") or one persistent CTA
+   to NCCL's higher-priority kernels first), k tiles per CTA (grid "tiles<k>") or one persistent CTA
    per SM on ``sm_count - sm_reserve`` SMs (``kernel_select.grid_ctas``).
 4. Side stream, per group: the wait for the group's tiles, then its collective on the group's contiguous rows:
    all_reduce in place, reduce_scatter into this rank's output rows, all_to_all as grouped send/recv straight into

@@ -192,7 +192,7 @@ def test_tile_row_order_scatters_groups_and_releases_them_complete(grid):
     """reduce_scatter's "schedule" route: 4 chunks, each group a piece of every chunk (not contiguous). With the
     scheduler's tile-row order every group is released before the GEMM ends, in order, with all its rows written;
     every configuration gives the same values as torch, and the counters end at the map's tile counts. The grids
-    with k consecutive tiles per CTA (tiles2; tiles3 leaves some CTAs a tile short) must cover every tile once."""
+    of k tiles per CTA (tiles2; tiles3 leaves some CTAs a tile short) must cover every tile once, clusters kept."""
     world, m, n, k, groups = 4, 8192, 4096, 2048, 4
     gen = torch.Generator(device="cuda").manual_seed(5)
     a, b, _ = _operands(m, n, k, torch.bfloat16, "nk", False, gen)

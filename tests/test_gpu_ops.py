@@ -219,8 +219,8 @@ def route_task(op: str, grid: str, mode: str, host: str, rows: str = "schedule")
         runtime_gpu.reset()
 
 
-def consecutive_grid_task(op: str) -> int:
-    """Each op in the grids of k consecutive tiles per CTA ("tiles2", "tiles3") with a cooperative and a ping-pong
+def multi_tile_grid_task(op: str) -> int:
+    """Each op in the grids of k tiles per CTA ("tiles2", "tiles3") with a cooperative and a ping-pong
     kernel, on a ragged shape of more tiles than three waves (so every CTA takes several tiles), against fp64."""
     import torch.distributed as dist
 
@@ -581,8 +581,8 @@ def test_other_row_orders_match_eager(pool, op, rows, host):
 
 
 @pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_to_all"])
-def test_consecutive_tile_grids_match_eager(pool, op):
-    assert pool.run(consecutive_grid_task, op) == [4] * WORLD
+def test_multi_tile_grids_match_eager(pool, op):
+    assert pool.run(multi_tile_grid_task, op) == [4] * WORLD
 
 
 def test_uneven_all_to_all(pool):

@@ -453,30 +453,38 @@ _TILE_WALK_CHECK = r"""
 #include <vector>
 #include "tile_walk.hpp"
 int main() {
-  using flashoverlap::consecutive_unit;
-  for (unsigned long grid = 1; grid <= 40; ++grid) {
-    for (unsigned long problem = 1; problem <= 130; ++problem) {
-      std::vector<int> hits(problem, 0);
-      unsigned long steps = (problem + grid - 1) / grid;
-      for (unsigned long u = 0; u < grid; ++u) {
-        long last = -1;
-        for (unsigned long i = 0; i <= steps; ++i) {
-          unsigned long s = u + i * grid, got = consecutive_unit(s, grid, problem);
-          if (s >= problem) {
-            if (got != s) { std::printf("invalid index moved: %lu %lu %lu\n", grid, problem, s); return 1; }
-            continue;
+  using flashoverlap::blocked_unit;
+  for (unsigned long grid = 1; grid <= 24; ++grid) {
+    for (unsigned long problem = 1; problem <= 80; ++problem) {
+      for (unsigned long block = 1; block <= grid + 1; ++block) {
+        std::vector<int> hits(problem, 0);
+        unsigned long steps = (problem + grid - 1) / grid;
+        for (unsigned long u = 0; u < grid; ++u) {
+          bool done = false;
+          long last = -1;
+          for (unsigned long i = 0; i <= steps + 1; ++i) {
+            unsigned long s = u + i * grid, got = blocked_unit(s, grid, problem, block);
+            if (grid >= problem && got != s) { std::printf("not identity %lu %lu\n", grid, problem); return 1; }
+            if (block >= grid && grid < problem && i < steps && got != s) {
+              std::printf("not strided %lu %lu %lu\n", grid, problem, s); return 1;
+            }
+            if (block == 1 && grid < problem && got < problem && last >= 0 && long(got) != last + 1) {
+              std::printf("not consecutive %lu %lu %lu\n", grid, problem, u); return 1;
+            }
+            if (got >= problem) { done = true; continue; }
+            if (done) { std::printf("work after done %lu %lu %lu %lu\n", grid, problem, block, s); return 1; }
+            if (long(got) <= last) {
+              std::printf("not increasing %lu %lu %lu %lu\n", grid, problem, block, u); return 1;
+            }
+            last = long(got);
+            hits[got] += 1;
           }
-          if (got >= problem) { std::printf("out of range: %lu %lu %lu\n", grid, problem, s); return 1; }
-          if (grid < problem && last >= 0 && long(got) != last + 1) {
-            std::printf("not consecutive: %lu %lu %lu\n", grid, problem, u); return 1;
-          }
-          if (grid >= problem && got != s) { std::printf("not identity: %lu %lu\n", grid, problem); return 1; }
-          last = long(got);
-          hits[got] += 1;
         }
-      }
-      for (unsigned long t = 0; t < problem; ++t) {
-        if (hits[t] != 1) { std::printf("unit %lu hit %d times: %lu %lu\n", t, hits[t], grid, problem); return 1; }
+        for (unsigned long t = 0; t < problem; ++t) {
+          if (hits[t] != 1) {
+            std::printf("unit %lu hit %d times: %lu %lu %lu\n", t, hits[t], grid, problem, block); return 1;
+          }
+        }
       }
     }
   }
@@ -486,9 +494,11 @@ int main() {
 """
 
 
-def test_consecutive_tile_walk_is_a_bijection(tmp_path):
-    """``csrc/tile_walk.hpp`` compiled by the host compiler: for every grid of 1-40 CTAs and problem of 1-130 units,
-    the strided steps of each CTA map to consecutive units, every unit exactly once, invalid steps unchanged."""
+def test_blocked_tile_walk_covers_every_tile_once(tmp_path):
+    """``csrc/tile_walk.hpp`` compiled by the host compiler, for every grid of 1-24 CTAs, problem of 1-80 units and
+    block of 1 to grid + 1 CTAs: every unit is computed exactly once, each CTA's units increase and stop at its first
+    invalid step; one block is CUTLASS's strided walk, blocks of 1 the consecutive walk, a grid >= the problem the
+    identity."""
     import subprocess
 
     cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
