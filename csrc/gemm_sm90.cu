@@ -13,7 +13,7 @@
 // D = A @ B (+ bias), then the tile-signal EVT node (tile_signal.hpp). The bias is a row broadcast with a
 // nullptr fallback, so one kernel serves both. A persistent tile scheduler walks the tiles in the raster order
 // and swizzle given at launch, its tile-rows in the launch's tile-row order (tile_order.hpp; nullptr = natural);
-// hw_info.sm_count sets the CTAs it launches (at most the SMs: persistent; more: blocks of one wave, k tiles each).
+// hw_info.sm_count limits the SMs it uses.
 #include <cstdio>
 #include <string>
 
@@ -170,13 +170,11 @@ bool make_arguments(flashoverlap::GemmCall const& c, typename Gemm::Arguments& a
   signal_args.group_of_tile_row = c.group_of_tile_row;
   signal_args.mode = c.signal_mode;
   args.hw_info.device_id = device;
-  // sm_count > total launches more CTAs than SMs (not persistent): the hardware hands SMs freed by finished CTAs to
-  // higher-priority kernels (NCCL) first. With sm_count >= tiles every CTA owns one tile; in between, blocks of
-  // `total` CTAs walk their k tiles each in waves (tile_walk.hpp), so CTAs launched first compute the first tiles.
+  // sm_count > total launches more CTAs than SMs: with sm_count >= tiles every CTA owns one tile (not persistent),
+  // so the hardware hands SMs freed by finished tiles to higher-priority kernels (NCCL) first.
   args.hw_info.sm_count = c.sm_count > 0 ? c.sm_count : total;
   args.scheduler.max_swizzle_size = c.swizzle > 0 ? c.swizzle : 1;
   args.scheduler.tile_row_order = c.tile_row_order;
-  args.scheduler.block_ctas = c.sm_count > total ? total : 0;
   args.scheduler.raster_order = c.raster == 1   ? RasterOrder::AlongM
                                 : c.raster == 2 ? RasterOrder::AlongN
                                                 : RasterOrder::Heuristic;

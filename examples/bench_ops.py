@@ -394,9 +394,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sm-reserve", type=int, default=None, help="SMs the fused GEMM leaves to NCCL")
     p.add_argument("--fused-max-ctas", type=int, default=None,
                    help="run the fused path on a group whose NCCL config has this max_ctas (baselines: defaults)")
-    p.add_argument("--gemm-grid", default=None,
-                   help="the fused GEMM's grid: persistent, tiles or tiles<k> (runtime_gpu.GEMM_GRID; default: the "
-                        "runtime's)")
+    p.add_argument("--gemm-grid", choices=kernel_select.GEMM_GRIDS, default=None,
+                   help="the fused GEMM's grid (runtime_gpu.GEMM_GRID; default: the runtime's)")
     p.add_argument("--nccl", choices=("direct", "torch"), default=None,
                    help="per-group collectives: direct NCCL calls or torch.distributed (default: the runtime's)")
     p.add_argument("--fused-variants", default="",
@@ -414,11 +413,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parse_spec(spec)
         except ValueError as exc:
             p.error(f"--fused-variants: {exc}")
-    if args.gemm_grid:
-        try:
-            kernel_select.tiles_per_cta(args.gemm_grid)
-        except ValueError as exc:
-            p.error(f"--gemm-grid: {exc}")
     unknown = set(args.ops) - set(OPS)
     if unknown:
         p.error(f"unknown ops {sorted(unknown)}")

@@ -19,6 +19,7 @@ import torch
 
 from . import kernels
 from . import plan as planlib
+from .cost_model.schema import GEMM_GRIDS
 
 log = logging.getLogger("flashoverlap")
 
@@ -157,9 +158,7 @@ def gemm_grid(device_name: str, override: str | None = None) -> str:
     """How the fused GEMM is launched: ``override`` (``runtime_gpu.GEMM_GRID``), else ``$FLASHOVERLAP_GEMM_GRID``,
     else the cost model's ``fused.grid`` (what its predictions assume), else ``"persistent"``.
     ``"persistent"``: one CTA per SM on the SMs ``sm_reserve`` does not leave to NCCL; ``"tiles"``: one CTA per
-    tile on every SM, so SMs freed by finished tiles go to NCCL's kernels on the highest-priority side stream;
-    ``"tiles<k>"`` (k = 2..16): the same with k tiles per CTA (``grid_ctas``), which amortizes each CTA's pipeline
-    fill and gives a ping-pong kernel's second math warpgroup tiles of its own."""
+    tile on every SM, so SMs freed by finished tiles go to NCCL's kernels on the highest-priority side stream."""
     value = override or os.environ.get("FLASHOVERLAP_GEMM_GRID")
     if not value:
         try:
@@ -169,32 +168,20 @@ def gemm_grid(device_name: str, override: str | None = None) -> str:
         except Exception as exc:  # the cost model's data missing
             log.debug("flashoverlap: no cost-model GEMM grid (%r); persistent", exc)
             value = "persistent"
-    tiles_per_cta(value)  # validates
+    if value not in GEMM_GRIDS:
+        raise ValueError(f"flashoverlap: GEMM grid must be 'persistent' or 'tiles', got {value!r}")
     return value
 
 
-def tiles_per_cta(grid: str) -> int | None:
-    """Tiles each CTA takes in ``grid``: None for ``"persistent"`` (as many as the waves), 1 for ``"tiles"``, k for
-    ``"tiles<k>"``. Raises ValueError for anything else."""
-    if grid == "persistent":
-        return None
-    k = grid.removeprefix("tiles")
-    if grid.startswith("tiles") and (k == "" or (k.isdigit() and 2 <= int(k) <= 16 and k[0] != "0")):
-        return int(k) if k else 1
-    raise ValueError(f"flashoverlap: GEMM grid must be 'persistent', 'tiles' or 'tiles<k>' (k = 2..16), got {grid!r}")
-
-
 def grid_ctas(grid: str, sms: int, tiles: int, reserve: int) -> int:
-    """CTAs the fused GEMM launches (the kernel's ``sm_count``) for ``tiles`` output tiles on ``sms`` SMs.
-
-    ``"persistent"``: ``sms - reserve`` (at least 1). ``"tiles<k>"``: ``ceil(tiles / k)`` CTAs but never fewer than
-    ``sms``. More CTAs than SMs make the kernel non-persistent: blocks of ``sms`` CTAs each walk their
-    ``ceil(tiles / CTAs)`` tiles per CTA in waves (``csrc/tile_walk.hpp``); at most ``sms`` CTAs walk all tiles in
-    persistent waves."""
-    k = tiles_per_cta(grid)
-    if k is None:
+    """CTAs the fused GEMM launches (the kernel's ``sm_count``) for ``tiles`` output tiles on ``sms`` SMs:
+    ``"persistent"``: ``sms - reserve`` (at least 1); ``"tiles"``: one per tile, never fewer than ``sms`` (more CTAs
+    than SMs make the kernel non-persistent; at most ``sms`` walk the tiles in persistent waves)."""
+    if grid == "persistent":
         return max(1, sms - reserve)
-    return max(sms, -(-tiles // k))
+    if grid == "tiles":
+        return max(sms, tiles)
+    raise ValueError(f"flashoverlap: GEMM grid must be 'persistent' or 'tiles', got {grid!r}")
 
 
 def nccl_max_ctas(group: object) -> int | None:

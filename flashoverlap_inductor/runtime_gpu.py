@@ -12,8 +12,8 @@ Same entry points and semantics as ``runtime_cpu``/``runtime_cuda`` (see ``ops``
    tile, the row index that gathers A's rows in buffer order (reduce_scatter / all_to_all layouts), the workspace.
 3. Caller's stream: ``expected := counters`` (epoch resync, see ``streams``), fork to the side stream, signal-GEMM
    into the buffer: one CTA per tile on every SM (grid "tiles", the H200 default: SMs freed by finished tiles go
-   to NCCL's higher-priority kernels first), k tiles per CTA (grid "tiles<k>") or one persistent CTA
-   per SM on ``sm_count - sm_reserve`` SMs (``kernel_select.grid_ctas``).
+   to NCCL's higher-priority kernels first) or one persistent CTA per SM on ``sm_count - sm_reserve`` SMs
+   (``kernel_select.grid_ctas``).
 4. Side stream, per group: the wait for the group's tiles, then its collective on the group's contiguous rows:
    all_reduce in place, reduce_scatter into this rank's output rows, all_to_all as grouped send/recv straight into
    the output plus a local copy. The collectives are direct NCCL calls on the process group's own communicator
@@ -71,8 +71,8 @@ SM_RESERVE: int | None = None
 SIGNAL_MODE: str = os.environ.get("FLASHOVERLAP_SIGNAL_MODE", "deferred")  # or "immediate"
 SWIZZLE: int = int(os.environ.get("FLASHOVERLAP_SWIZZLE", str(kernels.DEFAULT_SWIZZLE)))
 RASTER = "along_n"  # row-major tile order: tile-rows, hence groups, complete in order
-# The fused GEMM's grid ("persistent" | "tiles" | "tiles<k>", ``kernel_select.gemm_grid``); None =
-# $FLASHOVERLAP_GEMM_GRID, else the cost model's ``fused.grid``.
+# The fused GEMM's grid ("persistent" | "tiles", ``kernel_select.gemm_grid``); None = $FLASHOVERLAP_GEMM_GRID, else
+# the cost model's ``fused.grid``.
 GEMM_GRID: str | None = None
 # reduce_scatter / all_to_all layouts: "schedule" (tile-row order in the GEMM's scheduler, A and the output in
 # natural row order), "stage" (the same with reduce_scatter staged by copies) or "gather" (A's rows copied into
@@ -369,7 +369,7 @@ def _execute(launch: Launch, opnd: Operands, out_shape: list[int], group: dist.P
 
 
 def _grid_text(sm_count: int, total: int) -> str:
-    return f"{sm_count}/{total} SMs" if sm_count <= total else f"{sm_count} CTAs on {total} SMs"
+    return f"{sm_count}/{total} SMs" if sm_count <= total else f"{sm_count} CTAs (one per tile) on {total} SMs"
 
 
 def _row_major(a: torch.Tensor) -> torch.Tensor:

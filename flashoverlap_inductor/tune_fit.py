@@ -113,7 +113,7 @@ def fit(model: Any, rows: list[dict[str, Any]], grid: str, records: list[dict[st
     parameters whose median error over ``rows`` (over the records' candidates when there are no rows) stays within
     ``max_error``; then the error as above."""
     records = records or []
-    nccl_sms = 0 if grid.startswith("tiles") else model.gemm.nccl_sms  # "tiles" / "tiles<k>": no reserve
+    nccl_sms = 0 if grid == "tiles" else model.gemm.nccl_sms
     unique: dict[tuple, int] = {}  # each distinct (op, shape, world, plan) is predicted once per parameter set
 
     def index(op: str, m: int, k: int, world: int, plan: str) -> int:

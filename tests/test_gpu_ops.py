@@ -219,44 +219,6 @@ def route_task(op: str, grid: str, mode: str, host: str, rows: str = "schedule")
         runtime_gpu.reset()
 
 
-def multi_tile_grid_task(op: str) -> int:
-    """Each op in the grids of k tiles per CTA ("tiles2", "tiles3") with a cooperative and a ping-pong
-    kernel, on a ragged shape of more tiles than three waves (so every CTA takes several tiles), against fp64."""
-    import torch.distributed as dist
-
-    from flashoverlap_inductor import kernels, runtime_gpu
-
-    rank, rows, n, k = dist.get_rank(), 8320, 2056, 256  # 65 x 9 tiles of 128x256, 65 x 17 of 128x128
-    names = [c.name for c in kernels.configs()]
-    old = runtime_gpu.GEMM_GRID, runtime_gpu.KERNEL
-    cases = 0
-    torch.use_deterministic_algorithms(True)
-    try:
-        for grid in ("tiles2", "tiles3"):
-            for kernel in ("coop_128x256x64_c2x1_e128x64", "pp_128x128x64_c1x1"):
-                if kernel not in names:
-                    continue
-                runtime_gpu.GEMM_GRID, runtime_gpu.KERNEL = grid, kernel
-                seed = zlib.crc32(repr((op, grid, kernel)).encode()) % 10_000
-                args = [_operands(seed, r, "2d", rows, n, k, torch.bfloat16, "nk", True) for r in range(WORLD)]
-                a, b, c = args[rank]
-                ref = _reference(op, [_y64(*x) for x in args], rank)
-                before = runtime_gpu.stats[f"fused:{op}"]
-                out = _call(op, a, b, c, _plan("multi", rows, n, op))
-                where = f"{op} {rows}x{n}x{k} grid={grid} kernel={kernel}"
-                assert runtime_gpu.stats[f"fused:{op}"] == before + 1, f"{where}: not fused"
-                sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-                assert runtime_gpu.last_launch.sm_count > sms, f"{where}: {runtime_gpu.last_launch.description}"
-                _check(out, ref, _eager(op, a, b, c), where)
-                cases += 1
-    finally:
-        torch.use_deterministic_algorithms(False)
-        runtime_gpu.GEMM_GRID, runtime_gpu.KERNEL = old
-        runtime_gpu.reset()
-    runtime_gpu.check()
-    return cases
-
-
 def uneven_all_to_all_task() -> int:
     """Ranks with different rows, one with none; 2D and 3D; both B layouts; explicit and "auto" plans."""
     import torch.distributed as dist
@@ -559,7 +521,7 @@ def test_ops_match_eager(pool, op, dtype_name):
 
 @pytest.mark.parametrize("grid,mode,host", [("persistent", "torch", "c"), ("persistent", "direct", "c"),
                                             ("tiles", "direct", "c"), ("tiles", "direct", "python"),
-                                            ("tiles", "torch", "python"), ("tiles2", "direct", "c")])
+                                            ("tiles", "torch", "python")])
 @pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_to_all"])
 def test_grid_nccl_route_and_host_loop_match_eager(pool, op, grid, mode, host):
     per_rank = pool.run(route_task, op, grid, mode, host)
@@ -578,11 +540,6 @@ def test_other_row_orders_match_eager(pool, op, rows, host):
     per_rank = pool.run(route_task, op, "tiles", "direct", host, rows)
     assert all(r["fused"] >= r["fused_expected"] > 0 for r in per_rank), per_rank
     assert all(r["schedule"] == 0 and r[rows] > 0 for r in per_rank), per_rank
-
-
-@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_to_all"])
-def test_multi_tile_grids_match_eager(pool, op):
-    assert pool.run(multi_tile_grid_task, op) == [4] * WORLD
 
 
 def test_uneven_all_to_all(pool):
