@@ -35,11 +35,11 @@ GemmConfig const* config_at(int i) { return (i >= 0 && i < num_configs()) ? &reg
 int fail_code(int code, std::string msg) { return fail(code, std::move(msg)); }
 
 __global__ void wait_counter_kernel(int const* counter, int* expected, int increment, long long timeout_ns,
-                                    int* error_record, int tag);
+                                    int* error_record, int tag, int* notify);
 
 int launch_wait(int const* counter, int* expected, int increment, long long timeout_ns, int* error_record, int tag,
-                cudaStream_t stream) {
-  wait_counter_kernel<<<1, 1, 0, stream>>>(counter, expected, increment, timeout_ns, error_record, tag);
+                cudaStream_t stream, int* notify) {
+  wait_counter_kernel<<<1, 1, 0, stream>>>(counter, expected, increment, timeout_ns, error_record, tag, notify);
   cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? 0 : fail_cuda("wait kernel launch", e);
 }
@@ -50,18 +50,33 @@ __device__ __forceinline__ unsigned long long global_timer_ns() {
   return t;
 }
 
-__device__ __forceinline__ int load_acquire_gpu(int const* p) {
+// System scope: the counter may be a flag another GPU adds to over NVLink (the peer route), or a counter of a
+// GEMM on this GPU whose data a peer then reads.
+__device__ __forceinline__ int load_acquire_sys(int const* p) {
   int v;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 
+// Make everything this GPU's stream order put before this point visible to every GPU, then add 1 to *counter
+// (possibly another GPU's memory, mapped here): a peer that acquires the new value sees all of it.
+__device__ __forceinline__ void notify_sys(int* counter) {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+  asm volatile("red.release.sys.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
+}
+
+// Waits (unless counter is null), then adds 1 to *notify (unless null). A timed-out wait still notifies: the
+// peer then fails on its own data check or timeout instead of hanging longer than its own bound.
 __global__ void wait_counter_kernel(int const* counter, int* expected, int increment, long long timeout_ns,
-                                    int* error_record, int tag) {
+                                    int* error_record, int tag, int* notify) {
+  if (counter == nullptr) {
+    if (notify != nullptr) notify_sys(notify);
+    return;
+  }
   int const target = int(unsigned((expected != nullptr) ? *expected : 0) + unsigned(increment));
   unsigned long long const t0 = global_timer_ns();
   unsigned sleep_ns = 32;
-  int v = load_acquire_gpu(counter);
+  int v = load_acquire_sys(counter);
   while (int(unsigned(v) - unsigned(target)) < 0) {
     if ((long long)(global_timer_ns() - t0) > timeout_ns) {
       if (error_record != nullptr && atomicCAS(error_record, 0, 1) == 0) {
@@ -74,9 +89,10 @@ __global__ void wait_counter_kernel(int const* counter, int* expected, int incre
     }
     __nanosleep(sleep_ns);
     sleep_ns = sleep_ns < 256 ? sleep_ns * 2 : 256;
-    v = load_acquire_gpu(counter);
+    v = load_acquire_sys(counter);
   }
   if (expected != nullptr) *expected = target;  // the epoch advances even on timeout: the GEMM still adds later
+  if (notify != nullptr) notify_sys(notify);
 }
 
 __global__ void delayed_add_kernel(int* counter, int value, long long delay_ns, long long* stamp) {
@@ -95,7 +111,7 @@ using namespace flashoverlap;
 
 extern "C" {
 
-FO_API int fo_abi_version(void) { return 4; }
+FO_API int fo_abi_version(void) { return 5; }
 
 FO_API int fo_preload(void) {
   cudaFuncAttributes attr{};
@@ -122,7 +138,7 @@ FO_API int fo_config_info(int index, char* name, int name_len, int* ints) {
   if (name != nullptr && name_len > 0) std::snprintf(name, size_t(name_len), "%s", c->name);
   if (ints != nullptr) {
     int const v[12] = {c->tile_m, c->tile_n, c->tile_k, c->cluster_m, c->cluster_n, c->schedule,
-                       c->stages, c->epi_m,  c->epi_n,  c->dtype,     c->b_layout,  0};
+                       c->stages, c->epi_m,  c->epi_n,  c->dtype,     c->b_layout,  c->add_c};
     for (int i = 0; i < 12; ++i) ints[i] = v[i];
   }
   return 0;
@@ -139,10 +155,10 @@ FO_API int fo_gemm_workspace_size(int config, int m, int n, int k, int sm_count,
   return 0;
 }
 
-FO_API int fo_gemm(int config, const void* a, int64_t lda, const void* b, int64_t ldb, const void* bias, void* d,
-                   int64_t ldd, int m, int n, int k, int* counters, const int* group_of_tile_row,
-                   const int* tile_row_order, int signal_mode, int sm_count, int raster, int swizzle, void* workspace,
-                   size_t workspace_bytes, void* stream) {
+FO_API int fo_gemm(int config, const void* a, int64_t lda, const void* b, int64_t ldb, const void* bias,
+                   const void* c_operand, int64_t ldc, void* d, int64_t ldd, int m, int n, int k, int* counters,
+                   const int* group_of_tile_row, const int* tile_row_order, int signal_mode, int sm_count, int raster,
+                   int swizzle, void* workspace, size_t workspace_bytes, void* stream) {
   GemmConfig const* c = config_at(config);
   if (c == nullptr) return fail(1, "fo_gemm: no configuration " + std::to_string(config));
   if (m <= 0 || n <= 0 || k <= 0) return fail(2, "fo_gemm: sizes must be positive");
@@ -151,7 +167,7 @@ FO_API int fo_gemm(int config, const void* a, int64_t lda, const void* b, int64_
   if (raster < 0 || raster > 2) return fail(2, "fo_gemm: raster must be 0, 1 or 2");
   GemmCall call{a,        lda,       b,        ldb,         bias,     d,      ldd,     m,
                 n,        k,         counters, group_of_tile_row, tile_row_order, signal_mode, sm_count, raster,
-                swizzle,  workspace, workspace_bytes, static_cast<cudaStream_t>(stream)};
+                swizzle,  workspace, workspace_bytes, static_cast<cudaStream_t>(stream), c_operand, ldc};
   std::string err;
   int rc = c->run(call, err);
   if (rc != 0) return fail(rc, err);
@@ -162,7 +178,12 @@ FO_API int fo_wait_counter(const int* counter, int* expected, int increment, int
                            int tag, void* stream) {
   if (counter == nullptr) return fail(2, "fo_wait_counter: counter is null");
   return launch_wait(counter, expected, increment, (long long)timeout_ns, error_record, tag,
-                     static_cast<cudaStream_t>(stream));
+                     static_cast<cudaStream_t>(stream), nullptr);
+}
+
+FO_API int fo_notify(int* counter, void* stream) {
+  if (counter == nullptr) return fail(2, "fo_notify: counter is null");
+  return launch_wait(nullptr, nullptr, 0, 0, nullptr, 0, static_cast<cudaStream_t>(stream), counter);
 }
 
 FO_API int fo_stream_wait_value(void* stream, int* counter, int target) {

@@ -34,7 +34,10 @@ FO_API int fo_preload(void);
 FO_API int fo_num_configs(void);
 FO_API int fo_config_info(int index, char* name, int name_len, int* ints);
 
-/* D[M,N] = A[M,K] @ B (+ bias[N]), fp32 accumulation, D in the input dtype.
+/* D[M,N] = A[M,K] @ B (+ bias[N]), fp32 accumulation, D in the input dtype. Configurations with ints[11] == 1
+ * ("_addc") add a C operand: D = round(A @ B (+ bias)) + C, C [M,N] row-major (row stride ldc, any address this
+ * GPU can reach, a peer's memory included), summed in fp32 and rounded once; c_operand must then be given, and
+ * must be null for every other configuration.
  * A row-major with row stride lda; B per the configuration's layout with stride ldb; D row-major, row stride ldd.
  * counters: nullptr = no signals; else counters[group_of_tile_row[t]] (or counters[t] when the map is nullptr)
  * gets +1 per finished tile of tile-row t, after the tile's stores are complete and visible at GPU scope.
@@ -47,18 +50,23 @@ FO_API int fo_config_info(int index, char* name, int name_len, int* ints);
  * 1 along M, 2 along N (row-major tile order). swizzle: 1/2/4/8 tile-rows (or columns) per band. */
 FO_API int fo_gemm_workspace_size(int config, int m, int n, int k, int sm_count, int raster, int swizzle,
                                   size_t* bytes);
-FO_API int fo_gemm(int config, const void* a, int64_t lda, const void* b, int64_t ldb, const void* bias, void* d,
-                   int64_t ldd, int m, int n, int k, int* counters, const int* group_of_tile_row,
-                   const int* tile_row_order, int signal_mode, int sm_count, int raster, int swizzle, void* workspace,
-                   size_t workspace_bytes, void* stream);
+FO_API int fo_gemm(int config, const void* a, int64_t lda, const void* b, int64_t ldb, const void* bias,
+                   const void* c_operand, int64_t ldc, void* d, int64_t ldd, int m, int n, int k, int* counters,
+                   const int* group_of_tile_row, const int* tile_row_order, int signal_mode, int sm_count, int raster,
+                   int swizzle, void* workspace, size_t workspace_bytes, void* stream);
 
-/* Bounded wait (one thread on `stream`): polls *counter with ld.acquire.gpu and __nanosleep backoff until
- * (int)(*counter - target) >= 0, where target = (expected ? *expected : 0) + increment. With `expected` (device
+/* Bounded wait (one thread on `stream`): polls *counter with ld.acquire.sys and __nanosleep backoff until
+ * (int)(*counter - target) >= 0 (acquire at system scope), where target = (expected ? *expected : 0) + increment. With `expected` (device
  * int, graph-replay safe) the kernel stores the new target back, so each call waits for one more epoch.
  * On timeout it records {1, tag, seen value, target} into error_record[0..3] (device-visible memory, e.g.
  * pinned host memory; only the first error is kept) and exits. */
 FO_API int fo_wait_counter(const int* counter, int* expected, int increment, int64_t timeout_ns, int* error_record,
                            int tag, void* stream);
+
+/* One thread on `stream`: a system-scope fence, then a system-scope release add of 1 to *counter (which may be a
+ * peer GPU's memory mapped here): whoever acquires the new value sees everything `stream` ordered before it.
+ * fo_wait_counter's acquire is system-scope too, so the pair works across GPUs. */
+FO_API int fo_notify(int* counter, void* stream);
 
 /* cuStreamWaitValue32(stream, counter, target, GEQ): waits without a kernel; NOT bounded (no timeout). */
 FO_API int fo_stream_wait_value(void* stream, int* counter, int target);
@@ -109,6 +117,54 @@ FO_API int fo_fused_call(int config, const void* a, int64_t lda, const void* b, 
                          int* counters, int* expected, int num_groups, const fo_group_step* steps,
                          const fo_p2p_step* p2p, void* out, int elem_bytes, int nccl_dtype, void* comm,
                          int64_t timeout_ns, int* error_record, void* cur_stream, void* side_stream);
+
+/* The peer route of a two-rank fused reduce_scatter / all_reduce (csrc/peer_call.cu): no NCCL, no reduction
+ * kernel. Rank r owns rows [own_row, own_row + rows) of the [m, n] result, its peer [peer_row, peer_row + rows).
+ *   cur:  GEMM 1 (config_partial): A's peer rows -> partial; notify peer_flags[0]; wait flags[0] (the peer's
+ *         GEMM 1 is done); GEMM 2 (config_add, an _addc configuration): A's own rows + C = peer_partial (the peer's
+ *         GEMM 1 result for these rows, read over NVLink) -> own_dst, signalling counters per group (all_reduce).
+ *   all_reduce only (num_groups > 0), per group g of GEMM 2's rows: side: wait counters[g], notify peer_flags[1+g],
+ *         copy own_dst rows -> out's own rows; pull: wait flags[1+g], copy peer_own rows (the peer's own_dst, read
+ *         over NVLink by the copy engine) -> out's peer rows. Both streams are joined back into cur.
+ * Buffers the peer reads (partial, own_dst for all_reduce) must not be rewritten before the peer has read them:
+ * alternate two sets by call parity (the flags[0] wait of call i + 1 proves the peer finished call i - 1).
+ * expected: device ints, 1 + 2 * FO_PEER_MAX_GROUPS: [0] the epoch of flags[0], [1 + g] of flags[1 + g], and
+ * [1 + FO_PEER_MAX_GROUPS + g] the target of counters[g] (resynchronised from counters at every call). */
+#define FO_PEER_MAX_GROUPS 64
+typedef struct {
+  int32_t config_partial, config_add;
+  const void* a;
+  int64_t lda;
+  const void* b;
+  int64_t ldb;
+  const void* bias;
+  int32_t n, k, rows, own_row, peer_row;
+  int32_t num_groups;            /* 0: reduce_scatter (own_dst is the output); else all_reduce */
+  void* partial;                 /* [rows, n] contiguous, this rank's symmetric scratch */
+  const void* peer_partial;      /* [rows, n] contiguous, the peer's scratch mapped here */
+  void* own_dst;                 /* [rows, n], row stride ld_own */
+  int64_t ld_own;
+  int* flags;                    /* this rank's symmetric flags (1 + num_groups ints used) */
+  int* peer_flags;               /* the peer's flags mapped here */
+  int* expected;
+  const int32_t* group_rows;     /* host, num_groups + 1 boundaries within the rows */
+  const int32_t* group_tiles;    /* host, num_groups: tiles of GEMM 2 per group */
+  int* counters;                 /* device, num_groups */
+  const int* group_of_tile_row;  /* device, GEMM 2's tile-rows -> group */
+  const void* peer_own;          /* the peer's own_dst mapped here (contiguous, row stride n) */
+  void* out;                     /* [m, n] row stride ld_out (all_reduce) */
+  int64_t ld_out;
+  int32_t elem_bytes, signal_mode, sm_count, raster, swizzle;
+  void* workspace;
+  size_t workspace_bytes;
+  int64_t timeout_ns;
+  int* error_record;
+  void* cur_stream;
+  void* side_stream;
+  void* pull_stream;
+} fo_peer_args;
+
+FO_API int fo_peer_call(const fo_peer_args* args);
 
 /* Test helpers: a one-thread kernel that spins delay_ns, writes %globaltimer to *stamp, then release-adds
  * `value` to *counter; and one that writes %globaltimer to *stamp. */

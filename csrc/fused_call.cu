@@ -23,7 +23,7 @@ namespace flashoverlap {
 // api.cu
 int fail_code(int code, std::string msg);
 int launch_wait(int const* counter, int* expected, int increment, long long timeout_ns, int* error_record, int tag,
-                cudaStream_t stream);
+                cudaStream_t stream, int* notify);
 
 namespace {
 
@@ -214,7 +214,8 @@ FO_API int fo_fused_call(int config, const void* a, int64_t lda, const void* b, 
   char* const outp = static_cast<char*>(out);
   for (int g = 0; g < num_groups && rc == 0; ++g) {
     if (steps[g].tiles > 0) {
-      rc = launch_wait(counters + g, expected + g, steps[g].tiles, (long long)timeout_ns, error_record, g, side);
+      rc = launch_wait(counters + g, expected + g, steps[g].tiles, (long long)timeout_ns, error_record, g, side,
+                       nullptr);
     }
     if (rc == 0) rc = stage_group(steps[g], dp, bufp, elem_bytes, side);
     if (rc == 0) rc = issue_group(steps[g], p2p, bufp, outp, elem_bytes, nccl_dtype, comm, side);

@@ -9,6 +9,9 @@
 //   FO_EPI_M FO_EPI_N                 epilogue subtile, 0 = CUTLASS's choice
 //   FO_DTYPE 0|1                      bf16 | fp16 inputs and output, fp32 accumulation
 //   FO_BLAYOUT 0|1                    B as [N,K] (K contiguous, a Linear weight) | [K,N] (N contiguous)
+//   FO_ADD_C 0|1                      1: D = round(A @ B (+ bias)) + C, C a [M,N] row-major operand of the output
+//                                     type read by TMA (the peer route's second GEMM: C is the peer's partial sum,
+//                                     read straight from its memory over NVLink)
 //
 // D = A @ B (+ bias), then the tile-signal EVT node (tile_signal.hpp). The bias is a row broadcast with a
 // nullptr fallback, so one kernel serves both. A persistent tile scheduler walks the tiles in the raster order
@@ -40,6 +43,9 @@
 #ifndef FO_EPI_M
 #define FO_EPI_M 0
 #define FO_EPI_N 0
+#endif
+#ifndef FO_ADD_C
+#define FO_ADD_C 0
 #endif
 
 namespace {
@@ -89,11 +95,21 @@ using EpilogueTile = cutlass::epilogue::collective::EpilogueTileAuto;
 using Bias = fus::Sm90RowBroadcast<0, TileShape, Element, float, Stride<_0, _1, _0>, kAlign>;
 using AddBias = fus::Sm90EVT<fus::Sm90Compute<cutlass::plus, Element, float, cutlass::FloatRoundStyle::round_to_nearest>,
                              fus::Sm90AccFetch, Bias>;
+#if FO_ADD_C
+// (acc + bias) is rounded to the output type first, then C is added in fp32 and the sum rounded once more: for two
+// ranks this is exactly the bf16/fp16 sum NCCL forms of the two rounded partials.
+using AddPeer = fus::Sm90EVT<fus::Sm90Compute<cutlass::plus, Element, float, cutlass::FloatRoundStyle::round_to_nearest>,
+                             AddBias, fus::Sm90SrcFetch<Element>>;
+using Fusion = fus::Sm90EVT<flashoverlap::Sm90TileSignal, AddPeer>;
+using ElementC = Element;
+#else
 using Fusion = fus::Sm90EVT<flashoverlap::Sm90TileSignal, AddBias>;
+using ElementC = void;  // no C operand
+#endif
 
 using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, EpilogueTile, float, float,
-    void, LayoutD, kAlign,  // no C operand
+    ElementC, LayoutD, kAlign,
     Element, LayoutD, kAlign, EpilogueSchedule, Fusion>::CollectiveOp;
 
 #if FO_STAGES > 0
@@ -150,6 +166,20 @@ bool make_arguments(flashoverlap::GemmCall const& c, typename Gemm::Arguments& a
   typename GemmKernel::StrideD sD{};
   get<0>(sD) = c.ldd;
   get<2>(sD) = M * c.ldd;
+#if FO_ADD_C
+  if (c.c == nullptr) {
+    err = std::string(FO_NAME) + ": this configuration adds a C operand, and none was given";
+    return false;
+  }
+  typename GemmKernel::StrideC sC{};
+  get<0>(sC) = c.ldc;
+  get<2>(sC) = M * c.ldc;
+#else
+  if (c.c != nullptr) {
+    err = std::string(FO_NAME) + ": this configuration has no C operand (use an _addc configuration)";
+    return false;
+  }
+#endif
 
   args = typename Gemm::Arguments{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
@@ -158,11 +188,17 @@ bool make_arguments(flashoverlap::GemmCall const& c, typename Gemm::Arguments& a
   args.mainloop.dA = sA;
   args.mainloop.ptr_B = static_cast<Element const*>(c.b);
   args.mainloop.dB = sB;
-  args.epilogue.ptr_C = nullptr;
-  args.epilogue.dC = sD;
   args.epilogue.ptr_D = static_cast<Element*>(c.d);
   args.epilogue.dD = sD;
+#if FO_ADD_C
+  args.epilogue.ptr_C = static_cast<Element const*>(c.c);
+  args.epilogue.dC = sC;
+  auto& bias_args = args.epilogue.thread.op_0.op_0.op_1;  // AddPeer = (AddBias, SrcFetch, plus)
+#else
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = sD;
   auto& bias_args = args.epilogue.thread.op_0.op_1;  // AddBias = (AccFetch, Bias, plus)
+#endif
   bias_args.ptr_row = static_cast<Element const*>(c.bias);
   bias_args.null_default = Element(0);
   auto& signal_args = args.epilogue.thread.op_1;  // Fusion = (AddBias, TileSignal)
@@ -234,9 +270,9 @@ int preload(std::string& err) {
 
 struct Registrar {
   Registrar() {
-    flashoverlap::GemmConfig cfg{FO_NAME, FO_TM,     FO_TN,     FO_TK,          FO_CM, FO_CN, FO_SCHED,
-                                 FO_STAGES, FO_EPI_M, FO_EPI_N, FO_DTYPE, FO_BLAYOUT, &workspace_size, &run,
-                                 &preload};
+    flashoverlap::GemmConfig cfg{FO_NAME,  FO_TM,      FO_TN,           FO_TK, FO_CM, FO_CN, FO_SCHED, FO_STAGES,
+                                 FO_EPI_M, FO_EPI_N,   FO_DTYPE,        FO_BLAYOUT, FO_ADD_C, &workspace_size,
+                                 &run,     &preload};
     flashoverlap::register_config(cfg);
   }
 };

@@ -34,6 +34,8 @@ struct GemmCall {
   void* workspace;
   size_t workspace_bytes;
   cudaStream_t stream;
+  void const* c = nullptr;  // _addc configurations only: D = round(A @ B (+ bias)) + C, C [M,N] row-major, ld ldc
+  int64_t ldc = 0;
 };
 
 struct GemmConfig {
@@ -45,6 +47,7 @@ struct GemmConfig {
   int epi_m, epi_n;  // 0 = auto
   int dtype;
   int b_layout;
+  int add_c;  // 1: the epilogue adds a C operand (GemmCall::c); such a configuration needs one
   size_t (*workspace_size)(GemmCall const&);
   // Returns 0 or writes a message to err and returns a nonzero code.
   int (*run)(GemmCall const&, std::string& err);

@@ -47,7 +47,7 @@ try:
     import flashoverlap_inductor  # noqa: F401  (installed, or on PYTHONPATH: then its subpackages resolve too)
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from flashoverlap_inductor import fused_launch, kernel_select, nccl_direct, ops, runtime_cpu, runtime_gpu  # noqa: E402
+from flashoverlap_inductor import fused_launch, kernel_select, nccl_direct, ops, peer_route, runtime_cpu, runtime_gpu  # noqa: E402
 from flashoverlap_inductor import plan as planlib  # noqa: E402
 from flashoverlap_inductor import tune_measure as tm  # noqa: E402
 from flashoverlap_inductor.tune import GRID, init_distributed, parse_shapes  # noqa: E402
@@ -112,7 +112,9 @@ def fused_call(op: str, a: torch.Tensor, b: torch.Tensor, plan: str, world: int,
 def with_mode(spec: str, fn):
     """``fn`` run with the fused path in the mode ``spec`` = ``"<grid>/<nccl>[/<host>[/<kernel>[/<ctas>[/<rows>]]]]"``:
 
-    * grid ``persistent|tiles``: ``runtime_gpu.GEMM_GRID``; nccl ``direct|torch``: ``nccl_direct.MODE``;
+    * grid ``persistent|tiles``: ``runtime_gpu.GEMM_GRID``; nccl ``direct|torch``: ``nccl_direct.MODE``; ``peer``:
+      ``peer_route.TRANSPORT = "peer"`` (2 ranks: the reduction in GEMM 2's epilogue; other calls direct NCCL), with
+      an ``_addc`` kernel field naming GEMM 2's configuration (``peer_route.ADD_KERNEL``);
     * host ``c`` (default) or ``python``: ``fused_launch.HOST_LOOP``; ``gemm``: the diagnostic
       ``runtime_gpu.GEMM_ONLY`` (the fused path without its collectives, in the Python loop: a time split, not a
       result);
@@ -124,10 +126,16 @@ def with_mode(spec: str, fn):
     kernel, _, signal = kernel.partition("+")
     kernel, _, swizzle = kernel.partition("@")
 
+    peer = mode == "peer"
+    add_kernel = kernel if peer and kernel.endswith("_addc") else None
+    kernel = "" if add_kernel else kernel
+
     def run():
         old = (runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.KERNEL,
-               runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE, runtime_gpu.ROW_ORDER, runtime_gpu.SIGNAL_MODE)
-        runtime_gpu.GEMM_GRID, nccl_direct.MODE = grid, mode
+               runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE, runtime_gpu.ROW_ORDER, runtime_gpu.SIGNAL_MODE,
+               peer_route.TRANSPORT, peer_route.ADD_KERNEL)
+        runtime_gpu.GEMM_GRID, nccl_direct.MODE = grid, "direct" if peer else mode
+        peer_route.TRANSPORT, peer_route.ADD_KERNEL = ("peer" if peer else "nccl"), add_kernel
         runtime_gpu.SIGNAL_MODE = signal or runtime_gpu.SIGNAL_MODE
         runtime_gpu.ROW_ORDER = rows or runtime_gpu.ROW_ORDER
         fused_launch.HOST_LOOP = "python" if host == "gemm" else host
@@ -137,7 +145,8 @@ def with_mode(spec: str, fn):
             return fn()
         finally:
             (runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.KERNEL,
-             runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE, runtime_gpu.ROW_ORDER, runtime_gpu.SIGNAL_MODE) = old
+             runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE, runtime_gpu.ROW_ORDER, runtime_gpu.SIGNAL_MODE,
+             peer_route.TRANSPORT, peer_route.ADD_KERNEL) = old
     return run
 
 

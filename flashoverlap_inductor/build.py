@@ -41,7 +41,8 @@ LIB_NAME = "libflashoverlap_sm90.so"
 class KernelConfig:
     """One CUTLASS sm90 configuration. ``schedule``: "coop" (two consumer warpgroups share a tile) or "pp"
     (ping-pong: each consumer warpgroup owns a tile). ``stages`` 0 = as many as fit; ``epi`` (0, 0) = CUTLASS's
-    epilogue subtile. ``variants``: "all" = bf16/fp16 x B [N,K]/[K,N]; "bf16_nk" = tuning candidate only."""
+    epilogue subtile. ``variants``: "all" = bf16/fp16 x B [N,K]/[K,N]; "bf16_nk" = tuning candidate only.
+    ``add_c``: the epilogue adds a C operand (the peer route's second GEMM; name suffix ``_addc``)."""
 
     schedule: str
     tile: tuple[int, int, int]
@@ -49,6 +50,7 @@ class KernelConfig:
     stages: int = 0
     epi: tuple[int, int] = (0, 0)
     variants: str = "all"
+    add_c: bool = False
 
     @property
     def name(self) -> str:
@@ -57,6 +59,8 @@ class KernelConfig:
             s += f"_s{self.stages}"
         if self.epi != (0, 0):
             s += f"_e{self.epi[0]}x{self.epi[1]}"
+        if self.add_c:
+            s += "_addc"
         return s
 
 
@@ -70,6 +74,11 @@ CONFIGS: tuple[KernelConfig, ...] = (
     KernelConfig("coop", (128, 256, 64), (1, 2), epi=(128, 64), variants="bf16_nk"),
     KernelConfig("coop", (256, 128, 64), (2, 1), epi=(128, 64), variants="bf16_nk"),
     KernelConfig("pp", (64, 256, 64), (1, 1), variants="bf16_nk"),
+    # The peer route's second GEMM (adds the peer's partial as C). A 128x32 epilogue subtile keeps the C + D
+    # epilogue buffers at the plain configuration's 32 KB of shared memory (four mainloop stages); 128x64 needs
+    # 64 KB (three stages).
+    KernelConfig("coop", (128, 256, 64), (2, 1), epi=(128, 32), variants="bf16_nk", add_c=True),
+    KernelConfig("coop", (128, 256, 64), (2, 1), epi=(128, 64), variants="bf16_nk", add_c=True),
 )
 # Measured and dropped (csrc/NOTES.md): coop 128x128 c1x1, 128x256 c1x1/c1x2/c2x1 (default epilogue tile),
 # 256x128 c1x2/c2x1, pp 128x128 c1x2/c2x1, pp 64x256 c1x2/c2x1.
@@ -106,6 +115,7 @@ class Unit:
             "FO_EPI_N": c.epi[1],
             "FO_DTYPE": DTYPES[self.dtype],
             "FO_BLAYOUT": B_LAYOUTS[self.b_layout],
+            "FO_ADD_C": int(c.add_c),
         }
         return [f"-D{k}={v}" for k, v in d.items()]
 
@@ -250,11 +260,11 @@ def build(patterns: list[str] | None = None, variants: str = "all", jobs: int | 
               "-gencode=arch=compute_90a,code=sm_90a", "-Xcompiler", "-fPIC,-fvisibility=hidden",
               f"-I{CSRC}", f"-I{cutlass / 'include'}", f"-I{cutlass / 'tools' / 'util' / 'include'}"]
     cmds = [(common + ["-c", str(CSRC / f"{src}.cu"), "-o", str(obj_dir / f"{src}.o")], obj_dir / f"{src}.o")
-            for src in ("api", "fused_call")]
+            for src in ("api", "fused_call", "peer_call")]
     for u in todo:
         obj = obj_dir / f"{u.stem}.o"
         cmds.append((common + u.defines() + ["-c", str(CSRC / "gemm_sm90.cu"), "-o", str(obj)], obj))
-    digests = {name: _sources_digest(name) for name in ("api.cu", "fused_call.cu", "gemm_sm90.cu")}
+    digests = {name: _sources_digest(name) for name in ("api.cu", "fused_call.cu", "peer_call.cu", "gemm_sm90.cu")}
     jobs = jobs or max(1, min(len(cmds), os.cpu_count() or 1))
     if verbose:
         print(f"nvcc: {nvcc}\nCUTLASS: {cutlass}\ncompiling {len(cmds)} translation units with {jobs} jobs")
@@ -273,8 +283,8 @@ def build(patterns: list[str] | None = None, variants: str = "all", jobs: int | 
                 objs.append(obj)
                 if verbose:
                     print(("built   " if rebuilt else "cached  ") + obj.name, flush=True)
-    if errors and (not keep_going or obj_dir / "api.o" not in objs or obj_dir / "fused_call.o" not in objs
-                   or len(objs) < 3):
+    if errors and (not keep_going or any(obj_dir / f"{src}.o" not in objs for src in ("api", "fused_call", "peer_call"))
+                   or len(objs) < 4):
         raise RuntimeError("CUDA compilation failed:\n" + "\n".join(errors))
     if errors:
         print("CUDA compilation failed for some units (linking the rest):\n" + "\n".join(errors), file=sys.stderr)
@@ -286,7 +296,7 @@ def build(patterns: list[str] | None = None, variants: str = "all", jobs: int | 
     if r.returncode != 0:
         raise RuntimeError(f"link failed:\n$ {' '.join(link)}\n{r.stdout}{r.stderr}")
     if verbose:
-        print(f"wrote {lib} ({lib.stat().st_size / 1e6:.1f} MB, {len(objs) - 2} GEMM units)")
+        print(f"wrote {lib} ({lib.stat().st_size / 1e6:.1f} MB, {len(objs) - 3} GEMM units)")
     return lib
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 LIB_ENV = "FLASHOVERLAP_LIB"
 DEFAULT_LIB = Path(__file__).resolve().parent.parent / "build" / "libflashoverlap_sm90.so"
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
@@ -102,8 +102,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         "fo_num_configs": (c_int, []),
         "fo_config_info": (c_int, [c_int, ctypes.c_char_p, c_int, ctypes.POINTER(c_int)]),
         "fo_gemm_workspace_size": (c_int, [c_int] * 7 + [ctypes.POINTER(c_sz)]),
-        "fo_gemm": (c_int, [c_int, c_p, c_i64, c_p, c_i64, c_p, c_p, c_i64, c_int, c_int, c_int, c_p, c_p, c_p,
-                            c_int, c_int, c_int, c_int, c_p, c_sz, c_p]),
+        "fo_gemm": (c_int, [c_int, c_p, c_i64, c_p, c_i64, c_p, c_p, c_i64, c_p, c_i64, c_int, c_int, c_int, c_p,
+                            c_p, c_p, c_int, c_int, c_int, c_int, c_p, c_sz, c_p]),
+        "fo_notify": (c_int, [c_p, c_p]),
+        "fo_peer_call": (c_int, [c_p]),
         "fo_wait_counter": (c_int, [c_p, c_p, c_int, c_i64, c_p, c_int, c_p]),
         "fo_stream_wait_value": (c_int, [c_p, c_p, c_int]),
         "fo_nccl_bind": (c_int, [ctypes.c_char_p]),
@@ -187,18 +189,22 @@ def _entries(path: str) -> tuple[tuple[str, tuple[int, ...], int], ...]:
     return tuple(out)
 
 
-def configs() -> list[KernelInfo]:
-    """The compiled configurations, one entry per name with the (dtype, B layout) variants it was built for."""
+def configs(add_c: bool = False) -> list[KernelInfo]:
+    """The compiled configurations, one entry per name with the (dtype, B layout) variants it was built for.
+    ``add_c``: the ``_addc`` configurations instead (their epilogue adds a C operand: the peer route's second
+    GEMM, ``fo_config_info`` ints[11] == 1); they are never among the plain ones."""
     by_name: dict[str, tuple[tuple[int, ...], list[tuple[str, str]]]] = {}
     dtype_names = {v: str(k).removeprefix("torch.") for k, v in DTYPES.items()}
     for name, ints, _ in _entries(str(library_path())):
+        if bool(ints[11]) != add_c:
+            continue
         by_name.setdefault(name, (ints, []))[1].append((dtype_names[ints[9]], B_LAYOUTS[ints[10]]))
     return [KernelInfo(name, *ints[:5], SCHEDULES[ints[5]], ints[6], ints[7], ints[8], tuple(sorted(v)))
             for name, (ints, v) in sorted(by_name.items())]
 
 
 def config_info(name: str) -> KernelInfo:
-    for c in configs():
+    for c in configs() + configs(add_c=True):
         if c.name == name:
             return c
     raise KeyError(f"no compiled GEMM configuration {name!r}; compiled: {[c.name for c in configs()]}")
@@ -254,7 +260,7 @@ def signal_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = No
                 *, config: str | None = None, counters: torch.Tensor | None = None,
                 group_of_tile_row: torch.Tensor | list[int] | tuple[int, ...] | None = None, sm_count: int = 0,
                 raster: str = "along_n", swizzle: int = DEFAULT_SWIZZLE, signal_mode: str = "deferred",
-                tile_row_order: Sequence[int] | None = None) -> torch.Tensor:
+                tile_row_order: Sequence[int] | None = None, addend: torch.Tensor | None = None) -> torch.Tensor:
     """``out[M,N] = a[M,K] @ b[K,N] (+ bias[N])`` on the current stream, signalling tile completion.
 
     ``a``: bf16/fp16, row-major (any 16-byte aligned row stride; other layouts are copied). ``b``: same dtype,
@@ -267,7 +273,9 @@ def signal_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = No
     ``signal_mode``: "deferred" (signal each tile at the issuing warp's next epilogue; no store-drain stall) or
     "immediate" (drain and signal at the end of every tile). ``tile_row_order``: a permutation of the tile-rows
     (``plan.scheduled_tile_rows``): the scheduler computes tile-row ``tile_row_order[s]`` where it would compute
-    tile-row ``s`` (None = natural order); the values in ``out`` never depend on it.
+    tile-row ``s`` (None = natural order); the values in ``out`` never depend on it. ``addend``: a row-major [M,N]
+    tensor of a's dtype, for the ``_addc`` configurations only (the default then is the first of them): ``out =
+    round(a @ b (+ bias)) + addend``, summed in fp32 and rounded once.
     """
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"signal_gemm: need a [M,K] and b [K,N], got {tuple(a.shape)} and {tuple(b.shape)}")
@@ -281,7 +289,11 @@ def signal_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"signal_gemm: empty problem M={m} N={n} K={k}")
     if k % 8 or n % 8:
         raise ValueError(f"signal_gemm: K={k} and N={n} must be multiples of 8 (16-byte TMA rows)")
-    name = config or DEFAULT_CONFIG
+    name = config or (DEFAULT_CONFIG if addend is None else next((c.name for c in configs(add_c=True)), "?"))
+    if addend is not None and (addend.shape != (m, n) or addend.dtype != a.dtype or addend.device != a.device
+                               or addend.stride(1) != 1 or not _aligned(addend, addend.stride(0))):
+        raise ValueError("signal_gemm: addend must be a row-major [M,N] tensor of a's dtype on a's device with a "
+                         "16-byte aligned row stride")
     a = _prepare_a(a)
     b, b_layout, ldb = _prepare_b(b)
     path = str(library_path())
@@ -328,7 +340,9 @@ def signal_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = No
         ws_bytes = _workspace_bytes(path, idx, m, n, k, sm_count, raster_id, swizzle)
         ws = torch.empty(ws_bytes, dtype=torch.uint8, device=a.device) if ws_bytes else None
         _check(lib.fo_gemm(idx, a.data_ptr(), a.stride(0), b.data_ptr(), ldb,
-                           bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), m, n, k,
+                           bias.data_ptr() if bias is not None else None,
+                           addend.data_ptr() if addend is not None else None,
+                           addend.stride(0) if addend is not None else 0, out.data_ptr(), out.stride(0), m, n, k,
                            counters.data_ptr() if counters is not None else None,
                            gmap.data_ptr() if gmap is not None else None,
                            order.data_ptr() if order is not None else None, mode, sm_count, raster_id, swizzle,

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import config, fused_launch, kernels, nccl_direct, ops, row_order, runtime_cpu, runtime_cuda, streams
+from . import config, fused_launch, kernels, nccl_direct, ops, peer_route, row_order, runtime_cpu, runtime_cuda, streams
 from . import plan as planlib
 from .group_comm import group_collective
 from .kernel_select import (
@@ -282,6 +282,10 @@ def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor |
     key = (collective, plan, rows, n, k, a.dtype, world, rank, send_rows, recv_rows, res.index, layout,
            getattr(group, "group_name", id(group)), SIGNAL_MODE, SWIZZLE, SM_RESERVE, GEMM_GRID, KERNEL, ROW_ORDER)
     capturing = torch.cuda.is_current_stream_capturing()
+    if peer_route.TRANSPORT == "peer" and not capturing:
+        out = _run_peer(collective, opnd, out_shape, group, res, key, layout)
+        if out is not None:
+            return out
     launch = _launches.get(key)
     if launch is None:
         if capturing:
@@ -365,6 +369,51 @@ def _execute(launch: Launch, opnd: Operands, out_shape: list[int], group: dist.P
             else:
                 group_collective(launch.collective, launch.peers, g, step, buf, out_flat, group)
     cur.wait_stream(side)  # the output (and the buffers freed on return) are ready in the caller's stream order
+    return out
+
+
+def _run_peer(collective: str, opnd: Operands, out_shape: list[int], group: dist.ProcessGroup,
+              res: streams.DeviceResources, key: tuple, layout: str | None) -> torch.Tensor | None:
+    """The call on ``peer_route`` (None: this call shape cannot take it; logged once per reason, counted in
+    ``stats["peer_skip:<reason>"]``, and the NCCL route runs)."""
+    a, b = opnd.a, opnd.b
+    (rows, k), n = a.shape, b.shape[1]
+    pkey = ("peer", peer_route.ADD_KERNEL, peer_route.GROUPS, *key)
+    launch = _launches.get(pkey)
+    if launch is None:
+        dname = str(a.dtype).removeprefix("torch.")
+        why = peer_route.unsupported(collective, rows, n, k, a.dtype, group.size(), layout,
+                                     kernels.configs(add_c=True))
+        choice = None if why else choose_kernel(_kernel_infos(), KERNEL or "", None, dname, layout, {})
+        if why is None and (choice is None or choice.convert_b):
+            why = f"no plain configuration compiled for {dname} with B as {layout}"
+        if why:
+            launch = ("peer", why)
+        else:
+            plain = streams.kernel_lib().config_index(choice.name, a.dtype, choice.b_layout)
+            launch = peer_route.make_launch(
+                collective, rows, n, k, a.dtype, group.rank(), plain, (choice.tile_m, choice.tile_n), res,
+                lambda tiles: grid_ctas(gemm_grid(res.name, GEMM_GRID), res.sm_count, tiles,
+                                        sm_reserve(res.name, SM_RESERVE, nccl_max_ctas(group))),
+                SWIZZLE, kernels.RASTERS[RASTER], choice.b_layout, a.device)
+            launch = (launch, choice)
+        _launches[pkey] = launch
+    if launch[0] == "peer":
+        stats["peer_skip"] += 1
+        _note(f"peer:{launch[1]}", logging.INFO, "flashoverlap: %s takes the NCCL route: %s", collective, launch[1])
+        return None
+    plaunch, choice = launch
+    cur = torch.cuda.current_stream(a.device)
+    slot = res.slot(cur)
+    if slot is None:
+        return None
+    out = torch.empty(out_shape, dtype=a.dtype, device=a.device)
+    b_in, ldb = _kernel_b(b, choice)
+    peer_route.execute(plaunch, _row_major(a), b_in, ldb, opnd.bias, out, group, res, slot, cur,
+                       kernels.SIGNAL_MODES[SIGNAL_MODE], kernels.RASTERS[RASTER], SWIZZLE,
+                       max(1, int(config.wait_timeout_ms * 1e6)))
+    stats[f"fused:{collective}"] += 1
+    stats["route:peer"] += 1
     return out
 
 

@@ -85,7 +85,7 @@ class KernelLib:
         in ``order`` (None = natural order)."""
         m, k = a.shape
         rc = self.lib.fo_gemm(index, a.data_ptr(), a.stride(0), b.data_ptr(), ldb,
-                              bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), m,
+                              bias.data_ptr() if bias is not None else None, None, 0, out.data_ptr(), out.stride(0), m,
                               out.shape[1], k, counters_ptr, gmap.data_ptr(),
                               order.data_ptr() if order is not None else None, signal_mode, sm_count, raster, swizzle,
                               workspace.data_ptr() if workspace is not None else None,

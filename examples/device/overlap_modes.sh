@@ -6,7 +6,8 @@
 #       kind="nvidia-h200-x4")
 # Knobs: FO_SHAPES4 / FO_SHAPES2 (bench --shapes), FO_VARIANTS (bench --fused-variants), FO_ARGS (more bench
 # flags), FO_TUNE=1 (tuner after the benchmarks), FO_SKIP ("tests bench2 bench4"), FO_BUDGET_S (default 560),
-# FO_B2_BUDGET_S (the 2-GPU benchmark's --time-budget-s, default 240).
+# FO_B2_BUDGET_S (the 2-GPU benchmark's --time-budget-s, default 240), FO_TESTS (test files, default the three
+# GPU test files).
 set -uo pipefail
 source examples/device/setup_env.sh
 END=$((SECONDS + ${FO_BUDGET_S:-560}))
@@ -27,8 +28,10 @@ if [ "$NGPU" -lt 4 ]; then  # one pair of GPUs: tests first, then the 2-GPU benc
 fi
 pids=()
 if [[ "$SKIP" != *" tests "* ]]; then
-  (CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 -m pytest -q -rs -p no:cacheprovider \
-     "$REPO/tests/test_gpu_ops.py" "$REPO/tests/test_gpu_kernels.py" >"$OUT/gpu_tests.log" 2>&1
+  TESTS=()
+  for t in ${FO_TESTS:-test_gpu_ops.py test_gpu_kernels.py test_gpu_peer.py}; do TESTS+=("$REPO/tests/$t"); done
+  (CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 -m pytest -q -rs -p no:cacheprovider "${TESTS[@]}" \
+     >"$OUT/gpu_tests.log" 2>&1
    echo "gpu pytest rc=$?" >>"$OUT/gpu_tests.log") &
   pids+=($!)
   [ "$NGPU" -lt 4 ] && wait "${pids[@]}"

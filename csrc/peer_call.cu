@@ -1,0 +1,188 @@
+// fo_peer_call: the peer route of a two-rank fused reduce_scatter / all_reduce, one host call per fused op.
+//
+// Reduce-scatter inside the GEMM: each rank first multiplies the rows its peer owns (GEMM 1, into symmetric
+// scratch), then its own rows with an epilogue that adds the peer's GEMM 1 result as CUTLASS's C operand, read
+// by TMA straight from the peer's memory. No bytes are copied and no reduction kernel runs: the sum is formed in
+// the epilogue of a GEMM that holds the SMs anyway. all_reduce then needs only the other half of the result, which
+// the copy engine pulls from the peer group by group while GEMM 2 runs (no SMs taken from the GEMM).
+//
+// Cross-GPU ordering: fo_notify (system-scope fence + release add on the peer's flag, after the GEMM in stream
+// order) pairs with the bounded wait kernel's system-scope acquire. See flashoverlap_sm90.h for the contract.
+#include <cuda_runtime.h>
+
+#include <string>
+#include <unordered_map>
+
+#include "flashoverlap_sm90.h"
+#include "registry.hpp"
+
+namespace flashoverlap {
+
+// api.cu
+int fail_code(int code, std::string msg);
+int launch_wait(int const* counter, int* expected, int increment, long long timeout_ns, int* error_record, int tag,
+                cudaStream_t stream, int* notify);
+
+namespace {
+
+// Error-record tags of the peer route's waits (the NCCL route tags its waits with the group index).
+constexpr int kTagPartial = 1000;   // the peer's GEMM 1
+constexpr int kTagOwnGroup = 1100;  // + g: this rank's GEMM 2, group g
+constexpr int kTagPeerGroup = 1200;  // + g: the peer's GEMM 2, group g
+constexpr int kMaxGroups = FO_PEER_MAX_GROUPS;
+
+struct PeerEvents {
+  cudaEvent_t fork = nullptr, join_side = nullptr, join_pull = nullptr;
+};
+
+int cuda_check(cudaError_t e, char const* what) {
+  return e == cudaSuccess ? 0 : fail_code(100 + int(e), std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// Per host thread and device, like fused_call.cu's events.
+int events(PeerEvents*& out) {
+  thread_local std::unordered_map<int, PeerEvents> table;
+  int device = 0;
+  int rc = cuda_check(cudaGetDevice(&device), "cudaGetDevice");
+  if (rc != 0) return rc;
+  PeerEvents& ev = table[device];
+  if (ev.fork == nullptr) {
+    for (cudaEvent_t* e : {&ev.fork, &ev.join_side, &ev.join_pull}) {
+      if ((rc = cuda_check(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreate")) != 0) return rc;
+    }
+  }
+  out = &ev;
+  return 0;
+}
+
+int gemm(GemmConfig const& c, fo_peer_args const& p, int row, void const* c_operand, void* d, int64_t ldd,
+         int* counters, int const* group_of_tile_row, cudaStream_t stream) {
+  GemmCall call{};
+  call.a = static_cast<char const*>(p.a) + int64_t(row) * p.lda * p.elem_bytes;
+  call.lda = p.lda;
+  call.b = p.b;
+  call.ldb = p.ldb;
+  call.bias = p.bias;
+  call.d = d;
+  call.ldd = ldd;
+  call.m = p.rows, call.n = p.n, call.k = p.k;
+  call.counters = counters;
+  call.group_of_tile_row = group_of_tile_row;
+  call.tile_row_order = nullptr;
+  call.signal_mode = p.signal_mode;
+  call.sm_count = p.sm_count;
+  call.raster = p.raster;
+  call.swizzle = p.swizzle;
+  call.workspace = p.workspace;
+  call.workspace_bytes = p.workspace_bytes;
+  call.stream = stream;
+  call.c = c_operand;
+  call.ldc = p.n;
+  std::string err;
+  int rc = c.run(call, err);
+  return rc == 0 ? 0 : fail_code(rc, err);
+}
+
+// Rows [r0, r1) of a [*, n] matrix at src (row stride src_ld) to dst (row stride dst_ld), on `stream`.
+int copy_rows(void* dst, int64_t dst_ld, void const* src, int64_t src_ld, int64_t r0, int64_t r1, int n,
+              int elem_bytes, cudaStream_t stream) {
+  if (r1 <= r0) return 0;
+  size_t const e = size_t(elem_bytes);
+  return cuda_check(cudaMemcpy2DAsync(static_cast<char*>(dst) + r0 * dst_ld * e, size_t(dst_ld) * e,
+                                      static_cast<char const*>(src) + r0 * src_ld * e, size_t(src_ld) * e,
+                                      size_t(n) * e, size_t(r1 - r0), cudaMemcpyDeviceToDevice, stream),
+                    "peer route copy");
+}
+
+int check_args(fo_peer_args const& p, GemmConfig const*& c1, GemmConfig const*& c2) {
+  c1 = config_at(p.config_partial);
+  c2 = config_at(p.config_add);
+  if (c1 == nullptr || c2 == nullptr) return fail_code(1, "fo_peer_call: no such configuration");
+  if (c1->add_c != 0 || c2->add_c != 1) {
+    return fail_code(2, "fo_peer_call: config_partial must be a plain configuration, config_add an _addc one");
+  }
+  if (p.rows <= 0 || p.n <= 0 || p.k <= 0) return fail_code(2, "fo_peer_call: sizes must be positive");
+  if (p.partial == nullptr || p.peer_partial == nullptr || p.own_dst == nullptr || p.flags == nullptr ||
+      p.peer_flags == nullptr || p.expected == nullptr) {
+    return fail_code(2, "fo_peer_call: partial, peer_partial, own_dst, flags, peer_flags and expected are required");
+  }
+  if (p.num_groups < 0 || p.num_groups > kMaxGroups) {
+    return fail_code(2, "fo_peer_call: num_groups must be in [0, FO_PEER_MAX_GROUPS]");
+  }
+  if ((p.num_groups > 0 && (p.group_rows == nullptr || p.group_tiles == nullptr ||
+                                                p.counters == nullptr || p.peer_own == nullptr || p.out == nullptr))) {
+    return fail_code(2, "fo_peer_call: all_reduce needs group_rows, group_tiles, counters, peer_own and out");
+  }
+  for (int g = 0; g < p.num_groups; ++g) {
+    if (p.group_rows[g] > p.group_rows[g + 1] || p.group_rows[0] != 0 || p.group_rows[p.num_groups] != p.rows) {
+      return fail_code(2, "fo_peer_call: group_rows must rise from 0 to rows");
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace flashoverlap
+
+using namespace flashoverlap;
+
+extern "C" {
+
+FO_API int fo_peer_call(const fo_peer_args* args) {
+  if (args == nullptr) return fail_code(2, "fo_peer_call: args is null");
+  fo_peer_args const& p = *args;
+  GemmConfig const *c1 = nullptr, *c2 = nullptr;
+  int rc = check_args(p, c1, c2);
+  if (rc != 0) return rc;
+  auto cur = static_cast<cudaStream_t>(p.cur_stream);
+  auto side = static_cast<cudaStream_t>(p.side_stream);
+  auto pull = static_cast<cudaStream_t>(p.pull_stream);
+  long long const timeout = (long long)p.timeout_ns;
+  int const G = p.num_groups;
+  PeerEvents* ev = nullptr;
+  if ((rc = events(ev)) != 0) return rc;
+  int* const counter_targets = p.expected + 1 + kMaxGroups;
+  if (G > 0) {  // epoch resync of GEMM 2's counters (every earlier user was joined into `cur`), then fork
+    rc = cuda_check(cudaMemcpyAsync(counter_targets, p.counters, size_t(G) * sizeof(int), cudaMemcpyDeviceToDevice,
+                                    cur), "epoch resync");
+    if (rc == 0) rc = cuda_check(cudaEventRecord(ev->fork, cur), "fork record");
+    if (rc == 0) rc = cuda_check(cudaStreamWaitEvent(side, ev->fork, 0), "fork wait");
+    if (rc == 0) rc = cuda_check(cudaStreamWaitEvent(pull, ev->fork, 0), "fork wait");
+    if (rc != 0) return rc;
+  }
+  // GEMM 1: the peer's rows, then tell the peer, then wait until the peer's GEMM 1 (our C) is complete.
+  rc = gemm(*c1, p, p.peer_row, nullptr, p.partial, p.n, nullptr, nullptr, cur);
+  if (rc == 0) rc = launch_wait(nullptr, nullptr, 0, 0, nullptr, 0, cur, p.peer_flags);
+  if (rc == 0) rc = launch_wait(p.flags, p.expected, 1, timeout, p.error_record, kTagPartial, cur, nullptr);
+  // GEMM 2: own rows + the peer's partial of them.
+  if (rc == 0) {
+    rc = gemm(*c2, p, p.own_row, p.peer_partial, p.own_dst, p.ld_own, G > 0 ? p.counters : nullptr,
+              G > 0 ? p.group_of_tile_row : nullptr, cur);
+  }
+  if (G == 0) return rc;
+  for (int g = 0; g < G && rc == 0; ++g) {
+    int const r0 = p.group_rows[g], r1 = p.group_rows[g + 1];
+    rc = launch_wait(p.counters + g, counter_targets + g, p.group_tiles[g], timeout, p.error_record, kTagOwnGroup + g,
+                     side, p.peer_flags + 1 + g);
+    if (rc == 0) {
+      rc = copy_rows(static_cast<char*>(p.out) + int64_t(p.own_row) * p.ld_out * p.elem_bytes, p.ld_out, p.own_dst,
+                     p.ld_own, r0, r1, p.n, p.elem_bytes, side);
+    }
+    if (rc == 0) {
+      rc = launch_wait(p.flags + 1 + g, p.expected + 1 + g, 1, timeout, p.error_record, kTagPeerGroup + g, pull,
+                       nullptr);
+    }
+    if (rc == 0) {
+      rc = copy_rows(static_cast<char*>(p.out) + int64_t(p.peer_row) * p.ld_out * p.elem_bytes, p.ld_out, p.peer_own,
+                     p.n, r0, r1, p.n, p.elem_bytes, pull);
+    }
+  }
+  // Join even after a failure, so `cur` never runs ahead of work already queued on the side streams.
+  int rc_join = cuda_check(cudaEventRecord(ev->join_side, side), "join record");
+  if (rc_join == 0) rc_join = cuda_check(cudaEventRecord(ev->join_pull, pull), "join record");
+  if (rc_join == 0) rc_join = cuda_check(cudaStreamWaitEvent(cur, ev->join_side, 0), "join wait");
+  if (rc_join == 0) rc_join = cuda_check(cudaStreamWaitEvent(cur, ev->join_pull, 0), "join wait");
+  return rc != 0 ? rc : rc_join;
+}
+
+}  // extern "C"

@@ -1,0 +1,246 @@
+"""The peer route of the fused reduce_scatter / all_reduce on two GPUs: the reduction inside the GEMM's epilogue.
+
+Rank r owns rows ``[r * M/2, (r + 1) * M/2)`` of the ``[M, N]`` result (reduce_scatter's own chunk). Per call
+(``fo_peer_call``, ``csrc/peer_call.cu``, one host call):
+
+1. GEMM 1: A's rows that the *peer* owns -> this rank's symmetric scratch ``partial``.
+2. Tell the peer (a system-scope flag in its memory); wait until the peer's GEMM 1 is done (bounded).
+3. GEMM 2 (an ``_addc`` configuration): A's own rows, with the peer's ``partial`` of them added in the epilogue as
+   CUTLASS's C operand, read by TMA straight from the peer's memory over NVLink. reduce_scatter: into the output;
+   done. all_reduce: into the symmetric ``own`` buffer, signalling its wave groups.
+4. all_reduce only, per group as it completes: the copy engine pulls the peer's ``own`` rows into the output, and
+   copies this rank's own rows there (no SMs taken from the GEMM, no NCCL).
+
+The sum is rounded as NCCL rounds it for two ranks: both partials are rounded to the output dtype, then added in
+fp32 and rounded once, and every element's final value is computed once and copied to the other rank.
+
+Why: NCCL's kernels beside the GEMM take SMs and end after it (``examples/RESULTS.md``); here the only work beside
+the GEMM is TMA loads of C and copy-engine transfers. Not a NCCL collective: an opt-in transport
+(``TRANSPORT = "peer"`` / ``$FLASHOVERLAP_TRANSPORT=peer``) that needs two ranks on one NVLink host, torch's
+symmetric memory and the library's ``_addc`` configurations; every other call keeps the NCCL route.
+
+Symmetric workspace of one (device, group): ``[flags: 4 KiB | set 0: partial, own | set 1: partial, own]``, each
+region ``capacity`` bytes. Calls alternate the two sets: the flag wait of call i + 1 proves that the peer finished
+call i - 1, which read the set call i + 1 overwrites. Growing the workspace is collective (every rank grows at the
+same call: every decision here depends on shapes all ranks share) and synchronizes the device first. Not under
+CUDA-graph capture (the set parity lives on the host): the runtime takes the NCCL route there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import kernels, streams
+from . import plan as planlib
+
+log = logging.getLogger("flashoverlap")
+
+TRANSPORT: str = os.environ.get("FLASHOVERLAP_TRANSPORT", "nccl")  # "nccl" | "peer"
+# The _addc configuration of GEMM 2 (None: the first compiled one whose tile matches GEMM 1's).
+ADD_KERNEL: str | None = os.environ.get("FLASHOVERLAP_PEER_KERNEL") or None
+MAX_GROUPS = 64  # FO_PEER_MAX_GROUPS of csrc/flashoverlap_sm90.h
+GROUPS = int(os.environ.get("FLASHOVERLAP_PEER_GROUPS", "8"))  # all_reduce: copy groups of GEMM 2's rows (at most)
+FLAG_BYTES = 4096
+COLLECTIVES = ("all_reduce", "reduce_scatter")
+
+
+class PeerArgs(ctypes.Structure):
+    """``fo_peer_args`` of ``csrc/flashoverlap_sm90.h`` (pointers as ints; sizes in elements)."""
+
+    _fields_ = [("config_partial", ctypes.c_int32), ("config_add", ctypes.c_int32), ("a", ctypes.c_void_p),
+                ("lda", ctypes.c_int64), ("b", ctypes.c_void_p), ("ldb", ctypes.c_int64), ("bias", ctypes.c_void_p),
+                ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("rows", ctypes.c_int32), ("own_row", ctypes.c_int32),
+                ("peer_row", ctypes.c_int32), ("num_groups", ctypes.c_int32), ("partial", ctypes.c_void_p),
+                ("peer_partial", ctypes.c_void_p), ("own_dst", ctypes.c_void_p), ("ld_own", ctypes.c_int64),
+                ("flags", ctypes.c_void_p), ("peer_flags", ctypes.c_void_p), ("expected", ctypes.c_void_p),
+                ("group_rows", ctypes.c_void_p), ("group_tiles", ctypes.c_void_p), ("counters", ctypes.c_void_p),
+                ("group_of_tile_row", ctypes.c_void_p), ("peer_own", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                ("ld_out", ctypes.c_int64), ("elem_bytes", ctypes.c_int32), ("signal_mode", ctypes.c_int32),
+                ("sm_count", ctypes.c_int32), ("raster", ctypes.c_int32), ("swizzle", ctypes.c_int32),
+                ("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_size_t), ("timeout_ns", ctypes.c_int64),
+                ("error_record", ctypes.c_void_p), ("cur_stream", ctypes.c_void_p), ("side_stream", ctypes.c_void_p),
+                ("pull_stream", ctypes.c_void_p)]
+
+
+@dataclass
+class Workspace:
+    """The symmetric buffer of one (device, group) and the peer's mapping of its own (bytes)."""
+
+    group_name: str
+    capacity: int  # bytes per region (partial / own, per set)
+    buf: torch.Tensor  # uint8, FLAG_BYTES + 4 * capacity
+    hdl: object
+    peer_base: int  # the peer's buffer, mapped here
+    expected: torch.Tensor  # int32 [1 + 2 * MAX_GROUPS]: flag epochs, then counter targets (csrc contract)
+    pull: torch.cuda.Stream
+    peer_view: torch.Tensor  # keeps the peer's mapping alive
+    calls: int = 0
+
+    def regions(self) -> tuple[int, int, int, int]:
+        """(partial, own, peer's partial, peer's own) pointers of this call's set; advances the parity."""
+        off = FLAG_BYTES + (self.calls & 1) * 2 * self.capacity
+        self.calls += 1
+        base = self.buf.data_ptr()
+        return base + off, base + off + self.capacity, self.peer_base + off, self.peer_base + off + self.capacity
+
+
+_workspaces: dict[tuple[int, str], Workspace] = {}
+
+
+def workspace(group: dist.ProcessGroup, device: torch.device, region_bytes: int) -> Workspace:
+    """The cached workspace with ``region_bytes`` per region, grown (collectively) when a call needs more."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    name = group.group_name
+    key = (device.index, name)
+    ws = _workspaces.get(key)
+    if ws is not None and ws.capacity >= region_bytes:
+        return ws
+    capacity = max(1 << 20, 1 << (region_bytes - 1).bit_length())  # a power of two: few regrowths
+    if ws is not None:  # no call in flight on either rank may still use the old buffer
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group, device_ids=[device.index])
+        torch.cuda.synchronize(device)
+    buf = symm_mem.empty(FLAG_BYTES + 4 * capacity, dtype=torch.uint8, device=device)
+    buf[:FLAG_BYTES].zero_()  # before the rendezvous: no peer can notify us before it has our address
+    torch.cuda.synchronize(device)
+    hdl = symm_mem.rendezvous(buf, name)
+    peer = 1 - group.rank()
+    peer_view = hdl.get_buffer(peer, (FLAG_BYTES + 4 * capacity,), torch.uint8)
+    old_pull = ws.pull if ws is not None else None
+    ws = _workspaces[key] = Workspace(
+        name, capacity, buf, hdl, peer_view.data_ptr(),
+        streams.persistent(device.index, lambda: torch.zeros(1 + 2 * MAX_GROUPS, dtype=torch.int32, device=device)),
+        old_pull or torch.cuda.Stream(device=device, priority=-100), peer_view)
+    log.info("flashoverlap peer: symmetric workspace of 4 x %d MiB on %s, group %s", capacity >> 20, device, name)
+    return ws
+
+
+def reset() -> None:
+    """Drop every workspace (after synchronizing its device): the next call makes fresh ones, collectively, with
+    zeroed flags. For tests and after a timeout, when the ranks' flags are out of step."""
+    for (index, _), _ws in list(_workspaces.items()):
+        torch.cuda.synchronize(index)
+    _workspaces.clear()
+
+
+@dataclass(frozen=True)
+class PeerLaunch:
+    """What one call shape needs (memoized by the runtime like its NCCL launches)."""
+
+    collective: str
+    config_partial: int
+    config_add: int
+    rows: int  # rows per rank (M / 2)
+    own_row: int
+    peer_row: int
+    groups: int  # all_reduce copy groups (0 for reduce_scatter)
+    group_rows: ctypes.Array
+    group_tiles: ctypes.Array
+    gmap: torch.Tensor | None
+    sm_count: int
+    workspace_bytes: int
+    description: str
+
+
+def unsupported(collective: str, rows: int, n: int, k: int, dtype: torch.dtype, world: int, layout: str | None,
+                add_kernels: list[kernels.KernelInfo]) -> str | None:
+    """Why this call cannot take the peer route (None: it can). Depends only on what all ranks share."""
+    if collective not in COLLECTIVES:
+        return f"{collective} has no peer route"
+    if world != 2:
+        return f"world size {world} (the peer route is for 2 ranks)"
+    if rows % 2 or rows < 2:
+        return f"{rows} rows do not split into two equal halves"
+    dname = str(dtype).removeprefix("torch.")
+    if not any((dname, layout) in c.variants for c in add_kernels):
+        return f"no _addc configuration compiled for {dname} with B as {layout}"
+    return None
+
+
+def group_bounds(rows: int, tile_m: int, swizzle: int, groups: int) -> list[int]:
+    """Row boundaries of the all_reduce copy groups over GEMM 2's ``rows``: whole bands of ``swizzle`` tile-rows
+    (the scheduler completes a band's tiles together), at most ``groups`` of them, the larger ones first."""
+    unit = tile_m * max(1, swizzle)
+    units = -(-rows // unit)
+    g = max(1, min(groups, units, MAX_GROUPS))
+    sizes = [units // g + (1 if i < units % g else 0) for i in range(g)]
+    bounds = [0]
+    for s in sizes:
+        bounds.append(min(rows, bounds[-1] + s * unit))
+    return bounds
+
+
+def make_launch(collective: str, rows_total: int, n: int, k: int, dtype: torch.dtype, rank: int, plain: int,
+                tile: tuple[int, int], res: streams.DeviceResources, grid_ctas, swizzle: int, raster: int,
+                layout: str, device: torch.device) -> PeerLaunch:
+    """The launch of one call shape: GEMM 1 with library configuration ``plain`` (tile ``tile``), GEMM 2 with the
+    matching ``_addc`` configuration, the copy groups (all_reduce) and the grid (``grid_ctas(tiles) -> CTAs``)."""
+    lib = streams.kernel_lib()
+    adds = kernels.configs(add_c=True)
+    dname = str(dtype).removeprefix("torch.")
+    fit = [c for c in adds if (dname, layout) in c.variants and (c.tile_m, c.tile_n) == tuple(tile)]
+    pick = next((c for c in fit if c.name == ADD_KERNEL), None) or next(
+        (c for c in adds if c.name == ADD_KERNEL and (dname, layout) in c.variants), None) or (fit or adds)[0]
+    add = lib.config_index(pick.name, dtype, layout)
+    half = rows_total // 2
+    own_row, peer_row = rank * half, (1 - rank) * half
+    tiles = -(-half // pick.tile_m) * -(-n // pick.tile_n)
+    sm_count = grid_ctas(tiles)
+    bounds = group_bounds(half, pick.tile_m, swizzle, GROUPS) if collective == "all_reduce" else [0, half]
+    groups = len(bounds) - 1 if collective == "all_reduce" else 0
+    group_rows = (ctypes.c_int32 * len(bounds))(*bounds)
+    group_tiles = (ctypes.c_int32 * max(1, groups))(*planlib.tiles_per_group(bounds, pick.tile_m, pick.tile_n, n)) \
+        if groups else (ctypes.c_int32 * 1)()
+    gmap = streams.persistent(res.index, lambda: torch.tensor(planlib.group_of_tile_row(bounds, pick.tile_m),
+                                                              dtype=torch.int32, device=device)) if groups else None
+    ws = max(lib.workspace_bytes(plain, half, n, k, sm_count, raster, swizzle),
+             lib.workspace_bytes(add, half, n, k, sm_count, raster, swizzle))
+    desc = (f"{collective} rows={rows_total} n={n} k={k} {dname}: peer route, GEMM 2 {pick.name}, "
+            f"{groups} copy groups {bounds}, {sm_count} CTAs")
+    log.info("flashoverlap: launch %s", desc)
+    return PeerLaunch(collective, plain, add, half, own_row, peer_row, groups, group_rows, group_tiles, gmap,
+                      sm_count, ws, desc)
+
+
+def execute(launch: PeerLaunch, a: torch.Tensor, b: torch.Tensor, ldb: int, bias: torch.Tensor | None,
+            out: torch.Tensor, group: dist.ProcessGroup, res: streams.DeviceResources, slot: int,
+            cur: torch.cuda.Stream, signal_mode: int, raster: int, swizzle: int, timeout_ns: int) -> torch.Tensor:
+    """One call (``fo_peer_call``); ``out``: the op's output, [M, N] (all_reduce) or [M/2, N] (reduce_scatter)."""
+    n = b.shape[1]
+    elem = a.element_size()
+    region = launch.rows * n * elem
+    ws = workspace(group, a.device, region)
+    partial, own, peer_partial, peer_own = ws.regions()
+    workspace_t = torch.empty(launch.workspace_bytes, dtype=torch.uint8, device=a.device) \
+        if launch.workspace_bytes else None
+    out2 = out.view(-1, n)
+    ar = launch.collective == "all_reduce"
+    p = PeerArgs()
+    p.config_partial, p.config_add = launch.config_partial, launch.config_add
+    p.a, p.lda, p.b, p.ldb = a.data_ptr(), a.stride(0), b.data_ptr(), ldb
+    p.bias = bias.data_ptr() if bias is not None else None
+    p.n, p.k, p.rows, p.own_row, p.peer_row = n, a.shape[1], launch.rows, launch.own_row, launch.peer_row
+    p.num_groups = launch.groups
+    p.partial, p.peer_partial = partial, peer_partial
+    p.own_dst, p.ld_own = (own, n) if ar else (out2.data_ptr(), out2.stride(0))
+    p.flags, p.peer_flags, p.expected = ws.buf.data_ptr(), ws.peer_base, ws.expected.data_ptr()
+    p.group_rows, p.group_tiles = ctypes.addressof(launch.group_rows), ctypes.addressof(launch.group_tiles)
+    p.counters = res.counters[slot].data_ptr() if ar else None
+    p.group_of_tile_row = launch.gmap.data_ptr() if launch.gmap is not None else None
+    p.peer_own = peer_own if ar else None
+    p.out, p.ld_out = out2.data_ptr(), out2.stride(0)
+    p.elem_bytes, p.signal_mode, p.sm_count, p.raster, p.swizzle = elem, signal_mode, launch.sm_count, raster, swizzle
+    p.workspace = workspace_t.data_ptr() if workspace_t is not None else None
+    p.workspace_bytes = launch.workspace_bytes
+    p.timeout_ns, p.error_record = timeout_ns, res.record.data_ptr()
+    p.cur_stream, p.side_stream, p.pull_stream = cur.cuda_stream, res.side.cuda_stream, ws.pull.cuda_stream
+    lib = streams.kernel_lib()
+    lib.check(lib.lib.fo_peer_call(ctypes.byref(p)), "fo_peer_call")
+    return out

@@ -1,0 +1,169 @@
+"""GPU tests of the peer route (``peer_route``: the two-rank reduction inside GEMM 2's epilogue).
+
+Skipped unless 2 CUDA devices, an sm90 GPU and a library with ``_addc`` configurations are present. Every check
+compares with an fp64 reference built from both ranks' inputs, next to eager PyTorch's own error, on fresh random
+data; fresh outputs are NaN-filled (``torch.use_deterministic_algorithms``), so rows never written fail. Covered:
+the ``_addc`` GEMM alone, both ops on ragged and tiny shapes with and without bias, calls that alternate the
+workspace sets and grow the workspace, calls that cannot take the route (fp16, B row-major, odd rows) taking the
+NCCL route instead, and a peer that never arrives (a bounded wait, then ``FlashOverlapTimeout``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import DistPool
+from test_gpu_ops import WORLD, _call, _check, _eager, _operands, _reference, _rel, _route_ops, _y64
+
+from flashoverlap_inductor import kernels
+
+
+def _peer_ready() -> bool:
+    try:
+        return (torch.cuda.is_available() and torch.cuda.device_count() >= WORLD and kernels.available()
+                and bool(kernels.configs(add_c=True)))
+    except Exception:  # noqa: BLE001 - any failure to probe means: skip
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _peer_ready(), reason="needs >= 2 sm90 GPUs and a library with _addc configs")
+
+
+@pytest.fixture(scope="module")
+def pool():
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "FLASHOVERLAP_TRANSPORT": "peer"}
+    p = DistPool(WORLD, env, timeout_s=150.0, backend="nccl", setup=_route_ops)
+    yield p
+    p.close()
+
+
+SHAPES = [(4096, 1024, 512), (1000, 776, 328), (256, 264, 64), (40, 264, 64), (2048, 2048, 1024)]
+
+
+def peer_match_task(op: str) -> dict[str, int]:
+    """Each shape with and without bias, then calls that cannot take the route; every result checked."""
+    import torch.distributed as dist
+
+    from flashoverlap_inductor import peer_route, runtime_gpu
+
+    assert peer_route.TRANSPORT == "peer"
+    rank = dist.get_rank()
+    runtime_gpu.reset()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for i, (rows, n, k) in enumerate(SHAPES):
+            for bias in (False, True):
+                args = [_operands(31 + 7 * i + bias, r, "2d", rows, n, k, torch.bfloat16, "nk", bias)
+                        for r in range(WORLD)]
+                a, b, c = args[rank]
+                out = _call(op, a, b, c, "auto")
+                _check(out, _reference(op, [_y64(*x) for x in args], rank), _eager(op, a, b, c),
+                       f"peer {op} {rows}x{n}x{k} bias={bias}")
+        peer_calls = runtime_gpu.stats["route:peer"]
+        for rows, dtype, layout in ((1024, torch.float16, "nk"), (1024, torch.bfloat16, "kn"),
+                                    (1001, torch.bfloat16, "nk")):
+            if op == "reduce_scatter" and rows % 2:
+                continue
+            args = [_operands(5, r, "2d", rows, 512, 256, dtype, layout, False) for r in range(WORLD)]
+            a, b, c = args[rank]
+            out = _call(op, a, b, c, "auto")
+            _check(out, _reference(op, [_y64(*x) for x in args], rank), _eager(op, a, b, c),
+                   f"nccl route {op} {rows} {dtype} {layout}")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    runtime_gpu.check()
+    return {"peer": peer_calls, "after": runtime_gpu.stats["route:peer"], "skips": runtime_gpu.stats["peer_skip"]}
+
+
+def alternating_calls_task(calls: int) -> int:
+    """``calls`` calls without a sync, fresh data each, both ops, a small and a large shape (the workspace grows
+    mid-way): each result checked after the last call (stale workspace sets would show here)."""
+    import torch.distributed as dist
+
+    from flashoverlap_inductor import runtime_gpu
+
+    rank = dist.get_rank()
+    runtime_gpu.reset()
+    pending = []
+    for i in range(calls):
+        op = ("all_reduce", "reduce_scatter")[i % 2]
+        rows, n, k = (512, 1024, 256) if i < calls // 2 else (2048, 4096, 512)
+        args = [_operands(1000 + i, r, "2d", rows, n, k, torch.bfloat16, "nk", i % 3 == 0) for r in range(WORLD)]
+        a, b, c = args[rank]
+        pending.append((op, args, _call(op, a, b, c, "auto")))
+    runtime_gpu.check()
+    for i, (op, args, out) in enumerate(pending):
+        a, b, c = args[rank]
+        _check(out, _reference(op, [_y64(*x) for x in args], rank), _eager(op, a, b, c), f"call {i} {op}")
+    return runtime_gpu.stats["route:peer"]
+
+
+def missing_peer_task() -> str:
+    """Rank 1 never calls: rank 0's bounded wait gives up and its next check raises; then both start afresh."""
+    import torch.distributed as dist
+
+    from flashoverlap_inductor import config, peer_route, runtime_gpu
+
+    rank = dist.get_rank()
+    runtime_gpu.reset()
+    a, b, c = _operands(3, rank, "2d", 512, 512, 256, torch.bfloat16, "nk", False)
+    _call("all_reduce", a, b, c, "auto")  # both ranks: the workspace exists and both are in step
+    runtime_gpu.check()
+    dist.barrier()
+    outcome = "not run"
+    if rank == 0:
+        old, config.wait_timeout_ms = config.wait_timeout_ms, 200.0
+        try:
+            runtime_gpu.reset()  # launches are rebuilt with the short timeout
+            _call("all_reduce", a, b, c, "auto")
+            runtime_gpu.check()
+            outcome = "no timeout"
+        except kernels.FlashOverlapTimeout as exc:
+            outcome = "timeout: " + str(exc)[:40]
+        finally:
+            config.wait_timeout_ms = old
+    torch.cuda.synchronize()
+    dist.barrier()
+    peer_route.reset()  # the flags of both ranks are out of step now: fresh workspaces
+    runtime_gpu.reset()
+    out = _call("all_reduce", a, b, c, "auto")
+    runtime_gpu.check()
+    ys = [_y64(*_operands(3, r, "2d", 512, 512, 256, torch.bfloat16, "nk", False)) for r in range(WORLD)]
+    assert _rel(out, _reference("all_reduce", ys, rank)) < 1.5e-2
+    return outcome
+
+
+def test_addc_gemm_matches_reference():
+    """The ``_addc`` GEMM alone: ``round(a @ b + bias) + c``, rounded once, on ragged shapes."""
+    for name in [c.name for c in kernels.configs(add_c=True)]:
+        for m, n, k in ((1000, 776, 328), (256, 4096, 1024), (40, 264, 64)):
+            g = torch.Generator().manual_seed(m + n + k)
+            a = torch.randn(m, k, generator=g).bfloat16().cuda()
+            w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16().cuda()
+            bias = torch.randn(n, generator=g).bfloat16().cuda()
+            c = torch.randn(m, n, generator=g).bfloat16().cuda()
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            kernels.signal_gemm(a, w.t(), bias, out, config=name, addend=c)
+            part = (a.double() @ w.double().t() + bias.double()).bfloat16()
+            ref = part.double() + c.double()
+            err = ((out.double() - ref).norm() / ref.norm()).item()
+            assert torch.isfinite(out).all() and err < 5e-3, f"{name} {m}x{n}x{k}: rel err {err:.3g}"
+            with pytest.raises(kernels.KernelLibraryError):  # an _addc configuration needs its C operand
+                kernels.signal_gemm(a, w.t(), bias, out, config=name)
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter"])
+def test_peer_route_matches_eager(pool, op):
+    per_rank = pool.run(peer_match_task, op)
+    for r in per_rank:
+        assert r["peer"] == 2 * len(SHAPES), per_rank  # every shape took the peer route
+        assert r["after"] == r["peer"] and r["skips"] >= 2, per_rank  # the others took the NCCL route
+
+
+def test_peer_route_alternating_sets_and_growth(pool):
+    assert pool.run(alternating_calls_task, 40) == [40] * WORLD
+
+
+def test_peer_route_missing_peer_times_out(pool):
+    per_rank = pool.run(missing_peer_task)
+    assert per_rank[0].startswith("timeout"), per_rank
