@@ -88,6 +88,12 @@ int copy_rows(void* dst, int64_t dst_ld, void const* src, int64_t src_ld, int64_
               int elem_bytes, cudaStream_t stream) {
   if (r1 <= r0) return 0;
   size_t const e = size_t(elem_bytes);
+  if (dst_ld == n && src_ld == n) {  // contiguous rows: one 1-D copy (a copy-engine transfer, no SMs)
+    return cuda_check(cudaMemcpyAsync(static_cast<char*>(dst) + r0 * dst_ld * e,
+                                      static_cast<char const*>(src) + r0 * src_ld * e, size_t(r1 - r0) * n * e,
+                                      cudaMemcpyDeviceToDevice, stream),
+                      "peer route copy");
+  }
   return cuda_check(cudaMemcpy2DAsync(static_cast<char*>(dst) + r0 * dst_ld * e, size_t(dst_ld) * e,
                                       static_cast<char const*>(src) + r0 * src_ld * e, size_t(src_ld) * e,
                                       size_t(n) * e, size_t(r1 - r0), cudaMemcpyDeviceToDevice, stream),

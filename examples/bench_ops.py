@@ -114,7 +114,8 @@ def with_mode(spec: str, fn):
 
     * grid ``persistent|tiles``: ``runtime_gpu.GEMM_GRID``; nccl ``direct|torch``: ``nccl_direct.MODE``; ``peer``:
       ``peer_route.TRANSPORT = "peer"`` (2 ranks: the reduction in GEMM 2's epilogue; other calls direct NCCL), with
-      an ``_addc`` kernel field naming GEMM 2's configuration (``peer_route.ADD_KERNEL``);
+      an ``_addc`` kernel field naming GEMM 2's configuration (``peer_route.ADD_KERNEL``) and the ctas field
+      giving all_reduce's copy groups (``peer_route.GROUPS``);
     * host ``c`` (default) or ``python``: ``fused_launch.HOST_LOOP``; ``gemm``: the diagnostic
       ``runtime_gpu.GEMM_ONLY`` (the fused path without its collectives, in the Python loop: a time split, not a
       result);
@@ -122,20 +123,22 @@ def with_mode(spec: str, fn):
       ``runtime_gpu.SWIZZLE``, ``runtime_gpu.SIGNAL_MODE``;
     * ctas ``<max>`` or ``<min>-<max>``: the caller builds ``fn`` on ``make_capped_group(max_ctas, min_ctas)``;
     * rows ``schedule|gather``: ``runtime_gpu.ROW_ORDER`` (reduce_scatter / all_to_all layouts)."""
-    grid, mode, host, kernel, _, rows = parse_spec(spec)
+    grid, mode, host, kernel, ctas, rows = parse_spec(spec)
     kernel, _, signal = kernel.partition("+")
     kernel, _, swizzle = kernel.partition("@")
 
     peer = mode == "peer"
     add_kernel = kernel if peer and kernel.endswith("_addc") else None
     kernel = "" if add_kernel else kernel
+    peer_groups = ctas[0] if peer and ctas else peer_route.GROUPS
 
     def run():
         old = (runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.KERNEL,
                runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE, runtime_gpu.ROW_ORDER, runtime_gpu.SIGNAL_MODE,
-               peer_route.TRANSPORT, peer_route.ADD_KERNEL)
+               peer_route.TRANSPORT, peer_route.ADD_KERNEL, peer_route.GROUPS)
         runtime_gpu.GEMM_GRID, nccl_direct.MODE = grid, "direct" if peer else mode
         peer_route.TRANSPORT, peer_route.ADD_KERNEL = ("peer" if peer else "nccl"), add_kernel
+        peer_route.GROUPS = peer_groups
         runtime_gpu.SIGNAL_MODE = signal or runtime_gpu.SIGNAL_MODE
         runtime_gpu.ROW_ORDER = rows or runtime_gpu.ROW_ORDER
         fused_launch.HOST_LOOP = "python" if host == "gemm" else host
@@ -146,7 +149,7 @@ def with_mode(spec: str, fn):
         finally:
             (runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.KERNEL,
              runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE, runtime_gpu.ROW_ORDER, runtime_gpu.SIGNAL_MODE,
-             peer_route.TRANSPORT, peer_route.ADD_KERNEL) = old
+             peer_route.TRANSPORT, peer_route.ADD_KERNEL, peer_route.GROUPS) = old
     return run
 
 
@@ -271,8 +274,8 @@ def bench_shape(m: int, n: int, k: int, args: argparse.Namespace, ctx: dict[str,
         if args.fuse == "always" or d.fuse:
             variants[f"{op}:fused"] = fused_call(op, a, b, info[op]["plan"], world, args.call, ctx["fused_group"])
             for spec in args.fused_variants:
-                ctas = parse_spec(spec)[4]
-                group = make_capped_group(*ctas) if ctas else None
+                _, mode, _, _, ctas, _ = parse_spec(spec)
+                group = make_capped_group(*ctas) if ctas and mode != "peer" else None
                 variants[f"{op}:fused@{spec}"] = with_mode(spec, fused_call(op, a, b, info[op]["plan"], world,
                                                                            args.call, group))
 
