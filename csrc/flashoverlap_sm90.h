@@ -34,8 +34,8 @@ FO_API int fo_preload(void);
 FO_API int fo_num_configs(void);
 FO_API int fo_config_info(int index, char* name, int name_len, int* ints);
 
-/* D[M,N] = A[M,K] @ B (+ bias[N]), fp32 accumulation, D in the input dtype. Configurations with ints[11] == 1
- * ("_addc") add a C operand: D = round(A @ B (+ bias)) + C, C [M,N] row-major (row stride ldc, any address this
+/* D[M,N] = A[M,K] @ B (+ bias[N]), fp32 accumulation, D in the input dtype. Configurations with ints[11] >= 1
+ * ("_addc"; 2 and 3 also store D to an aux tensor, which only fo_peer_call passes) add a C operand: D = round(A @ B (+ bias)) + C, C [M,N] row-major (row stride ldc, any address this
  * GPU can reach, a peer's memory included), summed in fp32 and rounded once; c_operand must then be given, and
  * must be null for every other configuration.
  * A row-major with row stride lda; B per the configuration's layout with stride ldb; D row-major, row stride ldd.
@@ -162,6 +162,11 @@ typedef struct {
   void* cur_stream;
   void* side_stream;
   void* pull_stream;
+  /* all_reduce by push (num_groups must be 0): GEMM 2 (an add_c 2 / 3 configuration) writes out's own rows and
+   * stores the same values into the peer's landing buffer (peer_own, mapped here); then notify peer_flags[1],
+   * wait flags[1] (the peer's pushes into own_dst, this rank's landing buffer, are complete) and copy own_dst ->
+   * out's peer rows on cur. */
+  int32_t push;
 } fo_peer_args;
 
 FO_API int fo_peer_call(const fo_peer_args* args);

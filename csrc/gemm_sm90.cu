@@ -9,9 +9,11 @@
 //   FO_EPI_M FO_EPI_N                 epilogue subtile, 0 = CUTLASS's choice
 //   FO_DTYPE 0|1                      bf16 | fp16 inputs and output, fp32 accumulation
 //   FO_BLAYOUT 0|1                    B as [N,K] (K contiguous, a Linear weight) | [K,N] (N contiguous)
-//   FO_ADD_C 0|1                      1: D = round(A @ B (+ bias)) + C, C a [M,N] row-major operand of the output
+//   FO_ADD_C 0|1|2|3                  1: D = round(A @ B (+ bias)) + C, C a [M,N] row-major operand of the output
 //                                     type read by TMA (the peer route's second GEMM: C is the peer's partial sum,
-//                                     read straight from its memory over NVLink)
+//                                     read straight from its memory over NVLink); 2 and 3: also store D a second
+//                                     time, to an aux [M,N] tensor (the peer's memory: all_reduce's other half),
+//                                     2 through shared memory and TMA, 3 straight from registers (no shared memory)
 //
 // D = A @ B (+ bias), then the tile-signal EVT node (tile_signal.hpp). The bias is a row broadcast with a
 // nullptr fallback, so one kernel serves both. A persistent tile scheduler walks the tiles in the raster order
@@ -100,7 +102,22 @@ using AddBias = fus::Sm90EVT<fus::Sm90Compute<cutlass::plus, Element, float, cut
 // ranks this is exactly the bf16/fp16 sum NCCL forms of the two rounded partials.
 using AddPeer = fus::Sm90EVT<fus::Sm90Compute<cutlass::plus, Element, float, cutlass::FloatRoundStyle::round_to_nearest>,
                              AddBias, fus::Sm90SrcFetch<Element>>;
+#if FO_ADD_C >= 2
+using StrideAux = cutlass::gemm::TagToStrideC_t<LayoutD>;
+namespace epi_detail = cutlass::epilogue::collective::detail;
+#if FO_ADD_C == 2
+using AuxAtom = decltype(epi_detail::sm90_get_epilogue_smem_swizzle_layout_atom<StrideAux, Element, EpilogueTile>());
+using AuxR2S = decltype(epi_detail::sm90_get_smem_store_op_for_accumulator<StrideAux, Element, EpilogueTile>());
+using AuxStore = fus::Sm90AuxStore<2, EpilogueTile, Element, cutlass::FloatRoundStyle::round_to_nearest, StrideAux,
+                                   AuxAtom, AuxR2S, kAlign>;
+#else
+using AuxStore = fus::Sm90AuxStore<0, EpilogueTile, Element, cutlass::FloatRoundStyle::round_to_nearest, StrideAux,
+                                   void, void, kAlign>;
+#endif
+using Fusion = fus::Sm90EVT<flashoverlap::Sm90TileSignal, fus::Sm90EVT<AuxStore, AddPeer>>;
+#else
 using Fusion = fus::Sm90EVT<flashoverlap::Sm90TileSignal, AddPeer>;
+#endif
 using ElementC = Element;
 #else
 using Fusion = fus::Sm90EVT<flashoverlap::Sm90TileSignal, AddBias>;
@@ -180,6 +197,20 @@ bool make_arguments(flashoverlap::GemmCall const& c, typename Gemm::Arguments& a
     return false;
   }
 #endif
+#if FO_ADD_C >= 2
+  if (c.aux == nullptr) {
+    err = std::string(FO_NAME) + ": this configuration stores an aux copy of D, and no aux tensor was given";
+    return false;
+  }
+  StrideAux sAux{};
+  get<0>(sAux) = c.ldaux;
+  get<2>(sAux) = M * c.ldaux;
+#else
+  if (c.aux != nullptr) {
+    err = std::string(FO_NAME) + ": this configuration has no aux output";
+    return false;
+  }
+#endif
 
   args = typename Gemm::Arguments{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
@@ -193,7 +224,13 @@ bool make_arguments(flashoverlap::GemmCall const& c, typename Gemm::Arguments& a
 #if FO_ADD_C
   args.epilogue.ptr_C = static_cast<Element const*>(c.c);
   args.epilogue.dC = sC;
+#if FO_ADD_C >= 2
+  auto& bias_args = args.epilogue.thread.op_0.op_0.op_0.op_1;  // (AddPeer = (AddBias, SrcFetch, plus), AuxStore)
+  args.epilogue.thread.op_0.op_1.ptr_aux = static_cast<Element*>(c.aux);
+  args.epilogue.thread.op_0.op_1.dAux = sAux;
+#else
   auto& bias_args = args.epilogue.thread.op_0.op_0.op_1;  // AddPeer = (AddBias, SrcFetch, plus)
+#endif
 #else
   args.epilogue.ptr_C = nullptr;
   args.epilogue.dC = sD;

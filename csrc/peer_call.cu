@@ -56,7 +56,7 @@ int events(PeerEvents*& out) {
 }
 
 int gemm(GemmConfig const& c, fo_peer_args const& p, int row, void const* c_operand, void* d, int64_t ldd,
-         int* counters, int const* group_of_tile_row, cudaStream_t stream) {
+         int* counters, int const* group_of_tile_row, cudaStream_t stream, void* aux = nullptr) {
   GemmCall call{};
   call.a = static_cast<char const*>(p.a) + int64_t(row) * p.lda * p.elem_bytes;
   call.lda = p.lda;
@@ -78,6 +78,8 @@ int gemm(GemmConfig const& c, fo_peer_args const& p, int row, void const* c_oper
   call.stream = stream;
   call.c = c_operand;
   call.ldc = p.n;
+  call.aux = aux;
+  call.ldaux = p.n;
   std::string err;
   int rc = c.run(call, err);
   return rc == 0 ? 0 : fail_code(rc, err);
@@ -104,8 +106,12 @@ int check_args(fo_peer_args const& p, GemmConfig const*& c1, GemmConfig const*& 
   c1 = config_at(p.config_partial);
   c2 = config_at(p.config_add);
   if (c1 == nullptr || c2 == nullptr) return fail_code(1, "fo_peer_call: no such configuration");
-  if (c1->add_c != 0 || c2->add_c != 1) {
-    return fail_code(2, "fo_peer_call: config_partial must be a plain configuration, config_add an _addc one");
+  if (c1->add_c != 0 || (p.push ? c2->add_c < 2 : c2->add_c != 1)) {
+    return fail_code(2, "fo_peer_call: config_partial must be a plain configuration, config_add an _addc one (with "
+                        "an aux store exactly when push is set)");
+  }
+  if (p.push && (p.num_groups != 0 || p.peer_own == nullptr || p.out == nullptr)) {
+    return fail_code(2, "fo_peer_call: push needs num_groups 0, peer_own and out");
   }
   if (p.rows <= 0 || p.n <= 0 || p.k <= 0) return fail_code(2, "fo_peer_call: sizes must be positive");
   if (p.partial == nullptr || p.peer_partial == nullptr || p.own_dst == nullptr || p.flags == nullptr ||
@@ -160,6 +166,20 @@ FO_API int fo_peer_call(const fo_peer_args* args) {
   rc = gemm(*c1, p, p.peer_row, nullptr, p.partial, p.n, nullptr, nullptr, cur);
   if (rc == 0) rc = launch_wait(nullptr, nullptr, 0, 0, nullptr, 0, cur, p.peer_flags);
   if (rc == 0) rc = launch_wait(p.flags, p.expected, 1, timeout, p.error_record, kTagPartial, cur, nullptr);
+  if (p.push) {  // all_reduce by push: GEMM 2 -> out's own rows + the peer's landing buffer; then ours -> out
+    char* const out = static_cast<char*>(p.out);
+    if (rc == 0) {
+      rc = gemm(*c2, p, p.own_row, p.peer_partial, out + int64_t(p.own_row) * p.ld_out * p.elem_bytes, p.ld_out,
+                nullptr, nullptr, cur, const_cast<void*>(p.peer_own));
+    }
+    if (rc == 0) rc = launch_wait(nullptr, nullptr, 0, 0, nullptr, 0, cur, p.peer_flags + 1);
+    if (rc == 0) rc = launch_wait(p.flags + 1, p.expected + 1, 1, timeout, p.error_record, kTagPeerGroup, cur, nullptr);
+    if (rc == 0) {
+      rc = copy_rows(out + int64_t(p.peer_row) * p.ld_out * p.elem_bytes, p.ld_out, p.own_dst, p.n, 0, p.rows, p.n,
+                     p.elem_bytes, cur);
+    }
+    return rc;
+  }
   // GEMM 2: own rows + the peer's partial of them.
   if (rc == 0) {
     rc = gemm(*c2, p, p.own_row, p.peer_partial, p.own_dst, p.ld_own, G > 0 ? p.counters : nullptr,

@@ -36,6 +36,8 @@ struct GemmCall {
   cudaStream_t stream;
   void const* c = nullptr;  // _addc configurations only: D = round(A @ B (+ bias)) + C, C [M,N] row-major, ld ldc
   int64_t ldc = 0;
+  void* aux = nullptr;  // add_c 2 / 3 only: D stored a second time here ([M,N] row-major, ld ldaux)
+  int64_t ldaux = 0;
 };
 
 struct GemmConfig {
@@ -47,7 +49,8 @@ struct GemmConfig {
   int epi_m, epi_n;  // 0 = auto
   int dtype;
   int b_layout;
-  int add_c;  // 1: the epilogue adds a C operand (GemmCall::c); such a configuration needs one
+  int add_c;  // 1: the epilogue adds a C operand (GemmCall::c), which it then needs; 2 / 3: and stores D a second
+              // time to GemmCall::aux (2: through shared memory and TMA; 3: from registers)
   size_t (*workspace_size)(GemmCall const&);
   // Returns 0 or writes a message to err and returns a nonzero code.
   int (*run)(GemmCall const&, std::string& err);

@@ -42,7 +42,8 @@ class KernelConfig:
     """One CUTLASS sm90 configuration. ``schedule``: "coop" (two consumer warpgroups share a tile) or "pp"
     (ping-pong: each consumer warpgroup owns a tile). ``stages`` 0 = as many as fit; ``epi`` (0, 0) = CUTLASS's
     epilogue subtile. ``variants``: "all" = bf16/fp16 x B [N,K]/[K,N]; "bf16_nk" = tuning candidate only.
-    ``add_c``: the epilogue adds a C operand (the peer route's second GEMM; name suffix ``_addc``)."""
+    ``add_c``: the epilogue adds a C operand (the peer route's second GEMM; name suffix ``_addc``), 2 / 3: and
+    stores its result again to an aux tensor (``_addc_aux`` by TMA, ``_addc_auxr`` from registers)."""
 
     schedule: str
     tile: tuple[int, int, int]
@@ -50,7 +51,7 @@ class KernelConfig:
     stages: int = 0
     epi: tuple[int, int] = (0, 0)
     variants: str = "all"
-    add_c: bool = False
+    add_c: int = 0  # 1: adds C; 2 / 3: and stores D again to an aux tensor (2: by TMA, 3: from registers)
 
     @property
     def name(self) -> str:
@@ -60,7 +61,7 @@ class KernelConfig:
         if self.epi != (0, 0):
             s += f"_e{self.epi[0]}x{self.epi[1]}"
         if self.add_c:
-            s += "_addc"
+            s += ("", "_addc", "_addc_aux", "_addc_auxr")[self.add_c]
         return s
 
 
@@ -77,8 +78,12 @@ CONFIGS: tuple[KernelConfig, ...] = (
     # The peer route's second GEMM (adds the peer's partial as C). A 128x32 epilogue subtile keeps the C + D
     # epilogue buffers at the plain configuration's 32 KB of shared memory (four mainloop stages); 128x64 needs
     # 64 KB (three stages).
-    KernelConfig("coop", (128, 256, 64), (2, 1), epi=(128, 32), variants="bf16_nk", add_c=True),
-    KernelConfig("coop", (128, 256, 64), (2, 1), epi=(128, 64), variants="bf16_nk", add_c=True),
+    KernelConfig("coop", (128, 256, 64), (2, 1), epi=(128, 32), variants="bf16_nk", add_c=1),
+    KernelConfig("coop", (128, 256, 64), (2, 1), epi=(128, 64), variants="bf16_nk", add_c=1),
+    # all_reduce by push: D stored twice (out, and the peer's landing buffer). By TMA the aux tile needs 16 KB more
+    # shared memory at 128x32 (three mainloop stages); from registers none.
+    KernelConfig("coop", (128, 256, 64), (2, 1), epi=(128, 32), variants="bf16_nk", add_c=2),
+    KernelConfig("coop", (128, 256, 64), (2, 1), epi=(128, 64), variants="bf16_nk", add_c=3),
 )
 # Measured and dropped (csrc/NOTES.md): coop 128x128 c1x1, 128x256 c1x1/c1x2/c2x1 (default epilogue tile),
 # 256x128 c1x2/c2x1, pp 128x128 c1x2/c2x1, pp 64x256 c1x2/c2x1.

@@ -189,14 +189,15 @@ def _entries(path: str) -> tuple[tuple[str, tuple[int, ...], int], ...]:
     return tuple(out)
 
 
-def configs(add_c: bool = False) -> list[KernelInfo]:
+def configs(add_c: int = 0) -> list[KernelInfo]:
     """The compiled configurations, one entry per name with the (dtype, B layout) variants it was built for.
-    ``add_c``: the ``_addc`` configurations instead (their epilogue adds a C operand: the peer route's second
-    GEMM, ``fo_config_info`` ints[11] == 1); they are never among the plain ones."""
+    ``add_c`` (``fo_config_info`` ints[11]): 1 the ``_addc`` configurations instead (their epilogue adds a C
+    operand: the peer route's second GEMM), 2 / 3 those that also store D to an aux tensor (``_addc_aux`` /
+    ``_addc_auxr``: all_reduce by push); none of them is ever among the plain ones."""
     by_name: dict[str, tuple[tuple[int, ...], list[tuple[str, str]]]] = {}
     dtype_names = {v: str(k).removeprefix("torch.") for k, v in DTYPES.items()}
     for name, ints, _ in _entries(str(library_path())):
-        if bool(ints[11]) != add_c:
+        if ints[11] != int(add_c):
             continue
         by_name.setdefault(name, (ints, []))[1].append((dtype_names[ints[9]], B_LAYOUTS[ints[10]]))
     return [KernelInfo(name, *ints[:5], SCHEDULES[ints[5]], ints[6], ints[7], ints[8], tuple(sorted(v)))
@@ -204,7 +205,7 @@ def configs(add_c: bool = False) -> list[KernelInfo]:
 
 
 def config_info(name: str) -> KernelInfo:
-    for c in configs() + configs(add_c=True):
+    for c in configs() + configs(1) + configs(2) + configs(3):
         if c.name == name:
             return c
     raise KeyError(f"no compiled GEMM configuration {name!r}; compiled: {[c.name for c in configs()]}")
@@ -289,7 +290,7 @@ def signal_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"signal_gemm: empty problem M={m} N={n} K={k}")
     if k % 8 or n % 8:
         raise ValueError(f"signal_gemm: K={k} and N={n} must be multiples of 8 (16-byte TMA rows)")
-    name = config or (DEFAULT_CONFIG if addend is None else next((c.name for c in configs(add_c=True)), "?"))
+    name = config or (DEFAULT_CONFIG if addend is None else next((c.name for c in configs(add_c=1)), "?"))
     if addend is not None and (addend.shape != (m, n) or addend.dtype != a.dtype or addend.device != a.device
                                or addend.stride(1) != 1 or not _aligned(addend, addend.stride(0))):
         raise ValueError("signal_gemm: addend must be a row-major [M,N] tensor of a's dtype on a's device with a "

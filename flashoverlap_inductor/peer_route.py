@@ -7,9 +7,12 @@ Rank r owns rows ``[r * M/2, (r + 1) * M/2)`` of the ``[M, N]`` result (reduce_s
 2. Tell the peer (a system-scope flag in its memory); wait until the peer's GEMM 1 is done (bounded).
 3. GEMM 2 (an ``_addc`` configuration): A's own rows, with the peer's ``partial`` of them added in the epilogue as
    CUTLASS's C operand, read by TMA straight from the peer's memory over NVLink. reduce_scatter: into the output;
-   done. all_reduce: into the symmetric ``own`` buffer, signalling its wave groups.
-4. all_reduce only, per group as it completes: the copy engine pulls the peer's ``own`` rows into the output, and
-   copies this rank's own rows there (no SMs taken from the GEMM, no NCCL).
+   done.
+4. all_reduce, by push (the default where an ``_addc_aux`` / ``_addc_auxr`` configuration is compiled): GEMM 2
+   writes the output's own rows and stores the same tiles into the peer's ``own`` (landing) buffer; after it, one
+   flag each way, and the copy engine moves this rank's landing buffer into the output's other half. By pull: GEMM
+   2 writes the symmetric ``own`` buffer, signalling wave groups, and per group the copy engine pulls the peer's
+   ``own`` rows into the output and copies this rank's own rows there (no SMs taken from the GEMM, no NCCL).
 
 The sum is rounded as NCCL rounds it for two ranks: both partials are rounded to the output dtype, then added in
 fp32 and rounded once, and every element's final value is computed once and copied to the other rank.
@@ -65,7 +68,7 @@ class PeerArgs(ctypes.Structure):
                 ("sm_count", ctypes.c_int32), ("raster", ctypes.c_int32), ("swizzle", ctypes.c_int32),
                 ("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_size_t), ("timeout_ns", ctypes.c_int64),
                 ("error_record", ctypes.c_void_p), ("cur_stream", ctypes.c_void_p), ("side_stream", ctypes.c_void_p),
-                ("pull_stream", ctypes.c_void_p)]
+                ("pull_stream", ctypes.c_void_p), ("push", ctypes.c_int32)]
 
 
 @dataclass
@@ -147,6 +150,7 @@ class PeerLaunch:
     sm_count: int
     workspace_bytes: int
     description: str
+    push: bool  # all_reduce by push (GEMM 2 also stores into the peer's landing buffer)
 
 
 def unsupported(collective: str, rows: int, n: int, k: int, dtype: torch.dtype, world: int, layout: str | None,
@@ -183,18 +187,25 @@ def make_launch(collective: str, rows_total: int, n: int, k: int, dtype: torch.d
     """The launch of one call shape: GEMM 1 with library configuration ``plain`` (tile ``tile``), GEMM 2 with the
     matching ``_addc`` configuration, the copy groups (all_reduce) and the grid (``grid_ctas(tiles) -> CTAs``)."""
     lib = streams.kernel_lib()
-    adds = kernels.configs(add_c=True)
     dname = str(dtype).removeprefix("torch.")
-    fit = [c for c in adds if (dname, layout) in c.variants and (c.tile_m, c.tile_n) == tuple(tile)]
-    pick = next((c for c in fit if c.name == ADD_KERNEL), None) or next(
-        (c for c in adds if c.name == ADD_KERNEL and (dname, layout) in c.variants), None) or (fit or adds)[0]
+    pull = [c for c in kernels.configs(add_c=1) if (dname, layout) in c.variants]
+    pushing = [c for level in (2, 3) for c in kernels.configs(add_c=level) if (dname, layout) in c.variants]
+    if collective == "all_reduce" and pushing and not any(c.name == ADD_KERNEL for c in pull):
+        cands = pushing  # all_reduce by push unless ADD_KERNEL names a pull configuration
+    else:
+        cands = pull
+    named = [c for c in cands if c.name == ADD_KERNEL]
+    same = [c for c in cands if (c.tile_m, c.tile_n) == tuple(tile)]
+    pick = (named or same or cands)[0]
+    push = pick in pushing
     add = lib.config_index(pick.name, dtype, layout)
     half = rows_total // 2
     own_row, peer_row = rank * half, (1 - rank) * half
     tiles = -(-half // pick.tile_m) * -(-n // pick.tile_n)
     sm_count = grid_ctas(tiles)
-    bounds = group_bounds(half, pick.tile_m, swizzle, GROUPS) if collective == "all_reduce" else [0, half]
-    groups = len(bounds) - 1 if collective == "all_reduce" else 0
+    copies = collective == "all_reduce" and not push
+    bounds = group_bounds(half, pick.tile_m, swizzle, GROUPS) if copies else [0, half]
+    groups = len(bounds) - 1 if copies else 0
     group_rows = (ctypes.c_int32 * len(bounds))(*bounds)
     group_tiles = (ctypes.c_int32 * max(1, groups))(*planlib.tiles_per_group(bounds, pick.tile_m, pick.tile_n, n)) \
         if groups else (ctypes.c_int32 * 1)()
@@ -202,11 +213,11 @@ def make_launch(collective: str, rows_total: int, n: int, k: int, dtype: torch.d
                                                               dtype=torch.int32, device=device)) if groups else None
     ws = max(lib.workspace_bytes(plain, half, n, k, sm_count, raster, swizzle),
              lib.workspace_bytes(add, half, n, k, sm_count, raster, swizzle))
-    desc = (f"{collective} rows={rows_total} n={n} k={k} {dname}: peer route, GEMM 2 {pick.name}, "
-            f"{groups} copy groups {bounds}, {sm_count} CTAs")
+    how = "push" if push else (f"{groups} copy groups {bounds}" if groups else "reduce_scatter")
+    desc = f"{collective} rows={rows_total} n={n} k={k} {dname}: peer route, GEMM 2 {pick.name}, {how}, {sm_count} CTAs"
     log.info("flashoverlap: launch %s", desc)
     return PeerLaunch(collective, plain, add, half, own_row, peer_row, groups, group_rows, group_tiles, gmap,
-                      sm_count, ws, desc)
+                      sm_count, ws, desc, push)
 
 
 def execute(launch: PeerLaunch, a: torch.Tensor, b: torch.Tensor, ldb: int, bias: torch.Tensor | None,
@@ -229,12 +240,13 @@ def execute(launch: PeerLaunch, a: torch.Tensor, b: torch.Tensor, ldb: int, bias
     p.n, p.k, p.rows, p.own_row, p.peer_row = n, a.shape[1], launch.rows, launch.own_row, launch.peer_row
     p.num_groups = launch.groups
     p.partial, p.peer_partial = partial, peer_partial
-    p.own_dst, p.ld_own = (own, n) if ar else (out2.data_ptr(), out2.stride(0))
+    p.own_dst, p.ld_own = (own, n) if ar else (out2.data_ptr(), out2.stride(0))  # push: own = the landing buffer
     p.flags, p.peer_flags, p.expected = ws.buf.data_ptr(), ws.peer_base, ws.expected.data_ptr()
     p.group_rows, p.group_tiles = ctypes.addressof(launch.group_rows), ctypes.addressof(launch.group_tiles)
     p.counters = res.counters[slot].data_ptr() if ar else None
     p.group_of_tile_row = launch.gmap.data_ptr() if launch.gmap is not None else None
     p.peer_own = peer_own if ar else None
+    p.push = int(launch.push)
     p.out, p.ld_out = out2.data_ptr(), out2.stride(0)
     p.elem_bytes, p.signal_mode, p.sm_count, p.raster, p.swizzle = elem, signal_mode, launch.sm_count, raster, swizzle
     p.workspace = workspace_t.data_ptr() if workspace_t is not None else None

@@ -21,7 +21,7 @@ from flashoverlap_inductor import kernels
 def _peer_ready() -> bool:
     try:
         return (torch.cuda.is_available() and torch.cuda.device_count() >= WORLD and kernels.available()
-                and bool(kernels.configs(add_c=True)))
+                and bool(kernels.configs(add_c=1)))
     except Exception:  # noqa: BLE001 - any failure to probe means: skip
         return False
 
@@ -40,14 +40,18 @@ def pool():
 SHAPES = [(4096, 1024, 512), (1000, 776, 328), (256, 264, 64), (40, 264, 64), (2048, 2048, 1024)]
 
 
-def peer_match_task(op: str) -> dict[str, int]:
-    """Each shape with and without bias, then calls that cannot take the route; every result checked."""
+def peer_match_task(op: str, how: str = "default") -> dict[str, int]:
+    """Each shape with and without bias, then calls that cannot take the route; every result checked. ``how``:
+    GEMM 2's configuration for all_reduce: "default" (by push where compiled), "pull" (the first ``_addc``), or
+    "auxr" (push, aux stored from registers)."""
     import torch.distributed as dist
 
     from flashoverlap_inductor import peer_route, runtime_gpu
 
     assert peer_route.TRANSPORT == "peer"
     rank = dist.get_rank()
+    level = {"default": None, "pull": 1, "auxr": 3}[how]
+    peer_route.ADD_KERNEL = kernels.configs(add_c=level)[0].name if level else None
     runtime_gpu.reset()
     torch.use_deterministic_algorithms(True)
     try:
@@ -71,8 +75,11 @@ def peer_match_task(op: str) -> dict[str, int]:
                    f"nccl route {op} {rows} {dtype} {layout}")
     finally:
         torch.use_deterministic_algorithms(False)
+        peer_route.ADD_KERNEL = None
     runtime_gpu.check()
-    return {"peer": peer_calls, "after": runtime_gpu.stats["route:peer"], "skips": runtime_gpu.stats["peer_skip"]}
+    return {"push": sum(launch[0].push for key, launch in runtime_gpu._launches.items()
+                        if key[0] == "peer" and not isinstance(launch[0], str)),
+            "peer": peer_calls, "after": runtime_gpu.stats["route:peer"], "skips": runtime_gpu.stats["peer_skip"]}
 
 
 def alternating_calls_task(calls: int) -> int:
@@ -135,7 +142,7 @@ def missing_peer_task() -> str:
 
 def test_addc_gemm_matches_reference():
     """The ``_addc`` GEMM alone: ``round(a @ b + bias) + c``, rounded once, on ragged shapes."""
-    for name in [c.name for c in kernels.configs(add_c=True)]:
+    for name in [c.name for c in kernels.configs(add_c=1)]:
         for m, n, k in ((1000, 776, 328), (256, 4096, 1024), (40, 264, 64)):
             g = torch.Generator().manual_seed(m + n + k)
             a = torch.randn(m, k, generator=g).bfloat16().cuda()
@@ -152,12 +159,18 @@ def test_addc_gemm_matches_reference():
                 kernels.signal_gemm(a, w.t(), bias, out, config=name)
 
 
-@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter"])
-def test_peer_route_matches_eager(pool, op):
-    per_rank = pool.run(peer_match_task, op)
+@pytest.mark.parametrize("op,how", [("all_reduce", "default"), ("all_reduce", "pull"), ("all_reduce", "auxr"),
+                                    ("reduce_scatter", "default")])
+def test_peer_route_matches_eager(pool, op, how):
+    if how == "auxr" and not kernels.configs(add_c=3):
+        pytest.skip("no _addc_auxr configuration compiled")
+    per_rank = pool.run(peer_match_task, op, how)
+    pushes = len(SHAPES) if op == "all_reduce" and how != "pull" and (kernels.configs(add_c=2) or
+                                                                        kernels.configs(add_c=3)) else 0
     for r in per_rank:
         assert r["peer"] == 2 * len(SHAPES), per_rank  # every shape took the peer route
         assert r["after"] == r["peer"] and r["skips"] >= 2, per_rank  # the others took the NCCL route
+        assert r["push"] == pushes, per_rank
 
 
 def test_peer_route_alternating_sets_and_growth(pool):
