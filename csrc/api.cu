@@ -34,6 +34,8 @@ GemmConfig const* config_at(int i) { return (i >= 0 && i < num_configs()) ? &reg
 
 int fail_code(int code, std::string msg) { return fail(code, std::move(msg)); }
 
+int peer_call_preload();  // peer_call.cu
+
 __global__ void wait_counter_kernel(int const* counter, int* expected, int increment, long long timeout_ns,
                                     int* error_record, int tag, int* notify);
 
@@ -120,6 +122,7 @@ FO_API int fo_preload(void) {
     cudaError_t e = cudaFuncGetAttributes(&attr, k);
     if (e != cudaSuccess) return fail_cuda("fo_preload", e);
   }
+  if (int rc = peer_call_preload(); rc != 0) return rc;
   for (int i = 0; i < num_configs(); ++i) {
     std::string err;
     int rc = registry()[i].preload(err);

@@ -167,6 +167,7 @@ typedef struct {
    * wait flags[1] (the peer's pushes into own_dst, this rank's landing buffer, are complete) and copy own_dst ->
    * out's peer rows on cur. */
   int32_t push;
+  int32_t copy_on_sms;  /* push: the final copy by an SM kernel (1) or the copy engine (0) */
 } fo_peer_args;
 
 FO_API int fo_peer_call(const fo_peer_args* args);

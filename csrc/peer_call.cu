@@ -10,6 +10,7 @@
 // order) pairs with the bounded wait kernel's system-scope acquire. See flashoverlap_sm90.h for the contract.
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <string>
 #include <unordered_map>
 
@@ -85,6 +86,25 @@ int gemm(GemmConfig const& c, fo_peer_args const& p, int row, void const* c_oper
   return rc == 0 ? 0 : fail_code(rc, err);
 }
 
+// A plain copy on SMs, 16 bytes per thread and step (grid-stride): for the push route's final copy, which runs
+// when GEMM 2 has freed every SM and is faster there than a copy-engine transfer.
+__global__ void copy16_kernel(uint4* __restrict__ dst, uint4 const* __restrict__ src, size_t count) {
+  size_t const stride = size_t(gridDim.x) * blockDim.x;
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) dst[i] = src[i];
+}
+
+int copy_on_sms(void* dst, void const* src, size_t bytes, cudaStream_t stream) {
+  if (bytes == 0) return 0;
+  if (bytes % 16 || reinterpret_cast<uintptr_t>(dst) % 16 || reinterpret_cast<uintptr_t>(src) % 16) {
+    return cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream), "peer route copy");
+  }
+  size_t const count = bytes / 16;
+  size_t const blocks = (count + 511) / 512;
+  copy16_kernel<<<unsigned(blocks < 1056 ? blocks : 1056), 512, 0, stream>>>(static_cast<uint4*>(dst),
+                                                                            static_cast<uint4 const*>(src), count);
+  return cuda_check(cudaGetLastError(), "peer route copy kernel");
+}
+
 // Rows [r0, r1) of a [*, n] matrix at src (row stride src_ld) to dst (row stride dst_ld), on `stream`.
 int copy_rows(void* dst, int64_t dst_ld, void const* src, int64_t src_ld, int64_t r0, int64_t r1, int n,
               int elem_bytes, cudaStream_t stream) {
@@ -134,6 +154,13 @@ int check_args(fo_peer_args const& p, GemmConfig const*& c1, GemmConfig const*& 
 }
 
 }  // namespace
+
+// fo_preload (api.cu): load this file's kernel too (lazy loading may synchronize the context under a spinning wait).
+int peer_call_preload() {
+  cudaFuncAttributes attr{};
+  return cuda_check(cudaFuncGetAttributes(&attr, copy16_kernel), "fo_preload (peer route)");
+}
+
 }  // namespace flashoverlap
 
 using namespace flashoverlap;
@@ -174,7 +201,10 @@ FO_API int fo_peer_call(const fo_peer_args* args) {
     }
     if (rc == 0) rc = launch_wait(nullptr, nullptr, 0, 0, nullptr, 0, cur, p.peer_flags + 1);
     if (rc == 0) rc = launch_wait(p.flags + 1, p.expected + 1, 1, timeout, p.error_record, kTagPeerGroup, cur, nullptr);
-    if (rc == 0) {
+    if (rc == 0 && p.copy_on_sms && p.ld_out == p.n) {
+      rc = copy_on_sms(out + int64_t(p.peer_row) * p.ld_out * p.elem_bytes, p.own_dst,
+                       size_t(p.rows) * size_t(p.n) * size_t(p.elem_bytes), cur);
+    } else if (rc == 0) {
       rc = copy_rows(out + int64_t(p.peer_row) * p.ld_out * p.elem_bytes, p.ld_out, p.own_dst, p.n, 0, p.rows, p.n,
                      p.elem_bytes, cur);
     }

@@ -115,7 +115,8 @@ def with_mode(spec: str, fn):
     * grid ``persistent|tiles``: ``runtime_gpu.GEMM_GRID``; nccl ``direct|torch``: ``nccl_direct.MODE``; ``peer``:
       ``peer_route.TRANSPORT = "peer"`` (2 ranks: the reduction in GEMM 2's epilogue; other calls direct NCCL), with
       an ``_addc`` kernel field naming GEMM 2's configuration (``peer_route.ADD_KERNEL``) and the ctas field
-      giving all_reduce's copy groups (``peer_route.GROUPS``);
+      giving all_reduce's copy groups (``peer_route.GROUPS``); host ``ce`` (peer only): the push route's final
+      copy by copy engine (``peer_route.FINAL_COPY``);
     * host ``c`` (default) or ``python``: ``fused_launch.HOST_LOOP``; ``gemm``: the diagnostic
       ``runtime_gpu.GEMM_ONLY`` (the fused path without its collectives, in the Python loop: a time split, not a
       result);
@@ -135,13 +136,14 @@ def with_mode(spec: str, fn):
     def run():
         old = (runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.KERNEL,
                runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE, runtime_gpu.ROW_ORDER, runtime_gpu.SIGNAL_MODE,
-               peer_route.TRANSPORT, peer_route.ADD_KERNEL, peer_route.GROUPS)
+               peer_route.TRANSPORT, peer_route.ADD_KERNEL, peer_route.GROUPS, peer_route.FINAL_COPY)
         runtime_gpu.GEMM_GRID, nccl_direct.MODE = grid, "direct" if peer else mode
         peer_route.TRANSPORT, peer_route.ADD_KERNEL = ("peer" if peer else "nccl"), add_kernel
         peer_route.GROUPS = peer_groups
+        peer_route.FINAL_COPY = "ce" if host == "ce" else "sm"
         runtime_gpu.SIGNAL_MODE = signal or runtime_gpu.SIGNAL_MODE
         runtime_gpu.ROW_ORDER = rows or runtime_gpu.ROW_ORDER
-        fused_launch.HOST_LOOP = "python" if host == "gemm" else host
+        fused_launch.HOST_LOOP = "python" if host == "gemm" else "c" if host == "ce" else host
         runtime_gpu.KERNEL, runtime_gpu.GEMM_ONLY = kernel or None, host == "gemm"
         runtime_gpu.SWIZZLE = int(swizzle) if swizzle else runtime_gpu.SWIZZLE
         try:
@@ -149,7 +151,7 @@ def with_mode(spec: str, fn):
         finally:
             (runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.KERNEL,
              runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE, runtime_gpu.ROW_ORDER, runtime_gpu.SIGNAL_MODE,
-             peer_route.TRANSPORT, peer_route.ADD_KERNEL, peer_route.GROUPS) = old
+             peer_route.TRANSPORT, peer_route.ADD_KERNEL, peer_route.GROUPS, peer_route.FINAL_COPY) = old
     return run
 
 

@@ -47,8 +47,14 @@ log = logging.getLogger("flashoverlap")
 TRANSPORT: str = os.environ.get("FLASHOVERLAP_TRANSPORT", "nccl")  # "nccl" | "peer"
 # The _addc configuration of GEMM 2 (None: the first compiled one whose tile matches GEMM 1's).
 ADD_KERNEL: str | None = os.environ.get("FLASHOVERLAP_PEER_KERNEL") or None
+# GEMM 2's configuration when ADD_KERNEL names none, by measurement (examples/RESULTS.md, ninth session):
+# reduce_scatter with a 128x64 epilogue subtile (three mainloop stages beat four with 128x32 subtiles), all_reduce
+# by push with the aux tile stored by TMA.
+PREFERRED = ("coop_128x256x64_c2x1_e128x64_addc", "coop_128x256x64_c2x1_e128x32_addc_aux")
 MAX_GROUPS = 64  # FO_PEER_MAX_GROUPS of csrc/flashoverlap_sm90.h
 GROUPS = int(os.environ.get("FLASHOVERLAP_PEER_GROUPS", "8"))  # all_reduce: copy groups of GEMM 2's rows (at most)
+# all_reduce by push: the final landing -> output copy on SMs ("sm": GEMM 2 has freed them) or by copy engine ("ce")
+FINAL_COPY: str = os.environ.get("FLASHOVERLAP_PEER_COPY", "sm")
 FLAG_BYTES = 4096
 COLLECTIVES = ("all_reduce", "reduce_scatter")
 
@@ -68,7 +74,7 @@ class PeerArgs(ctypes.Structure):
                 ("sm_count", ctypes.c_int32), ("raster", ctypes.c_int32), ("swizzle", ctypes.c_int32),
                 ("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_size_t), ("timeout_ns", ctypes.c_int64),
                 ("error_record", ctypes.c_void_p), ("cur_stream", ctypes.c_void_p), ("side_stream", ctypes.c_void_p),
-                ("pull_stream", ctypes.c_void_p), ("push", ctypes.c_int32)]
+                ("pull_stream", ctypes.c_void_p), ("push", ctypes.c_int32), ("copy_on_sms", ctypes.c_int32)]
 
 
 @dataclass
@@ -195,8 +201,9 @@ def make_launch(collective: str, rows_total: int, n: int, k: int, dtype: torch.d
     else:
         cands = pull
     named = [c for c in cands if c.name == ADD_KERNEL]
+    preferred = [c for name in PREFERRED for c in cands if c.name == name]
     same = [c for c in cands if (c.tile_m, c.tile_n) == tuple(tile)]
-    pick = (named or same or cands)[0]
+    pick = (named or preferred or same or cands)[0]
     push = pick in pushing
     add = lib.config_index(pick.name, dtype, layout)
     half = rows_total // 2
@@ -247,6 +254,7 @@ def execute(launch: PeerLaunch, a: torch.Tensor, b: torch.Tensor, ldb: int, bias
     p.group_of_tile_row = launch.gmap.data_ptr() if launch.gmap is not None else None
     p.peer_own = peer_own if ar else None
     p.push = int(launch.push)
+    p.copy_on_sms = int(FINAL_COPY == "sm")
     p.out, p.ld_out = out2.data_ptr(), out2.stride(0)
     p.elem_bytes, p.signal_mode, p.sm_count, p.raster, p.swizzle = elem, signal_mode, launch.sm_count, raster, swizzle
     p.workspace = workspace_t.data_ptr() if workspace_t is not None else None
