@@ -18,9 +18,10 @@ The sum is rounded as NCCL rounds it for two ranks: both partials are rounded to
 fp32 and rounded once, and every element's final value is computed once and copied to the other rank.
 
 Why: NCCL's kernels beside the GEMM take SMs and end after it (``examples/RESULTS.md``); here the only work beside
-the GEMM is TMA loads of C and copy-engine transfers. Not a NCCL collective: an opt-in transport
-(``TRANSPORT = "peer"`` / ``$FLASHOVERLAP_TRANSPORT=peer``) that needs two ranks on one NVLink host, torch's
-symmetric memory and the library's ``_addc`` configurations; every other call keeps the NCCL route.
+the GEMM is TMA loads of C and stores to the peer. Not a NCCL collective: a transport of its own, the default where
+it applies (``TRANSPORT``; ``$FLASHOVERLAP_TRANSPORT=nccl`` turns it off): two ranks on one NVLink host, torch's
+symmetric memory, the library's ``_addc`` configurations, and one caller stream per device (a call from a second
+stream takes the NCCL route: the flags and sets are the first stream's). Every other call keeps the NCCL route.
 
 Symmetric workspace of one (device, group): ``[flags: 4 KiB | set 0: partial, own | set 1: partial, own]``, each
 region ``capacity`` bytes. Calls alternate the two sets: the flag wait of call i + 1 proves that the peer finished
@@ -44,7 +45,9 @@ from . import plan as planlib
 
 log = logging.getLogger("flashoverlap")
 
-TRANSPORT: str = os.environ.get("FLASHOVERLAP_TRANSPORT", "nccl")  # "nccl" | "peer"
+# "peer" (default): calls that can take the peer route do (``unsupported``), the others the NCCL route; "nccl": all
+# take the NCCL route.
+TRANSPORT: str = os.environ.get("FLASHOVERLAP_TRANSPORT", "peer")
 # The _addc configuration of GEMM 2 (None: the first compiled one whose tile matches GEMM 1's).
 ADD_KERNEL: str | None = os.environ.get("FLASHOVERLAP_PEER_KERNEL") or None
 # GEMM 2's configuration when ADD_KERNEL names none, by measurement (examples/RESULTS.md, ninth session):
@@ -137,6 +140,7 @@ def reset() -> None:
     for (index, _), _ws in list(_workspaces.items()):
         torch.cuda.synchronize(index)
     _workspaces.clear()
+    _first_stream.clear()
 
 
 @dataclass(frozen=True)
@@ -225,6 +229,15 @@ def make_launch(collective: str, rows_total: int, n: int, k: int, dtype: torch.d
     log.info("flashoverlap: launch %s", desc)
     return PeerLaunch(collective, plain, add, half, own_row, peer_row, groups, group_rows, group_tiles, gmap,
                       sm_count, ws, desc, push)
+
+
+def owns(group: dist.ProcessGroup, device: torch.device, stream: torch.cuda.Stream) -> bool:
+    """Whether ``stream`` may run peer calls of ``group`` on ``device``: the first stream that does owns the flags
+    and sets of the workspace (calls on two streams at once would race for them)."""
+    return _first_stream.setdefault((device.index, group.group_name), stream.cuda_stream) == stream.cuda_stream
+
+
+_first_stream: dict[tuple[int, str], int] = {}
 
 
 def execute(launch: PeerLaunch, a: torch.Tensor, b: torch.Tensor, ldb: int, bias: torch.Tensor | None,

@@ -405,7 +405,10 @@ def _run_peer(collective: str, opnd: Operands, out_shape: list[int], group: dist
     plaunch, choice = launch
     cur = torch.cuda.current_stream(a.device)
     slot = res.slot(cur)
-    if slot is None:
+    if slot is None or not peer_route.owns(group, a.device, cur):
+        stats["peer_skip"] += 1
+        _note("peer:stream", logging.INFO, "flashoverlap: %s takes the NCCL route: the peer route runs on one caller "
+              "stream per device and group", collective)
         return None
     out = torch.empty(out_shape, dtype=a.dtype, device=a.device)
     b_in, ldb = _kernel_b(b, choice)

@@ -42,6 +42,7 @@ pytestmark = pytest.mark.skipif(not _gpus_ready(), reason="needs >= 2 CUDA GPUs 
 @pytest.fixture(scope="module")
 def pool():
     env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+           "FLASHOVERLAP_TRANSPORT": "nccl",  # this module tests the NCCL route; test_gpu_peer.py the peer route
            "TORCHINDUCTOR_AUTOGRAD_CACHE": "0", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     p = DistPool(WORLD, env, timeout_s=TIMEOUT_S, backend="nccl", setup=_route_ops)
     yield p

@@ -5,7 +5,8 @@ compares with an fp64 reference built from both ranks' inputs, next to eager PyT
 data; fresh outputs are NaN-filled (``torch.use_deterministic_algorithms``), so rows never written fail. Covered:
 the ``_addc`` GEMM alone, both ops on ragged and tiny shapes with and without bias, calls that alternate the
 workspace sets and grow the workspace, calls that cannot take the route (fp16, B row-major, odd rows) taking the
-NCCL route instead, and a peer that never arrives (a bounded wait, then ``FlashOverlapTimeout``).
+NCCL route instead, ops in flight on one and on two streams (the second stream's take the NCCL route), a compiled
+TP block forward and backward, and a peer that never arrives (a bounded wait, then ``FlashOverlapTimeout``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,19 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_utils import DistPool
-from test_gpu_ops import WORLD, _call, _check, _eager, _operands, _reference, _rel, _route_ops, _y64
+from test_gpu_ops import (
+    WORLD,
+    _call,
+    _check,
+    _eager,
+    _operands,
+    _reference,
+    _rel,
+    _route_ops,
+    _y64,
+    compiled_training_task,
+    in_flight_task,
+)
 
 from flashoverlap_inductor import kernels
 
@@ -31,7 +44,8 @@ pytestmark = pytest.mark.skipif(not _peer_ready(), reason="needs >= 2 sm90 GPUs 
 
 @pytest.fixture(scope="module")
 def pool():
-    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "FLASHOVERLAP_TRANSPORT": "peer"}
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "FLASHOVERLAP_TRANSPORT": "peer", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+           "TORCHINDUCTOR_AUTOGRAD_CACHE": "0", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     p = DistPool(WORLD, env, timeout_s=150.0, backend="nccl", setup=_route_ops)
     yield p
     p.close()
@@ -180,3 +194,12 @@ def test_peer_route_alternating_sets_and_growth(pool):
 def test_peer_route_missing_peer_times_out(pool):
     per_rank = pool.run(missing_peer_task)
     assert per_rank[0].startswith("timeout"), per_rank
+
+
+def test_peer_route_ops_in_flight(pool):
+    assert pool.run(in_flight_task) == [9] * WORLD
+
+
+def test_peer_route_compiled_tp_block_forward_and_backward(pool):
+    per_rank = pool.run(compiled_training_task, timeout_s=200.0)
+    assert all(r["fused"] >= 2 and r["runtime"].get("route:peer", 0) >= 2 for r in per_rank), per_rank
