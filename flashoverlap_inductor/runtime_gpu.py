@@ -91,6 +91,7 @@ MAX_LAUNCHES = 512
 stats: collections.Counter = collections.Counter()
 last_launch: Launch | None = None
 _launches: collections.OrderedDict[tuple, Launch | tuple[str, str]] = collections.OrderedDict()  # LRU order
+_peer_launches: dict[tuple, tuple] = {}  # peer_route launches (with their B choice) or ("peer", why not)
 _captured: set[tuple] = set()  # keys of launches captured into CUDA graphs (never evicted)
 _noted: set[str] = set()
 _ready: list[bool] = []
@@ -132,6 +133,7 @@ def reset() -> None:
     for res in streams.existing():
         torch.cuda.synchronize(res.index)
     _launches.clear()
+    _peer_launches.clear()
     _captured.clear()
     _kernel_infos.cache_clear()
     preferred_kernels.cache_clear()
@@ -379,7 +381,7 @@ def _run_peer(collective: str, opnd: Operands, out_shape: list[int], group: dist
     a, b = opnd.a, opnd.b
     (rows, k), n = a.shape, b.shape[1]
     pkey = ("peer", peer_route.ADD_KERNEL, peer_route.GROUPS, *key)
-    launch = _launches.get(pkey)
+    launch = _peer_launches.get(pkey)
     if launch is None:
         dname = str(a.dtype).removeprefix("torch.")
         why = peer_route.unsupported(collective, rows, n, k, a.dtype, group.size(), layout,
@@ -397,7 +399,7 @@ def _run_peer(collective: str, opnd: Operands, out_shape: list[int], group: dist
                                         sm_reserve(res.name, SM_RESERVE, nccl_max_ctas(group))),
                 SWIZZLE, kernels.RASTERS[RASTER], choice.b_layout, a.device)
             launch = (launch, choice)
-        _launches[pkey] = launch
+        _peer_launches[pkey] = launch
     if launch[0] == "peer":
         stats["peer_skip"] += 1
         _note(f"peer:{launch[1]}", logging.INFO, "flashoverlap: %s takes the NCCL route: %s", collective, launch[1])

@@ -91,8 +91,8 @@ def peer_match_task(op: str, how: str = "default") -> dict[str, int]:
         torch.use_deterministic_algorithms(False)
         peer_route.ADD_KERNEL = None
     runtime_gpu.check()
-    return {"push": sum(launch[0].push for key, launch in runtime_gpu._launches.items()
-                        if key[0] == "peer" and not isinstance(launch[0], str)),
+    return {"push": sum(launch[0].push for launch in runtime_gpu._peer_launches.values()
+                        if not isinstance(launch[0], str)),
             "peer": peer_calls, "after": runtime_gpu.stats["route:peer"], "skips": runtime_gpu.stats["peer_skip"]}
 
 

@@ -582,7 +582,7 @@ def simulated_gpu(force_groups: int | None = None):
     patches = [(torch.cuda, name, fn) for name, fn in cuda_fakes.items()]
     patches += [(torch.cuda.nccl, "version", lambda: (2, 28, 9)), (streams, "resources", lambda index: res),
                 (streams, "kernel_lib", lambda: lib), (kernels, "available", lambda: True),
-                (kernels, "configs", lambda: list(SIM_INFOS)),
+                (kernels, "configs", lambda add_c=0: [] if add_c else list(SIM_INFOS)),  # no peer route
                 (kernels, "ready", lambda *a: None), (ops, "_runtime", ops._runtime)]
     if force_groups:
         patches.append((cost_model, "decide", decide))
