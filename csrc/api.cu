@@ -37,11 +37,12 @@ int fail_code(int code, std::string msg) { return fail(code, std::move(msg)); }
 int peer_call_preload();  // peer_call.cu
 
 __global__ void wait_counter_kernel(int const* counter, int* expected, int increment, long long timeout_ns,
-                                    int* error_record, int tag, int* notify);
+                                    int* error_record, int tag, int* notify, int notify_first);
 
 int launch_wait(int const* counter, int* expected, int increment, long long timeout_ns, int* error_record, int tag,
-                cudaStream_t stream, int* notify) {
-  wait_counter_kernel<<<1, 1, 0, stream>>>(counter, expected, increment, timeout_ns, error_record, tag, notify);
+                cudaStream_t stream, int* notify, bool notify_first) {
+  wait_counter_kernel<<<1, 1, 0, stream>>>(counter, expected, increment, timeout_ns, error_record, tag, notify,
+                                           notify_first ? 1 : 0);
   cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? 0 : fail_cuda("wait kernel launch", e);
 }
@@ -67,12 +68,14 @@ __device__ __forceinline__ void notify_sys(int* counter) {
   asm volatile("red.release.sys.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
 }
 
-// Waits (unless counter is null), then adds 1 to *notify (unless null). A timed-out wait still notifies: the
-// peer then fails on its own data check or timeout instead of hanging longer than its own bound.
+// Waits (unless counter is null), and adds 1 to *notify (unless null): after the wait, or before it with
+// notify_first (one kernel for both halves of a two-rank barrier). A timed-out wait still notifies: the peer then
+// fails on its own timeout instead of hanging longer than its own bound.
 __global__ void wait_counter_kernel(int const* counter, int* expected, int increment, long long timeout_ns,
-                                    int* error_record, int tag, int* notify) {
-  if (counter == nullptr) {
-    if (notify != nullptr) notify_sys(notify);
+                                    int* error_record, int tag, int* notify, int notify_first) {
+  if (notify != nullptr && (notify_first || counter == nullptr)) notify_sys(notify);
+  if (counter == nullptr) {  // no wait: only advance the epoch (an in-kernel waiter reads it: csrc/peer_call.cu)
+    if (expected != nullptr) *expected += increment;
     return;
   }
   int const target = int(unsigned((expected != nullptr) ? *expected : 0) + unsigned(increment));
@@ -94,7 +97,7 @@ __global__ void wait_counter_kernel(int const* counter, int* expected, int incre
     v = load_acquire_sys(counter);
   }
   if (expected != nullptr) *expected = target;  // the epoch advances even on timeout: the GEMM still adds later
-  if (notify != nullptr) notify_sys(notify);
+  if (notify != nullptr && !notify_first) notify_sys(notify);
 }
 
 __global__ void delayed_add_kernel(int* counter, int value, long long delay_ns, long long* stamp) {
@@ -181,12 +184,12 @@ FO_API int fo_wait_counter(const int* counter, int* expected, int increment, int
                            int tag, void* stream) {
   if (counter == nullptr) return fail(2, "fo_wait_counter: counter is null");
   return launch_wait(counter, expected, increment, (long long)timeout_ns, error_record, tag,
-                     static_cast<cudaStream_t>(stream), nullptr);
+                     static_cast<cudaStream_t>(stream), nullptr, false);
 }
 
 FO_API int fo_notify(int* counter, void* stream) {
   if (counter == nullptr) return fail(2, "fo_notify: counter is null");
-  return launch_wait(nullptr, nullptr, 0, 0, nullptr, 0, static_cast<cudaStream_t>(stream), counter);
+  return launch_wait(nullptr, nullptr, 0, 0, nullptr, 0, static_cast<cudaStream_t>(stream), counter, false);
 }
 
 FO_API int fo_stream_wait_value(void* stream, int* counter, int target) {

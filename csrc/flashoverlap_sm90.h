@@ -168,6 +168,8 @@ typedef struct {
    * out's peer rows on cur. */
   int32_t push;
   int32_t copy_on_sms;  /* push: the final copy by an SM kernel (1) or the copy engine (0) */
+  int32_t gate_in_kernel; /* 1: no wait kernel between the GEMMs; GEMM 2's epilogue waits for flags[0] before each
+                             tile's C load (the peer's GEMM 1 is then usually long done). 0: a wait kernel. */
 } fo_peer_args;
 
 FO_API int fo_peer_call(const fo_peer_args* args);

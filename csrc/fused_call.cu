@@ -23,7 +23,7 @@ namespace flashoverlap {
 // api.cu
 int fail_code(int code, std::string msg);
 int launch_wait(int const* counter, int* expected, int increment, long long timeout_ns, int* error_record, int tag,
-                cudaStream_t stream, int* notify);
+                cudaStream_t stream, int* notify, bool notify_first = false);
 
 namespace {
 

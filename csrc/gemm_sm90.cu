@@ -242,6 +242,17 @@ bool make_arguments(flashoverlap::GemmCall const& c, typename Gemm::Arguments& a
   signal_args.counters = c.counters;
   signal_args.group_of_tile_row = c.group_of_tile_row;
   signal_args.mode = c.signal_mode;
+  signal_args.gate_flag = c.gate_flag;
+  signal_args.gate_target = c.gate_target;
+  signal_args.gate_timeout_ns = c.gate_timeout_ns;
+  signal_args.gate_error_record = c.gate_error_record;
+  signal_args.gate_tag = c.gate_tag;
+#if !FO_ADD_C
+  if (c.gate_flag != nullptr) {
+    err = std::string(FO_NAME) + ": a peer gate needs an _addc configuration (it guards the C load)";
+    return false;
+  }
+#endif
   args.hw_info.device_id = device;
   // sm_count > total launches more CTAs than SMs: with sm_count >= tiles every CTA owns one tile (not persistent),
   // so the hardware hands SMs freed by finished tiles to higher-priority kernels (NCCL) first.

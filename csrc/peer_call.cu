@@ -22,7 +22,7 @@ namespace flashoverlap {
 // api.cu
 int fail_code(int code, std::string msg);
 int launch_wait(int const* counter, int* expected, int increment, long long timeout_ns, int* error_record, int tag,
-                cudaStream_t stream, int* notify);
+                cudaStream_t stream, int* notify, bool notify_first = false);
 
 namespace {
 
@@ -57,7 +57,7 @@ int events(PeerEvents*& out) {
 }
 
 int gemm(GemmConfig const& c, fo_peer_args const& p, int row, void const* c_operand, void* d, int64_t ldd,
-         int* counters, int const* group_of_tile_row, cudaStream_t stream, void* aux = nullptr) {
+         int* counters, int const* group_of_tile_row, cudaStream_t stream, void* aux = nullptr, bool gate = false) {
   GemmCall call{};
   call.a = static_cast<char const*>(p.a) + int64_t(row) * p.lda * p.elem_bytes;
   call.lda = p.lda;
@@ -81,6 +81,13 @@ int gemm(GemmConfig const& c, fo_peer_args const& p, int row, void const* c_oper
   call.ldc = p.n;
   call.aux = aux;
   call.ldaux = p.n;
+  if (gate) {  // wait for flags[0] >= expected[0] (advanced by the notify kernel before this GEMM)
+    call.gate_flag = p.flags;
+    call.gate_target = p.expected;
+    call.gate_timeout_ns = (long long)p.timeout_ns;
+    call.gate_error_record = p.error_record;
+    call.gate_tag = kTagPartial;
+  }
   std::string err;
   int rc = c.run(call, err);
   return rc == 0 ? 0 : fail_code(rc, err);
@@ -189,18 +196,24 @@ FO_API int fo_peer_call(const fo_peer_args* args) {
     if (rc == 0) rc = cuda_check(cudaStreamWaitEvent(pull, ev->fork, 0), "fork wait");
     if (rc != 0) return rc;
   }
-  // GEMM 1: the peer's rows, then tell the peer, then wait until the peer's GEMM 1 (our C) is complete.
+  // GEMM 1: the peer's rows, then (one kernel) tell the peer and wait until its GEMM 1 (our C) is complete.
   rc = gemm(*c1, p, p.peer_row, nullptr, p.partial, p.n, nullptr, nullptr, cur);
-  if (rc == 0) rc = launch_wait(nullptr, nullptr, 0, 0, nullptr, 0, cur, p.peer_flags);
-  if (rc == 0) rc = launch_wait(p.flags, p.expected, 1, timeout, p.error_record, kTagPartial, cur, nullptr);
+  if (rc == 0 && p.gate_in_kernel) {  // notify and advance the epoch; GEMM 2's epilogue waits before loading C
+    rc = launch_wait(nullptr, p.expected, 1, timeout, p.error_record, kTagPartial, cur, p.peer_flags);
+  } else if (rc == 0) {
+    rc = launch_wait(p.flags, p.expected, 1, timeout, p.error_record, kTagPartial, cur, p.peer_flags, true);
+  }
+  bool const gate = p.gate_in_kernel != 0;
   if (p.push) {  // all_reduce by push: GEMM 2 -> out's own rows + the peer's landing buffer; then ours -> out
     char* const out = static_cast<char*>(p.out);
     if (rc == 0) {
       rc = gemm(*c2, p, p.own_row, p.peer_partial, out + int64_t(p.own_row) * p.ld_out * p.elem_bytes, p.ld_out,
-                nullptr, nullptr, cur, const_cast<void*>(p.peer_own));
+                nullptr, nullptr, cur, const_cast<void*>(p.peer_own), gate);
     }
-    if (rc == 0) rc = launch_wait(nullptr, nullptr, 0, 0, nullptr, 0, cur, p.peer_flags + 1);
-    if (rc == 0) rc = launch_wait(p.flags + 1, p.expected + 1, 1, timeout, p.error_record, kTagPeerGroup, cur, nullptr);
+    if (rc == 0) {
+      rc = launch_wait(p.flags + 1, p.expected + 1, 1, timeout, p.error_record, kTagPeerGroup, cur, p.peer_flags + 1,
+                       true);
+    }
     if (rc == 0 && p.copy_on_sms && p.ld_out == p.n) {
       rc = copy_on_sms(out + int64_t(p.peer_row) * p.ld_out * p.elem_bytes, p.own_dst,
                        size_t(p.rows) * size_t(p.n) * size_t(p.elem_bytes), cur);
@@ -213,7 +226,7 @@ FO_API int fo_peer_call(const fo_peer_args* args) {
   // GEMM 2: own rows + the peer's partial of them.
   if (rc == 0) {
     rc = gemm(*c2, p, p.own_row, p.peer_partial, p.own_dst, p.ld_own, G > 0 ? p.counters : nullptr,
-              G > 0 ? p.group_of_tile_row : nullptr, cur);
+              G > 0 ? p.group_of_tile_row : nullptr, cur, nullptr, gate);
   }
   if (G == 0) return rc;
   for (int g = 0; g < G && rc == 0; ++g) {

@@ -38,6 +38,11 @@ struct GemmCall {
   int64_t ldc = 0;
   void* aux = nullptr;  // add_c 2 / 3 only: D stored a second time here ([M,N] row-major, ld ldaux)
   int64_t ldaux = 0;
+  int const* gate_flag = nullptr;  // peer gate before each tile's C load (tile_signal.hpp: peer_gate); null: none
+  int const* gate_target = nullptr;
+  long long gate_timeout_ns = 0;
+  int* gate_error_record = nullptr;
+  int gate_tag = 0;
 };
 
 struct GemmConfig {

@@ -44,12 +44,55 @@ CUTLASS_DEVICE void signal_tile_done(int* counter) {
 #endif
 }
 
+// Peer gate (the peer route's GEMM 2, csrc/peer_call.cu): before the epilogue's producer warp loads a tile's C
+// (the peer's partial sums, in its memory), lane 0 waits until *flag >= *target (system-scope acquire; the peer
+// adds to the flag after its GEMM 1), bounded: a timeout records {1, tag, seen, target} and lets the load go on
+// (the result is then wrong and the caller raises at its next check). The wait is satisfied long before the first
+// epilogue in practice, so GEMM 2 starts right after GEMM 1 without a stream-level barrier in between.
+CUTLASS_DEVICE void peer_gate(int const* flag, int const* target_ptr, long long timeout_ns, int* error_record,
+                              int tag) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if ((threadIdx.x & 31) == 0) {
+    int const target = *reinterpret_cast<int const volatile*>(target_ptr);
+    unsigned long long t0, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    int v;
+    asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+    // Not there yet: unless a wait already timed out (then every later tile skips its wait instead of timing out
+    // once more; the record is read only here, off the common path), poll with a short backoff.
+    bool const given_up = int(unsigned(v) - unsigned(target)) < 0 && error_record != nullptr &&
+                          *reinterpret_cast<int const volatile*>(error_record) != 0;
+    while (!given_up && int(unsigned(v) - unsigned(target)) < 0) {
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+      if ((long long)(now - t0) > timeout_ns) {
+        if (error_record != nullptr && atomicCAS(error_record, 0, 1) == 0) {
+          error_record[1] = tag;
+          error_record[2] = v;
+          error_record[3] = target;
+          __threadfence_system();
+        }
+        break;
+      }
+      __nanosleep(64);
+      asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+    }
+    asm volatile("fence.proxy.async.global;" ::: "memory");  // the acquire, then the TMA (async-proxy) load of C
+  }
+  __syncwarp();
+#endif
+}
+
 struct Sm90TileSignal {
   struct SharedStorage {};
   struct Arguments {
     int* counters = nullptr;                 // nullptr: no signals at all
     int const* group_of_tile_row = nullptr;  // nullptr: one counter per tile-row
     int mode = kDeferred;
+    int const* gate_flag = nullptr;          // peer gate (see peer_gate); nullptr: none
+    int const* gate_target = nullptr;
+    long long gate_timeout_ns = 0;
+    int* gate_error_record = nullptr;
+    int gate_tag = 0;
   };
   using Params = Arguments;
 
@@ -92,12 +135,21 @@ struct Sm90TileSignal {
   Params params;
   int* pending = nullptr;  // deferred mode, TMA-issuing warp only: counter of the previous tile, not yet signalled
 
-  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return params.gate_flag != nullptr; }
   CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
+
+  struct ProducerLoadCallbacks : cutlass::epilogue::fusion::EmptyProducerLoadCallbacks {
+    Params const* p;
+    CUTLASS_DEVICE explicit ProducerLoadCallbacks(Params const* params) : p(params) {}
+    CUTLASS_DEVICE void begin() {  // per tile, in the epilogue's producer (C load) warp, before its TMA loads
+      if (p->gate_flag != nullptr) peer_gate(p->gate_flag, p->gate_target, p->gate_timeout_ns, p->gate_error_record,
+                                             p->gate_tag);
+    }
+  };
 
   template <class... Args>
   CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::ProducerLoadArgs<Args...> const&) {
-    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
+    return ProducerLoadCallbacks(&params);
   }
 
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {

@@ -116,7 +116,8 @@ def with_mode(spec: str, fn):
       ``peer_route.TRANSPORT = "peer"`` (2 ranks: the reduction in GEMM 2's epilogue; other calls direct NCCL), with
       an ``_addc`` kernel field naming GEMM 2's configuration (``peer_route.ADD_KERNEL``) and the ctas field
       giving all_reduce's copy groups (``peer_route.GROUPS``); host ``ce`` (peer only): the push route's final
-      copy by copy engine (``peer_route.FINAL_COPY``);
+      copy by copy engine (``peer_route.FINAL_COPY``); rows ``wait`` (peer only): a wait kernel between the GEMMs
+      instead of the in-kernel gate (``peer_route.GATE``);
     * host ``c`` (default) or ``python``: ``fused_launch.HOST_LOOP``; ``gemm``: the diagnostic
       ``runtime_gpu.GEMM_ONLY`` (the fused path without its collectives, in the Python loop: a time split, not a
       result);
@@ -136,13 +137,14 @@ def with_mode(spec: str, fn):
     def run():
         old = (runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.KERNEL,
                runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE, runtime_gpu.ROW_ORDER, runtime_gpu.SIGNAL_MODE,
-               peer_route.TRANSPORT, peer_route.ADD_KERNEL, peer_route.GROUPS, peer_route.FINAL_COPY)
+               peer_route.TRANSPORT, peer_route.ADD_KERNEL, peer_route.GROUPS, peer_route.FINAL_COPY, peer_route.GATE)
         runtime_gpu.GEMM_GRID, nccl_direct.MODE = grid, "direct" if peer else mode
         peer_route.TRANSPORT, peer_route.ADD_KERNEL = ("peer" if peer else "nccl"), add_kernel
         peer_route.GROUPS = peer_groups
         peer_route.FINAL_COPY = "ce" if host == "ce" else "sm"
+        peer_route.GATE = "wait" if rows == "wait" else "kernel"
         runtime_gpu.SIGNAL_MODE = signal or runtime_gpu.SIGNAL_MODE
-        runtime_gpu.ROW_ORDER = rows or runtime_gpu.ROW_ORDER
+        runtime_gpu.ROW_ORDER = (rows if rows != "wait" else "") or runtime_gpu.ROW_ORDER
         fused_launch.HOST_LOOP = "python" if host == "gemm" else "c" if host == "ce" else host
         runtime_gpu.KERNEL, runtime_gpu.GEMM_ONLY = kernel or None, host == "gemm"
         runtime_gpu.SWIZZLE = int(swizzle) if swizzle else runtime_gpu.SWIZZLE
@@ -151,7 +153,8 @@ def with_mode(spec: str, fn):
         finally:
             (runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.KERNEL,
              runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE, runtime_gpu.ROW_ORDER, runtime_gpu.SIGNAL_MODE,
-             peer_route.TRANSPORT, peer_route.ADD_KERNEL, peer_route.GROUPS, peer_route.FINAL_COPY) = old
+             peer_route.TRANSPORT, peer_route.ADD_KERNEL, peer_route.GROUPS, peer_route.FINAL_COPY,
+             peer_route.GATE) = old
     return run
 
 

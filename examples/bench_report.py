@@ -29,7 +29,7 @@ def parse_spec(spec: str) -> tuple[str, str, str, str, tuple[int, int | None] | 
     config, _, signal = kernel.partition("+")
     bad_kernel = ("@" in config and not config.partition("@")[2].isdigit()) or \
         ("+" in kernel and signal not in ("immediate", "deferred"))
-    bad_rows = rows not in ("", "schedule", "stage", "gather")
+    bad_rows = rows not in ("", "schedule", "stage", "gather", "wait") or (rows == "wait" and mode != "peer")
     bad_grid = grid not in kernel_select.GEMM_GRIDS
     if not 2 <= len(parts) <= 6 or bad_grid or mode not in ("direct", "torch", "peer") \
             or host not in ("c", "python", "gemm", "ce") or (host == "ce") != (mode == "peer" and host == "ce") \
@@ -57,7 +57,9 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
     row["graph_speedup"] = tm.speedup(row.get("seq_graph_ms", math.nan), row.get("fused_graph_ms", math.nan))
     row["auto_speedup"] = tm.speedup(seq, row["auto_ms"])
     row["efficiency"] = tm.overlap_efficiency(seq, row["fused_ms"], row["ideal_ms"])
-    row["err_fused"] = tm.rel_error(row.get("pred_fused_ms"), row["fused_ms"]) if row.get("fused_path") else math.nan
+    # The cost model predicts the NCCL route: no error where the peer route ran (``launch`` says "peer route").
+    nccl_route = row.get("fused_path") and "peer route" not in row.get("launch", "")
+    row["err_fused"] = tm.rel_error(row.get("pred_fused_ms"), row["fused_ms"]) if nccl_route else math.nan
     row["err_seq"] = tm.rel_error(row.get("pred_seq_ms"), seq)
     rel = row.get("relerr_fused", math.nan)
     row["correct"] = bool(rel <= 2e-2) if isinstance(rel, float) and not math.isnan(rel) else None
@@ -148,7 +150,8 @@ def format_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
         lines.append(f"== {op} (world {rs[0]['world']}; times in ms, max over ranks of medians)")
         lines.append(head)
         for r in rs:
-            note = [] if r["fused_path"] else ["UNFUSED " + ",".join(r["fallback"])]
+            note = ([] if "peer route" not in r.get("launch", "") else ["peer"]) if r["fused_path"] \
+                else ["UNFUSED " + ",".join(r["fallback"])]
             if r["correct"] is False:
                 note.append(f"WRONG relerr={r['relerr_fused']:.3g}")
             note += [f"{key}: {v[:60]}" for key, v in r["errors"].items()]

@@ -58,6 +58,9 @@ MAX_GROUPS = 64  # FO_PEER_MAX_GROUPS of csrc/flashoverlap_sm90.h
 GROUPS = int(os.environ.get("FLASHOVERLAP_PEER_GROUPS", "8"))  # all_reduce: copy groups of GEMM 2's rows (at most)
 # all_reduce by push: the final landing -> output copy on SMs ("sm": GEMM 2 has freed them) or by copy engine ("ce")
 FINAL_COPY: str = os.environ.get("FLASHOVERLAP_PEER_COPY", "sm")
+# Between the GEMMs: "kernel" (GEMM 2's epilogue waits for the peer's GEMM 1 before each C load) or "wait" (a
+# bounded wait kernel on the stream, then GEMM 2)
+GATE: str = os.environ.get("FLASHOVERLAP_PEER_GATE", "kernel")
 FLAG_BYTES = 4096
 COLLECTIVES = ("all_reduce", "reduce_scatter")
 
@@ -77,7 +80,8 @@ class PeerArgs(ctypes.Structure):
                 ("sm_count", ctypes.c_int32), ("raster", ctypes.c_int32), ("swizzle", ctypes.c_int32),
                 ("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_size_t), ("timeout_ns", ctypes.c_int64),
                 ("error_record", ctypes.c_void_p), ("cur_stream", ctypes.c_void_p), ("side_stream", ctypes.c_void_p),
-                ("pull_stream", ctypes.c_void_p), ("push", ctypes.c_int32), ("copy_on_sms", ctypes.c_int32)]
+                ("pull_stream", ctypes.c_void_p), ("push", ctypes.c_int32), ("copy_on_sms", ctypes.c_int32),
+                ("gate_in_kernel", ctypes.c_int32)]
 
 
 @dataclass
@@ -268,6 +272,7 @@ def execute(launch: PeerLaunch, a: torch.Tensor, b: torch.Tensor, ldb: int, bias
     p.peer_own = peer_own if ar else None
     p.push = int(launch.push)
     p.copy_on_sms = int(FINAL_COPY == "sm")
+    p.gate_in_kernel = int(GATE == "kernel")
     p.out, p.ld_out = out2.data_ptr(), out2.stride(0)
     p.elem_bytes, p.signal_mode, p.sm_count, p.raster, p.swizzle = elem, signal_mode, launch.sm_count, raster, swizzle
     p.workspace = workspace_t.data_ptr() if workspace_t is not None else None

@@ -89,7 +89,7 @@ MAX_LAUNCHES = 512
 
 
 stats: collections.Counter = collections.Counter()
-last_launch: Launch | None = None
+last_launch: Launch | peer_route.PeerLaunch | None = None
 _launches: collections.OrderedDict[tuple, Launch | tuple[str, str]] = collections.OrderedDict()  # LRU order
 _peer_launches: dict[tuple, tuple] = {}  # peer_route launches (with their B choice) or ("peer", why not)
 _captured: set[tuple] = set()  # keys of launches captured into CUDA graphs (never evicted)
@@ -417,6 +417,8 @@ def _run_peer(collective: str, opnd: Operands, out_shape: list[int], group: dist
     peer_route.execute(plaunch, _row_major(a), b_in, ldb, opnd.bias, out, group, res, slot, cur,
                        kernels.SIGNAL_MODES[SIGNAL_MODE], kernels.RASTERS[RASTER], SWIZZLE,
                        max(1, int(config.wait_timeout_ms * 1e6)))
+    global last_launch
+    last_launch = plaunch
     stats[f"fused:{collective}"] += 1
     stats["route:peer"] += 1
     return out

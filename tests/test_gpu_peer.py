@@ -57,15 +57,16 @@ SHAPES = [(4096, 1024, 512), (1000, 776, 328), (256, 264, 64), (40, 264, 64), (2
 def peer_match_task(op: str, how: str = "default") -> dict[str, int]:
     """Each shape with and without bias, then calls that cannot take the route; every result checked. ``how``:
     GEMM 2's configuration for all_reduce: "default" (by push where compiled), "pull" (the first ``_addc``), or
-    "auxr" (push, aux stored from registers)."""
+    "auxr" (push, aux stored from registers); "wait": a wait kernel between the GEMMs instead of the in-kernel gate."""
     import torch.distributed as dist
 
     from flashoverlap_inductor import peer_route, runtime_gpu
 
     assert peer_route.TRANSPORT == "peer"
     rank = dist.get_rank()
-    level = {"default": None, "pull": 1, "auxr": 3}[how]
+    level = {"default": None, "wait": None, "pull": 1, "auxr": 3}[how]
     peer_route.ADD_KERNEL = kernels.configs(add_c=level)[0].name if level else None
+    peer_route.GATE = "wait" if how == "wait" else "kernel"
     runtime_gpu.reset()
     torch.use_deterministic_algorithms(True)
     try:
@@ -89,7 +90,7 @@ def peer_match_task(op: str, how: str = "default") -> dict[str, int]:
                    f"nccl route {op} {rows} {dtype} {layout}")
     finally:
         torch.use_deterministic_algorithms(False)
-        peer_route.ADD_KERNEL = None
+        peer_route.ADD_KERNEL, peer_route.GATE = None, "kernel"
     runtime_gpu.check()
     return {"push": sum(launch[0].push for launch in runtime_gpu._peer_launches.values()
                         if not isinstance(launch[0], str)),
@@ -174,7 +175,7 @@ def test_addc_gemm_matches_reference():
 
 
 @pytest.mark.parametrize("op,how", [("all_reduce", "default"), ("all_reduce", "pull"), ("all_reduce", "auxr"),
-                                    ("reduce_scatter", "default")])
+                                    ("reduce_scatter", "default"), ("reduce_scatter", "wait")])
 def test_peer_route_matches_eager(pool, op, how):
     if how == "auxr" and not kernels.configs(add_c=3):
         pytest.skip("no _addc_auxr configuration compiled")
