@@ -41,7 +41,8 @@ LIB_NAME = "libflashoverlap_sm90.so"
 class KernelConfig:
     """One CUTLASS sm90 configuration. ``schedule``: "coop" (two consumer warpgroups share a tile) or "pp"
     (ping-pong: each consumer warpgroup owns a tile). ``stages`` 0 = as many as fit; ``epi`` (0, 0) = CUTLASS's
-    epilogue subtile. ``variants``: "all" = bf16/fp16 x B [N,K]/[K,N]; "bf16_nk" = tuning candidate only.
+    epilogue subtile. ``variants``: "all" = bf16/fp16 x B [N,K]/[K,N]; "bf16" = bf16 x both B layouts; "bf16_nk" =
+    tuning candidate only.
     ``add_c``: the epilogue adds a C operand (the peer route's second GEMM; name suffix ``_addc``), 2 / 3: and
     stores its result again to an aux tensor (``_addc_aux`` by TMA, ``_addc_auxr`` from registers)."""
 
@@ -79,10 +80,10 @@ CONFIGS: tuple[KernelConfig, ...] = (
     # epilogue buffers at the plain configuration's 32 KB of shared memory (four mainloop stages); 128x64 needs
     # 64 KB (three stages).
     KernelConfig("coop", (128, 256, 64), (2, 1), epi=(128, 32), variants="bf16_nk", add_c=1),
-    KernelConfig("coop", (128, 256, 64), (2, 1), epi=(128, 64), variants="bf16_nk", add_c=1),
+    KernelConfig("coop", (128, 256, 64), (2, 1), epi=(128, 64), variants="bf16", add_c=1),
     # all_reduce by push: D stored twice (out, and the peer's landing buffer). By TMA the aux tile needs 16 KB more
     # shared memory at 128x32 (three mainloop stages); from registers none.
-    KernelConfig("coop", (128, 256, 64), (2, 1), epi=(128, 32), variants="bf16_nk", add_c=2),
+    KernelConfig("coop", (128, 256, 64), (2, 1), epi=(128, 32), variants="bf16", add_c=2),
     KernelConfig("coop", (128, 256, 64), (2, 1), epi=(128, 64), variants="bf16_nk", add_c=3),
 )
 # Measured and dropped (csrc/NOTES.md): coop 128x128 c1x1, 128x256 c1x1/c1x2/c2x1 (default epilogue tile),
@@ -140,8 +141,9 @@ def units(patterns: list[str] | None = None, variants: str = "all") -> list[Unit
         if patterns and not any(fnmatch.fnmatch(c.name, p) for p in patterns):
             continue
         full = c.variants == "all" and variants == "all"
+        layouts = B_LAYOUTS if full or (c.variants == "bf16" and variants == "all") else ("nk",)
         for dt in DTYPES if full else ("bf16",):
-            for bl in B_LAYOUTS if full else ("nk",):
+            for bl in layouts:
                 out.append(Unit(c, dt, bl))
     return out
 
