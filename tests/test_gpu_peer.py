@@ -79,6 +79,7 @@ def peer_match_task(op: str, how: str = "default") -> dict[str, int]:
                 _check(out, _reference(op, [_y64(*x) for x in args], rank), _eager(op, a, b, c),
                        f"peer {op} {rows}x{n}x{k} bias={bias}")
         peer_calls = runtime_gpu.stats["route:peer"]
+        pushes = sum(launch[0].push for launch in runtime_gpu._peer_launches.values() if not isinstance(launch[0], str))
         for rows, dtype, layout in ((1024, torch.float16, "nk"), (1024, torch.bfloat16, "kn"),
                                     (1001, torch.bfloat16, "nk")):
             if op == "reduce_scatter" and rows % 2:
@@ -92,8 +93,7 @@ def peer_match_task(op: str, how: str = "default") -> dict[str, int]:
         torch.use_deterministic_algorithms(False)
         peer_route.ADD_KERNEL, peer_route.GATE = None, "kernel"
     runtime_gpu.check()
-    return {"push": sum(launch[0].push for launch in runtime_gpu._peer_launches.values()
-                        if not isinstance(launch[0], str)),
+    return {"push": pushes,  # launches by push among the shapes above (the calls after may add their own)
             "peer": peer_calls, "after": runtime_gpu.stats["route:peer"], "skips": runtime_gpu.stats["peer_skip"]}
 
 
