@@ -32,11 +32,11 @@ def parse_spec(spec: str) -> tuple[str, str, str, str, tuple[int, int | None] | 
     bad_rows = rows not in ("", "schedule", "stage", "gather", "wait") or (rows == "wait" and mode != "peer")
     bad_grid = grid not in kernel_select.GEMM_GRIDS
     if not 2 <= len(parts) <= 6 or bad_grid or mode not in ("direct", "torch", "peer") \
-            or host not in ("c", "python", "gemm", "ce") or (host == "ce") != (mode == "peer" and host == "ce") \
+            or host not in ("c", "python", "gemm", "ce") or (host == "ce" and mode != "peer") \
             or bad_ctas or bad_kernel or bad_rows:
         raise ValueError(f"{spec!r} is not <persistent|tiles>/<direct|torch|peer>[/<c|python|gemm>[/<kernel>"
                          "[/<max_ctas>|<min_ctas>-<max_ctas>[/<schedule|stage|gather>]]]]; kernel = "
-                         "[<configuration>][@<swizzle>][+<immediate|deferred>]")
+                         "[<configuration>][@<swizzle>][+<immediate|deferred>]; peer only: host ce, rows wait")
     lo, _, hi = ctas.rpartition("-")
     return grid, mode, host, kernel, (int(hi), int(lo) if lo else None) if ctas else None, rows
 
