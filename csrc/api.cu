@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "device_wait.hpp"
 #include "flashoverlap_sm90.h"
 #include "registry.hpp"
 
@@ -47,20 +48,6 @@ int launch_wait(int const* counter, int* expected, int increment, long long time
   return e == cudaSuccess ? 0 : fail_cuda("wait kernel launch", e);
 }
 
-__device__ __forceinline__ unsigned long long global_timer_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-// System scope: the counter may be a flag another GPU adds to over NVLink (the peer route), or a counter of a
-// GEMM on this GPU whose data a peer then reads.
-__device__ __forceinline__ int load_acquire_sys(int const* p) {
-  int v;
-  asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 // Make everything this GPU's stream order put before this point visible to every GPU, then add 1 to *counter
 // (possibly another GPU's memory, mapped here): a peer that acquires the new value sees all of it.
 __device__ __forceinline__ void notify_sys(int* counter) {
@@ -79,23 +66,7 @@ __global__ void wait_counter_kernel(int const* counter, int* expected, int incre
     return;
   }
   int const target = int(unsigned((expected != nullptr) ? *expected : 0) + unsigned(increment));
-  unsigned long long const t0 = global_timer_ns();
-  unsigned sleep_ns = 32;
-  int v = load_acquire_sys(counter);
-  while (int(unsigned(v) - unsigned(target)) < 0) {
-    if ((long long)(global_timer_ns() - t0) > timeout_ns) {
-      if (error_record != nullptr && atomicCAS(error_record, 0, 1) == 0) {
-        error_record[1] = tag;
-        error_record[2] = v;
-        error_record[3] = target;
-        __threadfence_system();
-      }
-      break;
-    }
-    __nanosleep(sleep_ns);
-    sleep_ns = sleep_ns < 256 ? sleep_ns * 2 : 256;
-    v = load_acquire_sys(counter);
-  }
+  bounded_wait(counter, target, timeout_ns, error_record, tag, false);
   if (expected != nullptr) *expected = target;  // the epoch advances even on timeout: the GEMM still adds later
   if (notify != nullptr && !notify_first) notify_sys(notify);
 }

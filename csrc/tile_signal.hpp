@@ -26,6 +26,7 @@
 #pragma once
 
 #include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
+#include "device_wait.hpp"
 
 namespace flashoverlap {
 
@@ -53,29 +54,7 @@ CUTLASS_DEVICE void peer_gate(int const* flag, int const* target_ptr, long long 
                               int tag) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if ((threadIdx.x & 31) == 0) {
-    int const target = *reinterpret_cast<int const volatile*>(target_ptr);
-    unsigned long long t0, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    int v;
-    asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
-    // Not there yet: unless a wait already timed out (then every later tile skips its wait instead of timing out
-    // once more; the record is read only here, off the common path), poll with a short backoff.
-    bool const given_up = int(unsigned(v) - unsigned(target)) < 0 && error_record != nullptr &&
-                          *reinterpret_cast<int const volatile*>(error_record) != 0;
-    while (!given_up && int(unsigned(v) - unsigned(target)) < 0) {
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-      if ((long long)(now - t0) > timeout_ns) {
-        if (error_record != nullptr && atomicCAS(error_record, 0, 1) == 0) {
-          error_record[1] = tag;
-          error_record[2] = v;
-          error_record[3] = target;
-          __threadfence_system();
-        }
-        break;
-      }
-      __nanosleep(64);
-      asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
-    }
+    bounded_wait(flag, *reinterpret_cast<int const volatile*>(target_ptr), timeout_ns, error_record, tag, true);
     asm volatile("fence.proxy.async.global;" ::: "memory");  // the acquire, then the TMA (async-proxy) load of C
   }
   __syncwarp();
