@@ -165,6 +165,7 @@ class PeerLaunch:
     workspace_bytes: int
     description: str
     push: bool  # all_reduce by push (GEMM 2 also stores into the peer's landing buffer)
+    template: PeerArgs  # the fields fixed by the call shape; ``execute`` copies it and fills in the pointers
 
 
 def unsupported(collective: str, rows: int, n: int, k: int, dtype: torch.dtype, world: int, layout: str | None,
@@ -231,8 +232,14 @@ def make_launch(collective: str, rows_total: int, n: int, k: int, dtype: torch.d
     how = "push" if push else (f"{groups} copy groups {bounds}" if groups else "reduce_scatter")
     desc = f"{collective} rows={rows_total} n={n} k={k} {dname}: peer route, GEMM 2 {pick.name}, {how}, {sm_count} CTAs"
     log.info("flashoverlap: launch %s", desc)
+    t = PeerArgs()
+    t.config_partial, t.config_add = plain, add
+    t.n, t.k, t.rows, t.own_row, t.peer_row, t.num_groups = n, k, half, own_row, peer_row, groups
+    t.group_rows, t.group_tiles = ctypes.addressof(group_rows), ctypes.addressof(group_tiles)
+    t.group_of_tile_row = gmap.data_ptr() if gmap is not None else None
+    t.push, t.elem_bytes, t.sm_count, t.workspace_bytes = int(push), dtype.itemsize, sm_count, ws
     return PeerLaunch(collective, plain, add, half, own_row, peer_row, groups, group_rows, group_tiles, gmap,
-                      sm_count, ws, desc, push)
+                      sm_count, ws, desc, push, t)
 
 
 def owns(group: dist.ProcessGroup, device: torch.device, stream: torch.cuda.Stream) -> bool:
@@ -257,26 +264,19 @@ def execute(launch: PeerLaunch, a: torch.Tensor, b: torch.Tensor, ldb: int, bias
         if launch.workspace_bytes else None
     out2 = out.view(-1, n)
     ar = launch.collective == "all_reduce"
-    p = PeerArgs()
-    p.config_partial, p.config_add = launch.config_partial, launch.config_add
+    p = PeerArgs.from_buffer_copy(launch.template)  # the shape's fields; this call's pointers and settings below
     p.a, p.lda, p.b, p.ldb = a.data_ptr(), a.stride(0), b.data_ptr(), ldb
     p.bias = bias.data_ptr() if bias is not None else None
-    p.n, p.k, p.rows, p.own_row, p.peer_row = n, a.shape[1], launch.rows, launch.own_row, launch.peer_row
-    p.num_groups = launch.groups
     p.partial, p.peer_partial = partial, peer_partial
     p.own_dst, p.ld_own = (own, n) if ar else (out2.data_ptr(), out2.stride(0))  # push: own = the landing buffer
     p.flags, p.peer_flags, p.expected = ws.buf.data_ptr(), ws.peer_base, ws.expected.data_ptr()
-    p.group_rows, p.group_tiles = ctypes.addressof(launch.group_rows), ctypes.addressof(launch.group_tiles)
     p.counters = res.counters[slot].data_ptr() if ar else None
-    p.group_of_tile_row = launch.gmap.data_ptr() if launch.gmap is not None else None
     p.peer_own = peer_own if ar else None
-    p.push = int(launch.push)
     p.copy_on_sms = int(FINAL_COPY == "sm")
     p.gate_in_kernel = int(GATE == "kernel")
     p.out, p.ld_out = out2.data_ptr(), out2.stride(0)
-    p.elem_bytes, p.signal_mode, p.sm_count, p.raster, p.swizzle = elem, signal_mode, launch.sm_count, raster, swizzle
+    p.signal_mode, p.raster, p.swizzle = signal_mode, raster, swizzle
     p.workspace = workspace_t.data_ptr() if workspace_t is not None else None
-    p.workspace_bytes = launch.workspace_bytes
     p.timeout_ns, p.error_record = timeout_ns, res.record.data_ptr()
     p.cur_stream, p.side_stream, p.pull_stream = cur.cuda_stream, res.side.cuda_stream, ws.pull.cuda_stream
     lib = streams.kernel_lib()
