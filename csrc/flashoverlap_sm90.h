@@ -122,12 +122,15 @@ FO_API int fo_fused_call(int config, const void* a, int64_t lda, const void* b, 
  * kernel. Rank r owns rows [own_row, own_row + rows) of the [m, n] result, its peer [peer_row, peer_row + rows).
  *   cur:  GEMM 1 (config_partial): A's peer rows -> partial; notify peer_flags[0]; wait flags[0] (the peer's
  *         GEMM 1 is done); GEMM 2 (config_add, an _addc configuration): A's own rows + C = peer_partial (the peer's
- *         GEMM 1 result for these rows, read over NVLink) -> own_dst, signalling counters per group (all_reduce).
+ *         GEMM 1 result for these rows) -> own_dst, signalling counters per group (all_reduce). Either GEMM 1
+ *         stores into the peer's memory (partial mapped here, peer_partial local) or GEMM 2 reads it (partial
+ *         local, peer_partial mapped here): the caller chooses by the two pointers.
  *   all_reduce only (num_groups > 0), per group g of GEMM 2's rows: side: wait counters[g], notify peer_flags[1+g],
  *         copy own_dst rows -> out's own rows; pull: wait flags[1+g], copy peer_own rows (the peer's own_dst, read
  *         over NVLink by the copy engine) -> out's peer rows. Both streams are joined back into cur.
- * Buffers the peer reads (partial, own_dst for all_reduce) must not be rewritten before the peer has read them:
- * alternate two sets by call parity (the flags[0] wait of call i + 1 proves the peer finished call i - 1).
+ * Buffers one rank writes and the other reads (partial / peer_partial, own_dst for all_reduce) must not be rewritten
+ * before the reader is done: alternate two sets by call parity. The flags[0] wait of call i proves the peer finished
+ * call i - 1 (its GEMM 1 of call i follows it), and call i + 1 writes the sets call i - 1 used after that wait.
  * expected: device ints, 1 + 2 * FO_PEER_MAX_GROUPS: [0] the epoch of flags[0], [1 + g] of flags[1 + g], and
  * [1 + FO_PEER_MAX_GROUPS + g] the target of counters[g] (resynchronised from counters at every call). */
 #define FO_PEER_MAX_GROUPS 64
@@ -140,8 +143,8 @@ typedef struct {
   const void* bias;
   int32_t n, k, rows, own_row, peer_row;
   int32_t num_groups;            /* 0: reduce_scatter (own_dst is the output); else all_reduce */
-  void* partial;                 /* [rows, n] contiguous, this rank's symmetric scratch */
-  const void* peer_partial;      /* [rows, n] contiguous, the peer's scratch mapped here */
+  void* partial;                 /* [rows, n] contiguous: GEMM 1's destination (the peer reads it as its C) */
+  const void* peer_partial;      /* [rows, n] contiguous: GEMM 2's C (the peer's GEMM 1 wrote it) */
   void* own_dst;                 /* [rows, n], row stride ld_own */
   int64_t ld_own;
   int* flags;                    /* this rank's symmetric flags (1 + num_groups ints used) */

@@ -114,10 +114,11 @@ def with_mode(spec: str, fn):
 
     * grid ``persistent|tiles``: ``runtime_gpu.GEMM_GRID``; nccl ``direct|torch``: ``nccl_direct.MODE``; ``peer``:
       ``peer_route.TRANSPORT = "peer"`` (2 ranks: the reduction in GEMM 2's epilogue; other calls direct NCCL), with
-      an ``_addc`` kernel field naming GEMM 2's configuration (``peer_route.ADD_KERNEL``) and the ctas field
+      an ``_addc*`` kernel field naming GEMM 2's configuration (``peer_route.ADD_KERNEL``) and the ctas field
       giving all_reduce's copy groups (``peer_route.GROUPS``); host ``ce`` (peer only): the push route's final
-      copy by copy engine (``peer_route.FINAL_COPY``); rows ``wait`` (peer only): a wait kernel between the GEMMs
-      instead of the in-kernel gate (``peer_route.GATE``);
+      copy by copy engine (``peer_route.FINAL_COPY``); rows (peer only), any of these joined by ``+``: ``wait``, a
+      wait kernel between the GEMMs instead of the in-kernel gate (``peer_route.GATE``); ``cpull`` / ``cpush``,
+      GEMM 2 reads the peer's partial over NVLink / GEMM 1 stores it into the peer (``peer_route.PARTIAL``);
     * host ``c`` (default) or ``python``: ``fused_launch.HOST_LOOP``; ``gemm``: the diagnostic
       ``runtime_gpu.GEMM_ONLY`` (the fused path without its collectives, in the Python loop: a time split, not a
       result);
@@ -130,21 +131,25 @@ def with_mode(spec: str, fn):
     kernel, _, swizzle = kernel.partition("@")
 
     peer = mode == "peer"
-    add_kernel = kernel if peer and kernel.endswith("_addc") else None
+    add_kernel = kernel if peer and "_addc" in kernel else None
     kernel = "" if add_kernel else kernel
     peer_groups = ctas[0] if peer and ctas else peer_route.GROUPS
+    peer_rows = set(rows.split("+")) if peer and rows else set()
+    partial = "pull" if "cpull" in peer_rows else "push" if "cpush" in peer_rows else peer_route.PARTIAL
 
     def run():
         old = (runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.KERNEL,
                runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE, runtime_gpu.ROW_ORDER, runtime_gpu.SIGNAL_MODE,
-               peer_route.TRANSPORT, peer_route.ADD_KERNEL, peer_route.GROUPS, peer_route.FINAL_COPY, peer_route.GATE)
+               peer_route.TRANSPORT, peer_route.ADD_KERNEL, peer_route.GROUPS, peer_route.FINAL_COPY, peer_route.GATE,
+               peer_route.PARTIAL)
         runtime_gpu.GEMM_GRID, nccl_direct.MODE = grid, "direct" if peer else mode
         peer_route.TRANSPORT, peer_route.ADD_KERNEL = ("peer" if peer else "nccl"), add_kernel
         peer_route.GROUPS = peer_groups
         peer_route.FINAL_COPY = "ce" if host == "ce" else "sm"
-        peer_route.GATE = "wait" if rows == "wait" else "kernel"
+        peer_route.GATE = "wait" if "wait" in peer_rows else "kernel"
+        peer_route.PARTIAL = partial
         runtime_gpu.SIGNAL_MODE = signal or runtime_gpu.SIGNAL_MODE
-        runtime_gpu.ROW_ORDER = (rows if rows != "wait" else "") or runtime_gpu.ROW_ORDER
+        runtime_gpu.ROW_ORDER = (rows if not peer_rows else "") or runtime_gpu.ROW_ORDER
         fused_launch.HOST_LOOP = "python" if host == "gemm" else "c" if host == "ce" else host
         runtime_gpu.KERNEL, runtime_gpu.GEMM_ONLY = kernel or None, host == "gemm"
         runtime_gpu.SWIZZLE = int(swizzle) if swizzle else runtime_gpu.SWIZZLE
@@ -154,7 +159,7 @@ def with_mode(spec: str, fn):
             (runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.KERNEL,
              runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE, runtime_gpu.ROW_ORDER, runtime_gpu.SIGNAL_MODE,
              peer_route.TRANSPORT, peer_route.ADD_KERNEL, peer_route.GROUPS, peer_route.FINAL_COPY,
-             peer_route.GATE) = old
+             peer_route.GATE, peer_route.PARTIAL) = old
     return run
 
 

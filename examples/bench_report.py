@@ -17,6 +17,11 @@ TARGETS = {  # (world, op): geomean speedup over T_seq the issue asks for
 }
 
 
+# The peer route's settings in a spec's rows field, joined by "+": "wait" (peer_route.GATE), "cpull" / "cpush"
+# (peer_route.PARTIAL).
+PEER_ROWS = ("wait", "cpull", "cpush")
+
+
 def parse_spec(spec: str) -> tuple[str, str, str, str, tuple[int, int | None] | None, str]:
     """``"<grid>/<nccl>[/<host>[/<kernel>[/<ctas>[/<rows>]]]]"`` -> (grid, nccl, host, kernel, (max_ctas, min_ctas)
     or None, rows); ``ctas`` is ``max`` or ``min-max``; ``rows`` the row order of reduce_scatter / all_to_all
@@ -29,14 +34,16 @@ def parse_spec(spec: str) -> tuple[str, str, str, str, tuple[int, int | None] | 
     config, _, signal = kernel.partition("+")
     bad_kernel = ("@" in config and not config.partition("@")[2].isdigit()) or \
         ("+" in kernel and signal not in ("immediate", "deferred"))
-    bad_rows = rows not in ("", "schedule", "stage", "gather", "wait") or (rows == "wait" and mode != "peer")
+    peer_rows = set(rows.split("+")) <= set(PEER_ROWS) if rows else False
+    bad_rows = (rows not in ("", "schedule", "stage", "gather") and not peer_rows) or (peer_rows and mode != "peer")
     bad_grid = grid not in kernel_select.GEMM_GRIDS
     if not 2 <= len(parts) <= 6 or bad_grid or mode not in ("direct", "torch", "peer") \
             or host not in ("c", "python", "gemm", "ce") or (host == "ce" and mode != "peer") \
             or bad_ctas or bad_kernel or bad_rows:
         raise ValueError(f"{spec!r} is not <persistent|tiles>/<direct|torch|peer>[/<c|python|gemm>[/<kernel>"
                          "[/<max_ctas>|<min_ctas>-<max_ctas>[/<schedule|stage|gather>]]]]; kernel = "
-                         "[<configuration>][@<swizzle>][+<immediate|deferred>]; peer only: host ce, rows wait")
+                         "[<configuration>][@<swizzle>][+<immediate|deferred>]; peer only: host ce, rows "
+                         f"{'+'.join(PEER_ROWS)} (any of them)")
     lo, _, hi = ctas.rpartition("-")
     return grid, mode, host, kernel, (int(hi), int(lo) if lo else None) if ctas else None, rows
 

@@ -3,11 +3,12 @@
 Rank r owns rows ``[r * M/2, (r + 1) * M/2)`` of the ``[M, N]`` result (reduce_scatter's own chunk). Per call
 (``fo_peer_call``, ``csrc/peer_call.cu``, one host call):
 
-1. GEMM 1: A's rows that the *peer* owns -> this rank's symmetric scratch ``partial``.
+1. GEMM 1: A's rows that the *peer* owns -> a ``partial`` region of symmetric memory: by default the peer's, its
+   tiles stored by TMA over NVLink (``PARTIAL = "push"``); or this rank's own (``"pull"``).
 2. Tell the peer (a system-scope flag in its memory); wait until the peer's GEMM 1 is done (bounded).
 3. GEMM 2 (an ``_addc`` configuration): A's own rows, with the peer's ``partial`` of them added in the epilogue as
-   CUTLASS's C operand, read by TMA straight from the peer's memory over NVLink. reduce_scatter: into the output;
-   done.
+   CUTLASS's C operand, loaded by TMA: from local memory where the peer pushed it, or straight from the peer's
+   memory over NVLink (pull). reduce_scatter: into the output; done.
 4. all_reduce, by push (the default where an ``_addc_aux`` / ``_addc_auxr`` configuration is compiled): GEMM 2
    writes the output's own rows and stores the same tiles into the peer's ``own`` (landing) buffer; after it, one
    flag each way, and the copy engine moves this rank's landing buffer into the output's other half. By pull: GEMM
@@ -25,9 +26,10 @@ stream takes the NCCL route: the flags and sets are the first stream's). Every o
 
 Symmetric workspace of one (device, group): ``[flags: 4 KiB | set 0: partial, own | set 1: partial, own]``, each
 region ``capacity`` bytes. Calls alternate the two sets: the flag wait of call i + 1 proves that the peer finished
-call i - 1, which read the set call i + 1 overwrites. Growing the workspace is collective (every rank grows at the
-same call: every decision here depends on shapes all ranks share) and synchronizes the device first. Not under
-CUDA-graph capture (the set parity lives on the host): the runtime takes the NCCL route there.
+call i - 1, which read the set call i + 1 overwrites; and the wait of call i, inside GEMM 2, precedes call i + 1's
+GEMM 1 pushing into the set the peer's GEMM 2 of call i - 1 read. Growing the workspace is collective (every rank
+grows at the same call: every decision here depends on shapes all ranks share) and synchronizes the device first.
+Not under CUDA-graph capture (the set parity lives on the host): the runtime takes the NCCL route there.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ FINAL_COPY: str = os.environ.get("FLASHOVERLAP_PEER_COPY", "sm")
 # Between the GEMMs: "kernel" (GEMM 2's epilogue waits for the peer's GEMM 1 before each C load) or "wait" (a
 # bounded wait kernel on the stream, then GEMM 2)
 GATE: str = os.environ.get("FLASHOVERLAP_PEER_GATE", "kernel")
+# GEMM 1's result: stored into the peer's memory ("push": NVLink carries it during GEMM 1, and GEMM 2 loads C locally)
+# or read by the peer's GEMM 2 ("pull": NVLink carries it during GEMM 2, beside all_reduce's own push).
+PARTIAL: str = os.environ.get("FLASHOVERLAP_PEER_PARTIAL", "push")
 FLAG_BYTES = 4096
 COLLECTIVES = ("all_reduce", "reduce_scatter")
 
@@ -267,7 +272,8 @@ def execute(launch: PeerLaunch, a: torch.Tensor, b: torch.Tensor, ldb: int, bias
     p = PeerArgs.from_buffer_copy(launch.template)  # the shape's fields; this call's pointers and settings below
     p.a, p.lda, p.b, p.ldb = a.data_ptr(), a.stride(0), b.data_ptr(), ldb
     p.bias = bias.data_ptr() if bias is not None else None
-    p.partial, p.peer_partial = partial, peer_partial
+    # fo_peer_call's partial = GEMM 1's destination, peer_partial = GEMM 2's C (see PARTIAL)
+    p.partial, p.peer_partial = (peer_partial, partial) if PARTIAL == "push" else (partial, peer_partial)
     p.own_dst, p.ld_own = (own, n) if ar else (out2.data_ptr(), out2.stride(0))  # push: own = the landing buffer
     p.flags, p.peer_flags, p.expected = ws.buf.data_ptr(), ws.peer_base, ws.expected.data_ptr()
     p.counters = res.counters[slot].data_ptr() if ar else None

@@ -57,16 +57,19 @@ SHAPES = [(4096, 1024, 512), (1000, 776, 328), (256, 264, 64), (40, 264, 64), (2
 def peer_match_task(op: str, how: str = "default") -> dict[str, int]:
     """Each shape with and without bias, then calls that cannot take the route; every result checked. ``how``:
     GEMM 2's configuration for all_reduce: "default" (by push where compiled), "pull" (the first ``_addc``), or
-    "auxr" (push, aux stored from registers); "wait": a wait kernel between the GEMMs instead of the in-kernel gate."""
+    "auxr" (push, aux stored from registers); "wait": a wait kernel between the GEMMs instead of the in-kernel gate;
+    "cpull": GEMM 2 reads the peer's GEMM 1 result over NVLink (``peer_route.PARTIAL = "pull"``) instead of GEMM 1
+    storing it into the peer's memory."""
     import torch.distributed as dist
 
     from flashoverlap_inductor import peer_route, runtime_gpu
 
     assert peer_route.TRANSPORT == "peer"
     rank = dist.get_rank()
-    level = {"default": None, "wait": None, "pull": 1, "auxr": 3}[how]
+    level = {"default": None, "wait": None, "cpull": None, "pull": 1, "auxr": 3}[how]
     peer_route.ADD_KERNEL = kernels.configs(add_c=level)[0].name if level else None
     peer_route.GATE = "wait" if how == "wait" else "kernel"
+    peer_route.PARTIAL = "pull" if how == "cpull" else "push"
     runtime_gpu.reset()
     torch.use_deterministic_algorithms(True)
     try:
@@ -91,28 +94,33 @@ def peer_match_task(op: str, how: str = "default") -> dict[str, int]:
                    f"nccl route {op} {rows} {dtype} {layout}")
     finally:
         torch.use_deterministic_algorithms(False)
-        peer_route.ADD_KERNEL, peer_route.GATE = None, "kernel"
+        peer_route.ADD_KERNEL, peer_route.GATE, peer_route.PARTIAL = None, "kernel", "push"
     runtime_gpu.check()
     return {"push": pushes,  # launches by push among the shapes above (the calls after may add their own)
             "peer": peer_calls, "after": runtime_gpu.stats["route:peer"], "skips": runtime_gpu.stats["peer_skip"]}
 
 
-def alternating_calls_task(calls: int) -> int:
+def alternating_calls_task(calls: int, partial: str) -> int:
     """``calls`` calls without a sync, fresh data each, both ops, a small and a large shape (the workspace grows
-    mid-way): each result checked after the last call (stale workspace sets would show here)."""
+    mid-way): each result checked after the last call (stale workspace sets would show here). ``partial``:
+    ``peer_route.PARTIAL``."""
     import torch.distributed as dist
 
-    from flashoverlap_inductor import runtime_gpu
+    from flashoverlap_inductor import peer_route, runtime_gpu
 
     rank = dist.get_rank()
     runtime_gpu.reset()
     pending = []
-    for i in range(calls):
-        op = ("all_reduce", "reduce_scatter")[i % 2]
-        rows, n, k = (512, 1024, 256) if i < calls // 2 else (2048, 4096, 512)
-        args = [_operands(1000 + i, r, "2d", rows, n, k, torch.bfloat16, "nk", i % 3 == 0) for r in range(WORLD)]
-        a, b, c = args[rank]
-        pending.append((op, args, _call(op, a, b, c, "auto")))
+    peer_route.PARTIAL = partial
+    try:
+        for i in range(calls):
+            op = ("all_reduce", "reduce_scatter")[i % 2]
+            rows, n, k = (512, 1024, 256) if i < calls // 2 else (2048, 4096, 512)
+            args = [_operands(1000 + i, r, "2d", rows, n, k, torch.bfloat16, "nk", i % 3 == 0) for r in range(WORLD)]
+            a, b, c = args[rank]
+            pending.append((op, args, _call(op, a, b, c, "auto")))
+    finally:
+        peer_route.PARTIAL = "push"
     runtime_gpu.check()
     for i, (op, args, out) in enumerate(pending):
         a, b, c = args[rank]
@@ -175,7 +183,8 @@ def test_addc_gemm_matches_reference():
 
 
 @pytest.mark.parametrize("op,how", [("all_reduce", "default"), ("all_reduce", "pull"), ("all_reduce", "auxr"),
-                                    ("reduce_scatter", "default"), ("reduce_scatter", "wait")])
+                                    ("all_reduce", "cpull"), ("reduce_scatter", "default"),
+                                    ("reduce_scatter", "wait"), ("reduce_scatter", "cpull")])
 def test_peer_route_matches_eager(pool, op, how):
     if how == "auxr" and not kernels.configs(add_c=3):
         pytest.skip("no _addc_auxr configuration compiled")
@@ -190,8 +199,9 @@ def test_peer_route_matches_eager(pool, op, how):
         assert r["push"] == pushes, per_rank
 
 
-def test_peer_route_alternating_sets_and_growth(pool):
-    assert pool.run(alternating_calls_task, 40) == [40] * WORLD
+@pytest.mark.parametrize("partial", ["push", "pull"])
+def test_peer_route_alternating_sets_and_growth(pool, partial):
+    assert pool.run(alternating_calls_task, 40, partial) == [40] * WORLD
 
 
 def test_peer_route_missing_peer_times_out(pool):

@@ -340,9 +340,11 @@ def test_bench_variant_specs(bench):
         "tiles", "direct", "c", "pp_128x128x64_c1x1@4+immediate")
     assert bench.parse_spec("tiles/peer") == ("tiles", "peer", "c", "", None, "")
     assert bench.parse_spec("tiles/peer/ce//4/wait") == ("tiles", "peer", "ce", "", (4, None), "wait")
+    assert bench.parse_spec("tiles/peer/c///wait+cpull")[5] == "wait+cpull"
     for bad in ("tiles", "tiles/x", "grid/direct", "tiles/direct/fast", "tiles/direct/c/k/8/9", "tiles/direct/c/k/8/x/",
                 "tiles/direct/c/k/a", "tiles/direct/c/@x", "tiles/direct/c//-3-4", "tiles2/direct",
-                "tiles/direct/c/k+soon", "tiles/direct/c/k+", "tiles/direct/ce", "tiles/direct////wait"):
+                "tiles/direct/c/k+soon", "tiles/direct/c/k+", "tiles/direct/ce", "tiles/direct////wait",
+                "tiles/direct////cpull", "tiles/peer////cpull+x"):
         with pytest.raises(ValueError):
             bench.parse_spec(bad)
 
