@@ -11,6 +11,10 @@ Verdict (``fuse``): the plan has >= 2 groups, ``m >= config.min_rows``, and
 table when it has them and the model's predictions otherwise. ``plan`` is returned even when ``fuse`` is False
 (fuse mode "always" uses it).
 
+``peer=True`` says the call will take the peer route (``flashoverlap_inductor.peer_route.takes``): where the data
+has a peer model for it (``peer.py``), ``fused`` is that model's time and the verdict needs no groups (``route``
+"peer"); the plan is still the NCCL route's, for a call that falls back to it at run time.
+
 ``decide`` never raises for positive sizes and a known collective: problems it cannot fuse (indivisible rows,
 a dtype without data, a world of one rank) come back as ``fuse=False`` with the reason; times it cannot predict
 are ``nan`` (unknown dtype) or ``inf`` (a fused layout that cannot exist). Results are memoized on every input,
@@ -42,15 +46,18 @@ class Decision:
     predicted_fused_ms: float
     predicted_seq_ms: float
     reason: str  # human-readable
+    route: str = "nccl"  # the fused path predicted_fused_ms is for: "nccl" (wave groups + NCCL) or "peer"
 
 
 def decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int, *,
-           device_name: str | None = None, input_split_sizes: Sequence[int] | None = None) -> Decision:
+           device_name: str | None = None, input_split_sizes: Sequence[int] | None = None,
+           peer: bool = False) -> Decision:
     """Decide fusion of ``[m, k] @ [k, n]`` followed by ``collective`` over ``world_size`` ranks.
 
     ``dtype``: torch dtype name without prefix ("bfloat16"). ``device_name``: ``torch.cuda.get_device_name()``
     (None = the default GPU, "NVIDIA H200"). ``input_split_sizes``: all_to_all's per-destination rows of this
-    rank (None = even splits; ignored for the other collectives). Raises ``ValueError`` only for an unknown
+    rank (None = even splits; ignored for the other collectives). ``peer``: the call takes the peer route (see the
+    module docstring). Raises ``ValueError`` only for an unknown
     collective or non-positive sizes (and ``ConfigError`` for malformed data files).
     """
     if collective not in COLLECTIVES:
@@ -62,7 +69,8 @@ def decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int,
     if collective == "all_to_all" and input_split_sizes is not None:
         splits = tuple(int(x) for x in input_split_sizes)
     return _decide(collective, m, n, k, dtype, world_size, device_name, splits, registry.data_dir(),
-                   float(config.min_gain_fraction), int(config.min_rows), int(config.all_to_all_default_groups))
+                   float(config.min_gain_fraction), int(config.min_rows), int(config.all_to_all_default_groups),
+                   bool(peer))
 
 
 def _ratio(fused: float, seq: float) -> str:
@@ -72,7 +80,7 @@ def _ratio(fused: float, seq: float) -> str:
 @functools.lru_cache(maxsize=4096)
 def _decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int, device_name: str | None,
             splits: tuple[int, ...] | None, directory: Path, min_gain: float, min_rows: int,
-            a2a_groups: int) -> Decision:
+            a2a_groups: int, peer: bool) -> Decision:
     del directory  # part of the memo key: the data it names is read through registry (config.config_dir)
     tile_m, tile_n = DEFAULT_TILE
     single = GroupPlan(m, n, tile_m, tile_n, (0, m))
@@ -97,6 +105,11 @@ def _decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int
     tuned = None if splits is not None else registry.tuned_plan(device_name, model.gemm.sm_count, world_size,
                                                                  collective, dtype, m, n, k)
     plan, source = _choose_plan(model, tuned, collective, m, n, k, dtype, world_size, chunks, splits, a2a_groups)
+    peer_fused = model.peer_ms(collective, m, n, k, dtype, world_size) if peer else None
+    if peer_fused is not None:
+        return _peer_verdict(peer_fused, seq, m, plan, min_gain, min_rows, data_note)
+    if peer:
+        data_note += " [no peer-route model in the data: predicting the NCCL route]"
     fused = model.fused(plan, collective, chunks, k, dtype, world_size).total_ms
     verdict_fused, verdict_seq, what = fused, seq, "predicted"
     if tuned is not None and plan is tuned.plan and tuned.measured_fused_ms and tuned.measured_seq_ms:
@@ -111,6 +124,18 @@ def _decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int
     if verdict_fused <= (1.0 - min_gain) * verdict_seq:
         return Decision(True, plan, fused, seq, summary)
     return Decision(False, plan, fused, seq, f"declined: gain below min_gain_fraction={min_gain:g}; {summary}")
+
+
+def _peer_verdict(fused: float, seq: float, m: int, plan: GroupPlan, min_gain: float, min_rows: int,
+                  data_note: str) -> Decision:
+    summary = (f"predicted {fused:.3f} ms fused (peer route) vs {seq:.3f} ms sequential ({_ratio(fused, seq)})"
+               f"{data_note}")
+    if m < min_rows:
+        return Decision(False, plan, fused, seq, f"declined: M={m} rows < min_rows={min_rows}; {summary}", "peer")
+    if fused <= (1.0 - min_gain) * seq:
+        return Decision(True, plan, fused, seq, summary, "peer")
+    return Decision(False, plan, fused, seq, f"declined: gain below min_gain_fraction={min_gain:g}; {summary}",
+                    "peer")
 
 
 def _choose_plan(model: CostModel, tuned: registry.TunedPlan | None, collective: str, m: int, n: int, k: int,

@@ -29,6 +29,7 @@ from typing import Any
 
 from flashoverlap_inductor.plan import tiles_per_group
 
+from .peer import PeerModel
 from .schema import validate_gemm
 
 
@@ -50,6 +51,7 @@ class GemmModel:
     comm_slowdown: float = 0.0  # NCCL runs (1 + this) times slower while the fused GEMM occupies its SMs
     grid: str = "persistent"  # how the fused GEMM is launched ("persistent" or "tiles"; schema.py)
     group_overhead_ms: float = 0.0  # fixed cost of each group's wait + collective launch (CostModel.call_overhead_ms)
+    peer: PeerModel | None = None  # the peer route's time model (cost_model/peer.py), where the data file has one
     anchor_rows: tuple[Mapping[str, Any], ...] = field(default=(), repr=False)
     source: str = ""
 
@@ -74,6 +76,7 @@ class GemmModel:
             fused_gemm_slowdown=None if fused.get("gemm_slowdown") is None else float(fused["gemm_slowdown"]),
             comm_slowdown=float(fused.get("comm_slowdown", 0.0)), grid=str(fused.get("grid", "persistent")),
             group_overhead_ms=float(fused.get("group_overhead_ms", 0.0)),
+            peer=PeerModel.from_json(doc["peer"]) if "peer" in doc else None,
             anchor_rows=tuple(doc.get("anchor_rows", ())), source=f"{where}: {doc['source']}")
 
     def supports(self, dtype: str) -> bool:

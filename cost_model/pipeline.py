@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from flashoverlap_inductor.plan import GroupPlan, buffer_layout, tiles_per_group
 
-from .bandwidth import BandwidthCurve
+from .bandwidth import BandwidthCurve, ring_traffic_factor
 from .gemm import GemmModel
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -125,6 +125,19 @@ class CostModel:
         """Sequential baseline: cuBLAS GEMM on all SMs, then one collective on the whole output, in ms."""
         comm = self.curve.comm_ms(collective, world_size, m * n * dtype_bytes(dtype))
         return self.gemm.reference_ms(m, n, k, dtype) + comm
+
+    def peer_ms(self, collective: str, m: int, n: int, k: int, dtype: str, world_size: int) -> float | None:
+        """The peer route's time (``peer.py``), in ms; None where the data has no peer model for this call."""
+        peer = self.gemm.peer
+        if peer is None or not peer.covers(collective, world_size, m):
+            return None
+        return peer.predict_ms(self.gemm, collective, m, n, k, dtype, self.link_bytes_per_ms(world_size))
+
+    def link_bytes_per_ms(self, world_size: int) -> float:
+        """One direction's NVLink rate between two ranks, in bytes per ms: what NCCL's all_reduce moves per rank
+        (``ring_traffic_factor`` bytes per input byte) at the curve's tail rate."""
+        curve, scale = self.curve.curve("all_reduce", world_size)
+        return ring_traffic_factor("all_reduce", world_size) / (curve.tail_ms_per_byte * scale)
 
     def parts(self, plan: GroupPlan, collective: str, chunks: Sequence[int], k: int, dtype: str,
               world_size: int) -> GroupParts:

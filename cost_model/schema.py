@@ -24,7 +24,9 @@ Three kinds of document live in the config directory (``configs/`` of the packag
   ``fused.grid`` (optional, default ``"persistent"``): how the fused GEMM is launched, one persistent CTA per
   SM on ``sm_count - nccl_sms`` SMs, or ``"tiles"``, one CTA per tile on every SM (NCCL then takes SMs as
   tiles finish; ``nccl_sms`` is 0); ``runtime_gpu`` launches what the model assumes. ``fused.group_overhead_ms``
-  (optional, default 0): a fixed cost added to each group's collective (its wait and NCCL launch).
+  (optional, default 0): a fixed cost added to each group's collective (its wait and NCCL launch). ``peer``
+  (optional): the peer route's time model, ``{"world_size": 2, "collectives": {"<collective>": {"gemm_factor":
+  > 0, "fixed_ms": >= 0}}, "fit": {...}, "note": "..."}`` (``peer.py``).
 
 ``flashoverlap.plans/1`` (``configs/plans/*.json``): tuned plans that override the search::
 
@@ -177,6 +179,8 @@ def validate_gemm(doc: Any, where: str) -> dict[str, Any]:
     inter = _require(doc, "interference", dict, where)
     _positive(_require(inter, "gemm_slowdown_per_comm_ms", (int, float), where, "interference"), where,
               "interference.gemm_slowdown_per_comm_ms", allow_zero=True)
+    if "peer" in doc:
+        _validate_peer(doc["peer"], where)
     rows = doc.get("anchor_rows", [])
     if not isinstance(rows, list):
         raise _fail(where, "anchor_rows", "expected a list")
@@ -187,6 +191,23 @@ def validate_gemm(doc: Any, where: str) -> dict[str, Any]:
         _positive(_require(row, "gemm_ms", (int, float), where, f"anchor_rows[{i}]"), where,
                   f"anchor_rows[{i}].gemm_ms")
     return doc
+
+
+def _validate_peer(peer: Any, where: str) -> None:
+    """The optional ``peer`` section (``cost_model/peer.py``): world_size >= 2 and, per collective, gemm_factor > 0
+    and fixed_ms >= 0."""
+    if not isinstance(peer, dict):
+        raise _fail(where, "peer", "expected a JSON object")
+    if _require(peer, "world_size", int, where, "peer") < 2:
+        raise _fail(where, "peer.world_size", "must be >= 2")
+    colls = _require(peer, "collectives", dict, where, "peer")
+    for name, terms in colls.items():
+        if name not in COLLECTIVES:
+            raise _fail(where, f"peer.collectives.{name}", f"unknown collective; expected one of {COLLECTIVES}")
+        _positive(_require(terms, "gemm_factor", (int, float), where, f"peer.collectives.{name}"), where,
+                  f"peer.collectives.{name}.gemm_factor")
+        _positive(_require(terms, "fixed_ms", (int, float), where, f"peer.collectives.{name}"), where,
+                  f"peer.collectives.{name}.fixed_ms", allow_zero=True)
 
 
 def validate_plans(doc: Any, where: str) -> list[dict[str, Any]]:

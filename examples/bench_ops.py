@@ -264,7 +264,8 @@ def bench_shape(m: int, n: int, k: int, args: argparse.Namespace, ctx: dict[str,
     variants: dict[str, Any] = {"gemm": lambda: torch.mm(a, b, out=c)}
     info: dict[str, dict[str, Any]] = {}
     for op in args.ops:
-        d = decide(op, m, n, k, "bfloat16", world, device_name=gpu)
+        d = decide(op, m, n, k, "bfloat16", world, device_name=gpu,
+                   peer=peer_route.takes(op, m, n, k, torch.bfloat16, world))
         info[op] = {"decision": d, "plan": d.plan.to_str()}
         coll_out = out_a2a if op == "all_to_all" else out_rs
         variants[f"{op}:comm"] = collective_into(op, src, coll_out)
@@ -393,6 +394,7 @@ def make_row(op: str, m: int, n: int, k: int, world: int, ms: dict[str, float], 
     row["host_ms_fused"] = info.get("host_ms", math.nan)
     row["pred_fused_ms"] = d.predicted_fused_ms
     row["pred_seq_ms"] = d.predicted_seq_ms
+    row["pred_route"] = d.route
     if model is not None:
         row["pred_gemm_ms"] = model.gemm.reference_ms(m, n, k, "bfloat16")
         row["pred_comm_ms"] = model.curve.comm_ms(op, world, m * n * 2)

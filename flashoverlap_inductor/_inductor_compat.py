@@ -22,6 +22,7 @@ __all__ = [
     "CustomGraphPass",
     "compile_fx",
     "inductor_config",
+    "cudagraphs_enabled",
     "hash_files",
     "list_mode_options",
     "reset_cudagraph_trees",
@@ -54,6 +55,11 @@ def inductor_config() -> Any:
     from torch._inductor import config
 
     return config
+
+
+def cudagraphs_enabled() -> bool:
+    """Whether Inductor compiles the current graph for CUDA graphs (``mode="reduce-overhead"``)."""
+    return bool(getattr(inductor_config().triton, "cudagraphs", False))
 
 
 def list_mode_options(mode: str, dynamic: bool | None = None) -> dict[str, Any]:

@@ -188,6 +188,20 @@ def unsupported(collective: str, rows: int, n: int, k: int, dtype: torch.dtype, 
     return None
 
 
+def takes(collective: str, rows: int, n: int, k: int, dtype: torch.dtype, world: int) -> bool:
+    """Whether a CUDA call of this shape will take the peer route: ``TRANSPORT`` is "peer", the kernel library is
+    loadable and ``unsupported`` finds nothing for some B layout. What the cost model should predict
+    (``decide(..., peer=...)``); the call still takes the NCCL route at run time under CUDA-graph capture or from a
+    second caller stream. False (never raises) where the library cannot be read."""
+    if TRANSPORT != "peer" or collective not in COLLECTIVES or world != 2:
+        return False
+    try:
+        add = kernels.configs(add_c=True)
+    except Exception:  # no library or no GPU: the runtime falls back to the NCCL route (or cuBLAS + NCCL) anyway
+        return False
+    return any(unsupported(collective, rows, n, k, dtype, world, layout, add) is None for layout in ("nk", "kn"))
+
+
 def group_bounds(rows: int, tile_m: int, swizzle: int, groups: int) -> list[int]:
     """Row boundaries of the all_reduce copy groups over GEMM 2's ``rows``: whole bands of ``swizzle`` tile-rows
     (the scheduler completes a band's tiles together), at most ``groups`` of them, the larger ones first."""

@@ -18,6 +18,10 @@ of T_fused over the rows:
 the candidate the model predicts fastest should measure within ``--tolerance`` (3%) of the measured best, which
 is what the predictive search relies on; the error above then breaks ties, and must stay within 10%.
 
+``--peer`` fits the peer route's model instead (``cost_model/peer.py``: per collective ``gemm_factor`` and
+``fixed_ms``, least relative error) to the rows that ran on the peer route, and ``--write`` stores it
+in the ``peer`` section. The fused-path fit above uses only rows that ran on the NCCL route.
+
 ``--gemm`` first refits the cuBLAS wave model (``peak_tflops``, ``launch_ms``; what T_seq is predicted with) to the
 rows' T_gemm. ``--grid`` names the GEMM grid the rows ran with (default: the variant's, else the model's; ``tiles``:
 ``nccl_sms`` = 0, every SM to the GEMM). ``--write``
@@ -47,15 +51,24 @@ COMM_SLOWDOWNS = tuple(round(0.1 * i, 1) for i in range(13))  # 0 .. 1.2
 GROUP_OVERHEADS_MS = (0.0, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1)
 
 
-def load_rows(paths: list[str], variant: str | None) -> tuple[list[dict[str, Any]], str]:
-    """Rows with a measured fused time and a plan: ``(op, m, n, k, world, plan, fused_ms)``; and the GPU name."""
+def ran_peer_route(row: dict[str, Any], variant: str | None) -> bool:
+    """Whether the row's timed fused call ran on the peer route (the default column: its launch says so; a variant:
+    its spec names the peer route)."""
+    if variant:
+        return variant.split("/")[1:2] == ["peer"]
+    return "peer route" in row.get("launch", "")
+
+
+def load_rows(paths: list[str], variant: str | None, peer: bool = False) -> tuple[list[dict[str, Any]], str]:
+    """Rows with a measured fused time and a plan: ``(op, m, n, k, world, plan, fused_ms)``; and the GPU name.
+    Only the rows that ran on the NCCL route (``peer``: only those on the peer route)."""
     rows, gpu = [], ""
     for path in paths:
         doc = json.loads(Path(path).read_text())
         gpu = gpu or doc["meta"]["gpu"]
         for r in doc["rows"]:
             ms = r["variants"].get(variant, {}).get("ms") if variant else r.get("fused_ms")
-            if variant is None and not r.get("fused_path"):
+            if (variant is None and not r.get("fused_path")) or ran_peer_route(r, variant) != peer:
                 continue
             if ms is None or not math.isfinite(ms) or ms <= 0:
                 continue
@@ -184,9 +197,69 @@ def fit_cublas(paths: list[str], sm_count: int, tile: tuple[int, int]) -> dict[s
     return {**fit_gemm(samples, sm_count, tile), "samples": [list(x) for x in samples]}
 
 
-def cmd_fit(args: argparse.Namespace) -> int:
-    from flashoverlap_inductor.cost_model import model_for, registry
+def fit_peer(model: Any, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The peer section (``cost_model/peer.py``) fitted to ``rows`` of ``load_rows(..., peer=True)``: terms per
+    collective, and the fit's median / max relative error per collective."""
+    from flashoverlap_inductor.cost_model.peer import fit_terms, relative_errors
 
+    worlds = {r["world"] for r in rows}
+    if len(worlds) != 1:
+        raise ValueError(f"peer fit: rows of one world size needed, got {sorted(worlds)}")
+    collectives, fit_info = {}, {}
+    world = next(iter(worlds))
+    link = model.link_bytes_per_ms(world)
+    for op in sorted({r["op"] for r in rows}):
+        pts = [(r["m"], r["n"], r["k"], r["fused_ms"]) for r in rows if r["op"] == op]
+        terms = fit_terms(model.gemm, op, pts, link_bytes_per_ms=link)
+        errs = relative_errors(model.gemm, op, terms, pts, link_bytes_per_ms=link)
+        collectives[op] = {"gemm_factor": round(terms.gemm_factor, 4), "fixed_ms": round(terms.fixed_ms, 4)}
+        fit_info[op] = {"rows": len(pts), "median_rel_error": round(statistics.median(errs), 4),
+                        "max_rel_error": round(max(errs), 4)}
+    return {"world_size": world, "collectives": collectives, "fit": fit_info}
+
+
+def _write_section(gpu: str, update: Any) -> int:
+    """Apply ``update(doc)`` to the GPU's GEMM model file in the data directory and write it."""
+    from flashoverlap_inductor.cost_model import registry
+
+    want = registry.normalize_gpu_name(gpu)
+    for path in sorted(registry.data_dir().glob("*.json")):
+        doc = json.loads(path.read_text())
+        if str(doc.get("schema", "")).startswith("flashoverlap.gemm/") and \
+                registry.normalize_gpu_name(str(doc.get("gpu", ""))) == want:
+            update(doc)
+            path.write_text(json.dumps(doc, indent=1) + "\n")
+            print(f"tune fit: wrote {path}")
+            return 0
+    print(f"tune fit: no GEMM model file for {gpu} in {registry.data_dir()}")
+    return 2
+
+
+def cmd_fit_peer(args: argparse.Namespace) -> int:
+    from flashoverlap_inductor.cost_model import model_for
+
+    rows, gpu = load_rows(args.bench, args.variant, peer=True)
+    if not rows:
+        print("tune fit --peer: no rows ran on the peer route")
+        return 2
+    result = fit_peer(model_for(gpu)[0], rows)
+    print(json.dumps({"peer": result}, indent=1))
+    if not args.write:
+        return 0
+    result["fit"] = {"inputs": [Path(p).name for p in args.bench], "variant": args.variant or "fused",
+                     **result["fit"]}
+    result["note"] = ("fitted by tune fit --peer to T_fused of the rows that ran on the peer route: "
+                      "gemm_factor * (GEMM 1 + GEMM 2) + fixed_ms, each GEMM the cuBLAS wave model's time of half "
+                      "the rows or its NVLink stores' time at the all_reduce curve's tail rate, where longer "
+                      "(cost_model/peer.py)")
+    return _write_section(gpu, lambda doc: doc.update(peer=result))
+
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    from flashoverlap_inductor.cost_model import model_for
+
+    if args.peer:
+        return cmd_fit_peer(args)
     rows, gpu = load_rows(args.bench, args.variant)
     records = load_records(args.records)
     if not rows and not records:
@@ -205,38 +278,28 @@ def cmd_fit(args: argparse.Namespace) -> int:
         print(json.dumps({"cublas": refit}, indent=1))
     result = fit(model, rows, grid, records, tolerance=args.tolerance)
     print(json.dumps(result, indent=1))
-    if args.write:
-        want = registry.normalize_gpu_name(gpu)
-        for path in sorted(registry.data_dir().glob("*.json")):
-            doc = json.loads(path.read_text())
-            if str(doc.get("schema", "")).startswith("flashoverlap.gemm/") and \
-                    registry.normalize_gpu_name(str(doc.get("gpu", ""))) == want:
-                if refit is not None:
-                    doc["model"].update(refit)
-                    doc["model"]["note"] = (f"refitted by tune fit to the cuBLAS GEMM times of "
-                                            f"{', '.join(Path(p).name for p in args.bench)} (minimax log error), "
-                                            f"all SMs")
-                fused = doc["fused"]
-                for key in ("grid", "nccl_sms", "kernel_efficiency", "gemm_slowdown", "comm_slowdown",
-                            "group_overhead_ms"):
-                    fused[key] = result[key]
-                fused.pop("slowdown_note", None)
-                fused["note"] = (f"fitted by tune fit to T_fused of the op benchmark ({grid} grid): GEMM rate "
-                                 f"(kernel_efficiency, relative to the cuBLAS model), GEMM slowdown per ms of "
-                                 f"concurrent NCCL, NCCL slowdown beside the GEMM, fixed cost per group")
-                fused["fit"] = {"inputs": [Path(p).name for p in args.bench + args.records],
-                                "variant": args.variant or "fused",
-                                **{k: result[k] for k in ("median_rel_error", "mean_rel_error",
-                                                          "median_rel_error_before", "rows", "records",
-                                                          "ranking_misses", "ranking_misses_before",
-                                                          "tolerance") if k in result}}
-                path.write_text(json.dumps(doc, indent=1) + "\n")
-                print(f"tune fit: wrote the fused section of {path}")
-                break
-        else:
-            print(f"tune fit: no GEMM model file for {gpu} in {registry.data_dir()}")
-            return 2
-    return 0
+    if not args.write:
+        return 0
+
+    def update(doc: dict[str, Any]) -> None:
+        if refit is not None:
+            doc["model"].update(refit)
+            doc["model"]["note"] = (f"refitted by tune fit to the cuBLAS GEMM times of "
+                                    f"{', '.join(Path(p).name for p in args.bench)} (minimax log error), all SMs")
+        fused = doc["fused"]
+        for key in ("grid", "nccl_sms", "kernel_efficiency", "gemm_slowdown", "comm_slowdown", "group_overhead_ms"):
+            fused[key] = result[key]
+        fused.pop("slowdown_note", None)
+        fused["note"] = (f"fitted by tune fit to T_fused of the op benchmark ({grid} grid): GEMM rate "
+                         f"(kernel_efficiency, relative to the cuBLAS model), GEMM slowdown per ms of "
+                         f"concurrent NCCL, NCCL slowdown beside the GEMM, fixed cost per group")
+        fused["fit"] = {"inputs": [Path(p).name for p in args.bench + args.records],
+                        "variant": args.variant or "fused",
+                        **{k: result[k] for k in ("median_rel_error", "mean_rel_error", "median_rel_error_before",
+                                                  "rows", "records", "ranking_misses", "ranking_misses_before",
+                                                  "tolerance") if k in result}}
+
+    return _write_section(gpu, update)
 
 
 def add_parser(sub: Any) -> None:
@@ -251,4 +314,6 @@ def add_parser(sub: Any) -> None:
                     help="the GEMM grid the rows ran with (default: the variant's, else persistent)")
     fi.add_argument("--gemm", action="store_true",
                     help="also refit the cuBLAS model (peak rate, launch time) to the rows' T_gemm")
+    fi.add_argument("--peer", action="store_true",
+                    help="fit the peer route's model to the rows that ran on it (the peer section)")
     fi.add_argument("--write", action="store_true", help="store the result in the GPU's GEMM model file")

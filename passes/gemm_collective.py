@@ -114,7 +114,10 @@ class FlashOverlapPass(compat.CustomGraphPass):
 
     def uuid(self) -> str:
         settings = repr(sorted(self.settings.items()))
-        return compat.hash_files(_source_files(self.settings), extra=settings + "|" + _device_names())
+        from flashoverlap_inductor import peer_route
+
+        extra = f"{settings}|{_device_names()}|transport={peer_route.TRANSPORT}"
+        return compat.hash_files(_source_files(self.settings), extra=extra)
 
     # ------------------------------------------------------------------------------------------------ check
 
@@ -266,9 +269,12 @@ class FlashOverlapPass(compat.CustomGraphPass):
         try:
             from flashoverlap_inductor import cost_model  # looked up per call: tests may patch cost_model.decide
 
+            y = val(f.match.gemm)
             decision = cost_model.decide(f.match.collective, rows, int(f.n), int(f.k), f.dtype, f.group_size,
-                                         device_name=_device_name(val(f.match.gemm)),
-                                         input_split_sizes=[int(x) for x in splits] if splits else None)
+                                         device_name=_device_name(y),
+                                         input_split_sizes=[int(x) for x in splits] if splits else None,
+                                         peer=_takes_peer_route(f.match.collective, rows, int(f.n), int(f.k),
+                                                                f.dtype, f.group_size, y))
         except Exception as exc:
             if mode == "auto":
                 return _skip("cost_model_error", "%s: cost model failed: %r", desc, exc, level=logging.WARNING)
@@ -343,6 +349,16 @@ def _device_name(y: torch.Tensor) -> str | None:
     if y.device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_name(y.device)
     return None
+
+
+def _takes_peer_route(collective: str, rows: int, n: int, k: int, dtype: str, world: int, y: torch.Tensor) -> bool:
+    """Whether the fused op will run on the peer route (``peer_route.takes``), so the cost model predicts that route:
+    CUDA, not compiled for CUDA graphs (a capture takes the NCCL route)."""
+    if y.device.type != "cuda" or compat.cudagraphs_enabled():
+        return False
+    from flashoverlap_inductor import peer_route
+
+    return peer_route.takes(collective, rows, n, k, getattr(torch, dtype), world)
 
 
 def _device_names() -> str:

@@ -1,0 +1,120 @@
+"""Time model of the peer route (``flashoverlap_inductor.peer_route``): two ranks, the reduction in GEMM 2's epilogue.
+
+The route runs two GEMMs of half the rows each on every SM -- the rows the peer owns (stored into the peer's
+memory), then this rank's own rows with the peer's partial added as the epilogue's C operand -- and, for
+all_reduce, a flag each way and a copy of the half the peer computed. No NCCL runs beside the GEMMs, so the
+communication shows only as a slower GEMM and a fixed tail. Per collective, in ms::
+
+    T_peer = gemm_factor * (max(T_ref(ceil(m / 2)), B / link) + max(T_ref(floor(m / 2)), s * B / link))
+             + fixed_ms
+
+``T_ref(rows)`` is ``GemmModel.reference_ms(rows, n, k)`` (the fitted cuBLAS wave model on all SMs, as T_seq uses
+it). ``B`` is the bytes of one half of the output, which each GEMM stores over NVLink (GEMM 1 its result, all_reduce's
+GEMM 2 its aux copy; ``s`` = 1 for all_reduce, 0 for reduce_scatter), and ``link`` the one-direction NVLink rate in
+bytes per ms (``CostModel.peer_ms`` takes NCCL's all_reduce rate from the bandwidth curve's tail): a GEMM cannot end
+before its stores have crossed the link. ``gemm_factor`` (> 0; about 1.05 on H200) holds the GEMM's split in two
+and its remote stores; ``fixed_ms`` (>= 0) the gate, the flags and, for all_reduce, the final copy. ``fit_terms``
+fits both to measured T_fused rows that ran on the route (least relative error); ``tune fit --peer`` runs it on
+benchmark JSON and writes the ``peer`` section of the GPU's ``flashoverlap.gemm/1`` file::
+
+    "peer": {"world_size": 2,
+             "collectives": {"all_reduce": {"gemm_factor": 1.08, "fixed_ms": 0.063}, "reduce_scatter": {...}},
+             "fit": {...}, "note": "..."}
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .gemm import GemmModel
+
+@dataclass(frozen=True)
+class PeerTerms:
+    """One collective's two fitted numbers (see the module docstring)."""
+
+    gemm_factor: float
+    fixed_ms: float
+
+
+@dataclass(frozen=True)
+class PeerModel:
+    """The ``peer`` section of a GEMM data file: terms per collective, for ``world_size`` ranks only."""
+
+    world_size: int
+    terms: Mapping[str, PeerTerms]
+    fit: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    @staticmethod
+    def from_json(section: Mapping[str, Any]) -> PeerModel:
+        """From a ``peer`` section already checked by ``schema.validate_gemm``."""
+        terms = {name: PeerTerms(float(t["gemm_factor"]), float(t["fixed_ms"]))
+                 for name, t in section["collectives"].items()}
+        return PeerModel(int(section["world_size"]), terms, dict(section.get("fit", {})))
+
+    def covers(self, collective: str, world_size: int, m: int) -> bool:
+        """Whether this model predicts the call (the route itself also needs even rows)."""
+        return collective in self.terms and world_size == self.world_size and m >= 2 and m % 2 == 0
+
+    def predict_ms(self, gemm: GemmModel, collective: str, m: int, n: int, k: int, dtype: str,
+                   link_bytes_per_ms: float = math.inf) -> float:
+        """T_peer in ms (raises ValueError for a collective without terms)."""
+        if collective not in self.terms:
+            raise ValueError(f"peer model: no terms for {collective!r}; has {sorted(self.terms)}")
+        t = self.terms[collective]
+        return t.gemm_factor * gemms_ms(gemm, collective, m, n, k, dtype, link_bytes_per_ms) + t.fixed_ms
+
+
+def gemms_ms(gemm: GemmModel, collective: str, m: int, n: int, k: int, dtype: str,
+             link_bytes_per_ms: float = math.inf) -> float:
+    """The route's two GEMMs (ms): each half's reference time, or its NVLink stores' time where longer. The model's
+    one regressor."""
+    from .pipeline import dtype_bytes  # (pipeline imports gemm, which imports this module)
+
+    half = -(-m // 2) * n * dtype_bytes(dtype) / link_bytes_per_ms
+    first = max(gemm.reference_ms(-(-m // 2), n, k, dtype), half)
+    second = gemm.reference_ms(m // 2, n, k, dtype)
+    return first + (max(second, half) if collective == "all_reduce" else second)
+
+
+def fit_terms(gemm: GemmModel, collective: str, rows: Sequence[tuple[int, int, int, float]], dtype: str = "bfloat16",
+              link_bytes_per_ms: float = math.inf) -> PeerTerms:
+    """``gemm_factor`` and ``fixed_ms`` (both >= 0) that minimize the mean |predicted - measured| / measured over
+    ``rows`` of ``(m, n, k, measured_ms)`` of one collective: least absolute error, so one disturbed row does not
+    move the fit. For each factor on a 0.001 grid over [0.5, 2], the best ``fixed_ms`` is a weighted median of
+    ``measured - factor * x`` (weights 1 / measured)."""
+    pts = [(gemms_ms(gemm, collective, m, n, k, dtype, link_bytes_per_ms), ms) for m, n, k, ms in rows
+           if ms > 0 and math.isfinite(ms)]
+    if len(pts) < 2:
+        raise ValueError(f"peer fit: need >= 2 measured rows, got {len(pts)}")
+    best: tuple[float, PeerTerms] | None = None
+    for step in range(500, 2001):
+        factor = step / 1000
+        fixed = max(0.0, _weighted_median([(y - factor * x, 1.0 / y) for x, y in pts]))
+        cost = sum(abs(factor * x + fixed - y) / y for x, y in pts)
+        if best is None or cost < best[0] - 1e-12:
+            best = (cost, PeerTerms(factor, fixed))
+    assert best is not None
+    return best[1]
+
+
+def _weighted_median(pairs: list[tuple[float, float]]) -> float:
+    """The value v minimizing sum(w * |x - v|) over ``(x, w)`` pairs."""
+    pairs = sorted(pairs)
+    half, acc = sum(w for _, w in pairs) / 2, 0.0
+    for x, w in pairs:
+        acc += w
+        if acc >= half:
+            return x
+    return pairs[-1][0]
+
+
+def relative_errors(gemm: GemmModel, collective: str, terms: PeerTerms, rows: Sequence[tuple[int, int, int, float]],
+                    dtype: str = "bfloat16", link_bytes_per_ms: float = math.inf) -> list[float]:
+    """|predicted - measured| / measured per row."""
+    model = PeerModel(2, {collective: terms})
+    return [abs(model.predict_ms(gemm, collective, m, n, k, dtype, link_bytes_per_ms) - ms) / ms
+            for m, n, k, ms in rows]
