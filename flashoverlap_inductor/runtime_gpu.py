@@ -21,6 +21,7 @@ Same entry points and semantics as ``runtime_cpu``/``runtime_cuda`` (see ``ops``
 5. The caller's stream waits for the side stream.
 
 With the direct route, steps 3-5 are one host call into the library (``fused_launch``, ``fo_fused_call``).
+With ``peer_route.TRANSPORT == "peer"``, an uncaptured call tries ``runtime_peer.run`` first (None: the NCCL route).
 
 Unfused fallback (``runtime_cuda``; logged once per reason, counted in ``stats["fallback:<reason>"]``): the library
 or an sm90 GPU missing, fp32, N or K not multiples of 8, a batch of distinct ``b`` matrices, a bias varying along
@@ -63,6 +64,8 @@ from .kernel_select import (
     preferred_kernels,
     sm_reserve,
 )
+from .runtime_peer import launches as _peer_launches  # the same dict (tests read it here; reset() clears it)
+from .runtime_peer import run as run_peer
 
 log = logging.getLogger("flashoverlap")
 
@@ -91,7 +94,6 @@ MAX_LAUNCHES = 512
 stats: collections.Counter = collections.Counter()
 last_launch: Launch | peer_route.PeerLaunch | None = None
 _launches: collections.OrderedDict[tuple, Launch | tuple[str, str]] = collections.OrderedDict()  # LRU order
-_peer_launches: dict[tuple, tuple] = {}  # peer_route launches (with their B choice) or ("peer", why not)
 _captured: set[tuple] = set()  # keys of launches captured into CUDA graphs (never evicted)
 _noted: set[str] = set()
 _ready: list[bool] = []
@@ -285,7 +287,7 @@ def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor |
            getattr(group, "group_name", id(group)), SIGNAL_MODE, SWIZZLE, SM_RESERVE, GEMM_GRID, KERNEL, ROW_ORDER)
     capturing = torch.cuda.is_current_stream_capturing()
     if peer_route.TRANSPORT == "peer" and not capturing:
-        out = _run_peer(collective, opnd, out_shape, group, res, key, layout)
+        out = run_peer(collective, opnd, out_shape, group, res, key, layout)  # None: the NCCL route
         if out is not None:
             return out
     launch = _launches.get(key)
@@ -371,56 +373,6 @@ def _execute(launch: Launch, opnd: Operands, out_shape: list[int], group: dist.P
             else:
                 group_collective(launch.collective, launch.peers, g, step, buf, out_flat, group)
     cur.wait_stream(side)  # the output (and the buffers freed on return) are ready in the caller's stream order
-    return out
-
-
-def _run_peer(collective: str, opnd: Operands, out_shape: list[int], group: dist.ProcessGroup,
-              res: streams.DeviceResources, key: tuple, layout: str | None) -> torch.Tensor | None:
-    """The call on ``peer_route`` (None: this call shape cannot take it; logged once per reason, counted in
-    ``stats["peer_skip:<reason>"]``, and the NCCL route runs)."""
-    a, b = opnd.a, opnd.b
-    (rows, k), n = a.shape, b.shape[1]
-    pkey = ("peer", peer_route.ADD_KERNEL, peer_route.GROUPS, *key)
-    launch = _peer_launches.get(pkey)
-    if launch is None:
-        dname = str(a.dtype).removeprefix("torch.")
-        why = peer_route.unsupported(collective, rows, n, k, a.dtype, group.size(), layout,
-                                     kernels.configs(add_c=True))
-        choice = None if why else choose_kernel(_kernel_infos(), KERNEL or "", None, dname, layout, {})
-        if why is None and (choice is None or choice.convert_b):
-            why = f"no plain configuration compiled for {dname} with B as {layout}"
-        if why:
-            launch = ("peer", why)
-        else:
-            plain = streams.kernel_lib().config_index(choice.name, a.dtype, choice.b_layout)
-            launch = peer_route.make_launch(
-                collective, rows, n, k, a.dtype, group.rank(), plain, (choice.tile_m, choice.tile_n), res,
-                lambda tiles: grid_ctas(gemm_grid(res.name, GEMM_GRID), res.sm_count, tiles,
-                                        sm_reserve(res.name, SM_RESERVE, nccl_max_ctas(group))),
-                SWIZZLE, kernels.RASTERS[RASTER], choice.b_layout, a.device)
-            launch = (launch, choice)
-        _peer_launches[pkey] = launch
-    if launch[0] == "peer":
-        stats["peer_skip"] += 1
-        _note(f"peer:{launch[1]}", logging.INFO, "flashoverlap: %s takes the NCCL route: %s", collective, launch[1])
-        return None
-    plaunch, choice = launch
-    cur = torch.cuda.current_stream(a.device)
-    slot = res.slot(cur)
-    if slot is None or not peer_route.owns(group, a.device, cur):
-        stats["peer_skip"] += 1
-        _note("peer:stream", logging.INFO, "flashoverlap: %s takes the NCCL route: the peer route runs on one caller "
-              "stream per device and group", collective)
-        return None
-    out = torch.empty(out_shape, dtype=a.dtype, device=a.device)
-    b_in, ldb = _kernel_b(b, choice)
-    peer_route.execute(plaunch, _row_major(a), b_in, ldb, opnd.bias, out, group, res, slot, cur,
-                       kernels.SIGNAL_MODES[SIGNAL_MODE], kernels.RASTERS[RASTER], SWIZZLE,
-                       max(1, int(config.wait_timeout_ms * 1e6)))
-    global last_launch
-    last_launch = plaunch
-    stats[f"fused:{collective}"] += 1
-    stats["route:peer"] += 1
     return out
 
 

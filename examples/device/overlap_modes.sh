@@ -7,7 +7,8 @@
 # Knobs: FO_SHAPES4 / FO_SHAPES2 (bench --shapes), FO_VARIANTS (bench --fused-variants), FO_ARGS (more bench
 # flags), FO_TUNE=1 (tuner after the benchmarks), FO_SKIP ("tests bench2 bench4"), FO_BUDGET_S (default 560),
 # FO_B2_BUDGET_S (the 2-GPU benchmark's --time-budget-s, default 240), FO_TESTS (test files, default the three
-# GPU test files).
+# GPU test files), FO_SHAPES2X (shapes of a second 2-GPU benchmark after the first, all_reduce and reduce_scatter,
+# no variants: bench_w2x.json), FO_DEMO=1 (the README's demo on 2 GPUs at the end: demo.log).
 set -uo pipefail
 source examples/device/setup_env.sh
 END=$((SECONDS + ${FO_BUDGET_S:-560}))
@@ -45,6 +46,16 @@ if [[ "$SKIP" != *" bench2 "* ]]; then
   pids+=($!)
 fi
 wait "${pids[@]}" 2>/dev/null
+if [ -n "${FO_SHAPES2X:-}" ]; then
+  CUDA_VISIBLE_DEVICES=$B2GPUS timeout 180 "${TORCHRUN[@]}" --master-port 29612 --nproc_per_node=2 \
+    "$REPO/examples/bench_ops.py" --json "$OUT/bench_w2x.json" --shapes "$FO_SHAPES2X" \
+    --ops all_reduce,reduce_scatter --time-budget-s 90 >"$OUT/bench_w2x.log" 2>&1
+  echo "bench2x rc=$?" >>"$OUT/bench_w2x.log"
+fi
+if [[ "${FO_DEMO:-0}" == 1 ]]; then
+  CUDA_VISIBLE_DEVICES=0,1 timeout 240 python3 -m flashoverlap_inductor.demo >"$OUT/demo.log" 2>&1
+  echo "demo rc=$?" >>"$OUT/demo.log"
+fi
 if [[ "$SKIP" != *" bench4 "* ]]; then
   L=$(left)
   timeout "$L" "${TORCHRUN[@]}" --nproc_per_node=4 "$REPO/examples/bench_ops.py" --json "$OUT/bench_w4.json" \
@@ -70,4 +81,6 @@ echo "=== GPU tests"; grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/gpu_test
 for w in 2 4; do
   echo "=== bench w$w"; grep -vE "Warning|warn|^\*|OMP_NUM|^\s*$|^ +[0-9]+x" "$OUT/bench_w$w.log" 2>/dev/null | tail -40
 done
+[ -f "$OUT/bench_w2x.log" ] && { echo "=== bench w2x"; grep -E "^ +[0-9]+x|geomean|rc=" "$OUT/bench_w2x.log"; }
+[ -f "$OUT/demo.log" ] && { echo "=== demo"; grep -E "fus|declin|ms|rc=|match|Error" "$OUT/demo.log" | tail -30; }
 echo "=== tuner"; tail -2 "$OUT"/tune_bw*.log 2>/dev/null; grep -E "rc=|best|plan|wrote" "$OUT/tune_search.log" 2>/dev/null | tail -12
