@@ -1,0 +1,96 @@
+"""Diagnostic: the host time of one fused op on the peer route (2 ranks; run with torchrun --nproc_per_node=2).
+
+    torchrun --nproc_per_node=2 examples/device/peer_host_profile.py [--shape 2048x4096x4096] [--calls 400]
+
+Prints, per op, the mean host time per call (microseconds) with the GPU kept busy by a spin kernel (so the host
+never waits for it), next to ``torch.mm`` + the NCCL collective, then the steady-state time per call of back-to-back
+calls without a spin (what the benchmark measures when the host is the limit), then a cProfile of rank 0's fused
+calls sorted by own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import time
+
+import torch
+import torch.distributed as dist
+
+from flashoverlap_inductor import runtime_gpu
+from flashoverlap_inductor import tune_measure as tm
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="2048x4096x4096")
+    ap.add_argument("--calls", type=int, default=400)
+    args = ap.parse_args()
+    rank = int(os.environ["RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    dist.all_reduce(torch.ones(1, device="cuda"))
+    m, n, k = (int(x) for x in args.shape.split("x"))
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
+    name = dist.group.WORLD.group_name
+    out_rs = torch.empty(m // 2, n, device="cuda", dtype=torch.bfloat16)
+    fo = torch.ops.flashoverlap
+    fns = {
+        "fused all_reduce": lambda: fo.gemm_all_reduce(a, b, None, "sum", name, "auto"),
+        "fused reduce_scatter": lambda: fo.gemm_reduce_scatter(a, b, None, "sum", 2, name, "auto"),
+        "runtime_gpu reduce_scatter": lambda: runtime_gpu.gemm_reduce_scatter(a, b, None, dist.group.WORLD, "auto"),
+        "mm + all_reduce": lambda: dist.all_reduce(torch.mm(a, b)),
+        "mm + reduce_scatter": lambda: dist.reduce_scatter_tensor(out_rs, torch.mm(a, b)),
+        "mm alone": lambda: torch.mm(a, b),
+    }
+
+    def host_us(fn) -> float:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        total = 0.0
+        for _ in range(args.calls // 20):
+            tm.spin(20.0)  # keep the GPU busy: the host never waits for it
+            t0 = time.perf_counter()
+            for _ in range(20):
+                fn()
+            total += time.perf_counter() - t0
+            torch.cuda.synchronize()
+            dist.barrier()
+        return total / (args.calls // 20 * 20) * 1e6
+
+    def steady_us(fn) -> float:
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(50):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 50 * 1e3
+
+    for label, fn in fns.items():
+        h, s = host_us(fn), steady_us(fn)
+        if rank == 0:
+            print(f"{args.shape} {label:28s} host {h:7.1f} us/call   back-to-back {s:7.1f} us/call", flush=True)
+    prof = cProfile.Profile()
+    tm.spin(20.0)
+    prof.enable()
+    for _ in range(100):
+        fns["fused reduce_scatter"]()
+    prof.disable()
+    torch.cuda.synchronize()
+    if rank == 0:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        print(dict(runtime_gpu.stats))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
