@@ -5,15 +5,20 @@ memory), then this rank's own rows with the peer's partial added as the epilogue
 all_reduce, a flag each way and a copy of the half the peer computed. No NCCL runs beside the GEMMs, so the
 communication shows only as a slower GEMM and a fixed tail. Per collective, in ms::
 
-    T_peer = gemm_factor * (max(T_ref(ceil(m / 2)), B / link) + max(T_ref(floor(m / 2)), s * B / link))
-             + fixed_ms
+    T_peer = max(host_floor_ms,
+                 gemm_factor * (max(T_ref(ceil(m / 2)), B / L) + max(T_ref(floor(m / 2)), s * B / L)) + fixed_ms)
+    L      = link_efficiency * link
 
 ``T_ref(rows)`` is ``GemmModel.reference_ms(rows, n, k)`` (the fitted cuBLAS wave model on all SMs, as T_seq uses
 it). ``B`` is the bytes of one half of the output, which each GEMM stores over NVLink (GEMM 1 its result, all_reduce's
 GEMM 2 its aux copy; ``s`` = 1 for all_reduce, 0 for reduce_scatter), and ``link`` the one-direction NVLink rate in
 bytes per ms (``CostModel.peer_ms`` takes NCCL's all_reduce rate from the bandwidth curve's tail): a GEMM cannot end
 before its stores have crossed the link. ``gemm_factor`` (> 0; about 1.05 on H200) holds the GEMM's split in two
-and its remote stores; ``fixed_ms`` (>= 0) the gate, the flags and, for all_reduce, the final copy. ``fit_terms``
+and its remote stores; ``fixed_ms`` (>= 0) the gate, the flags and, for all_reduce, the final copy;
+``link_efficiency`` (0 .. 1, optional, default 1) the fraction of ``link`` the stores reach beside the GEMM;
+``host_floor_ms`` (>= 0, optional) the time per call when the host is the limit: back-to-back calls of a small
+shape cannot go faster than the host issues them (``examples/device/peer_host_profile.py`` measures it;
+``tune fit --peer --host-floor`` stores it). ``fit_terms``
 fits both to measured T_fused rows that ran on the route (least relative error); ``tune fit --peer`` runs it on
 benchmark JSON and writes the ``peer`` section of the GPU's ``flashoverlap.gemm/1`` file::
 
@@ -34,10 +39,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PeerTerms:
-    """One collective's two fitted numbers (see the module docstring)."""
+    """One collective's numbers (see the module docstring)."""
 
     gemm_factor: float
     fixed_ms: float
+    host_floor_ms: float = 0.0
+    link_efficiency: float = 1.0  # the fraction of ``link`` the GEMMs' NVLink stores reach
 
 
 @dataclass(frozen=True)
@@ -51,7 +58,8 @@ class PeerModel:
     @staticmethod
     def from_json(section: Mapping[str, Any]) -> PeerModel:
         """From a ``peer`` section already checked by ``schema.validate_gemm``."""
-        terms = {name: PeerTerms(float(t["gemm_factor"]), float(t["fixed_ms"]))
+        terms = {name: PeerTerms(float(t["gemm_factor"]), float(t["fixed_ms"]), float(t.get("host_floor_ms", 0.0)),
+                                 float(t.get("link_efficiency", 1.0)))
                  for name, t in section["collectives"].items()}
         return PeerModel(int(section["world_size"]), terms, dict(section.get("fit", {})))
 
@@ -65,7 +73,8 @@ class PeerModel:
         if collective not in self.terms:
             raise ValueError(f"peer model: no terms for {collective!r}; has {sorted(self.terms)}")
         t = self.terms[collective]
-        return t.gemm_factor * gemms_ms(gemm, collective, m, n, k, dtype, link_bytes_per_ms) + t.fixed_ms
+        link = link_bytes_per_ms * t.link_efficiency
+        return max(t.host_floor_ms, t.gemm_factor * gemms_ms(gemm, collective, m, n, k, dtype, link) + t.fixed_ms)
 
 
 def gemms_ms(gemm: GemmModel, collective: str, m: int, n: int, k: int, dtype: str,
@@ -82,21 +91,23 @@ def gemms_ms(gemm: GemmModel, collective: str, m: int, n: int, k: int, dtype: st
 
 def fit_terms(gemm: GemmModel, collective: str, rows: Sequence[tuple[int, int, int, float]], dtype: str = "bfloat16",
               link_bytes_per_ms: float = math.inf) -> PeerTerms:
-    """``gemm_factor`` and ``fixed_ms`` (both >= 0) that minimize the mean |predicted - measured| / measured over
-    ``rows`` of ``(m, n, k, measured_ms)`` of one collective: least absolute error, so one disturbed row does not
-    move the fit. For each factor on a 0.001 grid over [0.5, 2], the best ``fixed_ms`` is a weighted median of
-    ``measured - factor * x`` (weights 1 / measured)."""
-    pts = [(gemms_ms(gemm, collective, m, n, k, dtype, link_bytes_per_ms), ms) for m, n, k, ms in rows
-           if ms > 0 and math.isfinite(ms)]
-    if len(pts) < 2:
-        raise ValueError(f"peer fit: need >= 2 measured rows, got {len(pts)}")
+    """``gemm_factor``, ``fixed_ms`` (both >= 0) and ``link_efficiency`` (0.5 .. 1 by 0.05) that minimize the mean
+    |predicted - measured| / measured over ``rows`` of ``(m, n, k, measured_ms)`` of one collective (without the
+    host floor): least absolute error, so one disturbed row does not move the fit. For each link efficiency and each
+    factor on a 0.002 grid over [0.5, 2], the best ``fixed_ms`` is a weighted median of ``measured - factor * x``
+    (weights 1 / measured)."""
+    rows = [(m, n, k, ms) for m, n, k, ms in rows if ms > 0 and math.isfinite(ms)]
+    if len(rows) < 2:
+        raise ValueError(f"peer fit: need >= 2 measured rows, got {len(rows)}")
     best: tuple[float, PeerTerms] | None = None
-    for step in range(500, 2001):
-        factor = step / 1000
-        fixed = max(0.0, _weighted_median([(y - factor * x, 1.0 / y) for x, y in pts]))
-        cost = sum(abs(factor * x + fixed - y) / y for x, y in pts)
-        if best is None or cost < best[0] - 1e-12:
-            best = (cost, PeerTerms(factor, fixed))
+    for eff in [1.0 - 0.05 * i for i in range(11)] if math.isfinite(link_bytes_per_ms) else [1.0]:
+        pts = [(gemms_ms(gemm, collective, m, n, k, dtype, link_bytes_per_ms * eff), ms) for m, n, k, ms in rows]
+        for step in range(250, 1001):
+            factor = step / 500
+            fixed = max(0.0, _weighted_median([(y - factor * x, 1.0 / y) for x, y in pts]))
+            cost = sum(abs(factor * x + fixed - y) / y for x, y in pts)
+            if best is None or cost < best[0] - 1e-12:
+                best = (cost, PeerTerms(factor, fixed, 0.0, round(eff, 2)))
     assert best is not None
     return best[1]
 

@@ -26,7 +26,8 @@ Three kinds of document live in the config directory (``configs/`` of the packag
   tiles finish; ``nccl_sms`` is 0); ``runtime_gpu`` launches what the model assumes. ``fused.group_overhead_ms``
   (optional, default 0): a fixed cost added to each group's collective (its wait and NCCL launch). ``peer``
   (optional): the peer route's time model, ``{"world_size": 2, "collectives": {"<collective>": {"gemm_factor":
-  > 0, "fixed_ms": >= 0}}, "fit": {...}, "note": "..."}`` (``peer.py``).
+  > 0, "fixed_ms": >= 0, "host_floor_ms": >= 0, "link_efficiency": (0, 1] (both optional)}}, "fit": {...},
+  "note": "..."}`` (``peer.py``).
 
 ``flashoverlap.plans/1`` (``configs/plans/*.json``): tuned plans that override the search::
 
@@ -194,8 +195,8 @@ def validate_gemm(doc: Any, where: str) -> dict[str, Any]:
 
 
 def _validate_peer(peer: Any, where: str) -> None:
-    """The optional ``peer`` section (``cost_model/peer.py``): world_size >= 2 and, per collective, gemm_factor > 0
-    and fixed_ms >= 0."""
+    """The optional ``peer`` section (``cost_model/peer.py``): world_size >= 2 and, per collective, gemm_factor > 0,
+    fixed_ms >= 0 and, if present, host_floor_ms >= 0 and 0 < link_efficiency <= 1."""
     if not isinstance(peer, dict):
         raise _fail(where, "peer", "expected a JSON object")
     if _require(peer, "world_size", int, where, "peer") < 2:
@@ -208,6 +209,11 @@ def _validate_peer(peer: Any, where: str) -> None:
                   f"peer.collectives.{name}.gemm_factor")
         _positive(_require(terms, "fixed_ms", (int, float), where, f"peer.collectives.{name}"), where,
                   f"peer.collectives.{name}.fixed_ms", allow_zero=True)
+        if "host_floor_ms" in terms:
+            _positive(terms["host_floor_ms"], where, f"peer.collectives.{name}.host_floor_ms", allow_zero=True)
+        if "link_efficiency" in terms and _positive(terms["link_efficiency"], where,
+                                                    f"peer.collectives.{name}.link_efficiency") > 1:
+            raise _fail(where, f"peer.collectives.{name}.link_efficiency", "must be <= 1")
 
 
 def validate_plans(doc: Any, where: str) -> list[dict[str, Any]]:

@@ -20,7 +20,9 @@ is what the predictive search relies on; the error above then breaks ties, and m
 
 ``--peer`` fits the peer route's model instead (``cost_model/peer.py``: per collective ``gemm_factor`` and
 ``fixed_ms``, least relative error) to the rows that ran on the peer route, and ``--write`` stores it
-in the ``peer`` section. The fused-path fit above uses only rows that ran on the NCCL route.
+in the ``peer`` section; ``--host-floor all_reduce=MS,reduce_scatter=MS`` sets each collective's ``host_floor_ms``
+(the back-to-back time per call of ``examples/device/peer_host_profile.py``; kept from the data file otherwise).
+The fused-path fit above uses only rows that ran on the NCCL route.
 
 ``--gemm`` first refits the cuBLAS wave model (``peak_tflops``, ``launch_ms``; what T_seq is predicted with) to the
 rows' T_gemm. ``--grid`` names the GEMM grid the rows ran with (default: the variant's, else the model's; ``tiles``:
@@ -197,9 +199,10 @@ def fit_cublas(paths: list[str], sm_count: int, tile: tuple[int, int]) -> dict[s
     return {**fit_gemm(samples, sm_count, tile), "samples": [list(x) for x in samples]}
 
 
-def fit_peer(model: Any, rows: list[dict[str, Any]]) -> dict[str, Any]:
+def fit_peer(model: Any, rows: list[dict[str, Any]], host_floor: dict[str, float] | None = None) -> dict[str, Any]:
     """The peer section (``cost_model/peer.py``) fitted to ``rows`` of ``load_rows(..., peer=True)``: terms per
-    collective, and the fit's median / max relative error per collective."""
+    collective, and the fit's median / max relative error per collective. ``host_floor``: ``host_floor_ms`` per
+    collective (default: the model's current ones)."""
     from flashoverlap_inductor.cost_model.peer import fit_terms, relative_errors
 
     worlds = {r["world"] for r in rows}
@@ -210,9 +213,14 @@ def fit_peer(model: Any, rows: list[dict[str, Any]]) -> dict[str, Any]:
     link = model.link_bytes_per_ms(world)
     for op in sorted({r["op"] for r in rows}):
         pts = [(r["m"], r["n"], r["k"], r["fused_ms"]) for r in rows if r["op"] == op]
-        terms = fit_terms(model.gemm, op, pts, link_bytes_per_ms=link)
+        old = model.gemm.peer.terms.get(op) if model.gemm.peer is not None else None
+        floor = (host_floor or {}).get(op, old.host_floor_ms if old is not None else 0.0)
+        terms = dataclasses.replace(fit_terms(model.gemm, op, pts, link_bytes_per_ms=link), host_floor_ms=floor)
         errs = relative_errors(model.gemm, op, terms, pts, link_bytes_per_ms=link)
-        collectives[op] = {"gemm_factor": round(terms.gemm_factor, 4), "fixed_ms": round(terms.fixed_ms, 4)}
+        collectives[op] = {"gemm_factor": round(terms.gemm_factor, 4), "fixed_ms": round(terms.fixed_ms, 4),
+                           "link_efficiency": terms.link_efficiency}
+        if floor:
+            collectives[op]["host_floor_ms"] = floor
         fit_info[op] = {"rows": len(pts), "median_rel_error": round(statistics.median(errs), 4),
                         "max_rel_error": round(max(errs), 4)}
     return {"world_size": world, "collectives": collectives, "fit": fit_info}
@@ -242,7 +250,12 @@ def cmd_fit_peer(args: argparse.Namespace) -> int:
     if not rows:
         print("tune fit --peer: no rows ran on the peer route")
         return 2
-    result = fit_peer(model_for(gpu)[0], rows)
+    try:
+        floor = {op: float(ms) for op, _, ms in (x.partition("=") for x in args.host_floor.split(",") if x)}
+    except ValueError:
+        print(f"tune fit --peer: --host-floor {args.host_floor!r} is not collective=ms,...")
+        return 2
+    result = fit_peer(model_for(gpu)[0], rows, floor)
     print(json.dumps({"peer": result}, indent=1))
     if not args.write:
         return 0
@@ -316,4 +329,6 @@ def add_parser(sub: Any) -> None:
                     help="also refit the cuBLAS model (peak rate, launch time) to the rows' T_gemm")
     fi.add_argument("--peer", action="store_true",
                     help="fit the peer route's model to the rows that ran on it (the peer section)")
+    fi.add_argument("--host-floor", default="",
+                    help="--peer: host_floor_ms per collective, e.g. all_reduce=0.21,reduce_scatter=0.15")
     fi.add_argument("--write", action="store_true", help="store the result in the GPU's GEMM model file")

@@ -65,8 +65,22 @@ def test_a_gemm_is_no_faster_than_its_nvlink_stores():
     model = model_for("NVIDIA H200")[0]  # the shipped link rate: NCCL's all_reduce tail, 250..450 GB/s
     assert 2.5e8 < model.link_bytes_per_ms(2) < 4.5e8
     t = model.gemm.peer.terms["all_reduce"]
-    assert model.peer_ms("all_reduce", m, n, k, "bfloat16", 2) == pytest.approx(
-        t.gemm_factor * gemms_ms(gemm, "all_reduce", m, n, k, "bfloat16", model.link_bytes_per_ms(2)) + t.fixed_ms)
+    assert 0.5 <= t.link_efficiency <= 1
+    link = model.link_bytes_per_ms(2) * t.link_efficiency
+    assert model.peer_ms("all_reduce", m, n, k, "bfloat16", 2) == pytest.approx(max(
+        t.host_floor_ms, t.gemm_factor * gemms_ms(gemm, "all_reduce", m, n, k, "bfloat16", link) + t.fixed_ms))
+
+
+def test_host_floor_and_link_efficiency():
+    gemm, link = _gemm(), 3.0e8
+    base = PeerTerms(1.0, 0.01)
+    small, short_k = (256, 1024, 512), (8192, 4096, 512)
+    assert PeerModel(2, {"all_reduce": base}).predict_ms(gemm, "all_reduce", *small, "bfloat16", link) < 0.1
+    floored = PeerModel(2, {"all_reduce": PeerTerms(1.0, 0.01, host_floor_ms=0.2)})
+    assert floored.predict_ms(gemm, "all_reduce", *small, "bfloat16", link) == 0.2  # the host is the limit
+    half = PeerModel(2, {"all_reduce": PeerTerms(1.0, 0.01, link_efficiency=0.5)})
+    assert half.predict_ms(gemm, "all_reduce", *short_k, "bfloat16", link) == pytest.approx(
+        2 * (8192 // 2) * 4096 * 2 / (0.5 * link) + 0.01)
 
 
 @pytest.mark.parametrize("collective,world,m,ok", [
@@ -103,6 +117,9 @@ def _doc_with(peer_section):
     lambda p: p["collectives"].update(all_gather={"gemm_factor": 1.0, "fixed_ms": 0.0}),
     lambda p: p["collectives"]["reduce_scatter"].pop("fixed_ms"),
     lambda p: p.update(collectives=[]),
+    lambda p: p["collectives"]["all_reduce"].update(host_floor_ms=-0.1),
+    lambda p: p["collectives"]["all_reduce"].update(link_efficiency=1.5),
+    lambda p: p["collectives"]["all_reduce"].update(link_efficiency=0),
 ])
 def test_schema_rejects_a_malformed_peer_section(mutate):
     section = copy.deepcopy(json.loads((registry.data_dir() / "gemm_h200.json").read_text())["peer"])
@@ -152,7 +169,7 @@ def test_bench_error_column_only_for_the_route_predicted():
 def _peer_bench(terms: dict[str, PeerTerms]) -> dict:
     model, rows = model_for("NVIDIA H200")[0], []
     for op, t in terms.items():
-        for m, n, k in GRID + [(8192, 4096, 512)]:  # the last one bound by the link
+        for m, n, k in GRID + [(8192, 4096, 512), (8192, 8192, 1024)]:  # the last two bound by the link
             ms = PeerModel(2, {op: t}).predict_ms(model.gemm, op, m, n, k, "bfloat16", model.link_bytes_per_ms(2))
             rows.append({"op": op, "m": m, "n": n, "k": k, "world": 2, "plan": "", "fused_path": True,
                          "fused_ms": ms, "launch": f"{op} rows={m}: peer route, GEMM 2 cfg, push", "variants": {}})
@@ -167,17 +184,24 @@ def test_tune_fit_peer_writes_the_section(tmp_path, monkeypatch):
     data.mkdir()
     for p in registry.data_dir().glob("*.json"):
         (data / p.name).write_text(p.read_text())
-    truth = {"all_reduce": PeerTerms(1.05, 0.09), "reduce_scatter": PeerTerms(1.08, 0.03)}
+    truth = {"all_reduce": PeerTerms(1.05, 0.09, link_efficiency=0.8), "reduce_scatter": PeerTerms(1.08, 0.03)}
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps(_peer_bench(truth)))
-    assert len(tune_fit.load_rows([str(bench)], None, peer=True)[0]) == 2 * (len(GRID) + 1)
+    assert len(tune_fit.load_rows([str(bench)], None, peer=True)[0]) == 2 * (len(GRID) + 2)
     assert len(tune_fit.load_rows([str(bench)], None)[0]) == 1
     monkeypatch.setattr(config, "config_dir", str(data))
     registry.clear_caches()
-    assert tune.main(["fit", "--peer", "--bench", str(bench), "--write"]) == 0
+    assert tune.main(["fit", "--peer", "--bench", str(bench), "--host-floor", "reduce_scatter=0.123", "--write"]) == 0
     registry.clear_caches()
     peer = model_for("NVIDIA H200")[0].gemm.peer
     for op, t in truth.items():
         assert peer.terms[op].gemm_factor == pytest.approx(t.gemm_factor, abs=2e-3)
         assert peer.terms[op].fixed_ms == pytest.approx(t.fixed_ms, abs=2e-3)
-    assert peer.fit["all_reduce"]["rows"] == len(GRID) + 1
+        assert peer.terms[op].link_efficiency == t.link_efficiency
+    assert peer.fit["all_reduce"]["rows"] == len(GRID) + 2
+    assert peer.terms["reduce_scatter"].host_floor_ms == 0.123
+    # a refit without --host-floor keeps the floors in the file
+    assert tune.main(["fit", "--peer", "--bench", str(bench), "--write"]) == 0
+    registry.clear_caches()
+    assert model_for("NVIDIA H200")[0].gemm.peer.terms["reduce_scatter"].host_floor_ms == 0.123
+    assert tune.main(["fit", "--peer", "--bench", str(bench), "--host-floor", "all_reduce"]) == 2
