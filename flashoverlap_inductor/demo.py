@@ -233,10 +233,40 @@ def _run(rank: int, args: argparse.Namespace, device: torch.device) -> None:
             ms = _timeit(fn, ids, args.steps, device)
             extra = f"   (compile {compiled[name][3]:.1f} s)" if name in compiled else ""
             say(f"  {name:14s} {ms:9.3f}{extra}")
+        if device.type == "cuda" and args.world_size == 2:  # the same compiled graph, fused ops on the NCCL route
+            from . import peer_route
+
+            old, peer_route.TRANSPORT = peer_route.TRANSPORT, "nccl"
+            try:
+                say(f"  {'  NCCL route':14s} {_timeit(compiled['flashoverlap'][0], ids, args.steps, device):9.3f}")
+            finally:
+                peer_route.TRANSPORT = old
+        if device.type == "cuda":
+            from . import runtime_gpu
+
+            say(f"  fused-op runtime counters (rank 0): {dict(sorted(runtime_gpu.stats.items()))}")
+        if args.profile and device.type == "cuda":
+            for name in compiled:
+                say(f"\n-- GPU time by kernel, 3 forward calls, {name} (rank 0) --")
+                _profile(compiled[name][0], ids, say)
     logging.getLogger("flashoverlap").removeHandler(collect)
     tol = 5e-2 * max(scale, 1.0) if dtype == torch.bfloat16 else 1e-3 * max(scale, 1.0)
     if errors["flashoverlap"] > tol:
         raise SystemExit(f"rank {rank}: flashoverlap output deviates from eager by {errors['flashoverlap']:.3e}")
+
+
+def _profile(fn, inputs, say) -> None:
+    """Print the kernels of three calls of ``fn`` by GPU time (torch.profiler; every rank runs, rank 0 prints)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(inputs)
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn(inputs)
+        torch.cuda.synchronize()
+    say(prof.key_averages().table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
 
 
 def _free_port() -> int:
@@ -257,6 +287,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=None, help="model width (default 256 on CPU, 4096 on GPU)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 64 on CPU, 2048 on GPU)")
     p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--profile", action="store_true", help="GPU: also print each compiled variant's kernels by time")
     args = p.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= args.world_size else "cpu"
