@@ -18,13 +18,16 @@ and its remote stores; ``fixed_ms`` (>= 0) the gate, the flags and, for all_redu
 ``link_efficiency`` (0 .. 1, optional, default 1) the fraction of ``link`` the stores reach beside the GEMM;
 ``host_floor_ms`` (>= 0, optional) the time per call when the host is the limit: back-to-back calls of a small
 shape cannot go faster than the host issues them (``examples/device/peer_host_profile.py`` measures it;
-``tune fit --peer --host-floor`` stores it). ``fit_terms``
-fits both to measured T_fused rows that ran on the route (least relative error); ``tune fit --peer`` runs it on
-benchmark JSON and writes the ``peer`` section of the GPU's ``flashoverlap.gemm/1`` file::
+``tune fit --peer --host-floor`` stores it). ``fit_terms`` fits ``gemm_factor``, ``fixed_ms`` and
+``link_efficiency`` to measured T_fused rows that ran on the route (least relative error); ``tune fit --peer`` runs
+it on benchmark JSON and writes the ``peer`` section of the GPU's ``flashoverlap.gemm/1`` file::
 
     "peer": {"world_size": 2,
              "collectives": {"all_reduce": {"gemm_factor": 1.08, "fixed_ms": 0.063}, "reduce_scatter": {...}},
              "fit": {...}, "note": "..."}
+
+The model describes the route as it runs by default (``PARTIAL = "push"``, all_reduce by GEMM 2's aux push); the
+other settings of ``peer_route`` run variants it was not fitted to.
 """
 
 from __future__ import annotations

@@ -201,6 +201,8 @@ def _validate_peer(peer: Any, where: str) -> None:
         raise _fail(where, "peer", "expected a JSON object")
     if _require(peer, "world_size", int, where, "peer") < 2:
         raise _fail(where, "peer.world_size", "must be >= 2")
+    if not isinstance(peer.get("fit", {}), dict):
+        raise _fail(where, "peer.fit", "expected a JSON object")
     colls = _require(peer, "collectives", dict, where, "peer")
     for name, terms in colls.items():
         if name not in COLLECTIVES:

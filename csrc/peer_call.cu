@@ -1,10 +1,11 @@
 // fo_peer_call: the peer route of a two-rank fused reduce_scatter / all_reduce, one host call per fused op.
 //
-// Reduce-scatter inside the GEMM: each rank first multiplies the rows its peer owns (GEMM 1, into symmetric
-// scratch), then its own rows with an epilogue that adds the peer's GEMM 1 result as CUTLASS's C operand, read
-// by TMA straight from the peer's memory. No bytes are copied and no reduction kernel runs: the sum is formed in
-// the epilogue of a GEMM that holds the SMs anyway. all_reduce then needs only the other half of the result, which
-// the copy engine pulls from the peer group by group while GEMM 2 runs (no SMs taken from the GEMM).
+// Reduce-scatter inside the GEMM: each rank first multiplies the rows its peer owns (GEMM 1, into symmetric memory:
+// the peer's, stored over NVLink, or its own, as the caller's `partial` pointer says), then its own rows with an
+// epilogue that adds the peer's GEMM 1 result as CUTLASS's C operand, loaded by TMA (locally, or straight from the
+// peer's memory). No reduction kernel runs: the sum is formed in the epilogue of a GEMM that holds the SMs anyway.
+// all_reduce then needs only the other half of the result: by push, GEMM 2 also stores its tiles into the peer's
+// landing buffer and one local copy completes the output; by pull, the copy engine pulls it group by group.
 //
 // Cross-GPU ordering: fo_notify (system-scope fence + release add on the peer's flag, after the GEMM in stream
 // order) pairs with the bounded wait kernel's system-scope acquire. See flashoverlap_sm90.h for the contract.

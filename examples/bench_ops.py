@@ -54,7 +54,7 @@ from flashoverlap_inductor.tune import GRID, init_distributed, parse_shapes  # n
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_report, beside this file
 # derive, format_table, summarize, parse_spec, _jsonable: re-exported for the tests
-from bench_report import (OPS, _jsonable, derive, format_table, is_diagnostic, parse_spec, plot,  # noqa
+from bench_report import (OPS, PEER_ROWS, _jsonable, derive, format_table, is_diagnostic, parse_spec, plot,  # noqa
                           summarize, write_json)
 
 DEVICE = "cuda"  # "cpu" only for the CPU dry run of tests/test_tune_cpu.py (gloo, fake CUDA timing)
@@ -134,7 +134,7 @@ def with_mode(spec: str, fn):
     add_kernel = kernel if peer and "_addc" in kernel else None
     kernel = "" if add_kernel else kernel
     peer_groups = ctas[0] if peer and ctas else peer_route.GROUPS
-    peer_rows = set(rows.split("+")) if peer and rows else set()
+    peer_rows = set(rows.split("+")) if peer and rows and set(rows.split("+")) <= set(PEER_ROWS) else set()
     partial = "pull" if "cpull" in peer_rows else "push" if "cpush" in peer_rows else peer_route.PARTIAL
 
     def run():

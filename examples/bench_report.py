@@ -34,7 +34,9 @@ def parse_spec(spec: str) -> tuple[str, str, str, str, tuple[int, int | None] | 
     config, _, signal = kernel.partition("+")
     bad_kernel = ("@" in config and not config.partition("@")[2].isdigit()) or \
         ("+" in kernel and signal not in ("immediate", "deferred"))
-    peer_rows = set(rows.split("+")) <= set(PEER_ROWS) if rows else False
+    flags = rows.split("+")
+    peer_rows = bool(rows) and set(flags) <= set(PEER_ROWS) and len(set(flags)) == len(flags) \
+        and not {"cpull", "cpush"} <= set(flags)
     bad_rows = (rows not in ("", "schedule", "stage", "gather") and not peer_rows) or (peer_rows and mode != "peer")
     bad_grid = grid not in kernel_select.GEMM_GRIDS
     if not 2 <= len(parts) <= 6 or bad_grid or mode not in ("direct", "torch", "peer") \

@@ -25,11 +25,12 @@ symmetric memory, the library's ``_addc`` configurations, and one caller stream 
 stream takes the NCCL route: the flags and sets are the first stream's). Every other call keeps the NCCL route.
 
 Symmetric workspace of one (device, group): ``[flags: 4 KiB | set 0: partial, own | set 1: partial, own]``, each
-region ``capacity`` bytes. Calls alternate the two sets: the flag wait of call i + 1 proves that the peer finished
-call i - 1, which read the set call i + 1 overwrites; and the wait of call i, inside GEMM 2, precedes call i + 1's
-GEMM 1 pushing into the set the peer's GEMM 2 of call i - 1 read. Growing the workspace is collective (every rank
-grows at the same call: every decision here depends on shapes all ranks share) and synchronizes the device first.
-Not under CUDA-graph capture (the set parity lives on the host): the runtime takes the NCCL route there.
+region ``capacity`` bytes. Calls alternate the two sets: the flag wait of call i proves that the peer finished call
+i - 1 (its GEMM 1 of call i follows it), and everything call i + 1 writes into the sets call i - 1 used -- GEMM 1's
+push into the peer's partial included -- comes after that wait in stream order. Growing the workspace is
+collective (every rank grows at the same call: every decision here depends on shapes all ranks share) and
+synchronizes the device first. Not under CUDA-graph capture (the set parity lives on the host): the runtime takes the
+NCCL route there.
 """
 
 from __future__ import annotations
@@ -68,6 +69,21 @@ GATE: str = os.environ.get("FLASHOVERLAP_PEER_GATE", "kernel")
 PARTIAL: str = os.environ.get("FLASHOVERLAP_PEER_PARTIAL", "push")
 FLAG_BYTES = 4096
 COLLECTIVES = ("all_reduce", "reduce_scatter")
+_CHOICES = {"TRANSPORT": ("peer", "nccl"), "FINAL_COPY": ("sm", "ce"), "GATE": ("kernel", "wait"),
+            "PARTIAL": ("push", "pull")}
+
+
+def check_settings() -> None:
+    """Raise ValueError for a setting (or its environment variable) outside its choices: ranks that read a typo
+    differently must not run mismatched routes."""
+    for name, allowed in _CHOICES.items():
+        if globals()[name] not in allowed:
+            raise ValueError(f"flashoverlap: peer_route.{name} = {globals()[name]!r}; expected one of {allowed} "
+                             f"(environment FLASHOVERLAP_{'PEER_' if name != 'TRANSPORT' else ''}"
+                             f"{'COPY' if name == 'FINAL_COPY' else name})")
+
+
+check_settings()
 
 
 class PeerArgs(ctypes.Structure):
@@ -170,6 +186,7 @@ class PeerLaunch:
     workspace_bytes: int
     description: str
     push: bool  # all_reduce by push (GEMM 2 also stores into the peer's landing buffer)
+    partial: str  # PARTIAL when the launch was made: "push" (GEMM 1 stores into the peer) or "pull"
     template: PeerArgs  # the fields fixed by the call shape; ``execute`` copies it and fills in the pointers
 
 
@@ -220,6 +237,7 @@ def make_launch(collective: str, rows_total: int, n: int, k: int, dtype: torch.d
                 layout: str, device: torch.device) -> PeerLaunch:
     """The launch of one call shape: GEMM 1 with library configuration ``plain`` (tile ``tile``), GEMM 2 with the
     matching ``_addc`` configuration, the copy groups (all_reduce) and the grid (``grid_ctas(tiles) -> CTAs``)."""
+    check_settings()
     lib = streams.kernel_lib()
     dname = str(dtype).removeprefix("torch.")
     pull = [c for c in kernels.configs(add_c=1) if (dname, layout) in c.variants]
@@ -249,7 +267,8 @@ def make_launch(collective: str, rows_total: int, n: int, k: int, dtype: torch.d
     ws = max(lib.workspace_bytes(plain, half, n, k, sm_count, raster, swizzle),
              lib.workspace_bytes(add, half, n, k, sm_count, raster, swizzle))
     how = "push" if push else (f"{groups} copy groups {bounds}" if groups else "reduce_scatter")
-    desc = f"{collective} rows={rows_total} n={n} k={k} {dname}: peer route, GEMM 2 {pick.name}, {how}, {sm_count} CTAs"
+    desc = (f"{collective} rows={rows_total} n={n} k={k} {dname}: peer route, GEMM 1 partial by {PARTIAL}, GEMM 2 "
+            f"{pick.name}, {how}, {sm_count} CTAs")
     log.info("flashoverlap: launch %s", desc)
     t = PeerArgs()
     t.config_partial, t.config_add = plain, add
@@ -258,7 +277,7 @@ def make_launch(collective: str, rows_total: int, n: int, k: int, dtype: torch.d
     t.group_of_tile_row = gmap.data_ptr() if gmap is not None else None
     t.push, t.elem_bytes, t.sm_count, t.workspace_bytes = int(push), dtype.itemsize, sm_count, ws
     return PeerLaunch(collective, plain, add, half, own_row, peer_row, groups, group_rows, group_tiles, gmap,
-                      sm_count, ws, desc, push, t)
+                      sm_count, ws, desc, push, PARTIAL, t)
 
 
 def owns(group: dist.ProcessGroup, device: torch.device, stream: torch.cuda.Stream) -> bool:
@@ -287,7 +306,7 @@ def execute(launch: PeerLaunch, a: torch.Tensor, b: torch.Tensor, ldb: int, bias
     p.a, p.lda, p.b, p.ldb = a.data_ptr(), a.stride(0), b.data_ptr(), ldb
     p.bias = bias.data_ptr() if bias is not None else None
     # fo_peer_call's partial = GEMM 1's destination, peer_partial = GEMM 2's C (see PARTIAL)
-    p.partial, p.peer_partial = (peer_partial, partial) if PARTIAL == "push" else (partial, peer_partial)
+    p.partial, p.peer_partial = (peer_partial, partial) if launch.partial == "push" else (partial, peer_partial)
     p.own_dst, p.ld_own = (own, n) if ar else (out2.data_ptr(), out2.stride(0))  # push: own = the landing buffer
     p.flags, p.peer_flags, p.expected = ws.buf.data_ptr(), ws.peer_base, ws.expected.data_ptr()
     p.counters = res.counters[slot].data_ptr() if ar else None

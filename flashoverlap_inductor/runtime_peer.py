@@ -40,7 +40,7 @@ def run(collective: str, opnd: Operands, out_shape: list[int], group: dist.Proce
 
     a, b = opnd.a, opnd.b
     (rows, k), n = a.shape, b.shape[1]
-    pkey = ("peer", peer_route.ADD_KERNEL, peer_route.GROUPS, *key)
+    pkey = ("peer", peer_route.ADD_KERNEL, peer_route.GROUPS, peer_route.PARTIAL, *key)
     launch = launches.get(pkey)
     if launch is None:
         dname = str(a.dtype).removeprefix("torch.")

@@ -219,13 +219,15 @@ def cmd_search(args: argparse.Namespace) -> int:
     with ``--record`` one records file (``flashoverlap.search_records/1``) holding every searched shape."""
     import time
 
-    from . import kernels
+    from . import kernels, peer_route
     from .cost_model import model_for
 
     rank, world = init_distributed()
     if world < 2 or not kernels.available():
         print("tune search: needs torchrun with >= 2 ranks, sm90 GPUs and the built library", file=sys.stderr)
         return 2
+    # wave-group plans are the NCCL route's: the peer route ignores them, so every candidate is timed on that route
+    peer_route.TRANSPORT = "nccl"
     gpu, sms = torch.cuda.get_device_name(), torch.cuda.get_device_properties(None).multi_processor_count
     model = model_for(gpu)[0]
     start, records, shapes = time.monotonic(), [], parse_shapes(args.shape)

@@ -53,11 +53,16 @@ COMM_SLOWDOWNS = tuple(round(0.1 * i, 1) for i in range(13))  # 0 .. 1.2
 GROUP_OVERHEADS_MS = (0.0, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1)
 
 
+PEER_COLLECTIVES = ("all_reduce", "reduce_scatter")  # what the peer route runs (peer_route.COLLECTIVES), 2 ranks
+
+
 def ran_peer_route(row: dict[str, Any], variant: str | None) -> bool:
-    """Whether the row's timed fused call ran on the peer route (the default column: its launch says so; a variant:
-    its spec names the peer route)."""
+    """Whether the row's timed fused call ran on the peer route. The default column: its launch says so. A variant:
+    its spec names the peer route and the call is one the route takes (all_reduce / reduce_scatter on 2 ranks with
+    even rows; the variant's own launch is not recorded)."""
     if variant:
-        return variant.split("/")[1:2] == ["peer"]
+        return variant.split("/")[1:2] == ["peer"] and row["op"] in PEER_COLLECTIVES and row["world"] == 2 \
+            and row["m"] % 2 == 0
     return "peer route" in row.get("launch", "")
 
 
@@ -215,7 +220,8 @@ def fit_peer(model: Any, rows: list[dict[str, Any]], host_floor: dict[str, float
         pts = [(r["m"], r["n"], r["k"], r["fused_ms"]) for r in rows if r["op"] == op]
         old = model.gemm.peer.terms.get(op) if model.gemm.peer is not None else None
         floor = (host_floor or {}).get(op, old.host_floor_ms if old is not None else 0.0)
-        terms = dataclasses.replace(fit_terms(model.gemm, op, pts, link_bytes_per_ms=link), host_floor_ms=floor)
+        gpu_bound = [x for x in pts if x[3] > 1.1 * floor]  # rows near the floor measured the host, not the GPU
+        terms = dataclasses.replace(fit_terms(model.gemm, op, gpu_bound, link_bytes_per_ms=link), host_floor_ms=floor)
         errs = relative_errors(model.gemm, op, terms, pts, link_bytes_per_ms=link)
         collectives[op] = {"gemm_factor": round(terms.gemm_factor, 4), "fixed_ms": round(terms.fixed_ms, 4),
                            "link_efficiency": terms.link_efficiency}
@@ -226,7 +232,7 @@ def fit_peer(model: Any, rows: list[dict[str, Any]], host_floor: dict[str, float
     return {"world_size": world, "collectives": collectives, "fit": fit_info}
 
 
-def _write_section(gpu: str, update: Any) -> int:
+def _write_section(gpu: str, update: Any, what: str) -> int:
     """Apply ``update(doc)`` to the GPU's GEMM model file in the data directory and write it."""
     from flashoverlap_inductor.cost_model import registry
 
@@ -237,7 +243,7 @@ def _write_section(gpu: str, update: Any) -> int:
                 registry.normalize_gpu_name(str(doc.get("gpu", ""))) == want:
             update(doc)
             path.write_text(json.dumps(doc, indent=1) + "\n")
-            print(f"tune fit: wrote {path}")
+            print(f"tune fit: wrote the {what} of {path}")
             return 0
     print(f"tune fit: no GEMM model file for {gpu} in {registry.data_dir()}")
     return 2
@@ -252,20 +258,32 @@ def cmd_fit_peer(args: argparse.Namespace) -> int:
         return 2
     try:
         floor = {op: float(ms) for op, _, ms in (x.partition("=") for x in args.host_floor.split(",") if x)}
-    except ValueError:
-        print(f"tune fit --peer: --host-floor {args.host_floor!r} is not collective=ms,...")
+        if not set(floor) <= set(PEER_COLLECTIVES) or any(not ms > 0 for ms in floor.values()):
+            raise ValueError(args.host_floor)
+        result = fit_peer(model_for(gpu)[0], rows, floor)
+    except ValueError as exc:
+        print(f"tune fit --peer: {exc} (--host-floor takes all_reduce=MS,reduce_scatter=MS with MS > 0)")
         return 2
-    result = fit_peer(model_for(gpu)[0], rows, floor)
     print(json.dumps({"peer": result}, indent=1))
     if not args.write:
         return 0
-    result["fit"] = {"inputs": [Path(p).name for p in args.bench], "variant": args.variant or "fused",
-                     **result["fit"]}
+    inputs = [Path(p).name for p in args.bench]
+    result["fit"] = {op: {**info, "inputs": inputs, "variant": args.variant or "fused"}
+                     for op, info in result["fit"].items()}
     result["note"] = ("fitted by tune fit --peer to T_fused of the rows that ran on the peer route: "
                       "gemm_factor * (GEMM 1 + GEMM 2) + fixed_ms, each GEMM the cuBLAS wave model's time of half "
                       "the rows or its NVLink stores' time at the all_reduce curve's tail rate, where longer "
                       "(cost_model/peer.py)")
-    return _write_section(gpu, lambda doc: doc.update(peer=result))
+    def merge(doc: dict[str, Any]) -> None:  # collectives absent from these rows keep their terms and fit
+        old = doc.get("peer") if isinstance(doc.get("peer"), dict) else {}
+        if old.get("world_size", result["world_size"]) != result["world_size"]:
+            old = {}
+        result["collectives"] = {**old.get("collectives", {}), **result["collectives"]}
+        kept = {op: v for op, v in old.get("fit", {}).items() if op in PEER_COLLECTIVES}
+        result["fit"] = {**kept, **result["fit"]}
+        doc["peer"] = result
+
+    return _write_section(gpu, merge, "peer section")
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
@@ -312,7 +330,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
                                                   "rows", "records", "ranking_misses", "ranking_misses_before",
                                                   "tolerance") if k in result}}
 
-    return _write_section(gpu, update)
+    return _write_section(gpu, update, "fused section")
 
 
 def add_parser(sub: Any) -> None:

@@ -114,9 +114,13 @@ class FlashOverlapPass(compat.CustomGraphPass):
 
     def uuid(self) -> str:
         settings = repr(sorted(self.settings.items()))
-        from flashoverlap_inductor import peer_route
+        from flashoverlap_inductor import kernels, peer_route
 
-        extra = f"{settings}|{_device_names()}|transport={peer_route.TRANSPORT}"
+        try:  # the peer route's kernels decide which route the cost model predicts (``_takes_peer_route``)
+            adds = ",".join(c.name for level in (1, 2, 3) for c in kernels.configs(add_c=level))
+        except Exception:  # no library: no peer route
+            adds = ""
+        extra = f"{settings}|{_device_names()}|transport={peer_route.TRANSPORT}|{adds}"
         return compat.hash_files(_source_files(self.settings), extra=extra)
 
     # ------------------------------------------------------------------------------------------------ check

@@ -205,3 +205,14 @@ def test_tune_fit_peer_writes_the_section(tmp_path, monkeypatch):
     registry.clear_caches()
     assert model_for("NVIDIA H200")[0].gemm.peer.terms["reduce_scatter"].host_floor_ms == 0.123
     assert tune.main(["fit", "--peer", "--bench", str(bench), "--host-floor", "all_reduce"]) == 2
+    assert tune.main(["fit", "--peer", "--bench", str(bench), "--host-floor", "all_gather=0.1"]) == 2
+    # rows of one collective: the other keeps its terms
+    only_rs = tmp_path / "rs.json"
+    doc = _peer_bench({"reduce_scatter": PeerTerms(1.2, 0.05)})
+    only_rs.write_text(json.dumps(doc))
+    assert tune.main(["fit", "--peer", "--bench", str(only_rs), "--write"]) == 0
+    registry.clear_caches()
+    peer = model_for("NVIDIA H200")[0].gemm.peer
+    assert peer.terms["reduce_scatter"].gemm_factor == pytest.approx(1.2, abs=2e-3)
+    assert peer.terms["all_reduce"].gemm_factor == pytest.approx(1.05, abs=2e-3)
+    assert set(peer.fit) == {"all_reduce", "reduce_scatter"}

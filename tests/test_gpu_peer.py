@@ -59,17 +59,17 @@ def peer_match_task(op: str, how: str = "default") -> dict[str, int]:
     GEMM 2's configuration for all_reduce: "default" (by push where compiled), "pull" (the first ``_addc``), or
     "auxr" (push, aux stored from registers); "wait": a wait kernel between the GEMMs instead of the in-kernel gate;
     "cpull": GEMM 2 reads the peer's GEMM 1 result over NVLink (``peer_route.PARTIAL = "pull"``) instead of GEMM 1
-    storing it into the peer's memory."""
+    storing it into the peer's memory; "pull_cpull": both (the ninth session's first all_reduce route)."""
     import torch.distributed as dist
 
     from flashoverlap_inductor import peer_route, runtime_gpu
 
     assert peer_route.TRANSPORT == "peer"
     rank = dist.get_rank()
-    level = {"default": None, "wait": None, "cpull": None, "pull": 1, "auxr": 3}[how]
+    level = {"default": None, "wait": None, "cpull": None, "pull": 1, "pull_cpull": 1, "auxr": 3}[how]
     peer_route.ADD_KERNEL = kernels.configs(add_c=level)[0].name if level else None
     peer_route.GATE = "wait" if how == "wait" else "kernel"
-    peer_route.PARTIAL = "pull" if how == "cpull" else "push"
+    peer_route.PARTIAL = "pull" if how in ("cpull", "pull_cpull") else "push"
     runtime_gpu.reset()
     torch.use_deterministic_algorithms(True)
     try:
@@ -183,13 +183,14 @@ def test_addc_gemm_matches_reference():
 
 
 @pytest.mark.parametrize("op,how", [("all_reduce", "default"), ("all_reduce", "pull"), ("all_reduce", "auxr"),
-                                    ("all_reduce", "cpull"), ("reduce_scatter", "default"),
+                                    ("all_reduce", "cpull"), ("all_reduce", "pull_cpull"),
+                                    ("reduce_scatter", "default"),
                                     ("reduce_scatter", "wait"), ("reduce_scatter", "cpull")])
 def test_peer_route_matches_eager(pool, op, how):
     if how == "auxr" and not kernels.configs(add_c=3):
         pytest.skip("no _addc_auxr configuration compiled")
     per_rank = pool.run(peer_match_task, op, how)
-    pushes = len(SHAPES) if op == "all_reduce" and how != "pull" and (kernels.configs(add_c=2) or
+    pushes = len(SHAPES) if op == "all_reduce" and how not in ("pull", "pull_cpull") and (kernels.configs(add_c=2) or
                                                                         kernels.configs(add_c=3)) else 0
     for r in per_rank:
         assert r["peer"] == 2 * len(SHAPES), per_rank  # every shape took the peer route

@@ -344,7 +344,8 @@ def test_bench_variant_specs(bench):
     for bad in ("tiles", "tiles/x", "grid/direct", "tiles/direct/fast", "tiles/direct/c/k/8/9", "tiles/direct/c/k/8/x/",
                 "tiles/direct/c/k/a", "tiles/direct/c/@x", "tiles/direct/c//-3-4", "tiles2/direct",
                 "tiles/direct/c/k+soon", "tiles/direct/c/k+", "tiles/direct/ce", "tiles/direct////wait",
-                "tiles/direct////cpull", "tiles/peer////cpull+x"):
+                "tiles/direct////cpull", "tiles/peer////cpull+x", "tiles/peer////cpull+cpush",
+                "tiles/peer////wait+wait"):
         with pytest.raises(ValueError):
             bench.parse_spec(bad)
 

@@ -23,6 +23,51 @@ from flashoverlap_inductor import runtime_gpu
 from flashoverlap_inductor import tune_measure as tm
 
 
+def layers(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """reduce_scatter calls at each layer of the peer route: ``runtime_peer.run`` and ``peer_route.execute`` with the
+    arguments the layer above passed on one recorded call, and the C call ``fo_peer_call`` alone with the argument
+    struct of that call (repeated calls reuse one workspace set: the results are wrong, the host time is not)."""
+    import ctypes
+
+    from flashoverlap_inductor import peer_route, runtime_peer, streams
+
+    seen: dict = {}
+    run0, exec0, lib = runtime_peer.run, peer_route.execute, streams.kernel_lib()
+    real_lib = lib.lib
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real_lib, name)
+
+        def fo_peer_call(self, ref):
+            seen["args"] = peer_route.PeerArgs.from_buffer_copy(ref._obj)
+            return real_lib.fo_peer_call(ref)
+
+    def spy_run(*args):
+        seen["run"] = args
+        return run0(*args)
+
+    def spy_exec(*args):
+        seen["exec"] = args
+        return exec0(*args)
+
+    runtime_peer.run, peer_route.execute, lib.lib = spy_run, spy_exec, Spy()
+    import flashoverlap_inductor.runtime_gpu as rt
+
+    rt.run_peer = spy_run
+    try:
+        rt.gemm_reduce_scatter(a, b, None, dist.group.WORLD, "auto")
+        torch.cuda.synchronize()
+    finally:
+        runtime_peer.run, peer_route.execute, lib.lib, rt.run_peer = run0, exec0, real_lib, run0
+    p = seen["args"]
+    keep = torch.empty(max(1, p.workspace_bytes), dtype=torch.uint8, device="cuda")  # the recorded one was freed
+    p.workspace = keep.data_ptr() if p.workspace_bytes else None
+    return {"_keep": keep, "runtime_peer.run": lambda: run0(*seen["run"]),
+            "peer_route.execute": lambda: exec0(*seen["exec"]),
+            "fo_peer_call (C) alone": lambda: real_lib.fo_peer_call(ctypes.byref(p))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="2048x4096x4096")
@@ -78,6 +123,12 @@ def main() -> None:
         h, s = host_us(fn), steady_us(fn)
         if rank == 0:
             print(f"{args.shape} {label:28s} host {h:7.1f} us/call   back-to-back {s:7.1f} us/call", flush=True)
+    for label, fn in layers(a, b).items():  # the layers below the op, each called with what the one above passed
+        if label.startswith("_"):
+            continue
+        h = host_us(fn)
+        if rank == 0:
+            print(f"{args.shape} {label:28s} host {h:7.1f} us/call", flush=True)
     prof = cProfile.Profile()
     tm.spin(20.0)
     prof.enable()
