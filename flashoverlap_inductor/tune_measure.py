@@ -141,6 +141,29 @@ def spin(ms: float) -> None:
         torch.cuda._sleep(int(ms * 1.5e6))
 
 
+def host_us(fn: Callable[[], Any], calls: int, spin_ms: float = 10.0, batch: int = 20,
+            sync: Callable[[], Any] | None = None) -> float:
+    """Mean host time of one call of ``fn`` in microseconds, the GPU kept busy by a spin before each batch of
+    ``batch`` calls so the host never waits for it (20 warm-up calls first; ``sync``, e.g. ``dist.barrier``, runs
+    after each device sync so ranks start every batch together)."""
+    for _ in range(batch):
+        fn()
+    torch.cuda.synchronize()
+    if sync is not None:
+        sync()
+    total, batches = 0.0, max(1, calls // batch)
+    for _ in range(batches):
+        spin(spin_ms)
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        total += time.perf_counter() - t0
+        torch.cuda.synchronize()
+        if sync is not None:
+            sync()
+    return total / (batches * batch) * 1e6
+
+
 @dataclass(frozen=True)
 class Timing:
     """One variant's result: ``ms`` = max over ranks of the per-rank medians; ``min_ms``/``max_ms`` this rank's

@@ -13,7 +13,6 @@ import argparse
 import cProfile
 import os
 import pstats
-import time
 
 import torch
 import torch.distributed as dist
@@ -55,18 +54,7 @@ def main() -> None:
 
     def host_us(fn, loop: str = "c") -> float:
         fused_launch.HOST_LOOP = loop
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        total = 0.0
-        for _ in range(args.calls // 20):
-            tm.spin(10.0)  # keep the GPU busy: the host never waits for it
-            t0 = time.perf_counter()
-            for _ in range(20):
-                fn()
-            total += time.perf_counter() - t0
-            torch.cuda.synchronize()
-        return total / (args.calls // 20 * 20) * 1e6
+        return tm.host_us(fn, args.calls)
 
     print(f"host us per call ({args.shape}, {args.groups} groups): fused C loop {host_us(fused, 'c'):.1f}, "
           f"fused Python loop {host_us(fused, 'python'):.1f}, mm + all_reduce {host_us(seq):.1f}, "

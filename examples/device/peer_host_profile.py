@@ -14,7 +14,6 @@ import argparse
 import cProfile
 import os
 import pstats
-import time
 
 import torch
 import torch.distributed as dist
@@ -93,20 +92,7 @@ def main() -> None:
     }
 
     def host_us(fn) -> float:
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        dist.barrier()
-        total = 0.0
-        for _ in range(args.calls // 20):
-            tm.spin(20.0)  # keep the GPU busy: the host never waits for it
-            t0 = time.perf_counter()
-            for _ in range(20):
-                fn()
-            total += time.perf_counter() - t0
-            torch.cuda.synchronize()
-            dist.barrier()
-        return total / (args.calls // 20 * 20) * 1e6
+        return tm.host_us(fn, args.calls, spin_ms=20.0, sync=dist.barrier)
 
     def steady_us(fn) -> float:
         torch.cuda.synchronize()
