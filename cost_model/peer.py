@@ -18,9 +18,10 @@ and its remote stores; ``fixed_ms`` (>= 0) the gate, the flags and, for all_redu
 ``link_efficiency`` (0 .. 1, optional, default 1) the fraction of ``link`` the stores reach beside the GEMM;
 ``host_floor_ms`` (>= 0, optional) the time per call when the host is the limit: back-to-back calls of a small
 shape cannot go faster than the host issues them (``examples/device/peer_host_profile.py`` measures it;
-``tune fit --peer --host-floor`` stores it). ``fit_terms`` fits ``gemm_factor``, ``fixed_ms`` and
-``link_efficiency`` to measured T_fused rows that ran on the route (least relative error); ``tune fit --peer`` runs
-it on benchmark JSON and writes the ``peer`` section of the GPU's ``flashoverlap.gemm/1`` file::
+``tune fit --peer --host-floor`` stores it; calls replayed from a CUDA graph have none). ``fit_terms`` fits
+``gemm_factor``, ``fixed_ms`` and ``link_efficiency`` to measured T_fused rows that ran on the route (least relative
+error); ``tune fit --peer`` runs it on benchmark JSON and writes the ``peer`` section of the GPU's
+``flashoverlap.gemm/1`` file::
 
     "peer": {"world_size": 2,
              "collectives": {"all_reduce": {"gemm_factor": 1.08, "fixed_ms": 0.063}, "reduce_scatter": {...}},
@@ -71,13 +72,15 @@ class PeerModel:
         return collective in self.terms and world_size == self.world_size and m >= 2 and m % 2 == 0
 
     def predict_ms(self, gemm: GemmModel, collective: str, m: int, n: int, k: int, dtype: str,
-                   link_bytes_per_ms: float = math.inf) -> float:
-        """T_peer in ms (raises ValueError for a collective without terms)."""
+                   link_bytes_per_ms: float = math.inf, host_bound: bool = True) -> float:
+        """T_peer in ms (raises ValueError for a collective without terms). ``host_bound=False``: calls replayed
+        from a CUDA graph, which the host does not issue one by one (no ``host_floor_ms``)."""
         if collective not in self.terms:
             raise ValueError(f"peer model: no terms for {collective!r}; has {sorted(self.terms)}")
         t = self.terms[collective]
         link = link_bytes_per_ms * t.link_efficiency
-        return max(t.host_floor_ms, t.gemm_factor * gemms_ms(gemm, collective, m, n, k, dtype, link) + t.fixed_ms)
+        floor = t.host_floor_ms if host_bound else 0.0
+        return max(floor, t.gemm_factor * gemms_ms(gemm, collective, m, n, k, dtype, link) + t.fixed_ms)
 
 
 def gemms_ms(gemm: GemmModel, collective: str, m: int, n: int, k: int, dtype: str,

@@ -126,12 +126,14 @@ class CostModel:
         comm = self.curve.comm_ms(collective, world_size, m * n * dtype_bytes(dtype))
         return self.gemm.reference_ms(m, n, k, dtype) + comm
 
-    def peer_ms(self, collective: str, m: int, n: int, k: int, dtype: str, world_size: int) -> float | None:
-        """The peer route's time (``peer.py``), in ms; None where the data has no peer model for this call."""
+    def peer_ms(self, collective: str, m: int, n: int, k: int, dtype: str, world_size: int,
+                host_bound: bool = True) -> float | None:
+        """The peer route's time (``peer.py``), in ms; None where the data has no peer model for this call.
+        ``host_bound=False``: replayed from a CUDA graph (no host floor)."""
         peer = self.gemm.peer
         if peer is None or not peer.covers(collective, world_size, m):
             return None
-        return peer.predict_ms(self.gemm, collective, m, n, k, dtype, self.link_bytes_per_ms(world_size))
+        return peer.predict_ms(self.gemm, collective, m, n, k, dtype, self.link_bytes_per_ms(world_size), host_bound)
 
     def link_bytes_per_ms(self, world_size: int) -> float:
         """One direction's NVLink rate between two ranks, in bytes per ms: what NCCL's all_reduce moves per rank

@@ -87,7 +87,7 @@ using namespace flashoverlap;
 
 extern "C" {
 
-FO_API int fo_abi_version(void) { return 5; }
+FO_API int fo_abi_version(void) { return 6; }
 
 FO_API int fo_preload(void) {
   cudaFuncAttributes attr{};

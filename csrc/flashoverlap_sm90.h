@@ -128,9 +128,14 @@ FO_API int fo_fused_call(int config, const void* a, int64_t lda, const void* b, 
  *   all_reduce only (num_groups > 0), per group g of GEMM 2's rows: side: wait counters[g], notify peer_flags[1+g],
  *         copy own_dst rows -> out's own rows; pull: wait flags[1+g], copy peer_own rows (the peer's own_dst, read
  *         over NVLink by the copy engine) -> out's peer rows. Both streams are joined back into cur.
- * Buffers one rank writes and the other reads (partial / peer_partial, own_dst for all_reduce) must not be rewritten
- * before the reader is done: alternate two sets by call parity. The flags[0] wait of call i proves the peer finished
- * call i - 1 (its GEMM 1 of call i follows it), and call i + 1 writes the sets call i - 1 used after that wait.
+ *   reduce_scatter (num_groups 0, no push): after GEMM 2, notify peer_flags[1] and wait flags[1] (the peer's GEMM 2,
+ *         the reader of what our GEMM 1 wrote, is done).
+ * One set of buffers serves every call (so a call replayed from a CUDA graph needs no host state): what one rank
+ * writes and the other reads (partial / peer_partial, own_dst and the landing buffer for all_reduce) is rewritten
+ * by call i + 1 only after the reader of call i is done. GEMM 1 of call i + 1 (the partials) follows, in stream
+ * order, call i's waits on flags[1 + g], which the peer notifies after its GEMM 2 (the C reader) of call i. GEMM 2 of
+ * call i + 1 (own_dst, the peer's landing buffer) waits for the peer's GEMM 1 of call i + 1, which follows the
+ * peer's copies out of those buffers for call i (joined into its cur stream) in stream order.
  * expected: device ints, 1 + 2 * FO_PEER_MAX_GROUPS: [0] the epoch of flags[0], [1 + g] of flags[1 + g], and
  * [1 + FO_PEER_MAX_GROUPS + g] the target of counters[g] (resynchronised from counters at every call). */
 #define FO_PEER_MAX_GROUPS 64

@@ -7,6 +7,9 @@
 // all_reduce then needs only the other half of the result: by push, GEMM 2 also stores its tiles into the peer's
 // landing buffer and one local copy completes the output; by pull, the copy engine pulls it group by group.
 //
+// One set of buffers serves every call, eager or replayed from a CUDA graph: every call ends with a flag exchange
+// that proves the peer has read what the next call overwrites (flashoverlap_sm90.h states the argument).
+//
 // Cross-GPU ordering: fo_notify (system-scope fence + release add on the peer's flag, after the GEMM in stream
 // order) pairs with the bounded wait kernel's system-scope acquire. See flashoverlap_sm90.h for the contract.
 #include <cuda_runtime.h>
@@ -229,7 +232,13 @@ FO_API int fo_peer_call(const fo_peer_args* args) {
     rc = gemm(*c2, p, p.own_row, p.peer_partial, p.own_dst, p.ld_own, G > 0 ? p.counters : nullptr,
               G > 0 ? p.group_of_tile_row : nullptr, cur, nullptr, gate);
   }
-  if (G == 0) return rc;
+  if (G == 0) {  // reduce_scatter: one flag each way after GEMM 2 (our C reads are done; see the header)
+    if (rc == 0) {
+      rc = launch_wait(p.flags + 1, p.expected + 1, 1, timeout, p.error_record, kTagPeerGroup, cur, p.peer_flags + 1,
+                       true);
+    }
+    return rc;
+  }
   for (int g = 0; g < G && rc == 0; ++g) {
     int const r0 = p.group_rows[g], r1 = p.group_rows[g + 1];
     rc = launch_wait(p.counters + g, counter_targets + g, p.group_tiles[g], timeout, p.error_record, kTagOwnGroup + g,

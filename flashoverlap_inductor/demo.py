@@ -1,12 +1,15 @@
 """Demo: a small Llama-style decoder, tensor-parallel over 2 ranks, compiled with ``backend="flashoverlap"``.
 
     python -m flashoverlap_inductor.demo [--world-size 2] [--fuse auto|always|never] [--steps 20] [--device cpu]
+                                         [--mode default|reduce-overhead]
 
 Spawns ``--world-size`` ranks (NCCL on GPUs when there are enough, else gloo on CPU), parallelizes the model with
 DTensor ``parallelize_module`` (column-parallel q/k/v/gate/up, row-parallel o/down: every row-parallel GEMM ends
 in an all_reduce), compiles it with plain Inductor and with the flashoverlap backend, and prints what the pass
 fused or skipped (with reasons and the chosen wave-group plans), the largest deviation from eager, and forward
-timings (medians over ``--steps``; CUDA events on GPU). Inference only (``torch.no_grad``).
+timings (medians over ``--steps``; CUDA events on GPU). Inference only (``torch.no_grad``). ``--mode
+reduce-overhead`` (GPU) compiles both for CUDA graphs, as ``torch.compile(mode="reduce-overhead")`` does; the logits
+compared are then those of a replay.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from . import _inductor_compat as compat
 from .plan import GroupPlan
 
 
@@ -192,7 +196,7 @@ def _run(rank: int, args: argparse.Namespace, device: torch.device) -> None:
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
     say(f"== {args.layers}-layer Llama-style decoder, dim {args.dim}, ffn {args.hidden}, heads {args.heads}/"
         f"{args.kv_heads} kv, TP={args.world_size} on {device.type} ({dtype}), batch {args.batch} x seq {args.seq}"
-        f" -> {args.batch * args.seq} GEMM rows; fuse mode {args.fuse!r}")
+        f" -> {args.batch * args.seq} GEMM rows; fuse mode {args.fuse!r}, compile mode {args.mode!r}")
 
     collect = _Collect()
     logging.getLogger("flashoverlap").addHandler(collect)
@@ -202,14 +206,18 @@ def _run(rank: int, args: argparse.Namespace, device: torch.device) -> None:
     with torch.no_grad(), fresh_cache():
         ref = model(ids)
         compiled = {}
-        for name, backend, options in (("inductor", "inductor", None),
-                                       ("flashoverlap", "flashoverlap", {"flashoverlap.fuse": args.fuse})):
+        graphs = args.mode == "reduce-overhead"
+        mode_options = compat.list_mode_options(args.mode) if graphs else {}
+        for name, backend, options in (("inductor", "inductor", dict(mode_options)),
+                                       ("flashoverlap", "flashoverlap",
+                                        {"flashoverlap.fuse": args.fuse, **mode_options})):
             torch._dynamo.reset()
             reset_counters()
             t0 = time.perf_counter()
-            fn = torch.compile(model, backend=backend, options=options)
-            out = fn(ids)
-            compiled[name] = (fn, out, dict(counters), time.perf_counter() - t0)
+            fn = torch.compile(model, backend=backend, options=options or None)
+            for _ in range(3 if graphs else 1):  # CUDA graphs: warm-up, capture, then a replay
+                out = fn(ids)
+            compiled[name] = (fn, out.clone(), dict(counters), time.perf_counter() - t0)
         _, out, fused_counters, _ = compiled["flashoverlap"]
 
         say("\n-- what the pass did (rank 0) --")
@@ -233,7 +241,7 @@ def _run(rank: int, args: argparse.Namespace, device: torch.device) -> None:
             ms = _timeit(fn, ids, args.steps, device)
             extra = f"   (compile {compiled[name][3]:.1f} s)" if name in compiled else ""
             say(f"  {name:14s} {ms:9.3f}{extra}")
-        if device.type == "cuda" and args.world_size == 2:  # the same compiled graph, fused ops on the NCCL route
+        if device.type == "cuda" and args.world_size == 2 and not graphs:  # the same graph, ops on the NCCL route
             from . import peer_route
 
             old, peer_route.TRANSPORT = peer_route.TRANSPORT, "nccl"
@@ -288,12 +296,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 64 on CPU, 2048 on GPU)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--profile", action="store_true", help="GPU: also print each compiled variant's kernels by time")
+    p.add_argument("--mode", choices=("default", "reduce-overhead"), default="default",
+                   help="torch.compile mode of both compiled variants (reduce-overhead: CUDA graphs, GPU only)")
     args = p.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= args.world_size else "cpu"
     if args.device == "cuda" and torch.cuda.device_count() < args.world_size:
         p.error(f"--device cuda needs {args.world_size} GPUs, found {torch.cuda.device_count()}")
     gpu = args.device == "cuda"
+    if args.mode == "reduce-overhead" and not gpu:
+        p.error("--mode reduce-overhead needs the GPUs (CUDA graphs)")
     args.fuse = args.fuse or ("auto" if gpu else "always")
     args.dim = args.dim or (4096 if gpu else 256)
     args.seq = args.seq or (2048 if gpu else 64)

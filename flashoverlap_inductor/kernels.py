@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 LIB_ENV = "FLASHOVERLAP_LIB"
 DEFAULT_LIB = Path(__file__).resolve().parent.parent / "build" / "libflashoverlap_sm90.so"
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}

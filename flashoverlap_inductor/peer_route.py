@@ -21,16 +21,20 @@ fp32 and rounded once, and every element's final value is computed once and copi
 Why: NCCL's kernels beside the GEMM take SMs and end after it (``examples/RESULTS.md``); here the only work beside
 the GEMM is TMA loads of C and stores to the peer. Not a NCCL collective: a transport of its own, the default where
 it applies (``TRANSPORT``; ``$FLASHOVERLAP_TRANSPORT=nccl`` turns it off): two ranks on one NVLink host, torch's
-symmetric memory, the library's ``_addc`` configurations, and one caller stream per device (a call from a second
-stream takes the NCCL route: the flags and sets are the first stream's). Every other call keeps the NCCL route.
+symmetric memory and the library's ``_addc`` configurations. Calls from several streams are serialized
+(``order_after_last``). Every other call keeps the NCCL route.
 
-Symmetric workspace of one (device, group): ``[flags: 4 KiB | set 0: partial, own | set 1: partial, own]``, each
-region ``capacity`` bytes. Calls alternate the two sets: the flag wait of call i proves that the peer finished call
-i - 1 (its GEMM 1 of call i follows it), and everything call i + 1 writes into the sets call i - 1 used -- GEMM 1's
-push into the peer's partial included -- comes after that wait in stream order. Growing the workspace is
-collective (every rank grows at the same call: every decision here depends on shapes all ranks share) and
-synchronizes the device first. Not under CUDA-graph capture (the set parity lives on the host): the runtime takes the
-NCCL route there.
+Symmetric memory of one (device, group): a flag page (``FLAG_BYTES``, made once, never regrown) and a workspace of
+two regions, ``[partial | own]``, each ``capacity`` bytes. Every call uses the same regions, so a call replayed from
+a CUDA graph needs no host state: each call ends with a flag exchange after GEMM 2 that proves the peer has read what
+the next call overwrites (the argument is in ``csrc/flashoverlap_sm90.h``). Flag epochs live on the device
+(``Flags.expected``), advanced by the calls' wait kernels, so eager calls and graph replays interleave freely on one
+stream. Growing the workspace is collective (every rank grows at the same call: every decision here depends on shapes
+and call history all ranks share) and synchronizes the device first; a workspace a captured graph uses is kept alive
+(``_retired``) until ``reset``. Under capture the route runs only with a workspace that is already large enough (no
+collective allocation inside a capture); otherwise the call takes the NCCL route. Graphs that hold peer calls must be
+replayed on the stream that runs the group's eager peer calls (torch.compile's CUDA graphs replay on the caller's
+current stream), never beside it.
 """
 
 from __future__ import annotations
@@ -106,66 +110,102 @@ class PeerArgs(ctypes.Structure):
 
 
 @dataclass
+class Flags:
+    """The flag page of one (device, group): this rank's flags, the peer's mapped here, the device epochs."""
+
+    buf: torch.Tensor  # uint8 [FLAG_BYTES], symmetric
+    hdl: object
+    peer_base: int  # the peer's flag page, mapped here
+    peer_view: torch.Tensor  # keeps the peer's mapping alive
+    expected: torch.Tensor  # int32 [1 + 2 * MAX_GROUPS]: flag epochs, then counter targets (csrc contract)
+    pull: torch.cuda.Stream  # all_reduce by pull: the copy stream of the peer's rows
+
+
+@dataclass
 class Workspace:
-    """The symmetric buffer of one (device, group) and the peer's mapping of its own (bytes)."""
+    """The symmetric regions of one (device, group) and the peer's mapping of its own (bytes)."""
 
     group_name: str
-    capacity: int  # bytes per region (partial / own, per set)
-    buf: torch.Tensor  # uint8, FLAG_BYTES + 4 * capacity
+    capacity: int  # bytes per region (partial, own)
+    buf: torch.Tensor  # uint8 [2 * capacity], symmetric
     hdl: object
-    peer_base: int  # the peer's buffer, mapped here
-    expected: torch.Tensor  # int32 [1 + 2 * MAX_GROUPS]: flag epochs, then counter targets (csrc contract)
-    pull: torch.cuda.Stream
+    peer_base: int  # the peer's workspace, mapped here
     peer_view: torch.Tensor  # keeps the peer's mapping alive
-    calls: int = 0
+    flags: Flags
+    captured: bool = False  # a CUDA graph holds pointers into it: keep it alive after growth
 
     def regions(self) -> tuple[int, int, int, int]:
-        """(partial, own, peer's partial, peer's own) pointers of this call's set; advances the parity."""
-        off = FLAG_BYTES + (self.calls & 1) * 2 * self.capacity
-        self.calls += 1
+        """(partial, own, peer's partial, peer's own) pointers; the same for every call."""
         base = self.buf.data_ptr()
-        return base + off, base + off + self.capacity, self.peer_base + off, self.peer_base + off + self.capacity
+        return base, base + self.capacity, self.peer_base, self.peer_base + self.capacity
 
 
+_flags: dict[tuple[int, str], Flags] = {}
 _workspaces: dict[tuple[int, str], Workspace] = {}
+_retired: list[Workspace] = []  # outgrown workspaces that captured graphs still use
 
 
-def workspace(group: dist.ProcessGroup, device: torch.device, region_bytes: int) -> Workspace:
-    """The cached workspace with ``region_bytes`` per region, grown (collectively) when a call needs more."""
+def _symmetric(nbytes: int, group: dist.ProcessGroup, device: torch.device, zero: bool) -> tuple:
+    """A symmetric uint8 buffer, its handle and the peer's mapping (collective)."""
     import torch.distributed._symmetric_memory as symm_mem
 
+    buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    if zero:
+        buf.zero_()  # before the rendezvous: no peer can notify us before it has our address
+        torch.cuda.synchronize(device)
+    hdl = symm_mem.rendezvous(buf, group.group_name)
+    peer_view = hdl.get_buffer(1 - group.rank(), (nbytes,), torch.uint8)
+    return buf, hdl, peer_view
+
+
+def flags(group: dist.ProcessGroup, device: torch.device) -> Flags:
+    """The cached flag page of (device, group); made (collectively, zeroed) on first use."""
+    key = (device.index, group.group_name)
+    f = _flags.get(key)
+    if f is None:
+        buf, hdl, peer_view = _symmetric(FLAG_BYTES, group, device, zero=True)
+        expected = streams.persistent(device.index,
+                                      lambda: torch.zeros(1 + 2 * MAX_GROUPS, dtype=torch.int32, device=device))
+        f = _flags[key] = Flags(buf, hdl, peer_view.data_ptr(), peer_view, expected,
+                                torch.cuda.Stream(device=device, priority=-100))
+    return f
+
+
+def workspace(group: dist.ProcessGroup, device: torch.device, region_bytes: int,
+              capturing: bool = False) -> Workspace | None:
+    """The cached workspace with ``region_bytes`` per region, grown (collectively) when a call needs more; None
+    when ``capturing`` and it would have to be made or grown (the call then takes the NCCL route)."""
     name = group.group_name
     key = (device.index, name)
     ws = _workspaces.get(key)
     if ws is not None and ws.capacity >= region_bytes:
         return ws
+    if capturing:
+        return None
     capacity = max(1 << 20, 1 << (region_bytes - 1).bit_length())  # a power of two: few regrowths
+    f = flags(group, device)
     if ws is not None:  # no call in flight on either rank may still use the old buffer
         torch.cuda.synchronize(device)
         dist.barrier(group=group, device_ids=[device.index])
         torch.cuda.synchronize(device)
-    buf = symm_mem.empty(FLAG_BYTES + 4 * capacity, dtype=torch.uint8, device=device)
-    buf[:FLAG_BYTES].zero_()  # before the rendezvous: no peer can notify us before it has our address
-    torch.cuda.synchronize(device)
-    hdl = symm_mem.rendezvous(buf, name)
-    peer = 1 - group.rank()
-    peer_view = hdl.get_buffer(peer, (FLAG_BYTES + 4 * capacity,), torch.uint8)
-    old_pull = ws.pull if ws is not None else None
-    ws = _workspaces[key] = Workspace(
-        name, capacity, buf, hdl, peer_view.data_ptr(),
-        streams.persistent(device.index, lambda: torch.zeros(1 + 2 * MAX_GROUPS, dtype=torch.int32, device=device)),
-        old_pull or torch.cuda.Stream(device=device, priority=-100), peer_view)
-    log.info("flashoverlap peer: symmetric workspace of 4 x %d MiB on %s, group %s", capacity >> 20, device, name)
+        if ws.captured:
+            _retired.append(ws)
+    buf, hdl, peer_view = _symmetric(2 * capacity, group, device, zero=False)
+    ws = _workspaces[key] = Workspace(name, capacity, buf, hdl, peer_view.data_ptr(), peer_view, f)
+    log.info("flashoverlap peer: symmetric workspace of 2 x %d MiB on %s, group %s", capacity >> 20, device, name)
     return ws
 
 
 def reset() -> None:
-    """Drop every workspace (after synchronizing its device): the next call makes fresh ones, collectively, with
-    zeroed flags. For tests and after a timeout, when the ranks' flags are out of step."""
-    for (index, _), _ws in list(_workspaces.items()):
+    """Drop every workspace and flag page (after synchronizing its device): the next call makes fresh ones,
+    collectively, with zeroed flags. For tests and after a timeout, when the ranks' flags are out of step. CUDA graphs
+    captured before must not be replayed after it."""
+    for index, _ in list(_flags):
         torch.cuda.synchronize(index)
     _workspaces.clear()
-    _first_stream.clear()
+    _retired.clear()
+    _flags.clear()
+    _last_stream.clear()
 
 
 @dataclass(frozen=True)
@@ -280,23 +320,35 @@ def make_launch(collective: str, rows_total: int, n: int, k: int, dtype: torch.d
                       sm_count, ws, desc, push, PARTIAL, t)
 
 
-def owns(group: dist.ProcessGroup, device: torch.device, stream: torch.cuda.Stream) -> bool:
-    """Whether ``stream`` may run peer calls of ``group`` on ``device``: the first stream that does owns the flags
-    and sets of the workspace (calls on two streams at once would race for them)."""
-    return _first_stream.setdefault((device.index, group.group_name), stream.cuda_stream) == stream.cuda_stream
+def order_after_last(group: dist.ProcessGroup, device: torch.device, stream: torch.cuda.Stream) -> None:
+    """Order an eager call on ``stream`` after every peer call of ``group`` on ``device`` queued so far: the calls
+    share one set of flags and buffers, so a call from another stream than the last one first waits (an event) for
+    everything that stream has queued. Not under capture: a graph replays on the stream current at replay time,
+    which must be the one that runs the group's eager calls (torch.compile's CUDA graphs warm up on a stream of
+    their own, ordered here, and replay on the caller's)."""
+    key = (device.index, group.group_name)
+    last = _last_stream.get(key)
+    if last is not None and last.cuda_stream != stream.cuda_stream:
+        stream.wait_stream(last)
+    _last_stream[key] = stream
 
 
-_first_stream: dict[tuple[int, str], int] = {}
+_last_stream: dict[tuple[int, str], torch.cuda.Stream] = {}
 
 
-def execute(launch: PeerLaunch, a: torch.Tensor, b: torch.Tensor, ldb: int, bias: torch.Tensor | None,
-            out: torch.Tensor, group: dist.ProcessGroup, res: streams.DeviceResources, slot: int,
-            cur: torch.cuda.Stream, signal_mode: int, raster: int, swizzle: int, timeout_ns: int) -> torch.Tensor:
-    """One call (``fo_peer_call``); ``out``: the op's output, [M, N] (all_reduce) or [M/2, N] (reduce_scatter)."""
+def region_bytes(launch: PeerLaunch, n: int, elem_bytes: int) -> int:
+    """Bytes per workspace region that ``launch`` needs: GEMM 1's partial (and all_reduce's own rows)."""
+    return launch.rows * n * elem_bytes
+
+
+def execute(launch: PeerLaunch, ws: Workspace, a: torch.Tensor, b: torch.Tensor, ldb: int, bias: torch.Tensor | None,
+            out: torch.Tensor, res: streams.DeviceResources, slot: int, cur: torch.cuda.Stream, signal_mode: int,
+            raster: int, swizzle: int, timeout_ns: int, capturing: bool = False) -> torch.Tensor:
+    """One call (``fo_peer_call``) with ``ws`` (``workspace``, at least ``region_bytes`` per region); ``out``: the
+    op's output, [M, N] (all_reduce) or [M/2, N] (reduce_scatter). ``capturing``: the call is being captured into a
+    CUDA graph (``ws`` is then kept alive for it)."""
     n = b.shape[1]
-    elem = a.element_size()
-    region = launch.rows * n * elem
-    ws = workspace(group, a.device, region)
+    ws.captured |= capturing
     partial, own, peer_partial, peer_own = ws.regions()
     workspace_t = torch.empty(launch.workspace_bytes, dtype=torch.uint8, device=a.device) \
         if launch.workspace_bytes else None
@@ -308,8 +360,9 @@ def execute(launch: PeerLaunch, a: torch.Tensor, b: torch.Tensor, ldb: int, bias
     # fo_peer_call's partial = GEMM 1's destination, peer_partial = GEMM 2's C (see PARTIAL)
     p.partial, p.peer_partial = (peer_partial, partial) if launch.partial == "push" else (partial, peer_partial)
     p.own_dst, p.ld_own = (own, n) if ar else (out2.data_ptr(), out2.stride(0))  # push: own = the landing buffer
-    p.flags, p.peer_flags, p.expected = ws.buf.data_ptr(), ws.peer_base, ws.expected.data_ptr()
-    p.counters = res.counters[slot].data_ptr() if ar else None
+    f = ws.flags
+    p.flags, p.peer_flags, p.expected = f.buf.data_ptr(), f.peer_base, f.expected.data_ptr()
+    p.counters = res.counters[slot].data_ptr() if launch.groups else None
     p.peer_own = peer_own if ar else None
     p.copy_on_sms = int(FINAL_COPY == "sm")
     p.gate_in_kernel = int(GATE == "kernel")
@@ -317,7 +370,7 @@ def execute(launch: PeerLaunch, a: torch.Tensor, b: torch.Tensor, ldb: int, bias
     p.signal_mode, p.raster, p.swizzle = signal_mode, raster, swizzle
     p.workspace = workspace_t.data_ptr() if workspace_t is not None else None
     p.timeout_ns, p.error_record = timeout_ns, res.record.data_ptr()
-    p.cur_stream, p.side_stream, p.pull_stream = cur.cuda_stream, res.side.cuda_stream, ws.pull.cuda_stream
+    p.cur_stream, p.side_stream, p.pull_stream = cur.cuda_stream, res.side.cuda_stream, f.pull.cuda_stream
     lib = streams.kernel_lib()
     lib.check(lib.lib.fo_peer_call(ctypes.byref(p)), "fo_peer_call")
     return out

@@ -21,7 +21,7 @@ Same entry points and semantics as ``runtime_cpu``/``runtime_cuda`` (see ``ops``
 5. The caller's stream waits for the side stream.
 
 With the direct route, steps 3-5 are one host call into the library (``fused_launch``, ``fo_fused_call``).
-With ``peer_route.TRANSPORT == "peer"``, an uncaptured call tries ``runtime_peer.run`` first (None: the NCCL route).
+With ``peer_route.TRANSPORT == "peer"``, a call tries ``runtime_peer.run`` first (None: the NCCL route).
 
 Unfused fallback (``runtime_cuda``; logged once per reason, counted in ``stats["fallback:<reason>"]``): the library
 or an sm90 GPU missing, fp32, N or K not multiples of 8, a batch of distinct ``b`` matrices, a bias varying along
@@ -286,7 +286,7 @@ def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor |
     key = (collective, plan, rows, n, k, a.dtype, world, rank, send_rows, recv_rows, res.index, layout,
            getattr(group, "group_name", id(group)), SIGNAL_MODE, SWIZZLE, SM_RESERVE, GEMM_GRID, KERNEL, ROW_ORDER)
     capturing = torch.cuda.is_current_stream_capturing()
-    if peer_route.TRANSPORT == "peer" and not capturing:
+    if peer_route.TRANSPORT == "peer":
         out = run_peer(collective, opnd, out_shape, group, res, key, layout)  # None: the NCCL route
         if out is not None:
             return out

@@ -1,13 +1,19 @@
 """The peer-route dispatch of the overlapped CUDA path: a fused op on ``peer_route`` (the GEMM's tiles pushed or
 pulled between the group's GPUs directly) instead of the NCCL route of ``runtime_gpu``.
 
-``runtime_gpu._run`` calls ``run`` first when ``peer_route.TRANSPORT == "peer"`` and it is not capturing; ``run``
-returns the output tensor, or None when the call must take the NCCL route.
+``runtime_gpu._run`` calls ``run`` first when ``peer_route.TRANSPORT == "peer"``; ``run`` returns the output tensor,
+or None when the call must take the NCCL route.
 
 Invariants:
 
-- One caller stream per device and group: the peer route's flags and buffers belong to the first caller stream
-  (``peer_route.owns``); a call from another stream takes the NCCL route.
+- The peer calls of a group on a device share one set of flags and buffers, so they run one after another: an
+  eager call from another stream than the last one waits for it (``peer_route.order_after_last``). A graph that
+  holds peer calls replays on the stream current at replay time, which must be the one that runs the group's eager
+  peer calls (as torch.compile's CUDA graphs do).
+- Under capture the route runs only where this call shape already ran eagerly (its launch is memoized) and the
+  workspace is large enough (``peer_route.workspace``); otherwise the NCCL route. Ranks share the call history, so
+  they agree. A call by pull (counters) takes a counter slot of its own (``res.slot(..., dedicated=True)``), as on the
+  NCCL route.
 - A call the peer route cannot take (its shape, dtype, B layout or configuration, memoized per call shape in
   ``launches``; or another caller stream) returns None, is counted in ``runtime_gpu.stats["peer_skip"]`` and is
   logged once per reason.
@@ -42,6 +48,9 @@ def run(collective: str, opnd: Operands, out_shape: list[int], group: dist.Proce
     (rows, k), n = a.shape, b.shape[1]
     pkey = ("peer", peer_route.ADD_KERNEL, peer_route.GROUPS, peer_route.PARTIAL, *key)
     launch = launches.get(pkey)
+    capturing = torch.cuda.is_current_stream_capturing()
+    if launch is None and capturing:
+        return _skip(collective, "peer:capture-new", "a new call shape first seen inside a CUDA-graph capture")
     if launch is None:
         dname = str(a.dtype).removeprefix("torch.")
         why = peer_route.unsupported(collective, rows, n, k, a.dtype, group.size(), layout,
@@ -61,23 +70,35 @@ def run(collective: str, opnd: Operands, out_shape: list[int], group: dist.Proce
             launch = (launch, choice)
         launches[pkey] = launch
     if launch[0] == "peer":
-        rt.stats["peer_skip"] += 1
-        rt._note(f"peer:{launch[1]}", logging.INFO, "flashoverlap: %s takes the NCCL route: %s", collective, launch[1])
-        return None
+        return _skip(collective, f"peer:{launch[1]}", launch[1])
     plaunch, choice = launch
     cur = torch.cuda.current_stream(a.device)
-    slot = res.slot(cur)
-    if slot is None or not peer_route.owns(group, a.device, cur):
-        rt.stats["peer_skip"] += 1
-        rt._note("peer:stream", logging.INFO, "flashoverlap: %s takes the NCCL route: the peer route runs on one "
-                 "caller stream per device and group", collective)
-        return None
+    ws = peer_route.workspace(group, a.device, peer_route.region_bytes(plaunch, n, a.element_size()), capturing)
+    if ws is None:
+        return _skip(collective, "peer:capture-grow", "its workspace would have to grow inside a CUDA-graph capture")
+    slot = res.slot(cur, dedicated=capturing) if plaunch.groups else 0  # counters: all_reduce by pull only
+    if slot is None:
+        return _skip(collective, "peer:slots", "no counter slot left")
+    if not capturing:
+        peer_route.order_after_last(group, a.device, cur)
     out = torch.empty(out_shape, dtype=a.dtype, device=a.device)
     b_in, ldb = rt._kernel_b(b, choice)
-    peer_route.execute(plaunch, rt._row_major(a), b_in, ldb, opnd.bias, out, group, res, slot, cur,
+    peer_route.execute(plaunch, ws, rt._row_major(a), b_in, ldb, opnd.bias, out, res, slot, cur,
                        kernels.SIGNAL_MODES[rt.SIGNAL_MODE], kernels.RASTERS[rt.RASTER], rt.SWIZZLE,
-                       max(1, int(config.wait_timeout_ms * 1e6)))
+                       max(1, int(config.wait_timeout_ms * 1e6)), capturing)
     rt.last_launch = plaunch
     rt.stats[f"fused:{collective}"] += 1
     rt.stats["route:peer"] += 1
+    if capturing:
+        rt.stats["captured"] += 1
+        rt.stats["captured:peer"] += 1
     return out
+
+
+def _skip(collective: str, key: str, why: str) -> None:
+    """Count and log (once per ``key``) a call that takes the NCCL route instead."""
+    from . import runtime_gpu as rt
+
+    rt.stats["peer_skip"] += 1
+    rt._note(key, logging.INFO, "flashoverlap: %s takes the NCCL route: %s", collective, why)
+    return None

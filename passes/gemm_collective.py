@@ -278,7 +278,8 @@ class FlashOverlapPass(compat.CustomGraphPass):
                                          device_name=_device_name(y),
                                          input_split_sizes=[int(x) for x in splits] if splits else None,
                                          peer=_takes_peer_route(f.match.collective, rows, int(f.n), int(f.k),
-                                                                f.dtype, f.group_size, y))
+                                                                f.dtype, f.group_size, y),
+                                         cuda_graphs=compat.cudagraphs_enabled())
         except Exception as exc:
             if mode == "auto":
                 return _skip("cost_model_error", "%s: cost model failed: %r", desc, exc, level=logging.WARNING)
@@ -357,8 +358,9 @@ def _device_name(y: torch.Tensor) -> str | None:
 
 def _takes_peer_route(collective: str, rows: int, n: int, k: int, dtype: str, world: int, y: torch.Tensor) -> bool:
     """Whether the fused op will run on the peer route (``peer_route.takes``), so the cost model predicts that route:
-    CUDA, not compiled for CUDA graphs (a capture takes the NCCL route)."""
-    if y.device.type != "cuda" or compat.cudagraphs_enabled():
+    CUDA, with or without CUDA graphs (a capture takes the route where the call shape ran before the capture, as
+    torch.compile's warm-up runs it)."""
+    if y.device.type != "cuda":
         return False
     from flashoverlap_inductor import peer_route
 

@@ -78,6 +78,8 @@ def test_host_floor_and_link_efficiency():
     assert PeerModel(2, {"all_reduce": base}).predict_ms(gemm, "all_reduce", *small, "bfloat16", link) < 0.1
     floored = PeerModel(2, {"all_reduce": PeerTerms(1.0, 0.01, host_floor_ms=0.2)})
     assert floored.predict_ms(gemm, "all_reduce", *small, "bfloat16", link) == 0.2  # the host is the limit
+    assert floored.predict_ms(gemm, "all_reduce", *small, "bfloat16", link, host_bound=False) == pytest.approx(
+        base.gemm_factor * gemms_ms(gemm, "all_reduce", *small, "bfloat16", link) + 0.01)  # CUDA-graph replays
     half = PeerModel(2, {"all_reduce": PeerTerms(1.0, 0.01, link_efficiency=0.5)})
     assert half.predict_ms(gemm, "all_reduce", *short_k, "bfloat16", link) == pytest.approx(
         2 * (8192 // 2) * 4096 * 2 / (0.5 * link) + 0.01)
@@ -144,6 +146,22 @@ def test_decide_predicts_the_peer_route_when_told():
         assert decide(*args, peer=True).route == "nccl"
     small = decide("all_reduce", 128, n, k, "bfloat16", 2, peer=True)
     assert not small.fuse and "min_rows" in small.reason and small.route == "peer"
+
+
+def test_decide_drops_the_host_floor_for_cuda_graphs():
+    """A shape the host floor decides: declined for eager calls, fused where CUDA graphs replay it."""
+    model = model_for("NVIDIA H200")[0]
+    m, n, k = 2048, 4096, 1024
+    floor = model.gemm.peer.terms["all_reduce"].host_floor_ms
+    eager = decide("all_reduce", m, n, k, "bfloat16", 2, peer=True)
+    graphs = decide("all_reduce", m, n, k, "bfloat16", 2, peer=True, cuda_graphs=True)
+    assert eager.predicted_fused_ms == pytest.approx(floor) and not eager.fuse
+    assert graphs.predicted_fused_ms == pytest.approx(model.peer_ms("all_reduce", m, n, k, "bfloat16", 2, False))
+    assert graphs.predicted_fused_ms < floor and graphs.route == "peer"
+    assert graphs.fuse == (graphs.predicted_fused_ms <= (1 - config.min_gain_fraction) * graphs.predicted_seq_ms)
+    # the NCCL route has no host floor: the flag changes nothing there
+    assert decide("all_to_all", m, n, k, "bfloat16", 2, cuda_graphs=True) == decide("all_to_all", m, n, k,
+                                                                                    "bfloat16", 2)
 
 
 def test_decide_without_a_peer_model_says_so(monkeypatch):

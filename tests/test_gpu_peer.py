@@ -3,10 +3,11 @@
 Skipped unless 2 CUDA devices, an sm90 GPU and a library with ``_addc`` configurations are present. Every check
 compares with an fp64 reference built from both ranks' inputs, next to eager PyTorch's own error, on fresh random
 data; fresh outputs are NaN-filled (``torch.use_deterministic_algorithms``), so rows never written fail. Covered:
-the ``_addc`` GEMM alone, both ops on ragged and tiny shapes with and without bias, calls that alternate the
-workspace sets and grow the workspace, calls that cannot take the route (fp16, B row-major, odd rows) taking the
-NCCL route instead, ops in flight on one and on two streams (the second stream's take the NCCL route), a compiled
-TP block forward and backward, and a peer that never arrives (a bounded wait, then ``FlashOverlapTimeout``).
+the ``_addc`` GEMM alone, both ops on ragged and tiny shapes with and without bias, long queues of calls that reuse
+the one workspace and grow it, calls that cannot take the route (fp16, B row-major, odd rows) taking the NCCL route
+instead, ops in flight on one and on two streams (ordered one after another), CUDA graphs holding peer calls replayed
+between eager calls and after the workspace grew, a compiled TP block forward and backward, the same under
+``mode="reduce-overhead"``, and a peer that never arrives (a bounded wait, then ``FlashOverlapTimeout``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from test_gpu_ops import (
     _rel,
     _route_ops,
     _y64,
+    compiled_cudagraph_task,
     compiled_training_task,
     in_flight_task,
 )
@@ -100,10 +102,10 @@ def peer_match_task(op: str, how: str = "default") -> dict[str, int]:
             "peer": peer_calls, "after": runtime_gpu.stats["route:peer"], "skips": runtime_gpu.stats["peer_skip"]}
 
 
-def alternating_calls_task(calls: int, partial: str) -> int:
+def queued_calls_task(calls: int, partial: str) -> int:
     """``calls`` calls without a sync, fresh data each, both ops, a small and a large shape (the workspace grows
-    mid-way): each result checked after the last call (stale workspace sets would show here). ``partial``:
-    ``peer_route.PARTIAL``."""
+    mid-way): each result checked after the last call (a call overwriting what the peer still reads would show
+    here). ``partial``: ``peer_route.PARTIAL``."""
     import torch.distributed as dist
 
     from flashoverlap_inductor import peer_route, runtime_gpu
@@ -126,6 +128,64 @@ def alternating_calls_task(calls: int, partial: str) -> int:
         a, b, c = args[rank]
         _check(out, _reference(op, [_y64(*x) for x in args], rank), _eager(op, a, b, c), f"call {i} {op}")
     return runtime_gpu.stats["route:peer"]
+
+
+def peer_graph_task(partial: str) -> dict[str, int]:
+    """CUDA graphs holding peer calls: one with a single reduce_scatter (an odd number of calls per replay), one with
+    an all_reduce then a reduce_scatter. Replayed back to back and between eager calls of the same ops, fresh data
+    before every replay, nothing synchronized until the end; then an eager call grows the workspace and both graphs
+    replay once more (on the outgrown workspace they captured). Every output is checked after the last call."""
+    import torch.distributed as dist
+
+    from flashoverlap_inductor import peer_route, runtime_gpu
+
+    rank = dist.get_rank()
+    runtime_gpu.reset()
+    peer_route.reset()
+    peer_route.PARTIAL = partial
+    shapes = {"rs": ("reduce_scatter", 1024, 512, 256, True), "ar": ("all_reduce", 768, 1024, 256, False),
+              "rs2": ("reduce_scatter", 512, 512, 128, False), "big": ("all_reduce", 4096, 4096, 256, True)}
+    seeds = iter(range(5000, 6000))
+
+    def operands(name):
+        _, rows, n, k, bias = shapes[name]
+        return [_operands(next(seeds), r, "2d", rows, n, k, torch.bfloat16, "nk", bias) for r in range(WORLD)]
+
+    try:
+        init = {name: operands(name) for name in ("rs", "ar", "rs2")}
+        static = {name: [x.clone() if x is not None else None for x in args[rank]] for name, args in init.items()}
+        for name in static:  # eager first: the launches and the workspace exist before the capture
+            _call(shapes[name][0], *static[name], "auto")
+        torch.cuda.synchronize()
+        before = runtime_gpu.stats["captured:peer"]
+        graphs = {"g1": (torch.cuda.CUDAGraph(), ["rs"]), "g2": (torch.cuda.CUDAGraph(), ["ar", "rs2"])}
+        outs = {}
+        for graph, names in graphs.values():
+            with torch.cuda.graph(graph):
+                for name in names:
+                    outs[name] = _call(shapes[name][0], *static[name], "auto")
+        captured = runtime_gpu.stats["captured:peer"] - before
+        schedule = ["g1", "g1", "rs", "g2", "g1", "ar", "g2", "g2", "g1", "big", "g1", "g2", "rs2"]
+        fresh = [{name: operands(name) for name in (graphs[s][1] if s in graphs else [s])} for s in schedule]
+        pending = []
+        for step, data in zip(schedule, fresh, strict=True):
+            if step in graphs:
+                for name, args in data.items():
+                    static[name][0].copy_(args[rank][0])
+                graphs[step][0].replay()
+                for name, args in data.items():
+                    used = [(args[r][0], *init[name][r][1:]) for r in range(WORLD)]  # fresh a, captured b and bias
+                    pending.append((f"{step}:{name}", shapes[name][0], used, outs[name].clone()))
+            else:
+                args = data[step]
+                pending.append((f"eager:{step}", shapes[step][0], args, _call(shapes[step][0], *args[rank], "auto")))
+        torch.cuda.synchronize()
+        runtime_gpu.check()
+        for where, op, args, out in pending:
+            _check(out, _reference(op, [_y64(*x) for x in args], rank), _eager(op, *args[rank]), where)
+        return {"captured": captured, "retired": len(peer_route._retired), "peer": runtime_gpu.stats["route:peer"]}
+    finally:
+        peer_route.PARTIAL = "push"
 
 
 def missing_peer_task() -> str:
@@ -201,8 +261,22 @@ def test_peer_route_matches_eager(pool, op, how):
 
 
 @pytest.mark.parametrize("partial", ["push", "pull"])
-def test_peer_route_alternating_sets_and_growth(pool, partial):
-    assert pool.run(alternating_calls_task, 40, partial) == [40] * WORLD
+def test_peer_route_queued_calls_and_growth(pool, partial):
+    assert pool.run(queued_calls_task, 40, partial) == [40] * WORLD
+
+
+@pytest.mark.parametrize("partial", ["push", "pull"])
+def test_peer_route_cuda_graphs_between_eager_calls(pool, partial):
+    per_rank = pool.run(peer_graph_task, partial)
+    # on the route: 3 eager calls before the capture, 3 captured, 4 eager between the replays (a replay runs no host
+    # code, so it counts nothing); the workspace the graphs captured outgrown once
+    assert per_rank == [{"captured": 3, "retired": 1, "peer": 10}] * WORLD, per_rank
+
+
+def test_peer_route_compiled_reduce_overhead(pool):
+    per_rank = pool.run(compiled_cudagraph_task, timeout_s=200.0)
+    assert all(r.get("captured:peer", 0) >= 1 and not r.get("captured", 0) > r.get("captured:peer", 0)
+               for r in per_rank), per_rank
 
 
 def test_peer_route_missing_peer_times_out(pool):

@@ -18,8 +18,10 @@ PARTIAL, OWN, PEER_PARTIAL, PEER_OWN = 0x10000, 0x20000, 0x30000, 0x40000
 
 class _FakeWorkspace:
     def __init__(self) -> None:
-        self.buf, self.expected = torch.zeros(8, dtype=torch.uint8), torch.zeros(4, dtype=torch.int32)
-        self.peer_base, self.pull = 0x50000, types.SimpleNamespace(cuda_stream=7)
+        self.flags = types.SimpleNamespace(buf=torch.zeros(8, dtype=torch.uint8), peer_base=0x50000,
+                                           expected=torch.zeros(4, dtype=torch.int32),
+                                           pull=types.SimpleNamespace(cuda_stream=7))
+        self.captured = False
 
     def regions(self):
         return PARTIAL, OWN, PEER_PARTIAL, PEER_OWN
@@ -34,7 +36,6 @@ def _run_execute(monkeypatch, collective: str, partial: str, push: bool) -> peer
             return 0
 
     fake = types.SimpleNamespace(lib=Lib(), check=lambda rc, what: None)
-    monkeypatch.setattr(peer_route, "workspace", lambda group, device, region: _FakeWorkspace())
     monkeypatch.setattr(streams, "kernel_lib", lambda: fake)
     rows, n, k = 64, 32, 16
     launch = peer_route.PeerLaunch(collective, 0, 1, rows // 2, 0, rows // 2, 0, None, None, None, 132, 0, "test",
@@ -43,7 +44,13 @@ def _run_execute(monkeypatch, collective: str, partial: str, push: bool) -> peer
                                 side=types.SimpleNamespace(cuda_stream=5))
     a, b = torch.randn(rows, k), torch.randn(k, n)
     out = torch.empty(rows if collective == "all_reduce" else rows // 2, n)
-    peer_route.execute(launch, a, b, n, None, out, None, res, 0, types.SimpleNamespace(cuda_stream=3), 0, 0, 1, 1000)
+    ws = _FakeWorkspace()
+    peer_route.execute(launch, ws, a, b, n, None, out, res, 0, types.SimpleNamespace(cuda_stream=3), 0, 0, 1, 1000)
+    assert not ws.captured
+    peer_route.execute(launch, ws, a, b, n, None, out, res, 0, types.SimpleNamespace(cuda_stream=3), 0, 0, 1, 1000,
+                       capturing=True)
+    assert ws.captured  # a graph holds its pointers: growth must keep it alive
+    assert (seen["p"].flags, seen["p"].peer_flags) == (ws.flags.buf.data_ptr(), 0x50000)
     return seen["p"]
 
 
@@ -91,7 +98,7 @@ def test_takes_only_what_the_route_runs(monkeypatch):
     assert not peer_route.takes("all_reduce", 4096, 1024, 512, bf16, 2)
 
 
-def test_the_pass_predicts_the_peer_route_only_for_cuda_outside_cuda_graphs(monkeypatch):
+def test_the_pass_predicts_the_peer_route_for_cuda_with_and_without_cuda_graphs(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from flashoverlap_inductor import _inductor_compat as compat
@@ -106,9 +113,9 @@ def test_the_pass_predicts_the_peer_route_only_for_cuda_outside_cuda_graphs(monk
     assert gemm_collective._takes_peer_route(*args, y_cuda)
     assert calls == [("all_reduce", 4096, 1024, 512, torch.bfloat16, 2)]
     assert not gemm_collective._takes_peer_route(*args, y_cpu)
-    monkeypatch.setattr(compat, "cudagraphs_enabled", lambda: True)
-    assert not gemm_collective._takes_peer_route(*args, y_cuda)
-    assert len(calls) == 1
+    monkeypatch.setattr(compat, "cudagraphs_enabled", lambda: True)  # captures take the route too
+    assert gemm_collective._takes_peer_route(*args, y_cuda)
+    assert len(calls) == 2
 
 
 def test_cudagraphs_enabled_reads_inductors_setting(monkeypatch):
@@ -133,3 +140,37 @@ def test_peer_args_struct_matches_the_c_header():
     names = [n for decl in body.split(";") for n in re.findall(r"(\w+)\s*(?:,|$)", decl.strip()) if decl.strip()]
     assert names == [f for f, _ in peer_route.PeerArgs._fields_]
     assert ctypes.sizeof(peer_route.PeerArgs) % 8 == 0
+
+
+def test_one_workspace_serves_every_call_grows_outside_captures_and_outlives_graphs(monkeypatch):
+    """``workspace``: the same regions for every call (no host parity for a CUDA graph to freeze), no collective
+    allocation inside a capture (None: the NCCL route), an outgrown workspace a graph captured kept alive, and the
+    flag page made once (graphs and eager calls count on the same flags)."""
+    made = []
+
+    def symmetric(nbytes, group, device, zero):
+        made.append((nbytes, zero))
+        return torch.zeros(nbytes, dtype=torch.uint8), object(), torch.zeros(nbytes, dtype=torch.uint8)
+
+    monkeypatch.setattr(peer_route, "_symmetric", symmetric)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda **kw: types.SimpleNamespace(cuda_stream=9))
+    monkeypatch.setattr(peer_route.dist, "barrier", lambda **kw: None)
+    peer_route.reset()
+    group, dev = types.SimpleNamespace(group_name="g", rank=lambda: 0), torch.device("cpu")
+    mib = 1 << 20
+    ws1 = peer_route.workspace(group, dev, 1000)
+    assert made == [(peer_route.FLAG_BYTES, True), (2 * mib, False)] and ws1.capacity == mib
+    assert peer_route.workspace(group, dev, mib) is ws1 and ws1.regions() == ws1.regions()
+    partial, own, peer_partial, peer_own = ws1.regions()
+    assert own - partial == mib and peer_own - peer_partial == mib
+    assert peer_route.workspace(group, dev, 3 * mib, capturing=True) is None and len(made) == 2
+    ws1.captured = True
+    ws2 = peer_route.workspace(group, dev, 3 * mib)
+    assert ws2.capacity == 4 * mib and made[-1] == (8 * mib, False) and len(made) == 3
+    assert ws2.flags is ws1.flags and peer_route._retired == [ws1]
+    ws3 = peer_route.workspace(group, dev, 5 * mib)
+    assert ws3.capacity == 8 * mib and peer_route._retired == [ws1]  # ws2 was never captured
+    assert peer_route.workspace(group, dev, 5 * mib, capturing=True) is ws3
+    peer_route.reset()
+    assert not peer_route._retired and not peer_route._workspaces and not peer_route._flags

@@ -8,7 +8,8 @@
 # flags), FO_TUNE=1 (tuner after the benchmarks), FO_SKIP ("tests bench2 bench4"), FO_BUDGET_S (default 560),
 # FO_B2_BUDGET_S (the 2-GPU benchmark's --time-budget-s, default 240), FO_TESTS (test files, default the three
 # GPU test files), FO_SHAPES2X (shapes of a second 2-GPU benchmark after the first, all_reduce and reduce_scatter,
-# no variants: bench_w2x.json), FO_DEMO=1 (the README's demo on 2 GPUs at the end: demo.log).
+# no variants: bench_w2x.json), FO_DEMO=1 (the README's demo on 2 GPUs at the end: demo.log), FO_DEMO_RO=1 (the demo
+# with --mode reduce-overhead: demo_ro.log), FO_DEMO_ARGS (more demo flags, both runs).
 set -uo pipefail
 source examples/device/setup_env.sh
 END=$((SECONDS + ${FO_BUDGET_S:-560}))
@@ -53,8 +54,13 @@ if [ -n "${FO_SHAPES2X:-}" ]; then
   echo "bench2x rc=$?" >>"$OUT/bench_w2x.log"
 fi
 if [[ "${FO_DEMO:-0}" == 1 ]]; then
-  CUDA_VISIBLE_DEVICES=0,1 timeout 240 python3 -m flashoverlap_inductor.demo >"$OUT/demo.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0,1 timeout 240 python3 -m flashoverlap_inductor.demo ${FO_DEMO_ARGS:-} >"$OUT/demo.log" 2>&1
   echo "demo rc=$?" >>"$OUT/demo.log"
+fi
+if [[ "${FO_DEMO_RO:-0}" == 1 ]]; then
+  CUDA_VISIBLE_DEVICES=0,1 timeout 240 python3 -m flashoverlap_inductor.demo --mode reduce-overhead \
+    ${FO_DEMO_ARGS:-} >"$OUT/demo_ro.log" 2>&1
+  echo "demo rc=$?" >>"$OUT/demo_ro.log"
 fi
 if [[ "$SKIP" != *" bench4 "* ]]; then
   L=$(left)
@@ -82,5 +88,7 @@ for w in 2 4; do
   echo "=== bench w$w"; grep -vE "Warning|warn|^\*|OMP_NUM|^\s*$|^ +[0-9]+x" "$OUT/bench_w$w.log" 2>/dev/null | tail -40
 done
 [ -f "$OUT/bench_w2x.log" ] && { echo "=== bench w2x"; grep -E "^ +[0-9]+x|geomean|rc=" "$OUT/bench_w2x.log"; }
-[ -f "$OUT/demo.log" ] && { echo "=== demo"; grep -E "fus|declin|ms|rc=|match|Error" "$OUT/demo.log" | tail -30; }
+for d in demo demo_ro; do
+  [ -f "$OUT/$d.log" ] && { echo "=== $d"; grep -E "fus|declin|ms|rc=|match|Error" "$OUT/$d.log" | tail -30; }
+done
 echo "=== tuner"; tail -2 "$OUT"/tune_bw*.log 2>/dev/null; grep -E "rc=|best|plan|wrote" "$OUT/tune_search.log" 2>/dev/null | tail -12
