@@ -8,7 +8,9 @@
 // landing buffer and one local copy completes the output; by pull, the copy engine pulls it group by group.
 //
 // One set of buffers serves every call, eager or replayed from a CUDA graph: every call ends with a flag exchange
-// that proves the peer has read what the next call overwrites (flashoverlap_sm90.h states the argument).
+// that proves the peer has read what the next call overwrites (flashoverlap_sm90.h states the argument). GEMM 2's
+// "wait for the peer's GEMM 1" there is a wait kernel before it (gate_in_kernel 0) or the gate before each tile's C
+// load, which every store of that tile (D and the aux copy into the peer's landing buffer) follows.
 //
 // Cross-GPU ordering: fo_notify (system-scope fence + release add on the peer's flag, after the GEMM in stream
 // order) pairs with the bounded wait kernel's system-scope acquire. See flashoverlap_sm90.h for the contract.

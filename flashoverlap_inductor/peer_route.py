@@ -24,17 +24,17 @@ it applies (``TRANSPORT``; ``$FLASHOVERLAP_TRANSPORT=nccl`` turns it off): two r
 symmetric memory and the library's ``_addc`` configurations. Calls from several streams are serialized
 (``order_after_last``). Every other call keeps the NCCL route.
 
-Symmetric memory of one (device, group): a flag page (``FLAG_BYTES``, made once, never regrown) and a workspace of
-two regions, ``[partial | own]``, each ``capacity`` bytes. Every call uses the same regions, so a call replayed from
-a CUDA graph needs no host state: each call ends with a flag exchange after GEMM 2 that proves the peer has read what
+Symmetric memory of one (device, group): a flag page (``FLAG_BYTES``, made once) and workspaces of two regions,
+``[partial | own]``, each ``capacity`` bytes. Every call of a shape uses the same regions, so a call replayed from a
+CUDA graph needs no host state: each call ends with a flag exchange after GEMM 2 that proves the peer has read what
 the next call overwrites (the argument is in ``csrc/flashoverlap_sm90.h``). Flag epochs live on the device
 (``Flags.expected``), advanced by the calls' wait kernels, so eager calls and graph replays interleave freely on one
-stream. Growing the workspace is collective (every rank grows at the same call: every decision here depends on shapes
-and call history all ranks share) and synchronizes the device first; a workspace a captured graph uses is kept alive
-(``_retired``) until ``reset``. Under capture the route runs only with a workspace that is already large enough (no
-collective allocation inside a capture); otherwise the call takes the NCCL route. Graphs that hold peer calls must be
-replayed on the stream that runs the group's eager peer calls (torch.compile's CUDA graphs replay on the caller's
-current stream), never beside it.
+stream. A call that needs more room than every workspace has makes a larger one (collectively: every rank makes it
+at the same call, as every decision here depends on shapes and call history all ranks share); none is freed before
+``reset`` (``workspace``). Under capture the route runs only with a workspace that already has room (no collective
+allocation inside a capture); otherwise the call takes the NCCL route. Graphs that hold peer calls must be replayed
+on the stream that runs the group's eager peer calls (torch.compile's CUDA graphs replay on the caller's current
+stream), never beside it, and ``runtime_gpu.check()`` after replays raises a timeout they recorded.
 """
 
 from __future__ import annotations
@@ -132,7 +132,6 @@ class Workspace:
     peer_base: int  # the peer's workspace, mapped here
     peer_view: torch.Tensor  # keeps the peer's mapping alive
     flags: Flags
-    captured: bool = False  # a CUDA graph holds pointers into it: keep it alive after growth
 
     def regions(self) -> tuple[int, int, int, int]:
         """(partial, own, peer's partial, peer's own) pointers; the same for every call."""
@@ -141,21 +140,25 @@ class Workspace:
 
 
 _flags: dict[tuple[int, str], Flags] = {}
-_workspaces: dict[tuple[int, str], Workspace] = {}
-_retired: list[Workspace] = []  # outgrown workspaces that captured graphs still use
+_workspaces: dict[tuple[int, str], list[Workspace]] = {}  # ascending capacity; kept until ``reset``
 
 
 def _symmetric(nbytes: int, group: dist.ProcessGroup, device: torch.device, zero: bool) -> tuple:
-    """A symmetric uint8 buffer, its handle and the peer's mapping (collective)."""
-    import torch.distributed._symmetric_memory as symm_mem
+    """A symmetric uint8 buffer, its handle and the peer's mapping (collective). Made on the allocation thread of
+    ``streams.persistent``: inside torch.compile's CUDA-graph warm-up the calling thread's allocations would land in
+    the graph's pool."""
 
-    buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-    if zero:
-        buf.zero_()  # before the rendezvous: no peer can notify us before it has our address
-        torch.cuda.synchronize(device)
-    hdl = symm_mem.rendezvous(buf, group.group_name)
-    peer_view = hdl.get_buffer(1 - group.rank(), (nbytes,), torch.uint8)
-    return buf, hdl, peer_view
+    def make() -> tuple:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        if zero:
+            buf.zero_()  # before the rendezvous: no peer can notify us before it has our address
+            torch.cuda.synchronize(device)
+        hdl = symm_mem.rendezvous(buf, group.group_name)
+        return buf, hdl, hdl.get_buffer(1 - group.rank(), (nbytes,), torch.uint8)
+
+    return streams.persistent(device.index, make)
 
 
 def flags(group: dist.ProcessGroup, device: torch.device) -> Flags:
@@ -173,26 +176,25 @@ def flags(group: dist.ProcessGroup, device: torch.device) -> Flags:
 
 def workspace(group: dist.ProcessGroup, device: torch.device, region_bytes: int,
               capturing: bool = False) -> Workspace | None:
-    """The cached workspace with ``region_bytes`` per region, grown (collectively) when a call needs more; None
-    when ``capturing`` and it would have to be made or grown (the call then takes the NCCL route)."""
-    name = group.group_name
-    key = (device.index, name)
-    ws = _workspaces.get(key)
-    if ws is not None and ws.capacity >= region_bytes:
-        return ws
+    """The smallest workspace of (device, group) with at least ``region_bytes`` per region; a larger one is made
+    (collectively) when none has room, and None returned instead when ``capturing`` (the call then takes the NCCL
+    route). Workspaces are never freed before ``reset``: a graph may hold any of them, and a call shape maps to the
+    same workspace for good (made ones only get larger), so a replay on one rank and the same call run eagerly on
+    the other use the same regions. Powers of two: all of them together are less than twice the largest."""
+    key = (device.index, group.group_name)
+    made = _workspaces.setdefault(key, [])
+    for ws in made:
+        if ws.capacity >= region_bytes:
+            return ws
     if capturing:
         return None
-    capacity = max(1 << 20, 1 << (region_bytes - 1).bit_length())  # a power of two: few regrowths
+    capacity = max(1 << 20, 1 << (region_bytes - 1).bit_length())
     f = flags(group, device)
-    if ws is not None:  # no call in flight on either rank may still use the old buffer
-        torch.cuda.synchronize(device)
-        dist.barrier(group=group, device_ids=[device.index])
-        torch.cuda.synchronize(device)
-        if ws.captured:
-            _retired.append(ws)
     buf, hdl, peer_view = _symmetric(2 * capacity, group, device, zero=False)
-    ws = _workspaces[key] = Workspace(name, capacity, buf, hdl, peer_view.data_ptr(), peer_view, f)
-    log.info("flashoverlap peer: symmetric workspace of 2 x %d MiB on %s, group %s", capacity >> 20, device, name)
+    ws = Workspace(group.group_name, capacity, buf, hdl, peer_view.data_ptr(), peer_view, f)
+    made.append(ws)
+    log.info("flashoverlap peer: symmetric workspace of 2 x %d MiB on %s, group %s", capacity >> 20, device,
+             group.group_name)
     return ws
 
 
@@ -203,7 +205,6 @@ def reset() -> None:
     for index, _ in list(_flags):
         torch.cuda.synchronize(index)
     _workspaces.clear()
-    _retired.clear()
     _flags.clear()
     _last_stream.clear()
 
@@ -248,8 +249,8 @@ def unsupported(collective: str, rows: int, n: int, k: int, dtype: torch.dtype, 
 def takes(collective: str, rows: int, n: int, k: int, dtype: torch.dtype, world: int) -> bool:
     """Whether a CUDA call of this shape will take the peer route: ``TRANSPORT`` is "peer", the kernel library is
     loadable and ``unsupported`` finds nothing for some B layout. What the cost model should predict
-    (``decide(..., peer=...)``); the call still takes the NCCL route at run time under CUDA-graph capture or from a
-    second caller stream. False (never raises) where the library cannot be read."""
+    (``decide(..., peer=...)``); inside a CUDA-graph capture a call shape that never ran before the capture still
+    takes the NCCL route (``runtime_peer``). False (never raises) where the library cannot be read."""
     if TRANSPORT != "peer" or collective not in COLLECTIVES or world != 2:
         return False
     try:
@@ -343,12 +344,10 @@ def region_bytes(launch: PeerLaunch, n: int, elem_bytes: int) -> int:
 
 def execute(launch: PeerLaunch, ws: Workspace, a: torch.Tensor, b: torch.Tensor, ldb: int, bias: torch.Tensor | None,
             out: torch.Tensor, res: streams.DeviceResources, slot: int, cur: torch.cuda.Stream, signal_mode: int,
-            raster: int, swizzle: int, timeout_ns: int, capturing: bool = False) -> torch.Tensor:
+            raster: int, swizzle: int, timeout_ns: int) -> torch.Tensor:
     """One call (``fo_peer_call``) with ``ws`` (``workspace``, at least ``region_bytes`` per region); ``out``: the
-    op's output, [M, N] (all_reduce) or [M/2, N] (reduce_scatter). ``capturing``: the call is being captured into a
-    CUDA graph (``ws`` is then kept alive for it)."""
+    op's output, [M, N] (all_reduce) or [M/2, N] (reduce_scatter)."""
     n = b.shape[1]
-    ws.captured |= capturing
     partial, own, peer_partial, peer_own = ws.regions()
     workspace_t = torch.empty(launch.workspace_bytes, dtype=torch.uint8, device=a.device) \
         if launch.workspace_bytes else None

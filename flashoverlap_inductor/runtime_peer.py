@@ -9,14 +9,14 @@ Invariants:
 - The peer calls of a group on a device share one set of flags and buffers, so they run one after another: an
   eager call from another stream than the last one waits for it (``peer_route.order_after_last``). A graph that
   holds peer calls replays on the stream current at replay time, which must be the one that runs the group's eager
-  peer calls (as torch.compile's CUDA graphs do).
+  peer calls (as torch.compile's CUDA graphs do). Host threads issue peer calls one at a time (``_issue``).
 - Under capture the route runs only where this call shape already ran eagerly (its launch is memoized) and the
   workspace is large enough (``peer_route.workspace``); otherwise the NCCL route. Ranks share the call history, so
   they agree. A call by pull (counters) takes a counter slot of its own (``res.slot(..., dedicated=True)``), as on the
   NCCL route.
 - A call the peer route cannot take (its shape, dtype, B layout or configuration, memoized per call shape in
-  ``launches``; or another caller stream) returns None, is counted in ``runtime_gpu.stats["peer_skip"]`` and is
-  logged once per reason.
+  ``launches``; a new shape or too small a workspace inside a capture) returns None, is counted in
+  ``runtime_gpu.stats["peer_skip"]`` and is logged once per reason.
 - Settings (``runtime_gpu.KERNEL``, ``SWIZZLE``, ``RASTER``, ``SIGNAL_MODE``, ``GEMM_GRID``, ``SM_RESERVE``) and
   helpers are read through the ``runtime_gpu`` module at call time: tests and benchmarks reassign them.
 - ``launches`` is the same dict as ``runtime_gpu._peer_launches``; ``runtime_gpu.reset()`` clears it. A peer call
@@ -26,6 +26,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,7 @@ from .kernel_select import Operands
 
 # peer_route launches (with their B choice) or ("peer", why not), per call shape
 launches: dict[tuple, tuple] = {}
+_issue = threading.Lock()
 
 
 def run(collective: str, opnd: Operands, out_shape: list[int], group: dist.ProcessGroup,
@@ -79,13 +81,15 @@ def run(collective: str, opnd: Operands, out_shape: list[int], group: dist.Proce
     slot = res.slot(cur, dedicated=capturing) if plaunch.groups else 0  # counters: all_reduce by pull only
     if slot is None:
         return _skip(collective, "peer:slots", "no counter slot left")
-    if not capturing:
-        peer_route.order_after_last(group, a.device, cur)
     out = torch.empty(out_shape, dtype=a.dtype, device=a.device)
     b_in, ldb = rt._kernel_b(b, choice)
-    peer_route.execute(plaunch, ws, rt._row_major(a), b_in, ldb, opnd.bias, out, res, slot, cur,
-                       kernels.SIGNAL_MODES[rt.SIGNAL_MODE], kernels.RASTERS[rt.RASTER], rt.SWIZZLE,
-                       max(1, int(config.wait_timeout_ms * 1e6)), capturing)
+    a_in = rt._row_major(a)
+    with _issue:  # host threads: ordering after the last stream and issuing the call are one step
+        if not capturing:
+            peer_route.order_after_last(group, a.device, cur)
+        peer_route.execute(plaunch, ws, a_in, b_in, ldb, opnd.bias, out, res, slot, cur,
+                           kernels.SIGNAL_MODES[rt.SIGNAL_MODE], kernels.RASTERS[rt.RASTER], rt.SWIZZLE,
+                           max(1, int(config.wait_timeout_ms * 1e6)))
     rt.last_launch = plaunch
     rt.stats[f"fused:{collective}"] += 1
     rt.stats["route:peer"] += 1

@@ -102,18 +102,28 @@ def peer_match_task(op: str, how: str = "default") -> dict[str, int]:
             "peer": peer_calls, "after": runtime_gpu.stats["route:peer"], "skips": runtime_gpu.stats["peer_skip"]}
 
 
-def queued_calls_task(calls: int, partial: str) -> int:
-    """``calls`` calls without a sync, fresh data each, both ops, a small and a large shape (the workspace grows
-    mid-way): each result checked after the last call (a call overwriting what the peer still reads would show
-    here). ``partial``: ``peer_route.PARTIAL``."""
+def _route_settings(how: str) -> None:
+    """``how``: "push" (the defaults), "cpull" (GEMM 2 reads the peer's partial over NVLink), "arpull" (all_reduce
+    by copy groups instead of GEMM 2's aux push) or "wait" (a wait kernel between the GEMMs)."""
+    from flashoverlap_inductor import peer_route
+
+    peer_route.PARTIAL = "pull" if how == "cpull" else "push"
+    peer_route.ADD_KERNEL = kernels.configs(add_c=1)[0].name if how == "arpull" else None
+    peer_route.GATE = "wait" if how == "wait" else "kernel"
+
+
+def queued_calls_task(calls: int, how: str) -> int:
+    """``calls`` calls without a sync, fresh data each, both ops, a small and a large shape (a larger workspace is
+    made mid-way): each result checked after the last call (a call overwriting what the peer still reads would show
+    here). ``how``: ``_route_settings``."""
     import torch.distributed as dist
 
-    from flashoverlap_inductor import peer_route, runtime_gpu
+    from flashoverlap_inductor import runtime_gpu
 
     rank = dist.get_rank()
     runtime_gpu.reset()
     pending = []
-    peer_route.PARTIAL = partial
+    _route_settings(how)
     try:
         for i in range(calls):
             op = ("all_reduce", "reduce_scatter")[i % 2]
@@ -122,7 +132,7 @@ def queued_calls_task(calls: int, partial: str) -> int:
             a, b, c = args[rank]
             pending.append((op, args, _call(op, a, b, c, "auto")))
     finally:
-        peer_route.PARTIAL = "push"
+        _route_settings("push")
     runtime_gpu.check()
     for i, (op, args, out) in enumerate(pending):
         a, b, c = args[rank]
@@ -130,11 +140,12 @@ def queued_calls_task(calls: int, partial: str) -> int:
     return runtime_gpu.stats["route:peer"]
 
 
-def peer_graph_task(partial: str) -> dict[str, int]:
+def peer_graph_task(how: str) -> dict[str, int]:
     """CUDA graphs holding peer calls: one with a single reduce_scatter (an odd number of calls per replay), one with
     an all_reduce then a reduce_scatter. Replayed back to back and between eager calls of the same ops, fresh data
-    before every replay, nothing synchronized until the end; then an eager call grows the workspace and both graphs
-    replay once more (on the outgrown workspace they captured). Every output is checked after the last call."""
+    before every replay, nothing synchronized until the end; then an eager call needs a larger workspace and both
+    graphs replay once more (on the workspace they captured). Every output is checked after the last call. ``how``:
+    ``_route_settings``."""
     import torch.distributed as dist
 
     from flashoverlap_inductor import peer_route, runtime_gpu
@@ -142,7 +153,7 @@ def peer_graph_task(partial: str) -> dict[str, int]:
     rank = dist.get_rank()
     runtime_gpu.reset()
     peer_route.reset()
-    peer_route.PARTIAL = partial
+    _route_settings(how)
     shapes = {"rs": ("reduce_scatter", 1024, 512, 256, True), "ar": ("all_reduce", 768, 1024, 256, False),
               "rs2": ("reduce_scatter", 512, 512, 128, False), "big": ("all_reduce", 4096, 4096, 256, True)}
     seeds = iter(range(5000, 6000))
@@ -183,9 +194,20 @@ def peer_graph_task(partial: str) -> dict[str, int]:
         runtime_gpu.check()
         for where, op, args, out in pending:
             _check(out, _reference(op, [_y64(*x) for x in args], rank), _eager(op, *args[rank]), where)
-        return {"captured": captured, "retired": len(peer_route._retired), "peer": runtime_gpu.stats["route:peer"]}
+        return {"captured": captured, "workspaces": sum(map(len, peer_route._workspaces.values())),
+                "peer": runtime_gpu.stats["route:peer"]}
     finally:
-        peer_route.PARTIAL = "push"
+        _route_settings("push")
+
+
+def fresh_reduce_overhead_task() -> dict:
+    """``compiled_cudagraph_task`` in a process whose peer route starts afresh: the flag page and the workspace are
+    made inside torch.compile's CUDA-graph warm-up (symmetric memory must stay out of the graph's pool)."""
+    from flashoverlap_inductor import peer_route
+
+    torch.cuda.synchronize()
+    peer_route.reset()
+    return compiled_cudagraph_task()
 
 
 def missing_peer_task() -> str:
@@ -260,21 +282,21 @@ def test_peer_route_matches_eager(pool, op, how):
         assert r["push"] == pushes, per_rank
 
 
-@pytest.mark.parametrize("partial", ["push", "pull"])
-def test_peer_route_queued_calls_and_growth(pool, partial):
-    assert pool.run(queued_calls_task, 40, partial) == [40] * WORLD
+@pytest.mark.parametrize("how", ["push", "cpull", "arpull", "wait"])
+def test_peer_route_queued_calls_and_growth(pool, how):
+    assert pool.run(queued_calls_task, 40, how) == [40] * WORLD
 
 
-@pytest.mark.parametrize("partial", ["push", "pull"])
-def test_peer_route_cuda_graphs_between_eager_calls(pool, partial):
-    per_rank = pool.run(peer_graph_task, partial)
+@pytest.mark.parametrize("how", ["push", "cpull", "arpull", "wait"])
+def test_peer_route_cuda_graphs_between_eager_calls(pool, how):
+    per_rank = pool.run(peer_graph_task, how)
     # on the route: 3 eager calls before the capture, 3 captured, 4 eager between the replays (a replay runs no host
-    # code, so it counts nothing); the workspace the graphs captured outgrown once
-    assert per_rank == [{"captured": 3, "retired": 1, "peer": 10}] * WORLD, per_rank
+    # code, so it counts nothing); a second, larger workspace made after the capture
+    assert per_rank == [{"captured": 3, "workspaces": 2, "peer": 10}] * WORLD, per_rank
 
 
 def test_peer_route_compiled_reduce_overhead(pool):
-    per_rank = pool.run(compiled_cudagraph_task, timeout_s=200.0)
+    per_rank = pool.run(fresh_reduce_overhead_task, timeout_s=200.0)
     assert all(r.get("captured:peer", 0) >= 1 and not r.get("captured", 0) > r.get("captured:peer", 0)
                for r in per_rank), per_rank
 

@@ -21,7 +21,6 @@ class _FakeWorkspace:
         self.flags = types.SimpleNamespace(buf=torch.zeros(8, dtype=torch.uint8), peer_base=0x50000,
                                            expected=torch.zeros(4, dtype=torch.int32),
                                            pull=types.SimpleNamespace(cuda_stream=7))
-        self.captured = False
 
     def regions(self):
         return PARTIAL, OWN, PEER_PARTIAL, PEER_OWN
@@ -46,10 +45,6 @@ def _run_execute(monkeypatch, collective: str, partial: str, push: bool) -> peer
     out = torch.empty(rows if collective == "all_reduce" else rows // 2, n)
     ws = _FakeWorkspace()
     peer_route.execute(launch, ws, a, b, n, None, out, res, 0, types.SimpleNamespace(cuda_stream=3), 0, 0, 1, 1000)
-    assert not ws.captured
-    peer_route.execute(launch, ws, a, b, n, None, out, res, 0, types.SimpleNamespace(cuda_stream=3), 0, 0, 1, 1000,
-                       capturing=True)
-    assert ws.captured  # a graph holds its pointers: growth must keep it alive
     assert (seen["p"].flags, seen["p"].peer_flags) == (ws.flags.buf.data_ptr(), 0x50000)
     return seen["p"]
 
@@ -142,35 +137,43 @@ def test_peer_args_struct_matches_the_c_header():
     assert ctypes.sizeof(peer_route.PeerArgs) % 8 == 0
 
 
-def test_one_workspace_serves_every_call_grows_outside_captures_and_outlives_graphs(monkeypatch):
-    """``workspace``: the same regions for every call (no host parity for a CUDA graph to freeze), no collective
-    allocation inside a capture (None: the NCCL route), an outgrown workspace a graph captured kept alive, and the
-    flag page made once (graphs and eager calls count on the same flags)."""
+def test_workspaces_serve_every_call_of_a_shape_grow_outside_captures_and_are_kept(monkeypatch):
+    """``workspace``: the same regions for every call of a shape (no host parity for a CUDA graph to freeze), no
+    collective allocation inside a capture (None: the NCCL route), the smallest workspace with room (a shape keeps
+    its workspace after a larger one is made, so replays and eager calls agree), one flag page for all."""
     made = []
 
-    def symmetric(nbytes, group, device, zero):
-        made.append((nbytes, zero))
-        return torch.zeros(nbytes, dtype=torch.uint8), object(), torch.zeros(nbytes, dtype=torch.uint8)
+    def persistent(index, make):
+        return make()
 
-    monkeypatch.setattr(peer_route, "_symmetric", symmetric)
+    def symm_empty(nbytes, dtype, device):
+        made.append(nbytes)
+        return torch.zeros(nbytes, dtype=dtype)
+
+    fake_symm = types.SimpleNamespace(
+        empty=symm_empty,
+        rendezvous=lambda buf, name: types.SimpleNamespace(get_buffer=lambda rank, shape, dtype: buf.clone()))
+    monkeypatch.setitem(__import__("sys").modules, "torch.distributed._symmetric_memory", fake_symm)
+    monkeypatch.setattr(torch.distributed, "_symmetric_memory", fake_symm, raising=False)
+    monkeypatch.setattr(streams, "persistent", persistent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
     monkeypatch.setattr(torch.cuda, "Stream", lambda **kw: types.SimpleNamespace(cuda_stream=9))
-    monkeypatch.setattr(peer_route.dist, "barrier", lambda **kw: None)
     peer_route.reset()
     group, dev = types.SimpleNamespace(group_name="g", rank=lambda: 0), torch.device("cpu")
     mib = 1 << 20
     ws1 = peer_route.workspace(group, dev, 1000)
-    assert made == [(peer_route.FLAG_BYTES, True), (2 * mib, False)] and ws1.capacity == mib
+    assert made == [peer_route.FLAG_BYTES, 2 * mib] and ws1.capacity == mib
+    assert ws1.flags.buf.count_nonzero() == 0  # the flag page starts zeroed
     assert peer_route.workspace(group, dev, mib) is ws1 and ws1.regions() == ws1.regions()
     partial, own, peer_partial, peer_own = ws1.regions()
     assert own - partial == mib and peer_own - peer_partial == mib
     assert peer_route.workspace(group, dev, 3 * mib, capturing=True) is None and len(made) == 2
-    ws1.captured = True
     ws2 = peer_route.workspace(group, dev, 3 * mib)
-    assert ws2.capacity == 4 * mib and made[-1] == (8 * mib, False) and len(made) == 3
-    assert ws2.flags is ws1.flags and peer_route._retired == [ws1]
+    assert ws2.capacity == 4 * mib and made[-1] == 8 * mib and ws2.flags is ws1.flags
+    assert peer_route.workspace(group, dev, 1000) is ws1  # a small shape keeps its workspace
+    assert peer_route.workspace(group, dev, 2 * mib, capturing=True) is ws2
     ws3 = peer_route.workspace(group, dev, 5 * mib)
-    assert ws3.capacity == 8 * mib and peer_route._retired == [ws1]  # ws2 was never captured
-    assert peer_route.workspace(group, dev, 5 * mib, capturing=True) is ws3
+    assert ws3.capacity == 8 * mib and peer_route._workspaces[(None, "g")] == [ws1, ws2, ws3]
+    assert len(made) == 4  # one flag page
     peer_route.reset()
-    assert not peer_route._retired and not peer_route._workspaces and not peer_route._flags
+    assert not peer_route._workspaces and not peer_route._flags
