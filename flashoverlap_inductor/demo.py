@@ -7,9 +7,9 @@ Spawns ``--world-size`` ranks (NCCL on GPUs when there are enough, else gloo on 
 DTensor ``parallelize_module`` (column-parallel q/k/v/gate/up, row-parallel o/down: every row-parallel GEMM ends
 in an all_reduce), compiles it with plain Inductor and with the flashoverlap backend, and prints what the pass
 fused or skipped (with reasons and the chosen wave-group plans), the largest deviation from eager, and forward
-timings (medians over ``--steps``; CUDA events on GPU). Inference only (``torch.no_grad``). ``--mode
-reduce-overhead`` (GPU) compiles both for CUDA graphs, as ``torch.compile(mode="reduce-overhead")`` does; the logits
-compared are then those of a replay.
+timings (medians over ``--steps`` samples; on GPU, CUDA events around 5 calls back to back). Inference only
+(``torch.no_grad``). ``--mode reduce-overhead`` (GPU) compiles both for CUDA graphs, as
+``torch.compile(mode="reduce-overhead")`` does; the logits compared are then those of a replay.
 """
 
 from __future__ import annotations
