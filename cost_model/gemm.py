@@ -52,6 +52,9 @@ class GemmModel:
     grid: str = "persistent"  # how the fused GEMM is launched ("persistent" or "tiles"; schema.py)
     group_overhead_ms: float = 0.0  # fixed cost of each group's wait + collective launch (CostModel.call_overhead_ms)
     peer: PeerModel | None = None  # the peer route's time model (cost_model/peer.py), where the data file has one
+    # the sequential baseline's collective ends this fraction of the GEMM time later than GEMM + collective alone,
+    # per world size and collective (data file section "sequential"; 0 where absent)
+    seq_skew: Mapping[int, Mapping[str, float]] = field(default_factory=dict)
     anchor_rows: tuple[Mapping[str, Any], ...] = field(default=(), repr=False)
     source: str = ""
 
@@ -77,6 +80,8 @@ class GemmModel:
             comm_slowdown=float(fused.get("comm_slowdown", 0.0)), grid=str(fused.get("grid", "persistent")),
             group_overhead_ms=float(fused.get("group_overhead_ms", 0.0)),
             peer=PeerModel.from_json(doc["peer"]) if "peer" in doc else None,
+            seq_skew={int(w): {op: float(f) for op, f in per.items()}
+                      for w, per in doc.get("sequential", {}).get("skew_fraction", {}).items()},
             anchor_rows=tuple(doc.get("anchor_rows", ())), source=f"{where}: {doc['source']}")
 
     def supports(self, dtype: str) -> bool:
@@ -111,6 +116,12 @@ class GemmModel:
     def reference_ms(self, m: int, n: int, k: int, dtype: str) -> float:
         """The sequential baseline's GEMM (cuBLAS on all SMs, as fitted), in ms."""
         return self.gemm_ms(m, n, k, dtype, self.tile[0], self.tile[1], self.sm_count)
+
+    def seq_skew_fraction(self, collective: str, world_size: int) -> float:
+        """The sequential baseline's extra time after its GEMM, as a fraction of the GEMM time (0 without data):
+        its collective cannot end before the rank whose GEMM ends last, so it ends later than the GEMM and the
+        collective timed apart."""
+        return self.seq_skew.get(world_size, {}).get(collective, 0.0)
 
     def fused_ms(self, m: int, n: int, k: int, dtype: str, tile_m: int, tile_n: int) -> float:
         """The fused kernel's GEMM alone (``fused_sms`` SMs, ``kernel_efficiency``), in ms."""

@@ -122,9 +122,11 @@ class CostModel:
         return 0.0 if curve is None else curve + self.call_overhead_ms
 
     def seq_ms(self, collective: str, m: int, n: int, k: int, dtype: str, world_size: int) -> float:
-        """Sequential baseline: cuBLAS GEMM on all SMs, then one collective on the whole output, in ms."""
+        """Sequential baseline: cuBLAS GEMM on all SMs, then one collective on the whole output, in ms; the GEMM
+        time scaled by ``1 + GemmModel.seq_skew_fraction`` (the collective waits for the last rank's GEMM)."""
         comm = self.curve.comm_ms(collective, world_size, m * n * dtype_bytes(dtype))
-        return self.gemm.reference_ms(m, n, k, dtype) + comm
+        skew = self.gemm.seq_skew_fraction(collective, world_size)
+        return self.gemm.reference_ms(m, n, k, dtype) * (1.0 + skew) + comm
 
     def peer_ms(self, collective: str, m: int, n: int, k: int, dtype: str, world_size: int,
                 host_bound: bool = True) -> float | None:

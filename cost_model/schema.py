@@ -27,7 +27,9 @@ Three kinds of document live in the config directory (``configs/`` of the packag
   (optional, default 0): a fixed cost added to each group's collective (its wait and NCCL launch). ``peer``
   (optional): the peer route's time model, ``{"world_size": 2, "collectives": {"<collective>": {"gemm_factor":
   > 0, "fixed_ms": >= 0, "host_floor_ms": >= 0, "link_efficiency": (0, 1] (both optional)}}, "fit": {...},
-  "note": "..."}`` (``peer.py``).
+  "note": "..."}`` (``peer.py``). ``sequential`` (optional): ``{"skew_fraction": {"<world size>": {"<collective>":
+  0 .. 0.5}}, "fit": {...}, "note": "..."}``, the sequential baseline's time after its GEMM beyond the collective's
+  own, as a fraction of the GEMM time (``GemmModel.seq_skew_fraction``; ``tune fit --sequential``).
 
 ``flashoverlap.plans/1`` (``configs/plans/*.json``): tuned plans that override the search::
 
@@ -182,6 +184,8 @@ def validate_gemm(doc: Any, where: str) -> dict[str, Any]:
               "interference.gemm_slowdown_per_comm_ms", allow_zero=True)
     if "peer" in doc:
         _validate_peer(doc["peer"], where)
+    if "sequential" in doc:
+        _validate_sequential(doc["sequential"], where)
     rows = doc.get("anchor_rows", [])
     if not isinstance(rows, list):
         raise _fail(where, "anchor_rows", "expected a list")
@@ -192,6 +196,22 @@ def validate_gemm(doc: Any, where: str) -> dict[str, Any]:
         _positive(_require(row, "gemm_ms", (int, float), where, f"anchor_rows[{i}]"), where,
                   f"anchor_rows[{i}].gemm_ms")
     return doc
+
+
+def _validate_sequential(seq: Any, where: str) -> None:
+    """The optional ``sequential`` section: per world size (a string of an int >= 2) and collective, a skew
+    fraction in [0, 0.5]."""
+    if not isinstance(seq, dict) or not isinstance(seq.get("fit", {}), dict):
+        raise _fail(where, "sequential", "expected a JSON object (with an object 'fit', if any)")
+    for world, per in _require(seq, "skew_fraction", dict, where, "sequential").items():
+        if not (isinstance(world, str) and world.isdigit() and int(world) >= 2) or not isinstance(per, dict):
+            raise _fail(where, f"sequential.skew_fraction.{world}", "expected a world size >= 2 -> {collective: x}")
+        for name, frac in per.items():
+            path = f"sequential.skew_fraction.{world}.{name}"
+            if name not in COLLECTIVES:
+                raise _fail(where, path, f"unknown collective; expected one of {COLLECTIVES}")
+            if _positive(frac, where, path, allow_zero=True) > 0.5:
+                raise _fail(where, path, "must be <= 0.5")
 
 
 def _validate_peer(peer: Any, where: str) -> None:
