@@ -58,8 +58,8 @@ def decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int,
     (None = the default GPU, "NVIDIA H200"). ``input_split_sizes``: all_to_all's per-destination rows of this
     rank (None = even splits; ignored for the other collectives). ``peer``: the call takes the peer route (see the
     module docstring). ``cuda_graphs``: the call is replayed from a CUDA graph (the peer route's host floor does not
-    apply). Raises ``ValueError`` only for an unknown
-    collective or non-positive sizes (and ``ConfigError`` for malformed data files).
+    apply; if the graph is not made after all, the call runs eagerly and may be host-bound). Raises ``ValueError``
+    only for an unknown collective or non-positive sizes (and ``ConfigError`` for malformed data files).
     """
     if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
@@ -81,7 +81,7 @@ def _ratio(fused: float, seq: float) -> str:
 @functools.lru_cache(maxsize=4096)
 def _decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int, device_name: str | None,
             splits: tuple[int, ...] | None, directory: Path, min_gain: float, min_rows: int,
-            a2a_groups: int, peer: bool, cuda_graphs: bool = False) -> Decision:
+            a2a_groups: int, peer: bool, cuda_graphs: bool) -> Decision:
     del directory  # part of the memo key: the data it names is read through registry (config.config_dir)
     tile_m, tile_n = DEFAULT_TILE
     single = GroupPlan(m, n, tile_m, tile_n, (0, m))
@@ -106,7 +106,7 @@ def _decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int
     tuned = None if splits is not None else registry.tuned_plan(device_name, model.gemm.sm_count, world_size,
                                                                  collective, dtype, m, n, k)
     plan, source = _choose_plan(model, tuned, collective, m, n, k, dtype, world_size, chunks, splits, a2a_groups)
-    peer_fused = model.peer_ms(collective, m, n, k, dtype, world_size, not cuda_graphs) if peer else None
+    peer_fused = model.peer_ms(collective, m, n, k, dtype, world_size, host_bound=not cuda_graphs) if peer else None
     if peer_fused is not None:
         return _peer_verdict(peer_fused, seq, m, plan, min_gain, min_rows, data_note)
     if peer:

@@ -198,9 +198,12 @@ def validate_gemm(doc: Any, where: str) -> dict[str, Any]:
     return doc
 
 
+SKEW_FRACTION_MAX = 0.5  # the largest skew_fraction of a "sequential" section (more is a measurement gone wrong)
+
+
 def _validate_sequential(seq: Any, where: str) -> None:
     """The optional ``sequential`` section: per world size (a string of an int >= 2) and collective, a skew
-    fraction in [0, 0.5]."""
+    fraction in [0, ``SKEW_FRACTION_MAX``]."""
     if not isinstance(seq, dict) or not isinstance(seq.get("fit", {}), dict):
         raise _fail(where, "sequential", "expected a JSON object (with an object 'fit', if any)")
     for world, per in _require(seq, "skew_fraction", dict, where, "sequential").items():
@@ -210,8 +213,8 @@ def _validate_sequential(seq: Any, where: str) -> None:
             path = f"sequential.skew_fraction.{world}.{name}"
             if name not in COLLECTIVES:
                 raise _fail(where, path, f"unknown collective; expected one of {COLLECTIVES}")
-            if _positive(frac, where, path, allow_zero=True) > 0.5:
-                raise _fail(where, path, "must be <= 0.5")
+            if _positive(frac, where, path, allow_zero=True) > SKEW_FRACTION_MAX:
+                raise _fail(where, path, f"must be <= {SKEW_FRACTION_MAX}")
 
 
 def _validate_peer(peer: Any, where: str) -> None:

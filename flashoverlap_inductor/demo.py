@@ -325,6 +325,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     gpu = args.device == "cuda"
     if args.mode == "reduce-overhead" and not gpu:
         p.error("--mode reduce-overhead needs the GPUs (CUDA graphs)")
+    if args.trace and not (args.profile and gpu):
+        p.error("--trace writes the traces of --profile (GPU)")
     args.fuse = args.fuse or ("auto" if gpu else "always")
     args.dim = args.dim or (4096 if gpu else 256)
     args.seq = args.seq or (2048 if gpu else 64)

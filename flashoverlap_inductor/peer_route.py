@@ -8,10 +8,12 @@ Rank r owns rows ``[r * M/2, (r + 1) * M/2)`` of the ``[M, N]`` result (reduce_s
 2. Tell the peer (a system-scope flag in its memory); wait until the peer's GEMM 1 is done (bounded).
 3. GEMM 2 (an ``_addc`` configuration): A's own rows, with the peer's ``partial`` of them added in the epilogue as
    CUTLASS's C operand, loaded by TMA: from local memory where the peer pushed it, or straight from the peer's
-   memory over NVLink (pull). reduce_scatter: into the output; done.
+   memory over NVLink (pull). reduce_scatter: into the output, then one flag each way (the peer's GEMM 2, which
+   read what this rank's GEMM 1 wrote, is done).
 4. all_reduce, by push (the default where an ``_addc_aux`` / ``_addc_auxr`` configuration is compiled): GEMM 2
    writes the output's own rows and stores the same tiles into the peer's ``own`` (landing) buffer; after it, one
-   flag each way, and the copy engine moves this rank's landing buffer into the output's other half. By pull: GEMM
+   flag each way, and a copy (on SMs, ``FINAL_COPY``, or by copy engine) moves this rank's landing buffer into the
+   output's other half. By pull: GEMM
    2 writes the symmetric ``own`` buffer, signalling wave groups, and per group the copy engine pulls the peer's
    ``own`` rows into the output and copies this rank's own rows there (no SMs taken from the GEMM, no NCCL).
 
@@ -125,7 +127,6 @@ class Flags:
 class Workspace:
     """The symmetric regions of one (device, group) and the peer's mapping of its own (bytes)."""
 
-    group_name: str
     capacity: int  # bytes per region (partial, own)
     buf: torch.Tensor  # uint8 [2 * capacity], symmetric
     hdl: object
@@ -191,7 +192,7 @@ def workspace(group: dist.ProcessGroup, device: torch.device, region_bytes: int,
     capacity = max(1 << 20, 1 << (region_bytes - 1).bit_length())
     f = flags(group, device)
     buf, hdl, peer_view = _symmetric(2 * capacity, group, device, zero=False)
-    ws = Workspace(group.group_name, capacity, buf, hdl, peer_view.data_ptr(), peer_view, f)
+    ws = Workspace(capacity, buf, hdl, peer_view.data_ptr(), peer_view, f)
     made.append(ws)
     log.info("flashoverlap peer: symmetric workspace of 2 x %d MiB on %s, group %s", capacity >> 20, device,
              group.group_name)

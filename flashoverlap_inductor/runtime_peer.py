@@ -41,9 +41,9 @@ _issue = threading.Lock()
 
 def run(collective: str, opnd: Operands, out_shape: list[int], group: dist.ProcessGroup,
         res: streams.DeviceResources, key: tuple, layout: str | None) -> torch.Tensor | None:
-    """The call on ``peer_route``: returns the output tensor, or None when the call must take the NCCL route (this
-    call shape or caller stream cannot take the peer route; logged once per reason, counted in
-    ``runtime_gpu.stats["peer_skip"]``). ``key`` is ``runtime_gpu``'s launch key of the call."""
+    """The call on ``peer_route``: returns the output tensor, or None when the call must take the NCCL route (the
+    route cannot take this call shape, or, inside a capture, the shape is new or needs a larger workspace; logged
+    once per reason, counted in ``runtime_gpu.stats["peer_skip"]``). ``key`` is ``runtime_gpu``'s launch key."""
     from . import runtime_gpu as rt  # at call time: runtime_gpu imports this module
 
     a, b = opnd.a, opnd.b
@@ -75,19 +75,19 @@ def run(collective: str, opnd: Operands, out_shape: list[int], group: dist.Proce
         return _skip(collective, f"peer:{launch[1]}", launch[1])
     plaunch, choice = launch
     cur = torch.cuda.current_stream(a.device)
-    ws = peer_route.workspace(group, a.device, peer_route.region_bytes(plaunch, n, a.element_size()), capturing)
-    if ws is None:
-        return _skip(collective, "peer:capture-grow", "its workspace would have to grow inside a CUDA-graph capture")
-    slot = res.slot(cur, dedicated=capturing) if plaunch.groups else 0  # counters: all_reduce by pull only
-    if slot is None:
-        return _skip(collective, "peer:slots", "no counter slot left")
-    out = torch.empty(out_shape, dtype=a.dtype, device=a.device)
-    b_in, ldb = rt._kernel_b(b, choice)
-    a_in = rt._row_major(a)
-    with _issue:  # host threads: ordering after the last stream and issuing the call are one step
+    with _issue:  # host threads: one peer call at a time (workspaces are made collectively, in one order)
+        ws = peer_route.workspace(group, a.device, peer_route.region_bytes(plaunch, n, a.element_size()), capturing)
+        if ws is None:
+            return _skip(collective, "peer:capture-grow", "its workspace would have to grow inside a CUDA-graph "
+                         "capture")
+        slot = res.slot(cur, dedicated=capturing) if plaunch.groups else 0  # counters: all_reduce by pull only
+        if slot is None:
+            return _skip(collective, "peer:slots", "no counter slot left")
+        out = torch.empty(out_shape, dtype=a.dtype, device=a.device)
+        b_in, ldb = rt._kernel_b(b, choice)
         if not capturing:
             peer_route.order_after_last(group, a.device, cur)
-        peer_route.execute(plaunch, ws, a_in, b_in, ldb, opnd.bias, out, res, slot, cur,
+        peer_route.execute(plaunch, ws, rt._row_major(a), b_in, ldb, opnd.bias, out, res, slot, cur,
                            kernels.SIGNAL_MODES[rt.SIGNAL_MODE], kernels.RASTERS[rt.RASTER], rt.SWIZZLE,
                            max(1, int(config.wait_timeout_ms * 1e6)))
     rt.last_launch = plaunch

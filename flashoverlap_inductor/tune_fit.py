@@ -24,9 +24,7 @@ in the ``peer`` section; ``--host-floor all_reduce=MS,reduce_scatter=MS`` sets e
 (the back-to-back time per call of ``examples/device/peer_host_profile.py``; kept from the data file otherwise).
 The fused-path fit above uses only rows that ran on the NCCL route.
 
-``--sequential`` fits the sequential baseline's skew instead (``GemmModel.seq_skew_fraction``): per world size and
-collective, the median over the rows of (T_seq - T_gemm - T_comm) / T_gemm, each row's three times measured side by
-side; ``--write`` merges it into the ``sequential`` section.
+``--sequential`` fits the sequential baseline's skew instead (``tune_fit_seq``, the ``sequential`` section).
 
 ``--gemm`` first refits the cuBLAS wave model (``peak_tflops``, ``launch_ms``; what T_seq is predicted with) to the
 rows' T_gemm. ``--grid`` names the GEMM grid the rows ran with (default: the variant's, else the model's; ``tiles``:
@@ -236,53 +234,7 @@ def fit_peer(model: Any, rows: list[dict[str, Any]], host_floor: dict[str, float
     return {"world_size": world, "collectives": collectives, "fit": fit_info}
 
 
-def fit_sequential(paths: list[str]) -> tuple[dict[str, Any], str]:
-    """The ``sequential`` section's ``skew_fraction`` and ``fit`` (rows per entry) from benchmark JSON files, and the
-    GPU name: per world size and collective, the median of (T_seq - T_gemm - T_comm) / T_gemm over the rows with all
-    three measured, clamped to [0, 0.5] (the schema's range)."""
-    per: dict[tuple[str, str], list[float]] = {}
-    gpu = ""
-    for path in paths:
-        doc = json.loads(Path(path).read_text())
-        gpu = gpu or doc["meta"]["gpu"]
-        for r in doc["rows"]:
-            seq, gemm, comm = (r.get(key) for key in ("seq_ms", "gemm_ms", "comm_ms"))
-            if all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in (seq, gemm, comm)):
-                per.setdefault((str(r["world"]), r["op"]), []).append((seq - gemm - comm) / gemm)
-    if not per:
-        raise ValueError("no row has T_seq, T_gemm and T_comm")
-    frac: dict[str, dict[str, float]] = {}
-    info: dict[str, dict[str, int]] = {}
-    for (world, op), xs in sorted(per.items()):
-        frac.setdefault(world, {})[op] = round(min(0.5, max(0.0, statistics.median(xs))), 4)
-        info.setdefault(world, {})[op] = len(xs)
-    return {"skew_fraction": frac, "fit": {"rows": info}}, gpu
-
-
-def cmd_fit_sequential(args: argparse.Namespace) -> int:
-    try:
-        result, gpu = fit_sequential(args.bench)
-    except (ValueError, KeyError) as exc:
-        print(f"tune fit --sequential: {exc!r}")
-        return 2
-    print(json.dumps({"sequential": result}, indent=1))
-    if not args.write:
-        return 0
-
-    def merge(doc: dict[str, Any]) -> None:  # world sizes and collectives absent from these rows keep their values
-        old = doc.get("sequential", {})
-        frac = {w: dict(v) for w, v in old.get("skew_fraction", {}).items()}
-        for world, per in result["skew_fraction"].items():
-            frac.setdefault(world, {}).update(per)
-        inputs = ["/".join(Path(p).parts[-3:]) for p in args.bench]  # the run folders tell same-named files apart
-        doc["sequential"] = {"skew_fraction": frac, "fit": {**result["fit"], "inputs": inputs},
-                             "note": "fitted by tune fit --sequential: median of (T_seq - T_gemm - T_comm) / T_gemm "
-                                     "over the op benchmark's rows (GemmModel.seq_skew_fraction)"}
-
-    return _write_section(gpu, merge, "sequential section")
-
-
-def _write_section(gpu: str, update: Any, what: str) -> int:
+def write_section(gpu: str, update: Any, what: str) -> int:
     """Apply ``update(doc)`` to the GPU's GEMM model file in the data directory and write it."""
     from flashoverlap_inductor.cost_model import registry
 
@@ -333,15 +285,20 @@ def cmd_fit_peer(args: argparse.Namespace) -> int:
         result["fit"] = {**kept, **result["fit"]}
         doc["peer"] = result
 
-    return _write_section(gpu, merge, "peer section")
+    return write_section(gpu, merge, "peer section")
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
     from flashoverlap_inductor.cost_model import model_for
 
+    if args.peer and args.sequential:
+        print("tune fit: --peer and --sequential fit different sections; give one")
+        return 2
     if args.peer:
         return cmd_fit_peer(args)
     if args.sequential:
+        from .tune_fit_seq import cmd_fit_sequential
+
         return cmd_fit_sequential(args)
     rows, gpu = load_rows(args.bench, args.variant)
     records = load_records(args.records)
@@ -382,7 +339,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
                                                   "rows", "records", "ranking_misses", "ranking_misses_before",
                                                   "tolerance") if k in result}}
 
-    return _write_section(gpu, update, "fused section")
+    return write_section(gpu, update, "fused section")
 
 
 def add_parser(sub: Any) -> None:
@@ -400,7 +357,7 @@ def add_parser(sub: Any) -> None:
     fi.add_argument("--peer", action="store_true",
                     help="fit the peer route's model to the rows that ran on it (the peer section)")
     fi.add_argument("--sequential", action="store_true",
-                    help="fit the sequential baseline's skew after its GEMM (the sequential section)")
+                    help="fit the sequential baseline's skew after its GEMM (sequential section; reads --bench only)")
     fi.add_argument("--host-floor", default="",
                     help="--peer: host_floor_ms per collective, e.g. all_reduce=0.21,reduce_scatter=0.15")
     fi.add_argument("--write", action="store_true", help="store the result in the GPU's GEMM model file")

@@ -159,9 +159,10 @@ def test_decide_drops_the_host_floor_for_cuda_graphs():
     assert graphs.predicted_fused_ms == pytest.approx(model.peer_ms("all_reduce", m, n, k, "bfloat16", 2, False))
     assert graphs.predicted_fused_ms < floor and graphs.route == "peer"
     assert graphs.fuse == (graphs.predicted_fused_ms <= (1 - config.min_gain_fraction) * graphs.predicted_seq_ms)
-    # the NCCL route has no host floor: the flag changes nothing there
-    assert decide("all_to_all", m, n, k, "bfloat16", 2, cuda_graphs=True) == decide("all_to_all", m, n, k,
-                                                                                    "bfloat16", 2)
+    # calls the peer model does not cover are predicted on the NCCL route, which has no host floor: the flag
+    # changes nothing there
+    for args in (("all_reduce", m, n, k, "bfloat16", 4), ("all_to_all", m, n, k, "bfloat16", 2)):
+        assert decide(*args, peer=True, cuda_graphs=True) == decide(*args, peer=True)
 
 
 def test_decide_without_a_peer_model_says_so(monkeypatch):

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from flashoverlap_inductor import config, tune, tune_fit
+from flashoverlap_inductor import config, tune, tune_fit_seq
 from flashoverlap_inductor.cost_model import clear_caches, decide, model_for, registry
 from flashoverlap_inductor.cost_model.schema import ConfigError, validate_gemm
 
@@ -98,7 +98,7 @@ def test_tune_fit_sequential_writes_and_merges_the_section(tmp_path, monkeypatch
     b2, b4 = tmp_path / "w2.json", tmp_path / "w4.json"
     b2.write_text(json.dumps(_bench(2, {"all_reduce": 0.02, "reduce_scatter": 0.05}, 1)))
     b4.write_text(json.dumps(_bench(4, {"all_to_all": 0.03}, 2)))
-    result, gpu = tune_fit.fit_sequential([str(b2)])
+    result, gpu = tune_fit_seq.fit_sequential([str(b2)])
     assert gpu == "NVIDIA H200" and result["fit"]["rows"] == {"2": {"all_reduce": 15, "reduce_scatter": 15}}
     assert result["skew_fraction"]["2"]["all_reduce"] == pytest.approx(0.02, abs=0.006)
     assert result["skew_fraction"]["2"]["reduce_scatter"] == pytest.approx(0.05, abs=0.006)
@@ -121,3 +121,4 @@ def test_tune_fit_sequential_writes_and_merges_the_section(tmp_path, monkeypatch
     empty = tmp_path / "empty.json"
     empty.write_text(json.dumps({"meta": {"gpu": "NVIDIA H200"}, "rows": []}))
     assert tune.main(["fit", "--sequential", "--bench", str(empty)]) == 2
+    assert tune.main(["fit", "--sequential", "--peer", "--bench", str(b2)]) == 2  # one section at a time

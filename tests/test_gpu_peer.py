@@ -16,6 +16,7 @@ import pytest
 import torch
 from dist_utils import DistPool
 from test_gpu_ops import (
+    IN_FLIGHT,
     WORLD,
     _call,
     _check,
@@ -306,8 +307,19 @@ def test_peer_route_missing_peer_times_out(pool):
     assert per_rank[0].startswith("timeout"), per_rank
 
 
+def peer_in_flight_task() -> dict[str, int]:
+    """``in_flight_task`` (three ops queued, then the same on two streams, three times over) from fresh counters."""
+    from flashoverlap_inductor import runtime_gpu
+
+    runtime_gpu.reset()
+    calls = in_flight_task()
+    return {"calls": calls, "peer": runtime_gpu.stats["route:peer"], "skips": runtime_gpu.stats["peer_skip"]}
+
+
 def test_peer_route_ops_in_flight(pool):
-    assert pool.run(in_flight_task) == [9] * WORLD
+    # every all_reduce / reduce_scatter call takes the peer route, the two-stream ones too (ordered, not skipped)
+    peer_calls = 4 * sum(op in ("all_reduce", "reduce_scatter") for op, *_ in IN_FLIGHT)
+    assert pool.run(peer_in_flight_task) == [{"calls": 9, "peer": peer_calls, "skips": 0}] * WORLD
 
 
 def test_peer_route_compiled_tp_block_forward_and_backward(pool):

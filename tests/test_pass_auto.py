@@ -88,6 +88,14 @@ class TestAutoDecision(FakePGTestCase):
         (op,) = gm.graph.find_nodes(op="call_function", target=torch.ops.flashoverlap.gemm_all_reduce.default)
         self.assertEqual(op.args[-1], self.decide.plan.to_str())
 
+    def test_cuda_graph_compiles_tell_the_cost_model(self):
+        """Compiled for CUDA graphs (Inductor's triton.cudagraphs), the pass asks for replayed calls."""
+        from flashoverlap_inductor import _inductor_compat as compat
+
+        with mock.patch.object(compat.inductor_config().triton, "cudagraphs", True):
+            self.capture(*self._all_reduce(512), fuse="auto")
+        self.assertEqual([c["cuda_graphs"] for c in self.decide.calls], [True])
+
     def test_always_fuses_what_auto_declines(self):
         self.decide.fuse = False
         self.capture(*self._all_reduce(512), fuse="always")
