@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import json
 import random
+import shutil
 
 import pytest
 
@@ -91,10 +92,7 @@ def _bench(world: int, skews: dict[str, float], seed: int) -> dict:
 
 
 def test_tune_fit_sequential_writes_and_merges_the_section(tmp_path, monkeypatch):
-    data = tmp_path / "configs"
-    data.mkdir()
-    for p in registry.data_dir().glob("*.json"):
-        (data / p.name).write_text(p.read_text())
+    data = shutil.copytree(registry.data_dir(), tmp_path / "configs")  # --write goes into this copy
     b2, b4 = tmp_path / "w2.json", tmp_path / "w4.json"
     b2.write_text(json.dumps(_bench(2, {"all_reduce": 0.02, "reduce_scatter": 0.05}, 1)))
     b4.write_text(json.dumps(_bench(4, {"all_to_all": 0.03}, 2)))
