@@ -287,7 +287,7 @@ def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor |
            getattr(group, "group_name", id(group)), SIGNAL_MODE, SWIZZLE, SM_RESERVE, GEMM_GRID, KERNEL, ROW_ORDER)
     capturing = torch.cuda.is_current_stream_capturing()
     if peer_route.TRANSPORT == "peer":
-        out = run_peer(collective, opnd, out_shape, group, res, key, layout)  # None: the NCCL route
+        out = run_peer(collective, opnd, out_shape, group, res, key, layout, capturing)  # None: the NCCL route
         if out is not None:
             return out
     launch = _launches.get(key)

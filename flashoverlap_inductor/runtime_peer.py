@@ -40,17 +40,17 @@ _issue = threading.Lock()
 
 
 def run(collective: str, opnd: Operands, out_shape: list[int], group: dist.ProcessGroup,
-        res: streams.DeviceResources, key: tuple, layout: str | None) -> torch.Tensor | None:
+        res: streams.DeviceResources, key: tuple, layout: str | None, capturing: bool) -> torch.Tensor | None:
     """The call on ``peer_route``: returns the output tensor, or None when the call must take the NCCL route (the
     route cannot take this call shape, or, inside a capture, the shape is new or needs a larger workspace; logged
-    once per reason, counted in ``runtime_gpu.stats["peer_skip"]``). ``key`` is ``runtime_gpu``'s launch key."""
+    once per reason, counted in ``runtime_gpu.stats["peer_skip"]``). ``key`` is ``runtime_gpu``'s launch key;
+    ``capturing``: the caller's stream is capturing a CUDA graph (``runtime_gpu`` has asked already)."""
     from . import runtime_gpu as rt  # at call time: runtime_gpu imports this module
 
     a, b = opnd.a, opnd.b
     (rows, k), n = a.shape, b.shape[1]
     pkey = ("peer", peer_route.ADD_KERNEL, peer_route.GROUPS, peer_route.PARTIAL, *key)
     launch = launches.get(pkey)
-    capturing = torch.cuda.is_current_stream_capturing()
     if launch is None and capturing:
         return _skip(collective, "peer:capture-new", "a new call shape first seen inside a CUDA-graph capture")
     if launch is None:
