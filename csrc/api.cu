@@ -36,6 +36,7 @@ GemmConfig const* config_at(int i) { return (i >= 0 && i < num_configs()) ? &reg
 int fail_code(int code, std::string msg) { return fail(code, std::move(msg)); }
 
 int peer_call_preload();  // peer_call.cu
+int ring_call_preload();  // ring_call.cu
 
 __global__ void wait_counter_kernel(int const* counter, int* expected, int increment, long long timeout_ns,
                                     int* error_record, int tag, int* notify, int notify_first);
@@ -87,7 +88,7 @@ using namespace flashoverlap;
 
 extern "C" {
 
-FO_API int fo_abi_version(void) { return 6; }
+FO_API int fo_abi_version(void) { return 7; }
 
 FO_API int fo_preload(void) {
   cudaFuncAttributes attr{};
@@ -97,6 +98,7 @@ FO_API int fo_preload(void) {
     if (e != cudaSuccess) return fail_cuda("fo_preload", e);
   }
   if (int rc = peer_call_preload(); rc != 0) return rc;
+  if (int rc = ring_call_preload(); rc != 0) return rc;
   for (int i = 0; i < num_configs(); ++i) {
     std::string err;
     int rc = registry()[i].preload(err);

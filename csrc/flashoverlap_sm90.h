@@ -182,6 +182,60 @@ typedef struct {
 
 FO_API int fo_peer_call(const fo_peer_args* args);
 
+/* The ring route of a fused reduce_scatter / all_reduce on `world` ranks of one NVLink host (csrc/ring_call.cu): the
+ * reduction runs in the GEMMs' epilogues as partial sums travel around the ring; no NCCL, no reduction kernel.
+ * The [M, n] result is cut into world * rounds pieces of `rows` rows: piece (c, t) is rows c * M / world + t * rows
+ * (chunk c = what rank c owns after the reduce_scatter; round t). Per round t, step s = 0 .. world - 1 on cur,
+ * rank r computes piece (c, t) with c = (r + s + 1) % world:
+ *   s = 0: a plain GEMM (config_first) into slot (t, 0) of rank r - 1 (mapped here: TMA stores over NVLink);
+ *   0 < s < world - 1: an _addc GEMM (config_add) adding C = this rank's slot (t, s - 1) (what rank r + 1 pushed at
+ *          its step s - 1 of the same piece) into slot (t, s) of rank r - 1;
+ *   s = world - 1: c = r, the sum of all partials: into out's rows (reduce_scatter: out = [M / world, n]) or, for
+ *          all_reduce, into this rank's symmetric `own` piece t.
+ * After each push (s < world - 1) one kernel adds 1 to rank r - 1's arrival flag (t, s) and advances this rank's
+ * epoch of the same flag; step s + 1 waits for it: before each tile's C load (gate_in_kernel) or by a wait kernel.
+ * all_reduce, per round t: after step world - 1 every other rank's ready flag (t, r) gets 1; pull stream d (peer
+ * p = (r + d) % world) waits for this rank's ready flag (t, p) and copies p's own piece t into out (the copy engine
+ * reads it over NVLink) while the next round computes; the side stream copies this rank's own piece t into out.
+ * Each pull stream ends by adding 1 to p's done flag; cur joins every stream and waits until all world - 1 peers
+ * have read this rank's own pieces. reduce_scatter ends with one flag each way: tell rank r + 1 that its pushes
+ * have been read, wait for rank r - 1's word that ours have.
+ * One set of buffers serves every call (graph replay safe), as for fo_peer_call: every region one rank writes and
+ * another reads is rewritten by call i + 1 only after a flag proves call i's reader is done (all_reduce: the done
+ * flags follow each reader's last GEMM step and last pull in stream order; reduce_scatter: the final exchange).
+ * Buffers: buffers[p] is rank p's workspace mapped here (buffers[rank] local): rounds * (world - 1) slots, then
+ * rounds own pieces, each rows * n elements, contiguous. flags[p]: rank p's ring flag area (FO_RING_FLAGS ints,
+ * zeroed once); expected: this rank's epochs (FO_RING_FLAGS device ints). Flag indices: arrival (t, s) at
+ * t * (world - 1) + s; reduce_scatter's done at rounds * (world - 1); all_reduce's ready (t, p) at
+ * rounds * (world - 1) + 1 + t * world + p and its done after them. */
+#define FO_RING_MAX_WORLD 8
+#define FO_RING_FLAGS 256
+typedef struct {
+  int32_t config_first, config_add;
+  const void* a;
+  int64_t lda;
+  const void* b;
+  int64_t ldb;
+  const void* bias;
+  int32_t n, k, rows, rounds, world, rank;
+  int32_t all_reduce;                      /* 0: reduce_scatter */
+  void* buffers[FO_RING_MAX_WORLD];        /* every rank's workspace, mapped here */
+  int* flags[FO_RING_MAX_WORLD];           /* every rank's ring flags, mapped here */
+  int* expected;
+  void* out;
+  int64_t ld_out;
+  int32_t elem_bytes, signal_mode, sm_count, raster, swizzle, gate_in_kernel;
+  void* workspace;                         /* the GEMMs' CUTLASS workspace */
+  size_t workspace_bytes;
+  int64_t timeout_ns;
+  int* error_record;
+  void* cur_stream;
+  void* side_stream;                       /* all_reduce: this rank's own pieces -> out */
+  void* pull_streams[FO_RING_MAX_WORLD];   /* all_reduce: [d - 1] pulls from rank (rank + d) % world */
+} fo_ring_args;
+
+FO_API int fo_ring_call(const fo_ring_args* args);
+
 /* Test helpers: a one-thread kernel that spins delay_ns, writes %globaltimer to *stamp, then release-adds
  * `value` to *counter; and one that writes %globaltimer to *stamp. */
 FO_API int fo_test_delayed_add(int* counter, int value, int64_t delay_ns, int64_t* stamp, void* stream);

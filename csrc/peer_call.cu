@@ -22,11 +22,11 @@
 
 #include "flashoverlap_sm90.h"
 #include "registry.hpp"
+#include "route_util.hpp"
 
 namespace flashoverlap {
 
 // api.cu
-int fail_code(int code, std::string msg);
 int launch_wait(int const* counter, int* expected, int increment, long long timeout_ns, int* error_record, int tag,
                 cudaStream_t stream, int* notify, bool notify_first = false);
 
@@ -41,10 +41,6 @@ constexpr int kMaxGroups = FO_PEER_MAX_GROUPS;
 struct PeerEvents {
   cudaEvent_t fork = nullptr, join_side = nullptr, join_pull = nullptr;
 };
-
-int cuda_check(cudaError_t e, char const* what) {
-  return e == cudaSuccess ? 0 : fail_code(100 + int(e), std::string(what) + ": " + cudaGetErrorString(e));
-}
 
 // Per host thread and device, like fused_call.cu's events.
 int events(PeerEvents*& out) {
@@ -64,27 +60,11 @@ int events(PeerEvents*& out) {
 
 int gemm(GemmConfig const& c, fo_peer_args const& p, int row, void const* c_operand, void* d, int64_t ldd,
          int* counters, int const* group_of_tile_row, cudaStream_t stream, void* aux = nullptr, bool gate = false) {
-  GemmCall call{};
-  call.a = static_cast<char const*>(p.a) + int64_t(row) * p.lda * p.elem_bytes;
-  call.lda = p.lda;
-  call.b = p.b;
-  call.ldb = p.ldb;
-  call.bias = p.bias;
-  call.d = d;
-  call.ldd = ldd;
-  call.m = p.rows, call.n = p.n, call.k = p.k;
+  StepOperands const ops{p.a, p.lda, p.b, p.ldb, p.bias, p.n, p.k, p.elem_bytes, p.signal_mode, p.sm_count,
+                         p.raster, p.swizzle, p.workspace, p.workspace_bytes};
+  GemmCall call = step_call(ops, row, p.rows, c_operand, d, ldd, stream);
   call.counters = counters;
   call.group_of_tile_row = group_of_tile_row;
-  call.tile_row_order = nullptr;
-  call.signal_mode = p.signal_mode;
-  call.sm_count = p.sm_count;
-  call.raster = p.raster;
-  call.swizzle = p.swizzle;
-  call.workspace = p.workspace;
-  call.workspace_bytes = p.workspace_bytes;
-  call.stream = stream;
-  call.c = c_operand;
-  call.ldc = p.n;
   call.aux = aux;
   call.ldaux = p.n;
   if (gate) {  // wait for flags[0] >= expected[0] (advanced by the notify kernel before this GEMM)
@@ -94,9 +74,7 @@ int gemm(GemmConfig const& c, fo_peer_args const& p, int row, void const* c_oper
     call.gate_error_record = p.error_record;
     call.gate_tag = kTagPartial;
   }
-  std::string err;
-  int rc = c.run(call, err);
-  return rc == 0 ? 0 : fail_code(rc, err);
+  return run_step(c, call);
 }
 
 // A plain copy on SMs, 16 bytes per thread and step (grid-stride): for the push route's final copy, which runs
@@ -116,23 +94,6 @@ int copy_on_sms(void* dst, void const* src, size_t bytes, cudaStream_t stream) {
   copy16_kernel<<<unsigned(blocks < 1056 ? blocks : 1056), 512, 0, stream>>>(static_cast<uint4*>(dst),
                                                                             static_cast<uint4 const*>(src), count);
   return cuda_check(cudaGetLastError(), "peer route copy kernel");
-}
-
-// Rows [r0, r1) of a [*, n] matrix at src (row stride src_ld) to dst (row stride dst_ld), on `stream`.
-int copy_rows(void* dst, int64_t dst_ld, void const* src, int64_t src_ld, int64_t r0, int64_t r1, int n,
-              int elem_bytes, cudaStream_t stream) {
-  if (r1 <= r0) return 0;
-  size_t const e = size_t(elem_bytes);
-  if (dst_ld == n && src_ld == n) {  // contiguous rows: one 1-D copy (a copy-engine transfer, no SMs)
-    return cuda_check(cudaMemcpyAsync(static_cast<char*>(dst) + r0 * dst_ld * e,
-                                      static_cast<char const*>(src) + r0 * src_ld * e, size_t(r1 - r0) * n * e,
-                                      cudaMemcpyDeviceToDevice, stream),
-                      "peer route copy");
-  }
-  return cuda_check(cudaMemcpy2DAsync(static_cast<char*>(dst) + r0 * dst_ld * e, size_t(dst_ld) * e,
-                                      static_cast<char const*>(src) + r0 * src_ld * e, size_t(src_ld) * e,
-                                      size_t(n) * e, size_t(r1 - r0), cudaMemcpyDeviceToDevice, stream),
-                    "peer route copy");
 }
 
 int check_args(fo_peer_args const& p, GemmConfig const*& c1, GemmConfig const*& c2) {

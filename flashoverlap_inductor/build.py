@@ -24,6 +24,7 @@ import fnmatch
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,6 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 BUILD = ROOT / "build"
 LIB_NAME = "libflashoverlap_sm90.so"
+# The host-side translation units (csrc/<name>.cu), each compiled once; the GEMM units come from CONFIGS.
+HOST_UNITS = ("api", "fused_call", "peer_call", "ring_call")
 
 
 @dataclass(frozen=True)
@@ -211,14 +214,26 @@ def _cuda_lib_dirs(nvcc: str) -> list[str]:
     return [str(p) for p in (home / "lib64", home / "lib") if p.is_dir()]
 
 
+def _local_includes(name: str) -> list[str]:
+    """``name`` and every ``csrc`` file it includes with ``#include "..."``, transitively, sorted."""
+    seen: set[str] = set()
+    todo = [name]
+    while todo:
+        cur = todo.pop()
+        if cur in seen or not (CSRC / cur).is_file():
+            continue
+        seen.add(cur)
+        todo += re.findall(r'^\s*#\s*include\s+"([^"]+)"', (CSRC / cur).read_text(), flags=re.M)
+    return sorted(seen)
+
+
 def _sources_digest(unit: str) -> str:
-    """Digest of the sources translation unit ``unit`` (a ``csrc`` file name) is built from: itself and every
-    header in ``csrc`` (so changing ``api.cu`` does not rebuild the GEMM units)."""
+    """Digest of the sources translation unit ``unit`` (a ``csrc`` file name) is built from: itself and the
+    ``csrc`` headers it includes, transitively (so changing the C ABI header does not rebuild the GEMM units)."""
     h = hashlib.sha256()
-    for p in sorted(CSRC.glob("*")):
-        if p.name == unit or p.suffix in (".hpp", ".h"):
-            h.update(p.name.encode())
-            h.update(p.read_bytes())
+    for name in _local_includes(unit):
+        h.update(name.encode())
+        h.update((CSRC / name).read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -267,11 +282,11 @@ def build(patterns: list[str] | None = None, variants: str = "all", jobs: int | 
               "-gencode=arch=compute_90a,code=sm_90a", "-Xcompiler", "-fPIC,-fvisibility=hidden",
               f"-I{CSRC}", f"-I{cutlass / 'include'}", f"-I{cutlass / 'tools' / 'util' / 'include'}"]
     cmds = [(common + ["-c", str(CSRC / f"{src}.cu"), "-o", str(obj_dir / f"{src}.o")], obj_dir / f"{src}.o")
-            for src in ("api", "fused_call", "peer_call")]
+            for src in HOST_UNITS]
     for u in todo:
         obj = obj_dir / f"{u.stem}.o"
         cmds.append((common + u.defines() + ["-c", str(CSRC / "gemm_sm90.cu"), "-o", str(obj)], obj))
-    digests = {name: _sources_digest(name) for name in ("api.cu", "fused_call.cu", "peer_call.cu", "gemm_sm90.cu")}
+    digests = {name: _sources_digest(name) for name in [f"{u}.cu" for u in HOST_UNITS] + ["gemm_sm90.cu"]}
     jobs = jobs or max(1, min(len(cmds), os.cpu_count() or 1))
     if verbose:
         print(f"nvcc: {nvcc}\nCUTLASS: {cutlass}\ncompiling {len(cmds)} translation units with {jobs} jobs")
@@ -290,7 +305,7 @@ def build(patterns: list[str] | None = None, variants: str = "all", jobs: int | 
                 objs.append(obj)
                 if verbose:
                     print(("built   " if rebuilt else "cached  ") + obj.name, flush=True)
-    if errors and (not keep_going or any(obj_dir / f"{src}.o" not in objs for src in ("api", "fused_call", "peer_call"))
+    if errors and (not keep_going or any(obj_dir / f"{src}.o" not in objs for src in HOST_UNITS)
                    or len(objs) < 4):
         raise RuntimeError("CUDA compilation failed:\n" + "\n".join(errors))
     if errors:

@@ -1,0 +1,86 @@
+// Host helpers shared by the routes that run a fused op as several GEMM steps (peer_call.cu: two ranks;
+// ring_call.cu: a ring of any size): CUDA error mapping, a row-range copy, and the GemmCall of one step.
+// Not part of the C ABI; included by those translation units only (the GEMM units do not depend on it).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "registry.hpp"
+
+namespace flashoverlap {
+
+int fail_code(int code, std::string msg);  // api.cu
+
+inline int cuda_check(cudaError_t e, char const* what) {
+  return e == cudaSuccess ? 0 : fail_code(100 + int(e), std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// Rows [r0, r1) of a [*, n] matrix at src (row stride src_ld) to dst (row stride dst_ld), on `stream`: one 1-D
+// copy when both are contiguous (a copy-engine transfer, no SMs), else a 2-D one. Strides in elements.
+inline int copy_rows(void* dst, int64_t dst_ld, void const* src, int64_t src_ld, int64_t r0, int64_t r1, int n,
+                     int elem_bytes, cudaStream_t stream) {
+  if (r1 <= r0) return 0;
+  size_t const e = size_t(elem_bytes);
+  if (dst_ld == n && src_ld == n) {
+    return cuda_check(cudaMemcpyAsync(static_cast<char*>(dst) + r0 * dst_ld * e,
+                                      static_cast<char const*>(src) + r0 * src_ld * e, size_t(r1 - r0) * n * e,
+                                      cudaMemcpyDeviceToDevice, stream),
+                      "route copy");
+  }
+  return cuda_check(cudaMemcpy2DAsync(static_cast<char*>(dst) + r0 * dst_ld * e, size_t(dst_ld) * e,
+                                      static_cast<char const*>(src) + r0 * src_ld * e, size_t(src_ld) * e,
+                                      size_t(n) * e, size_t(r1 - r0), cudaMemcpyDeviceToDevice, stream),
+                    "route copy");
+}
+
+// What every GEMM step of one call shares: the operands and the launch settings (sizes in elements).
+struct StepOperands {
+  void const* a;
+  int64_t lda;
+  void const* b;
+  int64_t ldb;
+  void const* bias;
+  int n, k, elem_bytes;
+  int signal_mode, sm_count, raster, swizzle;
+  void* workspace;
+  size_t workspace_bytes;
+};
+
+// The GemmCall of one step: A's rows [row, row + m) times B -> d (row stride ldd), plus C (row stride n) when
+// c_operand is given (an _addc configuration). No signals, no gate: callers add those.
+inline GemmCall step_call(StepOperands const& s, int row, int m, void const* c_operand, void* d, int64_t ldd,
+                          cudaStream_t stream) {
+  GemmCall call{};
+  call.a = static_cast<char const*>(s.a) + int64_t(row) * s.lda * s.elem_bytes;
+  call.lda = s.lda;
+  call.b = s.b;
+  call.ldb = s.ldb;
+  call.bias = s.bias;
+  call.d = d;
+  call.ldd = ldd;
+  call.m = m, call.n = s.n, call.k = s.k;
+  call.counters = nullptr;
+  call.group_of_tile_row = nullptr;
+  call.tile_row_order = nullptr;
+  call.signal_mode = s.signal_mode;
+  call.sm_count = s.sm_count;
+  call.raster = s.raster;
+  call.swizzle = s.swizzle;
+  call.workspace = s.workspace;
+  call.workspace_bytes = s.workspace_bytes;
+  call.stream = stream;
+  call.c = c_operand;
+  call.ldc = s.n;
+  return call;
+}
+
+inline int run_step(GemmConfig const& c, GemmCall const& call) {
+  std::string err;
+  int rc = c.run(call, err);
+  return rc == 0 ? 0 : fail_code(rc, err);
+}
+
+}  // namespace flashoverlap
