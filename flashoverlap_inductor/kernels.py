@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 LIB_ENV = "FLASHOVERLAP_LIB"
 DEFAULT_LIB = Path(__file__).resolve().parent.parent / "build" / "libflashoverlap_sm90.so"
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
@@ -106,6 +106,7 @@ def _declare(lib: ctypes.CDLL) -> None:
                             c_p, c_p, c_int, c_int, c_int, c_int, c_p, c_sz, c_p]),
         "fo_notify": (c_int, [c_p, c_p]),
         "fo_peer_call": (c_int, [c_p]),
+        "fo_ring_call": (c_int, [c_p]),
         "fo_wait_counter": (c_int, [c_p, c_p, c_int, c_i64, c_p, c_int, c_p]),
         "fo_stream_wait_value": (c_int, [c_p, c_p, c_int]),
         "fo_nccl_bind": (c_int, [ctypes.c_char_p]),

@@ -44,7 +44,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -53,6 +55,7 @@ from . import kernels, streams
 from . import plan as planlib
 
 log = logging.getLogger("flashoverlap")
+T = TypeVar("T")
 
 # "peer" (default): calls that can take the peer route do (``unsupported``), the others the NCCL route; "nccl": all
 # take the NCCL route.
@@ -144,10 +147,11 @@ _flags: dict[tuple[int, str], Flags] = {}
 _workspaces: dict[tuple[int, str], list[Workspace]] = {}  # ascending capacity; kept until ``reset``
 
 
-def _symmetric(nbytes: int, group: dist.ProcessGroup, device: torch.device, zero: bool) -> tuple:
-    """A symmetric uint8 buffer, its handle and the peer's mapping (collective). Made on the allocation thread of
-    ``streams.persistent``: inside torch.compile's CUDA-graph warm-up the calling thread's allocations would land in
-    the graph's pool."""
+def symmetric(nbytes: int, group: dist.ProcessGroup, device: torch.device, zero: bool,
+              ranks: list[int]) -> tuple:
+    """A symmetric uint8 buffer, its handle and the mappings of ``ranks``' buffers here (collective). Made on the
+    allocation thread of ``streams.persistent``: inside torch.compile's CUDA-graph warm-up the calling thread's
+    allocations would land in the graph's pool."""
 
     def make() -> tuple:
         import torch.distributed._symmetric_memory as symm_mem
@@ -157,9 +161,32 @@ def _symmetric(nbytes: int, group: dist.ProcessGroup, device: torch.device, zero
             buf.zero_()  # before the rendezvous: no peer can notify us before it has our address
             torch.cuda.synchronize(device)
         hdl = symm_mem.rendezvous(buf, group.group_name)
-        return buf, hdl, hdl.get_buffer(1 - group.rank(), (nbytes,), torch.uint8)
+        return buf, hdl, [hdl.get_buffer(r, (nbytes,), torch.uint8) for r in ranks]
 
     return streams.persistent(device.index, make)
+
+
+def _symmetric(nbytes: int, group: dist.ProcessGroup, device: torch.device, zero: bool) -> tuple:
+    """``symmetric`` with the one peer of a two-rank group: (buffer, handle, the peer's mapping)."""
+    buf, hdl, views = symmetric(nbytes, group, device, zero, [1 - group.rank()])
+    return buf, hdl, views[0]
+
+
+def smallest_with_room(made: list, need: int, capturing: bool, make: Callable[[int], T]) -> T | None:
+    """The workspace policy of the peer and ring routes: the first of ``made`` (ascending ``capacity``) with at
+    least ``need`` bytes; else, unless ``capturing`` (None: no collective allocation inside a capture), a new one of
+    ``make(capacity)``, a power of two of at least 1 MiB, appended. Never freed before the route's ``reset``: a
+    graph may hold any of them, and a call shape maps to the same one for good (made ones only get larger), so a
+    replay on one rank and the same call run eagerly on another use the same regions. All of them together are
+    less than twice the largest."""
+    for ws in made:
+        if ws.capacity >= need:
+            return ws
+    if capturing:
+        return None
+    ws = make(max(1 << 20, 1 << (need - 1).bit_length()))
+    made.append(ws)
+    return ws
 
 
 def flags(group: dist.ProcessGroup, device: torch.device) -> Flags:
@@ -179,35 +206,31 @@ def workspace(group: dist.ProcessGroup, device: torch.device, region_bytes: int,
               capturing: bool = False) -> Workspace | None:
     """The smallest workspace of (device, group) with at least ``region_bytes`` per region; a larger one is made
     (collectively) when none has room, and None returned instead when ``capturing`` (the call then takes the NCCL
-    route). Workspaces are never freed before ``reset``: a graph may hold any of them, and a call shape maps to the
-    same workspace for good (made ones only get larger), so a replay on one rank and the same call run eagerly on
-    the other use the same regions. Powers of two: all of them together are less than twice the largest."""
-    key = (device.index, group.group_name)
-    made = _workspaces.setdefault(key, [])
-    for ws in made:
-        if ws.capacity >= region_bytes:
-            return ws
-    if capturing:
-        return None
-    capacity = max(1 << 20, 1 << (region_bytes - 1).bit_length())
-    f = flags(group, device)
-    buf, hdl, peer_view = _symmetric(2 * capacity, group, device, zero=False)
-    ws = Workspace(capacity, buf, hdl, peer_view.data_ptr(), peer_view, f)
-    made.append(ws)
-    log.info("flashoverlap peer: symmetric workspace of 2 x %d MiB on %s, group %s", capacity >> 20, device,
-             group.group_name)
-    return ws
+    route). Never freed before ``reset`` (``smallest_with_room``)."""
+
+    def make(capacity: int) -> Workspace:
+        f = flags(group, device)
+        buf, hdl, peer_view = _symmetric(2 * capacity, group, device, zero=False)
+        log.info("flashoverlap peer: symmetric workspace of 2 x %d MiB on %s, group %s", capacity >> 20, device,
+                 group.group_name)
+        return Workspace(capacity, buf, hdl, peer_view.data_ptr(), peer_view, f)
+
+    return smallest_with_room(_workspaces.setdefault((device.index, group.group_name), []), region_bytes,
+                              capturing, make)
 
 
 def reset() -> None:
-    """Drop every workspace and flag page (after synchronizing its device): the next call makes fresh ones,
-    collectively, with zeroed flags. For tests and after a timeout, when the ranks' flags are out of step. CUDA graphs
-    captured before must not be replayed after it."""
+    """Drop every workspace and flag page, the ring route's too (after synchronizing its device): the next call
+    makes fresh ones, collectively, with zeroed flags. For tests and after a timeout, when the ranks' flags are out
+    of step. CUDA graphs captured before must not be replayed after it."""
+    from . import ring_route  # it imports this module
+
     for index, _ in list(_flags):
         torch.cuda.synchronize(index)
     _workspaces.clear()
     _flags.clear()
     _last_stream.clear()
+    ring_route.reset()
 
 
 @dataclass(frozen=True)
@@ -252,8 +275,10 @@ def takes(collective: str, rows: int, n: int, k: int, dtype: torch.dtype, world:
     loadable and ``unsupported`` finds nothing for some B layout. What the cost model should predict
     (``decide(..., peer=...)``); inside a CUDA-graph capture a call shape that never ran before the capture still
     takes the NCCL route (``runtime_peer``). False (never raises) where the library cannot be read."""
-    if TRANSPORT != "peer" or collective not in COLLECTIVES or world != 2:
-        return False
+    from . import ring_route  # it imports this module
+
+    if TRANSPORT != "peer" or collective not in COLLECTIVES or world != 2 or ring_route.enabled(world):
+        return False  # the ring route (not modelled yet) or the NCCL route
     try:
         add = kernels.configs(add_c=True)
     except Exception:  # no library or no GPU: the runtime falls back to the NCCL route (or cuBLAS + NCCL) anyway

@@ -31,7 +31,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from . import config, kernels, peer_route, streams
+from . import config, kernels, peer_route, ring_route, streams
 from .kernel_select import Operands
 
 # peer_route launches (with their B choice) or ("peer", why not), per call shape
@@ -48,55 +48,81 @@ def run(collective: str, opnd: Operands, out_shape: list[int], group: dist.Proce
     from . import runtime_gpu as rt  # at call time: runtime_gpu imports this module
 
     a, b = opnd.a, opnd.b
-    (rows, k), n = a.shape, b.shape[1]
-    pkey = ("peer", peer_route.ADD_KERNEL, peer_route.GROUPS, peer_route.PARTIAL, *key)
+    n = b.shape[1]
+    ring = ring_route.enabled(group.size())
+    pkey = ("peer", peer_route.ADD_KERNEL, peer_route.GROUPS, peer_route.PARTIAL, ring_route.RING,
+            ring_route.ROUNDS, *key)
     launch = launches.get(pkey)
     if launch is None and capturing:
         return _skip(collective, "peer:capture-new", "a new call shape first seen inside a CUDA-graph capture")
     if launch is None:
-        dname = str(a.dtype).removeprefix("torch.")
-        why = peer_route.unsupported(collective, rows, n, k, a.dtype, group.size(), layout,
-                                     kernels.configs(add_c=True))
-        choice = None if why else rt.choose_kernel(rt._kernel_infos(), rt.KERNEL or "", None, dname, layout, {})
-        if why is None and (choice is None or choice.convert_b):
-            why = f"no plain configuration compiled for {dname} with B as {layout}"
-        if why:
-            launch = ("peer", why)
-        else:
-            plain = streams.kernel_lib().config_index(choice.name, a.dtype, choice.b_layout)
-            launch = peer_route.make_launch(
-                collective, rows, n, k, a.dtype, group.rank(), plain, (choice.tile_m, choice.tile_n), res,
-                lambda tiles: rt.grid_ctas(rt.gemm_grid(res.name, rt.GEMM_GRID), res.sm_count, tiles,
-                                           rt.sm_reserve(res.name, rt.SM_RESERVE, rt.nccl_max_ctas(group))),
-                rt.SWIZZLE, kernels.RASTERS[rt.RASTER], choice.b_layout, a.device)
-            launch = (launch, choice)
-        launches[pkey] = launch
+        launch = launches[pkey] = _make(collective, opnd, group, res, layout, ring)
     if launch[0] == "peer":
         return _skip(collective, f"peer:{launch[1]}", launch[1])
     plaunch, choice = launch
     cur = torch.cuda.current_stream(a.device)
+    ringed = isinstance(plaunch, ring_route.RingLaunch)
     with _issue:  # host threads: one peer call at a time (workspaces are made collectively, in one order)
-        ws = peer_route.workspace(group, a.device, peer_route.region_bytes(plaunch, n, a.element_size()), capturing)
+        if ringed:
+            ws = ring_route.workspace(group, a.device, plaunch.need, capturing)
+        else:
+            ws = peer_route.workspace(group, a.device, peer_route.region_bytes(plaunch, n, a.element_size()),
+                                      capturing)
         if ws is None:
             return _skip(collective, "peer:capture-grow", "its workspace would have to grow inside a CUDA-graph "
                          "capture")
-        slot = res.slot(cur, dedicated=capturing) if plaunch.groups else 0  # counters: all_reduce by pull only
+        slot = res.slot(cur, dedicated=capturing) if not ringed and plaunch.groups else 0  # all_reduce by pull only
         if slot is None:
             return _skip(collective, "peer:slots", "no counter slot left")
         out = torch.empty(out_shape, dtype=a.dtype, device=a.device)
         b_in, ldb = rt._kernel_b(b, choice)
         if not capturing:
             peer_route.order_after_last(group, a.device, cur)
-        peer_route.execute(plaunch, ws, rt._row_major(a), b_in, ldb, opnd.bias, out, res, slot, cur,
-                           kernels.SIGNAL_MODES[rt.SIGNAL_MODE], kernels.RASTERS[rt.RASTER], rt.SWIZZLE,
-                           max(1, int(config.wait_timeout_ms * 1e6)))
+        settings = (kernels.SIGNAL_MODES[rt.SIGNAL_MODE], kernels.RASTERS[rt.RASTER], rt.SWIZZLE,
+                    max(1, int(config.wait_timeout_ms * 1e6)))
+        if ringed:
+            ring_route.execute(plaunch, ws, rt._row_major(a), b_in, ldb, opnd.bias, out, res, cur, *settings)
+        else:
+            peer_route.execute(plaunch, ws, rt._row_major(a), b_in, ldb, opnd.bias, out, res, slot, cur, *settings)
     rt.last_launch = plaunch
     rt.stats[f"fused:{collective}"] += 1
-    rt.stats["route:peer"] += 1
+    rt.stats["route:ring" if ringed else "route:peer"] += 1
     if capturing:
         rt.stats["captured"] += 1
         rt.stats["captured:peer"] += 1
     return out
+
+
+def _make(collective: str, opnd: Operands, group: dist.ProcessGroup, res: streams.DeviceResources,
+          layout: str | None, ring: bool) -> tuple:
+    """The memoized entry of a call shape: (launch, B choice), or ("peer", why the route cannot take it)."""
+    from . import runtime_gpu as rt
+
+    a, b = opnd.a, opnd.b
+    (rows, k), n = a.shape, b.shape[1]
+    world = group.size()
+    dname = str(a.dtype).removeprefix("torch.")
+    add = kernels.configs(add_c=True)
+    why = (ring_route.unsupported(collective, rows, world, a.dtype, layout, add) if ring
+           else peer_route.unsupported(collective, rows, n, k, a.dtype, world, layout, add))
+    choice = None if why else rt.choose_kernel(rt._kernel_infos(), rt.KERNEL or "", None, dname, layout, {})
+    if why is None and (choice is None or choice.convert_b):
+        why = f"no plain configuration compiled for {dname} with B as {layout}"
+    if why:
+        return ("peer", why)
+    plain = streams.kernel_lib().config_index(choice.name, a.dtype, choice.b_layout)
+
+    def grid(tiles: int) -> int:
+        return rt.grid_ctas(rt.gemm_grid(res.name, rt.GEMM_GRID), res.sm_count, tiles,
+                            rt.sm_reserve(res.name, rt.SM_RESERVE, rt.nccl_max_ctas(group)))
+
+    if ring:
+        return (ring_route.make_launch(collective, rows, n, k, a.dtype, group.rank(), world, plain,
+                                       (choice.tile_m, choice.tile_n), grid, rt.SWIZZLE, kernels.RASTERS[rt.RASTER],
+                                       choice.b_layout), choice)
+    tile = (choice.tile_m, choice.tile_n)
+    return (peer_route.make_launch(collective, rows, n, k, a.dtype, group.rank(), plain, tile, res, grid, rt.SWIZZLE,
+                                   kernels.RASTERS[rt.RASTER], choice.b_layout, a.device), choice)
 
 
 def _skip(collective: str, key: str, why: str) -> None:

@@ -1,0 +1,141 @@
+"""The ring route's host side without a GPU: the argument struct against the C header, the settings, which calls
+take the ring (``enabled``, ``rounds_for``, ``unsupported``), the flag area's bound, what ``execute`` hands to
+``fo_ring_call`` and the workspaces. The kernels are covered by tests/test_gpu_ring.py on two GPUs."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashoverlap_inductor import kernels, peer_route, ring_route, streams
+
+BF16 = torch.bfloat16
+
+
+def _addc(*variants):
+    return [kernels.KernelInfo("coop_128x256x64_c2x1_e128x64_addc", 128, 256, 64, 2, 1, "cooperative", 0, 128, 64,
+                               tuple(variants))]
+
+
+def test_ring_args_struct_matches_the_c_header():
+    """Every field of ``fo_ring_args`` (csrc/flashoverlap_sm90.h) in order, arrays with their length."""
+    header = (Path(ring_route.__file__).resolve().parent.parent / "csrc" / "flashoverlap_sm90.h").read_text()
+    assert f"#define FO_RING_MAX_WORLD {ring_route.MAX_WORLD}\n" in header
+    assert f"#define FO_RING_FLAGS {ring_route.FLAG_INTS}\n" in header
+    body = header[header.index("typedef struct {", header.index("#define FO_RING_FLAGS")):]
+    body = re.sub(r"/\*.*?\*/", "", body[:body.index("} fo_ring_args;")], flags=re.S)
+    names = [m for decl in body.split(";") if decl.strip()
+             for m in re.findall(r"(\w+(?:\[\w+\])?)\s*(?:,|$)", decl.strip())]
+    ours = [f if not hasattr(t, "_length_") else f"{f}[FO_RING_MAX_WORLD]" for f, t in ring_route.RingArgs._fields_]
+    assert names == ours
+    assert ctypes.sizeof(ring_route.RingArgs) % 8 == 0
+
+
+@pytest.mark.parametrize("name,value", [("RING", "on"), ("ROUNDS", 0), ("ROUNDS", 17)])
+def test_settings_outside_their_choices_raise(monkeypatch, name, value):
+    ring_route.check_settings()
+    monkeypatch.setattr(ring_route, name, value)
+    with pytest.raises(ValueError, match=name):
+        ring_route.check_settings()
+
+
+def test_enabled_follows_the_setting(monkeypatch):
+    for setting, worlds in (("off", []), ("wide", [3, 4, 8]), ("all", [2, 3, 4, 8])):
+        monkeypatch.setattr(ring_route, "RING", setting)
+        assert [w for w in (1, 2, 3, 4, 8) if ring_route.enabled(w)] == worlds, setting
+
+
+def test_rounds_cut_equal_pieces_of_at_least_one_tile_row(monkeypatch):
+    monkeypatch.setattr(ring_route, "ROUNDS", 2)
+    assert ring_route.rounds_for("all_reduce", 8192, 4) == 2  # 1024-row pieces
+    assert ring_route.rounds_for("reduce_scatter", 8192, 4) == 1  # no gather to overlap
+    assert ring_route.rounds_for("all_reduce", 1000, 2) == 2  # 250-row pieces (not tile multiples)
+    assert ring_route.rounds_for("all_reduce", 768, 4) == 1  # 96-row pieces in 2 rounds: too small
+    assert ring_route.rounds_for("all_reduce", 1026, 4) is None  # not divisible by 4
+    assert ring_route.rounds_for("reduce_scatter", 256, 4) is None  # 64 rows per rank
+    monkeypatch.setattr(ring_route, "ROUNDS", 4)
+    assert ring_route.rounds_for("all_reduce", 8192, 4) == 4
+    assert ring_route.rounds_for("all_reduce", 1536, 4) == 3  # 128-row pieces; 4 rounds would cut 96
+
+
+def test_the_flag_area_holds_every_call_shape():
+    for world in range(2, ring_route.MAX_WORLD + 1):
+        assert ring_route.flag_count(world, ring_route.MAX_ROUNDS) <= ring_route.FLAG_INTS, world
+
+
+def test_unsupported_names_the_reason(monkeypatch):
+    monkeypatch.setattr(ring_route, "RING", "wide")
+    add = _addc(("bfloat16", "nk"))
+    assert ring_route.unsupported("all_reduce", 8192, 4, BF16, "nk", add) is None
+    assert ring_route.unsupported("reduce_scatter", 8192, 8, BF16, "nk", add) is None
+    assert "no ring route" in ring_route.unsupported("all_to_all", 8192, 4, BF16, "nk", add)
+    assert "off for 2 ranks" in ring_route.unsupported("all_reduce", 8192, 2, BF16, "nk", add)
+    assert "world size 16" in ring_route.unsupported("all_reduce", 8192, 16, BF16, "nk", add)
+    assert "equal pieces" in ring_route.unsupported("all_reduce", 1026, 4, BF16, "nk", add)
+    assert "_addc" in ring_route.unsupported("all_reduce", 8192, 4, torch.float16, "nk", add)
+    assert "_addc" in ring_route.unsupported("all_reduce", 8192, 4, BF16, "kn", add)
+
+
+def test_the_peer_route_model_is_not_claimed_for_ring_calls(monkeypatch):
+    monkeypatch.setattr(peer_route, "TRANSPORT", "peer")
+    monkeypatch.setattr(kernels, "configs", lambda add_c=0: _addc(("bfloat16", "nk")))
+    monkeypatch.setattr(ring_route, "RING", "off")
+    assert peer_route.takes("all_reduce", 4096, 1024, 512, BF16, 2)
+    monkeypatch.setattr(ring_route, "RING", "all")  # 2 ranks on the ring: not what the peer model describes
+    assert not peer_route.takes("all_reduce", 4096, 1024, 512, BF16, 2)
+
+
+def _fake_symmetric(monkeypatch, made: list):
+    def symm_empty(nbytes, dtype, device):
+        made.append(nbytes)
+        return torch.zeros(nbytes, dtype=dtype)
+
+    fake = types.SimpleNamespace(
+        empty=symm_empty,
+        rendezvous=lambda buf, name: types.SimpleNamespace(
+            get_buffer=lambda rank, shape, dtype: torch.zeros(shape, dtype=dtype) + rank))
+    monkeypatch.setitem(__import__("sys").modules, "torch.distributed._symmetric_memory", fake)
+    monkeypatch.setattr(torch.distributed, "_symmetric_memory", fake, raising=False)
+    monkeypatch.setattr(streams, "persistent", lambda index, make: make())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    streams_made = iter(range(100, 200))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda **kw: types.SimpleNamespace(cuda_stream=next(streams_made)))
+
+
+def test_workspaces_map_every_rank_and_execute_passes_them(monkeypatch):
+    made: list[int] = []
+    _fake_symmetric(monkeypatch, made)
+    peer_route.reset()
+    world, mib = 4, 1 << 20
+    group, dev = types.SimpleNamespace(group_name="g", rank=lambda: 1, size=lambda: world), torch.device("cpu")
+    ws = ring_route.workspace(group, dev, 3 * mib)
+    assert made == [ring_route.FLAG_BYTES, 4 * mib] and len(ws.views) == world and len(ws.flags.pulls) == world - 1
+    assert ring_route.workspace(group, dev, mib) is ws
+    assert ring_route.workspace(group, dev, 5 * mib, capturing=True) is None  # no collective allocation there
+    seen = {}
+
+    class Lib:
+        def fo_ring_call(self, ref):
+            seen["p"] = ring_route.RingArgs.from_buffer_copy(ref._obj)
+            return 0
+
+    monkeypatch.setattr(streams, "kernel_lib", lambda: types.SimpleNamespace(lib=Lib(), check=lambda rc, what: None))
+    rows, n, k = 512, 64, 32
+    launch = ring_route.RingLaunch("all_reduce", rows // (world * 2), 2, world, 0, 132, 0, "test",
+                                   ring_route.RingArgs())
+    res = types.SimpleNamespace(record=torch.zeros(4), side=types.SimpleNamespace(cuda_stream=5))
+    a, b = torch.randn(rows, k), torch.randn(k, n)
+    out = torch.empty(rows, n)
+    ring_route.execute(launch, ws, a, b, n, None, out, res, types.SimpleNamespace(cuda_stream=3), 0, 0, 1, 1000)
+    p = seen["p"]
+    assert list(p.buffers)[:world] == [v.data_ptr() for v in ws.views]
+    assert list(p.flags)[:world] == [v.data_ptr() for v in ws.flags.views]
+    assert list(p.pull_streams)[:world - 1] == [s.cuda_stream for s in ws.flags.pulls]
+    assert (p.cur_stream, p.side_stream, p.out, p.expected) == (3, 5, out.data_ptr(), ws.flags.expected.data_ptr())
+    peer_route.reset()  # drops the ring's workspaces too
+    assert not ring_route._workspaces and not ring_route._flags
