@@ -47,7 +47,16 @@ try:
     import flashoverlap_inductor  # noqa: F401  (installed, or on PYTHONPATH: then its subpackages resolve too)
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from flashoverlap_inductor import fused_launch, kernel_select, nccl_direct, ops, peer_route, runtime_cpu, runtime_gpu  # noqa: E402
+from flashoverlap_inductor import (  # noqa: E402
+    fused_launch,
+    kernel_select,
+    nccl_direct,
+    ops,
+    peer_route,
+    ring_route,
+    runtime_cpu,
+    runtime_gpu,
+)
 from flashoverlap_inductor import plan as planlib  # noqa: E402
 from flashoverlap_inductor import tune_measure as tm  # noqa: E402
 from flashoverlap_inductor.tune import GRID, init_distributed, parse_shapes  # noqa: E402
@@ -119,6 +128,8 @@ def with_mode(spec: str, fn):
       copy by copy engine (``peer_route.FINAL_COPY``); rows (peer only), any of these joined by ``+``: ``wait``, a
       wait kernel between the GEMMs instead of the in-kernel gate (``peer_route.GATE``); ``cpull`` / ``cpush``,
       GEMM 2 reads the peer's partial over NVLink / GEMM 1 stores it into the peer (``peer_route.PARTIAL``);
+      ``ring1`` / ``ring2`` / ``ring4``, the ring route instead (``ring_route.RING = "all"``) in at most that many
+      rounds (``ring_route.ROUNDS``);
     * host ``c`` (default) or ``python``: ``fused_launch.HOST_LOOP``; ``gemm``: the diagnostic
       ``runtime_gpu.GEMM_ONLY`` (the fused path without its collectives, in the Python loop: a time split, not a
       result);
@@ -136,12 +147,14 @@ def with_mode(spec: str, fn):
     peer_groups = ctas[0] if peer and ctas else peer_route.GROUPS
     peer_rows = set(rows.split("+")) if peer and rows and set(rows.split("+")) <= set(PEER_ROWS) else set()
     partial = "pull" if "cpull" in peer_rows else "push" if "cpush" in peer_rows else peer_route.PARTIAL
+    ring_rounds = next((int(f[4:]) for f in peer_rows if f.startswith("ring")), 0)
 
     def run():
         old = (runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.KERNEL,
                runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE, runtime_gpu.ROW_ORDER, runtime_gpu.SIGNAL_MODE,
                peer_route.TRANSPORT, peer_route.ADD_KERNEL, peer_route.GROUPS, peer_route.FINAL_COPY, peer_route.GATE,
-               peer_route.PARTIAL)
+               peer_route.PARTIAL, ring_route.RING, ring_route.ROUNDS)
+        ring_route.RING, ring_route.ROUNDS = ("all", ring_rounds) if ring_rounds else ("off", ring_route.ROUNDS)
         runtime_gpu.GEMM_GRID, nccl_direct.MODE = grid, "direct" if peer else mode
         peer_route.TRANSPORT, peer_route.ADD_KERNEL = ("peer" if peer else "nccl"), add_kernel
         peer_route.GROUPS = peer_groups
@@ -159,7 +172,7 @@ def with_mode(spec: str, fn):
             (runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.KERNEL,
              runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE, runtime_gpu.ROW_ORDER, runtime_gpu.SIGNAL_MODE,
              peer_route.TRANSPORT, peer_route.ADD_KERNEL, peer_route.GROUPS, peer_route.FINAL_COPY,
-             peer_route.GATE, peer_route.PARTIAL) = old
+             peer_route.GATE, peer_route.PARTIAL, ring_route.RING, ring_route.ROUNDS) = old
     return run
 
 

@@ -19,7 +19,7 @@ TARGETS = {  # (world, op): geomean speedup over T_seq the issue asks for
 
 # The peer route's settings in a spec's rows field, joined by "+": "wait" (peer_route.GATE), "cpull" / "cpush"
 # (peer_route.PARTIAL).
-PEER_ROWS = ("wait", "cpull", "cpush")
+PEER_ROWS = ("wait", "cpull", "cpush", "ring1", "ring2", "ring4")  # ringR: the ring route in R rounds (at most)
 
 
 def parse_spec(spec: str) -> tuple[str, str, str, str, tuple[int, int | None] | None, str]:
@@ -36,7 +36,7 @@ def parse_spec(spec: str) -> tuple[str, str, str, str, tuple[int, int | None] | 
         ("+" in kernel and signal not in ("immediate", "deferred"))
     flags = rows.split("+")
     peer_rows = bool(rows) and set(flags) <= set(PEER_ROWS) and len(set(flags)) == len(flags) \
-        and not {"cpull", "cpush"} <= set(flags)
+        and not {"cpull", "cpush"} <= set(flags) and sum(f.startswith("ring") for f in flags) <= 1
     bad_rows = (rows not in ("", "schedule", "stage", "gather") and not peer_rows) or (peer_rows and mode != "peer")
     bad_grid = grid not in kernel_select.GEMM_GRIDS
     if not 2 <= len(parts) <= 6 or bad_grid or mode not in ("direct", "torch", "peer") \

@@ -138,7 +138,14 @@ def queued_calls_task(calls: int, how: str) -> int:
     for i, (op, args, out) in enumerate(pending):
         a, b, c = args[rank]
         _check(out, _reference(op, [_y64(*x) for x in args], rank), _eager(op, a, b, c), f"call {i} {op}")
-    return runtime_gpu.stats["route:peer"]
+    return _route_calls()
+
+
+def _route_calls() -> int:
+    """Calls on the peer or the ring route so far (a pool started with ``FLASHOVERLAP_RING=all`` runs the ring)."""
+    from flashoverlap_inductor import runtime_gpu
+
+    return runtime_gpu.stats["route:peer"] + runtime_gpu.stats["route:ring"]
 
 
 def peer_graph_task(how: str) -> dict[str, int]:
@@ -195,8 +202,10 @@ def peer_graph_task(how: str) -> dict[str, int]:
         runtime_gpu.check()
         for where, op, args, out in pending:
             _check(out, _reference(op, [_y64(*x) for x in args], rank), _eager(op, *args[rank]), where)
-        return {"captured": captured, "workspaces": sum(map(len, peer_route._workspaces.values())),
-                "peer": runtime_gpu.stats["route:peer"]}
+        from flashoverlap_inductor import ring_route
+
+        workspaces = sum(map(len, peer_route._workspaces.values())) + sum(map(len, ring_route._workspaces.values()))
+        return {"captured": captured, "workspaces": workspaces, "peer": _route_calls()}
     finally:
         _route_settings("push")
 
@@ -313,7 +322,7 @@ def peer_in_flight_task() -> dict[str, int]:
 
     runtime_gpu.reset()
     calls = in_flight_task()
-    return {"calls": calls, "peer": runtime_gpu.stats["route:peer"], "skips": runtime_gpu.stats["peer_skip"]}
+    return {"calls": calls, "peer": _route_calls(), "skips": runtime_gpu.stats["peer_skip"]}
 
 
 def test_peer_route_ops_in_flight(pool):
