@@ -9,9 +9,9 @@ It finds nvcc (``$NVCC``, ``PATH``, ``$CUDA_HOME/bin``, ``/usr/local/cuda/bin``,
 the CUTLASS headers (``$CUTLASS_DIR``, ``build/cutlass`` -- a copy made by ``--copy-cutlass`` that travels to a
 GPU machine --, then the ``nvidia-cutlass`` wheel's ``cutlass_library/source``). Without nvcc it prints a message
 and exits 0 (1 with ``--require``). Every (configuration, dtype, B layout) is one translation unit of
-``csrc/gemm_sm90.cu``; units compile in parallel and are rebuilt only when their command or a ``csrc`` file
-changed. The library links cudart statically and exports only the ``fo_*`` C functions, so it loads under any
-Python (ctypes) next to any torch.
+``csrc/gemm_sm90.cu``, and each of ``HOST_UNITS`` one more; units compile in parallel and are rebuilt only when
+their command, their source or a ``csrc`` header they include changed. The library links cudart statically and
+exports only the ``fo_*`` C functions, so it loads under any Python (ctypes) next to any torch.
 
 ``CONFIGS`` below is the one list of kernel configurations; the library reports them at run time
 (``flashoverlap_inductor.kernels.configs()``).

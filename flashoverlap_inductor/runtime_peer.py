@@ -1,5 +1,7 @@
-"""The peer-route dispatch of the overlapped CUDA path: a fused op on ``peer_route`` (the GEMM's tiles pushed or
-pulled between the group's GPUs directly) instead of the NCCL route of ``runtime_gpu``.
+"""The peer-route dispatch of the overlapped CUDA path: a fused op on ``peer_route`` (two ranks) or ``ring_route``
+(where ``ring_route.enabled``: partial sums passed around the ranks), the GEMM's tiles pushed or pulled between the
+group's GPUs directly, instead of the NCCL route of ``runtime_gpu``. Both share the dispatch below, the call
+ordering and the statistics (``route:peer`` / ``route:ring``; ``captured:peer`` counts both).
 
 ``runtime_gpu._run`` calls ``run`` first when ``peer_route.TRANSPORT == "peer"``; ``run`` returns the output tensor,
 or None when the call must take the NCCL route.
