@@ -318,7 +318,7 @@ def build(patterns: list[str] | None = None, variants: str = "all", jobs: int | 
     if r.returncode != 0:
         raise RuntimeError(f"link failed:\n$ {' '.join(link)}\n{r.stdout}{r.stderr}")
     if verbose:
-        print(f"wrote {lib} ({lib.stat().st_size / 1e6:.1f} MB, {len(objs) - 3} GEMM units)")
+        print(f"wrote {lib} ({lib.stat().st_size / 1e6:.1f} MB, {len(objs) - len(HOST_UNITS)} GEMM units)")
     return lib
 
 
