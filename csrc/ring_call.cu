@@ -97,8 +97,8 @@ int check_args(fo_ring_args const& p, GemmConfig const*& c1, GemmConfig const*& 
     return fail_code(2, "fo_ring_call: rounds must be in [1, 16] with the flags within FO_RING_FLAGS");
   }
   if (p.rows <= 0 || p.n <= 0 || p.k <= 0) return fail_code(2, "fo_ring_call: sizes must be positive");
-  if (p.expected == nullptr || p.out == nullptr || p.cur_stream == nullptr) {
-    return fail_code(2, "fo_ring_call: expected, out and cur_stream are required");
+  if (p.expected == nullptr || p.out == nullptr) {  // cur_stream may be null: the legacy default stream
+    return fail_code(2, "fo_ring_call: expected and out are required");
   }
   for (int r = 0; r < p.world; ++r) {
     if (p.buffers[r] == nullptr || p.flags[r] == nullptr) {
