@@ -97,7 +97,7 @@ def test_ring_route_queued_calls_and_growth(pool):
 
 def test_ring_route_cuda_graphs_between_eager_calls(pool):
     per_rank = pool.run(peer_graph_task, "push")
-    assert per_rank == [{"captured": 3, "workspaces": 2, "peer": 10}] * WORLD, per_rank
+    assert per_rank == [{"captured": 3, "grown": 1, "peer": 10}] * WORLD, per_rank
 
 
 def test_ring_route_ops_in_flight(pool):
