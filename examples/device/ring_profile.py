@@ -1,0 +1,102 @@
+"""Diagnostic: where a ring-route call spends its GPU time (2 ranks; run with torchrun --nproc_per_node=2).
+
+    torchrun --nproc_per_node=2 examples/device/ring_profile.py [--shape 2048x8192x14336] [--op all_reduce]
+
+For the peer route and the ring in 1, 2 and 4 rounds: the time per call of 20 calls back to back (CUDA events,
+median of 5 samples), then on rank 0 a torch.profiler table of the GPU kernels and copies of 10 calls. Then each
+GEMM step alone (the plain and the _addc configuration at the pieces' row counts) next to torch.mm, on one GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from flashoverlap_inductor import kernels, ops, peer_route, ring_route, runtime_gpu
+
+
+def _time(fn, calls: int = 20, samples: int = 5) -> float:
+    """ms per call, median over samples of ``calls`` back-to-back calls."""
+    out = []
+    for _ in range(samples):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        out.append(start.elapsed_time(end) / calls)
+    return statistics.median(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="2048x8192x14336")
+    ap.add_argument("--op", default="all_reduce")
+    args = ap.parse_args()
+    m, n, k = (int(x) for x in args.shape.split("x"))
+    rank = int(os.environ["RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl")
+    ops._runtime = lambda a: runtime_gpu
+    gen = torch.Generator().manual_seed(rank)
+    a = torch.randn(m, k, generator=gen).bfloat16().cuda()
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16().cuda()
+    name = dist.group.WORLD.group_name
+    fo = torch.ops.flashoverlap
+
+    def call():
+        if args.op == "all_reduce":
+            return fo.gemm_all_reduce(a, w.t(), None, "sum", name, "auto")
+        return fo.gemm_reduce_scatter(a, w.t(), None, "sum", 2, name, "auto")
+
+    for label, ring, rounds in (("peer", "off", 2), ("ring1", "all", 1), ("ring2", "all", 2), ("ring4", "all", 4)):
+        ring_route.RING, ring_route.ROUNDS = ring, rounds
+        for _ in range(5):
+            call()
+        ms = _time(call)
+        launch = runtime_gpu.last_launch
+        if rank == 0:
+            print(f"== {label}: {ms:.3f} ms per call; {getattr(launch, 'description', launch)}", flush=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                call()
+            torch.cuda.synchronize()
+        if rank == 0:
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70),
+                  flush=True)
+    peer_route.reset()
+    if rank == 0:  # the steps alone
+        add = [c.name for c in kernels.configs(add_c=1) if c.name in peer_route.PREFERRED][0]
+        for rows in (256, 512, 1024, 2048):
+            x = a[:rows]
+            c = torch.randn(rows, n, device="cuda").bfloat16()
+            t_mm = _time_local(lambda x=x: torch.mm(x, w.t()))
+            t_plain = _time_local(lambda x=x: kernels.signal_gemm(x, w.t()))
+            t_add = _time_local(lambda x=x, c=c: kernels.signal_gemm(x, w.t(), config=add, addend=c))
+            print(f"step {rows}x{n}x{k}: torch.mm {t_mm:.3f}  plain {t_plain:.3f}  {add} {t_add:.3f} ms", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _time_local(fn, calls: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+if __name__ == "__main__":
+    main()
