@@ -42,6 +42,37 @@ DEFAULT_CONFIG = "coop_128x256x64_c2x1_e128x64"
 DEFAULT_SWIZZLE = 4
 
 
+def _cutlass_log_swizzle(tiles_m: int, tiles_n: int, swizzle: int) -> int:
+    """The log2 swizzle CUTLASS's sm90 persistent scheduler takes for a maximum of ``swizzle``
+    (``get_log_swizzle_size``: 8 needs >= 6 tiles along both dimensions, 4 needs 3, 2 needs 2)."""
+    least = min(tiles_m, tiles_n)
+    for log, need in ((3, 6), (2, 3), (1, 2)):
+        if swizzle >= 1 << log and least >= need:
+            return log
+    return 0
+
+
+def unpadded_swizzle(m: int, n: int, tile_m: int, tile_n: int, cluster_m: int, cluster_n: int, swizzle: int) -> int:
+    """The largest power of two <= ``swizzle`` at which CUTLASS's persistent scheduler pads the grid of tiles no
+    further than the cluster shape already does. It rounds the tiles along M up to a multiple of swizzle x
+    cluster_m (along N: swizzle x cluster_n) and runs the padded tiles too: a GEMM of 512 rows in 128-row tiles
+    and 2x1 clusters at swizzle 4 (4 tile-rows padded to 8) took twice cuBLAS's time, one of 1024 rows the same
+    (examples/RESULTS.md, twelfth session). Matters for GEMMs of few tile-rows (the ring route's steps)."""
+    tm, tn = -(-m // tile_m), -(-n // tile_n)
+
+    def padded(tiles: int, multiple: int) -> int:
+        return -(-tiles // multiple) * multiple
+
+    s = max(1, swizzle)
+    while s > 1:
+        unit = 1 << _cutlass_log_swizzle(tm, tn, s)
+        if padded(tm, unit * cluster_m) == padded(tm, cluster_m) and padded(tn, unit * cluster_n) == padded(tn,
+                                                                                                         cluster_n):
+            break
+        s //= 2
+    return s
+
+
 class KernelLibraryError(RuntimeError):
     """The CUDA library is missing, stale, or a call into it failed."""
 

@@ -196,6 +196,7 @@ class RingLaunch:
     rows: int  # rows per piece
     rounds: int
     world: int
+    swizzle: int  # the steps' swizzle (``kernels.unpadded_swizzle`` of the runtime's at the piece's rows)
     need: int  # workspace bytes per rank
     sm_count: int
     workspace_bytes: int
@@ -204,35 +205,39 @@ class RingLaunch:
 
 
 def make_launch(collective: str, rows_total: int, n: int, k: int, dtype: torch.dtype, rank: int, world: int,
-                plain: int, tile: tuple[int, int], grid_ctas, swizzle: int, raster: int, layout: str) -> RingLaunch:
-    """The launch of one call shape: step 0 with library configuration ``plain`` (tile ``tile``), the later steps
-    with an ``_addc`` configuration (``peer_route.PREFERRED``'s reduce_scatter one, else one of the same tile)."""
+                plain: kernels.KernelInfo, grid_ctas, swizzle: int, raster: int, layout: str) -> RingLaunch:
+    """The launch of one call shape: step 0 with library configuration ``plain``, the later steps with an ``_addc``
+    configuration (``peer_route.PREFERRED``'s reduce_scatter one, else one of the same tile), both at the largest
+    swizzle up to ``swizzle`` that does not pad the pieces' tile grid (``kernels.unpadded_swizzle``)."""
     check_settings()
     lib = streams.kernel_lib()
     dname = str(dtype).removeprefix("torch.")
     cands = [c for c in kernels.configs(add_c=1) if (dname, layout) in c.variants]
     named = [c for c in cands if c.name == peer_route.ADD_KERNEL]
     preferred = [c for c in cands if c.name in peer_route.PREFERRED]
-    same = [c for c in cands if (c.tile_m, c.tile_n) == tuple(tile)]
+    same = [c for c in cands if (c.tile_m, c.tile_n) == (plain.tile_m, plain.tile_n)]
     pick = (named or preferred or same or cands)[0]
     add = lib.config_index(pick.name, dtype, layout)
+    first = lib.config_index(plain.name, dtype, layout)
     rounds = rounds_for(collective, rows_total, world)
     assert rounds is not None, "make_launch needs a call that unsupported() accepts"
     rows = rows_total // (world * rounds)
+    swizzle = min(kernels.unpadded_swizzle(rows, n, c.tile_m, c.tile_n, c.cluster_m, c.cluster_n, swizzle)
+                  for c in (plain, pick))
     tiles = -(-rows // pick.tile_m) * -(-n // pick.tile_n)
     sm_count = grid_ctas(tiles)
-    ws = max(lib.workspace_bytes(plain, rows, n, k, sm_count, raster, swizzle),
+    ws = max(lib.workspace_bytes(first, rows, n, k, sm_count, raster, swizzle),
              lib.workspace_bytes(add, rows, n, k, sm_count, raster, swizzle))
     pieces = rounds * (world - 1) + (rounds if collective == "all_reduce" else 0)
     need = pieces * rows * n * dtype.itemsize
     desc = (f"{collective} rows={rows_total} n={n} k={k} {dname}: ring route, {world} ranks x {rounds} rounds of "
-            f"{rows} rows, GEMM steps {pick.name}, {sm_count} CTAs")
+            f"{rows} rows, GEMM steps {plain.name} / {pick.name} at swizzle {swizzle}, {sm_count} CTAs")
     log.info("flashoverlap: launch %s", desc)
     t = RingArgs()
-    t.config_first, t.config_add = plain, add
+    t.config_first, t.config_add = first, add
     t.n, t.k, t.rows, t.rounds, t.world, t.rank = n, k, rows, rounds, world, rank
     t.all_reduce, t.elem_bytes, t.sm_count = int(collective == "all_reduce"), dtype.itemsize, sm_count
-    return RingLaunch(collective, rows, rounds, world, need, sm_count, ws, desc, t)
+    return RingLaunch(collective, rows, rounds, world, swizzle, need, sm_count, ws, desc, t)
 
 
 def execute(launch: RingLaunch, ws: RingWorkspace, a: torch.Tensor, b: torch.Tensor, ldb: int,
@@ -254,7 +259,7 @@ def execute(launch: RingLaunch, ws: RingWorkspace, a: torch.Tensor, b: torch.Ten
     for d, s in enumerate(f.pulls):
         p.pull_streams[d] = s.cuda_stream
     p.expected, p.out, p.ld_out = f.expected.data_ptr(), out2.data_ptr(), out2.stride(0)
-    p.signal_mode, p.raster, p.swizzle = signal_mode, raster, swizzle
+    p.signal_mode, p.raster, p.swizzle = signal_mode, raster, launch.swizzle  # the launch's, not ``swizzle``
     p.gate_in_kernel = int(peer_route.GATE == "kernel")
     p.workspace = workspace_t.data_ptr() if workspace_t is not None else None
     p.workspace_bytes = launch.workspace_bytes

@@ -119,9 +119,9 @@ def _make(collective: str, opnd: Operands, group: dist.ProcessGroup, res: stream
                             rt.sm_reserve(res.name, rt.SM_RESERVE, rt.nccl_max_ctas(group)))
 
     if ring:
-        return (ring_route.make_launch(collective, rows, n, k, a.dtype, group.rank(), world, plain,
-                                       (choice.tile_m, choice.tile_n), grid, rt.SWIZZLE, kernels.RASTERS[rt.RASTER],
-                                       choice.b_layout), choice)
+        return (ring_route.make_launch(collective, rows, n, k, a.dtype, group.rank(), world,
+                                       kernels.config_info(choice.name), grid, rt.SWIZZLE,
+                                       kernels.RASTERS[rt.RASTER], choice.b_layout), choice)
     tile = (choice.tile_m, choice.tile_n)
     return (peer_route.make_launch(collective, rows, n, k, a.dtype, group.rank(), plain, tile, res, grid, rt.SWIZZLE,
                                    kernels.RASTERS[rt.RASTER], choice.b_layout, a.device), choice)

@@ -80,7 +80,12 @@ def main() -> None:
             t_mm = _time_local(lambda x=x: torch.mm(x, w.t()))
             t_plain = _time_local(lambda x=x: kernels.signal_gemm(x, w.t()))
             t_add = _time_local(lambda x=x, c=c: kernels.signal_gemm(x, w.t(), config=add, addend=c))
-            print(f"step {rows}x{n}x{k}: torch.mm {t_mm:.3f}  plain {t_plain:.3f}  {add} {t_add:.3f} ms", flush=True)
+            info = kernels.config_info(add)
+            s = kernels.unpadded_swizzle(rows, n, info.tile_m, info.tile_n, info.cluster_m, info.cluster_n,
+                                         kernels.DEFAULT_SWIZZLE)
+            t_uns = _time_local(lambda x=x, c=c, s=s: kernels.signal_gemm(x, w.t(), config=add, addend=c, swizzle=s))
+            print(f"step {rows}x{n}x{k}: torch.mm {t_mm:.3f}  plain {t_plain:.3f}  {add} {t_add:.3f} ms; at "
+                  f"swizzle {s}: {t_uns:.3f} ms", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
