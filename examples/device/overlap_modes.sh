@@ -6,10 +6,12 @@
 #       kind="nvidia-h200-x4")
 # Knobs: FO_SHAPES4 / FO_SHAPES2 (bench --shapes), FO_VARIANTS (bench --fused-variants), FO_ARGS (more bench
 # flags), FO_TUNE=1 (tuner after the benchmarks), FO_SKIP ("tests bench2 bench4"), FO_BUDGET_S (default 560),
-# FO_B2_BUDGET_S (the 2-GPU benchmark's --time-budget-s, default 240), FO_TESTS (test files, default the three
+# FO_B2_BUDGET_S (the 2-GPU benchmark's --time-budget-s, default 240), FO_TESTS (test files, default the four
 # GPU test files), FO_SHAPES2X (shapes of a second 2-GPU benchmark after the first, all_reduce and reduce_scatter,
 # no variants: bench_w2x.json), FO_DEMO=1 (the README's demo on 2 GPUs at the end: demo.log), FO_DEMO_RO=1 (the demo
 # with --mode reduce-overhead: demo_ro.log), FO_DEMO_ARGS (more demo flags, both runs).
+# The ring route on 4 GPUs, beside the NCCL route: FO_VARIANTS="tiles/direct,tiles/peer////ring1,tiles/peer////ring2,
+# tiles/peer////ring4" (bench_ops.with_mode).
 set -uo pipefail
 source examples/device/setup_env.sh
 END=$((SECONDS + ${FO_BUDGET_S:-560}))
@@ -31,7 +33,7 @@ fi
 pids=()
 if [[ "$SKIP" != *" tests "* ]]; then
   TESTS=()
-  for t in ${FO_TESTS:-test_gpu_ops.py test_gpu_kernels.py test_gpu_peer.py}; do TESTS+=("$REPO/tests/$t"); done
+  for t in ${FO_TESTS:-test_gpu_ops.py test_gpu_kernels.py test_gpu_peer.py test_gpu_ring.py}; do TESTS+=("$REPO/tests/$t"); done
   (CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 -m pytest -q -rs -p no:cacheprovider "${TESTS[@]}" \
      >"$OUT/gpu_tests.log" 2>&1
    echo "gpu pytest rc=$?" >>"$OUT/gpu_tests.log") &
