@@ -197,12 +197,13 @@ FO_API int fo_peer_call(const fo_peer_args* args);
  * all_reduce, per round t: after step world - 1 every other rank's ready flag (t, r) gets 1; pull stream d (peer
  * p = (r + d) % world) waits for this rank's ready flag (t, p) and copies p's own piece t into out (the copy engine
  * reads it over NVLink) while the next round computes; the side stream copies this rank's own piece t into out.
- * Each pull stream ends by adding 1 to p's done flag; cur joins every stream and waits until all world - 1 peers
- * have read this rank's own pieces. reduce_scatter ends with one flag each way: tell rank r + 1 that its pushes
- * have been read, wait for rank r - 1's word that ours have.
+ * cur then joins every stream and ends with a barrier: it adds 1 to every other rank's done flag and waits for
+ * world - 1 adds to its own, so no rank reads any region of the call any more (whatever layout a call of another
+ * shape gives the same workspace next). reduce_scatter ends with one flag each way: tell rank r + 1 that its pushes
+ * have been read (its slots here, read only by this rank's steps), wait for rank r - 1's word that ours have.
  * One set of buffers serves every call (graph replay safe), as for fo_peer_call: every region one rank writes and
- * another reads is rewritten by call i + 1 only after a flag proves call i's reader is done (all_reduce: the done
- * flags follow each reader's last GEMM step and last pull in stream order; reduce_scatter: the final exchange).
+ * another reads is rewritten by call i + 1 only after a flag proves call i's reader is done (all_reduce: the
+ * barrier follows every rank's last GEMM step, pulls and copy; reduce_scatter: the final exchange).
  * Buffers: buffers[p] is rank p's workspace mapped here (buffers[rank] local): rounds * (world - 1) slots, then
  * rounds own pieces, each rows * n elements, contiguous. flags[p]: rank p's ring flag area (FO_RING_FLAGS ints,
  * zeroed once); expected: this rank's epochs (FO_RING_FLAGS device ints). Flag indices: arrival (t, s) at

@@ -192,9 +192,6 @@ int gather_round(fo_ring_args const& p, RingEvents& ev, int t, cudaStream_t cur)
       rc = copy_rows(lay.out_rows(lay.first_row(peer, t)), p.ld_out, lay.own_piece(peer, t), p.n, 0, p.rows, p.n,
                      p.elem_bytes, pull);
     }
-    if (rc == 0 && t == p.rounds - 1) {  // the last read of peer's pieces: tell it
-      rc = launch_wait(nullptr, nullptr, 0, 0, nullptr, 0, pull, p.flags[peer] + fi.ar_done());
-    }
   }
   return rc;
 }
@@ -248,7 +245,13 @@ FO_API int fo_ring_call(const fo_ring_args* args) {
     }
     if (rc == 0) rc = rc_join;
   }
-  if (rc == 0) {  // every peer has read this rank's own pieces (and, before that, its slots: their last step)
+  if (rc == 0) {  // a barrier: this rank's reads are all done (joined); tell every peer, wait for all of theirs
+    NotifyList list{};
+    for (int d = 1; d < p.world; ++d) list.flag[list.n++] = p.flags[(p.rank + d) % p.world] + fi.ar_done();
+    notify_list_kernel<<<1, 1, 0, cur>>>(list);
+    rc = cuda_check(cudaGetLastError(), "ring notify kernel");
+  }
+  if (rc == 0) {  // then no rank reads any region of call i any more, whatever layout call i + 1 gives them
     rc = launch_wait(p.flags[p.rank] + fi.ar_done(), p.expected + fi.ar_done(), p.world - 1, timeout, p.error_record,
                      kTagDone, cur, nullptr);
   }

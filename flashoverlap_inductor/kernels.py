@@ -44,7 +44,8 @@ DEFAULT_SWIZZLE = 4
 
 def _cutlass_log_swizzle(tiles_m: int, tiles_n: int, swizzle: int) -> int:
     """The log2 swizzle CUTLASS's sm90 persistent scheduler takes for a maximum of ``swizzle``
-    (``get_log_swizzle_size``: 8 needs >= 6 tiles along both dimensions, 4 needs 3, 2 needs 2)."""
+    (``get_log_swizzle_size``, given the tile counts already rounded up to the cluster shape: 8 needs >= 6 along
+    both dimensions, 4 needs 3, 2 needs 2)."""
     least = min(tiles_m, tiles_n)
     for log, need in ((3, 6), (2, 3), (1, 2)):
         if swizzle >= 1 << log and least >= need:
@@ -65,7 +66,7 @@ def unpadded_swizzle(m: int, n: int, tile_m: int, tile_n: int, cluster_m: int, c
 
     s = max(1, swizzle)
     while s > 1:
-        unit = 1 << _cutlass_log_swizzle(tm, tn, s)
+        unit = 1 << _cutlass_log_swizzle(padded(tm, cluster_m), padded(tn, cluster_n), s)
         if padded(tm, unit * cluster_m) == padded(tm, cluster_m) and padded(tn, unit * cluster_n) == padded(tn,
                                                                                                          cluster_n):
             break

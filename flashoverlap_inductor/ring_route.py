@@ -14,11 +14,12 @@ of ``rows = M / (world * rounds)`` rows; piece ``(c, t)`` holds rows ``c * M / w
   output, or, for all_reduce, this rank's symmetric ``own`` piece, which every other rank's copy engine then pulls
   (while the next round computes; hence ``rounds`` > 1 for all_reduce).
 
-Every step waits for the push it adds (a flag per step, acquired before each tile's C load), so the ring runs at the
-pace of its slowest rank. As in the peer route, one set of buffers serves every call (a call replayed from a CUDA
-graph needs no host state): flags at the end of each call prove that every reader is done (the argument is in
-``csrc/flashoverlap_sm90.h``). Sums are rounded to the output dtype after every step, as NCCL's ring rounds after
-every hop.
+Every step waits for the push it adds (a flag per step, acquired before each tile's C load, or by a wait kernel
+with ``peer_route.GATE = "wait"``), so the ring runs at the pace of its slowest rank. As in the peer route, one set
+of buffers serves every call (a call replayed from a CUDA graph needs no host state): flags at the end of each call
+prove that every reader is done -- for all_reduce a barrier of all ranks, so a call of another shape may lay its
+pieces out differently in the same workspace (the argument is in ``csrc/flashoverlap_sm90.h``). Sums are rounded
+to the output dtype after every step, as NCCL's ring rounds after every hop.
 
 Status: measured on 2 GPUs only (where it runs as ``FLASHOVERLAP_RING=all``; the default there is the peer route).
 Not measured on 4 or more GPUs, for want of a machine: off by default (``RING = "off"``); ``"wide"`` turns it on for
@@ -197,6 +198,7 @@ class RingLaunch:
     rounds: int
     world: int
     swizzle: int  # the steps' swizzle (``kernels.unpadded_swizzle`` of the runtime's at the piece's rows)
+    raster: int  # the steps' raster (the workspace size was computed for it)
     need: int  # workspace bytes per rank
     sm_count: int
     workspace_bytes: int
@@ -237,7 +239,7 @@ def make_launch(collective: str, rows_total: int, n: int, k: int, dtype: torch.d
     t.config_first, t.config_add = first, add
     t.n, t.k, t.rows, t.rounds, t.world, t.rank = n, k, rows, rounds, world, rank
     t.all_reduce, t.elem_bytes, t.sm_count = int(collective == "all_reduce"), dtype.itemsize, sm_count
-    return RingLaunch(collective, rows, rounds, world, swizzle, need, sm_count, ws, desc, t)
+    return RingLaunch(collective, rows, rounds, world, swizzle, raster, need, sm_count, ws, desc, t)
 
 
 def execute(launch: RingLaunch, ws: RingWorkspace, a: torch.Tensor, b: torch.Tensor, ldb: int,
@@ -259,7 +261,8 @@ def execute(launch: RingLaunch, ws: RingWorkspace, a: torch.Tensor, b: torch.Ten
     for d, s in enumerate(f.pulls):
         p.pull_streams[d] = s.cuda_stream
     p.expected, p.out, p.ld_out = f.expected.data_ptr(), out2.data_ptr(), out2.stride(0)
-    p.signal_mode, p.raster, p.swizzle = signal_mode, raster, launch.swizzle  # the launch's, not ``swizzle``
+    p.signal_mode, p.raster, p.swizzle = signal_mode, launch.raster, launch.swizzle  # the launch's, not the args'
+
     p.gate_in_kernel = int(peer_route.GATE == "kernel")
     p.workspace = workspace_t.data_ptr() if workspace_t is not None else None
     p.workspace_bytes = launch.workspace_bytes

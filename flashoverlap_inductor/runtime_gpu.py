@@ -284,7 +284,8 @@ def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor |
         res.raise_if_timed_out()
     layout = b_layout(opnd.b)
     key = (collective, plan, rows, n, k, a.dtype, world, rank, send_rows, recv_rows, res.index, layout,
-           getattr(group, "group_name", id(group)), SIGNAL_MODE, SWIZZLE, SM_RESERVE, GEMM_GRID, KERNEL, ROW_ORDER)
+           getattr(group, "group_name", id(group)), SIGNAL_MODE, SWIZZLE, RASTER, SM_RESERVE, GEMM_GRID, KERNEL,
+           ROW_ORDER)
     capturing = torch.cuda.is_current_stream_capturing()
     if peer_route.TRANSPORT == "peer":
         out = run_peer(collective, opnd, out_shape, group, res, key, layout, capturing)  # None: the NCCL route

@@ -126,7 +126,7 @@ def test_workspaces_map_every_rank_and_execute_passes_them(monkeypatch):
 
     monkeypatch.setattr(streams, "kernel_lib", lambda: types.SimpleNamespace(lib=Lib(), check=lambda rc, what: None))
     rows, n, k = 512, 64, 32
-    launch = ring_route.RingLaunch("all_reduce", rows // (world * 2), 2, world, 2, 0, 132, 0, "test",
+    launch = ring_route.RingLaunch("all_reduce", rows // (world * 2), 2, world, 2, 1, 0, 132, 0, "test",
                                    ring_route.RingArgs())
     res = types.SimpleNamespace(record=torch.zeros(4), side=types.SimpleNamespace(cuda_stream=5))
     a, b = torch.randn(rows, k), torch.randn(k, n)
@@ -144,9 +144,10 @@ def test_workspaces_map_every_rank_and_execute_passes_them(monkeypatch):
 
 def test_unpadded_swizzle_keeps_cutlass_from_padding_the_tile_grid():
     """128x256 tiles in 2x1 clusters at swizzle 4: CUTLASS rounds the tile-rows up to swizzle x cluster_m, so 512
-    rows (4 tile-rows) would run 8 and 256 rows (2) would run 4; 1024 rows and more keep swizzle 4."""
+    rows (4 tile-rows) would run 8, 256 rows (2) 4 and 128 rows (1, 2 with the cluster) 4 too; 1024 rows and more
+    keep swizzle 4."""
     u = kernels.unpadded_swizzle
-    assert [u(m, 8192, 128, 256, 2, 1, 4) for m in (256, 512, 1000, 1024, 2048)] == [1, 2, 4, 4, 4]
+    assert [u(m, 8192, 128, 256, 2, 1, 4) for m in (128, 256, 512, 1000, 1024, 2048)] == [1, 1, 2, 4, 4, 4]
     assert u(512, 8192, 128, 256, 1, 1, 4) == 4  # 4 tile-rows are a multiple of 4 x 1
     assert u(8192, 768, 128, 256, 1, 2, 4) == 2  # 3 tile-columns: the 1x2 cluster pads to 4 anyway, 4 x 2 to 8
     assert u(5120, 8192, 128, 256, 1, 1, 8) == 8 and u(4992, 8192, 128, 256, 1, 1, 8) == 1  # 40 and 39 tile-rows
