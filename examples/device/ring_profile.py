@@ -19,11 +19,16 @@ import torch.distributed as dist
 from flashoverlap_inductor import kernels, ops, peer_route, ring_route, runtime_gpu
 
 
-def _time(fn, calls: int = 20, samples: int = 5) -> float:
-    """ms per call, median over samples of ``calls`` back-to-back calls."""
+def _time(fn, calls: int = 20, samples: int = 5, collective: bool = True) -> float:
+    """ms per call, median over samples of ``calls`` back-to-back calls (``collective``: every rank calls, each
+    sample starts after a barrier; else one rank times a local kernel, after 3 warm-up calls)."""
     out = []
+    if not collective:
+        for _ in range(3):
+            fn()
     for _ in range(samples):
-        dist.barrier()
+        if collective:
+            dist.barrier()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -77,30 +82,18 @@ def main() -> None:
         for rows in (256, 512, 1024, 2048):
             x = a[:rows]
             c = torch.randn(rows, n, device="cuda").bfloat16()
-            t_mm = _time_local(lambda x=x: torch.mm(x, w.t()))
-            t_plain = _time_local(lambda x=x: kernels.signal_gemm(x, w.t()))
-            t_add = _time_local(lambda x=x, c=c: kernels.signal_gemm(x, w.t(), config=add, addend=c))
+            t_mm = _time(lambda x=x: torch.mm(x, w.t()), collective=False)
+            t_plain = _time(lambda x=x: kernels.signal_gemm(x, w.t()), collective=False)
+            t_add = _time(lambda x=x, c=c: kernels.signal_gemm(x, w.t(), config=add, addend=c), collective=False)
             info = kernels.config_info(add)
             s = kernels.unpadded_swizzle(rows, n, info.tile_m, info.tile_n, info.cluster_m, info.cluster_n,
                                          kernels.DEFAULT_SWIZZLE)
-            t_uns = _time_local(lambda x=x, c=c, s=s: kernels.signal_gemm(x, w.t(), config=add, addend=c, swizzle=s))
+            t_uns = _time(lambda x=x, c=c, s=s: kernels.signal_gemm(x, w.t(), config=add, addend=c, swizzle=s),
+                          collective=False)
             print(f"step {rows}x{n}x{k}: torch.mm {t_mm:.3f}  plain {t_plain:.3f}  {add} {t_add:.3f} ms; at "
                   f"swizzle {s}: {t_uns:.3f} ms", flush=True)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _time_local(fn, calls: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls
 
 
 if __name__ == "__main__":
