@@ -1,6 +1,11 @@
 """Diagnostic: the host time of one fused op on the peer route (2 ranks; run with torchrun --nproc_per_node=2).
 
     torchrun --nproc_per_node=2 examples/device/peer_host_profile.py [--shape 2048x4096x4096] [--calls 400]
+    torchrun --nproc_per_node=2 examples/device/peer_host_profile.py --backend gloo   # both ranks on one GPU
+
+With ``--backend gloo`` the ranks may share one GPU (rank r on GPU r % count; torch's symmetric memory with
+``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``): the host columns hold, the back-to-back times do not (the ranks
+time-slice the GPU), and the rows that need NCCL are left out.
 
 Prints, per op, the mean host time per call (microseconds) with the GPU kept busy by a spin kernel (so the host
 never waits for it), next to ``torch.mm`` + the NCCL collective, then the steady-state time per call of back-to-back
@@ -71,11 +76,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="2048x4096x4096")
     ap.add_argument("--calls", type=int, default=400)
+    ap.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
     args = ap.parse_args()
     rank = int(os.environ["RANK"])
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
-    dist.all_reduce(torch.ones(1, device="cuda"))
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    if args.backend == "gloo":
+        os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("nccl", device_id=device)
+    dist.all_reduce(torch.ones(1, device="cuda" if args.backend == "nccl" else "cpu"))
     m, n, k = (int(x) for x in args.shape.split("x"))
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
@@ -90,6 +101,8 @@ def main() -> None:
         "mm + reduce_scatter": lambda: dist.reduce_scatter_tensor(out_rs, torch.mm(a, b)),
         "mm alone": lambda: torch.mm(a, b),
     }
+    if args.backend == "gloo":
+        fns = {label: fn for label, fn in fns.items() if not label.startswith("mm +")}
 
     def host_us(fn) -> float:
         return tm.host_us(fn, args.calls, spin_ms=20.0, sync=dist.barrier)

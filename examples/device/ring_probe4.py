@@ -1,13 +1,18 @@
-"""Correctness of the ring route with more ranks than GPUs: ``--world`` processes (default 4) share the visible GPUs
-(rank r on GPU r % count), joined by a gloo group; torch's symmetric memory maps every rank's buffers into every
-process (``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``). Ranks on one GPU time-slice it, so the flags between their
-GEMM steps cross contexts and timings mean nothing here: this checks the schedule, the slots and the flags of a
-4-rank ring (which chunk each step computes, where it pushes, which flags it waits on), not speed.
+"""Correctness of the ring route (and of the two-rank peer route) with more ranks than GPUs: ``--world`` processes
+(default 4) share the visible GPUs (rank r on GPU r % count; one GPU serves), joined by a gloo group; torch's
+symmetric memory maps every rank's buffers into every process (``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``). Ranks
+on one GPU time-slice it, so the flags between their GEMM steps cross contexts and timings mean nothing here: this
+checks the schedule, the slots and the flags of a ring of any size (which chunk each step computes, where it pushes,
+which flags it waits on), not speed.
 
-Each case runs ``torch.ops.flashoverlap`` with ``FLASHOVERLAP_RING=all`` three times on fresh random data (the
-flags' epochs advance between calls) into NaN-filled outputs and compares with the fp64 sum of all ranks' GEMMs.
+Stage 1: each case runs ``torch.ops.flashoverlap`` three times on fresh random data (the flags' epochs advance
+between calls), synchronizing after each, and compares with the fp64 sum of all ranks' GEMMs. Stage 2 ("queued"):
+``--queued`` passes over every case back to back with no synchronization between calls, so calls of different
+shapes, collectives, rounds and gates lay their pieces out differently in one workspace while earlier calls may
+still be read by other ranks; checked after one synchronization per pass. ``--route ring`` (default) runs with
+``FLASHOVERLAP_RING=all``; ``--route peer`` with it off (the two-rank peer route; ``--world 2``).
 
-    python examples/device/ring_probe4.py [--world 4] [--out DIR]
+    python examples/device/ring_probe4.py [--world 4] [--route ring|peer] [--queued 2] [--out DIR]
 
 Prints one line per case and rank; exits 1 on any mismatch, timeout or error.
 """
@@ -38,9 +43,30 @@ def _inputs(seed: int, rank: int, rows: int, n: int, k: int, bias: bool, device:
     return a, w.t(), c
 
 
-def worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _reference(seed: int, rank: int, world: int, op: str, rows: int, n: int, k: int, bias: bool,
+               device: torch.device) -> torch.Tensor:
+    """What ``rank``'s output must be: the fp64 sum over ranks of A @ B (+ bias); reduce_scatter's chunk of it."""
+    ys = []
+    for r in range(world):
+        ar, br, cr = _inputs(seed, r, rows, n, k, bias, device)
+        y = ar.double() @ br.double()
+        ys.append(y + cr.double() if cr is not None else y)
+    return sum(ys) if op == "all_reduce" else sum(ys).chunk(world)[rank]
+
+
+def _call(op: str, a, b, c, world: int, name: str) -> torch.Tensor:
+    if op == "all_reduce":
+        return torch.ops.flashoverlap.gemm_all_reduce(a, b, c, "sum", name, "auto")
+    return torch.ops.flashoverlap.gemm_reduce_scatter(a, b, c, "sum", world, name, "auto")
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def worker(rank: int, world: int, port: int, out_dir: str, route: str, queued: int) -> None:
     os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
-    os.environ["FLASHOVERLAP_RING"] = "all"
+    os.environ["FLASHOVERLAP_RING"] = "all" if route == "ring" else "off"
     import torch.distributed as dist
 
     device = torch.device("cuda", rank % torch.cuda.device_count())
@@ -52,6 +78,7 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     config.wait_timeout_ms = 60000.0  # time-sliced GPUs: a flag may wait for another context's turn
     results, ok = [], True
     name = dist.group.WORLD.group_name
+    counter = f"route:{route}"
     for i, (op, rows, n, k, rounds, gate, bias) in enumerate(CASES):
         ring_route.ROUNDS, peer_route.GATE = rounds, gate
         runtime_gpu.reset()
@@ -59,22 +86,13 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
             seed = 1000 * i + call
             try:
                 a, b, c = _inputs(seed, rank, rows, n, k, bias, device)
-                if op == "all_reduce":
-                    out = torch.ops.flashoverlap.gemm_all_reduce(a, b, c, "sum", name, "auto")
-                else:
-                    out = torch.ops.flashoverlap.gemm_reduce_scatter(a, b, c, "sum", world, name, "auto")
+                out = _call(op, a, b, c, world, name)
                 torch.cuda.synchronize()
                 runtime_gpu.check()
-                ys = []
-                for r in range(world):
-                    ar, br, cr = _inputs(seed, r, rows, n, k, bias, device)
-                    y = ar.double() @ br.double()
-                    ys.append(y + cr.double() if cr is not None else y)
-                ref = sum(ys) if op == "all_reduce" else sum(ys).chunk(world)[rank]
-                err = ((out.double() - ref).norm() / ref.norm()).item()
-                good = bool(torch.isfinite(out).all()) and err < 1.5e-2 and runtime_gpu.stats["route:ring"] == call + 1
+                err = _rel_err(out, _reference(seed, rank, world, op, rows, n, k, bias, device))
+                good = bool(torch.isfinite(out).all()) and err < 1.5e-2 and runtime_gpu.stats[counter] == call + 1
                 line = {"case": i, "call": call, "op": op, "shape": [rows, n, k], "rounds": rounds, "gate": gate,
-                        "rank": rank, "rel_err": err, "ring_calls": runtime_gpu.stats["route:ring"], "ok": good}
+                        "rank": rank, "rel_err": err, "route_calls": runtime_gpu.stats[counter], "ok": good}
             except Exception:  # noqa: BLE001 - reported per case
                 line = {"case": i, "call": call, "op": op, "rank": rank, "ok": False, "error": traceback.format_exc()}
                 good = False
@@ -83,7 +101,8 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
             results.append(line)
             print(json.dumps(line), flush=True)
             dist.barrier()
-    with open(os.path.join(out_dir, f"ring_probe4_rank{rank}.json"), "w") as f:
+    ok &= _queued(rank, world, name, device, counter, queued, results)
+    with open(os.path.join(out_dir, f"ring_probe4_{route}{world}_rank{rank}.json"), "w") as f:
         json.dump({"ok": ok, "results": results}, f, indent=1)
     dist.barrier()
     peer_route.reset()
@@ -92,15 +111,58 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
         sys.exit(1)
 
 
+def _queued(rank: int, world: int, name: str, device: torch.device, counter: str, passes: int,
+            results: list) -> bool:
+    """Stage 2: ``passes`` passes over every case, the calls of a pass queued back to back (no synchronization, no
+    reset: each call of another shape reuses the workspace with another layout), checked after the pass."""
+    import torch.distributed as dist
+
+    from flashoverlap_inductor import peer_route, ring_route, runtime_gpu
+
+    ok = True
+    for p in range(passes):
+        before = runtime_gpu.stats[counter]
+        outs = []
+        try:
+            for i, (op, rows, n, k, rounds, gate, bias) in enumerate(CASES):
+                ring_route.ROUNDS, peer_route.GATE = rounds, gate
+                seed = 50000 + 100 * p + i
+                outs.append((i, op, rows, n, k, bias, seed, _call(op, *_inputs(seed, rank, rows, n, k, bias, device),
+                                                                  world, name)))
+            torch.cuda.synchronize()
+            runtime_gpu.check()
+            routed = runtime_gpu.stats[counter] - before
+            for i, op, rows, n, k, bias, seed, out in outs:
+                err = _rel_err(out, _reference(seed, rank, world, op, rows, n, k, bias, device))
+                good = bool(torch.isfinite(out).all()) and err < 1.5e-2 and routed == len(CASES)
+                line = {"queued_pass": p, "case": i, "op": op, "shape": [rows, n, k], "rank": rank, "rel_err": err,
+                        "routed": routed, "ok": good}
+                ok &= good
+                results.append(line)
+                print(json.dumps(line), flush=True)
+        except Exception:  # noqa: BLE001 - reported per pass
+            line = {"queued_pass": p, "rank": rank, "ok": False, "error": traceback.format_exc()}
+            ok = False
+            results.append(line)
+            print(json.dumps(line), flush=True)
+            peer_route.reset()
+        dist.barrier()
+    return ok
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--route", choices=("ring", "peer"), default="ring")
+    ap.add_argument("--queued", type=int, default=2, help="passes of stage 2 (0: none)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.spawn(worker, args=(args.world, port, args.out), nprocs=args.world, join=False)
+    if args.route == "peer" and args.world != 2:
+        ap.error("--route peer needs --world 2")
+    ctx = mp.spawn(worker, args=(args.world, port, args.out, args.route, args.queued), nprocs=args.world, join=False)
     try:
         while not ctx.join():
             pass

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# What one GPU can check of the multi-rank routes, < 9.5 min on one nvidia-h200 (or nvidia-h100-x1) machine: the
+# kernel tests, then the routes' correctness with several ranks as processes on the one GPU (gloo group, torch's
+# symmetric memory mapping every rank's buffers; examples/device/ring_probe4.py): the peer route on 2 ranks, the ring
+# on 2, 3 and 4, each with its queued stage of mixed shapes back to back; then the host time of one fused call on
+# 2 ranks (examples/device/peer_host_profile.py --backend gloo). Timings of the ranks' GPU work mean nothing here.
+#   run(command="bash examples/device/one_gpu_session.sh", carry=["build/libflashoverlap_sm90.so"],
+#       kind="nvidia-h200")
+# Knobs: FO_SKIP ("tests probe host"), FO_PROBES (default "peer:2 ring:2 ring:3 ring:4"), FO_HOST_SHAPE
+# (default 2048x4096x4096), FO_OLD (a folder holding an older flashoverlap_inductor package, carried: the host
+# profile also runs with it, for a before/after in one run).
+set -uo pipefail
+source examples/device/setup_env.sh
+SKIP=" ${FO_SKIP:-} "
+export OMP_NUM_THREADS=4 FO_PG_TIMEOUT_S=120
+nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu,power.draw --format=csv >"$OUT/gpus.txt" 2>&1
+if [[ "$SKIP" != *" tests "* ]]; then
+  timeout 150 python3 -m pytest -q -rs -p no:cacheprovider "$REPO/tests/test_gpu_kernels.py" \
+    >"$OUT/gpu_tests.log" 2>&1
+  echo "gpu pytest rc=$?" >>"$OUT/gpu_tests.log"
+fi
+if [[ "$SKIP" != *" probe "* ]]; then
+  for spec in ${FO_PROBES:-peer:2 ring:2 ring:3 ring:4}; do
+    route=${spec%%:*}; world=${spec##*:}
+    timeout $((40 + 40 * world)) python3 "$REPO/examples/device/ring_probe4.py" --world "$world" --route "$route" \
+      --out "$OUT" >"$OUT/probe_${route}${world}.log" 2>&1
+    echo "probe $route world $world rc=$?" | tee -a "$OUT/probe_${route}${world}.log"
+  done
+fi
+if [[ "$SKIP" != *" host "* ]]; then
+  SHAPE=${FO_HOST_SHAPE:-2048x4096x4096}
+  timeout 90 python3 -m torch.distributed.run --standalone --nproc_per_node=2 \
+    "$REPO/examples/device/peer_host_profile.py" --backend gloo --shape "$SHAPE" >"$OUT/host_now.log" 2>&1
+  echo "host profile rc=$?" | tee -a "$OUT/host_now.log"
+  if [[ -n "${FO_OLD:-}" ]]; then
+    PYTHONPATH="$REPO/$FO_OLD${PYTHONPATH:+:$PYTHONPATH}" timeout 90 python3 -m torch.distributed.run --standalone \
+      --nproc_per_node=2 "$REPO/examples/device/peer_host_profile.py" --backend gloo --shape "$SHAPE" \
+      >"$OUT/host_old.log" 2>&1
+    echo "host profile (old package) rc=$?" | tee -a "$OUT/host_old.log"
+  fi
+fi
