@@ -29,10 +29,16 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-# (collective, rows, n, k, rounds, gate, bias): pieces of 128 .. 1024 rows, ragged n, both waits
-CASES = [("reduce_scatter", 2048, 1024, 512, 1, "kernel", False), ("all_reduce", 2048, 1024, 512, 2, "kernel", True),
+# (collective, rows at 4 ranks, n, k, rounds, gate, bias): pieces of 128 .. 1024 rows, ragged n, both waits. With
+# ``world`` ranks a case runs rows * world / 4 rows: the same pieces.
+CASES_W4 = [("reduce_scatter", 2048, 1024, 512, 1, "kernel", False), ("all_reduce", 2048, 1024, 512, 2, "kernel", True),
          ("all_reduce", 4096, 776, 328, 4, "kernel", False), ("reduce_scatter", 1024, 264, 128, 1, "wait", True),
          ("all_reduce", 1024, 512, 256, 2, "wait", False), ("all_reduce", 8192, 1024, 256, 2, "kernel", False)]
+
+
+def cases(world: int) -> list[tuple]:
+    """``CASES_W4`` for ``world`` ranks: rows scaled so every case cuts into the same pieces."""
+    return [(op, rows * world // 4, *rest) for op, rows, *rest in CASES_W4]
 
 
 def _inputs(seed: int, rank: int, rows: int, n: int, k: int, bias: bool, device: torch.device):
@@ -79,7 +85,7 @@ def worker(rank: int, world: int, port: int, out_dir: str, route: str, queued: i
     results, ok = [], True
     name = dist.group.WORLD.group_name
     counter = f"route:{route}"
-    for i, (op, rows, n, k, rounds, gate, bias) in enumerate(CASES):
+    for i, (op, rows, n, k, rounds, gate, bias) in enumerate(cases(world)):
         ring_route.ROUNDS, peer_route.GATE = rounds, gate
         runtime_gpu.reset()
         for call in range(3):
@@ -124,7 +130,7 @@ def _queued(rank: int, world: int, name: str, device: torch.device, counter: str
         before = runtime_gpu.stats[counter]
         outs = []
         try:
-            for i, (op, rows, n, k, rounds, gate, bias) in enumerate(CASES):
+            for i, (op, rows, n, k, rounds, gate, bias) in enumerate(cases(world)):
                 ring_route.ROUNDS, peer_route.GATE = rounds, gate
                 seed = 50000 + 100 * p + i
                 outs.append((i, op, rows, n, k, bias, seed, _call(op, *_inputs(seed, rank, rows, n, k, bias, device),
@@ -134,7 +140,7 @@ def _queued(rank: int, world: int, name: str, device: torch.device, counter: str
             routed = runtime_gpu.stats[counter] - before
             for i, op, rows, n, k, bias, seed, out in outs:
                 err = _rel_err(out, _reference(seed, rank, world, op, rows, n, k, bias, device))
-                good = bool(torch.isfinite(out).all()) and err < 1.5e-2 and routed == len(CASES)
+                good = bool(torch.isfinite(out).all()) and err < 1.5e-2 and routed == len(CASES_W4)
                 line = {"queued_pass": p, "case": i, "op": op, "shape": [rows, n, k], "rank": rank, "rel_err": err,
                         "routed": routed, "ok": good}
                 ok &= good
