@@ -13,7 +13,9 @@ table when it has them and the model's predictions otherwise. ``plan`` is return
 
 ``peer=True`` says the call will take the peer route (``flashoverlap_inductor.peer_route.takes``): where the data
 has a peer model for it (``peer.py``), ``fused`` is that model's time and the verdict needs no groups (``route``
-"peer"); the plan is still the NCCL route's, for a call that falls back to it at run time.
+"peer"); the plan is still the NCCL route's, for a call that falls back to it at run time. ``ring_rounds=R`` > 0
+says the call will take the ring route in ``R`` rounds (``flashoverlap_inductor.ring_route.takes``) and works the
+same way with the data's ring model (``ring.py``; ``route`` "ring").
 
 ``decide`` never raises for positive sizes and a known collective: problems it cannot fuse (indivisible rows,
 a dtype without data, a world of one rank) come back as ``fuse=False`` with the reason; times it cannot predict
@@ -46,20 +48,21 @@ class Decision:
     predicted_fused_ms: float
     predicted_seq_ms: float
     reason: str  # human-readable
-    route: str = "nccl"  # the fused path predicted_fused_ms is for: "nccl" (wave groups + NCCL) or "peer"
+    route: str = "nccl"  # the fused path predicted_fused_ms is for: "nccl" (wave groups + NCCL), "peer" or "ring"
 
 
 def decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int, *,
            device_name: str | None = None, input_split_sizes: Sequence[int] | None = None,
-           peer: bool = False, cuda_graphs: bool = False) -> Decision:
+           peer: bool = False, ring_rounds: int = 0, cuda_graphs: bool = False) -> Decision:
     """Decide fusion of ``[m, k] @ [k, n]`` followed by ``collective`` over ``world_size`` ranks.
 
     ``dtype``: torch dtype name without prefix ("bfloat16"). ``device_name``: ``torch.cuda.get_device_name()``
     (None = the default GPU, "NVIDIA H200"). ``input_split_sizes``: all_to_all's per-destination rows of this
-    rank (None = even splits; ignored for the other collectives). ``peer``: the call takes the peer route (see the
-    module docstring). ``cuda_graphs``: the call is replayed from a CUDA graph (the peer route's host floor does not
-    apply; if the graph is not made after all, the call runs eagerly and may be host-bound). Raises ``ValueError``
-    only for an unknown collective or non-positive sizes (and ``ConfigError`` for malformed data files).
+    rank (None = even splits; ignored for the other collectives). ``peer``: the call takes the peer route;
+    ``ring_rounds``: the rounds it takes the ring in (0: not the ring; see the module docstring). ``cuda_graphs``:
+    the call is replayed from a CUDA graph (the peer and ring routes' host floors do not apply; if the graph is not
+    made after all, the call runs eagerly and may be host-bound). Raises ``ValueError`` only for an unknown
+    collective or non-positive sizes (and ``ConfigError`` for malformed data files).
     """
     if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
@@ -71,7 +74,7 @@ def decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int,
         splits = tuple(int(x) for x in input_split_sizes)
     return _decide(collective, m, n, k, dtype, world_size, device_name, splits, registry.data_dir(),
                    float(config.min_gain_fraction), int(config.min_rows), int(config.all_to_all_default_groups),
-                   bool(peer), bool(cuda_graphs))
+                   bool(peer), int(ring_rounds), bool(cuda_graphs))
 
 
 def _ratio(fused: float, seq: float) -> str:
@@ -81,7 +84,7 @@ def _ratio(fused: float, seq: float) -> str:
 @functools.lru_cache(maxsize=4096)
 def _decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int, device_name: str | None,
             splits: tuple[int, ...] | None, directory: Path, min_gain: float, min_rows: int,
-            a2a_groups: int, peer: bool, cuda_graphs: bool) -> Decision:
+            a2a_groups: int, peer: bool, ring_rounds: int, cuda_graphs: bool) -> Decision:
     del directory  # part of the memo key: the data it names is read through registry (config.config_dir)
     tile_m, tile_n = DEFAULT_TILE
     single = GroupPlan(m, n, tile_m, tile_n, (0, m))
@@ -106,11 +109,17 @@ def _decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int
     tuned = None if splits is not None else registry.tuned_plan(device_name, model.gemm.sm_count, world_size,
                                                                  collective, dtype, m, n, k)
     plan, source = _choose_plan(model, tuned, collective, m, n, k, dtype, world_size, chunks, splits, a2a_groups)
-    peer_fused = model.peer_ms(collective, m, n, k, dtype, world_size, host_bound=not cuda_graphs) if peer else None
-    if peer_fused is not None:
-        return _peer_verdict(peer_fused, seq, m, plan, min_gain, min_rows, data_note)
-    if peer:
-        data_note += " [no peer-route model in the data: predicting the NCCL route]"
+    route = "ring" if ring_rounds > 0 else "peer" if peer else None
+    if route == "ring":
+        route_fused = model.ring_ms(collective, m, n, k, dtype, world_size, ring_rounds, host_bound=not cuda_graphs)
+    elif route == "peer":
+        route_fused = model.peer_ms(collective, m, n, k, dtype, world_size, host_bound=not cuda_graphs)
+    else:
+        route_fused = None
+    if route_fused is not None:
+        return _route_verdict(route, route_fused, seq, m, plan, min_gain, min_rows, data_note)
+    if route is not None:
+        data_note += f" [no {route}-route model in the data: predicting the NCCL route]"
     fused = model.fused(plan, collective, chunks, k, dtype, world_size).total_ms
     verdict_fused, verdict_seq, what = fused, seq, "predicted"
     if tuned is not None and plan is tuned.plan and tuned.measured_fused_ms and tuned.measured_seq_ms:
@@ -127,16 +136,17 @@ def _decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int
     return Decision(False, plan, fused, seq, f"declined: gain below min_gain_fraction={min_gain:g}; {summary}")
 
 
-def _peer_verdict(fused: float, seq: float, m: int, plan: GroupPlan, min_gain: float, min_rows: int,
-                  data_note: str) -> Decision:
-    summary = (f"predicted {fused:.3f} ms fused (peer route) vs {seq:.3f} ms sequential ({_ratio(fused, seq)})"
+def _route_verdict(route: str, fused: float, seq: float, m: int, plan: GroupPlan, min_gain: float, min_rows: int,
+                   data_note: str) -> Decision:
+    """The verdict for a call on the peer or ring route (no wave groups to check)."""
+    summary = (f"predicted {fused:.3f} ms fused ({route} route) vs {seq:.3f} ms sequential ({_ratio(fused, seq)})"
                f"{data_note}")
     if m < min_rows:
-        return Decision(False, plan, fused, seq, f"declined: M={m} rows < min_rows={min_rows}; {summary}", "peer")
+        return Decision(False, plan, fused, seq, f"declined: M={m} rows < min_rows={min_rows}; {summary}", route)
     if fused <= (1.0 - min_gain) * seq:
-        return Decision(True, plan, fused, seq, summary, "peer")
+        return Decision(True, plan, fused, seq, summary, route)
     return Decision(False, plan, fused, seq, f"declined: gain below min_gain_fraction={min_gain:g}; {summary}",
-                    "peer")
+                    route)
 
 
 def _choose_plan(model: CostModel, tuned: registry.TunedPlan | None, collective: str, m: int, n: int, k: int,

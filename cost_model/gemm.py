@@ -30,6 +30,7 @@ from typing import Any
 from flashoverlap_inductor.plan import tiles_per_group
 
 from .peer import PeerModel
+from .ring import RingModel
 from .schema import validate_gemm
 
 
@@ -52,6 +53,7 @@ class GemmModel:
     grid: str = "persistent"  # how the fused GEMM is launched ("persistent" or "tiles"; schema.py)
     group_overhead_ms: float = 0.0  # fixed cost of each group's wait + collective launch (CostModel.call_overhead_ms)
     peer: PeerModel | None = None  # the peer route's time model (cost_model/peer.py), where the data file has one
+    ring: RingModel | None = None  # the ring route's (cost_model/ring.py), likewise
     # the sequential baseline's collective ends this fraction of the GEMM time later than GEMM + collective alone,
     # per world size and collective (data file section "sequential"; 0 where absent)
     seq_skew: Mapping[int, Mapping[str, float]] = field(default_factory=dict)
@@ -80,6 +82,7 @@ class GemmModel:
             comm_slowdown=float(fused.get("comm_slowdown", 0.0)), grid=str(fused.get("grid", "persistent")),
             group_overhead_ms=float(fused.get("group_overhead_ms", 0.0)),
             peer=PeerModel.from_json(doc["peer"]) if "peer" in doc else None,
+            ring=RingModel.from_json(doc["ring"]) if "ring" in doc else None,
             seq_skew={int(w): {op: float(f) for op, f in per.items()}
                       for w, per in doc.get("sequential", {}).get("skew_fraction", {}).items()},
             anchor_rows=tuple(doc.get("anchor_rows", ())), source=f"{where}: {doc['source']}")

@@ -34,7 +34,7 @@ other settings of ``peer_route`` run variants it was not fitted to.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -99,21 +99,32 @@ def fit_terms(gemm: GemmModel, collective: str, rows: Sequence[tuple[int, int, i
               link_bytes_per_ms: float = math.inf) -> PeerTerms:
     """``gemm_factor``, ``fixed_ms`` (both >= 0) and ``link_efficiency`` (0.5 .. 1 by 0.05) that minimize the mean
     |predicted - measured| / measured over ``rows`` of ``(m, n, k, measured_ms)`` of one collective (without the
-    host floor): least absolute error, so one disturbed row does not move the fit. For each link efficiency and each
-    factor on a 0.002 grid over [0.5, 2], the best ``fixed_ms`` is a weighted median of ``measured - factor * x``
-    (weights 1 / measured)."""
+    host floor; ``fit_linear``)."""
     rows = [(m, n, k, ms) for m, n, k, ms in rows if ms > 0 and math.isfinite(ms)]
     if len(rows) < 2:
         raise ValueError(f"peer fit: need >= 2 measured rows, got {len(rows)}")
-    best: tuple[float, PeerTerms] | None = None
-    for eff in [1.0 - 0.05 * i for i in range(11)] if math.isfinite(link_bytes_per_ms) else [1.0]:
-        pts = [(gemms_ms(gemm, collective, m, n, k, dtype, link_bytes_per_ms * eff), ms) for m, n, k, ms in rows]
+    factor, fixed, eff = fit_linear(
+        lambda eff: [(gemms_ms(gemm, collective, m, n, k, dtype, link_bytes_per_ms * eff), ms) for m, n, k, ms in rows],
+        math.isfinite(link_bytes_per_ms))
+    return PeerTerms(factor, fixed, 0.0, eff)
+
+
+def fit_linear(points_at: Callable[[float], list[tuple[float, float]]], link_matters: bool = True
+               ) -> tuple[float, float, float]:
+    """``(factor, fixed, link_efficiency)`` minimizing the mean |factor * x + fixed - y| / y over
+    ``points_at(link_efficiency)`` = ``[(x, y), ...]`` (regressor and measured ms): least absolute error, so one
+    disturbed row does not move the fit. Link efficiencies 1.0 .. 0.5 by 0.05 (only 1.0 unless ``link_matters``);
+    for each, every factor on a 0.002 grid over [0.5, 2], the best ``fixed`` (>= 0) a weighted median of
+    ``y - factor * x`` (weights 1 / y). The route models' (peer, ring) one fitting procedure."""
+    best: tuple[float, tuple[float, float, float]] | None = None
+    for eff in [1.0 - 0.05 * i for i in range(11)] if link_matters else [1.0]:
+        pts = points_at(eff)
         for step in range(250, 1001):
             factor = step / 500
             fixed = max(0.0, _weighted_median([(y - factor * x, 1.0 / y) for x, y in pts]))
             cost = sum(abs(factor * x + fixed - y) / y for x, y in pts)
             if best is None or cost < best[0] - 1e-12:
-                best = (cost, PeerTerms(factor, fixed, 0.0, round(eff, 2)))
+                best = (cost, (factor, fixed, round(eff, 2)))
     assert best is not None
     return best[1]
 

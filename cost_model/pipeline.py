@@ -137,6 +137,16 @@ class CostModel:
             return None
         return peer.predict_ms(self.gemm, collective, m, n, k, dtype, self.link_bytes_per_ms(world_size), host_bound)
 
+    def ring_ms(self, collective: str, m: int, n: int, k: int, dtype: str, world_size: int, rounds: int,
+                host_bound: bool = True) -> float | None:
+        """The ring route's time (``ring.py``) in ``rounds`` rounds, in ms; None where the data has no ring terms for
+        this call. ``host_bound=False``: replayed from a CUDA graph (no host floor)."""
+        ring = self.gemm.ring
+        if ring is None or not ring.covers(collective, world_size):
+            return None
+        return ring.predict_ms(self.gemm, collective, m, n, k, dtype, world_size, rounds,
+                               self.link_bytes_per_ms(world_size), host_bound)
+
     def link_bytes_per_ms(self, world_size: int) -> float:
         """One direction's NVLink rate between two ranks, in bytes per ms: what NCCL's all_reduce moves per rank
         (``ring_traffic_factor`` bytes per input byte) at the curve's tail rate."""

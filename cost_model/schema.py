@@ -29,7 +29,9 @@ Three kinds of document live in the config directory (``configs/`` of the packag
   > 0, "fixed_ms": >= 0, "host_floor_ms": >= 0, "link_efficiency": (0, 1] (both optional)}}, "fit": {...},
   "note": "..."}`` (``peer.py``). ``sequential`` (optional): ``{"skew_fraction": {"<world size>": {"<collective>":
   0 .. 0.5}}, "fit": {...}, "note": "..."}``, the sequential baseline's time after its GEMM beyond the collective's
-  own, as a fraction of the GEMM time (``GemmModel.seq_skew_fraction``; ``tune fit --sequential``).
+  own, as a fraction of the GEMM time (``GemmModel.seq_skew_fraction``; ``tune fit --sequential``). ``ring``
+  (optional): the ring route's time model, ``{"worlds": {"<world size >= 2>": {"<collective>": terms as peer's}},
+  "fit": {...}, "note": "..."}`` (``ring.py``; ``tune fit --ring``).
 
 ``flashoverlap.plans/1`` (``configs/plans/*.json``): tuned plans that override the search::
 
@@ -186,6 +188,8 @@ def validate_gemm(doc: Any, where: str) -> dict[str, Any]:
         _validate_peer(doc["peer"], where)
     if "sequential" in doc:
         _validate_sequential(doc["sequential"], where)
+    if "ring" in doc:
+        _validate_ring(doc["ring"], where)
     rows = doc.get("anchor_rows", [])
     if not isinstance(rows, list):
         raise _fail(where, "anchor_rows", "expected a list")
@@ -226,19 +230,42 @@ def _validate_peer(peer: Any, where: str) -> None:
         raise _fail(where, "peer.world_size", "must be >= 2")
     if not isinstance(peer.get("fit", {}), dict):
         raise _fail(where, "peer.fit", "expected a JSON object")
-    colls = _require(peer, "collectives", dict, where, "peer")
+    _validate_route_terms(_require(peer, "collectives", dict, where, "peer"), where, "peer.collectives")
+
+
+def _validate_ring(ring: Any, where: str) -> None:
+    """The optional ``ring`` section (``cost_model/ring.py``): per world size >= 2 and collective, terms as the peer
+    section's."""
+    if not isinstance(ring, dict):
+        raise _fail(where, "ring", "expected a JSON object")
+    if not isinstance(ring.get("fit", {}), dict):
+        raise _fail(where, "ring.fit", "expected a JSON object")
+    for w, colls in _require(ring, "worlds", dict, where, "ring").items():
+        if not str(w).isdigit() or int(w) < 2:
+            raise _fail(where, f"ring.worlds.{w}", "world sizes are integers >= 2")
+        if not isinstance(colls, dict):
+            raise _fail(where, f"ring.worlds.{w}", "expected a JSON object")
+        _validate_route_terms(colls, where, f"ring.worlds.{w}")
+
+
+ROUTE_COLLECTIVES = ("all_reduce", "reduce_scatter")  # what the peer and ring routes run
+
+
+def _validate_route_terms(colls: dict[str, Any], where: str, path: str) -> None:
+    """Per collective of ``ROUTE_COLLECTIVES``: gemm_factor > 0, fixed_ms >= 0 and, if present, host_floor_ms >= 0
+    and 0 < link_efficiency <= 1 (``peer.PeerTerms``)."""
     for name, terms in colls.items():
-        if name not in COLLECTIVES:
-            raise _fail(where, f"peer.collectives.{name}", f"unknown collective; expected one of {COLLECTIVES}")
-        _positive(_require(terms, "gemm_factor", (int, float), where, f"peer.collectives.{name}"), where,
-                  f"peer.collectives.{name}.gemm_factor")
-        _positive(_require(terms, "fixed_ms", (int, float), where, f"peer.collectives.{name}"), where,
-                  f"peer.collectives.{name}.fixed_ms", allow_zero=True)
+        here = f"{path}.{name}"
+        if name not in ROUTE_COLLECTIVES:
+            raise _fail(where, here, f"not a collective of the route; expected one of {ROUTE_COLLECTIVES}")
+        if not isinstance(terms, dict):
+            raise _fail(where, here, "expected a JSON object")
+        _positive(_require(terms, "gemm_factor", (int, float), where, here), where, f"{here}.gemm_factor")
+        _positive(_require(terms, "fixed_ms", (int, float), where, here), where, f"{here}.fixed_ms", allow_zero=True)
         if "host_floor_ms" in terms:
-            _positive(terms["host_floor_ms"], where, f"peer.collectives.{name}.host_floor_ms", allow_zero=True)
-        if "link_efficiency" in terms and _positive(terms["link_efficiency"], where,
-                                                    f"peer.collectives.{name}.link_efficiency") > 1:
-            raise _fail(where, f"peer.collectives.{name}.link_efficiency", "must be <= 1")
+            _positive(terms["host_floor_ms"], where, f"{here}.host_floor_ms", allow_zero=True)
+        if "link_efficiency" in terms and _positive(terms["link_efficiency"], where, f"{here}.link_efficiency") > 1:
+            raise _fail(where, f"{here}.link_efficiency", "must be <= 1")
 
 
 def validate_plans(doc: Any, where: str) -> list[dict[str, Any]]:

@@ -278,7 +278,8 @@ def bench_shape(m: int, n: int, k: int, args: argparse.Namespace, ctx: dict[str,
     info: dict[str, dict[str, Any]] = {}
     for op in args.ops:
         d = decide(op, m, n, k, "bfloat16", world, device_name=gpu,
-                   peer=peer_route.takes(op, m, n, k, torch.bfloat16, world))
+                   peer=peer_route.takes(op, m, n, k, torch.bfloat16, world),
+                   ring_rounds=ring_route.takes(op, m, n, k, torch.bfloat16, world))
         info[op] = {"decision": d, "plan": d.plan.to_str()}
         coll_out = out_a2a if op == "all_to_all" else out_rs
         variants[f"{op}:comm"] = collective_into(op, src, coll_out)

@@ -66,8 +66,9 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
     row["graph_speedup"] = tm.speedup(row.get("seq_graph_ms", math.nan), row.get("fused_graph_ms", math.nan))
     row["auto_speedup"] = tm.speedup(seq, row["auto_ms"])
     row["efficiency"] = tm.overlap_efficiency(seq, row["fused_ms"], row["ideal_ms"])
-    # An error only where the prediction is of the route that ran (``launch`` says "peer route" for the peer route).
-    ran = "peer" if "peer route" in row.get("launch", "") else "nccl"
+    # An error only where the prediction is of the route that ran (``launch`` says "peer route" / "ring route").
+    launch = row.get("launch", "")
+    ran = "ring" if "ring route" in launch else "peer" if "peer route" in launch else "nccl"
     same_route = row.get("fused_path") and row.get("pred_route", "nccl") == ran
     row["err_fused"] = tm.rel_error(row.get("pred_fused_ms"), row["fused_ms"]) if same_route else math.nan
     row["err_seq"] = tm.rel_error(row.get("pred_seq_ms"), seq)

@@ -278,7 +278,7 @@ def takes(collective: str, rows: int, n: int, k: int, dtype: torch.dtype, world:
     from . import ring_route  # it imports this module
 
     if TRANSPORT != "peer" or collective not in COLLECTIVES or world != 2 or ring_route.enabled(world):
-        return False  # the ring route (not modelled yet) or the NCCL route
+        return False  # the ring route (ring_route.takes) or the NCCL route
     try:
         add = kernels.configs(add_c=True)
     except Exception:  # no library or no GPU: the runtime falls back to the NCCL route (or cuBLAS + NCCL) anyway

@@ -23,7 +23,8 @@ to the output dtype after every step, as NCCL's ring rounds after every hop.
 
 Status: measured on 2 GPUs only (where it runs as ``FLASHOVERLAP_RING=all``; the default there is the peer route).
 Not measured on 4 or more GPUs, for want of a machine: off by default (``RING = "off"``); ``"wide"`` turns it on for
-groups of 3 or more ranks. Not modelled by the cost model yet (``auto`` predicts the NCCL route for these calls).
+groups of 3 or more ranks. The cost model predicts it (``cost_model/ring.py``, ``takes``) where its data file has
+ring terms for the world size (``tune fit --ring``); elsewhere ``auto`` predicts the NCCL route for these calls.
 
 Symmetric memory of one (device, group): a ring flag area (``FLAG_BYTES``, made once, zeroed) and workspaces of
 ``capacity`` bytes (``peer_route.smallest_with_room``), each mapped from every rank. Calls are ordered like the peer
@@ -42,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from . import kernels, peer_route, streams
+from .cost_model import ring as ring_model
 
 log = logging.getLogger("flashoverlap")
 
@@ -54,7 +56,7 @@ MAX_WORLD = 8  # FO_RING_MAX_WORLD
 MAX_ROUNDS = 16
 FLAG_INTS = 256  # FO_RING_FLAGS
 FLAG_BYTES = 4 * FLAG_INTS
-MIN_PIECE_ROWS = 128  # a piece below one tile-row of the 128-row tiles wastes most of its GEMM
+MIN_PIECE_ROWS = ring_model.MIN_PIECE_ROWS
 _CHOICES = {"RING": ("off", "wide", "all")}
 
 
@@ -163,13 +165,26 @@ def enabled(world: int) -> bool:
 
 def rounds_for(collective: str, rows_total: int, world: int) -> int | None:
     """Rounds of a call: reduce_scatter 1; all_reduce the most rounds up to ``ROUNDS`` that cut ``rows_total`` into
-    ``world * rounds`` equal pieces of at least ``MIN_PIECE_ROWS`` rows (None: not even one round does)."""
-    most = ROUNDS if collective == "all_reduce" else 1
-    for rounds in range(most, 0, -1):
-        pieces = world * rounds
-        if rows_total % pieces == 0 and rows_total // pieces >= MIN_PIECE_ROWS:
-            return rounds
-    return None
+    ``world * rounds`` equal pieces of at least ``MIN_PIECE_ROWS`` rows (None: not even one round does;
+    ``cost_model.ring.rounds_for``, which the cost model uses too)."""
+    return ring_model.rounds_for(collective, rows_total, world, ROUNDS)
+
+
+def takes(collective: str, rows: int, n: int, k: int, dtype: torch.dtype, world: int) -> int:
+    """The rounds a CUDA call of this shape will take the ring in (0: it will not): ``peer_route.TRANSPORT`` is
+    "peer", the ring is on for ``world`` ranks, the kernel library is loadable and ``unsupported`` finds nothing for
+    some B layout. What the cost model should predict (``decide(..., ring_rounds=...)``); as for the peer route, a
+    call shape first seen inside a CUDA-graph capture takes the NCCL route. 0 (never raises) where the library
+    cannot be read."""
+    if peer_route.TRANSPORT != "peer" or collective not in peer_route.COLLECTIVES or not enabled(world):
+        return 0
+    try:
+        add = kernels.configs(add_c=True)
+    except Exception:  # no library or no GPU: the runtime falls back to the NCCL route (or cuBLAS + NCCL) anyway
+        return 0
+    if any(unsupported(collective, rows, world, dtype, layout, add) is None for layout in ("nk", "kn")):
+        return rounds_for(collective, rows, world) or 0
+    return 0
 
 
 def unsupported(collective: str, rows: int, world: int, dtype: torch.dtype, layout: str | None,

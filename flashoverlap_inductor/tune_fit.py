@@ -24,7 +24,8 @@ in the ``peer`` section; ``--host-floor all_reduce=MS,reduce_scatter=MS`` sets e
 (the back-to-back time per call of ``examples/device/peer_host_profile.py``; kept from the data file otherwise).
 The fused-path fit above uses only rows that ran on the NCCL route.
 
-``--sequential`` fits the sequential baseline's skew instead (``tune_fit_seq``, the ``sequential`` section).
+``--sequential`` fits the sequential baseline's skew instead (``tune_fit_seq``, the ``sequential`` section);
+``--ring`` the ring route's model (``tune_fit_ring``, the ``ring`` section).
 
 ``--gemm`` first refits the cuBLAS wave model (``peak_tflops``, ``launch_ms``; what T_seq is predicted with) to the
 rows' T_gemm. ``--grid`` names the GEMM grid the rows ran with (default: the variant's, else the model's; ``tiles``:
@@ -291,11 +292,14 @@ def cmd_fit_peer(args: argparse.Namespace) -> int:
 def cmd_fit(args: argparse.Namespace) -> int:
     from flashoverlap_inductor.cost_model import model_for
 
-    if args.peer and args.sequential:
-        print("tune fit: --peer and --sequential fit different sections; give one")
+    if args.peer + args.sequential + args.ring > 1:
+        print("tune fit: --peer, --ring and --sequential fit different sections; give one")
         return 2
     if args.peer:
         return cmd_fit_peer(args)
+    if args.ring:
+        from .tune_fit_ring import cmd_fit_ring
+        return cmd_fit_ring(args)
     if args.sequential:
         from .tune_fit_seq import cmd_fit_sequential
 
@@ -356,8 +360,10 @@ def add_parser(sub: Any) -> None:
                     help="also refit the cuBLAS model (peak rate, launch time) to the rows' T_gemm")
     fi.add_argument("--peer", action="store_true",
                     help="fit the peer route's model to the rows that ran on it (the peer section)")
+    fi.add_argument("--ring", action="store_true",
+                    help="fit the ring route's model to the rows of ring variants (the ring section; tune_fit_ring)")
     fi.add_argument("--sequential", action="store_true",
                     help="fit the sequential baseline's skew after its GEMM (sequential section; reads --bench only)")
     fi.add_argument("--host-floor", default="",
-                    help="--peer: host_floor_ms per collective, e.g. all_reduce=0.21,reduce_scatter=0.15")
+                    help="--peer / --ring: host_floor_ms per collective, e.g. all_reduce=0.21,reduce_scatter=0.15")
     fi.add_argument("--write", action="store_true", help="store the result in the GPU's GEMM model file")

@@ -114,13 +114,14 @@ class FlashOverlapPass(compat.CustomGraphPass):
 
     def uuid(self) -> str:
         settings = repr(sorted(self.settings.items()))
-        from flashoverlap_inductor import kernels, peer_route
+        from flashoverlap_inductor import kernels, peer_route, ring_route
 
-        try:  # the peer route's kernels decide which route the cost model predicts (``_takes_peer_route``)
+        try:  # the peer route's kernels decide which route the cost model predicts (``_route_of``)
             adds = ",".join(c.name for level in (1, 2, 3) for c in kernels.configs(add_c=level))
         except Exception:  # no library: no peer route
             adds = ""
-        extra = f"{settings}|{_device_names()}|transport={peer_route.TRANSPORT}|{adds}"
+        extra = (f"{settings}|{_device_names()}|transport={peer_route.TRANSPORT}|ring={ring_route.RING}/"
+                 f"{ring_route.ROUNDS}|{adds}")
         return compat.hash_files(_source_files(self.settings), extra=extra)
 
     # ------------------------------------------------------------------------------------------------ check
@@ -277,8 +278,8 @@ class FlashOverlapPass(compat.CustomGraphPass):
             decision = cost_model.decide(f.match.collective, rows, int(f.n), int(f.k), f.dtype, f.group_size,
                                          device_name=_device_name(y),
                                          input_split_sizes=[int(x) for x in splits] if splits else None,
-                                         peer=_takes_peer_route(f.match.collective, rows, int(f.n), int(f.k),
-                                                                f.dtype, f.group_size, y),
+                                         **_route_of(f.match.collective, rows, int(f.n), int(f.k), f.dtype,
+                                                     f.group_size, y),
                                          cuda_graphs=compat.cudagraphs_enabled())
         except Exception as exc:
             if mode == "auto":
@@ -356,15 +357,18 @@ def _device_name(y: torch.Tensor) -> str | None:
     return None
 
 
-def _takes_peer_route(collective: str, rows: int, n: int, k: int, dtype: str, world: int, y: torch.Tensor) -> bool:
-    """Whether the fused op will run on the peer route (``peer_route.takes``), so the cost model predicts that route:
-    CUDA, with or without CUDA graphs (a capture takes the route where the call shape ran before the capture, as
-    torch.compile's warm-up runs it)."""
+def _route_of(collective: str, rows: int, n: int, k: int, dtype: str, world: int, y: torch.Tensor) -> dict[str, Any]:
+    """``decide``'s route arguments: whether the fused op will run on the peer route (``peer_route.takes``) or in how
+    many rounds on the ring (``ring_route.takes``), so the cost model predicts that route. CUDA only, with or without
+    CUDA graphs (a capture takes the route where the call shape ran before the capture, as torch.compile's warm-up
+    runs it)."""
     if y.device.type != "cuda":
-        return False
-    from flashoverlap_inductor import peer_route
+        return {"peer": False, "ring_rounds": 0}
+    from flashoverlap_inductor import peer_route, ring_route
 
-    return peer_route.takes(collective, rows, n, k, getattr(torch, dtype), world)
+    torch_dtype = getattr(torch, dtype)
+    return {"peer": peer_route.takes(collective, rows, n, k, torch_dtype, world),
+            "ring_rounds": ring_route.takes(collective, rows, n, k, torch_dtype, world)}
 
 
 def _device_names() -> str:

@@ -1,5 +1,5 @@
 """The peer route's host side without a GPU: the argument struct ``execute`` hands to ``fo_peer_call`` (which buffer
-GEMM 1 writes and GEMM 2 reads, per ``PARTIAL``), the settings check, ``takes`` and the pass's ``_takes_peer_route``.
+GEMM 1 writes and GEMM 2 reads, per ``PARTIAL``), the settings check, ``takes`` and the pass's ``_route_of``.
 The kernels themselves are covered by tests/test_gpu_peer.py on two GPUs."""
 
 from __future__ import annotations
@@ -93,24 +93,30 @@ def test_takes_only_what_the_route_runs(monkeypatch):
     assert not peer_route.takes("all_reduce", 4096, 1024, 512, bf16, 2)
 
 
-def test_the_pass_predicts_the_peer_route_for_cuda_with_and_without_cuda_graphs(monkeypatch):
+def test_the_pass_predicts_the_route_for_cuda_with_and_without_cuda_graphs(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from flashoverlap_inductor import _inductor_compat as compat
+    from flashoverlap_inductor import ring_route
     from passes import gemm_collective
 
     calls = []
     monkeypatch.setattr(peer_route, "takes", lambda *args: calls.append(args) or True)
+    monkeypatch.setattr(ring_route, "takes", lambda *args: 0)
     with FakeTensorMode():
         y_cuda = torch.empty(4, 4, device="cuda")
     y_cpu = torch.empty(4, 4)
     args = ("all_reduce", 4096, 1024, 512, "bfloat16", 2)
-    assert gemm_collective._takes_peer_route(*args, y_cuda)
+    assert gemm_collective._route_of(*args, y_cuda) == {"peer": True, "ring_rounds": 0}
     assert calls == [("all_reduce", 4096, 1024, 512, torch.bfloat16, 2)]
-    assert not gemm_collective._takes_peer_route(*args, y_cpu)
+    assert gemm_collective._route_of(*args, y_cpu) == {"peer": False, "ring_rounds": 0}
     monkeypatch.setattr(compat, "cudagraphs_enabled", lambda: True)  # captures take the route too
-    assert gemm_collective._takes_peer_route(*args, y_cuda)
+    assert gemm_collective._route_of(*args, y_cuda)["peer"]
     assert len(calls) == 2
+    monkeypatch.setattr(peer_route, "takes", lambda *args: False)
+    monkeypatch.setattr(ring_route, "takes", lambda *args: 2)
+    assert gemm_collective._route_of("all_reduce", 4096, 1024, 512, "bfloat16", 4, y_cuda) == \
+        {"peer": False, "ring_rounds": 2}
 
 
 def test_cudagraphs_enabled_reads_inductors_setting(monkeypatch):

@@ -81,13 +81,32 @@ def test_unsupported_names_the_reason(monkeypatch):
     assert "_addc" in ring_route.unsupported("all_reduce", 8192, 4, BF16, "kn", add)
 
 
-def test_the_peer_route_model_is_not_claimed_for_ring_calls(monkeypatch):
+def test_ring_calls_are_predicted_on_the_ring_not_the_peer_route(monkeypatch):
     monkeypatch.setattr(peer_route, "TRANSPORT", "peer")
     monkeypatch.setattr(kernels, "configs", lambda add_c=0: _addc(("bfloat16", "nk")))
     monkeypatch.setattr(ring_route, "RING", "off")
+    monkeypatch.setattr(ring_route, "ROUNDS", 2)
     assert peer_route.takes("all_reduce", 4096, 1024, 512, BF16, 2)
+    assert ring_route.takes("all_reduce", 4096, 1024, 512, BF16, 2) == 0
     monkeypatch.setattr(ring_route, "RING", "all")  # 2 ranks on the ring: not what the peer model describes
     assert not peer_route.takes("all_reduce", 4096, 1024, 512, BF16, 2)
+    assert ring_route.takes("all_reduce", 4096, 1024, 512, BF16, 2) == 2
+    monkeypatch.setattr(ring_route, "RING", "wide")
+    assert ring_route.takes("all_reduce", 4096, 1024, 512, BF16, 4) == 2  # 512-row pieces
+    assert ring_route.takes("all_reduce", 1024, 1024, 512, BF16, 4) == 2  # 128-row pieces
+    assert ring_route.takes("all_reduce", 512, 1024, 512, BF16, 4) == 1
+    assert ring_route.takes("reduce_scatter", 4096, 1024, 512, BF16, 4) == 1
+    for args in (("all_to_all", 4096, 1024, 512, BF16, 4), ("all_reduce", 4096, 1024, 512, BF16, 2),
+                 ("all_reduce", 4002, 1024, 512, BF16, 4), ("all_reduce", 4096, 1024, 512, torch.float16, 4)):
+        assert ring_route.takes(*args) == 0, args
+    monkeypatch.setattr(peer_route, "TRANSPORT", "nccl")
+    assert ring_route.takes("all_reduce", 4096, 1024, 512, BF16, 4) == 0
+    monkeypatch.setattr(peer_route, "TRANSPORT", "peer")
+
+    def no_library(add_c=0):
+        raise kernels.KernelLibraryError("no library")
+    monkeypatch.setattr(kernels, "configs", no_library)
+    assert ring_route.takes("all_reduce", 4096, 1024, 512, BF16, 4) == 0
 
 
 def _fake_symmetric(monkeypatch, made: list):

@@ -1,0 +1,132 @@
+"""Time model of the ring route (``flashoverlap_inductor.ring_route``): partial sums passed around the ranks, the
+reduction in the GEMM steps' epilogues.
+
+The route cuts the ``[M, N]`` output into ``world * rounds`` pieces of ``p = M / (world * rounds)`` rows
+(``rounds_for``). Per round every rank runs ``world`` GEMM steps of ``p`` rows on every SM; each step but the last
+stores its piece into the next rank's memory, and each later step waits for the piece it adds. all_reduce then
+pulls the ``world - 1`` pieces the other ranks finished (copy engines, during the next round), and ends with a
+barrier. Per collective and world size, in ms::
+
+    T_ring = max(host_floor_ms, gemm_factor * x + fixed_ms)
+    x      = sum over rounds t of max(world * max(T_ref(p), B / L), traffic_t * B / L)  +  tail
+    traffic_t = (world - 1) pushes + (all_reduce and t > 0: world - 1 pulls of the round before)
+    tail   = all_reduce: (world - 1) * B / L (the last round's pulls); reduce_scatter: 0
+    L      = link_efficiency * link
+
+``T_ref(p)`` is ``GemmModel.reference_ms(p, n, k)`` (the fitted cuBLAS wave model on all SMs), ``B`` the bytes of
+one piece and ``link`` the NVLink rate per rank in bytes per ms (``CostModel.link_bytes_per_ms``): a step cannot end
+before its push has crossed the link, nor a round before what the rank receives in it. ``gemm_factor`` (> 0) holds
+the steps' split and their waits on the slowest rank, ``fixed_ms`` (>= 0) the flags, the barrier and the launches,
+``link_efficiency`` (0 .. 1) the fraction of ``link`` reached beside the GEMMs, ``host_floor_ms`` (>= 0) the time
+per call where the host is the limit (about ``4 * world * rounds`` launches; none from CUDA graphs). The terms are
+the peer model's (``peer.PeerTerms``), fitted the same way (``peer.fit_linear``), per world size, to the benchmark's
+ring variants (``tune fit --ring``); the data file's ``ring`` section::
+
+    "ring": {"worlds": {"4": {"all_reduce": {"gemm_factor": 1.1, "fixed_ms": 0.05, "link_efficiency": 0.9},
+                              "reduce_scatter": {...}}},
+             "fit": {"4": {"all_reduce": {"rows": 32, "median_rel_error": 0.03, ...}}}, "note": "..."}
+
+``rounds_for`` is the route's one rule for its rounds; ``flashoverlap_inductor.ring_route`` calls it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .peer import PeerTerms, fit_linear
+
+if TYPE_CHECKING:
+    from .gemm import GemmModel
+
+MIN_PIECE_ROWS = 128  # a piece below one tile-row of the 128-row tiles wastes most of its GEMM
+COLLECTIVES = ("all_reduce", "reduce_scatter")
+
+
+def rounds_for(collective: str, rows_total: int, world: int, max_rounds: int) -> int | None:
+    """Rounds of a ring call: reduce_scatter 1; all_reduce the most rounds up to ``max_rounds`` that cut
+    ``rows_total`` into ``world * rounds`` equal pieces of at least ``MIN_PIECE_ROWS`` rows (None: not even one
+    round does)."""
+    most = max_rounds if collective == "all_reduce" else 1
+    for rounds in range(most, 0, -1):
+        pieces = world * rounds
+        if rows_total % pieces == 0 and rows_total // pieces >= MIN_PIECE_ROWS:
+            return rounds
+    return None
+
+
+@dataclass(frozen=True)
+class RingModel:
+    """The ``ring`` section of a GEMM data file: terms per world size and collective."""
+
+    terms: Mapping[int, Mapping[str, PeerTerms]]
+    fit: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    @staticmethod
+    def from_json(section: Mapping[str, Any]) -> RingModel:
+        """From a ``ring`` section already checked by ``schema.validate_gemm``."""
+        terms = {int(w): {name: PeerTerms(float(t["gemm_factor"]), float(t["fixed_ms"]),
+                                          float(t.get("host_floor_ms", 0.0)), float(t.get("link_efficiency", 1.0)))
+                          for name, t in per.items()}
+                 for w, per in section["worlds"].items()}
+        return RingModel(terms, dict(section.get("fit", {})))
+
+    def covers(self, collective: str, world_size: int) -> bool:
+        """Whether this model has terms for the call."""
+        return collective in self.terms.get(world_size, {})
+
+    def predict_ms(self, gemm: GemmModel, collective: str, m: int, n: int, k: int, dtype: str, world_size: int,
+                   rounds: int, link_bytes_per_ms: float = math.inf, host_bound: bool = True) -> float:
+        """T_ring in ms (raises ValueError where the model has no terms). ``host_bound=False``: calls replayed from
+        a CUDA graph (no ``host_floor_ms``)."""
+        if not self.covers(collective, world_size):
+            raise ValueError(f"ring model: no terms for {collective!r} on {world_size} ranks")
+        t = self.terms[world_size][collective]
+        floor = t.host_floor_ms if host_bound else 0.0
+        x = steps_ms(gemm, collective, m, n, k, dtype, world_size, rounds, link_bytes_per_ms * t.link_efficiency)
+        return max(floor, t.gemm_factor * x + t.fixed_ms)
+
+
+def steps_ms(gemm: GemmModel, collective: str, m: int, n: int, k: int, dtype: str, world_size: int, rounds: int,
+             link_bytes_per_ms: float = math.inf) -> float:
+    """The regressor ``x`` of the module docstring (ms): the rounds' GEMM steps, each bounded by its push, each round
+    by the pieces the rank receives in it, and all_reduce's last gather."""
+    from .pipeline import dtype_bytes  # (pipeline imports gemm, which imports peer)
+
+    if world_size < 2 or rounds < 1:
+        raise ValueError(f"ring model: world size {world_size} and rounds {rounds} (need >= 2 and >= 1)")
+    p = m // (world_size * rounds)
+    piece = p * n * dtype_bytes(dtype) / link_bytes_per_ms  # ms for one piece over the link
+    step = max(gemm.reference_ms(p, n, k, dtype), piece)
+    ar = collective == "all_reduce"
+    total = 0.0
+    for t in range(rounds):
+        traffic = (world_size - 1) * (2 if ar and t > 0 else 1)
+        total += max(world_size * step, traffic * piece)
+    return total + ((world_size - 1) * piece if ar else 0.0)
+
+
+def fit_terms(gemm: GemmModel, collective: str, world_size: int, rows: Sequence[tuple[int, int, int, int, float]],
+              dtype: str = "bfloat16", link_bytes_per_ms: float = math.inf) -> PeerTerms:
+    """``gemm_factor``, ``fixed_ms`` and ``link_efficiency`` minimizing the mean relative error over ``rows`` of
+    ``(m, n, k, rounds, measured_ms)`` of one collective and world size (without the host floor;
+    ``peer.fit_linear``)."""
+    rows = [r for r in rows if r[4] > 0 and math.isfinite(r[4])]
+    if len(rows) < 2:
+        raise ValueError(f"ring fit: need >= 2 measured rows, got {len(rows)}")
+    factor, fixed, eff = fit_linear(
+        lambda eff: [(steps_ms(gemm, collective, m, n, k, dtype, world_size, q, link_bytes_per_ms * eff), ms)
+                     for m, n, k, q, ms in rows],
+        math.isfinite(link_bytes_per_ms))
+    return PeerTerms(factor, fixed, 0.0, eff)
+
+
+def relative_errors(gemm: GemmModel, collective: str, world_size: int, terms: PeerTerms,
+                    rows: Sequence[tuple[int, int, int, int, float]], dtype: str = "bfloat16",
+                    link_bytes_per_ms: float = math.inf) -> list[float]:
+    """|predicted - measured| / measured per row of ``(m, n, k, rounds, measured_ms)``."""
+    model = RingModel({world_size: {collective: terms}})
+    return [abs(model.predict_ms(gemm, collective, m, n, k, dtype, world_size, q, link_bytes_per_ms) - ms) / ms
+            for m, n, k, q, ms in rows]
