@@ -13,10 +13,11 @@ barrier. Per collective and world size, in ms::
     tail   = all_reduce: (world - 1) * B / L (the last round's pulls); reduce_scatter: 0
     L      = link_efficiency * link
 
-``T_ref(p)`` is ``GemmModel.reference_ms(p, n, k)`` (the fitted cuBLAS wave model on all SMs), ``B`` the bytes of
-one piece and ``link`` the NVLink rate per rank in bytes per ms (``CostModel.link_bytes_per_ms``): a step cannot end
-before its push has crossed the link, nor a round before what the rank receives in it. ``gemm_factor`` (> 0) holds
-the steps' split and their waits on the slowest rank, ``fixed_ms`` (>= 0) the flags, the barrier and the launches,
+``T_ref(p)`` is the fitted wave model's time of a step on all SMs in the tile ``step_tile`` picks
+(``GemmModel.gemm_ms``; in the reference tile, 128x256, it is ``reference_ms``), ``B`` the bytes of one piece and
+``link`` the NVLink rate per rank in bytes per ms (``CostModel.link_bytes_per_ms``): a step cannot end before its
+push has crossed the link, nor a round before what the rank receives in it. ``gemm_factor`` (> 0) holds the steps'
+split and their waits on the slowest rank, ``fixed_ms`` (>= 0) the flags, the barrier and the launches,
 ``link_efficiency`` (0 .. 1) the fraction of ``link`` reached beside the GEMMs, ``host_floor_ms`` (>= 0) the time
 per call where the host is the limit (about ``4 * world * rounds`` launches; none from CUDA graphs). The terms are
 the peer model's (``peer.PeerTerms``), fitted the same way (``peer.fit_linear``), per world size, to the benchmark's
@@ -43,6 +44,20 @@ if TYPE_CHECKING:
 
 MIN_PIECE_ROWS = 128  # a piece below one tile-row of the 128-row tiles wastes most of its GEMM
 COLLECTIVES = ("all_reduce", "reduce_scatter")
+# The tiles of the steps' configurations the library compiles (flashoverlap_inductor/build.py), preferred first
+STEP_TILES = ((128, 256), (128, 128))
+
+
+def step_tile(rows: int, n: int, sm_count: int, tiles: Sequence[tuple[int, int]] = STEP_TILES) -> tuple[int, int]:
+    """The tile of a ring step of ``rows x n``: the one of ``tiles`` with the least waves x tile area (a wave's time
+    grows with its tiles' area), the first on ties. 128x256 tiles leave half of 132 SMs idle at 256 x 8192 (64
+    tiles); 128x128 fill them in one wave of half the work. The runtime (``ring_route.make_launch``) and the model
+    both choose with it."""
+    def cost(tile: tuple[int, int]) -> int:
+        count = -(-rows // tile[0]) * -(-n // tile[1])
+        return -(-count // sm_count) * tile[0] * tile[1]
+
+    return min(tiles, key=cost)  # min keeps the first of equal costs
 
 
 def rounds_for(collective: str, rows_total: int, world: int, max_rounds: int) -> int | None:
@@ -99,7 +114,8 @@ def steps_ms(gemm: GemmModel, collective: str, m: int, n: int, k: int, dtype: st
         raise ValueError(f"ring model: world size {world_size} and rounds {rounds} (need >= 2 and >= 1)")
     p = m // (world_size * rounds)
     piece = p * n * dtype_bytes(dtype) / link_bytes_per_ms  # ms for one piece over the link
-    step = max(gemm.reference_ms(p, n, k, dtype), piece)
+    tile = step_tile(p, n, gemm.sm_count)
+    step = max(gemm.gemm_ms(p, n, k, dtype, *tile, gemm.sm_count), piece)
     ar = collective == "all_reduce"
     total = 0.0
     for t in range(rounds):

@@ -221,24 +221,46 @@ class RingLaunch:
     template: RingArgs
 
 
+def step_configs(plain: kernels.KernelInfo, dname: str, layout: str, rows: int, n: int,
+                 sms: int) -> tuple[kernels.KernelInfo, kernels.KernelInfo]:
+    """(step 0's configuration, the later steps' ``_addc`` one) for pieces of ``rows x n`` on ``sms`` SMs.
+    ``peer_route.ADD_KERNEL`` names the ``_addc`` one where set (step 0 then ``plain``, the runtime's choice).
+    Otherwise one ``_addc`` configuration per tile (``peer_route.PREFERRED``'s reduce_scatter one first), the tile
+    by ``cost_model.ring.step_tile``, and step 0 in ``plain`` where its tile is that one, else in a compiled plain
+    configuration of that tile (of ``plain``'s cluster where one is)."""
+    cands = [c for c in kernels.configs(add_c=1) if (dname, layout) in c.variants]
+    named = [c for c in cands if c.name == peer_route.ADD_KERNEL]
+    if named:
+        return plain, named[0]
+    if not cands:
+        raise ValueError(f"ring route: no _addc configuration compiled for {dname} with B as {layout}")
+    by_tile: dict[tuple[int, int], kernels.KernelInfo] = {}
+    for c in sorted(cands, key=lambda c: (c.name not in peer_route.PREFERRED,
+                                          (c.tile_m, c.tile_n) != (plain.tile_m, plain.tile_n))):
+        by_tile.setdefault((c.tile_m, c.tile_n), c)
+    tile = ring_model.step_tile(rows, n, sms, list(by_tile))
+    pick = by_tile[tile]
+    if (plain.tile_m, plain.tile_n) == tile:
+        return plain, pick
+    same = [c for c in kernels.configs() if (c.tile_m, c.tile_n) == tile and (dname, layout) in c.variants]
+    same.sort(key=lambda c: (c.cluster_m, c.cluster_n) != (plain.cluster_m, plain.cluster_n))
+    return (same[0] if same else plain), pick
+
+
 def make_launch(collective: str, rows_total: int, n: int, k: int, dtype: torch.dtype, rank: int, world: int,
                 plain: kernels.KernelInfo, grid_ctas, swizzle: int, raster: int, layout: str) -> RingLaunch:
-    """The launch of one call shape: step 0 with library configuration ``plain``, the later steps with an ``_addc``
-    configuration (``peer_route.PREFERRED``'s reduce_scatter one, else one of the same tile), both at the largest
-    swizzle up to ``swizzle`` that does not pad the pieces' tile grid (``kernels.unpadded_swizzle``)."""
+    """The launch of one call shape: the steps' configurations by ``step_configs`` (``plain``: the runtime's choice
+    for the call), both at the largest swizzle up to ``swizzle`` that does not pad the pieces' tile grid
+    (``kernels.unpadded_swizzle``); ``grid_ctas(tiles) -> CTAs``."""
     check_settings()
     lib = streams.kernel_lib()
     dname = str(dtype).removeprefix("torch.")
-    cands = [c for c in kernels.configs(add_c=1) if (dname, layout) in c.variants]
-    named = [c for c in cands if c.name == peer_route.ADD_KERNEL]
-    preferred = [c for c in cands if c.name in peer_route.PREFERRED]
-    same = [c for c in cands if (c.tile_m, c.tile_n) == (plain.tile_m, plain.tile_n)]
-    pick = (named or preferred or same or cands)[0]
-    add = lib.config_index(pick.name, dtype, layout)
-    first = lib.config_index(plain.name, dtype, layout)
     rounds = rounds_for(collective, rows_total, world)
     assert rounds is not None, "make_launch needs a call that unsupported() accepts"
     rows = rows_total // (world * rounds)
+    plain, pick = step_configs(plain, dname, layout, rows, n, grid_ctas(0))
+    add = lib.config_index(pick.name, dtype, layout)
+    first = lib.config_index(plain.name, dtype, layout)
     swizzle = min(kernels.unpadded_swizzle(rows, n, c.tile_m, c.tile_n, c.cluster_m, c.cluster_n, swizzle)
                   for c in (plain, pick))
     tiles = -(-rows // pick.tile_m) * -(-n // pick.tile_n)

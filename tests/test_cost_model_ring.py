@@ -13,7 +13,7 @@ import pytest
 from flashoverlap_inductor import config, tune, tune_fit_ring
 from flashoverlap_inductor.cost_model import clear_caches, decide, model_for, registry
 from flashoverlap_inductor.cost_model.peer import PeerTerms
-from flashoverlap_inductor.cost_model.ring import RingModel, fit_terms, relative_errors, rounds_for, steps_ms
+from flashoverlap_inductor.cost_model.ring import RingModel, fit_terms, relative_errors, rounds_for, step_tile, steps_ms
 from flashoverlap_inductor.cost_model.schema import ConfigError, validate_gemm
 
 GRID = [(m, n, k) for m in (2048, 4096, 8192, 16384) for n, k in ((8192, 8192), (8192, 7168), (4096, 4096),
@@ -40,11 +40,21 @@ def test_rounds_cut_equal_pieces_of_at_least_128_rows():
     assert rounds_for("reduce_scatter", 8192, 4, 4) == 1  # reduce_scatter runs one round
 
 
+def test_step_tile_fills_the_sms_and_prefers_the_first_tile_on_ties():
+    assert step_tile(256, 8192, 132) == (128, 128)  # 64 tiles of 128x256 would leave half the SMs idle
+    assert step_tile(512, 8192, 132) == (128, 256)  # 1 wave of 128 tiles against 2 waves of half the area: a tie
+    assert step_tile(1024, 8192, 132) == (128, 256)
+    assert step_tile(256, 1024, 132) == (128, 128)  # one wave either way: the smaller tile's wave is shorter
+    assert step_tile(384, 8192, 132) == (128, 256)  # 96 tiles in 1 wave against 192 in 2
+    assert step_tile(256, 8192, 132, [(128, 256)]) == (128, 256)
+
+
 def test_the_regressor_is_the_formula():
     gemm, link = _model().gemm, 3.0e8  # bytes per ms
     m, n, k = 8192, 8192, 4096
-    p = m // 8  # 4 ranks, 2 rounds
+    p = m // 8  # 4 ranks, 2 rounds: 1024-row pieces in 128x256 tiles (the reference tile)
     t, b = gemm.reference_ms(p, n, k, BF), p * n * 2 / link
+    assert t == gemm.gemm_ms(p, n, k, BF, 128, 256, gemm.sm_count)
     assert t > b  # compute-bound steps: every round is world steps, all_reduce adds the last gather
     assert steps_ms(gemm, "reduce_scatter", m, n, k, BF, 4, 2, link) == pytest.approx(2 * 4 * t)
     assert steps_ms(gemm, "all_reduce", m, n, k, BF, 4, 2, link) == pytest.approx(2 * 4 * t + 3 * b)
@@ -57,11 +67,16 @@ def test_the_regressor_is_the_formula():
     p = m // 8
     b = p * n * 2 / link
     t = gemm.reference_ms(p, n, k, BF)
+    assert step_tile(p, n, gemm.sm_count) == (128, 256)
     # round 0: 4 steps (each max(t, b)); round 1: also the 3 pulls of round 0 -> 6 pieces on the link
     want = max(4 * max(t, b), 3 * b) + max(4 * max(t, b), 6 * b) + 3 * b
     assert steps_ms(gemm, "all_reduce", m, n, k, BF, 4, 2, link) == pytest.approx(want)
     with pytest.raises(ValueError):
         steps_ms(gemm, "all_reduce", m, n, k, BF, 1, 1, link)
+    # 256-row pieces: steps in 128x128 tiles, half the 128x256 wave
+    small = gemm.gemm_ms(256, 8192, 8192, BF, 128, 128, gemm.sm_count)
+    assert small < gemm.reference_ms(256, 8192, 8192, BF)
+    assert steps_ms(gemm, "reduce_scatter", 1024, 8192, 8192, BF, 4, 1) == pytest.approx(4 * small)
 
 
 def test_prediction_host_floor_and_coverage():

@@ -106,6 +106,31 @@ def test_every_config_matches_torch(shape):
 
 
 @GPU
+def test_every_addc_config_matches_the_reference():
+    """The ``_addc`` GEMMs alone (the peer route's GEMM 2, the ring's steps): ``round(a @ b + bias) + c``, rounded
+    once, on ragged shapes and a ring piece (256 x 8192), at every swizzle the ring may pick; without C they
+    refuse."""
+    names = [c.name for c in kernels.configs(add_c=1)]
+    assert names, "the library has no _addc configuration"
+    for name in names:
+        for (m, n, k), swizzle in (((1000, 776, 328), 4), ((256, 4096, 1024), 2), ((40, 264, 64), 1),
+                                   ((256, 8192, 512), 1)):
+            g = torch.Generator().manual_seed(m + n + k)
+            a = torch.randn(m, k, generator=g).bfloat16().cuda()
+            w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16().cuda()
+            bias = torch.randn(n, generator=g).bfloat16().cuda()
+            c = torch.randn(m, n, generator=g).bfloat16().cuda()
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            kernels.signal_gemm(a, w.t(), bias, out, config=name, addend=c, swizzle=swizzle)
+            part = (a.double() @ w.double().t() + bias.double()).bfloat16()
+            ref = part.double() + c.double()
+            err = ((out.double() - ref).norm() / ref.norm()).item()
+            assert torch.isfinite(out).all() and err < 5e-3, f"{name} {m}x{n}x{k}: rel err {err:.3g}"
+            with pytest.raises(kernels.KernelLibraryError):  # an _addc configuration needs its C operand
+                kernels.signal_gemm(a, w.t(), bias, out, config=name)
+
+
+@GPU
 def test_strided_a_and_out_views():
     gen = torch.Generator(device="cuda").manual_seed(7)
     big = torch.randn(700, 1040, generator=gen, device="cuda").bfloat16()

@@ -109,6 +109,28 @@ def test_ring_calls_are_predicted_on_the_ring_not_the_peer_route(monkeypatch):
     assert ring_route.takes("all_reduce", 4096, 1024, 512, BF16, 4) == 0
 
 
+def _info(name, tile_m, tile_n, cluster_m, variants=(("bfloat16", "nk"),)):
+    return kernels.KernelInfo(name, tile_m, tile_n, 64, cluster_m, 1, "cooperative", 0, 0, 0, tuple(variants))
+
+
+def test_step_configs_fill_the_sms_with_matching_plain_configurations(monkeypatch):
+    big_add = _info("coop_128x256x64_c2x1_e128x64_addc", 128, 256, 2)
+    small_add = _info("coop_128x128x64_c2x1_addc", 128, 128, 2)
+    big = _info("coop_128x256x64_c2x1_e128x64", 128, 256, 2)
+    small_c1, small_c2 = _info("pp_128x128x64_c1x1", 128, 128, 1), _info("coop_128x128x64_c2x1", 128, 128, 2)
+    wide = _info("coop_256x128x64_c1x1", 256, 128, 1)
+    monkeypatch.setattr(kernels, "configs", lambda add_c=0: [small_add, big_add] if add_c == 1 else
+                        [small_c1, small_c2, big, wide])
+    monkeypatch.setattr(peer_route, "ADD_KERNEL", None)
+    assert ring_route.step_configs(big, "bfloat16", "nk", 1024, 8192, 132) == (big, big_add)
+    assert ring_route.step_configs(big, "bfloat16", "nk", 256, 8192, 132) == (small_c2, small_add)  # same cluster
+    assert ring_route.step_configs(wide, "bfloat16", "nk", 1024, 8192, 132) == (big, big_add)
+    with pytest.raises(ValueError, match="no _addc configuration"):  # (``unsupported`` turns these calls away)
+        ring_route.step_configs(big, "bfloat16", "kn", 256, 8192, 132)
+    monkeypatch.setattr(peer_route, "ADD_KERNEL", "coop_128x256x64_c2x1_e128x64_addc")
+    assert ring_route.step_configs(big, "bfloat16", "nk", 256, 8192, 132) == (big, big_add)  # named: kept
+
+
 def _fake_symmetric(monkeypatch, made: list):
     def symm_empty(nbytes, dtype, device):
         made.append(nbytes)

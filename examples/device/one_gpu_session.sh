@@ -2,11 +2,13 @@
 # What one GPU can check of the multi-rank routes, < 9.5 min on one nvidia-h200 (or nvidia-h100-x1) machine: the
 # kernel tests, then the routes' correctness with several ranks as processes on the one GPU (gloo group, torch's
 # symmetric memory mapping every rank's buffers; examples/device/ring_probe4.py): the peer route on 2 ranks, the ring
-# on 2, 3 and 4, each with its queued stage of mixed shapes back to back; then the host time of one fused call on
+# on 2, 3 and 4, each with its queued stage of mixed shapes back to back; the ring's GEMM steps alone against
+# torch.mm (examples/device/ring_profile.py --steps-only: timings that hold); then the host time of one fused call on
 # 2 ranks (examples/device/peer_host_profile.py --backend gloo). Timings of the ranks' GPU work mean nothing here.
 #   run(command="bash examples/device/one_gpu_session.sh", carry=["build/libflashoverlap_sm90.so"],
 #       kind="nvidia-h200")
-# Knobs: FO_SKIP ("tests probe host"), FO_PROBES (default "peer:2 ring:2 ring:3 ring:4"), FO_HOST_SHAPE
+# Knobs: FO_SKIP ("tests probe steps host"), FO_PROBES (default "peer:2 ring:2 ring:3 ring:4"), FO_STEP_SHAPES
+# (default "2048x8192x14336 2048x8192x8192 2048x4096x4096"), FO_HOST_SHAPE
 # (default 2048x4096x4096), FO_OLD (a folder holding an older flashoverlap_inductor package, carried: the host
 # profile also runs with it, for a before/after in one run).
 set -uo pipefail
@@ -25,6 +27,12 @@ if [[ "$SKIP" != *" probe "* ]]; then
     timeout $((40 + 40 * world)) python3 "$REPO/examples/device/ring_probe4.py" --world "$world" --route "$route" \
       --out "$OUT" >"$OUT/probe_${route}${world}.log" 2>&1
     echo "probe $route world $world rc=$?" | tee -a "$OUT/probe_${route}${world}.log"
+  done
+fi
+if [[ "$SKIP" != *" steps "* ]]; then
+  for shape in ${FO_STEP_SHAPES:-2048x8192x14336 2048x8192x8192 2048x4096x4096}; do
+    timeout 120 python3 "$REPO/examples/device/ring_profile.py" --steps-only --shape "$shape" 2>&1 \
+      | tee -a "$OUT/steps.log"
   done
 fi
 if [[ "$SKIP" != *" host "* ]]; then

@@ -1,10 +1,13 @@
 """Diagnostic: where a ring-route call spends its GPU time (2 ranks; run with torchrun --nproc_per_node=2).
 
     torchrun --nproc_per_node=2 examples/device/ring_profile.py [--shape 2048x8192x14336] [--op all_reduce]
+    python examples/device/ring_profile.py --steps-only [--shape ...]     # one GPU: the steps alone
 
 For the peer route and the ring in 1, 2 and 4 rounds: the time per call of 20 calls back to back (CUDA events,
 median of 5 samples), then on rank 0 a torch.profiler table of the GPU kernels and copies of 10 calls. Then each
-GEMM step alone (the plain and the _addc configuration at the pieces' row counts) next to torch.mm, on one GPU.
+GEMM step alone next to torch.mm, on one GPU: at the pieces' row counts, every compiled ``_addc`` configuration at
+its unpadded swizzle, and the pair ``ring_route.step_configs`` picks (step 0's plain configuration, then the
+``_addc`` one).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap_inductor import kernels, ops, peer_route, ring_route, runtime_gpu
+from flashoverlap_inductor.build import CONFIGS
 
 
 def _time(fn, calls: int = 20, samples: int = 5, collective: bool = True) -> float:
@@ -40,12 +44,46 @@ def _time(fn, calls: int = 20, samples: int = 5, collective: bool = True) -> flo
     return statistics.median(out)
 
 
+def steps(a: torch.Tensor, w: torch.Tensor) -> None:
+    """Each step GEMM alone at the pieces' row counts (see the module docstring); prints one line per row count."""
+    n, k = w.shape
+    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+    adds = [c for c in kernels.configs(add_c=1) if ("bfloat16", "nk") in c.variants]
+    runtime_choice = kernels.config_info(CONFIGS[0].name)  # the default plain configuration (as the runtime picks)
+    for rows in (256, 512, 1024, 2048):
+        x = a[:rows]
+        c = torch.randn(rows, n, device="cuda").bfloat16()
+        cols = [f"torch.mm {_time(lambda x=x: torch.mm(x, w.t()), collective=False):.3f}"]
+        for info in adds:
+            s = kernels.unpadded_swizzle(rows, n, info.tile_m, info.tile_n, info.cluster_m, info.cluster_n,
+                                         kernels.DEFAULT_SWIZZLE)
+            t = _time(lambda x=x, c=c, s=s, name=info.name: kernels.signal_gemm(x, w.t(), config=name, addend=c,
+                                                                               swizzle=s), collective=False)
+            cols.append(f"{info.name}@{s} {t:.3f}")
+        first, add = ring_route.step_configs(runtime_choice, "bfloat16", "nk", rows, n, sms)
+        s = min(kernels.unpadded_swizzle(rows, n, i.tile_m, i.tile_n, i.cluster_m, i.cluster_n,
+                                         kernels.DEFAULT_SWIZZLE) for i in (first, add))
+        t0 = _time(lambda x=x, s=s, f=first.name: kernels.signal_gemm(x, w.t(), config=f, swizzle=s),
+                   collective=False)
+        t1 = _time(lambda x=x, c=c, s=s, g=add.name: kernels.signal_gemm(x, w.t(), config=g, addend=c, swizzle=s),
+                   collective=False)
+        print(f"step {rows}x{n}x{k} ms: {'  '.join(cols)}  | picked {first.name} {t0:.3f} / {add.name} {t1:.3f} "
+              f"at swizzle {s}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="2048x8192x14336")
     ap.add_argument("--op", default="all_reduce")
+    ap.add_argument("--steps-only", action="store_true", help="one GPU, no process group: the steps alone")
     args = ap.parse_args()
     m, n, k = (int(x) for x in args.shape.split("x"))
+    if args.steps_only:
+        torch.cuda.set_device(0)
+        gen = torch.Generator().manual_seed(0)
+        steps(torch.randn(max(m, 2048), k, generator=gen).bfloat16().cuda(),
+              (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16().cuda())
+        return
     rank = int(os.environ["RANK"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl")
@@ -77,21 +115,8 @@ def main() -> None:
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70),
                   flush=True)
     peer_route.reset()
-    if rank == 0:  # the steps alone
-        add = [c.name for c in kernels.configs(add_c=1) if c.name in peer_route.PREFERRED][0]
-        for rows in (256, 512, 1024, 2048):
-            x = a[:rows]
-            c = torch.randn(rows, n, device="cuda").bfloat16()
-            t_mm = _time(lambda x=x: torch.mm(x, w.t()), collective=False)
-            t_plain = _time(lambda x=x: kernels.signal_gemm(x, w.t()), collective=False)
-            t_add = _time(lambda x=x, c=c: kernels.signal_gemm(x, w.t(), config=add, addend=c), collective=False)
-            info = kernels.config_info(add)
-            s = kernels.unpadded_swizzle(rows, n, info.tile_m, info.tile_n, info.cluster_m, info.cluster_n,
-                                         kernels.DEFAULT_SWIZZLE)
-            t_uns = _time(lambda x=x, c=c, s=s: kernels.signal_gemm(x, w.t(), config=add, addend=c, swizzle=s),
-                          collective=False)
-            print(f"step {rows}x{n}x{k}: torch.mm {t_mm:.3f}  plain {t_plain:.3f}  {add} {t_add:.3f} ms; at "
-                  f"swizzle {s}: {t_uns:.3f} ms", flush=True)
+    if rank == 0:
+        steps(a, w)
     dist.barrier()
     dist.destroy_process_group()
 
