@@ -11,7 +11,10 @@
 # no variants: bench_w2x.json), FO_DEMO=1 (the README's demo on 2 GPUs at the end: demo.log), FO_DEMO_RO=1 (the demo
 # with --mode reduce-overhead: demo_ro.log), FO_DEMO_ARGS (more demo flags, both runs).
 # The ring route on 4 GPUs, beside the NCCL route: FO_VARIANTS="tiles/direct,tiles/peer////ring1,tiles/peer////ring2,
-# tiles/peer////ring4" (bench_ops.with_mode).
+# tiles/peer////ring4" (bench_ops.with_mode); with FO_RING_FIT=1 the ring's cost model is then fitted to those
+# variants (tune fit --ring --write into this machine's copy of configs/, returned as gemm_h200_ring.json) and, time
+# left, the 4-GPU benchmark runs again with FLASHOVERLAP_RING=wide (its default and auto columns on the ring, auto
+# deciding with the fitted terms: bench_w4_ring.json). Keep FO_SKIP="tests bench2" then: $OUT returns 8 files.
 set -uo pipefail
 source examples/device/setup_env.sh
 END=$((SECONDS + ${FO_BUDGET_S:-560}))
@@ -71,6 +74,18 @@ if [[ "$SKIP" != *" bench4 "* ]]; then
     ${FO_ARGS:-} >"$OUT/bench_w4.log" 2>&1
   echo "bench4 rc=$?" >>"$OUT/bench_w4.log"
 fi
+if [[ "${FO_RING_FIT:-0}" == 1 && -f "$OUT/bench_w4.json" ]]; then
+  python3 -m flashoverlap_inductor.tune fit --ring --bench "$OUT/bench_w4.json" --write >"$OUT/ring_fit.log" 2>&1
+  echo "ring fit rc=$?" >>"$OUT/ring_fit.log"
+  cp "$REPO/configs/gemm_h200.json" "$OUT/gemm_h200_ring.json"
+  L=$(left)
+  if [ "$L" -gt 200 ]; then
+    FLASHOVERLAP_RING=wide timeout "$L" "${TORCHRUN[@]}" --nproc_per_node=4 "$REPO/examples/bench_ops.py" \
+      --json "$OUT/bench_w4_ring.json" --shapes "$SHAPES4" --fused-variants tiles/direct \
+      --time-budget-s $((L - 50)) >"$OUT/bench_w4_ring.log" 2>&1
+    echo "bench4 ring rc=$?" >>"$OUT/bench_w4_ring.log"
+  fi
+fi
 # Tuner (FO_TUNE=1): NCCL curves on 4 and 2 GPUs, then measured plan searches (FO_SEARCH: "op:MxNxK ..." on 4 GPUs).
 if [[ "${FO_TUNE:-0}" == 1 ]]; then
   for w in 4 2; do
@@ -85,6 +100,8 @@ if [[ "${FO_TUNE:-0}" == 1 ]]; then
       >>"$OUT/tune_search.log" 2>&1; echo "search $job rc=$?" >>"$OUT/tune_search.log"
   done
 fi
+[ -f "$OUT/ring_fit.log" ] && { echo "=== ring fit"; grep -E "gemm_factor|fixed_ms|median|rc=" "$OUT/ring_fit.log"; }
+[ -f "$OUT/bench_w4_ring.log" ] && { echo "=== bench w4, FLASHOVERLAP_RING=wide"; tail -30 "$OUT/bench_w4_ring.log"; }
 echo "=== GPU tests"; grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/gpu_tests.log" | tail -8
 for w in 2 4; do
   echo "=== bench w$w"; grep -vE "Warning|warn|^\*|OMP_NUM|^\s*$|^ +[0-9]+x" "$OUT/bench_w$w.log" 2>/dev/null | tail -40
