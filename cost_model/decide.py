@@ -36,6 +36,7 @@ from flashoverlap_inductor.plan import COLLECTIVES, GroupPlan, chunks_for
 
 from . import registry
 from .pipeline import DTYPE_BYTES, CostModel
+from .ring import rounds_for
 from .search import DEFAULT_TILE, predictive_search
 
 
@@ -110,6 +111,10 @@ def _decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int
                                                                  collective, dtype, m, n, k)
     plan, source = _choose_plan(model, tuned, collective, m, n, k, dtype, world_size, chunks, splits, a2a_groups)
     route = "ring" if ring_rounds > 0 else "peer" if peer else None
+    if route == "ring" and rounds_for(collective, m, world_size, ring_rounds) != ring_rounds:
+        data_note += (f" [ring_rounds={ring_rounds} does not cut {m} rows into pieces of the ring: predicting the NCCL "
+                      "route]")
+        route = None
     if route == "ring":
         route_fused = model.ring_ms(collective, m, n, k, dtype, world_size, ring_rounds, host_bound=not cuda_graphs)
     elif route == "peer":

@@ -3,12 +3,12 @@ reduction in the GEMM steps' epilogues.
 
 The route cuts the ``[M, N]`` output into ``world * rounds`` pieces of ``p = M / (world * rounds)`` rows
 (``rounds_for``). Per round every rank runs ``world`` GEMM steps of ``p`` rows on every SM; each step but the last
-stores its piece into the next rank's memory, and each later step waits for the piece it adds. all_reduce then
-pulls the ``world - 1`` pieces the other ranks finished (copy engines, during the next round), and ends with a
-barrier. Per collective and world size, in ms::
+stores its piece into the previous rank's memory (rank ``r - 1``), and each later step waits for the piece it adds.
+all_reduce then pulls the ``world - 1`` pieces the other ranks finished (copy engines, during the next round), and
+ends with a barrier. Per collective and world size, in ms::
 
     T_ring = max(host_floor_ms, gemm_factor * x + fixed_ms)
-    x      = sum over rounds t of max(world * max(T_ref(p), B / L), traffic_t * B / L)  +  tail
+    x      = sum over rounds t of max((world - 1) * max(T_ref(p), B / L) + T_ref(p), traffic_t * B / L)  +  tail
     traffic_t = (world - 1) pushes + (all_reduce and t > 0: world - 1 pulls of the round before)
     tail   = all_reduce: (world - 1) * B / L (the last round's pulls); reduce_scatter: 0
     L      = link_efficiency * link
@@ -38,26 +38,30 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .peer import PeerTerms, fit_linear
+from .schema import ROUTE_COLLECTIVES
 
 if TYPE_CHECKING:
     from .gemm import GemmModel
 
 MIN_PIECE_ROWS = 128  # a piece below one tile-row of the 128-row tiles wastes most of its GEMM
-COLLECTIVES = ("all_reduce", "reduce_scatter")
+COLLECTIVES = ROUTE_COLLECTIVES
 # The tiles of the steps' configurations the library compiles (flashoverlap_inductor/build.py), preferred first
 STEP_TILES = ((128, 256), (128, 128))
 
 
 def step_tile(rows: int, n: int, sm_count: int, tiles: Sequence[tuple[int, int]] = STEP_TILES) -> tuple[int, int]:
-    """The tile of a ring step of ``rows x n``: the one of ``tiles`` with the least waves x tile area (a wave's time
-    grows with its tiles' area), the first on ties. 128x256 tiles leave half of 132 SMs idle at 256 x 8192 (64
-    tiles); 128x128 fill them in one wave of half the work. The runtime (``ring_route.make_launch``) and the model
+    """The tile of a ring step of ``rows x n`` on ``sm_count`` SMs: the first of ``tiles`` (the preferred), unless
+    its tiles fill less than one wave; then the one with the least waves x tile area (a wave's time grows with its
+    tiles' area), the first on ties. 128x256 tiles leave half of 132 SMs idle at 256 x 8192 (64 tiles, measured at
+    1.7x ``torch.mm``'s time); 128x128 fill them in one wave of half the work. Steps of a full wave or more keep the
+    preferred tile (the smaller one is not timed there). The runtime (``ring_route.step_configs``) and the model
     both choose with it."""
-    def cost(tile: tuple[int, int]) -> int:
-        count = -(-rows // tile[0]) * -(-n // tile[1])
-        return -(-count // sm_count) * tile[0] * tile[1]
+    def count(tile: tuple[int, int]) -> int:
+        return -(-rows // tile[0]) * -(-n // tile[1])
 
-    return min(tiles, key=cost)  # min keeps the first of equal costs
+    if count(tiles[0]) >= sm_count:
+        return tiles[0]
+    return min(tiles, key=lambda t: -(-count(t) // sm_count) * t[0] * t[1])  # min keeps the first of equal costs
 
 
 def rounds_for(collective: str, rows_total: int, world: int, max_rounds: int) -> int | None:
@@ -113,14 +117,17 @@ def steps_ms(gemm: GemmModel, collective: str, m: int, n: int, k: int, dtype: st
     if world_size < 2 or rounds < 1:
         raise ValueError(f"ring model: world size {world_size} and rounds {rounds} (need >= 2 and >= 1)")
     p = m // (world_size * rounds)
+    if p < 1:
+        raise ValueError(f"ring model: {m} rows do not make {world_size * rounds} pieces")
     piece = p * n * dtype_bytes(dtype) / link_bytes_per_ms  # ms for one piece over the link
-    tile = step_tile(p, n, gemm.sm_count)
-    step = max(gemm.gemm_ms(p, n, k, dtype, *tile, gemm.sm_count), piece)
+    gemm_ms = gemm.gemm_ms(p, n, k, dtype, *step_tile(p, n, gemm.sm_count), gemm.sm_count)
+    step = max(gemm_ms, piece)
     ar = collective == "all_reduce"
     total = 0.0
+    compute = (world_size - 1) * step + gemm_ms  # the last step pushes nothing
     for t in range(rounds):
         traffic = (world_size - 1) * (2 if ar and t > 0 else 1)
-        total += max(world_size * step, traffic * piece)
+        total += max(compute, traffic * piece)
     return total + ((world_size - 1) * piece if ar else 0.0)
 
 

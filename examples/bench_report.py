@@ -10,6 +10,7 @@ from typing import Any
 
 from flashoverlap_inductor import kernel_select
 from flashoverlap_inductor import tune_measure as tm
+from flashoverlap_inductor.tune_rows import BENCH_RING_ROUNDS, route_of_launch
 
 OPS = ("all_reduce", "reduce_scatter", "all_to_all")
 TARGETS = {  # (world, op): geomean speedup over T_seq the issue asks for
@@ -19,7 +20,7 @@ TARGETS = {  # (world, op): geomean speedup over T_seq the issue asks for
 
 # The peer route's settings in a spec's rows field, joined by "+": "wait" (peer_route.GATE), "cpull" / "cpush"
 # (peer_route.PARTIAL).
-PEER_ROWS = ("wait", "cpull", "cpush", "ring1", "ring2", "ring4")  # ringR: the ring route in R rounds (at most)
+PEER_ROWS = ("wait", "cpull", "cpush", *(f"ring{r}" for r in BENCH_RING_ROUNDS))  # ringR: the ring in <= R rounds
 
 
 def parse_spec(spec: str) -> tuple[str, str, str, str, tuple[int, int | None] | None, str]:
@@ -67,8 +68,7 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
     row["auto_speedup"] = tm.speedup(seq, row["auto_ms"])
     row["efficiency"] = tm.overlap_efficiency(seq, row["fused_ms"], row["ideal_ms"])
     # An error only where the prediction is of the route that ran (``launch`` says "peer route" / "ring route").
-    launch = row.get("launch", "")
-    ran = "ring" if "ring route" in launch else "peer" if "peer route" in launch else "nccl"
+    ran = route_of_launch(row.get("launch", ""))
     same_route = row.get("fused_path") and row.get("pred_route", "nccl") == ran
     row["err_fused"] = tm.rel_error(row.get("pred_fused_ms"), row["fused_ms"]) if same_route else math.nan
     row["err_seq"] = tm.rel_error(row.get("pred_seq_ms"), seq)

@@ -84,8 +84,8 @@ CONFIGS: tuple[KernelConfig, ...] = (
     # 64 KB (three stages).
     KernelConfig("coop", (128, 256, 64), (2, 1), epi=(128, 32), variants="bf16_nk", add_c=1),
     KernelConfig("coop", (128, 256, 64), (2, 1), epi=(128, 64), variants="bf16", add_c=1),
-    # The ring route's steps of few tile-rows (cost_model.ring.step_tile): 128x256 tiles would leave half the SMs
-    # idle at 256 rows by 8192 columns; 128x128 fill them.
+    # The ring route's steps where 128x256 tiles fill less than one wave (cost_model.ring.step_tile): at 256 rows by
+    # 8192 columns they leave half the SMs idle; 128x128 fill them.
     KernelConfig("coop", (128, 128, 64), (2, 1), variants="bf16", add_c=1),
     # all_reduce by push: D stored twice (out, and the peer's landing buffer). By TMA the aux tile needs 16 KB more
     # shared memory at 128x32 (three mainloop stages); from registers none.

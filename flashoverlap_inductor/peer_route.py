@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from . import kernels, streams
 from . import plan as planlib
+from .cost_model.schema import ROUTE_COLLECTIVES
 
 log = logging.getLogger("flashoverlap")
 T = TypeVar("T")
@@ -77,7 +78,7 @@ GATE: str = os.environ.get("FLASHOVERLAP_PEER_GATE", "kernel")
 # or read by the peer's GEMM 2 ("pull": NVLink carries it during GEMM 2, beside all_reduce's own push).
 PARTIAL: str = os.environ.get("FLASHOVERLAP_PEER_PARTIAL", "push")
 FLAG_BYTES = 4096
-COLLECTIVES = ("all_reduce", "reduce_scatter")
+COLLECTIVES = ROUTE_COLLECTIVES
 _CHOICES = {"TRANSPORT": ("peer", "nccl"), "FINAL_COPY": ("sm", "ce"), "GATE": ("kernel", "wait"),
             "PARTIAL": ("push", "pull")}
 

@@ -238,7 +238,8 @@ def step_configs(plain: kernels.KernelInfo, dname: str, layout: str, rows: int, 
     for c in sorted(cands, key=lambda c: (c.name not in peer_route.PREFERRED,
                                           (c.tile_m, c.tile_n) != (plain.tile_m, plain.tile_n))):
         by_tile.setdefault((c.tile_m, c.tile_n), c)
-    tile = ring_model.step_tile(rows, n, sms, list(by_tile))
+    order = [t for t in ring_model.STEP_TILES if t in by_tile] + [t for t in by_tile if t not in ring_model.STEP_TILES]
+    tile = ring_model.step_tile(rows, n, sms, order)
     pick = by_tile[tile]
     if (plain.tile_m, plain.tile_n) == tile:
         return plain, pick

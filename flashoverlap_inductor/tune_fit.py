@@ -48,7 +48,9 @@ from typing import Any
 from flashoverlap_inductor.cost_model.pipeline import GroupParts
 from flashoverlap_inductor.plan import GroupPlan, chunks_for
 
+from .cost_model.schema import ROUTE_COLLECTIVES
 from .tune_docs import read_records
+from .tune_rows import above_floor, parse_host_floor, route_of_row
 
 EFFICIENCIES = tuple(round(0.75 + 0.025 * i, 3) for i in range(12))  # 0.75 .. 1.025
 GEMM_SLOWDOWNS = tuple(round(0.05 * i, 2) for i in range(9))  # 0 .. 0.40
@@ -56,29 +58,19 @@ COMM_SLOWDOWNS = tuple(round(0.1 * i, 1) for i in range(13))  # 0 .. 1.2
 GROUP_OVERHEADS_MS = (0.0, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1)
 
 
-PEER_COLLECTIVES = ("all_reduce", "reduce_scatter")  # what the peer route runs (peer_route.COLLECTIVES), 2 ranks
-
-
-def ran_peer_route(row: dict[str, Any], variant: str | None) -> bool:
-    """Whether the row's timed fused call ran on the peer route. The default column: its launch says so. A variant:
-    its spec names the peer route and the call is one the route takes (all_reduce / reduce_scatter on 2 ranks with
-    even rows; the variant's own launch is not recorded)."""
-    if variant:
-        return variant.split("/")[1:2] == ["peer"] and row["op"] in PEER_COLLECTIVES and row["world"] == 2 \
-            and row["m"] % 2 == 0
-    return "peer route" in row.get("launch", "")
+PEER_COLLECTIVES = ROUTE_COLLECTIVES  # what the peer route runs (peer_route.COLLECTIVES), 2 ranks
 
 
 def load_rows(paths: list[str], variant: str | None, peer: bool = False) -> tuple[list[dict[str, Any]], str]:
     """Rows with a measured fused time and a plan: ``(op, m, n, k, world, plan, fused_ms)``; and the GPU name.
-    Only the rows that ran on the NCCL route (``peer``: only those on the peer route)."""
-    rows, gpu = [], ""
+    Only the rows that ran on the NCCL route (``peer``: only those on the peer route; ``tune_rows.route_of_row``)."""
+    rows, gpu, route = [], "", "peer" if peer else "nccl"
     for path in paths:
         doc = json.loads(Path(path).read_text())
         gpu = gpu or doc["meta"]["gpu"]
         for r in doc["rows"]:
             ms = r["variants"].get(variant, {}).get("ms") if variant else r.get("fused_ms")
-            if (variant is None and not r.get("fused_path")) or ran_peer_route(r, variant) != peer:
+            if (variant is None and not r.get("fused_path")) or route_of_row(r, variant) != route:
                 continue
             if ms is None or not math.isfinite(ms) or ms <= 0:
                 continue
@@ -223,8 +215,8 @@ def fit_peer(model: Any, rows: list[dict[str, Any]], host_floor: dict[str, float
         pts = [(r["m"], r["n"], r["k"], r["fused_ms"]) for r in rows if r["op"] == op]
         old = model.gemm.peer.terms.get(op) if model.gemm.peer is not None else None
         floor = (host_floor or {}).get(op, old.host_floor_ms if old is not None else 0.0)
-        gpu_bound = [x for x in pts if x[3] > 1.1 * floor]  # rows near the floor measured the host, not the GPU
-        terms = dataclasses.replace(fit_terms(model.gemm, op, gpu_bound, link_bytes_per_ms=link), host_floor_ms=floor)
+        terms = dataclasses.replace(fit_terms(model.gemm, op, above_floor(pts, floor), link_bytes_per_ms=link),
+                                    host_floor_ms=floor)
         errs = relative_errors(model.gemm, op, terms, pts, link_bytes_per_ms=link)
         collectives[op] = {"gemm_factor": round(terms.gemm_factor, 4), "fixed_ms": round(terms.fixed_ms, 4),
                            "link_efficiency": terms.link_efficiency}
@@ -260,12 +252,9 @@ def cmd_fit_peer(args: argparse.Namespace) -> int:
         print("tune fit --peer: no rows ran on the peer route")
         return 2
     try:
-        floor = {op: float(ms) for op, _, ms in (x.partition("=") for x in args.host_floor.split(",") if x)}
-        if not set(floor) <= set(PEER_COLLECTIVES) or any(not ms > 0 for ms in floor.values()):
-            raise ValueError(args.host_floor)
-        result = fit_peer(model_for(gpu)[0], rows, floor)
+        result = fit_peer(model_for(gpu)[0], rows, parse_host_floor(args.host_floor))
     except ValueError as exc:
-        print(f"tune fit --peer: {exc} (--host-floor takes all_reduce=MS,reduce_scatter=MS with MS > 0)")
+        print(f"tune fit --peer: {exc}")
         return 2
     print(json.dumps({"peer": result}, indent=1))
     if not args.write:

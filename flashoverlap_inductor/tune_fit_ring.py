@@ -3,12 +3,14 @@
     python -m flashoverlap_inductor.tune fit --ring --bench bench_w4.json [--variant tiles/peer////ring2]
                                              [--host-floor all_reduce=MS,reduce_scatter=MS] [--write]
 
-Rows: every ``examples/bench_ops.py`` row timed under a ring variant (a ``--fused-variants`` spec of the peer mode
-whose rows field is ``ringR``: the ring in at most R rounds) that the ring runs (all_reduce / reduce_scatter whose
-rows cut into pieces, ``cost_model.ring.rounds_for``); ``--variant`` keeps one spec. The rounds of each row follow
+Rows: every ``examples/bench_ops.py`` row timed under a ring variant the model describes (a ``--fused-variants``
+spec of the peer mode whose rows field is exactly ``ringR``, the ring in at most R rounds, with no kernel named:
+``tune_rows.modelled_ring_variant``) that the ring runs (all_reduce / reduce_scatter whose rows cut into pieces,
+``tune_rows.route_of_row``); ``--variant`` keeps one spec. The rounds of each row follow
 from R, so the variants of several R fit one set of terms. Per world size and collective: ``gemm_factor``,
 ``fixed_ms`` and ``link_efficiency`` (least relative error, ``ring.fit_terms``); rows within 10% of the host floor
-measured the host and are left out of the fit (not of its error). ``--write`` stores the ``ring`` section of the
+measured the host and are left out of the fit (not of its error); a (world size, collective) with fewer than 2
+such rows keeps its terms, with a note. ``--write`` stores the ``ring`` section of the
 GPU's ``flashoverlap.gemm/1`` file, keeping the world sizes and collectives these rows do not cover.
 """
 
@@ -22,15 +24,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from flashoverlap_inductor.cost_model.ring import COLLECTIVES, fit_terms, relative_errors, rounds_for
+from flashoverlap_inductor.cost_model.ring import fit_terms, relative_errors, rounds_for
 
-
-def ring_rounds_of(spec: str) -> int:
-    """R of a peer-mode variant spec whose rows field is exactly ``ringR`` (``bench_ops.with_mode``); else 0."""
-    parts = spec.split("/")
-    if len(parts) < 6 or parts[1] != "peer" or not parts[5].startswith("ring") or not parts[5][4:].isdigit():
-        return 0
-    return int(parts[5][4:])
+from .tune_rows import above_floor, modelled_ring_variant, parse_host_floor, route_of_row
 
 
 def load_ring_rows(paths: list[str], variant: str | None = None) -> tuple[list[dict[str, Any]], str]:
@@ -42,8 +38,8 @@ def load_ring_rows(paths: list[str], variant: str | None = None) -> tuple[list[d
         gpu = gpu or doc["meta"]["gpu"]
         for r in doc["rows"]:
             for spec, v in r.get("variants", {}).items():
-                most = ring_rounds_of(spec)
-                if not most or (variant and spec != variant) or r["op"] not in COLLECTIVES:
+                most = modelled_ring_variant(spec)
+                if not most or (variant and spec != variant) or route_of_row(r, spec) != "ring":
                     continue
                 rounds = rounds_for(r["op"], r["m"], r["world"], most)
                 ms = v.get("ms") if isinstance(v, dict) else None
@@ -67,7 +63,11 @@ def fit_ring(model: Any, rows: list[dict[str, Any]], host_floor: dict[str, float
             pts = [(r["m"], r["n"], r["k"], r["rounds"], r["fused_ms"]) for r in rows
                    if r["world"] == world and r["op"] == op]
             floor = (host_floor or {}).get(op, old[op].host_floor_ms if op in old else 0.0)
-            gpu_bound = [x for x in pts if x[4] > 1.1 * floor]
+            gpu_bound = above_floor(pts, floor)
+            if len(gpu_bound) < 2:
+                print(f"tune fit --ring: {world} ranks, {op}: {len(gpu_bound)} row(s) above the host floor; its terms "
+                      "stay as they are")
+                continue
             terms = dataclasses.replace(fit_terms(model.gemm, op, world, gpu_bound, link_bytes_per_ms=link),
                                         host_floor_ms=floor)
             errs = relative_errors(model.gemm, op, world, terms, pts, link_bytes_per_ms=link)
@@ -92,12 +92,12 @@ def cmd_fit_ring(args: argparse.Namespace) -> int:
         print("tune fit --ring: no rows ran on the ring (variants tiles/peer////ringR)")
         return 2
     try:
-        floor = {op: float(ms) for op, _, ms in (x.partition("=") for x in args.host_floor.split(",") if x)}
-        if not set(floor) <= set(COLLECTIVES) or any(not ms > 0 for ms in floor.values()):
-            raise ValueError(args.host_floor)
-        result = fit_ring(model_for(gpu)[0], rows, floor)
+        result = fit_ring(model_for(gpu)[0], rows, parse_host_floor(args.host_floor))
     except ValueError as exc:
-        print(f"tune fit --ring: {exc} (--host-floor takes all_reduce=MS,reduce_scatter=MS with MS > 0)")
+        print(f"tune fit --ring: {exc}")
+        return 2
+    if not result["worlds"]:
+        print("tune fit --ring: nothing fitted")
         return 2
     print(json.dumps({"ring": result}, indent=1))
     if not args.write:

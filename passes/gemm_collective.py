@@ -120,9 +120,8 @@ class FlashOverlapPass(compat.CustomGraphPass):
             adds = ",".join(c.name for level in (1, 2, 3) for c in kernels.configs(add_c=level))
         except Exception:  # no library: no peer route
             adds = ""
-        extra = (f"{settings}|{_device_names()}|transport={peer_route.TRANSPORT}|ring={ring_route.RING}/"
-                 f"{ring_route.ROUNDS}|{adds}")
-        return compat.hash_files(_source_files(self.settings), extra=extra)
+        routes = f"transport={peer_route.TRANSPORT}|ring={ring_route.RING}/{ring_route.ROUNDS}"
+        return compat.hash_files(_source_files(self.settings), extra=f"{settings}|{_device_names()}|{routes}|{adds}")
 
     # ------------------------------------------------------------------------------------------------ check
 
@@ -362,26 +361,24 @@ def _route_of(collective: str, rows: int, n: int, k: int, dtype: str, world: int
     many rounds on the ring (``ring_route.takes``), so the cost model predicts that route. CUDA only, with or without
     CUDA graphs (a capture takes the route where the call shape ran before the capture, as torch.compile's warm-up
     runs it)."""
-    if y.device.type != "cuda":
-        return {"peer": False, "ring_rounds": 0}
     from flashoverlap_inductor import peer_route, ring_route
 
-    torch_dtype = getattr(torch, dtype)
-    return {"peer": peer_route.takes(collective, rows, n, k, torch_dtype, world),
-            "ring_rounds": ring_route.takes(collective, rows, n, k, torch_dtype, world)}
+    cuda, torch_dtype = y.device.type == "cuda", getattr(torch, dtype)
+    return {"peer": cuda and peer_route.takes(collective, rows, n, k, torch_dtype, world),
+            "ring_rounds": ring_route.takes(collective, rows, n, k, torch_dtype, world) if cuda else 0}
 
 
 def _device_names() -> str:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return ",".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
-    return ""
+    ready = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return ",".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) if ready else ""
 
 
 def _source_files(settings: dict[str, Any]) -> list[str]:
-    """Everything whose content changes what the pass emits: its code, the ops, plan/config code, the cost
-    model and its data files."""
+    """Everything whose content changes what the pass emits: its code, the ops, plan/config code, the routes'
+    ``takes`` (which route the cost model predicts), the cost model and its data files."""
     pkg = Path(flashoverlap_inductor.__file__).parent
-    files = [pkg / name for name in ("ops.py", "plan.py", "config.py", "_inductor_compat.py")]
+    files = [pkg / name for name in ("ops.py", "plan.py", "config.py", "_inductor_compat.py", "peer_route.py",
+                                     "ring_route.py")]
     files += sorted(Path(__file__).parent.glob("*.py"))
     for loc in _package_dirs("flashoverlap_inductor.cost_model"):
         files += sorted(Path(loc).rglob("*.py"))

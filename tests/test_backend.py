@@ -142,12 +142,19 @@ class TestUuid(TestCase):
         self.assertNotEqual(always.uuid(), FlashOverlapPass({"fuse": "always", "collectives": ("all_reduce",)}).uuid())
         with mock.patch.dict(os.environ, {"FLASHOVERLAP_FUSE": "never"}), config.patch(fuse=None):
             self.assertEqual(FlashOverlapPass().uuid(), FlashOverlapPass({"fuse": "never"}).uuid())
+        from flashoverlap_inductor import ring_route  # the ring's settings change the route the cost model predicts
+
+        before = always.uuid()
+        for name, value in (("RING", "wide"), ("ROUNDS", ring_route.ROUNDS + 1)):
+            with mock.patch.object(ring_route, name, value):
+                self.assertNotEqual(before, FlashOverlapPass({"fuse": "always"}).uuid(), name)
 
     def test_uuid_covers_sources_and_data(self):
         from flashoverlap_inductor.passes import gemm_collective
 
         files = {os.path.basename(p) for p in gemm_collective._source_files(FlashOverlapPass().settings)}
-        self.assertTrue({"gemm_collective.py", "matching.py", "rewrite.py", "ops.py", "plan.py"} <= files, files)
+        self.assertTrue({"gemm_collective.py", "matching.py", "rewrite.py", "ops.py", "plan.py", "peer_route.py",
+                         "ring_route.py"} <= files, files)
         self.assertTrue(any(f.endswith(".json") for f in files), files)  # shipped cost-model data
 
     def test_uuid_changes_when_a_source_changes(self):

@@ -10,10 +10,18 @@ import random
 
 import pytest
 
-from flashoverlap_inductor import config, tune, tune_fit_ring
+from flashoverlap_inductor import config, tune, tune_fit_ring, tune_rows
 from flashoverlap_inductor.cost_model import clear_caches, decide, model_for, registry
 from flashoverlap_inductor.cost_model.peer import PeerTerms
-from flashoverlap_inductor.cost_model.ring import RingModel, fit_terms, relative_errors, rounds_for, step_tile, steps_ms
+from flashoverlap_inductor.cost_model.ring import (
+    STEP_TILES,
+    RingModel,
+    fit_terms,
+    relative_errors,
+    rounds_for,
+    step_tile,
+    steps_ms,
+)
 from flashoverlap_inductor.cost_model.schema import ConfigError, validate_gemm
 
 GRID = [(m, n, k) for m in (2048, 4096, 8192, 16384) for n, k in ((8192, 8192), (8192, 7168), (4096, 4096),
@@ -46,7 +54,17 @@ def test_step_tile_fills_the_sms_and_prefers_the_first_tile_on_ties():
     assert step_tile(1024, 8192, 132) == (128, 256)
     assert step_tile(256, 1024, 132) == (128, 128)  # one wave either way: the smaller tile's wave is shorter
     assert step_tile(384, 8192, 132) == (128, 256)  # 96 tiles in 1 wave against 192 in 2
+    for rows in (640, 768, 1152, 1280):  # a full wave of 128x256 or more: the preferred tile, though 128x128 would
+        assert step_tile(rows, 8192, 132) == (128, 256)  # quantize better (not timed there)
     assert step_tile(256, 8192, 132, [(128, 256)]) == (128, 256)
+    assert step_tile(256, 8192, 132, [(128, 128), (128, 256)]) == (128, 128)
+
+
+def test_step_tiles_are_the_compiled_step_configurations():
+    from flashoverlap_inductor import build
+
+    tiles = [c.tile[:2] for c in build.CONFIGS if c.add_c == 1]
+    assert list(dict.fromkeys(tiles)) == list(STEP_TILES)  # the same tiles, the preferred one first
 
 
 def test_the_regressor_is_the_formula():
@@ -63,16 +81,20 @@ def test_the_regressor_is_the_formula():
     t = gemm.reference_ms(m // 4, n, k, BF)
     b = (m // 4) * n * 2 / link
     assert b > t
-    assert steps_ms(gemm, "reduce_scatter", m, n, k, BF, 4, 1, link) == pytest.approx(4 * b)
+    assert steps_ms(gemm, "reduce_scatter", m, n, k, BF, 4, 1, link) == pytest.approx(3 * b + t)  # the last
+    # step pushes nothing
     p = m // 8
     b = p * n * 2 / link
     t = gemm.reference_ms(p, n, k, BF)
     assert step_tile(p, n, gemm.sm_count) == (128, 256)
-    # round 0: 4 steps (each max(t, b)); round 1: also the 3 pulls of round 0 -> 6 pieces on the link
-    want = max(4 * max(t, b), 3 * b) + max(4 * max(t, b), 6 * b) + 3 * b
+    # round 0: 3 pushing steps (each max(t, b)) and the last; round 1: also the 3 pulls of round 0 -> 6 pieces on the
+    # link; then the last round's 3 pulls
+    want = max(3 * max(t, b) + t, 3 * b) + max(3 * max(t, b) + t, 6 * b) + 3 * b
     assert steps_ms(gemm, "all_reduce", m, n, k, BF, 4, 2, link) == pytest.approx(want)
     with pytest.raises(ValueError):
         steps_ms(gemm, "all_reduce", m, n, k, BF, 1, 1, link)
+    with pytest.raises(ValueError):
+        steps_ms(gemm, "all_reduce", 4, n, k, BF, 4, 2, link)  # no rows per piece
     # 256-row pieces: steps in 128x128 tiles, half the 128x256 wave
     small = gemm.gemm_ms(256, 8192, 8192, BF, 128, 128, gemm.sm_count)
     assert small < gemm.reference_ms(256, 8192, 8192, BF)
@@ -159,7 +181,10 @@ def _with_ring(monkeypatch, section=GOOD):
 
 def test_decide_predicts_the_ring_when_told(monkeypatch):
     m, n, k = 8192, 8192, 8192
-    bare = decide("all_reduce", m, n, k, BF, 4, ring_rounds=2)  # the shipped data: no ring terms
+    model = _model()
+    monkeypatch.setattr(registry, "model_for", lambda name: (dataclasses.replace(
+        model, gemm=dataclasses.replace(model.gemm, ring=None)), "exact"))
+    bare = decide("all_reduce", m, n, k, BF, 4, ring_rounds=2)  # data without ring terms
     assert bare.route == "nccl" and "no ring-route model" in bare.reason
     clear_caches()
     model = _with_ring(monkeypatch)
@@ -170,6 +195,8 @@ def test_decide_predicts_the_ring_when_told(monkeypatch):
     assert ring.predicted_seq_ms == nccl.predicted_seq_ms and ring.plan == nccl.plan
     assert ring.fuse == (ring.predicted_fused_ms <= (1 - config.min_gain_fraction) * ring.predicted_seq_ms)
     assert decide("all_reduce", m, n, k, BF, 8, ring_rounds=2).route == "nccl"  # no terms for 8 ranks
+    odd = decide("all_reduce", 1024, n, k, BF, 4, ring_rounds=4)  # 64-row pieces: not a call the ring takes
+    assert odd.route == "nccl" and "ring_rounds=4" in odd.reason
     assert decide("all_reduce", m, n, k, BF, 4, ring_rounds=4).predicted_fused_ms != ring.predicted_fused_ms
 
 
@@ -187,6 +214,32 @@ def _ring_bench(model, terms, world: int) -> dict:
     return {"meta": {"gpu": "NVIDIA H200"}, "rows": [*rows.values(), odd, a2a]}
 
 
+def test_rows_are_told_apart_by_route():
+    row = {"op": "all_reduce", "m": 8192, "n": 8192, "k": 8192, "world": 4}
+    assert tune_rows.route_of_row({**row, "launch": "all_reduce rows=8192 ...: ring route, 4 ranks x 2"}) == "ring"
+    assert tune_rows.route_of_row({**row, "launch": "reduce_scatter ...: peer route, GEMM 2 x"}) == "peer"
+    assert tune_rows.route_of_row({**row, "launch": "persistent grid"}) == "nccl"
+    assert tune_rows.route_of_row(row, "tiles/peer////ring2") == "ring"
+    assert tune_rows.route_of_row(row, "tiles/peer////wait+ring4") == "ring"
+    assert tune_rows.route_of_row(row, "tiles/peer////ring3") == "nccl"  # not a flag bench_ops knows: no ring
+    assert tune_rows.route_of_row(row, "tiles/peer") == "nccl"  # the peer route is for 2 ranks
+    assert tune_rows.route_of_row(row, "tiles/direct") == "nccl"
+    two = {**row, "world": 2}
+    assert tune_rows.route_of_row(two, "tiles/peer") == "peer"
+    assert tune_rows.route_of_row(two, "tiles/peer////ring2") == "ring"  # 2 ranks on the ring: not the peer model
+    assert tune_rows.route_of_row({**row, "m": 8193}, "tiles/peer////ring2") == "nccl"
+    assert tune_rows.route_of_row({**row, "op": "all_to_all"}, "tiles/peer////ring2") == "nccl"
+    assert tune_rows.modelled_ring_variant("tiles/peer////ring4") == 4
+    for spec in ("tiles/peer////wait+ring2", "tiles/peer//coop_128x128x64_c2x1_addc//ring2", "tiles/peer////wait",
+                 "tiles/direct", "tiles/peer////ring3"):
+        assert tune_rows.modelled_ring_variant(spec) == 0, spec
+    assert tune_rows.parse_host_floor("all_reduce=0.2,reduce_scatter=0.1") == {"all_reduce": 0.2,
+                                                                              "reduce_scatter": 0.1}
+    for bad in ("all_reduce", "all_reduce=x", "all_reduce=0", "all_gather=0.1"):
+        with pytest.raises(ValueError, match="host-floor"):
+            tune_rows.parse_host_floor(bad)
+
+
 def test_tune_fit_ring_writes_the_section(tmp_path, monkeypatch):
     data = tmp_path / "configs"
     data.mkdir()
@@ -199,8 +252,6 @@ def test_tune_fit_ring_writes_the_section(tmp_path, monkeypatch):
     rows, gpu = tune_fit_ring.load_ring_rows([str(bench)])
     assert gpu == "NVIDIA H200" and len(rows) == len(_truth_rows(model, truth, 4))
     assert len(tune_fit_ring.load_ring_rows([str(bench)], "tiles/peer////ring2")[0]) == len(GRID) + 1
-    assert tune_fit_ring.ring_rounds_of("tiles/peer////ring4") == 4
-    assert tune_fit_ring.ring_rounds_of("tiles/peer////wait") == 0 and tune_fit_ring.ring_rounds_of("tiles/direct") == 0
     monkeypatch.setattr(config, "config_dir", str(data))
     registry.clear_caches()
     assert tune.main(["fit", "--ring", "--bench", str(bench), "--host-floor", "all_reduce=0.3", "--write"]) == 0

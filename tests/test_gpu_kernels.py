@@ -107,27 +107,31 @@ def test_every_config_matches_torch(shape):
 
 @GPU
 def test_every_addc_config_matches_the_reference():
-    """The ``_addc`` GEMMs alone (the peer route's GEMM 2, the ring's steps): ``round(a @ b + bias) + c``, rounded
-    once, on ragged shapes and a ring piece (256 x 8192), at every swizzle the ring may pick; without C they
-    refuse."""
-    names = [c.name for c in kernels.configs(add_c=1)]
-    assert names, "the library has no _addc configuration"
-    for name in names:
-        for (m, n, k), swizzle in (((1000, 776, 328), 4), ((256, 4096, 1024), 2), ((40, 264, 64), 1),
-                                   ((256, 8192, 512), 1)):
-            g = torch.Generator().manual_seed(m + n + k)
-            a = torch.randn(m, k, generator=g).bfloat16().cuda()
-            w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16().cuda()
-            bias = torch.randn(n, generator=g).bfloat16().cuda()
-            c = torch.randn(m, n, generator=g).bfloat16().cuda()
-            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-            kernels.signal_gemm(a, w.t(), bias, out, config=name, addend=c, swizzle=swizzle)
-            part = (a.double() @ w.double().t() + bias.double()).bfloat16()
-            ref = part.double() + c.double()
-            err = ((out.double() - ref).norm() / ref.norm()).item()
-            assert torch.isfinite(out).all() and err < 5e-3, f"{name} {m}x{n}x{k}: rel err {err:.3g}"
-            with pytest.raises(kernels.KernelLibraryError):  # an _addc configuration needs its C operand
-                kernels.signal_gemm(a, w.t(), bias, out, config=name)
+    """The ``_addc`` GEMMs alone (the peer route's GEMM 2, the ring's steps), in every compiled dtype and B layout:
+    ``round(a @ b + bias) + c``, rounded once, on ragged shapes and ring pieces of 256 and 512 x 8192 at the swizzle
+    the ring picks for them (``kernels.unpadded_swizzle``) and at 4; without C they refuse."""
+    infos = kernels.configs(add_c=1)
+    assert infos, "the library has no _addc configuration"
+    for info in infos:
+        for dtype_name, b_layout in info.variants:
+            dtype = getattr(torch, dtype_name)
+            for (m, n, k), swizzle in (((1000, 776, 328), 4), ((256, 4096, 1024), 2), ((40, 264, 64), 1),
+                                       ((256, 8192, 512), None), ((512, 8192, 256), None), ((512, 8192, 256), 4)):
+                if swizzle is None:
+                    swizzle = kernels.unpadded_swizzle(m, n, info.tile_m, info.tile_n, info.cluster_m,
+                                                       info.cluster_n, kernels.DEFAULT_SWIZZLE)
+                gen = torch.Generator(device="cuda").manual_seed(m + n + k + swizzle)
+                a, b, bias = _operands(m, n, k, dtype, b_layout, True, gen)
+                # C as large as a @ b (entries ~ sqrt(k)): a lost or misplaced addend shows in the error
+                c = (torch.randn(m, n, generator=gen, device="cuda") * k ** 0.5).to(dtype)
+                out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+                kernels.signal_gemm(a, b, bias, out, config=info.name, addend=c, swizzle=swizzle)
+                ref = _reference(a, b, bias).to(dtype).double() + c.double()
+                err = _rel_err(out, ref)
+                what = f"{info.name} {dtype_name} {b_layout} {m}x{n}x{k} swizzle {swizzle}"
+                assert torch.isfinite(out).all() and err < 5e-3, f"{what}: rel err {err:.3g}"
+                with pytest.raises(kernels.KernelLibraryError):  # an _addc configuration needs its C operand
+                    kernels.signal_gemm(a, b, bias, out, config=info.name)
 
 
 @GPU

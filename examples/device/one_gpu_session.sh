@@ -8,41 +8,51 @@
 #   run(command="bash examples/device/one_gpu_session.sh", carry=["build/libflashoverlap_sm90.so"],
 #       kind="nvidia-h200")
 # Knobs: FO_SKIP ("tests probe steps host"), FO_PROBES (default "peer:2 ring:2 ring:3 ring:4"), FO_STEP_SHAPES
-# (default "2048x8192x14336 2048x8192x8192 2048x4096x4096"), FO_HOST_SHAPE
-# (default 2048x4096x4096), FO_OLD (a folder holding an older flashoverlap_inductor package, carried: the host
-# profile also runs with it, for a before/after in one run).
+# (default "2048x8192x14336 2048x8192x8192 2048x4096x4096"), FO_HOST_SHAPE (default 2048x4096x4096), FO_OLD (a
+# folder holding an older flashoverlap_inductor package, carried: the host profile also runs with it, for a
+# before/after in one run), FO_BUDGET_S (default 560). $OUT gets at most 7 files (the device returns 8): install.log,
+# gpus.txt, gpu_tests.log, probes.log (the probes' per-rank JSON stays in /tmp/fo_probe), steps.log, host_now.log,
+# host_old.log.
 set -uo pipefail
 source examples/device/setup_env.sh
+END=$((SECONDS + ${FO_BUDGET_S:-560}))
+left() { echo $((END - SECONDS - 10)); }
+cap() { local l; l=$(left); echo $(( l < $1 ? (l > 1 ? l : 1) : $1 )); }  # a step's timeout: its own or what is left
 SKIP=" ${FO_SKIP:-} "
 export OMP_NUM_THREADS=4 FO_PG_TIMEOUT_S=120
+mkdir -p /tmp/fo_probe
 nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu,power.draw --format=csv >"$OUT/gpus.txt" 2>&1
 if [[ "$SKIP" != *" tests "* ]]; then
-  timeout 150 python3 -m pytest -q -rs -p no:cacheprovider "$REPO/tests/test_gpu_kernels.py" \
+  timeout "$(cap 150)" python3 -m pytest -q -rs -p no:cacheprovider "$REPO/tests/test_gpu_kernels.py" \
     >"$OUT/gpu_tests.log" 2>&1
   echo "gpu pytest rc=$?" >>"$OUT/gpu_tests.log"
 fi
 if [[ "$SKIP" != *" probe "* ]]; then
   for spec in ${FO_PROBES:-peer:2 ring:2 ring:3 ring:4}; do
     route=${spec%%:*}; world=${spec##*:}
-    timeout $((40 + 40 * world)) python3 "$REPO/examples/device/ring_probe4.py" --world "$world" --route "$route" \
-      --out "$OUT" >"$OUT/probe_${route}${world}.log" 2>&1
-    echo "probe $route world $world rc=$?" | tee -a "$OUT/probe_${route}${world}.log"
+    [ "$(left)" -gt 30 ] || { echo "probe $route world $world: no time left" >>"$OUT/probes.log"; continue; }
+    echo "=== probe $route world $world" >>"$OUT/probes.log"
+    timeout "$(cap $((40 + 40 * world)))" python3 "$REPO/examples/device/ring_probe4.py" --world "$world" \
+      --route "$route" --out /tmp/fo_probe >>"$OUT/probes.log" 2>&1
+    echo "probe $route world $world rc=$?" | tee -a "$OUT/probes.log"
   done
 fi
 if [[ "$SKIP" != *" steps "* ]]; then
   for shape in ${FO_STEP_SHAPES:-2048x8192x14336 2048x8192x8192 2048x4096x4096}; do
-    timeout 120 python3 "$REPO/examples/device/ring_profile.py" --steps-only --shape "$shape" 2>&1 \
+    [ "$(left)" -gt 30 ] || break
+    timeout "$(cap 120)" python3 "$REPO/examples/device/ring_profile.py" --steps-only --shape "$shape" 2>&1 \
       | tee -a "$OUT/steps.log"
+    echo "steps $shape rc=${PIPESTATUS[0]}" >>"$OUT/steps.log"
   done
 fi
 if [[ "$SKIP" != *" host "* ]]; then
   SHAPE=${FO_HOST_SHAPE:-2048x4096x4096}
-  timeout 90 python3 -m torch.distributed.run --standalone --nproc_per_node=2 \
+  timeout "$(cap 90)" python3 -m torch.distributed.run --standalone --nproc_per_node=2 \
     "$REPO/examples/device/peer_host_profile.py" --backend gloo --shape "$SHAPE" >"$OUT/host_now.log" 2>&1
   echo "host profile rc=$?" | tee -a "$OUT/host_now.log"
   if [[ -n "${FO_OLD:-}" ]]; then
-    PYTHONPATH="$REPO/$FO_OLD${PYTHONPATH:+:$PYTHONPATH}" timeout 90 python3 -m torch.distributed.run --standalone \
-      --nproc_per_node=2 "$REPO/examples/device/peer_host_profile.py" --backend gloo --shape "$SHAPE" \
+    PYTHONPATH="$REPO/$FO_OLD${PYTHONPATH:+:$PYTHONPATH}" timeout "$(cap 90)" python3 -m torch.distributed.run \
+      --standalone --nproc_per_node=2 "$REPO/examples/device/peer_host_profile.py" --backend gloo --shape "$SHAPE" \
       >"$OUT/host_old.log" 2>&1
     echo "host profile (old package) rc=$?" | tee -a "$OUT/host_old.log"
   fi

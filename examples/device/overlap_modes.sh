@@ -12,9 +12,10 @@
 # with --mode reduce-overhead: demo_ro.log), FO_DEMO_ARGS (more demo flags, both runs).
 # The ring route on 4 GPUs, beside the NCCL route: FO_VARIANTS="tiles/direct,tiles/peer////ring1,tiles/peer////ring2,
 # tiles/peer////ring4" (bench_ops.with_mode); with FO_RING_FIT=1 the ring's cost model is then fitted to those
-# variants (tune fit --ring --write into this machine's copy of configs/, returned as gemm_h200_ring.json) and, time
-# left, the 4-GPU benchmark runs again with FLASHOVERLAP_RING=wide (its default and auto columns on the ring, auto
-# deciding with the fitted terms: bench_w4_ring.json). Keep FO_SKIP="tests bench2" then: $OUT returns 8 files.
+# variants (tune fit --ring --write into this machine's copy of configs/; ring_fit.log prints the section to commit)
+# and, time left, the 4-GPU benchmark runs again with FLASHOVERLAP_RING=wide (its default and auto columns on the
+# ring, auto deciding with the fitted terms: bench_w4_ring.json). Keep FO_SKIP="tests bench2" then: $OUT holds 8
+# files (install.log, gpus.txt, bench_w4.json/.png/.log, ring_fit.log, bench_w4_ring.json/.log), all that returns.
 set -uo pipefail
 source examples/device/setup_env.sh
 END=$((SECONDS + ${FO_BUDGET_S:-560}))
@@ -76,10 +77,10 @@ if [[ "$SKIP" != *" bench4 "* ]]; then
 fi
 if [[ "${FO_RING_FIT:-0}" == 1 && -f "$OUT/bench_w4.json" ]]; then
   python3 -m flashoverlap_inductor.tune fit --ring --bench "$OUT/bench_w4.json" --write >"$OUT/ring_fit.log" 2>&1
-  echo "ring fit rc=$?" >>"$OUT/ring_fit.log"
-  cp "$REPO/configs/gemm_h200.json" "$OUT/gemm_h200_ring.json"
+  FIT_RC=$?
+  echo "ring fit rc=$FIT_RC" >>"$OUT/ring_fit.log"
   L=$(left)
-  if [ "$L" -gt 200 ]; then
+  if [ "$FIT_RC" = 0 ] && [ "$L" -gt 200 ]; then
     FLASHOVERLAP_RING=wide timeout "$L" "${TORCHRUN[@]}" --nproc_per_node=4 "$REPO/examples/bench_ops.py" \
       --json "$OUT/bench_w4_ring.json" --shapes "$SHAPES4" --fused-variants tiles/direct \
       --time-budget-s $((L - 50)) >"$OUT/bench_w4_ring.log" 2>&1

@@ -1,0 +1,77 @@
+"""Which route a benchmark row's fused time ran on, and the ``--host-floor`` option: shared by ``tune fit``
+(``tune_fit``, ``tune_fit_ring``) and ``examples/bench_report.py``, so a fit never mixes routes.
+
+A row of ``examples/bench_ops.py`` holds the default fused column (its ``launch`` names the route: "peer route",
+"ring route", else the NCCL route) and ``variants``, each timed under a ``--fused-variants`` spec
+(``"<grid>/<nccl>[/<host>[/<kernel>[/<ctas>[/<rows>]]]]"``, ``bench_ops.with_mode``) whose own launch is not
+recorded: its route follows from the spec and from whether the route takes the call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .cost_model.ring import rounds_for
+from .cost_model.schema import ROUTE_COLLECTIVES
+
+BENCH_RING_ROUNDS = (1, 2, 4)  # the benchmark's ``ringR`` rows flags (examples/bench_report.PEER_ROWS)
+
+
+def route_of_launch(launch: str) -> str:
+    """"ring", "peer" or "nccl" from a launch description (``RingLaunch`` / ``PeerLaunch`` / NCCL-route launches)."""
+    return "ring" if "ring route" in launch else "peer" if "peer route" in launch else "nccl"
+
+
+def _spec_parts(spec: str) -> list[str]:
+    return (spec.split("/") + [""] * 6)[:6]
+
+
+def ring_flag(spec: str) -> int:
+    """R of a ``ringR`` flag among a peer-mode spec's rows flags (joined by "+"); 0 where there is none."""
+    parts = _spec_parts(spec)
+    if parts[1] != "peer":
+        return 0
+    return next((int(f[4:]) for f in parts[5].split("+") if f in {f"ring{r}" for r in BENCH_RING_ROUNDS}), 0)
+
+
+def modelled_ring_variant(spec: str) -> int:
+    """R where ``spec`` runs the ring as ``cost_model/ring.py`` describes it (rows field exactly ``ringR``, no
+    kernel named: the steps' configurations ``ring_route.step_configs`` picks, the in-kernel gate); else 0."""
+    parts = _spec_parts(spec)
+    r = ring_flag(spec)
+    return r if r and parts[5] == f"ring{r}" and not parts[3] else 0
+
+
+def route_of_row(row: dict[str, Any], variant: str | None = None) -> str:
+    """The route the row's timed fused call ran on: the default column's launch, or for ``variant`` its spec (peer
+    mode: the ring where a ``ringR`` flag is set and the rows cut into pieces, else the peer route for
+    all_reduce / reduce_scatter on 2 ranks with even rows; otherwise the NCCL route)."""
+    if not variant:
+        return route_of_launch(row.get("launch", ""))
+    if _spec_parts(variant)[1] != "peer" or row["op"] not in ROUTE_COLLECTIVES:
+        return "nccl"
+    r = ring_flag(variant)
+    if r:
+        return "ring" if rounds_for(row["op"], row["m"], row["world"], r) is not None else "nccl"
+    return "peer" if row["world"] == 2 and row["m"] % 2 == 0 else "nccl"
+
+
+def parse_host_floor(text: str) -> dict[str, float]:
+    """``--host-floor`` ("all_reduce=MS,reduce_scatter=MS", each MS > 0) -> {collective: ms}; ValueError else."""
+    floor = {}
+    for item in (x for x in text.split(",") if x):
+        op, sep, ms = item.partition("=")
+        try:
+            value = float(ms) if sep else float("nan")
+        except ValueError:
+            value = float("nan")
+        if op not in ROUTE_COLLECTIVES or not value > 0:
+            raise ValueError(f"--host-floor {text!r}: takes all_reduce=MS,reduce_scatter=MS with MS > 0")
+        floor[op] = value
+    return floor
+
+
+def above_floor(points: list[tuple], floor: float) -> list[tuple]:
+    """The points (measured ms last) more than 10% above the host floor: those near it measured the host, not the
+    GPU, and stay out of a route's fit (not out of its error)."""
+    return [p for p in points if p[-1] > 1.1 * floor]
