@@ -244,17 +244,26 @@ def write_section(gpu: str, update: Any, what: str) -> int:
     return 2
 
 
-def cmd_fit_peer(args: argparse.Namespace) -> int:
+def route_fit(flag: str, rows: list[dict[str, Any]], gpu: str, fit: Any, host_floor: str,
+              none_why: str) -> dict[str, Any] | None:
+    """The common start of ``--peer`` and ``--ring``: ``fit(model, rows, host floors)`` with the GPU's model and the
+    parsed ``--host-floor``; None (after saying why) without rows or on a ValueError."""
     from flashoverlap_inductor.cost_model import model_for
 
-    rows, gpu = load_rows(args.bench, args.variant, peer=True)
     if not rows:
-        print("tune fit --peer: no rows ran on the peer route")
-        return 2
+        print(f"tune fit {flag}: {none_why}")
+        return None
     try:
-        result = fit_peer(model_for(gpu)[0], rows, parse_host_floor(args.host_floor))
+        return fit(model_for(gpu)[0], rows, parse_host_floor(host_floor))
     except ValueError as exc:
-        print(f"tune fit --peer: {exc}")
+        print(f"tune fit {flag}: {exc}")
+        return None
+
+
+def cmd_fit_peer(args: argparse.Namespace) -> int:
+    rows, gpu = load_rows(args.bench, args.variant, peer=True)
+    result = route_fit("--peer", rows, gpu, fit_peer, args.host_floor, "no rows ran on the peer route")
+    if result is None:
         return 2
     print(json.dumps({"peer": result}, indent=1))
     if not args.write:

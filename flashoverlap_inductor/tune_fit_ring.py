@@ -26,7 +26,7 @@ from typing import Any
 
 from flashoverlap_inductor.cost_model.ring import fit_terms, relative_errors, rounds_for
 
-from .tune_rows import above_floor, modelled_ring_variant, parse_host_floor, route_of_row
+from .tune_rows import above_floor, modelled_ring_variant, route_of_row
 
 
 def load_ring_rows(paths: list[str], variant: str | None = None) -> tuple[list[dict[str, Any]], str]:
@@ -83,18 +83,12 @@ def fit_ring(model: Any, rows: list[dict[str, Any]], host_floor: dict[str, float
 
 
 def cmd_fit_ring(args: argparse.Namespace) -> int:
-    from flashoverlap_inductor.cost_model import model_for
-
-    from .tune_fit import write_section
+    from .tune_fit import route_fit, write_section
 
     rows, gpu = load_ring_rows(args.bench, args.variant)
-    if not rows:
-        print("tune fit --ring: no rows ran on the ring (variants tiles/peer////ringR)")
-        return 2
-    try:
-        result = fit_ring(model_for(gpu)[0], rows, parse_host_floor(args.host_floor))
-    except ValueError as exc:
-        print(f"tune fit --ring: {exc}")
+    result = route_fit("--ring", rows, gpu, fit_ring, args.host_floor,
+                       "no rows ran on the ring (variants tiles/peer////ringR)")
+    if result is None:
         return 2
     if not result["worlds"]:
         print("tune fit --ring: nothing fitted")
