@@ -1,8 +1,8 @@
 """Packaging for flashoverlap-inductor.
 
-Layout (DEVELOPERS.md): the importable package ``flashoverlap_inductor/`` plus two top-level source folders,
-``passes/`` and ``cost_model/``, installed as ``flashoverlap_inductor.passes`` and
-``flashoverlap_inductor.cost_model``. ``configs/`` ships as package data.
+Layout: one importable package, ``flashoverlap_inductor/``, with its subpackages (``passes``, ``cost_model``,
+``routes``, ``schedule``) and its data (``configs/``) inside it, so an import resolves the same in an editable and
+a regular install.
 
 The CUDA library (``build/libflashoverlap_sm90.so``) is built by ``python -m flashoverlap_inductor.build``. Setup
 runs that build too when ``FLASHOVERLAP_BUILD_CUDA=1`` (it then needs nvcc; without nvcc the build says so and
@@ -14,7 +14,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 
@@ -37,21 +37,10 @@ setup(
     version="0.1.0",
     description="torch.compile backend that overlaps tensor-parallel GEMMs with their NCCL collectives",
     python_requires=">=3.10",
-    packages=[
-        "flashoverlap_inductor",
-        "flashoverlap_inductor.passes",
-        "flashoverlap_inductor.cost_model",
-        "flashoverlap_inductor.configs",
-    ],
-    package_dir={
-        "flashoverlap_inductor": "flashoverlap_inductor",
-        "flashoverlap_inductor.passes": "passes",
-        "flashoverlap_inductor.cost_model": "cost_model",
-        "flashoverlap_inductor.configs": "configs",
-    },
+    packages=find_packages(include=["flashoverlap_inductor", "flashoverlap_inductor.*"]),
     package_data={"flashoverlap_inductor.configs": ["*.json", "plans/*.json"]},
     install_requires=["torch>=2.11"],
-    extras_require={"test": ["pytest", "expecttest", "ruff"], "demo": ["transformers"]},
+    extras_require={"test": ["pytest", "expecttest", "numpy", "ruff"], "demo": ["transformers"]},
     cmdclass={"build_py": BuildPyWithCuda},
     entry_points={"torch_dynamo_backends": ["flashoverlap = flashoverlap_inductor.backend:flashoverlap_backend"]},
 )

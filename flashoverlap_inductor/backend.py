@@ -5,10 +5,10 @@
 that name (Dynamo would raise "duplicate name" when it loads the entry point).
 
 Options: ``torch.compile(m, backend="flashoverlap", options={"flashoverlap.fuse": "always", ...})``. Keys with
-the ``flashoverlap.`` prefix are our settings (``config.py``); they, the module config and ``FLASHOVERLAP_FUSE``
-are resolved ONCE here into the pass object, which also serves the backward graph that AOTAutograd compiles
-later (after this call returned). Every other key is an Inductor config patch, exactly as with
-``backend="inductor"``; ``mode=`` works as there too.
+the ``flashoverlap.`` prefix are our settings (``config.py``); they, ``config.patch`` and the environment are
+resolved ONCE here into one ``config.Settings`` held by the pass object, which also serves the backward graph that
+AOTAutograd compiles later (after this call returned). Every other key is an Inductor config patch, exactly as
+with ``backend="inductor"``; ``mode=`` works as there too.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from . import _inductor_compat as compat
 from . import config
 
 
-def make_pass(settings: dict[str, Any] | None = None) -> Any:
-    """The pass object for the current settings (``config.snapshot()`` updated with ``settings``)."""
+def make_pass(settings: config.Settings | dict[str, Any] | None = None) -> Any:
+    """The pass object for ``settings`` (a dict: changes to ``config.current()``)."""
     from .passes import FlashOverlapPass  # imports .ops, which registers torch.ops.flashoverlap.*
 
     return FlashOverlapPass(settings)
@@ -33,7 +33,6 @@ def inductor_patches(mode: str | None = None, options: dict[str, Any] | None = N
     if mode is not None and options:
         raise RuntimeError("flashoverlap: either mode or options can be given, not both (as with torch.compile)")
     ours, rest = config.split_options(options)
-    ours = {k: tuple(v) if isinstance(v, list) else v for k, v in ours.items()}
     patches: dict[str, Any] = {}
     if mode and mode != "default":
         patches.update(compat.list_mode_options(mode))
@@ -51,9 +50,7 @@ def flashoverlap_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
     if kwargs:
         raise TypeError(f"flashoverlap_backend: unexpected arguments {sorted(kwargs)}")
     ours, patches = inductor_patches(mode, options)
-    with config.patch(**ours):
-        settings = config.snapshot()
-    fo_pass = make_pass(settings)
+    fo_pass = make_pass(config.current().replace(**ours))  # validated here: a bad option fails the compile
     existing = patches.get(compat.PRE_PASS_KEY, getattr(compat.inductor_config(), compat.PRE_PASS_KEY, None))
     patches[compat.PRE_PASS_KEY] = compat.chain_passes(fo_pass, existing)
     return compat.compile_fx(gm, example_inputs, config_patches=patches)

@@ -13,6 +13,10 @@ and exits 0 (1 with ``--require``). Every (configuration, dtype, B layout) is on
 their command, their source or a ``csrc`` header they include changed. The library links cudart statically and
 exports only the ``fo_*`` C functions, so it loads under any Python (ctypes) next to any torch.
 
+Next to it, always, ``libflashoverlap_sm90_test.so`` from ``TEST_UNITS`` (``csrc/test_api.cu``: the helper kernels
+the GPU tests and benchmarks use, ``fo_test_*``; no GEMM, no CUTLASS), so the shipped library exports no test
+function.
+
 ``CONFIGS`` below is the one list of kernel configurations; the library reports them at run time
 (``flashoverlap_inductor.kernels.configs()``).
 """
@@ -36,8 +40,11 @@ ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 BUILD = ROOT / "build"
 LIB_NAME = "libflashoverlap_sm90.so"
+TEST_LIB_NAME = "libflashoverlap_sm90_test.so"
 # The host-side translation units (csrc/<name>.cu), each compiled once; the GEMM units come from CONFIGS.
 HOST_UNITS = ("api", "fused_call", "peer_call", "ring_call")
+# The units of the test library (TEST_LIB_NAME), linked on their own.
+TEST_UNITS = ("test_api",)
 
 
 @dataclass(frozen=True)
@@ -285,15 +292,17 @@ def build(patterns: list[str] | None = None, variants: str = "all", jobs: int | 
               "-gencode=arch=compute_90a,code=sm_90a", "-Xcompiler", "-fPIC,-fvisibility=hidden",
               f"-I{CSRC}", f"-I{cutlass / 'include'}", f"-I{cutlass / 'tools' / 'util' / 'include'}"]
     cmds = [(common + ["-c", str(CSRC / f"{src}.cu"), "-o", str(obj_dir / f"{src}.o")], obj_dir / f"{src}.o")
-            for src in HOST_UNITS]
+            for src in HOST_UNITS + TEST_UNITS]
     for u in todo:
         obj = obj_dir / f"{u.stem}.o"
         cmds.append((common + u.defines() + ["-c", str(CSRC / "gemm_sm90.cu"), "-o", str(obj)], obj))
-    digests = {name: _sources_digest(name) for name in [f"{u}.cu" for u in HOST_UNITS] + ["gemm_sm90.cu"]}
+    digests = {name: _sources_digest(name)
+               for name in [f"{u}.cu" for u in HOST_UNITS + TEST_UNITS] + ["gemm_sm90.cu"]}
     jobs = jobs or max(1, min(len(cmds), os.cpu_count() or 1))
     if verbose:
         print(f"nvcc: {nvcc}\nCUTLASS: {cutlass}\ncompiling {len(cmds)} translation units with {jobs} jobs")
-    errors, objs = [], []
+    errors, objs, test_objs = [], [], []
+    test_obj_paths = {obj_dir / f"{src}.o" for src in TEST_UNITS}
     with ThreadPoolExecutor(jobs) as pool:
         def one(c: tuple[list[str], Path]) -> tuple[Path, bool, str]:
             source = Path(c[0][c[0].index("-c") + 1]).name
@@ -305,24 +314,33 @@ def build(patterns: list[str] | None = None, variants: str = "all", jobs: int | 
                 if verbose:
                     print("FAILED  " + obj.name, flush=True)
             else:
-                objs.append(obj)
+                (test_objs if obj in test_obj_paths else objs).append(obj)
                 if verbose:
                     print(("built   " if rebuilt else "cached  ") + obj.name, flush=True)
     if errors and (not keep_going or any(obj_dir / f"{src}.o" not in objs for src in HOST_UNITS)
-                   or len(objs) <= len(HOST_UNITS)):
+                   or len(test_objs) < len(TEST_UNITS) or len(objs) <= len(HOST_UNITS)):
         raise RuntimeError("CUDA compilation failed:\n" + "\n".join(errors))
     if errors:
         print("CUDA compilation failed for some units (linking the rest):\n" + "\n".join(errors), file=sys.stderr)
     lib = out_dir / LIB_NAME
+    _link(nvcc, lib, objs)
+    if verbose:
+        print(f"wrote {lib} ({lib.stat().st_size / 1e6:.1f} MB, {len(objs) - len(HOST_UNITS)} GEMM units)")
+    test_lib = out_dir / TEST_LIB_NAME
+    _link(nvcc, test_lib, test_objs)
+    if verbose:
+        print(f"wrote {test_lib} ({test_lib.stat().st_size / 1e6:.1f} MB, test helpers)")
+    return lib
+
+
+def _link(nvcc: str, lib: Path, objs: list[Path]) -> None:
+    """One shared library from ``objs``: cudart static, only the default-visibility C functions exported."""
     link = [nvcc, "-shared", "-cudart", "static", "-gencode=arch=compute_90a,code=sm_90a",
             "-Xlinker", "--exclude-libs,ALL", "-o", str(lib), "-ldl"]
     link += [f"-L{d}" for d in _cuda_lib_dirs(nvcc)] + [str(o) for o in objs]
     r = subprocess.run(link, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"link failed:\n$ {' '.join(link)}\n{r.stdout}{r.stderr}")
-    if verbose:
-        print(f"wrote {lib} ({lib.stat().st_size / 1e6:.1f} MB, {len(objs) - len(HOST_UNITS)} GEMM units)")
-    return lib
 
 
 def main(argv: list[str] | None = None) -> int:

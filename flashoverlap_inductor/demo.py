@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _inductor_compat as compat
-from .plan import GroupPlan
+from .schedule.plan import GroupPlan
 
 
 class RMSNorm(nn.Module):
@@ -254,18 +254,10 @@ def _run(rank: int, args: argparse.Namespace, device: torch.device) -> None:
             ms = _timeit(fn, ids, args.steps, device)
             extra = f"   (compile {compiled[name][3]:.1f} s)" if name in compiled else ""
             say(f"  {name:14s} {ms:9.3f}{extra}")
-        if device.type == "cuda" and args.world_size == 2 and not graphs:  # the same graph, ops on the NCCL route
-            from . import peer_route
-
-            old, peer_route.TRANSPORT = peer_route.TRANSPORT, "nccl"
-            try:
-                say(f"  {'  NCCL route':14s} {_timeit(compiled['flashoverlap'][0], ids, args.steps, device):9.3f}")
-            finally:
-                peer_route.TRANSPORT = old
         if device.type == "cuda":
-            from . import runtime_gpu
+            from . import routes
 
-            say(f"  fused-op runtime counters (rank 0): {dict(sorted(runtime_gpu.stats.items()))}")
+            say(f"  fused-op runtime counters (rank 0): {dict(sorted(routes.stats.items()))}")
         if args.profile and device.type == "cuda":
             for name in compiled:
                 say(f"\n-- GPU time by kernel, 3 forward calls, {name} (rank 0) --")

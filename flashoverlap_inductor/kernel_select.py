@@ -1,6 +1,6 @@
 """What a fused call runs on the GPU, decided from its operands alone (pure functions, tested on CPU): the
 operand form the kernel takes, B's layout, the kernel configuration, the SMs left to NCCL and the row gather of
-reduce_scatter / all_to_all layouts. ``runtime_gpu`` memoizes the results per call shape.
+reduce_scatter / all_to_all layouts. The routes memoize the results per call shape.
 
 Units: rows/columns in elements; strides in elements; tiles ``tile_m x tile_n`` output elements.
 """
@@ -10,16 +10,15 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from . import kernels
-from . import plan as planlib
+from . import config, kernels
 from .cost_model.schema import GEMM_GRIDS
+from .schedule import plan as planlib
 
 log = logging.getLogger("flashoverlap")
 
@@ -135,14 +134,12 @@ def gather_rows(layout: planlib.BufferLayout) -> list[int] | None:
 
 
 def sm_reserve(device_name: str, override: int | None = None, group_max_ctas: int | None = None) -> int:
-    """SMs the fused GEMM leaves to NCCL and the wait kernel: ``override`` (``runtime_gpu.SM_RESERVE``), else
-    ``$FLASHOVERLAP_SM_RESERVE``, else ``group_max_ctas + 2`` when the process group's NCCL config caps its CTAs
+    """SMs the fused GEMM leaves to NCCL and the wait kernel: ``override`` (``Settings.tuning.sm_reserve``), else
+    ``group_max_ctas + 2`` when the process group's NCCL config caps its CTAs
     (NCCL's CTAs must all be resident beside the persistent GEMM, or the collective waits for the GEMM to end),
     else the cost model's ``fused.nccl_sms`` (16 when it has no data)."""
     if override is not None:
         return int(override)
-    if os.environ.get("FLASHOVERLAP_SM_RESERVE"):
-        return int(os.environ["FLASHOVERLAP_SM_RESERVE"])
     if group_max_ctas:
         return int(group_max_ctas) + 2
     try:
@@ -155,11 +152,11 @@ def sm_reserve(device_name: str, override: int | None = None, group_max_ctas: in
 
 
 def gemm_grid(device_name: str, override: str | None = None) -> str:
-    """How the fused GEMM is launched: ``override`` (``runtime_gpu.GEMM_GRID``), else ``$FLASHOVERLAP_GEMM_GRID``,
-    else the cost model's ``fused.grid`` (what its predictions assume), else ``"persistent"``.
+    """How the fused GEMM is launched: ``override`` (``Settings.tuning.gemm_grid``), else the cost model's
+    ``fused.grid`` (what its predictions assume), else ``"persistent"``.
     ``"persistent"``: one CTA per SM on the SMs ``sm_reserve`` does not leave to NCCL; ``"tiles"``: one CTA per
     tile on every SM, so SMs freed by finished tiles go to NCCL's kernels on the highest-priority side stream."""
-    value = override or os.environ.get("FLASHOVERLAP_GEMM_GRID")
+    value = override
     if not value:
         try:
             from flashoverlap_inductor.cost_model import model_for
@@ -194,8 +191,7 @@ def nccl_max_ctas(group: object) -> int | None:
             return value
     except Exception:  # not NCCL, or a torch without these bindings
         pass
-    env = os.environ.get("NCCL_MAX_CTAS")
-    return int(env) if env and env.isdigit() and int(env) > 0 else None
+    return config.nccl_max_ctas_env()
 
 
 @functools.lru_cache(maxsize=8)

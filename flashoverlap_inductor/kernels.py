@@ -1,4 +1,4 @@
-"""ctypes binding of the sm90 signal-GEMM library (``build/libflashoverlap_sm90.so``, or ``$FLASHOVERLAP_LIB``).
+"""ctypes binding of the sm90 signal-GEMM library (``build/libflashoverlap_sm90.so``, or ``Settings.library``).
 
 The library is torch-independent (a C ABI on raw pointers and ``cudaStream_t``), so one build serves every
 Python and torch version; this module turns torch tensors into those pointers and checks every return code.
@@ -122,7 +122,10 @@ STEP_KINDS = {"all_reduce": 0, "reduce_scatter": 1, "all_to_all": 2, "none": 3, 
 
 
 def library_path() -> Path:
-    return Path(os.environ.get(LIB_ENV) or DEFAULT_LIB)
+    """``Settings.library`` (``$FLASHOVERLAP_LIB``), else ``build/libflashoverlap_sm90.so`` of the checkout."""
+    from . import config
+
+    return Path(config.current().library or DEFAULT_LIB)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -145,8 +148,6 @@ def _declare(lib: ctypes.CDLL) -> None:
         "fo_fused_call": (c_int, [c_int, c_p, c_i64, c_p, c_i64, c_p, c_p, c_p, c_i64, c_int, c_int, c_int, c_p,
                                   c_p, c_int, c_int, c_int, c_int, c_p, c_sz, c_p, c_p, c_int, c_p, c_p, c_p, c_int,
                                   c_int, c_p, c_i64, c_p, c_p, c_p]),
-        "fo_test_delayed_add": (c_int, [c_p, c_int, c_i64, c_p, c_p]),
-        "fo_test_stamp": (c_int, [c_p, c_p]),
     }
     for name, (res, args) in sig.items():
         fn = getattr(lib, name)

@@ -15,7 +15,7 @@ Invariants:
   Ranks of the communicator are the group's ranks. NCCL orders the operations of one communicator in issue order
   across streams, so calls made here and torch's own calls on the group interleave the same way on every rank.
 * No communicator yet (torch creates it lazily at the group's first collective), a non-NCCL group, a missing
-  library or a version mismatch: ``communicator()`` returns None and the caller uses ``torch.distributed``. Whether
+  library or a version mismatch: ``communicator()`` returns None and the call takes the unfused route. Whether
   a communicator exists is the same on every rank at the same call (they run the same collectives), so every rank
   takes the same path.
 
@@ -30,12 +30,8 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from .runtime_cpu import GroupStep
 
 log = logging.getLogger("flashoverlap")
 
@@ -43,9 +39,6 @@ NCCL_SUCCESS = 0
 NCCL_IN_PROGRESS = 7
 NCCL_SUM = 0
 NCCL_DTYPES = {torch.float16: 6, torch.float32: 7, torch.bfloat16: 9}
-
-# "direct" (default: ctypes calls on the process group's communicator) or "torch" (torch.distributed calls).
-MODE: str = os.environ.get("FLASHOVERLAP_NCCL", "direct")
 
 
 class NcclError(RuntimeError):
@@ -125,7 +118,7 @@ def library() -> NcclLibrary | None:
     try:
         want = _version_code(torch.cuda.nccl.version())
     except Exception as exc:
-        log.info("flashoverlap: torch reports no NCCL (%r); per-group collectives go through torch.distributed", exc)
+        log.info("flashoverlap: torch reports no NCCL (%r); the NCCL route is off", exc)
         return None
     for path in _mapped_nccl_paths():
         try:
@@ -194,12 +187,10 @@ _by_group: dict[tuple[int, int | None], tuple[object, Communicator]] = {}
 
 
 def communicator(group: object, device: torch.device) -> Communicator | None:
-    """The ``ncclComm_t`` of ``group`` on ``device`` (None: use ``torch.distributed``; see the module docstring).
+    """The ``ncclComm_t`` of ``group`` on ``device`` (None: the NCCL route declines; see the module docstring).
 
     Until torch has created the communicator (lazily, at the group's first collective) this returns None on every
     rank alike; once found it is cached per group and device, after a size/rank check against the group."""
-    if MODE != "direct":
-        return None
     cached = _by_group.get((id(group), device.index))
     if cached is not None and cached[0] is group:  # the group object itself is kept alive: its id is not reused
         return cached[1]
@@ -219,37 +210,26 @@ def communicator(group: object, device: torch.device) -> Communicator | None:
     lib.check(lib.lib.ncclCommUserRank(ptr, ctypes.byref(user_rank)), "ncclCommUserRank")
     if (count.value, user_rank.value) != (size, rank):
         log.warning("flashoverlap: the process group's communicator has %d ranks (rank %d), the group %d (rank %d): "
-                    "using torch.distributed", count.value, user_rank.value, size, rank)
+                    "the NCCL route declines", count.value, user_rank.value, size, rank)
         return None
     comm = Communicator(lib, ptr, size, rank)
     _by_group[(id(group), device.index)] = (group, comm)
     return comm
 
 
-def issue_group(comm: Communicator, collective: str, step: GroupStep, buf: torch.Tensor, out_flat: torch.Tensor,
-                stream: int) -> None:
-    """``runtime_gpu.group_collective`` issued straight into NCCL on ``stream`` (the same transfers on the same
-    communicator; all_to_all peers are group ranks, which are the communicator's ranks). Every range is contiguous
-    rows of a row-major [rows, N] tensor, so it is one pointer and an element count."""
-    n, dtype = buf.shape[1], buf.dtype
-    row_bytes = n * buf.element_size()
-    b0, o0 = buf.data_ptr(), out_flat.data_ptr()
-    if collective == "all_reduce":
-        if step.hi > step.lo:
-            comm.all_reduce(b0 + step.lo * row_bytes, b0 + step.lo * row_bytes, (step.hi - step.lo) * n, dtype, stream)
-    elif collective == "reduce_scatter" and step.sends:  # natural rows: one reduce per chunk piece (row_order)
-        pieces = [(j, b0 + lo * row_bytes, (hi - lo) * n) for j, lo, hi in step.sends if hi > lo]
-        if pieces:
-            comm.reduce_pieces(pieces, o0 + step.out[0] * row_bytes, dtype, stream)
-    elif collective == "reduce_scatter":
-        if step.hi > step.lo:
-            comm.reduce_scatter(b0 + step.lo * row_bytes, o0 + step.out[0] * row_bytes,
-                                (step.out[1] - step.out[0]) * n, dtype, stream)
-    else:
-        sends = [(j, b0 + lo * row_bytes, (hi - lo) * n) for j, lo, hi in step.sends if hi > lo]
-        recvs = [(j, o0 + lo * row_bytes, (hi - lo) * n) for j, lo, hi in step.recvs if hi > lo]
-        if sends or recvs:
-            comm.send_recv(sends, recvs, dtype, stream)
-        if step.local is not None:
-            b_lo, o_lo, count = step.local
-            out_flat[o_lo:o_lo + count].copy_(buf[b_lo:b_lo + count])
+_bound: list[str] = []
+
+
+def bind_library(comm: Communicator) -> bool:
+    """Whether the kernel library's ``fo_fused_call`` calls the NCCL library ``comm`` lives in: bound once per
+    process (``fo_nccl_bind``); a failure is logged once and the NCCL route then declines every call."""
+    from . import kernels
+
+    if not _bound:
+        lib = kernels.library()
+        if lib.fo_nccl_bind(comm.lib.path.encode()) != 0:
+            log.warning("flashoverlap: the NCCL route is off: %s", lib.fo_last_error().decode())
+            _bound.append("")
+        else:
+            _bound.append(comm.lib.path)
+    return _bound[0] == comm.lib.path

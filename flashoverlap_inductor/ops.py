@@ -13,53 +13,34 @@ Results are contiguous. The runtimes work on the *flattened rows* of ``y`` (``[r
 prod(y.shape[:-1])``); one dim-0 element of a 3D ``y`` is ``unit = y.shape[1]`` flattened rows, so dim-0 split
 sizes become row counts by multiplying with ``unit``.
 
-``plan`` is a ``GroupPlan.to_str()`` or ``"auto"`` (a memoized cost-model plan per call shape). A plan that does
-not fit the call (stale rows/N) falls back to a uniform plan with a one-time warning. all_to_all with explicit
-split sizes always uses ``config.all_to_all_default_groups`` uniform *fractions*, because ranks may hold
-different row counts and every sender/receiver pair must cut its chunk identically (see ``chunk_pieces``).
+``plan`` is a ``GroupPlan.to_str()`` or ``"auto"`` (a memoized cost-model plan per call shape; ``schedule.steps``).
+``settings`` is a ``config.Settings.key()`` string (the pass passes the settings it compiled under; "" = the
+process's current settings). Which implementation runs is decided by the route registry (``routes.dispatch``).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from . import config
-from . import plan as planlib
+from . import routes
+from .routes.unfused import reduce_scatter_into  # noqa: F401  (the version shim tools import from here)
+from .schedule.steps import all_to_all_splits, even_splits
 
 log = logging.getLogger("flashoverlap")
 
-# torch >= 2.13 renamed dist.reduce_scatter_tensor -> reduce_scatter_single (the old name warns); 2.11 has only the
-# old one. ``reduce_scatter_into(out, inp, group=...)``: the one version shim every runtime and tool uses.
-reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
 NAMESPACE = "flashoverlap"
-# Tile shape and group count of the fallback plan when "auto" cannot ask the cost model or a plan is stale.
-FALLBACK_TILE = (128, 128)
-FALLBACK_GROUPS = 4
 
 _SCHEMAS = {
-    "gemm_all_reduce": "(Tensor a, Tensor b, Tensor? bias, str reduce_op, str group_name, str plan) -> Tensor",
+    "gemm_all_reduce": "(Tensor a, Tensor b, Tensor? bias, str reduce_op, str group_name, str plan, "
+                       "str settings=\"\") -> Tensor",
     "gemm_reduce_scatter": "(Tensor a, Tensor b, Tensor? bias, str reduce_op, int group_size, str group_name, "
-                           "str plan) -> Tensor",
+                           "str plan, str settings=\"\") -> Tensor",
     "gemm_all_to_all": "(Tensor a, Tensor b, Tensor? bias, SymInt[]? output_split_sizes, "
-                       "SymInt[]? input_split_sizes, str group_name, str plan) -> Tensor",
+                       "SymInt[]? input_split_sizes, str group_name, str plan, str settings=\"\") -> Tensor",
 }
-
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, msg: str, *args: object) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(msg, *args)
-
 
 # ----------------------------------------------------------------------------------------------- validation
 
@@ -98,140 +79,22 @@ def check_reduce_op(reduce_op: str) -> None:
         raise ValueError(f"flashoverlap: reduce_op must be 'sum', got {reduce_op!r}")
 
 
-def even_splits(dim0: int, world: int, what: str) -> list[int]:
-    if dim0 % world:
-        raise ValueError(f"flashoverlap: {what}: dim 0 size {dim0} does not divide by world size {world}")
-    return [dim0 // world] * world
-
-
-def all_to_all_splits(dim0: int, world: int, output_split_sizes: Sequence[int] | None,
-                      input_split_sizes: Sequence[int] | None) -> tuple[list[int], list[int]]:
-    """(output, input) split sizes in dim-0 units, with None replaced by even splits; validated."""
-    ins = [int(x) for x in input_split_sizes] if input_split_sizes is not None else even_splits(dim0, world, "input")
-    outs = [int(x) for x in output_split_sizes] if output_split_sizes is not None else even_splits(dim0, world,
-                                                                                                    "output")
-    if len(ins) != world or len(outs) != world:
-        raise ValueError(f"flashoverlap: all_to_all needs {world} split sizes, got input {ins}, output {outs}")
-    if sum(ins) != dim0 or min(ins + outs) < 0:
-        raise ValueError(f"flashoverlap: all_to_all input_split_sizes {ins} must be >= 0 and sum to dim 0 = {dim0}")
-    return outs, ins
-
-
 def resolve_group(group_name: str) -> dist.ProcessGroup:
     from torch.distributed.distributed_c10d import _resolve_process_group
     return _resolve_process_group(group_name)
 
 
-# ----------------------------------------------------------------------------------------------- plans
-
-
-class _FractionPlan(NamedTuple):
-    """Rank-independent uniform fractions ``g / G`` for ``plan.buffer_layout``: its cuts
-    ``floor(L * row_bounds[g] / row_bounds[-1])`` then depend only on each chunk's length ``L``."""
-
-    m: int
-    row_bounds: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """Everything a runtime needs for one call shape (memoized).
-
-    ``layout``: the buffer layout of this rank's GEMM output. ``recv_pieces[g][j]``: rows (flattened) this rank
-    receives from rank j in group g (all_to_all only; ``()`` otherwise). ``plan``: the GroupPlan used (None for
-    fraction plans). ``description``: for logs.
-    """
-
-    layout: planlib.BufferLayout
-    recv_pieces: tuple[tuple[int, ...], ...]
-    plan: planlib.GroupPlan | None
-    description: str
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.layout.group_bounds) - 1
-
-
-def _fallback_plan(rows: int, n: int) -> planlib.GroupPlan:
-    return planlib.uniform_plan(rows, n, FALLBACK_TILE[0], FALLBACK_TILE[1], FALLBACK_GROUPS)
-
-
-@functools.lru_cache(maxsize=4096)
-def auto_plan(collective: str, m: int, n: int, k: int, dtype: str, world: int,
-              device_name: str | None = None) -> planlib.GroupPlan:
-    """The cost model's plan for one call shape with even chunks (memoized); the fallback plan if the cost model
-    is missing or fails. (all_to_all with explicit split sizes never gets here: see ``resolve_schedule``.)"""
-    try:
-        from flashoverlap_inductor.cost_model import decide
-    except Exception as exc:  # missing or broken cost model: a uniform plan is always correct
-        _warn_once("no_cost_model", "flashoverlap: cost model unavailable (%r); 'auto' plans are uniform", exc)
-        return _fallback_plan(m, n)
-    try:
-        decision = decide(collective, m, n, k, dtype, world, device_name=device_name)
-    except Exception as exc:  # a cost-model bug must not break the op: a uniform plan is always correct
-        _warn_once(f"decide:{type(exc).__name__}", "flashoverlap: cost model failed (%r); using a uniform plan", exc)
-        return _fallback_plan(m, n)
-    log.debug("flashoverlap: auto plan %s m=%d n=%d k=%d: %s", collective, m, n, k, decision.reason)
-    return decision.plan
-
-
-@functools.lru_cache(maxsize=4096)
-def resolve_schedule(collective: str, plan_str: str, rows: int, n: int, k: int, dtype: str, world: int,
-                     send_rows: tuple[int, ...] | None = None, recv_rows: tuple[int, ...] | None = None,
-                     device_name: str | None = None) -> Schedule:
-    """The schedule of one call: ``rows``/``n``/``k`` are the flattened GEMM sizes; ``send_rows``/``recv_rows``
-    the all_to_all split sizes in flattened rows (None = even splits, which implies equal rows on every rank)."""
-    if collective == "all_to_all" and (send_rows is not None or recv_rows is not None):
-        groups = max(1, int(config.all_to_all_default_groups))
-        send = list(send_rows) if send_rows is not None else planlib.chunks_for("all_to_all", rows, world)
-        recv = list(recv_rows) if recv_rows is not None else send
-        frac = _FractionPlan(rows, tuple(range(groups + 1)))
-        layout = planlib.buffer_layout(frac, send)  # type: ignore[arg-type]  # duck-typed: m + row_bounds
-        recv_pieces = planlib.chunk_pieces(recv, frac.row_bounds)
-        if plan_str != "auto":
-            log.debug("flashoverlap: all_to_all with explicit split sizes: plan %s replaced by uniform fractions "
-                      "1/%d (ranks may hold different rows; only rank-independent fractions agree)", plan_str, groups)
-        return Schedule(layout, tuple(map(tuple, recv_pieces)), None, f"uniform fractions 1/{groups}")
-    if plan_str == "auto":
-        plan = auto_plan(collective, rows, n, k, dtype, world, device_name)
-    else:
-        try:
-            plan = planlib.GroupPlan.from_str(plan_str)
-        except (KeyError, ValueError) as exc:
-            raise ValueError(f"flashoverlap: bad plan string {plan_str!r}: {exc}") from exc
-    if plan.m != rows or plan.n != n:
-        _warn_once(f"stale:{plan_str}:{rows}:{n}", "flashoverlap: plan %s does not fit a %s call with %d rows x %d "
-                   "cols; using a uniform plan", plan_str, collective, rows, n)
-        plan = planlib.uniform_plan(rows, n, plan.tile_m, plan.tile_n, plan.num_groups)
-    chunks = planlib.chunks_for(collective, rows, world)
-    layout = planlib.buffer_layout(plan, chunks)
-    recv_pieces: tuple[tuple[int, ...], ...] = ()
-    if collective == "all_to_all":  # even splits: every rank has this plan, so it receives what it sends
-        recv_pieces = tuple(map(tuple, planlib.chunk_pieces(chunks, plan.row_bounds)))
-    return Schedule(layout, recv_pieces, plan, plan.to_str())
-
-
 # ----------------------------------------------------------------------------------------------- ops
-
-
-def _runtime(a: torch.Tensor):
-    """CUDA tensors go to the overlapped GPU runtime (which falls back to cuBLAS then NCCL, logged, where the
-    kernel library or the inputs do not fit); everything else to the CPU (gloo) wave-group schedule."""
-    if a.device.type == "cuda":
-        from . import runtime_gpu
-        return runtime_gpu
-    from . import runtime_cpu
-    return runtime_cpu
 
 
 def _new_output(a: torch.Tensor, shape: list) -> torch.Tensor:
     return torch.empty(shape, dtype=a.dtype, device=a.device)
 
 
-def _gemm_all_reduce(a, b, bias, reduce_op, group_name, plan):
+def _gemm_all_reduce(a, b, bias, reduce_op, group_name, plan, settings=""):
     check_reduce_op(reduce_op)
-    gemm_output_shape(a, b, bias)
-    return _runtime(a).gemm_all_reduce(a, b, bias, resolve_group(group_name), plan)
+    shape = gemm_output_shape(a, b, bias)
+    return routes.dispatch("all_reduce", a, b, bias, resolve_group(group_name), plan, settings, shape)
 
 
 gemm_all_reduce = torch.library.custom_op(f"{NAMESPACE}::gemm_all_reduce", mutates_args=(),
@@ -239,19 +102,19 @@ gemm_all_reduce = torch.library.custom_op(f"{NAMESPACE}::gemm_all_reduce", mutat
 
 
 @gemm_all_reduce.register_fake
-def _(a, b, bias, reduce_op, group_name, plan):
+def _(a, b, bias, reduce_op, group_name, plan, settings=""):
     check_reduce_op(reduce_op)
     return _new_output(a, gemm_output_shape(a, b, bias))
 
 
-def _gemm_reduce_scatter(a, b, bias, reduce_op, group_size, group_name, plan):
+def _gemm_reduce_scatter(a, b, bias, reduce_op, group_size, group_name, plan, settings=""):
     check_reduce_op(reduce_op)
     shape = gemm_output_shape(a, b, bias)
     group = resolve_group(group_name)
     if group_size != group.size():
         raise ValueError(f"flashoverlap: group_size {group_size} != size {group.size()} of group {group_name!r}")
     even_splits(shape[0], group_size, "reduce_scatter")
-    return _runtime(a).gemm_reduce_scatter(a, b, bias, group, plan)
+    return routes.dispatch("reduce_scatter", a, b, bias, group, plan, settings, shape)
 
 
 gemm_reduce_scatter = torch.library.custom_op(f"{NAMESPACE}::gemm_reduce_scatter", mutates_args=(),
@@ -259,7 +122,7 @@ gemm_reduce_scatter = torch.library.custom_op(f"{NAMESPACE}::gemm_reduce_scatter
 
 
 @gemm_reduce_scatter.register_fake
-def _(a, b, bias, reduce_op, group_size, group_name, plan):
+def _(a, b, bias, reduce_op, group_size, group_name, plan, settings=""):
     check_reduce_op(reduce_op)
     shape = gemm_output_shape(a, b, bias)
     torch._check(group_size > 0 and shape[0] % group_size == 0,
@@ -267,14 +130,15 @@ def _(a, b, bias, reduce_op, group_size, group_name, plan):
     return _new_output(a, [shape[0] // group_size, *shape[1:]])
 
 
-def _gemm_all_to_all(a, b, bias, output_split_sizes, input_split_sizes, group_name, plan):
+def _gemm_all_to_all(a, b, bias, output_split_sizes, input_split_sizes, group_name, plan, settings=""):
     shape = gemm_output_shape(a, b, bias)
     group = resolve_group(group_name)
     outs, ins = all_to_all_splits(shape[0], group.size(), output_split_sizes, input_split_sizes)
     if outs[group.rank()] != ins[group.rank()]:
         raise ValueError(f"flashoverlap: all_to_all rank {group.rank()} sends itself {ins[group.rank()]} rows but "
                          f"expects {outs[group.rank()]} (input_split_sizes {ins}, output_split_sizes {outs})")
-    return _runtime(a).gemm_all_to_all(a, b, bias, output_split_sizes, input_split_sizes, group, plan)
+    return routes.dispatch("all_to_all", a, b, bias, group, plan, settings, shape, output_split_sizes,
+                           input_split_sizes)
 
 
 gemm_all_to_all = torch.library.custom_op(f"{NAMESPACE}::gemm_all_to_all", mutates_args=(),
@@ -282,7 +146,7 @@ gemm_all_to_all = torch.library.custom_op(f"{NAMESPACE}::gemm_all_to_all", mutat
 
 
 @gemm_all_to_all.register_fake
-def _(a, b, bias, output_split_sizes, input_split_sizes, group_name, plan):
+def _(a, b, bias, output_split_sizes, input_split_sizes, group_name, plan, settings=""):
     shape = gemm_output_shape(a, b, bias)
     if input_split_sizes is not None:
         torch._check(sum(input_split_sizes) == shape[0],

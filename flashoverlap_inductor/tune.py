@@ -36,11 +36,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import ops, runtime_cuda, tune_fit
+from . import config, routes, tune_fit
 from . import tune_docs as docs
 from . import tune_measure as tm
 from .cost_model.pipeline import CostModel
-from .plan import chunks_for, group_of_tile_row, uniform_plan
+from .routes import unfused
+from .schedule.plan import chunks_for, group_of_tile_row, uniform_plan
 
 GRID = [(m, n, k) for m in (2048, 4096, 8192, 16384) for n, k in ((8192, 8192), (8192, 7168), (8192, 14336),
                                                                    (4096, 4096))]
@@ -105,7 +106,7 @@ def cmd_bandwidth(args: argparse.Namespace) -> int:
     timer = tm.Timer(rounds=args.rounds, target_ms=args.target_ms, min_iters=2, max_iters=40, spin_ms=0.05)
     fns = {
         "all_reduce": lambda n: dist.all_reduce(x[:n]),
-        "reduce_scatter": lambda n: ops.reduce_scatter_into(y[:n // world], x[:n]),
+        "reduce_scatter": lambda n: unfused.reduce_scatter_into(y[:n // world], x[:n]),
         "all_to_all": lambda n: dist.all_to_all_single(z[:n], x[:n]),
     }
     curves: dict[str, list[list[float]]] = {c: [] for c in args.collectives}
@@ -219,15 +220,13 @@ def cmd_search(args: argparse.Namespace) -> int:
     with ``--record`` one records file (``flashoverlap.search_records/1``) holding every searched shape."""
     import time
 
-    from . import kernels, peer_route
+    from . import kernels
     from .cost_model import model_for
 
     rank, world = init_distributed()
     if world < 2 or not kernels.available():
         print("tune search: needs torchrun with >= 2 ranks, sm90 GPUs and the built library", file=sys.stderr)
         return 2
-    # wave-group plans are the NCCL route's: the peer route ignores them, so every candidate is timed on that route
-    peer_route.TRANSPORT = "nccl"
     gpu, sms = torch.cuda.get_device_name(), torch.cuda.get_device_properties(None).multi_processor_count
     model = model_for(gpu)[0]
     start, records, shapes = time.monotonic(), [], parse_shapes(args.shape)
@@ -253,7 +252,6 @@ def cmd_search(args: argparse.Namespace) -> int:
 def search_shape(args: argparse.Namespace, shape: tuple[int, int, int], rank: int, world: int, gpu: str, sms: int,
                  model: CostModel) -> tuple[int, dict, dict]:
     """One shape's search: ``(rc, plans entry, record)``; rank 0 prints the summary line."""
-    from . import runtime_gpu
     from .cost_model.search import DEFAULT_TILE, predictive_search
 
     (m, n, k), coll, dtype_name = shape, args.collective, args.dtype
@@ -269,17 +267,14 @@ def search_shape(args: argparse.Namespace, shape: tuple[int, int, int], rank: in
     a = torch.randn(m, k, device=DEVICE, dtype=dtype, generator=gen)
     w = (torch.randn(n, k, device=DEVICE, dtype=dtype, generator=gen) / math.sqrt(k)).to(dtype)
     b, group = w.t(), dist.group.WORLD
-    op = {"all_reduce": runtime_gpu.gemm_all_reduce, "reduce_scatter": runtime_gpu.gemm_reduce_scatter}.get(coll)
+    # wave-group plans are the NCCL route's (the peer route ignores them): every candidate is timed on that route
+    key = config.current().replace(transport="nccl").key()
 
     def fused(plan: str):
-        if op is not None:
-            return lambda: op(a, b, None, group, plan)
-        return lambda: runtime_gpu.gemm_all_to_all(a, b, None, None, None, group, plan)
+        return lambda: routes.dispatch(coll, a, b, None, group, plan, key, [m, n])
 
-    seq_fn = {  # the unfused graph: cuBLAS then one collective (runtime_cuda)
-              "all_reduce": lambda: runtime_cuda.gemm_all_reduce(a, b, None, group, ""),
-              "reduce_scatter": lambda: runtime_cuda.gemm_reduce_scatter(a, b, None, group, ""),
-              "all_to_all": lambda: runtime_cuda.gemm_all_to_all(a, b, None, None, None, group, "")}[coll]
+    def seq_fn():  # the unfused graph: cuBLAS then one collective
+        return unfused.run(coll, a, b, None, group)
     ref, got = seq_fn(), fused(predictive.to_str())()
     err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
     ok = tm.agree([err < 2e-2])[0]
@@ -287,7 +282,7 @@ def search_shape(args: argparse.Namespace, shape: tuple[int, int, int], rank: in
         print(f"tune search: the fused op disagrees with cuBLAS+NCCL (rel err {err:.3g} on rank {rank}); abort",
               file=sys.stderr)
         return 1, {}, {}
-    fused_before = runtime_gpu.stats[f"fused:{coll}"]
+    fused_before = routes.stats["route:nccl"]
     bar = tm.Progress(len(candidates) + 1, "search", enabled=rank == 0)
     seq_runs: list[list[float]] = []  # per measure call: the sequential baseline timed inside each batch
 
@@ -312,8 +307,8 @@ def search_shape(args: argparse.Namespace, shape: tuple[int, int, int], rank: in
     # measure call; the first when there is no refinement)
     seq_ms = tm.median(seq_runs[1 if args.rounds > 0 else 0])
     bar.close()
-    if runtime_gpu.stats[f"fused:{coll}"] == fused_before:
-        print(f"tune search: the fused path never ran ({dict(runtime_gpu.stats)}); abort", file=sys.stderr)
+    if routes.stats["route:nccl"] == fused_before:
+        print(f"tune search: the fused path never ran ({dict(routes.stats)}); abort", file=sys.stderr)
         return 1, {}, {}
     entry = {"world_size": world, "collective": coll, "dtype": dtype_name, "m": m, "n": n, "k": k,
              "plan": report.best.to_str(), "measured_fused_ms": round(report.best_ms, 5),

@@ -26,7 +26,7 @@ from flashoverlap_inductor.cost_model.gemm import GemmModel
 from flashoverlap_inductor.cost_model.import_anchor import dumps
 from flashoverlap_inductor.cost_model.registry import normalize_gpu_name, plan_key
 from flashoverlap_inductor.cost_model.search import candidate_bounds, unit_bounds
-from flashoverlap_inductor.plan import GroupPlan
+from flashoverlap_inductor.schedule.plan import GroupPlan
 
 KIB, GIB = 1 << 10, 1 << 30
 

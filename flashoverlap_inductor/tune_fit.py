@@ -46,11 +46,11 @@ from pathlib import Path
 from typing import Any
 
 from flashoverlap_inductor.cost_model.pipeline import GroupParts
-from flashoverlap_inductor.plan import GroupPlan, chunks_for
+from flashoverlap_inductor.schedule.plan import GroupPlan, chunks_for
 
 from .cost_model.schema import ROUTE_COLLECTIVES
 from .tune_docs import read_records
-from .tune_rows import above_floor, parse_host_floor, route_of_row
+from .tune_rows import above_floor, route_fit, route_of_row, write_section
 
 EFFICIENCIES = tuple(round(0.75 + 0.025 * i, 3) for i in range(12))  # 0.75 .. 1.025
 GEMM_SLOWDOWNS = tuple(round(0.05 * i, 2) for i in range(9))  # 0 .. 0.40
@@ -225,39 +225,6 @@ def fit_peer(model: Any, rows: list[dict[str, Any]], host_floor: dict[str, float
         fit_info[op] = {"rows": len(pts), "median_rel_error": round(statistics.median(errs), 4),
                         "max_rel_error": round(max(errs), 4)}
     return {"world_size": world, "collectives": collectives, "fit": fit_info}
-
-
-def write_section(gpu: str, update: Any, what: str) -> int:
-    """Apply ``update(doc)`` to the GPU's GEMM model file in the data directory and write it."""
-    from flashoverlap_inductor.cost_model import registry
-
-    want = registry.normalize_gpu_name(gpu)
-    for path in sorted(registry.data_dir().glob("*.json")):
-        doc = json.loads(path.read_text())
-        if str(doc.get("schema", "")).startswith("flashoverlap.gemm/") and \
-                registry.normalize_gpu_name(str(doc.get("gpu", ""))) == want:
-            update(doc)
-            path.write_text(json.dumps(doc, indent=1) + "\n")
-            print(f"tune fit: wrote the {what} of {path}")
-            return 0
-    print(f"tune fit: no GEMM model file for {gpu} in {registry.data_dir()}")
-    return 2
-
-
-def route_fit(flag: str, rows: list[dict[str, Any]], gpu: str, fit: Any, host_floor: str,
-              none_why: str) -> dict[str, Any] | None:
-    """The common start of ``--peer`` and ``--ring``: ``fit(model, rows, host floors)`` with the GPU's model and the
-    parsed ``--host-floor``; None (after saying why) without rows or on a ValueError."""
-    from flashoverlap_inductor.cost_model import model_for
-
-    if not rows:
-        print(f"tune fit {flag}: {none_why}")
-        return None
-    try:
-        return fit(model_for(gpu)[0], rows, parse_host_floor(host_floor))
-    except ValueError as exc:
-        print(f"tune fit {flag}: {exc}")
-        return None
 
 
 def cmd_fit_peer(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ from typing import Any
 
 from flashoverlap_inductor.cost_model.ring import fit_terms, relative_errors, rounds_for
 
-from .tune_rows import above_floor, modelled_ring_variant, route_of_row
+from .tune_rows import above_floor, modelled_ring_variant, route_fit, route_of_row, write_section
 
 
 def load_ring_rows(paths: list[str], variant: str | None = None) -> tuple[list[dict[str, Any]], str]:
@@ -83,7 +83,6 @@ def fit_ring(model: Any, rows: list[dict[str, Any]], host_floor: dict[str, float
 
 
 def cmd_fit_ring(args: argparse.Namespace) -> int:
-    from .tune_fit import route_fit, write_section
 
     rows, gpu = load_ring_rows(args.bench, args.variant)
     result = route_fit("--ring", rows, gpu, fit_ring, args.host_floor,

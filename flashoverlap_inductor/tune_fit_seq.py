@@ -19,7 +19,7 @@ from typing import Any
 
 from flashoverlap_inductor.cost_model.schema import SKEW_FRACTION_MAX
 
-from .tune_fit import write_section
+from .tune_rows import write_section
 
 
 def fit_sequential(paths: list[str]) -> tuple[dict[str, Any], str]:

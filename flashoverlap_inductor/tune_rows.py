@@ -9,6 +9,7 @@ recorded: its route follows from the spec and from whether the route takes the c
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from .cost_model.ring import rounds_for
@@ -75,3 +76,36 @@ def above_floor(points: list[tuple], floor: float) -> list[tuple]:
     """The points (measured ms last) more than 10% above the host floor: those near it measured the host, not the
     GPU, and stay out of a route's fit (not out of its error)."""
     return [p for p in points if p[-1] > 1.1 * floor]
+
+
+def write_section(gpu: str, update: Any, what: str) -> int:
+    """Apply ``update(doc)`` to the GPU's GEMM model file in the data directory and write it."""
+    from flashoverlap_inductor.cost_model import registry
+
+    want = registry.normalize_gpu_name(gpu)
+    for path in sorted(registry.data_dir().glob("*.json")):
+        doc = json.loads(path.read_text())
+        if str(doc.get("schema", "")).startswith("flashoverlap.gemm/") and \
+                registry.normalize_gpu_name(str(doc.get("gpu", ""))) == want:
+            update(doc)
+            path.write_text(json.dumps(doc, indent=1) + "\n")
+            print(f"tune fit: wrote the {what} of {path}")
+            return 0
+    print(f"tune fit: no GEMM model file for {gpu} in {registry.data_dir()}")
+    return 2
+
+
+def route_fit(flag: str, rows: list[dict[str, Any]], gpu: str, fit: Any, host_floor: str,
+              none_why: str) -> dict[str, Any] | None:
+    """The common start of ``--peer`` and ``--ring``: ``fit(model, rows, host floors)`` with the GPU's model and the
+    parsed ``--host-floor``; None (after saying why) without rows or on a ValueError."""
+    from flashoverlap_inductor.cost_model import model_for
+
+    if not rows:
+        print(f"tune fit {flag}: {none_why}")
+        return None
+    try:
+        return fit(model_for(gpu)[0], rows, parse_host_floor(host_floor))
+    except ValueError as exc:
+        print(f"tune fit {flag}: {exc}")
+        return None

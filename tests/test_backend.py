@@ -77,7 +77,7 @@ class TestBackendOptions(FakePGTestCase):
         fo_pass = patches.pop(compat.PRE_PASS_KEY)
         self.assertEqual(patches, {"max_autotune": False})  # only Inductor's keys are left
         self.assertIsInstance(fo_pass, FlashOverlapPass)
-        self.assertEqual((fo_pass.settings["fuse"], fo_pass.settings["min_rows"], fo_pass.settings["collectives"]),
+        self.assertEqual((fo_pass.settings.fuse, fo_pass.settings.min_rows, fo_pass.settings.collectives),
                          ("never", 4, ("all_reduce",)))
         self.assertIsNone(config.fuse)  # the module config is untouched
         self.assertEqual(config.min_rows, 256)
@@ -103,13 +103,16 @@ class TestBackendOptions(FakePGTestCase):
 
     def test_env_var_and_precedence(self):
         with mock.patch.dict(os.environ, {"FLASHOVERLAP_FUSE": "never"}):
-            self.assertEqual(self._patches()[compat.PRE_PASS_KEY].settings["fuse"], "never")
+            config.reload_environment()
+            self.assertEqual(self._patches()[compat.PRE_PASS_KEY].settings.fuse, "never")
             with config.patch(fuse="auto"):  # the module attribute beats the env var
-                self.assertEqual(self._patches()[compat.PRE_PASS_KEY].settings["fuse"], "auto")
+                self.assertEqual(self._patches()[compat.PRE_PASS_KEY].settings.fuse, "auto")
             options = {"flashoverlap.fuse": "always"}  # an option beats both
-            self.assertEqual(self._patches(options=options)[compat.PRE_PASS_KEY].settings["fuse"], "always")
+            self.assertEqual(self._patches(options=options)[compat.PRE_PASS_KEY].settings.fuse, "always")
         with mock.patch.dict(os.environ, {"FLASHOVERLAP_FUSE": "always"}):
-            self.assertEqual(self._patches()[compat.PRE_PASS_KEY].settings["fuse"], "always")
+            config.reload_environment()
+            self.assertEqual(self._patches()[compat.PRE_PASS_KEY].settings.fuse, "always")
+        config.reload_environment()
 
     def test_settings_survive_for_the_lazily_compiled_backward(self):
         """The pass keeps the settings it was built with, whatever the config says when it finally runs."""

@@ -26,7 +26,7 @@ from flashoverlap_inductor.cost_model import (
     registry,
 )
 from flashoverlap_inductor.cost_model.search import candidate_bounds
-from flashoverlap_inductor.plan import COLLECTIVES, GroupPlan, chunks_for, group_of_tile_row
+from flashoverlap_inductor.schedule.plan import COLLECTIVES, GroupPlan, chunks_for, group_of_tile_row
 
 
 @pytest.fixture(autouse=True)

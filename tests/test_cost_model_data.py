@@ -22,7 +22,7 @@ from flashoverlap_inductor.cost_model import (
     normalize_gpu_name,
 )
 from flashoverlap_inductor.cost_model.import_anchor import convert, fit_gemm, main
-from flashoverlap_inductor.plan import COLLECTIVES, GroupPlan, uniform_plan
+from flashoverlap_inductor.schedule.plan import COLLECTIVES, GroupPlan, uniform_plan
 
 SHARED_DATA = Path("/work/shared/data")
 

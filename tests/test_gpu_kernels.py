@@ -1,19 +1,25 @@
 """Tests of the sm90 signal-GEMM library: the build script and loader on any machine, kernels on a Hopper GPU.
 
 GPU tests skip without CUDA, without an sm90 device, or without the built library
-(``python -m flashoverlap_inductor.build``). They check results against torch on fresh random data with
-poisoned outputs, that counters end exactly at the plan's group sizes, that every group's rows are complete
-when its wait releases, and that a wait that can never succeed raises ``FlashOverlapTimeout``.
+(``python -m flashoverlap_inductor.build``); those that use the test helper kernels (``fo_test_*``) also without
+the test library the build writes next to it (``libflashoverlap_sm90_test.so`` from ``csrc/test_api.cu``, or
+``$FLASHOVERLAP_TEST_LIB``). They check results against torch on fresh random data with poisoned outputs, that
+counters end exactly at the plan's group sizes, that every group's rows are complete when its wait releases, and
+that a wait that can never succeed raises ``FlashOverlapTimeout``.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
+import os
 
 import pytest
 import torch
 
-from flashoverlap_inductor import build, kernels, plan
+from flashoverlap_inductor import build, kernels
+from flashoverlap_inductor.schedule import plan
 
 GPU = pytest.mark.skipif(not kernels.available(), reason="needs an sm90 GPU and the built CUDA library")
 
@@ -52,6 +58,21 @@ def test_loader_reports_missing_library(monkeypatch, tmp_path):
     with pytest.raises(kernels.KernelLibraryError, match="flashoverlap_inductor.build"):
         kernels.library()
     assert not kernels.available()
+
+
+def test_shipped_abi_has_no_test_functions():
+    """The test helpers (``fo_test_*``) live in their own library; the shipped header, sources and, when built, the
+    library itself have none."""
+    csrc = build.CSRC
+    for name in ["flashoverlap_sm90.h"] + [f"{u}.cu" for u in build.HOST_UNITS]:
+        assert "fo_test_" not in (csrc / name).read_text(), name
+    assert "fo_test_stamp" in (csrc / "test_api.cu").read_text()
+    assert set(build.TEST_UNITS).isdisjoint(build.HOST_UNITS)
+    path = kernels.library_path()
+    if path.is_file():
+        lib = ctypes.CDLL(str(path))
+        assert not hasattr(lib, "fo_test_stamp") and not hasattr(lib, "fo_test_delayed_add")
+        assert hasattr(lib, "fo_gemm_cache_stats")
 
 
 def test_wrap32_is_cyclic():
@@ -174,8 +195,92 @@ def test_counters_end_at_group_sizes(mode):
             assert per_row.tolist() == [math.ceil(n / info.tile_n)] * per_row.numel()
 
 
-def _stamp(buf, i, stream):
-    kernels._check(kernels.ready().fo_test_stamp(buf.data_ptr() + 8 * i, stream.cuda_stream), "fo_test_stamp")
+TEST_LIB_ENV = "FLASHOVERLAP_TEST_LIB"
+
+
+@functools.cache
+def _test_lib_at(path: str, device: int) -> ctypes.CDLL:
+    c_int, c_i64, c_p = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    lib = ctypes.CDLL(path)
+    for name, res, args in (("fo_test_abi_version", c_int, []), ("fo_test_last_error", ctypes.c_char_p, []),
+                            ("fo_test_preload", c_int, []),
+                            ("fo_test_delayed_add", c_int, [c_p, c_int, c_i64, c_p, c_p]),
+                            ("fo_test_stamp", c_int, [c_p, c_p])):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    assert lib.fo_test_abi_version() == 1, f"{path}: unexpected test ABI {lib.fo_test_abi_version()}"
+    with torch.cuda.device(device):
+        _test_check(lib, lib.fo_test_preload(), "fo_test_preload")
+    return lib
+
+
+def _test_lib() -> ctypes.CDLL:
+    """The test helper library (``fo_test_*``) with its kernels loaded on the current device; skips the test when
+    it is not built. Call it before queueing any wait: loading a kernel lazily behind a spinning wait deadlocks."""
+    path = os.environ.get(TEST_LIB_ENV) or str(kernels.library_path().with_name(build.TEST_LIB_NAME))
+    if not os.path.isfile(path):
+        pytest.skip(f"needs the test helper library {path} (python -m flashoverlap_inductor.build builds it)")
+    return _test_lib_at(path, torch.cuda.current_device())
+
+
+def _test_check(lib, rc, what):
+    if rc != 0:
+        raise kernels.KernelLibraryError(f"{what} failed (code {rc}): {lib.fo_test_last_error().decode()}")
+
+
+def _stamp(lib, buf, i, stream):
+    _test_check(lib, lib.fo_test_stamp(buf.data_ptr() + 8 * i, stream.cuda_stream), "fo_test_stamp")
+
+
+def _cache_stats() -> tuple[int, int]:
+    fn = kernels.library().fo_gemm_cache_stats
+    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.POINTER(ctypes.c_int64)] * 2
+    hits, misses = ctypes.c_int64(0), ctypes.c_int64(0)
+    fn(ctypes.byref(hits), ctypes.byref(misses))
+    return hits.value, misses.value
+
+
+@GPU
+def test_launch_cache_hits_and_never_serves_stale_parameters():
+    """A repeated launch takes its kernel parameters from the library's launch cache and computes with the tensors'
+    current values; launches that differ in a pointer or a setting get their own parameters, also after more
+    distinct launches of one configuration than the cache keeps (256), on another stream, and in reverse order."""
+    cached = os.environ.get("FLASHOVERLAP_GEMM_CACHE") != "0"
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    m, n, k, pieces = 256, 512, 128, 300
+    a, b, bias = _operands(m, n, k, torch.bfloat16, "nk", True, gen)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    kernels.signal_gemm(a, b, bias, out)
+    h0, m0 = _cache_stats()
+    for _ in range(3):  # same pointers, new values
+        a.copy_(torch.randn(m, k, generator=gen, device="cuda").bfloat16())
+        out.fill_(float("nan"))
+        kernels.signal_gemm(a, b, bias, out)
+        assert _rel_err(out, _reference(a, b, bias)) < 1e-2
+    h1, m1 = _cache_stats()
+    assert (h1 - h0, m1 - m0) == ((3, 0) if cached else (0, 3))
+    kernels.signal_gemm(a, b, bias, out)
+    first = out.clone()
+    # every piece its own D pointer and a swizzle / raster / SM count of its own (the values never depend on those)
+    settings = [(swz, raster, sms) for sms in (0, 100, 132) for raster in ("along_n", "along_m")
+                for swz in (1, 2, 4, 8)]
+    side = torch.cuda.Stream()
+    for order in (range(pieces), reversed(range(pieces))):
+        big = torch.full((pieces * m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        side.wait_stream(torch.cuda.current_stream())
+        for i in order:
+            swz, raster, sms = settings[i % len(settings)]
+            with torch.cuda.stream(side if i % 3 == 0 else torch.cuda.current_stream()):
+                kernels.signal_gemm(a, b, bias if i % 2 else None, big[i * m:(i + 1) * m], swizzle=swz, raster=raster,
+                                    sm_count=sms)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        no_bias = kernels.signal_gemm(a, b)
+        for i in range(pieces):
+            piece = big[i * m:(i + 1) * m]
+            assert torch.equal(piece, first if i % 2 else no_bias), f"piece {i}: stale or missing launch"
+    h2, m2 = _cache_stats()
+    assert h2 + m2 - h1 - m1 == 2 * pieces + 3
 
 
 @GPU
@@ -183,6 +288,7 @@ def _stamp(buf, i, stream):
 def test_groups_release_in_order_with_complete_rows(mode):
     """A side stream waits for each group, then snapshots its rows: every snapshot must equal the final output
     (the rows were in memory when the counter said so), and the releases come in group order, before the end."""
+    tl = _test_lib()
     m, n, k, groups = 8192, 4096, 2048, 8
     info = kernels.config_info(kernels.DEFAULT_CONFIG)
     p = plan.uniform_plan(m, n, info.tile_m, info.tile_n, groups)
@@ -203,10 +309,10 @@ def test_groups_release_in_order_with_complete_rows(mode):
                 kernels.wait_group(counters, g, epoch * tiles[g], stream=side, timeout_ms=5000)
                 lo, hi = p.row_bounds[g], p.row_bounds[g + 1]
                 snap[lo:hi].copy_(out[lo:hi])
-                _stamp(stamps, g, side)
+                _stamp(tl, stamps, g, side)
         kernels.signal_gemm(a, b, out=out, counters=counters, group_of_tile_row=gmap, sm_count=120,
                             signal_mode=mode)
-        _stamp(stamps, groups, main)
+        _stamp(tl, stamps, groups, main)
         torch.cuda.synchronize()
         kernels.raise_if_timed_out()
         assert torch.equal(snap, out), f"epoch {epoch}: a group was released before its rows were written"
@@ -221,6 +327,7 @@ def test_tile_row_order_scatters_groups_and_releases_them_complete(grid):
     """reduce_scatter's "schedule" route: 4 chunks, each group a piece of every chunk (not contiguous). With the
     scheduler's tile-row order every group is released before the GEMM ends, in order, with all its rows written;
     every configuration gives the same values as torch, and the counters end at the map's tile counts."""
+    tl = _test_lib()
     world, m, n, k, groups = 4, 8192, 4096, 2048, 4
     gen = torch.Generator(device="cuda").manual_seed(5)
     a, b, _ = _operands(m, n, k, torch.bfloat16, "nk", False, gen)
@@ -243,12 +350,12 @@ def test_tile_row_order_scatters_groups_and_releases_them_complete(grid):
         with torch.cuda.stream(side):
             for g in range(groups):
                 kernels.wait_group(counters, g, tiles[g], stream=side, timeout_ms=5000)
-                _stamp(stamps, g, side)  # the release time
+                _stamp(tl, stamps, g, side)  # the release time
                 for nat, cnt in rows[g]:
                     snap[nat:nat + cnt].copy_(out[nat:nat + cnt])
         kernels.signal_gemm(a, b, out=out, config=info.name, counters=counters, group_of_tile_row=gmap,
                             sm_count=sms, tile_row_order=order)
-        _stamp(stamps, groups, torch.cuda.current_stream())
+        _stamp(tl, stamps, groups, torch.cuda.current_stream())
         torch.cuda.synchronize()
         kernels.raise_if_timed_out()
         assert counters.tolist() == tiles, info.name
@@ -315,14 +422,15 @@ def test_epoch_waits_survive_graph_replay():
 
 @GPU
 def test_stream_wait_value_releases_after_the_add():
+    tl = _test_lib()  # loaded before the unbounded wait is queued
     counters = torch.zeros(1, dtype=torch.int32, device="cuda")
     stamps = torch.zeros(2, dtype=torch.int64, device="cuda")
     side = torch.cuda.Stream()
     main = torch.cuda.current_stream()
     kernels.stream_wait_value(counters, 0, 3, stream=side)
-    _stamp(stamps, 1, side)
-    kernels._check(kernels.ready().fo_test_delayed_add(counters.data_ptr(), 3, 200_000, stamps.data_ptr(),
-                                                         main.cuda_stream), "fo_test_delayed_add")
+    _stamp(tl, stamps, 1, side)
+    _test_check(tl, tl.fo_test_delayed_add(counters.data_ptr(), 3, 200_000, stamps.data_ptr(), main.cuda_stream),
+                "fo_test_delayed_add")
     torch.cuda.synchronize()
     set_at, released_at = stamps.tolist()
     assert released_at >= set_at

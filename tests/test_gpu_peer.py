@@ -1,4 +1,4 @@
-"""GPU tests of the peer route (``peer_route``: the two-rank reduction inside GEMM 2's epilogue).
+"""GPU tests of the peer route (``routes.peer``: the two-rank reduction inside GEMM 2's epilogue).
 
 Skipped unless 2 CUDA devices, an sm90 GPU and a library with ``_addc`` configurations are present. Every check
 compares with an fp64 reference built from both ranks' inputs, next to eager PyTorch's own error, on fresh random
@@ -59,58 +59,52 @@ SHAPES = [(4096, 1024, 512), (1000, 776, 328), (256, 264, 64), (40, 264, 64), (2
 
 def peer_match_task(op: str, how: str = "default") -> dict[str, int]:
     """Each shape with and without bias, then calls that cannot take the route; every result checked. ``how``:
-    GEMM 2's configuration for all_reduce: "default" (by push where compiled), "pull" (the first ``_addc``), or
-    "auxr" (push, aux stored from registers); "wait": a wait kernel between the GEMMs instead of the in-kernel gate;
-    "cpull": GEMM 2 reads the peer's GEMM 1 result over NVLink (``peer_route.PARTIAL = "pull"``) instead of GEMM 1
-    storing it into the peer's memory; "pull_cpull": both (the ninth session's first all_reduce route)."""
+    GEMM 2's configuration for all_reduce: "default" (by push where compiled), "pull" (the first ``_addc``, through
+    ``config.patch(peer_kernel=...)``), or "auxr" (push, aux stored from registers)."""
     import torch.distributed as dist
 
-    from flashoverlap_inductor import peer_route, runtime_gpu
+    from flashoverlap_inductor import config, routes
 
-    assert peer_route.TRANSPORT == "peer"
+    assert config.current().transport == "peer"
     rank = dist.get_rank()
-    level = {"default": None, "wait": None, "cpull": None, "pull": 1, "pull_cpull": 1, "auxr": 3}[how]
-    peer_route.ADD_KERNEL = kernels.configs(add_c=level)[0].name if level else None
-    peer_route.GATE = "wait" if how == "wait" else "kernel"
-    peer_route.PARTIAL = "pull" if how in ("cpull", "pull_cpull") else "push"
-    runtime_gpu.reset()
+    level = {"default": None, "pull": 1, "auxr": 3}[how]
+    routes.reset()
     torch.use_deterministic_algorithms(True)
     try:
-        for i, (rows, n, k) in enumerate(SHAPES):
-            for bias in (False, True):
-                args = [_operands(31 + 7 * i + bias, r, "2d", rows, n, k, torch.bfloat16, "nk", bias)
-                        for r in range(WORLD)]
+        with config.patch(peer_kernel=kernels.configs(add_c=level)[0].name if level else None):
+            for i, (rows, n, k) in enumerate(SHAPES):
+                for bias in (False, True):
+                    args = [_operands(31 + 7 * i + bias, r, "2d", rows, n, k, torch.bfloat16, "nk", bias)
+                            for r in range(WORLD)]
+                    a, b, c = args[rank]
+                    out = _call(op, a, b, c, "auto")
+                    _check(out, _reference(op, [_y64(*x) for x in args], rank), _eager(op, a, b, c),
+                           f"peer {op} {rows}x{n}x{k} bias={bias}")
+            peer_calls = routes.stats["route:peer"]
+            pushes = sum(launch.push for e in list(routes._memo.values()) for launch in e.launches.values()
+                         if isinstance(launch, routes.peer.PeerLaunch))
+            for rows, dtype, layout in ((1024, torch.float16, "nk"), (1024, torch.bfloat16, "kn"),
+                                        (1001, torch.bfloat16, "nk")):
+                if op == "reduce_scatter" and rows % 2:
+                    continue
+                args = [_operands(5, r, "2d", rows, 512, 256, dtype, layout, False) for r in range(WORLD)]
                 a, b, c = args[rank]
                 out = _call(op, a, b, c, "auto")
                 _check(out, _reference(op, [_y64(*x) for x in args], rank), _eager(op, a, b, c),
-                       f"peer {op} {rows}x{n}x{k} bias={bias}")
-        peer_calls = runtime_gpu.stats["route:peer"]
-        pushes = sum(launch[0].push for launch in runtime_gpu._peer_launches.values() if not isinstance(launch[0], str))
-        for rows, dtype, layout in ((1024, torch.float16, "nk"), (1024, torch.bfloat16, "kn"),
-                                    (1001, torch.bfloat16, "nk")):
-            if op == "reduce_scatter" and rows % 2:
-                continue
-            args = [_operands(5, r, "2d", rows, 512, 256, dtype, layout, False) for r in range(WORLD)]
-            a, b, c = args[rank]
-            out = _call(op, a, b, c, "auto")
-            _check(out, _reference(op, [_y64(*x) for x in args], rank), _eager(op, a, b, c),
-                   f"nccl route {op} {rows} {dtype} {layout}")
+                       f"nccl route {op} {rows} {dtype} {layout}")
     finally:
         torch.use_deterministic_algorithms(False)
-        peer_route.ADD_KERNEL, peer_route.GATE, peer_route.PARTIAL = None, "kernel", "push"
-    runtime_gpu.check()
+    routes.check()
     return {"push": pushes,  # launches by push among the shapes above (the calls after may add their own)
-            "peer": peer_calls, "after": runtime_gpu.stats["route:peer"], "skips": runtime_gpu.stats["peer_skip"]}
+            "peer": peer_calls, "after": routes.stats["route:peer"], "nccl": routes.stats["route:nccl"]}
 
 
-def _route_settings(how: str) -> None:
-    """``how``: "push" (the defaults), "cpull" (GEMM 2 reads the peer's partial over NVLink), "arpull" (all_reduce
-    by copy groups instead of GEMM 2's aux push) or "wait" (a wait kernel between the GEMMs)."""
-    from flashoverlap_inductor import peer_route
+def _route_settings(how: str):
+    """The settings of ``how`` (a context manager): "push" (the defaults) or "arpull" (all_reduce by copy groups
+    instead of GEMM 2's aux push: ``peer_kernel`` names the first plain ``_addc`` configuration)."""
+    from flashoverlap_inductor import config
 
-    peer_route.PARTIAL = "pull" if how == "cpull" else "push"
-    peer_route.ADD_KERNEL = kernels.configs(add_c=1)[0].name if how == "arpull" else None
-    peer_route.GATE = "wait" if how == "wait" else "kernel"
+    return config.patch(peer_kernel=kernels.configs(add_c=1)[0].name if how == "arpull" else None)
 
 
 def queued_calls_task(calls: int, how: str) -> int:
@@ -119,22 +113,19 @@ def queued_calls_task(calls: int, how: str) -> int:
     here). ``how``: ``_route_settings``."""
     import torch.distributed as dist
 
-    from flashoverlap_inductor import runtime_gpu
+    from flashoverlap_inductor import routes
 
     rank = dist.get_rank()
-    runtime_gpu.reset()
+    routes.reset()
     pending = []
-    _route_settings(how)
-    try:
+    with _route_settings(how):
         for i in range(calls):
             op = ("all_reduce", "reduce_scatter")[i % 2]
             rows, n, k = (512, 1024, 256) if i < calls // 2 else (2048, 4096, 512)
             args = [_operands(1000 + i, r, "2d", rows, n, k, torch.bfloat16, "nk", i % 3 == 0) for r in range(WORLD)]
             a, b, c = args[rank]
             pending.append((op, args, _call(op, a, b, c, "auto")))
-    finally:
-        _route_settings("push")
-    runtime_gpu.check()
+    routes.check()
     for i, (op, args, out) in enumerate(pending):
         a, b, c = args[rank]
         _check(out, _reference(op, [_y64(*x) for x in args], rank), _eager(op, a, b, c), f"call {i} {op}")
@@ -143,16 +134,23 @@ def queued_calls_task(calls: int, how: str) -> int:
 
 def _route_calls() -> int:
     """Calls on the peer or the ring route so far (a pool started with ``FLASHOVERLAP_RING=all`` runs the ring)."""
-    from flashoverlap_inductor import runtime_gpu
+    from flashoverlap_inductor import routes
 
-    return runtime_gpu.stats["route:peer"] + runtime_gpu.stats["route:ring"]
+    return routes.stats["route:peer"] + routes.stats["route:ring"]
+
+
+def _captured() -> int:
+    """Calls on the peer or the ring route captured into CUDA graphs so far."""
+    from flashoverlap_inductor import routes
+
+    return routes.stats["captured:peer"] + routes.stats["captured:ring"]
 
 
 def _workspaces_made() -> int:
-    """Workspaces of the peer and the ring route made so far (none is freed before ``peer_route.reset``)."""
-    from flashoverlap_inductor import peer_route, ring_route
+    """Workspaces of the peer and the ring route made so far (none is freed before ``routes.reset``)."""
+    from flashoverlap_inductor import routes
 
-    return sum(map(len, peer_route._workspaces.values())) + sum(map(len, ring_route._workspaces.values()))
+    return sum(map(len, routes.peer._workspaces.values())) + sum(map(len, routes.ring._workspaces.values()))
 
 
 def peer_graph_task(how: str) -> dict[str, int]:
@@ -163,12 +161,10 @@ def peer_graph_task(how: str) -> dict[str, int]:
     ``_route_settings``."""
     import torch.distributed as dist
 
-    from flashoverlap_inductor import peer_route, runtime_gpu
+    from flashoverlap_inductor import routes
 
     rank = dist.get_rank()
-    runtime_gpu.reset()
-    peer_route.reset()
-    _route_settings(how)
+    routes.reset()
     shapes = {"rs": ("reduce_scatter", 1024, 512, 256, True), "ar": ("all_reduce", 768, 1024, 256, False),
               "rs2": ("reduce_scatter", 512, 512, 128, False), "big": ("all_reduce", 4096, 4096, 256, True)}
     seeds = iter(range(5000, 6000))
@@ -177,20 +173,20 @@ def peer_graph_task(how: str) -> dict[str, int]:
         _, rows, n, k, bias = shapes[name]
         return [_operands(next(seeds), r, "2d", rows, n, k, torch.bfloat16, "nk", bias) for r in range(WORLD)]
 
-    try:
+    with _route_settings(how):
         init = {name: operands(name) for name in ("rs", "ar", "rs2")}
         static = {name: [x.clone() if x is not None else None for x in args[rank]] for name, args in init.items()}
         for name in static:  # eager first: the launches and the workspace exist before the capture
             _call(shapes[name][0], *static[name], "auto")
         torch.cuda.synchronize()
-        before = runtime_gpu.stats["captured:peer"]
+        before = _captured()
         graphs = {"g1": (torch.cuda.CUDAGraph(), ["rs"]), "g2": (torch.cuda.CUDAGraph(), ["ar", "rs2"])}
         outs = {}
         for graph, names in graphs.values():
             with torch.cuda.graph(graph):
                 for name in names:
                     outs[name] = _call(shapes[name][0], *static[name], "auto")
-        captured = runtime_gpu.stats["captured:peer"] - before
+        captured = _captured() - before
         made = _workspaces_made()
         schedule = ["g1", "g1", "rs", "g2", "g1", "ar", "g2", "g2", "g1", "big", "g1", "g2", "rs2"]
         fresh = [{name: operands(name) for name in (graphs[s][1] if s in graphs else [s])} for s in schedule]
@@ -207,21 +203,19 @@ def peer_graph_task(how: str) -> dict[str, int]:
                 args = data[step]
                 pending.append((f"eager:{step}", shapes[step][0], args, _call(shapes[step][0], *args[rank], "auto")))
         torch.cuda.synchronize()
-        runtime_gpu.check()
+        routes.check()
         for where, op, args, out in pending:
             _check(out, _reference(op, [_y64(*x) for x in args], rank), _eager(op, *args[rank]), where)
         return {"captured": captured, "grown": _workspaces_made() - made, "peer": _route_calls()}
-    finally:
-        _route_settings("push")
 
 
 def fresh_reduce_overhead_task() -> dict:
     """``compiled_cudagraph_task`` in a process whose peer route starts afresh: the flag page and the workspace are
     made inside torch.compile's CUDA-graph warm-up (symmetric memory must stay out of the graph's pool)."""
-    from flashoverlap_inductor import peer_route
+    from flashoverlap_inductor import routes
 
     torch.cuda.synchronize()
-    peer_route.reset()
+    routes.reset()
     return compiled_cudagraph_task()
 
 
@@ -229,61 +223,57 @@ def missing_peer_task() -> str:
     """Rank 1 never calls: rank 0's bounded wait gives up and its next check raises; then both start afresh."""
     import torch.distributed as dist
 
-    from flashoverlap_inductor import config, peer_route, runtime_gpu
+    from flashoverlap_inductor import config, routes
 
     rank = dist.get_rank()
-    runtime_gpu.reset()
+    routes.reset()
     a, b, c = _operands(3, rank, "2d", 512, 512, 256, torch.bfloat16, "nk", False)
     _call("all_reduce", a, b, c, "auto")  # both ranks: the workspace exists and both are in step
-    runtime_gpu.check()
+    routes.check()
     dist.barrier()
     outcome = "not run"
     if rank == 0:
-        old, config.wait_timeout_ms = config.wait_timeout_ms, 200.0
         try:
-            runtime_gpu.reset()  # launches are rebuilt with the short timeout
-            _call("all_reduce", a, b, c, "auto")
-            runtime_gpu.check()
+            # other settings: a launch of their own with the short timeout, on the same workspace (no reset here:
+            # it would drop the workspaces, which only both ranks together may make)
+            with config.patch(wait_timeout_ms=200.0):
+                _call("all_reduce", a, b, c, "auto")
+            routes.check()
             outcome = "no timeout"
         except kernels.FlashOverlapTimeout as exc:
             outcome = "timeout: " + str(exc)[:40]
-        finally:
-            config.wait_timeout_ms = old
     torch.cuda.synchronize()
     dist.barrier()
-    peer_route.reset()  # the flags of both ranks are out of step now: fresh workspaces
-    runtime_gpu.reset()
+    routes.reset()  # the flags of both ranks are out of step now: fresh workspaces
     out = _call("all_reduce", a, b, c, "auto")
-    runtime_gpu.check()
+    routes.check()
     ys = [_y64(*_operands(3, r, "2d", 512, 512, 256, torch.bfloat16, "nk", False)) for r in range(WORLD)]
     assert _rel(out, _reference("all_reduce", ys, rank)) < 1.5e-2
     return outcome
 
 
 @pytest.mark.parametrize("op,how", [("all_reduce", "default"), ("all_reduce", "pull"), ("all_reduce", "auxr"),
-                                    ("all_reduce", "cpull"), ("all_reduce", "pull_cpull"),
-                                    ("reduce_scatter", "default"),
-                                    ("reduce_scatter", "wait"), ("reduce_scatter", "cpull")])
+                                    ("reduce_scatter", "default")])
 def test_peer_route_matches_eager(pool, op, how):
     if how == "auxr" and not kernels.configs(add_c=3):
         pytest.skip("no _addc_auxr configuration compiled")
     per_rank = pool.run(peer_match_task, op, how)
-    pushes = len(SHAPES) if op == "all_reduce" and how not in ("pull", "pull_cpull") and (kernels.configs(add_c=2) or
-                                                                        kernels.configs(add_c=3)) else 0
+    pushes = len(SHAPES) if op == "all_reduce" and how != "pull" and (kernels.configs(add_c=2) or
+                                                                      kernels.configs(add_c=3)) else 0
     for r in per_rank:
         assert r["peer"] == 2 * len(SHAPES), per_rank  # every shape took the peer route
         # fp16 (no _addc kernel) and odd rows take the NCCL route; B row-major takes the peer route only where an
         # _addc configuration is compiled for it
-        assert r["after"] >= r["peer"] and r["skips"] >= 1, per_rank
+        assert r["after"] >= r["peer"] and r["nccl"] >= 1, per_rank
         assert r["push"] == pushes, per_rank
 
 
-@pytest.mark.parametrize("how", ["push", "cpull", "arpull", "wait"])
+@pytest.mark.parametrize("how", ["push", "arpull"])
 def test_peer_route_queued_calls_and_growth(pool, how):
     assert pool.run(queued_calls_task, 40, how) == [40] * WORLD
 
 
-@pytest.mark.parametrize("how", ["push", "cpull", "arpull", "wait"])
+@pytest.mark.parametrize("how", ["push", "arpull"])
 def test_peer_route_cuda_graphs_between_eager_calls(pool, how):
     per_rank = pool.run(peer_graph_task, how)
     # on the route: 3 eager calls before the capture, 3 captured, 4 eager between the replays (a replay runs no host
@@ -304,19 +294,19 @@ def test_peer_route_missing_peer_times_out(pool):
 
 def peer_in_flight_task() -> dict[str, int]:
     """``in_flight_task`` (three ops queued, then the same on two streams, three times over) from fresh counters."""
-    from flashoverlap_inductor import runtime_gpu
+    from flashoverlap_inductor import routes
 
-    runtime_gpu.reset()
+    routes.reset()
     calls = in_flight_task()
-    return {"calls": calls, "peer": _route_calls(), "skips": runtime_gpu.stats["peer_skip"]}
+    return {"calls": calls, "peer": _route_calls(), "nccl": routes.stats["route:nccl"]}
 
 
 def test_peer_route_ops_in_flight(pool):
     # every all_reduce / reduce_scatter call takes the peer route, the two-stream ones too (ordered, not skipped);
-    # only all_to_all (no peer route) is counted as a skip
+    # only all_to_all (no peer route) takes the NCCL route
     peer_calls = 4 * sum(op in ("all_reduce", "reduce_scatter") for op, *_ in IN_FLIGHT)
-    skips = 4 * sum(op == "all_to_all" for op, *_ in IN_FLIGHT)
-    assert pool.run(peer_in_flight_task) == [{"calls": 9, "peer": peer_calls, "skips": skips}] * WORLD
+    nccl_calls = 4 * sum(op == "all_to_all" for op, *_ in IN_FLIGHT)
+    assert pool.run(peer_in_flight_task) == [{"calls": 9, "peer": peer_calls, "nccl": nccl_calls}] * WORLD
 
 
 def test_peer_route_compiled_tp_block_forward_and_backward(pool):

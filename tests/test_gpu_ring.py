@@ -1,10 +1,10 @@
-"""GPU tests of the ring route (``ring_route``: partial sums travel around the ranks, added in the GEMM steps'
+"""GPU tests of the ring route (``routes.ring``: partial sums travel around the ranks, added in the GEMM steps'
 epilogues) on 2 GPUs, where the pool runs it in place of the peer route (``FLASHOVERLAP_RING=all``).
 
 Skipped unless 2 CUDA devices, an sm90 GPU and a library with ``_addc`` configurations are present. Every check
 compares with an fp64 reference built from all ranks' inputs, next to eager PyTorch's own error, on fresh random
 data, into NaN-filled outputs. Covered: both ops over ragged shapes (pieces that are not tile multiples), 1, 2 and 4
-rounds, the in-kernel gate and the wait kernel; shapes the ring cannot cut taking the NCCL route; 40 queued calls
+rounds; shapes the ring cannot cut taking the NCCL route; 40 queued calls
 that grow the workspace; CUDA graphs replayed between eager calls; ops in flight on two streams; a compiled TP block
 under ``mode="reduce-overhead"``; a rank that never calls (a bounded wait, then ``FlashOverlapTimeout``). More than
 two ranks: ``examples/device/ring_probe4.py`` (4 processes on 2 GPUs, for correctness only).
@@ -42,50 +42,48 @@ def pool():
 SHAPES = [(4096, 1024, 512), (1000, 776, 328), (512, 264, 64), (2048, 2048, 1024), (40, 264, 64)]
 
 
-def ring_match_task(op: str, rounds: int, gate: str) -> dict[str, int]:
+def ring_match_task(op: str, rounds: int) -> dict[str, int]:
     """Each shape with and without bias, then fp16 (no _addc configuration here) and B row-major; every result
-    checked against the reference."""
+    checked against the reference. Runs under ``config.patch(ring_rounds=rounds)``."""
     import torch.distributed as dist
 
-    from flashoverlap_inductor import peer_route, ring_route, runtime_gpu
+    from flashoverlap_inductor import config, routes
 
-    assert ring_route.RING == "all"
+    assert config.current().ring == "all"
     rank = dist.get_rank()
-    ring_route.ROUNDS, peer_route.GATE = rounds, gate
-    runtime_gpu.reset()
+    routes.reset()
     torch.use_deterministic_algorithms(True)
     try:
-        for i, (rows, n, k) in enumerate(SHAPES):
-            for bias in (False, True):
-                args = [_operands(71 + 5 * i + bias, r, "2d", rows, n, k, torch.bfloat16, "nk", bias)
-                        for r in range(WORLD)]
+        with config.patch(ring_rounds=rounds):
+            for i, (rows, n, k) in enumerate(SHAPES):
+                for bias in (False, True):
+                    args = [_operands(71 + 5 * i + bias, r, "2d", rows, n, k, torch.bfloat16, "nk", bias)
+                            for r in range(WORLD)]
+                    a, b, c = args[rank]
+                    _check(_call(op, a, b, c, "auto"), _reference(op, [_y64(*x) for x in args], rank),
+                           _eager(op, a, b, c), f"ring {op} {rows}x{n}x{k} bias={bias} rounds={rounds}")
+            ring_calls = routes.stats["route:ring"]
+            for dtype, layout in ((torch.float16, "nk"), (torch.bfloat16, "kn")):
+                args = [_operands(9, r, "2d", 1024, 512, 256, dtype, layout, False) for r in range(WORLD)]
                 a, b, c = args[rank]
                 _check(_call(op, a, b, c, "auto"), _reference(op, [_y64(*x) for x in args], rank),
-                       _eager(op, a, b, c), f"ring {op} {rows}x{n}x{k} bias={bias} rounds={rounds} {gate}")
-        ring_calls = runtime_gpu.stats["route:ring"]
-        for dtype, layout in ((torch.float16, "nk"), (torch.bfloat16, "kn")):
-            args = [_operands(9, r, "2d", 1024, 512, 256, dtype, layout, False) for r in range(WORLD)]
-            a, b, c = args[rank]
-            _check(_call(op, a, b, c, "auto"), _reference(op, [_y64(*x) for x in args], rank), _eager(op, a, b, c),
-                   f"after {op} {dtype} {layout}")
-        rounds_used = sorted({launch[0].rounds for launch in runtime_gpu._peer_launches.values()
-                              if isinstance(launch[0], ring_route.RingLaunch)})
+                       _eager(op, a, b, c), f"after {op} {dtype} {layout}")
+        rounds_used = sorted({launch.rounds for e in list(routes._memo.values())
+                              for launch in e.launches.values() if isinstance(launch, routes.ring.RingLaunch)})
     finally:
         torch.use_deterministic_algorithms(False)
-        ring_route.ROUNDS, peer_route.GATE = 2, "kernel"
-    runtime_gpu.check()
-    return {"ring": ring_calls, "peer": runtime_gpu.stats["route:peer"], "skips": runtime_gpu.stats["peer_skip"],
+    routes.check()
+    return {"ring": ring_calls, "peer": routes.stats["route:peer"], "nccl": routes.stats["route:nccl"],
             "rounds": rounds_used}
 
 
-@pytest.mark.parametrize("op,rounds,gate", [("all_reduce", 2, "kernel"), ("all_reduce", 1, "kernel"),
-                                            ("all_reduce", 4, "wait"), ("reduce_scatter", 1, "kernel"),
-                                            ("reduce_scatter", 1, "wait")])
-def test_ring_route_matches_eager(pool, op, rounds, gate):
-    per_rank = pool.run(ring_match_task, op, rounds, gate)
+@pytest.mark.parametrize("op,rounds", [("all_reduce", 2), ("all_reduce", 1), ("all_reduce", 4),
+                                       ("reduce_scatter", 1)])
+def test_ring_route_matches_eager(pool, op, rounds):
+    per_rank = pool.run(ring_match_task, op, rounds)
     for r in per_rank:
         assert r["ring"] == 2 * (len(SHAPES) - 1) and r["peer"] == 0, per_rank  # never the two-rank peer route
-        assert r["skips"] >= 3, per_rank  # 40 rows (twice) and fp16 take the NCCL route
+        assert r["nccl"] >= 3, per_rank  # 40 rows (twice) and fp16 take the NCCL route
         # all_reduce: the most rounds up to the setting that cut equal pieces of >= 128 rows (with 4: 1000 and 512
         # rows in 2 rounds, the others in 4)
         assert r["rounds"] == {("all_reduce", 2): [2], ("all_reduce", 4): [2, 4]}.get((op, rounds), [1]), r
@@ -102,13 +100,13 @@ def test_ring_route_cuda_graphs_between_eager_calls(pool):
 
 def test_ring_route_ops_in_flight(pool):
     ring_calls = 4 * sum(op in ("all_reduce", "reduce_scatter") for op, *_ in IN_FLIGHT)
-    skips = 4 * sum(op == "all_to_all" for op, *_ in IN_FLIGHT)
-    assert pool.run(peer_in_flight_task) == [{"calls": 9, "peer": ring_calls, "skips": skips}] * WORLD
+    nccl_calls = 4 * sum(op == "all_to_all" for op, *_ in IN_FLIGHT)  # all_to_all has no ring route
+    assert pool.run(peer_in_flight_task) == [{"calls": 9, "peer": ring_calls, "nccl": nccl_calls}] * WORLD
 
 
 def test_ring_route_compiled_reduce_overhead(pool):
     per_rank = pool.run(fresh_reduce_overhead_task, timeout_s=200.0)
-    assert all(r.get("route:ring", 0) >= 1 and r.get("captured:peer", 0) >= 1 for r in per_rank), per_rank
+    assert all(r.get("route:ring", 0) >= 1 and r.get("captured:ring", 0) >= 1 for r in per_rank), per_rank
 
 
 def test_ring_route_missing_peer_times_out(pool):

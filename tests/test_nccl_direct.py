@@ -1,7 +1,7 @@
 """CPU tests of the direct NCCL route (``nccl_direct``, ``fused_launch``).
 
 The route's NCCL calls are checked against the ``torch.distributed`` route they replace: every call must cover
-exactly the rows that ``runtime_gpu.group_collective`` passes as tensor slices (same pointers, same element counts,
+exactly the rows that ``nccl_reference.group_collective`` passes as tensor slices (same pointers, same element counts,
 same peers), for real schedules of every collective. The GPU run of both routes against eager is in
 ``tests/test_gpu_ops.py``.
 """
@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import ctypes
 
+import nccl_reference
 import pytest
 import torch
 
-from flashoverlap_inductor import fused_launch, kernels, nccl_direct, runtime_cpu
-from flashoverlap_inductor import plan as planlib
+from flashoverlap_inductor import kernels, nccl_direct
+from flashoverlap_inductor.routes import nccl as nccl_route
+from flashoverlap_inductor.schedule import plan as planlib
+from flashoverlap_inductor.schedule import steps as sched
 
 
 class RecordingComm:
@@ -46,14 +49,14 @@ def test_direct_calls_cover_the_same_rows_as_torch_calls(collective, world, rank
     rows, n, k, groups = 1000 if collective == "all_reduce" else 1024, 264, 64, 3
     align = 1 if collective == "all_reduce" else world
     plan = planlib.uniform_plan(rows, n, 128, 128, groups, align=align).to_str()
-    steps = runtime_cpu.schedule_steps(collective, plan, rows, n, k, "bfloat16", world, rank)
+    steps = sched.schedule_steps(collective, plan, rows, n, k, "bfloat16", world, rank)
     buf = torch.empty(rows, n, dtype=torch.bfloat16)
     out_rows = rows // world if collective == "reduce_scatter" else rows
     out_flat = buf if collective == "all_reduce" else torch.empty(out_rows, n, dtype=torch.bfloat16)
     covered = 0
     for step in steps:
         comm = RecordingComm()
-        nccl_direct.issue_group(comm, collective, step, buf, out_flat, stream=1234)
+        nccl_reference.issue_group(comm, collective, step, buf, out_flat, stream=1234)
         if collective == "all_reduce":
             ptr, count = _span(buf[step.lo:step.hi])
             assert comm.calls == [("all_reduce", ptr, ptr, count, torch.bfloat16, 1234)]
@@ -76,11 +79,11 @@ def test_direct_calls_cover_the_same_rows_as_torch_calls(collective, world, rank
 def test_direct_all_to_all_local_rows_are_copied():
     world, rank, rows, n = 2, 1, 512, 128
     plan = planlib.uniform_plan(rows, n, 128, 128, 2, align=world).to_str()
-    steps = runtime_cpu.schedule_steps("all_to_all", plan, rows, n, 64, "float16", world, rank)
+    steps = sched.schedule_steps("all_to_all", plan, rows, n, 64, "float16", world, rank)
     buf = torch.randn(rows, n).to(torch.float16)
     out = torch.full((rows, n), float("nan"), dtype=torch.float16)
     for step in steps:
-        nccl_direct.issue_group(RecordingComm(), "all_to_all", step, buf, out, stream=0)
+        nccl_reference.issue_group(RecordingComm(), "all_to_all", step, buf, out, stream=0)
         if step.local is not None:
             b_lo, o_lo, count = step.local
             assert torch.equal(out[o_lo:o_lo + count], buf[b_lo:b_lo + count])
@@ -102,7 +105,7 @@ def test_mapped_library_paths_and_versions(tmp_path, monkeypatch):
     assert nccl_direct._version_code(22809) == 22809
 
 
-def test_no_communicator_means_the_torch_route(monkeypatch):
+def test_no_communicator_means_no_nccl_route():
     class NoNccl:  # a gloo-like group: no CUDA backend, no _comm_ptr
         def _get_backend(self, device):
             raise RuntimeError("no backend for cuda")
@@ -113,9 +116,6 @@ def test_no_communicator_means_the_torch_route(monkeypatch):
         def rank(self):
             return 0
 
-    monkeypatch.setattr(nccl_direct, "MODE", "torch")
-    assert nccl_direct.communicator(NoNccl(), torch.device("cuda", 0)) is None
-    monkeypatch.setattr(nccl_direct, "MODE", "direct")
     assert nccl_direct.communicator(NoNccl(), torch.device("cuda", 0)) is None
 
 
@@ -123,20 +123,20 @@ def test_no_communicator_means_the_torch_route(monkeypatch):
 def test_c_reduce_pieces_match_the_python_route(world, rank):
     """reduce_scatter on the "schedule" route (natural rows, ``row_order``): the C step (kind reduce_pieces) makes
     the same ncclReduce calls -- root, pointer, count, receive pointer -- as ``nccl_direct.issue_group``."""
-    from flashoverlap_inductor import row_order
+    from flashoverlap_inductor.schedule import row_order
 
     rows, n, k = 1024, 264, 64
     plan = planlib.uniform_plan(rows, n, 128, 128, 3, align=world)
     layout = planlib.buffer_layout(plan, planlib.chunks_for("reduce_scatter", rows, world))
-    steps = runtime_cpu.schedule_steps("reduce_scatter", plan.to_str(), rows, n, k, "bfloat16", world, rank)
+    steps = sched.schedule_steps("reduce_scatter", plan.to_str(), rows, n, k, "bfloat16", world, rank)
     nat = row_order.natural_order("reduce_scatter", layout, steps, 128, 128, n, 2)
-    c = fused_launch.group_steps("reduce_scatter", nat.steps, nat.tiles, n)
+    c = nccl_route.group_steps("reduce_scatter", nat.steps, nat.tiles, n)
     d = torch.empty(rows, n, dtype=torch.bfloat16)
     out = torch.empty(rows // world, n, dtype=torch.bfloat16)
     b0, o0, es = d.data_ptr(), out.data_ptr(), d.element_size()
     for g, step in enumerate(nat.steps):
         comm = RecordingComm()
-        nccl_direct.issue_group(comm, "reduce_scatter", step, d, out, stream=0)
+        nccl_reference.issue_group(comm, "reduce_scatter", step, d, out, stream=0)
         s = c.steps[g]
         assert s.kind == kernels.STEP_KINDS["reduce_pieces"] and s.num_p2p == world
         entries = [c.p2p[s.first_p2p + i] for i in range(s.num_p2p)]
@@ -149,13 +149,13 @@ def test_c_reduce_pieces_match_the_python_route(world, rank):
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_to_all"])
 @pytest.mark.parametrize("world,rank", [(2, 1), (4, 2)])
 def test_c_steps_match_the_python_route(collective, world, rank):
-    """``fused_launch.group_steps`` (what ``fo_fused_call`` runs) describes the same NCCL calls, element for
+    """``nccl_route.group_steps`` (what ``fo_fused_call`` runs) describes the same NCCL calls, element for
     element, as ``nccl_direct.issue_group`` makes from Python, plus the GEMM's tiles per group."""
     rows, n, k = 1024, 264, 64
     plan = planlib.uniform_plan(rows, n, 128, 128, 3, align=1 if collective == "all_reduce" else world).to_str()
-    steps = runtime_cpu.schedule_steps(collective, plan, rows, n, k, "bfloat16", world, rank)
+    steps = sched.schedule_steps(collective, plan, rows, n, k, "bfloat16", world, rank)
     tiles = [7 + g for g in range(len(steps))]
-    c = fused_launch.group_steps(collective, steps, tiles, n)
+    c = nccl_route.group_steps(collective, steps, tiles, n)
     assert c.groups == len(steps) and c.steps_ptr == ctypes.addressof(c.steps)
     buf = torch.empty(rows, n, dtype=torch.bfloat16)
     out = buf if collective == "all_reduce" else torch.empty(rows // world if collective == "reduce_scatter"
@@ -163,7 +163,7 @@ def test_c_steps_match_the_python_route(collective, world, rank):
     b0, o0, es = buf.data_ptr(), out.data_ptr(), buf.element_size()
     for g, step in enumerate(steps):
         comm = RecordingComm()
-        nccl_direct.issue_group(comm, collective, step, buf, out, stream=0)
+        nccl_reference.issue_group(comm, collective, step, buf, out, stream=0)
         s = c.steps[g]
         assert s.tiles == tiles[g]
         if collective == "all_reduce":

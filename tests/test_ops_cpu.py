@@ -14,8 +14,10 @@ import torch
 import torch.distributed as dist
 from dist_utils import get_pool
 
-from flashoverlap_inductor import ops, runtime_cpu
-from flashoverlap_inductor import plan as planlib
+from flashoverlap_inductor import ops
+from flashoverlap_inductor.routes import cpu as cpu_route
+from flashoverlap_inductor.schedule import plan as planlib
+from flashoverlap_inductor.schedule import steps as sched
 
 K, N = 20, 24
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -242,7 +244,7 @@ def _expected_buffer(y: torch.Tensor, chunks: list[int], bounds) -> torch.Tensor
 
 def _buffer_of(steps, a, b, bias, rows) -> torch.Tensor:
     buf = torch.full((rows, N), float("nan"))
-    gemm = runtime_cpu._RowGemm(a, b, bias, ops.gemm_output_shape(a, b, bias))
+    gemm = cpu_route._RowGemm(a, b, bias, ops.gemm_output_shape(a, b, bias))
     for step in steps:
         for buf_row, src, count in step.segments:
             assert step.lo <= buf_row and buf_row + count <= step.hi
@@ -258,7 +260,7 @@ def test_buffer_rows_come_from_the_right_input_rows(world, form, plan_kind):
     a, b, bias, y = make_operands(form, 12 * world, 3, torch.float32, "full", gen)
     rows = y.numel() // N
     plan = make_plan(plan_kind, rows)
-    steps = runtime_cpu.schedule_steps("reduce_scatter", plan, rows, N, K, "float32", world, 0)
+    steps = sched.schedule_steps("reduce_scatter", plan, rows, N, K, "float32", world, 0)
     buf = _buffer_of(steps, a, b, bias, rows)
     expect = _expected_buffer(y.reshape(rows, N), [rows // world] * world, planlib.GroupPlan.from_str(plan).row_bounds)
     torch.testing.assert_close(buf, expect, rtol=1e-5, atol=1e-5)
@@ -269,7 +271,7 @@ def test_each_group_computes_exactly_its_rows(collective):
     """Every group's GEMM work is its own buffer rows, in order: the collective of group g never waits for the
     GEMM of later groups (also when ``buffer_layout`` merged segments across groups, e.g. the identity layout)."""
     rows = 48
-    steps = runtime_cpu.schedule_steps(collective, make_plan("multi", rows), rows, N, K, "float32", 2, 1)
+    steps = sched.schedule_steps(collective, make_plan("multi", rows), rows, N, K, "float32", 2, 1)
     assert len(steps) == 5
     for step in steps:
         covered = [r for buf_row, _, count in step.segments for r in range(buf_row, buf_row + count)]
@@ -285,7 +287,7 @@ def test_simulated_reduce_scatter_world(world):
     ys, bufs, outs = [], [], []
     for r in range(world):
         a, b, bias, y = make_operands("2d_bt", rows, 0, torch.float32, "1d", gen)
-        steps = runtime_cpu.schedule_steps("reduce_scatter", plan, rows, N, K, "float32", world, r)
+        steps = sched.schedule_steps("reduce_scatter", plan, rows, N, K, "float32", world, r)
         ys.append(y)
         bufs.append((steps, _buffer_of(steps, a, b, bias, rows)))
         outs.append(torch.full((rows // world, N), float("nan")))
@@ -310,7 +312,7 @@ def test_simulated_uneven_all_to_all(world):
         rows = sum(send[r])
         a, b, bias, y = make_operands("2d", rows, 0, torch.float32, None, gen)
         recv = tuple(send[j][r] for j in range(world))
-        steps = runtime_cpu.schedule_steps("all_to_all", "auto", rows, N, K, "float32", world, r,
+        steps = sched.schedule_steps("all_to_all", "auto", rows, N, K, "float32", world, r,
                                            tuple(send[r]), recv)
         ys.append(y)
         steps_of.append(steps)
@@ -334,21 +336,21 @@ def test_simulated_uneven_all_to_all(world):
 def test_stale_plan_falls_back_with_one_warning(caplog):
     stale = planlib.uniform_plan(100, N, 8, 8, 3).to_str()
     with caplog.at_level(logging.WARNING, logger="flashoverlap"):
-        s1 = ops.resolve_schedule("all_reduce", stale, 41, N, K, "float32", 2)
-        s2 = ops.resolve_schedule("reduce_scatter", stale, 41 * 2, N, K, "float32", 2)
-        ops.resolve_schedule("all_reduce", stale, 41, N, K, "float32", 2)
+        s1 = sched.resolve_schedule("all_reduce", stale, 41, N, K, "float32", 2)
+        s2 = sched.resolve_schedule("reduce_scatter", stale, 41 * 2, N, K, "float32", 2)
+        sched.resolve_schedule("all_reduce", stale, 41, N, K, "float32", 2)
     assert s1.plan.m == 41 and s1.plan.num_groups > 1 and s1.layout.group_bounds[-1] == 41
     assert s2.plan.m == 82
     assert sum("does not fit" in r.getMessage() for r in caplog.records) == 2
 
 
 def test_auto_plan_is_memoized():
-    ops.auto_plan.cache_clear()
-    ops.resolve_schedule.cache_clear()
-    s = ops.resolve_schedule("all_reduce", "auto", 512, N, K, "bfloat16", 2)
-    ops.resolve_schedule("all_reduce", "auto", 512, N, K, "bfloat16", 4)
-    ops.auto_plan("all_reduce", 512, N, K, "bfloat16", 2, None)
-    info = ops.auto_plan.cache_info()
+    sched.auto_plan.cache_clear()
+    sched.resolve_schedule.cache_clear()
+    s = sched.resolve_schedule("all_reduce", "auto", 512, N, K, "bfloat16", 2)
+    sched.resolve_schedule("all_reduce", "auto", 512, N, K, "bfloat16", 4)
+    sched.auto_plan("all_reduce", 512, N, K, "bfloat16", 2, None)
+    info = sched.auto_plan.cache_info()
     assert info.misses == 2 and info.hits == 1
     assert s.plan is not None and s.plan.m == 512 and s.layout.group_bounds[-1] == 512
 

@@ -21,7 +21,7 @@ from torch.testing._internal.common_utils import run_tests
 
 from flashoverlap_inductor import cost_model
 from flashoverlap_inductor.passes import FlashOverlapPass, counters
-from flashoverlap_inductor.plan import uniform_plan
+from flashoverlap_inductor.schedule.plan import uniform_plan
 
 c10d = torch.ops._c10d_functional
 

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from flashoverlap_inductor import plan as P
+from flashoverlap_inductor.schedule import plan as P
 
 
 def _random_bounds(rng: random.Random, m: int, max_groups: int, align: int = 1) -> tuple[int, ...]:

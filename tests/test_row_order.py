@@ -9,9 +9,10 @@ import random
 import pytest
 import torch
 
-from flashoverlap_inductor import fused_launch, ops, row_order, runtime_cpu
-from flashoverlap_inductor import plan as P
 from flashoverlap_inductor.kernel_select import gather_rows
+from flashoverlap_inductor.schedule import plan as P
+from flashoverlap_inductor.schedule import row_order
+from flashoverlap_inductor.schedule import steps as sched
 
 
 def _random_bounds(rng: random.Random, m: int, max_groups: int, align: int = 1) -> tuple[int, ...]:
@@ -32,29 +33,6 @@ def _check_release_order(layout: P.BufferLayout, gmap: list[int], order: list[in
 
 
 @pytest.mark.parametrize("seed", range(25))
-def test_reduce_scatter_staging_rebuilds_the_gather_buffer(seed: int) -> None:
-    rng = random.Random(seed)
-    world = rng.choice([2, 4, 8])
-    tile_m = rng.choice([64, 128, 256])
-    m = world * rng.randint(1, 120) * rng.choice([1, 8])
-    n = 16
-    p = P.GroupPlan(m, n, tile_m, 128, _random_bounds(rng, m, 6, align=world))
-    layout = P.buffer_layout(p, P.chunks_for("reduce_scatter", m, world))
-    steps = runtime_cpu.schedule_steps("reduce_scatter", p.to_str(), m, n, 32, "bfloat16", world, 0)
-    nat = row_order.natural_order("reduce_scatter", layout, steps, tile_m, 128, n, 2, stage=True)
-    assert not isinstance(nat, str), nat
-    _check_release_order(layout, nat.group_of_row, nat.order, tile_m)
-    assert sum(nat.tiles) == -(-m // tile_m) * -(-n // 128)
-    d = torch.randn(m, n, dtype=torch.float64)  # the GEMM output in natural rows
-    expected = d.index_select(0, torch.tensor(gather_rows(layout), dtype=torch.long))  # the gather route's buffer
-    buf = torch.full_like(d, float("nan"))
-    for g, step in enumerate(nat.steps):
-        if nat.stage[g] is not None:
-            nat.stage[g].apply(d, buf)
-        torch.testing.assert_close(buf[step.lo:step.hi], expected[step.lo:step.hi])  # what the collective reads
-
-
-@pytest.mark.parametrize("seed", range(25))
 def test_reduce_scatter_pieces_deliver_each_rank_its_shard(seed: int) -> None:
     """The "schedule" route: per group, one reduce per chunk piece (root = the chunk's rank) from natural rows."""
     rng = random.Random(seed)
@@ -66,9 +44,8 @@ def test_reduce_scatter_pieces_deliver_each_rank_its_shard(seed: int) -> None:
     ds = [torch.randn(m, n, dtype=torch.float64) for _ in range(world)]  # every rank's GEMM output, natural rows
     expected = sum(ds).chunk(world)
     for rank in range(world):
-        steps = runtime_cpu.schedule_steps("reduce_scatter", p.to_str(), m, n, 32, "bfloat16", world, rank)
+        steps = sched.schedule_steps("reduce_scatter", p.to_str(), m, n, 32, "bfloat16", world, rank)
         nat = row_order.natural_order("reduce_scatter", layout, steps, tile_m, 128, n, 2)
-        assert nat.stage is None
         _check_release_order(layout, nat.group_of_row, nat.order, tile_m)
         out = torch.full((m // world, n), float("nan"), dtype=torch.float64)
         for step in nat.steps:
@@ -92,10 +69,10 @@ def test_all_to_all_sends_natural_rows_of_the_same_data(seed: int) -> None:
         return
     bounds = _random_bounds(rng, m, 5) if m > 1 else (0, m)
     p = P.GroupPlan(m, n, tile_m, 128, bounds)
-    layout = ops.resolve_schedule("all_to_all", p.to_str(), m, n, 32, "bfloat16", world, send, recv).layout
-    steps = runtime_cpu.schedule_steps("all_to_all", p.to_str(), m, n, 32, "bfloat16", world, rank, send, recv)
+    layout = sched.resolve_schedule("all_to_all", p.to_str(), m, n, 32, "bfloat16", world, send, recv).layout
+    steps = sched.schedule_steps("all_to_all", p.to_str(), m, n, 32, "bfloat16", world, rank, send, recv)
     nat = row_order.natural_order("all_to_all", layout, steps, tile_m, 128, n, 2)
-    assert not isinstance(nat, str) and nat.stage is None
+    assert not isinstance(nat, str)
     _check_release_order(layout, nat.group_of_row, nat.order, tile_m)
     d = torch.randn(m, n, dtype=torch.float64)
     buffer = d.index_select(0, torch.tensor(gather_rows(layout) or list(range(m)), dtype=torch.long))
@@ -120,32 +97,13 @@ def test_straddling_tile_rows_go_to_the_earliest_group() -> None:
     assert P.tiles_of_groups(gmap, 2, 8, 8) == [3, 1]
 
 
-def test_c_steps_carry_the_staging_copies() -> None:
-    world, m, n = 4, 1024, 64
-    p = P.uniform_plan(m, n, 128, 128, 4, align=world)
-    layout = P.buffer_layout(p, P.chunks_for("reduce_scatter", m, world))
-    steps = runtime_cpu.schedule_steps("reduce_scatter", p.to_str(), m, n, 32, "bfloat16", world, 1)
-    nat = row_order.natural_order("reduce_scatter", layout, steps, 128, 128, n, 2, stage=True)
-    c = fused_launch.group_steps("reduce_scatter", nat.steps, nat.tiles, n, nat.stage)
-    for g, copy in enumerate(nat.stage):
-        s = c.steps[g]
-        assert (s.copy_src, s.copy_dst, s.copy_width, s.copy_height, s.copy_src_pitch, s.copy_dst_pitch) == (
-            copy.src, copy.dst, copy.width, copy.height, copy.src_pitch, copy.dst_pitch)
-        assert copy.height == world and copy.src_pitch == (m // world) * n
-    assert all(c.steps[g].copy_width > 0 for g in range(c.groups))
-    plain = fused_launch.group_steps("reduce_scatter", steps, nat.tiles, n)
-    assert all(plain.steps[g].copy_width == 0 for g in range(plain.groups))
-
-
-def test_route_setting(monkeypatch) -> None:
-    monkeypatch.delenv("FLASHOVERLAP_ROW_ORDER", raising=False)
+def test_route_setting() -> None:
+    """The measured default per collective and world size; the tuning setting overrides it."""
     assert row_order.route() == "schedule"
     assert row_order.route(None, "reduce_scatter", 2) == "schedule"
     assert row_order.route(None, "all_to_all", 4) == "schedule"
     assert row_order.route(None, "reduce_scatter", 4) == "gather"  # measured on 2 GPUs only
     assert row_order.route("schedule", "reduce_scatter", 4) == "schedule"
-    monkeypatch.setenv("FLASHOVERLAP_ROW_ORDER", "gather")
-    assert row_order.route() == "gather" and row_order.route("stage") == "stage"
-    assert row_order.route(None, "all_to_all", 2) == "gather"
+    assert row_order.route("gather", "all_to_all", 2) == "gather"
     with pytest.raises(ValueError):
-        row_order.route("sideways")
+        row_order.route("stage")

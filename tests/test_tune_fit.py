@@ -10,7 +10,7 @@ import pytest
 
 from flashoverlap_inductor import tune, tune_fit
 from flashoverlap_inductor.cost_model import model_for, registry
-from flashoverlap_inductor.plan import uniform_plan
+from flashoverlap_inductor.schedule.plan import uniform_plan
 
 SHAPES = [(8192, 8192, 8192), (16384, 8192, 7168)]
 

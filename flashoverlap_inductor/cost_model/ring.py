@@ -112,7 +112,7 @@ def steps_ms(gemm: GemmModel, collective: str, m: int, n: int, k: int, dtype: st
              link_bytes_per_ms: float = math.inf) -> float:
     """The regressor ``x`` of the module docstring (ms): the rounds' GEMM steps, each bounded by its push, each round
     by the pieces the rank receives in it, and all_reduce's last gather."""
-    from .pipeline import dtype_bytes  # (pipeline imports gemm, which imports peer)
+    from .schema import dtype_bytes
 
     if world_size < 2 or rounds < 1:
         raise ValueError(f"ring model: world size {world_size} and rounds {rounds} (need >= 2 and >= 1)")

@@ -37,20 +37,11 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from flashoverlap_inductor.plan import GroupPlan, buffer_layout, tiles_per_group
+from flashoverlap_inductor.schedule.plan import GroupPlan, buffer_layout, tiles_per_group
 
 from .bandwidth import BandwidthCurve, ring_traffic_factor
 from .gemm import GemmModel
-
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-
-
-def dtype_bytes(dtype: str) -> int:
-    """Bytes per element of ``dtype`` (torch name without prefix)."""
-    try:
-        return DTYPE_BYTES[dtype]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; known {sorted(DTYPE_BYTES)}") from None
+from .schema import DTYPE_BYTES, dtype_bytes  # noqa: F401  (re-exported: the names tools import)
 
 
 def advance_compute(e_comp: float, e_comm: float, work_ms: float, slowdown: float) -> float:

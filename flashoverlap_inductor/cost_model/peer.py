@@ -87,7 +87,7 @@ def gemms_ms(gemm: GemmModel, collective: str, m: int, n: int, k: int, dtype: st
              link_bytes_per_ms: float = math.inf) -> float:
     """The route's two GEMMs (ms): each half's reference time, or its NVLink stores' time where longer. The model's
     one regressor."""
-    from .pipeline import dtype_bytes  # (pipeline imports gemm, which imports this module)
+    from .schema import dtype_bytes
 
     half = -(-m // 2) * n * dtype_bytes(dtype) / link_bytes_per_ms
     first = max(gemm.reference_ms(-(-m // 2), n, k, dtype), half)

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from flashoverlap_inductor.plan import tiles_per_group
+from flashoverlap_inductor.schedule.plan import tiles_per_group
 
 from .peer import PeerModel
 from .ring import RingModel

@@ -4,7 +4,7 @@ Emitted before the collective node (every input of the new nodes is defined ther
 
     [reshape(a, [..., G, chunk, ..., -1]) -> permute -> reshape([-1, K])]   # reduce_scatter over dim > 0 only
     [mul(split, scale) ...]                                                  # all_to_all over 3D views only
-    out = flashoverlap.gemm_<collective>(a, b, bias, ..., group, plan)
+    out = flashoverlap.gemm_<collective>(a, b, bias, ..., group, plan, settings)
     [reshape(out, <the wait's shape>)]                                       # if the shapes differ
 
 Each new node gets ``meta["val"]`` by running its (fake) implementation on the inputs' values; the final value
@@ -101,14 +101,14 @@ def _emit(build: _Builder, f: Fusion) -> Node:
         a = build.call(aten.reshape.default, (a, [-1, k]))
     head = (a, f.b, f.bias)
     if m.collective == "all_reduce":
-        args = (*head, str(m.args["reduce_op"]).lower(), f.group_name, f.plan)
+        args = (*head, str(m.args["reduce_op"]).lower(), f.group_name, f.plan, f.settings)
     elif m.collective == "reduce_scatter":
-        args = (*head, str(m.args["reduce_op"]).lower(), f.group_size, f.group_name, f.plan)
+        args = (*head, str(m.args["reduce_op"]).lower(), f.group_size, f.group_name, f.plan, f.settings)
     else:
         memo: dict[Node, Node] = {}
         outs = [_scaled(build, x, f.split_scale, memo) for x in m.args["output_split_sizes"]]
         ins = [_scaled(build, x, f.split_scale, memo) for x in m.args["input_split_sizes"]]
-        args = (*head, outs, ins, f.group_name, f.plan)
+        args = (*head, outs, ins, f.group_name, f.plan, f.settings)
     out = build.call(FUSED_OP[m.collective], args)
     if f.out_shape is not None and not _is_shape(val(out).shape, f.out_shape):
         out = build.call(aten.reshape.default, (out, f.out_shape))

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flashoverlap_inductor import config
-from flashoverlap_inductor.plan import COLLECTIVES, GroupPlan, chunks_for
+from flashoverlap_inductor.schedule.plan import COLLECTIVES, GroupPlan, chunks_for
 
 from . import registry
 from .pipeline import DTYPE_BYTES, CostModel

@@ -61,34 +61,32 @@ class Fusion:
     split_scale: int = 1
     rows_per_split_unit: Any = 1
     plan: str | None = "auto"
+    settings: str = ""  # ``Settings.key()`` the fused op runs under
 
 
 class FlashOverlapPass(compat.CustomGraphPass):
     """Inductor ``post_grad_custom_pre_pass`` (runs on forward and backward graphs).
 
-    ``settings`` is a ``config.snapshot()`` taken when the backend is called (options and env var applied);
-    the pass uses only these, also for the backward graph that is compiled later, and hashes them into
-    ``uuid()`` so the FX graph cache never serves a graph compiled under other settings.
+    ``settings`` is the ``config.Settings`` captured when the backend is called (a dict: changes to
+    ``config.current()``); the pass uses only these, also for the backward graph that is compiled later, hands
+    them to every fused op it emits (``Settings.key()``) and hashes them whole into ``uuid()``, so the FX graph
+    cache never serves a graph compiled under other settings.
     """
 
-    def __init__(self, settings: dict[str, Any] | None = None) -> None:
-        merged = {**config.snapshot(), **(settings or {})}
-        merged = {k: tuple(v) if isinstance(v, list) else v for k, v in merged.items()}
-        with config.patch(**merged):  # validates keys and the fuse mode
-            self.settings = config.snapshot()
-        unknown = set(self.settings["collectives"]) - set(rewrite.FUSED_OP)
-        if unknown:
-            raise ValueError(f"flashoverlap: unknown collectives {sorted(unknown)}; known: {sorted(rewrite.FUSED_OP)}")
+    def __init__(self, settings: config.Settings | dict[str, Any] | None = None) -> None:
+        if not isinstance(settings, config.Settings):
+            settings = config.current().replace(**(settings or {}))
+        self.settings: config.Settings = settings
 
     # ------------------------------------------------------------------------------------------------ driver
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        with config.patch(**self.settings):  # the cost model reads the settings captured at compile time
+        with config.using(self.settings):  # the cost model reads the settings captured at compile time
             self.run(graph)
 
     def run(self, graph: torch.fx.Graph) -> int:
         """Rewrite ``graph`` in place; returns the number of fused matches."""
-        if self.settings["fuse"] == "never":
+        if self.settings.fuse == "never":
             record_skip("fuse_never", "fuse mode is 'never'; graph left unchanged")
             return 0
         fused = 0
@@ -103,6 +101,7 @@ class FlashOverlapPass(compat.CustomGraphPass):
                 continue
             if fusion is None or fusion.plan is None:
                 continue
+            fusion.settings = self.settings.key()
             if rewrite.replace(graph, fusion):
                 fused += 1
                 record_fused(match.collective, "%s (rows=%s n=%s k=%s %s, group %r x%d, plan %s)",
@@ -113,24 +112,23 @@ class FlashOverlapPass(compat.CustomGraphPass):
         return fused
 
     def uuid(self) -> str:
-        settings = repr(sorted(self.settings.items()))
-        from flashoverlap_inductor import kernels, peer_route, ring_route
+        from flashoverlap_inductor import kernels
 
-        try:  # the peer route's kernels decide which route the cost model predicts (``_route_of``)
-            adds = ",".join(c.name for level in (1, 2, 3) for c in kernels.configs(add_c=level))
-        except Exception:  # no library: no peer route
-            adds = ""
-        routes = f"transport={peer_route.TRANSPORT}|ring={ring_route.RING}/{ring_route.ROUNDS}"
-        return compat.hash_files(_source_files(self.settings), extra=f"{settings}|{_device_names()}|{routes}|{adds}")
+        try:  # the library's configurations decide which route the cost model predicts (``_route_of``)
+            lib = ",".join(c.name for level in (0, 1, 2, 3) for c in kernels.configs(add_c=level))
+        except Exception:  # no library: the NCCL-free unfused route everywhere
+            lib = ""
+        extra = f"{self.settings.key()}|{_device_names()}|{lib}"
+        return compat.hash_files(_source_files(self.settings), extra=extra)
 
     # ------------------------------------------------------------------------------------------------ check
 
     def check(self, m: GemmCollectiveMatch) -> Fusion | None:
         """All static conditions of a fusion; returns None after recording the first failing one."""
         desc = m.describe()
-        if m.collective not in self.settings["collectives"]:
+        if m.collective not in self.settings.collectives:
             return _skip("collective_disabled", "%s: %s not in config.collectives %s", desc, m.collective,
-                         self.settings["collectives"])
+                         self.settings.collectives)
         extra = _unexpected_user(m)
         if extra is not None:
             return _skip("multiple_users", "%s: %s has %d users %s", desc, extra.name, len(extra.users),
@@ -145,8 +143,8 @@ class FlashOverlapPass(compat.CustomGraphPass):
             return _skip("no_meta", "%s: missing meta['val']", desc)
         y = val(m.gemm)
         dtype = str(y.dtype).removeprefix("torch.")
-        if dtype not in self.settings["dtypes"]:
-            return _skip("dtype", "%s: dtype %s not in config.dtypes %s", desc, dtype, self.settings["dtypes"])
+        if dtype not in self.settings.dtypes:
+            return _skip("dtype", "%s: dtype %s not in config.dtypes %s", desc, dtype, self.settings.dtypes)
         if m.gemm.target is aten.addmm.default:
             beta, alpha = node_arg(m.gemm, 3, "beta", 1), node_arg(m.gemm, 4, "alpha", 1)
             if beta != 1 or alpha != 1:
@@ -253,7 +251,7 @@ class FlashOverlapPass(compat.CustomGraphPass):
     def choose_plan(self, f: Fusion) -> str | None:
         """The op's plan string: the cost model's plan for static sizes, "auto" for symbolic ones; None after
         recording a skip (fuse mode "auto" only)."""
-        mode, desc = self.settings["fuse"], f.match.describe()
+        mode, desc = self.settings.fuse, f.match.describe()
         if f.match.collective == "all_to_all" and mode == "auto":
             # Every rank must take the same decision or their collectives mismatch (a hang). all_to_all ranks may
             # hold different rows, and a cost verdict from this rank's rows could differ between ranks; it also
@@ -268,8 +266,8 @@ class FlashOverlapPass(compat.CustomGraphPass):
             log.info("flashoverlap: %s: symbolic sizes (rows=%s): plan 'auto' (decided per call)", desc, f.rows)
             return "auto"
         rows = int(f.rows)
-        if mode == "auto" and rows < self.settings["min_rows"]:
-            return _skip("too_small", "%s: %d rows < config.min_rows=%d", desc, rows, self.settings["min_rows"])
+        if mode == "auto" and rows < self.settings.min_rows:
+            return _skip("too_small", "%s: %d rows < config.min_rows=%d", desc, rows, self.settings.min_rows)
         try:
             from flashoverlap_inductor import cost_model  # looked up per call: tests may patch cost_model.decide
 
@@ -278,7 +276,7 @@ class FlashOverlapPass(compat.CustomGraphPass):
                                          device_name=_device_name(y),
                                          input_split_sizes=[int(x) for x in splits] if splits else None,
                                          **_route_of(f.match.collective, rows, int(f.n), int(f.k), f.dtype,
-                                                     f.group_size, y),
+                                                     f.group_size, y, self.settings),
                                          cuda_graphs=compat.cudagraphs_enabled())
         except Exception as exc:
             if mode == "auto":
@@ -356,16 +354,19 @@ def _device_name(y: torch.Tensor) -> str | None:
     return None
 
 
-def _route_of(collective: str, rows: int, n: int, k: int, dtype: str, world: int, y: torch.Tensor) -> dict[str, Any]:
-    """``decide``'s route arguments: whether the fused op will run on the peer route (``peer_route.takes``) or in how
-    many rounds on the ring (``ring_route.takes``), so the cost model predicts that route. CUDA only, with or without
-    CUDA graphs (a capture takes the route where the call shape ran before the capture, as torch.compile's warm-up
-    runs it)."""
-    from flashoverlap_inductor import peer_route, ring_route
+def _route_of(collective: str, rows: int, n: int, k: int, dtype: str, world: int, y: torch.Tensor,
+              settings: config.Settings) -> dict[str, Any]:
+    """``decide``'s route arguments from the route registry (``routes.select``, the same choice the runtime makes):
+    the peer route, or the ring in how many rounds, so the cost model predicts the route that runs. A capture takes
+    the route where the call shape ran before the capture, as torch.compile's warm-up runs it."""
+    from flashoverlap_inductor import routes
+    from flashoverlap_inductor.routes import ring
 
-    cuda, torch_dtype = y.device.type == "cuda", getattr(torch, dtype)
-    return {"peer": cuda and peer_route.takes(collective, rows, n, k, torch_dtype, world),
-            "ring_rounds": ring_route.takes(collective, rows, n, k, torch_dtype, world) if cuda else 0}
+    call = routes.Call(collective, rows, n, k, getattr(torch, dtype), world, device=y.device.type,
+                       compile_time=True)
+    route = routes.select(call, settings) if y.device.type == "cuda" else None
+    name = route.name if route is not None else ""
+    return {"peer": name == "peer", "ring_rounds": ring.rounds(call, settings) if name == "ring" else 0}
 
 
 def _device_names() -> str:
@@ -373,16 +374,16 @@ def _device_names() -> str:
     return ",".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) if ready else ""
 
 
-def _source_files(settings: dict[str, Any]) -> list[str]:
-    """Everything whose content changes what the pass emits: its code, the ops, plan/config code, the routes'
-    ``takes`` (which route the cost model predicts), the cost model and its data files."""
+def _source_files(settings: config.Settings) -> list[str]:
+    """Everything whose content changes what the pass emits: its code, the ops, the settings, the schedule, the
+    route registry and routes (which route the cost model predicts), the cost model and its data files."""
     pkg = Path(flashoverlap_inductor.__file__).parent
-    files = [pkg / name for name in ("ops.py", "plan.py", "config.py", "_inductor_compat.py", "peer_route.py",
-                                     "ring_route.py")]
+    files = [pkg / name for name in ("ops.py", "config.py", "_inductor_compat.py")]
     files += sorted(Path(__file__).parent.glob("*.py"))
+    files += sorted((pkg / "schedule").glob("*.py")) + sorted((pkg / "routes").glob("*.py"))
     for loc in _package_dirs("flashoverlap_inductor.cost_model"):
         files += sorted(Path(loc).rglob("*.py"))
-    data = settings.get("config_dir")
+    data = settings.config_dir
     for loc in [data] if data is not None else _package_dirs("flashoverlap_inductor.configs"):
         files += sorted(Path(loc).rglob("*.json"))
     return [str(p) for p in files if p.is_file()]

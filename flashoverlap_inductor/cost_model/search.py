@@ -33,7 +33,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from flashoverlap_inductor.plan import GroupPlan, buffer_layout
+from flashoverlap_inductor.schedule.plan import GroupPlan, buffer_layout
 
 from .pipeline import CostModel, advance_comm, advance_compute
 

@@ -27,7 +27,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from flashoverlap_inductor.plan import COLLECTIVES
+from flashoverlap_inductor.schedule.plan import COLLECTIVES
 
 from .schema import validate_bandwidth
 

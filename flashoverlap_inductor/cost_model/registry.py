@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from flashoverlap_inductor import config
-from flashoverlap_inductor.plan import GroupPlan
+from flashoverlap_inductor.schedule.plan import GroupPlan
 
 from . import bandwidth
 from .bandwidth import BandwidthCurve, warn_once

@@ -51,7 +51,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from flashoverlap_inductor.plan import COLLECTIVES, GroupPlan
+from flashoverlap_inductor.schedule.plan import COLLECTIVES, GroupPlan
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of ``dtype`` (torch name without prefix)."""
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; known {sorted(DTYPE_BYTES)}") from None
 
 GEMM_GRIDS = ("persistent", "tiles")
 

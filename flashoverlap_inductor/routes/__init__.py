@@ -1,0 +1,233 @@
+"""The route registry: which implementation runs a fused call, decided in one place.
+
+A *route* is one module implementing the ``Route`` protocol: ``name``, ``devices``, ``unsupported(call, settings)``
+(pure: why the route cannot take a call shape, identical on every rank), ``make_launch(call, settings, ctx)``
+(everything that depends only on the call shape, memoized here per call shape), ``execute(launch, ctx)`` and
+``reset()``. ``REGISTRY`` lists them in order of preference; ``select(call, settings)`` is the first that takes a
+call. The pass asks ``select`` which route the cost model should predict; the runtime (``dispatch``) asks it which
+route to run, so the two never disagree. Adding a route = one module + one line in ``REGISTRY`` (``docs/routes.md``).
+
+The dispatcher owns the rules every route shares:
+
+- **Memo**: per call key (shapes, strides, dtype, B alignment, device, group, plan, settings) the candidate routes
+  and their launches, made on first use; the per-call path is a dict lookup, then the route's ``execute``.
+- **CUDA-graph capture**: nothing is made inside a capture (no launches, workspaces or collective allocations); a
+  launch first needed inside one is skipped for the next route, down to ``unfused``, which always runs.
+- **Fallback**: a route whose ``make_launch`` or ``execute`` returns a reason (a ``str``) passes the call to the next
+  candidate; logged once per reason, counted in ``stats["skip:<route>:<reason>"]``. Every reason depends only on
+  what all ranks share (shapes, dtypes, strides, settings, call history), so all ranks run the same collectives.
+
+Statistics: ``stats["fused:<collective>"]`` and ``stats["route:<name>"]`` per call that ran fused, ``stats
+["fallback:<reason>"]`` per call that ran unfused on CUDA, ``stats["captured"]`` per call captured into a graph.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import config, kernel_select, streams
+from ..schedule import steps as schedule
+from . import cpu, nccl, peer, ring, unfused
+from .base import Call, Context, Route, forget_notes, note, stats
+
+__all__ = ["REGISTRY", "Call", "Context", "Route", "candidates", "check", "dispatch", "make_call", "note", "reset",
+           "select", "stats"]
+
+log = logging.getLogger("flashoverlap")
+
+
+# In order of preference: the first route whose ``unsupported`` is None takes a call.
+REGISTRY: list[Route] = [ring.ROUTE, peer.ROUTE, nccl.ROUTE, unfused.ROUTE, cpu.ROUTE]
+last_launch: Any = None
+MAX_ENTRIES = 512
+_memo: collections.OrderedDict[tuple, _Entry] = collections.OrderedDict()  # LRU order
+_captured: set[tuple] = set()  # keys whose launches a captured graph holds (never evicted)
+_lock = threading.RLock()  # one host thread at a time makes launches and issues routed calls
+
+
+@dataclass
+class _Entry:
+    """A call key's ``Call``, output shape, candidate routes and the launches made so far."""
+
+    call: Call
+    out_shape: list[int]
+    routes: list[Route]
+    launches: dict[str, Any] = field(default_factory=dict)
+
+
+def candidates(call: Call, settings: config.Settings) -> list[Route]:
+    """The routes that take ``call``, in ``REGISTRY`` order (each logged once per reason it declines)."""
+    out = []
+    for route in REGISTRY:
+        if call.device not in route.devices:
+            continue
+        why = route.unsupported(call, settings)
+        if why is None:
+            out.append(route)
+        elif not call.compile_time:
+            note(f"unsupported:{route.name}:{why}", logging.DEBUG, "flashoverlap: %s does not take the %s route: %s",
+                 call.collective, route.name, why)
+    return out
+
+
+def select(call: Call, settings: config.Settings) -> Route:
+    """The route that runs ``call`` (the first candidate); the pass asks it which route the cost model predicts."""
+    found = candidates(call, settings)
+    if not found:
+        raise RuntimeError(f"flashoverlap: no route takes {call}")
+    return found[0]
+
+
+def make_call(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup,
+              plan: str, output_split_sizes: Sequence[int] | None, input_split_sizes: Sequence[int] | None,
+              y_shape: list[int]) -> tuple[Call, kernel_select.Operands | None, list[int]]:
+    """The ``Call`` of a runtime call, the kernels' operands (CUDA) and the op's output shape."""
+    world, rank = group.size(), group.rank()
+    rows, n, k = math.prod(y_shape[:-1]), y_shape[-1], a.shape[-1]
+    send_rows = recv_rows = None
+    if collective == "all_reduce":
+        out_shape = list(y_shape)
+    elif collective == "reduce_scatter":
+        out_shape = [y_shape[0] // world, *y_shape[1:]]
+    else:
+        outs, ins = schedule.all_to_all_splits(y_shape[0], world, output_split_sizes, input_split_sizes)
+        unit = math.prod(y_shape[1:-1])  # flattened rows per dim-0 element
+        if output_split_sizes is not None or input_split_sizes is not None:
+            send_rows, recv_rows = tuple(s * unit for s in ins), tuple(s * unit for s in outs)
+        out_shape = [sum(outs), *y_shape[1:]]
+    opnd, issue, layout = None, None, None
+    if a.is_cuda:
+        got = kernel_select.normalize_operands(a, b, bias, collective)
+        if isinstance(got, tuple):
+            issue = got
+        else:
+            opnd, layout = got, kernel_select.b_layout(got.b)
+            if rows == 0 and send_rows is None:  # every rank has the same rows here
+                issue = ("degenerate", "no rows")
+    call = Call(collective, rows, n, k, a.dtype, world, rank, "cuda" if a.is_cuda else "cpu", layout, plan,
+                send_rows, recv_rows,
+                getattr(group, "group_name", str(id(group))), issue)
+    return call, opnd, out_shape
+
+
+def dispatch(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup,
+             plan: str, settings_key: str, y_shape: list[int], output_split_sizes: Sequence[int] | None = None,
+             input_split_sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Run one fused call on the first route that takes it (see the module docstring)."""
+    global last_launch
+    settings = config.from_key(settings_key)
+    cuda = a.is_cuda
+    if cuda and a.device.index != torch.cuda.current_device():  # library launches need a's device current
+        with torch.cuda.device(a.device):
+            return dispatch(collective, a, b, bias, group, plan, settings_key, y_shape, output_split_sizes,
+                            input_split_sizes)
+    capturing = cuda and _capturing()
+    key = (collective, plan, settings_key, a.shape, a.stride(), b.shape, b.stride(), b.data_ptr() % 16,
+           None if bias is None else (bias.shape, bias.stride(), bias.data_ptr() % 16), a.dtype, a.device,
+           id(group), output_split_sizes and tuple(output_split_sizes),
+           input_split_sizes and tuple(input_split_sizes))
+    with _lock:
+        entry = _memo.get(key)
+        if entry is None:
+            call, opnd, out_shape = make_call(collective, a, b, bias, group, plan, output_split_sizes,
+                                              input_split_sizes, y_shape)
+            if len(_memo) >= MAX_ENTRIES:
+                _evict(a)
+            entry = _memo[key] = _Entry(call, out_shape, candidates(call, settings))
+        else:
+            call, out_shape, opnd = entry.call, entry.out_shape, None
+            if cuda and call.operand_issue is None:
+                opnd = kernel_select.normalize_operands(a, b, bias, collective)
+        _memo.move_to_end(key)
+        ctx = Context(a, b, bias, group, y_shape, out_shape, plan, settings, opnd, None, capturing,
+                      output_split_sizes, input_split_sizes)
+        if cuda:
+            ctx.res = streams.resources(a.device.index)
+            if ctx.res is not None and ctx.res.timed_out():
+                ctx.res.raise_if_timed_out()
+        for route in entry.routes:
+            if cuda and ctx.res is None and route.name != "unfused":  # a capture before the device's first call
+                _skip(route, collective, "capturing", "the first call on this device is inside a CUDA-graph capture")
+                continue
+            launch = entry.launches.get(route.name)
+            if launch is None:
+                if capturing and route.name != "unfused":
+                    _skip(route, collective, "capture-new", "a call shape first seen inside a CUDA-graph capture")
+                    continue
+                launch = entry.launches[route.name] = route.make_launch(call, settings, ctx)
+            if isinstance(launch, str):
+                _skip(route, collective, launch.split(":")[0], launch)
+                continue
+            out = route.execute(launch, ctx)
+            if isinstance(out, str):
+                _skip(route, collective, out.split(":")[0], out)
+                continue
+            if route.name not in ("unfused", "cpu"):
+                last_launch = launch
+                stats[f"fused:{collective}"] += 1
+                stats[f"route:{route.name}"] += 1
+                if capturing:
+                    stats["captured"] += 1
+                    stats[f"captured:{route.name}"] += 1
+                    _captured.add(key)
+            return out
+    raise RuntimeError(f"flashoverlap: no route ran {call}")  # unreachable: unfused and cpu always run
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_current_stream_capturing()
+
+
+def _skip(route: Route, collective: str, reason: str, detail: str) -> None:
+    stats[f"skip:{route.name}:{reason}"] += 1
+    nxt = "the next route"
+    note(f"skip:{route.name}:{detail}", logging.INFO, "flashoverlap: %s leaves the %s route for %s: %s", collective,
+         route.name, nxt, detail)
+
+
+def _evict(a: torch.Tensor) -> None:
+    """Drop the least recently used entry that no captured graph holds (after a device sync: calls in flight
+    may still read its launch's index tensors)."""
+    victim = next((k for k in _memo if k not in _captured), None)
+    if victim is None:
+        return
+    note("evict", logging.INFO, "flashoverlap: more than %d call shapes; evicting the least recently used (with a "
+         "device sync each time)", MAX_ENTRIES)
+    if a.is_cuda:
+        torch.cuda.synchronize(a.device)
+    del _memo[victim]
+
+
+def check(sync: bool = True) -> None:
+    """Raise ``kernels.FlashOverlapTimeout`` if a wait kernel timed out (after synchronizing, when ``sync``)."""
+    for res in streams.existing():
+        if sync:
+            torch.cuda.synchronize(res.index)
+        if res.timed_out():
+            res.raise_if_timed_out()
+
+
+def reset() -> None:
+    """Forget memoized launches, statistics and logged notes, and every route's state (workspaces, flags):
+    tests, and after a timeout. Synchronizes the devices first. CUDA graphs captured before must not be replayed
+    after it."""
+    global last_launch
+    for res in streams.existing():
+        torch.cuda.synchronize(res.index)
+    with _lock:
+        _memo.clear()
+        _captured.clear()
+        for route in REGISTRY:
+            route.reset()
+        stats.clear()
+        forget_notes()
+        last_launch = None

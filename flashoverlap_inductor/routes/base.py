@@ -1,0 +1,94 @@
+"""The route protocol and what the registry and the routes share: ``Call``, ``Context``, statistics, log-once.
+
+Kept apart from the registry (``routes/__init__.py``) so that route modules import it, never their package.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from .. import config, kernel_select, streams
+
+log = logging.getLogger("flashoverlap")
+
+@dataclass(frozen=True)
+class Call:
+    """What every rank knows of one fused call: sizes in flattened rows (``rows`` x ``k`` @ ``k`` x ``n``), the
+    dtype, the group (``world``, ``rank``), the device type, B's layout (``"nk"``/``"kn"``; None: strides the
+    kernels cannot read, or at compile time: not known yet), the plan string and all_to_all's split sizes in
+    flattened rows (None: even). ``operand_issue``: why the GPU kernels cannot take these operands (None: they
+    can)."""
+
+    collective: str
+    rows: int
+    n: int
+    k: int
+    dtype: torch.dtype
+    world: int
+    rank: int = 0
+    device: str = "cuda"
+    b_layout: str | None = None
+    plan: str = "auto"
+    send_rows: tuple[int, ...] | None = None
+    recv_rows: tuple[int, ...] | None = None
+    group_name: str = ""
+    operand_issue: tuple[str, str] | None = None
+    compile_time: bool = False  # asked by the pass: the library's state, not the operands, decides
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+@dataclass
+class Context:
+    """One call's tensors and device state, handed to ``make_launch`` and ``execute``."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    bias: torch.Tensor | None
+    group: dist.ProcessGroup
+    y_shape: list[int]  # the shape of a @ b
+    out_shape: list[int]  # the op's output shape
+    plan: str
+    settings: config.Settings
+    opnd: kernel_select.Operands | None = None  # the kernels' operands (CUDA routes)
+    res: streams.DeviceResources | None = None
+    capturing: bool = False
+    output_split_sizes: Sequence[int] | None = None
+    input_split_sizes: Sequence[int] | None = None
+
+
+class Route(Protocol):
+    name: str
+    devices: tuple[str, ...]
+
+    def unsupported(self, call: Call, settings: config.Settings) -> str | None: ...
+
+    def make_launch(self, call: Call, settings: config.Settings, ctx: Context) -> Any: ...
+
+    def execute(self, launch: Any, ctx: Context) -> torch.Tensor | str: ...
+
+    def reset(self) -> None: ...
+
+
+stats: collections.Counter = collections.Counter()
+_noted: set[str] = set()
+
+
+def note(key: str, level: int, msg: str, *args: object) -> None:
+    """Log ``msg`` once per ``key``."""
+    if key not in _noted:
+        _noted.add(key)
+        log.log(level, msg, *args)
+
+
+def forget_notes() -> None:
+    _noted.clear()

@@ -1,0 +1,79 @@
+"""What the peer and ring routes share: symmetric-memory buffers, the workspace policy and the call ordering.
+
+Invariants:
+
+- Buffers are made collectively (every rank at the same call: every decision that makes one depends only on call
+  shapes and history that all ranks share), on the allocation thread of ``streams.persistent`` (inside
+  torch.compile's CUDA-graph warm-up the calling thread's allocations would land in the graph's pool).
+- Workspaces only grow: a call uses the smallest with room, a larger one is made when none has room, none is freed
+  before the route's ``reset``; inside a capture nothing is made (``smallest_with_room`` returns None and the call
+  takes the next route). Sizes are powers of two of at least 1 MiB, so all together are less than twice the largest.
+- The routed calls of a group on a device share one set of flags and buffers, so they run one after another: an
+  eager call from another stream than the last one first waits for it (``order_after_last``); host threads issue
+  them one at a time (the dispatcher's lock).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .. import streams
+
+T = TypeVar("T")
+MIN_CAPACITY = 1 << 20  # bytes
+
+
+def symmetric(nbytes: int, group: dist.ProcessGroup, device: torch.device, zero: bool,
+              ranks: list[int]) -> tuple:
+    """A symmetric uint8 buffer of ``nbytes``, its handle and the mappings of ``ranks``' buffers here (collective).
+    ``zero``: zeroed before the rendezvous, so no peer can notify us before it has our address."""
+
+    def make() -> tuple:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        if zero:
+            buf.zero_()
+            torch.cuda.synchronize(device)
+        hdl = symm_mem.rendezvous(buf, group.group_name)
+        return buf, hdl, [hdl.get_buffer(r, (nbytes,), torch.uint8) for r in ranks]
+
+    return streams.persistent(device.index, make)
+
+
+def smallest_with_room(made: list, need: int, capturing: bool, make: Callable[[int], T]) -> T | None:
+    """The first of ``made`` (ascending ``capacity``) with at least ``need`` bytes; else, unless ``capturing``
+    (None: no collective allocation inside a capture), a new one of ``make(capacity)``, a power of two of at least
+    ``MIN_CAPACITY``, appended. A call shape maps to the same workspace for good (made ones only get larger), so a
+    replay on one rank and the same call run eagerly on another use the same regions."""
+    for ws in made:
+        if ws.capacity >= need:
+            return ws
+    if capturing:
+        return None
+    ws = make(max(MIN_CAPACITY, 1 << (need - 1).bit_length()))
+    made.append(ws)
+    return ws
+
+
+_last_stream: dict[tuple[int, str], torch.cuda.Stream] = {}
+
+
+def order_after_last(group: dist.ProcessGroup, device: torch.device, stream: torch.cuda.Stream) -> None:
+    """Order an eager call on ``stream`` after every routed call of ``group`` on ``device`` queued so far (an event
+    wait when the last one came from another stream). Not under capture: a graph replays on the stream current at
+    replay time, which must be the one that runs the group's eager calls (torch.compile's CUDA graphs warm up on a
+    stream of their own, ordered here, and replay on the caller's)."""
+    key = (device.index, group.group_name)
+    last = _last_stream.get(key)
+    if last is not None and last.cuda_stream != stream.cuda_stream:
+        stream.wait_stream(last)
+    _last_stream[key] = stream
+
+
+def forget_streams() -> None:
+    _last_stream.clear()

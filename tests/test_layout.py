@@ -1,0 +1,156 @@
+"""The package's shape: one package folder, no import cycles, the environment read only in ``config.py``, no
+experiment loaded by importing the package, and one typed settings object."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import flashoverlap_inductor
+from flashoverlap_inductor import config
+
+PKG = Path(flashoverlap_inductor.__file__).resolve().parent
+ROOT = PKG.parent
+# CLIs that read torchrun's / the toolchain's own variables (WORLD_SIZE, NVCC, ...); never a FLASHOVERLAP_ setting
+CLI_MODULES = {"build.py", "tune.py", "demo.py"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PKG.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Modules of the package that ``name`` imports (at any depth of its code), parents excluded: importing a
+    submodule always loads its package first, which is no cycle of ours."""
+    is_pkg = path.name == "__init__.py"
+    base = name if is_pkg else name.rpartition(".")[0]
+    found = set()
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(
+        node.test) for b in node.body for n in ast.walk(b)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            anchor = base
+            for _ in range(node.level - 1):
+                anchor = anchor.rpartition(".")[0]
+            target = (f"{anchor}.{node.module}" if node.module else anchor) if node.level else node.module or ""
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.add(sub if sub in modules else target)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m in modules and m != name and not name.startswith(m + ".")}
+
+
+def test_no_import_cycles():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt):] + [nxt]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name)
+
+
+def test_the_environment_is_read_only_in_config():
+    offenders = []
+    for path in PKG.rglob("*.py"):
+        if path.name == "config.py":
+            continue
+        text = path.read_text()
+        tree = ast.parse(text)
+        for node in ast.walk(tree):
+            env = isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv") and \
+                isinstance(node.value, ast.Name) and node.value.id == "os"
+            if env and path.name not in CLI_MODULES:
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+        if path.name in CLI_MODULES and "environ.get(\"FLASHOVERLAP_" in text:
+            offenders.append(f"{path.relative_to(ROOT)}: reads a FLASHOVERLAP_ variable")
+    assert not offenders, offenders
+
+
+def test_importing_the_package_loads_no_experiment_and_no_old_module():
+    code = ("import sys, flashoverlap_inductor.backend, flashoverlap_inductor.ops, flashoverlap_inductor.passes; "
+            "print(sorted(m for m in sys.modules if m.startswith(('experiments', 'examples', 'passes', "
+            "'cost_model'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True)
+    assert out.stdout.strip() == "[]"
+    for gone in ("runtime_gpu", "runtime_peer", "runtime_cpu", "runtime_cuda", "peer_route", "ring_route",
+                 "fused_launch", "group_comm", "plan", "row_order"):
+        assert not (PKG / f"{gone}.py").exists(), gone
+
+
+def test_modules_stay_small():
+    big = [f"{p.relative_to(ROOT)}: {n}" for p in PKG.rglob("*.py")
+           if (n := len(p.read_text().splitlines())) > 470]
+    assert not big, big
+
+
+def test_settings_are_one_frozen_validated_object():
+    s = config.Settings()
+    with pytest.raises(AttributeError):
+        s.fuse = "never"  # type: ignore[misc]
+    assert config.from_key(s.key()) == s
+    assert s.replace(collectives="all_reduce").collectives == ("all_reduce",)  # a name, not its characters
+    for bad in ({"fuse": "sometimes"}, {"collectives": "all_gather"}, {"min_rows": "abc"}, {"ring": "on"},
+                {"ring_rounds": 0}, {"swizzle": 0}, {"row_order": "stage"}, {"experiments": {"nope"}},
+                {"wait_timeout_ms": -1}, {"no_such_setting": 1}):
+        with pytest.raises(ValueError):
+            s.replace(**bad)
+    t = s.replace(collectives="all_reduce,reduce_scatter", swizzle="8", experiments=["single_group"])
+    assert t.collectives == ("all_reduce", "reduce_scatter") and t.tuning.swizzle == 8
+    assert t.experiments == frozenset({"single_group"}) and t.key() != s.key()
+
+
+def test_patch_and_attributes_change_current_and_restore():
+    before = config.current()
+    with config.patch(fuse="always", ring="wide", swizzle=8) as s:
+        assert config.current() is s and s.fuse == "always" and s.tuning.swizzle == 8
+        assert config.fuse == "always" and config.swizzle == 8
+    assert config.current() == before
+    with pytest.raises(ValueError):
+        with config.patch(fuse="sometimes"):
+            pass
+    assert config.current() == before
+
+
+def test_environment_settings(monkeypatch):
+    monkeypatch.setenv("FLASHOVERLAP_FUSE", "Never")
+    monkeypatch.setenv("FLASHOVERLAP_RING_ROUNDS", "3")
+    monkeypatch.setenv("FLASHOVERLAP_SWIZZLE", "2")  # deprecated: still read, with a warning
+    monkeypatch.setenv("FLASHOVERLAP_HOST_LOOP", "python")  # removed: ignored, with a warning
+    config._from_env.cache_clear()
+    config._current.cache_clear()
+    try:
+        s = config.current()
+        assert (s.fuse, s.tuning.ring_rounds, s.tuning.swizzle) == ("never", 3, 2)
+    finally:
+        monkeypatch.undo()
+        config._from_env.cache_clear()
+        config._current.cache_clear()
+    assert config.current().fuse == "auto"
