@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=4 examples/bench_ops.py --json bench_w4.json --png bench_w4.png
         [--ops all_reduce,reduce_scatter,all_to_all] [--shapes grid|MxNxK,...] [--rounds 5] [--target-ms 8]
         [--fuse always|auto] [--sm-reserve N] [--time-budget-s 420] [--call op|runtime] [--graphs]
-        [--fused-variants tiles/direct,tiles/direct/gemm,tiles/direct/c//8,...]
+        [--fused-variants tiles/direct,persistent/direct//@8,tiles/direct/c//8,tiles/peer////ring2,...]
 
 Per shape (A [M,K] and B = W.t() with W [N,K] a Linear weight; bf16, fresh random data per rank) and per op, all
 variants are timed side by side in one interleaved run (``flashoverlap_inductor.tune_measure.Timer``: CUDA events
@@ -15,11 +15,12 @@ around every call, back-to-back calls behind a short spin, rounds in alternating
 * ``concurrent``: the cuBLAS GEMM while the collective of an unrelated tensor runs on a side stream (no
   dependency): the floor that overlapping SM-based NCCL with a GEMM can reach on this machine;
 * ``asynctp`` (reduce_scatter only): ``torch.ops.symm_mem.fused_matmul_reduce_scatter``;
-* ``fused``: ``torch.ops.flashoverlap.gemm_<op>`` (``--call op``, through the dispatcher, the ops routed to
-  ``runtime_gpu``) or ``runtime_gpu`` directly (``--call runtime``), with the plan of ``cost_model.decide``.
+* ``fused``: ``torch.ops.flashoverlap.gemm_<op>`` (``--call op``, through the dispatcher) or the route registry
+  directly (``routes.dispatch``, ``--call runtime``), with the plan of ``cost_model.decide``.
 
 ``--graphs`` adds ``seq`` and ``fused`` replayed from CUDA graphs (``graph_speedup``: their ratio, the host cost
-removed from both). ``--fused-variants`` times the fused op in other modes side by side (``with_mode``).
+removed from both). ``--fused-variants`` times the fused op under other settings side by side (``with_mode``:
+``config.patch`` of the GEMM grid, swizzle, row order, transport, ring rounds and peer kernel).
 
 Derived per row: ``ideal = max(T_gemm, T_comm)``, ``speedup = T_seq / T_fused``, overlap efficiency
 ``(T_seq - T_fused) / (T_seq - ideal)``, ``auto`` = what ``FLASHOVERLAP_FUSE=auto`` runs (fused where ``decide``
@@ -37,6 +38,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,18 +49,10 @@ try:
     import flashoverlap_inductor  # noqa: F401  (installed, or on PYTHONPATH: then its subpackages resolve too)
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from flashoverlap_inductor import (  # noqa: E402
-    fused_launch,
-    kernel_select,
-    nccl_direct,
-    ops,
-    peer_route,
-    ring_route,
-    runtime_cpu,
-    runtime_gpu,
-)
-from flashoverlap_inductor import plan as planlib  # noqa: E402
+from flashoverlap_inductor import config, kernel_select, kernels, ops, routes  # noqa: E402
 from flashoverlap_inductor import tune_measure as tm  # noqa: E402
+from flashoverlap_inductor.schedule import plan as planlib  # noqa: E402
+from flashoverlap_inductor.schedule import steps as schedule  # noqa: E402
 from flashoverlap_inductor.tune import GRID, init_distributed, parse_shapes  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_report, beside this file
@@ -74,14 +68,21 @@ CHUNKS = (2, 4, 8)
 # --------------------------------------------------------------------------------------------- variants
 
 
-def route_ops_to_gpu_runtime() -> str:
-    """Make ``torch.ops.flashoverlap.*`` on CUDA run ``runtime_gpu`` (until ``ops._runtime`` does so itself)."""
-    probe = torch.empty(1, device=DEVICE)
-    if ops._runtime(probe) is runtime_gpu:
-        return "native"
-    original = ops._runtime
-    ops._runtime = lambda a: runtime_gpu if a.device.type == probe.device.type else original(a)
-    return "patched"
+ROUTING = "registry"  # the ops dispatch through the route registry (``routes.dispatch``): nothing to patch
+
+
+def route_args(op: str, m: int, n: int, k: int, world: int) -> dict[str, Any]:
+    """``decide``'s route arguments from the route registry (``routes.select``, as the pass asks it): whether the call
+    takes the peer route, or the ring in how many rounds, under the current settings."""
+    if DEVICE != "cuda":
+        return {"peer": False, "ring_rounds": 0}
+    settings = config.current()
+    call = routes.Call(op, m, n, k, torch.bfloat16, world, device=DEVICE, compile_time=True)
+    try:
+        name = routes.select(call, settings).name
+    except Exception:  # noqa: BLE001 - no route: the runtime runs it unfused; predict the NCCL route
+        return {"peer": False, "ring_rounds": 0}
+    return {"peer": name == "peer", "ring_rounds": routes.ring.rounds(call, settings) if name == "ring" else 0}
 
 
 # NCCL groups whose config limits their CTAs (``--fused-max-ctas``, a variant's ctas field), as a user would configure
@@ -110,69 +111,72 @@ def fused_call(op: str, a: torch.Tensor, b: torch.Tensor, plan: str, world: int,
     name = group.group_name
     fo = torch.ops.flashoverlap
     if call == "runtime":
-        return {"all_reduce": lambda: runtime_gpu.gemm_all_reduce(a, b, None, group, plan),
-                "reduce_scatter": lambda: runtime_gpu.gemm_reduce_scatter(a, b, None, group, plan),
-                "all_to_all": lambda: runtime_gpu.gemm_all_to_all(a, b, None, None, None, group, plan)}[op]
+        shape = [a.shape[0], b.shape[1]]
+        return lambda: routes.dispatch(op, a, b, None, group, plan, "", shape)
     return {"all_reduce": lambda: fo.gemm_all_reduce(a, b, None, "sum", name, plan),
             "reduce_scatter": lambda: fo.gemm_reduce_scatter(a, b, None, "sum", world, name, plan),
             "all_to_all": lambda: fo.gemm_all_to_all(a, b, None, None, None, name, plan)}[op]
 
 
-def with_mode(spec: str, fn):
-    """``fn`` run with the fused path in the mode ``spec`` = ``"<grid>/<nccl>[/<host>[/<kernel>[/<ctas>[/<rows>]]]]"``:
+RING_FLAGS = tuple(f for f in PEER_ROWS if f.startswith("ring"))
 
-    * grid ``persistent|tiles``: ``runtime_gpu.GEMM_GRID``; nccl ``direct|torch``: ``nccl_direct.MODE``; ``peer``:
-      ``peer_route.TRANSPORT = "peer"`` (2 ranks: the reduction in GEMM 2's epilogue; other calls direct NCCL), with
-      an ``_addc*`` kernel field naming GEMM 2's configuration (``peer_route.ADD_KERNEL``) and the ctas field
-      giving all_reduce's copy groups (``peer_route.GROUPS``); host ``ce`` (peer only): the push route's final
-      copy by copy engine (``peer_route.FINAL_COPY``); rows (peer only), any of these joined by ``+``: ``wait``, a
-      wait kernel between the GEMMs instead of the in-kernel gate (``peer_route.GATE``); ``cpull`` / ``cpush``,
-      GEMM 2 reads the peer's partial over NVLink / GEMM 1 stores it into the peer (``peer_route.PARTIAL``);
-      ``ring1`` / ``ring2`` / ``ring4``, the ring route instead (``ring_route.RING = "all"``) in at most that many
-      rounds (``ring_route.ROUNDS``);
-    * host ``c`` (default) or ``python``: ``fused_launch.HOST_LOOP``; ``gemm``: the diagnostic
-      ``runtime_gpu.GEMM_ONLY`` (the fused path without its collectives, in the Python loop: a time split, not a
-      result);
-    * kernel ``[<configuration>][@<swizzle>][+<immediate|deferred>]``: ``runtime_gpu.KERNEL`` (default the plan's),
-      ``runtime_gpu.SWIZZLE``, ``runtime_gpu.SIGNAL_MODE``;
-    * ctas ``<max>`` or ``<min>-<max>``: the caller builds ``fn`` on ``make_capped_group(max_ctas, min_ctas)``;
-    * rows ``schedule|gather``: ``runtime_gpu.ROW_ORDER`` (reduce_scatter / all_to_all layouts)."""
+
+def check_variant(spec: str) -> tuple[str, str, str, tuple[int, int | None] | None, str]:
+    """``spec`` = ``"<grid>/<direct|peer>[/c[/<kernel>[/<ctas>[/<rows>]]]]"`` (``bench_report.parse_spec``'s syntax,
+    less the variants measured and removed: ``torch`` NCCL calls, the host loops ``python|gemm|ce``, kernel and
+    signal overrides, row order ``stage`` and the peer flags ``wait|cpull|cpush``) -> (grid, mode, kernel, ctas,
+    rows); ValueError where it names a removed variant."""
     grid, mode, host, kernel, ctas, rows = parse_spec(spec)
-    kernel, _, signal = kernel.partition("+")
-    kernel, _, swizzle = kernel.partition("@")
-
+    config_name, _, _ = kernel.partition("@")
     peer = mode == "peer"
-    add_kernel = kernel if peer and "_addc" in kernel else None
-    kernel = "" if add_kernel else kernel
-    peer_groups = ctas[0] if peer and ctas else peer_route.GROUPS
-    peer_rows = set(rows.split("+")) if peer and rows and set(rows.split("+")) <= set(PEER_ROWS) else set()
-    partial = "pull" if "cpull" in peer_rows else "push" if "cpush" in peer_rows else peer_route.PARTIAL
-    ring_rounds = next((int(f[4:]) for f in peer_rows if f.startswith("ring")), 0)
+    why = ("NCCL through torch.distributed ('torch') was removed" if mode == "torch" else
+           f"host field {host!r} was removed (only 'c')" if host != "c" else
+           "signal overrides were removed" if "+" in kernel else
+           f"kernel {config_name!r}: only an _addc configuration of the peer / ring routes (peer_kernel)"
+           if config_name and not (peer and "_addc" in config_name) else
+           "the ctas field of peer variants (copy groups) was removed" if peer and ctas else
+           "row order 'stage' was removed" if rows == "stage" else
+           f"peer flags {rows!r}: only one of {'/'.join(RING_FLAGS)}" if peer and rows and rows not in RING_FLAGS
+           else None)
+    if why:
+        raise ValueError(f"{spec!r}: {why}")
+    return grid, mode, kernel, ctas, rows
+
+
+def variant_settings(spec: str) -> dict[str, Any]:
+    """The ``config.patch`` arguments of a fused variant ``spec`` (``check_variant``):
+
+    * grid ``persistent|tiles``: ``gemm_grid``; mode ``direct``: ``transport="nccl"`` (the NCCL route), ``peer``:
+      ``transport="peer"`` (2 ranks: the peer route; other calls the NCCL route);
+    * kernel ``[<_addc configuration>][@<swizzle>]``: ``peer_kernel`` (peer only; GEMM 2's / the ring steps'
+      configuration) and ``swizzle``;
+    * ctas ``<max>`` or ``<min>-<max>`` (NCCL route): the caller builds the call on
+      ``make_capped_group(max_ctas, min_ctas)``;
+    * rows ``schedule|gather`` (NCCL route): ``row_order`` of reduce_scatter / all_to_all layouts; ``ring1`` /
+      ``ring2`` / ``ring4`` (peer): the ring route instead (``ring="all"``) in at most that many rounds
+      (``ring_rounds``)."""
+    grid, mode, kernel, _, rows = check_variant(spec)
+    config_name, _, swizzle = kernel.partition("@")
+    peer = mode == "peer"
+    out: dict[str, Any] = {"gemm_grid": grid, "transport": "peer" if peer else "nccl", "ring": "off"}
+    if config_name:
+        out["peer_kernel"] = config_name
+    if swizzle:
+        out["swizzle"] = int(swizzle)
+    if peer and rows:
+        out["ring"], out["ring_rounds"] = "all", int(rows[4:])
+    elif rows:
+        out["row_order"] = rows
+    return out
+
+
+def with_mode(spec: str, fn):
+    """``fn`` run under the settings of the fused variant ``spec`` (``variant_settings``)."""
+    changes = variant_settings(spec)
 
     def run():
-        old = (runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.KERNEL,
-               runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE, runtime_gpu.ROW_ORDER, runtime_gpu.SIGNAL_MODE,
-               peer_route.TRANSPORT, peer_route.ADD_KERNEL, peer_route.GROUPS, peer_route.FINAL_COPY, peer_route.GATE,
-               peer_route.PARTIAL, ring_route.RING, ring_route.ROUNDS)
-        ring_route.RING, ring_route.ROUNDS = ("all", ring_rounds) if ring_rounds else ("off", ring_route.ROUNDS)
-        runtime_gpu.GEMM_GRID, nccl_direct.MODE = grid, "direct" if peer else mode
-        peer_route.TRANSPORT, peer_route.ADD_KERNEL = ("peer" if peer else "nccl"), add_kernel
-        peer_route.GROUPS = peer_groups
-        peer_route.FINAL_COPY = "ce" if host == "ce" else "sm"
-        peer_route.GATE = "wait" if "wait" in peer_rows else "kernel"
-        peer_route.PARTIAL = partial
-        runtime_gpu.SIGNAL_MODE = signal or runtime_gpu.SIGNAL_MODE
-        runtime_gpu.ROW_ORDER = (rows if not peer_rows else "") or runtime_gpu.ROW_ORDER
-        fused_launch.HOST_LOOP = "python" if host == "gemm" else "c" if host == "ce" else host
-        runtime_gpu.KERNEL, runtime_gpu.GEMM_ONLY = kernel or None, host == "gemm"
-        runtime_gpu.SWIZZLE = int(swizzle) if swizzle else runtime_gpu.SWIZZLE
-        try:
+        with config.patch(**changes):
             return fn()
-        finally:
-            (runtime_gpu.GEMM_GRID, nccl_direct.MODE, fused_launch.HOST_LOOP, runtime_gpu.KERNEL,
-             runtime_gpu.GEMM_ONLY, runtime_gpu.SWIZZLE, runtime_gpu.ROW_ORDER, runtime_gpu.SIGNAL_MODE,
-             peer_route.TRANSPORT, peer_route.ADD_KERNEL, peer_route.GROUPS, peer_route.FINAL_COPY,
-             peer_route.GATE, peer_route.PARTIAL, ring_route.RING, ring_route.ROUNDS) = old
     return run
 
 
@@ -222,9 +226,9 @@ def chunked_call(op: str, a: torch.Tensor, b: torch.Tensor, chunks: int, world: 
     m, k = a.shape
     n = b.shape[1]
     plan = planlib.uniform_plan(m, n, 128, 128, chunks, align=1 if op == "all_reduce" else world).to_str()
-    sched = ops.resolve_schedule(op, plan, m, n, k, "bfloat16", world)
-    steps = runtime_cpu.schedule_steps(op, plan, m, n, k, "bfloat16", world, rank)
-    rows = runtime_gpu.gather_rows(sched.layout)
+    sched = schedule.resolve_schedule(op, plan, m, n, k, "bfloat16", world)
+    steps = schedule.schedule_steps(op, plan, m, n, k, "bfloat16", world, rank)
+    rows = kernel_select.gather_rows(sched.layout)
     index = torch.tensor(rows, dtype=torch.int64, device=a.device) if rows is not None else None
     peers = tuple(dist.get_global_rank(dist.group.WORLD, j) for j in range(world))
     out_rows = m // world if op == "reduce_scatter" else m
@@ -239,10 +243,31 @@ def chunked_call(op: str, a: torch.Tensor, b: torch.Tensor, chunks: int, world: 
                 torch.mm(a_in[step.lo:step.hi], b, out=buf[step.lo:step.hi])
             side.wait_stream(cur)
             with torch.cuda.stream(side):
-                runtime_gpu.group_collective(op, peers, g, step, buf, out, dist.group.WORLD)
+                group_collective(op, peers, g, step, buf, out, dist.group.WORLD)
         cur.wait_stream(side)
         return out
     return run
+
+
+def group_collective(op: str, peers: Sequence[int], g: int, step: schedule.GroupStep, buf: torch.Tensor,
+                     out: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Group ``g``'s collective through ``torch.distributed`` on the current stream: ``buf`` is the [rows, N] GEMM
+    buffer, ``out`` the [rows_out, N] output, ``peers`` the global rank of each group rank (all_to_all)."""
+    if op == "all_reduce":
+        if step.hi > step.lo:
+            dist.all_reduce(buf[step.lo:step.hi], group=group)
+    elif op == "reduce_scatter":
+        if step.hi > step.lo:
+            ops.reduce_scatter_into(out[step.out[0]:step.out[1]], buf[step.lo:step.hi], group=group)
+    else:
+        p2p = [dist.P2POp(dist.isend, buf[lo:hi], peers[j], group, tag=g) for j, lo, hi in step.sends]
+        p2p += [dist.P2POp(dist.irecv, out[lo:hi], peers[j], group, tag=g) for j, lo, hi in step.recvs]
+        if p2p:
+            for work in dist.batch_isend_irecv(p2p) or ():
+                work.wait()
+        if step.local is not None:
+            b_lo, o_lo, count = step.local
+            out[o_lo:o_lo + count].copy_(buf[b_lo:b_lo + count])
 
 
 def asynctp_call(a: torch.Tensor, b: torch.Tensor) -> tuple[Any, str]:
@@ -277,9 +302,7 @@ def bench_shape(m: int, n: int, k: int, args: argparse.Namespace, ctx: dict[str,
     variants: dict[str, Any] = {"gemm": lambda: torch.mm(a, b, out=c)}
     info: dict[str, dict[str, Any]] = {}
     for op in args.ops:
-        d = decide(op, m, n, k, "bfloat16", world, device_name=gpu,
-                   peer=peer_route.takes(op, m, n, k, torch.bfloat16, world),
-                   ring_rounds=ring_route.takes(op, m, n, k, torch.bfloat16, world))
+        d = decide(op, m, n, k, "bfloat16", world, device_name=gpu, **route_args(op, m, n, k, world))
         info[op] = {"decision": d, "plan": d.plan.to_str()}
         coll_out = out_a2a if op == "all_to_all" else out_rs
         variants[f"{op}:comm"] = collective_into(op, src, coll_out)
@@ -299,7 +322,7 @@ def bench_shape(m: int, n: int, k: int, args: argparse.Namespace, ctx: dict[str,
         if args.fuse == "always" or d.fuse:
             variants[f"{op}:fused"] = fused_call(op, a, b, info[op]["plan"], world, args.call, ctx["fused_group"])
             for spec in args.fused_variants:
-                _, mode, _, _, ctas, _ = parse_spec(spec)
+                _, mode, _, ctas, _ = check_variant(spec)
                 group = make_capped_group(*ctas) if ctas and mode != "peer" else None
                 variants[f"{op}:fused@{spec}"] = with_mode(spec, fused_call(op, a, b, info[op]["plan"], world,
                                                                            args.call, group))
@@ -308,14 +331,15 @@ def bench_shape(m: int, n: int, k: int, args: argparse.Namespace, ctx: dict[str,
     errors: dict[str, str] = {}
     for name, fn in variants.items():
         try:
-            before = runtime_gpu.stats.copy()
+            before = routes.stats.copy()
             fn()
             if name.endswith(":fused"):
                 op = name.split(":")[0]
-                info[op]["fused_path"] = runtime_gpu.stats[f"fused:{op}"] > before[f"fused:{op}"]
-                info[op]["fallback"] = [key for key in runtime_gpu.stats if runtime_gpu.stats[key] > before[key]
-                                        and key.startswith("fallback:")]
-                info[op]["launch"] = runtime_gpu.last_launch.description if info[op]["fused_path"] else ""
+                info[op]["fused_path"] = routes.stats[f"fused:{op}"] > before[f"fused:{op}"]
+                info[op]["fallback"] = [key for key in routes.stats if routes.stats[key] > before[key]
+                                        and (key.startswith("skip:") or key == "unfused")]
+                launch = routes.last_launch
+                info[op]["launch"] = getattr(launch, "description", "") if info[op]["fused_path"] else ""
         except Exception as exc:  # noqa: BLE001 - reported
             errors[name] = repr(exc)[:300]
     torch.cuda.synchronize()
@@ -433,11 +457,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fused-max-ctas", type=int, default=None,
                    help="run the fused path on a group whose NCCL config has this max_ctas (baselines: defaults)")
     p.add_argument("--gemm-grid", choices=kernel_select.GEMM_GRIDS, default=None,
-                   help="the fused GEMM's grid (runtime_gpu.GEMM_GRID; default: the runtime's)")
-    p.add_argument("--nccl", choices=("direct", "torch"), default=None,
-                   help="per-group collectives: direct NCCL calls or torch.distributed (default: the runtime's)")
+                   help="the fused GEMM's grid (config gemm_grid; default: the settings')")
     p.add_argument("--fused-variants", default="",
-                   help="extra fused variants timed side by side, e.g. persistent/torch,tiles/direct/python")
+                   help="extra fused variants timed side by side (config.patch), e.g. persistent/direct,"
+                        "tiles/direct//@8,tiles/direct////gather,tiles/peer////ring2")
     p.add_argument("--graphs", action="store_true",
                    help="also time the sequential graph and the fused op replayed from CUDA graphs")
     p.add_argument("--time-budget-s", type=float, default=420.0, help="no new shape starts after this")
@@ -448,7 +471,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.fused_variants = [x for x in args.fused_variants.split(",") if x]
     for spec in args.fused_variants:
         try:
-            parse_spec(spec)
+            check_variant(spec)
         except ValueError as exc:
             p.error(f"--fused-variants: {exc}")
     unknown = set(args.ops) - set(OPS)
@@ -459,6 +482,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    changes: dict[str, Any] = {}
+    if args.sm_reserve is not None:
+        changes["sm_reserve"] = args.sm_reserve
+    if args.gemm_grid:
+        changes["gemm_grid"] = args.gemm_grid
+    with config.patch(**changes):  # the whole run (the fused variants patch on top)
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     owns_group = not dist.is_initialized()
     rank, world = init_distributed()
@@ -466,13 +499,8 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_ops: run under torchrun with >= 2 ranks", file=sys.stderr)
         return 2
     gpu = torch.cuda.get_device_name()
-    if args.sm_reserve is not None:
-        runtime_gpu.SM_RESERVE = args.sm_reserve
-    if args.gemm_grid:
-        runtime_gpu.GEMM_GRID = args.gemm_grid
-    if args.nccl:
-        nccl_direct.MODE = args.nccl
-    routing = route_ops_to_gpu_runtime() if args.call == "op" else "direct"
+    routing = ROUTING if args.call == "op" else "direct"
+    settings = config.current()
     try:
         from flashoverlap_inductor.cost_model import model_for
 
@@ -485,15 +513,15 @@ def main(argv: list[str] | None = None) -> int:
            "fused_group": make_capped_group(args.fused_max_ctas) if args.fused_max_ctas else None,
            "timer": tm.Timer(rounds=args.rounds, target_ms=args.target_ms, min_iters=2, max_iters=40, spin_ms=0.3)}
     meta = {"world": world, "gpu": gpu, "torch": torch.__version__,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())), "available": runtime_gpu.available(),
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())), "available": kernels.available(),
             "routing": routing, "call": args.call, "fuse": args.fuse, "rounds": args.rounds,
             "target_ms": args.target_ms, "sm_reserve": args.sm_reserve, "fused_max_ctas": args.fused_max_ctas,
-            "gemm_grid": runtime_gpu.GEMM_GRID or "model", "nccl_route": nccl_direct.MODE,
-            "host_loop": fused_launch.HOST_LOOP,
+            "gemm_grid": settings.tuning.gemm_grid or "model", "transport": settings.transport,
+            "ring": settings.ring, "settings": settings.key(),
             "fused_variants": args.fused_variants,
             "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                                                   "FLASHOVERLAP_SM_RESERVE", "FLASHOVERLAP_SIGNAL_MODE",
-                                                   "FLASHOVERLAP_GEMM_GRID", "FLASHOVERLAP_NCCL")}}
+                                                   "FLASHOVERLAP_SM_RESERVE", "FLASHOVERLAP_GEMM_GRID",
+                                                   "FLASHOVERLAP_TRANSPORT", "FLASHOVERLAP_RING")}}
     if rank == 0:
         print(f"bench_ops: {gpu} x{world}, {len(shapes)} shapes, ops {args.ops}, overlapped path "
               f"{'on' if meta['available'] else 'OFF'} ({routing})", flush=True)
@@ -512,9 +540,10 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0 and args.json:
             write_json(args.json, meta, rows, world)
     bar.close()
-    runtime_gpu.check()
+    if DEVICE == "cuda":
+        routes.check()
     meta["elapsed_s"] = round(time.monotonic() - t0, 1)
-    meta["stats"] = dict(runtime_gpu.stats)
+    meta["stats"] = dict(routes.stats)
     if rank == 0:
         summary = write_json(args.json, meta, rows, world) if args.json else summarize(rows, world)
         if args.png and rows:

@@ -34,7 +34,7 @@ B_LAYOUTS = ("nk", "kn")  # B given as [N,K] (K contiguous: a Linear weight, b =
 SCHEDULES = ("coop", "pp")
 RASTERS = {"heuristic": 0, "along_m": 1, "along_n": 2}
 SIGNAL_MODES = {"immediate": 0, "deferred": 1}
-# Defaults when the caller names none (csrc/NOTES.md): the configuration that is good in both H200 regimes (power-
+# Defaults when the caller names none (docs/results.md): the configuration that is good in both H200 regimes (power-
 # capped sustained: 0.985x cuBLAS geomean; cool GPU: 0.99-1.00x at 8192^3), and a swizzle of 4 tile-rows per
 # band (swizzle 1 loses up to 25% on some configurations; 8 is a little faster but makes wave groups coarser:
 # the tiles of a band finish together).
@@ -58,7 +58,7 @@ def unpadded_swizzle(m: int, n: int, tile_m: int, tile_n: int, cluster_m: int, c
     further than the cluster shape already does. It rounds the tiles along M up to a multiple of swizzle x
     cluster_m (along N: swizzle x cluster_n) and runs the padded tiles too: a GEMM of 512 rows in 128-row tiles
     and 2x1 clusters at swizzle 4 (4 tile-rows padded to 8) took twice cuBLAS's time, one of 1024 rows the same
-    (examples/RESULTS.md, twelfth session). Matters for GEMMs of few tile-rows (the ring route's steps)."""
+    (docs/results.md, twelfth session). Matters for GEMMs of few tile-rows (the ring route's steps)."""
     tm, tn = -(-m // tile_m), -(-n // tile_n)
 
     def padded(tiles: int, multiple: int) -> int:

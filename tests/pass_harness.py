@@ -45,13 +45,15 @@ _SHORT = (("torch.ops.aten.", "aten."), ("torch.ops._c10d_functional.", "c10d.")
 
 def graph_str(gm: torch.fx.GraphModule, canonical: bool = False) -> str:
     """Stable, compact text of a graph: python code without file comments and without the ``x = None``
-    buffer-freeing statements, op namespaces shortened, plan strings shortened to their sizes.
+    buffer-freeing statements, op namespaces shortened, plan strings shortened to their sizes, the settings argument
+    (``Settings.key()``) left out.
     ``canonical``: also rename values as ``canonical_names`` does (version-robust expectations)."""
     code = gm.graph.python_code("self").src.strip()
     code = re.sub(r";  [\w, =]+ = None$", "", code, flags=re.M)
     for long, short in _SHORT:
         code = code.replace(long, short)
     code = re.sub(r"'v1;m=(\w+);n=(\w+);[^']*'", r"'plan(m=\1,n=\2)'", code)
+    code = re.sub(r", \"\(\('fuse'[^\"]*\"", "", code)  # the ops' settings argument (test_pass_auto checks it)
     return canonical_names(code) if canonical else code
 
 

@@ -79,15 +79,15 @@ class TestBackendOptions(FakePGTestCase):
         self.assertIsInstance(fo_pass, FlashOverlapPass)
         self.assertEqual((fo_pass.settings.fuse, fo_pass.settings.min_rows, fo_pass.settings.collectives),
                          ("never", 4, ("all_reduce",)))
-        self.assertIsNone(config.fuse)  # the module config is untouched
+        self.assertEqual(config.fuse, "auto")  # the module config is untouched
         self.assertEqual(config.min_rows, 256)
 
     def test_unknown_option_is_an_error(self):
         with self.assertRaisesRegex(ValueError, "unknown option 'flashoverlap.nope'"):
             self._patches(options={"flashoverlap.nope": 1})
-        with self.assertRaisesRegex(ValueError, "fuse mode must be one of"):
+        with self.assertRaisesRegex(ValueError, "fuse must be one of"):
             self._patches(options={"flashoverlap.fuse": "sometimes"})
-        with self.assertRaisesRegex(ValueError, "unknown collectives"):
+        with self.assertRaisesRegex(ValueError, "collectives must be"):
             self._patches(options={"flashoverlap.collectives": ["all_gather"]})
 
     def test_unknown_inductor_option_reaches_inductor(self):
@@ -143,21 +143,21 @@ class TestUuid(TestCase):
         self.assertNotEqual(always.uuid(), FlashOverlapPass({"fuse": "never"}).uuid())
         self.assertNotEqual(always.uuid(), FlashOverlapPass({"fuse": "always", "min_rows": 1}).uuid())
         self.assertNotEqual(always.uuid(), FlashOverlapPass({"fuse": "always", "collectives": ("all_reduce",)}).uuid())
-        with mock.patch.dict(os.environ, {"FLASHOVERLAP_FUSE": "never"}), config.patch(fuse=None):
+        with mock.patch.dict(os.environ, {"FLASHOVERLAP_FUSE": "never"}):
+            config.reload_environment()
             self.assertEqual(FlashOverlapPass().uuid(), FlashOverlapPass({"fuse": "never"}).uuid())
-        from flashoverlap_inductor import ring_route  # the ring's settings change the route the cost model predicts
-
-        before = always.uuid()
-        for name, value in (("RING", "wide"), ("ROUNDS", ring_route.ROUNDS + 1)):
-            with mock.patch.object(ring_route, name, value):
-                self.assertNotEqual(before, FlashOverlapPass({"fuse": "always"}).uuid(), name)
+        config.reload_environment()
+        before = always.uuid()  # every setting is in the key: the ring's change the route the cost model predicts
+        for name, value in (("ring", "wide"), ("ring_rounds", 3), ("swizzle", 8), ("experiments", {"single_group"}),
+                            ("wait_timeout_ms", 1000.0), ("transport", "nccl")):
+            self.assertNotEqual(before, FlashOverlapPass({"fuse": "always", name: value}).uuid(), name)
 
     def test_uuid_covers_sources_and_data(self):
         from flashoverlap_inductor.passes import gemm_collective
 
         files = {os.path.basename(p) for p in gemm_collective._source_files(FlashOverlapPass().settings)}
-        self.assertTrue({"gemm_collective.py", "matching.py", "rewrite.py", "ops.py", "plan.py", "peer_route.py",
-                         "ring_route.py"} <= files, files)
+        self.assertTrue({"gemm_collective.py", "matching.py", "rewrite.py", "ops.py", "plan.py", "steps.py",
+                         "peer.py", "ring.py", "nccl.py", "__init__.py", "config.py"} <= files, files)
         self.assertTrue(any(f.endswith(".json") for f in files), files)  # shipped cost-model data
 
     def test_uuid_changes_when_a_source_changes(self):

@@ -287,6 +287,7 @@ def fallback_task() -> dict[str, int]:
         _check(out, ref, _eager("all_reduce", a, b, c), reason)
         after = routes.stats["unfused"], routes.stats["fused:all_reduce"]
         assert after == (before[0] + 1, before[1]), (reason, dict(routes.stats))
+        assert routes.stats[f"fallback:{reason}"] >= 1, (reason, dict(routes.stats))
     return dict(routes.stats)
 
 

@@ -129,7 +129,7 @@ def test_c_reduce_pieces_match_the_python_route(world, rank):
     plan = planlib.uniform_plan(rows, n, 128, 128, 3, align=world)
     layout = planlib.buffer_layout(plan, planlib.chunks_for("reduce_scatter", rows, world))
     steps = sched.schedule_steps("reduce_scatter", plan.to_str(), rows, n, k, "bfloat16", world, rank)
-    nat = row_order.natural_order("reduce_scatter", layout, steps, 128, 128, n, 2)
+    nat = row_order.natural_order("reduce_scatter", layout, steps, 128, 128, n)
     c = nccl_route.group_steps("reduce_scatter", nat.steps, nat.tiles, n)
     d = torch.empty(rows, n, dtype=torch.bfloat16)
     out = torch.empty(rows // world, n, dtype=torch.bfloat16)

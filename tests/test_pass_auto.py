@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.common_utils import run_tests
 
-from flashoverlap_inductor import cost_model
+from flashoverlap_inductor import config, cost_model
 from flashoverlap_inductor.passes import FlashOverlapPass, counters
 from flashoverlap_inductor.schedule.plan import uniform_plan
 
@@ -86,7 +86,8 @@ class TestAutoDecision(FakePGTestCase):
                                                   world_size=2, device_name=None, input_split_sizes=None,
                                                   peer=False, ring_rounds=0, cuda_graphs=False)])  # CPU: never the peer route
         (op,) = gm.graph.find_nodes(op="call_function", target=torch.ops.flashoverlap.gemm_all_reduce.default)
-        self.assertEqual(op.args[-1], self.decide.plan.to_str())
+        self.assertEqual(op.args[-2], self.decide.plan.to_str())
+        self.assertEqual(op.args[-1], config.current().replace(fuse="auto").key())  # the settings it runs under
 
     def test_cuda_graph_compiles_tell_the_cost_model(self):
         """Compiled for CUDA graphs (Inductor's triton.cudagraphs), the pass asks for replayed calls."""
@@ -102,7 +103,7 @@ class TestAutoDecision(FakePGTestCase):
         self.assertEqual(dict(counters), {"fused:all_reduce": 1})
         (op,) = self.after[0].graph.find_nodes(op="call_function",
                                                target=torch.ops.flashoverlap.gemm_all_reduce.default)
-        self.assertEqual(op.args[-1], self.decide.plan.to_str())
+        self.assertEqual(op.args[-2], self.decide.plan.to_str())
 
     def test_auto_never_fuses_all_to_all(self):
         """A per-rank verdict could differ between ranks holding different rows: all_to_all needs "always"."""
@@ -163,7 +164,7 @@ class TestRealCostModel(FakePGTestCase):
         (gm,), _ = self.capture(lambda x, w: funcol.all_reduce(x @ w, "sum", g), torch.randn(8, 16),
                                 torch.randn(16, 32), fuse="always")
         (op,) = gm.graph.find_nodes(op="call_function", target=torch.ops.flashoverlap.gemm_all_reduce.default)
-        self.assertEqual(op.args[-1], cost_model.decide("all_reduce", 8, 32, 16, "float32", 2).plan.to_str())
+        self.assertEqual(op.args[-2], cost_model.decide("all_reduce", 8, 32, 16, "float32", 2).plan.to_str())
 
     def test_auto_fuses_a_large_bf16_gemm(self):
         """An 8192^3 bf16 GEMM + all_reduce (fake tensors, no memory): the real cost model predicts a gain."""
@@ -179,7 +180,7 @@ class TestRealCostModel(FakePGTestCase):
             self.skipTest(f"the shipped cost model declines this GEMM ({decision.reason})")
         self.assertEqual(dict(counters), {"fused:all_reduce": 1})
         (op,) = gm.graph.find_nodes(op="call_function", target=torch.ops.flashoverlap.gemm_all_reduce.default)
-        self.assertEqual(op.args[-1], decision.plan.to_str())
+        self.assertEqual(op.args[-2], decision.plan.to_str())
         self.assertIn(decision.reason, "\n".join(logs.output))
 
 

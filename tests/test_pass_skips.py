@@ -150,8 +150,12 @@ class TestFuseModes(SkipTestCase):
         self.assert_skipped("fuse_never", *self._two_collectives(), fuse="never")
 
     def test_fuse_never_env_var(self):
-        with mock.patch.dict(os.environ, {"FLASHOVERLAP_FUSE": "never"}), config.patch(fuse=None):
-            self.assert_skipped("fuse_never", *self._two_collectives(), fuse=None)
+        with mock.patch.dict(os.environ, {"FLASHOVERLAP_FUSE": "never"}):
+            config.reload_environment()  # the environment is read once per process
+            try:
+                self.assert_skipped("fuse_never", *self._two_collectives(), fuse=None)
+            finally:
+                config.reload_environment()
 
     def test_fuse_never_config(self):
         with config.patch(fuse="never"):

@@ -45,7 +45,7 @@ def test_reduce_scatter_pieces_deliver_each_rank_its_shard(seed: int) -> None:
     expected = sum(ds).chunk(world)
     for rank in range(world):
         steps = sched.schedule_steps("reduce_scatter", p.to_str(), m, n, 32, "bfloat16", world, rank)
-        nat = row_order.natural_order("reduce_scatter", layout, steps, tile_m, 128, n, 2)
+        nat = row_order.natural_order("reduce_scatter", layout, steps, tile_m, 128, n)
         _check_release_order(layout, nat.group_of_row, nat.order, tile_m)
         out = torch.full((m // world, n), float("nan"), dtype=torch.float64)
         for step in nat.steps:
@@ -71,7 +71,7 @@ def test_all_to_all_sends_natural_rows_of_the_same_data(seed: int) -> None:
     p = P.GroupPlan(m, n, tile_m, 128, bounds)
     layout = sched.resolve_schedule("all_to_all", p.to_str(), m, n, 32, "bfloat16", world, send, recv).layout
     steps = sched.schedule_steps("all_to_all", p.to_str(), m, n, 32, "bfloat16", world, rank, send, recv)
-    nat = row_order.natural_order("all_to_all", layout, steps, tile_m, 128, n, 2)
+    nat = row_order.natural_order("all_to_all", layout, steps, tile_m, 128, n)
     assert not isinstance(nat, str)
     _check_release_order(layout, nat.group_of_row, nat.order, tile_m)
     d = torch.randn(m, n, dtype=torch.float64)

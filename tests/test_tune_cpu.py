@@ -7,12 +7,14 @@ derived quantities are checked against hand-computed values.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib.util
 import json
 import math
 import shutil
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -323,7 +325,11 @@ def test_bench_arguments(bench):
     assert args.ops == ["all_reduce", "reduce_scatter"] and args.fuse == "auto" and args.call == "op"
     with pytest.raises(SystemExit):
         bench.parse_args(["--ops", "all_gather"])
-    assert bench.parse_args(["--graphs", "--fused-variants", "tiles/direct/gemm,tiles/direct/c//8"]).graphs
+    assert bench.parse_args(["--graphs", "--fused-variants", "tiles/direct,tiles/direct/c//8"]).graphs
+    for removed in ("tiles/direct/gemm", "tiles/torch", "tiles/direct/python", "tiles/direct/c/@4+immediate",
+                    "tiles/direct////stage", "tiles/peer////wait", "tiles/peer/ce"):
+        with pytest.raises(ValueError, match="removed|only"):
+            bench.check_variant(removed)
     with pytest.raises(SystemExit):
         bench.parse_args(["--fused-variants", "tiles/nccl"])
 
@@ -454,8 +460,6 @@ def test_without_the_library_calls_run_unfused(monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------- simulated GPU
-SIMULATED = pytest.mark.skip(reason="the simulated-GPU harness drove runtime_gpu's module globals; its port onto "
-                             "routes.dispatch is open (see the closing note of the redesign)")
 # runtime_gpu's real per-call path (and the benchmark and tuner around it) on CPU tensors over 2 gloo ranks:
 # torch.cuda's streams, events and sleeps and the C library are replaced by synchronous host fakes. The fake GEMM
 # computes in fp32 and adds to the counters exactly what the kernel's contract says; every fake wait checks that
@@ -491,7 +495,7 @@ class _FakeLib:
     def __init__(self, res, infos):
         self.res, self.infos = res, {i.name: i for i in infos}
         self.names = sorted(self.infos)
-        self.waits = self.ordered = 0
+        self.waits = self.ordered = self.calls = 0
 
     def config_index(self, name, dtype, layout):
         return self.names.index(name)
@@ -514,6 +518,50 @@ class _FakeLib:
         if counters is not None:  # the tuner's GEMM timing signals into counters of its own
             for g in gmap.tolist():
                 counters[g] += math.ceil(out.shape[1] / info.tile_n)
+
+    def fused_call(self, index, a, b, ldb, bias, d, buf, rows, k, gmap, order, signal_mode, sms, raster, swizzle,
+                   workspace, counters_ptr, expected_ptr, csteps, out, nccl_dtype, comm, timeout_ns, record_ptr,
+                   cur_ptr, side_ptr):
+        """``fo_fused_call`` on CPU: the epoch resync, the GEMM (signalling), then per group its bounded wait and
+        the collective(s) its C step describes, issued with torch.distributed on the same element ranges as the
+        NCCL calls of ``csrc/fused_call.cu``."""
+        import torch.distributed as dist
+
+        counters, expected = self._slot(counters_ptr, "counters"), self._slot(expected_ptr, "expected")
+        expected.copy_(counters)
+        if rows:
+            self.gemm(index, a, b, ldb, bias, d, counters_ptr, gmap, order, signal_mode, sms, raster, swizzle,
+                      workspace, cur_ptr)
+        assert d.data_ptr() == buf.data_ptr() and timeout_ns > 0 and comm == 0
+        bf, of = buf.view(-1), out.view(-1)
+        world = dist.get_world_size()
+        for g in range(csteps.groups):
+            s = csteps.steps[g]
+            if s.tiles:
+                target = int(expected[g]) + s.tiles
+                assert int(counters[g]) == target, f"group {g}: counter {int(counters[g])} != target {target}"
+                expected[g] = target
+                self.waits += 1
+            p2p = [csteps.p2p[s.first_p2p + i] for i in range(s.num_p2p)]
+            if s.kind == kernels.STEP_KINDS["all_reduce"] and s.count:
+                dist.all_reduce(bf[s.buf_offset:s.buf_offset + s.count])
+            elif s.kind == kernels.STEP_KINDS["reduce_scatter"] and s.count:
+                ops.reduce_scatter_into(of[s.out_offset:s.out_offset + s.count],
+                                        bf[s.buf_offset:s.buf_offset + s.count * world])
+            elif s.kind == kernels.STEP_KINDS["reduce_pieces"]:
+                for q in p2p:  # one ncclReduce per chunk piece: the root gets the sum at out_offset
+                    piece = bf[q.offset:q.offset + q.count].clone()
+                    dist.reduce(piece, q.peer)
+                    if q.peer == dist.get_rank():
+                        of[s.out_offset:s.out_offset + q.count].copy_(piece)
+            elif s.kind == kernels.STEP_KINDS["all_to_all"]:
+                ops_ = [dist.P2POp(dist.irecv if q.recv else dist.isend,
+                                   (of if q.recv else bf)[q.offset:q.offset + q.count], q.peer, tag=g) for q in p2p]
+                for work in (dist.batch_isend_irecv(ops_) if ops_ else []):
+                    work.wait()
+                if s.local_count:
+                    of[s.local_out:s.local_out + s.local_count].copy_(bf[s.local_buf:s.local_buf + s.local_count])
+        self.calls += 1
 
     def wait(self, counter_ptr, expected_ptr, tiles, timeout_ns, record_ptr, tag, stream):
         counters, g = self._slot(counter_ptr, "counters", element=True)
@@ -546,13 +594,14 @@ class _Props:
 
 @contextlib.contextmanager
 def simulated_gpu(force_groups: int | None = None):
-    """Fake CUDA timing + fake kernel library around runtime_gpu (see above); ``force_groups`` makes
-    ``cost_model.decide`` fuse with that many uniform groups (small shapes would get one)."""
+    """Fake CUDA timing + fake kernel library around the CUDA routes (see above): CPU tensors take the CUDA routes
+    (``routes._on_cuda``), the NCCL route's communicator is a stand-in and ``fo_fused_call`` runs on CPU;
+    ``force_groups`` makes ``cost_model.decide`` fuse with that many uniform groups (small shapes would get one)."""
     import dataclasses
 
     import torch.distributed as dist
 
-    from flashoverlap_inductor import cost_model, ops, runtime_gpu, streams
+    from flashoverlap_inductor import cost_model, nccl_direct, streams
 
     res = streams.DeviceResources(0, GPU, 132, _FakeStream(), torch.zeros(4, 16, dtype=torch.int32),
                                   torch.zeros(4, 16, dtype=torch.int32), torch.zeros(4, dtype=torch.int32))
@@ -578,21 +627,21 @@ def simulated_gpu(force_groups: int | None = None):
     patches += [(torch.cuda.nccl, "version", lambda: (2, 28, 9)), (streams, "resources", lambda index: res),
                 (streams, "kernel_lib", lambda: lib), (kernels, "available", lambda: True),
                 (kernels, "configs", lambda add_c=0: [] if add_c else list(SIM_INFOS)),  # no peer route
-                (kernels, "ready", lambda *a: None), (ops, "_runtime", ops._runtime)]
+                (kernels, "ready", lambda *a: None), (routes, "_on_cuda", lambda a: True),
+                (nccl_direct, "communicator", lambda group, device: types.SimpleNamespace(comm=0)),
+                (nccl_direct, "bind_library", lambda comm: True)]
     if force_groups:
         patches.append((cost_model, "decide", decide))
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, fn in patches:
         setattr(obj, name, fn)
-    runtime_gpu.reset()
-    runtime_gpu._ready[:] = [True]
+    routes.reset()
     try:
         yield res, lib
     finally:
         for obj, name, fn in saved:
             setattr(obj, name, fn)
-        runtime_gpu._ready.clear()  # the pool's ranks serve later tests: no GPU path there
-        runtime_gpu._kernel_infos.cache_clear()
+        routes.reset()  # the pool's ranks serve later tests: no GPU path there
         dist.barrier()
 
 
@@ -603,12 +652,12 @@ SIM_CASES = (("2d", 76, "nk", True, "multi"), ("2d", 76, "kn", False, "tiles"), 
 def simulated_gpu_worker() -> dict[str, int]:
     import torch.distributed as dist
 
-    from flashoverlap_inductor import runtime_gpu
-
     rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
     bf, cases = torch.bfloat16, 0
     torch.use_deterministic_algorithms(True)  # fresh outputs are NaN: unwritten rows fail
-    runtime_gpu.FUSE_SINGLE_GROUP = True  # "auto" gives these tiny shapes one group: run it fused anyway
+    # "auto" gives these tiny shapes one group: run it fused anyway
+    key = config.current().replace(experiments={"single_group"}).key()
+    stats = routes.stats
     try:
         with simulated_gpu() as (res, lib):
             for coll in ("all_reduce", "reduce_scatter", "all_to_all"):
@@ -633,16 +682,17 @@ def simulated_gpu_worker() -> dict[str, int]:
                         plan = "auto"
                     y = (torch.matmul(a.float(), b.float()) + (c.float() if bias else 0)).reshape(-1, 24).to(bf)
                     ref = _eager_collective(coll, y.contiguous(), world)
-                    fn = {"all_reduce": runtime_gpu.gemm_all_reduce, "reduce_scatter": runtime_gpu.gemm_reduce_scatter}
-                    before = runtime_gpu.stats[f"fused:{coll}"]
+                    before = stats[f"fused:{coll}"]
+                    name = group.group_name
                     if coll == "all_to_all":
-                        out = runtime_gpu.gemm_all_to_all(a, b, c, None, None, group, plan)
+                        out = torch.ops.flashoverlap.gemm_all_to_all(a, b, c, None, None, name, plan, key)
+                    elif coll == "all_reduce":
+                        out = torch.ops.flashoverlap.gemm_all_reduce(a, b, c, "sum", name, plan, key)
                     else:
-                        out = fn[coll](a, b, c, group, plan)
-                    fused = runtime_gpu.stats[f"fused:{coll}"] - before
+                        out = torch.ops.flashoverlap.gemm_reduce_scatter(a, b, c, "sum", world, name, plan, key)
+                    fused = stats[f"fused:{coll}"] - before
                     # all_to_all after a batched b runs unfused by design (ranks may hold different batch sizes)
-                    assert fused == (0 if coll == "all_to_all" and b.dim() == 3 else 1), (coll, form,
-                                                                                        dict(runtime_gpu.stats))
+                    assert fused == (0 if coll == "all_to_all" and b.dim() == 3 else 1), (coll, form, dict(stats))
                     torch.testing.assert_close(out.reshape(ref.shape).float(), ref.float(), rtol=2e-2, atol=5e-2)
                     cases += 1
             for ins_all in ([[30, 50], [10, 22]], [[0, 0], [40, 24]]):  # uneven all_to_all, one rank empty
@@ -653,22 +703,25 @@ def simulated_gpu_worker() -> dict[str, int]:
                 y = (a.float() @ b.float()).to(bf)
                 ref = y.new_empty(sum(outs), 24)
                 dist.all_to_all_single(ref, y, outs, ins)
-                out = runtime_gpu.gemm_all_to_all(a, b, None, outs, ins, group, "auto")
+                out = torch.ops.flashoverlap.gemm_all_to_all(a, b, None, outs, ins, group.group_name, "auto", key)
                 torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=5e-2)
                 cases += 1
-            slots, waits, launches, ordered = len(res.slots), lib.waits, len(runtime_gpu._launches), lib.ordered
+            launches = [e.launches["nccl"] for e in routes._memo.values() if "nccl" in e.launches]
+            slots, waits, ordered = len(res.slots), lib.waits, lib.ordered
+            rows_routes = collections.Counter(la.rows_route for la in launches)
+            calls = lib.calls
+            stats = collections.Counter(routes.stats)  # before the simulation's reset clears them
     finally:
         torch.use_deterministic_algorithms(False)
-        runtime_gpu.FUSE_SINGLE_GROUP = False
-    stats = runtime_gpu.stats  # all_to_all after a batched b runs unfused by design; nothing else falls back
-    assert stats["fused:all_to_all"] >= 2 and stats["fused:all_to_all"] + stats["fallback:bmm"] == 8, dict(stats)
-    assert not any(k.startswith("fallback") and k != "fallback:bmm" for k in stats), dict(stats)
+    # all_to_all after a batched b runs unfused by design (2 bmm cases x 4 all_to_all forms); nothing else does
+    assert stats["fused:all_to_all"] >= 2 and stats["fused:all_to_all"] + stats["unfused"] == 8, dict(stats)
+    assert stats["route:nccl"] == calls == cases - stats["unfused"] and not any(k.startswith("skip:") for k in stats)
     assert slots == 1 and waits > 0
-    # every fused reduce_scatter / all_to_all with a reordering layout (> 1 group, rows here) took the "schedule"
+    # every reduce_scatter / all_to_all launch with a reordering layout (> 1 group, rows here) took the "schedule"
     # route (tile-row order, natural rows); the others have the identity layout
-    assert ordered == stats["rows:schedule"] >= stats["fused:reduce_scatter"] > 0 and not stats["rows:gather"], (
-        ordered, dict(stats))
-    return {"cases": cases, "waits": waits, "launches": launches}
+    assert ordered == rows_routes["schedule"] >= stats["fused:reduce_scatter"] > 0 and not rows_routes["gather"], (
+        ordered, rows_routes, dict(stats))
+    return {"cases": cases, "waits": waits, "launches": len(launches)}
 
 
 def _eager_collective(coll, y, world):
@@ -686,7 +739,6 @@ def _eager_collective(coll, y, world):
     return out
 
 
-@SIMULATED
 def test_simulated_gpu_path_matches_eager():
     from dist_utils import get_pool
 
@@ -706,7 +758,6 @@ def bench_dry_run_worker(json_path: str) -> int:
                            json_path, "--png", json_path + ".png"])
 
 
-@SIMULATED
 def test_bench_dry_run_on_cpu(tmp_path):
     """examples/bench_ops.py end to end: probing and agreement, correctness checks, the interleaved timer, rows,
     summary and JSON; async-TP has no CPU kernel, so the probe must drop it on both ranks."""
@@ -715,7 +766,7 @@ def test_bench_dry_run_on_cpu(tmp_path):
     path = str(tmp_path / "bench.json")
     assert get_pool(2).run(bench_dry_run_worker, path) == [0, 0]
     doc = json.loads(Path(path).read_text())
-    assert doc["meta"]["world"] == 2 and doc["meta"]["available"] is True and doc["meta"]["routing"] == "patched"
+    assert doc["meta"]["world"] == 2 and doc["meta"]["available"] is True and doc["meta"]["routing"] == "registry"
     rows = doc["rows"]
     assert [(r["op"], r["m"]) for r in rows] == [(op, m) for m in (256, 512) for op in ("all_reduce", "reduce_scatter",
                                                                                         "all_to_all")]
@@ -736,12 +787,9 @@ def test_bench_dry_run_on_cpu(tmp_path):
 def tune_dry_run_worker(out_dir: str) -> list[int]:
     import torch.distributed as dist
 
-    from flashoverlap_inductor import runtime_gpu
-
     tune.DEVICE = "cpu"
     rcs = []
-    runtime_gpu.FUSE_SINGLE_GROUP = True
-    try:
+    with config.patch(experiments={"single_group"}):
         with simulated_gpu():
             rcs.append(tune.main(["bandwidth", "--quick", "--min-bytes", "65536", "--max-bytes", "1048576",
                                   "--out", f"{out_dir}/bandwidth.json"]))
@@ -751,12 +799,9 @@ def tune_dry_run_worker(out_dir: str) -> list[int]:
             if dist.get_rank() == 0:
                 rcs.append(tune.main(["gemm", "--shapes", "64x32x32,128x64x32", "--free", "0,16", "--rounds", "2",
                                       "--out", f"{out_dir}/gemm.json"]))
-    finally:
-        runtime_gpu.FUSE_SINGLE_GROUP = False
     return rcs
 
 
-@SIMULATED
 def test_tune_dry_run_on_cpu(tmp_path):
     """The tuner's three commands end to end; their files pass the cost model's schema and loader."""
     from dist_utils import get_pool
@@ -802,7 +847,6 @@ def gpu_tests_dry_run_worker() -> dict[str, object]:
     return out
 
 
-@SIMULATED
 def test_gpu_test_tasks_dry_run_on_cpu():
     from dist_utils import get_pool
 

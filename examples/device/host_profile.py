@@ -3,8 +3,8 @@
     python3 examples/device/host_profile.py [--shape 2048x4096x4096] [--groups 2] [--calls 400]
 
 Prints the mean host time per call of ``torch.ops.flashoverlap.gemm_all_reduce`` (the GPU kept ahead by a spin
-kernel, so the host never waits) for each host loop, next to ``torch.mm`` + ``dist.all_reduce``, then a cProfile
-of the C-loop calls sorted by own time. Times in microseconds.
+kernel, so the host never waits), next to ``routes.dispatch`` called directly and ``torch.mm`` +
+``dist.all_reduce``, then a cProfile of the op's calls sorted by own time. Times in microseconds.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import pstats
 import torch
 import torch.distributed as dist
 
-from flashoverlap_inductor import fused_launch, ops, runtime_gpu
-from flashoverlap_inductor import plan as planlib
+from flashoverlap_inductor import routes
 from flashoverlap_inductor import tune_measure as tm
+from flashoverlap_inductor.schedule import plan as planlib
 
 
 def main() -> None:
@@ -38,8 +38,6 @@ def main() -> None:
     b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
     plan = planlib.uniform_plan(m, n, 128, 256, args.groups).to_str()
     name = dist.group.WORLD.group_name
-    if ops._runtime(a) is not runtime_gpu:
-        print("ops do not dispatch to runtime_gpu")
 
     def fused():
         return torch.ops.flashoverlap.gemm_all_reduce(a, b, None, "sum", name, plan)
@@ -50,16 +48,13 @@ def main() -> None:
         return y
 
     def direct():
-        return runtime_gpu.gemm_all_reduce(a, b, None, dist.group.WORLD, plan)
+        return routes.dispatch("all_reduce", a, b, None, dist.group.WORLD, plan, "", [m, n])
 
-    def host_us(fn, loop: str = "c") -> float:
-        fused_launch.HOST_LOOP = loop
+    def host_us(fn) -> float:
         return tm.host_us(fn, args.calls)
 
-    print(f"host us per call ({args.shape}, {args.groups} groups): fused C loop {host_us(fused, 'c'):.1f}, "
-          f"fused Python loop {host_us(fused, 'python'):.1f}, mm + all_reduce {host_us(seq):.1f}, "
-          f"runtime_gpu directly {host_us(direct):.1f}", flush=True)
-    fused_launch.HOST_LOOP = "c"
+    print(f"host us per call ({args.shape}, {args.groups} groups): fused op {host_us(fused):.1f}, "
+          f"routes.dispatch directly {host_us(direct):.1f}, mm + all_reduce {host_us(seq):.1f}", flush=True)
     prof = cProfile.Profile()
     tm.spin(5.0)
     prof.enable()
@@ -68,7 +63,7 @@ def main() -> None:
     prof.disable()
     torch.cuda.synchronize()
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-    print(dict(runtime_gpu.stats))
+    print(dict(routes.stats))
     dist.destroy_process_group()
 
 

@@ -8,9 +8,11 @@
 #   run(command="bash examples/device/one_gpu_session.sh", carry=["build/libflashoverlap_sm90.so"],
 #       kind="nvidia-h200")
 # Knobs: FO_SKIP ("tests probe steps host"), FO_PROBES (default "peer:2 ring:2 ring:3 ring:4"), FO_STEP_SHAPES
-# (default "2048x8192x14336 2048x8192x8192 2048x4096x4096"), FO_HOST_SHAPE (default 2048x4096x4096), FO_OLD (a
-# folder holding an older flashoverlap_inductor package, carried: the host profile also runs with it, for a
-# before/after in one run), FO_BUDGET_S (default 560). $OUT gets at most 7 files (the device returns 8): install.log,
+# (default "2048x8192x14336 2048x8192x8192 2048x4096x4096"), FO_HOST_SHAPE (default 2048x4096x4096), FO_OLD (an
+# older checkout, carried: either its root or its flashoverlap_inductor folder, relative to the repository or
+# absolute; the host profile also runs with that package, for a before/after in one run. The old package has the
+# old API, so that run uses the old checkout's own examples/device/peer_host_profile.py: carry its examples/ too, or
+# point FO_OLD_SCRIPT at an old copy of the script), FO_BUDGET_S (default 560). $OUT gets at most 7 files (the device returns 8): install.log,
 # gpus.txt, gpu_tests.log, probes.log (the probes' per-rank JSON stays in /tmp/fo_probe), steps.log, host_now.log,
 # host_old.log.
 set -uo pipefail
@@ -51,9 +53,27 @@ if [[ "$SKIP" != *" host "* ]]; then
     "$REPO/examples/device/peer_host_profile.py" --backend gloo --shape "$SHAPE" >"$OUT/host_now.log" 2>&1
   echo "host profile rc=$?" | tee -a "$OUT/host_now.log"
   if [[ -n "${FO_OLD:-}" ]]; then
-    PYTHONPATH="$REPO/$FO_OLD${PYTHONPATH:+:$PYTHONPATH}" timeout "$(cap 90)" python3 -m torch.distributed.run \
-      --standalone --nproc_per_node=2 "$REPO/examples/device/peer_host_profile.py" --backend gloo --shape "$SHAPE" \
-      >"$OUT/host_old.log" 2>&1
-    echo "host profile (old package) rc=$?" | tee -a "$OUT/host_old.log"
+    old=$FO_OLD; [[ "$old" = /* ]] || old="$REPO/$old"
+    old=${old%/}
+    # The folder that holds the old package (goes on PYTHONPATH), whether FO_OLD names it or the package itself.
+    if [[ -d "$old/flashoverlap_inductor" ]]; then old_root=$old; else old_root=$(dirname "$old"); fi
+    old_script=${FO_OLD_SCRIPT:-}
+    [[ -n "$old_script" && "$old_script" != /* ]] && old_script="$REPO/$old_script"
+    if [[ -z "$old_script" ]]; then  # the old API needs the old script: the old checkout's own copy
+      for cand in "$old_root/examples/device/peer_host_profile.py" "$old/../examples/device/peer_host_profile.py"; do
+        [[ -f "$cand" ]] && { old_script=$cand; break; }
+      done
+    fi
+    if [[ ! -d "$old_root/flashoverlap_inductor" ]]; then
+      echo "FO_OLD=$FO_OLD: no flashoverlap_inductor package there" | tee "$OUT/host_old.log"
+    elif [[ -z "$old_script" || ! -f "$old_script" ]]; then
+      echo "FO_OLD=$FO_OLD: no old examples/device/peer_host_profile.py beside it (carry the old checkout's" \
+        "examples/ or set FO_OLD_SCRIPT); the current script needs the new API" | tee "$OUT/host_old.log"
+    else
+      echo "old package $old_root/flashoverlap_inductor, script $old_script" >"$OUT/host_old.log"
+      PYTHONPATH="$old_root${PYTHONPATH:+:$PYTHONPATH}" timeout "$(cap 90)" python3 -m torch.distributed.run \
+        --standalone --nproc_per_node=2 "$old_script" --backend gloo --shape "$SHAPE" >>"$OUT/host_old.log" 2>&1
+      echo "host profile (old package) rc=$?" | tee -a "$OUT/host_old.log"
+    fi
   fi
 fi

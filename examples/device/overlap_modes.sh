@@ -20,7 +20,7 @@ set -uo pipefail
 source examples/device/setup_env.sh
 END=$((SECONDS + ${FO_BUDGET_S:-560}))
 SKIP=" ${FO_SKIP:-} "
-VARIANTS=${FO_VARIANTS:-persistent/torch,persistent/direct,tiles/direct,tiles/torch}
+VARIANTS=${FO_VARIANTS:-tiles/direct,persistent/direct}
 SHAPES4=${FO_SHAPES4:-grid}
 SHAPES2=${FO_SHAPES2:-grid}
 export OMP_NUM_THREADS=4 FO_PG_TIMEOUT_S=120

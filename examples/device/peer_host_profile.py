@@ -23,52 +23,54 @@ import pstats
 import torch
 import torch.distributed as dist
 
-from flashoverlap_inductor import runtime_gpu
+from flashoverlap_inductor import routes
 from flashoverlap_inductor import tune_measure as tm
 
 
 def layers(a: torch.Tensor, b: torch.Tensor) -> dict:
-    """reduce_scatter calls at each layer of the peer route: ``runtime_peer.run`` and ``peer_route.execute`` with the
-    arguments the layer above passed on one recorded call, and the C call ``fo_peer_call`` alone with the argument
-    struct of that call (repeated calls reuse one workspace set: the results are wrong, the host time is not)."""
+    """reduce_scatter calls at each layer of the peer route: ``routes.dispatch`` (what the op calls), the peer
+    route's ``execute`` with the (launch, context) the dispatcher passed on one recorded call, and the C call
+    ``fo_peer_call`` alone with the argument struct of that call (repeated calls reuse one workspace set: the
+    results are wrong, the host time is not)."""
     import ctypes
 
-    from flashoverlap_inductor import peer_route, runtime_peer, streams
+    from flashoverlap_inductor import streams
 
+    route = routes.peer.ROUTE
     seen: dict = {}
-    run0, exec0, lib = runtime_peer.run, peer_route.execute, streams.kernel_lib()
+    exec0, lib = route.execute, streams.kernel_lib()
     real_lib = lib.lib
+    group, shape = dist.group.WORLD, [a.shape[0], b.shape[1]]
 
     class Spy:
         def __getattr__(self, name):
             return getattr(real_lib, name)
 
         def fo_peer_call(self, ref):
-            seen["args"] = peer_route.PeerArgs.from_buffer_copy(ref._obj)
+            seen["args"] = routes.peer.PeerArgs.from_buffer_copy(ref._obj)
             return real_lib.fo_peer_call(ref)
-
-    def spy_run(*args):
-        seen["run"] = args
-        return run0(*args)
 
     def spy_exec(*args):
         seen["exec"] = args
         return exec0(*args)
 
-    runtime_peer.run, peer_route.execute, lib.lib = spy_run, spy_exec, Spy()
-    import flashoverlap_inductor.runtime_gpu as rt
-
-    rt.run_peer = spy_run
+    route.execute, lib.lib = spy_exec, Spy()  # an instance attribute shadows the method
     try:
-        rt.gemm_reduce_scatter(a, b, None, dist.group.WORLD, "auto")
+        routes.dispatch("reduce_scatter", a, b, None, group, "auto", "", shape)
         torch.cuda.synchronize()
     finally:
-        runtime_peer.run, peer_route.execute, lib.lib, rt.run_peer = run0, exec0, real_lib, run0
+        del route.execute
+        lib.lib = real_lib
+    if "args" not in seen:
+        print(f"peer_host_profile: the call did not take the peer route ({dict(routes.stats)}); layers left out",
+              flush=True)
+        return {}
     p = seen["args"]
     keep = torch.empty(max(1, p.workspace_bytes), dtype=torch.uint8, device="cuda")  # the recorded one was freed
     p.workspace = keep.data_ptr() if p.workspace_bytes else None
-    return {"_keep": keep, "runtime_peer.run": lambda: run0(*seen["run"]),
-            "peer_route.execute": lambda: exec0(*seen["exec"]),
+    return {"_keep": keep,
+            "routes.dispatch": lambda: routes.dispatch("reduce_scatter", a, b, None, group, "auto", "", shape),
+            "routes.peer execute": lambda: exec0(*seen["exec"]),
             "fo_peer_call (C) alone": lambda: real_lib.fo_peer_call(ctypes.byref(p))}
 
 
@@ -96,7 +98,6 @@ def main() -> None:
     fns = {
         "fused all_reduce": lambda: fo.gemm_all_reduce(a, b, None, "sum", name, "auto"),
         "fused reduce_scatter": lambda: fo.gemm_reduce_scatter(a, b, None, "sum", 2, name, "auto"),
-        "runtime_gpu reduce_scatter": lambda: runtime_gpu.gemm_reduce_scatter(a, b, None, dist.group.WORLD, "auto"),
         "mm + all_reduce": lambda: dist.all_reduce(torch.mm(a, b)),
         "mm + reduce_scatter": lambda: dist.reduce_scatter_tensor(out_rs, torch.mm(a, b)),
         "mm alone": lambda: torch.mm(a, b),
@@ -137,7 +138,7 @@ def main() -> None:
     torch.cuda.synchronize()
     if rank == 0:
         pstats.Stats(prof).sort_stats("tottime").print_stats(30)
-        print(dict(runtime_gpu.stats))
+        print(dict(routes.stats))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -8,9 +8,9 @@ which flags it waits on), not speed.
 Stage 1: each case runs ``torch.ops.flashoverlap`` three times on fresh random data (the flags' epochs advance
 between calls), synchronizing after each, and compares with the fp64 sum of all ranks' GEMMs. Stage 2 ("queued"):
 ``--queued`` passes over every case back to back with no synchronization between calls, so calls of different
-shapes, collectives, rounds and gates lay their pieces out differently in one workspace while earlier calls may
-still be read by other ranks; checked after one synchronization per pass. ``--route ring`` (default) runs with
-``FLASHOVERLAP_RING=all``; ``--route peer`` with it off (the two-rank peer route; ``--world 2``).
+shapes, collectives and rounds lay their pieces out differently in one workspace while earlier calls may
+still be read by other ranks; checked after one synchronization per pass. ``--route ring`` (default) runs under
+``config.patch(ring="all")``; ``--route peer`` with it off (the two-rank peer route; ``--world 2``).
 
     python examples/device/ring_probe4.py [--world 4] [--route ring|peer] [--queued 2] [--out DIR]
 
@@ -29,11 +29,11 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-# (collective, rows at 4 ranks, n, k, rounds, gate, bias): pieces of 128 .. 1024 rows, ragged n, both waits. With
-# ``world`` ranks a case runs rows * world / 4 rows: the same pieces.
-CASES_W4 = [("reduce_scatter", 2048, 1024, 512, 1, "kernel", False), ("all_reduce", 2048, 1024, 512, 2, "kernel", True),
-         ("all_reduce", 4096, 776, 328, 4, "kernel", False), ("reduce_scatter", 1024, 264, 128, 1, "wait", True),
-         ("all_reduce", 1024, 512, 256, 2, "wait", False), ("all_reduce", 8192, 1024, 256, 2, "kernel", False)]
+# (collective, rows at 4 ranks, n, k, rounds, bias): pieces of 128 .. 1024 rows, ragged n. With ``world`` ranks a
+# case runs rows * world / 4 rows: the same pieces.
+CASES_W4 = [("reduce_scatter", 2048, 1024, 512, 1, False), ("all_reduce", 2048, 1024, 512, 2, True),
+            ("all_reduce", 4096, 776, 328, 4, False), ("reduce_scatter", 1024, 264, 128, 1, True),
+            ("all_reduce", 1024, 512, 256, 2, False), ("all_reduce", 8192, 1024, 256, 2, False)]
 
 
 def cases(world: int) -> list[tuple]:
@@ -66,43 +66,48 @@ def _call(op: str, a, b, c, world: int, name: str) -> torch.Tensor:
     return torch.ops.flashoverlap.gemm_reduce_scatter(a, b, c, "sum", world, name, "auto")
 
 
+def _settings(route: str, rounds: int):
+    """The settings of one case: the ring on (``--route ring``) or off, its rounds, and a long wait bound
+    (time-sliced GPUs: a flag may wait for another context's turn)."""
+    from flashoverlap_inductor import config
+
+    return config.patch(ring="all" if route == "ring" else "off", ring_rounds=rounds, wait_timeout_ms=60000.0)
+
+
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
 def worker(rank: int, world: int, port: int, out_dir: str, route: str, queued: int) -> None:
     os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
-    os.environ["FLASHOVERLAP_RING"] = "all" if route == "ring" else "off"
     import torch.distributed as dist
 
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    from flashoverlap_inductor import config, ops, peer_route, ring_route, runtime_gpu
+    from flashoverlap_inductor import routes
 
-    ops._runtime = lambda a: runtime_gpu  # every call here is on CUDA
-    config.wait_timeout_ms = 60000.0  # time-sliced GPUs: a flag may wait for another context's turn
     results, ok = [], True
     name = dist.group.WORLD.group_name
     counter = f"route:{route}"
-    for i, (op, rows, n, k, rounds, gate, bias) in enumerate(cases(world)):
-        ring_route.ROUNDS, peer_route.GATE = rounds, gate
-        runtime_gpu.reset()
+    for i, (op, rows, n, k, rounds, bias) in enumerate(cases(world)):
+        routes.reset()
         for call in range(3):
             seed = 1000 * i + call
             try:
                 a, b, c = _inputs(seed, rank, rows, n, k, bias, device)
-                out = _call(op, a, b, c, world, name)
+                with _settings(route, rounds):
+                    out = _call(op, a, b, c, world, name)
                 torch.cuda.synchronize()
-                runtime_gpu.check()
+                routes.check()
                 err = _rel_err(out, _reference(seed, rank, world, op, rows, n, k, bias, device))
-                good = bool(torch.isfinite(out).all()) and err < 1.5e-2 and runtime_gpu.stats[counter] == call + 1
-                line = {"case": i, "call": call, "op": op, "shape": [rows, n, k], "rounds": rounds, "gate": gate,
-                        "rank": rank, "rel_err": err, "route_calls": runtime_gpu.stats[counter], "ok": good}
+                good = bool(torch.isfinite(out).all()) and err < 1.5e-2 and routes.stats[counter] == call + 1
+                line = {"case": i, "call": call, "op": op, "shape": [rows, n, k], "rounds": rounds,
+                        "rank": rank, "rel_err": err, "route_calls": routes.stats[counter], "ok": good}
             except Exception:  # noqa: BLE001 - reported per case
                 line = {"case": i, "call": call, "op": op, "rank": rank, "ok": False, "error": traceback.format_exc()}
                 good = False
-                peer_route.reset()
+                routes.reset()
             ok &= good
             results.append(line)
             print(json.dumps(line), flush=True)
@@ -111,7 +116,7 @@ def worker(rank: int, world: int, port: int, out_dir: str, route: str, queued: i
     with open(os.path.join(out_dir, f"ring_probe4_{route}{world}_rank{rank}.json"), "w") as f:
         json.dump({"ok": ok, "results": results}, f, indent=1)
     dist.barrier()
-    peer_route.reset()
+    routes.reset()
     dist.destroy_process_group()
     if not ok:
         sys.exit(1)
@@ -123,21 +128,22 @@ def _queued(rank: int, world: int, name: str, device: torch.device, counter: str
     reset: each call of another shape reuses the workspace with another layout), checked after the pass."""
     import torch.distributed as dist
 
-    from flashoverlap_inductor import peer_route, ring_route, runtime_gpu
+    from flashoverlap_inductor import routes
 
+    route = counter.split(":", 1)[1]
     ok = True
     for p in range(passes):
-        before = runtime_gpu.stats[counter]
+        before = routes.stats[counter]
         outs = []
         try:
-            for i, (op, rows, n, k, rounds, gate, bias) in enumerate(cases(world)):
-                ring_route.ROUNDS, peer_route.GATE = rounds, gate
+            for i, (op, rows, n, k, rounds, bias) in enumerate(cases(world)):
                 seed = 50000 + 100 * p + i
-                outs.append((i, op, rows, n, k, bias, seed, _call(op, *_inputs(seed, rank, rows, n, k, bias, device),
-                                                                  world, name)))
+                with _settings(route, rounds):
+                    outs.append((i, op, rows, n, k, bias, seed,
+                                 _call(op, *_inputs(seed, rank, rows, n, k, bias, device), world, name)))
             torch.cuda.synchronize()
-            runtime_gpu.check()
-            routed = runtime_gpu.stats[counter] - before
+            routes.check()
+            routed = routes.stats[counter] - before
             for i, op, rows, n, k, bias, seed, out in outs:
                 err = _rel_err(out, _reference(seed, rank, world, op, rows, n, k, bias, device))
                 good = bool(torch.isfinite(out).all()) and err < 1.5e-2 and routed == len(CASES_W4)
@@ -151,7 +157,7 @@ def _queued(rank: int, world: int, name: str, device: torch.device, counter: str
             ok = False
             results.append(line)
             print(json.dumps(line), flush=True)
-            peer_route.reset()
+            routes.reset()
         dist.barrier()
     return ok
 

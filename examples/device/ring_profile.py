@@ -6,7 +6,7 @@
 For the peer route and the ring in 1, 2 and 4 rounds: the time per call of 20 calls back to back (CUDA events,
 median of 5 samples), then on rank 0 a torch.profiler table of the GPU kernels and copies of 10 calls. Then each
 GEMM step alone next to torch.mm, on one GPU: at the pieces' row counts, every compiled ``_addc`` configuration at
-its unpadded swizzle, and the pair ``ring_route.step_configs`` picks (step 0's plain configuration, then the
+its unpadded swizzle, and the pair ``routes.ring.step_configs`` picks (step 0's plain configuration, then the
 ``_addc`` one).
 """
 
@@ -19,7 +19,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from flashoverlap_inductor import kernels, ops, peer_route, ring_route, runtime_gpu
+from flashoverlap_inductor import config, kernels, routes
 from flashoverlap_inductor.build import CONFIGS
 
 
@@ -60,7 +60,7 @@ def steps(a: torch.Tensor, w: torch.Tensor) -> None:
             t = _time(lambda x=x, c=c, s=s, name=info.name: kernels.signal_gemm(x, w.t(), config=name, addend=c,
                                                                                swizzle=s), collective=False)
             cols.append(f"{info.name}@{s} {t:.3f}")
-        first, add = ring_route.step_configs(runtime_choice, "bfloat16", "nk", rows, n, sms)
+        first, add = routes.ring.step_configs(runtime_choice, "bfloat16", "nk", rows, n, sms)
         s = min(kernels.unpadded_swizzle(rows, n, i.tile_m, i.tile_n, i.cluster_m, i.cluster_n,
                                          kernels.DEFAULT_SWIZZLE) for i in (first, add))
         t0 = _time(lambda x=x, s=s, f=first.name: kernels.signal_gemm(x, w.t(), config=f, swizzle=s),
@@ -87,7 +87,6 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl")
-    ops._runtime = lambda a: runtime_gpu
     gen = torch.Generator().manual_seed(rank)
     a = torch.randn(m, k, generator=gen).bfloat16().cuda()
     w = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16().cuda()
@@ -100,21 +99,21 @@ def main() -> None:
         return fo.gemm_reduce_scatter(a, w.t(), None, "sum", 2, name, "auto")
 
     for label, ring, rounds in (("peer", "off", 2), ("ring1", "all", 1), ("ring2", "all", 2), ("ring4", "all", 4)):
-        ring_route.RING, ring_route.ROUNDS = ring, rounds
-        for _ in range(5):
-            call()
-        ms = _time(call)
-        launch = runtime_gpu.last_launch
-        if rank == 0:
-            print(f"== {label}: {ms:.3f} ms per call; {getattr(launch, 'description', launch)}", flush=True)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
+        with config.patch(ring=ring, ring_rounds=rounds):
+            for _ in range(5):
                 call()
-            torch.cuda.synchronize()
+            ms = _time(call)
+            launch = routes.last_launch
+            if rank == 0:
+                print(f"== {label}: {ms:.3f} ms per call; {getattr(launch, 'description', launch)}", flush=True)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    call()
+                torch.cuda.synchronize()
         if rank == 0:
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70),
                   flush=True)
-    peer_route.reset()
+    routes.reset()
     if rank == 0:
         steps(a, w)
     dist.barrier()

@@ -1,7 +1,7 @@
 # ruff: noqa: B023  (closures are called within the iteration that defines them)
 """Probe: does copy-engine (CE) communication escape the SM-sharing floor of NCCL beside a GEMM?
 
-torchrun --nproc_per_node=2 examples/device/ce_probe.py --json OUT.json
+torchrun --nproc_per_node=2 experiments/device/ce_probe.py --json OUT.json
 
 Per shape (bf16, y = a @ b, [M,K] @ [K,N]), side by side in one run, medians of CUDA-event times (ms):
   gemm        cuBLAS alone

@@ -3,7 +3,7 @@
 # GPUs, the NCCL bandwidth tuner on 4 and 2 GPUs (quick) and, if time is left, one plan search. Ends in < 9.5 min.
 #
 # Run from the repository root, carrying the built library:
-#   run(command="bash examples/device/issue4_run.sh", carry=["build/libflashoverlap_sm90.so"], kind="nvidia-h200-x4")
+#   run(command="bash experiments/device/issue4_run.sh", carry=["build/libflashoverlap_sm90.so"], kind="nvidia-h200-x4")
 # Files in $OUT (8 at most, <= 2 levels): run.log (every step's output), summary.txt, bench_w4.json/.png,
 # bench_w2.json/.png, bandwidth_h200.json (the shipped curves with worlds 4 and 2 re-measured),
 # plans/h200_w4.json (the search's tuned plan).

@@ -2,7 +2,7 @@
 # One call on nvidia-h200-x4: torch-2.11 test suite (CPU files in the background, GPU files in the foreground), a
 # sweep of NCCL CTA caps x GEMM SM reserves for all_reduce on 4 GPUs, the full op benchmark on 4 and 2 GPUs with the
 # best setting, and the README demo (NCCL, 2 GPUs). Ends in < 10 minutes.
-#   run(command="bash examples/device/overlap_sweep.sh", carry=["build/libflashoverlap_sm90.so", ".whl"],
+#   run(command="bash experiments/device/overlap_sweep.sh", carry=["build/libflashoverlap_sm90.so", ".whl"],
 #       kind="nvidia-h200-x4")
 set -uo pipefail
 source examples/device/setup_env.sh

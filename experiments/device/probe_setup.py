@@ -1,5 +1,5 @@
-"""Shared start and end of the communication probes (``window_probe.py``, ``ring_probe.py``, ``zero_cta_probe.py``),
-run with torchrun, one process per GPU."""
+"""Shared start and end of the communication probes of experiments/device (``window_probe.py``, ``ring_probe.py``,
+``zero_cta_probe.py``), run with torchrun, one process per GPU."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 """Probe: all_reduce as a ring reduce-scatter whose sums ride in the GEMM (cuBLAS ``beta = 1``), then an
 all-gather, moving data only with NCCL send/recv -- against cuBLAS then NCCL all_reduce and the fused op.
 
-torchrun --nproc_per_node=2 examples/device/ring_probe.py --json OUT.json
+torchrun --nproc_per_node=2 experiments/device/ring_probe.py --json OUT.json
 
 NCCL's all_reduce kernels do the reduction on SMs (24 CTAs on 2 H200s) beside the GEMM. Here the reduction is the
 GEMM's own epilogue: rank r computes the row blocks in the order b_s = (r + s + 1) mod W, s = 0..W-1; step s > 0
@@ -24,7 +24,7 @@ import argparse
 import json
 import math
 
-import probe_setup  # examples/device (the script's folder)
+import probe_setup  # experiments/device (the script's folder)
 import torch
 import torch.distributed as dist
 

@@ -2,7 +2,7 @@
 # The ring route on one nvidia-h200-x2 machine, < 9.5 min: its GPU tests and the peer route's (2 ranks), the 4-rank
 # correctness probe (4 processes on the 2 GPUs), then a 2-GPU benchmark timing the peer route and the ring in 1, 2
 # and 4 rounds side by side with every baseline.
-#   run(command="bash examples/device/ring_session.sh", carry=["build/libflashoverlap_sm90.so", ".whl"],
+#   run(command="bash experiments/device/ring_session.sh", carry=["build/libflashoverlap_sm90.so", ".whl"],
 #       kind="nvidia-h200-x2")
 # Knobs: FO_SKIP ("tests probe bench"), FO_TESTS (test files, default test_gpu_ring.py test_gpu_peer.py),
 # FO_SHAPES (bench --shapes, default grid), FO_VARIANTS (bench --fused-variants), FO_B_BUDGET_S (default 200).

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Ranking data for `tune fit --records`: measured plan searches (`tune search --record`) on all GPUs of the machine,
 # every candidate's times kept, one records file and one plans file per collective under $OUT.
-#   run(command="bash examples/device/search_records.sh", carry=["build/libflashoverlap_sm90.so", ".whl"],
+#   run(command="bash experiments/device/search_records.sh", carry=["build/libflashoverlap_sm90.so", ".whl"],
 #       kind="nvidia-h200-x2")
 # Knobs: FO_JOBS ("<collective>@<budget s>:<MxNxK,...|grid> ...", run in turn), FO_BUDGET_S (default 560),
 # FO_MAX_UNITS (default 6: 32 candidates a shape).

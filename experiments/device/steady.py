@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap_inductor import kernels, runtime_gpu, streams
-from flashoverlap_inductor import plan as P
 from flashoverlap_inductor import tune_measure as tm
+from flashoverlap_inductor.schedule import plan as P
 
 KERNELS = (("coop_128x256x64_c2x1_e128x64", 128, 256), ("pp_128x128x64_c1x1", 128, 128),
            ("coop_256x128x64_c1x1", 256, 128))

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap_inductor import kernels, runtime_gpu, streams
-from flashoverlap_inductor import plan as P
+from flashoverlap_inductor.schedule import plan as P
 
 
 def ev() -> torch.cuda.Event:

@@ -1,7 +1,7 @@
 # ruff: noqa: B023  (closures are called within the iteration that defines them)
 """Probe: do NCCL's symmetric-window kernels leave more room for a GEMM beside them than its default kernels?
 
-torchrun --nproc_per_node=2 examples/device/window_probe.py --json OUT.json
+torchrun --nproc_per_node=2 experiments/device/window_probe.py --json OUT.json
 
 NCCL >= 2.27 runs all_reduce on buffers registered with ``ncclCommWindowRegister(..., NCCL_WIN_COLL_SYMMETRIC)``
 (memory from ``ncclMemAlloc``) through its symmetric kernels: loads and stores straight into the peers' memory,
@@ -27,7 +27,7 @@ import ctypes
 import os
 import statistics
 
-import probe_setup  # examples/device (the script's folder)
+import probe_setup  # experiments/device (the script's folder)
 import torch
 import torch.distributed as dist
 

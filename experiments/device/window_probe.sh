@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device script (nvidia-h200-x2): NCCL symmetric-window all_reduce beside a GEMM (examples/device/window_probe.py),
+# Device script (nvidia-h200-x2): NCCL symmetric-window all_reduce beside a GEMM (experiments/device/window_probe.py),
 # with NCCL's default CTA policy and with NCCL_CTA_POLICY=1 (efficiency), then one short run with NCCL's INFO log
 # filtered to the lines that name symmetric kernels, windows or CTA policy. Writes $OUT/window_*.json|log.
 source examples/device/setup_env.sh
@@ -12,7 +12,7 @@ for lib in glob.glob(os.path.join(list(n.__path__)[0], "lib", "libnccl.so*")):
     print(lib, hits)
 print("torch nccl", torch.cuda.nccl.version())
 PY
-P=$REPO/examples/device/window_probe.py
+P=$REPO/experiments/device/window_probe.py
 torchrun --nproc_per_node=2 "$P" --json "$OUT/window_default.json" >"$OUT/window_default.log" 2>&1
 NCCL_CTA_POLICY=1 torchrun --nproc_per_node=2 "$P" --json "$OUT/window_eff.json" >"$OUT/window_eff.log" 2>&1
 mkdir -p /tmp/ncdbg

@@ -1,7 +1,7 @@
 # ruff: noqa: B023
 """Probe: NCCL's zero-CTA (copy-engine) all-to-all beside a GEMM.
 
-torchrun --nproc_per_node=W examples/device/zero_cta_probe.py --json OUT.json   (run once with NCCL_CTA_POLICY=2)
+torchrun --nproc_per_node=W experiments/device/zero_cta_probe.py --json OUT.json   (run once with NCCL_CTA_POLICY=2)
 
 NCCL >= 2.28 can run AlltoAll / AllGather on copy engines (no CTAs) when the communicator's CTA policy is
 NCCL_CTA_POLICY_ZERO and the buffers are symmetric windows. If so, a reduce_scatter done as an all-to-all of the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device script: examples/device/zero_cta_probe.py on all GPUs with NCCL's default CTA policy and with
+# Device script: experiments/device/zero_cta_probe.py on all GPUs with NCCL's default CTA policy and with
 # NCCL_CTA_POLICY=2 (zero CTAs), the second with NCCL's INFO log filtered; writes $OUT/zero_*.json|log.
 source examples/device/setup_env.sh
 W=$(nvidia-smi -L | wc -l)
@@ -11,7 +11,7 @@ for lib in glob.glob(os.path.join(list(n.__path__)[0], "lib", "libnccl.so*")):
     print(lib, sorted({m.decode() for m in re.findall(rb"NCCL_(?:CTA_POLICY|SYM[A-Z_]*|CE[A-Z_]*|WIN[A-Z_]*)", data)}))
     print(sorted({m.decode() for m in re.findall(rb"ncclAll[Tt]oAll[A-Za-z]*", data)}))
 PY
-P=$REPO/examples/device/zero_cta_probe.py
+P=$REPO/experiments/device/zero_cta_probe.py
 R=(python3 -m torch.distributed.run --standalone --nproc_per_node="$W")
 timeout 200 "${R[@]}" "$P" --json "$OUT/zero_default.json" >"$OUT/zero_default.log" 2>&1
 mkdir -p /tmp/ncdbg

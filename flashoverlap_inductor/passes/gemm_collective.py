@@ -255,7 +255,7 @@ class FlashOverlapPass(compat.CustomGraphPass):
         if f.match.collective == "all_to_all" and mode == "auto":
             # Every rank must take the same decision or their collectives mismatch (a hang). all_to_all ranks may
             # hold different rows, and a cost verdict from this rank's rows could differ between ranks; it also
-            # measured slower than unfused on 2 and 4 H200s (examples/RESULTS.md). The op's all_to_all schedule
+            # measured slower than unfused on 2 and 4 H200s (docs/results.md). The op's all_to_all schedule
             # uses rank-independent fractions, so "always" is safe.
             return _skip("all_to_all_auto", "%s: all_to_all is fused only under fuse='always'", desc)
         splits = None

@@ -61,11 +61,13 @@ class _Entry:
     call: Call
     out_shape: list[int]
     routes: list[Route]
+    declined: str = ""  # why the first kernel route of the registry declined the call ("" = none did)
     launches: dict[str, Any] = field(default_factory=dict)
 
 
-def candidates(call: Call, settings: config.Settings) -> list[Route]:
-    """The routes that take ``call``, in ``REGISTRY`` order (each logged once per reason it declines)."""
+def candidates(call: Call, settings: config.Settings, declined: list[str] | None = None) -> list[Route]:
+    """The routes that take ``call``, in ``REGISTRY`` order (each logged once per reason it declines; the reasons
+    appended to ``declined``)."""
     out = []
     for route in REGISTRY:
         if call.device not in route.devices:
@@ -73,7 +75,10 @@ def candidates(call: Call, settings: config.Settings) -> list[Route]:
         why = route.unsupported(call, settings)
         if why is None:
             out.append(route)
-        elif not call.compile_time:
+            continue
+        if declined is not None and route.name != "unfused":
+            declined.append(why)
+        if not call.compile_time:
             note(f"unsupported:{route.name}:{why}", logging.DEBUG, "flashoverlap: %s does not take the %s route: %s",
                  call.collective, route.name, why)
     return out
@@ -89,8 +94,8 @@ def select(call: Call, settings: config.Settings) -> Route:
 
 def make_call(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup,
               plan: str, output_split_sizes: Sequence[int] | None, input_split_sizes: Sequence[int] | None,
-              y_shape: list[int]) -> tuple[Call, kernel_select.Operands | None, list[int]]:
-    """The ``Call`` of a runtime call, the kernels' operands (CUDA) and the op's output shape."""
+              y_shape: list[int], cuda: bool) -> tuple[Call, kernel_select.Operands | None, list[int]]:
+    """The ``Call`` of a runtime call, the kernels' operands (``cuda``) and the op's output shape."""
     world, rank = group.size(), group.rank()
     rows, n, k = math.prod(y_shape[:-1]), y_shape[-1], a.shape[-1]
     send_rows = recv_rows = None
@@ -105,7 +110,7 @@ def make_call(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Ten
             send_rows, recv_rows = tuple(s * unit for s in ins), tuple(s * unit for s in outs)
         out_shape = [sum(outs), *y_shape[1:]]
     opnd, issue, layout = None, None, None
-    if a.is_cuda:
+    if cuda:
         got = kernel_select.normalize_operands(a, b, bias, collective)
         if isinstance(got, tuple):
             issue = got
@@ -113,7 +118,7 @@ def make_call(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Ten
             opnd, layout = got, kernel_select.b_layout(got.b)
             if rows == 0 and send_rows is None:  # every rank has the same rows here
                 issue = ("degenerate", "no rows")
-    call = Call(collective, rows, n, k, a.dtype, world, rank, "cuda" if a.is_cuda else "cpu", layout, plan,
+    call = Call(collective, rows, n, k, a.dtype, world, rank, "cuda" if cuda else "cpu", layout, plan,
                 send_rows, recv_rows,
                 getattr(group, "group_name", str(id(group))), issue)
     return call, opnd, out_shape
@@ -125,8 +130,8 @@ def dispatch(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tens
     """Run one fused call on the first route that takes it (see the module docstring)."""
     global last_launch
     settings = config.from_key(settings_key)
-    cuda = a.is_cuda
-    if cuda and a.device.index != torch.cuda.current_device():  # library launches need a's device current
+    cuda = _on_cuda(a)
+    if cuda and a.device.type == "cuda" and a.device.index != torch.cuda.current_device():  # launches need it current
         with torch.cuda.device(a.device):
             return dispatch(collective, a, b, bias, group, plan, settings_key, y_shape, output_split_sizes,
                             input_split_sizes)
@@ -139,10 +144,12 @@ def dispatch(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tens
         entry = _memo.get(key)
         if entry is None:
             call, opnd, out_shape = make_call(collective, a, b, bias, group, plan, output_split_sizes,
-                                              input_split_sizes, y_shape)
+                                              input_split_sizes, y_shape, cuda)
             if len(_memo) >= MAX_ENTRIES:
                 _evict(a)
-            entry = _memo[key] = _Entry(call, out_shape, candidates(call, settings))
+            declined: list[str] = []
+            found = candidates(call, settings, declined)
+            entry = _memo[key] = _Entry(call, out_shape, found, _slug(declined[-1]) if declined else "")
         else:
             call, out_shape, opnd = entry.call, entry.out_shape, None
             if cuda and call.operand_issue is None:
@@ -151,9 +158,10 @@ def dispatch(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tens
         ctx = Context(a, b, bias, group, y_shape, out_shape, plan, settings, opnd, None, capturing,
                       output_split_sizes, input_split_sizes)
         if cuda:
-            ctx.res = streams.resources(a.device.index)
+            ctx.res = streams.resources(a.device.index or 0)
             if ctx.res is not None and ctx.res.timed_out():
                 ctx.res.raise_if_timed_out()
+        reason = entry.declined
         for route in entry.routes:
             if cuda and ctx.res is None and route.name != "unfused":  # a capture before the device's first call
                 _skip(route, collective, "capturing", "the first call on this device is inside a CUDA-graph capture")
@@ -165,12 +173,16 @@ def dispatch(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tens
                     continue
                 launch = entry.launches[route.name] = route.make_launch(call, settings, ctx)
             if isinstance(launch, str):
-                _skip(route, collective, launch.split(":")[0], launch)
+                reason = _slug(launch)
+                _skip(route, collective, reason, launch)
                 continue
             out = route.execute(launch, ctx)
             if isinstance(out, str):
-                _skip(route, collective, out.split(":")[0], out)
+                reason = _slug(out)
+                _skip(route, collective, reason, out)
                 continue
+            if route.name == "unfused":
+                stats[f"fallback:{reason or 'none'}"] += 1
             if route.name not in ("unfused", "cpu"):
                 last_launch = launch
                 stats[f"fused:{collective}"] += 1
@@ -181,6 +193,17 @@ def dispatch(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tens
                     _captured.add(key)
             return out
     raise RuntimeError(f"flashoverlap: no route ran {call}")  # unreachable: unfused and cpu always run
+
+
+def _slug(why: str) -> str:
+    """The counter name of a reason: its first word before ':' (``"alignment: N=..."`` -> ``alignment``)."""
+    head = why.split(":", 1)[0].strip()
+    return head if head and " " not in head else "unsupported"
+
+
+def _on_cuda(a: torch.Tensor) -> bool:
+    """Whether a call runs on the CUDA routes (a seam for the CPU simulation of the GPU path in the tests)."""
+    return a.is_cuda
 
 
 def _capturing() -> bool:

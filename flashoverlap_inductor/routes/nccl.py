@@ -161,7 +161,7 @@ class NcclRoute:
 
     def unsupported(self, call, settings: config.Settings) -> str | None:
         if call.dtype not in nccl_direct.NCCL_DTYPES:
-            return f"no NCCL type for {call.dtype}"
+            return f"dtype: no NCCL type for {call.dtype}"
         return unsupported_operands(call, settings)
 
     def make_launch(self, call, settings: config.Settings, ctx) -> Launch | str:
@@ -189,7 +189,7 @@ class NcclRoute:
         lib = streams.kernel_lib()
         index = lib.config_index(choice.name, call.dtype, choice.b_layout)
         sm_count = grid_for(res, tuning, group, -(-rows // choice.tile_m) * -(-n // choice.tile_n))
-        device = torch.device("cuda", res.index)
+        device = ctx.a.device
         gmap = gather = order = None
         tiles = (0,) * groups
         route = "natural"

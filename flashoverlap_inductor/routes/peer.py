@@ -243,7 +243,7 @@ def make_launch(call, settings: config.Settings, ctx) -> PeerLaunch | str:
     group_rows = (ctypes.c_int32 * len(bounds))(*bounds)
     group_tiles = (ctypes.c_int32 * max(1, groups))(*planlib.tiles_per_group(bounds, pick.tile_m, pick.tile_n, n)) \
         if groups else (ctypes.c_int32 * 1)()
-    device = torch.device("cuda", res.index)
+    device = ctx.a.device
     gmap = streams.persistent(res.index, lambda: torch.tensor(planlib.group_of_tile_row(bounds, pick.tile_m),
                                                               dtype=torch.int32, device=device)) if groups else None
     ws = max(lib.workspace_bytes(plain, half, n, k, sm_count, nccl.RASTER, tuning.swizzle),

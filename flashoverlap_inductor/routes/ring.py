@@ -228,7 +228,7 @@ def make_launch(call, settings: config.Settings, ctx) -> RingLaunch | str:
     sm_count = nccl.grid_for(res, tuning, ctx.group, tiles)
     ws = max(lib.workspace_bytes(first, rows, n, k, sm_count, nccl.RASTER, swizzle),
              lib.workspace_bytes(add, rows, n, k, sm_count, nccl.RASTER, swizzle))
-    device = torch.device("cuda", res.index)
+    device = ctx.a.device
     gemm_ws = streams.persistent(res.index, lambda: torch.empty(ws, dtype=torch.uint8, device=device)) if ws else None
     pieces = nrounds * (world - 1) + (nrounds if call.collective == "all_reduce" else 0)
     need = pieces * rows * n * dtype.itemsize
