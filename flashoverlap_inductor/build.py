@@ -77,7 +77,7 @@ class KernelConfig:
 
 
 CONFIGS: tuple[KernelConfig, ...] = (
-    # Shipped (every dtype x B layout). Chosen on the H200 bench grid (csrc/NOTES.md): the first is the default.
+    # Shipped (every dtype x B layout). Chosen on the H200 bench grid (docs/results.md): the first is the default.
     KernelConfig("coop", (128, 256, 64), (2, 1), epi=(128, 64)),
     KernelConfig("coop", (256, 128, 64), (1, 1)),
     KernelConfig("coop", (128, 128, 64), (2, 1)),
@@ -99,7 +99,7 @@ CONFIGS: tuple[KernelConfig, ...] = (
     KernelConfig("coop", (128, 256, 64), (2, 1), epi=(128, 32), variants="bf16", add_c=2),
     KernelConfig("coop", (128, 256, 64), (2, 1), epi=(128, 64), variants="bf16_nk", add_c=3),
 )
-# Measured and dropped (csrc/NOTES.md): coop 128x128 c1x1, 128x256 c1x1/c1x2/c2x1 (default epilogue tile),
+# Measured and dropped (docs/results.md): coop 128x128 c1x1, 128x256 c1x1/c1x2/c2x1 (default epilogue tile),
 # 256x128 c1x2/c2x1, pp 128x128 c1x2/c2x1, pp 64x256 c1x2/c2x1.
 
 DTYPES = {"bf16": 0, "fp16": 1}

@@ -94,6 +94,7 @@ class _ToyRoute:
 
     name = "toy"
     devices = ("cpu",)
+    last_resort = False
 
     def __init__(self):
         self.made, self.ran, self.fail_next = 0, 0, True
@@ -133,9 +134,14 @@ def test_a_toy_route_is_one_registry_line_and_the_dispatcher_owns_memo_fallback_
     odd = torch.randn(7, 4)
     torch.testing.assert_close(routes.dispatch("all_reduce", odd, b, None, group, "auto", "", [7, 6]), odd @ b)
     assert toy.made == 1  # unsupported: never asked for a launch
-    monkeypatch.setattr(routes, "_capturing", lambda: True)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: False))
+    monkeypatch.setattr(routes, "_capturing", lambda a: True)  # inside a CUDA-graph capture:
+    torch.testing.assert_close(routes.dispatch("all_reduce", a, b, None, group, "auto", "", [8, 6]), b.new_full(
+        (8, 6), 7.0))  # a launch made before the capture runs
+    new = torch.randn(10, 4)  # a new call shape: no launch is made in a capture; the last resort runs it
+    torch.testing.assert_close(routes.dispatch("all_reduce", new, b, None, group, "auto", "", [10, 6]), new @ b)
+    assert toy.made == 1 and routes.stats["skip:toy:capture-new"] == 1 and routes.stats["captured:toy"] == 1
     routes.reset()
+    assert toy.made == 0 and not routes.stats
 
 
 def test_settings_reach_the_route_from_the_op_argument(library):

@@ -135,7 +135,7 @@ def dispatch(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tens
         with torch.cuda.device(a.device):
             return dispatch(collective, a, b, bias, group, plan, settings_key, y_shape, output_split_sizes,
                             input_split_sizes)
-    capturing = cuda and _capturing()
+    capturing = _capturing(a)
     key = (collective, plan, settings_key, a.shape, a.stride(), b.shape, b.stride(), b.data_ptr() % 16,
            None if bias is None else (bias.shape, bias.stride(), bias.data_ptr() % 16), a.dtype, a.device,
            id(group), output_split_sizes and tuple(output_split_sizes),
@@ -163,12 +163,12 @@ def dispatch(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tens
                 ctx.res.raise_if_timed_out()
         reason = entry.declined
         for route in entry.routes:
-            if cuda and ctx.res is None and route.name != "unfused":  # a capture before the device's first call
+            if cuda and ctx.res is None and not route.last_resort:  # a capture before the device's first call
                 _skip(route, collective, "capturing", "the first call on this device is inside a CUDA-graph capture")
                 continue
             launch = entry.launches.get(route.name)
             if launch is None:
-                if capturing and route.name != "unfused":
+                if capturing and not route.last_resort:
                     _skip(route, collective, "capture-new", "a call shape first seen inside a CUDA-graph capture")
                     continue
                 launch = entry.launches[route.name] = route.make_launch(call, settings, ctx)
@@ -183,14 +183,15 @@ def dispatch(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tens
                 continue
             if route.name == "unfused":
                 stats[f"fallback:{reason or 'none'}"] += 1
-            if route.name not in ("unfused", "cpu"):
-                last_launch = launch
-                stats[f"fused:{collective}"] += 1
-                stats[f"route:{route.name}"] += 1
-                if capturing:
-                    stats["captured"] += 1
-                    stats[f"captured:{route.name}"] += 1
-                    _captured.add(key)
+            if route.last_resort:
+                return out
+            last_launch = launch
+            stats[f"fused:{collective}"] += 1
+            stats[f"route:{route.name}"] += 1
+            if capturing:
+                stats["captured"] += 1
+                stats[f"captured:{route.name}"] += 1
+                _captured.add(key)
             return out
     raise RuntimeError(f"flashoverlap: no route ran {call}")  # unreachable: unfused and cpu always run
 
@@ -206,8 +207,9 @@ def _on_cuda(a: torch.Tensor) -> bool:
     return a.is_cuda
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_current_stream_capturing()
+def _capturing(a: torch.Tensor) -> bool:
+    """Whether the caller's stream is capturing a CUDA graph (CUDA tensors only)."""
+    return a.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _skip(route: Route, collective: str, reason: str, detail: str) -> None:

@@ -67,8 +67,12 @@ class Context:
 
 
 class Route(Protocol):
+    """See ``docs/routes.md``. ``last_resort``: the route takes every call of its devices and makes nothing that a
+    CUDA-graph capture forbids (``unfused``, ``cpu``); the dispatcher never skips it and counts no fusion for it."""
+
     name: str
     devices: tuple[str, ...]
+    last_resort: bool
 
     def unsupported(self, call: Call, settings: config.Settings) -> str | None: ...
 

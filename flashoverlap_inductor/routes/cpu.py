@@ -134,6 +134,7 @@ class CpuRoute:
 
     name = "cpu"
     devices = ("cpu",)
+    last_resort = True
 
     def unsupported(self, call, settings: config.Settings) -> str | None:
         return None

@@ -158,6 +158,7 @@ def grid_for(res: streams.DeviceResources, tuning: config.Tuning, group: dist.Pr
 class NcclRoute:
     name = "nccl"
     devices = ("cuda",)
+    last_resort = False
 
     def unsupported(self, call, settings: config.Settings) -> str | None:
         if call.dtype not in nccl_direct.NCCL_DTYPES:

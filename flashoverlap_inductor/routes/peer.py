@@ -288,9 +288,9 @@ def args_for(launch: PeerLaunch, ws: Workspace, res: streams.DeviceResources, sl
     return p
 
 
-class PeerRoute:
+class PeerRoute(symmetric.SymmetricRoute):
     name = "peer"
-    devices = ("cuda",)
+    c_function = "fo_peer_call"
 
     def unsupported(self, call, settings: config.Settings) -> str | None:
         return unsupported(call, settings)
@@ -298,36 +298,21 @@ class PeerRoute:
     def make_launch(self, call, settings: config.Settings, ctx) -> PeerLaunch | str:
         return make_launch(call, settings, ctx)
 
-    def execute(self, launch: PeerLaunch, ctx) -> torch.Tensor | str:
-        a, b, bias = ctx.opnd.a, ctx.opnd.b, ctx.opnd.bias
-        ws = workspace(ctx.group, a.device, launch.region_bytes, ctx.capturing)
-        if ws is None:
-            return "capture-grow: its workspace would have to grow inside a CUDA-graph capture"
-        slot = ctx.res.slot(torch.cuda.current_stream(a.device), dedicated=ctx.capturing) if launch.groups else 0
-        if slot is None:
-            return "slots: no counter slot left"
-        cur = torch.cuda.current_stream(a.device)
-        if not ctx.capturing:
-            symmetric.order_after_last(ctx.group, a.device, cur)
-        a = nccl.row_major(a)
-        out = torch.empty(ctx.out_shape, dtype=a.dtype, device=a.device)
-        p = PeerArgs.from_buffer_copy(args_for(launch, ws, ctx.res, slot))
-        p.a, p.lda, p.b, p.ldb = a.data_ptr(), a.stride(0), b.data_ptr(), nccl.kernel_b(b, launch.kernel)[1]
-        p.bias = bias.data_ptr() if bias is not None else None
-        p.out, p.ld_out = out.data_ptr(), launch.template.n
-        if launch.collective != "all_reduce":
-            p.own_dst, p.ld_own = p.out, p.ld_out
-        p.cur_stream = cur.cuda_stream
-        lib = streams.kernel_lib()
-        lib.check(lib.lib.fo_peer_call(ctypes.byref(p)), "fo_peer_call")
-        return out
+    def workspace_for(self, launch: PeerLaunch, ctx) -> Workspace | None:
+        return workspace(ctx.group, ctx.a.device, launch.region_bytes, ctx.capturing)
 
-    def reset(self) -> None:
-        for index, _ in list(_flags):
-            torch.cuda.synchronize(index)
-        _workspaces.clear()
-        _flags.clear()
-        symmetric.forget_streams()
+    def args_for(self, launch: PeerLaunch, ws: Workspace, res, slot: int) -> PeerArgs:
+        return args_for(launch, ws, res, slot)
+
+    def slot_needed(self, launch: PeerLaunch) -> bool:
+        return bool(launch.groups)  # all_reduce by pull signals copy groups
+
+    def finish(self, p: PeerArgs, launch: PeerLaunch) -> None:
+        if launch.collective != "all_reduce":  # reduce_scatter: GEMM 2 writes the output
+            p.own_dst, p.ld_own = p.out, p.ld_out
+
+    def state(self) -> tuple[dict, dict]:
+        return _flags, _workspaces
 
 
 ROUTE = PeerRoute()

@@ -262,9 +262,9 @@ def args_for(launch: RingLaunch, ws: RingWorkspace) -> RingArgs:
     return p
 
 
-class RingRoute:
+class RingRoute(symmetric.SymmetricRoute):
     name = "ring"
-    devices = ("cuda",)
+    c_function = "fo_ring_call"
 
     def unsupported(self, call, settings: config.Settings) -> str | None:
         return unsupported(call, settings)
@@ -272,31 +272,14 @@ class RingRoute:
     def make_launch(self, call, settings: config.Settings, ctx) -> RingLaunch | str:
         return make_launch(call, settings, ctx)
 
-    def execute(self, launch: RingLaunch, ctx) -> torch.Tensor | str:
-        a, b, bias = ctx.opnd.a, ctx.opnd.b, ctx.opnd.bias
-        ws = workspace(ctx.group, a.device, launch.need, ctx.capturing)
-        if ws is None:
-            return "capture-grow: its workspace would have to grow inside a CUDA-graph capture"
-        cur = torch.cuda.current_stream(a.device)
-        if not ctx.capturing:
-            symmetric.order_after_last(ctx.group, a.device, cur)
-        a = nccl.row_major(a)
-        out = torch.empty(ctx.out_shape, dtype=a.dtype, device=a.device)
-        p = RingArgs.from_buffer_copy(args_for(launch, ws))
-        p.a, p.lda, p.b, p.ldb = a.data_ptr(), a.stride(0), b.data_ptr(), nccl.kernel_b(b, launch.kernel)[1]
-        p.bias = bias.data_ptr() if bias is not None else None
-        p.out, p.ld_out = out.data_ptr(), launch.template.n
-        p.cur_stream = cur.cuda_stream
-        lib = streams.kernel_lib()
-        lib.check(lib.lib.fo_ring_call(ctypes.byref(p)), "fo_ring_call")
-        return out
+    def workspace_for(self, launch: RingLaunch, ctx) -> RingWorkspace | None:
+        return workspace(ctx.group, ctx.a.device, launch.need, ctx.capturing)
 
-    def reset(self) -> None:
-        for index, _ in list(_flags):
-            torch.cuda.synchronize(index)
-        _workspaces.clear()
-        _flags.clear()
-        symmetric.forget_streams()
+    def args_for(self, launch: RingLaunch, ws: RingWorkspace, res, slot: int) -> RingArgs:
+        return args_for(launch, ws)
+
+    def state(self) -> tuple[dict, dict]:
+        return _flags, _workspaces
 
 
 ROUTE = RingRoute()

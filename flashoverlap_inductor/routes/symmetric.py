@@ -15,13 +15,15 @@ Invariants:
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from .. import streams
+from . import nccl
 
 T = TypeVar("T")
 MIN_CAPACITY = 1 << 20  # bytes
@@ -77,3 +79,54 @@ def order_after_last(group: dist.ProcessGroup, device: torch.device, stream: tor
 
 def forget_streams() -> None:
     _last_stream.clear()
+
+
+class SymmetricRoute:
+    """What the peer and ring routes' ``execute`` and ``reset`` share. A subclass names its C function
+    (``c_function``) and provides ``workspace_for(launch, ctx)`` (None: it would have to grow inside a capture),
+    ``args_for(launch, ws, res, slot)`` (the launch's argument struct with every pointer but the call's own,
+    memoized per workspace), ``slot_needed(launch)``, ``finish(p, launch)`` (route-specific pointers of the call)
+    and its state dicts ``_flags`` / ``_workspaces``."""
+
+    devices = ("cuda",)
+    last_resort = False
+    c_function = ""
+
+    def execute(self, launch: Any, ctx: Any) -> torch.Tensor | str:
+        opnd, device = ctx.opnd, ctx.a.device
+        ws = self.workspace_for(launch, ctx)
+        if ws is None:
+            return "capture-grow: its workspace would have to grow inside a CUDA-graph capture"
+        cur = torch.cuda.current_stream(device)
+        slot = ctx.res.slot(cur, dedicated=ctx.capturing) if self.slot_needed(launch) else 0
+        if slot is None:
+            return "slots: no counter slot left"
+        if not ctx.capturing:
+            order_after_last(ctx.group, device, cur)
+        a = nccl.row_major(opnd.a)
+        out = torch.empty(ctx.out_shape, dtype=a.dtype, device=device)
+        template = self.args_for(launch, ws, ctx.res, slot)
+        p = type(template).from_buffer_copy(template)
+        p.a, p.lda, p.b, p.ldb = a.data_ptr(), a.stride(0), opnd.b.data_ptr(), nccl.kernel_b(opnd.b, launch.kernel)[1]
+        p.bias = opnd.bias.data_ptr() if opnd.bias is not None else None
+        p.out, p.ld_out, p.cur_stream = out.data_ptr(), template.n, cur.cuda_stream
+        self.finish(p, launch)
+        lib = streams.kernel_lib()
+        lib.check(getattr(lib.lib, self.c_function)(ctypes.byref(p)), self.c_function)
+        return out
+
+    def finish(self, p: Any, launch: Any) -> None:
+        pass
+
+    def slot_needed(self, launch: Any) -> bool:
+        return False
+
+    def reset(self) -> None:
+        """Drop every workspace and flag area (after synchronizing their devices): the next call makes fresh ones,
+        collectively, with zeroed flags."""
+        flags, workspaces = self.state()
+        for index, _ in list(flags):
+            torch.cuda.synchronize(index)
+        workspaces.clear()
+        flags.clear()
+        forget_streams()

@@ -50,6 +50,7 @@ def run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | 
 class UnfusedRoute:
     name = "unfused"
     devices = ("cuda",)
+    last_resort = True
 
     def unsupported(self, call, settings: config.Settings) -> str | None:
         return None
