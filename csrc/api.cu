@@ -1,9 +1,13 @@
-// C ABI of libflashoverlap_sm90.so: configuration registry, GEMM dispatch, bounded wait kernel, stream wait
-// (fo_fused_call, the whole fused op in one call, is in fused_call.cu).
+// C ABI of libflashoverlap_sm90.so: configuration registry, GEMM dispatch, bounded wait kernel, stream wait, the
+// GEMM launch cache's switch and counters (fo_fused_call, the whole fused op in one call, is in fused_call.cu; the
+// test helpers are in test_api.cu, a library of their own).
 #include <cuda.h>  // CUstream / CUdeviceptr types and CU_STREAM_WAIT_VALUE_GEQ only; the driver is reached at run time
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -34,6 +38,18 @@ int num_configs() { return int(registry().size()); }
 GemmConfig const* config_at(int i) { return (i >= 0 && i < num_configs()) ? &registry()[i] : nullptr; }
 
 int fail_code(int code, std::string msg) { return fail(code, std::move(msg)); }
+
+// The GEMM units' launch caches (gemm_sm90.cu): one switch and one pair of counters for all configurations.
+namespace {
+std::atomic<int64_t> gemm_cache_hits{0}, gemm_cache_misses{0};
+std::atomic<bool> gemm_cache_on{true};
+}  // namespace
+
+bool gemm_cache_enabled() { return gemm_cache_on.load(std::memory_order_relaxed); }
+
+void count_gemm_launch(bool cached) {
+  (cached ? gemm_cache_hits : gemm_cache_misses).fetch_add(1, std::memory_order_relaxed);
+}
 
 int peer_call_preload();  // peer_call.cu
 int ring_call_preload();  // ring_call.cu
@@ -72,16 +88,6 @@ __global__ void wait_counter_kernel(int const* counter, int* expected, int incre
   if (notify != nullptr && !notify_first) notify_sys(notify);
 }
 
-__global__ void delayed_add_kernel(int* counter, int value, long long delay_ns, long long* stamp) {
-  unsigned long long const t0 = global_timer_ns();
-  while ((long long)(global_timer_ns() - t0) < delay_ns) {
-  }
-  *stamp = (long long)global_timer_ns();
-  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(counter), "r"(value) : "memory");
-}
-
-__global__ void stamp_kernel(long long* stamp) { *stamp = (long long)global_timer_ns(); }
-
 }  // namespace flashoverlap
 
 using namespace flashoverlap;
@@ -92,11 +98,8 @@ FO_API int fo_abi_version(void) { return 7; }
 
 FO_API int fo_preload(void) {
   cudaFuncAttributes attr{};
-  for (void const* k : {reinterpret_cast<void const*>(&wait_counter_kernel),
-                        reinterpret_cast<void const*>(&delayed_add_kernel), reinterpret_cast<void const*>(&stamp_kernel)}) {
-    cudaError_t e = cudaFuncGetAttributes(&attr, k);
-    if (e != cudaSuccess) return fail_cuda("fo_preload", e);
-  }
+  cudaError_t e = cudaFuncGetAttributes(&attr, wait_counter_kernel);
+  if (e != cudaSuccess) return fail_cuda("fo_preload", e);
   if (int rc = peer_call_preload(); rc != 0) return rc;
   if (int rc = ring_call_preload(); rc != 0) return rc;
   for (int i = 0; i < num_configs(); ++i) {
@@ -108,6 +111,14 @@ FO_API int fo_preload(void) {
 }
 
 FO_API const char* fo_last_error(void) { return last_error.c_str(); }
+
+FO_API int fo_gemm_cache_enable(int enabled) { return gemm_cache_on.exchange(enabled != 0) ? 1 : 0; }
+
+FO_API int fo_gemm_cache_stats(int64_t* hits, int64_t* misses) {
+  if (hits != nullptr) *hits = gemm_cache_hits.load(std::memory_order_relaxed);
+  if (misses != nullptr) *misses = gemm_cache_misses.load(std::memory_order_relaxed);
+  return 0;
+}
 
 FO_API int fo_num_configs(void) { return num_configs(); }
 
@@ -181,19 +192,6 @@ FO_API int fo_stream_wait_value(void* stream, int* counter, int target) {
                   CU_STREAM_WAIT_VALUE_GEQ);
   if (r != CUDA_SUCCESS) return fail(200 + int(r), "cuStreamWaitValue32 failed with CUresult " + std::to_string(int(r)));
   return 0;
-}
-
-FO_API int fo_test_delayed_add(int* counter, int value, int64_t delay_ns, int64_t* stamp, void* stream) {
-  delayed_add_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(counter, value, (long long)delay_ns,
-                                                                     reinterpret_cast<long long*>(stamp));
-  cudaError_t e = cudaGetLastError();
-  return e == cudaSuccess ? 0 : fail_cuda("fo_test_delayed_add launch", e);
-}
-
-FO_API int fo_test_stamp(int64_t* stamp, void* stream) {
-  stamp_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(reinterpret_cast<long long*>(stamp));
-  cudaError_t e = cudaGetLastError();
-  return e == cudaSuccess ? 0 : fail_cuda("fo_test_stamp launch", e);
 }
 
 }  // extern "C"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# CI step (called by .ci/run): compile the CUDA library when nvcc is present, so compile errors never reach main.
+# CI step (called by .ci/run): compile the CUDA library (and the test helper library next to it) when nvcc is
+# present, so compile errors never reach main.
 # Default: the smoke build (2 translation units that cover both schedules, both dtypes and both B layouts; about
 # 3 minutes on 2 cores). FO_CI_FULL=1 builds every configuration. Without nvcc it says why and exits 0.
 set -euo pipefail

@@ -1,4 +1,5 @@
 /* C ABI of libflashoverlap_sm90.so (the only exported symbols). Raw device pointers, cudaStream_t as void*.
+ * (The tests' helper kernels live in a library of their own, libflashoverlap_sm90_test.so: csrc/test_api.cu.)
  *
  * Every function returns 0 on success or a nonzero error code; fo_last_error() then returns a message (per
  * thread, valid until the next failing call on that thread).
@@ -54,6 +55,18 @@ FO_API int fo_gemm(int config, const void* a, int64_t lda, const void* b, int64_
                    const void* c_operand, int64_t ldc, void* d, int64_t ldd, int m, int n, int k, int* counters,
                    const int* group_of_tile_row, const int* tile_row_order, int signal_mode, int sm_count, int raster,
                    int swizzle, void* workspace, size_t workspace_bytes, void* stream);
+
+/* GEMM launch cache. Every GEMM launch (fo_gemm, and the GEMMs of fo_fused_call, fo_peer_call, fo_ring_call) looks
+ * up the kernel parameters built for an earlier launch of the same configuration with the same arguments --
+ * every pointer, leading dimension, size, signal / gate setting, sm_count, raster, swizzle, workspace and the
+ * current device; not the stream -- and launches with them (no TMA descriptor encoding, no checks); otherwise it
+ * builds them and keeps them (256 per configuration, least recently used replaced). A hit is exactly the launch a
+ * miss would make. fo_gemm_cache_enable(0) makes every later launch build its parameters (a diagnostic; 1 turns the
+ * cache back on; returns the previous state, 1 or 0). fo_gemm_cache_stats: the launches that hit and missed since
+ * the library was loaded, over all configurations (every launch is one or the other; null pointers are skipped).
+ * Always returns 0. */
+FO_API int fo_gemm_cache_enable(int enabled);
+FO_API int fo_gemm_cache_stats(int64_t* hits, int64_t* misses);
 
 /* Bounded wait (one thread on `stream`): polls *counter with ld.acquire.sys and __nanosleep backoff until
  * (int)(*counter - target) >= 0 (acquire at system scope), where target = (expected ? *expected : 0) + increment. With `expected` (device
@@ -236,11 +249,6 @@ typedef struct {
 } fo_ring_args;
 
 FO_API int fo_ring_call(const fo_ring_args* args);
-
-/* Test helpers: a one-thread kernel that spins delay_ns, writes %globaltimer to *stamp, then release-adds
- * `value` to *counter; and one that writes %globaltimer to *stamp. */
-FO_API int fo_test_delayed_add(int* counter, int value, int64_t delay_ns, int64_t* stamp, void* stream);
-FO_API int fo_test_stamp(int64_t* stamp, void* stream);
 
 #ifdef __cplusplus
 }

@@ -19,8 +19,14 @@
 // nullptr fallback, so one kernel serves both. A persistent tile scheduler walks the tiles in the raster order
 // and swizzle given at launch, its tile-rows in the launch's tile-row order (tile_order.hpp; nullptr = natural);
 // hw_info.sm_count limits the SMs it uses.
+#include <atomic>
+#include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <type_traits>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -145,29 +151,161 @@ using GemmKernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int
 using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 using RasterOrder = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90Params::RasterOrderOptions;
 
-int device_sm_count(int device) {
-  static int cached[64] = {};
-  if (device < 0 || device >= 64) return 0;
-  if (cached[device] == 0) {
-    int v = 0;
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 0;
-    cached[device] = v;
-  }
-  return cached[device];
+// ---------------------------------------------------------------------------------------------------------------
+// Host side: a GemmCall -> the kernel's Params -> one launch, with a per-configuration cache of built Params.
+//
+// Building Params per launch costs host time the fused ops pay on every call: to_underlying_arguments encodes one
+// TMA descriptor per operand (A, B, D, C, aux: a driver entry-point lookup and cuTensorMapEncodeTiled each),
+// can_implement checks the problem, and GemmUniversalAdapter's initialize / ClusterLauncher call
+// cudaFuncSetAttribute twice per launch. Here a launch looks its key up first and, on a hit, launches with the
+// Params built for that key earlier; on a miss it builds them as CUTLASS does and stores them.
+//
+// The invariant that makes a stale hit impossible: LaunchKey holds every input of the Params, and make_arguments
+// reads the key only (never the GemmCall), so the Arguments -- and the Params, which to_underlying_arguments derives
+// from the Arguments and the workspace pointer (also in the key) alone: TMA descriptors encode addresses, shapes and
+// strides, nothing else -- are a function of the key. Equal keys (compared byte for byte: the key has no padding)
+// give equal Params. A new GemmCall field has to go through the key to reach make_arguments (the static_assert on
+// sizeof(GemmCall) below points here). The stream is not in the key: it is a launch setting, not a parameter.
+// What a launch needs besides the Params is redone on every launch, hit or miss: GemmKernel::initialize_workspace
+// (a no-op for this kernel -- PersistentTileSchedulerSm90 and the epilogue nodes need no workspace -- but called as
+// GemmUniversalAdapter::initialize calls it, on the launch's stream) and the launch itself. The kernel's function
+// attributes (dynamic shared memory size, non-portable cluster size) are set once per device and process
+// (preload, or the first launch on the device) instead of at every launch, and the kernel's CUfunction is looked
+// up then, for launches through the driver (launch()); a failed launch drops its cache entry and that per-device
+// state, so the next launch rebuilds everything.
+
+constexpr int kMaxDevices = 64;
+constexpr int kClusterSize = FO_CM * FO_CN;
+
+std::atomic<int> sm_counts[kMaxDevices];           // 0: not read yet
+std::atomic<bool> attributes_set[kMaxDevices];     // the kernel's function attributes are set on this device
+std::atomic<CUfunction> functions[kMaxDevices];    // the kernel on this device (null: launch through the runtime)
+
+// cuLaunchKernelEx, reached through the runtime once per process (null: unavailable, launch through the runtime).
+// Launching the kernel's CUfunction directly takes about 1.5-2 us less host time than cudaLaunchKernelEx with its
+// host stub (measured on an H100 host: 3.2-3.9 us against 4.7-5.8 us for this kernel), the same launch otherwise.
+using LaunchKernelExFn = CUresult (*)(CUlaunchConfig const*, CUfunction, void**, void**);
+LaunchKernelExFn driver_launch() {
+  static LaunchKernelExFn const fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuLaunchKernelEx", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      p = nullptr;
+    }
+    return reinterpret_cast<LaunchKernelExFn>(p);
+  }();
+  return fn;
 }
 
-bool make_arguments(flashoverlap::GemmCall const& c, typename Gemm::Arguments& args, std::string& err) {
+int device_sm_count(int device) {
+  if (device < 0 || device >= kMaxDevices) return 0;
+  int v = sm_counts[device].load(std::memory_order_relaxed);
+  if (v == 0) {
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 0;
+    sm_counts[device].store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+
+// What GemmUniversalAdapter::initialize (smem >= 48 KB) and ClusterLauncher::launch (clusters) set per launch.
+cudaError_t set_attributes() {
+  auto const kernel = cutlass::device_kernel<GemmKernel>;
+  cudaError_t e = cudaSuccess;
+  if (GemmKernel::SharedStorageSize >= (48 << 10)) {
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(GemmKernel::SharedStorageSize));
+  }
+  if (e == cudaSuccess && kClusterSize > 1) {
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  }
+  if (e != cudaSuccess) cudaGetLastError();  // clear the error state, as CUTLASS does
+  return e;
+}
+
+// Once per device (the current one): the function attributes, and the kernel's CUfunction for driver launches.
+cudaError_t prepare_device(int device) {
+  cudaError_t e = set_attributes();
+  if (e != cudaSuccess) return e;
+  cudaFunction_t f = nullptr;
+  if (cudaGetFuncBySymbol(&f, reinterpret_cast<void const*>(&cutlass::device_kernel<GemmKernel>)) != cudaSuccess) {
+    cudaGetLastError();
+    f = nullptr;  // launches go through the runtime
+  }
+  functions[device].store(f, std::memory_order_relaxed);
+  attributes_set[device].store(true, std::memory_order_release);
+  return cudaSuccess;
+}
+
+cudaError_t ensure_attributes(int device) {
+  return attributes_set[device].load(std::memory_order_acquire) ? cudaSuccess : prepare_device(device);
+}
+
+// Everything the Params are built from (see above): GemmCall but the stream, plus the device and its SM count.
+struct LaunchKey {
+  void const* a;
+  void const* b;
+  void const* bias;
+  void* d;
+  void const* c;
+  void* aux;
+  int* counters;
+  int const* group_of_tile_row;
+  int const* tile_row_order;
+  int const* gate_flag;
+  int const* gate_target;
+  int* gate_error_record;
+  void* workspace;
+  size_t workspace_bytes;
+  int64_t lda, ldb, ldd, ldc, ldaux;
+  long long gate_timeout_ns;
+  int m, n, k;
+  int signal_mode;
+  int sm_count;  // as launched: GemmCall::sm_count, or the device's SM count when that is 0
+  int raster, swizzle;
+  int gate_tag;
+  int device;    // the current device at the call (hw_info.device_id)
+  int zero;      // always 0: keeps the struct free of padding
+};
+static_assert(std::has_unique_object_representations_v<LaunchKey>,
+              "LaunchKey is hashed and compared byte for byte: it must have no padding");
+static_assert(sizeof(LaunchKey) % sizeof(uint64_t) == 0, "LaunchKey is hashed as 64-bit words");
+static_assert(sizeof(flashoverlap::GemmCall) == 208,
+              "GemmCall changed: put every new field that reaches the kernel into LaunchKey (make_key, "
+              "make_arguments), then update this size");
+
+bool make_key(flashoverlap::GemmCall const& c, LaunchKey& key, std::string& err) {
   int device = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) {
     err = std::string("cudaGetDevice: ") + cudaGetErrorString(e);
     return false;
   }
-  int total = device_sm_count(device);
+  int const total = device_sm_count(device);
   if (total <= 0) {
     err = "could not read the device's multiprocessor count";
     return false;
   }
+  key = LaunchKey{};
+  key.a = c.a, key.b = c.b, key.bias = c.bias, key.d = c.d, key.c = c.c, key.aux = c.aux;
+  key.counters = c.counters, key.group_of_tile_row = c.group_of_tile_row, key.tile_row_order = c.tile_row_order;
+  key.gate_flag = c.gate_flag, key.gate_target = c.gate_target, key.gate_error_record = c.gate_error_record;
+  key.workspace = c.workspace, key.workspace_bytes = c.workspace_bytes;
+  key.lda = c.lda, key.ldb = c.ldb, key.ldd = c.ldd, key.ldc = c.ldc, key.ldaux = c.ldaux;
+  key.gate_timeout_ns = c.gate_timeout_ns;
+  key.m = c.m, key.n = c.n, key.k = c.k;
+  key.signal_mode = c.signal_mode;
+  // sm_count > total launches more CTAs than SMs: with sm_count >= tiles every CTA owns one tile (not persistent),
+  // so the hardware hands SMs freed by finished tiles to higher-priority kernels (NCCL) first.
+  key.sm_count = c.sm_count > 0 ? c.sm_count : total;
+  key.raster = c.raster, key.swizzle = c.swizzle;
+  key.gate_tag = c.gate_tag;
+  key.device = device;
+  return true;
+}
+
+// The Arguments of a launch, from its key alone (the cache's invariant: nothing else may be read here).
+bool make_arguments(LaunchKey const& c, typename Gemm::Arguments& args, std::string& err) {
   int64_t const M = c.m, N = c.n;
   typename GemmKernel::StrideA sA{};
   get<0>(sA) = c.lda;
@@ -253,10 +391,8 @@ bool make_arguments(flashoverlap::GemmCall const& c, typename Gemm::Arguments& a
     return false;
   }
 #endif
-  args.hw_info.device_id = device;
-  // sm_count > total launches more CTAs than SMs: with sm_count >= tiles every CTA owns one tile (not persistent),
-  // so the hardware hands SMs freed by finished tiles to higher-priority kernels (NCCL) first.
-  args.hw_info.sm_count = c.sm_count > 0 ? c.sm_count : total;
+  args.hw_info.device_id = c.device;
+  args.hw_info.sm_count = c.sm_count;
   args.scheduler.max_swizzle_size = c.swizzle > 0 ? c.swizzle : 1;
   args.scheduler.tile_row_order = c.tile_row_order;
   args.scheduler.raster_order = c.raster == 1   ? RasterOrder::AlongM
@@ -265,50 +401,226 @@ bool make_arguments(flashoverlap::GemmCall const& c, typename Gemm::Arguments& a
   return true;
 }
 
-size_t workspace_size(flashoverlap::GemmCall const& c) {
-  typename Gemm::Arguments args;
-  std::string err;
-  if (!make_arguments(c, args, err)) return 0;
-  return Gemm::get_workspace_size(args);
-}
+// One built launch: what the cache keeps per key (immutable once built; shared with launches in flight on other
+// threads, so a hit neither copies it nor holds the cache's lock while it launches).
+struct Launch {
+  typename Gemm::Arguments args;  // for initialize_workspace, which runs at every launch
+  typename GemmKernel::Params params;
+  dim3 grid;
+};
+using LaunchPtr = std::shared_ptr<Launch const>;
 
-int run(flashoverlap::GemmCall const& c, std::string& err) {
-  typename Gemm::Arguments args;
-  if (!make_arguments(c, args, err)) return 2;
-  if (Gemm::can_implement(args) != cutlass::Status::kSuccess) {
+// A miss: validate and build as GemmUniversalAdapter::initialize does (the function attributes once per device).
+int prepare(LaunchKey const& key, Launch& l, std::string& err) {
+  if (!make_arguments(key, l.args, err)) return 2;
+  if (Gemm::can_implement(l.args) != cutlass::Status::kSuccess) {
     err = std::string(FO_NAME) +
           ": CUTLASS cannot implement this problem (K, N and every row stride must be multiples of 8 elements and "
           "every pointer 16-byte aligned)";
     return 3;
   }
-  size_t need = Gemm::get_workspace_size(args);
-  if (need > c.workspace_bytes || (need > 0 && c.workspace == nullptr)) {
+  size_t need = Gemm::get_workspace_size(l.args);
+  if (need > key.workspace_bytes || (need > 0 && key.workspace == nullptr)) {
     err = std::string(FO_NAME) + ": workspace too small: need " + std::to_string(need) + " bytes";
     return 4;
   }
-  Gemm gemm;
-  cutlass::Status s = gemm.initialize(args, c.workspace, c.stream);
-  if (s != cutlass::Status::kSuccess) {
-    cudaError_t e = cudaGetLastError();
-    err = std::string(FO_NAME) + ": initialize failed: " + cutlassGetStatusString(s) + " / " + cudaGetErrorString(e);
+  cudaError_t e = ensure_attributes(key.device);
+  if (e != cudaSuccess) {
+    err = std::string(FO_NAME) + ": initialize failed: setting the kernel's attributes: " + cudaGetErrorString(e);
     return 5;
   }
-  s = gemm.run(c.stream);
-  cudaError_t e = cudaGetLastError();
-  if (s != cutlass::Status::kSuccess || e != cudaSuccess) {
-    err = std::string(FO_NAME) + ": launch failed: " + cutlassGetStatusString(s) + " / " + cudaGetErrorString(e);
+  l.params = GemmKernel::to_underlying_arguments(l.args, key.workspace);
+  l.grid = GemmKernel::get_grid_shape(l.params);
+  if (l.grid.x % unsigned(FO_CM) != 0 || l.grid.y % unsigned(FO_CN) != 0) {  // ClusterLauncher's check
+    err = std::string(FO_NAME) + ": launch failed: the grid is not a whole number of clusters";
     return 6;
   }
   return 0;
 }
 
+// Every launch, hit or miss: the workspace initialization, then the launch GemmUniversalAdapter::run makes (grid,
+// block, dynamic shared memory, the cluster dimension unless 1x1x1, no PDL): by the driver with the kernel's
+// CUfunction on `device` when there is one, else -- or when that fails, e.g. no context is current on this thread
+// yet -- as CUTLASS makes it (a plain launch for 1x1x1 clusters, else cudaLaunchKernelEx), which also reports the
+// error.
+int launch(Launch const& l, int device, void* workspace, cudaStream_t stream, std::string& err) {
+  cutlass::Status s = GemmKernel::initialize_workspace(l.args, workspace, stream);
+  if (s != cutlass::Status::kSuccess) {
+    cudaError_t e = cudaGetLastError();
+    err = std::string(FO_NAME) + ": initialize failed: " + cutlassGetStatusString(s) + " / " + cudaGetErrorString(e);
+    return 5;
+  }
+  dim3 const block = GemmKernel::get_block_shape();
+  int const smem = int(GemmKernel::SharedStorageSize);
+  void* kernel_params[] = {const_cast<typename GemmKernel::Params*>(&l.params)};  // read only
+  CUfunction const function = functions[device].load(std::memory_order_relaxed);
+  LaunchKernelExFn const driver = driver_launch();
+  if (function != nullptr && driver != nullptr) {
+    CUlaunchAttribute attr[1];
+    attr[0].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attr[0].value.clusterDim.x = FO_CM;
+    attr[0].value.clusterDim.y = FO_CN;
+    attr[0].value.clusterDim.z = 1;
+    CUlaunchConfig cfg{};
+    cfg.gridDimX = l.grid.x, cfg.gridDimY = l.grid.y, cfg.gridDimZ = l.grid.z;
+    cfg.blockDimX = block.x, cfg.blockDimY = block.y, cfg.blockDimZ = block.z;
+    cfg.sharedMemBytes = unsigned(smem);
+    cfg.hStream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = kClusterSize > 1 ? 1 : 0;
+    if (driver(&cfg, function, kernel_params, nullptr) == CUDA_SUCCESS) {
+      cudaError_t const e = cudaGetLastError();  // as after every CUTLASS launch
+      if (e == cudaSuccess) return 0;
+      err = std::string(FO_NAME) + ": launch failed: " + cudaGetErrorString(e);
+      return 6;
+    }
+  }
+  cudaError_t e = cudaSuccess;
+  if constexpr (kClusterSize == 1) {
+    cutlass::device_kernel<GemmKernel><<<l.grid, block, smem, stream>>>(l.params);
+  } else {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = FO_CM;
+    attr[0].val.clusterDim.y = FO_CN;
+    attr[0].val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = l.grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = size_t(smem);
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    e = cudaLaunchKernelExC(&cfg, reinterpret_cast<void const*>(&cutlass::device_kernel<GemmKernel>), kernel_params);
+  }
+  cudaError_t const last = cudaGetLastError();
+  if (e == cudaSuccess) e = last;
+  if (e != cudaSuccess) {
+    err = std::string(FO_NAME) + ": launch failed: " + cudaGetErrorString(e);
+    return 6;
+  }
+  return 0;
+}
+
+uint64_t hash_key(LaunchKey const& key) {
+  uint64_t w[sizeof(LaunchKey) / sizeof(uint64_t)];
+  std::memcpy(w, &key, sizeof(LaunchKey));
+  uint64_t h = 0x9e3779b97f4a7c15ull;
+  for (uint64_t x : w) {
+    h = (h ^ x) * 0xff51afd7ed558ccdull;
+    h ^= h >> 32;
+  }
+  return h;
+}
+
+// The bounded cache of built launches: kSets x kWays slots, a key's set chosen by its hash, least recently used
+// replaced within a set. 256 launches per configuration: a ring call alone makes up to world x rounds distinct GEMM
+// launches (pointers differ per step), and a model repeats that per layer (weights differ per layer); a working
+// set larger than this degrades per set, not all at once as one LRU list would. Slots are allocated at the first
+// store (64 KB, plus about 2 KB per launch kept). One mutex: host threads may launch concurrently.
+class LaunchCache {
+ public:
+  static constexpr int kSets = 64;
+  static constexpr int kWays = 4;
+
+  LaunchPtr find(LaunchKey const& key, uint64_t hash) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Slot* s = lookup(key, hash);
+    if (s == nullptr) return nullptr;
+    s->last_use = ++tick_;
+    return s->launch;  // shared: the slot may be replaced while the caller launches
+  }
+
+  void store(LaunchKey const& key, uint64_t hash, LaunchPtr launch) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!slots_) slots_.reset(new Slot[kSets * kWays]());
+    Slot* s = lookup(key, hash);  // another thread may have stored the same key meanwhile
+    if (s == nullptr) {
+      Slot* set = &slots_[(hash >> 7) % kSets * kWays];
+      s = set;
+      for (int w = 1; w < kWays; ++w) {
+        if (set[w].last_use < s->last_use) s = &set[w];  // empty slots have last_use 0
+      }
+    }
+    s->hash = hash;
+    s->key = key;
+    s->launch = std::move(launch);
+    s->last_use = ++tick_;
+  }
+
+  void forget(LaunchKey const& key, uint64_t hash) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (Slot* s = lookup(key, hash)) {
+      s->last_use = 0;
+      s->launch.reset();
+    }
+  }
+
+ private:
+  struct Slot {
+    uint64_t last_use = 0;  // 0: empty
+    uint64_t hash = 0;
+    LaunchKey key{};
+    LaunchPtr launch;
+  };
+
+  Slot* lookup(LaunchKey const& key, uint64_t hash) {
+    if (!slots_) return nullptr;
+    Slot* set = &slots_[(hash >> 7) % kSets * kWays];
+    for (int w = 0; w < kWays; ++w) {
+      Slot& s = set[w];
+      if (s.last_use != 0 && s.hash == hash && std::memcmp(&s.key, &key, sizeof(LaunchKey)) == 0) return &s;
+    }
+    return nullptr;
+  }
+
+  std::mutex mu_;
+  std::unique_ptr<Slot[]> slots_;
+  uint64_t tick_ = 0;
+};
+
+LaunchCache& launch_cache() {
+  static LaunchCache* cache = new LaunchCache;  // never destroyed: host threads may still launch at exit
+  return *cache;
+}
+
+size_t workspace_size(flashoverlap::GemmCall const& c) {
+  LaunchKey key;
+  typename Gemm::Arguments args;
+  std::string err;
+  if (!make_key(c, key, err) || !make_arguments(key, args, err)) return 0;
+  return Gemm::get_workspace_size(args);
+}
+
+int run(flashoverlap::GemmCall const& c, std::string& err) {
+  LaunchKey key;
+  if (!make_key(c, key, err)) return 2;
+  bool const cached = flashoverlap::gemm_cache_enabled();
+  uint64_t const hash = cached ? hash_key(key) : 0;
+  LaunchPtr l = cached ? launch_cache().find(key, hash) : nullptr;
+  bool const hit = l != nullptr;
+  if (!hit) {
+    auto built = std::shared_ptr<Launch>(new Launch);
+    int rc = prepare(key, *built, err);
+    if (rc != 0) return rc;
+    l = std::move(built);
+    if (cached) launch_cache().store(key, hash, l);
+  }
+  flashoverlap::count_gemm_launch(hit);
+  int rc = launch(*l, key.device, key.workspace, c.stream, err);
+  if (rc != 0) {  // rebuild from scratch next time (function attributes included)
+    if (cached) launch_cache().forget(key, hash);
+    attributes_set[key.device].store(false, std::memory_order_release);
+  }
+  return rc;
+}
+
 int preload(std::string& err) {
   cudaFuncAttributes attr{};
   cudaError_t e = cudaFuncGetAttributes(&attr, cutlass::device_kernel<GemmKernel>);
-  if (e == cudaSuccess && GemmKernel::SharedStorageSize >= (48 << 10)) {
-    e = cudaFuncSetAttribute(cutlass::device_kernel<GemmKernel>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             int(GemmKernel::SharedStorageSize));
-  }
+  int device = 0;
+  if (e == cudaSuccess) e = cudaGetDevice(&device);
+  if (e == cudaSuccess) e = device >= 0 && device < kMaxDevices ? prepare_device(device) : set_attributes();
   if (e != cudaSuccess) {
     err = std::string(FO_NAME) + ": loading the kernel failed: " + cudaGetErrorString(e);
     return 7;

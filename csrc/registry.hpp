@@ -15,6 +15,8 @@ enum BLayout : int { kBNK = 0, kBKN = 1 };  // B given as [N,K] (K contiguous, a
 enum Schedule : int { kCooperative = 0, kPingpong = 1 };
 
 // One GEMM call: D[M,N] = A[M,K] @ B (+ bias[N]); row strides in elements; A and D row-major.
+// Every field but `stream` is an input of the kernel's parameters, and so part of the key of the GEMM units' launch
+// cache (gemm_sm90.cu: LaunchKey; a static_assert there on sizeof(GemmCall) catches a field added here only).
 struct GemmCall {
   void const* a;
   int64_t lda;
@@ -57,7 +59,8 @@ struct GemmConfig {
   int add_c;  // 1: the epilogue adds a C operand (GemmCall::c), which it then needs; 2 / 3: and stores D a second
               // time to GemmCall::aux (2: through shared memory and TMA; 3: from registers)
   size_t (*workspace_size)(GemmCall const&);
-  // Returns 0 or writes a message to err and returns a nonzero code.
+  // Launches on call.stream. Returns 0 or writes a message to err and returns a nonzero code. Thread-safe; the
+  // kernel's parameters come from the unit's launch cache when an earlier launch had the same GemmCall (but stream).
   int (*run)(GemmCall const&, std::string& err);
   // Loads the kernel now (CUDA lazy loading would otherwise load it at its first launch, which needs a context
   // synchronization: a spinning waiter that depends on a not-yet-loaded kernel then deadlocks).
@@ -65,6 +68,10 @@ struct GemmConfig {
 };
 
 void register_config(GemmConfig const& cfg);
+// The GEMM units' launch caches (api.cu): on unless fo_gemm_cache_enable(0) turned them off; every launch counts
+// as a hit or a miss (fo_gemm_cache_stats).
+bool gemm_cache_enabled();
+void count_gemm_launch(bool cached);
 int num_configs();
 GemmConfig const* config_at(int index);
 

@@ -13,13 +13,16 @@ A sweep tries every configuration x ``--swizzles``; ``--select`` evaluates the p
 Signals go to ``--groups`` wave groups of whole tile-rows (``plan.uniform_plan``), with no waiter.
 ``--extras`` adds: a cool-GPU burst measurement (0.2 s idle, 3 warm-ups, 10 timed), the wait kernel vs
 ``cuStreamWaitValue32`` (release latency, cost), and the A-row gather that reduce_scatter layouts need.
+``--host-cost`` only times the host side of one GEMM call (the library's launch cache hit vs miss) and exits.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -29,7 +32,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from flashoverlap_inductor import kernels, plan  # noqa: E402
+from flashoverlap_inductor import build, kernel_calls, kernels  # noqa: E402
+from flashoverlap_inductor.schedule import plan  # noqa: E402
 
 GRID_MS = (2048, 4096, 8192, 16384)
 GRID_NK = ((8192, 8192), (8192, 7168), (8192, 14336), (4096, 4096))
@@ -90,7 +94,7 @@ def bench_shape(m: int, n: int, k: int, cfgs: list[kernels.KernelInfo], args) ->
         counters = torch.zeros(p.num_groups, dtype=torch.int32, device="cuda")
 
         def run(cfg=info.name, mode="off", free=0, swz=1, gmap=gmap, counters=counters):
-            kernels.signal_gemm(a, b, out=out, config=cfg, counters=None if mode == "off" else counters,
+            kernel_calls.signal_gemm(a, b, out=out, config=cfg, counters=None if mode == "off" else counters,
                                 group_of_tile_row=None if mode == "off" else gmap,
                                 sm_count=sms - free if free else 0, swizzle=swz,
                                 signal_mode="deferred" if mode == "off" else mode)
@@ -164,7 +168,7 @@ def _burst_one(m: int, n: int, k: int, best: dict, groups: int, reps: int) -> di
     gmap = plan.group_of_tile_row(p.row_bounds, info.tile_m)
     counters = torch.zeros(p.num_groups, dtype=torch.int32, device="cuda")
     fns = {"cublas": lambda: torch.mm(a, b, out=out), "cublas_kn": lambda: torch.mm(a, b_kn, out=out),
-           "ours": lambda: kernels.signal_gemm(a, b, out=out, config=info.name, counters=counters,
+           "ours": lambda: kernel_calls.signal_gemm(a, b, out=out, config=info.name, counters=counters,
                                                group_of_tile_row=gmap, swizzle=best["best_swizzle"])}
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
@@ -185,6 +189,75 @@ def _burst_one(m: int, n: int, k: int, best: dict, groups: int, reps: int) -> di
     row.update({f"{name}_tflops": flop / statistics.median(t) / 1e9 for name, t in times.items()})
     row["ratio"] = row["ours_tflops"] / max(row["cublas_tflops"], row["cublas_kn_tflops"])
     return row
+
+
+def bench_host_cost(calls: int = 200, reps: int = 7) -> dict:
+    """Host time of one ``fo_gemm`` call through ctypes (bf16, B [N,K], 256x1024x512, signals on): "hit" repeats one
+    call of the default configuration (its kernel parameters come from the library's launch cache), "miss" gives
+    every call another ``workspace_bytes`` (part of the cache key, unused by these kernels: a miss every time, the
+    parameters built as before the cache), "hit_1x1" repeats one call of a configuration without clusters (a plain
+    launch instead of cudaLaunchKernelEx), "reject" is a call the library refuses at once (no such configuration:
+    the ctypes cost of 23 arguments), "notify" one ``fo_notify`` (a one-thread kernel: the cost of a bare launch
+    plus 2 ctypes arguments). Medians over ``reps`` batches of ``calls``, in microseconds per call; the GPU sleeps
+    meanwhile, so no launch waits for queue space."""
+    lib = kernels.ready()
+    stats_fn = lib.fo_gemm_cache_stats
+    stats_fn.restype, stats_fn.argtypes = ctypes.c_int, [ctypes.POINTER(ctypes.c_int64)] * 2
+
+    def stats() -> tuple[int, int]:
+        h, m = ctypes.c_int64(0), ctypes.c_int64(0)
+        stats_fn(ctypes.byref(h), ctypes.byref(m))
+        return h.value, m.value
+
+    index: dict[str, int] = {}
+    for i in range(lib.fo_num_configs()):
+        name, ints = ctypes.create_string_buffer(128), (ctypes.c_int * 12)()
+        kernels._check(lib.fo_config_info(i, name, 128, ints), "fo_config_info")
+        if ints[9] == 0 and ints[10] == 0 and ints[11] == 0:  # bf16, B [N,K], no C
+            index.setdefault(name.value.decode() if ints[3] * ints[4] > 1 else "1x1", i)
+    if kernels.DEFAULT_CONFIG not in index:
+        raise kernels.KernelLibraryError(f"{kernels.DEFAULT_CONFIG} is not compiled for bf16 with B as [N,K]")
+    m, n, k = 256, 1024, 512
+    a = torch.randn(m, k, device="cuda").bfloat16()
+    w = torch.randn(n, k, device="cuda").bfloat16()
+    d = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    counters = torch.zeros(64, dtype=torch.int32, device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    serial = [0]
+
+    def call(config: int, ws_bytes: int) -> int:
+        return lib.fo_gemm(config, a.data_ptr(), k, w.data_ptr(), k, None, None, 0, d.data_ptr(), n, m, n, k,
+                           counters.data_ptr(), None, None, 0, 0, 2, 4, None, ws_bytes, stream)
+
+    def next_bytes() -> int:
+        serial[0] += 1
+        return serial[0]
+
+    default = index[kernels.DEFAULT_CONFIG]
+    variants = {"hit": lambda: call(default, 0), "miss": lambda: call(default, next_bytes())}
+    if "1x1" in index:
+        variants["hit_1x1"] = lambda: call(index["1x1"], 0)
+    variants["reject"] = lambda: call(-1, 0)
+    variants["notify"] = lambda: lib.fo_notify(counters.data_ptr() + 4 * 63, stream)
+    for fn in variants.values():  # warm-up: loads, the hits' entries
+        fn()
+    torch.cuda.synchronize()
+    out: dict = {"calls": calls}
+    for name, fn in variants.items():
+        per_call, before = [], stats()
+        for _ in range(reps):
+            torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time: the launches only queue
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                rc = fn()
+            per_call.append((time.perf_counter() - t0) * 1e6 / calls)
+            if name != "reject":
+                kernels._check(rc, name)
+            torch.cuda.synchronize()
+        after = stats()
+        out[name] = {"us_median": round(statistics.median(per_call), 2), "us_min": round(min(per_call), 2),
+                     "cache_hits": after[0] - before[0], "cache_misses": after[1] - before[1]}
+    return out
 
 
 def bench_gather(m: int, k: int, world: int, groups: int) -> dict:
@@ -208,10 +281,34 @@ def bench_gather(m: int, k: int, world: int, groups: int) -> dict:
             "bytes": 2 * a.numel() * a.element_size()}
 
 
+def _test_lib() -> ctypes.CDLL | None:
+    """The test helper library (``fo_test_*``, ``csrc/test_api.cu``; ``$FLASHOVERLAP_TEST_LIB``, else next to the
+    kernel library) with its kernels loaded on the current device, or None when it is not built."""
+    path = os.environ.get("FLASHOVERLAP_TEST_LIB") or str(kernels.library_path().with_name(build.TEST_LIB_NAME))
+    if not os.path.isfile(path):
+        return None
+    lib = ctypes.CDLL(path)
+    lib.fo_test_last_error.restype = ctypes.c_char_p
+    lib.fo_test_stamp.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.fo_test_delayed_add.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p,
+                                        ctypes.c_void_p]
+    _test_check(lib, lib.fo_test_preload(), "fo_test_preload")  # before any wait can spin (lazy loading)
+    return lib
+
+
+def _test_check(lib: ctypes.CDLL, rc: int, what: str) -> None:
+    if rc != 0:
+        raise kernels.KernelLibraryError(f"{what} failed (code {rc}): {lib.fo_test_last_error().decode()}")
+
+
 def bench_wait(reps: int = 20) -> dict:
     """Release latency: a kernel spins 100 us then release-adds; a side stream waits (wait kernel or
     cuStreamWaitValue32) and then stamps %globaltimer. Also the cost of 8 already-satisfied waits."""
-    lib = kernels.ready()
+    kernels.ready()
+    lib = _test_lib()
+    if lib is None:
+        return {"skipped": f"no {build.TEST_LIB_NAME} next to the kernel library (python -m "
+                           "flashoverlap_inductor.build builds both)"}
     side, main = torch.cuda.Stream(), torch.cuda.current_stream()
     out = {}
     for how in ("kernel", "wait_value"):
@@ -221,16 +318,16 @@ def bench_wait(reps: int = 20) -> dict:
             stamps = torch.zeros(2, dtype=torch.int64, device="cuda")
             torch.cuda.synchronize()
             if how == "kernel":
-                kernels.wait_group(counters, 0, 1, stream=side, timeout_ms=1000)
+                kernel_calls.wait_group(counters, 0, 1, stream=side, timeout_ms=1000)
             else:
-                kernels.stream_wait_value(counters, 0, 1, stream=side)
-            kernels._check(lib.fo_test_stamp(stamps.data_ptr() + 8, side.cuda_stream), "stamp")
-            kernels._check(lib.fo_test_delayed_add(counters.data_ptr(), 1, 100_000, stamps.data_ptr(),
-                                                   main.cuda_stream), "delayed_add")
+                kernel_calls.stream_wait_value(counters, 0, 1, stream=side)
+            _test_check(lib, lib.fo_test_stamp(stamps.data_ptr() + 8, side.cuda_stream), "stamp")
+            _test_check(lib, lib.fo_test_delayed_add(counters.data_ptr(), 1, 100_000, stamps.data_ptr(),
+                                                     main.cuda_stream), "delayed_add")
             torch.cuda.synchronize()
             s, r = stamps.tolist()
             lat.append((r - s) / 1e3)
-        kernels.raise_if_timed_out()
+        kernel_calls.raise_if_timed_out()
         counters = torch.ones(8, dtype=torch.int32, device="cuda")
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -240,9 +337,9 @@ def bench_wait(reps: int = 20) -> dict:
         for _ in range(10):
             for g in range(8):
                 if how == "kernel":
-                    kernels.wait_group(counters, g, 1, stream=side)
+                    kernel_calls.wait_group(counters, g, 1, stream=side)
                 else:
-                    kernels.stream_wait_value(counters, g, 1, stream=side)
+                    kernel_calls.stream_wait_value(counters, g, 1, stream=side)
         end.record(side)
         torch.cuda.synchronize()
         out[how] = {"release_latency_us_median": statistics.median(lat), "release_latency_us_max": max(lat),
@@ -354,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--extras", action="store_true", help="also time the A-row gather and the wait mechanisms")
+    p.add_argument("--host-cost", action="store_true", help="only time the host side of one GEMM call, launch "
+                   "cache hit vs miss (bench_host_cost), then exit")
     p.add_argument("--json", default=None)
     p.add_argument("--select", default=None, metavar="JSON",
                    help="evaluate the per-shape choices of an earlier run ({'shapes': {'MxNxK': {'best': [config, "
@@ -366,6 +465,13 @@ def main(argv: list[str] | None = None) -> int:
     if not kernels.available():
         print("needs an sm90 GPU and the built library (python -m flashoverlap_inductor.build)")
         return 1
+    if args.host_cost:
+        cost = bench_host_cost()
+        print("host cost per fo_gemm call (us):", json.dumps(cost))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "host_cost": cost},
+                                                  indent=1))
+        return 0
     cfgs = [c for c in kernels.configs() if args.configs is None or c.name in args.configs]
     shapes = [(m, *map(int, nk.split("x"))) for m in map(int, args.ms.split(",")) for nk in args.nk.split(",")]
     t0 = time.time()

@@ -158,26 +158,31 @@ def _(a, b, bias, output_split_sizes, input_split_sizes, group_name, plan, setti
 # The CUDA fast path. custom_op's own layers (autograd wrapper, dynamo guard, aliasing check) cost ~130 us of host
 # time per call on torch 2.11 (examples/device/host_profile.py). Two plain kernels replace them for CUDA tensors:
 # on AutogradCUDA, a check (the ops have no autograd formula: the pass inserts them after autograd; with grad
-# enabled and an input that requires grad it raises) and a redispatch below autograd, so fake and functional
+# enabled and an input that requires grad it raises), then the implementation itself where the next key below autograd
+# is CUDA (plain CUDA tensors: one dispatcher hop less), else a redispatch below autograd, so fake and functional
 # tensors still reach the fake implementation; on CUDA, the implementation itself.
 _fast_lib = torch.library.Library(NAMESPACE, "IMPL")
 _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+_CUDA_KEY = torch._C.DispatchKey.CUDA
 
 
-def _autograd_cuda_kernel(name: str):
+def _autograd_cuda_kernel(name: str, impl):
     op = getattr(torch.ops.flashoverlap, name).default
 
     def kernel(keyset, *args):
         if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in args):
             raise RuntimeError(f"{NAMESPACE}::{name} has no autograd formula; it is meant for graphs after autograd "
                                "(torch.compile with backend='flashoverlap' inserts it there)")
-        return op.redispatch(keyset & _AFTER_AUTOGRAD, *args)
+        below = keyset & _AFTER_AUTOGRAD
+        if below.highestPriorityTypeId() == _CUDA_KEY:  # the redispatch would land on ``impl``
+            return impl(*args)
+        return op.redispatch(below, *args)
     return kernel
 
 
 for _name, _impl in (("gemm_all_reduce", _gemm_all_reduce), ("gemm_reduce_scatter", _gemm_reduce_scatter),
                      ("gemm_all_to_all", _gemm_all_to_all)):
-    _fast_lib.impl(_name, _autograd_cuda_kernel(_name), "AutogradCUDA", with_keyset=True)
+    _fast_lib.impl(_name, _autograd_cuda_kernel(_name, _impl), "AutogradCUDA", with_keyset=True)
     _fast_lib.impl(_name, _impl, "CUDA")
 
 FUSED_OPS = (

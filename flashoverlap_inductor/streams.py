@@ -27,7 +27,7 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -41,89 +41,6 @@ MAX_GROUPS = 256  # counters per slot: the most wave groups one fused call may h
 MAX_SLOTS = 512  # counter slots per device: one per caller stream, plus one per captured call
 
 
-class KernelLib:
-    """The loaded library, called through its C ABI with raw pointers (no per-call Python checks).
-
-    Sizes in elements, times in ns. Every function raises ``kernels.KernelLibraryError`` on a nonzero code.
-    """
-
-    def __init__(self) -> None:
-        self.lib = kernels.library()
-        self._index: dict[tuple[str, int, str], int] | None = None
-
-    def check(self, rc: int, what: str) -> None:
-        if rc != 0:
-            msg = self.lib.fo_last_error().decode(errors="replace")
-            raise kernels.KernelLibraryError(f"{what} failed (code {rc}): {msg}")
-
-    def config_index(self, name: str, dtype: torch.dtype, b_layout: str) -> int:
-        """Index of configuration ``name`` compiled for ``dtype`` and B layout ``"nk"``/``"kn"`` (``fo_config_info``
-        ints[9] = dtype, ints[10] = B layout)."""
-        if self._index is None:
-            table = {}
-            for i in range(self.lib.fo_num_configs()):
-                buf = ctypes.create_string_buffer(128)
-                ints = (ctypes.c_int * 12)()
-                self.check(self.lib.fo_config_info(i, buf, 128, ints), "fo_config_info")
-                table[(buf.value.decode(), ints[9], kernels.B_LAYOUTS[ints[10]])] = i
-            self._index = table
-        key = (name, kernels.DTYPES[dtype], b_layout)
-        if key not in self._index:
-            raise KeyError(f"configuration {name!r} is not compiled for {dtype} with B as {b_layout}")
-        return self._index[key]
-
-    def workspace_bytes(self, index: int, m: int, n: int, k: int, sm_count: int, raster: int, swizzle: int) -> int:
-        size = ctypes.c_size_t(0)
-        self.check(self.lib.fo_gemm_workspace_size(index, m, n, k, sm_count, raster, swizzle, ctypes.byref(size)),
-                   "fo_gemm_workspace_size")
-        return int(size.value)
-
-    def gemm(self, index: int, a: torch.Tensor, b: torch.Tensor, ldb: int, bias: torch.Tensor | None,
-             out: torch.Tensor, counters_ptr: int, gmap: torch.Tensor, order: torch.Tensor | None, signal_mode: int,
-             sm_count: int, raster: int, swizzle: int, workspace: torch.Tensor | None, stream_ptr: int) -> None:
-        """``out[M,N] = a[M,K] @ b (+ bias)`` on ``stream_ptr``, signalling ``counters[gmap[tile_row]]``, tile-rows
-        in ``order`` (None = natural order)."""
-        m, k = a.shape
-        rc = self.lib.fo_gemm(index, a.data_ptr(), a.stride(0), b.data_ptr(), ldb,
-                              bias.data_ptr() if bias is not None else None, None, 0, out.data_ptr(), out.stride(0), m,
-                              out.shape[1], k, counters_ptr, gmap.data_ptr(),
-                              order.data_ptr() if order is not None else None, signal_mode, sm_count, raster, swizzle,
-                              workspace.data_ptr() if workspace is not None else None,
-                              workspace.numel() if workspace is not None else 0, stream_ptr)
-        self.check(rc, "fo_gemm")
-
-    def fused_call(self, index: int, a: torch.Tensor | None, b: torch.Tensor | None, ldb: int,
-                   bias: torch.Tensor | None, d: torch.Tensor, buf: torch.Tensor, rows: int, k: int,
-                   gmap: torch.Tensor | None, order: torch.Tensor | None, signal_mode: int, sm_count: int,
-                   raster: int, swizzle: int, workspace: torch.Tensor | None, counters_ptr: int, expected_ptr: int,
-                   csteps: Any, out: torch.Tensor, nccl_dtype: int, comm: int, timeout_ns: int, record_ptr: int,
-                   cur_ptr: int, side_ptr: int) -> None:
-        """The whole fused op (``fo_fused_call``): GEMM ``d = a @ b (+ bias)`` on ``cur_ptr`` (skipped when
-        ``rows`` is 0; tile-rows in ``order``), every group's wait, staging copy ``d -> buf`` and NCCL call(s) on
-        ``side_ptr``, then the join. ``d`` and ``buf`` are the same tensor unless the steps stage."""
-        rc = self.lib.fo_fused_call(
-            index, a.data_ptr() if a is not None else None, a.stride(0) if a is not None else 0,
-            b.data_ptr() if b is not None else None, ldb, bias.data_ptr() if bias is not None else None,
-            d.data_ptr(), buf.data_ptr(), d.stride(0), rows, d.shape[1], k,
-            gmap.data_ptr() if gmap is not None else None, order.data_ptr() if order is not None else None,
-            signal_mode, sm_count, raster, swizzle, workspace.data_ptr() if workspace is not None else None,
-            workspace.numel() if workspace is not None else 0, counters_ptr, expected_ptr, csteps.groups,
-            csteps.steps_ptr, csteps.p2p_ptr, out.data_ptr(), buf.element_size(), nccl_dtype, comm, timeout_ns,
-            record_ptr, cur_ptr, side_ptr)
-        self.check(rc, "fo_fused_call")
-
-    def wait(self, counter_ptr: int, expected_ptr: int, tiles: int, timeout_ns: int, record_ptr: int, tag: int,
-             stream_ptr: int) -> None:
-        """Hold ``stream_ptr`` until ``*counter >= *expected + tiles``; then ``*expected`` = that target."""
-        self.check(self.lib.fo_wait_counter(counter_ptr, expected_ptr, tiles, timeout_ns, record_ptr, tag,
-                                            stream_ptr), "fo_wait_counter")
-
-
-@functools.lru_cache(maxsize=1)
-def kernel_lib() -> KernelLib:
-    return KernelLib()
-
-
 @functools.cache
 def _own_record(index: int) -> torch.Tensor:
     return torch.zeros(4, dtype=torch.int32, pin_memory=True)
@@ -131,7 +48,7 @@ def _own_record(index: int) -> torch.Tensor:
 
 def error_record(index: int) -> torch.Tensor:
     """The pinned timeout record of device ``index`` (kernels.py's own when it has one, so that
-    ``kernels.raise_if_timed_out`` sees the same record)."""
+    ``kernel_calls.raise_if_timed_out`` sees the same record)."""
     shared = getattr(kernels, "_error_record", None)
     return shared(index) if shared is not None else _own_record(index)
 

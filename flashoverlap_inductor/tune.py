@@ -191,9 +191,8 @@ def cmd_gemm(args: argparse.Namespace) -> int:
 
 def _time_gemm_shape(m: int, n: int, k: int, infos: list, sm_counts: list[int], timer: tm.Timer) -> dict[str, float]:
     """ms of cuBLAS and of every configuration on every SM count (``"<config>@<sms>"``) for one bf16 shape."""
-    from . import kernels, streams
+    from . import kernels
 
-    lib = streams.kernel_lib()
     stream = torch.cuda.current_stream()
     a = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
     w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / math.sqrt(k)
@@ -203,13 +202,13 @@ def _time_gemm_shape(m: int, n: int, k: int, infos: list, sm_counts: list[int], 
         p = uniform_plan(m, n, info.tile_m, info.tile_n, 8)
         gmap = torch.tensor(group_of_tile_row(p.row_bounds, info.tile_m), dtype=torch.int32, device=DEVICE)
         counters = torch.zeros(p.num_groups, dtype=torch.int32, device=DEVICE)
-        idx = lib.config_index(info.name, torch.bfloat16, "nk")
+        idx = kernels.config_index(info.name, torch.bfloat16, "nk")
         for use in sm_counts:
-            ws_bytes = lib.workspace_bytes(idx, m, n, k, use, kernels.RASTERS["along_n"], 1)
+            ws_bytes = kernels.workspace_bytes(idx, m, n, k, use, kernels.RASTERS["along_n"], 1)
             ws = torch.empty(ws_bytes, dtype=torch.uint8, device=DEVICE) if ws_bytes else None
 
             def fn(idx=idx, use=use, ws=ws, gmap=gmap, counters=counters):
-                lib.gemm(idx, a, w.t(), k, None, out, counters.data_ptr(), gmap, None,
+                kernels.gemm(idx, a, w.t(), k, None, out, counters.data_ptr(), gmap, None,
                          kernels.SIGNAL_MODES["deferred"], use, kernels.RASTERS["along_n"], 1, ws, stream.cuda_stream)
             variants[f"{info.name}@{use}"] = fn
     return {name: t.ms for name, t in timer.measure(variants).items()}

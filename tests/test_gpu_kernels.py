@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 
-from flashoverlap_inductor import build, kernels
+from flashoverlap_inductor import build, config, kernel_calls, kernels
 from flashoverlap_inductor.schedule import plan
 
 GPU = pytest.mark.skipif(not kernels.available(), reason="needs an sm90 GPU and the built CUDA library")
@@ -53,32 +53,27 @@ def test_build_units_are_unique_and_cover_every_variant():
     assert {u.dtype for u in smoke} == set(build.DTYPES) and {u.b_layout for u in smoke} == set(build.B_LAYOUTS)
 
 
-def test_loader_reports_missing_library(monkeypatch, tmp_path):
-    monkeypatch.setenv(kernels.LIB_ENV, str(tmp_path / "nope.so"))
-    with pytest.raises(kernels.KernelLibraryError, match="flashoverlap_inductor.build"):
-        kernels.library()
-    assert not kernels.available()
+def test_loader_reports_missing_library(tmp_path):
+    with config.patch(library=str(tmp_path / "nope.so")):  # Settings.library ($FLASHOVERLAP_LIB, read once)
+        with pytest.raises(kernels.KernelLibraryError, match="flashoverlap_inductor.build"):
+            kernels.library()
+        assert not kernels.available()
 
 
 def test_shipped_abi_has_no_test_functions():
-    """The test helpers (``fo_test_*``) live in their own library; the shipped header, sources and, when built, the
-    library itself have none."""
+    """The test helpers (``fo_test_*``) live in their own library: the shipped header and sources have none (the
+    built library is checked by ``test_library_exports_no_test_functions``)."""
     csrc = build.CSRC
     for name in ["flashoverlap_sm90.h"] + [f"{u}.cu" for u in build.HOST_UNITS]:
         assert "fo_test_" not in (csrc / name).read_text(), name
     assert "fo_test_stamp" in (csrc / "test_api.cu").read_text()
     assert set(build.TEST_UNITS).isdisjoint(build.HOST_UNITS)
-    path = kernels.library_path()
-    if path.is_file():
-        lib = ctypes.CDLL(str(path))
-        assert not hasattr(lib, "fo_test_stamp") and not hasattr(lib, "fo_test_delayed_add")
-        assert hasattr(lib, "fo_gemm_cache_stats")
 
 
 def test_wrap32_is_cyclic():
-    assert kernels._wrap32(5) == 5
-    assert kernels._wrap32(2**31) == -(2**31)
-    assert kernels._wrap32(2**32 + 7) == 7
+    assert kernel_calls._wrap32(5) == 5
+    assert kernel_calls._wrap32(2**31) == -(2**31)
+    assert kernel_calls._wrap32(2**32 + 7) == 7
 
 
 # --------------------------------------------------------------------------------------------------- GPU parts
@@ -117,7 +112,7 @@ def test_every_config_matches_torch(shape):
             for with_bias in (False, True):
                 a, b, bias = _operands(m, n, k, dtype, b_layout, with_bias, gen)
                 out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
-                kernels.signal_gemm(a, b, bias, out, config=info.name)
+                kernel_calls.signal_gemm(a, b, bias, out, config=info.name)
                 ref = _reference(a, b, bias)
                 assert not out.isnan().any(), f"{info.name} {dtype_name} {b_layout}: unwritten output"
                 err = _rel_err(out, ref)
@@ -146,13 +141,13 @@ def test_every_addc_config_matches_the_reference():
                 # C as large as a @ b (entries ~ sqrt(k)): a lost or misplaced addend shows in the error
                 c = (torch.randn(m, n, generator=gen, device="cuda") * k ** 0.5).to(dtype)
                 out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
-                kernels.signal_gemm(a, b, bias, out, config=info.name, addend=c, swizzle=swizzle)
+                kernel_calls.signal_gemm(a, b, bias, out, config=info.name, addend=c, swizzle=swizzle)
                 ref = _reference(a, b, bias).to(dtype).double() + c.double()
                 err = _rel_err(out, ref)
                 what = f"{info.name} {dtype_name} {b_layout} {m}x{n}x{k} swizzle {swizzle}"
                 assert torch.isfinite(out).all() and err < 5e-3, f"{what}: rel err {err:.3g}"
                 with pytest.raises(kernels.KernelLibraryError):  # an _addc configuration needs its C operand
-                    kernels.signal_gemm(a, b, bias, out, config=info.name)
+                    kernel_calls.signal_gemm(a, b, bias, out, config=info.name)
 
 
 @GPU
@@ -163,11 +158,11 @@ def test_strided_a_and_out_views():
     w = torch.randn(384, 512, generator=gen, device="cuda").bfloat16()
     out_big = torch.full((700, 400), float("nan"), dtype=torch.bfloat16, device="cuda")
     out = out_big[:, :384]
-    kernels.signal_gemm(a, w.t(), None, out)
+    kernel_calls.signal_gemm(a, w.t(), None, out)
     assert _rel_err(out, _reference(a, w.t(), None)) < 1e-2
     assert out_big[:, 384:].isnan().all()
     at = torch.randn(512, 700, generator=gen, device="cuda").bfloat16().t()  # column-major A: copied
-    assert _rel_err(kernels.signal_gemm(at, w.t()), _reference(at, w.t(), None)) < 1e-2
+    assert _rel_err(kernel_calls.signal_gemm(at, w.t()), _reference(at, w.t(), None)) < 1e-2
 
 
 @GPU
@@ -183,14 +178,14 @@ def test_counters_end_at_group_sizes(mode):
             a, b, _ = _operands(m, n, k, torch.bfloat16, "nk", False, gen)
             counters = torch.zeros(len(expect), dtype=torch.int32, device="cuda")
             for rep in range(1, 3):
-                out = kernels.signal_gemm(a, b, config=info.name, counters=counters, group_of_tile_row=gmap,
+                out = kernel_calls.signal_gemm(a, b, config=info.name, counters=counters, group_of_tile_row=gmap,
                                           sm_count=sms, swizzle=swz, signal_mode=mode)
                 torch.cuda.synchronize()
                 assert counters.tolist() == [rep * e for e in expect], f"{info.name} {m}x{n}x{k} rep {rep}"
             assert _rel_err(out, _reference(a, b, None)) < 1e-2
             # identity map: one counter per tile-row
             per_row = torch.zeros(math.ceil(m / info.tile_m), dtype=torch.int32, device="cuda")
-            kernels.signal_gemm(a, b, config=info.name, counters=per_row, signal_mode=mode, raster="along_m")
+            kernel_calls.signal_gemm(a, b, config=info.name, counters=per_row, signal_mode=mode, raster="along_m")
             torch.cuda.synchronize()
             assert per_row.tolist() == [math.ceil(n / info.tile_n)] * per_row.numel()
 
@@ -233,33 +228,46 @@ def _stamp(lib, buf, i, stream):
 
 
 def _cache_stats() -> tuple[int, int]:
-    fn = kernels.library().fo_gemm_cache_stats
-    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.POINTER(ctypes.c_int64)] * 2
-    hits, misses = ctypes.c_int64(0), ctypes.c_int64(0)
-    fn(ctypes.byref(hits), ctypes.byref(misses))
-    return hits.value, misses.value
+    return kernels.gemm_cache_stats()
 
 
 @GPU
-def test_launch_cache_hits_and_never_serves_stale_parameters():
+def test_library_exports_no_test_functions():
+    """The library under test is current: no ``fo_test_*`` (those are in the test library), the launch cache's
+    counters."""
+    lib = ctypes.CDLL(str(kernels.library_path()))
+    assert not hasattr(lib, "fo_test_stamp") and not hasattr(lib, "fo_test_delayed_add")
+    assert hasattr(lib, "fo_gemm_cache_stats")
+
+
+@GPU
+@pytest.mark.parametrize("cached", [True, False])
+def test_launch_cache_hits_and_never_serves_stale_parameters(cached):
     """A repeated launch takes its kernel parameters from the library's launch cache and computes with the tensors'
     current values; launches that differ in a pointer or a setting get their own parameters, also after more
     distinct launches of one configuration than the cache keeps (256), on another stream, and in reverse order."""
-    cached = os.environ.get("FLASHOVERLAP_GEMM_CACHE") != "0"
+    was = kernels.gemm_cache_enable(cached)
+    try:
+        _launch_cache_case(cached)
+    finally:
+        kernels.gemm_cache_enable(was)
+
+
+def _launch_cache_case(cached: bool) -> None:
     gen = torch.Generator(device="cuda").manual_seed(13)
     m, n, k, pieces = 256, 512, 128, 300
     a, b, bias = _operands(m, n, k, torch.bfloat16, "nk", True, gen)
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    kernels.signal_gemm(a, b, bias, out)
+    kernel_calls.signal_gemm(a, b, bias, out)
     h0, m0 = _cache_stats()
     for _ in range(3):  # same pointers, new values
         a.copy_(torch.randn(m, k, generator=gen, device="cuda").bfloat16())
         out.fill_(float("nan"))
-        kernels.signal_gemm(a, b, bias, out)
+        kernel_calls.signal_gemm(a, b, bias, out)
         assert _rel_err(out, _reference(a, b, bias)) < 1e-2
     h1, m1 = _cache_stats()
     assert (h1 - h0, m1 - m0) == ((3, 0) if cached else (0, 3))
-    kernels.signal_gemm(a, b, bias, out)
+    kernel_calls.signal_gemm(a, b, bias, out)
     first = out.clone()
     # every piece its own D pointer and a swizzle / raster / SM count of its own (the values never depend on those)
     settings = [(swz, raster, sms) for sms in (0, 100, 132) for raster in ("along_n", "along_m")
@@ -271,11 +279,11 @@ def test_launch_cache_hits_and_never_serves_stale_parameters():
         for i in order:
             swz, raster, sms = settings[i % len(settings)]
             with torch.cuda.stream(side if i % 3 == 0 else torch.cuda.current_stream()):
-                kernels.signal_gemm(a, b, bias if i % 2 else None, big[i * m:(i + 1) * m], swizzle=swz, raster=raster,
-                                    sm_count=sms)
+                kernel_calls.signal_gemm(a, b, bias if i % 2 else None, big[i * m:(i + 1) * m], swizzle=swz,
+                                         raster=raster, sm_count=sms)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-        no_bias = kernels.signal_gemm(a, b)
+        no_bias = kernel_calls.signal_gemm(a, b)
         for i in range(pieces):
             piece = big[i * m:(i + 1) * m]
             assert torch.equal(piece, first if i % 2 else no_bias), f"piece {i}: stale or missing launch"
@@ -306,15 +314,15 @@ def test_groups_release_in_order_with_complete_rows(mode):
         main = torch.cuda.current_stream()
         with torch.cuda.stream(side):
             for g in range(groups):
-                kernels.wait_group(counters, g, epoch * tiles[g], stream=side, timeout_ms=5000)
+                kernel_calls.wait_group(counters, g, epoch * tiles[g], stream=side, timeout_ms=5000)
                 lo, hi = p.row_bounds[g], p.row_bounds[g + 1]
                 snap[lo:hi].copy_(out[lo:hi])
                 _stamp(tl, stamps, g, side)
-        kernels.signal_gemm(a, b, out=out, counters=counters, group_of_tile_row=gmap, sm_count=120,
+        kernel_calls.signal_gemm(a, b, out=out, counters=counters, group_of_tile_row=gmap, sm_count=120,
                             signal_mode=mode)
         _stamp(tl, stamps, groups, main)
         torch.cuda.synchronize()
-        kernels.raise_if_timed_out()
+        kernel_calls.raise_if_timed_out()
         assert torch.equal(snap, out), f"epoch {epoch}: a group was released before its rows were written"
         t = stamps.tolist()
         assert t[:groups] == sorted(t[:groups])
@@ -349,15 +357,15 @@ def test_tile_row_order_scatters_groups_and_releases_them_complete(grid):
         torch.cuda.synchronize()
         with torch.cuda.stream(side):
             for g in range(groups):
-                kernels.wait_group(counters, g, tiles[g], stream=side, timeout_ms=5000)
+                kernel_calls.wait_group(counters, g, tiles[g], stream=side, timeout_ms=5000)
                 _stamp(tl, stamps, g, side)  # the release time
                 for nat, cnt in rows[g]:
                     snap[nat:nat + cnt].copy_(out[nat:nat + cnt])
-        kernels.signal_gemm(a, b, out=out, config=info.name, counters=counters, group_of_tile_row=gmap,
+        kernel_calls.signal_gemm(a, b, out=out, config=info.name, counters=counters, group_of_tile_row=gmap,
                             sm_count=sms, tile_row_order=order)
         _stamp(tl, stamps, groups, torch.cuda.current_stream())
         torch.cuda.synchronize()
-        kernels.raise_if_timed_out()
+        kernel_calls.raise_if_timed_out()
         assert counters.tolist() == tiles, info.name
         assert torch.equal(snap, out), f"{info.name}: a group was released before its rows were written"
         assert _rel_err(out, ref) < 1e-2, info.name
@@ -370,17 +378,17 @@ def test_tile_row_order_scatters_groups_and_releases_them_complete(grid):
 @GPU
 def test_wait_timeout_raises():
     counters = torch.zeros(2, dtype=torch.int32, device="cuda")
-    kernels.raise_if_timed_out()
-    kernels.wait_group(counters, 1, 5, timeout_ms=20)
+    kernel_calls.raise_if_timed_out()
+    kernel_calls.wait_group(counters, 1, 5, timeout_ms=20)
     torch.cuda.synchronize()
     with pytest.raises(kernels.FlashOverlapTimeout, match="group 1 timed out: counter at 0, target 5"):
-        kernels.raise_if_timed_out()
-    kernels.raise_if_timed_out()  # cleared
+        kernel_calls.raise_if_timed_out()
+    kernel_calls.raise_if_timed_out()  # cleared
     expected = torch.zeros(2, dtype=torch.int32, device="cuda")
-    kernels.wait_group_epoch(counters, expected, 0, 3, timeout_ms=20)
+    kernel_calls.wait_group_epoch(counters, expected, 0, 3, timeout_ms=20)
     torch.cuda.synchronize()
     with pytest.raises(kernels.FlashOverlapTimeout):
-        kernels.raise_if_timed_out()
+        kernel_calls.raise_if_timed_out()
     assert expected.tolist() == [3, 0]  # the epoch advanced anyway
 
 
@@ -397,24 +405,24 @@ def test_epoch_waits_survive_graph_replay():
     expected = torch.zeros_like(counters)
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     side = torch.cuda.Stream()
-    kernels.signal_gemm(a, b, out=out, counters=counters, group_of_tile_row=gmap)  # warm-up (loads, attributes)
+    kernel_calls.signal_gemm(a, b, out=out, counters=counters, group_of_tile_row=gmap)  # warm-up (loads, attributes)
     for g, t in enumerate(tiles):
-        kernels.wait_group_epoch(counters, expected, g, t)
+        kernel_calls.wait_group_epoch(counters, expected, g, t)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         main = torch.cuda.current_stream()
         side.wait_stream(main)
-        kernels.signal_gemm(a, b, out=out, counters=counters, group_of_tile_row=gmap, sm_count=124)
+        kernel_calls.signal_gemm(a, b, out=out, counters=counters, group_of_tile_row=gmap, sm_count=124)
         with torch.cuda.stream(side):
             for g, t in enumerate(tiles):
-                kernels.wait_group_epoch(counters, expected, g, t, stream=side, timeout_ms=5000)
+                kernel_calls.wait_group_epoch(counters, expected, g, t, stream=side, timeout_ms=5000)
         main.wait_stream(side)
     for _ in range(3):
         a.copy_(torch.randn(m, k, generator=gen, device="cuda").bfloat16())
         graph.replay()
         torch.cuda.synchronize()
-        kernels.raise_if_timed_out()
+        kernel_calls.raise_if_timed_out()
         assert _rel_err(out, _reference(a, b, None)) < 1e-2
     assert counters.tolist() == [4 * t for t in tiles]  # 1 eager + 3 replays (capture does not run)
     assert expected.tolist() == counters.tolist()
@@ -427,7 +435,7 @@ def test_stream_wait_value_releases_after_the_add():
     stamps = torch.zeros(2, dtype=torch.int64, device="cuda")
     side = torch.cuda.Stream()
     main = torch.cuda.current_stream()
-    kernels.stream_wait_value(counters, 0, 3, stream=side)
+    kernel_calls.stream_wait_value(counters, 0, 3, stream=side)
     _stamp(tl, stamps, 1, side)
     _test_check(tl, tl.fo_test_delayed_add(counters.data_ptr(), 3, 200_000, stamps.data_ptr(), main.cuda_stream),
                 "fo_test_delayed_add")

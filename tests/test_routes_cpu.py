@@ -210,7 +210,8 @@ def test_peer_execute_pushes_gemm1_to_the_peer_and_fills_only_the_calls_pointers
             seen.append(peer.PeerArgs.from_buffer_copy(ref._obj))
             return 0
 
-    monkeypatch.setattr(streams, "kernel_lib", lambda: types.SimpleNamespace(lib=Lib(), check=lambda rc, w: None))
+    monkeypatch.setattr(kernels, "library", lambda: Lib())
+    monkeypatch.setattr(kernels, "check", lambda rc, what: None)
     peer.ROUTE.reset()
     group = types.SimpleNamespace(group_name="g", rank=lambda: 0, size=lambda: 2)
     rows, n, k = 64, 32, 16
@@ -285,7 +286,8 @@ def test_ring_execute_passes_every_ranks_buffers(monkeypatch):
             seen["p"] = ring.RingArgs.from_buffer_copy(ref._obj)
             return 0
 
-    monkeypatch.setattr(streams, "kernel_lib", lambda: types.SimpleNamespace(lib=Lib(), check=lambda rc, w: None))
+    monkeypatch.setattr(kernels, "library", lambda: Lib())
+    monkeypatch.setattr(kernels, "check", lambda rc, what: None)
     rows, n, k = 512, 64, 32
     t = ring.RingArgs()
     t.n, t.swizzle, t.side_stream = n, 2, 5

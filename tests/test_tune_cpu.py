@@ -602,6 +602,7 @@ def simulated_gpu(force_groups: int | None = None):
     import torch.distributed as dist
 
     from flashoverlap_inductor import cost_model, nccl_direct, streams
+    from flashoverlap_inductor.routes import nccl as nccl_route
 
     res = streams.DeviceResources(0, GPU, 132, _FakeStream(), torch.zeros(4, 16, dtype=torch.int32),
                                   torch.zeros(4, 16, dtype=torch.int32), torch.zeros(4, dtype=torch.int32))
@@ -625,7 +626,9 @@ def simulated_gpu(force_groups: int | None = None):
 
     patches = [(torch.cuda, name, fn) for name, fn in cuda_fakes.items()]
     patches += [(torch.cuda.nccl, "version", lambda: (2, 28, 9)), (streams, "resources", lambda index: res),
-                (streams, "kernel_lib", lambda: lib), (kernels, "available", lambda: True),
+                (kernels, "config_index", lib.config_index), (kernels, "workspace_bytes", lib.workspace_bytes),
+                (kernels, "gemm", lib.gemm), (nccl_route, "fused_call", lib.fused_call),
+                (kernels, "available", lambda: True),
                 (kernels, "configs", lambda add_c=0: [] if add_c else list(SIM_INFOS)),  # no peer route
                 (kernels, "ready", lambda *a: None), (routes, "_on_cuda", lambda a: True),
                 (nccl_direct, "communicator", lambda group, device: types.SimpleNamespace(comm=0)),

@@ -17,7 +17,7 @@ import pstats
 import torch
 import torch.distributed as dist
 
-from flashoverlap_inductor import routes
+from flashoverlap_inductor import ops, routes  # noqa: F401  (ops registers torch.ops.flashoverlap.*)
 from flashoverlap_inductor import tune_measure as tm
 from flashoverlap_inductor.schedule import plan as planlib
 

@@ -38,6 +38,11 @@ if [[ "$SKIP" != *" probe "* ]]; then
       --route "$route" --out /tmp/fo_probe >>"$OUT/probes.log" 2>&1
     echo "probe $route world $world rc=$?" | tee -a "$OUT/probes.log"
   done
+  if [ "$(left)" -gt 60 ]; then  # a compiled TP MLP through the backend, 2 ranks on the GPU, the peer route
+    echo "=== compiled TP probe" >>"$OUT/probes.log"
+    timeout "$(cap 240)" python3 "$REPO/examples/device/compiled_tp_probe.py" >>"$OUT/probes.log" 2>&1
+    echo "compiled TP probe rc=$?" | tee -a "$OUT/probes.log"
+  fi
 fi
 if [[ "$SKIP" != *" steps "* ]]; then
   for shape in ${FO_STEP_SHAPES:-2048x8192x14336 2048x8192x8192 2048x4096x4096}; do
@@ -52,6 +57,13 @@ if [[ "$SKIP" != *" host "* ]]; then
   timeout "$(cap 90)" python3 -m torch.distributed.run --standalone --nproc_per_node=2 \
     "$REPO/examples/device/peer_host_profile.py" --backend gloo --shape "$SHAPE" >"$OUT/host_now.log" 2>&1
   echo "host profile rc=$?" | tee -a "$OUT/host_now.log"
+  for w in ${FO_RING_HOST_WORLDS:-2 4}; do  # the ring's host time per call (its launches scale with the world)
+    [ "$(left)" -gt 40 ] || break
+    timeout "$(cap 90)" python3 -m torch.distributed.run --standalone --nproc_per_node="$w" \
+      "$REPO/examples/device/peer_host_profile.py" --backend gloo --ring --calls 100 --shape "$SHAPE" \
+      >>"$OUT/host_now.log" 2>&1
+    echo "host profile ring world $w rc=$?" | tee -a "$OUT/host_now.log"
+  done
   if [[ -n "${FO_OLD:-}" ]]; then
     old=$FO_OLD; [[ "$old" = /* ]] || old="$REPO/$old"
     old=${old%/}

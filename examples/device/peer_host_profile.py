@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=2 examples/device/peer_host_profile.py [--shape 2048x4096x4096] [--calls 400]
     torchrun --nproc_per_node=2 examples/device/peer_host_profile.py --backend gloo   # both ranks on one GPU
+    torchrun --nproc_per_node=4 examples/device/peer_host_profile.py --backend gloo --ring   # the ring, 4 ranks
 
 With ``--backend gloo`` the ranks may share one GPU (rank r on GPU r % count; torch's symmetric memory with
 ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``): the host columns hold, the back-to-back times do not (the ranks
@@ -23,7 +24,7 @@ import pstats
 import torch
 import torch.distributed as dist
 
-from flashoverlap_inductor import routes
+from flashoverlap_inductor import ops, routes  # noqa: F401  (ops registers torch.ops.flashoverlap.*)
 from flashoverlap_inductor import tune_measure as tm
 
 
@@ -34,12 +35,12 @@ def layers(a: torch.Tensor, b: torch.Tensor) -> dict:
     results are wrong, the host time is not)."""
     import ctypes
 
-    from flashoverlap_inductor import streams
+    from flashoverlap_inductor import kernels
 
     route = routes.peer.ROUTE
     seen: dict = {}
-    exec0, lib = route.execute, streams.kernel_lib()
-    real_lib = lib.lib
+    exec0, library0 = route.execute, kernels.library
+    real_lib = library0()
     group, shape = dist.group.WORLD, [a.shape[0], b.shape[1]]
 
     class Spy:
@@ -54,13 +55,14 @@ def layers(a: torch.Tensor, b: torch.Tensor) -> dict:
         seen["exec"] = args
         return exec0(*args)
 
-    route.execute, lib.lib = spy_exec, Spy()  # an instance attribute shadows the method
+    spy = Spy()
+    route.execute, kernels.library = spy_exec, lambda: spy  # an instance attribute shadows the method
     try:
         routes.dispatch("reduce_scatter", a, b, None, group, "auto", "", shape)
         torch.cuda.synchronize()
     finally:
         del route.execute
-        lib.lib = real_lib
+        kernels.library = library0
     if "args" not in seen:
         print(f"peer_host_profile: the call did not take the peer route ({dict(routes.stats)}); layers left out",
               flush=True)
@@ -79,8 +81,18 @@ def main() -> None:
     ap.add_argument("--shape", default="2048x4096x4096")
     ap.add_argument("--calls", type=int, default=400)
     ap.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
+    ap.add_argument("--ring", action="store_true", help="the ring route (config.patch(ring='all')), any world size")
     args = ap.parse_args()
-    rank = int(os.environ["RANK"])
+    if args.ring:
+        from flashoverlap_inductor import config
+
+        with config.patch(ring="all", wait_timeout_ms=60000.0):
+            return run(args)
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
     if args.backend == "gloo":
@@ -93,11 +105,11 @@ def main() -> None:
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
     name = dist.group.WORLD.group_name
-    out_rs = torch.empty(m // 2, n, device="cuda", dtype=torch.bfloat16)
+    out_rs = torch.empty(m // world, n, device="cuda", dtype=torch.bfloat16)
     fo = torch.ops.flashoverlap
     fns = {
         "fused all_reduce": lambda: fo.gemm_all_reduce(a, b, None, "sum", name, "auto"),
-        "fused reduce_scatter": lambda: fo.gemm_reduce_scatter(a, b, None, "sum", 2, name, "auto"),
+        "fused reduce_scatter": lambda: fo.gemm_reduce_scatter(a, b, None, "sum", world, name, "auto"),
         "mm + all_reduce": lambda: dist.all_reduce(torch.mm(a, b)),
         "mm + reduce_scatter": lambda: dist.reduce_scatter_tensor(out_rs, torch.mm(a, b)),
         "mm alone": lambda: torch.mm(a, b),
@@ -122,8 +134,10 @@ def main() -> None:
     for label, fn in fns.items():
         h, s = host_us(fn), steady_us(fn)
         if rank == 0:
-            print(f"{args.shape} {label:28s} host {h:7.1f} us/call   back-to-back {s:7.1f} us/call", flush=True)
-    for label, fn in layers(a, b).items():  # the layers below the op, each called with what the one above passed
+            print(f"{args.shape} {label:28s} host {h:7.1f} us/call   back-to-back {s:7.1f} us/call   (world {world}"
+                  f"{', ring' if args.ring else ''}; routes {dict(routes.stats)})", flush=True)
+    for label, fn in ({} if args.ring else layers(a, b)).items():  # the layers below the op, each with what the
+        # one above passed
         if label.startswith("_"):
             continue
         h = host_us(fn)

@@ -61,6 +61,8 @@ def _reference(seed: int, rank: int, world: int, op: str, rows: int, n: int, k: 
 
 
 def _call(op: str, a, b, c, world: int, name: str) -> torch.Tensor:
+    import flashoverlap_inductor.ops  # noqa: F401  (registers torch.ops.flashoverlap.*)
+
     if op == "all_reduce":
         return torch.ops.flashoverlap.gemm_all_reduce(a, b, c, "sum", name, "auto")
     return torch.ops.flashoverlap.gemm_reduce_scatter(a, b, c, "sum", world, name, "auto")

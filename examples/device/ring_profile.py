@@ -19,7 +19,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from flashoverlap_inductor import config, kernels, routes
+from flashoverlap_inductor import config, kernel_calls, kernels, ops, routes  # noqa: F401  (ops registers torch.ops.flashoverlap.*)
 from flashoverlap_inductor.build import CONFIGS
 
 
@@ -57,15 +57,15 @@ def steps(a: torch.Tensor, w: torch.Tensor) -> None:
         for info in adds:
             s = kernels.unpadded_swizzle(rows, n, info.tile_m, info.tile_n, info.cluster_m, info.cluster_n,
                                          kernels.DEFAULT_SWIZZLE)
-            t = _time(lambda x=x, c=c, s=s, name=info.name: kernels.signal_gemm(x, w.t(), config=name, addend=c,
+            t = _time(lambda x=x, c=c, s=s, name=info.name: kernel_calls.signal_gemm(x, w.t(), config=name, addend=c,
                                                                                swizzle=s), collective=False)
             cols.append(f"{info.name}@{s} {t:.3f}")
         first, add = routes.ring.step_configs(runtime_choice, "bfloat16", "nk", rows, n, sms)
         s = min(kernels.unpadded_swizzle(rows, n, i.tile_m, i.tile_n, i.cluster_m, i.cluster_n,
                                          kernels.DEFAULT_SWIZZLE) for i in (first, add))
-        t0 = _time(lambda x=x, s=s, f=first.name: kernels.signal_gemm(x, w.t(), config=f, swizzle=s),
+        t0 = _time(lambda x=x, s=s, f=first.name: kernel_calls.signal_gemm(x, w.t(), config=f, swizzle=s),
                    collective=False)
-        t1 = _time(lambda x=x, c=c, s=s, g=add.name: kernels.signal_gemm(x, w.t(), config=g, addend=c, swizzle=s),
+        t1 = _time(lambda x=x, c=c, s=s, g=add.name: kernel_calls.signal_gemm(x, w.t(), config=g, addend=c, swizzle=s),
                    collective=False)
         print(f"step {rows}x{n}x{k} ms: {'  '.join(cols)}  | picked {first.name} {t0:.3f} / {add.name} {t1:.3f} "
               f"at swizzle {s}", flush=True)

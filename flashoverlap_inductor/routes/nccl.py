@@ -187,8 +187,7 @@ class NcclRoute:
             note(f"convert_b:{choice.name}:{call.b_layout}", logging.WARNING, "flashoverlap: B with layout %s is "
                  "copied into layout %s on every call (configuration %s is compiled only for that)",
                  call.b_layout or "strided", choice.b_layout, choice.name)
-        lib = streams.kernel_lib()
-        index = lib.config_index(choice.name, call.dtype, choice.b_layout)
+        index = kernels.config_index(choice.name, call.dtype, choice.b_layout)
         sm_count = grid_for(res, tuning, group, -(-rows // choice.tile_m) * -(-n // choice.tile_n))
         device = ctx.a.device
         gmap = gather = order = None
@@ -212,7 +211,7 @@ class NcclRoute:
             gmap, gather = streams.persistent(res.index, lambda: (
                 torch.tensor(planlib.group_of_tile_row(bounds, choice.tile_m), dtype=torch.int32, device=device),
                 torch.tensor(src, dtype=torch.int64, device=device) if src is not None else None))
-        workspace = lib.workspace_bytes(index, rows, n, k, sm_count, RASTER, tuning.swizzle) if rows else 0
+        workspace = kernels.workspace_bytes(index, rows, n, k, sm_count, RASTER, tuning.swizzle) if rows else 0
         desc = (f"{call.collective} rows={rows} n={n} k={k} {dname}: {groups} groups, tiles {list(tiles)}, kernel "
                 f"{choice.name} ({choice.b_layout}), {sm_count} CTAs on {res.sm_count} SMs, rows {route}, "
                 f"{sched.description}")
@@ -241,16 +240,37 @@ class NcclRoute:
             b_in, ldb = kernel_b(b, launch.kernel)
             workspace = torch.empty(launch.workspace_bytes, dtype=torch.uint8, device=a.device) \
                 if launch.workspace_bytes else None
-        streams.kernel_lib().fused_call(
-            launch.index, a_in, b_in, ldb, opnd.bias, d, d, rows, k, launch.gmap, launch.order, SIGNAL_DEFERRED,
-            launch.sm_count, RASTER, launch.swizzle, workspace, res.counters[slot].data_ptr(),
-            res.expected[slot].data_ptr(), launch.csteps, out_flat, nccl_direct.NCCL_DTYPES[a.dtype], comm.comm,
-            ctx.settings.wait_timeout_ns, res.record.data_ptr(), cur.cuda_stream, res.side.cuda_stream)
+        fused_call(launch.index, a_in, b_in, ldb, opnd.bias, d, d, rows, k, launch.gmap, launch.order,
+                   SIGNAL_DEFERRED, launch.sm_count, RASTER, launch.swizzle, workspace,
+                   res.counters[slot].data_ptr(), res.expected[slot].data_ptr(), launch.csteps, out_flat,
+                   nccl_direct.NCCL_DTYPES[a.dtype], comm.comm, ctx.settings.wait_timeout_ns, res.record.data_ptr(),
+                   cur.cuda_stream, res.side.cuda_stream)
         return out
 
     def reset(self) -> None:
         kernel_infos.cache_clear()
         preferred_kernels.cache_clear()
+
+
+def fused_call(index: int, a: torch.Tensor | None, b: torch.Tensor | None, ldb: int, bias: torch.Tensor | None,
+               d: torch.Tensor, buf: torch.Tensor, rows: int, k: int, gmap: torch.Tensor | None,
+               order: torch.Tensor | None, signal_mode: int, sm_count: int, raster: int, swizzle: int,
+               workspace: torch.Tensor | None, counters_ptr: int, expected_ptr: int, csteps: CSteps,
+               out: torch.Tensor, nccl_dtype: int, comm: int, timeout_ns: int, record_ptr: int, cur_ptr: int,
+               side_ptr: int) -> None:
+    """The whole fused op (``fo_fused_call``): GEMM ``d = a @ b (+ bias)`` on ``cur_ptr`` (skipped when ``rows`` is
+    0; tile-rows in ``order``), every group's wait and NCCL call(s) on ``side_ptr``, then the join. Sizes in
+    elements, ``timeout_ns`` in ns."""
+    rc = kernels.library().fo_fused_call(
+        index, a.data_ptr() if a is not None else None, a.stride(0) if a is not None else 0,
+        b.data_ptr() if b is not None else None, ldb, bias.data_ptr() if bias is not None else None,
+        d.data_ptr(), buf.data_ptr(), d.stride(0), rows, d.shape[1], k,
+        gmap.data_ptr() if gmap is not None else None, order.data_ptr() if order is not None else None,
+        signal_mode, sm_count, raster, swizzle, workspace.data_ptr() if workspace is not None else None,
+        workspace.numel() if workspace is not None else 0, counters_ptr, expected_ptr, csteps.groups,
+        csteps.steps_ptr, csteps.p2p_ptr, out.data_ptr(), buf.element_size(), nccl_dtype, comm, timeout_ns,
+        record_ptr, cur_ptr, side_ptr)
+    kernels.check(rc, "fo_fused_call")
 
 
 def row_major(a: torch.Tensor) -> torch.Tensor:

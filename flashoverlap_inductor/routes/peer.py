@@ -219,9 +219,9 @@ def make_launch(call, settings: config.Settings, ctx) -> PeerLaunch | str:
     choice = plain_choice(call)
     if isinstance(choice, str):
         return choice
-    lib, res, tuning = streams.kernel_lib(), ctx.res, settings.tuning
+    res, tuning = ctx.res, settings.tuning
     dtype, dname, layout, n, k = call.dtype, call.dtype_name, choice.b_layout, call.n, call.k
-    plain = lib.config_index(choice.name, dtype, layout)
+    plain = kernels.config_index(choice.name, dtype, layout)
     pull = [c for c in kernels.configs(add_c=1) if (dname, layout) in c.variants]
     pushing = [c for level in (2, 3) for c in kernels.configs(add_c=level) if (dname, layout) in c.variants]
     if call.collective == "all_reduce" and pushing and not any(c.name == tuning.peer_kernel for c in pull):
@@ -233,7 +233,7 @@ def make_launch(call, settings: config.Settings, ctx) -> PeerLaunch | str:
     same = [c for c in cands if (c.tile_m, c.tile_n) == (choice.tile_m, choice.tile_n)]
     pick = (named or preferred or same or cands)[0]
     push = pick in pushing
-    add = lib.config_index(pick.name, dtype, layout)
+    add = kernels.config_index(pick.name, dtype, layout)
     half = call.rows // 2
     own_row, peer_row = call.rank * half, (1 - call.rank) * half
     sm_count = nccl.grid_for(res, tuning, ctx.group, -(-half // pick.tile_m) * -(-n // pick.tile_n))
@@ -246,8 +246,8 @@ def make_launch(call, settings: config.Settings, ctx) -> PeerLaunch | str:
     device = ctx.a.device
     gmap = streams.persistent(res.index, lambda: torch.tensor(planlib.group_of_tile_row(bounds, pick.tile_m),
                                                               dtype=torch.int32, device=device)) if groups else None
-    ws = max(lib.workspace_bytes(plain, half, n, k, sm_count, nccl.RASTER, tuning.swizzle),
-             lib.workspace_bytes(add, half, n, k, sm_count, nccl.RASTER, tuning.swizzle))
+    ws = max(kernels.workspace_bytes(plain, half, n, k, sm_count, nccl.RASTER, tuning.swizzle),
+             kernels.workspace_bytes(add, half, n, k, sm_count, nccl.RASTER, tuning.swizzle))
     gemm_ws = streams.persistent(res.index, lambda: torch.empty(ws, dtype=torch.uint8, device=device)) if ws else None
     how = "push" if push else f"{groups} copy groups {bounds}"
     desc = (f"{call.collective} rows={call.rows} n={n} k={k} {dname}: peer route, GEMM 2 {pick.name}, "

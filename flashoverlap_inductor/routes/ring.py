@@ -214,20 +214,20 @@ def make_launch(call, settings: config.Settings, ctx) -> RingLaunch | str:
     choice = peer.plain_choice(call)
     if isinstance(choice, str):
         return choice
-    lib, res, tuning = streams.kernel_lib(), ctx.res, settings.tuning
+    res, tuning = ctx.res, settings.tuning
     dtype, dname, layout, n, k, world = call.dtype, call.dtype_name, choice.b_layout, call.n, call.k, call.world
     nrounds = rounds(call, settings)
     rows = call.rows // (world * nrounds)
     plain, pick = step_configs(kernels.config_info(choice.name), dname, layout, rows, n,
                                nccl.grid_for(res, tuning, ctx.group, 0), tuning.peer_kernel)
-    add = lib.config_index(pick.name, dtype, layout)
-    first = lib.config_index(plain.name, dtype, layout)
+    add = kernels.config_index(pick.name, dtype, layout)
+    first = kernels.config_index(plain.name, dtype, layout)
     swizzle = min(kernels.unpadded_swizzle(rows, n, c.tile_m, c.tile_n, c.cluster_m, c.cluster_n, tuning.swizzle)
                   for c in (plain, pick))
     tiles = -(-rows // pick.tile_m) * -(-n // pick.tile_n)
     sm_count = nccl.grid_for(res, tuning, ctx.group, tiles)
-    ws = max(lib.workspace_bytes(first, rows, n, k, sm_count, nccl.RASTER, swizzle),
-             lib.workspace_bytes(add, rows, n, k, sm_count, nccl.RASTER, swizzle))
+    ws = max(kernels.workspace_bytes(first, rows, n, k, sm_count, nccl.RASTER, swizzle),
+             kernels.workspace_bytes(add, rows, n, k, sm_count, nccl.RASTER, swizzle))
     device = ctx.a.device
     gemm_ws = streams.persistent(res.index, lambda: torch.empty(ws, dtype=torch.uint8, device=device)) if ws else None
     pieces = nrounds * (world - 1) + (nrounds if call.collective == "all_reduce" else 0)

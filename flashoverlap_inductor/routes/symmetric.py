@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from .. import streams
+from .. import kernels, streams
 from . import nccl
 
 T = TypeVar("T")
@@ -105,14 +105,14 @@ class SymmetricRoute:
             order_after_last(ctx.group, device, cur)
         a = nccl.row_major(opnd.a)
         out = torch.empty(ctx.out_shape, dtype=a.dtype, device=device)
-        template = self.args_for(launch, ws, ctx.res, slot)
-        p = type(template).from_buffer_copy(template)
+        # the memoized struct itself: every per-call field is set below on every call, and the library reads the
+        # struct only during the call (the dispatcher's lock keeps host threads out of each other's way)
+        p = self.args_for(launch, ws, ctx.res, slot)
         p.a, p.lda, p.b, p.ldb = a.data_ptr(), a.stride(0), opnd.b.data_ptr(), nccl.kernel_b(opnd.b, launch.kernel)[1]
         p.bias = opnd.bias.data_ptr() if opnd.bias is not None else None
-        p.out, p.ld_out, p.cur_stream = out.data_ptr(), template.n, cur.cuda_stream
+        p.out, p.ld_out, p.cur_stream = out.data_ptr(), p.n, cur.cuda_stream
         self.finish(p, launch)
-        lib = streams.kernel_lib()
-        lib.check(getattr(lib.lib, self.c_function)(ctypes.byref(p)), self.c_function)
+        kernels.check(getattr(kernels.library(), self.c_function)(ctypes.byref(p)), self.c_function)
         return out
 
     def finish(self, p: Any, launch: Any) -> None:
