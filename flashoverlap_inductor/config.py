@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import os
 import sys
 import types
@@ -57,11 +58,11 @@ class Tuning:
     def __post_init__(self) -> None:
         _choice("gemm_grid", self.gemm_grid, GEMM_GRIDS, optional=True)
         _choice("row_order", self.row_order, ROW_ORDERS, optional=True)
-        if self.sm_reserve is not None and not (isinstance(self.sm_reserve, int) and self.sm_reserve >= 0):
+        if self.sm_reserve is not None and not (_is_int(self.sm_reserve) and self.sm_reserve >= 0):
             raise ValueError(f"flashoverlap: sm_reserve must be an int >= 0 or None, got {self.sm_reserve!r}")
-        if not (isinstance(self.swizzle, int) and self.swizzle >= 1):
+        if not (_is_int(self.swizzle) and self.swizzle >= 1):
             raise ValueError(f"flashoverlap: swizzle must be an int >= 1, got {self.swizzle!r}")
-        if not (isinstance(self.ring_rounds, int) and 1 <= self.ring_rounds <= 16):
+        if not (_is_int(self.ring_rounds) and 1 <= self.ring_rounds <= 16):
             raise ValueError(f"flashoverlap: ring_rounds must be an int in 1 .. 16, got {self.ring_rounds!r}")
         if self.peer_kernel is not None and not isinstance(self.peer_kernel, str):
             raise ValueError(f"flashoverlap: peer_kernel must be a configuration name or None, got "
@@ -100,19 +101,24 @@ class Settings:
             raise ValueError(f"flashoverlap: dtypes must be a sequence of dtype names, got {self.dtypes!r}")
         for name in ("min_gain_fraction", "wait_timeout_ms"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value < 0:
-                raise ValueError(f"flashoverlap: {name} must be a number >= 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"flashoverlap: {name} must be a finite number >= 0, got {value!r}")
+            object.__setattr__(self, name, float(value))  # one type per field: equal settings, equal keys
         for name in ("min_rows", "all_to_all_default_groups"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if "groups" in name else 0):
+            if not _is_int(value) or value < (1 if "groups" in name else 0):
                 raise ValueError(f"flashoverlap: {name} must be an int, got {value!r}")
+        for name in ("config_dir", "library"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"flashoverlap: {name} must be a path string or None, got {getattr(self, name)!r}")
         unknown = set(self.experiments) - set(EXPERIMENTS)
         if unknown:
             raise ValueError(f"flashoverlap: unknown experiments {sorted(unknown)}; known: {sorted(EXPERIMENTS)}")
+        object.__setattr__(self, "_key", repr(_canonical(self)))  # computed once: the per-call path reads it
 
     def key(self) -> str:
         """A canonical string of every field: the pass's cache key and the fused ops' ``settings`` argument."""
-        return repr(_canonical(self))
+        return self._key  # type: ignore[attr-defined]
 
     @property
     def wait_timeout_ns(self) -> int:
@@ -151,6 +157,10 @@ REMOVED_ENV = ("FLASHOVERLAP_HOST_LOOP", "FLASHOVERLAP_NCCL", "FLASHOVERLAP_SIGN
 _INT_FIELDS = {"ring_rounds", "sm_reserve", "swizzle", "min_rows", "all_to_all_default_groups"}
 _FLOAT_FIELDS = {"min_gain_fraction", "wait_timeout_ms"}
 _TUPLE_FIELDS = {"collectives", "dtypes"}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...], optional: bool = False) -> None:
@@ -216,6 +226,10 @@ def _from_env() -> dict[str, Any]:
         if os.environ.get(var):
             out[name] = os.environ[var]
     for var, name in DEPRECATED_ENV.items():
+        if os.environ.get(var) and name == "row_order" and os.environ[var].strip().lower() == "stage":
+            log.warning("flashoverlap: %s=stage is ignored: that row order was measured and removed "
+                        "(docs/results.md)", var)
+            continue
         if os.environ.get(var):
             log.warning("flashoverlap: %s is deprecated (read for one more release); set %r through "
                         "options={'flashoverlap.%s': ...} or config.patch(%s=...)", var, name, name, name)
@@ -271,15 +285,28 @@ def _current(overrides: tuple) -> Settings:
         base = _apply(base, env)
     except ValueError as exc:
         raise ValueError(f"{exc} (from the environment: {sorted(env)})") from None
-    return _apply(base, dict(overrides))
+    return _apply(base, {k: v.value if isinstance(v, _Typed) else v for k, v in overrides})
 
 
 def _hashable(value: Any) -> Any:
+    """An override as the cache key of ``current()`` sees it: lists as tuples, sets frozen, and the type kept
+    beside the value (``lru_cache`` would take 1, 1.0 and True for one key)."""
     if isinstance(value, list):
-        return tuple(value)
+        value = tuple(value)
     if isinstance(value, set):
-        return frozenset(value)
-    return value
+        value = frozenset(value)
+    return _Typed(value)
+
+
+class _Typed(tuple):
+    """(type name, value): an override whose type takes part in equality."""
+
+    def __new__(cls, value: Any) -> _Typed:
+        return super().__new__(cls, (type(value).__name__, value))
+
+    @property
+    def value(self) -> Any:
+        return self[1]
 
 
 @contextlib.contextmanager

@@ -70,10 +70,9 @@ def normalize_operands(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | No
 
 def b_layout(b: torch.Tensor) -> str | None:
     """``"nk"`` for a Linear weight view (``b.stride() == (1, ldb)``), ``"kn"`` for row-major [K,N], None for
-    other strides (16-byte aligned rows required)."""
+    other strides (16-byte aligned row strides required). From the strides alone, never the pointer: every rank
+    takes the same route for the same call (a misaligned pointer is copied per call, ``routes.nccl.kernel_b``)."""
     k, n = b.shape
-    if b.data_ptr() % 16:
-        return None
     if b.stride(0) == 1 and b.stride(1) >= k and b.stride(1) % 8 == 0:
         return "nk"
     if b.stride(1) == 1 and b.stride(0) >= n and b.stride(0) % 8 == 0:
@@ -195,9 +194,10 @@ def nccl_max_ctas(group: object) -> int | None:
 
 
 @functools.lru_cache(maxsize=8)
-def preferred_kernels(device_name: str) -> dict[str, str]:
+def preferred_kernels(device_name: str, config_dir: str | None = None) -> dict[str, str]:
     """``"<tm>x<tn>" -> configuration`` measured best by ``tune gemm`` (``tuned_kernels.best_by_tile`` of the
-    GPU's ``flashoverlap.gemm`` data file); empty when not tuned."""
+    GPU's ``flashoverlap.gemm`` data file in the current settings' data folder, which ``config_dir`` names for the
+    memo); empty when not tuned."""
     try:
         from flashoverlap_inductor.cost_model import registry
 

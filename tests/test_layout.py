@@ -119,9 +119,11 @@ def test_settings_are_one_frozen_validated_object():
     assert s.replace(collectives="all_reduce").collectives == ("all_reduce",)  # a name, not its characters
     for bad in ({"fuse": "sometimes"}, {"collectives": "all_gather"}, {"min_rows": "abc"}, {"ring": "on"},
                 {"ring_rounds": 0}, {"swizzle": 0}, {"row_order": "stage"}, {"experiments": {"nope"}},
-                {"wait_timeout_ms": -1}, {"no_such_setting": 1}):
+                {"wait_timeout_ms": -1}, {"wait_timeout_ms": float("inf")}, {"min_gain_fraction": float("nan")},
+                {"swizzle": True}, {"library": 3}, {"no_such_setting": 1}):
         with pytest.raises(ValueError):
             s.replace(**bad)
+    assert config.Settings(wait_timeout_ms=30000).key() == s.key()  # one type per field: equal settings, equal keys
     t = s.replace(collectives="all_reduce,reduce_scatter", swizzle="8", experiments=["single_group"])
     assert t.collectives == ("all_reduce", "reduce_scatter") and t.tuning.swizzle == 8
     assert t.experiments == frozenset({"single_group"}) and t.key() != s.key()
@@ -144,11 +146,12 @@ def test_environment_settings(monkeypatch):
     monkeypatch.setenv("FLASHOVERLAP_RING_ROUNDS", "3")
     monkeypatch.setenv("FLASHOVERLAP_SWIZZLE", "2")  # deprecated: still read, with a warning
     monkeypatch.setenv("FLASHOVERLAP_HOST_LOOP", "python")  # removed: ignored, with a warning
+    monkeypatch.setenv("FLASHOVERLAP_ROW_ORDER", "stage")  # a removed value of a renamed variable: ignored too
     config._from_env.cache_clear()
     config._current.cache_clear()
     try:
         s = config.current()
-        assert (s.fuse, s.tuning.ring_rounds, s.tuning.swizzle) == ("never", 3, 2)
+        assert (s.fuse, s.tuning.ring_rounds, s.tuning.swizzle, s.tuning.row_order) == ("never", 3, 2, None)
     finally:
         monkeypatch.undo()
         config._from_env.cache_clear()

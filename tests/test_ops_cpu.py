@@ -349,7 +349,7 @@ def test_auto_plan_is_memoized():
     sched.resolve_schedule.cache_clear()
     s = sched.resolve_schedule("all_reduce", "auto", 512, N, K, "bfloat16", 2)
     sched.resolve_schedule("all_reduce", "auto", 512, N, K, "bfloat16", 4)
-    sched.auto_plan("all_reduce", 512, N, K, "bfloat16", 2, None)
+    sched.auto_plan("all_reduce", 512, N, K, "bfloat16", 2, None, None)
     info = sched.auto_plan.cache_info()
     assert info.misses == 2 and info.hits == 1
     assert s.plan is not None and s.plan.m == 512 and s.layout.group_bounds[-1] == 512

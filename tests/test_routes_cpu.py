@@ -140,8 +140,23 @@ def test_a_toy_route_is_one_registry_line_and_the_dispatcher_owns_memo_fallback_
     new = torch.randn(10, 4)  # a new call shape: no launch is made in a capture; the last resort runs it
     torch.testing.assert_close(routes.dispatch("all_reduce", new, b, None, group, "auto", "", [10, 6]), new @ b)
     assert toy.made == 1 and routes.stats["skip:toy:capture-new"] == 1 and routes.stats["captured:toy"] == 1
+    monkeypatch.setattr(routes, "_capturing", lambda a: False)
+    with config.patch(swizzle=8):  # an eager call (settings "") under other settings: a launch of its own
+        routes.dispatch("all_reduce", a, b, None, group, "auto", "", [8, 6])
+    assert toy.made == 2
     routes.reset()
     assert toy.made == 0 and not routes.stats
+
+
+def test_b_layout_reads_strides_never_the_pointer():
+    """A misaligned B (a view at an odd element offset) has the layout its strides say on every rank; the route
+    copies it per call instead (``routes.nccl.kernel_b``)."""
+    from flashoverlap_inductor import kernel_select
+
+    w = torch.randn(64 * 32 + 1)[1:].view(64, 32)  # 4 bytes past an aligned address
+    assert w.data_ptr() % 16
+    assert kernel_select.b_layout(w.t()) == "nk" and kernel_select.b_layout(w) == "kn"
+    assert kernel_select.b_layout(torch.randn(64, 64)[:, ::2]) is None
 
 
 def test_settings_reach_the_route_from_the_op_argument(library):

@@ -12,7 +12,8 @@
 # older checkout, carried: either its root or its flashoverlap_inductor folder, relative to the repository or
 # absolute; the host profile also runs with that package, for a before/after in one run. The old package has the
 # old API, so that run uses the old checkout's own examples/device/peer_host_profile.py: carry its examples/ too, or
-# point FO_OLD_SCRIPT at an old copy of the script), FO_BUDGET_S (default 560). $OUT gets at most 7 files (the device returns 8): install.log,
+# point FO_OLD_SCRIPT at an old copy of the script; FO_OLD_LIB: the library that package was built with, carried),
+# FO_RING_HOST_WORLDS (default "2 4"), FO_BUDGET_S (default 560). $OUT gets at most 7 files (the device returns 8): install.log,
 # gpus.txt, gpu_tests.log, probes.log (the probes' per-rank JSON stays in /tmp/fo_probe), steps.log, host_now.log,
 # host_old.log.
 set -uo pipefail
@@ -57,6 +58,12 @@ if [[ "$SKIP" != *" host "* ]]; then
   timeout "$(cap 90)" python3 -m torch.distributed.run --standalone --nproc_per_node=2 \
     "$REPO/examples/device/peer_host_profile.py" --backend gloo --shape "$SHAPE" >"$OUT/host_now.log" 2>&1
   echo "host profile rc=$?" | tee -a "$OUT/host_now.log"
+  timeout "$(cap 60)" python3 -m torch.distributed.run --standalone --nproc_per_node=2 \
+    "$REPO/examples/device/peer_host_profile.py" --backend gloo --no-gemm-cache --calls 200 --shape "$SHAPE" \
+    >>"$OUT/host_now.log" 2>&1
+  echo "host profile, GEMM cache off, rc=$?" | tee -a "$OUT/host_now.log"
+  timeout "$(cap 60)" python3 "$REPO/examples/bench_gemm.py" --host-cost >>"$OUT/host_now.log" 2>&1
+  echo "GEMM launch host cost rc=$?" | tee -a "$OUT/host_now.log"
   for w in ${FO_RING_HOST_WORLDS:-2 4}; do  # the ring's host time per call (its launches scale with the world)
     [ "$(left)" -gt 40 ] || break
     timeout "$(cap 90)" python3 -m torch.distributed.run --standalone --nproc_per_node="$w" \
@@ -83,7 +90,11 @@ if [[ "$SKIP" != *" host "* ]]; then
         "examples/ or set FO_OLD_SCRIPT); the current script needs the new API" | tee "$OUT/host_old.log"
     else
       echo "old package $old_root/flashoverlap_inductor, script $old_script" >"$OUT/host_old.log"
-      PYTHONPATH="$old_root${PYTHONPATH:+:$PYTHONPATH}" timeout "$(cap 90)" python3 -m torch.distributed.run \
+      old_lib=$FLASHOVERLAP_LIB  # FO_OLD_LIB: the library the old package was built with (its ABI may differ)
+      [[ -n "${FO_OLD_LIB:-}" ]] && { old_lib=$FO_OLD_LIB; [[ "$old_lib" = /* ]] || old_lib="$REPO/$old_lib"; }
+      echo "old library $old_lib" >>"$OUT/host_old.log"
+      PYTHONPATH="$old_root${PYTHONPATH:+:$PYTHONPATH}" FLASHOVERLAP_LIB="$old_lib" \
+        timeout "$(cap 90)" python3 -m torch.distributed.run \
         --standalone --nproc_per_node=2 "$old_script" --backend gloo --shape "$SHAPE" >>"$OUT/host_old.log" 2>&1
       echo "host profile (old package) rc=$?" | tee -a "$OUT/host_old.log"
     fi

@@ -82,7 +82,12 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=400)
     ap.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
     ap.add_argument("--ring", action="store_true", help="the ring route (config.patch(ring='all')), any world size")
+    ap.add_argument("--no-gemm-cache", action="store_true", help="the library's GEMM launch cache off (a baseline)")
     args = ap.parse_args()
+    if args.no_gemm_cache:
+        from flashoverlap_inductor import kernels
+
+        kernels.gemm_cache_enable(False)
     if args.ring:
         from flashoverlap_inductor import config
 
@@ -135,14 +140,16 @@ def run(args: argparse.Namespace) -> None:
         h, s = host_us(fn), steady_us(fn)
         if rank == 0:
             print(f"{args.shape} {label:28s} host {h:7.1f} us/call   back-to-back {s:7.1f} us/call   (world {world}"
-                  f"{', ring' if args.ring else ''}; routes {dict(routes.stats)})", flush=True)
+                  f"{', ring' if args.ring else ''}{', GEMM cache off' if args.no_gemm_cache else ''}; routes "
+                  f"{dict(routes.stats)})", flush=True)
     for label, fn in ({} if args.ring else layers(a, b)).items():  # the layers below the op, each with what the
         # one above passed
         if label.startswith("_"):
             continue
         h = host_us(fn)
         if rank == 0:
-            print(f"{args.shape} {label:28s} host {h:7.1f} us/call", flush=True)
+            off = "   (GEMM cache off)" if args.no_gemm_cache else ""
+            print(f"{args.shape} {label:28s} host {h:7.1f} us/call{off}", flush=True)
     prof = cProfile.Profile()
     tm.spin(20.0)
     prof.enable()

@@ -128,18 +128,26 @@ def dispatch(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tens
              plan: str, settings_key: str, y_shape: list[int], output_split_sizes: Sequence[int] | None = None,
              input_split_sizes: Sequence[int] | None = None) -> torch.Tensor:
     """Run one fused call on the first route that takes it (see the module docstring)."""
+    settings = config.from_key(settings_key)  # "" (an eager call): the current settings, under their own key
+    with config.using(settings):  # everything below (library, data files, cost model) reads these settings
+        return _dispatch(collective, a, b, bias, group, plan, settings, y_shape, output_split_sizes,
+                         input_split_sizes)
+
+
+def _dispatch(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup,
+              plan: str, settings: config.Settings, y_shape: list[int], output_split_sizes: Sequence[int] | None,
+              input_split_sizes: Sequence[int] | None) -> torch.Tensor:
     global last_launch
-    settings = config.from_key(settings_key)
     cuda = _on_cuda(a)
     if cuda and a.device.type == "cuda" and a.device.index != torch.cuda.current_device():  # launches need it current
         with torch.cuda.device(a.device):
-            return dispatch(collective, a, b, bias, group, plan, settings_key, y_shape, output_split_sizes,
-                            input_split_sizes)
+            return _dispatch(collective, a, b, bias, group, plan, settings, y_shape, output_split_sizes,
+                             input_split_sizes)
     capturing = _capturing(a)
-    key = (collective, plan, settings_key, a.shape, a.stride(), b.shape, b.stride(), b.data_ptr() % 16,
-           None if bias is None else (bias.shape, bias.stride(), bias.data_ptr() % 16), a.dtype, a.device,
-           id(group), output_split_sizes and tuple(output_split_sizes),
-           input_split_sizes and tuple(input_split_sizes))
+    # shapes and strides only (never a pointer): every rank builds the same key for the same call
+    key = (collective, plan, settings.key(), a.shape, a.stride(), b.shape, b.stride(),
+           None if bias is None else (bias.shape, bias.stride()), a.dtype, a.device, id(group),
+           output_split_sizes and tuple(output_split_sizes), input_split_sizes and tuple(input_split_sizes))
     with _lock:
         entry = _memo.get(key)
         if entry is None:

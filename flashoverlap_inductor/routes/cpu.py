@@ -71,7 +71,7 @@ class _RowGemm:
 
 def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, y_shape: list[int],
          group: dist.ProcessGroup, plan: str, out: torch.Tensor, buf: torch.Tensor, send_rows=None,
-         recv_rows=None, a2a_groups: int = 4) -> torch.Tensor:
+         recv_rows=None, a2a_groups: int = 4, config_dir: str | None = None) -> torch.Tensor:
     """Compute group by group into ``buf`` ([rows, N]) and overlap each group's collective with the next GEMM."""
     rows, n = buf.shape
     dtype = str(a.dtype).removeprefix("torch.")
@@ -79,7 +79,7 @@ def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor |
     if n == 0 or (rows == 0 and send_rows is None):  # nothing to compute or move on any rank
         return out
     steps = schedule_steps(collective, plan, rows, n, a.shape[-1], dtype, world, rank, send_rows, recv_rows,
-                           a2a_groups)
+                           a2a_groups, config_dir)
     gemm = _RowGemm(a, b, bias, y_shape)
     out_flat = out.view(-1, n)
     works = []
@@ -110,23 +110,24 @@ def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor |
 
 def run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, y_shape: list[int],
         group: dist.ProcessGroup, plan: str, output_split_sizes: Sequence[int] | None = None,
-        input_split_sizes: Sequence[int] | None = None, a2a_groups: int = 4) -> torch.Tensor:
+        input_split_sizes: Sequence[int] | None = None, a2a_groups: int = 4,
+        config_dir: str | None = None) -> torch.Tensor:
     """One call on the CPU schedule (``y_shape``: the shape of ``a @ b``)."""
     n = y_shape[-1]
     if collective == "all_reduce":
         out = torch.empty(y_shape, dtype=a.dtype, device=a.device)
-        return _run(collective, a, b, bias, y_shape, group, plan, out, out.view(-1, n))
+        return _run(collective, a, b, bias, y_shape, group, plan, out, out.view(-1, n), config_dir=config_dir)
     buf = torch.empty(_rows(y_shape), n, dtype=a.dtype, device=a.device)
     if collective == "reduce_scatter":
         out = torch.empty([y_shape[0] // group.size(), *y_shape[1:]], dtype=a.dtype, device=a.device)
-        return _run(collective, a, b, bias, y_shape, group, plan, out, buf)
+        return _run(collective, a, b, bias, y_shape, group, plan, out, buf, config_dir=config_dir)
     outs, ins = all_to_all_splits(y_shape[0], group.size(), output_split_sizes, input_split_sizes)
     unit = math.prod(y_shape[1:-1])  # flattened rows per dim-0 element (also when dim 0 is empty)
     explicit = output_split_sizes is not None or input_split_sizes is not None
     send_rows = tuple(s * unit for s in ins) if explicit else None
     recv_rows = tuple(s * unit for s in outs) if explicit else None
     out = torch.empty([sum(outs), *y_shape[1:]], dtype=a.dtype, device=a.device)
-    return _run(collective, a, b, bias, y_shape, group, plan, out, buf, send_rows, recv_rows, a2a_groups)
+    return _run(collective, a, b, bias, y_shape, group, plan, out, buf, send_rows, recv_rows, a2a_groups, config_dir)
 
 
 class CpuRoute:
@@ -144,7 +145,7 @@ class CpuRoute:
 
     def execute(self, launch: tuple[str], ctx) -> torch.Tensor:
         return run(launch[0], ctx.a, ctx.b, ctx.bias, ctx.y_shape, ctx.group, ctx.plan, ctx.output_split_sizes,
-                   ctx.input_split_sizes, ctx.settings.all_to_all_default_groups)
+                   ctx.input_split_sizes, ctx.settings.all_to_all_default_groups, ctx.settings.config_dir)
 
     def reset(self) -> None:
         pass

@@ -11,8 +11,9 @@ resync, the stream fork, the GEMM, every group's wait and NCCL call(s) on the pr
 
 Declines (``unsupported`` / ``make_launch`` / ``execute`` reasons, the same on every rank): no library or sm90 GPU,
 operands the kernels cannot take (``kernel_select.normalize_operands``), a plan of one group (nothing to overlap),
-more groups than counters, no configuration compiled for the dtype, no NCCL communicator on the group yet (torch
-makes it at the group's first collective: the unfused route's collective makes it), no counter slot left.
+more groups than counters, no configuration compiled for the dtype, not every rank with the group's NCCL
+communicator and the library bound to its NCCL (agreed once per group by a collective: ``agreed_communicator``), no
+counter slot left.
 """
 
 from __future__ import annotations
@@ -50,8 +51,13 @@ RASTER = kernels.RASTERS["along_n"]  # row-major tile order: tile-rows, hence gr
 SIGNAL_DEFERRED = kernels.SIGNAL_MODES["deferred"]
 
 
-@functools.lru_cache(maxsize=1)
 def kernel_infos() -> tuple[Any, ...]:
+    """The plain configurations of the library the current settings name (memoized per library path)."""
+    return _kernel_infos(str(kernels.library_path()))
+
+
+@functools.lru_cache(maxsize=8)
+def _kernel_infos(path: str) -> tuple[Any, ...]:
     return tuple(kernels.configs())
 
 
@@ -148,6 +154,27 @@ def group_steps(collective: str, steps: Sequence[schedule.GroupStep], tiles: Seq
     return CSteps(arr, p2p_arr, len(steps))
 
 
+_agreed: dict[tuple[int, int], tuple[dist.ProcessGroup, bool]] = {}
+
+
+def agreed_communicator(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether every rank of ``group`` has its NCCL communicator and the library bound to that NCCL: agreed once
+    per (group, device) by two collectives (the first also makes torch create the communicator, which it does at
+    a group's first collective), so every rank takes or declines the route alike. Outside captures only."""
+    key = (id(group), device.index)
+    known = _agreed.get(key)
+    if known is not None and known[0] is group:  # the group itself is kept alive: its id is not reused
+        return known[1]
+    flag = torch.ones(1, dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    comm = nccl_direct.communicator(group, device)
+    flag.fill_(int(comm is not None and nccl_direct.bind_library(comm)))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    ok = bool(flag.item())
+    _agreed[key] = (group, ok)
+    return ok
+
+
 def grid_for(res: streams.DeviceResources, tuning: config.Tuning, group: dist.ProcessGroup, tiles: int) -> int:
     """CTAs of a GEMM of ``tiles`` tiles: the tuning's grid (else the data file's) on the device's SMs."""
     grid = gemm_grid(res.name, tuning.gemm_grid)
@@ -170,9 +197,9 @@ class NcclRoute:
         dname, rows, k, world = call.dtype_name, call.rows, call.k, call.world
         a2a = settings.all_to_all_default_groups
         sched = schedule.resolve_schedule(call.collective, call.plan, rows, n, k, dname, world, call.send_rows,
-                                          call.recv_rows, None, a2a)
+                                          call.recv_rows, None, a2a, settings.config_dir)
         steps = schedule.schedule_steps(call.collective, call.plan, rows, n, k, dname, world, call.rank,
-                                        call.send_rows, call.recv_rows, a2a)
+                                        call.send_rows, call.recv_rows, a2a, settings.config_dir)
         groups = len(steps)
         if groups > streams.MAX_GROUPS:
             return f"too_many_groups: {groups} groups > {streams.MAX_GROUPS}"
@@ -180,7 +207,8 @@ class NcclRoute:
             return "single_group: the plan has one group: nothing to overlap"
         tile = (sched.plan.tile_m, sched.plan.tile_n) if sched.plan is not None else None
         plan_kernel = sched.plan.kernel if sched.plan is not None else ""
-        choice = choose_kernel(kernel_infos(), plan_kernel, tile, dname, call.b_layout, preferred_kernels(res.name))
+        choice = choose_kernel(kernel_infos(), plan_kernel, tile, dname, call.b_layout,
+                               preferred_kernels(res.name, settings.config_dir))
         if choice is None:
             return f"no_config: no configuration compiled for {dname}"
         if choice.convert_b:
@@ -215,6 +243,8 @@ class NcclRoute:
         desc = (f"{call.collective} rows={rows} n={n} k={k} {dname}: {groups} groups, tiles {list(tiles)}, kernel "
                 f"{choice.name} ({choice.b_layout}), {sm_count} CTAs on {res.sm_count} SMs, rows {route}, "
                 f"{sched.description}")
+        if not agreed_communicator(group, ctx.a.device):
+            return "no_communicator: not every rank has the group's NCCL communicator and the library bound to it"
         log.info("flashoverlap: launch %s", desc)
         return Launch(call.collective, choice, index, gmap, gather, order, route, workspace, sm_count,
                       tuning.swizzle, desc, group_steps(call.collective, steps, tiles, n))
@@ -223,8 +253,9 @@ class NcclRoute:
         opnd, res, group = ctx.opnd, ctx.res, ctx.group
         a, b = opnd.a, opnd.b
         comm = nccl_direct.communicator(group, a.device)
-        if comm is None or not nccl_direct.bind_library(comm):
-            return "no_communicator: the group has no NCCL communicator yet (made at its first collective)"
+        if comm is None:  # the ranks agreed it exists (make_launch): declining here alone would hang the others
+            raise RuntimeError(f"flashoverlap: the NCCL communicator of group {getattr(group, 'group_name', group)} "
+                               "disappeared after every rank agreed to use it")
         cur = torch.cuda.current_stream(a.device)
         slot = res.slot(cur, dedicated=ctx.capturing)
         if slot is None:
@@ -248,7 +279,8 @@ class NcclRoute:
         return out
 
     def reset(self) -> None:
-        kernel_infos.cache_clear()
+        _agreed.clear()
+        _kernel_infos.cache_clear()
         preferred_kernels.cache_clear()
 
 
@@ -278,8 +310,9 @@ def row_major(a: torch.Tensor) -> torch.Tensor:
 
 
 def kernel_b(b: torch.Tensor, choice: KernelChoice) -> tuple[torch.Tensor, int]:
-    """B in the layout the kernel reads, and its leading dimension (elements)."""
-    if choice.convert_b:
+    """B in the layout the kernel reads, and its leading dimension (elements); copied where the launch converts
+    its layout or its pointer is not 16-byte aligned (TMA's base alignment)."""
+    if choice.convert_b or b.data_ptr() % 16:
         if choice.b_layout == "nk":
             b = b.t().clone(memory_format=torch.contiguous_format).t()
         else:

@@ -100,6 +100,7 @@ class Workspace:
     peer_base: int  # the peer's workspace, mapped here
     peer_view: torch.Tensor  # keeps the peer's mapping alive
     flags: Flags
+    serial: int = 0  # ``symmetric.next_serial()``: the key of the argument structs made for it
 
     def regions(self) -> tuple[int, int, int, int]:
         """(partial, own, peer's partial, peer's own) pointers; the same for every call."""
@@ -134,7 +135,7 @@ def workspace(group: dist.ProcessGroup, device: torch.device, region_bytes: int,
         buf, hdl, views = symmetric.symmetric(2 * capacity, group, device, False, [1 - group.rank()])
         log.info("flashoverlap peer: symmetric workspace of 2 x %d MiB on %s, group %s", capacity >> 20, device,
                  group.group_name)
-        return Workspace(capacity, buf, hdl, views[0].data_ptr(), views[0], f)
+        return Workspace(capacity, buf, hdl, views[0].data_ptr(), views[0], f, symmetric.next_serial())
 
     return symmetric.smallest_with_room(_workspaces.setdefault((device.index, group.group_name), []), region_bytes,
                                         capturing, make)
@@ -157,7 +158,7 @@ class PeerLaunch:
     description: str
     push: bool  # all_reduce by push (GEMM 2 also stores into the peer's landing buffer)
     template: PeerArgs
-    args: dict[int, PeerArgs] = field(default_factory=dict)  # id(workspace) -> args
+    args: dict[tuple[int, int], PeerArgs] = field(default_factory=dict)  # (workspace serial, slot) -> args
 
 
 def unsupported(call, settings: config.Settings) -> str | None:
@@ -271,7 +272,7 @@ def make_launch(call, settings: config.Settings, ctx) -> PeerLaunch | str:
 def args_for(launch: PeerLaunch, ws: Workspace, res: streams.DeviceResources, slot: int) -> PeerArgs:
     """The launch's args with the workspace's, the flags' and the counter slot's pointers (memoized per workspace:
     a call shape maps to one workspace for good)."""
-    key = id(ws) * 1024 + slot
+    key = (ws.serial, slot)
     p = launch.args.get(key)
     if p is None:
         p = PeerArgs.from_buffer_copy(launch.template)

@@ -95,6 +95,7 @@ class RingWorkspace:
     hdl: object
     views: list[torch.Tensor]
     flags: RingFlags
+    serial: int = 0  # ``symmetric.next_serial()``: the key of the argument structs made for it
 
 
 _flags: dict[tuple[int, str], RingFlags] = {}
@@ -125,7 +126,7 @@ def workspace(group: dist.ProcessGroup, device: torch.device, need: int,
         buf, hdl, views = symmetric.symmetric(capacity, group, device, False, list(range(group.size())))
         log.info("flashoverlap ring: symmetric workspace of %d MiB on %s, group %s", capacity >> 20, device,
                  group.group_name)
-        return RingWorkspace(capacity, buf, hdl, views, f)
+        return RingWorkspace(capacity, buf, hdl, views, f, symmetric.next_serial())
 
     return symmetric.smallest_with_room(_workspaces.setdefault((device.index, group.group_name), []), need,
                                         capturing, make)
@@ -248,7 +249,7 @@ def make_launch(call, settings: config.Settings, ctx) -> RingLaunch | str:
 
 def args_for(launch: RingLaunch, ws: RingWorkspace) -> RingArgs:
     """The launch's args with the workspace's and flags' pointers and the pull streams (memoized per workspace)."""
-    p = launch.args.get(id(ws))
+    p = launch.args.get(ws.serial)
     if p is None:
         p = RingArgs.from_buffer_copy(launch.template)
         f = ws.flags
@@ -258,7 +259,7 @@ def args_for(launch: RingLaunch, ws: RingWorkspace) -> RingArgs:
         for d, s in enumerate(f.pulls):
             p.pull_streams[d] = s.cuda_stream
         p.expected = f.expected.data_ptr()
-        launch.args[id(ws)] = p
+        launch.args[ws.serial] = p
     return p
 
 

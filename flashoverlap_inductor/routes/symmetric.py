@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import ctypes
+import itertools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -27,6 +28,13 @@ from . import nccl
 
 T = TypeVar("T")
 MIN_CAPACITY = 1 << 20  # bytes
+_serials = itertools.count(1)
+
+
+def next_serial() -> int:
+    """A number no workspace of this process had before (memoized argument structs are keyed by it, never by
+    ``id()``, which a new workspace may reuse after a reset)."""
+    return next(_serials)
 
 
 def symmetric(nbytes: int, group: dist.ProcessGroup, device: torch.device, zero: bool,
@@ -108,7 +116,8 @@ class SymmetricRoute:
         # the memoized struct itself: every per-call field is set below on every call, and the library reads the
         # struct only during the call (the dispatcher's lock keeps host threads out of each other's way)
         p = self.args_for(launch, ws, ctx.res, slot)
-        p.a, p.lda, p.b, p.ldb = a.data_ptr(), a.stride(0), opnd.b.data_ptr(), nccl.kernel_b(opnd.b, launch.kernel)[1]
+        b, ldb = nccl.kernel_b(opnd.b, launch.kernel)  # a copy (read on ``cur``, freed in its order) if misaligned
+        p.a, p.lda, p.b, p.ldb = a.data_ptr(), a.stride(0), b.data_ptr(), ldb
         p.bias = opnd.bias.data_ptr() if opnd.bias is not None else None
         p.out, p.ld_out, p.cur_stream = out.data_ptr(), p.n, cur.cuda_stream
         self.finish(p, launch)

@@ -87,9 +87,10 @@ def _fallback_plan(rows: int, n: int) -> planlib.GroupPlan:
 
 @functools.lru_cache(maxsize=4096)
 def auto_plan(collective: str, m: int, n: int, k: int, dtype: str, world: int,
-              device_name: str | None = None) -> planlib.GroupPlan:
-    """The cost model's plan for one call shape with even chunks (memoized); the fallback plan if the cost model
-    is missing or fails. (all_to_all with explicit split sizes never gets here: see ``resolve_schedule``.)"""
+              device_name: str | None = None, config_dir: str | None = None) -> planlib.GroupPlan:
+    """The cost model's plan for one call shape with even chunks (memoized; ``config_dir`` names the current
+    settings' data folder for the memo, the cost model reads it from the settings); the fallback plan if the cost
+    model is missing or fails. (all_to_all with explicit split sizes never gets here: see ``resolve_schedule``.)"""
     try:
         from flashoverlap_inductor.cost_model import decide
     except Exception as exc:  # missing or broken cost model: a uniform plan is always correct
@@ -107,11 +108,11 @@ def auto_plan(collective: str, m: int, n: int, k: int, dtype: str, world: int,
 @functools.lru_cache(maxsize=4096)
 def resolve_schedule(collective: str, plan_str: str, rows: int, n: int, k: int, dtype: str, world: int,
                      send_rows: tuple[int, ...] | None = None, recv_rows: tuple[int, ...] | None = None,
-                     device_name: str | None = None, a2a_groups: int = 4) -> Schedule:
+                     device_name: str | None = None, a2a_groups: int = 4, config_dir: str | None = None) -> Schedule:
     """The schedule of one call: ``rows``/``n``/``k`` are the flattened GEMM sizes; ``send_rows``/``recv_rows``
     the all_to_all split sizes in flattened rows (None = even splits, which implies equal rows on every rank);
     ``a2a_groups``: the uniform fractions of all_to_all with explicit split sizes
-    (``Settings.all_to_all_default_groups``)."""
+    (``Settings.all_to_all_default_groups``); ``config_dir``: the settings' data folder (``auto_plan``)."""
     if collective == "all_to_all" and (send_rows is not None or recv_rows is not None):
         groups = max(1, int(a2a_groups))
         send = list(send_rows) if send_rows is not None else planlib.chunks_for("all_to_all", rows, world)
@@ -124,7 +125,7 @@ def resolve_schedule(collective: str, plan_str: str, rows: int, n: int, k: int, 
                       "1/%d (ranks may hold different rows; only rank-independent fractions agree)", plan_str, groups)
         return Schedule(layout, tuple(map(tuple, recv_pieces)), None, f"uniform fractions 1/{groups}")
     if plan_str == "auto":
-        plan = auto_plan(collective, rows, n, k, dtype, world, device_name)
+        plan = auto_plan(collective, rows, n, k, dtype, world, device_name, config_dir)
     else:
         try:
             plan = planlib.GroupPlan.from_str(plan_str)
@@ -161,9 +162,10 @@ class GroupStep:
 @functools.lru_cache(maxsize=4096)
 def schedule_steps(collective: str, plan_str: str, rows: int, n: int, k: int, dtype: str, world: int, rank: int,
                    send_rows: tuple[int, ...] | None = None, recv_rows: tuple[int, ...] | None = None,
-                   a2a_groups: int = 4) -> tuple[GroupStep, ...]:
+                   a2a_groups: int = 4, config_dir: str | None = None) -> tuple[GroupStep, ...]:
     """The per-group steps of one call shape on ``rank`` (memoized; the per-call path only walks them)."""
-    sched = resolve_schedule(collective, plan_str, rows, n, k, dtype, world, send_rows, recv_rows, None, a2a_groups)
+    sched = resolve_schedule(collective, plan_str, rows, n, k, dtype, world, send_rows, recv_rows, None, a2a_groups,
+                             config_dir)
     lay = sched.layout
     log.debug("flashoverlap cpu: %s rows=%d n=%d rank=%d: %d groups (%s)", collective, rows, n, rank,
               sched.num_groups, sched.description)
