@@ -121,9 +121,18 @@ STEP_KINDS = {"all_reduce": 0, "reduce_scatter": 1, "all_to_all": 2, "none": 3, 
 
 def library_path() -> Path:
     """``Settings.library`` (``$FLASHOVERLAP_LIB``), else ``build/libflashoverlap_sm90.so`` of the checkout."""
+    return Path(_library_path_str())
+
+
+def _library_path_str() -> str:
     from . import config
 
-    return Path(config.current().library or DEFAULT_LIB)
+    return _path_str(config.current().library)
+
+
+@functools.lru_cache(maxsize=16)
+def _path_str(setting: str | None) -> str:
+    return str(Path(setting or DEFAULT_LIB))
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -184,7 +193,7 @@ def _load(path: str) -> ctypes.CDLL:
 
 def library() -> ctypes.CDLL:
     """The loaded library (raises ``KernelLibraryError`` with the build command when it is missing)."""
-    return _load(str(library_path()))
+    return _load(_library_path_str())
 
 
 def available() -> bool:

@@ -24,6 +24,7 @@ import logging
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from . import routes
 from .routes.unfused import reduce_scatter_into  # noqa: F401  (the version shim tools import from here)
@@ -80,7 +81,6 @@ def check_reduce_op(reduce_op: str) -> None:
 
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:
-    from torch.distributed.distributed_c10d import _resolve_process_group
     return _resolve_process_group(group_name)
 
 

@@ -632,7 +632,7 @@ def simulated_gpu(force_groups: int | None = None):
                 (kernels, "configs", lambda add_c=0: [] if add_c else list(SIM_INFOS)),  # no peer route
                 (kernels, "ready", lambda *a: None), (routes, "_on_cuda", lambda a: True),
                 (nccl_direct, "communicator", lambda group, device: types.SimpleNamespace(comm=0)),
-                (nccl_direct, "bind_library", lambda comm: True)]
+                (nccl_direct, "bind_library", lambda comm: True), (nccl_route, "is_nccl_group", lambda group: True)]
     if force_groups:
         patches.append((cost_model, "decide", decide))
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]

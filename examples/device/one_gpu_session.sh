@@ -55,8 +55,11 @@ if [[ "$SKIP" != *" steps "* ]]; then
 fi
 if [[ "$SKIP" != *" host "* ]]; then
   SHAPE=${FO_HOST_SHAPE:-2048x4096x4096}
+  # one process, the NCCL route (an NCCL group of one rank): host times without a second process on the GPU
+  timeout "$(cap 60)" python3 "$REPO/examples/device/host_profile.py" --shape "$SHAPE" >"$OUT/host_now.log" 2>&1
+  echo "host profile (NCCL route, 1 rank) rc=$?" | tee -a "$OUT/host_now.log"
   timeout "$(cap 90)" python3 -m torch.distributed.run --standalone --nproc_per_node=2 \
-    "$REPO/examples/device/peer_host_profile.py" --backend gloo --shape "$SHAPE" >"$OUT/host_now.log" 2>&1
+    "$REPO/examples/device/peer_host_profile.py" --backend gloo --shape "$SHAPE" >>"$OUT/host_now.log" 2>&1
   echo "host profile rc=$?" | tee -a "$OUT/host_now.log"
   timeout "$(cap 60)" python3 -m torch.distributed.run --standalone --nproc_per_node=2 \
     "$REPO/examples/device/peer_host_profile.py" --backend gloo --no-gemm-cache --calls 200 --shape "$SHAPE" \
@@ -97,6 +100,12 @@ if [[ "$SKIP" != *" host "* ]]; then
         timeout "$(cap 90)" python3 -m torch.distributed.run \
         --standalone --nproc_per_node=2 "$old_script" --backend gloo --shape "$SHAPE" >>"$OUT/host_old.log" 2>&1
       echo "host profile (old package) rc=$?" | tee -a "$OUT/host_old.log"
+      old_single=$(dirname "$old_script")/host_profile.py
+      if [[ -f "$old_single" ]]; then
+        PYTHONPATH="$old_root${PYTHONPATH:+:$PYTHONPATH}" FLASHOVERLAP_LIB="$old_lib" \
+          timeout "$(cap 60)" python3 "$old_single" --shape "$SHAPE" >>"$OUT/host_old.log" 2>&1
+        echo "host profile (NCCL route, 1 rank, old package) rc=$?" | tee -a "$OUT/host_old.log"
+      fi
     fi
   fi
 fi

@@ -157,6 +157,11 @@ def group_steps(collective: str, steps: Sequence[schedule.GroupStep], tiles: Seq
 _agreed: dict[tuple[int, int], tuple[dist.ProcessGroup, bool]] = {}
 
 
+def is_nccl_group(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` has an NCCL backend (``"nccl"`` or ``"cpu:gloo,cuda:nccl"``)."""
+    return "nccl" in str(dist.get_backend(group)).lower()
+
+
 def agreed_communicator(group: dist.ProcessGroup, device: torch.device) -> bool:
     """Whether every rank of ``group`` has its NCCL communicator and the library bound to that NCCL: agreed once
     per (group, device) by two collectives (the first also makes torch create the communicator, which it does at
@@ -165,6 +170,9 @@ def agreed_communicator(group: dist.ProcessGroup, device: torch.device) -> bool:
     known = _agreed.get(key)
     if known is not None and known[0] is group:  # the group itself is kept alive: its id is not reused
         return known[1]
+    if not is_nccl_group(group):  # a property of the group: the same on every rank
+        _agreed[key] = (group, False)
+        return False
     flag = torch.ones(1, dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     comm = nccl_direct.communicator(group, device)
