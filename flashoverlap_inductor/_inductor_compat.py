@@ -160,3 +160,25 @@ def chain_passes(ours: CustomGraphPass, existing: Any) -> CustomGraphPass:
         return ours
     extra = list(existing) if isinstance(existing, (list, tuple)) else [existing]
     return _ChainedPass([ours, *extra])
+
+
+# The per-call path's CUDA queries, without the Python wrappers' checks (the tensors are on an initialized device).
+# torch builds without CUDA lack these bindings; the public functions serve there (and in the CPU tests' fakes).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+_get_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def current_raw_stream(index: int) -> int:
+    """The ``cudaStream_t`` (as an int) of device ``index``'s current stream."""
+    return _raw_stream(index) if _raw_stream is not None else torch.cuda.current_stream(index).cuda_stream
+
+
+def is_capturing() -> bool:
+    """Whether the current stream is capturing a CUDA graph."""
+    return _is_capturing() if _is_capturing is not None else torch.cuda.is_current_stream_capturing()
+
+
+def current_device() -> int:
+    """The current CUDA device's index."""
+    return _get_device() if _get_device is not None else torch.cuda.current_device()

@@ -67,21 +67,22 @@ class DeviceResources:
     slots: dict[int, int] = field(default_factory=dict)
     used: int = 0
 
-    def slot(self, stream: torch.cuda.Stream, dedicated: bool = False) -> int | None:
-        """The counter slot of ``stream`` (assigned on first use; None when all are taken).
+    def slot(self, stream: int, dedicated: bool = False) -> int | None:
+        """The counter slot of ``stream`` (a ``cudaStream_t`` as an int; assigned on first use; None when all are
+        taken).
 
         ``dedicated``: a new slot that nothing else ever gets, for a call being captured into a CUDA graph: its
         replays may run beside eager calls on any stream (pool streams reuse handles), and two captured calls
         must not share counters either."""
         if not dedicated:
-            i = self.slots.get(stream.cuda_stream)
+            i = self.slots.get(stream)
             if i is not None:
                 return i
         if self.used >= MAX_SLOTS:
             return None
         i, self.used = self.used, self.used + 1
         if not dedicated:
-            self.slots[stream.cuda_stream] = i
+            self.slots[stream] = i
         return i
 
     def timed_out(self) -> bool:

@@ -13,9 +13,10 @@
 # absolute; the host profile also runs with that package, for a before/after in one run. The old package has the
 # old API, so that run uses the old checkout's own examples/device/peer_host_profile.py: carry its examples/ too, or
 # point FO_OLD_SCRIPT at an old copy of the script; FO_OLD_LIB: the library that package was built with, carried),
-# FO_RING_HOST_WORLDS (default "2 4"), FO_BUDGET_S (default 560). $OUT gets at most 7 files (the device returns 8): install.log,
+# FO_RING_HOST_WORLDS (default "2 4"), FO_BUDGET_S (default 560). With FO_OLD also host_ab.log (old and new in one
+# process, interleaved). $OUT gets at most 8 files: install.log,
 # gpus.txt, gpu_tests.log, probes.log (the probes' per-rank JSON stays in /tmp/fo_probe), steps.log, host_now.log,
-# host_old.log.
+# host_old.log, host_ab.log.
 set -uo pipefail
 source examples/device/setup_env.sh
 END=$((SECONDS + ${FO_BUDGET_S:-560}))
@@ -100,6 +101,17 @@ if [[ "$SKIP" != *" host "* ]]; then
         timeout "$(cap 90)" python3 -m torch.distributed.run \
         --standalone --nproc_per_node=2 "$old_script" --backend gloo --shape "$SHAPE" >>"$OUT/host_old.log" 2>&1
       echo "host profile (old package) rc=$?" | tee -a "$OUT/host_old.log"
+      # the two packages in one process, interleaved (host_ab.py): the old one renamed fo_old, ops torch.ops.fo_old
+      rm -rf /tmp/fo_oldren && mkdir -p /tmp/fo_oldren && cp -r "$old_root/flashoverlap_inductor" /tmp/fo_oldren/fo_old
+      grep -rl "flashoverlap" /tmp/fo_oldren/fo_old --include=*.py | xargs sed -i 's/flashoverlap_inductor/fo_old/g;
+        s/torch\.ops\.flashoverlap\b/torch.ops.fo_old/g; s/NAMESPACE = "flashoverlap"/NAMESPACE = "fo_old"/'
+      PYTHONPATH="/tmp/fo_oldren${PYTHONPATH:+:$PYTHONPATH}" timeout "$(cap 90)" python3 \
+        "$REPO/examples/device/host_ab.py" --old fo_old --old-lib "$old_lib" --shape "$SHAPE" >>"$OUT/host_ab.log" 2>&1
+      echo "host A/B, NCCL route, 1 rank, rc=$?" | tee -a "$OUT/host_ab.log"
+      PYTHONPATH="/tmp/fo_oldren${PYTHONPATH:+:$PYTHONPATH}" timeout "$(cap 120)" python3 -m torch.distributed.run \
+        --standalone --nproc_per_node=2 "$REPO/examples/device/host_ab.py" --old fo_old --old-lib "$old_lib" \
+        --backend gloo --shape "$SHAPE" >>"$OUT/host_ab.log" 2>&1
+      echo "host A/B, peer route, 2 ranks, rc=$?" | tee -a "$OUT/host_ab.log"
       old_single=$(dirname "$old_script")/host_profile.py
       if [[ -f "$old_single" ]]; then
         PYTHONPATH="$old_root${PYTHONPATH:+:$PYTHONPATH}" FLASHOVERLAP_LIB="$old_lib" \

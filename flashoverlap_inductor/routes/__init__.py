@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import _inductor_compat as compat
 from .. import config, kernel_select, streams
 from ..schedule import steps as schedule
 from . import cpu, nccl, peer, ring, unfused
@@ -142,7 +143,7 @@ def _dispatch(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Ten
               input_split_sizes: Sequence[int] | None) -> torch.Tensor:
     global last_launch
     cuda = _on_cuda(a)
-    if cuda and a.device.type == "cuda" and a.device.index != torch.cuda.current_device():  # launches need it current
+    if cuda and a.device.type == "cuda" and a.device.index != compat.current_device():  # launches need it current
         with torch.cuda.device(a.device):
             return _dispatch(collective, a, b, bias, group, plan, settings, y_shape, output_split_sizes,
                              input_split_sizes)
@@ -220,7 +221,7 @@ def _on_cuda(a: torch.Tensor) -> bool:
 
 def _capturing(a: torch.Tensor) -> bool:
     """Whether the caller's stream is capturing a CUDA graph (CUDA tensors only)."""
-    return a.is_cuda and torch.cuda.is_current_stream_capturing()
+    return a.is_cuda and compat.is_capturing()
 
 
 def _skip(route: Route, collective: str, reason: str, detail: str) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import _inductor_compat as compat
 from .. import config, kernels, nccl_direct, streams
 from ..kernel_select import (
     KernelChoice,
@@ -264,7 +265,7 @@ class NcclRoute:
         if comm is None:  # the ranks agreed it exists (make_launch): declining here alone would hang the others
             raise RuntimeError(f"flashoverlap: the NCCL communicator of group {getattr(group, 'group_name', group)} "
                                "disappeared after every rank agreed to use it")
-        cur = torch.cuda.current_stream(a.device)
+        cur = compat.current_raw_stream(a.device.index)
         slot = res.slot(cur, dedicated=ctx.capturing)
         if slot is None:
             return f"slots: more than {streams.MAX_SLOTS} caller streams on one device"
@@ -283,7 +284,7 @@ class NcclRoute:
                    SIGNAL_DEFERRED, launch.sm_count, RASTER, launch.swizzle, workspace,
                    res.counters[slot].data_ptr(), res.expected[slot].data_ptr(), launch.csteps, out_flat,
                    nccl_direct.NCCL_DTYPES[a.dtype], comm.comm, ctx.settings.wait_timeout_ns, res.record.data_ptr(),
-                   cur.cuda_stream, res.side.cuda_stream)
+                   cur, res.side.cuda_stream)
         return out
 
     def reset(self) -> None:

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from .. import _inductor_compat as compat
 from .. import kernels, streams
 from . import nccl
 
@@ -70,19 +71,21 @@ def smallest_with_room(made: list, need: int, capturing: bool, make: Callable[[i
     return ws
 
 
-_last_stream: dict[tuple[int, str], torch.cuda.Stream] = {}
+_last_stream: dict[tuple[int, str], tuple[int, torch.cuda.Stream]] = {}  # (cudaStream_t, the stream)
 
 
-def order_after_last(group: dist.ProcessGroup, device: torch.device, stream: torch.cuda.Stream) -> None:
-    """Order an eager call on ``stream`` after every routed call of ``group`` on ``device`` queued so far (an event
-    wait when the last one came from another stream). Not under capture: a graph replays on the stream current at
-    replay time, which must be the one that runs the group's eager calls (torch.compile's CUDA graphs warm up on a
-    stream of their own, ordered here, and replay on the caller's)."""
+def order_after_last(group: dist.ProcessGroup, device: torch.device, stream: int) -> None:
+    """Order an eager call on ``stream`` (the current one, a ``cudaStream_t`` as an int) after every routed call of
+    ``group`` on ``device`` queued so far (an event wait when the last one came from another stream). Not under
+    capture: a graph replays on the stream current at replay time, which must be the one that runs the group's eager
+    calls (torch.compile's CUDA graphs warm up on a stream of their own, ordered here, and replay on the caller's)."""
     key = (device.index, group.group_name)
     last = _last_stream.get(key)
-    if last is not None and last.cuda_stream != stream.cuda_stream:
-        stream.wait_stream(last)
-    _last_stream[key] = stream
+    if last is None or last[0] != stream:
+        cur = torch.cuda.current_stream(device)
+        if last is not None:
+            cur.wait_stream(last[1])
+        _last_stream[key] = (stream, cur)
 
 
 def forget_streams() -> None:
@@ -105,7 +108,7 @@ class SymmetricRoute:
         ws = self.workspace_for(launch, ctx)
         if ws is None:
             return "capture-grow: its workspace would have to grow inside a CUDA-graph capture"
-        cur = torch.cuda.current_stream(device)
+        cur = compat.current_raw_stream(device.index)
         slot = ctx.res.slot(cur, dedicated=ctx.capturing) if self.slot_needed(launch) else 0
         if slot is None:
             return "slots: no counter slot left"
@@ -119,7 +122,7 @@ class SymmetricRoute:
         b, ldb = nccl.kernel_b(opnd.b, launch.kernel)  # a copy (read on ``cur``, freed in its order) if misaligned
         p.a, p.lda, p.b, p.ldb = a.data_ptr(), a.stride(0), b.data_ptr(), ldb
         p.bias = opnd.bias.data_ptr() if opnd.bias is not None else None
-        p.out, p.ld_out, p.cur_stream = out.data_ptr(), p.n, cur.cuda_stream
+        p.out, p.ld_out, p.cur_stream = out.data_ptr(), p.n, cur
         self.finish(p, launch)
         kernels.check(getattr(kernels.library(), self.c_function)(ctypes.byref(p)), self.c_function)
         return out
