@@ -1,4 +1,4 @@
-"""Per-device resources of the overlapped CUDA path (``runtime_gpu``), created once and cached, and a thin
+"""Per-device resources of the overlapped CUDA path (the CUDA routes), created once and cached, and a thin
 launcher over the library's C ABI (``csrc/flashoverlap_sm90.h``) for the per-call path.
 
 * ``side``: one high-priority stream per device. Every group's wait kernel and collective is issued on it

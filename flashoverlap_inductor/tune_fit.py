@@ -31,7 +31,7 @@ The fused-path fit above uses only rows that ran on the NCCL route.
 rows' T_gemm. ``--grid`` names the GEMM grid the rows ran with (default: the variant's, else the model's; ``tiles``:
 ``nccl_sms`` = 0, every SM to the GEMM). ``--write``
 stores the result, with the grid, the fit's error and its inputs, in the ``fused`` section of the GPU's
-``flashoverlap.gemm/1`` file (``runtime_gpu`` then launches the grid the model assumes).
+``flashoverlap.gemm/1`` file (``routes.nccl`` then launches the grid the model assumes).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ COMM_SLOWDOWNS = tuple(round(0.1 * i, 1) for i in range(13))  # 0 .. 1.2
 GROUP_OVERHEADS_MS = (0.0, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1)
 
 
-PEER_COLLECTIVES = ROUTE_COLLECTIVES  # what the peer route runs (peer_route.COLLECTIVES), 2 ranks
+PEER_COLLECTIVES = ROUTE_COLLECTIVES  # what the peer route runs (routes.peer.COLLECTIVES), 2 ranks
 
 
 def load_rows(paths: list[str], variant: str | None, peer: bool = False) -> tuple[list[dict[str, Any]], str]:

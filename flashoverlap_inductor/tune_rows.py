@@ -37,7 +37,7 @@ def ring_flag(spec: str) -> int:
 
 def modelled_ring_variant(spec: str) -> int:
     """R where ``spec`` runs the ring as ``cost_model/ring.py`` describes it (rows field exactly ``ringR``, no
-    kernel named: the steps' configurations ``ring_route.step_configs`` picks, the in-kernel gate); else 0."""
+    kernel named: the steps' configurations ``routes.ring.step_configs`` picks, the in-kernel gate); else 0."""
     parts = _spec_parts(spec)
     r = ring_flag(spec)
     return r if r and parts[5] == f"ring{r}" and not parts[3] else 0

@@ -11,11 +11,11 @@ Verdict (``fuse``): the plan has >= 2 groups, ``m >= config.min_rows``, and
 table when it has them and the model's predictions otherwise. ``plan`` is returned even when ``fuse`` is False
 (fuse mode "always" uses it).
 
-``peer=True`` says the call will take the peer route (``flashoverlap_inductor.peer_route.takes``): where the data
-has a peer model for it (``peer.py``), ``fused`` is that model's time and the verdict needs no groups (``route``
-"peer"); the plan is still the NCCL route's, for a call that falls back to it at run time. ``ring_rounds=R`` > 0
-says the call will take the ring route in ``R`` rounds (``flashoverlap_inductor.ring_route.takes``) and works the
-same way with the data's ring model (``ring.py``; ``route`` "ring").
+``peer=True`` says the call will take the peer route (``flashoverlap_inductor.routes.select`` picks it): where the
+data has a peer model for it (``peer.py``), ``fused`` is that model's time and the verdict needs no groups
+(``route`` "peer"); the plan is still the NCCL route's, for a call that falls back to it at run time.
+``ring_rounds=R`` > 0 says the call will take the ring route in ``R`` rounds (``routes.select`` picks it,
+``routes.ring.rounds``) and works the same way with the data's ring model (``ring.py``; ``route`` "ring").
 
 ``decide`` never raises for positive sizes and a known collective: problems it cannot fuse (indivisible rows,
 a dtype without data, a world of one rank) come back as ``fuse=False`` with the reason; times it cannot predict

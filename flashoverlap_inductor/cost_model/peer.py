@@ -1,4 +1,4 @@
-"""Time model of the peer route (``flashoverlap_inductor.peer_route``): two ranks, the reduction in GEMM 2's epilogue.
+"""Time model of the peer route (``flashoverlap_inductor.routes.peer``): two ranks, the reduction in GEMM 2's epilogue.
 
 The route runs two GEMMs of half the rows each on every SM -- the rows the peer owns (stored into the peer's
 memory), then this rank's own rows with the peer's partial added as the epilogue's C operand -- and, for
@@ -28,7 +28,7 @@ error); ``tune fit --peer`` runs it on benchmark JSON and writes the ``peer`` se
              "fit": {...}, "note": "..."}
 
 The model describes the route as it runs by default (``PARTIAL = "push"``, all_reduce by GEMM 2's aux push); the
-other settings of ``peer_route`` run variants it was not fitted to.
+other settings of the peer route run variants it was not fitted to.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Time model of the ring route (``flashoverlap_inductor.ring_route``): partial sums passed around the ranks, the
+"""Time model of the ring route (``flashoverlap_inductor.routes.ring``): partial sums passed around the ranks, the
 reduction in the GEMM steps' epilogues.
 
 The route cuts the ``[M, N]`` output into ``world * rounds`` pieces of ``p = M / (world * rounds)`` rows
@@ -27,7 +27,7 @@ ring variants (``tune fit --ring``); the data file's ``ring`` section::
                               "reduce_scatter": {...}}},
              "fit": {"4": {"all_reduce": {"rows": 32, "median_rel_error": 0.03, ...}}}, "note": "..."}
 
-``rounds_for`` is the route's one rule for its rounds; ``flashoverlap_inductor.ring_route`` calls it.
+``rounds_for`` is the route's one rule for its rounds; ``flashoverlap_inductor.routes.ring`` calls it.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def step_tile(rows: int, n: int, sm_count: int, tiles: Sequence[tuple[int, int]]
     its tiles fill less than one wave; then the one with the least waves x tile area (a wave's time grows with its
     tiles' area), the first on ties. 128x256 tiles leave half of 132 SMs idle at 256 x 8192 (64 tiles, measured at
     1.7x ``torch.mm``'s time); 128x128 fill them in one wave of half the work. Steps of a full wave or more keep the
-    preferred tile (the smaller one is not timed there). The runtime (``ring_route.step_configs``) and the model
+    preferred tile (the smaller one is not timed there). The runtime (``routes.ring.step_configs``) and the model
     both choose with it."""
     def count(tile: tuple[int, int]) -> int:
         return -(-rows // tile[0]) * -(-n // tile[1])

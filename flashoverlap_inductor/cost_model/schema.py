@@ -23,7 +23,7 @@ Three kinds of document live in the config directory (``configs/`` of the packag
 
   ``fused.grid`` (optional, default ``"persistent"``): how the fused GEMM is launched, one persistent CTA per
   SM on ``sm_count - nccl_sms`` SMs, or ``"tiles"``, one CTA per tile on every SM (NCCL then takes SMs as
-  tiles finish; ``nccl_sms`` is 0); ``runtime_gpu`` launches what the model assumes. ``fused.group_overhead_ms``
+  tiles finish; ``nccl_sms`` is 0); ``routes.nccl`` launches what the model assumes. ``fused.group_overhead_ms``
   (optional, default 0): a fixed cost added to each group's collective (its wait and NCCL launch). ``peer``
   (optional): the peer route's time model, ``{"world_size": 2, "collectives": {"<collective>": {"gemm_factor":
   > 0, "fixed_ms": >= 0, "host_floor_ms": >= 0, "link_efficiency": (0, 1] (both optional)}}, "fit": {...},

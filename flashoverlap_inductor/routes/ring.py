@@ -1,7 +1,7 @@
 """The ring route of the fused reduce_scatter / all_reduce on any number of GPUs of one NVLink host: the reduction
 in the GEMMs' epilogues as partial sums travel around the ranks.
 
-The two-rank peer route (``peer_route``) generalised. The ``[M, N]`` result is cut into ``world * rounds`` pieces
+The two-rank peer route (``routes.peer``) generalised. The ``[M, N]`` result is cut into ``world * rounds`` pieces
 of ``rows = M / (world * rounds)`` rows; piece ``(c, t)`` holds rows ``c * M / world + t * rows`` onwards, so chunk
 ``c`` is what rank ``c`` owns after the reduce_scatter. Per round ``t``, rank ``r`` runs ``world`` GEMM steps
 (``fo_ring_call``, ``csrc/ring_call.cu``, one host call per fused op); step ``s`` computes piece
