@@ -387,5 +387,11 @@ class _ConfigModule(types.ModuleType):
             return
         super().__setattr__(name, value)
 
+    def __delattr__(self, name: str) -> None:
+        if name in _TOP or name in _TUNING:  # ``del config.<name>``: back to the environment / default
+            _overrides.pop(name, None)
+            return
+        super().__delattr__(name)
+
 
 sys.modules[__name__].__class__ = _ConfigModule

@@ -139,6 +139,10 @@ def test_patch_and_attributes_change_current_and_restore():
         with config.patch(fuse="sometimes"):
             pass
     assert config.current() == before
+    config.swizzle = 8  # the attribute form of earlier releases, and its removal (what monkeypatch undoes with)
+    assert config.current().tuning.swizzle == 8
+    del config.swizzle
+    assert config.current() == before
 
 
 def test_environment_settings(monkeypatch):
