@@ -5,7 +5,8 @@
 #   run(command="bash examples/device/overlap_modes.sh", carry=["build/libflashoverlap_sm90.so", ".whl"],
 #       kind="nvidia-h200-x4")
 # Knobs: FO_SHAPES4 / FO_SHAPES2 (bench --shapes), FO_VARIANTS (bench --fused-variants), FO_ARGS (more bench
-# flags), FO_TUNE=1 (tuner after the benchmarks), FO_SKIP ("tests bench2 bench4"), FO_BUDGET_S (default 560),
+# flags), FO_WORLD (the wide benchmark's world size, default 8 on 8 GPUs, else 4), FO_TUNE=1 (tuner after the
+# benchmarks), FO_SKIP ("tests bench2 bench4"), FO_BUDGET_S (default 560),
 # FO_B2_BUDGET_S (the 2-GPU benchmark's --time-budget-s, default 240), FO_TESTS (test files, default the four
 # GPU test files), FO_SHAPES2X (shapes of a second 2-GPU benchmark after the first, all_reduce and reduce_scatter,
 # no variants: bench_w2x.json), FO_DEMO=1 (the README's demo on 2 GPUs at the end: demo.log), FO_DEMO_RO=1 (the demo
@@ -14,8 +15,8 @@
 # tiles/peer////ring4" (bench_ops.with_mode); with FO_RING_FIT=1 the ring's cost model is then fitted to those
 # variants (tune fit --ring --write into this machine's copy of configs/; ring_fit.log prints the section to commit)
 # and, time left, the 4-GPU benchmark runs again with FLASHOVERLAP_RING=wide (its default and auto columns on the
-# ring, auto deciding with the fitted terms: bench_w4_ring.json). Keep FO_SKIP="tests bench2" then: $OUT holds 8
-# files (install.log, gpus.txt, bench_w4.json/.png/.log, ring_fit.log, bench_w4_ring.json/.log), all that returns.
+# ring, auto deciding with the fitted terms: bench_w${W}_ring.json). Keep FO_SKIP="tests bench2" then: $OUT holds 8
+# files (install.log, gpus.txt, bench_w$W.json/.png/.log, ring_fit.log, bench_w${W}_ring.json/.log), all that returns.
 set -uo pipefail
 source examples/device/setup_env.sh
 END=$((SECONDS + ${FO_BUDGET_S:-560}))
@@ -29,6 +30,7 @@ nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu,power.draw --format=
 left() { echo $((END - SECONDS - 20)); }
 
 NGPU=$(nvidia-smi -L | wc -l)
+W=${FO_WORLD:-$((NGPU >= 8 ? 8 : 4))}  # the wide benchmark's world size: every GPU of an -x8 machine, else 4
 B2GPUS=2,3
 if [ "$NGPU" -lt 4 ]; then  # one pair of GPUs: tests first, then the 2-GPU benchmark on the same pair; no bench4
   B2GPUS=0,1
@@ -70,41 +72,41 @@ if [[ "${FO_DEMO_RO:-0}" == 1 ]]; then
 fi
 if [[ "$SKIP" != *" bench4 "* ]]; then
   L=$(left)
-  timeout "$L" "${TORCHRUN[@]}" --nproc_per_node=4 "$REPO/examples/bench_ops.py" --json "$OUT/bench_w4.json" \
-    --png "$OUT/bench_w4.png" --shapes "$SHAPES4" --fused-variants "$VARIANTS" --time-budget-s $((L - 50)) \
-    ${FO_ARGS:-} >"$OUT/bench_w4.log" 2>&1
-  echo "bench4 rc=$?" >>"$OUT/bench_w4.log"
+  timeout "$L" "${TORCHRUN[@]}" --nproc_per_node=$W "$REPO/examples/bench_ops.py" --json "$OUT/bench_w$W.json" \
+    --png "$OUT/bench_w$W.png" --shapes "$SHAPES4" --fused-variants "$VARIANTS" --time-budget-s $((L - 50)) \
+    ${FO_ARGS:-} >"$OUT/bench_w$W.log" 2>&1
+  echo "bench4 rc=$?" >>"$OUT/bench_w$W.log"
 fi
-if [[ "${FO_RING_FIT:-0}" == 1 && -f "$OUT/bench_w4.json" ]]; then
-  python3 -m flashoverlap_inductor.tune fit --ring --bench "$OUT/bench_w4.json" --write >"$OUT/ring_fit.log" 2>&1
+if [[ "${FO_RING_FIT:-0}" == 1 && -f "$OUT/bench_w$W.json" ]]; then
+  python3 -m flashoverlap_inductor.tune fit --ring --bench "$OUT/bench_w$W.json" --write >"$OUT/ring_fit.log" 2>&1
   FIT_RC=$?
   echo "ring fit rc=$FIT_RC" >>"$OUT/ring_fit.log"
   L=$(left)
   if [ "$FIT_RC" = 0 ] && [ "$L" -gt 200 ]; then
-    FLASHOVERLAP_RING=wide timeout "$L" "${TORCHRUN[@]}" --nproc_per_node=4 "$REPO/examples/bench_ops.py" \
-      --json "$OUT/bench_w4_ring.json" --shapes "$SHAPES4" --fused-variants tiles/direct \
-      --time-budget-s $((L - 50)) >"$OUT/bench_w4_ring.log" 2>&1
-    echo "bench4 ring rc=$?" >>"$OUT/bench_w4_ring.log"
+    FLASHOVERLAP_RING=wide timeout "$L" "${TORCHRUN[@]}" --nproc_per_node=$W "$REPO/examples/bench_ops.py" \
+      --json "$OUT/bench_w${W}_ring.json" --shapes "$SHAPES4" --fused-variants tiles/direct \
+      --time-budget-s $((L - 50)) >"$OUT/bench_w${W}_ring.log" 2>&1
+    echo "bench4 ring rc=$?" >>"$OUT/bench_w${W}_ring.log"
   fi
 fi
 # Tuner (FO_TUNE=1): NCCL curves on 4 and 2 GPUs, then measured plan searches (FO_SEARCH: "op:MxNxK ..." on 4 GPUs).
 if [[ "${FO_TUNE:-0}" == 1 ]]; then
-  for w in 4 2; do
+  for w in $W 2; do
     L=$(left); [ "$L" -gt 60 ] || break
     timeout $((L < 120 ? L : 120)) "${TORCHRUN[@]}" --nproc_per_node=$w -m flashoverlap_inductor.tune bandwidth \
       --out "$OUT/bandwidth_h200.json" >"$OUT/tune_bw$w.log" 2>&1; echo "bandwidth w$w rc=$?" >>"$OUT/tune_bw$w.log"
   done
   for job in ${FO_SEARCH:-all_reduce:8192x8192x8192}; do
     L=$(left); [ "$L" -gt 60 ] || break
-    timeout $((L < 150 ? L : 150)) "${TORCHRUN[@]}" --nproc_per_node=4 -m flashoverlap_inductor.tune search \
+    timeout $((L < 150 ? L : 150)) "${TORCHRUN[@]}" --nproc_per_node=$W -m flashoverlap_inductor.tune search \
       --collective "${job%%:*}" --shape "${job##*:}" --mode both --max-units 6 --rounds 3 --out-dir "$OUT" \
       >>"$OUT/tune_search.log" 2>&1; echo "search $job rc=$?" >>"$OUT/tune_search.log"
   done
 fi
 [ -f "$OUT/ring_fit.log" ] && { echo "=== ring fit"; grep -E "gemm_factor|fixed_ms|median|rc=" "$OUT/ring_fit.log"; }
-[ -f "$OUT/bench_w4_ring.log" ] && { echo "=== bench w4, FLASHOVERLAP_RING=wide"; tail -30 "$OUT/bench_w4_ring.log"; }
+[ -f "$OUT/bench_w${W}_ring.log" ] && { echo "=== bench w$W, FLASHOVERLAP_RING=wide"; tail -30 "$OUT/bench_w${W}_ring.log"; }
 echo "=== GPU tests"; grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/gpu_tests.log" | tail -8
-for w in 2 4; do
+for w in 2 $W; do
   echo "=== bench w$w"; grep -vE "Warning|warn|^\*|OMP_NUM|^\s*$|^ +[0-9]+x" "$OUT/bench_w$w.log" 2>/dev/null | tail -40
 done
 [ -f "$OUT/bench_w2x.log" ] && { echo "=== bench w2x"; grep -E "^ +[0-9]+x|geomean|rc=" "$OUT/bench_w2x.log"; }
