@@ -212,7 +212,7 @@ def bench_host_cost(calls: int = 200, reps: int = 7) -> dict:
     index: dict[str, int] = {}
     for i in range(lib.fo_num_configs()):
         name, ints = ctypes.create_string_buffer(128), (ctypes.c_int * 12)()
-        kernels._check(lib.fo_config_info(i, name, 128, ints), "fo_config_info")
+        kernels.check(lib.fo_config_info(i, name, 128, ints), "fo_config_info")
         if ints[9] == 0 and ints[10] == 0 and ints[11] == 0:  # bf16, B [N,K], no C
             index.setdefault(name.value.decode() if ints[3] * ints[4] > 1 else "1x1", i)
     if kernels.DEFAULT_CONFIG not in index:
@@ -252,7 +252,7 @@ def bench_host_cost(calls: int = 200, reps: int = 7) -> dict:
                 rc = fn()
             per_call.append((time.perf_counter() - t0) * 1e6 / calls)
             if name != "reject":
-                kernels._check(rc, name)
+                kernels.check(rc, name)
             torch.cuda.synchronize()
         after = stats()
         out[name] = {"us_median": round(statistics.median(per_call), 2), "us_min": round(min(per_call), 2),

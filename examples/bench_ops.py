@@ -38,7 +38,6 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +50,7 @@ except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from flashoverlap_inductor import config, kernel_select, kernels, ops, routes  # noqa: E402
 from flashoverlap_inductor import tune_measure as tm  # noqa: E402
+from flashoverlap_inductor.routes import cpu as cpu_route  # noqa: E402
 from flashoverlap_inductor.schedule import plan as planlib  # noqa: E402
 from flashoverlap_inductor.schedule import steps as schedule  # noqa: E402
 from flashoverlap_inductor.tune import GRID, init_distributed, parse_shapes  # noqa: E402
@@ -230,7 +230,6 @@ def chunked_call(op: str, a: torch.Tensor, b: torch.Tensor, chunks: int, world: 
     steps = schedule.schedule_steps(op, plan, m, n, k, "bfloat16", world, rank)
     rows = kernel_select.gather_rows(sched.layout)
     index = torch.tensor(rows, dtype=torch.int64, device=a.device) if rows is not None else None
-    peers = tuple(dist.get_global_rank(dist.group.WORLD, j) for j in range(world))
     out_rows = m // world if op == "reduce_scatter" else m
 
     def run() -> torch.Tensor:
@@ -243,31 +242,11 @@ def chunked_call(op: str, a: torch.Tensor, b: torch.Tensor, chunks: int, world: 
                 torch.mm(a_in[step.lo:step.hi], b, out=buf[step.lo:step.hi])
             side.wait_stream(cur)
             with torch.cuda.stream(side):
-                group_collective(op, peers, g, step, buf, out, dist.group.WORLD)
+                if step.hi > step.lo or step.recvs:  # as the CPU route: a group with nothing to move is skipped
+                    cpu_route.issue_group(op, g, step, buf, out, dist.group.WORLD)
         cur.wait_stream(side)
         return out
     return run
-
-
-def group_collective(op: str, peers: Sequence[int], g: int, step: schedule.GroupStep, buf: torch.Tensor,
-                     out: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """Group ``g``'s collective through ``torch.distributed`` on the current stream: ``buf`` is the [rows, N] GEMM
-    buffer, ``out`` the [rows_out, N] output, ``peers`` the global rank of each group rank (all_to_all)."""
-    if op == "all_reduce":
-        if step.hi > step.lo:
-            dist.all_reduce(buf[step.lo:step.hi], group=group)
-    elif op == "reduce_scatter":
-        if step.hi > step.lo:
-            ops.reduce_scatter_into(out[step.out[0]:step.out[1]], buf[step.lo:step.hi], group=group)
-    else:
-        p2p = [dist.P2POp(dist.isend, buf[lo:hi], peers[j], group, tag=g) for j, lo, hi in step.sends]
-        p2p += [dist.P2POp(dist.irecv, out[lo:hi], peers[j], group, tag=g) for j, lo, hi in step.recvs]
-        if p2p:
-            for work in dist.batch_isend_irecv(p2p) or ():
-                work.wait()
-        if step.local is not None:
-            b_lo, o_lo, count = step.local
-            out[o_lo:o_lo + count].copy_(buf[b_lo:b_lo + count])
 
 
 def asynctp_call(a: torch.Tensor, b: torch.Tensor) -> tuple[Any, str]:

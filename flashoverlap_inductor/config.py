@@ -249,10 +249,11 @@ def nccl_max_ctas_env() -> int | None:
 def reload_environment() -> None:
     """Read the environment again at the next ``current()`` (it is read once per process otherwise)."""
     _from_env.cache_clear()
-    _current.cache_clear()
+    _resolved.clear()
 
 
 _overrides: dict[str, Any] = {}  # set by patch() / config.<name> = value
+_resolved: dict[str, Settings] = {}  # repr of the overrides (types included: 1, 1.0 and True differ) -> Settings
 
 
 _pinned: list[Settings] = []  # using(): a compilation's captured settings, while its pass runs
@@ -263,50 +264,39 @@ def current() -> Settings:
     exactly ``s``."""
     if _pinned:
         return _pinned[-1]
-    return _current(tuple(sorted(_overrides.items(), key=lambda kv: kv[0])))
+    key = repr(sorted(_overrides.items()))
+    settings = _resolved.get(key)
+    if settings is None:
+        settings = _resolved[key] = _resolve(dict(_overrides))
+    return settings
 
 
-@contextlib.contextmanager
-def using(settings: Settings) -> Iterator[Settings]:
-    """Make ``current()`` return ``settings`` (the pass, while it runs under the settings its compilation
-    captured: the cost model reads them through ``current()``)."""
-    _pinned.append(settings)
-    try:
-        yield settings
-    finally:
+class using:  # noqa: N801  (used like a function: ``with config.using(s):``)
+    """``with config.using(settings):`` makes ``current()`` return ``settings`` (the pass under the settings its
+    compilation captured, the dispatcher under a fused op's: the library, data files and cost model read them through
+    ``current()``). A plain class, not a generator: the dispatcher enters one on every fused call."""
+
+    __slots__ = ("settings",)
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def __enter__(self) -> Settings:
+        _pinned.append(self.settings)
+        return self.settings
+
+    def __exit__(self, *exc: object) -> None:
         _pinned.pop()
 
 
-@functools.lru_cache(maxsize=64)
-def _current(overrides: tuple) -> Settings:
+def _resolve(overrides: dict[str, Any]) -> Settings:
     base = Settings()
     env = _from_env()
     try:
         base = _apply(base, env)
     except ValueError as exc:
         raise ValueError(f"{exc} (from the environment: {sorted(env)})") from None
-    return _apply(base, {k: v.value if isinstance(v, _Typed) else v for k, v in overrides})
-
-
-def _hashable(value: Any) -> Any:
-    """An override as the cache key of ``current()`` sees it: lists as tuples, sets frozen, and the type kept
-    beside the value (``lru_cache`` would take 1, 1.0 and True for one key)."""
-    if isinstance(value, list):
-        value = tuple(value)
-    if isinstance(value, set):
-        value = frozenset(value)
-    return _Typed(value)
-
-
-class _Typed(tuple):
-    """(type name, value): an override whose type takes part in equality."""
-
-    def __new__(cls, value: Any) -> _Typed:
-        return super().__new__(cls, (type(value).__name__, value))
-
-    @property
-    def value(self) -> Any:
-        return self[1]
+    return _apply(base, overrides)
 
 
 @contextlib.contextmanager
@@ -315,7 +305,7 @@ def patch(**changes: Any) -> Iterator[Settings]:
     entry; yields the effective ``Settings``)."""
     _apply(current(), changes)  # validate before changing anything
     old = dict(_overrides)
-    _overrides.update({k: _hashable(v) for k, v in changes.items()})
+    _overrides.update(changes)
     try:
         yield current()
     finally:
@@ -356,16 +346,6 @@ def split_options(options: dict[str, Any] | None) -> tuple[dict[str, Any], dict[
     return ours, rest
 
 
-def fuse_mode() -> str:
-    """The effective fuse mode (``current().fuse``)."""
-    return current().fuse
-
-
-def snapshot() -> Settings:
-    """``current()`` (the name of earlier releases)."""
-    return current()
-
-
 class _ConfigModule(types.ModuleType):
     """``config.<name>`` reads the effective setting; ``config.<name> = value`` overrides it for the process
     (compatibility with earlier releases; prefer ``patch``)."""
@@ -383,7 +363,7 @@ class _ConfigModule(types.ModuleType):
                 _overrides.pop(name, None)
                 return
             _apply(current(), {name: value})
-            _overrides[name] = _hashable(value)
+            _overrides[name] = value
             return
         super().__setattr__(name, value)
 

@@ -23,10 +23,10 @@ from .kernels import (
     RASTERS,
     SIGNAL_MODES,
     FlashOverlapTimeout,
-    _check,
     _error_record,
     _lookup,
     _workspace_bytes,
+    check,
     configs,
     library_path,
     ready,
@@ -143,14 +143,14 @@ def signal_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = No
         raster_id, mode = RASTERS[raster], SIGNAL_MODES[signal_mode]
         ws_bytes = _workspace_bytes(path, idx, m, n, k, sm_count, raster_id, swizzle)
         ws = torch.empty(ws_bytes, dtype=torch.uint8, device=a.device) if ws_bytes else None
-        _check(lib.fo_gemm(idx, a.data_ptr(), a.stride(0), b.data_ptr(), ldb,
-                           bias.data_ptr() if bias is not None else None,
-                           addend.data_ptr() if addend is not None else None,
-                           addend.stride(0) if addend is not None else 0, out.data_ptr(), out.stride(0), m, n, k,
-                           counters.data_ptr() if counters is not None else None,
-                           gmap.data_ptr() if gmap is not None else None,
-                           order.data_ptr() if order is not None else None, mode, sm_count, raster_id, swizzle,
-                           ws.data_ptr() if ws is not None else None, ws_bytes, stream), f"fo_gemm[{name}]")
+        check(lib.fo_gemm(idx, a.data_ptr(), a.stride(0), b.data_ptr(), ldb,
+                          bias.data_ptr() if bias is not None else None,
+                          addend.data_ptr() if addend is not None else None,
+                          addend.stride(0) if addend is not None else 0, out.data_ptr(), out.stride(0), m, n, k,
+                          counters.data_ptr() if counters is not None else None,
+                          gmap.data_ptr() if gmap is not None else None,
+                          order.data_ptr() if order is not None else None, mode, sm_count, raster_id, swizzle,
+                          ws.data_ptr() if ws is not None else None, ws_bytes, stream), f"fo_gemm[{name}]")
     return out
 
 
@@ -173,8 +173,8 @@ def wait_group(counters: torch.Tensor, group: int, target: int, *, stream: torch
     exits and records the error: call ``raise_if_timed_out()`` after synchronizing."""
     record = _error_record(counters.device.index or 0)
     lib = ready(counters.device)
-    _check(lib.fo_wait_counter(counters.data_ptr() + 4 * group, None, _wrap32(target), _timeout_ns(timeout_ms),
-                               record.data_ptr(), group, _stream_ptr(counters, stream)), "fo_wait_counter")
+    check(lib.fo_wait_counter(counters.data_ptr() + 4 * group, None, _wrap32(target), _timeout_ns(timeout_ms),
+                              record.data_ptr(), group, _stream_ptr(counters, stream)), "fo_wait_counter")
 
 
 def wait_group_epoch(counters: torch.Tensor, expected: torch.Tensor, group: int, tiles: int, *,
@@ -184,16 +184,16 @@ def wait_group_epoch(counters: torch.Tensor, expected: torch.Tensor, group: int,
     counters), so every call -- or graph replay -- waits for one more GEMM's worth of tiles."""
     record = _error_record(counters.device.index or 0)
     lib = ready(counters.device)
-    _check(lib.fo_wait_counter(counters.data_ptr() + 4 * group, expected.data_ptr() + 4 * group, int(tiles),
-                               _timeout_ns(timeout_ms), record.data_ptr(), group, _stream_ptr(counters, stream)),
-           "fo_wait_counter")
+    check(lib.fo_wait_counter(counters.data_ptr() + 4 * group, expected.data_ptr() + 4 * group, int(tiles),
+                              _timeout_ns(timeout_ms), record.data_ptr(), group, _stream_ptr(counters, stream)),
+          "fo_wait_counter")
 
 
 def stream_wait_value(counters: torch.Tensor, group: int, target: int, *,
                       stream: torch.cuda.Stream | None = None) -> None:
     """``cuStreamWaitValue32(GEQ)`` on ``counters[group]``: no kernel, no SM, but NOT bounded (no timeout)."""
-    _check(ready(counters.device).fo_stream_wait_value(_stream_ptr(counters, stream), counters.data_ptr() + 4 * group,
-                                          _wrap32(target)), "fo_stream_wait_value")
+    check(ready(counters.device).fo_stream_wait_value(_stream_ptr(counters, stream), counters.data_ptr() + 4 * group,
+                                         _wrap32(target)), "fo_stream_wait_value")
 
 
 def raise_if_timed_out(device: int | None = None) -> None:

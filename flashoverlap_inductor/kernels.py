@@ -213,7 +213,7 @@ def _ready(path: str, device_index: int) -> ctypes.CDLL:
     launch, which can synchronize the context and deadlock against a wait kernel that spins for it."""
     lib = _load(path)
     with torch.cuda.device(device_index):
-        _check(lib.fo_preload(), "fo_preload")
+        check(lib.fo_preload(), "fo_preload")
     return lib
 
 
@@ -234,8 +234,6 @@ def check(rc: int, what: str) -> None:
         raise KernelLibraryError(f"{what} failed (code {rc}): {msg}")
 
 
-_check = check
-
 
 @functools.cache
 def _entries(path: str) -> tuple[tuple[str, tuple[int, ...], int], ...]:
@@ -244,7 +242,7 @@ def _entries(path: str) -> tuple[tuple[str, tuple[int, ...], int], ...]:
     for i in range(lib.fo_num_configs()):
         name = ctypes.create_string_buffer(128)
         ints = (ctypes.c_int * 12)()
-        _check(lib.fo_config_info(i, name, 128, ints), "fo_config_info")
+        check(lib.fo_config_info(i, name, 128, ints), "fo_config_info")
         out.append((name.value.decode(), tuple(ints), i))
     return tuple(out)
 
@@ -309,8 +307,8 @@ def gemm(index: int, a: torch.Tensor, b: torch.Tensor, ldb: int, bias: torch.Ten
 @functools.lru_cache(maxsize=1024)
 def _workspace_bytes(path: str, idx: int, m: int, n: int, k: int, sm_count: int, raster: int, swizzle: int) -> int:
     size = ctypes.c_size_t(0)
-    _check(_load(path).fo_gemm_workspace_size(idx, m, n, k, sm_count, raster, swizzle, ctypes.byref(size)),
-           "fo_gemm_workspace_size")
+    check(_load(path).fo_gemm_workspace_size(idx, m, n, k, sm_count, raster, swizzle, ctypes.byref(size)),
+         "fo_gemm_workspace_size")
     return size.value
 
 

@@ -30,17 +30,12 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """Modules of the package that ``name`` imports (at any depth of its code), parents excluded: importing a
-    submodule always loads its package first, which is no cycle of ours."""
+    """Modules of the package that ``name`` imports (at any depth of its code, ``TYPE_CHECKING`` blocks too),
+    parents excluded: importing a submodule always loads its package first, which is no cycle of ours."""
     is_pkg = path.name == "__init__.py"
     base = name if is_pkg else name.rpartition(".")[0]
     found = set()
-    tree = ast.parse(path.read_text())
-    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(
-        node.test) for b in node.body for n in ast.walk(b)}
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
+    for node in ast.walk(ast.parse(path.read_text())):  # typing-only imports count too: a cycle is a cycle
         if isinstance(node, ast.ImportFrom):
             anchor = base
             for _ in range(node.level - 1):
@@ -166,13 +161,11 @@ def test_environment_settings(monkeypatch):
     monkeypatch.setenv("FLASHOVERLAP_SWIZZLE", "2")  # deprecated: still read, with a warning
     monkeypatch.setenv("FLASHOVERLAP_HOST_LOOP", "python")  # removed: ignored, with a warning
     monkeypatch.setenv("FLASHOVERLAP_ROW_ORDER", "stage")  # a removed value of a renamed variable: ignored too
-    config._from_env.cache_clear()
-    config._current.cache_clear()
+    config.reload_environment()
     try:
         s = config.current()
         assert (s.fuse, s.tuning.ring_rounds, s.tuning.swizzle, s.tuning.row_order) == ("never", 3, 2, None)
     finally:
         monkeypatch.undo()
-        config._from_env.cache_clear()
-        config._current.cache_clear()
+        config.reload_environment()
     assert config.current().fuse == "auto"

@@ -36,10 +36,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .gemm import GemmModel
+from .schema import GemmTimes, dtype_bytes
+
 
 @dataclass(frozen=True)
 class PeerTerms:
@@ -71,7 +71,7 @@ class PeerModel:
         """Whether this model predicts the call (the route itself also needs even rows)."""
         return collective in self.terms and world_size == self.world_size and m >= 2 and m % 2 == 0
 
-    def predict_ms(self, gemm: GemmModel, collective: str, m: int, n: int, k: int, dtype: str,
+    def predict_ms(self, gemm: GemmTimes, collective: str, m: int, n: int, k: int, dtype: str,
                    link_bytes_per_ms: float = math.inf, host_bound: bool = True) -> float:
         """T_peer in ms (raises ValueError for a collective without terms). ``host_bound=False``: calls replayed
         from a CUDA graph, which the host does not issue one by one (no ``host_floor_ms``)."""
@@ -83,11 +83,10 @@ class PeerModel:
         return max(floor, t.gemm_factor * gemms_ms(gemm, collective, m, n, k, dtype, link) + t.fixed_ms)
 
 
-def gemms_ms(gemm: GemmModel, collective: str, m: int, n: int, k: int, dtype: str,
+def gemms_ms(gemm: GemmTimes, collective: str, m: int, n: int, k: int, dtype: str,
              link_bytes_per_ms: float = math.inf) -> float:
     """The route's two GEMMs (ms): each half's reference time, or its NVLink stores' time where longer. The model's
     one regressor."""
-    from .schema import dtype_bytes
 
     half = -(-m // 2) * n * dtype_bytes(dtype) / link_bytes_per_ms
     first = max(gemm.reference_ms(-(-m // 2), n, k, dtype), half)
@@ -95,7 +94,7 @@ def gemms_ms(gemm: GemmModel, collective: str, m: int, n: int, k: int, dtype: st
     return first + (max(second, half) if collective == "all_reduce" else second)
 
 
-def fit_terms(gemm: GemmModel, collective: str, rows: Sequence[tuple[int, int, int, float]], dtype: str = "bfloat16",
+def fit_terms(gemm: GemmTimes, collective: str, rows: Sequence[tuple[int, int, int, float]], dtype: str = "bfloat16",
               link_bytes_per_ms: float = math.inf) -> PeerTerms:
     """``gemm_factor``, ``fixed_ms`` (both >= 0) and ``link_efficiency`` (0.5 .. 1 by 0.05) that minimize the mean
     |predicted - measured| / measured over ``rows`` of ``(m, n, k, measured_ms)`` of one collective (without the
@@ -140,7 +139,7 @@ def _weighted_median(pairs: list[tuple[float, float]]) -> float:
     return pairs[-1][0]
 
 
-def relative_errors(gemm: GemmModel, collective: str, terms: PeerTerms, rows: Sequence[tuple[int, int, int, float]],
+def relative_errors(gemm: GemmTimes, collective: str, terms: PeerTerms, rows: Sequence[tuple[int, int, int, float]],
                     dtype: str = "bfloat16", link_bytes_per_ms: float = math.inf) -> list[float]:
     """|predicted - measured| / measured per row."""
     model = PeerModel(2, {collective: terms})

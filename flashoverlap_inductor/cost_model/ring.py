@@ -35,13 +35,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .peer import PeerTerms, fit_linear
-from .schema import ROUTE_COLLECTIVES
-
-if TYPE_CHECKING:
-    from .gemm import GemmModel
+from .schema import ROUTE_COLLECTIVES, GemmTimes, dtype_bytes
 
 MIN_PIECE_ROWS = 128  # a piece below one tile-row of the 128-row tiles wastes most of its GEMM
 COLLECTIVES = ROUTE_COLLECTIVES
@@ -96,7 +93,7 @@ class RingModel:
         """Whether this model has terms for the call."""
         return collective in self.terms.get(world_size, {})
 
-    def predict_ms(self, gemm: GemmModel, collective: str, m: int, n: int, k: int, dtype: str, world_size: int,
+    def predict_ms(self, gemm: GemmTimes, collective: str, m: int, n: int, k: int, dtype: str, world_size: int,
                    rounds: int, link_bytes_per_ms: float = math.inf, host_bound: bool = True) -> float:
         """T_ring in ms (raises ValueError where the model has no terms). ``host_bound=False``: calls replayed from
         a CUDA graph (no ``host_floor_ms``)."""
@@ -108,11 +105,10 @@ class RingModel:
         return max(floor, t.gemm_factor * x + t.fixed_ms)
 
 
-def steps_ms(gemm: GemmModel, collective: str, m: int, n: int, k: int, dtype: str, world_size: int, rounds: int,
+def steps_ms(gemm: GemmTimes, collective: str, m: int, n: int, k: int, dtype: str, world_size: int, rounds: int,
              link_bytes_per_ms: float = math.inf) -> float:
     """The regressor ``x`` of the module docstring (ms): the rounds' GEMM steps, each bounded by its push, each round
     by the pieces the rank receives in it, and all_reduce's last gather."""
-    from .schema import dtype_bytes
 
     if world_size < 2 or rounds < 1:
         raise ValueError(f"ring model: world size {world_size} and rounds {rounds} (need >= 2 and >= 1)")
@@ -131,7 +127,7 @@ def steps_ms(gemm: GemmModel, collective: str, m: int, n: int, k: int, dtype: st
     return total + ((world_size - 1) * piece if ar else 0.0)
 
 
-def fit_terms(gemm: GemmModel, collective: str, world_size: int, rows: Sequence[tuple[int, int, int, int, float]],
+def fit_terms(gemm: GemmTimes, collective: str, world_size: int, rows: Sequence[tuple[int, int, int, int, float]],
               dtype: str = "bfloat16", link_bytes_per_ms: float = math.inf) -> PeerTerms:
     """``gemm_factor``, ``fixed_ms`` and ``link_efficiency`` minimizing the mean relative error over ``rows`` of
     ``(m, n, k, rounds, measured_ms)`` of one collective and world size (without the host floor;
@@ -146,7 +142,7 @@ def fit_terms(gemm: GemmModel, collective: str, world_size: int, rows: Sequence[
     return PeerTerms(factor, fixed, 0.0, eff)
 
 
-def relative_errors(gemm: GemmModel, collective: str, world_size: int, terms: PeerTerms,
+def relative_errors(gemm: GemmTimes, collective: str, world_size: int, terms: PeerTerms,
                     rows: Sequence[tuple[int, int, int, int, float]], dtype: str = "bfloat16",
                     link_bytes_per_ms: float = math.inf) -> list[float]:
     """|predicted - measured| / measured per row of ``(m, n, k, rounds, measured_ms)``."""

@@ -49,11 +49,23 @@ and the JSON path.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 from flashoverlap_inductor.schedule.plan import COLLECTIVES, GroupPlan
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+class GemmTimes(Protocol):
+    """What the route models (``peer``, ``ring``) need of the GEMM wave model (``gemm.GemmModel``), in ms; an
+    interface, so that the model that holds them need not be imported by them."""
+
+    sm_count: int
+
+    def gemm_ms(self, m: int, n: int, k: int, dtype: str, tile_m: int, tile_n: int, sms: int,
+                efficiency: float = 1.0) -> float: ...
+
+    def reference_ms(self, m: int, n: int, k: int, dtype: str) -> float: ...
 
 
 def dtype_bytes(dtype: str) -> int:

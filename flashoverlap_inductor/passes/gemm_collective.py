@@ -18,7 +18,6 @@ import importlib.util
 import logging
 import math
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,37 +30,10 @@ from flashoverlap_inductor import _inductor_compat as compat
 from flashoverlap_inductor import config
 
 from . import rewrite
-from .matching import GemmCollectiveMatch, find_matches, known_eq, known_true, node_arg, val
+from .matching import Fusion, GemmCollectiveMatch, find_matches, known_eq, known_true, node_arg, val
 from .report import log, record_fused, record_skip
 
 aten = torch.ops.aten
-
-
-@dataclass
-class Fusion:
-    """A checked match and everything the rewrite needs. Sizes are ints or SymInts (``rows``: flattened GEMM
-    output rows; ``n``, ``k``: GEMM sizes). ``out_shape``: graph args of the final reshape (None: the op's
-    output already has the wait's shape). ``row_perm``: (reshape args, permutation) that reorders ``a``'s rows
-    for a reduce_scatter over dim > 0. ``split_scale``: all_to_all split sizes are multiplied by it to count
-    elements of the op output's dim 0. ``rows_per_split_unit``: rows per collective split unit (for the cost
-    model)."""
-
-    match: GemmCollectiveMatch
-    a: Node
-    b: Node
-    bias: Node | None
-    rows: Any
-    n: Any
-    k: Any
-    dtype: str
-    group_name: str
-    group_size: int
-    out_shape: list | None = None
-    row_perm: tuple[list, list[int]] | None = None
-    split_scale: int = 1
-    rows_per_split_unit: Any = 1
-    plan: str | None = "auto"
-    settings: str = ""  # ``Settings.key()`` the fused op runs under
 
 
 class FlashOverlapPass(compat.CustomGraphPass):

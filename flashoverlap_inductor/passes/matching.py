@@ -192,3 +192,30 @@ def match_scatter_cat(cat: Node) -> ScatterCat | None:
     if not isinstance(source, Node) or src_val is None or not isinstance(dim, int):
         return None
     return ScatterCat(source, dim % src_val.dim(), chunk, list(pieces), split, cat)
+
+
+@dataclass
+class Fusion:
+    """A checked match and everything the rewrite needs. Sizes are ints or SymInts (``rows``: flattened GEMM
+    output rows; ``n``, ``k``: GEMM sizes). ``out_shape``: graph args of the final reshape (None: the op's
+    output already has the wait's shape). ``row_perm``: (reshape args, permutation) that reorders ``a``'s rows
+    for a reduce_scatter over dim > 0. ``split_scale``: all_to_all split sizes are multiplied by it to count
+    elements of the op output's dim 0. ``rows_per_split_unit``: rows per collective split unit (for the cost
+    model)."""
+
+    match: GemmCollectiveMatch
+    a: Node
+    b: Node
+    bias: Node | None
+    rows: Any
+    n: Any
+    k: Any
+    dtype: str
+    group_name: str
+    group_size: int
+    out_shape: list | None = None
+    row_perm: tuple[list, list[int]] | None = None
+    split_scale: int = 1
+    rows_per_split_unit: Any = 1
+    plan: str | None = "auto"
+    settings: str = ""  # ``Settings.key()`` the fused op runs under

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.fx import Node
@@ -26,11 +26,8 @@ from torch.fx.node import map_arg
 import flashoverlap_inductor.ops  # noqa: F401  (registers torch.ops.flashoverlap.*)
 from flashoverlap_inductor import _inductor_compat as compat
 
-from .matching import known_eq, val
+from .matching import Fusion, known_eq, val
 from .report import record_skip
-
-if TYPE_CHECKING:
-    from .gemm_collective import Fusion
 
 aten = torch.ops.aten
 

@@ -130,12 +130,9 @@ def dispatch(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tens
              input_split_sizes: Sequence[int] | None = None) -> torch.Tensor:
     """Run one fused call on the first route that takes it (see the module docstring)."""
     settings = config.from_key(settings_key)  # "" (an eager call): the current settings, under their own key
-    config._pinned.append(settings)  # ``config.using`` without its generator: everything below reads these settings
-    try:
+    with config.using(settings):  # everything below (library, data files, cost model) reads these settings
         return _dispatch(collective, a, b, bias, group, plan, settings, y_shape, output_split_sizes,
                          input_split_sizes)
-    finally:
-        config._pinned.pop()
 
 
 def _dispatch(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup,

@@ -83,6 +83,24 @@ class Route(Protocol):
     def reset(self) -> None: ...
 
 
+class LastResortRoute:
+    """A route that takes every call of its devices and makes nothing per call shape (``unfused``, ``cpu``): a
+    subclass names itself and its devices and implements ``execute(launch, ctx)``; its launch is the collective."""
+
+    name = ""
+    devices: tuple[str, ...] = ()
+    last_resort = True
+
+    def unsupported(self, call: Call, settings: config.Settings) -> str | None:
+        return None
+
+    def make_launch(self, call: Call, settings: config.Settings, ctx: Context) -> tuple[str]:
+        return (call.collective,)  # a tuple: a ``str`` would be a reason to decline
+
+    def reset(self) -> None:
+        pass
+
+
 stats: collections.Counter = collections.Counter()
 _noted: set[str] = set()
 

@@ -21,14 +21,13 @@ Invariant: the result equals ``collective(a @ b + bias)`` of eager PyTorch, up t
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from .. import config
-from ..schedule.steps import all_to_all_splits, schedule_steps
+from ..schedule.steps import GroupStep, schedule_steps
+from .base import LastResortRoute
 from .unfused import reduce_scatter_into
 
 log = logging.getLogger("flashoverlap")
@@ -88,74 +87,59 @@ def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor |
             gemm(src_row, count, buf[buf_row:buf_row + count])
         if step.hi == step.lo and not step.recvs:
             continue
-        if collective == "all_reduce":
-            works.append(dist.all_reduce(buf[step.lo:step.hi], group=group, async_op=True))
-        elif collective == "reduce_scatter":
-            works.append(reduce_scatter_into(out_flat[step.out[0]:step.out[1]], buf[step.lo:step.hi],
-                                     group=group, async_op=True))
-        else:
-            p2p = [dist.P2POp(dist.isend, buf[lo:hi], dist.get_global_rank(group, j), group, tag=g)
-                   for j, lo, hi in step.sends]
-            p2p += [dist.P2POp(dist.irecv, out_flat[lo:hi], dist.get_global_rank(group, j), group, tag=g)
-                    for j, lo, hi in step.recvs]
-            if p2p:
-                works.extend(dist.batch_isend_irecv(p2p))
-            if step.local is not None:
-                b_lo, o_lo, count = step.local
-                out_flat[o_lo:o_lo + count].copy_(buf[b_lo:b_lo + count])
+        works += issue_group(collective, g, step, buf, out_flat, group, async_op=True)
     for work in works:
         work.wait()
     return out
 
 
-def run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, y_shape: list[int],
-        group: dist.ProcessGroup, plan: str, output_split_sizes: Sequence[int] | None = None,
-        input_split_sizes: Sequence[int] | None = None, a2a_groups: int = 4,
-        config_dir: str | None = None) -> torch.Tensor:
-    """One call on the CPU schedule (``y_shape``: the shape of ``a @ b``)."""
-    n = y_shape[-1]
+def issue_group(collective: str, g: int, step: GroupStep, buf: torch.Tensor, out_flat: torch.Tensor,
+                group: dist.ProcessGroup, async_op: bool = False) -> list:
+    """Group ``g``'s collective through ``torch.distributed`` on the current stream: ``buf`` is the [rows, N] GEMM
+    buffer, ``out_flat`` the [rows_out, N] output. all_reduce in place; reduce_scatter into this rank's output rows;
+    all_to_all as grouped send/recv straight into the output plus the local copy. Returns the works to wait on
+    (``async_op``; otherwise every transfer is complete, or queued on the stream, when it returns)."""
+    works: list = []
     if collective == "all_reduce":
-        out = torch.empty(y_shape, dtype=a.dtype, device=a.device)
-        return _run(collective, a, b, bias, y_shape, group, plan, out, out.view(-1, n), config_dir=config_dir)
-    buf = torch.empty(_rows(y_shape), n, dtype=a.dtype, device=a.device)
-    if collective == "reduce_scatter":
-        out = torch.empty([y_shape[0] // group.size(), *y_shape[1:]], dtype=a.dtype, device=a.device)
-        return _run(collective, a, b, bias, y_shape, group, plan, out, buf, config_dir=config_dir)
-    outs, ins = all_to_all_splits(y_shape[0], group.size(), output_split_sizes, input_split_sizes)
-    unit = math.prod(y_shape[1:-1])  # flattened rows per dim-0 element (also when dim 0 is empty)
-    explicit = output_split_sizes is not None or input_split_sizes is not None
-    send_rows = tuple(s * unit for s in ins) if explicit else None
-    recv_rows = tuple(s * unit for s in outs) if explicit else None
-    out = torch.empty([sum(outs), *y_shape[1:]], dtype=a.dtype, device=a.device)
-    return _run(collective, a, b, bias, y_shape, group, plan, out, buf, send_rows, recv_rows, a2a_groups, config_dir)
+        works.append(dist.all_reduce(buf[step.lo:step.hi], group=group, async_op=async_op))
+    elif collective == "reduce_scatter":
+        works.append(reduce_scatter_into(out_flat[step.out[0]:step.out[1]], buf[step.lo:step.hi], group=group,
+                                         async_op=async_op))
+    else:
+        p2p = [dist.P2POp(dist.isend, buf[lo:hi], dist.get_global_rank(group, j), group, tag=g)
+               for j, lo, hi in step.sends]
+        p2p += [dist.P2POp(dist.irecv, out_flat[lo:hi], dist.get_global_rank(group, j), group, tag=g)
+                for j, lo, hi in step.recvs]
+        if p2p:
+            works.extend(dist.batch_isend_irecv(p2p) or ())
+        if step.local is not None:
+            b_lo, o_lo, count = step.local
+            out_flat[o_lo:o_lo + count].copy_(buf[b_lo:b_lo + count])
+    if not async_op:
+        for work in works:
+            if work is not None:
+                work.wait()
+        works = []
+    return [w for w in works if w is not None]
 
 
-class CpuRoute:
+class CpuRoute(LastResortRoute):
     """The route of every non-CUDA call (gloo): the schedule above, always."""
 
     name = "cpu"
     devices = ("cpu",)
-    last_resort = True
 
-    def unsupported(self, call, settings: config.Settings) -> str | None:
-        return None
+    def make_launch(self, call, settings: config.Settings, ctx) -> tuple:
+        return (call,)  # its all_to_all rows (``routes.make_call``: the one place that works them out)
 
-    def make_launch(self, call, settings: config.Settings, ctx) -> tuple[str]:
-        return (call.collective,)  # a str would be a reason to decline
-
-    def execute(self, launch: tuple[str], ctx) -> torch.Tensor:
-        return run(launch[0], ctx.a, ctx.b, ctx.bias, ctx.y_shape, ctx.group, ctx.plan, ctx.output_split_sizes,
-                   ctx.input_split_sizes, ctx.settings.all_to_all_default_groups, ctx.settings.config_dir)
-
-    def reset(self) -> None:
-        pass
+    def execute(self, launch: tuple, ctx) -> torch.Tensor:
+        call, a, y_shape = launch[0], ctx.a, ctx.y_shape
+        out = torch.empty(ctx.out_shape, dtype=a.dtype, device=a.device)
+        buf = out.view(-1, y_shape[-1]) if call.collective == "all_reduce" else \
+            torch.empty(call.rows, y_shape[-1], dtype=a.dtype, device=a.device)
+        return _run(call.collective, a, ctx.b, ctx.bias, y_shape, ctx.group, ctx.plan, out, buf, call.send_rows,
+                    call.recv_rows, ctx.settings.all_to_all_default_groups, ctx.settings.config_dir)
 
 
 ROUTE = CpuRoute()
 
-
-def _rows(shape: Sequence[int]) -> int:
-    rows = 1
-    for s in shape[:-1]:
-        rows *= s
-    return rows

@@ -293,11 +293,8 @@ class PeerRoute(symmetric.SymmetricRoute):
     name = "peer"
     c_function = "fo_peer_call"
 
-    def unsupported(self, call, settings: config.Settings) -> str | None:
-        return unsupported(call, settings)
-
-    def make_launch(self, call, settings: config.Settings, ctx) -> PeerLaunch | str:
-        return make_launch(call, settings, ctx)
+    unsupported = staticmethod(unsupported)
+    make_launch = staticmethod(make_launch)
 
     def workspace_for(self, launch: PeerLaunch, ctx) -> Workspace | None:
         return workspace(ctx.group, ctx.a.device, launch.region_bytes, ctx.capturing)

@@ -267,11 +267,8 @@ class RingRoute(symmetric.SymmetricRoute):
     name = "ring"
     c_function = "fo_ring_call"
 
-    def unsupported(self, call, settings: config.Settings) -> str | None:
-        return unsupported(call, settings)
-
-    def make_launch(self, call, settings: config.Settings, ctx) -> RingLaunch | str:
-        return make_launch(call, settings, ctx)
+    unsupported = staticmethod(unsupported)
+    make_launch = staticmethod(make_launch)
 
     def workspace_for(self, launch: RingLaunch, ctx) -> RingWorkspace | None:
         return workspace(ctx.group, ctx.a.device, launch.need, ctx.capturing)

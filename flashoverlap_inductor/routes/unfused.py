@@ -10,9 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import config
 from ..schedule import steps as schedule
-from .base import stats
+from .base import LastResortRoute, stats
 
 # torch >= 2.13 renamed dist.reduce_scatter_tensor -> reduce_scatter_single (the old name warns); 2.11 has only the
 # old one. ``reduce_scatter_into(out, inp, group=...)``: the one version shim every route and tool uses.
@@ -47,23 +46,13 @@ def run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | 
     return out
 
 
-class UnfusedRoute:
+class UnfusedRoute(LastResortRoute):
     name = "unfused"
     devices = ("cuda",)
-    last_resort = True
-
-    def unsupported(self, call, settings: config.Settings) -> str | None:
-        return None
-
-    def make_launch(self, call, settings, ctx) -> tuple[str]:
-        return (call.collective,)  # a str would be a reason to decline
 
     def execute(self, launch: tuple[str], ctx) -> torch.Tensor:
         stats["unfused"] += 1
         return run(launch[0], ctx.a, ctx.b, ctx.bias, ctx.group, ctx.output_split_sizes, ctx.input_split_sizes)
-
-    def reset(self) -> None:
-        pass
 
 
 ROUTE = UnfusedRoute()
