@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from . import errors
+
 ABI_VERSION = 7
 LIB_ENV = "FLASHOVERLAP_LIB"
 DEFAULT_LIB = Path(__file__).resolve().parent.parent / "build" / "libflashoverlap_sm90.so"
@@ -76,8 +78,7 @@ class KernelLibraryError(RuntimeError):
     """The CUDA library is missing, stale, or a call into it failed."""
 
 
-class FlashOverlapTimeout(RuntimeError):
-    """A bounded GPU wait gave up: the counter never reached its target (a hung or missing producer)."""
+FlashOverlapTimeout = errors.FlashOverlapTimeout  # where it has always been importable from
 
 
 @dataclass(frozen=True)
