@@ -14,6 +14,7 @@
 #include "device_wait.hpp"
 #include "flashoverlap_sm90.h"
 #include "registry.hpp"
+#include "route_util.hpp"
 
 namespace flashoverlap {
 
@@ -54,17 +55,6 @@ void count_gemm_launch(bool cached) {
 int peer_call_preload();  // peer_call.cu
 int ring_call_preload();  // ring_call.cu
 
-__global__ void wait_counter_kernel(int const* counter, int* expected, int increment, long long timeout_ns,
-                                    int* error_record, int tag, int* notify, int notify_first);
-
-int launch_wait(int const* counter, int* expected, int increment, long long timeout_ns, int* error_record, int tag,
-                cudaStream_t stream, int* notify, bool notify_first) {
-  wait_counter_kernel<<<1, 1, 0, stream>>>(counter, expected, increment, timeout_ns, error_record, tag, notify,
-                                           notify_first ? 1 : 0);
-  cudaError_t e = cudaGetLastError();
-  return e == cudaSuccess ? 0 : fail_cuda("wait kernel launch", e);
-}
-
 // Make everything this GPU's stream order put before this point visible to every GPU, then add 1 to *counter
 // (possibly another GPU's memory, mapped here): a peer that acquires the new value sees all of it.
 __device__ __forceinline__ void notify_sys(int* counter) {
@@ -72,20 +62,115 @@ __device__ __forceinline__ void notify_sys(int* counter) {
   asm volatile("red.release.sys.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
 }
 
-// Waits (unless counter is null), and adds 1 to *notify (unless null): after the wait, or before it with
-// notify_first (one kernel for both halves of a two-rank barrier). A timed-out wait still notifies: the peer then
-// fails on its own timeout instead of hanging longer than its own bound.
-__global__ void wait_counter_kernel(int const* counter, int* expected, int increment, long long timeout_ns,
-                                    int* error_record, int tag, int* notify, int notify_first) {
-  if (notify != nullptr && (notify_first || counter == nullptr)) notify_sys(notify);
-  if (counter == nullptr) {  // no wait: only advance the epoch (an in-kernel waiter reads it: csrc/peer_call.cu)
-    if (expected != nullptr) *expected += increment;
+// Begins a call on its fault block (route_util.hpp: WaitArgs::begin), then waits (unless counter is null), and adds
+// 1 to *notify (unless null): after the wait, or before it with notify_first (one kernel for both halves of a
+// two-rank barrier). A timed-out wait still notifies and advances its epoch (every rank notifies each flag once per
+// call and every wait consumes one epoch, so epochs stay aligned across a fault): the peer then fails on its own
+// deadline instead of hanging longer, and the fault block poisons what the call returns.
+__global__ void wait_counter_kernel(WaitArgs a) {
+  if (a.begin && a.fault != nullptr) {
+    a.fault->deadline_ns = (long long)global_timer_ns() + a.timeout_ns;
+    a.fault->call_counter += 1;
+    a.fault->current_launch = a.launch_id;
+    if (a.rank >= 0) a.fault->rank = a.rank;
+    __threadfence();
+  }
+  if (a.notify != nullptr && (a.notify_first || a.counter == nullptr)) notify_sys(a.notify);
+  if (a.counter == nullptr) {  // no wait: only advance the epoch (an in-kernel waiter reads it: csrc/peer_call.cu)
+    if (a.expected != nullptr) *a.expected += a.increment;
     return;
   }
-  int const target = int(unsigned((expected != nullptr) ? *expected : 0) + unsigned(increment));
-  bounded_wait(counter, target, timeout_ns, error_record, tag, false);
-  if (expected != nullptr) *expected = target;  // the epoch advances even on timeout: the GEMM still adds later
-  if (notify != nullptr && !notify_first) notify_sys(notify);
+  int const target = int(unsigned((a.expected != nullptr) ? *a.expected : 0) + unsigned(a.increment));
+  bounded_wait(a.counter, target, wait_deadline(a.fault, a.timeout_ns), a.fault, a.error_record, a.tag);
+  if (a.expected != nullptr) *a.expected = target;  // the epoch advances even on timeout: the GEMM still adds later
+  if (a.notify != nullptr && !a.notify_first) notify_sys(a.notify);
+}
+
+int launch_wait(WaitArgs const& a, cudaStream_t stream) {
+  wait_counter_kernel<<<1, 1, 0, stream>>>(a);
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? 0 : fail_cuda("wait kernel launch", e);
+}
+
+// The last kernel of every routed call (fo_fault): takes another rank's fault from the NCCL route's exchange word,
+// then, while the block holds a fault, mirrors it to the host and fills `rows` x `n` elements of `out` (row stride
+// ld, elem_bytes 2 or 4) with the NaN bit pattern `nan_bits`. Costs one load when there is no fault.
+__global__ void fault_finish_kernel(fo_fault* f, int* mirror, char* out, int64_t rows, int64_t n, int64_t ld,
+                                    int elem_bytes, unsigned nan_bits) {
+  __shared__ int code;
+  if (threadIdx.x == 0) {
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+    int const x = load_volatile(&f->exchange);
+    if (x > 0 && load_volatile(&f->code) == 0) record_fault(f, 3, -1, 0, 0, x - 1);
+    code = load_volatile(&f->code);
+    if (code != 0 && blockIdx.x == 0 && mirror != nullptr) {
+      int const* src = &f->code;
+      for (int i = 1; i < 8; ++i) reinterpret_cast<int volatile*>(mirror)[i] = load_volatile(src + i);
+      __threadfence_system();
+      reinterpret_cast<int volatile*>(mirror)[0] = code;
+      __threadfence_system();
+    }
+  }
+  __syncthreads();
+  if (code == 0 || out == nullptr) return;
+  int64_t const total = rows * n;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    char* p = out + ((i / n) * ld + i % n) * elem_bytes;
+    if (elem_bytes == 2) {
+      *reinterpret_cast<unsigned short*>(p) = (unsigned short)nan_bits;
+    } else {
+      *reinterpret_cast<unsigned*>(p) = nan_bits;
+    }
+  }
+}
+
+int launch_fault_finish(fo_fault* f, int* mirror, void* out, int64_t rows, int64_t n, int64_t ld, int elem_bytes,
+                        unsigned nan_bits, cudaStream_t stream) {
+  if (f == nullptr) return 0;
+  fault_finish_kernel<<<8, 256, 0, stream>>>(f, mirror, static_cast<char*>(out), rows, n, ld, elem_bytes, nan_bits);
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? 0 : fail_cuda("fault kernel launch", e);
+}
+
+// NCCL route, before its last NCCL group: this call's own fault (codes 1 and 4 recorded in this call) as
+// origin + 1 for the MAX exchange; begins the call when no wait did (a rank without rows).
+__global__ void fault_exchange_kernel(fo_fault* f, int begin, long long timeout_ns, int launch_id, int rank) {
+  if (begin) {
+    f->deadline_ns = (long long)global_timer_ns() + timeout_ns;
+    f->call_counter += 1;
+    f->current_launch = launch_id;
+    f->rank = rank;
+  }
+  int const code = load_volatile(&f->code);
+  bool const mine = (code == 1 || code == 4) && load_volatile(&f->fault_call) == load_volatile(&f->call_counter);
+  f->exchange = mine ? f->rank + 1 : 0;
+  __threadfence();
+}
+
+int launch_fault_exchange(fo_fault* f, bool begin, long long timeout_ns, int launch_id, int rank,
+                          cudaStream_t stream) {
+  fault_exchange_kernel<<<1, 1, 0, stream>>>(f, begin ? 1 : 0, timeout_ns, launch_id, rank);
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? 0 : fail_cuda("fault exchange kernel launch", e);
+}
+
+// A part of the call could not be enqueued on this rank (code 4): the rest of it still runs, poisoned.
+__global__ void fault_local_kernel(fo_fault* f, int tag) { record_fault(f, 4, tag, 0, 0, f->rank); }
+
+int launch_fault_local(fo_fault* f, int tag, cudaStream_t stream) {
+  if (f == nullptr) return 0;
+  fault_local_kernel<<<1, 1, 0, stream>>>(f, tag);
+  return cudaGetLastError() == cudaSuccess ? 0 : 1;
+}
+
+__global__ void fault_clear_kernel(fo_fault* f, int* mirror) {
+  f->code = f->tag = f->seen = f->target = f->origin = f->fault_call = f->launch = 0;
+  f->exchange = 0;
+  __threadfence_system();
+  if (mirror != nullptr) {
+    for (int i = 0; i < 8; ++i) reinterpret_cast<int volatile*>(mirror)[i] = 0;
+    __threadfence_system();
+  }
 }
 
 }  // namespace flashoverlap
@@ -94,12 +179,18 @@ using namespace flashoverlap;
 
 extern "C" {
 
-FO_API int fo_abi_version(void) { return 7; }
+FO_API int fo_abi_version(void) { return 8; }
 
 FO_API int fo_preload(void) {
   cudaFuncAttributes attr{};
-  cudaError_t e = cudaFuncGetAttributes(&attr, wait_counter_kernel);
-  if (e != cudaSuccess) return fail_cuda("fo_preload", e);
+  for (void const* k : {reinterpret_cast<void const*>(wait_counter_kernel),
+                         reinterpret_cast<void const*>(fault_finish_kernel),
+                         reinterpret_cast<void const*>(fault_exchange_kernel),
+                         reinterpret_cast<void const*>(fault_local_kernel),
+                         reinterpret_cast<void const*>(fault_clear_kernel)}) {
+    cudaError_t e = cudaFuncGetAttributes(&attr, k);
+    if (e != cudaSuccess) return fail_cuda("fo_preload", e);
+  }
   if (int rc = peer_call_preload(); rc != 0) return rc;
   if (int rc = ring_call_preload(); rc != 0) return rc;
   for (int i = 0; i < num_configs(); ++i) {
@@ -167,13 +258,25 @@ FO_API int fo_gemm(int config, const void* a, int64_t lda, const void* b, int64_
 FO_API int fo_wait_counter(const int* counter, int* expected, int increment, int64_t timeout_ns, int* error_record,
                            int tag, void* stream) {
   if (counter == nullptr) return fail(2, "fo_wait_counter: counter is null");
-  return launch_wait(counter, expected, increment, (long long)timeout_ns, error_record, tag,
-                     static_cast<cudaStream_t>(stream), nullptr, false);
+  if (timeout_ns <= 0) return fail(2, "fo_wait_counter: timeout_ns must be positive");
+  WaitArgs a{};
+  a.counter = counter, a.expected = expected, a.increment = increment, a.timeout_ns = (long long)timeout_ns;
+  a.error_record = error_record, a.tag = tag;
+  return launch_wait(a, static_cast<cudaStream_t>(stream));
 }
 
 FO_API int fo_notify(int* counter, void* stream) {
   if (counter == nullptr) return fail(2, "fo_notify: counter is null");
-  return launch_wait(nullptr, nullptr, 0, 0, nullptr, 0, static_cast<cudaStream_t>(stream), counter, false);
+  WaitArgs a{};
+  a.notify = counter;
+  return launch_wait(a, static_cast<cudaStream_t>(stream));
+}
+
+FO_API int fo_fault_clear(fo_fault* fault, int* mirror, void* stream) {
+  if (fault == nullptr) return fail(2, "fo_fault_clear: fault is null");
+  fault_clear_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(fault, mirror);
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? 0 : fail_cuda("fo_fault_clear", e);
 }
 
 FO_API int fo_stream_wait_value(void* stream, int* counter, int target) {

@@ -1,6 +1,16 @@
-// Device-side waiting shared by the wait kernel (api.cu) and the peer route's gate in GEMM 2's epilogue
-// (tile_signal.hpp): one bounded poll loop, one timeout record.
+// Device-side waiting shared by the wait kernel (api.cu) and the peer gate in a GEMM's epilogue (tile_signal.hpp):
+// one bounded poll loop, and the fault block that makes a timed-out wait visible to every rank of the group.
+//
+// Failure contract (flashoverlap_sm90.h, fo_fault): every wait of a call ends at the call's deadline (set once per
+// call by its first wait kernel: one failed call ends within about one timeout, however many waits it has). A wait
+// that gives up records the fault in its rank's block and in every peer's block it knows (system-scope stores over
+// NVLink, before anything this rank writes afterwards), so a peer that reads data this rank wrote after the fault
+// also sees the fault. The route's last kernel then poisons the call's output (NaN) while the block holds a fault,
+// and mirrors the block into pinned host memory, where the host raises. Blocks are cleared only by the host, after
+// it raised (fo_fault_clear).
 #pragma once
+
+#include "flashoverlap_sm90.h"
 
 namespace flashoverlap {
 
@@ -18,35 +28,62 @@ __device__ __forceinline__ int load_acquire_sys(int const* p) {
   return v;
 }
 
-// One thread polls *flag until (int)(*flag - target) >= 0 (compared cyclically), with a nanosleep backoff (32 ns
-// doubling to 256 ns), for at most timeout_ns. A timeout records the first one, {1, tag, seen, target}, into
-// error_record (device-visible memory, e.g. pinned host memory) and returns. skip_if_recorded: when the first
-// poll fails and a timeout is already recorded, return at once (later waiters of a failed call do not each time
-// out once more; the record is read only off the common path). Returns the last value seen.
-__device__ __forceinline__ int bounded_wait(int const* flag, int target, long long timeout_ns, int* error_record,
-                                            int tag, bool skip_if_recorded) {
-  int v = load_acquire_sys(flag);
-  if (int(unsigned(v) - unsigned(target)) >= 0) return v;
-  if (skip_if_recorded && error_record != nullptr && *reinterpret_cast<int const volatile*>(error_record) != 0) {
-    return v;
+__device__ __forceinline__ int load_volatile(int const* p) { return *reinterpret_cast<int const volatile*>(p); }
+
+// Record a fault {code, tag, seen, target, origin} into block f (the first fault is kept), at system scope.
+__device__ __forceinline__ void record_fault(fo_fault* f, int code, int tag, int seen, int target, int origin) {
+  if (atomicCAS_system(&f->code, 0, code) != 0) return;
+  f->tag = tag;
+  f->seen = seen;
+  f->target = target;
+  f->origin = origin;
+  f->fault_call = load_volatile(&f->call_counter);
+  f->launch = load_volatile(&f->current_launch);
+  __threadfence_system();
+}
+
+// This rank's wait gave up: its own block (code 1), then every peer's (code 2).
+__device__ __forceinline__ void record_timeout(fo_fault* f, int tag, int seen, int target) {
+  int const origin = f->rank;
+  record_fault(f, 1, tag, seen, target, origin);
+  int const n = f->npeers < FO_FAULT_MAX_PEERS ? f->npeers : FO_FAULT_MAX_PEERS;
+  for (int i = 0; i < n; ++i) {
+    if (f->peers[i] != nullptr) record_fault(f->peers[i], 2, tag, seen, target, origin);
   }
-  unsigned long long const t0 = global_timer_ns();
+  __threadfence_system();
+}
+
+// The absolute deadline of a wait: the call's (set by its first wait kernel) when a block is given, else now +
+// timeout_ns (the single-kernel waits of fo_wait_counter).
+__device__ __forceinline__ long long wait_deadline(fo_fault const* f, long long timeout_ns) {
+  if (f != nullptr) return *reinterpret_cast<long long const volatile*>(&f->deadline_ns);
+  return (long long)global_timer_ns() + timeout_ns;
+}
+
+// One thread polls *flag until (int)(*flag - target) >= 0 (compared cyclically), with a nanosleep backoff (32 ns
+// doubling to 256 ns), until `deadline` (globaltimer ns). On timeout: the fault goes to block f (and its peers) when
+// given, else {1, tag, seen, target} into error_record (first kept). Returns true when it timed out.
+__device__ __forceinline__ bool bounded_wait(int const* flag, int target, long long deadline, fo_fault* f,
+                                             int* error_record, int tag) {
+  int v = load_acquire_sys(flag);
   unsigned sleep_ns = 32;
   while (int(unsigned(v) - unsigned(target)) < 0) {
-    if ((long long)(global_timer_ns() - t0) > timeout_ns) {
-      if (error_record != nullptr && atomicCAS(error_record, 0, 1) == 0) {
+    if ((long long)global_timer_ns() > deadline) {
+      if (f != nullptr) {
+        record_timeout(f, tag, v, target);
+      } else if (error_record != nullptr && atomicCAS(error_record, 0, 1) == 0) {
         error_record[1] = tag;
         error_record[2] = v;
         error_record[3] = target;
         __threadfence_system();
       }
-      break;
+      return true;
     }
     __nanosleep(sleep_ns);
     sleep_ns = sleep_ns < 256 ? sleep_ns * 2 : 256;
     v = load_acquire_sys(flag);
   }
-  return v;
+  return false;
 }
 
 }  // namespace flashoverlap

@@ -19,6 +19,38 @@ extern "C" {
 
 #define FO_API __attribute__((visibility("default")))
 
+/* The failure contract of a fused call's waits (csrc/device_wait.hpp). One block per fault domain: per (device,
+ * group) for the peer and ring routes, in the group's symmetric flag page (so a rank can write its peers' blocks),
+ * and per caller stream for the NCCL route. Every wait of a call ends at the call's deadline_ns (set by the call's
+ * first wait kernel to now + its timeout): a wait that gives up records the first fault here (code 1) and in every
+ * peer block listed (code 2); the NCCL route exchanges "a wait of this rank gave up in this call" with one int
+ * all-reduce (MAX) in the NCCL group of its last collective (code 3 on the other ranks). While code != 0 the
+ * route's last kernel fills the call's output with NaN and copies the first 8 ints into the caller's pinned host
+ * mirror; only fo_fault_clear (the host, after raising) clears it. 128 bytes; the host writes rank, npeers, peers. */
+#define FO_FAULT_MAX_PEERS 8
+typedef struct fo_fault {
+  int32_t code;         /* 0 none; 1 a wait of this rank timed out; 2 a peer's did; 3 another rank's (NCCL route);
+                           4 this rank failed to issue part of the call */
+  int32_t tag;          /* the wait that gave up (route-coded) */
+  int32_t seen;         /* the flag / counter value it last saw */
+  int32_t target;       /* the value it waited for */
+  int32_t origin;       /* the rank whose wait gave up (-1 unknown) */
+  int32_t fault_call;   /* call_counter of the recording rank when it was recorded */
+  int32_t launch;       /* current_launch of the recording rank when it was recorded */
+  int32_t rank;         /* this rank in the group (host-written) */
+  int64_t deadline_ns;  /* the current call's deadline (globaltimer ns) */
+  int32_t call_counter; /* calls begun (device-incremented: graph replays count too) */
+  int32_t current_launch; /* the host's id of the current call's launch (names its shape in the error) */
+  int32_t npeers;       /* entries of peers (host-written) */
+  int32_t exchange;     /* NCCL route: (origin + 1) of a fault of this call, all-reduced with MAX */
+  struct fo_fault* peers[FO_FAULT_MAX_PEERS]; /* the peers' blocks mapped here (host-written) */
+  int64_t reserved;
+} fo_fault;
+
+/* On `stream`: zero the block's fault fields (code .. launch, exchange; rank, npeers and peers stay) and the pinned
+ * mirror int32[8]. */
+FO_API int fo_fault_clear(fo_fault* fault, int* mirror, void* stream);
+
 /* ABI version; bumped on any change of the functions below. */
 FO_API int fo_abi_version(void);
 FO_API const char* fo_last_error(void);
@@ -121,15 +153,21 @@ FO_API int fo_nccl_bind(const char* path);
 /* On cur_stream: counters -> expected (num_groups ints), a fork event, then the signal GEMM (as fo_gemm, into
  * d -- row stride ldd --, signalling counters[group_of_tile_row[t]], in tile_row_order; skipped when m == 0). On
  * side_stream, after the fork: per group g, fo_wait_counter(counters + g, expected + g, steps[g].tiles, ...)
- * unless tiles == 0, then its staging copy d -> buf (if any), then its NCCL call(s) on `comm` (ncclComm_t; nccl_dtype an ncclDataType_t, sum). Finally cur_stream waits for side_stream.
- * elem_bytes: the element size of buf and out. */
+ * unless tiles == 0 (the first one begins the call: deadline = now + timeout_ns, fault->rank = rank), then its staging copy d -> buf (if
+ * any), then its NCCL call(s) on `comm` (ncclComm_t; nccl_dtype an ncclDataType_t, sum); the last group's NCCL
+ * group also all-reduces fault->exchange (MAX). Then the fault kernel (fo_fault: NaN into out's out_numel elements
+ * and the mirror while fault->code != 0), and cur_stream waits for side_stream. A group whose wait or staging copy
+ * cannot be enqueued still gets its NCCL call(s) (code 4: the output is poisoned on every rank), so peers are never
+ * left waiting; the first error is returned. ncclInProgress (non-blocking communicators) is waited out, bounded by
+ * timeout_ns. elem_bytes: the element size of buf and out. */
 FO_API int fo_fused_call(int config, const void* a, int64_t lda, const void* b, int64_t ldb, const void* bias,
                          void* d, void* buf, int64_t ldd, int m, int n, int k, const int* group_of_tile_row,
                          const int* tile_row_order, int signal_mode, int sm_count, int raster, int swizzle,
                          void* workspace, size_t workspace_bytes,
                          int* counters, int* expected, int num_groups, const fo_group_step* steps,
                          const fo_p2p_step* p2p, void* out, int elem_bytes, int nccl_dtype, void* comm,
-                         int64_t timeout_ns, int* error_record, void* cur_stream, void* side_stream);
+                         int64_t timeout_ns, fo_fault* fault, int* mirror, int32_t launch_id, int64_t out_numel,
+                         int32_t rank, void* cur_stream, void* side_stream);
 
 /* The peer route of a two-rank fused reduce_scatter / all_reduce (csrc/peer_call.cu): no NCCL, no reduction
  * kernel. Rank r owns rows [own_row, own_row + rows) of the [m, n] result, its peer [peer_row, peer_row + rows).
@@ -178,8 +216,8 @@ typedef struct {
   int32_t elem_bytes, signal_mode, sm_count, raster, swizzle;
   void* workspace;
   size_t workspace_bytes;
-  int64_t timeout_ns;
-  int* error_record;
+  int64_t timeout_ns;            /* the call's deadline: now + timeout_ns at its first wait (fo_fault) */
+  fo_fault* fault;               /* the group's fault block on this device (in the symmetric flag page) */
   void* cur_stream;
   void* side_stream;
   void* pull_stream;
@@ -191,6 +229,8 @@ typedef struct {
   int32_t copy_on_sms;  /* push: the final copy by an SM kernel (1) or the copy engine (0) */
   int32_t gate_in_kernel; /* 1: no wait kernel between the GEMMs; GEMM 2's epilogue waits for flags[0] before each
                              tile's C load (the peer's GEMM 1 is then usually long done). 0: a wait kernel. */
+  int* mirror;            /* pinned host int32[8]: the fault block's copy while it holds a fault */
+  int32_t launch_id;      /* the host's id of this call's launch (fo_fault.current_launch) */
 } fo_peer_args;
 
 FO_API int fo_peer_call(const fo_peer_args* args);
@@ -241,11 +281,13 @@ typedef struct {
   int32_t elem_bytes, signal_mode, sm_count, raster, swizzle, gate_in_kernel;
   void* workspace;                         /* the GEMMs' CUTLASS workspace */
   size_t workspace_bytes;
-  int64_t timeout_ns;
-  int* error_record;
+  int64_t timeout_ns;                      /* the call's deadline: now + timeout_ns at its first wait (fo_fault) */
+  fo_fault* fault;                         /* the group's fault block on this device (in the ring flag area) */
   void* cur_stream;
   void* side_stream;                       /* all_reduce: this rank's own pieces -> out */
   void* pull_streams[FO_RING_MAX_WORLD];   /* all_reduce: [d - 1] pulls from rank (rank + d) % world */
+  int* mirror;                             /* pinned host int32[8]: the fault block's copy while it holds a fault */
+  int32_t launch_id;                       /* the host's id of this call's launch (fo_fault.current_launch) */
 } fo_ring_args;
 
 FO_API int fo_ring_call(const fo_ring_args* args);

@@ -15,16 +15,14 @@
 #include <string>
 #include <unordered_map>
 
+#include <chrono>
+#include <thread>
+
 #include "flashoverlap_sm90.h"
 #include "registry.hpp"
+#include "route_util.hpp"
 
 namespace flashoverlap {
-
-// api.cu
-int fail_code(int code, std::string msg);
-int launch_wait(int const* counter, int* expected, int increment, long long timeout_ns, int* error_record, int tag,
-                cudaStream_t stream, int* notify, bool notify_first = false);
-
 namespace {
 
 using NcclResult = int;  // ncclResult_t: 0 success, 7 in progress (non-blocking communicators)
@@ -35,6 +33,7 @@ using SendFn = NcclResult (*)(void const*, size_t, int, int, void*, cudaStream_t
 using RecvFn = NcclResult (*)(void*, size_t, int, int, void*, cudaStream_t);
 using GroupFn = NcclResult (*)();
 using ErrorStringFn = char const* (*)(NcclResult);
+using AsyncErrorFn = NcclResult (*)(void*, NcclResult*);
 
 struct Nccl {
   AllReduceFn all_reduce = nullptr;
@@ -45,6 +44,7 @@ struct Nccl {
   GroupFn group_start = nullptr;
   GroupFn group_end = nullptr;
   ErrorStringFn error_string = nullptr;
+  AsyncErrorFn async_error = nullptr;  // ncclCommGetAsyncError: waits out ncclInProgress (non-blocking comms)
   bool ready() const { return all_reduce && reduce_scatter && send && recv && group_start && group_end; }
 };
 
@@ -54,10 +54,36 @@ Nccl& nccl() {
 }
 
 constexpr int kNcclSum = 0;
+constexpr int kNcclMax = 2;
+constexpr int kNcclInt32 = 2;
+constexpr int kNcclFloat16 = 6;
 constexpr int kNcclInProgress = 7;
 
+// The communicator and bound of the NCCL calls being issued (set by fo_fused_call for nccl_check).
+thread_local void* current_comm = nullptr;
+thread_local long long current_timeout_ns = 0;
+
+// ncclInProgress (a non-blocking communicator) is waited out with ncclCommGetAsyncError, bounded by the call's
+// timeout; any other result but success is an error.
 int nccl_check(NcclResult r, char const* what) {
-  if (r == 0 || r == kNcclInProgress) return 0;
+  if (r == kNcclInProgress) {
+    if (nccl().async_error == nullptr || current_comm == nullptr) {
+      return fail_code(300 + r, std::string(what) + " returned ncclInProgress and the bound NCCL lacks "
+                                                     "ncclCommGetAsyncError");
+    }
+    auto const until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(current_timeout_ns);
+    while (r == kNcclInProgress) {
+      NcclResult state = 0;
+      NcclResult q = nccl().async_error(current_comm, &state);
+      if (q != 0) { r = q; break; }
+      r = state;
+      if (r == kNcclInProgress && std::chrono::steady_clock::now() > until) {
+        return fail_code(300 + r, std::string(what) + " still in progress after the wait timeout");
+      }
+      if (r == kNcclInProgress) std::this_thread::sleep_for(std::chrono::microseconds(1));
+    }
+  }
+  if (r == 0) return 0;
   char const* msg = nccl().error_string ? nccl().error_string(r) : "?";
   return fail_code(300 + r, std::string(what) + " failed: NCCL error " + std::to_string(r) + " (" + msg + ")");
 }
@@ -82,10 +108,6 @@ int events_for_current_device(Events*& out) {
   }
   out = &ev;
   return 0;
-}
-
-int cuda_check(cudaError_t e, char const* what) {
-  return e == cudaSuccess ? 0 : fail_code(100 + int(e), std::string(what) + ": " + cudaGetErrorString(e));
 }
 
 // Group g's rows from the GEMM output d into the collective's buffer on `side` (after its wait, before its
@@ -170,6 +192,7 @@ FO_API int fo_nccl_bind(const char* path) {
   n.group_start = reinterpret_cast<GroupFn>(dlsym(h, "ncclGroupStart"));
   n.group_end = reinterpret_cast<GroupFn>(dlsym(h, "ncclGroupEnd"));
   n.error_string = reinterpret_cast<ErrorStringFn>(dlsym(h, "ncclGetErrorString"));
+  n.async_error = reinterpret_cast<AsyncErrorFn>(dlsym(h, "ncclCommGetAsyncError"));
   if (!n.ready()) return fail_code(8, std::string("fo_nccl_bind: ") + path + " lacks NCCL's collective symbols");
   nccl() = n;
   return 0;
@@ -181,11 +204,13 @@ FO_API int fo_fused_call(int config, const void* a, int64_t lda, const void* b, 
                          void* workspace, size_t workspace_bytes,
                          int* counters, int* expected, int num_groups, const fo_group_step* steps,
                          const fo_p2p_step* p2p, void* out, int elem_bytes, int nccl_dtype, void* comm,
-                         int64_t timeout_ns, int* error_record, void* cur_stream, void* side_stream) {
+                         int64_t timeout_ns, fo_fault* fault, int* mirror, int32_t launch_id, int64_t out_numel,
+                         int32_t rank, void* cur_stream, void* side_stream) {
   if (!nccl().ready()) return fail_code(8, "fo_fused_call: call fo_nccl_bind first");
-  if (num_groups < 1 || steps == nullptr || counters == nullptr || expected == nullptr) {
-    return fail_code(2, "fo_fused_call: needs >= 1 group, steps, counters and expected");
+  if (num_groups < 1 || steps == nullptr || counters == nullptr || expected == nullptr || fault == nullptr) {
+    return fail_code(2, "fo_fused_call: needs >= 1 group, steps, counters, expected and fault");
   }
+  if (timeout_ns <= 0) return fail_code(2, "fo_fused_call: timeout_ns must be positive");
   GemmConfig const* c = config_at(config);
   if (c == nullptr) return fail_code(1, "fo_fused_call: no configuration " + std::to_string(config));
   auto cur = static_cast<cudaStream_t>(cur_stream);
@@ -209,21 +234,53 @@ FO_API int fo_fused_call(int config, const void* a, int64_t lda, const void* b, 
     rc = c->run(call, err);
     if (rc != 0) return fail_code(rc, err);  // nothing is queued on `side` but the fork: no join needed
   }
+  current_comm = comm;
+  current_timeout_ns = (long long)timeout_ns;
   char* const dp = static_cast<char*>(d);
   char* const bufp = static_cast<char*>(buf);
   char* const outp = static_cast<char*>(out);
-  for (int g = 0; g < num_groups && rc == 0; ++g) {
+  bool begun = false;
+  int first_error = 0;
+  // Every group's NCCL call(s) are issued even after an earlier part failed to enqueue (recorded as code 4, so every
+  // rank's output is poisoned): the peers are never left waiting for a collective this rank skipped.
+  for (int g = 0; g < num_groups; ++g) {
+    int step_rc = 0;
     if (steps[g].tiles > 0) {
-      rc = launch_wait(counters + g, expected + g, steps[g].tiles, (long long)timeout_ns, error_record, g, side,
-                       nullptr);
+      WaitArgs w{};
+      w.counter = counters + g, w.expected = expected + g, w.increment = steps[g].tiles, w.fault = fault;
+      w.timeout_ns = (long long)timeout_ns, w.tag = g, w.begin = !begun, w.launch_id = launch_id, w.rank = rank;
+      step_rc = launch_wait(w, side);
+      begun = begun || step_rc == 0;
     }
-    if (rc == 0) rc = stage_group(steps[g], dp, bufp, elem_bytes, side);
-    if (rc == 0) rc = issue_group(steps[g], p2p, bufp, outp, elem_bytes, nccl_dtype, comm, side);
+    if (step_rc == 0) step_rc = stage_group(steps[g], dp, bufp, elem_bytes, side);
+    if (step_rc != 0) {
+      launch_fault_local(fault, g, side);
+      if (first_error == 0) first_error = step_rc;
+    }
+    bool const last = g == num_groups - 1;
+    if (last) {  // the fault exchange travels in the last group's NCCL group
+      int x = launch_fault_exchange(fault, !begun, (long long)timeout_ns, launch_id, rank, side);
+      if (x != 0 && first_error == 0) first_error = x;
+      x = nccl_check(nccl().group_start(), "ncclGroupStart");
+      if (x != 0) return x;  // NCCL itself is broken here: the caller aborts the communicator
+    }
+    int const nrc = issue_group(steps[g], p2p, bufp, outp, elem_bytes, nccl_dtype, comm, side);
+    if (last) {
+      int const xrc = nccl_check(nccl().all_reduce(&fault->exchange, &fault->exchange, 1, kNcclInt32, kNcclMax, comm,
+                                                   side), "ncclAllReduce (fault exchange)");
+      int const erc = nccl_check(nccl().group_end(), "ncclGroupEnd");
+      if (nrc == 0 && xrc != 0) return xrc;
+      if (nrc == 0 && erc != 0) return erc;
+    }
+    if (nrc != 0) return nrc;  // NCCL failed to enqueue: the caller aborts the communicator (torch's abort path)
   }
+  unsigned const nan = nan_bits(elem_bytes, nccl_dtype != kNcclFloat16);  // 2-byte: bf16 unless fp16
+  int rc_fault = launch_fault_finish(fault, mirror, out, out_numel, 1, 1, elem_bytes, nan, side);
   // Join even after a failure, so the caller's stream never runs ahead of work already queued on `side`.
   int rc_join = cuda_check(cudaEventRecord(ev->join, side), "join record");
   if (rc_join == 0) rc_join = cuda_check(cudaStreamWaitEvent(cur, ev->join, 0), "join wait");
-  return rc != 0 ? rc : rc_join;
+  if (first_error != 0) return first_error;
+  return rc_fault != 0 ? rc_fault : rc_join;
 }
 
 }  // extern "C"

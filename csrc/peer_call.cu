@@ -26,10 +26,6 @@
 
 namespace flashoverlap {
 
-// api.cu
-int launch_wait(int const* counter, int* expected, int increment, long long timeout_ns, int* error_record, int tag,
-                cudaStream_t stream, int* notify, bool notify_first = false);
-
 namespace {
 
 // Error-record tags of the peer route's waits (the NCCL route tags its waits with the group index).
@@ -58,6 +54,22 @@ int events(PeerEvents*& out) {
   return 0;
 }
 
+// A wait kernel of this call on its fault block (route_util.hpp: WaitArgs).
+int wait(fo_peer_args const& p, int const* counter, int* expected, int increment, int tag, cudaStream_t stream,
+         int* notify, bool notify_first = false, bool begin = false) {
+  WaitArgs a{};
+  a.counter = counter, a.expected = expected, a.increment = increment, a.fault = p.fault;
+  a.timeout_ns = (long long)p.timeout_ns, a.tag = tag, a.notify = notify, a.notify_first = notify_first;
+  a.begin = begin, a.launch_id = p.launch_id;
+  return launch_wait(a, stream);
+}
+
+// The call's last kernel on cur: NaN into the output while the fault block holds a fault, and the host mirror.
+int finish(fo_peer_args const& p, GemmConfig const& c, void* out, int64_t rows, int64_t ld, cudaStream_t cur) {
+  return launch_fault_finish(p.fault, p.mirror, out, rows, p.n, ld, p.elem_bytes, nan_bits(p.elem_bytes, c.dtype == 0),
+                             cur);
+}
+
 int gemm(GemmConfig const& c, fo_peer_args const& p, int row, void const* c_operand, void* d, int64_t ldd,
          int* counters, int const* group_of_tile_row, cudaStream_t stream, void* aux = nullptr, bool gate = false) {
   StepOperands const ops{p.a, p.lda, p.b, p.ldb, p.bias, p.n, p.k, p.elem_bytes, p.signal_mode, p.sm_count,
@@ -71,7 +83,7 @@ int gemm(GemmConfig const& c, fo_peer_args const& p, int row, void const* c_oper
     call.gate_flag = p.flags;
     call.gate_target = p.expected;
     call.gate_timeout_ns = (long long)p.timeout_ns;
-    call.gate_error_record = p.error_record;
+    call.gate_error_record = reinterpret_cast<int*>(p.fault);
     call.gate_tag = kTagPartial;
   }
   return run_step(c, call);
@@ -108,9 +120,11 @@ int check_args(fo_peer_args const& p, GemmConfig const*& c1, GemmConfig const*& 
     return fail_code(2, "fo_peer_call: push needs num_groups 0, peer_own and out");
   }
   if (p.rows <= 0 || p.n <= 0 || p.k <= 0) return fail_code(2, "fo_peer_call: sizes must be positive");
+  if (p.timeout_ns <= 0) return fail_code(2, "fo_peer_call: timeout_ns must be positive");
   if (p.partial == nullptr || p.peer_partial == nullptr || p.own_dst == nullptr || p.flags == nullptr ||
-      p.peer_flags == nullptr || p.expected == nullptr) {
-    return fail_code(2, "fo_peer_call: partial, peer_partial, own_dst, flags, peer_flags and expected are required");
+      p.peer_flags == nullptr || p.expected == nullptr || p.fault == nullptr) {
+    return fail_code(2, "fo_peer_call: partial, peer_partial, own_dst, flags, peer_flags, expected and fault are "
+                        "required");
   }
   if (p.num_groups < 0 || p.num_groups > kMaxGroups) {
     return fail_code(2, "fo_peer_call: num_groups must be in [0, FO_PEER_MAX_GROUPS]");
@@ -150,7 +164,6 @@ FO_API int fo_peer_call(const fo_peer_args* args) {
   auto cur = static_cast<cudaStream_t>(p.cur_stream);
   auto side = static_cast<cudaStream_t>(p.side_stream);
   auto pull = static_cast<cudaStream_t>(p.pull_stream);
-  long long const timeout = (long long)p.timeout_ns;
   int const G = p.num_groups;
   PeerEvents* ev = nullptr;
   if ((rc = events(ev)) != 0) return rc;
@@ -166,9 +179,9 @@ FO_API int fo_peer_call(const fo_peer_args* args) {
   // GEMM 1: the peer's rows, then (one kernel) tell the peer and wait until its GEMM 1 (our C) is complete.
   rc = gemm(*c1, p, p.peer_row, nullptr, p.partial, p.n, nullptr, nullptr, cur);
   if (rc == 0 && p.gate_in_kernel) {  // notify and advance the epoch; GEMM 2's epilogue waits before loading C
-    rc = launch_wait(nullptr, p.expected, 1, timeout, p.error_record, kTagPartial, cur, p.peer_flags);
+    rc = wait(p, nullptr, p.expected, 1, kTagPartial, cur, p.peer_flags, false, true);
   } else if (rc == 0) {
-    rc = launch_wait(p.flags, p.expected, 1, timeout, p.error_record, kTagPartial, cur, p.peer_flags, true);
+    rc = wait(p, p.flags, p.expected, 1, kTagPartial, cur, p.peer_flags, true, true);
   }
   bool const gate = p.gate_in_kernel != 0;
   if (p.push) {  // all_reduce by push: GEMM 2 -> out's own rows + the peer's landing buffer; then ours -> out
@@ -178,8 +191,7 @@ FO_API int fo_peer_call(const fo_peer_args* args) {
                 nullptr, nullptr, cur, const_cast<void*>(p.peer_own), gate);
     }
     if (rc == 0) {
-      rc = launch_wait(p.flags + 1, p.expected + 1, 1, timeout, p.error_record, kTagPeerGroup, cur, p.peer_flags + 1,
-                       true);
+      rc = wait(p, p.flags + 1, p.expected + 1, 1, kTagPeerGroup, cur, p.peer_flags + 1, true);
     }
     if (rc == 0 && p.copy_on_sms && p.ld_out == p.n) {
       rc = copy_on_sms(out + int64_t(p.peer_row) * p.ld_out * p.elem_bytes, p.own_dst,
@@ -188,6 +200,7 @@ FO_API int fo_peer_call(const fo_peer_args* args) {
       rc = copy_rows(out + int64_t(p.peer_row) * p.ld_out * p.elem_bytes, p.ld_out, p.own_dst, p.n, 0, p.rows, p.n,
                      p.elem_bytes, cur);
     }
+    if (rc == 0) rc = finish(p, *c2, out, 2 * int64_t(p.rows), p.ld_out, cur);
     return rc;
   }
   // GEMM 2: own rows + the peer's partial of them.
@@ -196,23 +209,19 @@ FO_API int fo_peer_call(const fo_peer_args* args) {
               G > 0 ? p.group_of_tile_row : nullptr, cur, nullptr, gate);
   }
   if (G == 0) {  // reduce_scatter: one flag each way after GEMM 2 (our C reads are done; see the header)
-    if (rc == 0) {
-      rc = launch_wait(p.flags + 1, p.expected + 1, 1, timeout, p.error_record, kTagPeerGroup, cur, p.peer_flags + 1,
-                       true);
-    }
+    if (rc == 0) rc = wait(p, p.flags + 1, p.expected + 1, 1, kTagPeerGroup, cur, p.peer_flags + 1, true);
+    if (rc == 0) rc = finish(p, *c2, p.own_dst, p.rows, p.ld_own, cur);
     return rc;
   }
   for (int g = 0; g < G && rc == 0; ++g) {
     int const r0 = p.group_rows[g], r1 = p.group_rows[g + 1];
-    rc = launch_wait(p.counters + g, counter_targets + g, p.group_tiles[g], timeout, p.error_record, kTagOwnGroup + g,
-                     side, p.peer_flags + 1 + g);
+    rc = wait(p, p.counters + g, counter_targets + g, p.group_tiles[g], kTagOwnGroup + g, side, p.peer_flags + 1 + g);
     if (rc == 0) {
       rc = copy_rows(static_cast<char*>(p.out) + int64_t(p.own_row) * p.ld_out * p.elem_bytes, p.ld_out, p.own_dst,
                      p.ld_own, r0, r1, p.n, p.elem_bytes, side);
     }
     if (rc == 0) {
-      rc = launch_wait(p.flags + 1 + g, p.expected + 1 + g, 1, timeout, p.error_record, kTagPeerGroup + g, pull,
-                       nullptr);
+      rc = wait(p, p.flags + 1 + g, p.expected + 1 + g, 1, kTagPeerGroup + g, pull, nullptr);
     }
     if (rc == 0) {
       rc = copy_rows(static_cast<char*>(p.out) + int64_t(p.peer_row) * p.ld_out * p.elem_bytes, p.ld_out, p.peer_own,
@@ -224,6 +233,7 @@ FO_API int fo_peer_call(const fo_peer_args* args) {
   if (rc_join == 0) rc_join = cuda_check(cudaEventRecord(ev->join_pull, pull), "join record");
   if (rc_join == 0) rc_join = cuda_check(cudaStreamWaitEvent(cur, ev->join_side, 0), "join wait");
   if (rc_join == 0) rc_join = cuda_check(cudaStreamWaitEvent(cur, ev->join_pull, 0), "join wait");
+  if (rc == 0 && rc_join == 0) rc = finish(p, *c2, p.out, 2 * int64_t(p.rows), p.ld_out, cur);
   return rc != 0 ? rc : rc_join;
 }
 

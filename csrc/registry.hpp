@@ -43,7 +43,7 @@ struct GemmCall {
   int const* gate_flag = nullptr;  // peer gate before each tile's C load (tile_signal.hpp: peer_gate); null: none
   int const* gate_target = nullptr;
   long long gate_timeout_ns = 0;
-  int* gate_error_record = nullptr;
+  int* gate_error_record = nullptr;  // the route's fo_fault block (device_wait.hpp): deadline and fault record
   int gate_tag = 0;
 };
 

@@ -22,10 +22,6 @@
 
 namespace flashoverlap {
 
-// api.cu
-int launch_wait(int const* counter, int* expected, int increment, long long timeout_ns, int* error_record, int tag,
-                cudaStream_t stream, int* notify, bool notify_first = false);
-
 namespace {
 
 constexpr int kMaxWorld = FO_RING_MAX_WORLD;
@@ -97,9 +93,10 @@ int check_args(fo_ring_args const& p, GemmConfig const*& c1, GemmConfig const*& 
     return fail_code(2, "fo_ring_call: rounds must be in [1, 16] with the flags within FO_RING_FLAGS");
   }
   if (p.rows <= 0 || p.n <= 0 || p.k <= 0) return fail_code(2, "fo_ring_call: sizes must be positive");
-  if (p.expected == nullptr || p.out == nullptr) {  // cur_stream may be null: the legacy default stream
-    return fail_code(2, "fo_ring_call: expected and out are required");
+  if (p.expected == nullptr || p.out == nullptr || p.fault == nullptr) {  // cur_stream may be null: legacy stream
+    return fail_code(2, "fo_ring_call: expected, out and fault are required");
   }
+  if (p.timeout_ns <= 0) return fail_code(2, "fo_ring_call: timeout_ns must be positive");
   for (int r = 0; r < p.world; ++r) {
     if (p.buffers[r] == nullptr || p.flags[r] == nullptr) {
       return fail_code(2, "fo_ring_call: buffers and flags of every rank are required");
@@ -128,6 +125,16 @@ struct RingLayout {
   char* out_rows(int64_t row) const { return static_cast<char*>(p.out) + row * p.ld_out * p.elem_bytes; }
 };
 
+// A wait kernel of this call on its fault block (route_util.hpp: WaitArgs).
+int wait(fo_ring_args const& p, int const* counter, int* expected, int increment, int tag, cudaStream_t stream,
+         int* notify, bool notify_first = false, bool begin = false) {
+  WaitArgs a{};
+  a.counter = counter, a.expected = expected, a.increment = increment, a.fault = p.fault;
+  a.timeout_ns = (long long)p.timeout_ns, a.tag = tag, a.notify = notify, a.notify_first = notify_first;
+  a.begin = begin, a.launch_id = p.launch_id;
+  return launch_wait(a, stream);
+}
+
 // Round t's world GEMM steps on cur (flashoverlap_sm90.h), with the flag after each push.
 int ring_round(fo_ring_args const& p, GemmConfig const& c1, GemmConfig const& c2, int t, cudaStream_t cur) {
   FlagIndex const fi{p.world, p.rounds};
@@ -136,7 +143,6 @@ int ring_round(fo_ring_args const& p, GemmConfig const& c1, GemmConfig const& c2
                          p.raster, p.swizzle, p.workspace, p.workspace_bytes};
   int const W = p.world, r = p.rank, prev = (r + W - 1) % W;
   bool const gate = p.gate_in_kernel != 0;
-  long long const timeout = (long long)p.timeout_ns;
   int rc = 0;
   for (int s = 0; s < W && rc == 0; ++s) {
     int const chunk = (r + s + 1) % W;
@@ -149,19 +155,26 @@ int ring_round(fo_ring_args const& p, GemmConfig const& c1, GemmConfig const& c2
       int const idx = fi.arrival(t, s - 1);
       call.gate_flag = p.flags[r] + idx;
       call.gate_target = p.expected + idx;
-      call.gate_timeout_ns = timeout;
-      call.gate_error_record = p.error_record;
+      call.gate_timeout_ns = (long long)p.timeout_ns;
+      call.gate_error_record = reinterpret_cast<int*>(p.fault);
       call.gate_tag = kTagArrive + 16 * t + s - 1;
     }
     rc = run_step(s == 0 ? c1 : c2, call);
     if (rc == 0 && !last) {  // tell rank r - 1 its slot (t, s) is full; without the gate, wait for ours here
       int const idx = fi.arrival(t, s);
-      rc = gate ? launch_wait(nullptr, p.expected + idx, 1, timeout, p.error_record, 0, cur, p.flags[prev] + idx)
-                : launch_wait(p.flags[r] + idx, p.expected + idx, 1, timeout, p.error_record,
-                              kTagArrive + 16 * t + s, cur, p.flags[prev] + idx, true);
+      bool const begin = t == 0 && s == 0;  // the call's first wait kernel: its deadline starts here
+      rc = gate ? wait(p, nullptr, p.expected + idx, 1, 0, cur, p.flags[prev] + idx, false, begin)
+                : wait(p, p.flags[r] + idx, p.expected + idx, 1, kTagArrive + 16 * t + s, cur, p.flags[prev] + idx,
+                       true, begin);
     }
   }
   return rc;
+}
+
+// The call's last kernel on cur: NaN into out's `rows` rows while the fault block holds a fault, and the mirror.
+int finish(fo_ring_args const& p, GemmConfig const& c, int64_t rows, cudaStream_t cur) {
+  return launch_fault_finish(p.fault, p.mirror, p.out, rows, p.n, p.ld_out, p.elem_bytes,
+                             nan_bits(p.elem_bytes, c.dtype == 0), cur);
 }
 
 // all_reduce, after round t: tell every peer this rank's piece is ready; pull theirs into out (and copy ours).
@@ -185,8 +198,8 @@ int gather_round(fo_ring_args const& p, RingEvents& ev, int t, cudaStream_t cur)
     auto pull = static_cast<cudaStream_t>(p.pull_streams[d - 1]);
     rc = cuda_check(cudaStreamWaitEvent(pull, ev.round, 0), "round wait");
     if (rc == 0) {
-      rc = launch_wait(p.flags[r] + fi.ready(t, peer), p.expected + fi.ready(t, peer), 1, (long long)p.timeout_ns,
-                       p.error_record, kTagReady + 16 * t + peer, pull, nullptr);
+      rc = wait(p, p.flags[r] + fi.ready(t, peer), p.expected + fi.ready(t, peer), 1, kTagReady + 16 * t + peer, pull,
+                nullptr);
     }
     if (rc == 0) {
       rc = copy_rows(lay.out_rows(lay.first_row(peer, t)), p.ld_out, lay.own_piece(peer, t), p.n, 0, p.rows, p.n,
@@ -220,7 +233,6 @@ FO_API int fo_ring_call(const fo_ring_args* args) {
   if ((rc = events(ev)) != 0) return rc;
   auto cur = static_cast<cudaStream_t>(p.cur_stream);
   FlagIndex const fi{p.world, p.rounds};
-  long long const timeout = (long long)p.timeout_ns;
   bool forked = false;  // any work queued on the side or pull streams (which cur must then join)
   for (int t = 0; t < p.rounds && rc == 0; ++t) {
     rc = ring_round(p, *c1, *c2, t, cur);
@@ -231,9 +243,10 @@ FO_API int fo_ring_call(const fo_ring_args* args) {
   }
   if (!p.all_reduce) {  // one flag each way: rank r + 1's pushes are read; wait until rank r - 1 has read ours
     if (rc == 0) {
-      rc = launch_wait(p.flags[p.rank] + fi.rs_done(), p.expected + fi.rs_done(), 1, timeout, p.error_record,
-                       kTagDone, cur, p.flags[(p.rank + 1) % p.world] + fi.rs_done(), true);
+      rc = wait(p, p.flags[p.rank] + fi.rs_done(), p.expected + fi.rs_done(), 1, kTagDone, cur,
+                p.flags[(p.rank + 1) % p.world] + fi.rs_done(), true);
     }
+    if (rc == 0) rc = finish(p, *c2, int64_t(p.rounds) * p.rows, cur);
     return rc;
   }
   if (forked) {  // join even after a failure, so cur never runs ahead of work already queued on the other streams
@@ -252,9 +265,9 @@ FO_API int fo_ring_call(const fo_ring_args* args) {
     rc = cuda_check(cudaGetLastError(), "ring notify kernel");
   }
   if (rc == 0) {  // then no rank reads any region of call i any more, whatever layout call i + 1 gives them
-    rc = launch_wait(p.flags[p.rank] + fi.ar_done(), p.expected + fi.ar_done(), p.world - 1, timeout, p.error_record,
-                     kTagDone, cur, nullptr);
+    rc = wait(p, p.flags[p.rank] + fi.ar_done(), p.expected + fi.ar_done(), p.world - 1, kTagDone, cur, nullptr);
   }
+  if (rc == 0) rc = finish(p, *c2, int64_t(p.world) * p.rounds * p.rows, cur);
   return rc;
 }
 

@@ -8,11 +8,43 @@
 #include <cstdint>
 #include <string>
 
+#include "flashoverlap_sm90.h"
 #include "registry.hpp"
 
 namespace flashoverlap {
 
 int fail_code(int code, std::string msg);  // api.cu
+
+// One wait kernel's arguments (api.cu: wait_counter_kernel). begin: first of the call on `fault` (deadline = now +
+// timeout_ns, call_counter + 1, current_launch = launch_id). With a fault block every wait ends at the call's
+// deadline and a timeout is recorded there (and in the peers' blocks); without one (fo_wait_counter), at now +
+// timeout_ns, recorded into error_record.
+struct WaitArgs {
+  int const* counter = nullptr;  // null: no wait (notify and / or advance the epoch only)
+  int* expected = nullptr;
+  int increment = 0;
+  fo_fault* fault = nullptr;
+  int* error_record = nullptr;
+  long long timeout_ns = 0;
+  int tag = 0;
+  int* notify = nullptr;
+  bool notify_first = false;
+  bool begin = false;
+  int launch_id = 0;
+  int rank = -1;  // begin: this rank in the call's group, into fault->rank (-1: leave it; the host wrote it)
+};
+
+// api.cu
+int launch_wait(WaitArgs const& a, cudaStream_t stream);
+int launch_fault_finish(fo_fault* f, int* mirror, void* out, int64_t rows, int64_t n, int64_t ld, int elem_bytes,
+                        unsigned nan_bits, cudaStream_t stream);
+int launch_fault_exchange(fo_fault* f, bool begin, long long timeout_ns, int launch_id, int rank, cudaStream_t stream);
+int launch_fault_local(fo_fault* f, int tag, cudaStream_t stream);
+
+// The NaN bit pattern of a 2-byte float (elem_bytes 2: bf16 when bf16, else fp16) or of fp32.
+inline unsigned nan_bits(int elem_bytes, bool bf16) {
+  return elem_bytes == 4 ? 0x7FC00000u : (bf16 ? 0x7FC0u : 0x7E00u);
+}
 
 inline int cuda_check(cudaError_t e, char const* what) {
   return e == cudaSuccess ? 0 : fail_code(100 + int(e), std::string(what) + ": " + cudaGetErrorString(e));

@@ -45,16 +45,18 @@ CUTLASS_DEVICE void signal_tile_done(int* counter) {
 #endif
 }
 
-// Peer gate (the peer route's GEMM 2, csrc/peer_call.cu): before the epilogue's producer warp loads a tile's C
-// (the peer's partial sums, in its memory), lane 0 waits until *flag >= *target (system-scope acquire; the peer
-// adds to the flag after its GEMM 1), bounded: a timeout records {1, tag, seen, target} and lets the load go on
-// (the result is then wrong and the caller raises at its next check). The wait is satisfied long before the first
-// epilogue in practice, so GEMM 2 starts right after GEMM 1 without a stream-level barrier in between.
-CUTLASS_DEVICE void peer_gate(int const* flag, int const* target_ptr, long long timeout_ns, int* error_record,
-                              int tag) {
+// Peer gate (the peer and ring routes' GEMMs that add a peer's partial, csrc/peer_call.cu, ring_call.cu): before
+// the epilogue's producer warp loads a tile's C (the peer's partial sums), lane 0 waits until *flag >= *target
+// (system-scope acquire; the peer adds to the flag after its GEMM 1), until the call's deadline in the route's fault
+// block (`fault`, the fo_fault that gate_error_record points to; now + timeout_ns when null). A timeout is recorded
+// there and in the peers' blocks, and the load goes on: the route's last kernel then poisons the output (NaN), so
+// the wrong sum never leaves the call. The wait is satisfied long before the first epilogue in practice, so GEMM 2
+// starts right after GEMM 1 without a stream-level barrier in between.
+CUTLASS_DEVICE void peer_gate(int const* flag, int const* target_ptr, long long timeout_ns, fo_fault* fault, int tag) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if ((threadIdx.x & 31) == 0) {
-    bounded_wait(flag, *reinterpret_cast<int const volatile*>(target_ptr), timeout_ns, error_record, tag, true);
+    bounded_wait(flag, *reinterpret_cast<int const volatile*>(target_ptr), wait_deadline(fault, timeout_ns), fault,
+                 nullptr, tag);
     asm volatile("fence.proxy.async.global;" ::: "memory");  // the acquire, then the TMA (async-proxy) load of C
   }
   __syncwarp();
@@ -70,7 +72,7 @@ struct Sm90TileSignal {
     int const* gate_flag = nullptr;          // peer gate (see peer_gate); nullptr: none
     int const* gate_target = nullptr;
     long long gate_timeout_ns = 0;
-    int* gate_error_record = nullptr;
+    int* gate_error_record = nullptr;       // the route's fo_fault block (device_wait.hpp)
     int gate_tag = 0;
   };
   using Params = Arguments;
@@ -121,8 +123,10 @@ struct Sm90TileSignal {
     Params const* p;
     CUTLASS_DEVICE explicit ProducerLoadCallbacks(Params const* params) : p(params) {}
     CUTLASS_DEVICE void begin() {  // per tile, in the epilogue's producer (C load) warp, before its TMA loads
-      if (p->gate_flag != nullptr) peer_gate(p->gate_flag, p->gate_target, p->gate_timeout_ns, p->gate_error_record,
-                                             p->gate_tag);
+      if (p->gate_flag != nullptr) {
+        peer_gate(p->gate_flag, p->gate_target, p->gate_timeout_ns,
+                  reinterpret_cast<fo_fault*>(p->gate_error_record), p->gate_tag);
+      }
     }
   };
 

@@ -182,3 +182,37 @@ def is_capturing() -> bool:
 def current_device() -> int:
     """The current CUDA device's index."""
     return _get_device() if _get_device is not None else torch.cuda.current_device()
+
+
+def group_timeout_ms(group: Any, device_type: str = "cuda") -> float | None:
+    """The process group's own collective timeout in ms (its backend's options), else torch's default for its
+    backend; None when neither can be read."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    for dev in (device_type, "cpu"):
+        try:
+            backend = group._get_backend(torch.device(dev))
+            return backend.options._timeout.total_seconds() * 1e3
+        except Exception:  # noqa: BLE001 - private API: fall through to the default
+            continue
+    try:
+        return c10d._get_default_timeout(dist.get_backend(group)).total_seconds() * 1e3
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def abort_group(group: Any) -> bool:
+    """Abort ``group``'s communicators through torch's own path (after NCCL refused a call mid-operation, so that
+    no collective of this rank waits forever); True when an abort ran."""
+    from torch.distributed import distributed_c10d as c10d
+
+    fn = getattr(c10d, "_abort_process_group", None)
+    try:
+        if fn is not None:
+            fn(group)
+            return True
+        group.abort()
+        return True
+    except Exception:  # noqa: BLE001 - an abort is best effort; the caller raises anyway
+        return False

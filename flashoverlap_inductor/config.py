@@ -31,6 +31,8 @@ from typing import Any
 
 log = logging.getLogger("flashoverlap")
 
+MAX_WAIT_TIMEOUT_MS = 7 * 24 * 3600 * 1000.0  # 7 days
+DEFAULT_WAIT_TIMEOUT_MS = 600_000.0  # when a group's timeout cannot be read: torch's NCCL default (10 min)
 FUSE_MODES = ("auto", "always", "never")
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
 TRANSPORTS = ("peer", "nccl")
@@ -82,7 +84,9 @@ class Settings:
     min_rows: int = 256  # under "auto": never fuse GEMMs with fewer output rows (latency-bound)
     dtypes: tuple[str, ...] = ("bfloat16", "float16", "float32")  # dtypes the pass may fuse
     all_to_all_default_groups: int = 4  # all_to_all with explicit split sizes: uniform fractions 1/groups
-    wait_timeout_ms: float = 30_000.0  # bound of every GPU wait (ms)
+    # Bound of a fused call's GPU waits (ms; the call's waits share one deadline); None: the process group's own
+    # timeout (torch's default: 10 min for NCCL), so a straggler that torch tolerates never trips it.
+    wait_timeout_ms: float | None = None
     config_dir: str | None = None  # data folder (curves, plans); None: the package's configs/
     transport: str = "peer"  # "peer": peer / ring routes where they apply; "nccl": always the NCCL route
     ring: str = "off"  # "off" | "wide" (groups of 3-8 ranks) | "all" (2-rank groups too, instead of the peer route)
@@ -101,9 +105,14 @@ class Settings:
             raise ValueError(f"flashoverlap: dtypes must be a sequence of dtype names, got {self.dtypes!r}")
         for name in ("min_gain_fraction", "wait_timeout_ms"):
             value = getattr(self, name)
+            if value is None and name == "wait_timeout_ms":
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"flashoverlap: {name} must be a finite number >= 0, got {value!r}")
             object.__setattr__(self, name, float(value))  # one type per field: equal settings, equal keys
+        if self.wait_timeout_ms is not None and not 0 < self.wait_timeout_ms <= MAX_WAIT_TIMEOUT_MS:
+            raise ValueError(f"flashoverlap: wait_timeout_ms must be > 0 and <= {MAX_WAIT_TIMEOUT_MS:.0f} (7 days), or "
+                             f"None (the process group's timeout), got {self.wait_timeout_ms!r}")
         for name in ("min_rows", "all_to_all_default_groups"):
             value = getattr(self, name)
             if not _is_int(value) or value < (1 if "groups" in name else 0):
@@ -120,10 +129,11 @@ class Settings:
         """A canonical string of every field: the pass's cache key and the fused ops' ``settings`` argument."""
         return self._key  # type: ignore[attr-defined]
 
-    @property
-    def wait_timeout_ns(self) -> int:
-        """``wait_timeout_ms`` in ns, clamped to what the device's int64 clock compare takes (>= 1 ms)."""
-        return int(min(max(self.wait_timeout_ms, 1.0), 9.0e9) * 1e6)
+    def timeout_ns(self, group_timeout_ms: float | None = None) -> int:
+        """The bound of a call's waits in ns: ``wait_timeout_ms``, else the group's timeout (``group_timeout_ms``),
+        else ``DEFAULT_WAIT_TIMEOUT_MS``; at most ``MAX_WAIT_TIMEOUT_MS`` (the device's int64 clock never wraps)."""
+        ms = self.wait_timeout_ms if self.wait_timeout_ms is not None else (group_timeout_ms or DEFAULT_WAIT_TIMEOUT_MS)
+        return max(1, int(min(ms, MAX_WAIT_TIMEOUT_MS) * 1e6))
 
     def replace(self, **changes: Any) -> Settings:
         """A copy with flat ``changes`` (``Settings`` or ``Tuning`` field names), validated."""
@@ -195,6 +205,8 @@ def _coerce(name: str, value: Any) -> Any:
                 return int(text)
             except ValueError:
                 raise ValueError(f"flashoverlap: {name} must be an int, got {value!r}") from None
+        if name == "wait_timeout_ms" and text.lower() in ("", "none", "group"):
+            return None
         if name in _FLOAT_FIELDS:
             try:
                 return float(text)

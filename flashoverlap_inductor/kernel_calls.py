@@ -158,7 +158,7 @@ def _timeout_ns(timeout_ms: float | None) -> int:
     if timeout_ms is None:
         from flashoverlap_inductor import config
 
-        timeout_ms = config.wait_timeout_ms
+        return config.current().timeout_ns()
     return max(1, int(timeout_ms * 1e6))
 
 

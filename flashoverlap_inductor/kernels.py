@@ -26,7 +26,7 @@ import torch
 
 from . import errors
 
-ABI_VERSION = 7
+ABI_VERSION = 8
 LIB_ENV = "FLASHOVERLAP_LIB"
 DEFAULT_LIB = Path(__file__).resolve().parent.parent / "build" / "libflashoverlap_sm90.so"
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
@@ -157,7 +157,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "fo_gemm_cache_stats": (c_int, [ctypes.POINTER(c_i64), ctypes.POINTER(c_i64)]),
         "fo_fused_call": (c_int, [c_int, c_p, c_i64, c_p, c_i64, c_p, c_p, c_p, c_i64, c_int, c_int, c_int, c_p,
                                   c_p, c_int, c_int, c_int, c_int, c_p, c_sz, c_p, c_p, c_int, c_p, c_p, c_p, c_int,
-                                  c_int, c_p, c_i64, c_p, c_p, c_p]),
+                                  c_int, c_p, c_i64, c_p, c_p, c_int, c_i64, c_int, c_p, c_p]),
+        "fo_fault_clear": (c_int, [c_p, c_p, c_p]),
     }
     for name, (res, args) in sig.items():
         fn = getattr(lib, name)
@@ -232,7 +233,9 @@ def check(rc: int, what: str) -> None:
     """Raise ``KernelLibraryError`` with the library's message for a nonzero return code of ``what``."""
     if rc != 0:
         msg = library().fo_last_error().decode(errors="replace")
-        raise KernelLibraryError(f"{what} failed (code {rc}): {msg}")
+        exc = KernelLibraryError(f"{what} failed (code {rc}): {msg}")
+        exc.code = rc  # 300 + ncclResult_t: NCCL refused a call (the caller aborts the communicator)
+        raise exc
 
 
 

@@ -90,11 +90,11 @@ class NcclLibrary:
 
     def check(self, rc: int, what: str, comm: int | None = None) -> None:
         """Raise ``NcclError`` for an error code. ``ncclInProgress`` (a non-blocking communicator) is waited out
-        through ``ncclCommGetAsyncError`` (bounded by ``config.wait_timeout_ms``) before the next call."""
+        through ``ncclCommGetAsyncError`` (bounded by the settings' wait timeout) before the next call."""
         if rc == NCCL_IN_PROGRESS and comm is not None:
             from . import config
 
-            state, deadline = ctypes.c_int(NCCL_IN_PROGRESS), time.monotonic() + config.wait_timeout_ms / 1e3
+            state, deadline = ctypes.c_int(NCCL_IN_PROGRESS), time.monotonic() + config.current().timeout_ns() / 1e9
             while state.value == NCCL_IN_PROGRESS and time.monotonic() < deadline:
                 self.lib.ncclCommGetAsyncError(ctypes.c_void_p(comm), ctypes.byref(state))
             rc = state.value

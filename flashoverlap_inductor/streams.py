@@ -25,6 +25,7 @@ import concurrent.futures
 import ctypes
 import functools
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -39,6 +40,7 @@ log = logging.getLogger("flashoverlap")
 
 MAX_GROUPS = 256  # counters per slot: the most wave groups one fused call may have
 MAX_SLOTS = 512  # counter slots per device: one per caller stream, plus one per captured call
+FAULT_INTS = 32  # one fo_fault block (128 bytes)
 
 
 @functools.cache
@@ -63,9 +65,13 @@ class DeviceResources:
     side: torch.cuda.Stream
     counters: torch.Tensor  # int32 [MAX_SLOTS, MAX_GROUPS]
     expected: torch.Tensor  # int32 [MAX_SLOTS, MAX_GROUPS]
-    record: torch.Tensor  # pinned int32 [4]
+    record: torch.Tensor  # pinned int32 [4] (the single-kernel waits of kernel_calls)
+    faults: torch.Tensor  # int32 [MAX_SLOTS, FAULT_INTS]: the NCCL route's fault block per slot (``faults.py``)
+    mirrors: torch.Tensor  # pinned int32 [MAX_SLOTS, 8]: their host mirrors
     slots: dict[int, int] = field(default_factory=dict)
     used: int = 0
+    free: list[int] = field(default_factory=list)  # recycled eager slots
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def slot(self, stream: int, dedicated: bool = False) -> int | None:
         """The counter slot of ``stream`` (a ``cudaStream_t`` as an int; assigned on first use; None when all are
@@ -74,16 +80,32 @@ class DeviceResources:
         ``dedicated``: a new slot that nothing else ever gets, for a call being captured into a CUDA graph: its
         replays may run beside eager calls on any stream (pool streams reuse handles), and two captured calls
         must not share counters either."""
-        if not dedicated:
-            i = self.slots.get(stream)
-            if i is not None:
-                return i
-        if self.used >= MAX_SLOTS:
-            return None
-        i, self.used = self.used, self.used + 1
-        if not dedicated:
-            self.slots[stream] = i
-        return i
+        with self.lock:
+            if not dedicated:
+                i = self.slots.get(stream)
+                if i is not None:
+                    return i
+            if not self.free and self.used >= MAX_SLOTS and self.slots:
+                self._recycle()
+            if self.free:
+                i = self.free.pop()
+            elif self.used < MAX_SLOTS:
+                i, self.used = self.used, self.used + 1
+            else:
+                return None
+            if not dedicated:
+                self.slots[stream] = i
+            return i
+
+    def _recycle(self) -> None:
+        """Every slot is taken: after a device sync (no call in flight uses any), the eager streams' slots are free
+        again (their counters and targets resynchronize at every call). Captured calls' slots are kept; only they
+        can exhaust the pool (``slot`` then returns None, on every rank alike when the ranks capture alike)."""
+        torch.cuda.synchronize(self.index)
+        self.free.extend(sorted(self.slots.values(), reverse=True))
+        self.slots.clear()
+        log.info("flashoverlap: all %d counter slots of cuda:%d in use; recycled the eager streams' slots",
+                 MAX_SLOTS, self.index)
 
     def timed_out(self) -> bool:
         """Whether a wait kernel recorded a timeout (host read of pinned memory; no device sync)."""
@@ -141,8 +163,11 @@ def resources(index: int) -> DeviceResources | None:
         side = torch.cuda.Stream(device=index, priority=-100)  # clamped to the highest priority there is
         zeros = persistent(index, lambda: torch.zeros(2, MAX_SLOTS, MAX_GROUPS, dtype=torch.int32,
                                                       device=f"cuda:{index}"))
+        faults = persistent(index, lambda: torch.zeros(MAX_SLOTS, FAULT_INTS, dtype=torch.int32,
+                                                       device=f"cuda:{index}"))
+        mirrors = torch.zeros(MAX_SLOTS, 8, dtype=torch.int32, pin_memory=True)
         res = DeviceResources(index, props.name, int(props.multi_processor_count), side, zeros[0], zeros[1],
-                              error_record(index))
+                              error_record(index), faults, mirrors)
     _resources[index] = res
     log.debug("flashoverlap: set up cuda:%d (%s, %d SMs): side stream, %d counter slots", index, res.name,
               res.sm_count, MAX_SLOTS)

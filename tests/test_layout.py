@@ -129,11 +129,15 @@ def test_settings_are_one_frozen_validated_object():
     assert s.replace(collectives="all_reduce").collectives == ("all_reduce",)  # a name, not its characters
     for bad in ({"fuse": "sometimes"}, {"collectives": "all_gather"}, {"min_rows": "abc"}, {"ring": "on"},
                 {"ring_rounds": 0}, {"swizzle": 0}, {"row_order": "stage"}, {"experiments": {"nope"}},
-                {"wait_timeout_ms": -1}, {"wait_timeout_ms": float("inf")}, {"min_gain_fraction": float("nan")},
+                {"wait_timeout_ms": -1}, {"wait_timeout_ms": float("inf")}, {"wait_timeout_ms": 0},
+                {"wait_timeout_ms": 1e13}, {"min_gain_fraction": float("nan")},
                 {"swizzle": True}, {"library": 3}, {"no_such_setting": 1}):
         with pytest.raises(ValueError):
             s.replace(**bad)
-    assert config.Settings(wait_timeout_ms=30000).key() == s.key()  # one type per field: equal settings, equal keys
+    assert config.Settings(wait_timeout_ms=30000).key() == s.replace(wait_timeout_ms=30000.0).key()  # one type
+    assert s.wait_timeout_ms is None and s.replace(wait_timeout_ms="none").wait_timeout_ms is None
+    assert s.timeout_ns(group_timeout_ms=1800_000.0) == 1800 * 10**9  # None: the group's own timeout
+    assert s.replace(wait_timeout_ms=5).timeout_ns(1800_000.0) == 5 * 10**6
     t = s.replace(collectives="all_reduce,reduce_scatter", swizzle="8", experiments=["single_group"])
     assert t.collectives == ("all_reduce", "reduce_scatter") and t.tuning.swizzle == 8
     assert t.experiments == frozenset({"single_group"}) and t.key() != s.key()

@@ -245,6 +245,8 @@ def test_peer_execute_pushes_gemm1_to_the_peer_and_fills_only_the_calls_pointers
         assert (p.a, p.b, p.out, p.cur_stream, p.side_stream) == (ctx.a.data_ptr(), ctx.b.data_ptr(),
                                                                   out.data_ptr(), 3, 5)
         assert (p.flags, p.peer_flags) == (ws.flags.buf.data_ptr(), ws.flags.peer_base)
+        assert p.fault == ws.flags.buf.data_ptr() + peer.FAULT_OFFSET and p.mirror == ws.flags.fault.mirror_ptr
+        assert ws.flags.fault.peers == [ws.flags.peer_base + peer.FAULT_OFFSET]  # a timeout also writes the peer's
         if collective == "all_reduce":  # GEMM 2 lands in the peer's own buffer; this rank copies its landing buffer
             assert (p.peer_own, p.own_dst) == (peer_own, own)
         else:

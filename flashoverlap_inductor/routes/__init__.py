@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 
 from .. import _inductor_compat as compat
-from .. import config, kernel_select, streams
+from .. import config, faults, kernel_select, streams
 from ..schedule import steps as schedule
-from . import cpu, nccl, peer, ring, unfused
+from . import agree, cpu, nccl, peer, ring, unfused
 from .base import Call, Context, Route, forget_notes, note, stats
 
 __all__ = ["REGISTRY", "Call", "Context", "Route", "candidates", "check", "dispatch", "make_call", "note", "reset",
@@ -63,6 +63,7 @@ class _Entry:
     out_shape: list[int]
     routes: list[Route]
     declined: str = ""  # why the first kernel route of the registry declined the call ("" = none did)
+    agreed: bool = False  # the group's ranks compared this call's decision items (``agree.check``)
     launches: dict[str, Any] = field(default_factory=dict)
 
 
@@ -168,8 +169,13 @@ def _dispatch(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Ten
                       output_split_sizes, input_split_sizes)
         if cuda:
             ctx.res = streams.resources(a.device.index or 0)
-            if ctx.res is not None and ctx.res.timed_out():
-                ctx.res.raise_if_timed_out()
+            if not capturing:  # a fault an earlier call (or graph replay) recorded: raise it, before this call
+                faults.raise_pending(a.device.index or 0)
+        if not entry.agreed and not capturing:  # before any route acts: ranks that disagree fail here, together
+            gpu = ctx.res.name if ctx.res is not None else a.device.type
+            agree.check(agree.items(call, settings, entry.routes, gpu), group,
+                        f"{collective} of a {list(a.shape)} @ {list(b.shape)} {call.dtype_name} GEMM")
+            entry.agreed = True
         reason = entry.declined
         for route in entry.routes:
             if cuda and ctx.res is None and not route.last_resort:  # a capture before the device's first call
@@ -242,12 +248,15 @@ def _evict(a: torch.Tensor) -> None:
 
 
 def check(sync: bool = True) -> None:
-    """Raise ``kernels.FlashOverlapTimeout`` if a wait kernel timed out (after synchronizing, when ``sync``)."""
+    """Raise the fault any fused call recorded (``faults``: ``errors.FlashOverlapTimeout`` or ``PeerFailure``),
+    after synchronizing the devices when ``sync`` (without it, what the host can see so far: the compiled wrapper
+    runs that after each call). Every rank of the faulted group raises it."""
     for res in streams.existing():
         if sync:
             torch.cuda.synchronize(res.index)
         if res.timed_out():
             res.raise_if_timed_out()
+    faults.raise_pending()
 
 
 def reset() -> None:
@@ -262,6 +271,7 @@ def reset() -> None:
         _captured.clear()
         for route in REGISTRY:
             route.reset()
+        faults.forget()
         stats.clear()
         forget_notes()
         last_launch = None

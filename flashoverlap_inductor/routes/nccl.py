@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _inductor_compat as compat
-from .. import config, kernels, nccl_direct, streams
+from .. import config, faults, kernels, nccl_direct, streams
 from ..kernel_select import (
     KernelChoice,
     a_is_kernel_ready,
@@ -89,6 +89,8 @@ class Launch:
     swizzle: int
     description: str
     csteps: CSteps  # the steps as fo_fused_call takes them
+    timeout_ns: int  # the bound of the call's waits (the settings', else the group's timeout)
+    launch_id: int  # ``faults.launch_id``: names this shape in a fault
 
 
 @dataclass(frozen=True)
@@ -246,7 +248,8 @@ class NcclRoute:
             return "no_communicator: not every rank has the group's NCCL communicator and the library bound to it"
         log.info("flashoverlap: launch %s", desc)
         return Launch(call.collective, choice, index, gmap, gather, order, route, workspace, sm_count,
-                      tuning.swizzle, desc, group_steps(call.collective, steps, tiles, n))
+                      tuning.swizzle, desc, group_steps(call.collective, steps, tiles, n),
+                      settings.timeout_ns(compat.group_timeout_ms(group)), faults.launch_id(desc))
 
     def execute(self, launch: Launch, ctx) -> torch.Tensor | str:
         opnd, res, group = ctx.opnd, ctx.res, ctx.group
@@ -270,11 +273,21 @@ class NcclRoute:
             b_in, ldb = kernel_b(b, launch.kernel)
             workspace = torch.empty(launch.workspace_bytes, dtype=torch.uint8, device=a.device) \
                 if launch.workspace_bytes else None
-        fused_call(launch.index, a_in, b_in, ldb, opnd.bias, d, d, rows, k, launch.gmap, launch.order,
-                   SIGNAL_DEFERRED, launch.sm_count, RASTER, launch.swizzle, workspace,
-                   res.counters[slot].data_ptr(), res.expected[slot].data_ptr(), launch.csteps, out_flat,
-                   nccl_direct.NCCL_DTYPES[a.dtype], comm.comm, ctx.settings.wait_timeout_ns, res.record.data_ptr(),
-                   cur, res.side.cuda_stream)
+        dom = slot_domain(res, slot)
+        try:
+            fused_call(launch.index, a_in, b_in, ldb, opnd.bias, d, d, rows, k, launch.gmap, launch.order,
+                       SIGNAL_DEFERRED, launch.sm_count, RASTER, launch.swizzle, workspace,
+                       res.counters[slot].data_ptr(), res.expected[slot].data_ptr(), launch.csteps, out_flat,
+                       nccl_direct.NCCL_DTYPES[a.dtype], comm.comm, launch.timeout_ns, dom, launch.launch_id,
+                       group.rank(), cur, res.side.cuda_stream)
+        except kernels.KernelLibraryError as exc:
+            if 300 <= getattr(exc, "code", 0) < 400:  # NCCL refused a call: peers may wait on it; abort the group
+                aborted = compat.abort_group(group)
+                raise kernels.KernelLibraryError(
+                    f"flashoverlap: NCCL failed inside a fused {launch.collective} ({launch.description}); the "
+                    f"process group {getattr(group, 'group_name', '?')} was {'aborted' if aborted else 'NOT aborted'}"
+                    f" so that no rank waits forever: {exc}") from exc
+            raise
         return out
 
     def reset(self) -> None:
@@ -283,15 +296,21 @@ class NcclRoute:
         preferred_kernels.cache_clear()
 
 
+def slot_domain(res: streams.DeviceResources, slot: int) -> faults.FaultDomain:
+    """The NCCL route's fault domain of a counter slot (its block in ``res.faults``)."""
+    return faults.domain(("nccl", res.index, slot), lambda: faults.FaultDomain(
+        res.index, "nccl", f"(caller stream slot {slot})", res.faults[slot], res.mirrors[slot]))
+
+
 def fused_call(index: int, a: torch.Tensor | None, b: torch.Tensor | None, ldb: int, bias: torch.Tensor | None,
                d: torch.Tensor, buf: torch.Tensor, rows: int, k: int, gmap: torch.Tensor | None,
                order: torch.Tensor | None, signal_mode: int, sm_count: int, raster: int, swizzle: int,
                workspace: torch.Tensor | None, counters_ptr: int, expected_ptr: int, csteps: CSteps,
-               out: torch.Tensor, nccl_dtype: int, comm: int, timeout_ns: int, record_ptr: int, cur_ptr: int,
-               side_ptr: int) -> None:
+               out: torch.Tensor, nccl_dtype: int, comm: int, timeout_ns: int, dom: faults.FaultDomain,
+               launch_id: int, rank: int, cur_ptr: int, side_ptr: int) -> None:
     """The whole fused op (``fo_fused_call``): GEMM ``d = a @ b (+ bias)`` on ``cur_ptr`` (skipped when ``rows`` is
-    0; tile-rows in ``order``), every group's wait and NCCL call(s) on ``side_ptr``, then the join. Sizes in
-    elements, ``timeout_ns`` in ns."""
+    0; tile-rows in ``order``), every group's wait and NCCL call(s) on ``side_ptr``, the fault exchange and the
+    fault kernel (``dom``), then the join. Sizes in elements, ``timeout_ns`` in ns."""
     rc = kernels.library().fo_fused_call(
         index, a.data_ptr() if a is not None else None, a.stride(0) if a is not None else 0,
         b.data_ptr() if b is not None else None, ldb, bias.data_ptr() if bias is not None else None,
@@ -300,7 +319,7 @@ def fused_call(index: int, a: torch.Tensor | None, b: torch.Tensor | None, ldb: 
         signal_mode, sm_count, raster, swizzle, workspace.data_ptr() if workspace is not None else None,
         workspace.numel() if workspace is not None else 0, counters_ptr, expected_ptr, csteps.groups,
         csteps.steps_ptr, csteps.p2p_ptr, out.data_ptr(), buf.element_size(), nccl_dtype, comm, timeout_ns,
-        record_ptr, cur_ptr, side_ptr)
+        dom.block_ptr, dom.mirror_ptr, launch_id, out.numel(), rank, cur_ptr, side_ptr)
     kernels.check(rc, "fo_fused_call")
 
 

@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .. import config, kernels, streams
+from .. import _inductor_compat as compat
+from .. import config, faults, kernels, streams
 from ..cost_model.schema import ROUTE_COLLECTIVES
 from ..schedule import plan as planlib
 from . import nccl, symmetric
@@ -56,6 +57,7 @@ PREFERRED = ("coop_128x256x64_c2x1_e128x64_addc", "coop_128x256x64_c2x1_e128x32_
 MAX_GROUPS = 64  # FO_PEER_MAX_GROUPS of csrc/flashoverlap_sm90.h
 PULL_GROUPS = 8  # all_reduce by pull: copy groups of GEMM 2's rows (at most)
 FLAG_BYTES = 4096
+FAULT_OFFSET = 2048  # the group's fo_fault block in the flag page (bytes; the flags use the first 1 + 64 ints)
 COLLECTIVES = ROUTE_COLLECTIVES
 
 
@@ -73,9 +75,9 @@ class PeerArgs(ctypes.Structure):
                 ("ld_out", ctypes.c_int64), ("elem_bytes", ctypes.c_int32), ("signal_mode", ctypes.c_int32),
                 ("sm_count", ctypes.c_int32), ("raster", ctypes.c_int32), ("swizzle", ctypes.c_int32),
                 ("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_size_t), ("timeout_ns", ctypes.c_int64),
-                ("error_record", ctypes.c_void_p), ("cur_stream", ctypes.c_void_p), ("side_stream", ctypes.c_void_p),
+                ("fault", ctypes.c_void_p), ("cur_stream", ctypes.c_void_p), ("side_stream", ctypes.c_void_p),
                 ("pull_stream", ctypes.c_void_p), ("push", ctypes.c_int32), ("copy_on_sms", ctypes.c_int32),
-                ("gate_in_kernel", ctypes.c_int32)]
+                ("gate_in_kernel", ctypes.c_int32), ("mirror", ctypes.c_void_p), ("launch_id", ctypes.c_int32)]
 
 
 @dataclass
@@ -88,6 +90,7 @@ class Flags:
     peer_view: torch.Tensor  # keeps the peer's mapping alive
     expected: torch.Tensor  # int32 [1 + 2 * MAX_GROUPS]: flag epochs, then counter targets (csrc contract)
     pull: torch.cuda.Stream  # all_reduce by pull: the copy stream of the peer's rows
+    fault: faults.FaultDomain  # the group's fault block (in ``buf``), which the peer's waits also write
 
 
 @dataclass
@@ -120,8 +123,12 @@ def flags(group: dist.ProcessGroup, device: torch.device) -> Flags:
         buf, hdl, views = symmetric.symmetric(FLAG_BYTES, group, device, True, [1 - group.rank()])
         expected = streams.persistent(device.index,
                                       lambda: torch.zeros(1 + 2 * MAX_GROUPS, dtype=torch.int32, device=device))
+        dom = faults.domain(("peer", device.index, group.group_name), lambda: faults.FaultDomain(
+            device.index, "peer", group.group_name, buf[FAULT_OFFSET:FAULT_OFFSET + faults.BLOCK_BYTES],
+            faults.new_mirror()))
+        dom.setup(group.rank(), [views[0].data_ptr() + FAULT_OFFSET])
         f = _flags[key] = Flags(buf, hdl, views[0].data_ptr(), views[0], expected,
-                                torch.cuda.Stream(device=device, priority=-100))
+                                torch.cuda.Stream(device=device, priority=-100), dom)
     return f
 
 
@@ -159,6 +166,7 @@ class PeerLaunch:
     push: bool  # all_reduce by push (GEMM 2 also stores into the peer's landing buffer)
     template: PeerArgs
     args: dict[tuple[int, int], PeerArgs] = field(default_factory=dict)  # (workspace serial, slot) -> args
+    launch_id: int = 0  # ``faults.launch_id``
 
 
 def unsupported(call, settings: config.Settings) -> str | None:
@@ -263,10 +271,11 @@ def make_launch(call, settings: config.Settings, ctx) -> PeerLaunch | str:
     t.workspace = gemm_ws.data_ptr() if gemm_ws is not None else None
     t.signal_mode, t.raster, t.swizzle = nccl.SIGNAL_DEFERRED, nccl.RASTER, tuning.swizzle
     t.copy_on_sms, t.gate_in_kernel = 1, 1
-    t.timeout_ns, t.error_record = settings.wait_timeout_ns, res.record.data_ptr()
+    t.timeout_ns = settings.timeout_ns(compat.group_timeout_ms(ctx.group))
+    t.launch_id = faults.launch_id(desc)
     t.side_stream = res.side.cuda_stream
     return PeerLaunch(call.collective, choice, half, groups, group_rows, group_tiles, gmap, gemm_ws,
-                      half * n * dtype.itemsize, desc, push, t)
+                      half * n * dtype.itemsize, desc, push, t, launch_id=t.launch_id)
 
 
 def args_for(launch: PeerLaunch, ws: Workspace, res: streams.DeviceResources, slot: int) -> PeerArgs:
@@ -283,6 +292,7 @@ def args_for(launch: PeerLaunch, ws: Workspace, res: streams.DeviceResources, sl
             p.own_dst, p.ld_own, p.peer_own = own, launch.template.n, peer_own  # own: the landing buffer
         f = ws.flags
         p.flags, p.peer_flags, p.expected = f.buf.data_ptr(), f.peer_base, f.expected.data_ptr()
+        p.fault, p.mirror = f.fault.block_ptr, f.fault.mirror_ptr
         p.counters = res.counters[slot].data_ptr() if launch.groups else None
         p.pull_stream = f.pull.cuda_stream
         launch.args[key] = p

@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .. import config, kernels, streams
+from .. import _inductor_compat as compat
+from .. import config, faults, kernels, streams
 from ..cost_model import ring as ring_model
 from . import nccl, peer, symmetric
 
@@ -50,7 +51,8 @@ log = logging.getLogger("flashoverlap")
 
 MAX_WORLD = 8  # FO_RING_MAX_WORLD
 FLAG_INTS = 256  # FO_RING_FLAGS
-FLAG_BYTES = 4 * FLAG_INTS
+FAULT_OFFSET = 4 * FLAG_INTS  # the group's fo_fault block, after the flags (bytes)
+FLAG_BYTES = FAULT_OFFSET + 128
 MIN_PIECE_ROWS = ring_model.MIN_PIECE_ROWS
 
 
@@ -66,8 +68,9 @@ class RingArgs(ctypes.Structure):
                 ("elem_bytes", ctypes.c_int32), ("signal_mode", ctypes.c_int32), ("sm_count", ctypes.c_int32),
                 ("raster", ctypes.c_int32), ("swizzle", ctypes.c_int32), ("gate_in_kernel", ctypes.c_int32),
                 ("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_size_t), ("timeout_ns", ctypes.c_int64),
-                ("error_record", ctypes.c_void_p), ("cur_stream", ctypes.c_void_p), ("side_stream", ctypes.c_void_p),
-                ("pull_streams", ctypes.c_void_p * MAX_WORLD)]
+                ("fault", ctypes.c_void_p), ("cur_stream", ctypes.c_void_p), ("side_stream", ctypes.c_void_p),
+                ("pull_streams", ctypes.c_void_p * MAX_WORLD), ("mirror", ctypes.c_void_p),
+                ("launch_id", ctypes.c_int32)]
 
 
 def flag_count(world: int, rounds: int) -> int:
@@ -84,6 +87,7 @@ class RingFlags:
     views: list[torch.Tensor]  # every rank's flag area mapped here (keeps the mappings alive)
     expected: torch.Tensor  # int32 [FLAG_INTS]: this rank's epoch of each flag
     pulls: list[torch.cuda.Stream]  # all_reduce: [d - 1] pulls from rank (rank + d) % world
+    fault: faults.FaultDomain  # the group's fault block (in ``buf``), which the other ranks' waits also write
 
 
 @dataclass
@@ -112,7 +116,11 @@ def flags(group: dist.ProcessGroup, device: torch.device) -> RingFlags:
         expected = streams.persistent(device.index,
                                       lambda: torch.zeros(FLAG_INTS, dtype=torch.int32, device=device))
         pulls = [torch.cuda.Stream(device=device, priority=-100) for _ in range(world - 1)]
-        f = _flags[key] = RingFlags(buf, hdl, views, expected, pulls)
+        dom = faults.domain(("ring", device.index, group.group_name), lambda: faults.FaultDomain(
+            device.index, "ring", group.group_name, buf[FAULT_OFFSET:FAULT_OFFSET + faults.BLOCK_BYTES],
+            faults.new_mirror()))
+        dom.setup(group.rank(), [v.data_ptr() + FAULT_OFFSET for r, v in enumerate(views) if r != group.rank()])
+        f = _flags[key] = RingFlags(buf, hdl, views, expected, pulls, dom)
     return f
 
 
@@ -242,7 +250,8 @@ def make_launch(call, settings: config.Settings, ctx) -> RingLaunch | str:
     t.all_reduce, t.elem_bytes, t.sm_count = int(call.collective == "all_reduce"), dtype.itemsize, sm_count
     t.signal_mode, t.raster, t.swizzle, t.gate_in_kernel = nccl.SIGNAL_DEFERRED, nccl.RASTER, swizzle, 1
     t.workspace, t.workspace_bytes = (gemm_ws.data_ptr() if gemm_ws is not None else None), ws
-    t.timeout_ns, t.error_record = settings.wait_timeout_ns, res.record.data_ptr()
+    t.timeout_ns = settings.timeout_ns(compat.group_timeout_ms(ctx.group))
+    t.launch_id = faults.launch_id(desc)
     t.side_stream = res.side.cuda_stream
     return RingLaunch(call.collective, choice, rows, nrounds, world, need, gemm_ws, desc, t)
 
@@ -259,6 +268,7 @@ def args_for(launch: RingLaunch, ws: RingWorkspace) -> RingArgs:
         for d, s in enumerate(f.pulls):
             p.pull_streams[d] = s.cuda_stream
         p.expected = f.expected.data_ptr()
+        p.fault, p.mirror = f.fault.block_ptr, f.fault.mirror_ptr
         launch.args[ws.serial] = p
     return p
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _inductor_compat as compat
-from .. import kernels, streams
+from .. import faults, kernels, streams
 from . import nccl
 
 T = TypeVar("T")
@@ -142,3 +142,4 @@ class SymmetricRoute:
         workspaces.clear()
         flags.clear()
         forget_streams()
+        faults.forget(self.name)

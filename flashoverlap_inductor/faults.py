@@ -1,0 +1,164 @@
+"""The host side of the failure contract: fault blocks, their pinned mirrors, and the exceptions they raise.
+
+A *fault domain* is one ``fo_fault`` block (``csrc/flashoverlap_sm90.h``): per (device, group) for the peer and ring
+routes (inside the group's symmetric flag page, so a rank whose wait gives up also writes its peers' blocks), per
+(device, caller stream) for the NCCL route (the ranks learn of each other's faults by the one-int all-reduce in the
+call's last NCCL group). Invariants:
+
+- A call whose rank, or any rank it exchanged data with, saw a wait give up returns NaN (the route's last kernel
+  fills the output while the block holds a fault); no stale sum leaves a call.
+- The host learns of a fault from the pinned mirror, without a device sync: every eager fused call reads the mirrors
+  of its device first (``raise_pending``), the compiled wrapper after each run (``backend``), and ``routes.check()``
+  after synchronizing. It then synchronizes the device, clears the block and the mirror, and raises
+  ``errors.FlashOverlapTimeout`` (or ``errors.PeerFailure``) naming the route, the wait, the rank that stalled and
+  the call's shape. Every rank of the group raises: each one's own block holds the fault.
+- Nothing needs resetting afterwards: every rank notifies each flag once per call and every wait consumes one epoch
+  whether or not it timed out, so epochs stay aligned, and each call sets its own deadline (a fault never makes a
+  later call skip its waits).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from . import errors, kernels
+
+MAX_PEERS = 8  # FO_FAULT_MAX_PEERS
+BLOCK_BYTES = 128
+MIRROR_INTS = 8
+CODES = {1: "a wait of this rank", 2: "a wait of rank {origin}", 3: "a wait of rank {origin}",
+         4: "rank {origin} could not enqueue part of the call"}
+
+
+class FaultBlock(ctypes.Structure):
+    """``fo_fault`` of ``csrc/flashoverlap_sm90.h``."""
+
+    _fields_ = [("code", ctypes.c_int32), ("tag", ctypes.c_int32), ("seen", ctypes.c_int32),
+                ("target", ctypes.c_int32), ("origin", ctypes.c_int32), ("fault_call", ctypes.c_int32),
+                ("launch", ctypes.c_int32), ("rank", ctypes.c_int32), ("deadline_ns", ctypes.c_int64),
+                ("call_counter", ctypes.c_int32), ("current_launch", ctypes.c_int32), ("npeers", ctypes.c_int32),
+                ("exchange", ctypes.c_int32), ("peers", ctypes.c_void_p * MAX_PEERS), ("reserved", ctypes.c_int64)]
+
+
+_launch_ids = itertools.count(1)
+_launches: dict[int, str] = {}
+_lock = threading.Lock()
+
+
+def launch_id(description: str) -> int:
+    """A small id for a launch (``fo_fault.current_launch``), so a fault names the call's shape."""
+    with _lock:
+        i = next(_launch_ids) & 0x7FFFFFFF
+        _launches[i] = description
+        return i
+
+
+def describe_wait(tag: int) -> str:
+    """The wait a tag names (the tags of csrc/peer_call.cu, ring_call.cu and fused_call.cu)."""
+    if 1000 <= tag < 1100:
+        return "the peer's GEMM 1 (its partial of this rank's rows)"
+    if 1100 <= tag < 1200:
+        return f"this rank's GEMM 2, copy group {tag - 1100}"
+    if 1200 <= tag < 1300:
+        return f"the peer's GEMM 2, group {tag - 1200}"
+    if 2000 <= tag < 2400:
+        return f"the next rank's push of round {(tag - 2000) // 16}, step {(tag - 2000) % 16}"
+    if 2400 <= tag < 2800:
+        return f"rank {(tag - 2400) % 16}'s reduced piece of round {(tag - 2400) // 16}"
+    if tag == 2800:
+        return "the other ranks' end-of-call barrier"
+    if tag < 0:
+        return "another rank (the fault exchange)"
+    return f"the GEMM's tiles of wave group {tag}"
+
+
+@dataclass
+class FaultDomain:
+    """One fault block (``block``: its device tensor, 128 bytes) and its pinned mirror ``int32[8]``."""
+
+    device: int
+    route: str
+    group: str
+    block: torch.Tensor
+    mirror: torch.Tensor
+    peers: list[int] = field(default_factory=list)
+
+    @property
+    def block_ptr(self) -> int:
+        return self.block.data_ptr()
+
+    @property
+    def mirror_ptr(self) -> int:
+        return self.mirror.data_ptr()
+
+    def setup(self, rank: int, peer_blocks: list[int]) -> None:
+        """Write this rank and the peers' block addresses (mapped here) into the block (zeroed before)."""
+        img = FaultBlock()
+        img.rank, img.npeers, img.origin = rank, len(peer_blocks), -1
+        for i, p in enumerate(peer_blocks[:MAX_PEERS]):
+            img.peers[i] = p
+        host = torch.frombuffer(bytearray(bytes(img)), dtype=torch.uint8)
+        self.block.view(torch.uint8).copy_(host)
+        torch.cuda.synchronize(self.device)
+        self.peers = list(peer_blocks)
+
+    def pending(self) -> bool:
+        """Whether the mirror holds a fault (a host load of pinned memory; no device sync)."""
+        return ctypes.c_int32.from_address(self.mirror_ptr).value != 0
+
+    def raise_fault(self) -> None:
+        """Synchronize the device, clear the block and the mirror, and raise the recorded fault."""
+        torch.cuda.synchronize(self.device)
+        vals = [int(v) for v in self.mirror.tolist()]
+        code, tag, seen, target, origin, _call, launch, rank = vals
+        if code == 0:
+            return
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+            kernels.check(kernels.library().fo_fault_clear(self.block_ptr, self.mirror_ptr, stream), "fo_fault_clear")
+        torch.cuda.synchronize(self.device)
+        who = CODES.get(code, "a wait").format(origin=origin)
+        shape = _launches.get(launch, "a call whose shape is no longer known")
+        if code == 4:
+            raise errors.PeerFailure(f"flashoverlap: {who} ({self.route} route, group {self.group}, cuda:{self.device},"
+                                     f" rank {rank}): {shape}. Its outputs were poisoned (NaN).")
+        detail = "" if code == 3 else f" for {describe_wait(tag)} (saw {seen}, waited for {target})"
+        raise errors.FlashOverlapTimeout(
+            f"flashoverlap: {who} timed out{detail} on the {self.route} route, group {self.group} (cuda:{self.device}, "
+            f"this is rank {rank}), during {shape}. The rank that stalled is rank {origin}. Every rank of the group "
+            "raises this; the outputs of the calls it concerned were poisoned (NaN), never returned with stale data. "
+            "The next call runs normally (no reset needed). Raise wait_timeout_ms if the stall was expected.")
+
+
+_domains: dict[tuple, FaultDomain] = {}
+
+
+def new_mirror() -> torch.Tensor:
+    """A zeroed host mirror int32[8]: pinned (the device writes it) where CUDA exists; plain for CPU simulations."""
+    return torch.zeros(MIRROR_INTS, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+
+
+def domain(key: tuple, make) -> FaultDomain:
+    """The fault domain of ``key`` (``make()`` builds it on first use)."""
+    d = _domains.get(key)
+    if d is None:
+        d = _domains[key] = make()
+    return d
+
+
+def raise_pending(device: int | None = None) -> None:
+    """Raise the first recorded fault of ``device``'s domains (every device when None); a host read per domain."""
+    for d in list(_domains.values()):
+        if (device is None or d.device == device) and d.pending():
+            d.raise_fault()
+
+
+def forget(route: str | None = None) -> None:
+    """Drop the domains (of ``route``; all when None): after the route's state was reset."""
+    for key in [k for k, d in _domains.items() if route is None or d.route == route]:
+        del _domains[key]

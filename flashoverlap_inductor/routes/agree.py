@@ -1,0 +1,108 @@
+"""Ranks agree or fail clearly: what decides which collectives a fused call issues is compared across the group.
+
+Before the first run of a call shape (a dispatcher memo entry), outside CUDA-graph captures, every rank of the group
+exchanges one digest per item below (an ``all_gather`` of int64 hashes, on the device the group's backend
+communicates from) and compares. A difference raises ``errors.RankMismatch`` on every rank, naming the items and
+the ranks that differ, before any route makes its launch or issues a collective, so ranks that disagree never pair
+unlike collectives (a hang or garbage). Everything a route decides afterwards (``make_launch``) is a function of
+these items, so agreeing on them is agreeing on the route, the plan, the kernel and the steps.
+
+Items: the call (collective, N, K, dtype, B's layout, plan string, world size; the rows too except for
+all_to_all, whose rows and split sizes are per rank by design), the settings that decide (every field but the
+library's and the data folder's paths), the candidate routes (which include whether the kernel library loaded and
+why a route declined), the library's identity (ABI and compiled configurations), the cost-model data (a digest of
+the data folder's files) and the GPU model. Cost: one small collective and one host sync per call shape per group.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .. import config, errors, kernels
+from ..schedule import steps
+from .base import Call, Route
+
+ITEMS = ("call", "rows", "settings", "routes", "library", "data", "gpu")
+
+
+def items(call: Call, settings: config.Settings, routes: Sequence[Route], gpu: str) -> dict[str, str]:
+    """The decision's items as strings (equal strings: equal decisions)."""
+    a2a = call.collective == "all_to_all"
+    if a2a:  # rows, splits and the plan string (which holds the rows) are per rank; the group count is not
+        groups = len(steps.schedule_steps(call.collective, call.plan, call.rows, call.n, call.k, call.dtype_name,
+                                          call.world, call.rank, call.send_rows, call.recv_rows,
+                                          settings.all_to_all_default_groups, settings.config_dir))
+        rows = f"per rank, {groups} groups"
+    else:
+        rows = str(call.rows)
+    kernel_routes = call.device == "cuda"
+    return {
+        "call": repr((call.collective, call.n, call.k, str(call.dtype), call.b_layout, None if a2a else call.plan,
+                      call.world, call.device, None if a2a else call.operand_issue)),
+        "rows": rows,
+        "settings": settings.replace(library=None, config_dir=None).key(),
+        "routes": ",".join(r.name for r in routes),
+        "library": library_identity(str(kernels.library_path())) if kernel_routes else "-",
+        "data": data_digest(settings.config_dir),
+        "gpu": gpu,
+    }
+
+
+@functools.lru_cache(maxsize=8)
+def library_identity(path: str) -> str:
+    """ABI and compiled configurations of the library at ``path`` ("unavailable" when it does not load)."""
+    if not kernels.available():
+        return "unavailable"
+    return f"abi {kernels.ABI_VERSION}: " + ",".join(sorted(f"{c.name}{c.variants}" for c in kernels.configs()))
+
+
+@functools.lru_cache(maxsize=8)
+def data_digest(config_dir: str | None) -> str:
+    """A digest of the cost-model data folder's JSON files (names and contents)."""
+    root = Path(config_dir) if config_dir else Path(__file__).resolve().parent.parent / "configs"
+    h = hashlib.sha1()
+    for path in sorted(root.glob("*.json")) + sorted(root.glob("plans/*.json")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.sha1(text.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def exchange_device(group: dist.ProcessGroup) -> torch.device:
+    """Where the group's backend communicates from: the current CUDA device for NCCL, else the CPU."""
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check(found: dict[str, str], group: dist.ProcessGroup, what: str) -> None:
+    """Exchange ``found``'s digests over ``group`` (collective); raise ``errors.RankMismatch`` on every rank if any
+    item differs. ``what`` names the call in the message."""
+    world = group.size()
+    if world == 1:
+        return
+    mine = torch.tensor([_hash(found[name]) for name in ITEMS], dtype=torch.int64, device=exchange_device(group))
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    table = torch.stack(every).cpu()
+    differ = [name for i, name in enumerate(ITEMS) if bool((table[:, i] != table[0, i]).any())]
+    if not differ:
+        return
+    rank = group.rank()
+    parts = []
+    for name in differ:
+        col = table[:, ITEMS.index(name)]
+        same = [r for r in range(world) if col[r] == col[rank]]
+        parts.append(f"{name} (this rank has {found[name]!r}; ranks {same} agree with it, the others differ)")
+    raise errors.RankMismatch(f"flashoverlap: the ranks of group {getattr(group, 'group_name', '?')} disagree on "
+                              f"{what}: " + "; ".join(parts) + ". Every rank must run the same program with the same "
+                              "settings, library and data files.")
