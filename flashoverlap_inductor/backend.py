@@ -8,11 +8,13 @@ Options: ``torch.compile(m, backend="flashoverlap", options={"flashoverlap.fuse"
 the ``flashoverlap.`` prefix are our settings (``config.py``); they, ``config.patch`` and the environment are
 resolved ONCE here into one ``config.Settings`` held by the pass object, which also serves the backward graph that
 AOTAutograd compiles later (after this call returned). Every other key is an Inductor config patch, exactly as
-with ``backend="inductor"``; ``mode=`` works as there too.
+with ``backend="inductor"``; ``mode=`` works as there too. The compiled callable checks for recorded faults after
+every run (``checked``).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -53,7 +55,22 @@ def flashoverlap_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
     fo_pass = make_pass(config.current().replace(**ours))  # validated here: a bad option fails the compile
     existing = patches.get(compat.PRE_PASS_KEY, getattr(compat.inductor_config(), compat.PRE_PASS_KEY, None))
     patches[compat.PRE_PASS_KEY] = compat.chain_passes(fo_pass, existing)
-    return compat.compile_fx(gm, example_inputs, config_patches=patches)
+    return checked(compat.compile_fx(gm, example_inputs, config_patches=patches))
+
+
+def checked(compiled: Any) -> Any:
+    """``compiled`` followed, at every run, by the host-side fault check (``faults.raise_pending``: a pinned-memory
+    read per fault domain, no device sync), so a wait that gave up inside a fused op -- CUDA-graph replays included
+    -- raises at the next run the host sees it, on every rank, like an eager call would (``docs/design.md``)."""
+    from . import faults
+
+    @functools.wraps(compiled)  # keeps Inductor's attributes (``_boxed_call``, ...) and its calling convention
+    def run(*args: Any, **kwargs: Any) -> Any:
+        out = compiled(*args, **kwargs)
+        faults.raise_pending()
+        return out
+
+    return run
 
 
 def _reset() -> None:

@@ -30,8 +30,10 @@ import importlib.util
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,23 +183,41 @@ FETCHED_CUTLASS = BUILD / "_deps" / "cutlass"
 
 
 def fetch_cutlass(dst: Path = FETCHED_CUTLASS) -> Path:
-    """Download the ``nvidia-cutlass`` wheel (no dependencies) and unpack only its C++ headers
-    (``include/`` and ``tools/util/include/``) into ``dst``; returns ``dst``."""
+    """Download the ``nvidia-cutlass`` wheel (no dependencies), unpack its C++ headers into ``dst``; returns it."""
     import tempfile
-    import zipfile
 
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                         CUTLASS_WHEEL, "-d", tmp], check=True)
-        wheel = next(Path(tmp).glob("nvidia_cutlass-*.whl"))
-        prefix = "cutlass_library/source/"
-        with zipfile.ZipFile(wheel) as zf:
-            for name in zf.namelist():
-                rel = name[len(prefix):] if name.startswith(prefix) else ""
-                if rel.startswith(("include/", "tools/util/include/")) and not name.endswith("/"):
-                    target = dst / rel
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    target.write_bytes(zf.read(name))
+        return unpack_cutlass_headers(next(Path(tmp).glob("nvidia_cutlass-*.whl")), dst)
+
+
+class UnsafeArchiveError(RuntimeError):
+    """An archive member that could be written outside the destination folder (nothing was unpacked)."""
+
+
+def unpack_cutlass_headers(wheel: Path, dst: Path) -> Path:
+    """Unpack ``cutlass_library/source/{include,tools/util/include}/`` of an ``nvidia-cutlass`` wheel into ``dst``.
+    Every member is checked before anything is written: an absolute name, a ``..`` part, a symbolic link, or a
+    target outside ``dst`` once resolved (e.g. through a link already in ``dst``) raises ``UnsafeArchiveError``."""
+    prefix, root = "cutlass_library/source/", dst.resolve()
+    todo = []
+    with zipfile.ZipFile(wheel) as zf:
+        for info in zf.infolist():
+            name = info.filename
+            if name.startswith(("/", "\\")) or re.match(r"[A-Za-z]:", name) or ".." in re.split(r"[/\\]", name):
+                raise UnsafeArchiveError(f"{wheel.name}: member {name!r} has an absolute path or a '..' part")
+            if stat.S_ISLNK(info.external_attr >> 16):
+                raise UnsafeArchiveError(f"{wheel.name}: member {name!r} is a symbolic link")
+            rel = name[len(prefix):] if name.startswith(prefix) else ""
+            if rel.startswith(("include/", "tools/util/include/")) and not info.is_dir():
+                target = dst / rel
+                if not target.resolve().is_relative_to(root):
+                    raise UnsafeArchiveError(f"{wheel.name}: member {name!r} would be written outside {dst}")
+                todo.append((info, target))
+        for info, target in todo:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(zf.read(info))
     return dst
 
 

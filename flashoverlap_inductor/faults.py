@@ -107,6 +107,19 @@ class FaultDomain:
         torch.cuda.synchronize(self.device)
         self.peers = list(peer_blocks)
 
+    def clear(self) -> None:
+        """Zero the block's fault fields and the mirror (``fo_fault_clear``; on the host for a CPU simulation)."""
+        if not self.block.is_cuda:
+            ints = self.block.view(torch.int32)
+            ints[:7] = 0
+            ints[13] = 0  # exchange
+            self.mirror.zero_()
+            return
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+            kernels.check(kernels.library().fo_fault_clear(self.block_ptr, self.mirror_ptr, stream), "fo_fault_clear")
+        torch.cuda.synchronize(self.device)
+
     def pending(self) -> bool:
         """Whether the mirror holds a fault (a host load of pinned memory; no device sync)."""
         return ctypes.c_int32.from_address(self.mirror_ptr).value != 0
@@ -118,10 +131,7 @@ class FaultDomain:
         code, tag, seen, target, origin, _call, launch, rank = vals
         if code == 0:
             return
-        with torch.cuda.device(self.device):
-            stream = torch.cuda.current_stream(self.device).cuda_stream
-            kernels.check(kernels.library().fo_fault_clear(self.block_ptr, self.mirror_ptr, stream), "fo_fault_clear")
-        torch.cuda.synchronize(self.device)
+        self.clear()
         who = CODES.get(code, "a wait").format(origin=origin)
         shape = _launches.get(launch, "a call whose shape is no longer known")
         if code == 4:

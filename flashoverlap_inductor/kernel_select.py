@@ -23,6 +23,7 @@ from .schedule import plan as planlib
 log = logging.getLogger("flashoverlap")
 
 _DTYPES = (torch.bfloat16, torch.float16)
+INT_MAX = 2**31 - 1  # m, n, k reach the C library as C int (32-bit), so would wrap; leading dimensions held to it too
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,9 @@ def normalize_operands(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | No
     """The kernel's operands, or ``(reason, detail)`` when the call must run unfused (shapes were validated by
     ``ops``). Every rank must reach the same answer: all_reduce/reduce_scatter ranks hold equal shapes, but
     all_to_all ranks may hold different batch sizes, so there a batched ``b`` always runs unfused (whether it is
-    one expanded matrix cannot be told from a batch of one)."""
+    one expanded matrix cannot be told from a batch of one). ``int_range``: rows, N, K or a leading dimension
+    (the row stride of ``a`` [rows, K] or of B, elements) above ``INT_MAX``; checked from shapes and strides alone,
+    before ``a`` is flattened (meta and expanded tensors work, nothing is copied)."""
     if a.dtype not in _DTYPES:
         return "dtype", f"dtype {a.dtype} (the kernels are bf16/fp16)"
     if b.dim() == 3:
@@ -50,13 +53,17 @@ def normalize_operands(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | No
         if b.shape[0] == 0:
             return "degenerate", "empty batch"
         b = b[0]
-    if a.dim() == 3:
-        a = a.reshape(-1, a.shape[-1])
-    k, n = b.shape
+    rows, (k, n) = a.shape[:-1].numel(), b.shape
+    sizes = {"rows": rows, "N": n, "K": k, "lda": a.stride(-2), "ldb": max(b.stride())}
+    big = ", ".join(f"{name}={v}" for name, v in sizes.items() if v > INT_MAX)
+    if big:
+        return "int_range", f"{big} above the C library's 32-bit int range ({INT_MAX})"
     if n == 0 or k == 0:
         return "degenerate", f"empty GEMM N={n} K={k}"
     if n % 8 or k % 8:
         return "alignment", f"N={n} and K={k} must be multiples of 8 (16-byte TMA rows)"
+    if a.dim() == 3:
+        a = a.reshape(rows, k)
     if bias is not None:
         if bias.numel() == 1:
             bias = bias.reshape(1).expand(n)

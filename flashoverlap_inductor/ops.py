@@ -11,7 +11,9 @@ added on every rank *before* the reduction), then a collective over ``y`` along 
 
 Results are contiguous. The runtimes work on the *flattened rows* of ``y`` (``[rows, N]`` with ``rows =
 prod(y.shape[:-1])``); one dim-0 element of a 3D ``y`` is ``unit = y.shape[1]`` flattened rows, so dim-0 split
-sizes become row counts by multiplying with ``unit``.
+sizes become row counts by multiplying with ``unit``. A call whose ``y`` is empty on every rank (any zero size
+for all_reduce / reduce_scatter, whose ranks hold equal shapes; for all_to_all a zero size after dim 0, e.g. N = 0,
+or no rows with even splits) returns its empty result here, before any route: no GEMM, no collective on any rank.
 
 ``plan`` is a ``GroupPlan.to_str()`` or ``"auto"`` (a memoized cost-model plan per call shape; ``schedule.steps``).
 ``settings`` is a ``config.Settings.key()`` string (the pass passes the settings it compiled under; "" = the
@@ -21,6 +23,7 @@ process's current settings). Which implementation runs is decided by the route r
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 import torch.distributed as dist
@@ -94,7 +97,10 @@ def _new_output(a: torch.Tensor, shape: list) -> torch.Tensor:
 def _gemm_all_reduce(a, b, bias, reduce_op, group_name, plan, settings=""):
     check_reduce_op(reduce_op)
     shape = gemm_output_shape(a, b, bias)
-    return routes.dispatch("all_reduce", a, b, bias, resolve_group(group_name), plan, settings, shape)
+    group = resolve_group(group_name)
+    if math.prod(shape) == 0:  # every rank's y is empty (all_reduce: equal shapes): nothing to compute or move
+        return _new_output(a, shape)
+    return routes.dispatch("all_reduce", a, b, bias, group, plan, settings, shape)
 
 
 gemm_all_reduce = torch.library.custom_op(f"{NAMESPACE}::gemm_all_reduce", mutates_args=(),
@@ -114,6 +120,8 @@ def _gemm_reduce_scatter(a, b, bias, reduce_op, group_size, group_name, plan, se
     if group_size != group.size():
         raise ValueError(f"flashoverlap: group_size {group_size} != size {group.size()} of group {group_name!r}")
     even_splits(shape[0], group_size, "reduce_scatter")
+    if math.prod(shape) == 0:  # every rank's y is empty (reduce_scatter: equal shapes): nothing to compute or move
+        return _new_output(a, [shape[0] // group_size, *shape[1:]])
     return routes.dispatch("reduce_scatter", a, b, bias, group, plan, settings, shape)
 
 
@@ -137,6 +145,10 @@ def _gemm_all_to_all(a, b, bias, output_split_sizes, input_split_sizes, group_na
     if outs[group.rank()] != ins[group.rank()]:
         raise ValueError(f"flashoverlap: all_to_all rank {group.rank()} sends itself {ins[group.rank()]} rows but "
                          f"expects {outs[group.rank()]} (input_split_sizes {ins}, output_split_sizes {outs})")
+    # Nothing moves on any rank: the ranks share y's trailing sizes; even splits of no rows on one rank are even
+    # splits of no rows on all (a rank with rows would send this one some).
+    if 0 in shape[1:] or (shape[0] == 0 and output_split_sizes is None and input_split_sizes is None):
+        return _new_output(a, [sum(outs), *shape[1:]])
     return routes.dispatch("all_to_all", a, b, bias, group, plan, settings, shape, output_split_sizes,
                            input_split_sizes)
 

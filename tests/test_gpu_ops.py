@@ -388,17 +388,21 @@ def graph_task(op: str) -> int:
 
 
 def timeout_record_task() -> str:
-    """A recorded wait timeout makes the next call raise (before any communication), then clears."""
+    """A recorded fault (the slot's mirror) makes the next call raise (before any communication), then clears."""
     from flashoverlap_inductor import routes, streams
 
     a, b, c = _operands(40, 0, "2d", 512, 256, 128, torch.bfloat16, "nk", False)
     plan = _plan("multi", 512, 256, "all_reduce")
     _call("all_reduce", a, b, c, plan)
     torch.cuda.synchronize()
-    res = streams.resources(torch.cuda.current_device())
-    res.record[0], res.record[1], res.record[3] = 1, 2, 99
-    with pytest.raises(kernels.FlashOverlapTimeout, match="group 2 timed out"):
+    from flashoverlap_inductor import faults
+
+    streams.resources(torch.cuda.current_device())
+    dom = next(d for d in faults._domains.values() if d.route == "nccl")  # the slot the call ran on
+    dom.mirror[0], dom.mirror[1], dom.mirror[3] = 1, 2, 99  # as the fault kernel mirrors a timed-out wait
+    with pytest.raises(kernels.FlashOverlapTimeout, match="wave group 2 .saw 0, waited for 99"):
         _call("all_reduce", a, b, c, plan)
+    assert not dom.pending()  # cleared: the next call runs
     out = _call("all_reduce", a, b, c, plan)
     torch.cuda.synchronize()
     routes.check()

@@ -520,8 +520,8 @@ class _FakeLib:
                 counters[g] += math.ceil(out.shape[1] / info.tile_n)
 
     def fused_call(self, index, a, b, ldb, bias, d, buf, rows, k, gmap, order, signal_mode, sms, raster, swizzle,
-                   workspace, counters_ptr, expected_ptr, csteps, out, nccl_dtype, comm, timeout_ns, record_ptr,
-                   cur_ptr, side_ptr):
+                   workspace, counters_ptr, expected_ptr, csteps, out, nccl_dtype, comm, timeout_ns, dom, launch_id,
+                   rank, cur_ptr, side_ptr):
         """``fo_fused_call`` on CPU: the epoch resync, the GEMM (signalling), then per group its bounded wait and
         the collective(s) its C step describes, issued with torch.distributed on the same element ranges as the
         NCCL calls of ``csrc/fused_call.cu``."""
@@ -532,7 +532,8 @@ class _FakeLib:
         if rows:
             self.gemm(index, a, b, ldb, bias, d, counters_ptr, gmap, order, signal_mode, sms, raster, swizzle,
                       workspace, cur_ptr)
-        assert d.data_ptr() == buf.data_ptr() and timeout_ns > 0 and comm == 0
+        assert d.data_ptr() == buf.data_ptr() and timeout_ns > 0 and comm == 0 and launch_id > 0
+        assert rank == dist.get_rank() and dom.route == "nccl"  # the slot's fault domain
         bf, of = buf.view(-1), out.view(-1)
         world = dist.get_world_size()
         for g in range(csteps.groups):
@@ -605,7 +606,9 @@ def simulated_gpu(force_groups: int | None = None):
     from flashoverlap_inductor.routes import nccl as nccl_route
 
     res = streams.DeviceResources(0, GPU, 132, _FakeStream(), torch.zeros(4, 16, dtype=torch.int32),
-                                  torch.zeros(4, 16, dtype=torch.int32), torch.zeros(4, dtype=torch.int32))
+                                  torch.zeros(4, 16, dtype=torch.int32), torch.zeros(4, dtype=torch.int32),
+                                  torch.zeros(4, streams.FAULT_INTS, dtype=torch.int32),
+                                  torch.zeros(4, 8, dtype=torch.int32))
     lib = _FakeLib(res, SIM_INFOS)
     cuda_fakes = {"Event": _FakeEvent, "synchronize": lambda *a: None, "_sleep": lambda cycles: None,
                   "Stream": lambda *a, **k: _FakeStream(), "current_stream": lambda *a: _FakeStream(),

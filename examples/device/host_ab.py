@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import statistics
 import time
@@ -45,6 +46,8 @@ def main() -> None:
     old = importlib.import_module(args.old)
     importlib.import_module(f"{args.old}.ops")
     old_rt = importlib.import_module(f"{args.old}.runtime_gpu")
+    old_routes = importlib.import_module(f"{args.old}.routes") if importlib.util.find_spec(f"{args.old}.routes") \
+        else None  # a package after the route redesign: its dispatcher, as this one's
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -71,13 +74,17 @@ def main() -> None:
             variants[f"old op {coll}"] = lambda: old_ns.gemm_all_reduce(a, b, None, "sum", name, plan)
             variants[f"new routes.dispatch {coll}"] = lambda c=coll: routes.dispatch(c, a, b, None, group, plan, "",
                                                                                      shape)
-            variants[f"old runtime_gpu {coll}"] = lambda: old_rt.gemm_all_reduce(a, b, None, group, plan)
+            variants[f"old runtime_gpu {coll}"] = (
+                (lambda c=coll: old_routes.dispatch(c, a, b, None, group, plan, "", shape)) if old_routes else
+                (lambda: old_rt.gemm_all_reduce(a, b, None, group, plan)))
         else:
             variants[f"new op {coll}"] = lambda: new_ns.gemm_reduce_scatter(a, b, None, "sum", world, name, plan)
             variants[f"old op {coll}"] = lambda: old_ns.gemm_reduce_scatter(a, b, None, "sum", world, name, plan)
             variants[f"new routes.dispatch {coll}"] = lambda c=coll: routes.dispatch(c, a, b, None, group, plan, "",
                                                                                      shape)
-            variants[f"old runtime_gpu {coll}"] = lambda: old_rt.gemm_reduce_scatter(a, b, None, group, plan)
+            variants[f"old runtime_gpu {coll}"] = (
+                (lambda c=coll: old_routes.dispatch(c, a, b, None, group, plan, "", shape)) if old_routes else
+                (lambda: old_rt.gemm_reduce_scatter(a, b, None, group, plan)))
     variants["torch.mm"] = lambda: torch.mm(a, b)
     if args.backend == "nccl":
         variants["torch.mm + all_reduce"] = lambda: dist.all_reduce(torch.mm(a, b))

@@ -16,6 +16,19 @@ Per collective (rows are flattened rows of ``y``, see ``ops``; the steps come fr
   contiguous views: no staging copy; the piece for ourselves is copied locally).
 
 Invariant: the result equals ``collective(a @ b + bias)`` of eager PyTorch, up to GEMM rounding.
+
+Failure contract (``docs/design.md``, ``errors``): a fault on one rank reaches every rank of the group as an
+exception, no rank returns the output of a call in which any rank failed, and the next call needs no reset. Every
+rank issues exactly its plan's collectives, in order, whatever happens: if computing or issuing group g raises (a
+GEMM error, a ``KeyboardInterrupt``), this rank fills the buffer rows of the groups not yet issued with NaN (its
+in-flight groups are left alone), still issues every remaining group's collective and waits for all of them. Every
+call then ends with one tiny extra collective (in groups of two or more ranks): an ``all_reduce`` (MAX) over the
+call's group of one int64, ``rank + 1`` on a rank that failed and 0 elsewhere, so every rank learns of a failure in
+the same call. A failed rank re-raises its own exception (``KeyboardInterrupt`` too); every other rank raises
+``errors.PeerFailure`` naming the failing rank (the highest, when several failed), the collective and the shapes.
+Cost: that exchange adds one 8-byte collective and one host sync to every CPU-route call. An error raised before
+the first collective that depends only on what the ranks share (a bad plan string) is raised by every rank alike
+(``routes.agree`` checks that they share it).
 """
 
 from __future__ import annotations
@@ -25,13 +38,12 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .. import config
+from .. import config, errors
 from ..schedule.steps import GroupStep, schedule_steps
 from .base import LastResortRoute
 from .unfused import reduce_scatter_into
 
 log = logging.getLogger("flashoverlap")
-
 
 
 class _RowGemm:
@@ -71,26 +83,96 @@ class _RowGemm:
 def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, y_shape: list[int],
          group: dist.ProcessGroup, plan: str, out: torch.Tensor, buf: torch.Tensor, send_rows=None,
          recv_rows=None, a2a_groups: int = 4, config_dir: str | None = None) -> torch.Tensor:
-    """Compute group by group into ``buf`` ([rows, N]) and overlap each group's collective with the next GEMM."""
+    """Compute group by group into ``buf`` ([rows, N]) and overlap each group's collective with the next GEMM.
+
+    Returns ``out`` only when no rank of ``group`` failed in this call; otherwise raises (module docstring,
+    "Failure contract"). Collectives issued per call on every rank: the plan's groups (the same ones whether or not
+    anything failed), then the failure exchange."""
     rows, n = buf.shape
     dtype = str(a.dtype).removeprefix("torch.")
     world, rank = group.size(), group.rank()
     if n == 0 or (rows == 0 and send_rows is None):  # nothing to compute or move on any rank
+        _settle(None, collective, y_shape, buf, group, plan)
         return out
     steps = schedule_steps(collective, plan, rows, n, a.shape[-1], dtype, world, rank, send_rows, recv_rows,
                            a2a_groups, config_dir)
-    gemm = _RowGemm(a, b, bias, y_shape)
     out_flat = out.view(-1, n)
-    works = []
+    failure: BaseException | None = None
+    works: list = []
+    try:
+        gemm = _RowGemm(a, b, bias, y_shape)
+    except BaseException as exc:  # noqa: BLE001 - settled below, after every collective of the plan was issued
+        failure = exc
     for g, step in enumerate(steps):
-        for buf_row, src_row, count in step.segments:
-            gemm(src_row, count, buf[buf_row:buf_row + count])
+        if failure is None:
+            try:
+                for buf_row, src_row, count in step.segments:
+                    gemm(src_row, count, buf[buf_row:buf_row + count])
+            except BaseException as exc:  # noqa: BLE001 - as above
+                failure = exc
+        if failure is not None:
+            _poison(buf[step.lo:step.hi])  # not issued yet: no transfer reads these rows now
         if step.hi == step.lo and not step.recvs:
             continue
-        works += issue_group(collective, g, step, buf, out_flat, group, async_op=True)
+        try:
+            works += issue_group(collective, g, step, buf, out_flat, group, async_op=True)
+        except BaseException as exc:  # noqa: BLE001 - g counts as issued (c10d may have started it); go on
+            failure = failure or exc
     for work in works:
-        work.wait()
+        try:
+            work.wait()
+        except BaseException as exc:  # noqa: BLE001 - wait for the others, then settle
+            failure = failure or exc
+    _settle(failure, collective, y_shape, buf, group, plan)
     return out
+
+
+def _poison(rows: torch.Tensor) -> None:
+    """Fill a failed rank's not-yet-issued buffer rows with NaN (floating dtypes; others are left as they are), so
+    that what its peers receive from it is never mistaken for data."""
+    if rows.numel() and (rows.is_floating_point() or rows.is_complex()):
+        rows.fill_(float("nan"))
+
+
+def _settle(failure: BaseException | None, collective: str, y_shape: list[int], buf: torch.Tensor,
+            group: dist.ProcessGroup, plan: str) -> None:
+    """The failure exchange that ends every call (collective over ``group``; none in a group of one rank, which has
+    no peer to tell): an all_reduce (MAX) of one int64, ``group.rank() + 1`` where ``failure`` is set, else 0.
+    Raises ``failure`` on a failed rank and ``errors.PeerFailure`` on the others when any rank failed; returns when
+    none did."""
+    if group.size() == 1:
+        if failure is not None:
+            raise failure
+        return
+    flag = torch.tensor([0 if failure is None else group.rank() + 1], dtype=torch.int64, device=buf.device)
+    what = f"{collective} of a {list(y_shape)} GEMM output ({buf.shape[0]} x {buf.shape[1]} buffer rows, plan {plan!r})"
+    lost: Exception | None = None
+    try:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    except Exception as exc:  # noqa: BLE001 - the group itself broke: raised below
+        lost = exc
+    if failure is not None:
+        if lost is not None:
+            log.warning("flashoverlap: the failure exchange of a fused %s failed too: %r", what, lost)
+        raise failure
+    if lost is not None:
+        raise errors.PeerFailure(f"flashoverlap: the failure exchange after a fused {what} failed on rank "
+                                 f"{group.rank()} of group {_group_name(group)}; its output is not returned: "
+                                 f"{lost}") from lost
+    worst = int(flag.item())
+    if worst:
+        bad = worst - 1
+        try:
+            where = f"rank {bad} (global rank {dist.get_global_rank(group, bad)})"
+        except Exception:  # noqa: BLE001 - a group this process cannot map: the group rank alone
+            where = f"rank {bad}"
+        raise errors.PeerFailure(f"flashoverlap: {where} of group {_group_name(group)} failed in the middle of a "
+                                 f"fused {what}; rank {group.rank()} completed its collectives but does not return "
+                                 "its output (the failing rank raises the cause)")
+
+
+def _group_name(group: dist.ProcessGroup) -> str:
+    return getattr(group, "group_name", "?")
 
 
 def issue_group(collective: str, g: int, step: GroupStep, buf: torch.Tensor, out_flat: torch.Tensor,
