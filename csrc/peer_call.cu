@@ -54,16 +54,6 @@ int events(PeerEvents*& out) {
   return 0;
 }
 
-// A wait kernel of this call on its fault block (route_util.hpp: WaitArgs).
-int wait(fo_peer_args const& p, int const* counter, int* expected, int increment, int tag, cudaStream_t stream,
-         int* notify, bool notify_first = false, bool begin = false) {
-  WaitArgs a{};
-  a.counter = counter, a.expected = expected, a.increment = increment, a.fault = p.fault;
-  a.timeout_ns = (long long)p.timeout_ns, a.tag = tag, a.notify = notify, a.notify_first = notify_first;
-  a.begin = begin, a.launch_id = p.launch_id;
-  return launch_wait(a, stream);
-}
-
 // The call's last kernel on cur: NaN into the output while the fault block holds a fault, and the host mirror.
 int finish(fo_peer_args const& p, GemmConfig const& c, void* out, int64_t rows, int64_t ld, cudaStream_t cur) {
   return launch_fault_finish(p.fault, p.mirror, out, rows, p.n, ld, p.elem_bytes, nan_bits(p.elem_bytes, c.dtype == 0),
@@ -179,9 +169,9 @@ FO_API int fo_peer_call(const fo_peer_args* args) {
   // GEMM 1: the peer's rows, then (one kernel) tell the peer and wait until its GEMM 1 (our C) is complete.
   rc = gemm(*c1, p, p.peer_row, nullptr, p.partial, p.n, nullptr, nullptr, cur);
   if (rc == 0 && p.gate_in_kernel) {  // notify and advance the epoch; GEMM 2's epilogue waits before loading C
-    rc = wait(p, nullptr, p.expected, 1, kTagPartial, cur, p.peer_flags, false, true);
+    rc = route_wait(p, nullptr, p.expected, 1, kTagPartial, cur, p.peer_flags, false, true);
   } else if (rc == 0) {
-    rc = wait(p, p.flags, p.expected, 1, kTagPartial, cur, p.peer_flags, true, true);
+    rc = route_wait(p, p.flags, p.expected, 1, kTagPartial, cur, p.peer_flags, true, true);
   }
   bool const gate = p.gate_in_kernel != 0;
   if (p.push) {  // all_reduce by push: GEMM 2 -> out's own rows + the peer's landing buffer; then ours -> out
@@ -191,7 +181,7 @@ FO_API int fo_peer_call(const fo_peer_args* args) {
                 nullptr, nullptr, cur, const_cast<void*>(p.peer_own), gate);
     }
     if (rc == 0) {
-      rc = wait(p, p.flags + 1, p.expected + 1, 1, kTagPeerGroup, cur, p.peer_flags + 1, true);
+      rc = route_wait(p, p.flags + 1, p.expected + 1, 1, kTagPeerGroup, cur, p.peer_flags + 1, true);
     }
     if (rc == 0 && p.copy_on_sms && p.ld_out == p.n) {
       rc = copy_on_sms(out + int64_t(p.peer_row) * p.ld_out * p.elem_bytes, p.own_dst,
@@ -209,19 +199,20 @@ FO_API int fo_peer_call(const fo_peer_args* args) {
               G > 0 ? p.group_of_tile_row : nullptr, cur, nullptr, gate);
   }
   if (G == 0) {  // reduce_scatter: one flag each way after GEMM 2 (our C reads are done; see the header)
-    if (rc == 0) rc = wait(p, p.flags + 1, p.expected + 1, 1, kTagPeerGroup, cur, p.peer_flags + 1, true);
+    if (rc == 0) rc = route_wait(p, p.flags + 1, p.expected + 1, 1, kTagPeerGroup, cur, p.peer_flags + 1, true);
     if (rc == 0) rc = finish(p, *c2, p.own_dst, p.rows, p.ld_own, cur);
     return rc;
   }
   for (int g = 0; g < G && rc == 0; ++g) {
     int const r0 = p.group_rows[g], r1 = p.group_rows[g + 1];
-    rc = wait(p, p.counters + g, counter_targets + g, p.group_tiles[g], kTagOwnGroup + g, side, p.peer_flags + 1 + g);
+    rc = route_wait(p, p.counters + g, counter_targets + g, p.group_tiles[g], kTagOwnGroup + g, side,
+                    p.peer_flags + 1 + g);
     if (rc == 0) {
       rc = copy_rows(static_cast<char*>(p.out) + int64_t(p.own_row) * p.ld_out * p.elem_bytes, p.ld_out, p.own_dst,
                      p.ld_own, r0, r1, p.n, p.elem_bytes, side);
     }
     if (rc == 0) {
-      rc = wait(p, p.flags + 1 + g, p.expected + 1 + g, 1, kTagPeerGroup + g, pull, nullptr);
+      rc = route_wait(p, p.flags + 1 + g, p.expected + 1 + g, 1, kTagPeerGroup + g, pull, nullptr);
     }
     if (rc == 0) {
       rc = copy_rows(static_cast<char*>(p.out) + int64_t(p.peer_row) * p.ld_out * p.elem_bytes, p.ld_out, p.peer_own,

@@ -125,16 +125,6 @@ struct RingLayout {
   char* out_rows(int64_t row) const { return static_cast<char*>(p.out) + row * p.ld_out * p.elem_bytes; }
 };
 
-// A wait kernel of this call on its fault block (route_util.hpp: WaitArgs).
-int wait(fo_ring_args const& p, int const* counter, int* expected, int increment, int tag, cudaStream_t stream,
-         int* notify, bool notify_first = false, bool begin = false) {
-  WaitArgs a{};
-  a.counter = counter, a.expected = expected, a.increment = increment, a.fault = p.fault;
-  a.timeout_ns = (long long)p.timeout_ns, a.tag = tag, a.notify = notify, a.notify_first = notify_first;
-  a.begin = begin, a.launch_id = p.launch_id;
-  return launch_wait(a, stream);
-}
-
 // Round t's world GEMM steps on cur (flashoverlap_sm90.h), with the flag after each push.
 int ring_round(fo_ring_args const& p, GemmConfig const& c1, GemmConfig const& c2, int t, cudaStream_t cur) {
   FlagIndex const fi{p.world, p.rounds};
@@ -163,9 +153,9 @@ int ring_round(fo_ring_args const& p, GemmConfig const& c1, GemmConfig const& c2
     if (rc == 0 && !last) {  // tell rank r - 1 its slot (t, s) is full; without the gate, wait for ours here
       int const idx = fi.arrival(t, s);
       bool const begin = t == 0 && s == 0;  // the call's first wait kernel: its deadline starts here
-      rc = gate ? wait(p, nullptr, p.expected + idx, 1, 0, cur, p.flags[prev] + idx, false, begin)
-                : wait(p, p.flags[r] + idx, p.expected + idx, 1, kTagArrive + 16 * t + s, cur, p.flags[prev] + idx,
-                       true, begin);
+      rc = gate ? route_wait(p, nullptr, p.expected + idx, 1, 0, cur, p.flags[prev] + idx, false, begin)
+                : route_wait(p, p.flags[r] + idx, p.expected + idx, 1, kTagArrive + 16 * t + s, cur,
+                             p.flags[prev] + idx, true, begin);
     }
   }
   return rc;
@@ -198,8 +188,8 @@ int gather_round(fo_ring_args const& p, RingEvents& ev, int t, cudaStream_t cur)
     auto pull = static_cast<cudaStream_t>(p.pull_streams[d - 1]);
     rc = cuda_check(cudaStreamWaitEvent(pull, ev.round, 0), "round wait");
     if (rc == 0) {
-      rc = wait(p, p.flags[r] + fi.ready(t, peer), p.expected + fi.ready(t, peer), 1, kTagReady + 16 * t + peer, pull,
-                nullptr);
+      rc = route_wait(p, p.flags[r] + fi.ready(t, peer), p.expected + fi.ready(t, peer), 1, kTagReady + 16 * t + peer,
+                      pull, nullptr);
     }
     if (rc == 0) {
       rc = copy_rows(lay.out_rows(lay.first_row(peer, t)), p.ld_out, lay.own_piece(peer, t), p.n, 0, p.rows, p.n,
@@ -243,8 +233,8 @@ FO_API int fo_ring_call(const fo_ring_args* args) {
   }
   if (!p.all_reduce) {  // one flag each way: rank r + 1's pushes are read; wait until rank r - 1 has read ours
     if (rc == 0) {
-      rc = wait(p, p.flags[p.rank] + fi.rs_done(), p.expected + fi.rs_done(), 1, kTagDone, cur,
-                p.flags[(p.rank + 1) % p.world] + fi.rs_done(), true);
+      rc = route_wait(p, p.flags[p.rank] + fi.rs_done(), p.expected + fi.rs_done(), 1, kTagDone, cur,
+                      p.flags[(p.rank + 1) % p.world] + fi.rs_done(), true);
     }
     if (rc == 0) rc = finish(p, *c2, int64_t(p.rounds) * p.rows, cur);
     return rc;
@@ -265,7 +255,7 @@ FO_API int fo_ring_call(const fo_ring_args* args) {
     rc = cuda_check(cudaGetLastError(), "ring notify kernel");
   }
   if (rc == 0) {  // then no rank reads any region of call i any more, whatever layout call i + 1 gives them
-    rc = wait(p, p.flags[p.rank] + fi.ar_done(), p.expected + fi.ar_done(), p.world - 1, kTagDone, cur, nullptr);
+    rc = route_wait(p, p.flags[p.rank] + fi.ar_done(), p.expected + fi.ar_done(), p.world - 1, kTagDone, cur, nullptr);
   }
   if (rc == 0) rc = finish(p, *c2, int64_t(p.world) * p.rounds * p.rows, cur);
   return rc;

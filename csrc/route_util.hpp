@@ -41,6 +41,18 @@ int launch_fault_finish(fo_fault* f, int* mirror, void* out, int64_t rows, int64
 int launch_fault_exchange(fo_fault* f, bool begin, long long timeout_ns, int launch_id, int rank, cudaStream_t stream);
 int launch_fault_local(fo_fault* f, int tag, cudaStream_t stream);
 
+// A wait kernel of one call of a route whose argument struct P (fo_peer_args, fo_ring_args) holds its fault block,
+// timeout_ns and launch_id.
+template <class P>
+int route_wait(P const& p, int const* counter, int* expected, int increment, int tag, cudaStream_t stream, int* notify,
+               bool notify_first = false, bool begin = false) {
+  WaitArgs a{};
+  a.counter = counter, a.expected = expected, a.increment = increment, a.fault = p.fault;
+  a.timeout_ns = (long long)p.timeout_ns, a.tag = tag, a.notify = notify, a.notify_first = notify_first;
+  a.begin = begin, a.launch_id = p.launch_id;
+  return launch_wait(a, stream);
+}
+
 // The NaN bit pattern of a 2-byte float (elem_bytes 2: bf16 when bf16, else fp16) or of fp32.
 inline unsigned nan_bits(int elem_bytes, bool bf16) {
   return elem_bytes == 4 ? 0x7FC00000u : (bf16 ? 0x7FC0u : 0x7E00u);

@@ -88,13 +88,10 @@ class FaultDomain:
     mirror: torch.Tensor
     peers: list[int] = field(default_factory=list)
 
-    @property
-    def block_ptr(self) -> int:
-        return self.block.data_ptr()
-
-    @property
-    def mirror_ptr(self) -> int:
-        return self.mirror.data_ptr()
+    def __post_init__(self) -> None:  # addresses read on every call: taken once
+        self.block_ptr: int = self.block.data_ptr()
+        self.mirror_ptr: int = self.mirror.data_ptr()
+        self._code = ctypes.c_int32.from_address(self.mirror_ptr)  # a view of mirror[0]
 
     def setup(self, rank: int, peer_blocks: list[int]) -> None:
         """Write this rank and the peers' block addresses (mapped here) into the block (zeroed before)."""
@@ -122,7 +119,7 @@ class FaultDomain:
 
     def pending(self) -> bool:
         """Whether the mirror holds a fault (a host load of pinned memory; no device sync)."""
-        return ctypes.c_int32.from_address(self.mirror_ptr).value != 0
+        return self._code.value != 0
 
     def raise_fault(self) -> None:
         """Synchronize the device, clear the block and the mirror, and raise the recorded fault."""
@@ -163,8 +160,8 @@ def domain(key: tuple, make) -> FaultDomain:
 
 def raise_pending(device: int | None = None) -> None:
     """Raise the first recorded fault of ``device``'s domains (every device when None); a host read per domain."""
-    for d in list(_domains.values()):
-        if (device is None or d.device == device) and d.pending():
+    for d in tuple(_domains.values()):
+        if d._code.value and (device is None or d.device == device):
             d.raise_fault()
 
 

@@ -123,10 +123,7 @@ def flags(group: dist.ProcessGroup, device: torch.device) -> Flags:
         buf, hdl, views = symmetric.symmetric(FLAG_BYTES, group, device, True, [1 - group.rank()])
         expected = streams.persistent(device.index,
                                       lambda: torch.zeros(1 + 2 * MAX_GROUPS, dtype=torch.int32, device=device))
-        dom = faults.domain(("peer", device.index, group.group_name), lambda: faults.FaultDomain(
-            device.index, "peer", group.group_name, buf[FAULT_OFFSET:FAULT_OFFSET + faults.BLOCK_BYTES],
-            faults.new_mirror()))
-        dom.setup(group.rank(), [views[0].data_ptr() + FAULT_OFFSET])
+        dom = symmetric.fault_domain("peer", group, device, buf, FAULT_OFFSET, [views[0].data_ptr()])
         f = _flags[key] = Flags(buf, hdl, views[0].data_ptr(), views[0], expected,
                                 torch.cuda.Stream(device=device, priority=-100), dom)
     return f

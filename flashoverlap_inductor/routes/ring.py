@@ -116,10 +116,8 @@ def flags(group: dist.ProcessGroup, device: torch.device) -> RingFlags:
         expected = streams.persistent(device.index,
                                       lambda: torch.zeros(FLAG_INTS, dtype=torch.int32, device=device))
         pulls = [torch.cuda.Stream(device=device, priority=-100) for _ in range(world - 1)]
-        dom = faults.domain(("ring", device.index, group.group_name), lambda: faults.FaultDomain(
-            device.index, "ring", group.group_name, buf[FAULT_OFFSET:FAULT_OFFSET + faults.BLOCK_BYTES],
-            faults.new_mirror()))
-        dom.setup(group.rank(), [v.data_ptr() + FAULT_OFFSET for r, v in enumerate(views) if r != group.rank()])
+        dom = symmetric.fault_domain("ring", group, device, buf, FAULT_OFFSET,
+                                     [v.data_ptr() for r, v in enumerate(views) if r != group.rank()])
         f = _flags[key] = RingFlags(buf, hdl, views, expected, pulls, dom)
     return f
 

@@ -56,6 +56,16 @@ def symmetric(nbytes: int, group: dist.ProcessGroup, device: torch.device, zero:
     return streams.persistent(device.index, make)
 
 
+def fault_domain(route: str, group: dist.ProcessGroup, device: torch.device, page: torch.Tensor, offset: int,
+                 peer_pages: list[int]) -> faults.FaultDomain:
+    """The group's fault block: ``offset`` bytes into its symmetric flag ``page``; every peer's at the same offset of
+    its page (``peer_pages``: their addresses mapped here), which a timed-out wait of this rank also writes."""
+    dom = faults.domain((route, device.index, group.group_name), lambda: faults.FaultDomain(
+        device.index, route, group.group_name, page[offset:offset + faults.BLOCK_BYTES], faults.new_mirror()))
+    dom.setup(group.rank(), [base + offset for base in peer_pages])
+    return dom
+
+
 def smallest_with_room(made: list, need: int, capturing: bool, make: Callable[[int], T]) -> T | None:
     """The first of ``made`` (ascending ``capacity``) with at least ``need`` bytes; else, unless ``capturing``
     (None: no collective allocation inside a capture), a new one of ``make(capacity)``, a power of two of at least
