@@ -158,9 +158,13 @@ FO_API int fo_peer_call(const fo_peer_args* args) {
   PeerEvents* ev = nullptr;
   if ((rc = events(ev)) != 0) return rc;
   int* const counter_targets = p.expected + 1 + kMaxGroups;
-  if (G > 0) {  // epoch resync of GEMM 2's counters (every earlier user was joined into `cur`), then fork
+  if (G > 0) {  // epoch resync of GEMM 2's counters (every earlier user was joined into `cur`), begin, then fork
     rc = cuda_check(cudaMemcpyAsync(counter_targets, p.counters, size_t(G) * sizeof(int), cudaMemcpyDeviceToDevice,
                                     cur), "epoch resync");
+    // The call's deadline starts before the fork: the side and pull streams' waits may run before anything else
+    // on `cur`, and a wait that read the block's previous deadline (0 on a fresh block, or a call's long ago)
+    // would give up at once.
+    if (rc == 0) rc = route_wait(p, nullptr, nullptr, 0, kTagPartial, cur, nullptr, false, true);
     if (rc == 0) rc = cuda_check(cudaEventRecord(ev->fork, cur), "fork record");
     if (rc == 0) rc = cuda_check(cudaStreamWaitEvent(side, ev->fork, 0), "fork wait");
     if (rc == 0) rc = cuda_check(cudaStreamWaitEvent(pull, ev->fork, 0), "fork wait");
@@ -168,10 +172,11 @@ FO_API int fo_peer_call(const fo_peer_args* args) {
   }
   // GEMM 1: the peer's rows, then (one kernel) tell the peer and wait until its GEMM 1 (our C) is complete.
   rc = gemm(*c1, p, p.peer_row, nullptr, p.partial, p.n, nullptr, nullptr, cur);
+  bool const begin = G == 0;  // else begun before the fork
   if (rc == 0 && p.gate_in_kernel) {  // notify and advance the epoch; GEMM 2's epilogue waits before loading C
-    rc = route_wait(p, nullptr, p.expected, 1, kTagPartial, cur, p.peer_flags, false, true);
+    rc = route_wait(p, nullptr, p.expected, 1, kTagPartial, cur, p.peer_flags, false, begin);
   } else if (rc == 0) {
-    rc = route_wait(p, p.flags, p.expected, 1, kTagPartial, cur, p.peer_flags, true, true);
+    rc = route_wait(p, p.flags, p.expected, 1, kTagPartial, cur, p.peer_flags, true, begin);
   }
   bool const gate = p.gate_in_kernel != 0;
   if (p.push) {  // all_reduce by push: GEMM 2 -> out's own rows + the peer's landing buffer; then ours -> out

@@ -78,8 +78,19 @@ class DistPool:
         self._procs = [ctx.Process(target=_worker, args=(r, world_size, self._init_file, self._tasks[r],
                                                          self._results, env, backend, setup), daemon=True)
                        for r in range(world_size)]
-        for p in self._procs:
-            p.start()
+        # Spawned ranks import modules (the pickled ``setup`` and tasks) before ``_worker`` runs, and those imports may
+        # read the environment (torch's and our settings are read once per process): start them inside ``env``.
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            for p in self._procs:
+                p.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         self.alive = True
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:

@@ -144,7 +144,17 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _check(out: torch.Tensor, ref: torch.Tensor, eager: torch.Tensor, where: str) -> None:
     assert out.is_contiguous() and out.numel() == ref.numel(), f"{where}: shape {tuple(out.shape)}"
-    assert torch.isfinite(out).all(), f"{where}: non-finite values (rows never written or received)"
+    if not torch.isfinite(out).all():  # poisoned by a recorded fault, or rows never written: say which
+        from flashoverlap_inductor import routes
+
+        bad = (~torch.isfinite(out.reshape(out.shape[0], -1))).any(dim=1).nonzero().flatten().tolist()
+        try:
+            routes.check()
+            fault = "no fault recorded: rows never written or received"
+        except Exception as exc:  # noqa: BLE001 - reported in the assertion
+            fault = f"{type(exc).__name__}: {exc}"
+        raise AssertionError(f"{where}: {len(bad)} of {out.shape[0]} rows non-finite (first {bad[:3]}, last "
+                             f"{bad[-3:]}); {fault}")
     err, eager_err = _rel(out, ref), _rel(eager, ref)
     assert err < 1.5e-2 and err <= 2 * eager_err + 3e-3, f"{where}: rel err {err:.3g} (eager {eager_err:.3g})"
 

@@ -228,16 +228,18 @@ def missing_peer_task() -> str:
     rank = dist.get_rank()
     routes.reset()
     a, b, c = _operands(3, rank, "2d", 512, 512, 256, torch.bfloat16, "nk", False)
-    _call("all_reduce", a, b, c, "auto")  # both ranks: the workspace exists and both are in step
+    # Both ranks, under the short timeout: the workspace exists, the ranks agreed on this call shape and settings
+    # (the agreement is a collective, made once per shape: a rank alone with a new shape would wait in it), and
+    # both are in step.
+    with config.patch(wait_timeout_ms=200.0):
+        _call("all_reduce", a, b, c, "auto")
     routes.check()
     dist.barrier()
     outcome = "not run"
     if rank == 0:
         try:
-            # other settings: a launch of their own with the short timeout, on the same workspace (no reset here:
-            # it would drop the workspaces, which only both ranks together may make)
-            with config.patch(wait_timeout_ms=200.0):
-                _call("all_reduce", a, b, c, "auto")
+            with config.patch(wait_timeout_ms=200.0):  # the same launch, now without the peer (no reset here: it
+                _call("all_reduce", a, b, c, "auto")  # would drop the workspaces, which only both ranks may make)
             routes.check()
             outcome = "no timeout"
         except kernels.FlashOverlapTimeout as exc:
@@ -258,8 +260,9 @@ def test_peer_route_matches_eager(pool, op, how):
     if how == "auxr" and not kernels.configs(add_c=3):
         pytest.skip("no _addc_auxr configuration compiled")
     per_rank = pool.run(peer_match_task, op, how)
-    pushes = len(SHAPES) if op == "all_reduce" and how != "pull" and (kernels.configs(add_c=2) or
-                                                                      kernels.configs(add_c=3)) else 0
+    # one launch per shape and bias (the memo keys on the bias), each by push where an _addc_aux configuration exists
+    pushes = 2 * len(SHAPES) if op == "all_reduce" and how != "pull" and (kernels.configs(add_c=2) or
+                                                                          kernels.configs(add_c=3)) else 0
     for r in per_rank:
         assert r["peer"] == 2 * len(SHAPES), per_rank  # every shape took the peer route
         # fp16 (no _addc kernel) and odd rows take the NCCL route; B row-major takes the peer route only where an
