@@ -38,6 +38,7 @@ setup(
     description="torch.compile backend that overlaps tensor-parallel GEMMs with their NCCL collectives",
     python_requires=">=3.10",
     packages=find_packages(include=["flashoverlap_inductor", "flashoverlap_inductor.*"]),
+    py_modules=["flashoverlap"],  # the logging name (TORCH_LOGS="flashoverlap"): flashoverlap.py
     package_data={"flashoverlap_inductor.configs": ["*.json", "plans/*.json"]},
     install_requires=["torch>=2.11"],
     extras_require={"test": ["pytest", "expecttest", "numpy", "ruff"], "demo": ["transformers"]},

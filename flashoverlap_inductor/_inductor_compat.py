@@ -42,12 +42,58 @@ PRE_PASS_KEY = "post_grad_custom_pre_pass"
 c10d = torch.ops._c10d_functional
 
 
-def compile_fx(gm: torch.fx.GraphModule, example_inputs: list[Any], config_patches: dict[str, Any]) -> Any:
+def compile_fx(gm: torch.fx.GraphModule, example_inputs: list[Any], config_patches: dict[str, Any],
+               around_graph: Callable[[str], Any] | None = None) -> Any:
     """Inductor's ``compile_fx``. ``config_patches`` (not ``with config.patch()``) also covers the backward
-    graph, which AOTAutograd compiles lazily after this call has returned."""
+    graph, which AOTAutograd compiles lazily after this call has returned. ``around_graph(kind)``: a context
+    manager entered around each graph's ``compile_fx_inner`` (kind "forward", "backward" or "inference"), whether
+    the graph is compiled or loaded from the FX graph cache."""
     from torch._inductor.compile_fx import compile_fx as _compile_fx
+    from torch._inductor.compile_fx import compile_fx_inner
 
-    return _compile_fx(gm, example_inputs, config_patches=config_patches)
+    if around_graph is None:
+        return _compile_fx(gm, example_inputs, config_patches=config_patches)
+
+    def inner(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
+        kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
+        with around_graph(kind):
+            return compile_fx_inner(gm, example_inputs, **kwargs)
+
+    return _compile_fx(gm, example_inputs, inner_compile=inner, config_patches=config_patches)
+
+
+def inductor_counters() -> Any:
+    """Inductor's counters (``torch._dynamo.utils.counters["inductor"]``): what a compilation adds there is
+    stored with the compiled graph and added again on every FX-graph and AOTAutograd cache hit."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]
+
+
+def register_log_name(name: str) -> None:
+    """Let ``torch._logging.set_logs`` and ``TORCH_LOGS`` name the logger ``name`` (``TORCH_LOGS`` also finds it
+    before this runs, through the top-level module of that name)."""
+    from torch._logging._internal import log_registry, register_log
+
+    if not log_registry.is_log(name):
+        register_log(name, name)
+
+
+def process_group_layout() -> str:
+    """The sizes of this process's process groups by name ("" without distributed): group names repeat between
+    runs of different world sizes ("0" is the default group), so a compiled graph's cache key needs the sizes."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return ""
+        names = getattr(c10d._world, "pg_names", {})
+        return ",".join(sorted(f"{name}:{pg.size()}" for pg, name in names.items()))
+    except Exception:  # noqa: BLE001 - private API: the world size alone then
+        import torch.distributed as dist
+
+        return f"world:{dist.get_world_size()}" if dist.is_available() and dist.is_initialized() else ""
 
 
 def inductor_config() -> Any:

@@ -9,7 +9,8 @@ the ``flashoverlap.`` prefix are our settings (``config.py``); they, ``config.pa
 resolved ONCE here into one ``config.Settings`` held by the pass object, which also serves the backward graph that
 AOTAutograd compiles later (after this call returned). Every other key is an Inductor config patch, exactly as
 with ``backend="inductor"``; ``mode=`` works as there too. The compiled callable checks for recorded faults after
-every run (``checked``).
+every run (``checked``). Each graph's compilation, or its load from Inductor's caches, is watched
+(``passes.report.GraphWatch``): one report and one INFO line per graph, the same on a cache hit.
 """
 
 from __future__ import annotations
@@ -55,7 +56,12 @@ def flashoverlap_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
     fo_pass = make_pass(config.current().replace(**ours))  # validated here: a bad option fails the compile
     existing = patches.get(compat.PRE_PASS_KEY, getattr(compat.inductor_config(), compat.PRE_PASS_KEY, None))
     patches[compat.PRE_PASS_KEY] = compat.chain_passes(fo_pass, existing)
-    return checked(compat.compile_fx(gm, example_inputs, config_patches=patches))
+    from .passes.report import GraphWatch
+
+    with GraphWatch("cached", inner=False):  # reports graphs the AOTAutograd cache serves whole
+        compiled = compat.compile_fx(gm, example_inputs, config_patches=patches,
+                                     around_graph=lambda kind: GraphWatch(kind, inner=True))
+    return checked(compiled)
 
 
 def checked(compiled: Any) -> Any:

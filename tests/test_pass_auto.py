@@ -139,7 +139,7 @@ class TestAutoDecision(FakePGTestCase):
         x = torch.randn(600, 16)
         torch._dynamo.mark_dynamic(x, 0)
         (gm,), _ = self.capture(lambda x, w: funcol.all_reduce(x @ w, "sum", g), x, torch.randn(16, 32), fuse="auto")
-        self.assertEqual(dict(counters), {"fused:all_reduce": 1})
+        self.assertEqual(dict(counters), {"per_call:all_reduce": 1})  # plan "auto": decided at each call
         self.assertIn("'sum', '0', 'auto')", graph_str(gm))
 
     def test_cost_model_error_under_auto_skips(self):
@@ -154,7 +154,7 @@ class TestAutoDecision(FakePGTestCase):
         self.decide.error = RuntimeError("no curve")
         with self.assertLogs("flashoverlap", level="WARNING"):
             (gm,), _ = self.capture(*self._all_reduce(512), fuse="always")
-        self.assertEqual(dict(counters), {"fused:all_reduce": 1})
+        self.assertEqual(dict(counters), {"per_call:all_reduce": 1})  # plan "auto": decided at each call
         self.assertIn("'sum', '0', 'auto')", graph_str(gm))
 
 

@@ -331,7 +331,7 @@ def forward(self, in0, in1, in2):
         x = torch.randn(6, 4, 16)
         torch._dynamo.mark_dynamic(x, 0)
         (gm,), _ = self.capture(fn, x, torch.randn(32, 16))
-        self.assertEqual(dict(counters), {"fused:all_to_all": 1})
+        self.assertEqual(dict(counters), {"per_call:all_to_all": 1})
         self.assertExpectedInline(graph_str(gm, canonical=True), """\
 def forward(self, in0, in1, in2):
     mul = in0 * 4

@@ -31,7 +31,7 @@ from flashoverlap_inductor import config
 
 from . import rewrite
 from .matching import Fusion, GemmCollectiveMatch, find_matches, known_eq, known_true, node_arg, val
-from .report import log, record_fused, record_skip
+from .report import log, record_deferred, record_fused, record_skip
 
 aten = torch.ops.aten
 
@@ -76,9 +76,10 @@ class FlashOverlapPass(compat.CustomGraphPass):
             fusion.settings = self.settings.key()
             if rewrite.replace(graph, fusion):
                 fused += 1
-                record_fused(match.collective, "%s (rows=%s n=%s k=%s %s, group %r x%d, plan %s)",
-                             match.describe(), fusion.rows, fusion.n, fusion.k, fusion.dtype, fusion.group_name,
-                             fusion.group_size, fusion.plan)
+                record = record_deferred if fusion.plan == "auto" else record_fused
+                record(match.collective, "%s (rows=%s n=%s k=%s %s, group %r x%d, plan %s)", match.describe(),
+                       fusion.rows, fusion.n, fusion.k, fusion.dtype, fusion.group_name, fusion.group_size,
+                       fusion.plan)
         if fused:
             graph.lint()
         return fused
@@ -90,7 +91,9 @@ class FlashOverlapPass(compat.CustomGraphPass):
             lib = ",".join(c.name for level in (0, 1, 2, 3) for c in kernels.configs(add_c=level))
         except Exception:  # no library: the NCCL-free unfused route everywhere
             lib = ""
-        extra = f"{self.settings.key()}|{_device_names()}|{lib}"
+        # group sizes: a graph compiled for 2 ranks names its group "0" as one compiled for 3 does, and the cost
+        # model's verdict depends on the size
+        extra = f"{self.settings.key()}|{_device_names()}|{lib}|{compat.process_group_layout()}"
         return compat.hash_files(_source_files(self.settings), extra=extra)
 
     # ------------------------------------------------------------------------------------------------ check
@@ -117,6 +120,10 @@ class FlashOverlapPass(compat.CustomGraphPass):
         dtype = str(y.dtype).removeprefix("torch.")
         if dtype not in self.settings.dtypes:
             return _skip("dtype", "%s: dtype %s not in config.dtypes %s", desc, dtype, self.settings.dtypes)
+        mixed = [x.name for x in [*m.gemm.all_input_nodes, m.wait] if val(x).dtype != y.dtype]
+        if mixed:
+            return _skip("dtype_mismatch", "%s: %s differ in dtype from the GEMM's %s output (%s)", desc, mixed,
+                         dtype, [str(val(x).dtype).removeprefix("torch.") for x in m.gemm.all_input_nodes])
         if m.gemm.target is aten.addmm.default:
             beta, alpha = node_arg(m.gemm, 3, "beta", 1), node_arg(m.gemm, 4, "alpha", 1)
             if beta != 1 or alpha != 1:

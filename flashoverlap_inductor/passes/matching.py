@@ -141,7 +141,7 @@ def match_at_wait(wait: Node) -> GemmCollectiveMatch | None:
     if collective == "reduce_scatter" and isinstance(x, Node) and x.target is aten.cat.default:
         scatter = match_scatter_cat(x)
         if scatter is None:
-            log.debug("flashoverlap: no match at %s: cat input is not funcol's split/cat form", coll.name)
+            _no_match(coll, x, "its input is a cat that is not funcol's split/cat form of a reduce_scatter")
             return None
         x = scatter.source
     views: list[Node] = []
@@ -150,10 +150,43 @@ def match_at_wait(wait: Node) -> GemmCollectiveMatch | None:
         x = x.args[0]
     if not isinstance(x, Node) or x.target not in GEMM_OPS:
         what = op_name(x) if isinstance(x, Node) else type(x).__name__
-        log.debug("flashoverlap: no match at %s: its input comes from %s, not mm/addmm/bmm", coll.name, what)
+        _no_match(coll, x, f"its input comes from {what}, not mm/addmm/bmm or a view of one")
         return None
     views.reverse()
     return GemmCollectiveMatch(collective, x, views, coll, wait, scatter, args)
+
+
+NEAR_MISS_HOPS = 3  # how far behind a collective's input a GEMM still makes a near miss (nodes)
+
+
+def _no_match(coll: Node, x: Any, why: str) -> None:
+    """Log why the collective ``coll`` (input ``x``) is no candidate: a near miss (INFO, counted) when a GEMM's
+    output reaches ``x`` within ``NEAR_MISS_HOPS`` nodes (the fusion a user expected, blocked by the op between),
+    else DEBUG."""
+    from .report import record_near_miss
+
+    gemm = _gemm_behind(x) if isinstance(x, Node) else None
+    if gemm is None:
+        log.debug("flashoverlap: no match at %s: %s", coll.name, why)
+        return
+    record_near_miss(op_name(x), "%s (%s) is fed by GEMM %s through %s, which the pass does not see through: %s",
+                     coll.name, op_name(coll), gemm.name, op_name(x), why)
+
+
+def _gemm_behind(x: Node) -> Node | None:
+    """The nearest mm/addmm/bmm among the producers of ``x`` (breadth first, ``NEAR_MISS_HOPS`` deep), or None."""
+    frontier, seen = [x], {x}
+    for _ in range(NEAR_MISS_HOPS):
+        nxt = []
+        for node in frontier:
+            for src in node.all_input_nodes:
+                if src.target in GEMM_OPS:
+                    return src
+                if src not in seen:
+                    seen.add(src)
+                    nxt.append(src)
+        frontier = nxt
+    return None
 
 
 def match_scatter_cat(cat: Node) -> ScatterCat | None:

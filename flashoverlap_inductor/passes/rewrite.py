@@ -9,8 +9,8 @@ Emitted before the collective node (every input of the new nodes is defined ther
 
 Each new node gets ``meta["val"]`` by running its (fake) implementation on the inputs' values; the final value
 must have the wait's shape and dtype, otherwise the new nodes are removed again and the match is skipped
-(``skip:shape_mismatch``, a WARNING: it means a bug in the checks). Only then are the wait's users redirected
-and the old chain erased.
+(``skip:shape_mismatch`` or ``skip:dtype_mismatch``, a WARNING: it means a bug in the checks). Only then are the
+wait's users redirected and the old chain erased.
 """
 
 from __future__ import annotations
@@ -70,16 +70,19 @@ def replace(graph: torch.fx.Graph, f: Fusion) -> bool:
     """Rewrite ``f.match`` in ``graph``; False (after recording ``skip:shape_mismatch``) if it cannot."""
     m = f.match
     build = _Builder(graph, m.gemm)
+    slug = "shape_mismatch"
     try:
         with graph.inserting_before(m.coll):
             out = _emit(build, f)
         want, got = val(m.wait), val(out)
-        same = want.dtype == got.dtype and want.dim() == got.dim()
-        if not (same and all(known_eq(x, y) for x, y in zip(want.shape, got.shape, strict=True))):
-            raise ValueError(f"result {got.dtype}{list(got.shape)} != collective's {want.dtype}{list(want.shape)}")
+        if want.dtype != got.dtype:
+            slug = "dtype_mismatch"
+            raise ValueError(f"result dtype {got.dtype} != collective's {want.dtype}")
+        if not (want.dim() == got.dim() and all(known_eq(x, y) for x, y in zip(want.shape, got.shape, strict=True))):
+            raise ValueError(f"result shape {list(got.shape)} != collective's {list(want.shape)}")
     except Exception as exc:
         build.rollback()
-        record_skip("shape_mismatch", "%s: %s", m.describe(), exc, level=logging.WARNING)
+        record_skip(slug, "%s: %s", m.describe(), exc, level=logging.WARNING)
         return False
     m.wait.replace_all_uses_with(out)
     for node in reversed(m.chain()):

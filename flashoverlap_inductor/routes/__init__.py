@@ -17,8 +17,10 @@ The dispatcher owns the rules every route shares:
   candidate; logged once per reason, counted in ``stats["skip:<route>:<reason>"]``. Every reason depends only on
   what all ranks share (shapes, dtypes, strides, settings, call history), so all ranks run the same collectives.
 
-Statistics: ``stats["fused:<collective>"]`` and ``stats["route:<name>"]`` per call that ran fused, ``stats
-["fallback:<reason>"]`` per call that ran unfused on CUDA, ``stats["captured"]`` per call captured into a graph.
+Statistics (what ran, per call; ``flashoverlap_inductor.fusion_report()`` shows them): ``stats["fused:<collective>"]``
+and ``stats["route:<name>"]`` per call that ran fused on a GPU route, ``stats["route:cpu"]`` per call the CPU route
+ran (the op's schedule with gloo collectives), ``stats["fallback:<reason>"]`` per call that ran unfused on CUDA,
+``stats["captured"]`` per call captured into a graph.
 """
 
 from __future__ import annotations
@@ -198,6 +200,8 @@ def _dispatch(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Ten
                 continue
             if route.name == "unfused":
                 stats[f"fallback:{reason or 'none'}"] += 1
+            elif route.last_resort:  # the CPU route: the op's group schedule, with gloo collectives
+                stats[f"route:{route.name}"] += 1
             if route.last_resort:
                 return out
             last_launch = launch
