@@ -153,19 +153,20 @@ class TestUuid(TestCase):
             self.assertNotEqual(before, FlashOverlapPass({"fuse": "always", name: value}).uuid(), name)
 
     def test_uuid_covers_sources_and_data(self):
-        from flashoverlap_inductor.passes import gemm_collective
+        from flashoverlap_inductor.passes import cache_key
 
-        files = {os.path.basename(p) for p in gemm_collective._source_files(FlashOverlapPass().settings)}
-        self.assertTrue({"gemm_collective.py", "matching.py", "rewrite.py", "ops.py", "plan.py", "steps.py",
+        files = {os.path.basename(p) for p in cache_key.source_files(FlashOverlapPass().settings)}
+        self.assertTrue({"gemm_collective.py", "matching.py", "rewrite.py", "sum_of_gemms.py", "cache_key.py",
+                         "ops.py", "plan.py", "steps.py",
                          "peer.py", "ring.py", "nccl.py", "__init__.py", "config.py"} <= files, files)
         self.assertTrue(any(f.endswith(".json") for f in files), files)  # shipped cost-model data
 
     def test_uuid_changes_when_a_source_changes(self):
-        from flashoverlap_inductor.passes import gemm_collective
+        from flashoverlap_inductor.passes import cache_key
 
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "source.py")
-            with mock.patch.object(gemm_collective, "_source_files", lambda settings: [path]):
+            with mock.patch.object(cache_key, "source_files", lambda settings: [path]):
                 with open(path, "w") as f:
                     f.write("x = 1\n")
                 first = FlashOverlapPass().uuid()

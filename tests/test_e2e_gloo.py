@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -291,26 +290,19 @@ def llama_worker(steps: int) -> dict:
         losses_ref.append(loss.item())
 
     graphs: list[str] = []
-    old = os.environ.get("FLASHOVERLAP_FUSE")
-    os.environ["FLASHOVERLAP_FUSE"] = "always"
-    try:
-        with _Run() as run:
-            compiled = torch.compile(model, backend="flashoverlap",
-                                     options={"post_grad_custom_post_pass": lambda g: graphs.append(
-                                         g.python_code("self").src)})
-            losses = []
-            for ids in batches:
-                loss = compiled(input_ids=ids, labels=ids).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
-            counters = run.counters
-    finally:
-        if old is None:
-            os.environ.pop("FLASHOVERLAP_FUSE")
-        else:
-            os.environ["FLASHOVERLAP_FUSE"] = old
+    with _Run() as run:
+        # (the environment is read once per process: an option, not FLASHOVERLAP_FUSE set here, takes effect)
+        compiled = torch.compile(model, backend="flashoverlap",
+                                 options={"flashoverlap.fuse": "always", "post_grad_custom_post_pass": lambda g:
+                                          graphs.append(g.python_code("self").src)})
+        losses = []
+        for ids in batches:
+            loss = compiled(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        counters = run.counters
     torch.testing.assert_close(losses, losses_ref, rtol=1e-5, atol=1e-5)
     for (name, p), q in zip(ref.named_parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(_local(q), _local(p), **FP32, msg=lambda s, n=name: f"param {n}: {s}")

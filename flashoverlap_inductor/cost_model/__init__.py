@@ -14,7 +14,7 @@ Modules: ``bandwidth`` (NCCL curves, bytes -> ms), ``gemm`` (wave model, ms), ``
 """
 
 from .bandwidth import BandwidthCurve, SampledCurve
-from .decide import Decision, clear_caches, decide, decide_cache_info
+from .decide import Decision, clear_caches, copy_ms, decide, decide_cache_info
 from .gemm import GemmModel
 from .pipeline import CostModel, PipelineResult, pipeline
 from .registry import DEFAULT_GPU, data_dir, model_for, normalize_gpu_name
@@ -23,6 +23,6 @@ from .search import SearchResult, exhaustive_search, predictive_search
 
 __all__ = [
     "DEFAULT_GPU", "BandwidthCurve", "ConfigError", "CostModel", "Decision", "GemmModel", "PipelineResult",
-    "SampledCurve", "SearchResult", "clear_caches", "data_dir", "decide", "decide_cache_info",
+    "SampledCurve", "SearchResult", "clear_caches", "copy_ms", "data_dir", "decide", "decide_cache_info",
     "exhaustive_search", "model_for", "normalize_gpu_name", "pipeline", "predictive_search",
 ]

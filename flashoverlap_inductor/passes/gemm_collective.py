@@ -14,23 +14,30 @@ flattened output rows; no raw SymInt enters a node argument (shapes reuse existi
 
 from __future__ import annotations
 
-import importlib.util
+import dataclasses
 import logging
 import math
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.fx import Node
 
-import flashoverlap_inductor
 import flashoverlap_inductor.ops  # noqa: F401  (registers torch.ops.flashoverlap.*; a cached graph calls them)
 from flashoverlap_inductor import _inductor_compat as compat
 from flashoverlap_inductor import config
 
-from . import rewrite
-from .matching import Fusion, GemmCollectiveMatch, find_matches, known_eq, known_true, node_arg, val
+from . import cache_key, rewrite, sum_of_gemms
+from .matching import (
+    COLLECTIVE_OPS,
+    Fusion,
+    GemmCollectiveMatch,
+    find_matches,
+    known_eq,
+    known_true,
+    match_at_wait,
+    node_arg,
+    val,
+)
 from .report import log, record_deferred, record_fused, record_skip
 
 aten = torch.ops.aten
@@ -80,21 +87,49 @@ class FlashOverlapPass(compat.CustomGraphPass):
                 record(match.collective, "%s (rows=%s n=%s k=%s %s, group %r x%d, plan %s)", match.describe(),
                        fusion.rows, fusion.n, fusion.k, fusion.dtype, fusion.group_name, fusion.group_size,
                        fusion.plan)
+        fused += self._fuse_sums(graph)
         if fused:
             graph.lint()
         return fused
 
-    def uuid(self) -> str:
-        from flashoverlap_inductor import kernels
+    def _fuse_sums(self, graph: torch.fx.Graph) -> int:
+        """Sums of GEMMs feeding a collective (``sum_of_gemms``): each staged as one GEMM over the concatenated K,
+        then matched, checked and decided like any other; unstaged again where it is not fused."""
+        fused = 0
+        for wait in list(graph.find_nodes(op="call_function", target=compat.c10d.wait_tensor.default)):
+            form = sum_of_gemms.find(wait, COLLECTIVE_OPS)
+            if form is None:
+                continue
+            form.stage(graph)
+            match = match_at_wait(wait)
+            fusion = None
+            if match is not None:
+                match.label = form.describe()
+                try:
+                    fusion = self.check(match)
+                    if fusion is not None:
+                        fusion.sum_form = form
+                        fusion.plan = self.choose_plan(fusion)
+                except Exception as exc:
+                    record_skip("internal_error", "%s: %r", match.describe(), exc, level=logging.WARNING,
+                                exc_info=True)
+                    fusion = None
+            if fusion is None or fusion.plan is None:
+                form.unstage(graph)
+                continue
+            fusion.settings = self.settings.key()
+            if not rewrite.replace(graph, fusion):
+                form.unstage(graph)
+                continue
+            form.erase_terms(graph)
+            fused += 1
+            record = record_deferred if fusion.plan == "auto" else record_fused
+            record(match.collective, "%s (rows=%s n=%s k=%s %s, group %r x%d, plan %s)", match.describe(),
+                   fusion.rows, fusion.n, fusion.k, fusion.dtype, fusion.group_name, fusion.group_size, fusion.plan)
+        return fused
 
-        try:  # the library's configurations decide which route the cost model predicts (``_route_of``)
-            lib = ",".join(c.name for level in (0, 1, 2, 3) for c in kernels.configs(add_c=level))
-        except Exception:  # no library: the NCCL-free unfused route everywhere
-            lib = ""
-        # group sizes: a graph compiled for 2 ranks names its group "0" as one compiled for 3 does, and the cost
-        # model's verdict depends on the size
-        extra = f"{self.settings.key()}|{_device_names()}|{lib}|{compat.process_group_layout()}"
-        return compat.hash_files(_source_files(self.settings), extra=extra)
+    def uuid(self) -> str:
+        return cache_key.uuid_for(self.settings)
 
     # ------------------------------------------------------------------------------------------------ check
 
@@ -262,6 +297,10 @@ class FlashOverlapPass(compat.CustomGraphPass):
                 return _skip("cost_model_error", "%s: cost model failed: %r", desc, exc, level=logging.WARNING)
             log.warning("flashoverlap: %s: cost model failed (%r); plan 'auto'", desc, exc)
             return "auto"
+        if f.sum_form is not None:  # the cats' copies and the adds it saves: on top of the one-GEMM prediction
+            verdict, reason = sum_of_gemms.adjust(decision, f.sum_form, f.dtype, _device_name(y),
+                                                  self.settings.min_gain_fraction)
+            decision = dataclasses.replace(decision, fuse=verdict, reason=reason)
         if mode == "auto" and not decision.fuse:
             return _skip("cost_model", "%s: %s", desc, decision.reason)
         log.info("flashoverlap: %s: %s %s", desc, "fusing:" if decision.fuse else "fusing anyway (always):",
@@ -346,35 +385,3 @@ def _route_of(collective: str, rows: int, n: int, k: int, dtype: str, world: int
     route = routes.select(call, settings) if y.device.type == "cuda" else None
     name = route.name if route is not None else ""
     return {"peer": name == "peer", "ring_rounds": ring.rounds(call, settings) if name == "ring" else 0}
-
-
-def _device_names() -> str:
-    ready = torch.cuda.is_available() and torch.cuda.is_initialized()
-    return ",".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) if ready else ""
-
-
-def _source_files(settings: config.Settings) -> list[str]:
-    """Everything whose content changes what the pass emits: its code, the ops, the settings, the schedule, the
-    route registry and routes (which route the cost model predicts), the cost model and its data files."""
-    pkg = Path(flashoverlap_inductor.__file__).parent
-    files = [pkg / name for name in ("ops.py", "config.py", "_inductor_compat.py")]
-    files += sorted(Path(__file__).parent.glob("*.py"))
-    files += sorted((pkg / "schedule").glob("*.py")) + sorted((pkg / "routes").glob("*.py"))
-    for loc in _package_dirs("flashoverlap_inductor.cost_model"):
-        files += sorted(Path(loc).rglob("*.py"))
-    data = settings.config_dir
-    for loc in [data] if data is not None else _package_dirs("flashoverlap_inductor.configs"):
-        files += sorted(Path(loc).rglob("*.json"))
-    return [str(p) for p in files if p.is_file()]
-
-
-def _package_dirs(name: str) -> list[str]:
-    """The directories of package ``name`` without importing it (an imported one: its ``__path__``)."""
-    module = sys.modules.get(name)
-    if module is not None:
-        return list(getattr(module, "__path__", []))
-    try:
-        spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError):
-        return []
-    return list(spec.submodule_search_locations or []) if spec else []

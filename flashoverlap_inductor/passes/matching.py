@@ -102,6 +102,7 @@ class GemmCollectiveMatch:
     wait: Node
     scatter: ScatterCat | None = None
     args: dict[str, Any] = field(default_factory=dict)
+    label: str = ""  # what ``gemm`` stands for when the pass made it (a sum of GEMMs); "" = the GEMM's op name
 
     @property
     def rows_node(self) -> Node:
@@ -112,7 +113,7 @@ class GemmCollectiveMatch:
         return [self.gemm, *self.views, *(self.scatter.nodes() if self.scatter else []), self.coll, self.wait]
 
     def describe(self) -> str:
-        parts = [op_name(self.gemm), *(op_name(v) for v in self.views)]
+        parts = [self.label or op_name(self.gemm), *(op_name(v) for v in self.views)]
         if self.scatter is not None:
             parts.append(f"split/cat(dim={self.scatter.dim})")
         parts += [op_name(self.coll), op_name(self.wait)]
@@ -149,6 +150,11 @@ def match_at_wait(wait: Node) -> GemmCollectiveMatch | None:
         views.append(x)
         x = x.args[0]
     if not isinstance(x, Node) or x.target not in GEMM_OPS:
+        from . import sum_of_gemms
+
+        if sum_of_gemms.find(wait, COLLECTIVE_OPS) is not None:  # the pass stages it as one GEMM (``run``)
+            log.debug("flashoverlap: %s: a sum of GEMMs, staged as one", coll.name)
+            return None
         what = op_name(x) if isinstance(x, Node) else type(x).__name__
         _no_match(coll, x, f"its input comes from {what}, not mm/addmm/bmm or a view of one")
         return None
@@ -252,3 +258,4 @@ class Fusion:
     rows_per_split_unit: Any = 1
     plan: str | None = "auto"
     settings: str = ""  # ``Settings.key()`` the fused op runs under
+    sum_form: Any = None  # ``sum_of_gemms.SumOfGemms`` when ``match.gemm`` stands for a staged sum of GEMMs

@@ -1,0 +1,109 @@
+"""A sum of GEMMs that share their rows, feeding a collective (the input gradient of separate q/k/v or gate/up
+Linears): fused as one GEMM over the concatenated K. Each rewrite is checked for equivalence by simulating the
+collectives (``pass_harness``); a declined or impossible sum leaves the graph exactly as it was."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from pass_harness import FakePGTestCase, graph_str
+from torch.testing._internal.common_utils import run_tests
+
+from flashoverlap_inductor import cost_model
+from flashoverlap_inductor.passes import counters, report
+
+
+def _three(gen_rows: int = 64, ks=(32, 16, 16), n: int = 48):
+    return [torch.randn(gen_rows, k) for k in ks] + [torch.randn(k, n) for k in ks]
+
+
+class TestSumOfGemms(FakePGTestCase):
+    def test_all_reduce_of_three_terms(self):
+        g = self.group
+
+        def fn(a1, a2, a3, w1, w2, w3):
+            return funcol.all_reduce(a1 @ w1 + a2 @ w2 + a3 @ w3, "sum", g)
+
+        (gm,), _ = self.capture(fn, *_three())
+        code = graph_str(gm)
+        self.assertEqual(code.count("flashoverlap.gemm_all_reduce"), 1)
+        self.assertEqual(code.count("aten.cat"), 2)
+        self.assertNotIn("aten.add", code)
+        self.assertNotIn("c10d.all_reduce", code)
+        self.assertEqual(dict(counters), {"fused:all_reduce": 1})
+        self.assert_rewrites_equivalent()
+
+    def test_reduce_scatter_of_two_terms_through_a_view(self):
+        """gate/up in sequence parallelism: [b, s, h] activations, reduce_scatter over dim 0."""
+        g = self.group
+
+        def fn(a1, a2, w1, w2):
+            return funcol.reduce_scatter_tensor((a1 @ w1 + a2 @ w2).view(4, 16, 48), "sum", 0, g)
+
+        (gm,), _ = self.capture(fn, torch.randn(64, 24), torch.randn(64, 40), torch.randn(24, 48),
+                                torch.randn(40, 48))
+        self.assertEqual(graph_str(gm).count("flashoverlap.gemm_reduce_scatter"), 1)
+        self.assertEqual(dict(counters), {"fused:reduce_scatter": 1})
+        self.assert_rewrites_equivalent()
+
+    def test_the_event_names_the_sum(self):
+        g = self.group
+        with self.assertLogs("flashoverlap", level="INFO") as logs:
+            self.capture(lambda a1, a2, w1, w2: funcol.all_reduce(a1 @ w1 + a2 @ w2, "sum", g),
+                         torch.randn(64, 32), torch.randn(64, 16), torch.randn(32, 48), torch.randn(16, 48))
+        self.assertIn("sum of 2 mm over K = 32 + 16 -> all_reduce", "\n".join(logs.output))
+
+    def test_a_term_used_elsewhere_is_left_alone(self):
+        """Removing the term would change the other user's input: the graph stays as it was (a near miss)."""
+        g = self.group
+
+        def fn(a1, a2, w1, w2):
+            t = a1 @ w1
+            return funcol.all_reduce(t + a2 @ w2, "sum", g), t.sum()
+
+        (gm,), _ = self.capture(fn, torch.randn(64, 32), torch.randn(64, 16), torch.randn(32, 48),
+                                torch.randn(16, 48))
+        self.assertNotIn("flashoverlap", graph_str(gm))
+        self.assertEqual(dict(counters), {"near_miss:add": 1})
+
+    def test_scaled_add_is_not_a_sum_of_gemms(self):
+        g = self.group
+        (gm,), _ = self.capture(lambda a1, a2, w1, w2: funcol.all_reduce(torch.add(a1 @ w1, a2 @ w2, alpha=2),
+                                                                         "sum", g),
+                                torch.randn(64, 32), torch.randn(64, 16), torch.randn(32, 48), torch.randn(16, 48))
+        self.assertNotIn("flashoverlap", graph_str(gm))
+
+    def test_declined_under_auto_leaves_the_graph_unchanged(self):
+        """Too few rows for ``auto``: the staged GEMM and cats are removed again, the sum stays as it was."""
+        g = self.group
+        (gm,), _ = self.capture(lambda a1, a2, w1, w2: funcol.all_reduce(a1 @ w1 + a2 @ w2, "sum", g),
+                                torch.randn(64, 32), torch.randn(64, 16), torch.randn(32, 48), torch.randn(16, 48),
+                                fuse="auto")
+        code = graph_str(gm)
+        self.assertNotIn("flashoverlap", code)
+        self.assertNotIn("aten.cat", code)  # (Inductor's own later passes may then turn mm + mm into addmm)
+        self.assertEqual(dict(counters), {"skip:too_small": 1})
+
+    def test_cost_adjustment_counts_the_copies(self):
+        """The verdict adds the cats' bytes to the fused time and the adds' bytes to the sequential time."""
+        from flashoverlap_inductor.passes import sum_of_gemms
+
+        class Form:
+            describe = staticmethod(lambda: "sum of 3 mm")
+            copy_elements = staticmethod(lambda: (2 * (4096 * 6144 + 6144 * 4096), 3 * 2 * 4096 * 4096))
+
+        d = cost_model.decide("all_reduce", 4096, 4096, 6144, "bfloat16", 2)
+        verdict, reason = sum_of_gemms.adjust(d, Form, "bfloat16", None, 0.03)
+        fused = d.predicted_fused_ms + cost_model.copy_ms(Form.copy_elements()[0] * 2)
+        seq = d.predicted_seq_ms + cost_model.copy_ms(Form.copy_elements()[1] * 2)
+        self.assertEqual(verdict, fused <= 0.97 * seq)
+        self.assertIn(f"fused {fused:.4f} ms incl. the cats' copies", reason)
+        self.assertAlmostEqual(cost_model.copy_ms(3_800_000_000, "NVIDIA H200"), 1.0)  # bytes per ms
+        self.assertAlmostEqual(cost_model.copy_ms(2_700_000_000, "NVIDIA H100 80GB HBM3"), 1.0)
+
+    def test_skip_reasons_are_known(self):
+        self.assertIn("dtype_mismatch", report.SKIP_REASONS)
+
+
+if __name__ == "__main__":
+    run_tests()
