@@ -28,10 +28,10 @@ from flashoverlap_inductor import config
 
 from . import cache_key, rewrite, sum_of_gemms
 from .matching import (
-    COLLECTIVE_OPS,
     Fusion,
     GemmCollectiveMatch,
     find_matches,
+    find_sum,
     known_eq,
     known_true,
     match_at_wait,
@@ -97,10 +97,10 @@ class FlashOverlapPass(compat.CustomGraphPass):
         then matched, checked and decided like any other; unstaged again where it is not fused."""
         fused = 0
         for wait in list(graph.find_nodes(op="call_function", target=compat.c10d.wait_tensor.default)):
-            form = sum_of_gemms.find(wait, COLLECTIVE_OPS)
+            form = find_sum(wait)
             if form is None:
                 continue
-            form.stage(graph)
+            sum_of_gemms.stage(form, graph)
             match = match_at_wait(wait)
             fusion = None
             if match is not None:
@@ -115,13 +115,13 @@ class FlashOverlapPass(compat.CustomGraphPass):
                                 exc_info=True)
                     fusion = None
             if fusion is None or fusion.plan is None:
-                form.unstage(graph)
+                sum_of_gemms.unstage(form, graph)
                 continue
             fusion.settings = self.settings.key()
             if not rewrite.replace(graph, fusion):
-                form.unstage(graph)
+                sum_of_gemms.unstage(form, graph)
                 continue
-            form.erase_terms(graph)
+            sum_of_gemms.erase_terms(form, graph)
             fused += 1
             record = record_deferred if fusion.plan == "auto" else record_fused
             record(match.collective, "%s (rows=%s n=%s k=%s %s, group %r x%d, plan %s)", match.describe(),

@@ -150,9 +150,7 @@ def match_at_wait(wait: Node) -> GemmCollectiveMatch | None:
         views.append(x)
         x = x.args[0]
     if not isinstance(x, Node) or x.target not in GEMM_OPS:
-        from . import sum_of_gemms
-
-        if sum_of_gemms.find(wait, COLLECTIVE_OPS) is not None:  # the pass stages it as one GEMM (``run``)
+        if find_sum(wait) is not None:  # the pass stages it as one GEMM (``run``)
             log.debug("flashoverlap: %s: a sum of GEMMs, staged as one", coll.name)
             return None
         what = op_name(x) if isinstance(x, Node) else type(x).__name__
@@ -259,3 +257,68 @@ class Fusion:
     plan: str | None = "auto"
     settings: str = ""  # ``Settings.key()`` the fused op runs under
     sum_form: Any = None  # ``sum_of_gemms.SumOfGemms`` when ``match.gemm`` stands for a staged sum of GEMMs
+
+
+@dataclass
+class SumOfGemms:
+    """The add tree ``root`` (its adds, then its ``terms``, in graph order) and the node consuming it."""
+
+    root: Node
+    adds: list[Node]
+    terms: list[Node]
+    consumer: Node
+    staged: list[Node] | None = None  # cat(a), cat(b), mm, once staged
+
+    @property
+    def gemm(self) -> Node:
+        assert self.staged is not None
+        return self.staged[-1]
+
+    def k_sizes(self) -> list[Any]:
+        return [val(t.args[0]).shape[1] for t in self.terms]
+
+    def describe(self) -> str:
+        return f"sum of {len(self.terms)} mm over K = {' + '.join(str(k) for k in self.k_sizes())}"
+
+    def copy_elements(self) -> tuple[Any, Any]:
+        """(elements the cats move, elements the adds moved), each counted read + write."""
+        m, n = val(self.root).shape
+        k = sum(self.k_sizes())
+        return 2 * (m * k + k * n), 3 * (len(self.terms) - 1) * m * n
+
+
+def find_sum(wait: Node) -> SumOfGemms | None:
+    """The sum-of-GEMMs form behind ``wait``'s collective (``passes/sum_of_gemms.py``), or None."""
+    coll = wait.args[0] if wait.args else None
+    if not isinstance(coll, Node) or coll.target not in COLLECTIVE_OPS:
+        return None
+    consumer, x = coll, coll.args[0]
+    while isinstance(x, Node) and x.target in VIEW_OPS and len(x.users) == 1:
+        consumer, x = x, x.args[0]
+    if not (isinstance(x, Node) and _is_plain_add(x) and len(x.users) == 1):
+        return None
+    adds, terms = [], []
+    if not _collect(x, adds, terms) or len(terms) < 2:
+        return None
+    y = val(x)
+    shapes_ok = all(isinstance(val(t), torch.Tensor) and val(t).dim() == 2 and val(t).dtype == y.dtype and
+                    known_eq(val(t).shape[0], y.shape[0]) and known_eq(val(t).shape[1], y.shape[1]) for t in terms)
+    if not shapes_ok or y.dim() != 2:
+        return None
+    return SumOfGemms(x, adds, terms, consumer)
+
+
+def _is_plain_add(node: Node) -> bool:
+    return (node.target is aten.add.Tensor and len(node.args) >= 2 and node_arg(node, 2, "alpha", 1) == 1
+            and all(isinstance(a, Node) for a in node.args[:2]))
+
+
+def _collect(node: Node, adds: list[Node], terms: list[Node]) -> bool:
+    """Walk the add tree under ``node`` (root first): True iff every leaf is a one-user 2-D ``mm``."""
+    if node.target is aten.mm.default:
+        terms.append(node)
+        return len(node.users) == 1
+    if not _is_plain_add(node):
+        return False
+    adds.append(node)
+    return all(len(arg.users) == 1 and _collect(arg, adds, terms) for arg in node.args[:2])
