@@ -13,6 +13,12 @@ Names are flat: a ``Tuning`` field (``swizzle``, ``ring_rounds``, ...) is set by
 resolves all sources into one ``Settings``; the backend captures it once per compilation, the pass hashes it whole
 into its ``uuid()`` (``Settings.key()``) and hands it to every fused op it emits as a string argument, so a compiled
 graph runs with the settings it was compiled under, and a new setting can never serve a stale cached graph.
+
+Every value is checked where it is set -- an option when ``torch.compile`` calls the backend, ``patch`` on entry, the
+attribute on assignment, an environment variable when the environment is first read -- by the setting's rule
+(``RULES``, ``config_check``): a value not accepted raises one ``ValueError`` naming the setting as the user wrote it,
+the value and what is accepted, never a failure later inside the pass. An unknown name is an error too, naming the
+closest known one.
 """
 
 from __future__ import annotations
@@ -21,13 +27,14 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
 import os
 import sys
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from . import config_check as check
 
 log = logging.getLogger("flashoverlap")
 
@@ -39,11 +46,52 @@ TRANSPORTS = ("peer", "nccl")
 RING_MODES = ("off", "wide", "all")
 GEMM_GRIDS = ("tiles", "persistent")
 ROW_ORDERS = ("schedule", "gather")
+DTYPES = ("bfloat16", "float16", "float32")  # the GEMM output dtypes the fused routes and the cost model know
 OPTION_PREFIX = "flashoverlap."
 # Experimental variants still under study: each name turns one on (``Settings.experiments``).
 EXPERIMENTS = {
     "single_group": "run a one-group plan fused (it overlaps nothing; for tests of the fused path on tiny shapes)",
 }
+
+
+def _dtype_name(value: Any) -> Any:
+    """``torch.bfloat16`` and ``"torch.bfloat16"`` -> ``"bfloat16"`` (the pass compares names); else unchanged."""
+    if isinstance(value, str) or (type(value).__name__ == "dtype" and type(value).__module__ == "torch"):
+        return str(value).removeprefix("torch.")
+    return value
+
+
+# What each setting (a field of ``Settings`` or ``Tuning``, every one) accepts, and the one type it is stored in.
+RULES: dict[str, check.Rule] = {
+    "fuse": check.Choice(FUSE_MODES),
+    "collectives": check.Names(COLLECTIVES),
+    # < 1: at 1 the fused time would have to be <= 0 (fuse="never" says that)
+    "min_gain_fraction": check.Float(0.0, 1.0, high_open=True),
+    "min_rows": check.Int(0),
+    "dtypes": check.Names(DTYPES, item=_dtype_name),
+    "all_to_all_default_groups": check.Int(1),
+    "wait_timeout_ms": check.OrNone(check.Float(0.0, MAX_WAIT_TIMEOUT_MS, low_open=True, unit=" ms (7 days)"),
+                                    "the process group's own timeout", words=("none", "group", "")),
+    "config_dir": check.OrNone(check.Path("when a data file is read"), "the package's configs/", words=()),
+    "transport": check.Choice(TRANSPORTS),
+    "ring": check.Choice(RING_MODES),
+    "library": check.OrNone(check.Path("when the library is loaded"), "build/libflashoverlap_sm90.so", words=()),
+    "experiments": check.Names(tuple(EXPERIMENTS), kind=frozenset),
+    "gemm_grid": check.OrNone(check.Choice(GEMM_GRIDS), "the GPU's data file decides"),
+    "sm_reserve": check.OrNone(check.Int(0), "the GPU's data file, or NCCL_MAX_CTAS + 2"),
+    "swizzle": check.Int(1),
+    "row_order": check.OrNone(check.Choice(ROW_ORDERS), "the measured default"),
+    "ring_rounds": check.Int(1, 16),
+    "peer_kernel": check.OrNone(check.Text("a GEMM configuration name"), "the preferred one", words=()),
+}
+
+
+def _check_fields(obj: Any, skip: tuple[str, ...] = ()) -> None:
+    """Set each field of the frozen dataclass ``obj`` (but ``skip``) to its rule's canonical value: a field without
+    a rule fails here (KeyError), the first time one is built."""
+    for f in dataclasses.fields(obj):
+        if f.name not in skip:
+            object.__setattr__(obj, f.name, RULES[f.name].check(f.name, f.name, getattr(obj, f.name)))
 
 
 @dataclass(frozen=True)
@@ -58,22 +106,13 @@ class Tuning:
     peer_kernel: str | None = None  # peer/ring routes: the _addc GEMM configuration; None: preferred
 
     def __post_init__(self) -> None:
-        _choice("gemm_grid", self.gemm_grid, GEMM_GRIDS, optional=True)
-        _choice("row_order", self.row_order, ROW_ORDERS, optional=True)
-        if self.sm_reserve is not None and not (_is_int(self.sm_reserve) and self.sm_reserve >= 0):
-            raise ValueError(f"flashoverlap: sm_reserve must be an int >= 0 or None, got {self.sm_reserve!r}")
-        if not (_is_int(self.swizzle) and self.swizzle >= 1):
-            raise ValueError(f"flashoverlap: swizzle must be an int >= 1, got {self.swizzle!r}")
-        if not (_is_int(self.ring_rounds) and 1 <= self.ring_rounds <= 16):
-            raise ValueError(f"flashoverlap: ring_rounds must be an int in 1 .. 16, got {self.ring_rounds!r}")
-        if self.peer_kernel is not None and not isinstance(self.peer_kernel, str):
-            raise ValueError(f"flashoverlap: peer_kernel must be a configuration name or None, got "
-                             f"{self.peer_kernel!r}")
+        _check_fields(self)  # every field in its rule's type (``RULES``)
 
 
 @dataclass(frozen=True)
 class Settings:
-    """Every setting of the backend. Frozen and hashable; equal settings give equal ``key()`` strings."""
+    """Every setting of the backend. Frozen and hashable; every field holds its rule's canonical value
+    (``RULES``), so equal settings give equal ``key()`` strings."""
 
     fuse: str = "auto"  # "auto" (cost model decides) | "always" | "never"
     collectives: tuple[str, ...] = COLLECTIVES  # collectives the pass may fuse
@@ -95,34 +134,10 @@ class Settings:
     experiments: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
-        _choice("fuse", self.fuse, FUSE_MODES)
-        _choice("transport", self.transport, TRANSPORTS)
-        _choice("ring", self.ring, RING_MODES)
-        if isinstance(self.collectives, str) or not all(c in COLLECTIVES for c in self.collectives):
-            raise ValueError(f"flashoverlap: collectives must be a sequence of {COLLECTIVES}, got "
-                             f"{self.collectives!r}")
-        if isinstance(self.dtypes, str) or not all(isinstance(d, str) for d in self.dtypes):
-            raise ValueError(f"flashoverlap: dtypes must be a sequence of dtype names, got {self.dtypes!r}")
-        for name in ("min_gain_fraction", "wait_timeout_ms"):
-            value = getattr(self, name)
-            if value is None and name == "wait_timeout_ms":
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"flashoverlap: {name} must be a finite number >= 0, got {value!r}")
-            object.__setattr__(self, name, float(value))  # one type per field: equal settings, equal keys
-        if self.wait_timeout_ms is not None and not 0 < self.wait_timeout_ms <= MAX_WAIT_TIMEOUT_MS:
-            raise ValueError(f"flashoverlap: wait_timeout_ms must be > 0 and <= {MAX_WAIT_TIMEOUT_MS:.0f} (7 days), or "
-                             f"None (the process group's timeout), got {self.wait_timeout_ms!r}")
-        for name in ("min_rows", "all_to_all_default_groups"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < (1 if "groups" in name else 0):
-                raise ValueError(f"flashoverlap: {name} must be an int, got {value!r}")
-        for name in ("config_dir", "library"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
-                raise ValueError(f"flashoverlap: {name} must be a path string or None, got {getattr(self, name)!r}")
-        unknown = set(self.experiments) - set(EXPERIMENTS)
-        if unknown:
-            raise ValueError(f"flashoverlap: unknown experiments {sorted(unknown)}; known: {sorted(EXPERIMENTS)}")
+        _check_fields(self, skip=("tuning",))
+        if not isinstance(self.tuning, Tuning):
+            raise ValueError(check.rejection("tuning", self.tuning, "tuning must be a config.Tuning (set its fields "
+                                             "by name: swizzle=8, ...)"))
         object.__setattr__(self, "_key", repr(_canonical(self)))  # computed once: the per-call path reads it
 
     def key(self) -> str:
@@ -164,21 +179,6 @@ DEPRECATED_ENV = {
 REMOVED_ENV = ("FLASHOVERLAP_HOST_LOOP", "FLASHOVERLAP_NCCL", "FLASHOVERLAP_SIGNAL_MODE", "FLASHOVERLAP_KERNEL",
                "FLASHOVERLAP_PEER_GATE", "FLASHOVERLAP_PEER_COPY", "FLASHOVERLAP_PEER_PARTIAL",
                "FLASHOVERLAP_PEER_GROUPS")
-_INT_FIELDS = {"ring_rounds", "sm_reserve", "swizzle", "min_rows", "all_to_all_default_groups"}
-_FLOAT_FIELDS = {"min_gain_fraction", "wait_timeout_ms"}
-_TUPLE_FIELDS = {"collectives", "dtypes"}
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _choice(name: str, value: Any, allowed: tuple[str, ...], optional: bool = False) -> None:
-    if (value is None and optional) or value in allowed:
-        return
-    raise ValueError(f"flashoverlap: {name} must be one of {allowed}{' or None' if optional else ''}, got {value!r}")
-
-
 def _canonical(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
         return tuple((f.name, _canonical(getattr(obj, f.name))) for f in dataclasses.fields(obj))
@@ -187,44 +187,27 @@ def _canonical(obj: Any) -> Any:
     return obj
 
 
-def _coerce(name: str, value: Any) -> Any:
-    """A user's value in the field's type: lists become tuples, a comma-separated string a tuple of names,
-    numbers given as strings (environment) numbers; anything else is left to the dataclass checks."""
-    if name in _TUPLE_FIELDS:
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        return tuple(value) if isinstance(value, (list, tuple)) else value
-    if name == "experiments":
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        return frozenset(value) if isinstance(value, (list, tuple, set, frozenset)) else value
-    if isinstance(value, str):
-        text = value.strip()
-        if name in _INT_FIELDS:
-            try:
-                return int(text)
-            except ValueError:
-                raise ValueError(f"flashoverlap: {name} must be an int, got {value!r}") from None
-        if name == "wait_timeout_ms" and text.lower() in ("", "none", "group"):
-            return None
-        if name in _FLOAT_FIELDS:
-            try:
-                return float(text)
-            except ValueError:
-                raise ValueError(f"flashoverlap: {name} must be a number, got {value!r}") from None
-        if name in ("fuse", "transport", "ring", "gemm_grid", "row_order"):
-            return text.lower()
-    return value
+def _checked(changes: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``changes`` (flat setting names) with every value in its field's type. A name not known or a value not
+    accepted raises the ValueError naming the setting as the user wrote it (``prefix`` + name: ``flashoverlap.``
+    for options, ``config.`` for the attribute, nothing for ``patch``)."""
+    out = {}
+    for name, value in changes.items():
+        if name == "tuning":  # a field, set through its own fields' names
+            raise ValueError(check.rejection(prefix + name, value, f"tuning is set by its fields' names: "
+                                             f"{', '.join(prefix + k for k in sorted(_TUNING))}"))
+        if name not in RULES:
+            kind = "option" if prefix == OPTION_PREFIX else "setting"
+            raise check.unknown_name(prefix + name, value, name, NAMES, prefix=prefix, kind=kind)
+        out[name] = RULES[name].check(prefix + name, name, value)
+    return out
 
 
 def _apply(base: Settings, changes: dict[str, Any]) -> Settings:
-    unknown = set(changes) - set(NAMES)
-    if unknown:
-        raise ValueError(f"flashoverlap: unknown setting(s) {sorted(unknown)}; known: {list(NAMES)}")
-    top = {k: _coerce(k, v) for k, v in changes.items() if k in _TOP}
-    tune = {k: _coerce(k, v) for k, v in changes.items() if k in _TUNING}
-    if "tuning" in changes:
-        raise ValueError("flashoverlap: set tuning fields by name (e.g. swizzle=8), not 'tuning'")
+    """``base`` with flat ``changes`` (``Settings`` or ``Tuning`` field names), checked (``_checked``)."""
+    changes = _checked(changes)
+    top = {k: v for k, v in changes.items() if k in _TOP}
+    tune = {k: v for k, v in changes.items() if k in _TUNING}
     if tune:
         top["tuning"] = dataclasses.replace(base.tuning, **tune)
     return dataclasses.replace(base, **top)
@@ -232,11 +215,21 @@ def _apply(base: Settings, changes: dict[str, Any]) -> Settings:
 
 @functools.lru_cache(maxsize=1)
 def _from_env() -> dict[str, Any]:
-    """The environment's settings (read once per process)."""
+    """The environment's settings, read once per process (a failed read is not kept: it fails again at the next
+    ``current()``), each value checked as read: values not accepted raise one ValueError, a line per variable,
+    naming the variable, its value and what its setting accepts. An empty variable counts as unset."""
     out: dict[str, Any] = {}
+    errors: list[str] = []
+
+    def read(var: str, name: str) -> None:
+        try:
+            out[name] = RULES[name].check(var, name, os.environ[var])
+        except ValueError as exc:
+            errors.append(str(exc))
+
     for var, name in ENV.items():
         if os.environ.get(var):
-            out[name] = os.environ[var]
+            read(var, name)
     for var, name in DEPRECATED_ENV.items():
         if os.environ.get(var) and name == "row_order" and os.environ[var].strip().lower() == "stage":
             log.warning("flashoverlap: %s=stage is ignored: that row order was measured and removed "
@@ -245,10 +238,12 @@ def _from_env() -> dict[str, Any]:
         if os.environ.get(var):
             log.warning("flashoverlap: %s is deprecated (read for one more release); set %r through "
                         "options={'flashoverlap.%s': ...} or config.patch(%s=...)", var, name, name, name)
-            out[name] = os.environ[var]
+            read(var, name)
     for var in REMOVED_ENV:
         if os.environ.get(var):
             log.warning("flashoverlap: %s is ignored: that variant was measured and removed (docs/results.md)", var)
+    if errors:
+        raise ValueError("\n".join(errors))
     return out
 
 
@@ -302,22 +297,16 @@ class using:  # noqa: N801  (used like a function: ``with config.using(s):``)
 
 
 def _resolve(overrides: dict[str, Any]) -> Settings:
-    base = Settings()
-    env = _from_env()
-    try:
-        base = _apply(base, env)
-    except ValueError as exc:
-        raise ValueError(f"{exc} (from the environment: {sorted(env)})") from None
-    return _apply(base, overrides)
+    return _apply(_apply(Settings(), _from_env()), overrides)
 
 
 @contextlib.contextmanager
 def patch(**changes: Any) -> Iterator[Settings]:
-    """Temporarily override settings: ``with config.patch(fuse="always", swizzle=8) as s: ...`` (validated on
-    entry; yields the effective ``Settings``)."""
-    _apply(current(), changes)  # validate before changing anything
+    """Temporarily override settings: ``with config.patch(fuse="always", swizzle=8) as s: ...`` (checked on
+    entry, before anything changes; yields the effective ``Settings``)."""
+    checked = _checked(changes)
     old = dict(_overrides)
-    _overrides.update(changes)
+    _overrides.update(checked)
     try:
         yield current()
     finally:
@@ -345,22 +334,22 @@ def _from_key(key: str) -> Settings:
 
 
 def split_options(options: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split ``torch.compile`` options into (ours, without the prefix) and (the rest, for Inductor)."""
+    """Split ``torch.compile`` options into (ours: the prefix stripped, every value checked and in its field's type)
+    and (the rest, for Inductor). An unknown ``flashoverlap.`` name or a value not accepted raises the ValueError
+    naming the option (``flashoverlap.<name>``)."""
     ours, rest = {}, {}
     for key, value in (options or {}).items():
-        if key.startswith(OPTION_PREFIX):
-            name = key[len(OPTION_PREFIX):]
-            if name not in NAMES:
-                raise ValueError(f"unknown option {key!r}; known: {[OPTION_PREFIX + k for k in NAMES]}")
-            ours[name] = value
+        if isinstance(key, str) and key.startswith(OPTION_PREFIX):
+            ours[key[len(OPTION_PREFIX):]] = value
         else:
             rest[key] = value
-    return ours, rest
+    return _checked(ours, OPTION_PREFIX), rest
 
 
 class _ConfigModule(types.ModuleType):
     """``config.<name>`` reads the effective setting; ``config.<name> = value`` overrides it for the process
-    (compatibility with earlier releases; prefer ``patch``)."""
+    (compatibility with earlier releases; prefer ``patch``), checked on assignment; a new public attribute is
+    refused (a misspelt setting would otherwise be set and never read)."""
 
     def __getattr__(self, name: str) -> Any:
         if name in _TOP:
@@ -374,9 +363,10 @@ class _ConfigModule(types.ModuleType):
             if value is None and name in ("fuse",):
                 _overrides.pop(name, None)
                 return
-            _apply(current(), {name: value})
-            _overrides[name] = value
+            _overrides.update(_checked({name: value}, prefix="config."))
             return
+        if not name.startswith("_") and name not in self.__dict__:
+            raise check.unknown_name(f"config.{name}", value, name, NAMES, prefix="config.")
         super().__setattr__(name, value)
 
     def __delattr__(self, name: str) -> None:
