@@ -12,6 +12,7 @@ a plain ``pip install -e .`` for the CPU demo or tests should not pay.
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 from setuptools import find_packages, setup
@@ -26,6 +27,7 @@ class BuildPyWithCuda(build_py):
             path = Path(__file__).resolve().parent / "flashoverlap_inductor" / "build.py"
             spec = importlib.util.spec_from_file_location("_flashoverlap_build", path)
             module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module  # dataclasses look their module up there
             spec.loader.exec_module(module)
             if module.main([]) != 0:
                 raise SystemExit("flashoverlap: CUDA library build failed")

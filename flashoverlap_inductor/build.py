@@ -11,7 +11,8 @@ GPU machine --, then the ``nvidia-cutlass`` wheel's ``cutlass_library/source``).
 and exits 0 (1 with ``--require``). Every (configuration, dtype, B layout) is one translation unit of
 ``csrc/gemm_sm90.cu``, and each of ``HOST_UNITS`` one more; units compile in parallel and are rebuilt only when
 their command, their source or a ``csrc`` header they include changed. The library links cudart statically and
-exports only the ``fo_*`` C functions, so it loads under any Python (ctypes) next to any torch.
+exports only the ``fo_*`` C functions, so it loads under any Python (ctypes) next to any torch. Each finished
+unit prints one line, ``[k/N] built <unit> (elapsed, ETA)`` (ETA: mean compile time x units left / jobs).
 
 Next to it, always, ``libflashoverlap_sm90_test.so`` from ``TEST_UNITS`` (``csrc/test_api.cu``: the helper kernels
 the GPU tests and benchmarks use, ``fo_test_*``; no GEMM, no CUTLASS), so the shipped library exports no test
@@ -33,10 +34,18 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 import zipfile
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
+
+try:
+    from . import cli_util as cli
+except ImportError:  # loaded by its file path (setup.py, package not importable): load its sibling the same way
+    _spec = importlib.util.spec_from_file_location("_flashoverlap_cli_util", Path(__file__).with_name("cli_util.py"))
+    cli = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(cli)
 
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
@@ -267,17 +276,17 @@ def _sources_digest(unit: str) -> str:
     return h.hexdigest()[:16]
 
 
-def _compile(cmd: list[str], obj: Path, digest: str) -> tuple[Path, bool, str]:
-    """Compile unless ``obj`` was built by the same command from the same sources."""
-    stamp = obj.with_suffix(".cmd")
+def _compile(cmd: list[str], obj: Path, digest: str) -> tuple[Path, bool, str, float]:
+    """Compile unless ``obj`` was built by the same command from the same sources: (obj, compiled, error, seconds)."""
+    stamp, start = obj.with_suffix(".cmd"), time.monotonic()
     key = " ".join(cmd) + "\n" + digest
     if obj.is_file() and stamp.is_file() and stamp.read_text() == key:
-        return obj, False, ""
+        return obj, False, "", 0.0
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
-        return obj, True, f"$ {' '.join(cmd)}\n{r.stdout}{r.stderr}"
+        return obj, True, f"$ {' '.join(cmd)}\n{r.stdout}{r.stderr}", time.monotonic() - start
     stamp.write_text(key)
-    return obj, True, ""
+    return obj, True, "", time.monotonic() - start
 
 
 def build(patterns: list[str] | None = None, variants: str = "all", jobs: int | None = None,
@@ -321,22 +330,22 @@ def build(patterns: list[str] | None = None, variants: str = "all", jobs: int | 
     jobs = jobs or max(1, min(len(cmds), os.cpu_count() or 1))
     if verbose:
         print(f"nvcc: {nvcc}\nCUTLASS: {cutlass}\ncompiling {len(cmds)} translation units with {jobs} jobs")
-    errors, objs, test_objs = [], [], []
-    test_obj_paths = {obj_dir / f"{src}.o" for src in TEST_UNITS}
+    results, unit_s, t0 = [], [], time.monotonic()
     with ThreadPoolExecutor(jobs) as pool:
-        def one(c: tuple[list[str], Path]) -> tuple[Path, bool, str]:
-            source = Path(c[0][c[0].index("-c") + 1]).name
-            return _compile(c[0], c[1], digests[source])
-
-        for obj, rebuilt, err in pool.map(one, cmds):
-            if err:
-                errors.append(err)
-                if verbose:
-                    print("FAILED  " + obj.name, flush=True)
-            else:
-                (test_objs if obj in test_obj_paths else objs).append(obj)
-                if verbose:
-                    print(("built   " if rebuilt else "cached  ") + obj.name, flush=True)
+        futures = [pool.submit(_compile, c, o, digests[Path(c[c.index("-c") + 1]).name]) for c, o in cmds]
+        for k, fut in enumerate(as_completed(futures), 1):  # one line per finished unit, with the ETA
+            obj, rebuilt, err, secs = fut.result()
+            results.append((obj, err))
+            unit_s += [secs] if rebuilt else []  # a cached unit says nothing about the compile time
+            if verbose:
+                print(cli.progress_line(k, len(cmds), f"{'FAILED' if err else 'built' if rebuilt else 'cached'} "
+                      f"{obj.name}", time.monotonic() - t0, sum(unit_s) / len(unit_s) if unit_s else None, jobs),
+                      flush=True)
+    results.sort(key=lambda r: [o for _, o in cmds].index(r[0]))  # the command order, as before (link order)
+    test_obj_paths = {obj_dir / f"{src}.o" for src in TEST_UNITS}
+    errors = [err for _, err in results if err]
+    objs = [obj for obj, err in results if not err and obj not in test_obj_paths]
+    test_objs = [obj for obj, err in results if not err and obj in test_obj_paths]
     if errors and (not keep_going or any(obj_dir / f"{src}.o" not in objs for src in HOST_UNITS)
                    or len(test_objs) < len(TEST_UNITS) or len(objs) <= len(HOST_UNITS)):
         raise RuntimeError("CUDA compilation failed:\n" + "\n".join(errors))
@@ -363,20 +372,24 @@ def _link(nvcc: str, lib: Path, objs: list[Path]) -> None:
         raise RuntimeError(f"link failed:\n$ {' '.join(link)}\n{r.stdout}{r.stderr}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m flashoverlap_inductor.build", description=__doc__.split("\n")[0])
-    p.add_argument("--require", action="store_true", help="fail (exit 1) when nvcc is missing")
+    p.add_argument("--require", action="store_true", help="fail (exit 1) when nvcc is missing (default: skip, exit 0)")
     p.add_argument("-j", "--jobs", type=int, default=None, help="parallel nvcc processes (default: CPU count)")
-    p.add_argument("--configs", nargs="*", default=None, help="configuration name globs (default: all)")
+    p.add_argument("--configs", nargs="*", default=None, metavar="GLOB", help="configuration name globs (default: all)")
     p.add_argument("--variants", choices=("all", "bf16_nk"), default="all",
-                   help="bf16_nk: only bf16 with B as [N,K] for every configuration (tuning)")
-    p.add_argument("--out-dir", default=str(BUILD), help="output folder (default: build/)")
+                   help="bf16_nk: only bf16 with B as [N,K] for every configuration (tuning) (default: all)")
+    p.add_argument("--out-dir", default=str(BUILD), metavar="DIR", help="output folder (default: build/)")
     p.add_argument("--copy-cutlass", metavar="DIR", help="copy the CUTLASS headers to DIR and exit")
     p.add_argument("--list", action="store_true", help="list the translation units and exit")
     p.add_argument("--keep-going", action="store_true", help="link the units that compiled, report the others")
     p.add_argument("--smoke", action="store_true", help="only two units covering both schedules, dtypes and "
                    "B layouts (a compile check, e.g. for CI)")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     if a.list:
         for u in smoke_units() if a.smoke else units(a.configs, a.variants):
             print(u.stem)

@@ -20,6 +20,10 @@ results and to search records (``tune_fit``). Defaults write into the data direc
 reads (``config.config_dir`` or the package's ``configs/``); ``--out``/``--out-dir`` write elsewhere (a
 bandwidth file that does not exist yet starts from the data directory's one). Times are CUDA-event medians,
 max over ranks (``tune_measure``).
+
+Before it touches a GPU, each command checks what it needs (a CUDA sm90 GPU, the built library, a torchrun world
+of >= 2 ranks) and the data files it will merge into, and stops with one line saying what is missing and how to
+get it (exit status 2; ``cli_util``). Long loops print ``k/N`` progress lines with an ETA.
 """
 
 from __future__ import annotations
@@ -36,12 +40,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from . import cli_util as cli
 from . import config, routes, tune_fit
 from . import tune_docs as docs
 from . import tune_measure as tm
 from .cost_model.pipeline import CostModel
+from .cost_model.schema import ConfigError
 from .routes import unfused
-from .schedule.plan import chunks_for, group_of_tile_row, uniform_plan
+from .schedule.plan import chunks_for
 
 GRID = [(m, n, k) for m in (2048, 4096, 8192, 16384) for n, k in ((8192, 8192), (8192, 7168), (8192, 14336),
                                                                    (4096, 4096))]
@@ -92,11 +98,12 @@ def _say(rank: int, *args: object) -> None:
 
 
 def cmd_bandwidth(args: argparse.Namespace) -> int:
+    cli.require(os.environ, cuda=DEVICE == "cuda", ranks=2)
+    if args.out:  # a malformed --out fails now, not after the measurement
+        cli.read_data_file(args.out, "--out", cli.BANDWIDTH_FILE)
     rank, world = init_distributed()
-    if world < 2:
-        print("tune bandwidth: run under torchrun with >= 2 ranks", file=sys.stderr)
-        return 2
     gpu, sms = torch.cuda.get_device_name(), torch.cuda.get_device_properties(None).multi_processor_count
+    base = tm.on_rank0(rank, lambda: docs.bandwidth_base(data_dir(), args.out, gpu, sms, world))
     sizes = docs.bandwidth_sizes(args.min_bytes, args.max_bytes, args.points_per_octave, world)
     _say(rank, f"tune bandwidth: {gpu} x{world}, {len(sizes)} sizes {sizes[0]}..{sizes[-1]} bytes, {args.collectives}")
     elems = sizes[-1] // 2
@@ -120,9 +127,6 @@ def cmd_bandwidth(args: argparse.Namespace) -> int:
     bar.close()
     if rank == 0:
         out = Path(args.out) if args.out else docs.bandwidth_path(data_dir(), gpu)
-        base = docs.read_json(out) or docs.read_json(docs.bandwidth_path(data_dir(), gpu))
-        if base is not None and docs.normalize_gpu_name(base.get("gpu", "")) != docs.normalize_gpu_name(gpu):
-            base = None
         note = (f"flashoverlap_inductor.tune bandwidth (torch {torch.__version__}, NCCL "
                 f"{'.'.join(map(str, torch.cuda.nccl.version()))}; CUDA-event medians, max over ranks)")
         doc = docs.merge_bandwidth(base, gpu, sms, world, curves, note)
@@ -141,17 +145,18 @@ def cmd_gemm(args: argparse.Namespace) -> int:
 
     if int(os.environ.get("RANK", "0")) != 0:  # one GPU is enough (no process group): other ranks idle
         return 0
+    cli.require(os.environ, cuda=DEVICE == "cuda", library=True)
+    if args.out:  # a malformed --out fails now, not after the measurement
+        cli.read_data_file(args.out, "--out", cli.GEMM_FILE)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if not kernels.available():
-        print("tune gemm: needs an sm90 GPU and the built library", file=sys.stderr)
-        return 2
     kernels.ready(torch.cuda.current_device())
     gpu, sms = torch.cuda.get_device_name(), torch.cuda.get_device_properties(None).multi_processor_count
+    out_path, base = docs.gemm_base(data_dir(), args.out, gpu)
     infos = [i for i in kernels.configs() if ("bfloat16", "nk") in i.variants
              and any(fnmatch.fnmatch(i.name, p) for p in args.configs)]
     if not infos:
-        print(f"tune gemm: no bf16 configuration matches {args.configs}", file=sys.stderr)
-        return 2
+        raise cli.CliError(f"no bf16 configuration of the library matches --configs {' '.join(args.configs)} "
+                           f"(it has: {' '.join(i.name for i in kernels.configs())})")
     shapes = parse_shapes(args.shapes)
     frees = sorted({int(x) for x in args.free.split(",")})
     timer = tm.Timer(rounds=args.rounds, target_ms=args.target_ms, spin_ms=0.3, distributed=False)
@@ -159,9 +164,9 @@ def cmd_gemm(args: argparse.Namespace) -> int:
     cublas: list[tuple[int, int, int, float]] = []
     print(f"tune gemm: {gpu}, {len(infos)} configurations x {len(frees)} SM settings x {len(shapes)} shapes",
           flush=True)
-    bar = tm.Progress(len(shapes), "gemm")
+    bar = tm.Progress(len(shapes), "gemm", every_s=0.0)
     for m, n, k in shapes:
-        got = _time_gemm_shape(m, n, k, infos, [sms - f for f in frees], timer)
+        got = tm.time_gemm_shape(m, n, k, infos, [sms - f for f in frees], timer, DEVICE)
         cublas.append((m, n, k, got.pop("cublas")))
         for info in infos:
             for free in frees:
@@ -172,11 +177,6 @@ def cmd_gemm(args: argparse.Namespace) -> int:
     bar.close()
     from .cost_model.search import DEFAULT_TILE
 
-    out_path = Path(args.out) if args.out else docs.gemm_path(data_dir(), gpu)
-    base = docs.read_json(out_path) or docs.read_json(docs.gemm_path(data_dir(), gpu))
-    if base is None:
-        print(f"tune gemm: no GEMM model for {gpu} to update (import an anchor first)", file=sys.stderr)
-        return 2
     doc = docs.update_gemm_doc(base, samples, sms, DEFAULT_TILE, f"flashoverlap_inductor.tune gemm on {gpu}",
                                cublas)
     print(f"wrote {docs.write_json(out_path, doc)}")
@@ -189,58 +189,31 @@ def cmd_gemm(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------- search
 
 
-def _time_gemm_shape(m: int, n: int, k: int, infos: list, sm_counts: list[int], timer: tm.Timer) -> dict[str, float]:
-    """ms of cuBLAS and of every configuration on every SM count (``"<config>@<sms>"``) for one bf16 shape."""
-    from . import kernels
-
-    stream = torch.cuda.current_stream()
-    a = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
-    w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / math.sqrt(k)
-    out = torch.empty(m, n, device=DEVICE, dtype=torch.bfloat16)
-    variants = {"cublas": lambda: torch.mm(a, w.t(), out=out)}
-    for info in infos:
-        p = uniform_plan(m, n, info.tile_m, info.tile_n, 8)
-        gmap = torch.tensor(group_of_tile_row(p.row_bounds, info.tile_m), dtype=torch.int32, device=DEVICE)
-        counters = torch.zeros(p.num_groups, dtype=torch.int32, device=DEVICE)
-        idx = kernels.config_index(info.name, torch.bfloat16, "nk")
-        for use in sm_counts:
-            ws_bytes = kernels.workspace_bytes(idx, m, n, k, use, kernels.RASTERS["along_n"], 1)
-            ws = torch.empty(ws_bytes, dtype=torch.uint8, device=DEVICE) if ws_bytes else None
-
-            def fn(idx=idx, use=use, ws=ws, gmap=gmap, counters=counters):
-                kernels.gemm(idx, a, w.t(), k, None, out, counters.data_ptr(), gmap, None,
-                         kernels.SIGNAL_MODES["deferred"], use, kernels.RASTERS["along_n"], 1, ws, stream.cuda_stream)
-            variants[f"{info.name}@{use}"] = fn
-    return {name: t.ms for name, t in timer.measure(variants).items()}
-
-
 def cmd_search(args: argparse.Namespace) -> int:
     """Every shape of ``--shape`` in turn (no new shape once ``--time-budget-s`` has passed); one plans file, and
     with ``--record`` one records file (``flashoverlap.search_records/1``) holding every searched shape."""
     import time
 
-    from . import kernels
     from .cost_model import model_for
 
+    cli.require(os.environ, cuda=DEVICE == "cuda", library=True, ranks=2)
     rank, world = init_distributed()
-    if world < 2 or not kernels.available():
-        print("tune search: needs torchrun with >= 2 ranks, sm90 GPUs and the built library", file=sys.stderr)
-        return 2
     gpu, sms = torch.cuda.get_device_name(), torch.cuda.get_device_properties(None).multi_processor_count
+    path = docs.plans_path(Path(args.out_dir) if args.out_dir else data_dir(), gpu, world)
+    note = f"flashoverlap_inductor.tune search on {gpu}"
+    tm.on_rank0(rank, lambda: docs.plans_base(path, gpu, sms))
     model = model_for(gpu)[0]
     start, records, shapes = time.monotonic(), [], parse_shapes(args.shape)
     for i, shape in enumerate(shapes):
         if not tm.agree([time.monotonic() - start <= args.time_budget_s])[0]:  # all ranks stop at one shape
             _say(rank, f"tune search: time budget spent; {len(shapes) - i} shapes not searched")
             break
+        _say(rank, f"tune search: shape {i + 1}/{len(shapes)} (elapsed {cli.duration(time.monotonic() - start)})")
         rc, entry, record = search_shape(args, shape, rank, world, gpu, sms, model)
         if rc:
             return rc
         if rank == 0:
-            directory = Path(args.out_dir) if args.out_dir else data_dir()
-            path = docs.plans_path(directory, gpu, world)
-            doc = docs.merge_plans(docs.read_json(path), gpu, sms, [entry],
-                                   f"flashoverlap_inductor.tune search on {gpu}")
+            doc = docs.merge_plans(cli.read_data_file(path, "", cli.PLANS_FILE), gpu, sms, [entry], note)
             print(f"wrote {docs.write_json(path, doc)}")
             if args.record:  # every candidate's times, for ranking-aware calibration of the cost model
                 records.append(record)
@@ -282,7 +255,10 @@ def search_shape(args: argparse.Namespace, shape: tuple[int, int, int], rank: in
               file=sys.stderr)
         return 1, {}, {}
     fused_before = routes.stats["route:nccl"]
-    bar = tm.Progress(len(candidates) + 1, "search", enabled=rank == 0)
+    # progress in plan-rounds (a refined plan costs its rounds); an upper bound: the confirmation may not run
+    first = len(set(candidates) | {predictive})
+    total = first + (min(first, args.refine + 1) * args.rounds if args.rounds > 0 else 0) + 2 * args.confirm_rounds
+    bar = tm.Progress(total, f"search {m}x{n}x{k}", enabled=rank == 0)
     seq_runs: list[list[float]] = []  # per measure call: the sequential baseline timed inside each batch
 
     def measure(plans: list, rounds: int) -> list[float]:
@@ -294,7 +270,7 @@ def search_shape(args: argparse.Namespace, shape: tuple[int, int, int], rank: in
             got = timer.measure({**{p.to_str(): fused(p.to_str()) for p in part}, SEQ: seq_fn})
             out += [got[p.to_str()].ms for p in part]
             seq_runs[-1].append(got[SEQ].ms)
-            bar.update(len(part))
+            bar.update(len(part) * rounds)
         return out
 
     def predict(p) -> float:
@@ -330,38 +306,64 @@ def search_shape(args: argparse.Namespace, shape: tuple[int, int, int], rank: in
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m flashoverlap_inductor.tune", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    bw = sub.add_parser("bandwidth", help="NCCL curve per collective at the torchrun world size")
-    bw.add_argument("--out", help="bandwidth file to write (merged; default: the data directory's)")
-    bw.add_argument("--collectives", nargs="+", default=list(COLLECTIVES), choices=COLLECTIVES)
-    bw.add_argument("--min-bytes", type=int, default=64 * docs.KIB)
-    bw.add_argument("--max-bytes", type=int, default=docs.GIB)
-    bw.add_argument("--points-per-octave", type=int, default=4)
-    bw.add_argument("--rounds", type=int, default=3)
-    bw.add_argument("--target-ms", type=float, default=15.0, help="timed ms per size, collective and round")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    bw = sub.add_parser("bandwidth", help="NCCL time per collective and size at the torchrun world size (>= 2 GPUs)")
+    bw.add_argument("--out", metavar="FILE", help="bandwidth file to merge into and write (default: the data "
+                    "directory's bandwidth_<gpu>.json)")
+    bw.add_argument("--collectives", nargs="+", default=list(COLLECTIVES), choices=COLLECTIVES,
+                    help="collectives to measure (default: all three)")
+    bw.add_argument("--min-bytes", type=int, metavar="BYTES", default=64 * docs.KIB,
+                    help="smallest message, bytes (default: %(default)s = 64 KiB)")
+    bw.add_argument("--max-bytes", type=int, metavar="BYTES", default=docs.GIB,
+                    help="largest message, bytes (default: %(default)s = 1 GiB)")
+    bw.add_argument("--points-per-octave", type=int, metavar="N", default=4,
+                    help="sizes per doubling (default: %(default)s)")
+    bw.add_argument("--rounds", type=int, metavar="N", default=3,
+                    help="interleaved timing rounds per size (default: %(default)s)")
+    bw.add_argument("--target-ms", type=float, metavar="MS", default=15.0,
+                    help="timed ms per size, collective and round (default: %(default)s)")
     bw.add_argument("--quick", action="store_true", help="2 rounds of ~4 ms (same sizes)")
-    gm = sub.add_parser("gemm", help="per-configuration GEMM times and their scaling with SMs left free")
-    gm.add_argument("--out", help="GEMM model file to update (default: the data directory's)")
-    gm.add_argument("--shapes", default="grid")
-    gm.add_argument("--free", default="0,8,16,24,32", help="SMs left free, comma separated")
-    gm.add_argument("--configs", nargs="+", default=["*"], help="fnmatch globs of configuration names")
-    gm.add_argument("--rounds", type=int, default=3)
-    gm.add_argument("--target-ms", type=float, default=6.0)
+    gm = sub.add_parser("gemm", help="per-configuration GEMM times and their scaling with SMs left free (one GPU)")
+    gm.add_argument("--out", metavar="FILE", help="GEMM model file to update (default: the data directory's "
+                    "gemm_<gpu>.json)")
+    gm.add_argument("--shapes", default="grid", type=cli.parse_shape_list, metavar="MxNxK[,...]|grid",
+                    help=f"GEMM shapes to time; grid = the {len(GRID)}-shape benchmark grid (default: %(default)s)")
+    gm.add_argument("--free", default="0,8,16,24,32", type=cli.parse_int_list, metavar="N[,N...]",
+                    help="SMs left free, comma separated (default: %(default)s)")
+    gm.add_argument("--configs", nargs="+", default=["*"], metavar="GLOB",
+                    help="fnmatch globs of configuration names (default: every bf16 configuration)")
+    gm.add_argument("--rounds", type=int, metavar="N", default=3,
+                    help="interleaved timing rounds per shape (default: %(default)s)")
+    gm.add_argument("--target-ms", type=float, metavar="MS", default=6.0,
+                    help="timed ms per variant and round (default: %(default)s)")
     gm.add_argument("--quick", action="store_true", help="4 shapes, 0 and 16 SMs free, 2 rounds")
-    se = sub.add_parser("search", help="measure the wave groups of one shape and write the best plan")
-    se.add_argument("--collective", required=True, choices=COLLECTIVES)
-    se.add_argument("--shape", required=True, help="MxNxK[,MxNxK...] or grid: searched one after the other")
-    se.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
-    se.add_argument("--mode", default="both", choices=("both", "exhaustive", "predictive"))
-    se.add_argument("--max-units", type=int, default=8, help="exhaustive candidates: 2^(units-1)")
-    se.add_argument("--refine", type=int, default=5, help="fastest candidates re-measured")
-    se.add_argument("--rounds", type=int, default=5)
-    se.add_argument("--confirm-rounds", type=int, default=5,
-                    help="rounds of the batch that re-measures the best and the predictive plan (0: none)")
-    se.add_argument("--target-ms", type=float, default=8.0)
-    se.add_argument("--out-dir", help="data directory to write plans/<gpu>_w<world>.json into")
-    se.add_argument("--record", help="also write every candidate's measured, refined and predicted ms (JSON)")
-    se.add_argument("--time-budget-s", type=float, default=math.inf, help="no new shape starts after this")
+    se = sub.add_parser("search", help="measure the wave groups of one shape and write the best plan (>= 2 GPUs)")
+    se.add_argument("--collective", required=True, choices=COLLECTIVES, help="the collective after the GEMM")
+    se.add_argument("--shape", required=True, type=cli.parse_shape_list, metavar="MxNxK[,...]|grid",
+                    help="MxNxK[,MxNxK...] or grid: searched one after the other")
+    se.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"),
+                    help="operand dtype (default: %(default)s)")
+    se.add_argument("--mode", default="both", choices=("both", "exhaustive", "predictive"),
+                    help="candidates: every composition of the units, the cost model's argmin, or both (default: "
+                    "%(default)s)")
+    se.add_argument("--max-units", type=int, metavar="N", default=8,
+                    help="row units of the exhaustive search: 2^(units-1) candidates (default: %(default)s)")
+    se.add_argument("--refine", type=int, metavar="N", default=5,
+                    help="fastest candidates re-measured (default: %(default)s)")
+    se.add_argument("--rounds", type=int, metavar="N", default=5,
+                    help="rounds of the refinement batch; 0: no refinement (default: %(default)s)")
+    se.add_argument("--confirm-rounds", type=int, metavar="N", default=5,
+                    help="rounds of the batch that re-measures the best and the predictive plan; 0: none (default: "
+                    "%(default)s)")
+    se.add_argument("--target-ms", type=float, metavar="MS", default=8.0,
+                    help="timed ms per plan and round (default: %(default)s)")
+    se.add_argument("--out-dir", metavar="DIR", help="data directory to write plans/<gpu>_w<world>.json into "
+                    "(default: the data directory)")
+    se.add_argument("--record", metavar="FILE",
+                    help="also write every candidate's measured, refined and predicted ms (JSON; for tune fit "
+                    "--records)")
+    se.add_argument("--time-budget-s", type=float, metavar="S", default=math.inf,
+                    help="seconds after which no new shape starts (default: no limit)")
     tune_fit.add_parser(sub)
     return p
 
@@ -378,6 +380,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return {"bandwidth": cmd_bandwidth, "gemm": cmd_gemm, "search": cmd_search,
                 "fit": tune_fit.cmd_fit}[args.command](args)
+    except cli.CliError as exc:  # an expected problem (what the run needs, a bad input file): one line, status 2
+        return cli.report(f"tune {args.command}", exc, os.environ)
+    except ConfigError as exc:  # a malformed file of the cost model's data directory (the message names it)
+        return cli.report(f"tune {args.command}", cli.CliError(f"the cost model's data: {exc}"), os.environ)
     finally:
         if _created_group and dist.is_initialized():
             dist.barrier()

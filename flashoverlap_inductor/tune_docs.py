@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flashoverlap_inductor import cli_util as cli
 from flashoverlap_inductor.cost_model import schema
 from flashoverlap_inductor.cost_model.gemm import GemmModel
 from flashoverlap_inductor.cost_model.import_anchor import dumps
@@ -63,6 +64,54 @@ def write_json(path: Path, doc: dict[str, Any]) -> Path:
     return path
 
 
+def schema_checked(doc: dict[str, Any] | None, path: Path, option: str, kind: tuple[str, str],
+                   check: Callable[[dict[str, Any]], Any]) -> dict[str, Any] | None:
+    """``doc`` after ``check(doc)`` passed (the merge a tuner command does at its end, tried before it measures);
+    ``cli_util.CliError`` naming the file otherwise."""
+    if doc is not None:
+        try:
+            check(doc)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise cli.malformed(path, option, kind, f"schema check: {exc}") from None
+    return doc
+
+
+def _existing(out: str | None, default: Path) -> tuple[Path, str]:
+    return (Path(out), "--out") if out and Path(out).exists() else (default, "")
+
+
+def bandwidth_base(directory: Path, out: str | None, gpu: str, sm_count: int, world_size: int
+                   ) -> dict[str, Any] | None:
+    """The bandwidth document ``tune bandwidth`` merges its curves into (None: a new one): ``out`` if it exists,
+    else the data directory's; one of another GPU is not merged into. ``CliError`` when it is malformed."""
+    path, option = _existing(out, bandwidth_path(directory, gpu))
+    base = cli.read_data_file(path, option, cli.BANDWIDTH_FILE)
+    if base is not None and normalize_gpu_name(str(base.get("gpu", ""))) != normalize_gpu_name(gpu):
+        return None
+    return schema_checked(base, path, option, cli.BANDWIDTH_FILE,
+                          lambda d: merge_bandwidth(d, gpu, sm_count, world_size, {}, "check"))
+
+
+def gemm_base(directory: Path, out: str | None, gpu: str) -> tuple[Path, dict[str, Any]]:
+    """Where ``tune gemm`` writes (``out``, else the data directory's file) and the GEMM model it updates (``out``
+    if it exists, else the data directory's); ``CliError`` when there is none or it fails the schema."""
+    default = gemm_path(directory, gpu)
+    path, option = _existing(out, default)
+    base = cli.read_data_file(path, option, cli.GEMM_FILE)
+    if base is None:
+        raise cli.CliError(f"no GEMM model for {gpu} to update: {default} does not exist; write one with "
+                           f"{cli.GEMM_FILE[1].split(',')[0]}")
+    return Path(out) if out else default, schema_checked(base, path, option, cli.GEMM_FILE,
+                                                          lambda d: schema.validate_gemm(d, str(path)))
+
+
+def plans_base(path: Path, gpu: str, sm_count: int) -> dict[str, Any] | None:
+    """The plans file ``tune search`` adds its entries to (None: a new one); ``CliError`` when it is malformed or
+    for another GPU or SM count."""
+    doc = cli.read_data_file(path, "", cli.PLANS_FILE)
+    return schema_checked(doc, path, "", cli.PLANS_FILE, lambda d: merge_plans(d, gpu, sm_count, [], "check"))
+
+
 RECORDS_SCHEMA = "flashoverlap.search_records/1"
 
 
@@ -71,14 +120,17 @@ def records_doc(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"schema": RECORDS_SCHEMA, "records": list(records)}
 
 
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The records of a ``--record`` file (a bare single record, as written before, is read as one)."""
-    doc = json.loads(Path(path).read_text())
-    if isinstance(doc, dict) and doc.get("schema") == RECORDS_SCHEMA:
-        return list(doc["records"])
-    if isinstance(doc, dict) and "candidates" in doc:
-        return [doc]
-    raise ValueError(f"{path}: not a tune search record file ({RECORDS_SCHEMA})")
+def read_records(path: Path, option: str = "--records") -> list[dict[str, Any]]:
+    """The records of a ``--record`` file (a bare single record, as written before, is read as one);
+    ``cli_util.CliError`` (a ``ValueError``) naming the file when it is missing, not JSON or not such a file."""
+    doc = cli.read_json(path, option, cli.RECORDS_FILE)
+    if isinstance(doc, dict) and doc.get("schema") == RECORDS_SCHEMA and isinstance(doc.get("records"), list):
+        records = list(doc["records"])
+    elif isinstance(doc, dict) and "candidates" in doc:
+        records = [doc]
+    else:
+        raise cli.malformed(path, option, cli.RECORDS_FILE, f"no 'schema': {RECORDS_SCHEMA!r} with a 'records' list")
+    return records
 
 
 # --------------------------------------------------------------------------------------------- bandwidth

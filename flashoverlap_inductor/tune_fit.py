@@ -42,14 +42,17 @@ import itertools
 import json
 import math
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
 from flashoverlap_inductor.cost_model.pipeline import GroupParts
 from flashoverlap_inductor.schedule.plan import GroupPlan, chunks_for
 
+from . import cli_util as cli
 from .cost_model.schema import ROUTE_COLLECTIVES
 from .tune_docs import read_records
+from .tune_measure import Progress
 from .tune_rows import above_floor, route_fit, route_of_row, write_section
 
 EFFICIENCIES = tuple(round(0.75 + 0.025 * i, 3) for i in range(12))  # 0.75 .. 1.025
@@ -63,16 +66,18 @@ PEER_COLLECTIVES = ROUTE_COLLECTIVES  # what the peer route runs (routes.peer.CO
 
 def load_rows(paths: list[str], variant: str | None, peer: bool = False) -> tuple[list[dict[str, Any]], str]:
     """Rows with a measured fused time and a plan: ``(op, m, n, k, world, plan, fused_ms)``; and the GPU name.
-    Only the rows that ran on the NCCL route (``peer``: only those on the peer route; ``tune_rows.route_of_row``)."""
+    Only the rows that ran on the NCCL route (``peer``: only those on the peer route; ``tune_rows.route_of_row``).
+    A file that is missing or not a benchmark JSON raises ``cli_util.CliError`` (``cli_util.read_bench``)."""
     rows, gpu, route = [], "", "peer" if peer else "nccl"
     for path in paths:
-        doc = json.loads(Path(path).read_text())
+        doc = cli.read_bench(path)
         gpu = gpu or doc["meta"]["gpu"]
         for r in doc["rows"]:
-            ms = r["variants"].get(variant, {}).get("ms") if variant else r.get("fused_ms")
-            if (variant is None and not r.get("fused_path")) or route_of_row(r, variant) != route:
+            v = (r.get("variants") or {}).get(variant) if variant else None
+            ms = (v.get("ms") if isinstance(v, dict) else None) if variant else r.get("fused_ms")
+            if (variant is None and not r.get("fused_path")) or "plan" not in r or route_of_row(r, variant) != route:
                 continue
-            if ms is None or not math.isfinite(ms) or ms <= 0:
+            if not isinstance(ms, (int, float)) or not math.isfinite(ms) or ms <= 0:
                 continue
             rows.append({"op": r["op"], "m": r["m"], "n": r["n"], "k": r["k"], "world": r["world"],
                          "plan": r["plan"], "fused_ms": float(ms)})
@@ -100,8 +105,10 @@ def load_records(paths: list[str]) -> list[dict[str, Any]]:
     one where the search re-measured it) and whether it was refined."""
     out = []
     for path in paths:
-        for rec in read_records(Path(path)):
-            cands = [(c["plan"], float(c["refined_ms"] or c["measured_ms"]), bool(c.get("refined_ms")))
+        recs = read_records(Path(path))
+        cli.check_records(path, recs)
+        for rec in recs:
+            cands = [(c["plan"], float(c.get("refined_ms") or c["measured_ms"]), bool(c.get("refined_ms")))
                      for c in rec["candidates"] if c.get("measured_ms")]
             if len(cands) >= 2:
                 out.append({"op": rec["collective"], "m": rec["m"], "n": rec["n"], "k": rec["k"],
@@ -163,11 +170,15 @@ def fit(model: Any, rows: list[dict[str, Any]], grid: str, records: list[dict[st
     before_errs, before_regrets = evaluate(model.gemm.kernel_efficiency, model.gemm.effective_interference,
                                            model.gemm.comm_slowdown, model.call_overhead_ms)
     best: tuple[tuple[float, ...], tuple[float, float, float, float], list[float], list[float]] | None = None
+    grid_size = len(EFFICIENCIES) * len(GEMM_SLOWDOWNS) * len(COMM_SLOWDOWNS) * len(GROUP_OVERHEADS_MS)
+    bar = Progress(grid_size, f"tune fit: {len(unique)} plans x {grid_size} parameter sets", file=sys.stderr)
     for params in itertools.product(EFFICIENCIES, GEMM_SLOWDOWNS, COMM_SLOWDOWNS, GROUP_OVERHEADS_MS):
         errs, regrets = evaluate(*params)
         k = key(errs, regrets)
         if best is None or k < best[0]:
             best = (k, params, errs, regrets)
+        bar.update()
+    bar.close()
     assert best is not None
     (eff, gs, cs, oh), errs, regrets = best[1], best[2], best[3]
     out = {"grid": grid, "nccl_sms": nccl_sms, "kernel_efficiency": eff, "gemm_slowdown": gs, "comm_slowdown": cs,
@@ -192,8 +203,8 @@ def fit_cublas(paths: list[str], sm_count: int, tile: tuple[int, int]) -> dict[s
 
     per_shape: dict[tuple[int, int, int], list[float]] = {}
     for path in paths:
-        for r in json.loads(Path(path).read_text())["rows"]:
-            if r.get("gemm_ms") and math.isfinite(r["gemm_ms"]):
+        for r in cli.read_bench(path)["rows"]:
+            if isinstance(r.get("gemm_ms"), (int, float)) and r["gemm_ms"] > 0 and math.isfinite(r["gemm_ms"]):
                 per_shape.setdefault((r["m"], r["n"], r["k"]), []).append(float(r["gemm_ms"]))
     samples = [(m, n, k, sorted(v)[len(v) // 2]) for (m, n, k), v in sorted(per_shape.items())]
     return {**fit_gemm(samples, sm_count, tile), "samples": [list(x) for x in samples]}
@@ -258,8 +269,15 @@ def cmd_fit(args: argparse.Namespace) -> int:
     from flashoverlap_inductor.cost_model import model_for
 
     if args.peer + args.sequential + args.ring > 1:
-        print("tune fit: --peer, --ring and --sequential fit different sections; give one")
-        return 2
+        raise cli.CliError("--peer, --ring and --sequential fit different sections; give one")
+    if not args.bench and not (args.records and not (args.peer or args.ring or args.sequential)):
+        raise cli.CliError(f"nothing to fit: give --bench FILE... ({cli.BENCH_FILE[0]} of: {cli.BENCH_FILE[1]})"
+                           + ("" if args.peer or args.ring or args.sequential else
+                              f" or --records FILE... (of: {cli.RECORDS_FILE[1]})"))
+    for path in args.bench:  # every input checked before any fit (the sections' loaders read them again)
+        cli.read_bench(path)
+    for path in args.records:
+        cli.check_records(path, read_records(Path(path)))
     if args.peer:
         return cmd_fit_peer(args)
     if args.ring:
@@ -272,10 +290,11 @@ def cmd_fit(args: argparse.Namespace) -> int:
     rows, gpu = load_rows(args.bench, args.variant)
     records = load_records(args.records)
     if not rows and not records:
-        print("tune fit: no usable rows")
-        return 2
+        where = f"under --variant {args.variant}" if args.variant else "in the fused column (fused_path, plan)"
+        raise cli.CliError(f"no usable rows: no row of {', '.join(args.bench)} has a positive time on the NCCL route "
+                           f"{where}" + (", and no record has 2+ measured candidates" if args.records else ""))
     if not gpu and args.records:
-        gpu = read_records(Path(args.records[0]))[0]["gpu"]
+        gpu = str(read_records(Path(args.records[0]))[0].get("gpu", ""))
     model = model_for(gpu)[0]
     grid = args.grid or (args.variant.split("/")[0] if args.variant else model.gemm.grid)
     refit = None
@@ -313,12 +332,15 @@ def cmd_fit(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Any) -> None:
     fi = sub.add_parser("fit", help="fit the fused-path parameters of the cost model to bench_ops JSON (CPU)")
-    fi.add_argument("--bench", nargs="*", default=[], help="bench_ops JSON files")
-    fi.add_argument("--records", nargs="*", default=[],
+    fi.add_argument("--bench", nargs="*", default=[], metavar="FILE",
+                    help="benchmark JSON files (examples/bench_ops.py --json FILE)")
+    fi.add_argument("--records", nargs="*", default=[], metavar="FILE",
                     help="tune search --record files: fit the plan ranking first (see tune_fit.fit)")
     fi.add_argument("--tolerance", type=float, default=0.03,
-                    help="a searched shape's predicted-best plan counts as a miss above this regret")
-    fi.add_argument("--variant", default=None, help="a --fused-variants entry (default: the fused column)")
+                    help="a searched shape's predicted-best plan counts as a miss above this regret, a fraction of "
+                    "the best time (default: %(default)s)")
+    fi.add_argument("--variant", default=None, metavar="SPEC",
+                    help="a --fused-variants entry of the benchmark, e.g. tiles/direct (default: the fused column)")
     fi.add_argument("--grid", choices=("persistent", "tiles"), default=None,
                     help="the GEMM grid the rows ran with (default: the variant's, else persistent)")
     fi.add_argument("--gemm", action="store_true",
@@ -329,6 +351,7 @@ def add_parser(sub: Any) -> None:
                     help="fit the ring route's model to the rows of ring variants (the ring section; tune_fit_ring)")
     fi.add_argument("--sequential", action="store_true",
                     help="fit the sequential baseline's skew after its GEMM (sequential section; reads --bench only)")
-    fi.add_argument("--host-floor", default="",
-                    help="--peer / --ring: host_floor_ms per collective, e.g. all_reduce=0.21,reduce_scatter=0.15")
+    fi.add_argument("--host-floor", default="", metavar="OP=MS[,OP=MS]",
+                    help="--peer / --ring: host_floor_ms per collective in ms, e.g. all_reduce=0.21,reduce_scatter="
+                    "0.15 (default: the data file's)")
     fi.add_argument("--write", action="store_true", help="store the result in the GPU's GEMM model file")

@@ -26,15 +26,16 @@ from typing import Any
 
 from flashoverlap_inductor.cost_model.ring import fit_terms, relative_errors, rounds_for
 
+from . import cli_util as cli
 from .tune_rows import above_floor, modelled_ring_variant, route_fit, route_of_row, write_section
 
 
 def load_ring_rows(paths: list[str], variant: str | None = None) -> tuple[list[dict[str, Any]], str]:
     """Rows ``{op, m, n, k, world, rounds, fused_ms, variant}`` timed on the ring (see the module docstring), and
-    the GPU name."""
+    the GPU name. A file that is missing or not a benchmark JSON raises ``cli_util.CliError``."""
     rows, gpu = [], ""
     for path in paths:
-        doc = json.loads(Path(path).read_text())
+        doc = cli.read_bench(path)
         gpu = gpu or doc["meta"]["gpu"]
         for r in doc["rows"]:
             for spec, v in r.get("variants", {}).items():
@@ -43,7 +44,7 @@ def load_ring_rows(paths: list[str], variant: str | None = None) -> tuple[list[d
                     continue
                 rounds = rounds_for(r["op"], r["m"], r["world"], most)
                 ms = v.get("ms") if isinstance(v, dict) else None
-                if rounds is None or ms is None or not math.isfinite(ms) or ms <= 0:
+                if rounds is None or not isinstance(ms, (int, float)) or not math.isfinite(ms) or ms <= 0:
                     continue
                 rows.append({"op": r["op"], "m": r["m"], "n": r["n"], "k": r["k"], "world": r["world"],
                              "rounds": rounds, "fused_ms": float(ms), "variant": spec})

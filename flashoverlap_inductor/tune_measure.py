@@ -1,5 +1,5 @@
 """Measurement helpers shared by ``tune`` and ``examples/bench_ops.py``: CUDA-event timing of interleaved variants
-with iteration counts agreed across ranks, the max over ranks, summary statistics and a progress bar.
+with iteration counts agreed across ranks, the max over ranks, summary statistics and progress lines.
 
 Timing method (all times in ms). ``Timer.measure({name: fn})``:
 
@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from . import cli_util
 
 # --------------------------------------------------------------------------------------------- statistics
 
@@ -71,40 +73,40 @@ def finite(xs: Iterable[Any]) -> list[float]:
 
 
 class Progress:
-    """A progress bar: ``tqdm`` when installed, else a line every ``every_s`` seconds (flushed)."""
+    """Progress of a long loop as plain lines (flushed; the same in a terminal and a CI log): one when ``every_s``
+    seconds have passed since the start or the last line, and the last step's once any was shown (a loop quicker
+    than ``every_s`` stays silent): ``"<desc>: k/N (p%) [elapsed 1m05s, ETA 3m20s] <note>"``, the ETA from the
+    mean time per unit so far (``cli_util.eta_s``). ``update(n)`` counts ``n`` units (a caller may weight its
+    steps, e.g. by rounds); ``file``: where the lines go (default stdout)."""
 
-    def __init__(self, total: int, desc: str, enabled: bool = True, every_s: float = 5.0) -> None:
-        self.total, self.desc, self.enabled, self.every_s = total, desc, enabled, every_s
-        self.done, self.t0, self.last = 0, time.monotonic(), 0.0
-        self.bar = None
-        if enabled:
-            try:
-                from tqdm import tqdm
+    def __init__(self, total: int, desc: str, enabled: bool = True, every_s: float = 5.0, file: Any = None) -> None:
+        self.total, self.desc, self.enabled, self.every_s, self.file = max(1, total), desc, enabled, every_s, file
+        self.done, self.t0, self.printed = 0, time.monotonic(), -1
+        self.last = self.t0
 
-                self.bar = tqdm(total=total, desc=desc, file=sys.stdout, mininterval=2.0, ascii=True,
-                                dynamic_ncols=False, ncols=100)
-            except ImportError:
-                self.bar = None
+    def line(self, note: str = "") -> str:
+        elapsed = time.monotonic() - self.t0
+        done = min(self.done, self.total)
+        eta = cli_util.eta_s(done, self.total, elapsed / self.done if self.done else None)
+        return (f"{self.desc}: {done}/{self.total} ({100.0 * done / self.total:.0f}%) [elapsed "
+                f"{cli_util.duration(elapsed)}, ETA {cli_util.duration(eta)}]" + (f" {note}" if note else ""))
 
     def update(self, n: int = 1, note: str = "") -> None:
         self.done += n
         if not self.enabled:
             return
-        if self.bar is not None:
-            if note:
-                self.bar.set_postfix_str(note, refresh=False)
-            self.bar.update(n)
-            return
         now = time.monotonic()
-        if now - self.last >= self.every_s or self.done >= self.total:
-            self.last = now
-            pct = 100.0 * self.done / max(1, self.total)
-            print(f"{self.desc}: {self.done}/{self.total} ({pct:.0f}%) {now - self.t0:.1f} s {note}", flush=True)
+        if now - self.last >= self.every_s or (self.done >= self.total and self.printed >= 0):
+            self.last, self.printed = now, self.done
+            print(self.line(note), file=self.file or sys.stdout, flush=True)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        sys.stdout.flush()
+        """A last line when the last step was not shown (``total`` may have been an upper bound: it ends at what
+        was done)."""
+        if self.enabled and self.printed >= 0 and self.printed != self.done:
+            self.total = max(1, min(self.total, self.done))
+            print(self.line("done"), file=self.file or sys.stdout, flush=True)
+        (self.file or sys.stdout).flush()
 
 
 # --------------------------------------------------------------------------------------------- distributed
@@ -130,6 +132,20 @@ def reduce_max(values: Sequence[float], group: Any = None) -> list[float]:
 def agree(flags: Sequence[bool], group: Any = None) -> list[bool]:
     """True where every rank says True (one all_reduce)."""
     return [v > 0.5 for v in [-x for x in reduce_max([-float(bool(f)) for f in flags], group)]]
+
+
+def on_rank0(rank: int, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on rank 0 (e.g. reading the data files a command merges into), its ``cli_util.CliError`` raised on
+    every rank: agreed (one all_reduce), so that no rank waits in a collective for one that gave up."""
+    result, error = None, None
+    if rank == 0:
+        try:
+            result = fn()
+        except cli_util.CliError as exc:
+            error = exc
+    if not agree([error is None])[0]:
+        raise error or cli_util.CliError("rank 0 cannot use its data files")
+    return result
 
 
 # --------------------------------------------------------------------------------------------- timing
@@ -233,3 +249,32 @@ class Timer:
         meds = self._max([median(samples[n]) for n in names])
         return {n: Timing(m, min(samples[n]), max(samples[n]), len(samples[n])) for n, m in zip(names, meds,
                                                                                                 strict=True)}
+
+
+def time_gemm_shape(m: int, n: int, k: int, infos: list, sm_counts: list[int], timer: Timer,
+                    device: str = "cuda") -> dict[str, float]:
+    """``tune gemm``: ms of cuBLAS and of every configuration on every SM count (``"<config>@<sms>"``) for one bf16
+    shape (B as a Linear weight, 8 wave groups signalled)."""
+    from . import kernels
+    from .schedule.plan import group_of_tile_row, uniform_plan
+
+    stream = torch.cuda.current_stream()
+    a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16) / math.sqrt(k)
+    out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+    variants = {"cublas": lambda: torch.mm(a, w.t(), out=out)}
+    for info in infos:
+        p = uniform_plan(m, n, info.tile_m, info.tile_n, 8)
+        gmap = torch.tensor(group_of_tile_row(p.row_bounds, info.tile_m), dtype=torch.int32, device=device)
+        counters = torch.zeros(p.num_groups, dtype=torch.int32, device=device)
+        idx = kernels.config_index(info.name, torch.bfloat16, "nk")
+        for use in sm_counts:
+            ws_bytes = kernels.workspace_bytes(idx, m, n, k, use, kernels.RASTERS["along_n"], 1)
+            ws = torch.empty(ws_bytes, dtype=torch.uint8, device=device) if ws_bytes else None
+
+            def fn(idx=idx, use=use, ws=ws, gmap=gmap, counters=counters):
+                kernels.gemm(idx, a, w.t(), k, None, out, counters.data_ptr(), gmap, None,
+                             kernels.SIGNAL_MODES["deferred"], use, kernels.RASTERS["along_n"], 1, ws,
+                             stream.cuda_stream)
+            variants[f"{info.name}@{use}"] = fn
+    return {name: t.ms for name, t in timer.measure(variants).items()}

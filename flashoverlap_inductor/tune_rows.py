@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from . import cli_util as cli
 from .cost_model.ring import rounds_for
 from .cost_model.schema import ROUTE_COLLECTIVES
 
@@ -79,13 +80,14 @@ def above_floor(points: list[tuple], floor: float) -> list[tuple]:
 
 
 def write_section(gpu: str, update: Any, what: str) -> int:
-    """Apply ``update(doc)`` to the GPU's GEMM model file in the data directory and write it."""
+    """Apply ``update(doc)`` to the GPU's GEMM model file in the data directory and write it (a data file that is
+    not JSON raises ``cli_util.CliError`` naming it)."""
     from flashoverlap_inductor.cost_model import registry
 
     want = registry.normalize_gpu_name(gpu)
     for path in sorted(registry.data_dir().glob("*.json")):
-        doc = json.loads(path.read_text())
-        if str(doc.get("schema", "")).startswith("flashoverlap.gemm/") and \
+        doc = cli.read_json(path, "", ("a data file of the cost model", "the package's configs/, tune, import_anchor"))
+        if isinstance(doc, dict) and str(doc.get("schema", "")).startswith("flashoverlap.gemm/") and \
                 registry.normalize_gpu_name(str(doc.get("gpu", ""))) == want:
             update(doc)
             path.write_text(json.dumps(doc, indent=1) + "\n")
