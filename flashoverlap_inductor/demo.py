@@ -1,15 +1,19 @@
 """Demo: a small Llama-style decoder, tensor-parallel over 2 ranks, compiled with ``backend="flashoverlap"``.
 
-    python -m flashoverlap_inductor.demo [--world-size 2] [--fuse auto|always|never] [--steps 20] [--device cpu]
-                                         [--mode default|reduce-overhead]
+    python -m flashoverlap_inductor.demo [--world-size 2] [--fuse auto|always|never] [--steps 10] [--warmup 3]
+                                         [--backends inductor,flashoverlap] [--device auto|cuda|cpu]
+                                         [--layers 2] [--dim D] [--seq S] [--batch 4] [--mode default|reduce-overhead]
 
-Spawns ``--world-size`` ranks (NCCL on GPUs when there are enough, else gloo on CPU), parallelizes the model with
-DTensor ``parallelize_module`` (column-parallel q/k/v/gate/up, row-parallel o/down: every row-parallel GEMM ends
-in an all_reduce), compiles it with plain Inductor and with the flashoverlap backend, and prints what the pass
-fused or skipped (with reasons and the chosen wave-group plans), the largest deviation from eager, and forward
-timings (medians over ``--steps`` samples; on GPU, CUDA events around 5 calls back to back). Inference only
-(``torch.no_grad``). ``--mode reduce-overhead`` (GPU) compiles both for CUDA graphs, as
-``torch.compile(mode="reduce-overhead")`` does; the logits compared are then those of a replay.
+Parallelizes the model with DTensor ``parallelize_module`` (column-parallel q/k/v/gate/up, row-parallel o/down: every
+row-parallel GEMM ends in an all_reduce) on ``--world-size`` ranks (NCCL on GPUs when there are enough, else gloo on
+CPU) and compiles it with plain Inductor and with the flashoverlap backend, each backend in its own fresh rank
+processes with an empty Inductor cache (so neither reuses the other's kernels and the compile times compare). Prints
+what the pass fused or skipped (with reasons and the chosen wave-group plans), each backend's largest deviation from
+eager, forward timings (medians over ``--steps`` samples after ``--warmup`` calls; on GPU, CUDA events around 5
+calls back to back) and compile times, then one ``PASS: ...`` / ``FAIL: ...`` line (exit status 1 on FAIL).
+Inference only (``torch.no_grad``). ``--mode reduce-overhead`` (GPU) compiles both for CUDA graphs, as
+``torch.compile(mode="reduce-overhead")`` does; the logits compared are then those of a replay. On CPU the timings
+mean nothing and ``--fuse`` defaults to ``always`` (the cost model behind ``auto`` describes H200 GPUs).
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
 import logging
+import math
 import os
-import re
 import socket
 import statistics
+import sys
+import tempfile
 import time
 
 import torch
@@ -30,7 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _inductor_compat as compat
-from .schedule.plan import GroupPlan
+from . import demo_report
+from .demo_report import BACKENDS, BURST, model_sizes, shape_error, whole
 
 
 class RMSNorm(nn.Module):
@@ -121,7 +129,6 @@ def tp_plan(model: Decoder) -> dict:
 
 # ---------------------------------------------------------------------------------------------------- runner
 
-
 class _Collect(logging.Handler):
     """Keeps the pass's "fused" / "skip:" / plan-decision lines."""
 
@@ -135,26 +142,12 @@ class _Collect(logging.Handler):
             self.lines.append(msg)
 
 
-def _short_plans(text: str) -> str:
-    def repl(m: re.Match) -> str:
-        try:
-            p = GroupPlan.from_str(m.group(0))
-        except (KeyError, ValueError):
-            return m.group(0)
-        return f"[{p.num_groups} groups, rows {list(p.row_bounds)}, tile {p.tile_m}x{p.tile_n}]"
-
-    return re.sub(r"v1;m=\d+;n=\d+;tile=\d+x\d+;bounds=[\d,]+;kernel=[\w.-]*", repl, text)
-
-
-BURST = 5  # forward calls per timed sample on GPU
-
-
-def _timeit(fn, inputs, steps: int, device: torch.device) -> float:
-    """Median forward time in ms after 3 warm-up calls. GPU: each of ``steps`` samples times ``BURST`` calls back to
-    back between CUDA events (after a barrier), as an inference loop runs them: each call's host work before its
+def _timeit(fn, inputs, steps: int, warmup: int, device: torch.device) -> float:
+    """Median forward time in ms after ``warmup`` calls. GPU: each of ``steps`` samples times ``BURST`` calls back
+    to back between CUDA events (after a barrier), as an inference loop runs them: each call's host work before its
     first kernel overlaps the previous call's kernels instead of showing as idle GPU time. CPU: one call per sample,
     barrier-aligned."""
-    for _ in range(3):
+    for _ in range(warmup):
         fn(inputs)
     times = []
     for _ in range(steps):
@@ -174,8 +167,12 @@ def _timeit(fn, inputs, steps: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHINDUCTOR_FX_GRAPH_CACHE="0")
+def _worker(rank: int, args: argparse.Namespace, port: int, backend: str, time_eager: bool, out: str) -> None:
+    """One rank of one backend's processes; rank 0 writes the results (``demo_report``) as JSON to ``out``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from torch._inductor import config as inductor_config
+
+    inductor_config.fx_graph_cache = False  # the pass really runs and reports (the variable is read at import)
     device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -183,7 +180,10 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // args.world_size))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=args.world_size)
     try:
-        _run(rank, args, device)
+        result = _run(rank, args, device, backend, time_eager)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(result, f)
     finally:
         if device.type == "cuda":  # free the CUDA graphs first: NCCL waits for graphs holding its kernels
             torch.cuda.synchronize()
@@ -192,86 +192,61 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
         dist.destroy_process_group()
 
 
-def _run(rank: int, args: argparse.Namespace, device: torch.device) -> None:
+def _run(rank: int, args: argparse.Namespace, device: torch.device, backend: str, time_eager: bool) -> dict:
+    """Eager reference, ``backend``'s compilation (timed) and deviation (max over the ranks), then forward times
+    (``time_eager``: eager's first) and, with ``--profile`` on GPU, rank 0's kernel table."""
     from torch._inductor.utils import fresh_cache
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
+    from flashoverlap_inductor import routes
     from flashoverlap_inductor.passes import counters, reset_counters
 
-    say = print if rank == 0 else (lambda *a, **k: None)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     model = Decoder(args.vocab, args.dim, args.layers, args.heads, args.kv_heads, args.hidden).to(device, dtype)
     model = parallelize_module(model, init_device_mesh(device.type, (args.world_size,)), tp_plan(model)).eval()
     torch.manual_seed(1)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
-    say(f"== {args.layers}-layer Llama-style decoder, dim {args.dim}, ffn {args.hidden}, heads {args.heads}/"
-        f"{args.kv_heads} kv, TP={args.world_size} on {device.type} ({dtype}), batch {args.batch} x seq {args.seq}"
-        f" -> {args.batch * args.seq} GEMM rows; fuse mode {args.fuse!r}, compile mode {args.mode!r}")
 
     collect = _Collect()
     logging.getLogger("flashoverlap").addHandler(collect)
     logging.getLogger("flashoverlap").setLevel(logging.INFO)
-    # One fresh Inductor cache for both compiles: the second reuses the C++ kernels of the first, while the
-    # FX graph cache stays off (TORCHINDUCTOR_FX_GRAPH_CACHE=0) so the pass really runs and reports.
+    # A fresh process and an empty Inductor (and Triton) cache: this backend compiles every kernel itself.
     with torch.no_grad(), fresh_cache():
         ref = model(ids)
-        compiled = {}
         graphs = args.mode == "reduce-overhead"
-        mode_options = compat.list_mode_options(args.mode) if graphs else {}
-        for name, backend, options in (("inductor", "inductor", dict(mode_options)),
-                                       ("flashoverlap", "flashoverlap",
-                                        {"flashoverlap.fuse": args.fuse, **mode_options})):
-            torch._dynamo.reset()
-            reset_counters()
-            t0 = time.perf_counter()
-            fn = torch.compile(model, backend=backend, options=options or None)
-            for _ in range(3 if graphs else 1):  # CUDA graphs: warm-up, capture, then a replay
-                out = fn(ids)
-            compiled[name] = (fn, out.clone(), dict(counters), time.perf_counter() - t0)
-        _, out, fused_counters, _ = compiled["flashoverlap"]
-
-        say("\n-- what the pass did (rank 0) --")
-        for key in sorted(fused_counters):
-            say(f"  {key:28s} {fused_counters[key]}")
-        if not fused_counters:
-            say("  (nothing matched)")
-        say("\n-- matches, decisions and plans --")
-        for line in dict.fromkeys(collect.lines):
-            say("  " + _short_plans(line.removeprefix("flashoverlap: ")))
-
-        errors = {name: (c[1].float() - ref.float()).abs().max().item() for name, c in compiled.items()}
-        scale = ref.float().abs().max().item()
-        say(f"\n-- max |compiled - eager| (logits, max |eager| = {scale:.3g}) --")
-        for name, err in errors.items():
-            say(f"  {name:14s} {err:.3e}")
-
-        burst = f" samples of {BURST} calls back to back" if device.type == "cuda" else ""
-        say(f"\n-- forward time, median of {args.steps}{burst} (ms per call) --")
-        rows = [("eager", model)] + [(name, c[0]) for name, c in compiled.items()]
-        for name, fn in rows:
-            ms = _timeit(fn, ids, args.steps, device)
-            extra = f"   (compile {compiled[name][3]:.1f} s)" if name in compiled else ""
-            say(f"  {name:14s} {ms:9.3f}{extra}")
-        if device.type == "cuda":
-            from . import routes
-
-            say(f"  fused-op runtime counters (rank 0): {dict(sorted(routes.stats.items()))}")
+        options = compat.list_mode_options(args.mode) if graphs else {}
+        if backend == "flashoverlap":
+            options["flashoverlap.fuse"] = args.fuse
+        torch._dynamo.reset()
+        reset_counters()
+        t0 = time.perf_counter()
+        fn = torch.compile(model, backend=backend, options=options or None)
+        for _ in range(3 if graphs else 1):  # CUDA graphs: warm-up, capture, then a replay
+            out = fn(ids)
+        compile_s = time.perf_counter() - t0
+        out, fused_counters = out.clone(), dict(counters)
+        err = (out.float() - ref.float()).abs().max().item()
+        dev = torch.tensor([err if math.isfinite(err) else math.inf, ref.float().abs().max().item()],
+                           dtype=torch.float64, device=device)
+        dist.all_reduce(dev, op=dist.ReduceOp.MAX)
+        err, scale = dev.tolist()
+        times = {"eager": _timeit(model, ids, args.steps, args.warmup, device)} if time_eager else {}
+        times[backend] = _timeit(fn, ids, args.steps, args.warmup, device)
+        profile = None
         if args.profile and device.type == "cuda":
-            for name in compiled:
-                say(f"\n-- GPU time by kernel, 3 forward calls, {name} (rank 0) --")
-                trace = args.trace and os.path.join(args.trace, f"{name}_rank{rank}.json")
-                _profile(compiled[name][0], ids, say, trace)
+            trace = args.trace and os.path.join(args.trace, f"{backend}_rank{rank}.json")
+            profile = _profile(fn, ids, trace)
     logging.getLogger("flashoverlap").removeHandler(collect)
-    tol = 5e-2 * max(scale, 1.0) if dtype == torch.bfloat16 else 1e-3 * max(scale, 1.0)
-    if errors["flashoverlap"] > tol:
-        raise SystemExit(f"rank {rank}: flashoverlap output deviates from eager by {errors['flashoverlap']:.3e}")
+    return {"backend": backend, "dtype": str(dtype), "compile_s": compile_s, "err": err, "scale": scale,
+            "rel_err": err / scale if scale > 0 else err, "times": times, "counters": fused_counters,
+            "lines": collect.lines, "stats": dict(routes.stats), "profile": profile}
 
 
-def _profile(fn, inputs, say, trace: str | None = None) -> None:
-    """Print the kernels of three calls of ``fn`` by GPU time (torch.profiler; every rank runs, rank 0 prints);
-    ``trace``: also write the Chrome trace there (kernel start and end times: the GPU's idle gaps)."""
+def _profile(fn, inputs, trace: str | None = None) -> str:
+    """The kernels of three calls of ``fn`` by GPU time (torch.profiler; every rank runs, rank 0's table is
+    printed); ``trace``: also write the Chrome trace there (kernel start and end times: the GPU's idle gaps)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn(inputs)
@@ -281,10 +256,10 @@ def _profile(fn, inputs, say, trace: str | None = None) -> None:
         for _ in range(3):
             fn(inputs)
         torch.cuda.synchronize()
-    say(prof.key_averages().table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
     if trace:
         os.makedirs(os.path.dirname(trace) or ".", exist_ok=True)
         prof.export_chrome_trace(trace)
+    return prof.key_averages().table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60)
 
 
 def _free_port() -> int:
@@ -293,50 +268,91 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# ---------------------------------------------------------------------------------------------------- arguments
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The demo's arguments, each checked here: a bad one exits with status 2 and a one-line usage error."""
     p = argparse.ArgumentParser(prog="python -m flashoverlap_inductor.demo", description=__doc__.split("\n")[0])
-    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--world-size", type=whole(1), default=2, help="ranks (tensor-parallel degree)")
     p.add_argument("--fuse", choices=("auto", "always", "never"), default=None,
                    help="default: 'auto' on GPU, 'always' on CPU (the cost model describes GPUs)")
-    p.add_argument("--steps", type=int, default=10, help="timed forward calls per variant")
+    p.add_argument("--steps", type=whole(1), default=10, help="timed samples per variant (the median is shown)")
+    p.add_argument("--warmup", type=whole(0), default=3, help="untimed forward calls before the timed ones")
+    p.add_argument("--backends", type=demo_report.backends, default=BACKENDS,
+                   help="what to compile, each in its own fresh processes (default: inductor,flashoverlap)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="auto: NCCL on GPUs if there are --world-size of them, else gloo on CPU")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--dim", type=int, default=None, help="model width (default 256 on CPU, 4096 on GPU)")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default 64 on CPU, 2048 on GPU)")
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--layers", type=whole(1), default=2)
+    p.add_argument("--dim", type=whole(24, " (the FFN width, 8 * dim / 3 rounded down to a multiple of 64, must "
+                                            "be positive)"), default=None,
+                   help="model width (default 256 on CPU, 4096 on GPU)")
+    p.add_argument("--seq", type=whole(1), default=None, help="sequence length (default 64 on CPU, 2048 on GPU)")
+    p.add_argument("--batch", type=whole(1), default=4)
     p.add_argument("--profile", action="store_true", help="GPU: also print each compiled variant's kernels by time")
     p.add_argument("--trace", default=None, help="with --profile: write each variant's Chrome trace into this folder")
     p.add_argument("--mode", choices=("default", "reduce-overhead"), default="default",
                    help="torch.compile mode of both compiled variants (reduce-overhead: CUDA graphs, GPU only)")
     args = p.parse_args(argv)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= args.world_size else "cpu"
-    if args.device == "cuda" and torch.cuda.device_count() < args.world_size:
-        p.error(f"--device cuda needs {args.world_size} GPUs, found {torch.cuda.device_count()}")
+        args.device = "cuda" if gpus >= args.world_size else "cpu"
+        args.cpu_reason = "no CUDA GPU" if gpus == 0 else f"{gpus} GPU(s) for --world-size {args.world_size}"
+    else:
+        args.cpu_reason = "--device cpu"
+    if args.device == "cuda" and gpus < args.world_size:
+        p.error(f"argument --device: got cuda, but found {gpus} CUDA GPUs for --world-size {args.world_size}; "
+                "accepted: auto or cpu" + (f", or --world-size {gpus} or less" if gpus else ""))
     gpu = args.device == "cuda"
     if args.mode == "reduce-overhead" and not gpu:
-        p.error("--mode reduce-overhead needs the GPUs (CUDA graphs)")
+        p.error("argument --mode: got reduce-overhead, which captures CUDA graphs; accepted on CPU: default")
     if args.trace and not (args.profile and gpu):
-        p.error("--trace writes the traces of --profile (GPU)")
-    args.fuse = args.fuse or ("auto" if gpu else "always")
+        p.error(f"argument --trace: got {args.trace}; accepted only with --profile on GPU (it writes its traces)")
+    args.fuse_given, args.fuse = args.fuse is not None, args.fuse or ("auto" if gpu else "always")
+    dim_given = args.dim is not None
     args.dim = args.dim or (4096 if gpu else 256)
     args.seq = args.seq or (2048 if gpu else 64)
-    args.heads, args.kv_heads = max(args.world_size, args.dim // 64), max(args.world_size, args.dim // 256)
-    args.hidden, args.vocab = (8 * args.dim) // 3 // 64 * 64, 512 if not gpu else 32000
-    for what, size in (("heads", args.heads), ("kv heads", args.kv_heads), ("ffn", args.hidden)):
-        if size % args.world_size:
-            p.error(f"{what} ({size}) must divide by --world-size {args.world_size}")
+    if (why := shape_error(args.dim, args.world_size, dim_given)) is not None:
+        p.error(why)
+    args.heads, args.kv_heads, args.hidden = model_sizes(args.dim, args.world_size)
+    args.vocab = 512 if not gpu else 32000
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo; returns the exit status (0: PASS, 1: FAIL)."""
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
 
-    mp.spawn(_worker, args=(args, _free_port()), nprocs=args.world_size, join=True)
+    args = parse_args(argv)
+    say = lambda *a: print(*a, flush=True)
+    gpu = args.device == "cuda"
+    if not gpu:
+        say(demo_report.cpu_note(args))
+    say(f"== {args.layers}-layer Llama-style decoder, dim {args.dim}, ffn {args.hidden}, heads {args.heads}/"
+        f"{args.kv_heads} kv, TP={args.world_size} on {args.device} ({torch.bfloat16 if gpu else torch.float32}), "
+        f"batch {args.batch} x seq {args.seq} -> {args.batch * args.seq} GEMM rows; fuse mode {args.fuse!r}, "
+        f"compile mode {args.mode!r}")
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="flashoverlap-demo-") as tmp:
+        for i, backend in enumerate(args.backends):
+            what = "it and eager" if i == 0 else "it"
+            procs = f"{args.world_size} fresh process{'es' if args.world_size > 1 else ''}"
+            say(f"[{i + 1}/{len(args.backends)}] {backend}: compiling on {procs} (empty Inductor cache), then timing "
+                f"{what}")
+            out = os.path.join(tmp, f"{backend}.json")
+            try:
+                mp.spawn(_worker, args=(args, _free_port(), backend, i == 0, out), nprocs=args.world_size, join=True)
+            except ProcessException as exc:
+                print(exc, file=sys.stderr, flush=True)
+                last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+                say(f"FAIL: the {backend} run failed: {last}")
+                return 1
+            with open(out) as f:
+                results.append(json.load(f))
+    return 0 if demo_report.report(args, results, say) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

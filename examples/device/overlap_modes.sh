@@ -62,11 +62,11 @@ if [ -n "${FO_SHAPES2X:-}" ]; then
   echo "bench2x rc=$?" >>"$OUT/bench_w2x.log"
 fi
 if [[ "${FO_DEMO:-0}" == 1 ]]; then
-  CUDA_VISIBLE_DEVICES=0,1 timeout 240 python3 -m flashoverlap_inductor.demo ${FO_DEMO_ARGS:-} >"$OUT/demo.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0,1 timeout 420 python3 -m flashoverlap_inductor.demo ${FO_DEMO_ARGS:-} >"$OUT/demo.log" 2>&1
   echo "demo rc=$?" >>"$OUT/demo.log"
 fi
 if [[ "${FO_DEMO_RO:-0}" == 1 ]]; then
-  CUDA_VISIBLE_DEVICES=0,1 timeout 240 python3 -m flashoverlap_inductor.demo --mode reduce-overhead \
+  CUDA_VISIBLE_DEVICES=0,1 timeout 420 python3 -m flashoverlap_inductor.demo --mode reduce-overhead \
     ${FO_DEMO_ARGS:-} >"$OUT/demo_ro.log" 2>&1
   echo "demo rc=$?" >>"$OUT/demo_ro.log"
 fi
