@@ -43,7 +43,7 @@ setup(
     py_modules=["flashoverlap"],  # the logging name (TORCH_LOGS="flashoverlap"): flashoverlap.py
     package_data={"flashoverlap_inductor.configs": ["*.json", "plans/*.json"]},
     install_requires=["torch>=2.11"],
-    extras_require={"test": ["pytest", "expecttest", "numpy", "ruff"], "demo": ["transformers"]},
+    extras_require={"test": ["pytest", "expecttest", "numpy", "ruff", "transformers"], "demo": ["transformers"]},
     cmdclass={"build_py": BuildPyWithCuda},
     entry_points={"torch_dynamo_backends": ["flashoverlap = flashoverlap_inductor.backend:flashoverlap_backend"]},
 )

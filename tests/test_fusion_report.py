@@ -46,6 +46,13 @@ def fresh():
     fo.reset_fusion_report()
 
 
+def _cache_hits() -> int:
+    """Inductor's FX-graph and AOTAutograd cache hits so far (torch's own counters)."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+
+
 def _ar_then_sum(x, w):
     return funcol.all_reduce(x @ w, "sum", "0").sum()
 
@@ -69,14 +76,20 @@ def test_report_survives_the_caches(aot_cache, caplog):
         for _ in range(2):
             fo.reset_fusion_report()
             caplog.clear()
+            hits_before = _cache_hits()
             _compile_and_step(_ar_then_sum, torch.randn(64, 32), torch.randn(32, 16, requires_grad=True))
-            reports.append((fo.fusion_report(), dict(passes.counters), caplog.text))
-    (first, first_counts, _), (second, second_counts, second_log) = reports
+            reports.append((fo.fusion_report(), dict(passes.counters), caplog.text, _cache_hits() - hits_before))
+    (first, first_counts, _, _), (second, second_counts, second_log, hits) = reports
     assert first_counts == second_counts == {"fused:all_reduce": 1}
     assert [g.source for g in first.graphs] == ["compiled", "compiled"]
-    assert {g.source for g in second.graphs} == {"cache"}
     assert second.compile == {"fused:all_reduce": 1}
-    assert "fused 1 (all_reduce 1)" in second_log and "as compiled then" in second_log
+    assert "fused 1 (all_reduce 1)" in second_log
+    # torch 2.13 serves the second compilation from the cache; torch 2.11 was seen to compile it again here (the
+    # report then says "compiled", truthfully): either way the report matches what happened
+    if torch.__version__ >= "2.13":
+        assert hits > 0
+    assert ({g.source for g in second.graphs} == {"cache"}) == (hits > 0)
+    assert ("as compiled then" in second_log) == (hits > 0)
     assert second.runtime.get("route:cpu") == 1  # what ran: one call of the fused op, on the CPU route
 
 

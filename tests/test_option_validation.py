@@ -21,7 +21,10 @@ from flashoverlap_inductor import backend, config
 
 @pytest.fixture(autouse=True)
 def _fresh_environment(monkeypatch):
-    """Each test reads the environment afresh and leaves it read afresh (its variables undone)."""
+    """Each test reads the environment afresh, without the caller's own FLASHOVERLAP_* variables (a device script
+    sets FLASHOVERLAP_LIB), and leaves it read afresh (its variables undone)."""
+    for var in [*config.ENV, *config.DEPRECATED_ENV]:
+        monkeypatch.delenv(var, raising=False)
     config.reload_environment()
     yield
     monkeypatch.undo()

@@ -178,13 +178,18 @@ def _no_match(coll: Node, x: Any, why: str) -> None:
 
 
 def _gemm_behind(x: Node) -> Node | None:
-    """The nearest mm/addmm/bmm among the producers of ``x`` (breadth first, ``NEAR_MISS_HOPS`` deep), or None."""
+    """The nearest mm/addmm/bmm among the producers of ``x`` (``nearest_producer``), or None."""
+    return nearest_producer(x, lambda n: n.target in GEMM_OPS)
+
+
+def nearest_producer(x: Node, accept: Any, hops: int = NEAR_MISS_HOPS) -> Node | None:
+    """The nearest producer of ``x`` that ``accept(node)`` takes (breadth first, ``hops`` nodes deep), or None."""
     frontier, seen = [x], {x}
-    for _ in range(NEAR_MISS_HOPS):
+    for _ in range(hops):
         nxt = []
         for node in frontier:
             for src in node.all_input_nodes:
-                if src.target in GEMM_OPS:
+                if accept(src):
                     return src
                 if src not in seen:
                     seen.add(src)

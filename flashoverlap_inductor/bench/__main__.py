@@ -1,0 +1,30 @@
+"""``python -m flashoverlap_inductor.bench <command> [options]``; ``<command> --help`` lists its options.
+
+Commands: ``e2e``, the end-to-end benchmark (``flashoverlap_inductor/bench/e2e.py``, ``docs/e2e.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+COMMANDS = {"e2e": "end-to-end train / prefill of a TP / SP / EP HuggingFace model under eager, Inductor, "
+                   "Inductor + async-TP and flashoverlap, side by side"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m flashoverlap_inductor.bench",
+                                     description="Benchmarks of the flashoverlap torch.compile backend.",
+                                     epilog="\n".join(f"{k}: {v}" for k, v in COMMANDS.items()))
+    parser.add_argument("command", choices=sorted(COMMANDS), help="the benchmark to run (then its options)")
+    parser.parse_args(argv[:1])
+    if argv[0] == "e2e":
+        from .e2e import run
+
+        return run(argv[1:])
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Arguments of ``python -m flashoverlap_inductor.bench e2e``: parsing, device-dependent defaults and validation.
+
+Validation errors are one line each (``UsageError``); ``e2e.main`` prints them on rank 0 and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from . import models, plans
+
+BACKENDS = ("eager", "inductor", "inductor+async-tp", "flashoverlap", "flashoverlap-ro", "inductor-ro")
+DEFAULT_BACKENDS = ("eager", "inductor", "inductor+async-tp", "flashoverlap", "flashoverlap-ro")
+WORKLOADS = ("train", "prefill")
+# per device: (train seqs, prefill seqs, batch, steps, warmup)
+DEFAULTS = {"cuda": ([4096], [2048, 4096, 8192, 16384], 1, 10, 3), "cpu": ([64], [64, 128], 2, 3, 1)}
+
+
+class UsageError(ValueError):
+    """A bad argument combination (one line)."""
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not out or any(v <= 0 for v in out):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return out
+
+
+def _names(choices: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        out = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in out if x not in choices]
+        if bad or not out:
+            raise argparse.ArgumentTypeError(f"unknown {bad or text!r}; choose from {', '.join(choices)}")
+        return list(dict.fromkeys(out))
+    return parse
+
+
+def _positive(text: str) -> int:
+    v = int(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+    return v
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--preset", type=_names(tuple(models.PRESETS)), default=None,
+                   help="comma-separated presets: " + ", ".join(models.PRESETS)
+                   + " (default: tiny-llama on CPU, llama3-8b on GPU)")
+    for name, what in (("hidden", "hidden size"), ("intermediate", "MLP width (MoE: each expert's width)"),
+                       ("layers", "decoder layers (cuts depth so the model fits)"), ("heads", "attention heads"),
+                       ("kv-heads", "key/value heads"), ("head-dim", "head size (default hidden / heads)"),
+                       ("vocab", "vocabulary size"), ("experts", "MoE: number of experts"),
+                       ("top-k", "MoE: experts per token")):
+        g.add_argument(f"--{name}", type=_positive, default=None, help=f"override the preset's {what}")
+    g = p.add_argument_group("parallelism and workload")
+    g.add_argument("--plan", type=_names(plans.PLANS), default=None,
+                   help="comma-separated: tp (all_reduce), sp (all_gather + reduce_scatter), ep (MoE: all_to_all); "
+                        "default: tp,sp for dense presets, ep for MoE presets")
+    g.add_argument("--workload", type=_names(WORKLOADS), default=list(WORKLOADS),
+                   help="comma-separated: train (forward + backward + AdamW step), prefill (no-grad forward)")
+    g.add_argument("--seq", type=_ints, default=None,
+                   help="comma-separated sequence lengths (tokens); default: train 4096, prefill 2048,4096,8192,16384 "
+                        "on GPU; train 64, prefill 64,128 on CPU")
+    g.add_argument("--batch", type=_positive, default=None, help="sequences per step (default 1 on GPU, 2 on CPU)")
+    g.add_argument("--steps", type=_positive, default=None, help="measured steps per backend (default 10 GPU, 3 CPU)")
+    g.add_argument("--warmup", type=int, default=None,
+                   help="unmeasured steps after the first (compiling) call (default 3 GPU, 1 CPU)")
+    g.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (train)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the token ids")
+    g.add_argument("--expert-gemm", choices=("auto", "loop", "grouped"), default="auto",
+                   help="ep: local experts as a loop of mm, or torch._grouped_mm (bf16 only); auto: grouped on CUDA "
+                        "bf16 with several experts per rank")
+    g = p.add_argument_group("backends")
+    g.add_argument("--backends", type=_names(BACKENDS), default=list(DEFAULT_BACKENDS),
+                   help="comma-separated, run side by side on the same inputs and initial weights: "
+                        + ", ".join(BACKENDS))
+    g.add_argument("--fuse", choices=("auto", "always", "never"), default="auto",
+                   help="flashoverlap's fuse setting (auto: the cost model, fitted on H200s, decides; it fuses "
+                        "nothing on CPU; always: for CPU correctness runs)")
+    g.add_argument("--cache", choices=("fresh", "shared", "keep"), default="fresh",
+                   help="fresh: an empty Inductor cache per backend and case (fair compile times); shared: one "
+                        "empty cache for the whole run (later backends reuse compiled kernels: faster, compile times "
+                        "not comparable); keep: Inductor's own cache directory as it is (quickest on reruns)")
+    g.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto", help="auto: bf16 on GPU, fp32 on CPU")
+    g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="cuda: NCCL, one GPU per rank; cpu: gloo; auto: cuda when available")
+    g.add_argument("--timeout-s", type=_positive, default=900, help="process-group timeout (s)")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", default=None, help="write every row, the coverage and the settings here (rank 0)")
+    g.add_argument("--png", default=None, help="speedup chart per model x plan x workload x backend (matplotlib)")
+    g.add_argument("--coverage", choices=("on", "off"), default="on",
+                   help="print which GEMM -> collective pairs the graphs hold and which were fused (always in JSON)")
+    g.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def resolve(args: argparse.Namespace, device: str, world: int) -> argparse.Namespace:
+    """Fill the device-dependent defaults and validate against ``world``; raises ``UsageError``."""
+    train_seqs, prefill_seqs, batch, steps, warmup = DEFAULTS[device]
+    args.preset = args.preset or (["llama3-8b"] if device == "cuda" else ["tiny-llama"])
+    args.batch = args.batch or batch
+    args.steps = args.steps or steps
+    args.warmup = warmup if args.warmup is None else args.warmup
+    if args.warmup < 0:
+        raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
+    if not args.lr > 0:
+        raise UsageError(f"--lr must be > 0, got {args.lr}")
+    args.seqs = {"train": args.seq or train_seqs, "prefill": args.seq or prefill_seqs}
+    args.dtype = args.dtype if args.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
+    overrides = {"hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers,
+                 "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "vocab": args.vocab,
+                 "experts": args.experts, "top_k": args.top_k}
+    args.specs = []
+    for name in args.preset:
+        spec = models.PRESETS[name].with_overrides(**overrides)
+        if (args.experts or args.top_k) and not spec.moe:
+            raise UsageError(f"--experts/--top-k apply to MoE presets; {name} is dense")
+        if spec.head_dim is None and spec.hidden % spec.heads:
+            raise UsageError(f"{name}: hidden {spec.hidden} does not divide by {spec.heads} heads (give --head-dim)")
+        if spec.head_size % 2:
+            raise UsageError(f"{name}: head size {spec.head_size} must be even (rotary embedding)")
+        args.specs.append(spec)
+    args.cases = []  # (spec, plan)
+    for spec in args.specs:
+        for plan in args.plan or (["ep"] if spec.moe else ["tp", "sp"]):
+            seqs = sorted({s for w in args.workload for s in args.seqs[w]})
+            why = plans.check(spec, plan, world, seqs)
+            if why:
+                raise UsageError(why)
+            args.cases.append((spec, plan))
+    return args
+
+
+def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = p or argparse.ArgumentParser(prog="python -m flashoverlap_inductor.bench e2e")
+    add_arguments(p)
+    return p

@@ -1,0 +1,253 @@
+"""``python -m flashoverlap_inductor.bench e2e``: end-to-end speed of a tensor-/sequence-/expert-parallel HF model
+under eager, Inductor, Inductor + async-TP, and the flashoverlap backend, side by side in one run.
+
+    torchrun --nproc_per_node=N -m flashoverlap_inductor.bench e2e --preset llama3-8b --layers 8 --plan tp,sp \
+        --workload train,prefill --json e2e.json --png e2e.png
+
+Per model preset and plan, every rank builds the model from one seed and parallelizes it (``plans.py``); per
+workload and sequence length, every selected backend runs on a deep copy of that model with the same inputs
+(``runner.py``). Rows report the median step time (ms, max over ranks), tokens/s, the speedup over the reference
+(Inductor when selected, else the first backend), peak CUDA memory (bytes), compile time (s, first call, in a
+fresh Inductor cache per backend unless ``--cache shared``) and, for the fusing backends, what the pass fused and
+skipped (``flashoverlap_inductor.fusion_report()``). Losses (train, every measured step) and last-position logits
+(prefill) are compared with the reference's: beyond the dtype's tolerance (``TOLERANCE``) the row says MISMATCH and
+the exit status is 1 (also after any backend error). Launch: torchrun (NCCL with one GPU per rank, or gloo on
+CPU), or plainly for world size 1; or call ``run(argv)`` inside an existing process group (the tests do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import sys
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import cli, coverage, output
+from .runner import FUSING, Case, Env, rel_error, release, run_backend, unavailable
+
+TOLERANCE = {"bf16": 2e-2, "fp32": 1e-4}
+# eager rounds every intermediate to bf16 where Inductor keeps a fused kernel's intermediates in fp32: on random-init
+# models their last-position logits differed by 1.4e-2 (norm-wise) in one llama3-8b layer on an H100
+EAGER_BF16_TOLERANCE = 5e-2
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _device_type(choice: str) -> str:
+    """``--device``; ``auto``: the existing process group's kind (NCCL: cuda, gloo: cpu), else cuda if available."""
+    if choice != "auto":
+        return choice
+    if dist.is_initialized():
+        return "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def launched() -> bool:
+    """Started by torchrun (or another launcher that sets ``LOCAL_RANK`` and the ``env://`` variables)."""
+    return dist.is_torchelastic_launched() or dist.get_node_local_rank(fallback_rank=-1) >= 0
+
+
+def init_distributed(device_type: str, timeout_s: int) -> tuple[bool, str | None]:
+    """Join the launcher's process group (``env://``), or make a group of one; (whether we created it, an error
+    line or None). With CUDA, each rank takes the GPU of its local rank, and a rank without one stops here."""
+    if dist.is_initialized():
+        return False, None
+    timeout = datetime.timedelta(seconds=timeout_s)
+    alone = {} if launched() else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            return False, "--device cuda: CUDA is not available"
+        local, gpus = dist.get_node_local_rank(fallback_rank=0), torch.cuda.device_count()
+        if local >= gpus:
+            return False, (f"local rank {local} has no GPU of its own ({gpus} on this host): NCCL needs one GPU per "
+                           f"rank (ranks cannot share a GPU); use --nproc_per_node <= {gpus}, or --device cpu")
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local), **alone)
+    else:
+        dist.init_process_group("gloo", timeout=timeout, **alone)
+    return True, None
+
+
+def make_env(args: argparse.Namespace, device_type: str) -> Env:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    mesh = init_device_mesh(device_type, (world,))
+    return Env(rank, world, device, DTYPES[args.dtype], mesh, mesh.get_group().group_name, quiet=args.quiet)
+
+
+def check_memory(spec, plan: str, workload: str, env: Env) -> str | None:
+    """A rough static estimate (parameters, template copy, gradients, AdamW state; no activations) against the
+    GPU's memory: a one-line error with the number of layers that would fit, or None."""
+    if not env.cuda:
+        return None
+    size = torch.finfo(env.dtype).bits // 8
+    per_layer = (spec.params() - 2 * spec.vocab * spec.hidden) / max(spec.layers, 1)
+    fixed = 2 * spec.vocab * spec.hidden
+
+    def need(layers: int) -> float:
+        sharded = per_layer * layers / env.world + fixed
+        copies = 5 if workload == "train" else 2  # template + live (+ grads + 2 AdamW states)
+        return max((per_layer * layers + fixed) * size, sharded * copies * size)
+
+    total = torch.cuda.get_device_properties(env.device).total_memory * 0.9
+    if need(spec.layers) <= total:
+        return None
+    fits = max((n for n in range(spec.layers + 1) if need(n) <= total), default=0)
+    return (f"{spec.name} with {spec.layers} layers needs about {need(spec.layers) / 2**30:.0f} GiB per rank for "
+            f"{workload} before activations (GPU: {total / 0.9 / 2**30:.0f} GiB): use --layers {max(fits - 1, 1)} or "
+            "fewer")
+
+
+def build_template(spec, plan: str, env: Env, args: argparse.Namespace, max_seq: int):
+    from . import models, plans
+
+    model = models.build(spec, env.device, env.dtype, args.seed, max_seq)
+    return plans.apply(model, spec, plan, env.mesh, args.expert_gemm)
+
+
+def run_case(case: Case, template, env: Env, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every selected backend on ``case``; then speedups and the correctness check against the reference."""
+    from .runner import make_data
+
+    data = make_data(case, 1 + args.warmup + args.steps, args.seed, env.device)
+    rows = []
+    for backend in args.backends:
+        base = {"model": case.spec.name, "plan": case.plan, "workload": case.workload, "seq": case.seq,
+                "batch": case.batch, "tokens": case.tokens, "world": env.world, "dtype": args.dtype}
+        why = unavailable(backend, case, env)
+        if why:
+            rows.append({**base, "backend": backend, "status": "n/a", "note": why})
+            continue
+        try:
+            rows.append({**base, **run_backend(backend, case, template, data, env, args)})
+        except Exception as exc:  # noqa: BLE001 - reported in the row; the exit status becomes 1
+            if env.rank == 0:
+                traceback.print_exc()
+            rows.append({**base, "backend": backend, "status": "error", "note": f"{type(exc).__name__}: {exc}"[:300]})
+        release(env)
+    ran = [r for r in rows if r["status"] == "ok"]
+    ref = next((r for r in ran if r["backend"] == "inductor"), ran[0] if ran else None)
+    errors = env.reduce_max([rel_error(r["_values"], ref["_values"], case.workload) for r in ran]) if ref else []
+    for r, err in zip(ran, errors):
+        compiled = ref["backend"] != "eager" and r["backend"] != "eager"
+        tol = TOLERANCE[args.dtype] if compiled or args.dtype != "bf16" else EAGER_BF16_TOLERANCE
+        r["reference"], r["rel_err"], r["tolerance"] = ref["backend"], err, tol
+        r["speedup"] = ref["ms"] / r["ms"] if r["ms"] > 0 else None
+        if err > tol:
+            r["status"] = "MISMATCH"
+            r["note"] = f"{case.workload} {'losses' if case.workload == 'train' else 'logits'} differ from " \
+                        f"{ref['backend']} by {err:.2e} (tolerance {tol:.0e})"
+        r["values"] = r.pop("_values").flatten()[:8].tolist()  # a sample for the JSON
+    return rows
+
+
+def coverage_entry(spec, plan: str, workload: str, rows: list[dict[str, Any]], world: int) -> dict[str, Any]:
+    """The graphs of the fusing backend (else of the first compiled one) for one (model, plan, workload)."""
+    mine = [r for r in rows if r["model"] == spec.name and r["plan"] == plan and r["workload"] == workload
+            and r.get("graphs")]
+    src = next((r for r in mine if r["backend"] == "flashoverlap"), None) or \
+        next((r for r in mine if r["backend"] in FUSING), None) or (mine[0] if mine else None)
+    entry: dict[str, Any] = {"model": spec.name, "plan": plan, "workload": workload, "notes": [],
+                             "source": f"{src['backend']} at seq {src['seq']}" if src else "none",
+                             "graphs": coverage.merge(src["graphs"]) if src else {},
+                             "events": src.get("events", {}) if src else {}}
+    if world == 1:
+        entry["notes"].append("world size 1: the plans need no collectives, so there is nothing to fuse")
+    if src and src["backend"] not in FUSING:
+        entry["notes"].append("no flashoverlap backend ran: the pairs are listed unfused")
+    if plan == "ep" and src:
+        entry["notes"].append(output.moe_combine_note(entry))
+    return entry
+
+
+def run(argv: list[str] | None = None) -> int:
+    """Parse, run every case, print and write the results; the exit status (0 ok, 1 mismatch or error, 2 usage).
+    Errors before the process group exists are printed by each host's local rank 0, later ones by rank 0."""
+    parser = cli.build_parser()
+    args = parser.parse_args(argv)
+    device_type = _device_type(args.device)
+    first_on_host = dist.get_node_local_rank(fallback_rank=0) == 0 if not dist.is_initialized() else \
+        dist.get_rank() == 0
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        if first_on_host:
+            print("e2e: error: the e2e benchmark builds HuggingFace models: pip install transformers", file=sys.stderr)
+        return 2
+    owns, why = init_distributed(device_type, args.timeout_s)
+    if why:
+        print(f"e2e: error: {why}", file=sys.stderr)  # only the ranks it concerns get here
+        return 2
+    try:
+        try:
+            cli.resolve(args, device_type, dist.get_world_size())
+        except cli.UsageError as exc:
+            if dist.get_rank() == 0:
+                print(f"e2e: error: {exc}", file=sys.stderr)
+            return 2
+        return _run(args, make_env(args, device_type))
+    finally:
+        if owns:
+            dist.destroy_process_group()
+
+
+def _run(args: argparse.Namespace, env: Env) -> int:
+    from torch._inductor.utils import fresh_cache
+
+    say = print if env.rank == 0 else (lambda *a, **k: None)
+    for spec, plan in args.cases:
+        for workload in args.workload:
+            why = check_memory(spec, plan, workload, env)
+            if why:
+                say(f"e2e: error: {why}", file=sys.stderr)
+                return 2
+    meta = output.meta(args, env)
+    say(output.header(meta, args))
+    with fresh_cache() if args.cache == "shared" else contextlib.nullcontext():
+        rows, entries = _cases(args, env)
+    say(output.table(rows))
+    if args.coverage == "on":
+        say("\n".join(line for e in entries for line in coverage.coverage_lines(e)))
+    if env.rank == 0:
+        if args.json:
+            output.write_json(args.json, meta, rows, entries)
+            say(f"wrote {args.json}")
+        if args.png:
+            say(output.plot(rows, args.png, meta["gpu"] or "CPU (gloo): timings not meaningful"))
+    bad = [r for r in rows if r["status"] in ("MISMATCH", "error")]
+    say(f"e2e: {len(bad)} row(s) with a mismatch or error" if bad else "e2e: every compared row matches its reference")
+    return 1 if bad else 0
+
+
+def _cases(args: argparse.Namespace, env: Env) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every (model, plan) x workload x sequence length: the rows and the coverage entries."""
+    rows: list[dict[str, Any]] = []
+    entries = []
+    for spec, plan in args.cases:
+        max_seq = max(s for w in args.workload for s in args.seqs[w])
+        if env.rank == 0 and not args.quiet:
+            print(f"{spec.name}/{plan}: building the model ({spec.params() / 1e9:.3f} B parameters, whole on every "
+                  "rank) and parallelizing it", flush=True)
+        template = build_template(spec, plan, env, args, max_seq)
+        # dropless MoE dispatch reads its split sizes on the host: unbacked SymInts under torch.compile (restored after)
+        scalars = spec.moe or torch._dynamo.config.capture_scalar_outputs
+        with torch._dynamo.config.patch(capture_scalar_outputs=scalars):
+            for workload in args.workload:
+                for seq in args.seqs[workload]:
+                    rows += run_case(Case(spec, plan, workload, seq, args.batch), template, env, args)
+                entries.append(coverage_entry(spec, plan, workload, rows, env.world))
+        del template
+    return rows, entries
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(argv)

@@ -1,0 +1,342 @@
+"""One backend on one case (model, plan, workload, sequence length): compile, time, collect what was fused.
+
+Timing (all times in ms): the first call (which compiles, for train the backward graph too) is timed alone, wall
+clock, and reported as the compile time (s); then ``warmup`` unmeasured steps; then ``steps`` measured ones. On CUDA
+each measured step lies between two CUDA events on the current stream, recorded back to back with no host sync
+between steps (as a training or serving loop runs); on CPU each step starts after a barrier and is timed with
+``time.perf_counter``. A backend's time is the median of its steps on each rank, then the max over ranks.
+
+A train step is forward + cross-entropy (fp32) on random target ids + backward + ``AdamW.step`` + ``zero_grad``,
+on a fresh deep copy of the case's parallelized initial model with a fresh AdamW (so every backend starts from the
+same weights and the same, empty, optimizer state) and the same batches in the same order. A prefill step is a
+no-grad forward of the same ``[batch, seq]`` ids that returns the last position's logits (``logits_to_keep=1``,
+as a server computes them); the logits compared are those of one extra call after the measured ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import math
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from . import coverage
+from .models import ModelSpec
+
+FUSING = ("flashoverlap", "flashoverlap-ro")
+GRAPHED = ("flashoverlap-ro", "inductor-ro")
+
+
+@dataclass
+class Env:
+    """The process's distributed setting. ``device``: this rank's device; ``dtype``: the model's."""
+
+    rank: int
+    world: int
+    device: torch.device
+    dtype: torch.dtype
+    mesh: Any
+    group_name: str
+    quiet: bool = False
+    symm_mem: set = field(default_factory=set)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def reduce_max(self, values: list[float]) -> list[float]:
+        """Element-wise max over the ranks (one all_reduce; NaN counts as +inf)."""
+        vals = [v if v == v else float("inf") for v in values]
+        if self.world == 1 or not vals:
+            return vals
+        t = torch.tensor(vals, dtype=torch.float64, device=self.device if self.cuda else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+
+@dataclass
+class Case:
+    spec: ModelSpec
+    plan: str
+    workload: str
+    seq: int
+    batch: int
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per step, for the whole group (every rank of the TP/EP group works on the same batch)."""
+        return self.batch * self.seq
+
+    def label(self) -> str:
+        return f"{self.spec.name}/{self.plan}/{self.workload}/s{self.seq}"
+
+
+class TrainLoss(nn.Module):
+    """``model(ids).logits`` -> fp32 cross-entropy against ``targets`` (a scalar, the same on every rank)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=ids).logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+class Prefill(nn.Module):
+    """The logits of the last position, ``[batch, vocab]`` (what a server needs from a prefill)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, logits_to_keep=1).logits[:, -1]
+
+
+class Progress:
+    """A progress bar over ``total`` steps: tqdm when installed, else a plain line at the first step, every
+    ``every_s`` seconds and at the end (flushed; the same in a terminal and a CI log). Disabled: silent."""
+
+    def __init__(self, total: int, desc: str, enabled: bool = True, every_s: float = 10.0) -> None:
+        self.total, self.desc, self.enabled, self.every_s = total, desc, enabled, every_s
+        self.done, self.t0, self.last, self.bar = 0, time.monotonic(), -math.inf, None
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, desc=desc, file=sys.stdout, ascii=True, mininterval=1.0)
+            except ImportError:
+                self.bar = None
+
+    def update(self, note: str = "") -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            if note:
+                self.bar.set_postfix_str(note, refresh=False)
+            self.bar.update(1)
+            return
+        now = time.monotonic()
+        if self.done in (1, self.total) or now - self.last >= self.every_s:
+            self.last = now
+            print(f"{self.desc}: {self.done}/{self.total} steps, {now - self.t0:.1f} s {note}".rstrip(), flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        sys.stdout.flush()
+
+
+def unavailable(backend: str, case: Case, env: Env) -> str | None:
+    """Why ``backend`` cannot run ``case`` here (shown as the row's status), or None."""
+    if backend == "inductor+async-tp":
+        if not env.cuda:
+            return "n/a (needs CUDA symmetric memory)"
+        if case.plan not in ("sp", "ep"):
+            return "n/a (async-TP rewrites all_gather/reduce_scatter matmuls: use --plan sp)"
+        if env.world == 1:
+            return "n/a (world size 1: no collectives)"
+    if backend in GRAPHED:
+        if not env.cuda:
+            return "n/a (CUDA graphs need CUDA)"
+        if case.workload != "prefill":
+            return "n/a (reduce-overhead is measured on prefill only)"
+        if case.plan == "ep":
+            return "n/a (the ep plan's data-dependent all_to_all splits cannot be captured in a CUDA graph)"
+    return None
+
+
+def compile_for(backend: str, module: nn.Module, env: Env, fuse: str, capture: coverage.GraphCapture) -> Any:
+    """``module`` as ``backend`` runs it (``eager``: unchanged). ``dynamic=False``: one static graph per shape."""
+    if backend == "eager":
+        return module
+    from torch._inductor import list_mode_options
+
+    options: dict[str, Any] = {"post_grad_custom_post_pass": capture}
+    if backend in GRAPHED:
+        options.update(list_mode_options("reduce-overhead"))
+    if backend == "inductor+async-tp":
+        options["_micro_pipeline_tp"] = True
+        if env.group_name not in env.symm_mem:
+            from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # deprecated (and unnecessary) on newer torch
+                enable_symm_mem_for_group(env.group_name)
+            env.symm_mem.add(env.group_name)
+    if backend in FUSING:
+        options["flashoverlap.fuse"] = fuse
+        return torch.compile(module, backend=flashoverlap_backend(), options=options, dynamic=False)
+    return torch.compile(module, backend="inductor", options=options, dynamic=False)
+
+
+def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """AdamW over ``model``'s parameters, DTensor and plain ones in separate groups (same settings): the
+    multi-tensor (foreach) kernels, the default on CUDA, refuse a group that mixes them."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if isinstance(p, DTensor)]},
+              {"params": [p for p in params if not isinstance(p, DTensor)]}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr)
+
+
+def flashoverlap_backend() -> Any:
+    """``"flashoverlap"`` when the ``torch_dynamo_backends`` entry point is installed (``pip install -e .``), else
+    the backend function itself (a source checkout on ``PYTHONPATH``): the same compiler either way."""
+    try:
+        torch._dynamo.lookup_backend("flashoverlap")
+        return "flashoverlap"
+    except Exception:  # noqa: BLE001 - InvalidBackend; its module moved between torch versions
+        from flashoverlap_inductor.backend import flashoverlap_backend as fn
+
+        return fn
+
+
+def make_data(case: Case, steps: int, seed: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` (ids, targets) pairs ``[batch, seq]`` of random token ids, the same on every rank."""
+    gen = torch.Generator().manual_seed(seed * 1000003 + case.seq)
+    vocab, shape = case.spec.vocab, (case.batch, case.seq)
+    if case.workload == "prefill":  # one input, run every step
+        ids = torch.randint(0, vocab, shape, generator=gen)
+        return [(ids.to(device), ids.to(device))] * steps
+    return [(torch.randint(0, vocab, shape, generator=gen).to(device),
+             torch.randint(0, vocab, shape, generator=gen).to(device)) for _ in range(steps)]
+
+
+def _progress(env: Env, total: int, desc: str) -> Progress:
+    return Progress(total, desc, enabled=env.rank == 0 and not env.quiet)
+
+
+def _measure(step, n_warm: int, n_steps: int, env: Env, bar: Progress) -> tuple[float, list[float], list[Any]]:
+    """(first call s, per-step ms of the measured steps, their outputs); see the module docstring."""
+    env.sync()
+    dist.barrier()
+    t0 = time.perf_counter()
+    step(0)
+    env.sync()
+    first_s = time.perf_counter() - t0
+    bar.update(note=f"first call {first_s:.1f} s")
+    for i in range(1, 1 + n_warm):
+        step(i)
+        bar.update()
+    env.sync()
+    dist.barrier()
+    outs, times, events = [], [], []
+    for j in range(n_steps):
+        i = 1 + n_warm + j
+        if env.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            outs.append(step(i))
+            end.record()
+            events.append((start, end))
+        else:
+            dist.barrier()
+            t = time.perf_counter()
+            outs.append(step(i))
+            times.append((time.perf_counter() - t) * 1e3)
+        bar.update()
+    if env.cuda:
+        torch.cuda.synchronize(env.device)
+        times = [s.elapsed_time(e) for s, e in events]
+    return first_s, times, outs
+
+
+def run_backend(backend: str, case: Case, template: nn.Module, data: list, env: Env, args: Any) -> dict[str, Any]:
+    """One row: ``ms`` (median step, max over ranks), ``compile_s``, ``peak_bytes``, fusion events, and under
+    ``_values`` this rank's losses (train, every measured step) or last-position logits (prefill)."""
+    from torch._inductor.utils import fresh_cache
+
+    import flashoverlap_inductor as fo
+
+    row: dict[str, Any] = {"backend": backend, "status": "ok", "note": ""}
+    capture = coverage.GraphCapture()
+    torch._dynamo.reset()
+    fo.reset_fusion_report()
+    gc.collect()
+    if env.cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(env.device)
+    model = copy.deepcopy(template)
+    n_warm, n_steps = args.warmup, args.steps
+    bar = _progress(env, 1 + n_warm + n_steps, f"{case.label()} {backend}")
+    cache = fresh_cache() if args.cache == "fresh" else contextlib.nullcontext()
+    try:
+        with cache:
+            if case.workload == "train":
+                model.train()
+                fn = compile_for(backend, TrainLoss(model), env, args.fuse, capture)
+                opt = make_optimizer(model, args.lr)
+
+                def step(i: int) -> torch.Tensor:
+                    loss = fn(*data[i])
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    return loss.detach()
+
+                first_s, times, outs = _measure(step, n_warm, n_steps, env, bar)
+                values = torch.stack(outs).double().cpu()
+            else:
+                model.eval()
+                fn = compile_for(backend, Prefill(model), env, args.fuse, capture)
+
+                def forward(i: int) -> None:  # the logits are dropped: a CUDA graph's output is overwritten
+                    fn(data[i][0])
+
+                with torch.no_grad():
+                    first_s, times, _ = _measure(forward, n_warm, n_steps, env, bar)
+                    values = fn(data[0][0]).double().cpu()  # one more call: a CUDA graph's output is reused
+                    env.sync()
+    finally:
+        bar.close()
+    row["step_ms"] = [round(t, 4) for t in times]
+    ms, first_s = env.reduce_max([float(torch.tensor(times).median()), first_s])
+    row["ms"], row["compile_s"] = ms, (first_s if backend != "eager" else None)
+    row["first_call_s"] = first_s
+    row["tokens_per_s"] = case.tokens / (ms / 1e3) if ms > 0 else None
+    row["peak_bytes"] = int(env.reduce_max([torch.cuda.max_memory_allocated(env.device)])[0]) if env.cuda else None
+    row["graphs"] = capture.graphs
+    if backend in FUSING:
+        report = fo.fusion_report()
+        row["fusion"] = {k: v for k, v in sorted(report.compile.items())}
+        row["runtime"] = {k: v for k, v in sorted(report.runtime.items())}
+        row["events"] = coverage.report_events(report)
+    row["_values"] = values
+    return row
+
+
+def release(env: Env) -> None:
+    """Free what the last backend compiled and allocated (call after its ``run_backend`` returned)."""
+    torch._dynamo.reset()
+    gc.collect()
+    if env.cuda:
+        torch.cuda.empty_cache()
+
+
+def rel_error(values: torch.Tensor, ref: torch.Tensor, workload: str) -> float:
+    """Train: the max over measured steps of ``|loss - ref| / |ref|``. Prefill: the norm-wise relative error of the
+    logits, ``||logits - ref||_2 / ||ref||_2`` (an element-wise max over a 128k vocabulary measures bf16's
+    outliers, not the model). Inf when shapes differ or anything is not finite."""
+    if values.shape != ref.shape or not bool(torch.isfinite(values).all()):
+        return float("inf")
+    if workload == "train":
+        return float(((values - ref).abs() / ref.abs().clamp_min(1e-12)).max())
+    return float((values - ref).norm() / ref.norm().clamp_min(1e-12))

@@ -1,0 +1,220 @@
+"""The end-to-end benchmark (``python -m flashoverlap_inductor.bench e2e``) on the tiny presets, 2 gloo ranks.
+
+* the plans are exact: tp / sp / ep training in eager equals the unsharded model's (losses of three AdamW steps),
+  which checks the gradient sums of replicated weights (Qwen3's q/k norms, the MoE router) and the EP dispatch;
+* tp and sp training through ``run()`` inside the rank pool: eager, Inductor and flashoverlap (``fuse="always"``)
+  match Inductor, and the pass fused the row-parallel all_reduces (tp) and reduce_scatters (sp);
+* the ep plan of the tiny MoE runs (prefill) and reports its coverage (the combine all_to_all and what blocks it);
+* the CLI itself under ``torch.distributed.run`` (prefill): exit status 0, the JSON, and the PNG when matplotlib
+  is installed;
+* argument validation (one-line errors, status 2) and the table's mismatch marking, without ranks.
+
+Compiles share one Inductor cache per run (``--cache shared``) and use one decoder layer to stay quick.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from dist_utils import get_pool  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICK = ["--device", "cpu", "--layers", "1", "--seq", "16", "--steps", "2", "--warmup", "0", "--fuse", "always",
+         "--cache", "keep", "--quiet"]
+
+
+# ------------------------------------------------------------------------------------------ rank workers
+
+
+def bench_worker(argv: list[str], json_path: str) -> dict:
+    """``run(argv + --json)`` on this rank; its status, stdout and (rank 0) the JSON."""
+    import torch.distributed as dist
+
+    from flashoverlap_inductor.bench.e2e import run
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = run([*argv, "--json", json_path])
+    data = json.loads(Path(json_path).read_text()) if dist.get_rank() == 0 else None
+    return {"rc": rc, "stdout": out.getvalue(), "json": data}
+
+
+def plans_exact_worker() -> dict:
+    """Losses of 3 eager AdamW steps, per (preset, plan) and for the unsharded model on this rank."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from flashoverlap_inductor.bench import models, plans
+
+    mesh = init_device_mesh("cpu", (2,))
+    out = {}
+    for name, plan in (("tiny-qwen3", "tp"), ("tiny-qwen3", "sp"), ("tiny-moe", "ep")):
+        spec = models.PRESETS[name].with_overrides(layers=1)
+        for label in ("whole", plan):
+            model = models.build(spec, torch.device("cpu"), torch.float32, 0, 64)
+            if label != "whole":
+                model = plans.apply(model, spec, plan, mesh)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            gen = torch.Generator().manual_seed(1)
+            losses = []
+            for _ in range(3):
+                ids, tgt = (torch.randint(0, spec.vocab, (2, 16), generator=gen) for _ in range(2))
+                loss = F.cross_entropy(model(input_ids=ids).logits.flatten(0, 1), tgt.flatten())
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            out[f"{name}/{label if label == 'whole' else plan}"] = losses
+    return out
+
+
+# ------------------------------------------------------------------------------------------ tests (2 ranks)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return get_pool(2)
+
+
+def _rows(data: dict, **match) -> list[dict]:
+    return [r for r in data["rows"] if all(r[k] == v for k, v in match.items())]
+
+
+def test_plans_match_the_unsharded_model(pool):
+    import torch
+
+    for res in pool.run(plans_exact_worker):
+        for name, plan in (("tiny-qwen3", "tp"), ("tiny-qwen3", "sp"), ("tiny-moe", "ep")):
+            torch.testing.assert_close(res[f"{name}/{plan}"], res[f"{name}/whole"], rtol=1e-5, atol=1e-6,
+                                       msg=lambda s, n=name, p=plan: f"{n} {p}: {s}")
+
+
+def test_tp_and_sp_training_match_inductor_and_fuse(pool, tmp_path):
+    argv = ["--preset", "tiny-llama", "--plan", "tp,sp", "--workload", "train", "--backends", "inductor,flashoverlap",
+            *QUICK]
+    results = pool.run(bench_worker, argv, str(tmp_path / "tp_sp.json"), timeout_s=600)
+    assert [r["rc"] for r in results] == [0, 0], results[0]["stdout"]
+    data = results[0]["json"]
+    assert data["failed"] == 0
+    for plan, collective in (("tp", "all_reduce"), ("sp", "reduce_scatter")):
+        rows = _rows(data, plan=plan, workload="train")
+        assert [r["backend"] for r in rows] == ["inductor", "flashoverlap"]
+        for r in rows:
+            assert r["status"] == "ok" and r["reference"] == "inductor", r
+            assert r["rel_err"] <= r["tolerance"] == 1e-4, r
+            assert r["ms"] > 0 and r["tokens_per_s"] > 0 and len(r["step_ms"]) == 2 and r["compile_s"] > 0, r
+        fo = rows[1]
+        assert fo["fusion"].get(f"fused:{collective}", 0) > 0, fo["fusion"]
+        assert fo["runtime"].get("route:cpu", 0) > 0, fo["runtime"]
+    tp_cov = next(e for e in data["coverage"] if e["plan"] == "tp")
+    assert tp_cov["graphs"]["forward"]["fused"].get("flashoverlap:gemm_all_reduce", 0) == 2  # o and down, 1 layer
+    assert tp_cov["graphs"]["backward"]["fused"].get("flashoverlap:gemm_all_reduce", 0) == 5  # q, k, v, gate, up
+    sp_cov = next(e for e in data["coverage"] if e["plan"] == "sp")
+    assert sp_cov["graphs"]["forward"]["fused"].get("flashoverlap:gemm_reduce_scatter", 0) == 2
+    # backward: the q/k/v (gate/up) input gradients are summed before their reduce_scatter: a near miss
+    assert sp_cov["graphs"]["backward"]["collectives"].get("reduce_scatter <- via add", 0) == 2, sp_cov
+    out = results[0]["stdout"]
+    assert "tiny-llama / sp / train" in out and "every compared row matches" in out
+    assert results[1]["stdout"] == ""  # only rank 0 prints
+
+
+def test_moe_expert_parallel_runs_and_reports_coverage(pool, tmp_path):
+    argv = ["--preset", "tiny-moe", "--plan", "ep", "--workload", "prefill", "--backends", "eager,flashoverlap",
+            *QUICK]
+    results = pool.run(bench_worker, argv, str(tmp_path / "ep.json"), timeout_s=600)
+    assert [r["rc"] for r in results] == [0, 0], results[0]["stdout"]
+    data = results[0]["json"]
+    eager, fo = _rows(data, plan="ep")
+    assert eager["status"] == fo["status"] == "ok" and fo["rel_err"] <= 1e-4, fo
+    assert fo["fusion"].get("fused:reduce_scatter", 0) == 1, fo["fusion"]  # the attention's o projection
+    cov = data["coverage"][0]
+    fwd = cov["graphs"]["inference"]["collectives"]
+    # 2 local experts per rank: the un-permutation (index_copy -> index_put) stands before the combine all_to_all
+    assert fwd.get("all_to_all <- via index_put", 0) == 1, cov
+    assert any("MoE combine: not matched: index_put" in n for n in cov["notes"]), cov["notes"]
+    assert "near_miss:index_put" in fo["fusion"], fo["fusion"]
+    assert "MoE combine" in results[0]["stdout"]
+
+
+def test_cli_under_torchrun_writes_json_and_png(tmp_path):
+    out_json, out_png = tmp_path / "e2e.json", tmp_path / "e2e.png"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "flashoverlap_inductor.bench", "e2e", "--preset", "tiny-llama", "--plan", "tp",
+           "--workload", "prefill", "--backends", "eager,flashoverlap", *QUICK,
+           "--json", str(out_json), "--png", str(out_png)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    data = json.loads(out_json.read_text())
+    assert data["meta"]["world"] == 2 and data["meta"]["device"] == "cpu" and data["failed"] == 0
+    fo = _rows(data, backend="flashoverlap")[0]
+    assert fo["status"] == "ok" and fo["fusion"].get("fused:all_reduce", 0) == 2, fo
+    assert fo["reference"] == "eager" and fo["rel_err"] <= 1e-4
+    for backend in ("inductor+async-tp", "flashoverlap-ro"):
+        assert backend not in proc.stdout  # not selected
+    assert "model" in proc.stdout and "ms/step" in proc.stdout
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert out_png.stat().st_size > 1000
+    else:
+        assert not out_png.exists() and "no PNG" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------ no ranks
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "tiny-llama", "--heads", "3", "--head-dim", "16"], "attention heads (3)"),
+    (["--preset", "tiny-llama", "--plan", "ep"], "plan ep needs a MoE model"),
+    (["--preset", "tiny-moe", "--plan", "tp"], "is a MoE model"),
+    (["--preset", "tiny-llama", "--plan", "sp", "--seq", "15"], "do not divide by the world size"),
+    (["--preset", "tiny-moe", "--experts", "3"], "3 experts do not divide"),
+    (["--preset", "tiny-llama", "--experts", "4"], "apply to MoE presets"),
+])
+def test_invalid_arguments_are_one_line_errors(argv, message, capsys):
+    from flashoverlap_inductor.bench import cli
+
+    args = cli.build_parser().parse_args(argv)
+    with pytest.raises(cli.UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        cli.resolve(args, "cpu", 2)
+
+
+def test_usage_error_exit_status(capsys):
+    import torch.distributed as dist
+
+    from flashoverlap_inductor.bench.__main__ import main
+
+    before = dist.is_initialized()
+    assert main(["e2e", "--device", "cpu", "--preset", "tiny-llama", "--plan", "ep"]) == 2  # in a world of one
+    assert dist.is_initialized() == before  # the group it made is gone
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["e2e: error: plan ep needs a MoE model; tiny-llama is dense (use tp or sp)"]
+
+
+def test_table_marks_mismatch_and_na():
+    import torch
+
+    from flashoverlap_inductor.bench import output
+    from flashoverlap_inductor.bench.runner import rel_error
+
+    assert rel_error(torch.tensor([2.0, 4.0]), torch.tensor([2.0, 4.0004]), "train") == pytest.approx(1e-4, rel=1e-3)
+    assert rel_error(torch.tensor([float("nan")]), torch.tensor([1.0]), "train") == float("inf")
+    base = {"model": "m", "plan": "tp", "workload": "train", "seq": 8}
+    rows = [{**base, "backend": "inductor", "status": "ok", "ms": 2.0, "speedup": 1.0, "rel_err": 0.0},
+            {**base, "backend": "flashoverlap", "status": "MISMATCH", "ms": 1.0, "speedup": 2.0, "rel_err": 0.5,
+             "note": "differs", "fusion": {"fused:all_reduce": 3, "skip:cost_model": 1}},
+            {**base, "backend": "inductor+async-tp", "status": "n/a", "note": "n/a (needs CUDA symmetric memory)"}]
+    text = output.table(rows)
+    assert "MISMATCH" in text and "fused AR 3; skip cost_model 1" in text and "needs CUDA symmetric memory" in text
