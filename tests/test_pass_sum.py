@@ -46,6 +46,23 @@ class TestSumOfGemms(FakePGTestCase):
         self.assertEqual(dict(counters), {"fused:reduce_scatter": 1})
         self.assert_rewrites_equivalent()
 
+    def test_viewed_terms_and_scatter_over_the_sequence_dim(self):
+        """HF sequence parallelism's backward: each GEMM viewed as [b, s, h], summed, then reduce_scatter over the
+        sequence dim (funcol's split/cat form)."""
+        g = self.group
+
+        def fn(a1, a2, w1, w2):
+            y = (a1 @ w1).view(2, 32, 48) + (a2 @ w2).view(2, 32, 48)
+            return funcol.reduce_scatter_tensor(y, "sum", 1, g)
+
+        (gm,), _ = self.capture(fn, torch.randn(64, 24), torch.randn(64, 40), torch.randn(24, 48),
+                                torch.randn(40, 48))
+        code = graph_str(gm)
+        self.assertEqual(code.count("flashoverlap.gemm_reduce_scatter"), 1)
+        self.assertNotIn("aten.add", code)
+        self.assertEqual(dict(counters), {"fused:reduce_scatter": 1})
+        self.assert_rewrites_equivalent()
+
     def test_the_event_names_the_sum(self):
         g = self.group
         with self.assertLogs("flashoverlap", level="INFO") as logs:

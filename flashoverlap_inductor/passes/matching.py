@@ -16,6 +16,7 @@ Recognized forms (torch 2.11 and 2.13 post-grad graphs, see torch_compile.md §3
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -266,18 +267,14 @@ class Fusion:
 
 @dataclass
 class SumOfGemms:
-    """The add tree ``root`` (its adds, then its ``terms``, in graph order) and the node consuming it."""
+    """The add tree ``root`` (its ``adds`` root first, then its ``terms``: ``mm`` nodes, each maybe behind one
+    row-regrouping view in ``term_views``), whose every user is on the chain to the collective."""
 
     root: Node
     adds: list[Node]
     terms: list[Node]
-    consumer: Node
-    staged: list[Node] | None = None  # cat(a), cat(b), mm, once staged
-
-    @property
-    def gemm(self) -> Node:
-        assert self.staged is not None
-        return self.staged[-1]
+    term_views: list[Node | None]
+    staged: list[Node] | None = None  # cat(a), cat(b), mm[, view to the root's shape], once staged
 
     def k_sizes(self) -> list[Any]:
         return [val(t.args[0]).shape[1] for t in self.terms]
@@ -287,30 +284,37 @@ class SumOfGemms:
 
     def copy_elements(self) -> tuple[Any, Any]:
         """(elements the cats move, elements the adds moved), each counted read + write."""
-        m, n = val(self.root).shape
+        m, n = val(self.terms[0]).shape
         k = sum(self.k_sizes())
         return 2 * (m * k + k * n), 3 * (len(self.terms) - 1) * m * n
 
 
 def find_sum(wait: Node) -> SumOfGemms | None:
-    """The sum-of-GEMMs form behind ``wait``'s collective (``passes/sum_of_gemms.py``), or None."""
+    """The sum-of-GEMMs form behind ``wait``'s collective (``passes/sum_of_gemms.py``): through views and, for a
+    reduce_scatter, funcol's split/cat form, as the main match accepts them; or None."""
     coll = wait.args[0] if wait.args else None
     if not isinstance(coll, Node) or coll.target not in COLLECTIVE_OPS:
         return None
-    consumer, x = coll, coll.args[0]
+    x = coll.args[0]
+    if COLLECTIVE_OPS[coll.target] == "reduce_scatter" and isinstance(x, Node) and x.target is aten.cat.default:
+        scatter = match_scatter_cat(x)
+        x = scatter.source if scatter is not None else None
     while isinstance(x, Node) and x.target in VIEW_OPS and len(x.users) == 1:
-        consumer, x = x, x.args[0]
-    if not (isinstance(x, Node) and _is_plain_add(x) and len(x.users) == 1):
+        x = x.args[0]
+    if not (isinstance(x, Node) and _is_plain_add(x)):
         return None
-    adds, terms = [], []
-    if not _collect(x, adds, terms) or len(terms) < 2:
+    adds, terms, views = [], [], []
+    if not _collect(x, adds, terms, views) or len(terms) < 2:
         return None
-    y = val(x)
-    shapes_ok = all(isinstance(val(t), torch.Tensor) and val(t).dim() == 2 and val(t).dtype == y.dtype and
-                    known_eq(val(t).shape[0], y.shape[0]) and known_eq(val(t).shape[1], y.shape[1]) for t in terms)
-    if not shapes_ok or y.dim() != 2:
+    y, m, n = val(x), val(terms[0]).shape[0], val(terms[0]).shape[1]
+    if not all(isinstance(val(t), torch.Tensor) and val(t).dim() == 2 and val(t).dtype == y.dtype and
+               known_eq(val(t).shape[0], m) and known_eq(val(t).shape[1], n) for t in terms):
         return None
-    return SumOfGemms(x, adds, terms, consumer)
+    if not (known_eq(y.shape[-1], n) and known_eq(math.prod(y.shape[:-1]), m)):  # the sum only regroups rows
+        return None
+    if any(v is not None and list(val(v).shape) != list(y.shape) for v in views):
+        return None
+    return SumOfGemms(x, adds, terms, views)
 
 
 def _is_plain_add(node: Node) -> bool:
@@ -318,12 +322,17 @@ def _is_plain_add(node: Node) -> bool:
             and all(isinstance(a, Node) for a in node.args[:2]))
 
 
-def _collect(node: Node, adds: list[Node], terms: list[Node]) -> bool:
-    """Walk the add tree under ``node`` (root first): True iff every leaf is a one-user 2-D ``mm``."""
+def _collect(node: Node, adds: list[Node], terms: list[Node], views: list[Node | None]) -> bool:
+    """Walk the add tree under ``node`` (root first): True iff every leaf is a one-user ``mm``, directly or behind
+    one one-user view, and every inner node a one-user plain add."""
+    view = None
+    if node.target in VIEW_OPS and isinstance(node.args[0], Node) and node.args[0].target is aten.mm.default:
+        view, node = node, node.args[0]
     if node.target is aten.mm.default:
         terms.append(node)
+        views.append(view)
         return len(node.users) == 1
     if not _is_plain_add(node):
         return False
     adds.append(node)
-    return all(len(arg.users) == 1 and _collect(arg, adds, terms) for arg in node.args[:2])
+    return all(len(arg.users) == 1 and _collect(arg, adds, terms, views) for arg in node.args[:2])

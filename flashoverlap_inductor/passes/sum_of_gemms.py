@@ -31,30 +31,34 @@ aten = torch.ops.aten
 
 
 def stage(form: SumOfGemms, graph: torch.fx.Graph) -> Node:
-    """Insert ``mm(cat(a_i, 1), cat(b_i, 0))`` before the root and make the consumer read it."""
+    """Insert ``mm(cat(a_i, 1), cat(b_i, 0))`` (viewed as the root, when the terms were viewed) before the root and
+    make the root's users read it."""
     build = _Builder(graph, form.terms[0])
     with graph.inserting_before(form.root):
         cat_a = build.call(aten.cat.default, ([t.args[0] for t in form.terms], 1))
         cat_b = build.call(aten.cat.default, ([t.args[1] for t in form.terms], 0))
-        mm = build.call(aten.mm.default, (cat_a, cat_b))
-    form.consumer.replace_input_with(form.root, mm)
-    form.staged = [cat_a, cat_b, mm]
+        out = mm = build.call(aten.mm.default, (cat_a, cat_b))
+        form.staged = [cat_a, cat_b, mm]
+        view = next((v for v in form.term_views if v is not None), None)
+        if view is not None:  # the terms' own view arguments (defined before the root) give the root's shape
+            out = build.call(view.target, (mm, *view.args[1:]))
+            form.staged.append(out)
+    form.root.replace_all_uses_with(out)
     return mm
 
 
 def unstage(form: SumOfGemms, graph: torch.fx.Graph) -> None:
-    """Undo ``stage`` (the chain still ends in the staged ``mm``: nothing fused it)."""
+    """Undo ``stage`` (the chain still ends in the staged nodes: nothing fused them)."""
     assert form.staged is not None
-    cat_a, cat_b, mm = form.staged
-    form.consumer.replace_input_with(mm, form.root)
-    for node in (mm, cat_b, cat_a):
+    form.staged[-1].replace_all_uses_with(form.root)
+    for node in reversed(form.staged):
         graph.erase_node(node)
     form.staged = None
 
 
 def erase_terms(form: SumOfGemms, graph: torch.fx.Graph) -> None:
-    """After the fused op replaced the chain: remove the old adds and terms (now unused)."""
-    for node in [*form.adds, *reversed(form.terms)]:
+    """After the fused op replaced the chain: remove the old adds, views and terms (now unused)."""
+    for node in [*form.adds, *(v for v in reversed(form.term_views) if v is not None), *reversed(form.terms)]:
         graph.erase_node(node)
 
 
