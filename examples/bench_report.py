@@ -10,6 +10,7 @@ from typing import Any
 
 from flashoverlap_inductor import kernel_select
 from flashoverlap_inductor import tune_measure as tm
+from flashoverlap_inductor.bench.output import _jsonable  # JSON-safe: non-finite floats -> null, keys -> str
 from flashoverlap_inductor.tune_rows import BENCH_RING_ROUNDS, route_of_launch
 
 OPS = ("all_reduce", "reduce_scatter", "all_to_all")
@@ -221,16 +222,6 @@ def plot(rows: list[dict[str, Any]], path: str, world: int) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return f"wrote {path}"
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x
 
 
 def write_json(path: str | None, meta: dict[str, Any], rows: list[dict[str, Any]], world: int) -> dict[str, Any]:
