@@ -9,6 +9,13 @@ added on every rank *before* the reduction), then a collective over ``y`` along 
 * ``gemm_reduce_scatter``: rank r's contiguous shard ``y.shape[0] / group_size`` of the sum along dim 0.
 * ``gemm_all_to_all``: like ``all_to_all_single(y, output_split_sizes, input_split_sizes)`` (None = even).
 
+And the other way round, a collective *before* the GEMMs:
+
+* ``all_gather_gemm``: ``g = cat(shards of a over the group, gather_dim)``, then ``y_i = g.reshape(-1, K) @ b[i]
+  (+ bias[i])`` for each ``b[i]`` [K, N_i] (several GEMMs sharing one gather: q/k/v, gate/up). Returns ``[y_0, ...,
+  y_{n-1}]`` ([rows, N_i] each, rows = g's flattened rows), then ``g`` itself when ``return_gathered`` (the backward
+  saves it). Row geometry and order: ``schedule.gather``.
+
 Results are contiguous. The runtimes work on the *flattened rows* of ``y`` (``[rows, N]`` with ``rows =
 prod(y.shape[:-1])``); one dim-0 element of a 3D ``y`` is ``unit = y.shape[1]`` flattened rows, so dim-0 split
 sizes become row counts by multiplying with ``unit``. A call whose ``y`` is empty on every rank (any zero size
@@ -31,6 +38,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from . import routes
 from .routes.unfused import reduce_scatter_into  # noqa: F401  (the version shim tools import from here)
+from .schedule import gather as gather_schedule
 from .schedule.steps import all_to_all_splits, even_splits
 
 log = logging.getLogger("flashoverlap")
@@ -44,6 +52,8 @@ _SCHEMAS = {
                            "str plan, str settings=\"\") -> Tensor",
     "gemm_all_to_all": "(Tensor a, Tensor b, Tensor? bias, SymInt[]? output_split_sizes, "
                        "SymInt[]? input_split_sizes, str group_name, str plan, str settings=\"\") -> Tensor",
+    "all_gather_gemm": "(Tensor a, Tensor[] b, Tensor?[] bias, int gather_dim, int group_size, str group_name, "
+                       "str plan, bool return_gathered, str settings=\"\") -> Tensor[]",
 }
 
 # ----------------------------------------------------------------------------------------------- validation
@@ -167,6 +177,56 @@ def _(a, b, bias, output_split_sizes, input_split_sizes, group_name, plan, setti
     return _new_output(a, [rows, *shape[1:]])
 
 
+def check_gather(a: torch.Tensor, b: list, bias: list, gather_dim: int, group_size: int) -> list[list[int]]:
+    """Validate an ``all_gather_gemm`` call; returns the output shapes (``[rows, N_i]`` per GEMM, then the gathered
+    shape). Raises ``ValueError`` with the reason."""
+    if a.dim() < 2:
+        raise ValueError(f"flashoverlap: all_gather_gemm needs a shard of at least 2 dims, got a{tuple(a.shape)}")
+    if not 0 <= gather_dim < a.dim() - 1:
+        raise ValueError(f"flashoverlap: gather_dim {gather_dim} must be a row dim of a{tuple(a.shape)} (0 .. "
+                         f"{a.dim() - 2}; the last dim is K)")
+    if group_size < 1:
+        raise ValueError(f"flashoverlap: group_size {group_size} < 1")
+    if not b or len(bias) != len(b):
+        raise ValueError(f"flashoverlap: all_gather_gemm needs one or more b and one bias (or None) per b, got "
+                         f"{len(b)} b and {len(bias)} bias")
+    gathered = gather_schedule.gathered_shape(a.shape, gather_dim, group_size)
+    rows = math.prod(gathered[:-1])
+    shapes = []
+    for i, (w, c) in enumerate(zip(b, bias, strict=True)):
+        if w.dim() != 2:
+            raise ValueError(f"flashoverlap: all_gather_gemm b[{i}] must be [K, N], got {tuple(w.shape)}")
+        if c is not None and (c.dim() > 2 or (c.dim() == 2 and c.shape[0] != 1)):
+            raise ValueError(f"flashoverlap: all_gather_gemm bias[{i}] must be [N] or [1, N] (the same for every "
+                             f"row), got {tuple(c.shape)}")
+        shapes.append(gemm_output_shape(a.reshape(-1, a.shape[-1]) if a.dim() > 2 else a, w, c))
+        shapes[-1][0] = rows
+    return [*shapes, gathered]
+
+
+def _all_gather_gemm(a, b, bias, gather_dim, group_size, group_name, plan, return_gathered, settings=""):
+    shapes = check_gather(a, b, bias, gather_dim, group_size)
+    group = resolve_group(group_name)
+    if group_size != group.size():
+        raise ValueError(f"flashoverlap: group_size {group_size} != size {group.size()} of group {group_name!r}")
+    if math.prod(shapes[-1]) == 0:  # every rank's shard is empty alike (all_gather: equal shapes)
+        # K = 0: each GEMM sums nothing (y = bias, or 0); no rows: empty results
+        outs = [a.new_zeros(s) if c is None else c.expand(s).contiguous() for s, c in zip(shapes[:-1], bias, strict=True)]
+        return [*outs, a.new_empty(shapes[-1])] if return_gathered else outs
+    return routes.dispatch("all_gather", a, list(b), list(bias), group, plan, settings, shapes[-1],
+                           gather_dim=gather_dim, return_gathered=return_gathered)
+
+
+all_gather_gemm = torch.library.custom_op(f"{NAMESPACE}::all_gather_gemm", mutates_args=(),
+                                          schema=_SCHEMAS["all_gather_gemm"])(_all_gather_gemm)
+
+
+@all_gather_gemm.register_fake
+def _(a, b, bias, gather_dim, group_size, group_name, plan, return_gathered, settings=""):
+    shapes = check_gather(a, b, bias, gather_dim, group_size)
+    return [_new_output(a, s) for s in (shapes if return_gathered else shapes[:-1])]
+
+
 # The CUDA fast path. custom_op's own layers (autograd wrapper, dynamo guard, aliasing check) cost ~130 us of host
 # time per call on torch 2.11 (examples/device/host_profile.py). Two plain kernels replace them for CUDA tensors:
 # on AutogradCUDA, a check (the ops have no autograd formula: the pass inserts them after autograd; with grad
@@ -182,7 +242,8 @@ def _autograd_cuda_kernel(name: str, impl):
     op = getattr(torch.ops.flashoverlap, name).default
 
     def kernel(keyset, *args):
-        if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in args):
+        flat = [y for x in args for y in (x if isinstance(x, (list, tuple)) else (x,))]
+        if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in flat):
             raise RuntimeError(f"{NAMESPACE}::{name} has no autograd formula; it is meant for graphs after autograd "
                                "(torch.compile with backend='flashoverlap' inserts it there)")
         below = keyset & _AFTER_AUTOGRAD
@@ -193,7 +254,7 @@ def _autograd_cuda_kernel(name: str, impl):
 
 
 for _name, _impl in (("gemm_all_reduce", _gemm_all_reduce), ("gemm_reduce_scatter", _gemm_reduce_scatter),
-                     ("gemm_all_to_all", _gemm_all_to_all)):
+                     ("gemm_all_to_all", _gemm_all_to_all), ("all_gather_gemm", _all_gather_gemm)):
     _fast_lib.impl(_name, _autograd_cuda_kernel(_name, _impl), "AutogradCUDA", with_keyset=True)
     _fast_lib.impl(_name, _impl, "CUDA")
 
@@ -201,6 +262,7 @@ FUSED_OPS = (
     torch.ops.flashoverlap.gemm_all_reduce.default,
     torch.ops.flashoverlap.gemm_reduce_scatter.default,
     torch.ops.flashoverlap.gemm_all_to_all.default,
+    torch.ops.flashoverlap.all_gather_gemm.default,
 )
 # Every rank must run its collectives: never let DCE drop a fused op whose output looks unused.
 for _op in FUSED_OPS:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from .. import _inductor_compat as compat
 from .. import config, faults, kernel_select, streams
 from ..schedule import steps as schedule
-from . import agree, cpu, nccl, peer, ring, unfused
+from . import agree, cpu, gather_nccl, nccl, peer, ring, unfused
 from .base import Call, Context, Route, forget_notes, note, stats
 
 __all__ = ["REGISTRY", "Call", "Context", "Route", "candidates", "check", "dispatch", "make_call", "note", "reset",
@@ -49,7 +49,7 @@ log = logging.getLogger("flashoverlap")
 
 
 # In order of preference: the first route whose ``unsupported`` is None takes a call.
-REGISTRY: list[Route] = [ring.ROUTE, peer.ROUTE, nccl.ROUTE, unfused.ROUTE, cpu.ROUTE]
+REGISTRY: list[Route] = [ring.ROUTE, peer.ROUTE, nccl.ROUTE, gather_nccl.ROUTE, unfused.ROUTE, cpu.ROUTE]
 last_launch: Any = None
 MAX_ENTRIES = 512
 _memo: collections.OrderedDict[tuple, _Entry] = collections.OrderedDict()  # LRU order
@@ -103,6 +103,11 @@ def make_call(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Ten
     world, rank = group.size(), group.rank()
     rows, n, k = math.prod(y_shape[:-1]), y_shape[-1], a.shape[-1]
     send_rows = recv_rows = None
+    if collective == "all_gather":  # rows: the gathered rows; n: all GEMMs' columns; the GEMMs are cuBLAS's
+        n = sum(w.shape[-1] for w in b)
+        call = Call(collective, rows, n, k, a.dtype, world, rank, "cuda" if cuda else "cpu", None, plan,
+                    group_name=getattr(group, "group_name", str(id(group))))
+        return call, None, list(y_shape)
     if collective == "all_reduce":
         out_shape = list(y_shape)
     elif collective == "reduce_scatter":
@@ -128,30 +133,40 @@ def make_call(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Ten
     return call, opnd, out_shape
 
 
-def dispatch(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup,
-             plan: str, settings_key: str, y_shape: list[int], output_split_sizes: Sequence[int] | None = None,
-             input_split_sizes: Sequence[int] | None = None) -> torch.Tensor:
-    """Run one fused call on the first route that takes it (see the module docstring)."""
+def dispatch(collective: str, a: torch.Tensor, b: Any, bias: Any, group: dist.ProcessGroup, plan: str,
+             settings_key: str, y_shape: list[int], output_split_sizes: Sequence[int] | None = None,
+             input_split_sizes: Sequence[int] | None = None, gather_dim: int = 0,
+             return_gathered: bool = False) -> Any:
+    """Run one fused call on the first route that takes it (see the module docstring). ``b`` / ``bias``: a tensor
+    (None), or for all_gather a list of them; ``y_shape``: the GEMM output's shape, for all_gather the gathered
+    tensor's."""
     settings = config.from_key(settings_key)  # "" (an eager call): the current settings, under their own key
     with config.using(settings):  # everything below (library, data files, cost model) reads these settings
         return _dispatch(collective, a, b, bias, group, plan, settings, y_shape, output_split_sizes,
-                         input_split_sizes)
+                         input_split_sizes, gather_dim, return_gathered)
 
 
-def _dispatch(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup,
+def _layout_key(x: Any) -> Any:
+    """Shapes and strides of a tensor, of None, or of a list of them (never a pointer)."""
+    if isinstance(x, (list, tuple)):
+        return tuple(_layout_key(t) for t in x)
+    return None if x is None else (x.shape, x.stride())
+
+
+def _dispatch(collective: str, a: torch.Tensor, b: Any, bias: Any, group: dist.ProcessGroup,
               plan: str, settings: config.Settings, y_shape: list[int], output_split_sizes: Sequence[int] | None,
-              input_split_sizes: Sequence[int] | None) -> torch.Tensor:
+              input_split_sizes: Sequence[int] | None, gather_dim: int = 0, return_gathered: bool = False) -> Any:
     global last_launch
     cuda = _on_cuda(a)
     if cuda and a.device.type == "cuda" and a.device.index != compat.current_device():  # launches need it current
         with torch.cuda.device(a.device):
             return _dispatch(collective, a, b, bias, group, plan, settings, y_shape, output_split_sizes,
-                             input_split_sizes)
+                             input_split_sizes, gather_dim, return_gathered)
     capturing = _capturing(a)
     # shapes and strides only (never a pointer): every rank builds the same key for the same call
-    key = (collective, plan, settings.key(), a.shape, a.stride(), b.shape, b.stride(),
-           None if bias is None else (bias.shape, bias.stride()), a.dtype, a.device, id(group),
-           output_split_sizes and tuple(output_split_sizes), input_split_sizes and tuple(input_split_sizes))
+    key = (collective, plan, settings.key(), a.shape, a.stride(), _layout_key(b), _layout_key(bias), a.dtype,
+           a.device, id(group), output_split_sizes and tuple(output_split_sizes),
+           input_split_sizes and tuple(input_split_sizes), gather_dim, return_gathered)
     with _lock:
         entry = _memo.get(key)
         if entry is None:
@@ -164,19 +179,18 @@ def _dispatch(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Ten
             entry = _memo[key] = _Entry(call, out_shape, found, _slug(declined[-1]) if declined else "")
         else:
             call, out_shape, opnd = entry.call, entry.out_shape, None
-            if cuda and call.operand_issue is None:
+            if cuda and call.operand_issue is None and collective != "all_gather":
                 opnd = kernel_select.normalize_operands(a, b, bias, collective)
         _memo.move_to_end(key)
         ctx = Context(a, b, bias, group, y_shape, out_shape, plan, settings, opnd, None, capturing,
-                      output_split_sizes, input_split_sizes)
+                      output_split_sizes, input_split_sizes, gather_dim, return_gathered)
         if cuda:
             ctx.res = streams.resources(a.device.index or 0)
             if not capturing:  # a fault an earlier call (or graph replay) recorded: raise it, before this call
                 faults.raise_pending(a.device.index or 0)
         if not entry.agreed and not capturing:  # before any route acts: ranks that disagree fail here, together
             gpu = ctx.res.name if ctx.res is not None else a.device.type
-            agree.check(agree.items(call, settings, entry.routes, gpu), group,
-                        f"{collective} of a {list(a.shape)} @ {list(b.shape)} {call.dtype_name} GEMM")
+            agree.check(agree.items(call, settings, entry.routes, gpu), group, _what(collective, a, b, call))
             entry.agreed = True
         reason = entry.declined
         for route in entry.routes:
@@ -213,6 +227,14 @@ def _dispatch(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Ten
                 _captured.add(key)
             return out
     raise RuntimeError(f"flashoverlap: no route ran {call}")  # unreachable: unfused and cpu always run
+
+
+def _what(collective: str, a: torch.Tensor, b: Any, call: Call) -> str:
+    """The call in words, for errors."""
+    if isinstance(b, (list, tuple)):
+        return f"{collective} of a {list(a.shape)} shard, then {len(b)} GEMM(s) with N={[w.shape[-1] for w in b]} " \
+               f"({call.dtype_name})"
+    return f"{collective} of a {list(a.shape)} @ {list(b.shape)} {call.dtype_name} GEMM"
 
 
 def _slug(why: str) -> str:

@@ -49,11 +49,12 @@ class Call:
 
 @dataclass
 class Context:
-    """One call's tensors and device state, handed to ``make_launch`` and ``execute``."""
+    """One call's tensors and device state, handed to ``make_launch`` and ``execute``. For all_gather, ``b`` and
+    ``bias`` are lists (one per GEMM), ``y_shape`` is the gathered tensor's shape and ``out_shape`` too."""
 
     a: torch.Tensor
-    b: torch.Tensor
-    bias: torch.Tensor | None
+    b: Any
+    bias: Any
     group: dist.ProcessGroup
     y_shape: list[int]  # the shape of a @ b
     out_shape: list[int]  # the op's output shape
@@ -64,6 +65,8 @@ class Context:
     capturing: bool = False
     output_split_sizes: Sequence[int] | None = None
     input_split_sizes: Sequence[int] | None = None
+    gather_dim: int = 0  # all_gather: the dim of ``a`` the shards are concatenated along (``schedule.gather``)
+    return_gathered: bool = False  # all_gather: also return the gathered tensor
 
 
 class Route(Protocol):

@@ -41,6 +41,8 @@ import torch.distributed as dist
 from .. import config, errors
 from ..schedule.steps import GroupStep, schedule_steps
 from .base import LastResortRoute
+from .gather_nccl import unsupported_plan
+from .gather_ring import GatherCall, run_host
 from .unfused import reduce_scatter_into
 
 log = logging.getLogger("flashoverlap")
@@ -205,6 +207,19 @@ def issue_group(collective: str, g: int, step: GroupStep, buf: torch.Tensor, out
     return [w for w in works if w is not None]
 
 
+def _run_gather(ctx) -> list[torch.Tensor]:
+    """all_gather -> GEMMs: the ring of ``gather_ring`` with host waits, then the failure exchange (as above: every
+    rank raises when one failed)."""
+    why = unsupported_plan(ctx.plan)
+    if why is not None:
+        raise ValueError(f"flashoverlap: {why}")
+    call = GatherCall(ctx)
+    failure = run_host(call)
+    buf = call.outs[0]
+    _settle(failure, "all_gather", list(ctx.y_shape), buf, ctx.group, ctx.plan)
+    return call.result()
+
+
 class CpuRoute(LastResortRoute):
     """The route of every non-CUDA call (gloo): the schedule above, always."""
 
@@ -216,6 +231,8 @@ class CpuRoute(LastResortRoute):
 
     def execute(self, launch: tuple, ctx) -> torch.Tensor:
         call, a, y_shape = launch[0], ctx.a, ctx.y_shape
+        if call.collective == "all_gather":
+            return _run_gather(ctx)
         out = torch.empty(ctx.out_shape, dtype=a.dtype, device=a.device)
         buf = out.view(-1, y_shape[-1]) if call.collective == "all_reduce" else \
             torch.empty(call.rows, y_shape[-1], dtype=a.dtype, device=a.device)

@@ -48,6 +48,7 @@ from .base import note
 
 log = logging.getLogger("flashoverlap")
 
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")  # GEMM -> collective: the signal-GEMM's
 RASTER = kernels.RASTERS["along_n"]  # row-major tile order: tile-rows, hence groups, complete in order
 SIGNAL_DEFERRED = kernels.SIGNAL_MODES["deferred"]
 
@@ -189,6 +190,8 @@ class NcclRoute:
     last_resort = False
 
     def unsupported(self, call, settings: config.Settings) -> str | None:
+        if call.collective not in COLLECTIVES:
+            return f"{call.collective} has no wave-group route"
         if call.dtype not in nccl_direct.NCCL_DTYPES:
             return f"dtype: no NCCL type for {call.dtype}"
         return unsupported_operands(call, settings)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..schedule import gather as gather_schedule
 from ..schedule import steps as schedule
 from .base import LastResortRoute, stats
 
@@ -27,6 +28,18 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.T
     else:
         y = torch.matmul(a, b) if bias is None else torch.matmul(a, b).add_(bias)
     return y.contiguous()
+
+
+def gather_then_gemms(a: torch.Tensor, b: list, bias: list, group: dist.ProcessGroup, gather_dim: int,
+                      shape: list[int], return_gathered: bool) -> list[torch.Tensor]:
+    """all_gather -> GEMMs, unfused: one all_gather of the shard, the gathered tensor, one GEMM per weight."""
+    geo = gather_schedule.geometry(list(a.shape), gather_dim, group.size())
+    staging = a.new_empty(group.size(), geo.shard_rows, geo.k)
+    dist.all_gather_into_tensor(staging, a.reshape(geo.shard_rows, geo.k).contiguous(), group=group)
+    g = gather_schedule.assemble(staging, geo, shape)
+    flat = g.reshape(-1, geo.k)
+    outs = [gemm(flat, w, c) for w, c in zip(b, bias, strict=True)]
+    return [*outs, g] if return_gathered else outs
 
 
 def run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup,
@@ -52,6 +65,9 @@ class UnfusedRoute(LastResortRoute):
 
     def execute(self, launch: tuple[str], ctx) -> torch.Tensor:
         stats["unfused"] += 1
+        if launch[0] == "all_gather":
+            return gather_then_gemms(ctx.a, ctx.b, ctx.bias, ctx.group, ctx.gather_dim, ctx.y_shape,
+                                     ctx.return_gathered)
         return run(launch[0], ctx.a, ctx.b, ctx.bias, ctx.group, ctx.output_split_sizes, ctx.input_split_sizes)
 
 
