@@ -184,7 +184,9 @@ def decide_cache_info() -> functools._CacheInfo:
 
 def clear_caches() -> None:
     """Forget memoized decisions and loaded data (after changing data files)."""
-    registry.clear_caches((_decide.cache_clear,))
+    from .gather import decide_cache_clear
+
+    registry.clear_caches((_decide.cache_clear, decide_cache_clear))
 
 
 # Device-memory copy rates (bytes per ms, each byte counted once whether read or written): about 80% of the HBM peak

@@ -26,7 +26,7 @@ import flashoverlap_inductor.ops  # noqa: F401  (registers torch.ops.flashoverla
 from flashoverlap_inductor import _inductor_compat as compat
 from flashoverlap_inductor import config
 
-from . import cache_key, rewrite, sum_of_gemms
+from . import all_gather, cache_key, rewrite, sum_of_gemms
 from .matching import (
     Fusion,
     GemmCollectiveMatch,
@@ -88,6 +88,7 @@ class FlashOverlapPass(compat.CustomGraphPass):
                        fusion.rows, fusion.n, fusion.k, fusion.dtype, fusion.group_name, fusion.group_size,
                        fusion.plan)
         fused += self._fuse_sums(graph)
+        fused += all_gather.fuse_gathers(graph, self.settings)
         if fused:
             graph.lint()
         return fused

@@ -59,6 +59,9 @@ SKIP_REASONS = {
     "cost_model_error": "under 'auto': the cost model failed",
     "all_to_all_auto": "under 'auto': all_to_all is fused only under 'always' (ranks may hold different rows, so a "
                        "per-rank verdict could differ between ranks)",
+    "no_gemm_consumer": "all_gather: no GEMM reads the gathered rows (as the A operand of mm/addmm)",
+    "inputs_after_use": "all_gather: a GEMM's weight is computed after the gathered rows are first used, by ops "
+                        "that cannot move",
     "internal_error": "the checks raised (a bug in the pass; logged with its traceback)",
 }
 

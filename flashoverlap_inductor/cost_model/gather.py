@@ -1,0 +1,105 @@
+"""``decide_gather``: should an all_gather and the GEMMs that consume the gathered rows be fused (ms throughout)?
+
+Sequential: the all_gather of the whole gathered tensor (``rows x k`` elements) on the bandwidth curve, then each
+GEMM ``rows x k @ k x n_i`` as cuBLAS runs it (``GemmModel.reference_ms``).
+
+Fused (the ring of ``schedule.gather``, both routes): shard j lands at ``s * step`` (s = its ring step, 1 ..
+world-1), where ``step`` is one ring step's transfer: the all_gather's time over ``world - 1`` steps, at least the
+curve's per-call floor plus ``call_overhead_ms`` (each step is a call of its own). The GEMMs run shard by shard:
+the local shard at once, then each shard when it has landed and the previous shard's GEMMs are done; every shard's
+GEMMs take ``reference_ms(shard_rows, n_i, k)`` (cuBLAS at the smaller M: wave quantization counted), slowed by
+``GemmModel.effective_interference`` while NCCL runs next to them (``route="nccl"``; the peer route's copy engine
+takes no SMs: no slowdown).
+
+The all_gather's curve is the data's ``all_gather`` curve where it has one, else its ``reduce_scatter`` curve on the
+same byte count: a ring moves ``(w-1)/w`` of the buffer per rank in both (``bandwidth.ring_traffic_factor``);
+the reduction's arithmetic makes the proxy slightly pessimistic for the sequential baseline and the fused path
+alike. Verdict: fuse iff ``rows >= min_rows`` and ``fused <= (1 - min_gain_fraction) * sequential``; the plan is
+``"ring"`` either way (fuse mode "always" runs it regardless).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from flashoverlap_inductor import config
+
+from . import registry
+from .pipeline import DTYPE_BYTES
+
+PLAN = "ring"
+
+
+@dataclass(frozen=True)
+class GatherDecision:
+    """The cost model's answer for one all_gather -> GEMMs (times in ms)."""
+
+    fuse: bool
+    plan: str
+    predicted_fused_ms: float
+    predicted_seq_ms: float
+    reason: str
+    route: str = "nccl"
+
+
+def decide_gather(rows: int, ns: Sequence[int], k: int, dtype: str, world_size: int, *,
+                  device_name: str | None = None, route: str = "nccl") -> GatherDecision:
+    """Decide fusion of an all_gather of ``rows x k`` gathered elements over ``world_size`` ranks with the GEMMs
+    ``[rows, k] @ [k, n_i]``. ``route``: "nccl" (ring over NCCL, SMs shared) or "peer" (copy-engine pulls)."""
+    s = config.current()
+    return _decide(int(rows), tuple(int(n) for n in ns), int(k), dtype, int(world_size), device_name, route,
+                   str(registry.data_dir()), s.min_gain_fraction, s.min_rows)
+
+
+@functools.lru_cache(maxsize=1024)
+def _decide(rows: int, ns: tuple[int, ...], k: int, dtype: str, world: int, device_name: str | None, route: str,
+            directory: str, min_gain: float, min_rows: int) -> GatherDecision:
+    del directory  # part of the memo key: registry reads the data it names
+    model, how = registry.model_for(device_name)
+    note = "" if how == "exact" else f" [{how} match: using data of {model.gemm.gpu}]"
+    nan = float("nan")
+    if dtype not in DTYPE_BYTES or not model.gemm.supports(dtype):
+        return GatherDecision(False, PLAN, nan, nan, f"declined: no cost data for dtype {dtype!r}{note}", route)
+    gemm = model.gemm
+    seq_gemms = sum(gemm.reference_ms(rows, n, k, dtype) for n in ns)
+    if world <= 1:
+        return GatherDecision(False, PLAN, seq_gemms, seq_gemms, f"declined: world size 1, nothing to gather{note}",
+                              route)
+    if rows % world:
+        return GatherDecision(False, PLAN, nan, nan, f"declined: {rows} rows do not divide by {world}{note}", route)
+    curve_name = "all_gather" if "all_gather" in model.curve.curves[model.curve.nearest_world(world)] \
+        else "reduce_scatter"
+    gather_ms = model.curve.comm_ms(curve_name, world, rows * k * DTYPE_BYTES[dtype])
+    seq = gather_ms + seq_gemms
+    fused = gather_fused_ms(model, rows // world, ns, k, dtype, world, gather_ms, curve_name, route)
+    summary = (f"predicted {fused:.3f} ms fused ({world - 1} ring steps, {route}) vs {seq:.3f} ms sequential "
+               f"({seq / fused:.3f}x; all_gather {gather_ms:.3f} ms on the {curve_name} curve){note}")
+    if rows < min_rows:
+        return GatherDecision(False, PLAN, fused, seq, f"declined: {rows} rows < min_rows={min_rows}; {summary}",
+                              route)
+    if fused <= (1.0 - min_gain) * seq:
+        return GatherDecision(True, PLAN, fused, seq, summary, route)
+    return GatherDecision(False, PLAN, fused, seq, f"declined: gain below min_gain_fraction={min_gain:g}; {summary}",
+                          route)
+
+
+def gather_fused_ms(model, shard_rows: int, ns: Sequence[int], k: int, dtype: str, world: int, gather_ms: float,
+                    curve_name: str, route: str) -> float:
+    """The ring pipeline's time (module docstring), in ms."""
+    gemm = model.gemm
+    floor = model.curve.floor_ms(curve_name, world) + model.call_overhead_ms
+    step = max(gather_ms / (world - 1), floor)
+    slowdown = gemm.effective_interference if route == "nccl" else 0.0
+    shard_ms = sum(gemm.reference_ms(shard_rows, n, k, dtype) for n in ns)
+    last = (world - 1) * step  # when the last shard has landed
+    t = 0.0
+    for s in range(world):  # s = 0: the local shard, no transfer to wait for
+        start = t if s == 0 else max(t, s * step)
+        t = start + shard_ms * (1.0 + (slowdown if start < last else 0.0))
+    return t
+
+
+def decide_cache_clear() -> None:
+    _decide.cache_clear()
