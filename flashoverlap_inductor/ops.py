@@ -211,7 +211,8 @@ def _all_gather_gemm(a, b, bias, gather_dim, group_size, group_name, plan, retur
         raise ValueError(f"flashoverlap: group_size {group_size} != size {group.size()} of group {group_name!r}")
     if math.prod(shapes[-1]) == 0:  # every rank's shard is empty alike (all_gather: equal shapes)
         # K = 0: each GEMM sums nothing (y = bias, or 0); no rows: empty results
-        outs = [a.new_zeros(s) if c is None else c.expand(s).contiguous() for s, c in zip(shapes[:-1], bias, strict=True)]
+        outs = [a.new_zeros(s) if c is None else c.expand(s).contiguous()
+                for s, c in zip(shapes[:-1], bias, strict=True)]
         return [*outs, a.new_empty(shapes[-1])] if return_gathered else outs
     return routes.dispatch("all_gather", a, list(b), list(bias), group, plan, settings, shapes[-1],
                            gather_dim=gather_dim, return_gathered=return_gathered)

@@ -7,8 +7,8 @@ shape, and write them as the cost model's data files (see ``tune_docs`` for the 
         [--mode both|exhaustive|predictive] [--max-units 8] [--out-dir DIR] [--record FILE] [--time-budget-s S]
     python -m flashoverlap_inductor.tune fit --bench bench_w4.json [bench_w2.json] [--records FILE ...] [--write]
 
-``bandwidth``: every collective (all_reduce in place, reduce_scatter, all_to_all_single; bf16) from 64 KiB to
-1 GiB at 4 points per octave, world size = the torchrun world; merged into the GPU's bandwidth file (other world
+``bandwidth``: every collective (all_reduce in place, reduce_scatter, all_to_all_single, all_gather; bf16) from
+64 KiB to 1 GiB at 4 points per octave, world size = the torchrun world; merged into the GPU's bandwidth file (other world
 sizes kept). ``gemm``: one GPU; cuBLAS and every compiled configuration (bf16, B as a Linear weight, 8 wave groups
 signalled) on each shape and with SMs left free; refits ``fused.kernel_efficiency`` and writes ``tuned_kernels``.
 ``search``: exhaustive (every composition of at most ``--max-units`` units) and/or predictive (the cost model's
@@ -115,6 +115,7 @@ def cmd_bandwidth(args: argparse.Namespace) -> int:
         "all_reduce": lambda n: dist.all_reduce(x[:n]),
         "reduce_scatter": lambda n: unfused.reduce_scatter_into(y[:n // world], x[:n]),
         "all_to_all": lambda n: dist.all_to_all_single(z[:n], x[:n]),
+        "all_gather": lambda n: dist.all_gather_into_tensor(z[:n], x[:n // world]),
     }
     curves: dict[str, list[list[float]]] = {c: [] for c in args.collectives}
     bar = tm.Progress(len(sizes), f"bandwidth w{world}", enabled=rank == 0)
@@ -310,8 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     bw = sub.add_parser("bandwidth", help="NCCL time per collective and size at the torchrun world size (>= 2 GPUs)")
     bw.add_argument("--out", metavar="FILE", help="bandwidth file to merge into and write (default: the data "
                     "directory's bandwidth_<gpu>.json)")
-    bw.add_argument("--collectives", nargs="+", default=list(COLLECTIVES), choices=COLLECTIVES,
-                    help="collectives to measure (default: all three)")
+    bw.add_argument("--collectives", nargs="+", default=[*COLLECTIVES, "all_gather"],
+                    choices=[*COLLECTIVES, "all_gather"],
+                    help="collectives to measure (default: all four; all_gather's bytes are the gathered buffer's)")
     bw.add_argument("--min-bytes", type=int, metavar="BYTES", default=64 * docs.KIB,
                     help="smallest message, bytes (default: %(default)s = 64 KiB)")
     bw.add_argument("--max-bytes", type=int, metavar="BYTES", default=docs.GIB,

@@ -245,6 +245,11 @@ class _Simulator(torch.fx.Interpreter):
         if target is fo.gemm_all_to_all.default:
             y = _gemm(*args[:3])
             return _sim_collective(y, "all_to_all", args[3], args[4])
+        if target is fo.all_gather_gemm.default:  # (a, b list, bias list, gather_dim, ..., return_gathered, ...)
+            a, bs, biases, dim, ret = args[0], args[1], args[2], args[3], args[7]
+            g = torch.cat([a] * WORLD, dim=dim)
+            ys = [_gemm(g.reshape(-1, a.shape[-1]), w, c) for w, c in zip(bs, biases, strict=True)]
+            return [*ys, g] if ret else ys
         return super().call_function(target, args, kwargs)
 
 

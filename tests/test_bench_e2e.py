@@ -127,6 +127,12 @@ def test_tp_and_sp_training_match_inductor_and_fuse(pool, tmp_path):
     # the concatenated K (passes/sum_of_gemms.py); nothing is left behind an add
     assert sp_cov["graphs"]["backward"]["fused"].get("flashoverlap:gemm_reduce_scatter", 0) == 2, sp_cov
     assert sp_cov["graphs"]["backward"]["collectives"].get("reduce_scatter <- via add", 0) == 0, sp_cov
+    # every all_gather feeding a GEMM: the attention's and the MLP's inputs and lm_head's input (forward, 3); the
+    # o and down projections' output gradients (backward, 2). Left: the embedding's gradient (no GEMM reads it)
+    assert sp_cov["graphs"]["forward"]["fused"].get("flashoverlap:all_gather_gemm", 0) == 3, sp_cov
+    assert "all_gather <- other" not in sp_cov["graphs"]["forward"]["collectives"], sp_cov
+    assert sp_cov["graphs"]["backward"]["fused"].get("flashoverlap:all_gather_gemm", 0) == 2, sp_cov
+    assert sp_cov["graphs"]["backward"]["collectives"].get("all_gather <- other", 0) == 1, sp_cov
     out = results[0]["stdout"]
     assert "tiny-llama / sp / train" in out and "every compared row matches" in out
     assert results[1]["stdout"] == ""  # only rank 0 prints

@@ -64,7 +64,7 @@ BAD_BANDWIDTH = [
     (lambda d: d["curves"]["4"]["reduce_scatter"].__setitem__(0, [65536, -1.0]), "(ms): must be > 0"),
     (lambda d: d["curves"]["4"]["reduce_scatter"].__setitem__(0, [65536]), "expected [bytes, ms]"),
     (lambda d: d["curves"].update({"1": d["curves"]["2"]}), "world sizes >= 2"),
-    (lambda d: d["curves"]["2"].update(all_gather=[[1, 1.0]]), "unknown collective"),
+    (lambda d: d["curves"]["2"].update(broadcast=[[1, 1.0]]), "unknown collective"),
 ]
 
 

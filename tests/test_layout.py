@@ -127,7 +127,7 @@ def test_settings_are_one_frozen_validated_object():
         s.fuse = "never"  # type: ignore[misc]
     assert config.from_key(s.key()) == s
     assert s.replace(collectives="all_reduce").collectives == ("all_reduce",)  # a name, not its characters
-    for bad in ({"fuse": "sometimes"}, {"collectives": "all_gather"}, {"min_rows": "abc"}, {"ring": "on"},
+    for bad in ({"fuse": "sometimes"}, {"collectives": "broadcast"}, {"min_rows": "abc"}, {"ring": "on"},
                 {"ring_rounds": 0}, {"swizzle": 0}, {"row_order": "stage"}, {"experiments": {"nope"}},
                 {"wait_timeout_ms": -1}, {"wait_timeout_ms": float("inf")}, {"wait_timeout_ms": 0},
                 {"wait_timeout_ms": 1e13}, {"min_gain_fraction": float("nan")},

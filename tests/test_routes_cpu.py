@@ -94,6 +94,7 @@ class _ToyRoute:
 
     name = "toy"
     devices = ("cpu",)
+    collectives = ("all_reduce",)
     last_resort = False
 
     def __init__(self):

@@ -125,13 +125,15 @@ def _layer_plan(plan: str, layer: nn.Module) -> dict:
 
 def _sequence_edges(n_layers: int) -> dict:
     """Into and out of the sequence-sharded region: the replicated embedding output becomes this rank's shard at
-    the first layer's input (a slice), and the last layer's shards are all-gathered at the final norm's input."""
+    the first layer's input (a slice); the final norm runs on the shards (as torchtitan's plan does) and its
+    output is all-gathered at ``lm_head``'s input (so the gather feeds the GEMM)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInput
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
 
     return {
         "model.layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                              use_local_output=True),
-        "model.norm": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                         use_local_output=True),
+        "model.norm": SequenceParallel(use_local_output=False),
+        "lm_head": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                      use_local_output=True),
     }

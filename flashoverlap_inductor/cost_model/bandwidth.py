@@ -36,8 +36,8 @@ log = logging.getLogger("flashoverlap")
 
 def ring_traffic_factor(collective: str, world_size: int) -> float:
     """Bytes each rank moves per input byte in a ring: ``2 (w-1)/w`` (all_reduce), ``(w-1)/w`` otherwise."""
-    if collective not in COLLECTIVES:
-        raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
+    if collective not in (*COLLECTIVES, "all_gather"):
+        raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES} or 'all_gather'")
     frac = (world_size - 1) / world_size
     return 2.0 * frac if collective == "all_reduce" else frac
 

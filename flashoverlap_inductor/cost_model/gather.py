@@ -4,12 +4,12 @@ Sequential: the all_gather of the whole gathered tensor (``rows x k`` elements) 
 GEMM ``rows x k @ k x n_i`` as cuBLAS runs it (``GemmModel.reference_ms``).
 
 Fused (the ring of ``schedule.gather``, both routes): shard j lands at ``s * step`` (s = its ring step, 1 ..
-world-1), where ``step`` is one ring step's transfer: the all_gather's time over ``world - 1`` steps, at least the
-curve's per-call floor plus ``call_overhead_ms`` (each step is a call of its own). The GEMMs run shard by shard:
+world-1), where ``step`` is one ring step's transfer: the all_gather's time over ``world - 1`` steps plus
+``call_overhead_ms`` (each step is a call of its own). The GEMMs run shard by shard:
 the local shard at once, then each shard when it has landed and the previous shard's GEMMs are done; every shard's
-GEMMs take ``reference_ms(shard_rows, n_i, k)`` (cuBLAS at the smaller M: wave quantization counted), slowed by
-``GemmModel.effective_interference`` while NCCL runs next to them (``route="nccl"``; the peer route's copy engine
-takes no SMs: no slowdown).
+GEMMs take ``reference_ms(shard_rows, n_i, k)`` (cuBLAS at the smaller M: wave
+quantization counted), slowed by ``GemmModel.effective_interference`` for the part of them that runs while NCCL
+still moves shards (``route="nccl"``; the peer route's copy engine takes no SMs: no slowdown).
 
 The all_gather's curve is the data's ``all_gather`` curve where it has one, else its ``reduce_scatter`` curve on the
 same byte count: a ring moves ``(w-1)/w`` of the buffer per rank in both (``bandwidth.ring_traffic_factor``);
@@ -73,7 +73,7 @@ def _decide(rows: int, ns: tuple[int, ...], k: int, dtype: str, world: int, devi
         else "reduce_scatter"
     gather_ms = model.curve.comm_ms(curve_name, world, rows * k * DTYPE_BYTES[dtype])
     seq = gather_ms + seq_gemms
-    fused = gather_fused_ms(model, rows // world, ns, k, dtype, world, gather_ms, curve_name, route)
+    fused = gather_fused_ms(model, rows // world, ns, k, dtype, world, gather_ms, route)
     summary = (f"predicted {fused:.3f} ms fused ({world - 1} ring steps, {route}) vs {seq:.3f} ms sequential "
                f"({seq / fused:.3f}x; all_gather {gather_ms:.3f} ms on the {curve_name} curve){note}")
     if rows < min_rows:
@@ -86,18 +86,17 @@ def _decide(rows: int, ns: tuple[int, ...], k: int, dtype: str, world: int, devi
 
 
 def gather_fused_ms(model, shard_rows: int, ns: Sequence[int], k: int, dtype: str, world: int, gather_ms: float,
-                    curve_name: str, route: str) -> float:
+                    route: str) -> float:
     """The ring pipeline's time (module docstring), in ms."""
     gemm = model.gemm
-    floor = model.curve.floor_ms(curve_name, world) + model.call_overhead_ms
-    step = max(gather_ms / (world - 1), floor)
+    step = gather_ms / (world - 1) + model.call_overhead_ms
     slowdown = gemm.effective_interference if route == "nccl" else 0.0
     shard_ms = sum(gemm.reference_ms(shard_rows, n, k, dtype) for n in ns)
     last = (world - 1) * step  # when the last shard has landed
     t = 0.0
     for s in range(world):  # s = 0: the local shard, no transfer to wait for
         start = t if s == 0 else max(t, s * step)
-        t = start + shard_ms * (1.0 + (slowdown if start < last else 0.0))
+        t = start + shard_ms + slowdown * min(shard_ms, max(0.0, last - start))  # slowed while transfers run
     return t
 
 

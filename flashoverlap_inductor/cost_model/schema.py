@@ -149,6 +149,11 @@ def validate_curve_points(points: Any, where: str, path: str) -> list[tuple[floa
     return out
 
 
+# Curves a bandwidth file may have (bytes = the gathered buffer's): ``cost_model.gather`` uses reduce_scatter's
+# on the same bytes where one is missing.
+OPTIONAL_CURVES = ("all_gather",)
+
+
 def validate_bandwidth(doc: Any, where: str) -> dict[int, dict[str, list[tuple[float, float]]]]:
     """Check a ``flashoverlap.bandwidth/1`` document; returns ``{world: {collective: [(bytes, ms)]}}``."""
     if not isinstance(doc, dict):
@@ -163,7 +168,7 @@ def validate_bandwidth(doc: Any, where: str) -> dict[int, dict[str, list[tuple[f
             raise _fail(where, f"curves[{world_key!r}]", "keys must be world sizes >= 2 written as strings")
         if not isinstance(per_coll, dict):
             raise _fail(where, f"curves[{world_key!r}]", "expected an object of collectives")
-        extra = set(per_coll) - set(COLLECTIVES)
+        extra = set(per_coll) - set(COLLECTIVES) - set(OPTIONAL_CURVES)
         if extra:
             raise _fail(where, f"curves[{world_key!r}]", f"unknown collective(s) {sorted(extra)}")
         out[int(world_key)] = {}
@@ -171,6 +176,10 @@ def validate_bandwidth(doc: Any, where: str) -> dict[int, dict[str, list[tuple[f
             if coll not in per_coll:
                 raise _fail(where, f"curves[{world_key!r}].{coll}", "missing")
             out[int(world_key)][coll] = validate_curve_points(per_coll[coll], where, f"curves[{world_key!r}].{coll}")
+        for coll in OPTIONAL_CURVES:
+            if coll in per_coll:
+                out[int(world_key)][coll] = validate_curve_points(per_coll[coll], where,
+                                                                  f"curves[{world_key!r}].{coll}")
     return out
 
 

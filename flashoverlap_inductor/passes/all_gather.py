@@ -31,7 +31,7 @@ from torch.fx import Node
 from flashoverlap_inductor import _inductor_compat as compat
 from flashoverlap_inductor import config
 
-from .matching import GEMM_OPS, SPLIT_OPS, VIEW_OPS, known_eq, nearest_producer, node_arg, op_name, val
+from .matching import GEMM_OPS, SPLIT_OPS, VIEW_OPS, known_eq, node_arg, op_name, val
 from .report import log, record_deferred, record_fused, record_near_miss, record_skip
 from .rewrite import _Builder
 

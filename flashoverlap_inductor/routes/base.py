@@ -75,6 +75,7 @@ class Route(Protocol):
 
     name: str
     devices: tuple[str, ...]
+    collectives: tuple[str, ...]  # the collectives it runs: the registry asks no other route about a call
     last_resort: bool
 
     def unsupported(self, call: Call, settings: config.Settings) -> str | None: ...
@@ -92,6 +93,7 @@ class LastResortRoute:
 
     name = ""
     devices: tuple[str, ...] = ()
+    collectives: tuple[str, ...] = config.COLLECTIVES
     last_resort = True
 
     def unsupported(self, call: Call, settings: config.Settings) -> str | None:

@@ -31,6 +31,7 @@ def unsupported_plan(plan: str) -> str | None:
 class GatherNcclRoute:
     name = "gather_nccl"
     devices = ("cuda",)
+    collectives = ("all_gather",)
     last_resort = False
 
     def unsupported(self, call, settings: config.Settings) -> str | None:

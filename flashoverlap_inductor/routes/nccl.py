@@ -187,6 +187,7 @@ def grid_for(res: streams.DeviceResources, tuning: config.Tuning, group: dist.Pr
 class NcclRoute:
     name = "nccl"
     devices = ("cuda",)
+    collectives = COLLECTIVES
     last_resort = False
 
     def unsupported(self, call, settings: config.Settings) -> str | None:

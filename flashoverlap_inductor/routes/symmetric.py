@@ -110,6 +110,7 @@ class SymmetricRoute:
     and its state dicts ``_flags`` / ``_workspaces``."""
 
     devices = ("cuda",)
+    collectives: tuple[str, ...] = ("all_reduce", "reduce_scatter")
     last_resort = False
     c_function = ""
 
