@@ -2,7 +2,7 @@
 against eager ``all_gather`` + ``torch.mm`` on fresh random bf16 data (gather dim 0 and 1, 1 and 3 weights, bias,
 the gathered tensor), the route counted (so the test cannot pass on the unfused route), outputs pre-poisoned by
 the caching allocator (NaN-filled blocks freed just before), and a compiled sequence-parallel MLP block whose
-gathers the pass fused. Skips without 2 GPUs."""
+gathers the pass fused (2 GPUs); and on one GPU, the route's stream schedule with simulated ring steps."""
 
 from __future__ import annotations
 
@@ -20,7 +20,48 @@ def _gpus() -> int:
         return 0
 
 
-pytestmark = pytest.mark.skipif(_gpus() < 2, reason="needs >= 2 CUDA GPUs")
+two_gpus = pytest.mark.skipif(_gpus() < 2, reason="needs >= 2 CUDA GPUs")
+
+
+@pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("world,gather_dim", [(2, 0), (4, 1), (8, 1)])
+def test_stream_schedule_on_one_gpu(world, gather_dim):
+    """The route's stream schedule (``gather_ring.run_streams``) on one GPU, its ring steps simulated by copies on
+    the side stream (after a sleep, so a GEMM that did not wait for its shard's event reads garbage): every result
+    and the gathered tensor as eager's, for world sizes 2, 4 and 8."""
+    import types
+
+    from flashoverlap_inductor.routes import gather_ring
+    from flashoverlap_inductor.schedule import gather as schedule
+
+    dev = torch.device("cuda")
+    torch.manual_seed(world)
+    shape = (1024 // world, 512) if gather_dim == 0 else (2, 2048 // world, 512)
+    shards = [torch.randn(shape, device=dev).bfloat16() for _ in range(world)]
+    b = [torch.randn(512, 384, device=dev).bfloat16(), torch.randn(256, 512, device=dev).bfloat16().t()]
+    bias = [torch.randn(384, device=dev).bfloat16(), None]
+    rank = world - 1
+    group = types.SimpleNamespace(size=lambda: world, rank=lambda: rank)
+    ctx = types.SimpleNamespace(a=shards[rank], group=group, gather_dim=gather_dim, b=b, bias=bias,
+                                y_shape=schedule.gathered_shape(shape, gather_dim, world), return_gathered=True)
+    call = gather_ring.GatherCall(ctx)
+    call.staging.fill_(float("nan"))
+
+    def issue(step: int) -> list:  # on the side stream (run_streams issues there): a late copy of the shard
+        torch.cuda._sleep(2_000_000)
+        j = call.source(step)
+        call.staging[j].copy_(shards[j].reshape(call.geo.shard_rows, call.geo.k))
+        return []
+
+    call.issue = issue
+    gather_ring.run_streams(call)
+    got = call.result()
+    g = torch.cat(shards, gather_dim)
+    flat = g.reshape(-1, 512)
+    want = [torch.addmm(bias[0], flat, b[0]), flat @ b[1]]
+    for y, ref in zip(got, want, strict=False):
+        torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2)
+    assert torch.equal(got[-1], g)
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +147,11 @@ def compiled_block_worker() -> list[str]:
     return bad
 
 
+@two_gpus
 def test_gather_nccl_route_matches_eager(pool):
     assert pool.run(gather_worker, 1) == [[], []]
 
 
+@two_gpus
 def test_compiled_sequence_parallel_block(pool):
     assert pool.run(compiled_block_worker) == [[], []]
