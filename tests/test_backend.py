@@ -88,7 +88,7 @@ class TestBackendOptions(FakePGTestCase):
         with self.assertRaisesRegex(ValueError, "fuse must be one of"):
             self._patches(options={"flashoverlap.fuse": "sometimes"})
         with self.assertRaisesRegex(ValueError, "collectives must be"):
-            self._patches(options={"flashoverlap.collectives": ["all_gather"]})
+            self._patches(options={"flashoverlap.collectives": ["broadcast"]})
 
     def test_unknown_inductor_option_reaches_inductor(self):
         gm = torch.fx.symbolic_trace(lambda x: x + 1)

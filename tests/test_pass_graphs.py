@@ -279,25 +279,20 @@ def forward(self, in0, in1, in2, in3, in4):
         self.assertExpectedInline(fused_lines(gm, canonical=True), """gemm_all_reduce_default = flashoverlap.gemm_all_reduce.default(view_10, permute_7, None, 'sum', '0', 'plan(m=12,n=32)')""")
 
     def test_sequence_parallel_mlp(self):
-        """Rowwise with Shard(1) output: reduce_scatter over the sequence dim (split/cat form)."""
+        """Sequence parallel: the input gathered along the sequence dim (split/cat form) into the colwise GEMM, and
+        rowwise with Shard(1) output: reduce_scatter over the sequence dim (split/cat form). Both fused."""
         gm = self._run(MLP(), _mlp_plan(sequence_parallel=True), torch.randn(2, 4, 16))
-        self.assertEqual(dict(counters), {"fused:reduce_scatter": 1})
+        self.assertEqual(dict(counters), {"fused:all_gather": 1, "fused:reduce_scatter": 1})
         self.assertExpectedInline(graph_str(gm, canonical=True), """\
 def forward(self, in0, in1, in2):
-    all_gather_into_tensor = c10d.all_gather_into_tensor.default(in0, 2, '0')
-    wait_tensor = c10d.wait_tensor.default(all_gather_into_tensor)
-    split = aten.split.Tensor(wait_tensor, 2)
-    getitem = split[0]
-    getitem_1 = split[1]
-    cat = aten.cat.default([getitem, getitem_1], 1)
-    view = aten.reshape.default(cat, [16, 16])
     permute = aten.permute.default(in1, [1, 0])
-    mm = aten.mm.default(view, permute)
-    view_1 = aten.reshape.default(mm, [2, 8, 32])
-    relu = aten.relu.default(view_1)
-    view_2 = aten.reshape.default(relu, [16, 32])
+    all_gather_gemm_default = flashoverlap.all_gather_gemm.default(in0, [permute], [None], 1, 2, '0', 'ring', False)
+    getitem = all_gather_gemm_default[0]
+    view = aten.reshape.default(getitem, [2, 8, 32])
+    relu = aten.relu.default(view)
+    view_1 = aten.reshape.default(relu, [16, 32])
     permute_1 = aten.permute.default(in2, [1, 0])
-    reshape_default = aten.reshape.default(view_2, [2, 2, 4, -1])
+    reshape_default = aten.reshape.default(view_1, [2, 2, 4, -1])
     permute_default = aten.permute.default(reshape_default, [1, 0, 2, 3])
     reshape_default_1 = aten.reshape.default(permute_default, [-1, 32])
     gemm_reduce_scatter_default = flashoverlap.gemm_reduce_scatter.default(reshape_default_1, permute_1, None, 'sum', 2, '0', 'plan(m=16,n=16)')
@@ -352,7 +347,9 @@ def forward(self, in0, in1, in2):
         with torch.no_grad():
             (gm,), _ = self.capture(model, x)
             self.assert_rewrites_equivalent()
-        self.assertExpectedInline(fused_lines(gm, canonical=True), """gemm_reduce_scatter_default = flashoverlap.gemm_reduce_scatter.default(reshape_default_1, permute_1, None, 'sum', 2, '0', 'auto')""")
+        self.assertExpectedInline(fused_lines(gm, canonical=True), """\
+all_gather_gemm_default = flashoverlap.all_gather_gemm.default(in1, [permute], [None], 1, 2, '0', 'auto', False)
+gemm_reduce_scatter_default = flashoverlap.gemm_reduce_scatter.default(reshape_default_1, permute_1, None, 'sum', 2, '0', 'auto')""")
 
 
 class TestCodegen(FakePGTestCase):
