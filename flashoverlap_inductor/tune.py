@@ -8,8 +8,8 @@ shape, and write them as the cost model's data files (see ``tune_docs`` for the 
     python -m flashoverlap_inductor.tune fit --bench bench_w4.json [bench_w2.json] [--records FILE ...] [--write]
 
 ``bandwidth``: every collective (all_reduce in place, reduce_scatter, all_to_all_single, all_gather; bf16) from
-64 KiB to 1 GiB at 4 points per octave, world size = the torchrun world; merged into the GPU's bandwidth file (other world
-sizes kept). ``gemm``: one GPU; cuBLAS and every compiled configuration (bf16, B as a Linear weight, 8 wave groups
+64 KiB to 1 GiB at 4 points per octave, world size = the torchrun world; merged into the GPU's bandwidth file (other
+world sizes kept). ``gemm``: one GPU; cuBLAS and every compiled configuration (bf16, B as a Linear weight, 8 wave groups
 signalled) on each shape and with SMs left free; refits ``fused.kernel_efficiency`` and writes ``tuned_kernels``.
 ``search``: exhaustive (every composition of at most ``--max-units`` units) and/or predictive (the cost model's
 argmin) candidates, all measured as the fused op on the torchrun world, the fastest refined and written as a

@@ -90,6 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto", help="auto: bf16 on GPU, fp32 on CPU")
     g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="cuda: NCCL, one GPU per rank; cpu: gloo; auto: cuda when available")
+    g.add_argument("--share-gpu", action="store_true",
+                   help="cuda: every rank on the same GPU(s) (local rank modulo the GPUs), over gloo: a correctness "
+                        "run on one GPU; its timings mean nothing (ranks share the GPU; gloo stages collectives)")
     g.add_argument("--timeout-s", type=_positive, default=900, help="process-group timeout (s)")
     g = p.add_argument_group("output")
     g.add_argument("--json", default=None, help="write every row, the coverage and the settings here (rank 0)")

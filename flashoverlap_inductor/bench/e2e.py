@@ -51,9 +51,11 @@ def launched() -> bool:
     return dist.is_torchelastic_launched() or dist.get_node_local_rank(fallback_rank=-1) >= 0
 
 
-def init_distributed(device_type: str, timeout_s: int) -> tuple[bool, str | None]:
+def init_distributed(device_type: str, timeout_s: int, share_gpu: bool = False) -> tuple[bool, str | None]:
     """Join the launcher's process group (``env://``), or make a group of one; (whether we created it, an error
-    line or None). With CUDA, each rank takes the GPU of its local rank, and a rank without one stops here."""
+    line or None). With CUDA, each rank takes the GPU of its local rank, and a rank without one stops here;
+    ``share_gpu``: the GPU of its local rank modulo the GPUs, in a gloo group (ranks sharing a GPU: correctness
+    only)."""
     if dist.is_initialized():
         return False, None
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -62,9 +64,14 @@ def init_distributed(device_type: str, timeout_s: int) -> tuple[bool, str | None
         if not torch.cuda.is_available():
             return False, "--device cuda: CUDA is not available"
         local, gpus = dist.get_node_local_rank(fallback_rank=0), torch.cuda.device_count()
+        if share_gpu:
+            torch.cuda.set_device(local % gpus)
+            dist.init_process_group("gloo", timeout=timeout, **alone)
+            return True, None
         if local >= gpus:
             return False, (f"local rank {local} has no GPU of its own ({gpus} on this host): NCCL needs one GPU per "
-                           f"rank (ranks cannot share a GPU); use --nproc_per_node <= {gpus}, or --device cpu")
+                           f"rank (ranks cannot share a GPU); use --nproc_per_node <= {gpus}, --share-gpu (gloo: a "
+                           "correctness run) or --device cpu")
         torch.cuda.set_device(local)
         dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local), **alone)
     else:
@@ -183,7 +190,7 @@ def run(argv: list[str] | None = None) -> int:
         if first_on_host:
             print("e2e: error: the e2e benchmark builds HuggingFace models: pip install transformers", file=sys.stderr)
         return 2
-    owns, why = init_distributed(device_type, args.timeout_s)
+    owns, why = init_distributed(device_type, args.timeout_s, args.share_gpu and device_type == "cuda")
     if why:
         print(f"e2e: error: {why}", file=sys.stderr)  # only the ranks it concerns get here
         return 2

@@ -40,7 +40,9 @@ def meta(args: Any, env: Any) -> dict[str, Any]:
             "timing": "CUDA events per step, median, max over ranks" if env.cuda else
                       "perf_counter per step after a barrier, median, max over ranks",
             "models": [spec.describe() for spec in args.specs],
-            "replicated": "embedding, final norm and lm_head are replicated on every rank",
+            "replicated": "embedding and lm_head weights are replicated on every rank (sp/ep: the final norm runs on "
+                          "the sequence shards, lm_head's input is gathered)",
+            "shared_gpu": bool(getattr(args, "share_gpu", False)) and env.cuda,
             "flashoverlap_backend": "entry point 'flashoverlap'" if flashoverlap_backend() == "flashoverlap"
             else "the backend function (the torch_dynamo_backends entry point is not installed)"}
 
@@ -51,6 +53,8 @@ def header(m: dict[str, Any], args: Any) -> str:
              f"{m['warmup']} warm-up + {m['steps']} measured steps; {m['timing']}"]
     lines += [f"  model: {d}" for d in m["models"]]
     lines.append(f"  {m['replicated']}; tokens/s counts the whole group's tokens (batch x seq per step)")
+    if m.get("shared_gpu"):
+        lines.append("  --share-gpu: every rank on one GPU over gloo: a correctness run; its timings mean nothing")
     if m["device"] == "cpu":
         lines.append("  CPU: fp32 unless --dtype bf16; timings only show the harness works (the fused ops' CPU route "
                      "runs the GPU schedule with torch ops)")
