@@ -292,6 +292,59 @@ typedef struct {
 
 FO_API int fo_ring_call(const fo_ring_args* args);
 
+/* The NVLink peer route of all_gather -> GEMMs (csrc/gather_call.cu; Python: routes/gather_peer.py). The shards
+ * travel by copy engine (cudaMemcpyAsync, no SM); the GEMMs are the caller's (cuBLAS on cur_stream, between the two
+ * calls below, each pulled shard's after its shard_events[j]).
+ * Memory of one (device, group): every rank's gather flag page (FO_GATHER_FLAG_INTS ints, zeroed once; flags[p] is
+ * rank p's mapped here): ready[j] at index j and done[j] at FO_GATHER_MAX_WORLD + j, both written only by rank j
+ * (one system-scope release add per call each); and every rank's symmetric buffer (buffers[p], at least
+ * shard_bytes). epoch: a device int of this rank, the number of calls begun (graph-replay safe).
+ * fo_gather_call, call e = *epoch + 1, everything on copy_stream after a fork from cur_stream:
+ *   1. begin (deadline = now + timeout_ns, fault->call_counter + 1, current_launch, *epoch = e); wait until every
+ *      peer j's done in this rank's page >= e - 1 (rank j finished reading this rank's shard of call e - 1; tag
+ *      3100 + j);
+ *   2. copy a -> buffers[rank] (and, with copy_own, -> staging slot `rank`); add 1 to ready[rank] in every peer's
+ *      page;
+ *   3. per peer j in arrival order (rank - 1, rank - 2, ... mod world): wait until ready[j] here >= e (tag 3000 + j),
+ *      copy buffers[j] -> staging slot j (staging + j * shard_bytes), record shard_events[j], and (with the next
+ *      wait) add 1 to done[rank] in rank j's page.
+ * fo_gather_finish: cur_stream joins copy_stream, then one kernel fills each of the num_outputs outputs (contiguous,
+ * output_numel elements of elem_bytes; NaN of bf16 when bf16, else fp16 / fp32) with NaN while the fault block
+ * holds a fault, and copies the block into `mirror`. Every rank adds each of its flags once per call and every wait
+ * consumes its epoch whether or not it timed out, so a late rank leaves the protocol in step; a rank that cannot
+ * enqueue part of a call records code 4 in its block and every peer's before its next notification. A buffer is
+ * rewritten by call e + 1 only after every reader of call e said done (step 1), so one set of buffers serves every
+ * call, eager or replayed. Returns the first error. */
+#define FO_GATHER_MAX_WORLD 8
+#define FO_GATHER_MAX_OUTPUTS 8
+#define FO_GATHER_FLAG_INTS (2 * FO_GATHER_MAX_WORLD)
+typedef struct {
+  int32_t world, rank;
+  int64_t shard_bytes;                        /* bytes of one shard ([shard_rows, K], contiguous) */
+  const void* a;                              /* this rank's shard, contiguous */
+  void* buffers[FO_GATHER_MAX_WORLD];         /* every rank's symmetric buffer, mapped here */
+  int* flags[FO_GATHER_MAX_WORLD];            /* every rank's gather flag page, mapped here */
+  int* epoch;                                 /* device int: calls begun on this (device, group) */
+  void* staging;                              /* world * shard_bytes, local: shard j at staging + j * shard_bytes */
+  int32_t copy_own;                           /* 1: also copy a into staging slot `rank` */
+  int32_t launch_id;                          /* the host's id of this call's launch (fo_fault.current_launch) */
+  int64_t timeout_ns;                         /* the call's deadline: now + timeout_ns when it begins */
+  fo_fault* fault;                            /* the group's fault block on this device (in the flag page) */
+  int* mirror;                                /* pinned host int32[8] */
+  void* cur_stream;
+  void* copy_stream;
+  void* shard_events[FO_GATHER_MAX_WORLD];    /* cudaEvent_t per peer (the caller's), recorded after its pull */
+  int32_t num_outputs;                        /* fo_gather_finish: outputs to poison on a fault */
+  int32_t elem_bytes;                         /* 2 or 4 */
+  int32_t bf16;                               /* elem_bytes 2: 1 bf16, 0 fp16 */
+  int32_t reserved;
+  void* outputs[FO_GATHER_MAX_OUTPUTS];
+  int64_t output_numel[FO_GATHER_MAX_OUTPUTS];
+} fo_gather_args;
+
+FO_API int fo_gather_call(const fo_gather_args* args);
+FO_API int fo_gather_finish(const fo_gather_args* args);
+
 #ifdef __cplusplus
 }
 #endif

@@ -59,7 +59,7 @@ def launch_id(description: str) -> int:
 
 
 def describe_wait(tag: int) -> str:
-    """The wait a tag names (the tags of csrc/peer_call.cu, ring_call.cu and fused_call.cu)."""
+    """The wait a tag names (the tags of csrc/peer_call.cu, ring_call.cu, gather_call.cu and fused_call.cu)."""
     if 1000 <= tag < 1100:
         return "the peer's GEMM 1 (its partial of this rank's rows)"
     if 1100 <= tag < 1200:
@@ -72,6 +72,12 @@ def describe_wait(tag: int) -> str:
         return f"rank {(tag - 2400) % 16}'s reduced piece of round {(tag - 2400) // 16}"
     if tag == 2800:
         return "the other ranks' end-of-call barrier"
+    if 3000 <= tag < 3100:
+        return f"rank {tag - 3000}'s shard of this call (all_gather)"
+    if 3100 <= tag < 3200:
+        return f"rank {tag - 3100} finished reading this rank's previous shard (all_gather)"
+    if 3200 <= tag < 3300:
+        return f"a part of the all_gather call this rank could not enqueue (step {tag - 3200})"
     if tag < 0:
         return "another rank (the fault exchange)"
     return f"the GEMM's tiles of wave group {tag}"

@@ -26,7 +26,7 @@ import torch
 
 from . import errors
 
-ABI_VERSION = 8
+ABI_VERSION = 9
 LIB_ENV = "FLASHOVERLAP_LIB"
 DEFAULT_LIB = Path(__file__).resolve().parent.parent / "build" / "libflashoverlap_sm90.so"
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
@@ -150,6 +150,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "fo_notify": (c_int, [c_p, c_p]),
         "fo_peer_call": (c_int, [c_p]),
         "fo_ring_call": (c_int, [c_p]),
+        "fo_gather_call": (c_int, [c_p]),
+        "fo_gather_finish": (c_int, [c_p]),
         "fo_wait_counter": (c_int, [c_p, c_p, c_int, c_i64, c_p, c_int, c_p]),
         "fo_stream_wait_value": (c_int, [c_p, c_p, c_int]),
         "fo_nccl_bind": (c_int, [ctypes.c_char_p]),

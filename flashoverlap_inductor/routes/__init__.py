@@ -39,7 +39,7 @@ import torch.distributed as dist
 from .. import _inductor_compat as compat
 from .. import config, faults, kernel_select, streams
 from ..schedule import steps as schedule
-from . import agree, cpu, gather_nccl, nccl, peer, ring, unfused
+from . import agree, cpu, gather_nccl, gather_peer, nccl, peer, ring, unfused
 from .base import Call, Context, Route, forget_notes, note, stats
 
 __all__ = ["REGISTRY", "Call", "Context", "Route", "candidates", "check", "dispatch", "make_call", "note", "reset",
@@ -49,7 +49,8 @@ log = logging.getLogger("flashoverlap")
 
 
 # In order of preference: the first route whose ``unsupported`` is None takes a call.
-REGISTRY: list[Route] = [ring.ROUTE, peer.ROUTE, nccl.ROUTE, gather_nccl.ROUTE, unfused.ROUTE, cpu.ROUTE]
+REGISTRY: list[Route] = [ring.ROUTE, peer.ROUTE, nccl.ROUTE, gather_peer.ROUTE, gather_nccl.ROUTE, unfused.ROUTE,
+                         cpu.ROUTE]
 last_launch: Any = None
 MAX_ENTRIES = 512
 _memo: collections.OrderedDict[tuple, _Entry] = collections.OrderedDict()  # LRU order
@@ -74,7 +75,7 @@ def candidates(call: Call, settings: config.Settings, declined: list[str] | None
     appended to ``declined``)."""
     out = []
     for route in REGISTRY:
-        if call.device not in route.devices:
+        if call.device not in route.devices or call.collective not in route.collectives:
             continue
         why = route.unsupported(call, settings)
         if why is None:

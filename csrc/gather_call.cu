@@ -1,0 +1,292 @@
+// fo_gather_call / fo_gather_finish: the NVLink peer route of all_gather -> GEMMs, two host calls per fused op.
+//
+// Every rank copies its shard into its own symmetric buffer and tells every peer; each peer's copy engine then
+// pulls it (cudaMemcpyAsync from the buffer mapped here: no SM is taken from the GEMMs) and says when it is done
+// reading. The caller's stream runs the GEMMs (cuBLAS, issued from Python between the two calls): the local shard's
+// at once, each pulled shard's after the event of its pull. All the protocol -- the call's beginning, the bounded
+// waits, the copies, the notifications -- runs on one copy stream per (device, group), in order, so calls of the
+// group never overtake each other there. flashoverlap_sm90.h states the flags, the epochs and why one set of
+// buffers serves every call.
+//
+// Cross-GPU ordering as in peer_call.cu: a system-scope fence and release add after the copy in stream order, paired
+// with a bounded system-scope acquire before the reader's copy.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+
+#include "device_wait.hpp"
+#include "flashoverlap_sm90.h"
+#include "route_util.hpp"
+
+namespace flashoverlap {
+
+namespace {
+
+constexpr int kMaxWorld = FO_GATHER_MAX_WORLD;
+constexpr int kMaxOutputs = FO_GATHER_MAX_OUTPUTS;
+constexpr int kReady = 0;           // ready[j] at kReady + j: rank j's shard of the current call is in its buffer
+constexpr int kDone = kMaxWorld;    // done[j] at kDone + j: rank j finished reading this rank's shard
+constexpr int kTagReady = 3000;     // + j: rank j's shard of this call
+constexpr int kTagDone = 3100;      // + j: rank j finished reading this rank's previous shard
+constexpr int kTagEnqueue = 3200;   // + step: a part of the call this rank could not enqueue
+
+// One kernel of the protocol (one thread): optionally begin the call, optionally record an enqueue failure, add 1
+// to each flag of `notify`, then wait for each flag of `wait` to reach epoch + wait_offset (every wait bounded by
+// the call's deadline; a timeout is recorded in this rank's block and every peer's, and the next wait goes on).
+struct GatherStep {
+  fo_fault* fault;
+  int* epoch;
+  long long timeout_ns;
+  int launch_id;
+  int begin;      // the call's first kernel: deadline, call_counter, current_launch, epoch + 1
+  int fail_tag;   // nonzero: this rank failed to enqueue part of the call (code 4, here and in every peer's block)
+  int num_notify;
+  int* notify[kMaxWorld];
+  int num_wait;
+  int wait_offset;
+  int const* wait[kMaxWorld];
+  int tag[kMaxWorld];
+};
+
+__device__ __forceinline__ void record_enqueue_failure(fo_fault* f, int tag) {
+  int const origin = f->rank;
+  record_fault(f, 4, tag, 0, 0, origin);
+  int const n = f->npeers < FO_FAULT_MAX_PEERS ? f->npeers : FO_FAULT_MAX_PEERS;
+  for (int i = 0; i < n; ++i) {
+    if (f->peers[i] != nullptr) record_fault(f->peers[i], 4, tag, 0, 0, origin);
+  }
+  __threadfence_system();
+}
+
+__global__ void gather_step_kernel(GatherStep s) {
+  if (s.begin) {
+    s.fault->deadline_ns = (long long)global_timer_ns() + s.timeout_ns;
+    s.fault->call_counter += 1;
+    s.fault->current_launch = s.launch_id;
+    *s.epoch += 1;
+    __threadfence();
+  }
+  if (s.fail_tag != 0) record_enqueue_failure(s.fault, s.fail_tag);
+  if (s.num_notify > 0) {
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+    for (int i = 0; i < s.num_notify; ++i) {
+      asm volatile("red.release.sys.global.add.s32 [%0], 1;" ::"l"(s.notify[i]) : "memory");
+    }
+  }
+  if (s.num_wait == 0) return;
+  int const target = int(unsigned(load_volatile(s.epoch)) + unsigned(s.wait_offset));
+  long long const deadline = wait_deadline(s.fault, s.timeout_ns);
+  for (int i = 0; i < s.num_wait; ++i) bounded_wait(s.wait[i], target, deadline, s.fault, nullptr, s.tag[i]);
+}
+
+// The outputs of one call (contiguous, numel elements each), poisoned while the block holds a fault.
+struct GatherOutputs {
+  char* ptr[kMaxOutputs];
+  int64_t numel[kMaxOutputs];
+  int count;
+};
+
+// The call's last kernel (cur): while the block holds a fault, mirror it to the host and fill every output with the
+// NaN bit pattern. Costs one load per block when there is none.
+__global__ void gather_finish_kernel(fo_fault* f, int* mirror, GatherOutputs o, int elem_bytes, unsigned nan) {
+  __shared__ int code;
+  if (threadIdx.x == 0) {
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+    code = load_volatile(&f->code);
+    if (code != 0 && blockIdx.x == 0 && mirror != nullptr) {
+      int const* src = &f->code;
+      for (int i = 1; i < 8; ++i) reinterpret_cast<int volatile*>(mirror)[i] = load_volatile(src + i);
+      __threadfence_system();
+      reinterpret_cast<int volatile*>(mirror)[0] = code;
+      __threadfence_system();
+    }
+  }
+  __syncthreads();
+  if (code == 0) return;
+  int64_t const stride = int64_t(gridDim.x) * blockDim.x;
+  for (int k = 0; k < o.count; ++k) {
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < o.numel[k]; i += stride) {
+      if (elem_bytes == 2) {
+        reinterpret_cast<unsigned short*>(o.ptr[k])[i] = (unsigned short)nan;
+      } else {
+        reinterpret_cast<unsigned*>(o.ptr[k])[i] = nan;
+      }
+    }
+  }
+}
+
+struct GatherEvents {
+  cudaEvent_t fork = nullptr, join = nullptr;
+};
+
+// Per host thread and device, like ring_call.cu's events.
+int events(GatherEvents*& out) {
+  thread_local std::unordered_map<int, GatherEvents> table;
+  int device = 0;
+  int rc = cuda_check(cudaGetDevice(&device), "cudaGetDevice");
+  if (rc != 0) return rc;
+  GatherEvents& ev = table[device];
+  if (ev.fork == nullptr) {
+    for (cudaEvent_t* e : {&ev.fork, &ev.join}) {
+      if ((rc = cuda_check(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreate")) != 0) return rc;
+    }
+  }
+  out = &ev;
+  return 0;
+}
+
+int check_args(fo_gather_args const& p, bool finish) {
+  if (p.world < 2 || p.world > kMaxWorld || p.rank < 0 || p.rank >= p.world) {
+    return fail_code(2, "fo_gather: world must be in [2, FO_GATHER_MAX_WORLD] and rank in [0, world)");
+  }
+  if (p.fault == nullptr || p.copy_stream == nullptr) return fail_code(2, "fo_gather: fault and copy_stream are required");
+  if (finish) {
+    if (p.num_outputs < 0 || p.num_outputs > kMaxOutputs) {
+      return fail_code(2, "fo_gather_finish: num_outputs must be in [0, FO_GATHER_MAX_OUTPUTS]");
+    }
+    if (p.elem_bytes != 2 && p.elem_bytes != 4) return fail_code(2, "fo_gather_finish: elem_bytes must be 2 or 4");
+    for (int k = 0; k < p.num_outputs; ++k) {
+      if (p.outputs[k] == nullptr && p.output_numel[k] > 0) return fail_code(2, "fo_gather_finish: null output");
+    }
+    return 0;
+  }
+  if (p.shard_bytes <= 0 || p.a == nullptr || p.staging == nullptr || p.epoch == nullptr) {
+    return fail_code(2, "fo_gather_call: shard_bytes must be positive; a, staging and epoch are required");
+  }
+  if (p.timeout_ns <= 0) return fail_code(2, "fo_gather_call: timeout_ns must be positive");
+  for (int r = 0; r < p.world; ++r) {
+    if (p.buffers[r] == nullptr || p.flags[r] == nullptr) {
+      return fail_code(2, "fo_gather_call: buffers and flags of every rank are required");
+    }
+    if (r != p.rank && p.shard_events[r] == nullptr) {
+      return fail_code(2, "fo_gather_call: an event per peer is required");
+    }
+  }
+  return 0;
+}
+
+GatherStep step_base(fo_gather_args const& p) {
+  GatherStep s{};
+  s.fault = p.fault;
+  s.epoch = p.epoch;
+  s.timeout_ns = (long long)p.timeout_ns;
+  s.launch_id = p.launch_id;
+  return s;
+}
+
+int launch_step(GatherStep const& s, cudaStream_t stream) {
+  gather_step_kernel<<<1, 1, 0, stream>>>(s);
+  return cuda_check(cudaGetLastError(), "gather step kernel");
+}
+
+}  // namespace
+
+// fo_preload (api.cu): load this file's kernels too (lazy loading may synchronize the context under a spinning wait).
+int gather_call_preload() {
+  cudaFuncAttributes attr{};
+  int rc = cuda_check(cudaFuncGetAttributes(&attr, gather_step_kernel), "fo_preload (gather route)");
+  if (rc == 0) rc = cuda_check(cudaFuncGetAttributes(&attr, gather_finish_kernel), "fo_preload (gather route)");
+  return rc;
+}
+
+}  // namespace flashoverlap
+
+using namespace flashoverlap;
+
+extern "C" {
+
+FO_API int fo_gather_call(const fo_gather_args* args) {
+  if (args == nullptr) return fail_code(2, "fo_gather_call: args is null");
+  fo_gather_args const& p = *args;
+  int rc = check_args(p, false);
+  if (rc != 0) return rc;
+  GatherEvents* ev = nullptr;
+  if ((rc = events(ev)) != 0) return rc;
+  auto cur = static_cast<cudaStream_t>(p.cur_stream);
+  auto copy = static_cast<cudaStream_t>(p.copy_stream);
+  int const W = p.world, r = p.rank;
+  size_t const bytes = size_t(p.shard_bytes);
+  char* const staging = static_cast<char*>(p.staging);
+  // The fork: the copy stream reads `a`, written in cur's order. Without it nothing below may run.
+  if ((rc = cuda_check(cudaEventRecord(ev->fork, cur), "fork record")) != 0) return rc;
+  if ((rc = cuda_check(cudaStreamWaitEvent(copy, ev->fork, 0), "fork wait")) != 0) return rc;
+  // 1. begin; every peer done reading this rank's previous shard (call e - 1) before it is overwritten.
+  GatherStep s = step_base(p);
+  s.begin = 1;
+  s.wait_offset = -1;
+  for (int d = 1; d < W; ++d) {
+    int const j = (r + d) % W;
+    s.wait[s.num_wait] = p.flags[r] + kDone + j;
+    s.tag[s.num_wait++] = kTagDone + j;
+  }
+  if ((rc = launch_step(s, copy)) != 0) return rc;
+  // From here on every notification is issued whatever fails (the peers stay in step); a part that could not be
+  // enqueued is recorded (code 4) by the next step kernel, before it notifies, so no peer takes stale data for good.
+  int first = 0, fail_tag = 0;
+  auto note = [&](int code, int tag) {
+    if (code != 0 && first == 0) first = code;
+    if (code != 0 && fail_tag == 0) fail_tag = tag;
+  };
+  // 2. this rank's shard into its buffer (and the gathered tensor's slot), then ready to every peer.
+  note(cuda_check(cudaMemcpyAsync(p.buffers[r], p.a, bytes, cudaMemcpyDeviceToDevice, copy), "shard copy"),
+       kTagEnqueue);
+  if (p.copy_own) {
+    note(cuda_check(cudaMemcpyAsync(staging + size_t(r) * bytes, p.a, bytes, cudaMemcpyDeviceToDevice, copy),
+                    "own slot copy"), kTagEnqueue);
+  }
+  // 3. per peer in arrival order: notify (ready to all at first, then done to the previous peer), wait, pull.
+  int prev = -1;
+  for (int d = 1; d < W; ++d) {
+    int const j = (r - d + W) % W;
+    s = step_base(p);
+    s.fail_tag = fail_tag;
+    if (prev < 0) {
+      for (int q = 1; q < W; ++q) s.notify[s.num_notify++] = p.flags[(r + q) % W] + kReady + r;
+    } else {
+      s.notify[s.num_notify++] = p.flags[prev] + kDone + r;
+    }
+    s.wait[0] = p.flags[r] + kReady + j;
+    s.tag[0] = kTagReady + j;
+    s.num_wait = 1;
+    if (int const krc = launch_step(s, copy); krc == 0) {
+      fail_tag = 0;  // recorded by that kernel
+    } else {
+      note(krc, kTagEnqueue + d);  // the next step kernel records it
+    }
+    note(cuda_check(cudaMemcpyAsync(staging + size_t(j) * bytes, p.buffers[j], bytes, cudaMemcpyDeviceToDevice, copy),
+                    "shard pull"), kTagEnqueue + d);
+    note(cuda_check(cudaEventRecord(static_cast<cudaEvent_t>(p.shard_events[j]), copy), "shard record"),
+         kTagEnqueue + d);
+    prev = j;
+  }
+  s = step_base(p);  // done to the last peer pulled
+  s.fail_tag = fail_tag;
+  s.notify[s.num_notify++] = p.flags[prev] + kDone + r;
+  int const krc = launch_step(s, copy);
+  return first != 0 ? first : krc;
+}
+
+FO_API int fo_gather_finish(const fo_gather_args* args) {
+  if (args == nullptr) return fail_code(2, "fo_gather_finish: args is null");
+  fo_gather_args const& p = *args;
+  int rc = check_args(p, true);
+  if (rc != 0) return rc;
+  GatherEvents* ev = nullptr;
+  if ((rc = events(ev)) != 0) return rc;
+  auto cur = static_cast<cudaStream_t>(p.cur_stream);
+  auto copy = static_cast<cudaStream_t>(p.copy_stream);
+  if ((rc = cuda_check(cudaEventRecord(ev->join, copy), "join record")) != 0) return rc;
+  if ((rc = cuda_check(cudaStreamWaitEvent(cur, ev->join, 0), "join wait")) != 0) return rc;
+  GatherOutputs o{};
+  for (int k = 0; k < p.num_outputs; ++k) {
+    if (p.output_numel[k] <= 0) continue;
+    o.ptr[o.count] = static_cast<char*>(p.outputs[k]);
+    o.numel[o.count++] = p.output_numel[k];
+  }
+  gather_finish_kernel<<<32, 256, 0, cur>>>(p.fault, p.mirror, o, p.elem_bytes, nan_bits(p.elem_bytes, p.bf16 != 0));
+  return cuda_check(cudaGetLastError(), "gather finish kernel");
+}
+
+}  // extern "C"

@@ -1,0 +1,294 @@
+"""The NVLink peer route of all_gather -> GEMMs: the shards travel by copy engine, the GEMMs stay cuBLAS's.
+
+One host, 2-8 ranks (``torch.distributed._symmetric_memory``; any backend of the group: a gloo group whose ranks
+share one GPU works too, under ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``). Per call (``fo_gather_call`` and
+``fo_gather_finish``, ``csrc/gather_call.cu``; the protocol is stated in ``csrc/flashoverlap_sm90.h``):
+
+- on the group's copy stream, forked from the caller's: begin the call (its deadline, its epoch ``e``), wait until
+  every peer finished reading this rank's shard of call ``e - 1``, copy the shard into this rank's symmetric buffer,
+  tell every peer; then per peer ``j`` in arrival order (``schedule.gather.arrival_order``: ``rank - 1, rank - 2,
+  ...``) wait for ``j``'s shard of call ``e``, pull it from ``j``'s buffer mapped here into ``staging[j]``
+  (``cudaMemcpyAsync``: the copy engine, no SM) and record ``j``'s event; tell ``j`` its buffer is read;
+- on the caller's stream, meanwhile: the local shard's GEMMs (cuBLAS, ``schedule.gather.shard_gemm`` into
+  ``shard_view``), then each pulled shard's after its event;
+- ``fo_gather_finish``: the caller's stream joins the copy stream, and one kernel fills every output (each ``y_i``
+  and, when returned, the gathered rows) with NaN while the group's fault block holds a fault.
+
+Invariants (units: bytes for buffers and shards, flattened rows for the GEMMs, as ``schedule.gather``):
+
+- Memory of one (device, group): a flag page of ``FLAG_BYTES`` (zeroed once; ``ready[j]`` at int ``j`` and
+  ``done[j]`` at int ``MAX_WORLD + j``, each added to only by rank ``j``, once per call; the group's ``fo_fault`` block
+  at ``FAULT_OFFSET``), a device epoch (calls begun; graph-replay safe: the first kernel of a call advances it), the
+  copy stream, one event per source rank; and workspaces of ``capacity`` bytes (``symmetric.smallest_with_room``:
+  a call of ``shard_bytes = shard_rows * K * itemsize`` uses the smallest with room, never grows one inside a
+  capture), every rank's mapped here. ``staging`` ([world, shard_rows, K], the dim-0 all_gather's layout) and the
+  outputs are the call's own fresh tensors.
+- A rank's buffer is rewritten by call ``e + 1`` only after every peer said it read call ``e``'s shard, and the
+  flags count calls, not shapes, so calls of any shape share one page and buffer set; calls of a group run in
+  order on its copy stream (eager calls from another caller stream first wait for the last, ``order_after_last``).
+- Every wait is bounded by the call's deadline (``Settings.timeout_ns``: ``wait_timeout_ms`` or the group's
+  timeout). A wait that gives up records the fault in this rank's block and every peer's; the call still notifies
+  every flag once and every wait consumes its epoch, so the next call is in step again (a late rank is caught up; a
+  rank that skips a call altogether leaves the epochs one call apart: ``routes.reset()`` on every rank). The fault
+  poisons the outputs of every call that finishes while the block holds it; the host raises it at the next call
+  (``faults.raise_pending``) or in ``routes.check()``, on every rank of the group, and clears it. With 3 or more
+  ranks, another rank's record of the same stall may land after this rank cleared its block: the next call is then
+  poisoned and raises too (never a wrong value).
+- Cost beside the GEMMs: the pulls take copy engines only; the protocol's one-thread kernels (one per peer and call)
+  run on the high-priority copy stream and need an SM slot, which a full cuBLAS grid frees at its next CTA's end.
+
+Declines (pure; the same on every rank): another collective, ``transport="nccl"``, fewer than 2 or more than
+``MAX_WORLD`` ranks, a dtype other than bf16 / fp16 / fp32, a plan other than ``gather_nccl.PLANS``, no kernel
+library or sm90 GPU. ``make_launch`` also declines (after one collective per group) a group that spans hosts or a
+torch without symmetric memory, and a call of more than ``MAX_OUTPUTS`` outputs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import logging
+import socket
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .. import _inductor_compat as compat
+from .. import config, faults, kernels, streams
+from ..schedule import gather as schedule
+from . import gather_nccl, symmetric
+
+log = logging.getLogger("flashoverlap")
+
+MAX_WORLD = 8  # FO_GATHER_MAX_WORLD (<= faults.MAX_PEERS + 1)
+MAX_OUTPUTS = 8  # FO_GATHER_MAX_OUTPUTS: the GEMMs' results and the gathered rows
+FLAG_INTS = 2 * MAX_WORLD  # FO_GATHER_FLAG_INTS
+FAULT_OFFSET = 4 * FLAG_INTS  # bytes: the group's fo_fault block, after the flags
+FLAG_BYTES = FAULT_OFFSET + faults.BLOCK_BYTES
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+NAME = "gather_peer"
+
+
+class GatherArgs(ctypes.Structure):
+    """``fo_gather_args`` of ``csrc/flashoverlap_sm90.h`` (pointers as ints; sizes in bytes or elements)."""
+
+    _fields_ = [("world", ctypes.c_int32), ("rank", ctypes.c_int32), ("shard_bytes", ctypes.c_int64),
+                ("a", ctypes.c_void_p), ("buffers", ctypes.c_void_p * MAX_WORLD),
+                ("flags", ctypes.c_void_p * MAX_WORLD), ("epoch", ctypes.c_void_p), ("staging", ctypes.c_void_p),
+                ("copy_own", ctypes.c_int32), ("launch_id", ctypes.c_int32), ("timeout_ns", ctypes.c_int64),
+                ("fault", ctypes.c_void_p), ("mirror", ctypes.c_void_p), ("cur_stream", ctypes.c_void_p),
+                ("copy_stream", ctypes.c_void_p), ("shard_events", ctypes.c_void_p * MAX_WORLD),
+                ("num_outputs", ctypes.c_int32), ("elem_bytes", ctypes.c_int32), ("bf16", ctypes.c_int32),
+                ("reserved", ctypes.c_int32), ("outputs", ctypes.c_void_p * MAX_OUTPUTS),
+                ("output_numel", ctypes.c_int64 * MAX_OUTPUTS)]
+
+
+@dataclass
+class GatherFlags:
+    """The flag page of one (device, group), every rank's mapped here, and what this rank keeps beside it."""
+
+    buf: torch.Tensor  # uint8 [FLAG_BYTES], symmetric, zeroed once
+    hdl: object
+    views: list[torch.Tensor]  # every rank's page mapped here (keeps the mappings alive)
+    epoch: torch.Tensor  # int32 [1]: calls begun (advanced by the device)
+    copy: torch.cuda.Stream  # the protocol and the pulls, in call order
+    events: list[torch.cuda.Event]  # [j]: rank j's shard landed in staging (recorded by the library on ``copy``)
+    fault: faults.FaultDomain  # the group's fault block (in ``buf``), which the peers' waits also write
+
+
+@dataclass
+class GatherWorkspace:
+    """A symmetric shard buffer of ``capacity`` bytes per rank, every rank's mapped here."""
+
+    capacity: int
+    buf: torch.Tensor
+    hdl: object
+    views: list[torch.Tensor]
+    flags: GatherFlags
+    serial: int = 0  # ``symmetric.next_serial()``: the key of the argument structs made for it
+
+
+_flags: dict[tuple[int, str], GatherFlags] = {}
+_workspaces: dict[tuple[int, str], list[GatherWorkspace]] = {}
+_groups: dict[str, str | None] = {}  # group name -> why its ranks cannot share symmetric memory (None: they can)
+
+
+def flags(group: dist.ProcessGroup, device: torch.device) -> GatherFlags:
+    """The cached flag page of (device, group); made (collectively, zeroed) on first use, never inside a capture."""
+    key = (device.index, group.group_name)
+    f = _flags.get(key)
+    if f is None:
+        world, rank = group.size(), group.rank()
+        buf, hdl, views = symmetric.symmetric(FLAG_BYTES, group, device, True, list(range(world)))
+        epoch = streams.persistent(device.index, lambda: torch.zeros(1, dtype=torch.int32, device=device))
+        events = [torch.cuda.Event() for _ in range(world)]
+        for ev in events:  # created now (torch makes an event at its first record); the library re-records them
+            ev.record(torch.cuda.current_stream(device))
+        dom = symmetric.fault_domain(NAME, group, device, buf, FAULT_OFFSET,
+                                     [v.data_ptr() for r, v in enumerate(views) if r != rank])
+        f = _flags[key] = GatherFlags(buf, hdl, views, epoch, torch.cuda.Stream(device=device, priority=-100),
+                                      events, dom)
+    return f
+
+
+def workspace(group: dist.ProcessGroup, device: torch.device, need: int,
+              capturing: bool = False) -> GatherWorkspace | None:
+    """The smallest shard buffer of (device, group) with ``need`` bytes (``symmetric.smallest_with_room``: None
+    inside a capture when none has room)."""
+
+    def make(capacity: int) -> GatherWorkspace:
+        f = flags(group, device)
+        buf, hdl, views = symmetric.symmetric(capacity, group, device, False, list(range(group.size())))
+        log.info("flashoverlap gather_peer: symmetric shard buffer of %d MiB on %s, group %s", capacity >> 20,
+                 device, group.group_name)
+        return GatherWorkspace(capacity, buf, hdl, views, f, symmetric.next_serial())
+
+    return symmetric.smallest_with_room(_workspaces.setdefault((device.index, group.group_name), []), need,
+                                        capturing, make)
+
+
+def unsupported(call, settings: config.Settings) -> str | None:
+    """Why ``call`` cannot take this route (None: it can). Pure; depends only on what all ranks share."""
+    if call.collective != "all_gather":
+        return f"{call.collective} is not an all_gather"
+    if settings.transport != "peer":
+        return "transport is 'nccl'"
+    if call.world < 2:
+        return "one rank: nothing to gather"
+    if call.world > MAX_WORLD:
+        return f"world size {call.world} (the gather peer route takes 2-{MAX_WORLD} ranks of one host)"
+    if call.dtype not in DTYPES:
+        return f"dtype: {call.dtype} (bf16, fp16 or fp32)"
+    why = gather_nccl.unsupported_plan(call.plan)
+    if why is not None:
+        return why
+    if not kernels.available():  # never raises
+        return "library: the kernel library or an sm90 GPU is missing"
+    return None
+
+
+def group_issue(group: dist.ProcessGroup) -> str | None:
+    """Why the group's ranks cannot share symmetric memory (None: they can): one ``all_gather_object`` of the host
+    name and torch's symmetric memory per group, so every rank gets the same answer."""
+    key = group.group_name
+    if key not in _groups:
+        mine = (socket.gethostname(), importlib.util.find_spec("torch.distributed._symmetric_memory") is not None)
+        got: list = [None] * group.size()
+        dist.all_gather_object(got, mine, group=group)
+        hosts = {host for host, _ in got}
+        if len(hosts) > 1:
+            _groups[key] = f"hosts: the group spans {len(hosts)} hosts (symmetric memory is one host's)"
+        elif not all(ok for _, ok in got):
+            _groups[key] = "symmetric: torch.distributed._symmetric_memory is missing on a rank"
+        else:
+            _groups[key] = None
+    return _groups[key]
+
+
+@dataclass
+class GatherLaunch:
+    """One call shape: its geometry, shard bytes, wait bound and, per workspace it ran with, the args with every
+    pointer but the call's own."""
+
+    geo: schedule.GatherGeometry
+    rank: int
+    dtype: torch.dtype
+    shard_bytes: int
+    timeout_ns: int
+    description: str
+    launch_id: int = 0  # ``faults.launch_id``
+    args: dict[int, GatherArgs] = field(default_factory=dict)  # workspace serial -> args
+
+
+def make_launch(call, settings: config.Settings, ctx) -> GatherLaunch | str:
+    why = group_issue(ctx.group)  # a collective, once per group: every rank gets here with the same call
+    if why is not None:
+        return why
+    outputs = len(ctx.b) + int(ctx.return_gathered)
+    if outputs > MAX_OUTPUTS:
+        return f"outputs: {outputs} outputs (at most {MAX_OUTPUTS})"
+    geo = schedule.geometry(list(ctx.a.shape), ctx.gather_dim, call.world)
+    shard_bytes = geo.shard_rows * geo.k * call.dtype.itemsize
+    desc = (f"all_gather of {geo.shard_rows} x {geo.k} {call.dtype_name} shards over {call.world} ranks, then "
+            f"{len(ctx.b)} GEMM(s) N={[w.shape[-1] for w in ctx.b]}: gather_peer route, {shard_bytes} B per shard "
+            "by copy engine")
+    log.info("flashoverlap: launch %s", desc)
+    return GatherLaunch(geo, call.rank, call.dtype, shard_bytes,
+                        settings.timeout_ns(compat.group_timeout_ms(ctx.group)), desc, faults.launch_id(desc))
+
+
+def args_for(launch: GatherLaunch, ws: GatherWorkspace) -> GatherArgs:
+    """The launch's args with the workspace's, the flags' and the streams' pointers (memoized per workspace: a call
+    shape maps to one workspace for good)."""
+    p = launch.args.get(ws.serial)
+    if p is None:
+        f, world = ws.flags, launch.geo.world
+        p = GatherArgs()
+        p.world, p.rank, p.shard_bytes = world, launch.rank, launch.shard_bytes
+        for r in range(world):
+            p.buffers[r], p.flags[r] = ws.views[r].data_ptr(), f.views[r].data_ptr()
+            p.shard_events[r] = f.events[r].cuda_event if r != launch.rank else None
+        p.epoch, p.launch_id, p.timeout_ns = f.epoch.data_ptr(), launch.launch_id, launch.timeout_ns
+        p.fault, p.mirror, p.copy_stream = f.fault.block_ptr, f.fault.mirror_ptr, f.copy.cuda_stream
+        p.elem_bytes, p.bf16 = launch.dtype.itemsize, int(launch.dtype == torch.bfloat16)
+        launch.args[ws.serial] = p
+    return p
+
+
+class GatherPeerRoute(symmetric.SymmetricRoute):
+    name = NAME
+    collectives = ("all_gather",)
+
+    unsupported = staticmethod(unsupported)
+    make_launch = staticmethod(make_launch)
+
+    def execute(self, launch: GatherLaunch, ctx) -> list[torch.Tensor] | str:
+        device, geo = ctx.a.device, launch.geo
+        ws = workspace(ctx.group, device, launch.shard_bytes, ctx.capturing)
+        if ws is None:
+            return "capture-grow: its shard buffer would have to grow inside a CUDA-graph capture"
+        cur = compat.current_raw_stream(device.index)
+        if not ctx.capturing:
+            symmetric.order_after_last(ctx.group, device, cur)
+        a = ctx.a.reshape(geo.shard_rows, geo.k).contiguous()  # read on the copy stream; alive until the join
+        staging = a.new_empty(geo.world, geo.shard_rows, geo.k)
+        outs = [a.new_empty(geo.rows, w.shape[-1]) for w in ctx.b]
+        bias = [None if c is None else c.reshape(-1) for c in ctx.bias]
+        # the memoized struct itself: every per-call field is set here, and the library reads it only during the
+        # call (the dispatcher's lock keeps host threads out of each other's way)
+        p = args_for(launch, ws)
+        p.a, p.staging, p.copy_own, p.cur_stream = a.data_ptr(), staging.data_ptr(), int(ctx.return_gathered), cur
+        poisoned = [*outs, staging] if ctx.return_gathered else outs
+        p.num_outputs = len(poisoned)
+        for i, t in enumerate(poisoned):
+            p.outputs[i], p.output_numel[i] = t.data_ptr(), t.numel()
+        lib = kernels.library()
+        rc = lib.fo_gather_call(ctypes.byref(p))
+        try:
+            if rc == 0:  # the GEMMs: the local shard's now, each pulled shard's after its event
+                stream = torch.cuda.current_stream(device)
+                for step, j in enumerate(schedule.arrival_order(launch.rank, geo.world)):
+                    x = a
+                    if step:
+                        stream.wait_event(ws.flags.events[j])
+                        x = staging[j]
+                    for w, c, out in zip(ctx.b, bias, outs, strict=True):
+                        schedule.shard_gemm(x, w, c, schedule.shard_view(out, geo, j))
+        finally:  # joined and poisoned whatever happened above: the copy stream never outlives the call's tensors
+            rc_finish = lib.fo_gather_finish(ctypes.byref(p))
+        kernels.check(rc, "fo_gather_call")
+        kernels.check(rc_finish, "fo_gather_finish")
+        if not ctx.return_gathered:
+            return outs
+        return [*outs, schedule.assemble(staging, geo, list(ctx.y_shape))]
+
+    def state(self) -> tuple[dict, dict]:
+        return _flags, _workspaces
+
+    def reset(self) -> None:
+        super().reset()
+        _groups.clear()
+
+
+ROUTE = GatherPeerRoute()

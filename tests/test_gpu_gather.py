@@ -1,0 +1,271 @@
+"""GPU tests of the all_gather -> GEMMs peer route (``routes.gather_peer``: every shard pulled by copy engine from its
+rank's symmetric memory, cuBLAS GEMMs per shard on the caller's stream) with 2 and 4 ranks sharing one GPU: a gloo
+group, torch's symmetric memory under ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` (as
+``examples/device/ring_probe4.py`` does). Ranks time-slice the GPU, so these check the schedule, the flags and the
+failure contract, not speed (``examples/device/gather_probe.py`` times the per-shard GEMMs).
+
+Skipped unless CUDA, an sm90 GPU and a library with ``fo_gather_call`` are present. Every call runs on fresh random
+bf16 data and is compared with eager PyTorch on the same rank (gloo ``all_gather`` of the shards, then ``torch.mm`` /
+``addmm``) and with an fp64 reference; the gathered tensor must equal eager's bit for bit; every call must count
+``route:gather_peer`` (so no check can pass on the unfused route). Covered: gather_dim 0 and 1 (contiguous and
+strided shard rows), 1 and 3 weights, bias or none, the gathered tensor returned or not, a shard buffer that grows,
+the same calls queued with no synchronization between them (the done flags guard every buffer), a rank that comes
+late (every rank's outputs NaN, every rank raises ``FlashOverlapTimeout``, the next call is correct with no reset),
+and a rank that skips a call (the others raise within the bound; ``routes.reset()`` on every rank, then correct).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from dist_utils import DistPool
+
+from flashoverlap_inductor import kernels
+
+LONG_MS = 60000.0  # the bound of normal calls: time-sliced ranks may wait for another context's turn
+SHORT_MS = 1500.0  # the bound of the fault cases
+STALL_S = 4.0  # how late the late rank comes (> SHORT_MS)
+SLACK_S = 5.0  # a timed-out call ends within its bound plus this (poison kernel, time slicing)
+
+
+def _ready() -> bool:
+    try:
+        return torch.cuda.is_available() and kernels.available() and hasattr(kernels.library(), "fo_gather_call")
+    except Exception:  # noqa: BLE001 - any failure to probe means: skip
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _ready(), reason="needs a CUDA sm90 GPU and the built library")
+
+
+def _setup() -> None:
+    """Each rank: the one GPU, and ``torch.ops.flashoverlap.*`` registered."""
+    torch.cuda.set_device(0)
+    from flashoverlap_inductor import ops  # noqa: F401
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+def pool(request):
+    env = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1", "FLASHOVERLAP_TRANSPORT": "peer",
+           "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    p = DistPool(request.param, env, timeout_s=300.0, backend="gloo", setup=_setup)
+    yield p
+    p.close()
+
+
+# (shard shape, gather_dim): 2D; 3D along dim 1 with 2 leading rows (strided shard views); 3D along dim 0; a
+# leading size of 1 along dim 1 with ragged rows (contiguous again)
+SHAPES = [((256, 512), 0), ((2, 96, 512), 1), ((3, 64, 256), 0), ((1, 200, 384), 1)]
+WEIGHTS = [[384], [256, 128, 64]]  # N of each GEMM: one, and three sharing the gather (q/k/v)
+FLAGS = [(False, False), (True, True), (True, False), (False, True)]  # (bias, return_gathered)
+GROW = ((2048, 1024), 0)  # a 4 MiB shard: the shard buffer grows past 1 MiB
+
+
+def _inputs(seed: int, shape, ns: list[int], bias: bool):
+    """This rank's shard and weights (W.t() of Linear weights), drawn on the GPU (no host sync)."""
+    import torch.distributed as dist
+
+    gen = torch.Generator(device="cuda").manual_seed(seed * 100 + dist.get_rank())
+    k = shape[-1]
+    a = torch.randn(shape, generator=gen, device="cuda").bfloat16()
+    ws = [(torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5).bfloat16().t() for n in ns]
+    cs = [torch.randn(n, generator=gen, device="cuda").bfloat16() if bias else None for n in ns]
+    return a, ws, cs
+
+
+def _op(a, ws, cs, gather_dim: int, ret: bool) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    return torch.ops.flashoverlap.all_gather_gemm(a, ws, cs, gather_dim, group.size(), group.group_name, "auto", ret)
+
+
+def _eager(a, ws, cs, gather_dim: int) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+    """Eager PyTorch: gloo all_gather of the shards (bits as int16), cat, then mm / addmm; and fp64 references."""
+    import torch.distributed as dist
+
+    parts = [torch.empty(a.shape, dtype=torch.int16) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, a.cpu().contiguous().view(torch.int16))
+    g = torch.cat([p.view(torch.bfloat16).cuda() for p in parts], gather_dim)
+    flat = g.reshape(-1, g.shape[-1])
+    ys = [torch.mm(flat, w) if c is None else torch.addmm(c, flat, w) for w, c in zip(ws, cs, strict=True)]
+    refs = [flat.double() @ w.double() + (0 if c is None else c.double()) for w, c in zip(ws, cs, strict=True)]
+    return ys, g, refs
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def _check(outs, a, ws, cs, gather_dim: int, ret: bool, what: str) -> None:
+    ys, g, refs = _eager(a, ws, cs, gather_dim)
+    assert len(outs) == len(ws) + ret, (what, len(outs))
+    for i, (y, e, ref) in enumerate(zip(outs, ys, refs, strict=False)):
+        assert y.shape == e.shape and y.dtype == e.dtype, (what, i, y.shape, e.shape)
+        assert bool(torch.isfinite(y).all()), (what, i, "not finite")
+        err, eager_err = _rel(y, ref), _rel(e, ref)
+        assert err < 1.5e-2 and err <= 2 * eager_err + 2e-3, (what, i, err, eager_err)
+    if ret:
+        assert outs[-1].shape == g.shape and torch.equal(outs[-1], g), (what, "gathered tensor differs")
+
+
+def _cases() -> list[tuple]:
+    out = []
+    for si, (shape, gdim) in enumerate(SHAPES):
+        for wi, ns in enumerate(WEIGHTS):
+            for fi, (bias, ret) in enumerate(FLAGS):
+                out.append((100 * si + 10 * wi + fi, shape, gdim, ns, bias, ret))
+    out.append((999, *GROW, [512], True, True))
+    out.append((998, *SHAPES[1], WEIGHTS[1], False, True))  # the small buffer again, after the growth
+    return out
+
+
+def match_task() -> dict[str, int]:
+    """Every case synchronized and checked, then every case queued back to back and checked after one sync."""
+    from flashoverlap_inductor import config, routes
+
+    routes.reset()
+    cases = _cases()
+    with config.patch(wait_timeout_ms=LONG_MS):
+        for seed, shape, gdim, ns, bias, ret in cases:
+            before = routes.stats["route:gather_peer"]
+            a, ws, cs = _inputs(seed, shape, ns, bias)
+            outs = _op(a, ws, cs, gdim, ret)
+            torch.cuda.synchronize()
+            routes.check()
+            assert routes.stats["route:gather_peer"] == before + 1, (shape, gdim, ns, dict(routes.stats))
+            _check(outs, a, ws, cs, gdim, ret, f"{shape} dim {gdim} N={ns} bias={bias} gathered={ret}")
+        synced = routes.stats["route:gather_peer"]
+        queued = []
+        for seed, shape, gdim, ns, bias, ret in cases:
+            a, ws, cs = _inputs(seed + 5000, shape, ns, bias)
+            queued.append((a, ws, cs, gdim, ret, _op(a, ws, cs, gdim, ret)))
+        torch.cuda.synchronize()
+        routes.check()
+        for i, (a, ws, cs, gdim, ret, outs) in enumerate(queued):
+            _check(outs, a, ws, cs, gdim, ret, f"queued case {i}")
+    workspaces = sorted(ws.capacity for lst in routes.gather_peer._workspaces.values() for ws in lst)
+    return {"synced": synced, "total": routes.stats["route:gather_peer"], "workspaces": workspaces}
+
+
+def test_gather_peer_matches_eager(pool):
+    n = len(_cases())
+    per_rank = pool.run(match_task)
+    for r in per_rank:
+        assert r["synced"] == n and r["total"] == 2 * n, per_rank
+        assert r["workspaces"] == [1 << 20, 4 << 20], per_rank  # 1 MiB, grown once to 4 MiB, the small one reused
+
+
+def _pending() -> bool:
+    """Whether this rank's gather fault block has reached the host (its pinned mirror; read without clearing)."""
+    import torch.distributed as dist
+
+    from flashoverlap_inductor.routes import gather_peer
+
+    return gather_peer.flags(dist.group.WORLD, torch.device("cuda", 0)).fault.pending()
+
+
+def _expect_timeout(fn) -> str:
+    from flashoverlap_inductor import errors
+
+    try:
+        fn()
+    except errors.FlashOverlapTimeout as exc:
+        return "raised: " + str(exc)[:200]
+    return "no error"
+
+
+CASE = ((256, 512), 0, [384, 128], True, True)  # shape, gather_dim, N, bias, return_gathered
+
+
+def late_rank_task() -> dict:
+    """The last rank comes STALL_S late to one call: the others' waits give up at the bound, every rank's outputs
+    of that call are NaN and every rank raises; the next call is correct with no reset."""
+    import torch.distributed as dist
+
+    from flashoverlap_inductor import config, routes
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    late = rank == world - 1
+    shape, gdim, ns, bias, ret = CASE
+    routes.reset()
+    out: dict = {"late": late}
+    with config.patch(wait_timeout_ms=SHORT_MS):
+        a, ws, cs = _inputs(1, shape, ns, bias)  # both ranks: the shape's agreement, buffers and flags exist
+        _check(_op(a, ws, cs, gdim, ret), a, ws, cs, gdim, ret, "warm-up")
+        routes.check()
+        dist.barrier()
+        if late:
+            time.sleep(STALL_S)
+        t0 = time.monotonic()
+        a, ws, cs = _inputs(2, shape, ns, bias)
+        outs = _op(a, ws, cs, gdim, ret)
+        torch.cuda.synchronize()
+        out["elapsed_s"] = time.monotonic() - t0
+        out["pending"] = _pending()  # the host sees it now: the next eager call or routes.check() raises
+        out["poisoned"] = all(bool(torch.isnan(y).all()) for y in outs)
+        out["routed"] = routes.stats["route:gather_peer"]
+        dist.barrier()  # every rank's timed-out waits have recorded their faults (so none lands after a clear)
+        out["error"] = _expect_timeout(routes.check)
+        dist.barrier()
+        a, ws, cs = _inputs(3, shape, ns, bias)
+        _check(_op(a, ws, cs, gdim, ret), a, ws, cs, gdim, ret, "the call after the fault")
+        routes.check()
+    out["after"] = routes.stats["route:gather_peer"]
+    return out
+
+
+def test_gather_peer_late_rank_poisons_and_raises_everywhere(pool):
+    per_rank = pool.run(late_rank_task)
+    for r in per_rank:
+        assert r["pending"] and r["poisoned"], per_rank
+        assert r["error"].startswith("raised") and "gather_peer" in r["error"], per_rank
+        assert r["routed"] == 2 and r["after"] == 3, per_rank
+        if not r["late"]:
+            assert r["elapsed_s"] < SHORT_MS / 1e3 + SLACK_S, per_rank
+
+
+def missing_rank_task() -> dict:
+    """The last rank skips a call: the others' waits give up at the bound, their outputs are NaN and they raise. The
+    flags are a call apart then (a skipped call consumes no epoch), so every rank resets; the next call is correct."""
+    import torch.distributed as dist
+
+    from flashoverlap_inductor import config, routes
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shape, gdim, ns, bias, ret = CASE
+    routes.reset()
+    out: dict = {"skips": rank == world - 1}
+    with config.patch(wait_timeout_ms=SHORT_MS):
+        a, ws, cs = _inputs(1, shape, ns, bias)
+        _check(_op(a, ws, cs, gdim, ret), a, ws, cs, gdim, ret, "warm-up")
+        routes.check()
+        dist.barrier()
+        if not out["skips"]:
+            t0 = time.monotonic()
+            a, ws, cs = _inputs(2, shape, ns, bias)
+            outs = _op(a, ws, cs, gdim, ret)
+            torch.cuda.synchronize()
+            out["elapsed_s"] = time.monotonic() - t0
+            out["poisoned"] = all(bool(torch.isnan(y).all()) for y in outs)
+        dist.barrier()
+        if not out["skips"]:
+            out["error"] = _expect_timeout(routes.check)
+        dist.barrier()
+        routes.reset()
+        a, ws, cs = _inputs(3, shape, ns, bias)
+        _check(_op(a, ws, cs, gdim, ret), a, ws, cs, gdim, ret, "the call after the reset")
+        routes.check()
+    out["after"] = routes.stats["route:gather_peer"]
+    return out
+
+
+def test_gather_peer_missing_rank_times_out(pool):
+    per_rank = pool.run(missing_rank_task)
+    for r in per_rank:
+        assert r["after"] == 1, per_rank  # the call after the reset took the route
+        if not r["skips"]:
+            assert r["poisoned"] and r["error"].startswith("raised"), per_rank
+            assert r["elapsed_s"] < SHORT_MS / 1e3 + SLACK_S, per_rank
