@@ -83,12 +83,13 @@ def _op(a, ws, cs, gather_dim: int, ret: bool) -> list[torch.Tensor]:
 
 
 def _eager(a, ws, cs, gather_dim: int) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
-    """Eager PyTorch: gloo all_gather of the shards (bits as int16), cat, then mm / addmm; and fp64 references."""
+    """Eager PyTorch: gloo all_gather of the shards (as fp32: exact for bf16), cat, then mm / addmm; and fp64
+    references."""
     import torch.distributed as dist
 
-    parts = [torch.empty(a.shape, dtype=torch.int16) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, a.cpu().contiguous().view(torch.int16))
-    g = torch.cat([p.view(torch.bfloat16).cuda() for p in parts], gather_dim)
+    parts = [torch.empty(a.shape, dtype=torch.float32) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, a.cpu().float().contiguous())  # bf16 -> fp32 is exact; gloo has no 16-bit ints
+    g = torch.cat([p.bfloat16().cuda() for p in parts], gather_dim)
     flat = g.reshape(-1, g.shape[-1])
     ys = [torch.mm(flat, w) if c is None else torch.addmm(c, flat, w) for w, c in zip(ws, cs, strict=True)]
     refs = [flat.double() @ w.double() + (0 if c is None else c.double()) for w, c in zip(ws, cs, strict=True)]

@@ -39,8 +39,9 @@ class TestAllGatherGemm(FakePGTestCase):
         flattened to rows, three Linears (one with bias); the gathered tensor is also used elsewhere."""
         g = self.group
 
-        def fn(x, wq, wk, wv, bv):
-            full = funcol.all_gather_tensor(x, 1, g)
+        def fn(x, wq, wk, wv, bv):  # the gather along dim 1 as DTensor and funcol emit it (torch 2.11's dynamo does
+            # not trace funcol.all_gather_tensor(x, 1, g) itself)
+            full = torch.cat(funcol.all_gather_tensor(x, 0, g).chunk(2, 0), dim=1)
             rows = full.view(-1, H)
             return rows @ wq, rows @ wk, F.linear(rows, wv, bv), full.sum()
 

@@ -70,9 +70,9 @@ def _case(i: int, case: tuple, rank: int, world: int, device: torch.device) -> d
     torch.cuda.synchronize()
     routes.check()
     routed = routes.stats["route:gather_peer"] - before
-    parts = [torch.empty(a.shape, dtype=torch.int16) for _ in range(world)]
-    dist.all_gather(parts, a.cpu().contiguous().view(torch.int16))
-    g = torch.cat([p.view(torch.bfloat16).to(device) for p in parts], gdim)
+    parts = [torch.empty(a.shape, dtype=torch.float32) for _ in range(world)]
+    dist.all_gather(parts, a.cpu().float().contiguous())  # bf16 -> fp32 is exact; gloo has no 16-bit ints
+    g = torch.cat([p.bfloat16().to(device) for p in parts], gdim)
     flat = g.reshape(-1, K)
     sample = flat[::8].float()
     line = {"case": i, "rank": rank, "shard": list(shape), "gather_dim": gdim, "n": ns, "bias": bias,
