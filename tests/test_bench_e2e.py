@@ -199,6 +199,18 @@ def test_invalid_arguments_are_one_line_errors(argv, message, capsys):
         cli.resolve(args, "cpu", 2)
 
 
+def test_share_gpu_refuses_the_sequence_parallel_plans():
+    from flashoverlap_inductor.bench import cli
+
+    for plan in ("sp", "ep"):
+        preset = "tiny-moe" if plan == "ep" else "tiny-llama"
+        args = cli.build_parser().parse_args(["--share-gpu", "--preset", preset, "--plan", plan, "--seq", "64"])
+        with pytest.raises(cli.UsageError, match="--share-gpu runs the tp plan only"):
+            cli.resolve(args, "cuda", 2)
+    args = cli.build_parser().parse_args(["--share-gpu", "--preset", "tiny-llama", "--plan", "tp", "--seq", "64"])
+    assert cli.resolve(args, "cuda", 2).cases  # tp is fine
+
+
 def test_usage_error_exit_status(capsys):
     import torch.distributed as dist
 

@@ -135,6 +135,10 @@ def resolve(args: argparse.Namespace, device: str, world: int) -> argparse.Names
             why = plans.check(spec, plan, world, seqs)
             if why:
                 raise UsageError(why)
+            if getattr(args, "share_gpu", False) and device == "cuda" and plan != "tp" and world > 1:
+                raise UsageError(f"--share-gpu runs the tp plan only: with --plan {plan}, DTensor all-gathers CUDA "
+                                 "tensors along the sequence dim through funcol, which crashes gloo (a segfault, "
+                                 "torch 2.11); use --plan tp, or --device cpu")
             args.cases.append((spec, plan))
     return args
 
