@@ -6,6 +6,7 @@ Recognized (post-grad graphs of torch 2.11 and 2.13, DTensor and funcol alike)::
     gathered = w                                                   # gather along dim 0
     gathered = cat([getitem(split(w, shard.shape[0]), i) ...], d)  # along dim d > 0 (funcol's form; DTensor's
                                                                    # sequence dim of [batch, seq, hidden])
+    gathered = cat([slice(w, 0, i * n0, (i + 1) * n0) ...], d)     # the same in funcol's backward
     mm(gathered | view(gathered, [rows, K]), W)  /  addmm(bias, ..., W)     # one or more GEMMs: q/k/v, gate/up
 
 Every GEMM whose A operand is the gathered rows (flattened to [rows, K]) joins the op (one gather feeding
@@ -102,26 +103,46 @@ def _is_row_flatten(src: Any, dst: Any, k: Any) -> bool:
 
 
 def _split_cat(wait: Node, shard: torch.Tensor) -> tuple[list[Node], Node, int] | None:
-    """funcol's gather along dim d > 0: ``cat([getitem(split(w, n0), i) for i], d)`` with n0 = the shard's dim 0."""
+    """funcol's gather along dim d > 0: ``cat([getitem(split(w, n0), i) for i], d)``, or (its backward) ``cat([slice(w,
+    0, i * n0, (i + 1) * n0) for i], d)``, with n0 = the shard's dim 0: the ranks' pieces in rank order."""
     users = list(wait.users)
-    if len(users) != 1 or users[0].target not in SPLIT_OPS or node_arg(users[0], 2, "dim", 0) != 0:
+    n0 = shard.shape[0]
+    if len(users) == 1 and users[0].target in SPLIT_OPS and node_arg(users[0], 2, "dim", 0) == 0:
+        split = users[0]
+        sizes = split.args[1]
+        chunk = sizes[0] if isinstance(sizes, (list, tuple)) else sizes
+        if not known_eq(val(chunk) if isinstance(chunk, Node) else chunk, n0):
+            return None
+        pieces = sorted(split.users, key=lambda p: p.args[1] if p.target is operator.getitem else -1)
+        if any(p.target is not operator.getitem for p in pieces) or [p.args[1] for p in pieces] != list(
+                range(len(pieces))):
+            return None
+        head = [split]
+    elif users and all(u.target is aten.slice.Tensor and node_arg(u, 1, "dim", 0) == 0 and
+                       node_arg(u, 4, "step", 1) == 1 for u in users):
+        pieces = sorted(users, key=lambda u: _int(node_arg(u, 2, "start", 0)))
+        for i, p in enumerate(pieces):
+            if not (known_eq(_int(node_arg(p, 2, "start", 0)), i * n0) and
+                    known_eq(val(p).shape[0], n0)):
+                return None
+        head = []
+    else:
         return None
-    split = users[0]
-    sizes = split.args[1]
-    chunk = sizes[0] if isinstance(sizes, (list, tuple)) else sizes
-    if not known_eq(val(chunk) if isinstance(chunk, Node) else chunk, shard.shape[0]):
-        return None
-    pieces = sorted(split.users, key=lambda p: p.args[1] if p.target is operator.getitem else -1)
-    if any(p.target is not operator.getitem or len(p.users) != 1 for p in pieces):
+    if any(len(p.users) != 1 for p in pieces):
         return None
     cat = next(iter(pieces[0].users))
     dim = node_arg(cat, 1, "dim", 0)
     if cat.target is not aten.cat.default or list(cat.args[0]) != pieces or not isinstance(dim, int):
         return None
     dim %= shard.dim()
-    if dim == 0 or [p.args[1] for p in pieces] != list(range(len(pieces))):
+    if dim == 0:
         return None
-    return [split, *pieces, cat], cat, dim
+    return [*head, *pieces, cat], cat, dim
+
+
+def _int(x: Any) -> Any:
+    """A slice bound as a value (a node's ``meta["val"]``, else itself)."""
+    return val(x) if isinstance(x, Node) else x
 
 
 # ------------------------------------------------------------------------------------------------ check, decide
