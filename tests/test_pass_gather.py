@@ -106,8 +106,20 @@ class TestAllGatherGemm(FakePGTestCase):
         self.assertNotIn("flashoverlap", graph_str(gm))
         self.assertEqual(dict(counters), {"skip:collective_disabled": 1})
 
+    def test_one_gemm_between_a_gather_and_a_reduce_scatter_fuses_one_side(self):
+        g = self.group
+
+        def fn(x, w):
+            return funcol.reduce_scatter_tensor(funcol.all_gather_tensor(x, 0, g) @ w, "sum", 0, g)
+
+        (gm,), _ = self.capture(fn, torch.randn(8, H), torch.randn(H, N1))
+        code = graph_str(gm)
+        self.assertEqual(code.count("flashoverlap.gemm_reduce_scatter"), 1)
+        self.assertEqual(dict(counters), {"fused:reduce_scatter": 1, "skip:gemm_taken": 1})
+        self.assert_rewrites_equivalent()
+
     def test_skip_reasons_are_known(self):
-        for slug in ("no_gemm_consumer", "inputs_after_use"):
+        for slug in ("no_gemm_consumer", "inputs_after_use", "gemm_taken"):
             self.assertIn(slug, report.SKIP_REASONS)
 
 

@@ -168,6 +168,10 @@ def check(m: GatherMatch, settings: config.Settings) -> GatherFusion | None:
     if "all_gather" not in settings.collectives:
         return _skip("collective_disabled", "%s: all_gather not in config.collectives %s", desc, settings.collectives)
     if not m.gemms:
+        taken = nearest_consumer(m.gathered, accept=lambda n: str(n.target).startswith("flashoverlap."))
+        if taken is not None:
+            return _skip("gemm_taken", "%s: the GEMM reading the gathered rows is already fused with the collective "
+                         "after it (%s)", desc, taken[0].name)
         near = nearest_consumer(m.gathered)
         if near is not None:
             record_near_miss(op_name(near[1]), "%s (all_gather) feeds GEMM %s through %s, which the pass does not "
@@ -207,17 +211,22 @@ def check(m: GatherMatch, settings: config.Settings) -> GatherFusion | None:
                         group_name, m.group_size)
 
 
-def nearest_consumer(gathered: Node, hops: int = 3) -> tuple[Node, Node] | None:
-    """(the nearest GEMM reading ``gathered`` through other ops, the first op on the way), within ``hops``."""
+def nearest_consumer(gathered: Node, hops: int = 3, accept: Any = None) -> tuple[Node, Node] | None:
+    """(the nearest node ``accept`` takes (default: a GEMM) reading ``gathered`` through other ops, the first op on
+    the way), within ``hops``."""
+    direct = accept is not None  # a GEMM reading it directly is not "through other ops"; a fused op is
+    accept = accept or (lambda n: n.target in GEMM_OPS)
     for first in gathered.users:
-        if first.target in GEMM_OPS:
+        if accept(first):
+            if direct:
+                return first, first
             continue
         frontier = [first]
         for _ in range(hops):
             nxt = []
             for node in frontier:
                 for user in node.users:
-                    if user.target in GEMM_OPS:
+                    if accept(user):
                         return user, first
                     nxt.append(user)
             frontier = nxt

@@ -60,6 +60,8 @@ SKIP_REASONS = {
     "all_to_all_auto": "under 'auto': all_to_all is fused only under 'always' (ranks may hold different rows, so a "
                        "per-rank verdict could differ between ranks)",
     "no_gemm_consumer": "all_gather: no GEMM reads the gathered rows (as the A operand of mm/addmm)",
+    "gemm_taken": "all_gather: the GEMM reading the gathered rows is already fused with the collective after it (one "
+                  "GEMM between two collectives: one of them fuses)",
     "inputs_after_use": "all_gather: a GEMM's weight is computed after the gathered rows are first used, by ops "
                         "that cannot move",
     "internal_error": "the checks raised (a bug in the pass; logged with its traceback)",
