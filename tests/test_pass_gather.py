@@ -118,8 +118,43 @@ class TestAllGatherGemm(FakePGTestCase):
         self.assertEqual(dict(counters), {"fused:reduce_scatter": 1, "skip:gemm_taken": 1})
         self.assert_rewrites_equivalent()
 
+    def test_chained_and_nested_gathers_each_fuse(self):
+        """A rewrite erases nodes that a later gather's match read (its shard is the first op's output, or the
+        first gather's result): each gather is matched just before it is decided."""
+        g = self.group
+
+        def chain(x, w1, w2):
+            y = funcol.all_gather_tensor(x, 0, g) @ w1
+            return funcol.all_gather_tensor(y, 0, g) @ w2
+
+        (gm,), _ = self.capture(chain, torch.randn(8, H), torch.randn(H, H), torch.randn(H, N2))
+        self.assertEqual(graph_str(gm).count("flashoverlap.all_gather_gemm"), 2)
+        self.assertEqual(dict(counters), {"fused:all_gather": 2})
+        self.assert_rewrites_equivalent()
+
+        def nested(x, w1, w2):
+            a = funcol.all_gather_tensor(x, 0, g)
+            return a @ w1, funcol.all_gather_tensor(a, 0, g) @ w2
+
+        counters.clear()
+        (gm,), _ = self.capture(nested, torch.randn(8, H), torch.randn(H, H), torch.randn(H, N2))
+        self.assertEqual(graph_str(gm).count("flashoverlap.all_gather_gemm"), 2)
+        self.assert_rewrites_equivalent()
+
+    def test_a_weight_computed_from_the_gathered_rows_is_left_alone(self):
+        g = self.group
+
+        def gram(x):
+            full = funcol.all_gather_tensor(x, 0, g)
+            return full @ full.t(), full @ full
+
+        (gm,), _ = self.capture(gram, torch.randn(H // 2, H))
+        self.assertNotIn("flashoverlap", graph_str(gm))
+        self.assertEqual(dict(counters), {"skip:weight_reads_gathered": 1})
+        self.assert_rewrites_equivalent()
+
     def test_skip_reasons_are_known(self):
-        for slug in ("no_gemm_consumer", "inputs_after_use", "gemm_taken"):
+        for slug in ("no_gemm_consumer", "inputs_after_use", "gemm_taken", "weight_reads_gathered"):
             self.assertIn(slug, report.SKIP_REASONS)
 
 

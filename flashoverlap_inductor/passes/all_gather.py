@@ -63,7 +63,8 @@ class GatherMatch:
 
 
 def find_gathers(graph: torch.fx.Graph) -> list[GatherMatch]:
-    """Every all_gather of the graph in its recognized form (module docstring), GEMMs or not."""
+    """Every all_gather of the graph in its recognized form (module docstring), GEMMs or not (a snapshot: a rewrite
+    invalidates the matches after it; ``fuse_gathers`` matches each one just before deciding it)."""
     out = []
     for coll in graph.find_nodes(op="call_function", target=compat.c10d.all_gather_into_tensor.default):
         m = match_gather(coll)
@@ -203,12 +204,28 @@ def check(m: GatherMatch, settings: config.Settings) -> GatherFusion | None:
             return _skip("dtype_mismatch", "%s: %s differ in dtype from the shard's %s", desc, mixed, dtype)
         weights.append(w)
         biases.append(bias)
+    after = _downstream(m.wait) | {m.wait}
+    late = [x.name for x in (*weights, *biases) if isinstance(x, Node) and x in after]
+    if late:
+        return _skip("weight_reads_gathered", "%s: %s computed from the gathered rows", desc, late)
     group_name = m.group_name if isinstance(m.group_name, str) else getattr(m.group_name, "group_name", None)
     if group_name is None or not isinstance(m.group_size, int) or m.group_size < 1:
         return _skip("unknown_group", "%s: group %r (size %s) cannot be resolved", desc, m.group_name, m.group_size)
     rows = math.prod(val(m.gathered).shape[:-1])
     return GatherFusion(m, weights, biases, rows, shard.shape[-1], [val(w).shape[-1] for w in weights], dtype,
                         group_name, m.group_size)
+
+
+def _downstream(node: Node) -> set[Node]:
+    """Every node that depends on ``node`` (its forward closure)."""
+    seen: set[Node] = set()
+    stack = list(node.users)
+    while stack:
+        x = stack.pop()
+        if x not in seen:
+            seen.add(x)
+            stack.extend(x.users)
+    return seen
 
 
 def nearest_consumer(gathered: Node, hops: int = 3, accept: Any = None) -> tuple[Node, Node] | None:
@@ -330,8 +347,9 @@ def _place_before(anchor: Node, inputs: list[Node], order: dict[Node, int], m: G
         node = stack.pop()
         if node in late:
             continue
-        if node.op != "call_function" or node.is_impure() or node in (m.coll, m.wait, *m.form):
-            return False
+        if node.op != "call_function" or node.is_impure() or node in (m.coll, m.wait, *m.form) or \
+                getattr(node.target, "namespace", None) in ("_c10d_functional", "c10d", "flashoverlap"):
+            return False  # never move a collective (or one of our ops) across others
         late.add(node)
         stack += [x for x in node.all_input_nodes if order[x] >= at]
     for node in sorted(late, key=order.__getitem__):
@@ -342,7 +360,12 @@ def _place_before(anchor: Node, inputs: list[Node], order: dict[Node, int], m: G
 def fuse_gathers(graph: torch.fx.Graph, settings: config.Settings) -> int:
     """Match, check, decide and rewrite every all_gather of ``graph``; returns how many were fused."""
     fused = 0
-    for m in find_gathers(graph):
+    for coll in list(graph.find_nodes(op="call_function", target=compat.c10d.all_gather_into_tensor.default)):
+        if getattr(coll, "_erased", False):  # erased by an earlier rewrite
+            continue
+        m = match_gather(coll)  # matched now: an earlier rewrite may have changed what it reads or feeds
+        if m is None:
+            continue
         try:
             f = check(m, settings)
             plan = choose_plan(f, settings) if f is not None else None

@@ -62,6 +62,7 @@ SKIP_REASONS = {
     "no_gemm_consumer": "all_gather: no GEMM reads the gathered rows (as the A operand of mm/addmm)",
     "gemm_taken": "all_gather: the GEMM reading the gathered rows is already fused with the collective after it (one "
                   "GEMM between two collectives: one of them fuses)",
+    "weight_reads_gathered": "all_gather: a GEMM's weight or bias is computed from the gathered rows",
     "inputs_after_use": "all_gather: a GEMM's weight is computed after the gathered rows are first used, by ops "
                         "that cannot move",
     "internal_error": "the checks raised (a bug in the pass; logged with its traceback)",

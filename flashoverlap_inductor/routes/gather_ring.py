@@ -111,11 +111,13 @@ def run_streams(call: GatherCall) -> None:
             ev = torch.cuda.Event()
             ev.record(side)
             events.append(ev)
-    call.compute(call.rank)
-    for step, ev in enumerate(events, start=1):
-        cur.wait_event(ev)
-        call.compute(call.source(step))
-    cur.wait_stream(side)
+    try:
+        call.compute(call.rank)
+        for step, ev in enumerate(events, start=1):
+            cur.wait_event(ev)
+            call.compute(call.source(step))
+    finally:  # even after a GEMM error: nothing allocated on cur is reused while a transfer may still write it
+        cur.wait_stream(side)
 
 
 _side: dict[int, torch.cuda.Stream] = {}
