@@ -1,0 +1,158 @@
+"""Op-level benchmark of all_gather -> GEMM (``flashoverlap::all_gather_gemm``) against every baseline, on W GPUs of
+one host (one rank per GPU, NCCL). Per shape (M_total gathered rows, N, K; each rank holds M_total / W rows), all
+variants timed interleaved in one run (``tune_measure.Timer``: CUDA events, warm-up, medians, max over ranks):
+
+* ``gemm``: cuBLAS ``torch.mm`` of the gathered [M_total, K] @ [K, N]; ``comm``: ``all_gather_into_tensor`` alone;
+  ``ideal``: max(gemm, comm);
+* ``seq``: all_gather then ``torch.mm`` (the unfused graph);
+* ``peer``: the op on the copy-engine route (``transport="peer"``, the default on one host);
+  ``nccl``: the op on the NCCL ring route (``transport="nccl"``);
+* ``asynctp``: PyTorch's ``torch.ops.symm_mem.fused_all_gather_matmul`` (symmetric memory enabled for the group).
+
+Correctness first: every fused variant's output against ``seq`` on fresh data (relative Frobenius error, worst
+rank), and the route each one took (``route:<name>`` counted). Prints a table (rank 0) and writes ``--json``.
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --nproc_per_node=W examples/bench_gather.py \\
+        [--shapes 4096x4096x4096,8192x14336x4096,...] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from flashoverlap_inductor import config, routes
+from flashoverlap_inductor import tune_measure as tm
+
+# Llama-3-8B-like column-parallel GEMMs after a sequence-parallel gather: q/k/v fused width 6144 and gate/up 28672,
+# split over W ranks by the bench itself (N / W per rank), at 4k-16k tokens.
+SHAPES = [(m, n, 4096) for m in (4096, 8192, 16384) for n in (6144, 28672)]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench_gather", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="", help="MxNxK,... (M = gathered rows, N before the split over ranks)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--target-ms", type=float, default=20.0)
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def shapes_of(text: str) -> list[tuple[int, int, int]]:
+    if not text:
+        return SHAPES
+    out = []
+    for item in text.split(","):
+        m, n, k = (int(x) for x in item.lower().split("x"))
+        out.append((m, n, k))
+    return out
+
+
+def asynctp(a: torch.Tensor, b: torch.Tensor, name: str):
+    """async-TP's fused all_gather + matmul, or (None, why not)."""
+    try:
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            enable_symm_mem_for_group(name)
+        fn = torch.ops.symm_mem.fused_all_gather_matmul
+    except Exception as exc:  # noqa: BLE001 - reported in the JSON
+        return None, repr(exc)[:200]
+    return (lambda: fn(a, [b], 0, name)[1][0]), ""
+
+
+def bench_shape(m: int, n: int, k: int, world: int, timer: tm.Timer) -> dict:
+    rank, name = dist.get_rank(), dist.group.WORLD.group_name
+    n_rank = n // world
+    torch.manual_seed(1000 + rank)
+    a = torch.randn(m // world, k, device="cuda", dtype=torch.bfloat16)
+    torch.manual_seed(7)
+    b = (torch.randn(n_rank, k, device="cuda") / math.sqrt(k)).bfloat16().t()  # a Linear weight, as TP has it
+    gathered = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+    op = torch.ops.flashoverlap.all_gather_gemm
+
+    def seq():
+        dist.all_gather_into_tensor(gathered, a)
+        return gathered @ b
+
+    def fused(transport: str):
+        key = config.current().replace(transport=transport).key()
+        return lambda: op(a, [b], [None], 0, world, name, "ring", False, key)[0]
+
+    variants = {"gemm": lambda: gathered @ b, "comm": lambda: dist.all_gather_into_tensor(gathered, a),
+                "seq": seq, "peer": fused("peer"), "nccl": fused("nccl")}
+    tp_fn, tp_why = asynctp(a, b, name)
+    if tp_fn is not None:
+        variants["asynctp"] = tp_fn
+    row = {"m": m, "n": n, "n_per_rank": n_rank, "k": k, "world": world, "errors": {}}
+    if tp_why:
+        row["errors"]["asynctp"] = tp_why
+    want = seq().float()
+    for v in ("peer", "nccl", "asynctp"):
+        if v not in variants:
+            continue
+        before = dict(routes.stats)
+        try:
+            got = variants[v]().float()
+            torch.cuda.synchronize()
+            err = ((got - want).norm() / want.norm()).item()
+        except Exception as exc:  # noqa: BLE001 - the variant is dropped from the timing and reported
+            row["errors"][v] = repr(exc)[:200]
+            del variants[v]
+            continue
+        row[f"relerr_{v}"] = tm.reduce_max([err])[0]
+        ran = [key for key, c in routes.stats.items() if key.startswith("route:") and c > before.get(key, 0)]
+        row[f"route_{v}"] = ",".join(sorted(ran)) or ("-" if v == "asynctp" else "unfused")
+    times = timer.measure(variants)
+    for v, t in times.items():
+        row[f"{v}_ms"] = t.ms
+    row["ideal_ms"] = max(row["gemm_ms"], row["comm_ms"])
+    for v in ("peer", "nccl", "asynctp"):
+        if f"{v}_ms" in row:
+            row[f"speedup_{v}"] = row["seq_ms"] / row[f"{v}_ms"]
+    row["speedup_ideal"] = row["seq_ms"] / row["ideal_ms"]
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(dist.get_node_local_rank(fallback_rank=rank))
+    if world < 2:
+        print("bench_gather: run under torchrun with >= 2 ranks", file=sys.stderr)
+        return 2
+    timer = tm.Timer(rounds=args.rounds, target_ms=args.target_ms, min_iters=2, max_iters=40, spin_ms=0.3)
+    rows = [bench_shape(m, n, k, world, timer) for m, n, k in shapes_of(args.shapes)]
+    if rank == 0:
+        cols = ("seq", "peer", "nccl", "asynctp", "ideal")
+        print(f"all_gather -> GEMM, {world} x {torch.cuda.get_device_name()}, bf16; ms (median, max over ranks); "
+              "speedup = seq / variant")
+        print("M_total x N x K | gemm | comm | " + " | ".join(cols) + " | x peer | x nccl | x async-TP | x ideal | "
+              "err peer | err nccl")
+        for r in rows:
+            ms = " | ".join(f"{r.get(f'{c}_ms', math.nan):.3f}" for c in cols)
+            sp = " | ".join(f"{r.get(f'speedup_{c}', math.nan):.3f}" for c in ("peer", "nccl", "asynctp", "ideal"))
+            print(f"{r['m']}x{r['n']}x{r['k']} | {r['gemm_ms']:.3f} | {r['comm_ms']:.3f} | {ms} | {sp} | "
+                  f"{r.get('relerr_peer', math.nan):.1e} | {r.get('relerr_nccl', math.nan):.1e}"
+                  + (f"  errors: {r['errors']}" if r["errors"] else ""))
+        geo = {c: math.exp(sum(math.log(r[f"speedup_{c}"]) for r in rows) / len(rows))
+               for c in ("peer", "nccl", "asynctp", "ideal") if all(f"speedup_{c}" in r for r in rows)}
+        print("geomean speedup over seq: " + ", ".join(f"{c} {v:.3f}" for c, v in geo.items()))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"world": world, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                           "rows": rows, "geomean": geo}, f, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
