@@ -123,9 +123,9 @@ def bench_shape(m: int, n: int, k: int, world: int, timer: tm.Timer) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    dist.init_process_group("nccl")
+    torch.cuda.set_device(dist.get_node_local_rank(fallback_rank=0))  # before the NCCL communicator exists
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(dist.get_node_local_rank(fallback_rank=rank))
     if world < 2:
         print("bench_gather: run under torchrun with >= 2 ranks", file=sys.stderr)
         return 2
