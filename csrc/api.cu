@@ -103,14 +103,7 @@ __global__ void fault_finish_kernel(fo_fault* f, int* mirror, char* out, int64_t
     asm volatile("fence.acq_rel.sys;" ::: "memory");
     int const x = load_volatile(&f->exchange);
     if (x > 0 && load_volatile(&f->code) == 0) record_fault(f, 3, -1, 0, 0, x - 1);
-    code = load_volatile(&f->code);
-    if (code != 0 && blockIdx.x == 0 && mirror != nullptr) {
-      int const* src = &f->code;
-      for (int i = 1; i < 8; ++i) reinterpret_cast<int volatile*>(mirror)[i] = load_volatile(src + i);
-      __threadfence_system();
-      reinterpret_cast<int volatile*>(mirror)[0] = code;
-      __threadfence_system();
-    }
+    code = mirror_fault(f, mirror, blockIdx.x == 0);
   }
   __syncthreads();
   if (code == 0 || out == nullptr) return;

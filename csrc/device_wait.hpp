@@ -42,6 +42,21 @@ __device__ __forceinline__ void record_fault(fo_fault* f, int code, int tag, int
   __threadfence_system();
 }
 
+// The prologue of a call's last kernel (one thread): the block's fault code after a system-scope acquire fence; while
+// there is one and `copy` (block 0), its first 8 ints go to the caller's pinned host mirror, code last.
+__device__ __forceinline__ int mirror_fault(fo_fault* f, int* mirror, bool copy) {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+  int const code = load_volatile(&f->code);
+  if (code != 0 && copy && mirror != nullptr) {
+    int const* src = &f->code;
+    for (int i = 1; i < 8; ++i) reinterpret_cast<int volatile*>(mirror)[i] = load_volatile(src + i);
+    __threadfence_system();
+    reinterpret_cast<int volatile*>(mirror)[0] = code;
+    __threadfence_system();
+  }
+  return code;
+}
+
 // This rank's wait gave up: its own block (code 1), then every peer's (code 2).
 __device__ __forceinline__ void record_timeout(fo_fault* f, int tag, int seen, int target) {
   int const origin = f->rank;

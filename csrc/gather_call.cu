@@ -92,17 +92,7 @@ struct GatherOutputs {
 // NaN bit pattern. Costs one load per block when there is none.
 __global__ void gather_finish_kernel(fo_fault* f, int* mirror, GatherOutputs o, int elem_bytes, unsigned nan) {
   __shared__ int code;
-  if (threadIdx.x == 0) {
-    asm volatile("fence.acq_rel.sys;" ::: "memory");
-    code = load_volatile(&f->code);
-    if (code != 0 && blockIdx.x == 0 && mirror != nullptr) {
-      int const* src = &f->code;
-      for (int i = 1; i < 8; ++i) reinterpret_cast<int volatile*>(mirror)[i] = load_volatile(src + i);
-      __threadfence_system();
-      reinterpret_cast<int volatile*>(mirror)[0] = code;
-      __threadfence_system();
-    }
-  }
+  if (threadIdx.x == 0) code = mirror_fault(f, mirror, blockIdx.x == 0);
   __syncthreads();
   if (code == 0) return;
   int64_t const stride = int64_t(gridDim.x) * blockDim.x;

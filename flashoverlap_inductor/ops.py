@@ -239,12 +239,18 @@ _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
 _CUDA_KEY = torch._C.DispatchKey.CUDA
 
 
+def _requires_grad(x) -> bool:
+    """A tensor argument (or a list of them: all_gather_gemm's weights) that requires grad."""
+    if isinstance(x, (list, tuple)):
+        return any(isinstance(t, torch.Tensor) and t.requires_grad for t in x)
+    return isinstance(x, torch.Tensor) and x.requires_grad
+
+
 def _autograd_cuda_kernel(name: str, impl):
     op = getattr(torch.ops.flashoverlap, name).default
 
     def kernel(keyset, *args):
-        flat = [y for x in args for y in (x if isinstance(x, (list, tuple)) else (x,))]
-        if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in flat):
+        if torch.is_grad_enabled() and any(_requires_grad(x) for x in args):
             raise RuntimeError(f"{NAMESPACE}::{name} has no autograd formula; it is meant for graphs after autograd "
                                "(torch.compile with backend='flashoverlap' inserts it there)")
         below = keyset & _AFTER_AUTOGRAD
