@@ -104,6 +104,17 @@ def test_importing_the_package_loads_no_experiment_and_no_old_module():
                           check=True).stdout.strip() == "False"  # the deprecated aliases are never imported
 
 
+def test_importing_the_package_registers_every_op():
+    """``import flashoverlap_inductor`` alone registers ``torch.ops.flashoverlap.*`` (benchmarks, eager callers and
+    cached graphs use them without importing the backend); the opposite broke the 2-GPU gather tests once."""
+    from flashoverlap_inductor import ops
+
+    code = ("import torch, flashoverlap_inductor; "
+            f"print(sorted(n for n in {sorted(ops._SCHEMAS)!r} if hasattr(torch.ops.flashoverlap, n)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True)
+    assert out.stdout.strip() == str(sorted(ops._SCHEMAS))
+
+
 def test_deprecated_names_still_work_for_one_release():
     import importlib
 

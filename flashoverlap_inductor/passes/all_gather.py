@@ -7,11 +7,17 @@ Recognized (post-grad graphs of torch 2.11 and 2.13, DTensor and funcol alike)::
     gathered = cat([getitem(split(w, shard.shape[0]), i) ...], d)  # along dim d > 0 (funcol's form; DTensor's
                                                                    # sequence dim of [batch, seq, hidden])
     gathered = cat([slice(w, 0, i * n0, (i + 1) * n0) ...], d)     # the same in funcol's backward
-    mm(gathered | view(gathered, [rows, K]), W)  /  addmm(bias, ..., W)     # one or more GEMMs: q/k/v, gate/up
+    mm(gathered | rows(gathered), W)  /  addmm(bias, ..., W)      # one or more GEMMs: q/k/v, gate/up
 
+``rows(x)`` is any chain of ``view | reshape | _unsafe_view`` that keeps the last dim K: such a chain only merges
+or splits the leading dims, so the flattened ``[rows, K]`` rows keep their order. This covers the batch-1 form,
+where funcol gathers a ``[1, S/P, H]`` shard along the sequence dim as ``reshape(wait, [1, S, H])`` (chunks of a
+batch-1 tensor are consecutive in memory, ``torch._utils._maybe_view_chunk_cat``), then ``reshape(.., [S, H])``.
 Every GEMM whose A operand is the gathered rows (flattened to [rows, K]) joins the op (one gather feeding
-several GEMMs fuses once); any other use of the gathered tensor (saved for backward, the weight gradient's
-``permute(x) @ dy``, a norm) reads the op's gathered result (``return_gathered``), so the graph keeps its meaning.
+several GEMMs fuses once); any other use of the gathered tensor or of a view on the way (saved for backward, the
+weight gradient's ``permute(x) @ dy``, a norm) reads the op's gathered result (``return_gathered``) through the
+same views, so the graph keeps its meaning. A GEMM that reads only a subset of the rows (``x[:, -1:]`` before
+``lm_head`` in prefill) is no candidate: ``skip:row_subset``.
 The op goes in front of the first user of the gathered tensor; weights defined later than that (a ``permute`` of a
 parameter next to its GEMM) are moved up with their pure producers. Decisions: fuse mode "always" fuses every
 match; "auto" asks ``cost_model.decide_gather`` for static sizes and defers to each call (plan "auto") for symbolic
@@ -44,7 +50,8 @@ FUSED_OP = torch.ops.flashoverlap.all_gather_gemm.default
 class GatherMatch:
     """One all_gather and the GEMMs that consume its rows. ``form``: the split/getitem/cat nodes of a gather along
     ``gather_dim > 0`` (empty along dim 0); ``gathered``: the node holding the gathered tensor (the wait or the
-    cat); ``gemms``: (GEMM node, the A operand node: ``gathered`` or a row-flattening view of it)."""
+    cat); ``gemms``: (GEMM node, its A operand node: ``gathered`` or a 2-D node of ``row_views``); ``row_views``:
+    the row-preserving views reachable from ``gathered`` (module docstring), in graph order."""
 
     coll: Node
     wait: Node
@@ -55,6 +62,7 @@ class GatherMatch:
     form: list[Node]
     gathered: Node
     gemms: list[tuple[Node, Node]] = field(default_factory=list)
+    row_views: list[Node] = field(default_factory=list)
 
     def describe(self) -> str:
         names = "+".join(g.name for g, _ in self.gemms) or "no GEMM"
@@ -84,13 +92,10 @@ def match_gather(coll: Node) -> GatherMatch | None:
     form = _split_cat(wait, val(shard))
     if form is not None:
         m.form, m.gathered, m.gather_dim = form[0], form[1], form[2]
-    k = val(shard).shape[-1]
-    for user in m.gathered.users:
-        if user.target in GEMM_OPS:
-            if _a_operand(user) is m.gathered and val(m.gathered).dim() == 2:
-                m.gemms.append((user, m.gathered))
-        elif user.target in VIEW_OPS and _is_row_flatten(val(m.gathered), val(user), k):
-            m.gemms += [(g, user) for g in user.users if g.target in GEMM_OPS and _a_operand(g) is user]
+    m.row_views = row_views(m.gathered, val(shard).shape[-1])
+    for x in (m.gathered, *m.row_views):
+        if isinstance(val(x), torch.Tensor) and val(x).dim() == 2:
+            m.gemms += [(g, x) for g in x.users if g.target in GEMM_OPS and _a_operand(g) is x]
     return m
 
 
@@ -98,9 +103,38 @@ def _a_operand(gemm: Node) -> Any:
     return gemm.args[1] if gemm.target is aten.addmm.default else gemm.args[0]
 
 
-def _is_row_flatten(src: Any, dst: Any, k: Any) -> bool:
-    return (isinstance(dst, torch.Tensor) and dst.dim() == 2 and known_eq(dst.shape[1], k)
-            and known_eq(dst.shape[0], math.prod(src.shape[:-1])))
+def row_views(root: Node, k: Any) -> list[Node]:
+    """Every node reachable from ``root`` through ``VIEW_OPS`` whose result keeps the last dim ``k`` (a regrouping
+    of the leading dims: the flattened rows keep their order), in graph order (producers first)."""
+    out, stack = [], [root]
+    while stack:
+        for user in stack.pop().users:
+            v = val(user)
+            if user.target in VIEW_OPS and isinstance(v, torch.Tensor) and v.dim() >= 1 and \
+                    known_eq(v.shape[-1], k) and user not in out:
+                out.append(user)
+                stack.append(user)
+    order = {n: i for i, n in enumerate(root.graph.nodes)}
+    return sorted(out, key=order.__getitem__)
+
+
+def row_subset_gemm(m: GatherMatch) -> tuple[Node, Node] | None:
+    """(a GEMM, the ``slice``/``select`` it reads through) when a GEMM reads only some of the gathered rows
+    (within two more views), else None."""
+    for x in (m.gathered, *m.row_views):
+        for user in x.users:
+            if user.target not in (aten.slice.Tensor, aten.select.int):
+                continue
+            dim = node_arg(user, 1, "dim", 0)
+            if isinstance(dim, int) and dim % val(x).dim() == val(x).dim() - 1:
+                continue  # a slice of K, not of the rows
+            frontier = [user]
+            for _ in range(3):
+                gemm = next((u for f in frontier for u in f.users if u.target in GEMM_OPS), None)
+                if gemm is not None:
+                    return gemm, user
+                frontier = [u for f in frontier for u in f.users if u.target in VIEW_OPS]
+    return None
 
 
 def _split_cat(wait: Node, shard: torch.Tensor) -> tuple[list[Node], Node, int] | None:
@@ -173,6 +207,10 @@ def check(m: GatherMatch, settings: config.Settings) -> GatherFusion | None:
         if taken is not None:
             return _skip("gemm_taken", "%s: the GEMM reading the gathered rows is already fused with the collective "
                          "after it (%s)", desc, taken[0].name)
+        subset = row_subset_gemm(m)
+        if subset is not None:
+            return _skip("row_subset", "%s: GEMM %s reads only some of the gathered rows (through %s): nothing of "
+                         "its size to overlap", desc, subset[0].name, op_name(subset[1]))
         near = nearest_consumer(m.gathered)
         if near is not None:
             record_near_miss(op_name(near[1]), "%s (all_gather) feeds GEMM %s through %s, which the pass does not "
@@ -303,15 +341,12 @@ def replace(graph: torch.fx.Graph, f: GatherFusion, settings_key: str) -> bool:
     use of the gathered tensor."""
     m = f.match
     gemm_nodes = {g for g, _ in m.gemms}
-    views = {a for _, a in m.gemms if a is not m.gathered}
     order = {n: i for i, n in enumerate(graph.nodes)}
     anchor = min((u for u in m.gathered.users), key=order.__getitem__)
     if not _place_before(anchor, [m.shard, *f.weights, *(b for b in f.biases if b is not None)], order, m):
         return bool(_skip("inputs_after_use", "%s: a weight is computed after the gathered rows are first used",
                           m.describe()))
-    keep = [u for u in m.gathered.users if u not in gemm_nodes and u not in views]
-    keep += [u for v in views for u in v.users if u not in gemm_nodes]
-    need_gathered = bool(keep)
+    need_gathered = _needs_gathered(m, gemm_nodes)
     build = _Builder(graph, m.gemms[0][0])
     with graph.inserting_before(anchor):
         op = build.call(FUSED_OP, (m.shard, list(f.weights), list(f.biases), m.gather_dim, f.group_size,
@@ -327,7 +362,7 @@ def replace(graph: torch.fx.Graph, f: GatherFusion, settings_key: str) -> bool:
         gemm.replace_all_uses_with(y)
     for gemm in gemm_nodes:
         graph.erase_node(gemm)
-    for v in views:
+    for v in reversed(m.row_views):  # consumers first: a chain's views become dead one after the other
         if not v.users:
             graph.erase_node(v)
     if need_gathered:
@@ -335,6 +370,16 @@ def replace(graph: torch.fx.Graph, f: GatherFusion, settings_key: str) -> bool:
     for node in reversed([m.coll, m.wait, *m.form]):
         graph.erase_node(node)
     return True
+
+
+def _needs_gathered(m: GatherMatch, fused: set[Node]) -> bool:
+    """Whether anything but the fused GEMMs reads the gathered tensor, directly or through ``m.row_views``."""
+    views = set(m.row_views)
+    live: set[Node] = set()
+    for v in reversed(m.row_views):
+        if any(u not in fused and (u not in views or u in live) for u in v.users):
+            live.add(v)
+    return any(u not in fused and (u not in views or u in live) for u in m.gathered.users)
 
 
 def _place_before(anchor: Node, inputs: list[Node], order: dict[Node, int], m: GatherMatch) -> bool:

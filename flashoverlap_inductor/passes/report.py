@@ -62,6 +62,8 @@ SKIP_REASONS = {
     "no_gemm_consumer": "all_gather: no GEMM reads the gathered rows (as the A operand of mm/addmm)",
     "gemm_taken": "all_gather: the GEMM reading the gathered rows is already fused with the collective after it (one "
                   "GEMM between two collectives: one of them fuses)",
+    "row_subset": "all_gather: the GEMMs read only a slice of the gathered rows (lm_head's last position in "
+                  "prefill): too small a GEMM to hide the gather",
     "weight_reads_gathered": "all_gather: a GEMM's weight or bias is computed from the gathered rows",
     "inputs_after_use": "all_gather: a GEMM's weight is computed after the gathered rows are first used, by ops "
                         "that cannot move",
