@@ -24,6 +24,14 @@ def fusion_report():  # noqa: ANN201
     return _report()
 
 
+def model_coverage(module, *args, **kwargs):  # noqa: ANN001, ANN201 - lazy: see bench/model_coverage.py
+    """Compile ``module`` with this backend, run it once and return what the pass fused, declined (with its reason)
+    and missed, per graph (``bench.model_coverage.Coverage``; ``print()`` it). Nothing is timed."""
+    from .bench.model_coverage import model_coverage as _coverage
+
+    return _coverage(module, *args, **kwargs)
+
+
 def reset_fusion_report() -> None:
     """Forget what ``fusion_report()`` has gathered so far."""
     from .reporting import reset_fusion_report as _reset

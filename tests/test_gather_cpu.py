@@ -118,20 +118,22 @@ def opcheck_worker() -> list:
             torch.library.opcheck(op, (a[0], b[:1], [None], 0, dist.get_world_size(), gname, "ring", False))]
 
 
-def compiled_sp_block_worker() -> dict:
+def compiled_sp_block_worker(batch: int = 2) -> dict:
     """A sequence-parallel MLP (gather along the sequence dim, two GEMMs, reduce_scatter back) compiled with the
     backend, forward and backward, against eager on the same data: the output, the input's and both weights'
-    gradients; and what the pass fused."""
+    gradients; and what the pass fused. The gather in funcol's form for ``batch``: split/cat along the sequence dim,
+    or at batch 1 a reshape (``_maybe_view_chunk_cat``: the chunks of a batch-1 tensor are consecutive)."""
     import torch.distributed._functional_collectives as funcol
 
     from flashoverlap_inductor import passes
     from flashoverlap_inductor.backend import flashoverlap_backend
 
+    torch._dynamo.reset()  # another batch's graph of ``block`` would make this compile dynamic (per-call plans)
     g, world = dist.group.WORLD, dist.get_world_size()
     torch.manual_seed(0)
     w1, w2 = torch.randn(K, 40) / K ** 0.5, torch.randn(40, K) / 40 ** 0.5
     torch.manual_seed(1 + dist.get_rank())
-    x = torch.randn(2, 4, K)
+    x = torch.randn(batch, 4, K)
 
     # torch 2.13 renamed them (*_single_autograd; the old names warn); 2.11 has only the old ones
     gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
@@ -139,8 +141,11 @@ def compiled_sp_block_worker() -> dict:
 
     def block(x, w1, w2):
         full = gather(x, 0, g)
-        full = torch.cat(full.chunk(world, 0), dim=1).reshape(-1, K)
-        y = (torch.relu(full @ w1) @ w2).view(2, 4 * world, K)
+        if batch == 1:
+            full = full.reshape(1, 4 * world, K).reshape(-1, K)
+        else:
+            full = torch.cat(full.chunk(world, 0), dim=1).reshape(-1, K)
+        y = (torch.relu(full @ w1) @ w2).view(batch, 4 * world, K)
         return scatter(y, "sum", 1, g)
 
     def run(fn):
@@ -187,11 +192,14 @@ def test_opcheck(pool):
             assert all(v == "SUCCESS" for v in report.values()), report
 
 
-def test_compiled_sequence_parallel_block_forward_and_backward(pool):
+@pytest.mark.parametrize("batch", [1, 2])
+def test_compiled_sequence_parallel_block_forward_and_backward(pool, batch):
     """Forward: the gather into the first GEMM and the reduce_scatter after the second; backward: the output
     gradient's gather into the input gradient's GEMM and the reduce_scatter of the input gradient. All fused, the
-    results and gradients as eager's."""
-    for fused in pool.run(compiled_sp_block_worker, timeout_s=400):
+    results and gradients as eager's, at batch 1 (the gather's reshape form) and 2 (its split/cat form)."""
+    if batch == 1 and pool.world_size != 2:
+        pytest.skip("batch 1 once, on 2 ranks (kept short)")
+    for fused in pool.run(compiled_sp_block_worker, batch, timeout_s=400):
         assert fused == {"fused:all_gather": 2, "fused:reduce_scatter": 2}, fused
 
 

@@ -1,6 +1,7 @@
 """``python -m flashoverlap_inductor.bench <command> [options]``; ``<command> --help`` lists its options.
 
-Commands: ``e2e``, the end-to-end benchmark (``flashoverlap_inductor/bench/e2e.py``, ``docs/e2e.md``).
+Commands: ``e2e``, the end-to-end benchmark (``flashoverlap_inductor/bench/e2e.py``, ``docs/e2e.md``);
+``coverage``, what the pass fuses in a model's graphs, nothing timed (``cli_coverage.py``).
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ import argparse
 import sys
 
 COMMANDS = {"e2e": "end-to-end train / prefill of a TP / SP / EP HuggingFace model under eager, Inductor, "
-                   "Inductor + async-TP and flashoverlap, side by side"}
+                   "Inductor + async-TP and flashoverlap, side by side",
+            "coverage": "what the flashoverlap pass fuses, declines (and why) and misses in a model's graphs: a "
+                        "preset under a plan, or your own model (--model MODULE:FUNCTION); nothing timed"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
         from .e2e import run
 
         return run(argv[1:])
+    if argv[0] == "coverage":
+        from .cli_coverage import run as run_coverage
+
+        return run_coverage(argv[1:])
     return 2
 
 
