@@ -110,9 +110,11 @@ def gather_worker(seed: int) -> list[str]:
     return bad
 
 
-def compiled_block_worker() -> list[str]:
+def compiled_block_worker(batch: int) -> list[str]:
     """A sequence-parallel MLP (gather along the sequence dim, gate/up, SiLU, down, reduce_scatter) compiled with
-    fuse='always': both collectives fused, the result as eager's."""
+    fuse='always': both collectives fused, the result as eager's. The gather in the form DTensor emits (torch 2.11
+    breaks the graph inside ``funcol.all_gather_tensor(x, 1)``): a dim-0 gather, then split/cat along the sequence
+    dim, or at batch 1 a reshape (``torch._utils._maybe_view_chunk_cat``)."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
@@ -126,13 +128,20 @@ def compiled_block_worker() -> list[str]:
     wg, wu = (torch.randn(1024, 1536, device=dev).bfloat16() * 0.03 for _ in range(2))
     wd = torch.randn(1536, 1024, device=dev).bfloat16() * 0.03
     torch.manual_seed(1 + rank)
-    x = torch.randn(2, 512, 1024, device=dev).bfloat16()
+    x = torch.randn(batch, 512, 1024, device=dev).bfloat16()
+    world = dist.get_world_size()
 
     def block(x):
-        full = funcol.all_gather_tensor(x, 1, g).view(-1, 1024)
+        full = funcol.all_gather_tensor(x, 0, g)
+        if batch == 1:
+            full = full.reshape(1, 512 * world, 1024)
+        else:
+            full = torch.cat(full.chunk(world, 0), dim=1)
+        full = full.reshape(-1, 1024)
         h = torch.nn.functional.silu(full @ wg) * (full @ wu)
-        return funcol.reduce_scatter_tensor((h @ wd).view(2, -1, 1024), "sum", 1, g)
+        return funcol.reduce_scatter_tensor((h @ wd).view(batch, -1, 1024), "sum", 1, g)
 
+    torch._dynamo.reset()
     reset_fusion_report()
     want = block(x)
     got = torch.compile(block, backend=flashoverlap_backend, options={"flashoverlap.fuse": "always"})(x)
@@ -153,5 +162,6 @@ def test_gather_nccl_route_matches_eager(pool):
 
 
 @two_gpus
-def test_compiled_sequence_parallel_block(pool):
-    assert pool.run(compiled_block_worker) == [[], []]
+@pytest.mark.parametrize("batch", [1, 2])
+def test_compiled_sequence_parallel_block(pool, batch):
+    assert pool.run(compiled_block_worker, batch) == [[], []]

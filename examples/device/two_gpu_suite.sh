@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# Every multi-GPU test, example and probe on one 2-GPU machine (nvidia-h200-x2 or nvidia-h100-x2), in two calls of
-# < 9.8 min each (the machine stays warm between them, so B reuses A's build):
+# Every multi-GPU test, example and probe on one 2-GPU machine (nvidia-h200-x2 or nvidia-h100-x2), in three calls
+# of < 9.8 min each (a machine kept warm between them reuses A's build):
 #   run(command="FO_PART=A bash examples/device/two_gpu_suite.sh", carry=["build/cutlass", ".whl"], kind="nvidia-h200-x2")
 #   run(command="FO_PART=B bash examples/device/two_gpu_suite.sh", carry=["build/cutlass", ".whl"])
+#   run(command="FO_PART=C bash examples/device/two_gpu_suite.sh", carry=["build/cutlass", ".whl"])
 # A: build the library; every GPU test file (tests/test_gpu_*.py: ops, peer, ring, kernels, gather, gather_nccl; the
-#    2-GPU tests run on the 2 GPUs); the fault probes (peer 2 ranks, ring 3 ranks, NCCL); the CPU pass tests under
-#    this machine's torch (2.11: its post-grad graphs) and the coverage of the tiny presets under every plan at
-#    batch 1, 2 and 4 (`python -m flashoverlap_inductor.bench coverage`, gloo ranks on the CPU).
-# B: the op benchmarks on 2 GPUs (examples/bench_ops.py --fuse auto on the grid, examples/bench_gather.py) and a short
-#    e2e run (llama3-8b, 8 layers, sp plan, batch 1: train and prefill; Inductor, Inductor + async-TP, flashoverlap).
+#    2-GPU tests run on the 2 GPUs); the fault probes (peer 2 ranks, ring 3 ranks, NCCL); then (time left) the CPU
+#    side (cpu_side below).
+# B: the CPU side in the background; a rerun of the GPU test files in FO_RERUN; the op benchmarks on 2 GPUs
+#    (examples/bench_gather.py and examples/bench_ops.py --fuse auto, a few shapes each: a check that they run, not
+#    the grid).
+# C: alone on the machine, a short e2e run (llama3-8b, 8 layers, sp plan, batch 1, seq 4096: train and prefill;
+#    Inductor, Inductor + async-TP, flashoverlap).
 # $OUT (8 files at most): A: build.log gpu_tests.log faults.log cpu_tests.log coverage.log gpus.txt install.log;
-#                        B: bench_ops.log bench_ops.json bench_gather.log bench_gather.json e2e.log e2e.json gpus.txt.
+#   B: gpu_tests.log cpu_tests.log coverage.log bench_ops.log bench_gather.log e2e.log e2e.json (+ the benchmarks'
+#   JSON, which do not all come back).
 # FO_SKIP: any of "build tests faults cpu coverage ops gather e2e"; FO_BUDGET_S: the part's budget (default 570).
 set -uo pipefail
 START=$SECONDS
@@ -31,6 +35,26 @@ TORCHRUN=(python3 -m torch.distributed.run --standalone)
 nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu,power.draw --format=csv >"$OUT/gpus.txt" 2>&1
 nvidia-smi topo -m >>"$OUT/gpus.txt" 2>&1
 step() { echo "=== $1 ($(( SECONDS - START )) s)"; }
+# The CPU side (gloo ranks, no GPU): the pass tests and the coverage of the tiny presets under every plan at batch
+# 1, 2 and 4, under this machine's torch (2.11: its post-grad graphs differ from 2.13's). Logs: cpu_tests.log,
+# coverage.log.
+cpu_side() {
+  if [[ "$SKIP" != *" cpu "* ]]; then
+    step "CPU pass tests under torch $(python3 -c 'import torch; print(torch.__version__)')" >"$OUT/cpu_tests.log"
+    (cd "$REPO" && CUDA_VISIBLE_DEVICES= timeout 240 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_pass_gather.py tests/test_coverage_cli.py >>"$OUT/cpu_tests.log" 2>&1)
+    echo "cpu pytest rc=$?" >>"$OUT/cpu_tests.log"
+  fi
+  if [[ "$SKIP" != *" coverage "* ]]; then
+    for spec in "tiny-llama sp" "tiny-qwen3 sp" "tiny-llama tp" "tiny-moe ep" "tiny-mixtral ep"; do
+      set -- $spec
+      step "coverage $spec" >>"$OUT/coverage.log"
+      CUDA_VISIBLE_DEVICES= timeout 200 "${TORCHRUN[@]}" --nproc_per_node=2 -m flashoverlap_inductor.bench \
+        coverage --device cpu --preset "$1" --plan "$2" --batch 1,2,4 --seq 16 >>"$OUT/coverage.log" 2>&1
+      echo "coverage $spec rc=$?" >>"$OUT/coverage.log"
+    done
+  fi
+}
 if [ "$PART" = A ]; then
   if [[ "$SKIP" != *" tests "* ]]; then
     step "GPU tests"
@@ -48,39 +72,36 @@ if [ "$PART" = A ]; then
       echo "fault probe $spec rc=$?" | tee -a "$OUT/faults.log"; grep "^fault probe:" "$OUT/faults.log" | tail -1
     done
   fi
-  if [[ "$SKIP" != *" cpu "* ]] && [ "$(left)" -gt 100 ]; then
-    step "CPU pass tests under torch $(python3 -c 'import torch; print(torch.__version__)')" | tee "$OUT/cpu_tests.log"
-    (cd "$REPO" && CUDA_VISIBLE_DEVICES= timeout "$(cap 150)" python3 -m pytest -q -p no:cacheprovider -x \
-      tests/test_pass_gather.py tests/test_gather_cpu.py tests/test_pass_graphs.py tests/test_pass_sum.py \
-      tests/test_coverage_cli.py >>"$OUT/cpu_tests.log" 2>&1)
-    echo "cpu pytest rc=$?" | tee -a "$OUT/cpu_tests.log"; tail -3 "$OUT/cpu_tests.log"
+  cpu_side  # CPU only: after the GPU steps here
+elif [ "$PART" = B ]; then
+  cpu_side &  # on the host's other cores while the GPU steps before the e2e run
+  CPU_PID=$!
+  if [[ "$SKIP" != *" tests "* ]]; then
+    step "GPU test rerun: ${FO_RERUN:-tests/test_gpu_gather_nccl.py}"
+    timeout "$(cap 120)" python3 -m pytest -q -rs -p no:cacheprovider $(for f in ${FO_RERUN:-tests/test_gpu_gather_nccl.py}; \
+      do echo "$REPO/$f"; done) >"$OUT/gpu_tests.log" 2>&1
+    echo "gpu pytest rc=$?" | tee -a "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log"
   fi
-  if [[ "$SKIP" != *" coverage "* ]]; then
-    for spec in "tiny-llama sp" "tiny-qwen3 sp" "tiny-llama tp" "tiny-moe ep" "tiny-mixtral ep"; do
-      set -- $spec
-      [ "$(left)" -gt 40 ] || { echo "coverage $spec: no time left" | tee -a "$OUT/coverage.log"; continue; }
-      step "coverage $spec" >>"$OUT/coverage.log"
-      CUDA_VISIBLE_DEVICES= timeout "$(cap 150)" "${TORCHRUN[@]}" --nproc_per_node=2 -m flashoverlap_inductor.bench \
-        coverage --device cpu --preset "$1" --plan "$2" --batch 1,2,4 --seq 16 >>"$OUT/coverage.log" 2>&1
-      echo "coverage $spec rc=$?" | tee -a "$OUT/coverage.log"; grep "^coverage:" "$OUT/coverage.log" | tail -1
-    done
-  fi
-else
   if [[ "$SKIP" != *" ops "* ]]; then
     step "bench_ops"
-    timeout "$(cap 200)" "${TORCHRUN[@]}" --nproc_per_node=2 "$REPO/examples/bench_ops.py" --fuse auto \
-      --time-budget-s 150 --json "$OUT/bench_ops.json" >"$OUT/bench_ops.log" 2>&1
+    timeout "$(cap 120)" "${TORCHRUN[@]}" --nproc_per_node=2 "$REPO/examples/bench_ops.py" --fuse auto \
+      --shapes "${FO_OPS_SHAPES:-4096x4096x4096,16384x4096x4096}" --time-budget-s 60 --json /tmp/fo_probe/bench_ops.json >"$OUT/bench_ops.log" 2>&1
     echo "bench_ops rc=$?" | tee -a "$OUT/bench_ops.log"; tail -25 "$OUT/bench_ops.log"
   fi
   if [[ "$SKIP" != *" gather "* ]]; then
     step "bench_gather"
     timeout "$(cap 120)" "${TORCHRUN[@]}" --nproc_per_node=2 "$REPO/examples/bench_gather.py" \
-      --json "$OUT/bench_gather.json" >"$OUT/bench_gather.log" 2>&1
+      --shapes "${FO_GATHER_SHAPES:-4096x6144x4096,16384x4096x4096}" --json /tmp/fo_probe/bench_gather.json >"$OUT/bench_gather.log" 2>&1
     echo "bench_gather rc=$?" | tee -a "$OUT/bench_gather.log"; tail -25 "$OUT/bench_gather.log"
   fi
+  while kill -0 "$CPU_PID" 2>/dev/null && [ "$(left)" -gt 5 ]; do sleep 2; done
+  pkill -f "bench coverage" 2>/dev/null; pkill -f "tests/test_pass_gather.py" 2>/dev/null
+  step "CPU side done"; grep -E "rc=|passed|failed|^coverage:" "$OUT/cpu_tests.log" "$OUT/coverage.log"
+fi
+if [ "$PART" = C ]; then
   if [[ "$SKIP" != *" e2e "* ]]; then
     step "e2e"
-    timeout "$(cap 400)" "${TORCHRUN[@]}" --nproc_per_node=2 -m flashoverlap_inductor.bench e2e --preset llama3-8b \
+    timeout "$(cap 540)" "${TORCHRUN[@]}" --nproc_per_node=2 -m flashoverlap_inductor.bench e2e --preset llama3-8b \
       --layers 8 --plan sp --workload train,prefill --seq "${FO_E2E_SEQ:-4096}" --batch 1 --steps 5 --warmup 2 \
       --backends inductor,inductor+async-tp,flashoverlap --quiet --json "$OUT/e2e.json" >"$OUT/e2e.log" 2>&1
     echo "e2e rc=$?" | tee -a "$OUT/e2e.log"; tail -40 "$OUT/e2e.log"
