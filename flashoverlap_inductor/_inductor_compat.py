@@ -11,6 +11,7 @@ Everything version-dependent lives here, so a torch upgrade is a one-file review
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -21,6 +22,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 __all__ = [
     "CustomGraphPass",
     "compile_fx",
+    "run_first",
     "inductor_config",
     "cudagraphs_enabled",
     "hash_files",
@@ -43,23 +45,49 @@ c10d = torch.ops._c10d_functional
 
 
 def compile_fx(gm: torch.fx.GraphModule, example_inputs: list[Any], config_patches: dict[str, Any],
-               around_graph: Callable[[str], Any] | None = None) -> Any:
+               around_graph: Callable[[str], Any] | None = None,
+               after_graph: Callable[[str, Any, Any], None] | None = None) -> Any:
     """Inductor's ``compile_fx``. ``config_patches`` (not ``with config.patch()``) also covers the backward
     graph, which AOTAutograd compiles lazily after this call has returned. ``around_graph(kind)``: a context
     manager entered around each graph's ``compile_fx_inner`` (kind "forward", "backward" or "inference"), whether
-    the graph is compiled or loaded from the FX graph cache."""
+    the graph is compiled or loaded from the FX graph cache. ``after_graph(kind, compiled, entered)``: called inside
+    it with each compiled graph and what ``around_graph``'s ``__enter__`` returned. With ``after_graph`` the
+    AOTAutograd cache is off for this compilation (it would serve the graphs without ``compile_fx_inner``); the FX
+    graph cache still serves each graph."""
     from torch._inductor.compile_fx import compile_fx as _compile_fx
     from torch._inductor.compile_fx import compile_fx_inner
 
-    if around_graph is None:
+    if around_graph is None and after_graph is None:
         return _compile_fx(gm, example_inputs, config_patches=config_patches)
 
     def inner(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
         kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
-        with around_graph(kind):
-            return compile_fx_inner(gm, example_inputs, **kwargs)
+        with around_graph(kind) if around_graph is not None else contextlib.nullcontext() as entered:
+            compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+            if after_graph is not None:
+                after_graph(kind, compiled, entered)
+            return compiled
 
-    return _compile_fx(gm, example_inputs, inner_compile=inner, config_patches=config_patches)
+    with torch._functorch.config.patch(enable_autograd_cache=False) if after_graph is not None else \
+            contextlib.nullcontext():
+        return _compile_fx(gm, example_inputs, inner_compile=inner, config_patches=config_patches)
+
+
+def run_first(compiled: Any, first: Callable[[], None]) -> bool:
+    """Make ``first()`` run before the first run of ``compiled`` (what ``compile_fx_inner`` returned) and never
+    again once it returned (after it raised, it runs again at the next run); False when ``compiled`` is not the
+    Inductor output this knows (``CompiledFxGraph`` with its ``current_callable``)."""
+    inner = getattr(compiled, "current_callable", None)
+    if inner is None:
+        return False
+
+    def once(inputs: Any) -> Any:
+        first()
+        compiled.current_callable = inner  # from now on the graph runs exactly as Inductor compiled it
+        return inner(inputs)
+
+    compiled.current_callable = once
+    return True
 
 
 def inductor_counters() -> Any:

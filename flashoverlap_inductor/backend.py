@@ -60,8 +60,47 @@ def flashoverlap_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
 
     with GraphWatch("cached", inner=False):  # reports graphs the AOTAutograd cache serves whole
         compiled = compat.compile_fx(gm, example_inputs, config_patches=patches,
-                                     around_graph=lambda kind: GraphWatch(kind, inner=True))
+                                     around_graph=lambda kind: _Watched(kind), after_graph=_agree_first)
     return checked(compiled)
+
+
+class _Watched:
+    """Around one graph's ``compile_fx_inner``: its report (``GraphWatch``) and the manifest it recorded."""
+
+    def __init__(self, kind: str) -> None:
+        from .passes import manifest
+        from .passes.report import GraphWatch
+
+        self.watch, self.before = GraphWatch(kind, inner=True), manifest.snapshot()
+
+    def __enter__(self) -> _Watched:
+        self.watch.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.watch.__exit__(*exc)
+
+
+def _agree_first(kind: str, compiled: Any, watched: _Watched) -> None:
+    """Before the first run of ``compiled``, its ranks agree on the collectives it issues (``agree.check_graph``);
+    a graph with no collective needs nothing."""
+    import logging
+
+    from .passes import manifest
+    from .routes import agree
+
+    found = manifest.take(watched.before)
+    if not found:
+        return
+
+    def first() -> None:
+        ms = agree.check_graph(found, kind)
+        logging.getLogger("flashoverlap").info("flashoverlap: the ranks agreed on the %d collective(s) of a compiled "
+                                               "%s graph in %.2f ms (first run only)", len(found), kind, ms)
+
+    if not compat.run_first(compiled, first):
+        logging.getLogger("flashoverlap").warning("flashoverlap: cannot check that the ranks agree on a compiled %s "
+                                                  "graph (%s): unknown Inductor output", kind, type(compiled).__name__)
 
 
 def checked(compiled: Any) -> Any:

@@ -26,7 +26,7 @@ import flashoverlap_inductor.ops  # noqa: F401  (registers torch.ops.flashoverla
 from flashoverlap_inductor import _inductor_compat as compat
 from flashoverlap_inductor import config
 
-from . import all_gather, cache_key, rewrite, sum_of_gemms
+from . import all_gather, cache_key, manifest, rewrite, sum_of_gemms
 from .matching import (
     Fusion,
     GemmCollectiveMatch,
@@ -62,6 +62,7 @@ class FlashOverlapPass(compat.CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         with config.using(self.settings):  # the cost model reads the settings captured at compile time
             self.run(graph)
+        manifest.record(manifest.graph_manifest(graph))  # what the ranks agree on before its first run
 
     def run(self, graph: torch.fx.Graph) -> int:
         """Rewrite ``graph`` in place; returns the number of fused matches."""

@@ -7,6 +7,12 @@ the ranks that differ, before any route makes its launch or issues a collective,
 unlike collectives (a hang or garbage). Everything a route decides afterwards (``make_launch``) is a function of
 these items, so agreeing on them is agreeing on the route, the plan, the kernel and the steps.
 
+``check_graph``: the same for a compiled graph, on its first run (the backend installs it): its ranks exchange a
+digest of the collectives it will issue over each group (``passes.manifest``); a difference raises
+``errors.RankMismatch`` on every rank naming the first collective that differs and what each rank has, before any of
+the graph's collectives runs. Cost: one small all_gather per group on the first run (plus one ``all_gather_object``
+of the manifests when they differ); nothing afterwards.
+
 Items: the call (collective, N, K, dtype, B's layout, plan string, world size; the rows too except for
 all_to_all, whose rows and split sizes are per rank by design), the settings that decide (every field but the
 library's and the data folder's paths), the candidate routes (which include whether the kernel library loaded and
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -106,3 +113,63 @@ def check(found: dict[str, str], group: dist.ProcessGroup, what: str) -> None:
     raise errors.RankMismatch(f"flashoverlap: the ranks of group {getattr(group, 'group_name', '?')} disagree on "
                               f"{what}: " + "; ".join(parts) + ". Every rank must run the same program with the same "
                               "settings, library and data files.")
+
+
+def check_graph(manifest: list[tuple[str, str]], kind: str) -> float:
+    """Agree on ``manifest`` (``[(group_name, entry)]``, the collectives of a compiled ``kind`` graph in order) with
+    the other ranks of each group it uses, in order of first use; raise ``errors.RankMismatch`` on every rank of a
+    group whose ranks differ. Returns the milliseconds it took (host clock)."""
+    import time
+
+    from .. import ops
+
+    start = time.perf_counter()
+    groups: dict[str, list[str]] = {}
+    for name, entry in manifest:
+        groups.setdefault(name, []).append(entry)
+    for name, entries in groups.items():
+        group = ops.resolve_group(name)
+        if group.size() == 1:
+            continue
+        digest = _hash("\n".join(entries))
+        mine = torch.tensor([digest, len(entries)], dtype=torch.int64, device=exchange_device(group))
+        every = [torch.empty_like(mine) for _ in range(group.size())]
+        dist.all_gather(every, mine, group=group)
+        if all(bool((t == every[0]).all()) for t in every):
+            continue
+        theirs: list = [None] * group.size()
+        dist.all_gather_object(theirs, entries, group=group)
+        raise errors.RankMismatch(_first_difference(theirs, group.rank(), name, kind))
+    return (time.perf_counter() - start) * 1e3
+
+
+def _first_difference(per_rank: list[list[str]], rank: int, group_name: str, kind: str) -> str:
+    """The message naming the first collective of a compiled graph on which the ranks differ, and what each rank
+    has there: the op when the ops differ, else the arguments that differ."""
+    longest = max(len(e) for e in per_rank)
+    for i in range(longest):
+        seen = [json.loads(e[i]) if i < len(e) else None for e in per_rank]
+        if any(s != seen[0] for s in seen):
+            break
+    ops = {s["op"] if s else None for s in seen}
+    keys = [] if len(ops) > 1 else [k for k in seen[0]["args"] if any(s["args"].get(k) != seen[0]["args"][k]
+                                                                          for s in seen)]
+
+    def show(s: dict | None) -> str:
+        if s is None:
+            return "nothing (its graph has no more collectives on this group)"
+        args = {k: s["args"].get(k) for k in keys} if keys else s["args"]
+        text = ", ".join(f"{k}={_short(v)}" for k, v in args.items())
+        return f"{s['op']}({text})" if not keys else f"{s['op']} with {text}"
+
+    lines = "; ".join(f"rank {r}{' (this rank)' if r == rank else ''}: {show(s)}" for r, s in enumerate(seen))
+    counts = ", ".join(str(len(e)) for e in per_rank)
+    return (f"flashoverlap: the ranks of group {group_name} compiled different {kind} graphs and would pair unlike "
+            f"collectives (collectives per rank: {counts}). First difference, collective #{i + 1}: {lines}. Every "
+            "rank must compile the same model with the same flashoverlap settings (fuse, transport, data folder) and "
+            "the same input shapes; nothing of this graph has run.")
+
+
+def _short(value: object, limit: int = 120) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."

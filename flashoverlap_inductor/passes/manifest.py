@@ -1,0 +1,78 @@
+"""The collectives a compiled graph will issue, in graph order: what its ranks must agree on before it runs.
+
+``graph_manifest(graph)`` lists every collective node after the pass (``_c10d_functional`` collectives, fused or
+not, and every ``flashoverlap`` op) as ``(group_name, entry)``, where ``entry`` is the JSON of ``{"op", "args"}``:
+tensors as dtype and shape (symbolic sizes by their expression), every other argument (plan, settings key, split
+sizes, reduce op) by value. Two ranks whose graphs would pair unlike collectives have different manifests.
+
+``record(manifest)`` stores it in Inductor's counters under ``MANIFEST_PREFIX``: Inductor replays a compilation's
+counters on every FX-graph cache hit, so a graph loaded from the cache brings its manifest along, while the fusion
+counters (``report.counters``) never see it. ``take(before)`` reads back what one compilation (or cache load) added.
+The backend checks it on the graph's first run (``routes.agree.check_graph``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from flashoverlap_inductor import _inductor_compat as compat
+
+MANIFEST_PREFIX = "flashoverlap-manifest|"
+NAMESPACES = ("_c10d_functional", "flashoverlap")
+NOT_COLLECTIVES = ("wait_tensor",)
+
+
+def _describe(arg: Any) -> Any:
+    if isinstance(arg, Node):
+        v = arg.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            return f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
+        return str(v) if v is not None else arg.name
+    if isinstance(arg, (list, tuple)):
+        return [_describe(a) for a in arg]
+    return arg if isinstance(arg, (int, float, str, bool, type(None))) else str(arg)
+
+
+def graph_manifest(graph: torch.fx.Graph) -> list[tuple[str, str]]:
+    """``[(group_name, entry)]`` of every collective of ``graph`` in graph order (module docstring)."""
+    out = []
+    for node in graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        if target.namespace not in NAMESPACES or target.__name__.split(".")[0] in NOT_COLLECTIVES:
+            continue
+        names = [a.name for a in target._schema.arguments]
+        args = dict(zip(names, node.args, strict=False))
+        args.update(node.kwargs)
+        group = args.get("group_name")
+        group = group if isinstance(group, str) else getattr(group, "group_name", str(group))
+        op = f"{target.namespace}.{target.__name__.split('.')[0]}"
+        out.append((group, json.dumps({"op": op, "args": {k: _describe(v) for k, v in args.items()
+                                                          if k != "group_name"}})))
+    return out
+
+
+def record(manifest: list[tuple[str, str]]) -> None:
+    """Store ``manifest`` with the graph being compiled (module docstring)."""
+    if manifest:
+        compat.inductor_counters()[MANIFEST_PREFIX + json.dumps(manifest)] += 1
+
+
+def snapshot() -> Counter:
+    """The manifests in Inductor's counters now (pass it to ``take`` after a compilation)."""
+    return Counter({k: n for k, n in compat.inductor_counters().items() if k.startswith(MANIFEST_PREFIX)})
+
+
+def take(before: Counter) -> list[tuple[str, str]]:
+    """The manifest one compilation or cache load added since ``before`` ([] when its graph has no collective)."""
+    added = snapshot() - before
+    if not added:
+        return []
+    key = next(iter(added))
+    return [tuple(e) for e in json.loads(key[len(MANIFEST_PREFIX):])]

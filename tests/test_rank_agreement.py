@@ -1,0 +1,88 @@
+"""Ranks whose compiled graphs disagree fail clearly on every rank (2 gloo ranks, CPU).
+
+Before the first run of every graph the backend compiled, its ranks exchange the collectives it will issue
+(``passes.manifest``, ``routes.agree.check_graph``). Cases, each a tensor-parallel GEMM -> all_reduce compiled on
+both ranks:
+
+* fuse: rank 0 compiles with ``fuse="always"`` (a fused ``gemm_all_reduce``), rank 1 with ``fuse="never"`` (mm, then
+  a plain all_reduce). Before, both hung until gloo's timeout;
+* plan: both fuse, but rank 1's cost model fails (as with a broken data folder), so its op carries plan "auto"
+  where rank 0's carries the cost model's plan;
+* agree: both ranks alike: no error, the result as eager's.
+
+Every rank must raise ``RankMismatch`` within seconds, naming the first differing collective and what each rank has;
+the next, correctly configured compile and run on the same ranks must work.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import get_pool
+
+
+def mismatch_worker(case: str) -> dict:
+    import torch.distributed._functional_collectives as funcol
+
+    from flashoverlap_inductor import cost_model
+    from flashoverlap_inductor.backend import flashoverlap_backend
+    from flashoverlap_inductor.errors import RankMismatch
+
+    rank, g = dist.get_rank(), dist.group.WORLD
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 48, generator=gen)
+    x = torch.randn(64, 32, generator=gen) + rank
+
+    def layer(x, w):
+        return funcol.all_reduce(x @ w, "sum", g).relu()
+
+    want = layer(x, w)
+    options = {"flashoverlap.fuse": "always"}
+    if case == "fuse" and rank == 1:
+        options = {"flashoverlap.fuse": "never"}
+    decide = cost_model.decide
+    if case == "plan" and rank == 1:
+        def broken(*args, **kwargs):
+            raise RuntimeError("no data file")
+        cost_model.decide = broken
+    torch._dynamo.reset()
+    start = time.perf_counter()
+    try:
+        got = torch.compile(layer, backend=flashoverlap_backend, options=options)(x, w)
+        first = "ran, " + ("correct" if torch.allclose(got, want, rtol=1e-4, atol=1e-4) else "WRONG")
+    except RankMismatch as exc:
+        first = f"RankMismatch: {exc}"
+    finally:
+        cost_model.decide = decide
+    seconds = time.perf_counter() - start
+    torch._dynamo.reset()  # the next run, configured alike on every rank
+    got = torch.compile(layer, backend=flashoverlap_backend, options={"flashoverlap.fuse": "always"})(x, w)
+    return {"first": first, "seconds": seconds, "next": bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4))}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return get_pool(2)
+
+
+@pytest.mark.parametrize("case", ["fuse", "plan"])
+def test_ranks_that_compile_differently_raise_rank_mismatch_on_every_rank(pool, case):
+    results = pool.run(mismatch_worker, case, timeout_s=300)
+    for rank, r in enumerate(results):
+        assert r["first"].startswith("RankMismatch"), (rank, r)
+        assert "collective #1" in r["first"] and "rank 0" in r["first"] and "rank 1" in r["first"], r["first"]
+        assert r["seconds"] < 60, r  # compile included; a hang would last until the group's timeout (120 s)
+        assert r["next"], r
+    text = results[0]["first"]
+    if case == "fuse":
+        assert "flashoverlap.gemm_all_reduce" in text and "_c10d_functional.all_reduce" in text, text
+    else:
+        assert "with plan=" in text and "plan=\"auto\"" in text, text
+
+
+def test_ranks_that_agree_run(pool):
+    for r in pool.run(mismatch_worker, "agree", timeout_s=300):
+        assert r["first"] == "ran, correct" and r["next"], r
