@@ -24,6 +24,7 @@ closest known one.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import logging
@@ -263,14 +264,17 @@ _overrides: dict[str, Any] = {}  # set by patch() / config.<name> = value
 _resolved: dict[str, Settings] = {}  # repr of the overrides (types included: 1, 1.0 and True differ) -> Settings
 
 
-_pinned: list[Settings] = []  # using(): a compilation's captured settings, while its pass runs
+# using(): the settings a compilation captured (while its pass runs) or a fused op carries (while it runs), per
+# thread and per asyncio task: two threads making fused calls under different settings never see each other's.
+_pinned: contextvars.ContextVar[Settings | None] = contextvars.ContextVar("flashoverlap_settings", default=None)
 
 
 def current() -> Settings:
-    """The effective settings now: defaults < environment < ``patch``/attribute overrides; inside ``using(s)``,
-    exactly ``s``."""
-    if _pinned:
-        return _pinned[-1]
+    """The effective settings now: defaults < environment < ``patch``/attribute overrides; inside ``using(s)``
+    (in this thread or task), exactly ``s``."""
+    pinned = _pinned.get()
+    if pinned is not None:
+        return pinned
     key = repr(sorted(_overrides.items()))
     settings = _resolved.get(key)
     if settings is None:
@@ -283,17 +287,17 @@ class using:  # noqa: N801  (used like a function: ``with config.using(s):``)
     compilation captured, the dispatcher under a fused op's: the library, data files and cost model read them through
     ``current()``). A plain class, not a generator: the dispatcher enters one on every fused call."""
 
-    __slots__ = ("settings",)
+    __slots__ = ("settings", "token")
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
 
     def __enter__(self) -> Settings:
-        _pinned.append(self.settings)
+        self.token = _pinned.set(self.settings)
         return self.settings
 
     def __exit__(self, *exc: object) -> None:
-        _pinned.pop()
+        _pinned.reset(self.token)
 
 
 def _resolve(overrides: dict[str, Any]) -> Settings:

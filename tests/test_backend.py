@@ -62,7 +62,7 @@ class TestBackendOptions(FakePGTestCase):
         """Run the backend with compile_fx replaced by a recorder; returns the config patches it got."""
         seen = {}
 
-        def fake_compile_fx(gm, example_inputs, config_patches, around_graph=None):
+        def fake_compile_fx(gm, example_inputs, config_patches, around_graph=None, after_graph=None):
             seen.update(config_patches)
             return gm.forward
 
