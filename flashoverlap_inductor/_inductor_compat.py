@@ -31,6 +31,11 @@ __all__ = [
     "detect_fake_mode",
     "fake_mode_for",
     "group_size",
+    "resolve_group",
+    "group_backend",
+    "nccl_communicator",
+    "AFTER_AUTOGRAD_KEYSET",
+    "CUDA_DISPATCH_KEY",
     "statically_known_true",
     "is_static_int",
     "chain_passes",
@@ -290,3 +295,29 @@ def abort_group(group: Any) -> bool:
         return True
     except Exception:  # noqa: BLE001 - an abort is best effort; the caller raises anyway
         return False
+
+
+# ------------------------------------------------------------------------------------------ process groups, dispatch
+
+
+def resolve_group(group_name: str) -> Any:
+    """The ``ProcessGroup`` named ``group_name`` (``distributed_c10d._resolve_process_group``)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def group_backend(group: Any, device: torch.device) -> Any:
+    """The backend object of ``group`` on ``device`` (``ProcessGroup._get_backend``; e.g. ``ProcessGroupNCCL``)."""
+    return group._get_backend(device)
+
+
+def nccl_communicator(group: Any, device: torch.device) -> int:
+    """The ``ncclComm_t`` of ``group`` on ``device`` as an int (``ProcessGroupNCCL._comm_ptr()``); raises when the
+    group is not NCCL, has no communicator yet, or torch lacks the binding."""
+    return int(group_backend(group, device)._comm_ptr())
+
+
+# The dispatch keys of the ops' CUDA fast path (``ops.py``): the keyset below autograd, and the CUDA key.
+AFTER_AUTOGRAD_KEYSET = torch._C._after_autograd_keyset
+CUDA_DISPATCH_KEY = torch._C.DispatchKey.CUDA

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from . import _inductor_compat as compat
 from . import config, kernels
 from .cost_model.schema import GEMM_GRIDS
 from .schedule import plan as planlib
@@ -191,7 +192,7 @@ def nccl_max_ctas(group: object) -> int | None:
     """``max_ctas`` of the NCCL config of ``group`` (``ProcessGroupNCCL.Options().config.max_ctas``), or of
     ``$NCCL_MAX_CTAS``; None when neither caps NCCL's CTAs (or the group is not NCCL)."""
     try:
-        backend = group._get_backend(torch.device("cuda"))  # type: ignore[attr-defined]
+        backend = compat.group_backend(group, torch.device("cuda"))
         value = int(backend.options.config.max_ctas)
         if 0 < value <= 64:  # NCCL's "unset" is INT_MIN
             return value

@@ -1,6 +1,6 @@
 """Per-group collectives issued straight into NCCL, on the communicator torch.distributed already made.
 
-``ProcessGroupNCCL`` exposes its ``ncclComm_t`` (``backend._comm_ptr()``), and the NCCL library it calls is
+``ProcessGroupNCCL`` exposes its ``ncclComm_t`` (``compat.nccl_communicator``), and the NCCL library it calls is
 loaded in this process. Calling that library's ``ncclAllReduce`` / ``ncclReduceScatter`` / ``ncclSend`` +
 ``ncclRecv`` through ctypes on our side stream costs a few microseconds per group, where a ``torch.distributed``
 call costs tens (work objects, events between the caller's and the process group's streams) -- the per-group host
@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from . import _inductor_compat as compat
 
 log = logging.getLogger("flashoverlap")
 
@@ -180,7 +182,7 @@ class Communicator:
             self.lib.check(lib.ncclGroupEnd(), "ncclGroupEnd", self.comm)
 
 
-# (id(group), device index) -> (group, communicator): reading ``_comm_ptr()`` costs ~100 us per call on torch 2.11,
+# (id(group), device index) -> (group, communicator): reading the communicator costs ~100 us per call on torch 2.11,
 # so a group's communicator is looked up once. A process group keeps its communicator for its whole life (an
 # aborted group is unusable; a re-initialized one is a new group object).
 _by_group: dict[tuple[int, int | None], tuple[object, Communicator]] = {}
@@ -198,9 +200,8 @@ def communicator(group: object, device: torch.device) -> Communicator | None:
     if lib is None:
         return None
     try:
-        backend = group._get_backend(device)  # type: ignore[attr-defined]
-        ptr = int(backend._comm_ptr())
-    except Exception:  # not NCCL, no communicator yet, or a torch without _comm_ptr
+        ptr = compat.nccl_communicator(group, device)
+    except Exception:  # not NCCL, no communicator yet, or a torch without the binding
         return None
     if not ptr:
         return None

@@ -34,8 +34,8 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
 
+from . import _inductor_compat as compat
 from . import routes
 from .routes.unfused import reduce_scatter_into  # noqa: F401  (the version shim tools import from here)
 from .schedule import gather as gather_schedule
@@ -94,7 +94,7 @@ def check_reduce_op(reduce_op: str) -> None:
 
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:
-    return _resolve_process_group(group_name)
+    return compat.resolve_group(group_name)
 
 
 # ----------------------------------------------------------------------------------------------- ops
@@ -235,8 +235,8 @@ def _(a, b, bias, gather_dim, group_size, group_name, plan, return_gathered, set
 # is CUDA (plain CUDA tensors: one dispatcher hop less), else a redispatch below autograd, so fake and functional
 # tensors still reach the fake implementation; on CUDA, the implementation itself.
 _fast_lib = torch.library.Library(NAMESPACE, "IMPL")
-_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
-_CUDA_KEY = torch._C.DispatchKey.CUDA
+_AFTER_AUTOGRAD = compat.AFTER_AUTOGRAD_KEYSET
+_CUDA_KEY = compat.CUDA_DISPATCH_KEY
 
 
 def _requires_grad(x) -> bool:

@@ -4,6 +4,7 @@ experiment loaded by importing the package, and one typed settings object."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -70,6 +71,18 @@ def test_no_import_cycles():
     for name in sorted(graph):
         if name not in state:
             visit(name)
+
+
+PRIVATE_TORCH = re.compile(r"torch\._C\b|_comm_ptr|_resolve_process_group|\._get_backend\(|distributed_c10d\._|"
+                           r"current_callable|_functorch\.config")
+
+
+def test_private_torch_only_in_the_compat_module():
+    """Version-fragile private torch names live in ``_inductor_compat.py`` alone (a torch upgrade is a one-file
+    review)."""
+    found = [f"{path.relative_to(ROOT)}: {m.group(0)}" for path in PKG.rglob("*.py")
+             if path.name != "_inductor_compat.py" for m in PRIVATE_TORCH.finditer(path.read_text())]
+    assert found == [], found
 
 
 def test_the_environment_is_read_only_in_config():

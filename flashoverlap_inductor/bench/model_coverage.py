@@ -80,7 +80,7 @@ def model_coverage(module: torch.nn.Module, *args: Any, backward: bool | None = 
     ``options``: as ``torch.compile``'s (``{"flashoverlap.fuse": "always"}``; our keys and Inductor's). The module's
     parameters are not changed (no optimizer step); their ``.grad`` is, when the backward runs. Collective: every
     rank of the groups the model uses must call it with inputs of the same shapes."""
-    from flashoverlap_inductor import fusion_report, reset_fusion_report
+    from flashoverlap_inductor.reporting import fusion_report, reset_fusion_report
 
     from .runner import flashoverlap_backend
 

@@ -264,7 +264,7 @@ def run_backend(backend: str, case: Case, template: nn.Module, data: list, env: 
     ``_values`` this rank's losses (train, every measured step) or last-position logits (prefill)."""
     from torch._inductor.utils import fresh_cache
 
-    import flashoverlap_inductor as fo
+    from flashoverlap_inductor import reporting as fo
 
     row: dict[str, Any] = {"backend": backend, "status": "ok", "note": ""}
     capture = coverage.GraphCapture()

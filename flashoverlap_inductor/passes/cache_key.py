@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-import flashoverlap_inductor
 from flashoverlap_inductor import _inductor_compat as compat
 from flashoverlap_inductor import config
 
@@ -39,7 +38,7 @@ def device_names() -> str:
 def source_files(settings: config.Settings) -> list[str]:
     """Everything whose content changes what the pass emits: its code, the ops, the settings, the schedule, the
     route registry and routes (which route the cost model predicts), the cost model and its data files."""
-    pkg = Path(flashoverlap_inductor.__file__).parent
+    pkg = Path(__file__).resolve().parent.parent  # the package folder
     files = [pkg / name for name in ("ops.py", "config.py", "_inductor_compat.py")]
     files += sorted(Path(__file__).parent.glob("*.py"))
     files += sorted((pkg / "schedule").glob("*.py")) + sorted((pkg / "routes").glob("*.py"))

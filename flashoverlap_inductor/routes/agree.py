@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .. import _inductor_compat as compat
 from .. import config, errors, kernels
 from ..schedule import steps
 from .base import Call, Route
@@ -121,14 +122,12 @@ def check_graph(manifest: list[tuple[str, str]], kind: str) -> float:
     group whose ranks differ. Returns the milliseconds it took (host clock)."""
     import time
 
-    from .. import ops
-
     start = time.perf_counter()
     groups: dict[str, list[str]] = {}
     for name, entry in manifest:
         groups.setdefault(name, []).append(entry)
     for name, entries in groups.items():
-        group = ops.resolve_group(name)
+        group = compat.resolve_group(name)
         if group.size() == 1:
             continue
         digest = _hash("\n".join(entries))
