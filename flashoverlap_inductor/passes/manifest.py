@@ -3,7 +3,8 @@
 ``graph_manifest(graph)`` lists every collective node after the pass (``_c10d_functional`` collectives, fused or
 not, and every ``flashoverlap`` op) as ``(group_name, entry)``, where ``entry`` is the JSON of ``{"op", "args"}``:
 tensors as dtype and shape (symbolic sizes by their expression), every other argument (plan, settings key, split
-sizes, reduce op) by value. Two ranks whose graphs would pair unlike collectives have different manifests.
+sizes, reduce op) by value; an all_to_all's split sizes, rows and plan are "per rank" (``PER_RANK``). Two ranks
+whose graphs would pair unlike collectives have different manifests.
 
 ``record(manifest)`` stores it in Inductor's counters under ``MANIFEST_PREFIX``: Inductor replays a compilation's
 counters on every FX-graph cache hit, so a graph loaded from the cache brings its manifest along, while the fusion
@@ -25,16 +26,23 @@ from flashoverlap_inductor import _inductor_compat as compat
 MANIFEST_PREFIX = "flashoverlap-manifest|"
 NAMESPACES = ("_c10d_functional", "flashoverlap")
 NOT_COLLECTIVES = ("wait_tensor",)
+# all_to_all: each rank holds its own rows and split sizes by design, and the fused op's plan holds the rows; what
+# the ranks must share is the op, the other sizes, the dtype and the settings
+PER_RANK = {"all_to_all_single": ("output_split_sizes", "input_split_sizes"),
+            "gemm_all_to_all": ("output_split_sizes", "input_split_sizes", "plan")}
 
 
-def _describe(arg: Any) -> Any:
+def _describe(arg: Any, rows_per_rank: bool = False) -> Any:
     if isinstance(arg, Node):
         v = arg.meta.get("val")
         if isinstance(v, torch.Tensor):
-            return f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
+            shape = [str(d) for d in v.shape]
+            if rows_per_rank and shape:
+                shape[0] = "per rank"
+            return f"{str(v.dtype).removeprefix('torch.')}[{', '.join(shape)}]"
         return str(v) if v is not None else arg.name
     if isinstance(arg, (list, tuple)):
-        return [_describe(a) for a in arg]
+        return [_describe(a, rows_per_rank) for a in arg]
     return arg if isinstance(arg, (int, float, str, bool, type(None))) else str(arg)
 
 
@@ -52,9 +60,11 @@ def graph_manifest(graph: torch.fx.Graph) -> list[tuple[str, str]]:
         args.update(node.kwargs)
         group = args.get("group_name")
         group = group if isinstance(group, str) else getattr(group, "group_name", str(group))
-        op = f"{target.namespace}.{target.__name__.split('.')[0]}"
-        out.append((group, json.dumps({"op": op, "args": {k: _describe(v) for k, v in args.items()
-                                                          if k != "group_name"}})))
+        name = target.__name__.split(".")[0]
+        per_rank = PER_RANK.get(name, ())
+        described = {k: "per rank" if k in per_rank else _describe(v, bool(per_rank))
+                     for k, v in args.items() if k != "group_name"}
+        out.append((group, json.dumps({"op": f"{target.namespace}.{name}", "args": described})))
     return out
 
 
