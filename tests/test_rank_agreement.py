@@ -21,10 +21,17 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import get_pool
+from dist_utils import DistPool, get_pool
 
 
-def mismatch_worker(case: str) -> dict:
+def _gpus() -> int:
+    try:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - any failure to probe means: skip
+        return 0
+
+
+def mismatch_worker(case: str, cuda: bool = False) -> dict:
     import torch.distributed._functional_collectives as funcol
 
     from flashoverlap_inductor import cost_model
@@ -35,6 +42,9 @@ def mismatch_worker(case: str) -> dict:
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(32, 48, generator=gen)
     x = torch.randn(64, 32, generator=gen) + rank
+    if cuda:  # NCCL: the exchange runs on the GPU
+        dev = torch.device("cuda", torch.cuda.current_device())
+        w, x = w.to(dev, torch.bfloat16), x.to(dev, torch.bfloat16)
 
     def layer(x, w):
         return funcol.all_reduce(x @ w, "sum", g).relu()
@@ -52,7 +62,7 @@ def mismatch_worker(case: str) -> dict:
     start = time.perf_counter()
     try:
         got = torch.compile(layer, backend=flashoverlap_backend, options=options)(x, w)
-        first = "ran, " + ("correct" if torch.allclose(got, want, rtol=1e-4, atol=1e-4) else "WRONG")
+        first = "ran, " + ("correct" if torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2) else "WRONG")
     except RankMismatch as exc:
         first = f"RankMismatch: {exc}"
     finally:
@@ -60,7 +70,8 @@ def mismatch_worker(case: str) -> dict:
     seconds = time.perf_counter() - start
     torch._dynamo.reset()  # the next run, configured alike on every rank
     got = torch.compile(layer, backend=flashoverlap_backend, options={"flashoverlap.fuse": "always"})(x, w)
-    return {"first": first, "seconds": seconds, "next": bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4))}
+    return {"first": first, "seconds": seconds,
+            "next": bool(torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2))}
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +97,17 @@ def test_ranks_that_compile_differently_raise_rank_mismatch_on_every_rank(pool, 
 def test_ranks_that_agree_run(pool):
     for r in pool.run(mismatch_worker, "agree", timeout_s=300):
         assert r["first"] == "ran, correct" and r["next"], r
+
+
+@pytest.mark.skipif(_gpus() < 2, reason="needs >= 2 CUDA GPUs")
+def test_on_two_gpus_over_nccl():
+    """The same cases over NCCL, one GPU per rank (bf16; without the kernel library the fused op runs unfused, which
+    changes nothing here: the graphs and their agreement are the same)."""
+    pool = DistPool(2, backend="nccl")
+    try:
+        for case in ("fuse", "plan", "agree"):
+            for rank, r in enumerate(pool.run(mismatch_worker, case, True, timeout_s=300)):
+                want = "ran, correct" if case == "agree" else "RankMismatch"
+                assert r["first"].startswith(want) and r["next"] and r["seconds"] < 60, (case, rank, r)
+    finally:
+        pool.close()
