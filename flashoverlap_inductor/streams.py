@@ -156,7 +156,9 @@ def resources(index: int) -> DeviceResources | None:
     if torch.cuda.is_current_stream_capturing():
         return None
     preload = getattr(kernels, "ready", None)
-    if preload is not None:  # load every library kernel now: a lazy load at first launch can deadlock a waiter
+    # load every library kernel now (a lazy load at first launch can deadlock a waiter); without the library there
+    # is nothing to load, and every route that needs it declines (the call runs unfused, logged once)
+    if preload is not None and kernels.available():
         preload(index)
     with torch.cuda.device(index):
         props = torch.cuda.get_device_properties(index)
