@@ -102,15 +102,18 @@ def test_plans_match_the_unsharded_model(pool):
 
 
 def test_tp_and_sp_training_match_inductor_and_fuse(pool, tmp_path):
-    argv = ["--preset", "tiny-llama", "--plan", "tp,sp", "--workload", "train", "--backends", "inductor,flashoverlap",
-            *QUICK]
+    argv = ["--preset", "tiny-llama", "--plan", "tp,sp", "--workload", "train", "--backends",
+            "inductor,flashoverlap,bound", *QUICK]
     results = pool.run(bench_worker, argv, str(tmp_path / "tp_sp.json"), timeout_s=600)
     assert [r["rc"] for r in results] == [0, 0], results[0]["stdout"]
     data = results[0]["json"]
     assert data["failed"] == 0
     for plan, collective in (("tp", "all_reduce"), ("sp", "reduce_scatter")):
         rows = _rows(data, plan=plan, workload="train")
-        assert [r["backend"] for r in rows] == ["inductor", "flashoverlap"]
+        assert [r["backend"] for r in rows] == ["inductor", "flashoverlap", "bound"]
+        bound = rows.pop()  # the step with every collective replaced by a local op: no collective in its graphs
+        assert bound["status"] == "ok" and "results meaningless" in bound["note"] and "rel_err" not in bound, bound
+        assert bound["graphs"] and all(g["collectives"] == {} and g["fused"] == {} for g in bound["graphs"]), bound
         for r in rows:
             assert r["status"] == "ok" and r["reference"] == "inductor", r
             assert r["rel_err"] <= r["tolerance"] == 1e-4, r
@@ -161,7 +164,7 @@ def test_cli_under_torchrun_writes_json_and_png(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "flashoverlap_inductor.bench", "e2e", "--preset", "tiny-llama", "--plan", "tp",
            "--workload", "prefill", "--backends", "eager,flashoverlap", *QUICK,
-           "--json", str(out_json), "--png", str(out_png)]
+           "--json", str(out_json), "--png", str(out_png), "--trace", str(tmp_path / "traces")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
@@ -174,6 +177,9 @@ def test_cli_under_torchrun_writes_json_and_png(tmp_path):
     for backend in ("inductor+async-tp", "flashoverlap-ro"):
         assert backend not in proc.stdout  # not selected
     assert "model" in proc.stdout and "ms/step" in proc.stdout
+    traces = sorted(p.name for p in (tmp_path / "traces").glob("*.json"))  # --trace: a Chrome trace per rank
+    assert traces == [f"tiny-llama_tp_prefill_s16_{b}_rank{r}.json" for b in ("eager", "flashoverlap")
+                      for r in (0, 1)], traces
     if importlib.util.find_spec("matplotlib") is not None:
         assert out_png.stat().st_size > 1000
     else:
@@ -221,6 +227,52 @@ def test_usage_error_exit_status(capsys):
     assert dist.is_initialized() == before  # the group it made is gone
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["e2e: error: plan ep needs a MoE model; tiny-llama is dense (use tp or sp)"]
+
+
+def test_hidden_share_from_the_bound_row():
+    from flashoverlap_inductor.bench import output
+    from flashoverlap_inductor.bench.e2e import add_hidden
+
+    base = {"model": "m", "plan": "sp", "workload": "train", "seq": 8, "status": "ok"}
+    rows = [{**base, "backend": "inductor", "ms": 10.0, "speedup": 1.0}, {**base, "backend": "flashoverlap", "ms": 9.0},
+            {**base, "backend": "inductor+async-tp", "ms": 10.5}, {**base, "backend": "bound", "ms": 8.0, "note": ""}]
+    add_hidden(rows)
+    assert rows[1]["hidden"] == pytest.approx(0.5) and rows[2]["hidden"] == pytest.approx(-0.25)
+    assert "hidden" not in rows[0] and "hidden" not in rows[3] and rows[3]["speedup"] == pytest.approx(1.25)
+    assert " 50%" in output.table(rows) and "-25%" in output.table(rows)
+    slow = [{k: v for k, v in r.items() if k != "hidden"} for r in rows]
+    slow[3]["ms"] = 11.0
+    add_hidden(slow)  # a bound no faster than Inductor: no share
+    assert all("hidden" not in r for r in slow) and "not faster than Inductor" in slow[3]["note"]
+
+
+def test_bound_pass_removes_every_collective():
+    """``bound.replace_collectives`` on a graph with each collective: none left, shapes kept."""
+    import torch
+    import torch.distributed._functional_collectives as funcol  # noqa: F401  (registers _c10d_functional)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flashoverlap_inductor.bench.bound import replace_collectives
+
+    c10d = torch.ops._c10d_functional
+    g = torch.fx.Graph()
+    with FakeTensorMode() as mode:
+        xv = mode.from_tensor(torch.randn(8, 4))
+    x = g.placeholder("x")
+    x.meta["val"] = xv
+    outs = []
+    for target, args, shape in ((c10d.all_reduce.default, (x, "sum", "0"), (8, 4)),
+                                (c10d.reduce_scatter_tensor.default, (x, "sum", 2, "0"), (4, 4)),
+                                (c10d.all_gather_into_tensor.default, (x, 2, "0"), (16, 4)),
+                                (c10d.all_to_all_single.default, (x, [3, 5], [3, 5], "0"), (8, 4)),
+                                (c10d.all_to_all_single.default, (x, [2, 4], [3, 5], "0"), (6, 4))):
+        coll = g.call_function(target, args)
+        wait = g.call_function(c10d.wait_tensor.default, (coll,))
+        wait.meta["val"] = torch.empty(shape, device="meta")
+        outs.append(wait)
+    g.output(tuple(outs))
+    assert replace_collectives(g) == 5
+    assert not [n for n in g.nodes if getattr(n.target, "namespace", "") == "_c10d_functional"]
 
 
 def test_table_marks_mismatch_and_na():

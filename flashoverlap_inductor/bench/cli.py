@@ -9,8 +9,8 @@ import argparse
 
 from . import models, plans
 
-BACKENDS = ("eager", "inductor", "inductor+async-tp", "flashoverlap", "flashoverlap-ro", "inductor-ro")
-DEFAULT_BACKENDS = ("eager", "inductor", "inductor+async-tp", "flashoverlap", "flashoverlap-ro")
+BACKENDS = ("eager", "inductor", "inductor+async-tp", "flashoverlap", "flashoverlap-ro", "inductor-ro", "bound")
+DEFAULT_BACKENDS = ("eager", "inductor", "inductor+async-tp", "flashoverlap", "flashoverlap-ro", "bound")
 WORKLOADS = ("train", "prefill")
 # per device: (train seqs, prefill seqs, batch, steps, warmup)
 DEFAULTS = {"cuda": ([4096], [2048, 4096, 8192, 16384], 1, 10, 3), "cpu": ([64], [64, 128], 2, 3, 1)}
@@ -99,6 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--png", default=None, help="speedup chart per model x plan x workload x backend (matplotlib)")
     g.add_argument("--coverage", choices=("on", "off"), default="on",
                    help="print which GEMM -> collective pairs the graphs hold and which were fused (always in JSON)")
+    g.add_argument("--trace", default=None, metavar="DIR",
+                   help="after the timed steps, 2 more steps of every backend under torch.profiler: one Chrome "
+                        "trace per case, backend and rank in DIR (open in Perfetto / chrome://tracing)")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
 
 

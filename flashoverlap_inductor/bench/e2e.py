@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import cli, coverage, output
+from . import bound, cli, coverage, output
 from .runner import FUSING, Case, Env, rel_error, release, run_backend, unavailable
 
 TOLERANCE = {"bf16": 2e-2, "fp32": 1e-4}
@@ -141,7 +141,11 @@ def run_case(case: Case, template, env: Env, args: argparse.Namespace) -> list[d
                 traceback.print_exc()
             rows.append({**base, "backend": backend, "status": "error", "note": f"{type(exc).__name__}: {exc}"[:300]})
         release(env)
-    ran = [r for r in rows if r["status"] == "ok"]
+    for r in rows:
+        if r["backend"] == "bound" and r["status"] == "ok":
+            r["note"] = bound.NOTE
+            r["values"] = r.pop("_values").flatten()[:8].tolist()
+    ran = [r for r in rows if r["status"] == "ok" and r["backend"] != "bound"]
     ref = next((r for r in ran if r["backend"] == "inductor"), ran[0] if ran else None)
     errors = env.reduce_max([rel_error(r["_values"], ref["_values"], case.workload) for r in ran]) if ref else []
     for r, err in zip(ran, errors):
@@ -154,7 +158,26 @@ def run_case(case: Case, template, env: Env, args: argparse.Namespace) -> list[d
             r["note"] = f"{case.workload} {'losses' if case.workload == 'train' else 'logits'} differ from " \
                         f"{ref['backend']} by {err:.2e} (tolerance {tol:.0e})"
         r["values"] = r.pop("_values").flatten()[:8].tolist()  # a sample for the JSON
+    add_hidden(rows)
     return rows
+
+
+def add_hidden(rows: list[dict[str, Any]]) -> None:
+    """``hidden`` (a fraction) on every timed row but Inductor's and the bound's, when both ran and the bound is
+    faster: ``(T_inductor - T_row) / (T_inductor - T_bound)``, the share of Inductor's exposed communication time the
+    row hid (1.0: as fast as a step with no communication; < 0: slower than Inductor)."""
+    by = {r["backend"]: r for r in rows if r["status"] in ("ok", "MISMATCH") and r.get("ms")}
+    ind, bnd = by.get("inductor"), by.get("bound")
+    if ind is None or bnd is None:
+        return
+    exposed = ind["ms"] - bnd["ms"]
+    bnd["speedup"] = ind["ms"] / bnd["ms"]
+    if exposed <= 0:
+        bnd["note"] += f"; not faster than Inductor (by {-exposed:.3f} ms): no hidden share"
+        return
+    for name, r in by.items():
+        if name not in ("inductor", "bound", "eager"):
+            r["hidden"] = (ind["ms"] - r["ms"]) / exposed
 
 
 def coverage_entry(spec, plan: str, workload: str, rows: list[dict[str, Any]], world: int) -> dict[str, Any]:

@@ -90,14 +90,16 @@ def _fmt(x: Any, spec: str, none: str = "-") -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("model", "plan", "workload", "seq", "backend", "status", "ms/step", "tokens/s", "speedup", "peak GiB",
-            "compile s", "rel.err", "fusion / note")
+    head = ("model", "plan", "workload", "seq", "backend", "status", "ms/step", "tokens/s", "speedup", "hidden",
+            "peak GiB", "compile s", "rel.err", "fusion / note")
     out = [head]
     for r in rows:
         peak = r.get("peak_bytes")
         out.append((r["model"], r["plan"], r["workload"], str(r["seq"]), r["backend"], r["status"],
                     _fmt(r.get("ms"), ".3f"), _fmt(r.get("tokens_per_s"), ",.0f"),
                     _fmt(r.get("speedup"), ".3f") + ("x" if r.get("speedup") is not None else ""),
+                    _fmt(100 * r["hidden"] if r.get("hidden") is not None else None, ".0f")
+                    + ("%" if r.get("hidden") is not None else ""),
                     _fmt(peak / 2**30 if peak is not None else None, ".2f"), _fmt(r.get("compile_s"), ".1f"),
                     _fmt(r.get("rel_err"), ".1e"),
                     "; ".join(x for x in (fusion_summary(r), r.get("note", "")) if x)))

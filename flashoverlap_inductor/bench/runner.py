@@ -159,6 +159,9 @@ def unavailable(backend: str, case: Case, env: Env) -> str | None:
             return "n/a (reduce-overhead is measured on prefill only)"
         if case.plan == "ep":
             return "n/a (the ep plan's data-dependent all_to_all splits cannot be captured in a CUDA graph)"
+    if backend == "bound" and case.plan == "ep":
+        return ("n/a (the ep plan's dispatch reads split sizes on the host between graphs: without the count "
+                "exchange the ranks' eager all_to_alls would disagree)")
     return None
 
 
@@ -180,6 +183,10 @@ def compile_for(backend: str, module: nn.Module, env: Env, fuse: str, capture: c
                 warnings.simplefilter("ignore")  # deprecated (and unnecessary) on newer torch
                 enable_symm_mem_for_group(env.group_name)
             env.symm_mem.add(env.group_name)
+    if backend == "bound":
+        from .bound import NoCommPass
+
+        options["post_grad_custom_pre_pass"] = NoCommPass()
     if backend in FUSING:
         options["flashoverlap.fuse"] = fuse
         return torch.compile(module, backend=flashoverlap_backend(), options=options, dynamic=False)
@@ -294,6 +301,7 @@ def run_backend(backend: str, case: Case, template: nn.Module, data: list, env: 
 
                 first_s, times, outs = _measure(step, n_warm, n_steps, env, bar)
                 values = torch.stack(outs).double().cpu()
+                trace(args, case, backend, env, step)
             else:
                 model.eval()
                 fn = compile_for(backend, Prefill(model), env, args.fuse, capture)
@@ -305,6 +313,7 @@ def run_backend(backend: str, case: Case, template: nn.Module, data: list, env: 
                     first_s, times, _ = _measure(forward, n_warm, n_steps, env, bar)
                     values = fn(data[0][0]).double().cpu()  # one more call: a CUDA graph's output is reused
                     env.sync()
+                    trace(args, case, backend, env, forward)
     finally:
         bar.close()
     row["step_ms"] = [round(t, 4) for t in times]
@@ -321,6 +330,28 @@ def run_backend(backend: str, case: Case, template: nn.Module, data: list, env: 
         row["events"] = coverage.report_events(report)
     row["_values"] = values
     return row
+
+
+def trace(args: Any, case: Case, backend: str, env: Env, step: Any) -> str | None:
+    """With ``--trace DIR``: two more steps (the first two inputs again) under ``torch.profiler``, exported as a
+    Chrome trace ``DIR/<case>_<backend>_rank<r>.json``; its path, or None. Not timed, after the timed steps."""
+    if not getattr(args, "trace", None):
+        return None
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.cuda else [])
+    env.sync()
+    with profile(activities=activities) as prof:
+        for i in range(2):
+            step(i)
+        env.sync()
+    name = f"{case.label()}_{backend}_rank{env.rank}.json".replace("/", "_").replace(" ", "_")
+    path = Path(args.trace) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    return str(path)
 
 
 def release(env: Env) -> None:
