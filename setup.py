@@ -1,8 +1,8 @@
 """Packaging for flashoverlap-inductor.
 
 Layout: one importable package, ``flashoverlap_inductor/``, with its subpackages (``passes``, ``cost_model``,
-``routes``, ``schedule``) and its data (``configs/``) inside it, so an import resolves the same in an editable and
-a regular install.
+``routes``, ``schedule``, ``native``, ``runtime``, ``tune``, ``tools``, ``bench``, ``demo``) and its data
+(``configs/``) inside it, so an import resolves the same in an editable and a regular install.
 
 The CUDA library (``build/libflashoverlap_sm90.so``) is built by ``python -m flashoverlap_inductor.build``. Setup
 runs that build too when ``FLASHOVERLAP_BUILD_CUDA=1`` (it then needs nvcc; without nvcc the build says so and

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap_inductor import config, routes
-from flashoverlap_inductor import tune_measure as tm
+from flashoverlap_inductor.tune import measure as tm
 
 # Llama-3-8B-like column-parallel GEMMs after a sequence-parallel gather: q/k/v fused width 6144 and gate/up 28672,
 # split over W ranks by the bench itself (N / W per rank), at 4k-16k tokens.

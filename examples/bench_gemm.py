@@ -32,8 +32,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from flashoverlap_inductor import build, kernel_calls, kernels  # noqa: E402
+from flashoverlap_inductor import build  # noqa: E402
+from flashoverlap_inductor.native import kernels  # noqa: E402
 from flashoverlap_inductor.schedule import plan  # noqa: E402
+from flashoverlap_inductor.tools import kernel_calls  # noqa: E402
 
 GRID_MS = (2048, 4096, 8192, 16384)
 GRID_NK = ((8192, 8192), (8192, 7168), (8192, 14336), (4096, 4096))

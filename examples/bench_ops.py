@@ -6,7 +6,7 @@
         [--fused-variants tiles/direct,persistent/direct//@8,tiles/direct/c//8,tiles/peer////ring2,...]
 
 Per shape (A [M,K] and B = W.t() with W [N,K] a Linear weight; bf16, fresh random data per rank) and per op, all
-variants are timed side by side in one interleaved run (``flashoverlap_inductor.tune_measure.Timer``: CUDA events
+variants are timed side by side in one interleaved run (``flashoverlap_inductor.tune.measure.Timer``: CUDA events
 around every call, back-to-back calls behind a short spin, rounds in alternating order, medians, max over ranks):
 
 * ``gemm``: cuBLAS ``torch.mm``; ``comm``: the collective alone on an [M,N] tensor; ``seq``: cuBLAS then the
@@ -48,12 +48,14 @@ try:
     import flashoverlap_inductor  # noqa: F401  (installed, or on PYTHONPATH: then its subpackages resolve too)
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from flashoverlap_inductor import config, kernel_select, kernels, ops, routes  # noqa: E402
-from flashoverlap_inductor import tune_measure as tm  # noqa: E402
+from flashoverlap_inductor import config, ops, routes  # noqa: E402
+from flashoverlap_inductor.native import kernels  # noqa: E402
 from flashoverlap_inductor.routes import cpu as cpu_route  # noqa: E402
+from flashoverlap_inductor.runtime import kernel_select  # noqa: E402
 from flashoverlap_inductor.schedule import plan as planlib  # noqa: E402
 from flashoverlap_inductor.schedule import steps as schedule  # noqa: E402
-from flashoverlap_inductor.tune import GRID, init_distributed, parse_shapes  # noqa: E402
+from flashoverlap_inductor.tools.tune import GRID, init_distributed, parse_shapes  # noqa: E402
+from flashoverlap_inductor.tune import measure as tm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_report, beside this file
 # derive, format_table, summarize, parse_spec, _jsonable: re-exported for the tests

@@ -8,10 +8,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from flashoverlap_inductor import kernel_select
-from flashoverlap_inductor import tune_measure as tm
 from flashoverlap_inductor.bench.output import _jsonable  # JSON-safe: non-finite floats -> null, keys -> str
-from flashoverlap_inductor.tune_rows import BENCH_RING_ROUNDS, route_of_launch
+from flashoverlap_inductor.runtime import kernel_select
+from flashoverlap_inductor.tune import measure as tm
+from flashoverlap_inductor.tune.rows import BENCH_RING_ROUNDS, route_of_launch
 
 OPS = ("all_reduce", "reduce_scatter", "all_to_all")
 TARGETS = {  # (world, op): geomean speedup over T_seq the issue asks for

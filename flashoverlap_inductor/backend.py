@@ -107,7 +107,7 @@ def checked(compiled: Any) -> Any:
     """``compiled`` followed, at every run, by the host-side fault check (``faults.raise_pending``: a pinned-memory
     read per fault domain, no device sync), so a wait that gave up inside a fused op -- CUDA-graph replays included
     -- raises at the next run the host sees it, on every rank, like an eager call would (``docs/design.md``)."""
-    from . import faults
+    from flashoverlap_inductor.runtime import faults
 
     @functools.wraps(compiled)  # keeps Inductor's attributes (``_boxed_call``, ...) and its calling convention
     def run(*args: Any, **kwargs: Any) -> Any:

@@ -19,7 +19,7 @@ the GPU tests and benchmarks use, ``fo_test_*``; no GEMM, no CUTLASS), so the sh
 function.
 
 ``CONFIGS`` below is the one list of kernel configurations; the library reports them at run time
-(``flashoverlap_inductor.kernels.configs()``).
+(``flashoverlap_inductor.native.kernels.configs()``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 try:
-    from . import cli_util as cli
+    from flashoverlap_inductor.tools import cli_util as cli
 except ImportError:  # loaded by its file path (setup.py, package not importable): load its sibling the same way
     _spec = importlib.util.spec_from_file_location("_flashoverlap_cli_util", Path(__file__).with_name("cli_util.py"))
     cli = importlib.util.module_from_spec(_spec)

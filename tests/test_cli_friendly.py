@@ -17,7 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from flashoverlap_inductor import build, cli_util, kernels, tune, tune_docs, tune_measure, tune_rows
+from flashoverlap_inductor import build
+from flashoverlap_inductor.native import kernels
+from flashoverlap_inductor.tools import cli_util, tune
+from flashoverlap_inductor.tune import measure as tune_measure
+from flashoverlap_inductor.tune import rows as tune_rows
+from flashoverlap_inductor.tune import schemas as tune_docs
 
 ROOT = Path(__file__).resolve().parent.parent
 NEED_GPU = "needs a CUDA GPU (sm90: H100/H200); none is visible here"
@@ -225,7 +230,7 @@ def test_data_files_are_checked_before_measuring(capsys, tmp_path, monkeypatch, 
 def test_data_file_checks(tmp_path):
     gpu = "NVIDIA H200"
     with pytest.raises(cli_util.CliError, match=r"no GEMM model for NVIDIA H100 to update: .* does not exist; "
-                                                 r"write one with python -m flashoverlap_inductor.cost_model"):
+                                                 r"write one with python -m flashoverlap_inductor.tune.import_anchor"):
         tune_docs.gemm_base(tmp_path, None, "NVIDIA H100")
     bad = tmp_path / "gemm.json"
     bad.write_text(json.dumps({"schema": "flashoverlap.gemm/1", "gpu": gpu}))

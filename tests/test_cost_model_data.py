@@ -21,8 +21,8 @@ from flashoverlap_inductor.cost_model import (
     model_for,
     normalize_gpu_name,
 )
-from flashoverlap_inductor.cost_model.import_anchor import convert, fit_gemm, main
 from flashoverlap_inductor.schedule.plan import COLLECTIVES, GroupPlan, uniform_plan
+from flashoverlap_inductor.tune.import_anchor import convert, fit_gemm, main
 
 SHARED_DATA = Path("/work/shared/data")
 

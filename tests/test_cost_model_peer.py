@@ -11,10 +11,12 @@ import random
 
 import pytest
 
-from flashoverlap_inductor import config, tune, tune_fit
+from flashoverlap_inductor import config
 from flashoverlap_inductor.cost_model import clear_caches, decide, model_for, registry
 from flashoverlap_inductor.cost_model.peer import PeerModel, PeerTerms, fit_terms, gemms_ms, relative_errors
 from flashoverlap_inductor.cost_model.schema import ConfigError, validate_gemm
+from flashoverlap_inductor.tools import tune
+from flashoverlap_inductor.tune import fit as tune_fit
 
 GRID = [(m, n, k) for m in (2048, 4096, 8192, 16384) for n, k in ((8192, 8192), (8192, 7168), (4096, 4096),
                                                                   (8192, 14336))]

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from flashoverlap_inductor import config, tune, tune_fit_ring, tune_rows
+from flashoverlap_inductor import config
 from flashoverlap_inductor.cost_model import clear_caches, decide, model_for, registry
 from flashoverlap_inductor.cost_model.peer import PeerTerms
 from flashoverlap_inductor.cost_model.ring import (
@@ -23,6 +23,9 @@ from flashoverlap_inductor.cost_model.ring import (
     steps_ms,
 )
 from flashoverlap_inductor.cost_model.schema import ConfigError, validate_gemm
+from flashoverlap_inductor.tools import tune
+from flashoverlap_inductor.tune import fit_ring as tune_fit_ring
+from flashoverlap_inductor.tune import rows as tune_rows
 
 GRID = [(m, n, k) for m in (2048, 4096, 8192, 16384) for n, k in ((8192, 8192), (8192, 7168), (4096, 4096),
                                                                   (8192, 14336))]

@@ -12,9 +12,11 @@ import shutil
 
 import pytest
 
-from flashoverlap_inductor import config, tune, tune_fit_seq
+from flashoverlap_inductor import config
 from flashoverlap_inductor.cost_model import clear_caches, decide, model_for, registry
 from flashoverlap_inductor.cost_model.schema import ConfigError, validate_gemm
+from flashoverlap_inductor.tools import tune
+from flashoverlap_inductor.tune import fit_seq as tune_fit_seq
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessRaisedException
 
-from flashoverlap_inductor import demo
+from flashoverlap_inductor.tools import demo
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 from dist_utils import DistPool
 
-from flashoverlap_inductor import kernels
+from flashoverlap_inductor.native import kernels
 
 LONG_MS = 60000.0  # the bound of normal calls: time-sliced ranks may wait for another context's turn
 SHORT_MS = 1500.0  # the bound of the fault cases

@@ -18,8 +18,10 @@ import os
 import pytest
 import torch
 
-from flashoverlap_inductor import build, config, kernel_calls, kernels
+from flashoverlap_inductor import build, config
+from flashoverlap_inductor.native import kernels
 from flashoverlap_inductor.schedule import plan
+from flashoverlap_inductor.tools import kernel_calls
 
 GPU = pytest.mark.skipif(not kernels.available(), reason="needs an sm90 GPU and the built CUDA library")
 

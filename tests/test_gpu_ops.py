@@ -21,7 +21,8 @@ import pytest
 import torch
 from dist_utils import DistPool
 
-from flashoverlap_inductor import kernels, ops
+from flashoverlap_inductor import ops
+from flashoverlap_inductor.native import kernels
 
 WORLD = 2
 TIMEOUT_S = 150.0  # per pool.run; the device script gives the whole file 210 s
@@ -305,7 +306,8 @@ def repeated_calls_task(calls: int) -> dict[str, int]:
     """``calls`` back-to-back calls of each op reuse one launch and one counter slot; results stay exact."""
     import torch.distributed as dist
 
-    from flashoverlap_inductor import routes, streams
+    from flashoverlap_inductor import routes
+    from flashoverlap_inductor.runtime import streams
 
     rank = dist.get_rank()
     routes.reset()
@@ -399,13 +401,14 @@ def graph_task(op: str) -> int:
 
 def timeout_record_task() -> str:
     """A recorded fault (the slot's mirror) makes the next call raise (before any communication), then clears."""
-    from flashoverlap_inductor import routes, streams
+    from flashoverlap_inductor import routes
+    from flashoverlap_inductor.runtime import streams
 
     a, b, c = _operands(40, 0, "2d", 512, 256, 128, torch.bfloat16, "nk", False)
     plan = _plan("multi", 512, 256, "all_reduce")
     _call("all_reduce", a, b, c, plan)
     torch.cuda.synchronize()
-    from flashoverlap_inductor import faults
+    from flashoverlap_inductor.runtime import faults
 
     streams.resources(torch.cuda.current_device())
     dom = next(d for d in faults._domains.values() if d.route == "nccl")  # the slot the call ran on

@@ -31,7 +31,7 @@ from test_gpu_ops import (
     in_flight_task,
 )
 
-from flashoverlap_inductor import kernels
+from flashoverlap_inductor.native import kernels
 
 
 def _peer_ready() -> bool:

@@ -14,7 +14,7 @@ import nccl_reference
 import pytest
 import torch
 
-from flashoverlap_inductor import kernels, nccl_direct
+from flashoverlap_inductor.native import kernels, nccl_direct
 from flashoverlap_inductor.routes import nccl as nccl_route
 from flashoverlap_inductor.schedule import plan as planlib
 from flashoverlap_inductor.schedule import steps as sched

@@ -20,8 +20,10 @@ import types
 import pytest
 import torch
 
-from flashoverlap_inductor import config, kernels, routes, streams
+from flashoverlap_inductor import config, routes
+from flashoverlap_inductor.native import kernels
 from flashoverlap_inductor.routes import nccl, peer, ring
+from flashoverlap_inductor.runtime import streams
 
 BF16 = torch.bfloat16
 N, K = 32, 16

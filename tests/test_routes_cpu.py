@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashoverlap_inductor import config, kernels, routes, streams
+from flashoverlap_inductor import config, routes
+from flashoverlap_inductor.native import kernels
 from flashoverlap_inductor.routes import peer, ring
+from flashoverlap_inductor.runtime import streams
 
 BF16 = torch.bfloat16
 HEADER = Path(peer.__file__).resolve().parents[2] / "csrc" / "flashoverlap_sm90.h"
@@ -152,7 +154,7 @@ def test_a_toy_route_is_one_registry_line_and_the_dispatcher_owns_memo_fallback_
 def test_b_layout_reads_strides_never_the_pointer():
     """A misaligned B (a view at an odd element offset) has the layout its strides say on every rank; the route
     copies it per call instead (``routes.nccl.kernel_b``)."""
-    from flashoverlap_inductor import kernel_select
+    from flashoverlap_inductor.runtime import kernel_select
 
     w = torch.randn(64 * 32 + 1)[1:].view(64, 32)  # 4 bytes past an aligned address
     assert w.data_ptr() % 16

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from flashoverlap_inductor.kernel_select import gather_rows
+from flashoverlap_inductor.runtime.kernel_select import gather_rows
 from flashoverlap_inductor.schedule import plan as P
 from flashoverlap_inductor.schedule import row_order
 from flashoverlap_inductor.schedule import steps as sched

@@ -15,7 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flashoverlap_inductor import build, config, kernel_select, kernels, ops, routes  # noqa: F401 (ops: registers)
+from flashoverlap_inductor import build, config, ops, routes  # noqa: F401 (ops: registers)
+from flashoverlap_inductor.native import kernels  # noqa: F401 (ops: registers)
+from flashoverlap_inductor.runtime import kernel_select  # noqa: F401 (ops: registers)
 
 BF16 = torch.bfloat16
 BIG = 2**31  # one past the C library's int range

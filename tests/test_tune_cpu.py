@@ -20,12 +20,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashoverlap_inductor import config, kernel_select, kernels, ops, routes, tune, tune_docs, tune_measure
+from flashoverlap_inductor import config, ops, routes
 from flashoverlap_inductor.cost_model import clear_caches, decide, model_for, registry, schema
 from flashoverlap_inductor.cost_model.bandwidth import BandwidthCurve
 from flashoverlap_inductor.cost_model.gemm import GemmModel
 from flashoverlap_inductor.cost_model.search import DEFAULT_TILE, predictive_search
+from flashoverlap_inductor.native import kernels
+from flashoverlap_inductor.runtime import kernel_select
 from flashoverlap_inductor.schedule import plan as planlib
+from flashoverlap_inductor.tools import tune
+from flashoverlap_inductor.tune import measure as tune_measure
+from flashoverlap_inductor.tune import schemas as tune_docs
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU = "NVIDIA H200"
@@ -602,8 +607,10 @@ def simulated_gpu(force_groups: int | None = None):
 
     import torch.distributed as dist
 
-    from flashoverlap_inductor import cost_model, nccl_direct, streams
+    from flashoverlap_inductor import cost_model
+    from flashoverlap_inductor.native import nccl_direct
     from flashoverlap_inductor.routes import nccl as nccl_route
+    from flashoverlap_inductor.runtime import streams
 
     res = streams.DeviceResources(0, GPU, 132, _FakeStream(), torch.zeros(4, 16, dtype=torch.int32),
                                   torch.zeros(4, 16, dtype=torch.int32), torch.zeros(4, dtype=torch.int32),

@@ -1,4 +1,4 @@
-"""CPU tests of ``tune fit`` (``flashoverlap_inductor.tune_fit``): the fused-path parameters it fits are the ones
+"""CPU tests of ``tune fit`` (``flashoverlap_inductor.tune.fit``): the fused-path parameters it fits are the ones
 that generated the rows, and ``--write`` stores them where the cost model reads them."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ import json
 
 import pytest
 
-from flashoverlap_inductor import tune, tune_fit
 from flashoverlap_inductor.cost_model import model_for, registry
 from flashoverlap_inductor.schedule.plan import uniform_plan
+from flashoverlap_inductor.tools import tune
+from flashoverlap_inductor.tune import fit as tune_fit
 
 SHAPES = [(8192, 8192, 8192), (16384, 8192, 7168)]
 
@@ -72,7 +73,7 @@ def test_fit_write_updates_the_gemm_model_file(tmp_path, monkeypatch):
 
 def test_prepared_prediction_equals_the_full_evaluation():
     """``predict_prepared`` (what the fit's grid search evaluates) is ``CostModel.fused`` on every op and world."""
-    from flashoverlap_inductor import tune_docs
+    from flashoverlap_inductor.tune import schemas as tune_docs
 
     model = model_for("NVIDIA H200")[0]
     for op in ("all_reduce", "reduce_scatter", "all_to_all"):
@@ -87,7 +88,7 @@ def test_prepared_prediction_equals_the_full_evaluation():
 
 def _records_doc(truth, noise: dict[str, float]) -> dict:
     """Search records of 4 all_reduce shapes measured by ``truth`` (times scaled by ``noise[plan]`` if given)."""
-    from flashoverlap_inductor import tune_docs
+    from flashoverlap_inductor.tune import schemas as tune_docs
 
     recs = []
     for m, n, k in [(4096, 8192, 14336), (8192, 8192, 8192), (16384, 8192, 7168), (4096, 8192, 8192)]:
@@ -127,7 +128,7 @@ def test_regret_is_the_predicted_picks_loss():
 
 
 def test_read_records_accepts_a_bare_record(tmp_path):
-    from flashoverlap_inductor import tune_docs
+    from flashoverlap_inductor.tune import schemas as tune_docs
 
     bare = {"collective": "all_reduce", "candidates": []}
     (tmp_path / "one.json").write_text(json.dumps(bare))

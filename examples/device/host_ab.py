@@ -38,8 +38,8 @@ def main() -> None:
     ap.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
     args = ap.parse_args()
     from flashoverlap_inductor import config, ops, routes  # noqa: F401  (ops registers torch.ops.flashoverlap.*)
-    from flashoverlap_inductor import tune_measure as tm
     from flashoverlap_inductor.schedule import plan as planlib
+    from flashoverlap_inductor.tune import measure as tm
 
     config.current()  # this package's settings (its library) are read now, before the variable changes
     os.environ["FLASHOVERLAP_LIB"] = os.path.abspath(args.old_lib)

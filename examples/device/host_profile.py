@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap_inductor import ops, routes  # noqa: F401  (ops registers torch.ops.flashoverlap.*)
-from flashoverlap_inductor import tune_measure as tm
 from flashoverlap_inductor.schedule import plan as planlib
+from flashoverlap_inductor.tune import measure as tm
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap_inductor import ops, routes  # noqa: F401  (ops registers torch.ops.flashoverlap.*)
-from flashoverlap_inductor import tune_measure as tm
+from flashoverlap_inductor.tune import measure as tm
 
 
 def layers(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -35,7 +35,7 @@ def layers(a: torch.Tensor, b: torch.Tensor) -> dict:
     results are wrong, the host time is not)."""
     import ctypes
 
-    from flashoverlap_inductor import kernels
+    from flashoverlap_inductor.native import kernels
 
     route = routes.peer.ROUTE
     seen: dict = {}
@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--no-gemm-cache", action="store_true", help="the library's GEMM launch cache off (a baseline)")
     args = ap.parse_args()
     if args.no_gemm_cache:
-        from flashoverlap_inductor import kernels
+        from flashoverlap_inductor.native import kernels
 
         kernels.gemm_cache_enable(False)
     if args.ring:

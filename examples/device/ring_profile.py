@@ -19,8 +19,10 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from flashoverlap_inductor import config, kernel_calls, kernels, ops, routes  # noqa: F401  (ops registers torch.ops.flashoverlap.*)
+from flashoverlap_inductor import config, ops, routes  # noqa: F401  (ops registers torch.ops.flashoverlap.*)
 from flashoverlap_inductor.build import CONFIGS
+from flashoverlap_inductor.native import kernels  # noqa: F401  (ops registers torch.ops.flashoverlap.*)
+from flashoverlap_inductor.tools import kernel_calls  # noqa: F401  (ops registers torch.ops.flashoverlap.*)
 
 
 def _time(fn, calls: int = 20, samples: int = 5, collective: bool = True) -> float:

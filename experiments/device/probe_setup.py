@@ -9,7 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from flashoverlap_inductor import nccl_direct
+from flashoverlap_inductor.native import nccl_direct
 
 
 def start() -> tuple[int, torch.device, nccl_direct.Communicator]:

@@ -28,8 +28,9 @@ import probe_setup  # experiments/device (the script's folder)
 import torch
 import torch.distributed as dist
 
-from flashoverlap_inductor import nccl_direct, tune_measure
 from flashoverlap_inductor.cost_model import decide
+from flashoverlap_inductor.native import nccl_direct
+from flashoverlap_inductor.tune import measure as tune_measure
 
 SHAPES = ["2048x8192x8192", "4096x8192x8192", "8192x8192x8192", "16384x8192x8192", "8192x8192x14336",
           "8192x4096x4096", "16384x4096x4096", "4096x4096x4096"]

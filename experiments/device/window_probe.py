@@ -31,7 +31,7 @@ import probe_setup  # experiments/device (the script's folder)
 import torch
 import torch.distributed as dist
 
-from flashoverlap_inductor import nccl_direct
+from flashoverlap_inductor.native import nccl_direct
 
 SHAPES = [(2048, 8192, 8192), (4096, 8192, 8192), (8192, 8192, 8192), (16384, 8192, 8192)]
 WIN_SYMMETRIC = 0x01

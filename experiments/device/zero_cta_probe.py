@@ -23,7 +23,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from flashoverlap_inductor import nccl_direct, tune_measure
+from flashoverlap_inductor.native import nccl_direct
+from flashoverlap_inductor.tune import measure as tune_measure
 
 sys.path.insert(0, os.path.dirname(__file__))
 import probe_setup  # noqa: E402

@@ -27,7 +27,7 @@ def meta(args: Any, env: Any) -> dict[str, Any]:
     lib = None
     if env.cuda:
         try:
-            from flashoverlap_inductor import kernels
+            from flashoverlap_inductor.native import kernels
 
             lib = bool(kernels.available())
         except Exception:  # noqa: BLE001 - reported as unknown

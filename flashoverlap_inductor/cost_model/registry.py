@@ -148,7 +148,8 @@ def _resolve(index: dict[str, T], name: str, what: str) -> tuple[T, str]:
     default = normalize_gpu_name(DEFAULT_GPU)
     fallback = default if default in index else sorted(index)[0]
     warn_once(f"no {what} for GPU {name!r}; falling back to {fallback!r} (predictions may be off; "
-               f"measure a curve with tools/anchor_bench.py and import it with cost_model.import_anchor)")
+               "measure a curve with tools/anchor_bench.py and import it with python -m "
+               "flashoverlap_inductor.tune.import_anchor)")
     return index[fallback], "default"
 
 

@@ -20,7 +20,7 @@ from flashoverlap_inductor import config
 def uuid_for(settings: config.Settings) -> str:
     """The pass's ``uuid()`` under ``settings``: a digest of ``source_files`` plus the settings' key, the GPUs,
     the library's configurations and the process groups' sizes."""
-    from flashoverlap_inductor import kernels
+    from flashoverlap_inductor.native import kernels
 
     try:  # the library's configurations decide which route the cost model predicts (``_route_of``)
         lib = ",".join(c.name for level in (0, 1, 2, 3) for c in kernels.configs(add_c=level))

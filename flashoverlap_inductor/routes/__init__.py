@@ -36,8 +36,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flashoverlap_inductor import config
+from flashoverlap_inductor.runtime import faults, kernel_select, streams
+
 from .. import _inductor_compat as compat
-from .. import config, faults, kernel_select, streams
 from ..schedule import steps as schedule
 from . import agree, cpu, gather_nccl, gather_peer, nccl, peer, ring, unfused
 from .base import Call, Context, Route, forget_notes, note, stats

@@ -31,8 +31,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from flashoverlap_inductor import config, errors
+from flashoverlap_inductor.native import kernels
+
 from .. import _inductor_compat as compat
-from .. import config, errors, kernels
 from ..schedule import steps
 from .base import Call, Route
 

@@ -14,7 +14,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from .. import config, kernel_select, streams
+from flashoverlap_inductor import config
+from flashoverlap_inductor.runtime import kernel_select, streams
 
 log = logging.getLogger("flashoverlap")
 

@@ -28,9 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _inductor_compat as compat
-from .. import config, faults, kernels, nccl_direct, streams
-from ..kernel_select import (
+from flashoverlap_inductor import config
+from flashoverlap_inductor.native import kernels, nccl_direct
+from flashoverlap_inductor.runtime import faults, streams
+from flashoverlap_inductor.runtime.kernel_select import (
     KernelChoice,
     a_is_kernel_ready,
     choose_kernel,
@@ -41,6 +42,8 @@ from ..kernel_select import (
     preferred_kernels,
     sm_reserve,
 )
+
+from .. import _inductor_compat as compat
 from ..schedule import plan as planlib
 from ..schedule import row_order
 from ..schedule import steps as schedule

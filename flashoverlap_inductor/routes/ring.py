@@ -42,8 +42,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from flashoverlap_inductor import config
+from flashoverlap_inductor.native import kernels
+from flashoverlap_inductor.runtime import faults, streams
+
 from .. import _inductor_compat as compat
-from .. import config, faults, kernels, streams
 from ..cost_model import ring as ring_model
 from . import nccl, peer, symmetric
 

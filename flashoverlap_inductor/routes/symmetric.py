@@ -23,8 +23,10 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from flashoverlap_inductor.native import kernels
+from flashoverlap_inductor.runtime import faults, streams
+
 from .. import _inductor_compat as compat
-from .. import faults, kernels, streams
 from . import nccl
 
 T = TypeVar("T")

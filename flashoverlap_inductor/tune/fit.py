@@ -47,13 +47,12 @@ from pathlib import Path
 from typing import Any
 
 from flashoverlap_inductor.cost_model.pipeline import GroupParts
+from flashoverlap_inductor.cost_model.schema import ROUTE_COLLECTIVES
 from flashoverlap_inductor.schedule.plan import GroupPlan, chunks_for
-
-from . import cli_util as cli
-from .cost_model.schema import ROUTE_COLLECTIVES
-from .tune_docs import read_records
-from .tune_measure import Progress
-from .tune_rows import above_floor, route_fit, route_of_row, write_section
+from flashoverlap_inductor.tools import cli_util as cli
+from flashoverlap_inductor.tune.measure import Progress
+from flashoverlap_inductor.tune.rows import above_floor, route_fit, route_of_row, write_section
+from flashoverlap_inductor.tune.schemas import read_records
 
 EFFICIENCIES = tuple(round(0.75 + 0.025 * i, 3) for i in range(12))  # 0.75 .. 1.025
 GEMM_SLOWDOWNS = tuple(round(0.05 * i, 2) for i in range(9))  # 0 .. 0.40
@@ -199,7 +198,7 @@ def fit(model: Any, rows: list[dict[str, Any]], grid: str, records: list[dict[st
 def fit_cublas(paths: list[str], sm_count: int, tile: tuple[int, int]) -> dict[str, float]:
     """``import_anchor.fit_gemm`` on the benchmark's cuBLAS times (``gemm_ms``; the median per shape over the
     files), with those ``samples`` ([m, n, k, ms]) kept in the result."""
-    from flashoverlap_inductor.cost_model.import_anchor import fit_gemm
+    from flashoverlap_inductor.tune.import_anchor import fit_gemm
 
     per_shape: dict[tuple[int, int, int], list[float]] = {}
     for path in paths:
@@ -281,10 +280,10 @@ def cmd_fit(args: argparse.Namespace) -> int:
     if args.peer:
         return cmd_fit_peer(args)
     if args.ring:
-        from .tune_fit_ring import cmd_fit_ring
+        from flashoverlap_inductor.tune.fit_ring import cmd_fit_ring
         return cmd_fit_ring(args)
     if args.sequential:
-        from .tune_fit_seq import cmd_fit_sequential
+        from flashoverlap_inductor.tune.fit_seq import cmd_fit_sequential
 
         return cmd_fit_sequential(args)
     rows, gpu = load_rows(args.bench, args.variant)

@@ -1,5 +1,5 @@
 """The tuner's pure parts: measurement grids, the wave-group search over measured candidates, and building the
-cost model's data documents (schemas and writers of ``cost_model.schema`` / ``cost_model.import_anchor``; no
+cost model's data documents (schemas and writers of ``cost_model.schema`` / ``tune.import_anchor``; no
 second schema). Nothing here touches a GPU, so all of it is tested on CPU with fake timings.
 
 Files (in a data directory laid out like ``configs/``; ``slug`` = ``registry.normalize_gpu_name`` with "_"):
@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flashoverlap_inductor import cli_util as cli
 from flashoverlap_inductor.cost_model import schema
 from flashoverlap_inductor.cost_model.gemm import GemmModel
-from flashoverlap_inductor.cost_model.import_anchor import dumps
 from flashoverlap_inductor.cost_model.registry import normalize_gpu_name, plan_key
 from flashoverlap_inductor.cost_model.search import candidate_bounds, unit_bounds
 from flashoverlap_inductor.schedule.plan import GroupPlan
+from flashoverlap_inductor.tools import cli_util as cli
+from flashoverlap_inductor.tune.import_anchor import dumps
 
 KIB, GIB = 1 << 10, 1 << 30
 

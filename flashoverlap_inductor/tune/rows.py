@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from . import cli_util as cli
-from .cost_model.ring import rounds_for
-from .cost_model.schema import ROUTE_COLLECTIVES
+from flashoverlap_inductor.cost_model.ring import rounds_for
+from flashoverlap_inductor.cost_model.schema import ROUTE_COLLECTIVES
+from flashoverlap_inductor.tools import cli_util as cli
 
 BENCH_RING_ROUNDS = (1, 2, 4)  # the benchmark's ``ringR`` rows flags (examples/bench_report.PEER_ROWS)
 

@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from flashoverlap_inductor.cost_model.schema import SKEW_FRACTION_MAX
-
-from .tune_rows import write_section
+from flashoverlap_inductor.tune.rows import write_section
 
 
 def fit_sequential(paths: list[str]) -> tuple[dict[str, Any], str]:

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from . import errors
+from flashoverlap_inductor import errors
 
 ABI_VERSION = 9
 LIB_ENV = "FLASHOVERLAP_LIB"
-DEFAULT_LIB = Path(__file__).resolve().parent.parent / "build" / "libflashoverlap_sm90.so"
+DEFAULT_LIB = Path(__file__).resolve().parents[2] / "build" / "libflashoverlap_sm90.so"
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 B_LAYOUTS = ("nk", "kn")  # B given as [N,K] (K contiguous: a Linear weight, b = W.t()) or as [K,N] (N contiguous)
 SCHEDULES = ("coop", "pp")
@@ -126,7 +126,7 @@ def library_path() -> Path:
 
 
 def _library_path_str() -> str:
-    from . import config
+    from flashoverlap_inductor import config
 
     return _path_str(config.current().library)
 

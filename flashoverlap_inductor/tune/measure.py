@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import cli_util
+from flashoverlap_inductor.tools import cli_util
 
 # --------------------------------------------------------------------------------------------- statistics
 
@@ -255,8 +255,8 @@ def time_gemm_shape(m: int, n: int, k: int, infos: list, sm_counts: list[int], t
                     device: str = "cuda") -> dict[str, float]:
     """``tune gemm``: ms of cuBLAS and of every configuration on every SM count (``"<config>@<sms>"``) for one bf16
     shape (B as a Linear weight, 8 wave groups signalled)."""
-    from . import kernels
-    from .schedule.plan import group_of_tile_row, uniform_plan
+    from flashoverlap_inductor.native import kernels
+    from flashoverlap_inductor.schedule.plan import group_of_tile_row, uniform_plan
 
     stream = torch.cuda.current_stream()
     a = torch.randn(m, k, device=device, dtype=torch.bfloat16)

@@ -36,9 +36,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import _inductor_compat as compat
-from . import demo_report
-from .demo_report import BACKENDS, BURST, model_sizes, shape_error, whole
+from flashoverlap_inductor import _inductor_compat as compat
+from flashoverlap_inductor.tools import demo_report
+from flashoverlap_inductor.tools.demo_report import BACKENDS, BURST, model_sizes, shape_error, whole
 
 
 class RMSNorm(nn.Module):

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import errors, kernels
+from flashoverlap_inductor import errors
+from flashoverlap_inductor.native import kernels
 
 MAX_PEERS = 8  # FO_FAULT_MAX_PEERS
 BLOCK_BYTES = 128

@@ -25,9 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from flashoverlap_inductor.cost_model.ring import fit_terms, relative_errors, rounds_for
-
-from . import cli_util as cli
-from .tune_rows import above_floor, modelled_ring_variant, route_fit, route_of_row, write_section
+from flashoverlap_inductor.tools import cli_util as cli
+from flashoverlap_inductor.tune.rows import above_floor, modelled_ring_variant, route_fit, route_of_row, write_section
 
 
 def load_ring_rows(paths: list[str], variant: str | None = None) -> tuple[list[dict[str, Any]], str]:

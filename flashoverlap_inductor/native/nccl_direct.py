@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _inductor_compat as compat
+from flashoverlap_inductor import _inductor_compat as compat
 
 log = logging.getLogger("flashoverlap")
 
@@ -94,7 +94,7 @@ class NcclLibrary:
         """Raise ``NcclError`` for an error code. ``ncclInProgress`` (a non-blocking communicator) is waited out
         through ``ncclCommGetAsyncError`` (bounded by the settings' wait timeout) before the next call."""
         if rc == NCCL_IN_PROGRESS and comm is not None:
-            from . import config
+            from flashoverlap_inductor import config
 
             state, deadline = ctypes.c_int(NCCL_IN_PROGRESS), time.monotonic() + config.current().timeout_ns() / 1e9
             while state.value == NCCL_IN_PROGRESS and time.monotonic() < deadline:
@@ -224,7 +224,7 @@ _bound: list[str] = []
 def bind_library(comm: Communicator) -> bool:
     """Whether the kernel library's ``fo_fused_call`` calls the NCCL library ``comm`` lives in: bound once per
     process (``fo_nccl_bind``); a failure is logged once and the NCCL route then declines every call."""
-    from . import kernels
+    from flashoverlap_inductor.native import kernels
 
     if not _bound:
         lib = kernels.library()

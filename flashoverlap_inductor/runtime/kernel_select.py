@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
-from . import _inductor_compat as compat
-from . import config, kernels
-from .cost_model.schema import GEMM_GRIDS
-from .schedule import plan as planlib
+from flashoverlap_inductor import _inductor_compat as compat
+from flashoverlap_inductor import config
+from flashoverlap_inductor.cost_model.schema import GEMM_GRIDS
+from flashoverlap_inductor.native import kernels
+from flashoverlap_inductor.schedule import plan as planlib
 
 log = logging.getLogger("flashoverlap")
 

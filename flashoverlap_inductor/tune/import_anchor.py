@@ -1,6 +1,6 @@
 """Turn ``tools/anchor_bench.py`` output into the cost model's data files (bandwidth curve + GEMM model).
 
-    python -m flashoverlap_inductor.cost_model.import_anchor anchor_2.json anchor_4.json \\
+    python -m flashoverlap_inductor.tune.import_anchor anchor_2.json anchor_4.json \\
         --out-dir configs --measured 2026-11-22 [--sm-count 132] [--nccl-sms 16] [--kernel-efficiency 1.0]
 
 All inputs must come from one GPU model (one world size each). It writes ``bandwidth_<gpu>.json``
@@ -33,8 +33,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .registry import normalize_gpu_name
-from .schema import BANDWIDTH_SCHEMA, GEMM_SCHEMA, validate_bandwidth, validate_gemm
+from flashoverlap_inductor.cost_model.registry import normalize_gpu_name
+from flashoverlap_inductor.cost_model.schema import BANDWIDTH_SCHEMA, GEMM_SCHEMA, validate_bandwidth, validate_gemm
 
 REFERENCE_TILE = (128, 256)
 KNOWN_SM_COUNTS = {"h200": 132, "h100 80gb hbm3": 132}
@@ -108,7 +108,7 @@ def convert(anchors: Sequence[dict[str, Any]], names: Sequence[str], *, measured
     converted = converted or datetime.date.today().isoformat()
     software = sorted({f"torch {a.get('torch', '?')}, NCCL {a.get('nccl', '?')}" for a in anchors})
     source = (f"tools/anchor_bench.py on {gpu} ({'; '.join(software)}), medians of CUDA-event timings, max over "
-              f"ranks; inputs: {', '.join(names)}; converted {converted} by cost_model.import_anchor")
+              f"ranks; inputs: {', '.join(names)}; converted {converted} by tune.import_anchor")
     curves: dict[str, dict[str, list[list[float]]]] = {}
     for anchor in anchors:
         per: dict[str, list[list[float]]] = {}
@@ -154,7 +154,7 @@ def dumps(doc: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flashoverlap_inductor.cost_model.import_anchor",
+    parser = argparse.ArgumentParser(prog="python -m flashoverlap_inductor.tune.import_anchor",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("anchors", nargs="+", type=Path, help="anchor_bench.py JSON files (one per world size)")
     parser.add_argument("--out-dir", type=Path, default=Path("."), help="where to write the two files")

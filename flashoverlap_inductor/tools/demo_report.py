@@ -10,7 +10,7 @@ import math
 import re
 from collections.abc import Callable
 
-from .schedule.plan import GroupPlan
+from flashoverlap_inductor.schedule.plan import GroupPlan
 
 BACKENDS = ("inductor", "flashoverlap")  # what the demo compiles, each in its own fresh processes
 BURST = 5  # forward calls per timed sample on GPU

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .kernels import (
+from flashoverlap_inductor.native.kernels import (
     DEFAULT_CONFIG,
     DEFAULT_SWIZZLE,
     DTYPES,

@@ -32,7 +32,7 @@ from typing import TypeVar
 
 import torch
 
-from . import kernels
+from flashoverlap_inductor.native import kernels
 
 T = TypeVar("T")
 

@@ -31,7 +31,7 @@ RECORDS_FILE = ("a tune search record file", "torchrun --nproc_per_node=N -m fla
 BANDWIDTH_FILE = ("a bandwidth file (flashoverlap.bandwidth/1)",
                   "torchrun --nproc_per_node=N -m flashoverlap_inductor.tune bandwidth")
 GEMM_FILE = ("a GEMM model file (flashoverlap.gemm/1)",
-             "python -m flashoverlap_inductor.cost_model.import_anchor, updated by tune gemm")
+             "python -m flashoverlap_inductor.tune.import_anchor, updated by tune gemm")
 PLANS_FILE = ("a plans file (flashoverlap.plans/1)", "torchrun --nproc_per_node=N -m flashoverlap_inductor.tune search")
 
 
@@ -85,7 +85,7 @@ def cuda_problem(env: Mapping[str, str]) -> str | None:
 def library_problem(cuda_ok: bool) -> str | None:
     """Why the built library cannot be used, or None (None too when only a GPU could tell: ``cuda_ok`` False and
     the file exists)."""
-    from . import kernels
+    from flashoverlap_inductor.native import kernels
 
     if kernels.available():
         return None

@@ -40,14 +40,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import cli_util as cli
-from . import config, routes, tune_fit
-from . import tune_docs as docs
-from . import tune_measure as tm
-from .cost_model.pipeline import CostModel
-from .cost_model.schema import ConfigError
-from .routes import unfused
-from .schedule.plan import chunks_for
+from flashoverlap_inductor import config, routes
+from flashoverlap_inductor.cost_model.pipeline import CostModel
+from flashoverlap_inductor.cost_model.schema import ConfigError
+from flashoverlap_inductor.routes import unfused
+from flashoverlap_inductor.schedule.plan import chunks_for
+from flashoverlap_inductor.tools import cli_util as cli
+from flashoverlap_inductor.tune import fit as tune_fit
+from flashoverlap_inductor.tune import measure as tm
+from flashoverlap_inductor.tune import schemas as docs
 
 GRID = [(m, n, k) for m in (2048, 4096, 8192, 16384) for n, k in ((8192, 8192), (8192, 7168), (8192, 14336),
                                                                    (4096, 4096))]
@@ -142,7 +143,7 @@ def cmd_bandwidth(args: argparse.Namespace) -> int:
 
 
 def cmd_gemm(args: argparse.Namespace) -> int:
-    from . import kernels
+    from flashoverlap_inductor.native import kernels
 
     if int(os.environ.get("RANK", "0")) != 0:  # one GPU is enough (no process group): other ranks idle
         return 0
@@ -176,7 +177,7 @@ def cmd_gemm(args: argparse.Namespace) -> int:
         best = min(got, key=got.__getitem__)
         bar.update(note=f"{m}x{n}x{k}: cublas {cublas[-1][3]:.3f} best {best} {got[best]:.3f}")
     bar.close()
-    from .cost_model.search import DEFAULT_TILE
+    from flashoverlap_inductor.cost_model.search import DEFAULT_TILE
 
     doc = docs.update_gemm_doc(base, samples, sms, DEFAULT_TILE, f"flashoverlap_inductor.tune gemm on {gpu}",
                                cublas)
@@ -195,7 +196,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     with ``--record`` one records file (``flashoverlap.search_records/1``) holding every searched shape."""
     import time
 
-    from .cost_model import model_for
+    from flashoverlap_inductor.cost_model import model_for
 
     cli.require(os.environ, cuda=DEVICE == "cuda", library=True, ranks=2)
     rank, world = init_distributed()
@@ -225,7 +226,7 @@ def cmd_search(args: argparse.Namespace) -> int:
 def search_shape(args: argparse.Namespace, shape: tuple[int, int, int], rank: int, world: int, gpu: str, sms: int,
                  model: CostModel) -> tuple[int, dict, dict]:
     """One shape's search: ``(rc, plans entry, record)``; rank 0 prints the summary line."""
-    from .cost_model.search import DEFAULT_TILE, predictive_search
+    from flashoverlap_inductor.cost_model.search import DEFAULT_TILE, predictive_search
 
     (m, n, k), coll, dtype_name = shape, args.collective, args.dtype
     dtype = getattr(torch, dtype_name)
