@@ -501,7 +501,6 @@ def _main(args: argparse.Namespace) -> int:
             "ring": settings.ring, "settings": settings.key(),
             "fused_variants": args.fused_variants,
             "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                                                   "FLASHOVERLAP_SM_RESERVE", "FLASHOVERLAP_GEMM_GRID",
                                                    "FLASHOVERLAP_TRANSPORT", "FLASHOVERLAP_RING")}}
     if rank == 0:
         print(f"bench_ops: {gpu} x{world}, {len(shapes)} shapes, ops {args.ops}, overlapped path "

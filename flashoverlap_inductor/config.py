@@ -168,18 +168,6 @@ ENV = {
     "FLASHOVERLAP_RING_ROUNDS": "ring_rounds",
     "FLASHOVERLAP_LIB": "library",
 }
-# Still read for one release, with a warning: set these through options or config.patch.
-DEPRECATED_ENV = {
-    "FLASHOVERLAP_GEMM_GRID": "gemm_grid",
-    "FLASHOVERLAP_SM_RESERVE": "sm_reserve",
-    "FLASHOVERLAP_SWIZZLE": "swizzle",
-    "FLASHOVERLAP_ROW_ORDER": "row_order",
-    "FLASHOVERLAP_PEER_KERNEL": "peer_kernel",
-}
-# Variants measured and not kept (docs/results.md): setting them only logs that they are ignored.
-REMOVED_ENV = ("FLASHOVERLAP_HOST_LOOP", "FLASHOVERLAP_NCCL", "FLASHOVERLAP_SIGNAL_MODE", "FLASHOVERLAP_KERNEL",
-               "FLASHOVERLAP_PEER_GATE", "FLASHOVERLAP_PEER_COPY", "FLASHOVERLAP_PEER_PARTIAL",
-               "FLASHOVERLAP_PEER_GROUPS")
 def _canonical(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
         return tuple((f.name, _canonical(getattr(obj, f.name))) for f in dataclasses.fields(obj))
@@ -231,18 +219,6 @@ def _from_env() -> dict[str, Any]:
     for var, name in ENV.items():
         if os.environ.get(var):
             read(var, name)
-    for var, name in DEPRECATED_ENV.items():
-        if os.environ.get(var) and name == "row_order" and os.environ[var].strip().lower() == "stage":
-            log.warning("flashoverlap: %s=stage is ignored: that row order was measured and removed "
-                        "(docs/results.md)", var)
-            continue
-        if os.environ.get(var):
-            log.warning("flashoverlap: %s is deprecated (read for one more release); set %r through "
-                        "options={'flashoverlap.%s': ...} or config.patch(%s=...)", var, name, name, name)
-            read(var, name)
-    for var in REMOVED_ENV:
-        if os.environ.get(var):
-            log.warning("flashoverlap: %s is ignored: that variant was measured and removed (docs/results.md)", var)
     if errors:
         raise ValueError("\n".join(errors))
     return out

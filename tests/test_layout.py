@@ -176,13 +176,12 @@ def test_patch_and_attributes_change_current_and_restore():
 def test_environment_settings(monkeypatch):
     monkeypatch.setenv("FLASHOVERLAP_FUSE", "Never")
     monkeypatch.setenv("FLASHOVERLAP_RING_ROUNDS", "3")
-    monkeypatch.setenv("FLASHOVERLAP_SWIZZLE", "2")  # deprecated: still read, with a warning
-    monkeypatch.setenv("FLASHOVERLAP_HOST_LOOP", "python")  # removed: ignored, with a warning
-    monkeypatch.setenv("FLASHOVERLAP_ROW_ORDER", "stage")  # a removed value of a renamed variable: ignored too
+    monkeypatch.setenv("FLASHOVERLAP_SWIZZLE", "2")  # renamed two releases ago: no longer read
+    monkeypatch.setenv("FLASHOVERLAP_HOST_LOOP", "python")  # a removed variant: not read
     config.reload_environment()
     try:
         s = config.current()
-        assert (s.fuse, s.tuning.ring_rounds, s.tuning.swizzle, s.tuning.row_order) == ("never", 3, 2, None)
+        assert (s.fuse, s.tuning.ring_rounds, s.tuning.swizzle, s.tuning.row_order) == ("never", 3, 4, None)
     finally:
         monkeypatch.undo()
         config.reload_environment()

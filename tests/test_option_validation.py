@@ -23,7 +23,7 @@ from flashoverlap_inductor import backend, config
 def _fresh_environment(monkeypatch):
     """Each test reads the environment afresh, without the caller's own FLASHOVERLAP_* variables (a device script
     sets FLASHOVERLAP_LIB), and leaves it read afresh (its variables undone)."""
-    for var in [*config.ENV, *config.DEPRECATED_ENV]:
+    for var in config.ENV:
         monkeypatch.delenv(var, raising=False)
     config.reload_environment()
     yield
@@ -186,10 +186,7 @@ def test_environment_variables_are_checked_when_first_read(monkeypatch):
                                  ("FLASHOVERLAP_RING_ROUNDS", "x", "ring_rounds must be an int in 1 .. 16"),
                                  ("FLASHOVERLAP_RING_ROUNDS", "256", "ring_rounds must be an int in 1 .. 16"),
                                  ("FLASHOVERLAP_TRANSPORT", "ib", "transport must be one of 'peer', 'nccl'"),
-                                 ("FLASHOVERLAP_RING", "yes", "ring must be one of 'off', 'wide', 'all'"),
-                                 ("FLASHOVERLAP_SWIZZLE", "0", "swizzle must be an int >= 1"),  # deprecated ones too
-                                 ("FLASHOVERLAP_SM_RESERVE", "some", "sm_reserve must be an int >= 0, or None"),
-                                 ("FLASHOVERLAP_GEMM_GRID", "grid", "gemm_grid must be one of 'tiles', 'persistent'")):
+                                 ("FLASHOVERLAP_RING", "yes", "ring must be one of 'off', 'wide', 'all'")):
         rejected(functools.partial(via_env, monkeypatch, **{var: value}), var, value, accepted)
         rejected(functools.partial(via_options, fuse="never"), var, value, accepted)  # every later read, options or not
         monkeypatch.delenv(var)
