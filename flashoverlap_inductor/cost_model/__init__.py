@@ -9,11 +9,12 @@ Public API (the contract with the pass and the ops)::
     d.fuse, d.plan.to_str(), d.predicted_fused_ms, d.predicted_seq_ms, d.reason
 
 Modules: ``bandwidth`` (NCCL curves, bytes -> ms), ``gemm`` (wave model, ms), ``pipeline`` (recurrence),
-``search`` (partitions), ``decide``, ``gather`` (all_gather -> GEMMs: ``decide_gather``),
-``registry`` (data files by GPU name), ``schema`` (JSON validation),
-``import_anchor`` (turn ``tools/anchor_bench.py`` output into data files).
+``search`` (partitions), ``decide``, ``gather`` (all_gather -> GEMMs: ``decide_gather``), ``gain`` (the one gain
+rule every verdict uses), ``registry`` (data files by GPU name), ``schema`` (JSON validation). Turning
+``tools/anchor_bench.py`` output into data files is ``flashoverlap_inductor.tune.import_anchor``.
 """
 
+from . import gain
 from .bandwidth import BandwidthCurve, SampledCurve
 from .decide import Decision, clear_caches, copy_ms, decide, decide_cache_info
 from .gather import GatherDecision, decide_gather
@@ -24,7 +25,7 @@ from .schema import ConfigError
 from .search import SearchResult, exhaustive_search, predictive_search
 
 __all__ = [
-    "DEFAULT_GPU", "BandwidthCurve", "ConfigError", "CostModel", "Decision", "GatherDecision", "GemmModel",
+    "DEFAULT_GPU", "BandwidthCurve", "gain", "ConfigError", "CostModel", "Decision", "GatherDecision", "GemmModel",
     "PipelineResult", "SampledCurve", "SearchResult", "clear_caches", "copy_ms", "data_dir", "decide",
     "decide_cache_info", "decide_gather", "exhaustive_search", "model_for", "normalize_gpu_name", "pipeline",
     "predictive_search",

@@ -34,7 +34,7 @@ from pathlib import Path
 from flashoverlap_inductor import config
 from flashoverlap_inductor.schedule.plan import COLLECTIVES, GroupPlan, chunks_for
 
-from . import registry
+from . import gain, registry
 from .pipeline import DTYPE_BYTES, CostModel
 from .ring import rounds_for
 from .search import DEFAULT_TILE, predictive_search
@@ -134,11 +134,8 @@ def _decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int
                f"{verdict_seq:.3f} ms sequential ({_ratio(verdict_fused, verdict_seq)}){data_note}")
     if plan.num_groups < 2:
         return Decision(False, plan, fused, seq, f"declined: too few rows for two groups; {summary}")
-    if m < min_rows:
-        return Decision(False, plan, fused, seq, f"declined: M={m} rows < min_rows={min_rows}; {summary}")
-    if verdict_fused <= (1.0 - min_gain) * verdict_seq:
-        return Decision(True, plan, fused, seq, summary)
-    return Decision(False, plan, fused, seq, f"declined: gain below min_gain_fraction={min_gain:g}; {summary}")
+    fuse, reason = gain.verdict(verdict_fused, verdict_seq, m, min_gain, min_rows, summary)
+    return Decision(fuse, plan, fused, seq, reason)
 
 
 def _route_verdict(route: str, fused: float, seq: float, m: int, plan: GroupPlan, min_gain: float, min_rows: int,
@@ -146,12 +143,8 @@ def _route_verdict(route: str, fused: float, seq: float, m: int, plan: GroupPlan
     """The verdict for a call on the peer or ring route (no wave groups to check)."""
     summary = (f"predicted {fused:.3f} ms fused ({route} route) vs {seq:.3f} ms sequential ({_ratio(fused, seq)})"
                f"{data_note}")
-    if m < min_rows:
-        return Decision(False, plan, fused, seq, f"declined: M={m} rows < min_rows={min_rows}; {summary}", route)
-    if fused <= (1.0 - min_gain) * seq:
-        return Decision(True, plan, fused, seq, summary, route)
-    return Decision(False, plan, fused, seq, f"declined: gain below min_gain_fraction={min_gain:g}; {summary}",
-                    route)
+    fuse, reason = gain.verdict(fused, seq, m, min_gain, min_rows, summary)
+    return Decision(fuse, plan, fused, seq, reason, route)
 
 
 def _choose_plan(model: CostModel, tuned: registry.TunedPlan | None, collective: str, m: int, n: int, k: int,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from flashoverlap_inductor import config
 
-from . import registry
+from . import gain, registry
 from .pipeline import DTYPE_BYTES
 
 PLAN = "ring"
@@ -76,13 +76,8 @@ def _decide(rows: int, ns: tuple[int, ...], k: int, dtype: str, world: int, devi
     fused = gather_fused_ms(model, rows // world, ns, k, dtype, world, gather_ms, route)
     summary = (f"predicted {fused:.3f} ms fused ({world - 1} ring steps, {route}) vs {seq:.3f} ms sequential "
                f"({seq / fused:.3f}x; all_gather {gather_ms:.3f} ms on the {curve_name} curve){note}")
-    if rows < min_rows:
-        return GatherDecision(False, PLAN, fused, seq, f"declined: {rows} rows < min_rows={min_rows}; {summary}",
-                              route)
-    if fused <= (1.0 - min_gain) * seq:
-        return GatherDecision(True, PLAN, fused, seq, summary, route)
-    return GatherDecision(False, PLAN, fused, seq, f"declined: gain below min_gain_fraction={min_gain:g}; {summary}",
-                          route)
+    fuse, reason = gain.verdict(fused, seq, rows, min_gain, min_rows, summary)
+    return GatherDecision(fuse, PLAN, fused, seq, reason, route)
 
 
 def gather_fused_ms(model, shard_rows: int, ns: Sequence[int], k: int, dtype: str, world: int, gather_ms: float,

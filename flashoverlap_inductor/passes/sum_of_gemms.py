@@ -71,6 +71,6 @@ def adjust(decision: Any, s: SumOfGemms, dtype: str, device_name: str | None, mi
     cat_elems, add_elems = s.copy_elements()
     fused = decision.predicted_fused_ms + cost_model.copy_ms(int(cat_elems) * itemsize, device_name)
     seq = decision.predicted_seq_ms + cost_model.copy_ms(int(add_elems) * itemsize, device_name)
-    verdict = fused <= (1.0 - min_gain) * seq
+    verdict = cost_model.gain.pays(fused, seq, min_gain)
     return verdict, (f"{s.describe()}: fused {fused:.4f} ms incl. the cats' copies vs sequential {seq:.4f} ms "
                      f"incl. the adds ({'fusing' if verdict else 'declined'}); {decision.reason}")
