@@ -4,8 +4,7 @@ environment.
 Sources, strongest first:
 
 1. ``torch.compile(m, backend="flashoverlap", options={"flashoverlap.<name>": value})``;
-2. ``with flashoverlap_inductor.config.patch(<name>=value): ...`` (or ``config.<name> = value``, kept for
-   compatibility);
+2. ``with flashoverlap_inductor.config.patch(<name>=value): ...``;
 3. the documented environment variables (``ENV``), read once per process;
 4. the defaults below.
 
@@ -14,8 +13,8 @@ resolves all sources into one ``Settings``; the backend captures it once per com
 into its ``uuid()`` (``Settings.key()``) and hands it to every fused op it emits as a string argument, so a compiled
 graph runs with the settings it was compiled under, and a new setting can never serve a stale cached graph.
 
-Every value is checked where it is set -- an option when ``torch.compile`` calls the backend, ``patch`` on entry, the
-attribute on assignment, an environment variable when the environment is first read -- by the setting's rule
+Every value is checked where it is set -- an option when ``torch.compile`` calls the backend, ``patch`` on entry, an
+environment variable when the environment is first read -- by the setting's rule
 (``RULES``, ``config_check``): a value not accepted raises one ``ValueError`` naming the setting as the user wrote it,
 the value and what is accepted, never a failure later inside the pass. An unknown name is an error too, naming the
 closest known one.
@@ -29,8 +28,6 @@ import dataclasses
 import functools
 import logging
 import os
-import sys
-import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -246,7 +243,7 @@ _pinned: contextvars.ContextVar[Settings | None] = contextvars.ContextVar("flash
 
 
 def current() -> Settings:
-    """The effective settings now: defaults < environment < ``patch``/attribute overrides; inside ``using(s)``
+    """The effective settings now: defaults < environment < ``patch`` overrides; inside ``using(s)``
     (in this thread or task), exactly ``s``."""
     pinned = _pinned.get()
     if pinned is not None:
@@ -325,35 +322,3 @@ def split_options(options: dict[str, Any] | None) -> tuple[dict[str, Any], dict[
             rest[key] = value
     return _checked(ours, OPTION_PREFIX), rest
 
-
-class _ConfigModule(types.ModuleType):
-    """``config.<name>`` reads the effective setting; ``config.<name> = value`` overrides it for the process
-    (compatibility with earlier releases; prefer ``patch``), checked on assignment; a new public attribute is
-    refused (a misspelt setting would otherwise be set and never read)."""
-
-    def __getattr__(self, name: str) -> Any:
-        if name in _TOP:
-            return getattr(current(), name)
-        if name in _TUNING:
-            return getattr(current().tuning, name)
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _TOP or name in _TUNING:
-            if value is None and name in ("fuse",):
-                _overrides.pop(name, None)
-                return
-            _overrides.update(_checked({name: value}, prefix="config."))
-            return
-        if not name.startswith("_") and name not in self.__dict__:
-            raise check.unknown_name(f"config.{name}", value, name, NAMES, prefix="config.")
-        super().__setattr__(name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if name in _TOP or name in _TUNING:  # ``del config.<name>``: back to the environment / default
-            _overrides.pop(name, None)
-            return
-        super().__delattr__(name)
-
-
-sys.modules[__name__].__class__ = _ConfigModule

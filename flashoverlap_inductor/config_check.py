@@ -3,7 +3,7 @@
     flashoverlap: <where> = <value!r> is not accepted: <name> must be <what is accepted>
 
 ``<where>`` is the setting as the user wrote it: ``flashoverlap.min_rows`` (a ``torch.compile`` option),
-``min_rows`` (``config.patch``), ``config.min_rows`` (the attribute), ``FLASHOVERLAP_RING_ROUNDS`` (the environment);
+``min_rows`` (``config.patch``), ``FLASHOVERLAP_RING_ROUNDS`` (the environment);
 ``<name>`` is the setting's field. Invariants: a rule turns every value it accepts into its field's one type (an int
 string such as ``"256"`` into 256, a comma-separated string into a tuple of names, an int into a float, a path into
 a str), it is idempotent (a value it returned passes unchanged: a setting checked where it was set is checked again,

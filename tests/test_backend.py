@@ -79,8 +79,8 @@ class TestBackendOptions(FakePGTestCase):
         self.assertIsInstance(fo_pass, FlashOverlapPass)
         self.assertEqual((fo_pass.settings.fuse, fo_pass.settings.min_rows, fo_pass.settings.collectives),
                          ("never", 4, ("all_reduce",)))
-        self.assertEqual(config.fuse, "auto")  # the module config is untouched
-        self.assertEqual(config.min_rows, 256)
+        self.assertEqual(config.current().fuse, "auto")  # the module config is untouched
+        self.assertEqual(config.current().min_rows, 256)
 
     def test_unknown_option_is_an_error(self):
         with self.assertRaisesRegex(ValueError, "unknown option 'flashoverlap.nope'"):

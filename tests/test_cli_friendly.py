@@ -250,7 +250,7 @@ def test_malformed_data_directory_file(tmp_path, monkeypatch):
     from flashoverlap_inductor.cost_model import registry
 
     (tmp_path / "gemm_x.json").write_text("{oops")
-    monkeypatch.setattr(registry, "data_dir", lambda: tmp_path)
+    monkeypatch.setattr(registry, "data_dir", lambda settings=None: tmp_path)
     with pytest.raises(cli_util.CliError, match=r"gemm_x.json: not JSON \(Expecting property name"):
         tune_rows.write_section("NVIDIA H200", lambda doc: None, "peer section")
 

@@ -141,7 +141,7 @@ def test_decide_predicts_the_peer_route_when_told():
     assert nccl.route == "nccl" and peer.route == "peer" and "peer route" in peer.reason
     assert peer.predicted_fused_ms == pytest.approx(model.peer_ms("reduce_scatter", m, n, k, "bfloat16", 2))
     assert peer.predicted_seq_ms == nccl.predicted_seq_ms and peer.plan == nccl.plan  # the fallback's plan
-    assert peer.fuse == (peer.predicted_fused_ms <= (1 - config.min_gain_fraction) * peer.predicted_seq_ms)
+    assert peer.fuse == (peer.predicted_fused_ms <= (1 - config.current().min_gain_fraction) * peer.predicted_seq_ms)
     # calls the peer model does not cover are predicted on the NCCL route
     for args in (("all_to_all", m, n, k, "bfloat16", 2), ("all_reduce", m, n, k, "bfloat16", 4),
                  ("all_reduce", m + 1, n, k, "bfloat16", 2)):
@@ -160,7 +160,8 @@ def test_decide_drops_the_host_floor_for_cuda_graphs():
     assert eager.predicted_fused_ms == pytest.approx(floor) and not eager.fuse
     assert graphs.predicted_fused_ms == pytest.approx(model.peer_ms("all_reduce", m, n, k, "bfloat16", 2, False))
     assert graphs.predicted_fused_ms < floor and graphs.route == "peer"
-    assert graphs.fuse == (graphs.predicted_fused_ms <= (1 - config.min_gain_fraction) * graphs.predicted_seq_ms)
+    gain = config.current().min_gain_fraction
+    assert graphs.fuse == (graphs.predicted_fused_ms <= (1 - gain) * graphs.predicted_seq_ms)
     # calls the peer model does not cover are predicted on the NCCL route, which has no host floor: the flag
     # changes nothing there
     for args in (("all_reduce", m, n, k, "bfloat16", 4), ("all_to_all", m, n, k, "bfloat16", 2)):
@@ -170,7 +171,7 @@ def test_decide_drops_the_host_floor_for_cuda_graphs():
 def test_decide_without_a_peer_model_says_so(monkeypatch):
     model = model_for("NVIDIA H200")[0]
     bare = dataclasses.replace(model, gemm=dataclasses.replace(model.gemm, peer=None))
-    monkeypatch.setattr(registry, "model_for", lambda name: (bare, "exact"))
+    monkeypatch.setattr(registry, "model_for", lambda name, directory=None: (bare, "exact"))
     d = decide("reduce_scatter", 8192, 8192, 8192, "bfloat16", 2, peer=True)
     assert d.route == "nccl" and "no peer-route model" in d.reason
 
@@ -210,7 +211,7 @@ def test_tune_fit_peer_writes_the_section(tmp_path, monkeypatch):
     bench.write_text(json.dumps(_peer_bench(truth)))
     assert len(tune_fit.load_rows([str(bench)], None, peer=True)[0]) == 2 * (len(GRID) + 2)
     assert len(tune_fit.load_rows([str(bench)], None)[0]) == 1
-    monkeypatch.setattr(config, "config_dir", str(data))
+    monkeypatch.setitem(config._overrides, "config_dir", str(data))  # as config.patch
     registry.clear_caches()
     assert tune.main(["fit", "--peer", "--bench", str(bench), "--host-floor", "reduce_scatter=0.123", "--write"]) == 0
     registry.clear_caches()

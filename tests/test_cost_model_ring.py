@@ -178,14 +178,14 @@ def _with_ring(monkeypatch, section=GOOD):
     model = _model()
     gemm = dataclasses.replace(model.gemm, ring=RingModel.from_json(section))
     ringed = dataclasses.replace(model, gemm=gemm)
-    monkeypatch.setattr(registry, "model_for", lambda name: (ringed, "exact"))
+    monkeypatch.setattr(registry, "model_for", lambda name, directory=None: (ringed, "exact"))
     return ringed
 
 
 def test_decide_predicts_the_ring_when_told(monkeypatch):
     m, n, k = 8192, 8192, 8192
     model = _model()
-    monkeypatch.setattr(registry, "model_for", lambda name: (dataclasses.replace(
+    monkeypatch.setattr(registry, "model_for", lambda name, directory=None: (dataclasses.replace(
         model, gemm=dataclasses.replace(model.gemm, ring=None)), "exact"))
     bare = decide("all_reduce", m, n, k, BF, 4, ring_rounds=2)  # data without ring terms
     assert bare.route == "nccl" and "no ring-route model" in bare.reason
@@ -196,7 +196,7 @@ def test_decide_predicts_the_ring_when_told(monkeypatch):
     assert ring.route == "ring" and "ring route" in ring.reason
     assert ring.predicted_fused_ms == pytest.approx(model.ring_ms("all_reduce", m, n, k, BF, 4, 2))
     assert ring.predicted_seq_ms == nccl.predicted_seq_ms and ring.plan == nccl.plan
-    assert ring.fuse == (ring.predicted_fused_ms <= (1 - config.min_gain_fraction) * ring.predicted_seq_ms)
+    assert ring.fuse == (ring.predicted_fused_ms <= (1 - config.current().min_gain_fraction) * ring.predicted_seq_ms)
     assert decide("all_reduce", m, n, k, BF, 8, ring_rounds=2).route == "nccl"  # no terms for 8 ranks
     odd = decide("all_reduce", 1024, n, k, BF, 4, ring_rounds=4)  # 64-row pieces: not a call the ring takes
     assert odd.route == "nccl" and "ring_rounds=4" in odd.reason
@@ -255,7 +255,7 @@ def test_tune_fit_ring_writes_the_section(tmp_path, monkeypatch):
     rows, gpu = tune_fit_ring.load_ring_rows([str(bench)])
     assert gpu == "NVIDIA H200" and len(rows) == len(_truth_rows(model, truth, 4))
     assert len(tune_fit_ring.load_ring_rows([str(bench)], "tiles/peer////ring2")[0]) == len(GRID) + 1
-    monkeypatch.setattr(config, "config_dir", str(data))
+    monkeypatch.setitem(config._overrides, "config_dir", str(data))  # as config.patch
     registry.clear_caches()
     assert tune.main(["fit", "--ring", "--bench", str(bench), "--host-floor", "all_reduce=0.3", "--write"]) == 0
     registry.clear_caches()

@@ -102,7 +102,7 @@ def test_tune_fit_sequential_writes_and_merges_the_section(tmp_path, monkeypatch
     assert gpu == "NVIDIA H200" and result["fit"]["rows"] == {"2": {"all_reduce": 15, "reduce_scatter": 15}}
     assert result["skew_fraction"]["2"]["all_reduce"] == pytest.approx(0.02, abs=0.006)
     assert result["skew_fraction"]["2"]["reduce_scatter"] == pytest.approx(0.05, abs=0.006)
-    monkeypatch.setattr(config, "config_dir", str(data))
+    monkeypatch.setitem(config._overrides, "config_dir", str(data))  # as config.patch
     registry.clear_caches()
     assert tune.main(["fit", "--sequential", "--bench", str(b2), str(b4), "--write"]) == 0
     registry.clear_caches()

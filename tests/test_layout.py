@@ -157,20 +157,16 @@ def test_settings_are_one_frozen_validated_object():
     assert t.experiments == frozenset({"single_group"}) and t.key() != s.key()
 
 
-def test_patch_and_attributes_change_current_and_restore():
+def test_patch_changes_current_and_restores():
     before = config.current()
     with config.patch(fuse="always", ring="wide", swizzle=8) as s:
         assert config.current() is s and s.fuse == "always" and s.tuning.swizzle == 8
-        assert config.fuse == "always" and config.swizzle == 8
     assert config.current() == before
     with pytest.raises(ValueError):
         with config.patch(fuse="sometimes"):
             pass
     assert config.current() == before
-    config.swizzle = 8  # the attribute form of earlier releases, and its removal (what monkeypatch undoes with)
-    assert config.current().tuning.swizzle == 8
-    del config.swizzle
-    assert config.current() == before
+    assert not hasattr(config, "fuse")  # no module attributes for settings: they are explicit (``current()``)
 
 
 def test_environment_settings(monkeypatch):

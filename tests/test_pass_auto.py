@@ -33,7 +33,7 @@ class FakeDecide:
         self.fuse, self.error, self.calls = fuse, error, []
 
     def __call__(self, collective, m, n, k, dtype, world_size, *, device_name=None, input_split_sizes=None,
-                 peer=False, ring_rounds=0, cuda_graphs=False):
+                 peer=False, ring_rounds=0, cuda_graphs=False, settings=None):
         self.calls.append(dict(collective=collective, m=m, n=n, k=k, dtype=dtype, world_size=world_size,
                                device_name=device_name, input_split_sizes=input_split_sizes, peer=peer,
                                ring_rounds=ring_rounds, cuda_graphs=cuda_graphs))

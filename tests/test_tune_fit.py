@@ -58,7 +58,7 @@ def test_fit_write_updates_the_gemm_model_file(tmp_path, monkeypatch):
     bench.write_text(json.dumps(_bench_doc(truth, "tiles/direct")))
     from flashoverlap_inductor import config
 
-    monkeypatch.setattr(config, "config_dir", str(data))
+    monkeypatch.setitem(config._overrides, "config_dir", str(data))  # as config.patch
     registry.clear_caches()
     try:
         assert tune.main(["fit", "--bench", str(bench), "--variant", "tiles/direct", "--write"]) == 0

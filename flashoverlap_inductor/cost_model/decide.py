@@ -54,8 +54,10 @@ class Decision:
 
 def decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int, *,
            device_name: str | None = None, input_split_sizes: Sequence[int] | None = None,
-           peer: bool = False, ring_rounds: int = 0, cuda_graphs: bool = False) -> Decision:
-    """Decide fusion of ``[m, k] @ [k, n]`` followed by ``collective`` over ``world_size`` ranks.
+           peer: bool = False, ring_rounds: int = 0, cuda_graphs: bool = False,
+           settings: config.Settings | None = None) -> Decision:
+    """Decide fusion of ``[m, k] @ [k, n]`` followed by ``collective`` over ``world_size`` ranks, under
+    ``settings`` (the caller's: the pass's or the fused call's; None: ``config.current()``, for direct callers).
 
     ``dtype``: torch dtype name without prefix ("bfloat16"). ``device_name``: ``torch.cuda.get_device_name()``
     (None = the default GPU, "NVIDIA H200"). ``input_split_sizes``: all_to_all's per-destination rows of this
@@ -73,8 +75,9 @@ def decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int,
     splits = None
     if collective == "all_to_all" and input_split_sizes is not None:
         splits = tuple(int(x) for x in input_split_sizes)
-    return _decide(collective, m, n, k, dtype, world_size, device_name, splits, registry.data_dir(),
-                   float(config.min_gain_fraction), int(config.min_rows), int(config.all_to_all_default_groups),
+    s = settings or config.current()
+    return _decide(collective, m, n, k, dtype, world_size, device_name, splits, registry.data_dir(s),
+                   float(s.min_gain_fraction), int(s.min_rows), int(s.all_to_all_default_groups),
                    bool(peer), int(ring_rounds), bool(cuda_graphs))
 
 
@@ -86,10 +89,9 @@ def _ratio(fused: float, seq: float) -> str:
 def _decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int, device_name: str | None,
             splits: tuple[int, ...] | None, directory: Path, min_gain: float, min_rows: int,
             a2a_groups: int, peer: bool, ring_rounds: int, cuda_graphs: bool) -> Decision:
-    del directory  # part of the memo key: the data it names is read through registry (config.config_dir)
     tile_m, tile_n = DEFAULT_TILE
     single = GroupPlan(m, n, tile_m, tile_n, (0, m))
-    model, how = registry.model_for(device_name)
+    model, how = registry.model_for(device_name, directory)
     data_note = "" if how == "exact" else f" [{how} match: using data of {model.gemm.gpu}]"
     nan, inf = float("nan"), float("inf")
     if dtype not in DTYPE_BYTES or not model.gemm.supports(dtype):
@@ -108,7 +110,7 @@ def _decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int
     # not for all_to_all with input_split_sizes: ranks may hold different rows, and a plan keyed by this rank's
     # rows could then differ from its peers' (other group cuts, mismatched collectives)
     tuned = None if splits is not None else registry.tuned_plan(device_name, model.gemm.sm_count, world_size,
-                                                                 collective, dtype, m, n, k)
+                                                                 collective, dtype, m, n, k, directory)
     plan, source = _choose_plan(model, tuned, collective, m, n, k, dtype, world_size, chunks, splits, a2a_groups)
     route = "ring" if ring_rounds > 0 else "peer" if peer else None
     if route == "ring" and rounds_for(collective, m, world_size, ring_rounds) != ring_rounds:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from flashoverlap_inductor import config
 
@@ -45,19 +46,20 @@ class GatherDecision:
 
 
 def decide_gather(rows: int, ns: Sequence[int], k: int, dtype: str, world_size: int, *,
-                  device_name: str | None = None, route: str = "nccl") -> GatherDecision:
+                  device_name: str | None = None, route: str = "nccl",
+                  settings: config.Settings | None = None) -> GatherDecision:
     """Decide fusion of an all_gather of ``rows x k`` gathered elements over ``world_size`` ranks with the GEMMs
-    ``[rows, k] @ [k, n_i]``. ``route``: "nccl" (ring over NCCL, SMs shared) or "peer" (copy-engine pulls)."""
-    s = config.current()
+    ``[rows, k] @ [k, n_i]``. ``route``: "nccl" (ring over NCCL, SMs shared) or "peer" (copy-engine pulls).
+    ``settings``: the caller's (None: ``config.current()``)."""
+    s = settings or config.current()
     return _decide(int(rows), tuple(int(n) for n in ns), int(k), dtype, int(world_size), device_name, route,
-                   str(registry.data_dir()), s.min_gain_fraction, s.min_rows)
+                   registry.data_dir(s), s.min_gain_fraction, s.min_rows)
 
 
 @functools.lru_cache(maxsize=1024)
 def _decide(rows: int, ns: tuple[int, ...], k: int, dtype: str, world: int, device_name: str | None, route: str,
-            directory: str, min_gain: float, min_rows: int) -> GatherDecision:
-    del directory  # part of the memo key: registry reads the data it names
-    model, how = registry.model_for(device_name)
+            directory: Path, min_gain: float, min_rows: int) -> GatherDecision:
+    model, how = registry.model_for(device_name, directory)
     note = "" if how == "exact" else f" [{how} match: using data of {model.gemm.gpu}]"
     nan = float("nan")
     if dtype not in DTYPE_BYTES or not model.gemm.supports(dtype):

@@ -1,6 +1,6 @@
 """Finding and loading the cost model's data: bandwidth curves, GEMM models and tuned plans, by GPU name.
 
-Data directory: ``flashoverlap_inductor.config.config_dir`` if set, else the installed package
+Data directory: the settings' ``config_dir`` if set (``data_dir(settings)``), else the installed package
 ``flashoverlap_inductor.configs`` (located with ``importlib.resources``). ``*.json`` files there whose
 ``schema`` is ``flashoverlap.bandwidth/*`` or ``flashoverlap.gemm/*`` are loaded and validated; tuned plans are
 ``plans/*.json`` (``flashoverlap.plans/*``). Other JSON files are ignored. A malformed file raises
@@ -48,10 +48,12 @@ def normalize_gpu_name(name: str) -> str:
     return " ".join(w for w in words if w != "nvidia")
 
 
-def data_dir() -> Path:
-    """The directory the data is read from (``config.config_dir`` or the package's ``configs/``)."""
-    if config.config_dir:
-        return Path(os.path.expanduser(config.config_dir))
+def data_dir(settings: config.Settings | None = None) -> Path:
+    """The directory the data is read from: ``settings.config_dir`` or the package's ``configs/`` (``settings``:
+    the caller's; None: ``config.current()``, for callers outside a compilation or a fused call)."""
+    config_dir = (settings or config.current()).config_dir
+    if config_dir:
+        return Path(os.path.expanduser(config_dir))
     return _package_data_dir()
 
 
@@ -166,16 +168,16 @@ def _model_for(directory: Path, name: str) -> tuple[CostModel, str]:
     return CostModel(curve, gemm, call_overhead_ms=gemm.group_overhead_ms), how
 
 
-def model_for(device_name: str | None) -> tuple[CostModel, str]:
-    """The cost model of ``device_name`` (None = ``DEFAULT_GPU``) and how it matched
-    ("exact", "family", "default")."""
-    return _model_for(data_dir(), device_name or DEFAULT_GPU)
+def model_for(device_name: str | None, directory: Path | None = None) -> tuple[CostModel, str]:
+    """The cost model of ``device_name`` (None = ``DEFAULT_GPU``) in ``directory`` (None: ``data_dir()``) and how it
+    matched ("exact", "family", "default")."""
+    return _model_for(directory or data_dir(), device_name or DEFAULT_GPU)
 
 
 def tuned_plan(device_name: str | None, sm_count: int, world_size: int, collective: str, dtype: str, m: int,
-               n: int, k: int) -> TunedPlan | None:
-    """The tuned plan for this exact problem, if a plan table has one."""
-    data = load_dataset(data_dir())
+               n: int, k: int, directory: Path | None = None) -> TunedPlan | None:
+    """The tuned plan for this exact problem in ``directory`` (None: ``data_dir()``), if a plan table has one."""
+    data = load_dataset(directory or data_dir())
     return data.plans.get(plan_key(device_name or DEFAULT_GPU, sm_count, world_size, collective, dtype, m, n, k))
 
 

@@ -175,7 +175,7 @@ def choose_plan(f: GatherFusion, settings: config.Settings) -> str | None:
         device = torch.cuda.get_device_name(shard.device) if shard.device.type == "cuda" and \
             torch.cuda.is_available() else None
         d = cost_model.decide_gather(rows, [int(n) for n in f.ns], int(f.k), f.dtype, f.group_size,
-                                     device_name=device, route=_route_of(f, settings, shard))
+                                     device_name=device, route=_route_of(f, settings, shard), settings=settings)
     except Exception as exc:  # noqa: BLE001 - a cost-model bug costs this fusion, never the compilation
         return _skip("cost_model_error", "%s: cost model failed: %r", desc, exc, level=logging.WARNING)
     if not d.fuse:

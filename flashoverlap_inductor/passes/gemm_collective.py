@@ -293,7 +293,7 @@ class FlashOverlapPass(compat.CustomGraphPass):
                                          input_split_sizes=[int(x) for x in splits] if splits else None,
                                          **_route_of(f.match.collective, rows, int(f.n), int(f.k), f.dtype,
                                                      f.group_size, y, self.settings),
-                                         cuda_graphs=compat.cudagraphs_enabled())
+                                         cuda_graphs=compat.cudagraphs_enabled(), settings=self.settings)
         except Exception as exc:
             if mode == "auto":
                 return _skip("cost_model_error", "%s: cost model failed: %r", desc, exc, level=logging.WARNING)
