@@ -1,6 +1,7 @@
 """Settings are explicit per call and thread-safe: two threads making fused calls at the same time under different
 settings each see only their own (``config.using`` is a ``ContextVar``, not a process-global stack). 2 gloo ranks;
-each thread uses its own process group (collectives of one group must not interleave between threads)."""
+each thread uses its own process group (collectives of one group must not interleave between threads), and the
+ranks start their threads in opposite orders: a process-wide lock held across a collective deadlocks then."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ def two_threads_worker(calls: int) -> list[str]:
 
     def work(i: int) -> None:
         index.i = i
+        if i != dist.get_rank():  # rank r's thread r goes first: a process-wide lock held inside a collective of one
+            time.sleep(0.3)       # group would then block the other group's thread, whose peers wait: a deadlock
         gen = torch.Generator().manual_seed(i)
         for _ in range(calls):
             a, b = torch.randn(64, 16, generator=gen), torch.randn(16, 8, generator=gen)
@@ -64,4 +67,4 @@ def pool():
 
 
 def test_two_threads_fused_calls_under_different_settings(pool):
-    assert pool.run(two_threads_worker, 20, timeout_s=200) == [[], []]
+    assert pool.run(two_threads_worker, 20, timeout_s=120) == [[], []]

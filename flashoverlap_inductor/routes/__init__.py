@@ -57,7 +57,8 @@ last_launch: Any = None
 MAX_ENTRIES = 512
 _memo: collections.OrderedDict[tuple, _Entry] = collections.OrderedDict()  # LRU order
 _captured: set[tuple] = set()  # keys whose launches a captured graph holds (never evicted)
-_lock = threading.RLock()  # one host thread at a time makes launches and issues routed calls
+_lock = threading.RLock()  # guards the memo and the call locks (never held across a collective)
+_call_locks: dict[tuple, threading.RLock] = {}  # per CUDA device or process group: see ``_call_lock``
 
 
 @dataclass
@@ -156,6 +157,19 @@ def _layout_key(x: Any) -> Any:
     return None if x is None else (x.shape, x.stride())
 
 
+def _call_lock(cuda: bool, a: torch.Tensor, group: dist.ProcessGroup) -> threading.RLock:
+    """The lock a call runs under once its memo entry is found: per CUDA device (the device's counter slots and
+    streams are shared by its calls), else per process group. Never one lock for the process: a thread holding it
+    inside a collective of one group would block a thread of another group, whose peer ranks then wait forever in
+    theirs (two threads of one process with fused calls on two groups deadlocked so on gloo)."""
+    name = ("cuda", a.device.index) if cuda else ("group", id(group))
+    with _lock:
+        lock = _call_locks.get(name)
+        if lock is None:
+            lock = _call_locks[name] = threading.RLock()
+    return lock
+
+
 def _dispatch(collective: str, a: torch.Tensor, b: Any, bias: Any, group: dist.ProcessGroup,
               plan: str, settings: config.Settings, y_shape: list[int], output_split_sizes: Sequence[int] | None,
               input_split_sizes: Sequence[int] | None, gather_dim: int = 0, return_gathered: bool = False) -> Any:
@@ -185,6 +199,7 @@ def _dispatch(collective: str, a: torch.Tensor, b: Any, bias: Any, group: dist.P
             if cuda and call.operand_issue is None and collective != "all_gather":
                 opnd = kernel_select.normalize_operands(a, b, bias, collective)
         _memo.move_to_end(key)
+    with _call_lock(cuda, a, group):  # the rest: this device's (CUDA) or this group's (CPU) calls, one at a time
         ctx = Context(a, b, bias, group, y_shape, out_shape, plan, settings, opnd, None, capturing,
                       output_split_sizes, input_split_sizes, gather_dim, return_gathered)
         if cuda:
