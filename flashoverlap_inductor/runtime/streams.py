@@ -49,7 +49,7 @@ def _own_record(index: int) -> torch.Tensor:
 
 
 def error_record(index: int) -> torch.Tensor:
-    """The pinned timeout record of device ``index`` (kernels.py's own when it has one, so that
+    """The pinned timeout record of device ``index`` (``native.kernels``'s own when it has one, so that
     ``kernel_calls.raise_if_timed_out`` sees the same record)."""
     shared = getattr(kernels, "_error_record", None)
     return shared(index) if shared is not None else _own_record(index)
@@ -66,7 +66,7 @@ class DeviceResources:
     counters: torch.Tensor  # int32 [MAX_SLOTS, MAX_GROUPS]
     expected: torch.Tensor  # int32 [MAX_SLOTS, MAX_GROUPS]
     record: torch.Tensor  # pinned int32 [4] (the single-kernel waits of kernel_calls)
-    faults: torch.Tensor  # int32 [MAX_SLOTS, FAULT_INTS]: the NCCL route's fault block per slot (``faults.py``)
+    faults: torch.Tensor  # int32 [MAX_SLOTS, FAULT_INTS]: the NCCL route's fault block per slot (``runtime.faults``)
     mirrors: torch.Tensor  # pinned int32 [MAX_SLOTS, 8]: their host mirrors
     slots: dict[int, int] = field(default_factory=dict)
     used: int = 0

@@ -1,5 +1,5 @@
 """Tuner CLI: measure the NCCL bandwidth curves, the signal-GEMM configurations, and the best wave groups of one
-shape, and write them as the cost model's data files (see ``tune_docs`` for the files and formats).
+shape, and write them as the cost model's data files (see ``tune.schemas`` for the files and formats).
 
     torchrun --nproc_per_node=W -m flashoverlap_inductor.tune bandwidth [--out FILE] [--quick]
     python -m flashoverlap_inductor.tune gemm [--out FILE] [--shapes 8192x8192x8192,...] [--free 0,8,16,24,32]
@@ -16,10 +16,10 @@ argmin) candidates, all measured as the fused op on the torchrun world, the fast
 tuned plan with its measured fused and sequential times (cuBLAS then NCCL, timed inside every batch beside the
 plans: a baseline timed apart ran at other clocks and skewed the verdict by up to 13%); ``--record`` keeps every
 candidate's times. ``fit`` (CPU): the fused-path parameters of the GEMM model fitted to ``examples/bench_ops.py``
-results and to search records (``tune_fit``). Defaults write into the data directory the cost model
+results and to search records (``tune.fit``). Defaults write into the data directory the cost model
 reads (``config.config_dir`` or the package's ``configs/``); ``--out``/``--out-dir`` write elsewhere (a
 bandwidth file that does not exist yet starts from the data directory's one). Times are CUDA-event medians,
-max over ranks (``tune_measure``).
+max over ranks (``tune.measure``).
 
 Before it touches a GPU, each command checks what it needs (a CUDA sm90 GPU, the built library, a torchrun world
 of >= 2 ranks) and the data files it will merge into, and stops with one line saying what is missing and how to

@@ -24,8 +24,8 @@ in the ``peer`` section; ``--host-floor all_reduce=MS,reduce_scatter=MS`` sets e
 (the back-to-back time per call of ``examples/device/peer_host_profile.py``; kept from the data file otherwise).
 The fused-path fit above uses only rows that ran on the NCCL route.
 
-``--sequential`` fits the sequential baseline's skew instead (``tune_fit_seq``, the ``sequential`` section);
-``--ring`` the ring route's model (``tune_fit_ring``, the ``ring`` section).
+``--sequential`` fits the sequential baseline's skew instead (``tune.fit_seq``, the ``sequential`` section);
+``--ring`` the ring route's model (``tune.fit_ring``, the ``ring`` section).
 
 ``--gemm`` first refits the cuBLAS wave model (``peak_tflops``, ``launch_ms``; what T_seq is predicted with) to the
 rows' T_gemm. ``--grid`` names the GEMM grid the rows ran with (default: the variant's, else the model's; ``tiles``:
@@ -65,7 +65,7 @@ PEER_COLLECTIVES = ROUTE_COLLECTIVES  # what the peer route runs (routes.peer.CO
 
 def load_rows(paths: list[str], variant: str | None, peer: bool = False) -> tuple[list[dict[str, Any]], str]:
     """Rows with a measured fused time and a plan: ``(op, m, n, k, world, plan, fused_ms)``; and the GPU name.
-    Only the rows that ran on the NCCL route (``peer``: only those on the peer route; ``tune_rows.route_of_row``).
+    Only the rows that ran on the NCCL route (``peer``: only those on the peer route; ``tune.rows.route_of_row``).
     A file that is missing or not a benchmark JSON raises ``cli_util.CliError`` (``cli_util.read_bench``)."""
     rows, gpu, route = [], "", "peer" if peer else "nccl"
     for path in paths:
@@ -334,7 +334,7 @@ def add_parser(sub: Any) -> None:
     fi.add_argument("--bench", nargs="*", default=[], metavar="FILE",
                     help="benchmark JSON files (examples/bench_ops.py --json FILE)")
     fi.add_argument("--records", nargs="*", default=[], metavar="FILE",
-                    help="tune search --record files: fit the plan ranking first (see tune_fit.fit)")
+                    help="tune search --record files: fit the plan ranking first (see tune.fit.fit)")
     fi.add_argument("--tolerance", type=float, default=0.03,
                     help="a searched shape's predicted-best plan counts as a miss above this regret, a fraction of "
                     "the best time (default: %(default)s)")
@@ -347,7 +347,7 @@ def add_parser(sub: Any) -> None:
     fi.add_argument("--peer", action="store_true",
                     help="fit the peer route's model to the rows that ran on it (the peer section)")
     fi.add_argument("--ring", action="store_true",
-                    help="fit the ring route's model to the rows of ring variants (the ring section; tune_fit_ring)")
+                    help="fit the ring route's model to the rows of ring variants (the ring section; tune.fit_ring)")
     fi.add_argument("--sequential", action="store_true",
                     help="fit the sequential baseline's skew after its GEMM (sequential section; reads --bench only)")
     fi.add_argument("--host-floor", default="", metavar="OP=MS[,OP=MS]",

@@ -5,8 +5,8 @@
 
 Rows: every ``examples/bench_ops.py`` row timed under a ring variant the model describes (a ``--fused-variants``
 spec of the peer mode whose rows field is exactly ``ringR``, the ring in at most R rounds, with no kernel named:
-``tune_rows.modelled_ring_variant``) that the ring runs (all_reduce / reduce_scatter whose rows cut into pieces,
-``tune_rows.route_of_row``); ``--variant`` keeps one spec. The rounds of each row follow
+``tune.rows.modelled_ring_variant``) that the ring runs (all_reduce / reduce_scatter whose rows cut into pieces,
+``tune.rows.route_of_row``); ``--variant`` keeps one spec. The rounds of each row follow
 from R, so the variants of several R fit one set of terms. Per world size and collective: ``gemm_factor``,
 ``fixed_ms`` and ``link_efficiency`` (least relative error, ``ring.fit_terms``); rows within 10% of the host floor
 measured the host and are left out of the fit (not of its error); a (world size, collective) with fewer than 2

@@ -1,5 +1,5 @@
 """Which route a benchmark row's fused time ran on, and the ``--host-floor`` option: shared by ``tune fit``
-(``tune_fit``, ``tune_fit_ring``) and ``examples/bench_report.py``, so a fit never mixes routes.
+(``tune.fit``, ``tune.fit_ring``) and ``examples/bench_report.py``, so a fit never mixes routes.
 
 A row of ``examples/bench_ops.py`` holds the default fused column (its ``launch`` names the route: "peer route",
 "ring route", else the NCCL route) and ``variants``, each timed under a ``--fused-variants`` spec
