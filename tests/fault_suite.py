@@ -135,7 +135,7 @@ def case_worker(spec: dict) -> dict:
             if inject is not None:
                 steps = sched.schedule_steps(coll, mine["plan"], rows, n, K, "float32", world, rank,
                                              ins and tuple(ins), outs and tuple(outs),
-                                             settings.all_to_all_default_groups, settings.config_dir)
+                                             settings.all_to_all_default_groups)
                 _, src, count = steps[inject["group"]].segments[0]
                 message = f"injected fault: row GEMM of group {inject['group']} on rank {rank}"
                 cpu_route._RowGemm = _faulty_gemm(original, (src, count), inject["kind"], message, fired)

@@ -344,15 +344,28 @@ def test_stale_plan_falls_back_with_one_warning(caplog):
     assert sum("does not fit" in r.getMessage() for r in caplog.records) == 2
 
 
-def test_auto_plan_is_memoized():
-    sched.auto_plan.cache_clear()
-    sched.resolve_schedule.cache_clear()
-    s = sched.resolve_schedule("all_reduce", "auto", 512, N, K, "bfloat16", 2)
-    sched.resolve_schedule("all_reduce", "auto", 512, N, K, "bfloat16", 4)
-    sched.auto_plan("all_reduce", 512, N, K, "bfloat16", 2, None, None)
-    info = sched.auto_plan.cache_info()
-    assert info.misses == 2 and info.hits == 1
+def test_auto_plan_is_resolved_by_the_cost_model_once_per_shape():
+    """Plan "auto" (symbolic sizes at compile time) is the cost model's plan for the call shape
+    (``cost_model.call_plan``, memoized), resolved by the dispatcher; the schedule never asks the cost model
+    itself (an unresolved "auto" reaching it gets the uniform fallback plan)."""
+    from flashoverlap_inductor import config, cost_model
+
+    settings = config.current()
+    cost_model.clear_caches()
+    p2 = cost_model.call_plan("all_reduce", 512, N, K, "bfloat16", 2, None, settings)
+    cost_model.call_plan("all_reduce", 512, N, K, "bfloat16", 4, None, settings)
+    assert cost_model.call_plan("all_reduce", 512, N, K, "bfloat16", 2, None, settings) == p2
+    info = cost_model.decide_cache_info()
+    assert info.misses == 2  # the third call never reached decide: call_plan's own memo answered
+    s = sched.resolve_schedule("all_reduce", p2, 512, N, K, "bfloat16", 2)
     assert s.plan is not None and s.plan.m == 512 and s.layout.group_bounds[-1] == 512
+    fallback = sched.resolve_schedule("all_reduce", "auto", 512, N, K, "bfloat16", 2)
+    assert fallback.plan == sched.fallback_plan(512, N)
+    import ast
+
+    imported = [n.module or "" for n in ast.walk(ast.parse(open(sched.__file__).read()))
+                if isinstance(n, ast.ImportFrom)]
+    assert not [m for m in imported if "cost_model" in m], imported  # the schedule stays pure
 
 
 def test_fused_ops_are_side_effectful():

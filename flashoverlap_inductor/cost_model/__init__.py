@@ -16,7 +16,7 @@ rule every verdict uses), ``registry`` (data files by GPU name), ``schema`` (JSO
 
 from . import gain
 from .bandwidth import BandwidthCurve, SampledCurve
-from .decide import Decision, clear_caches, copy_ms, decide, decide_cache_info
+from .decide import Decision, call_plan, clear_caches, copy_ms, decide, decide_cache_info
 from .gather import GatherDecision, decide_gather
 from .gemm import GemmModel
 from .pipeline import CostModel, PipelineResult, pipeline
@@ -26,7 +26,7 @@ from .search import SearchResult, exhaustive_search, predictive_search
 
 __all__ = [
     "DEFAULT_GPU", "BandwidthCurve", "gain", "ConfigError", "CostModel", "Decision", "GatherDecision", "GemmModel",
-    "PipelineResult", "SampledCurve", "SearchResult", "clear_caches", "copy_ms", "data_dir", "decide",
+    "PipelineResult", "SampledCurve", "SearchResult", "call_plan", "clear_caches", "copy_ms", "data_dir", "decide",
     "decide_cache_info", "decide_gather", "exhaustive_search", "model_for", "normalize_gpu_name", "pipeline",
     "predictive_search",
 ]

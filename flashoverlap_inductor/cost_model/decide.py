@@ -26,18 +26,22 @@ including the config settings they depend on; ``clear_caches`` resets them.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from flashoverlap_inductor import config
+from flashoverlap_inductor.schedule import steps
 from flashoverlap_inductor.schedule.plan import COLLECTIVES, GroupPlan, chunks_for
 
 from . import gain, registry
 from .pipeline import DTYPE_BYTES, CostModel
 from .ring import rounds_for
 from .search import DEFAULT_TILE, predictive_search
+
+log = logging.getLogger("flashoverlap")
 
 
 @dataclass(frozen=True)
@@ -181,7 +185,7 @@ def clear_caches() -> None:
     """Forget memoized decisions and loaded data (after changing data files)."""
     from .gather import decide_cache_clear
 
-    registry.clear_caches((_decide.cache_clear, decide_cache_clear))
+    registry.clear_caches((_decide.cache_clear, decide_cache_clear, _call_plan.cache_clear))
 
 
 # Device-memory copy rates (bytes per ms, each byte counted once whether read or written): about 80% of the HBM peak
@@ -197,3 +201,30 @@ def copy_ms(nbytes: int, device_name: str | None = None) -> float:
     name = normalize_gpu_name(device_name or DEFAULT_GPU)
     rate = next((r for key, r in COPY_BYTES_PER_MS.items() if key in name.split()), COPY_BYTES_PER_MS["h200"])
     return nbytes / rate
+
+
+_warned: set[str] = set()
+
+
+@functools.lru_cache(maxsize=4096)
+def _call_plan(collective: str, m: int, n: int, k: int, dtype: str, world: int, device_name: str | None,
+               settings: config.Settings) -> str:
+    try:
+        d = decide(collective, m, n, k, dtype, world, device_name=device_name, settings=settings)
+    except Exception as exc:  # noqa: BLE001 - a cost-model bug must not break the op: a uniform plan is always correct
+        key = type(exc).__name__
+        if key not in _warned:
+            _warned.add(key)
+            log.warning("flashoverlap: cost model failed (%r); using a uniform plan", exc)
+        return steps.fallback_plan(m, n).to_str()
+    log.debug("flashoverlap: auto plan %s m=%d n=%d k=%d: %s", collective, m, n, k, d.reason)
+    return d.plan.to_str()
+
+
+def call_plan(collective: str, m: int, n: int, k: int, dtype: str, world: int, device_name: str | None,
+              settings: config.Settings) -> str:
+    """The plan string a fused call whose plan is "auto" runs (its sizes were symbolic at compile time): the cost
+    model's plan for this call shape with even chunks under ``settings`` (memoized), or a uniform plan of
+    ``schedule.steps.FALLBACK_GROUPS`` groups if the cost model fails. The dispatcher resolves "auto" with it once
+    per call shape, so the schedule (``schedule.steps``) only ever sees concrete plans."""
+    return _call_plan(collective, m, n, k, dtype, world, device_name, settings)

@@ -157,6 +157,20 @@ def _layout_key(x: Any) -> Any:
     return None if x is None else (x.shape, x.stride())
 
 
+def resolve_plan(collective: str, plan: str, a: torch.Tensor, y_shape: list[int], group: dist.ProcessGroup,
+                 settings: config.Settings, uneven: bool) -> str:
+    """The concrete plan a call runs: ``plan`` itself, or for "auto" (sizes symbolic at compile time) the cost
+    model's plan for this call shape under ``settings`` (``cost_model.call_plan``; once per call shape, in the memo
+    entry). all_gather's "auto" is a verdict the gather routes take themselves, and an all_to_all with explicit split
+    sizes runs uniform fractions whatever its plan (``schedule.steps.resolve_schedule``): both stay "auto"."""
+    if plan != "auto" or collective == "all_gather" or (collective == "all_to_all" and uneven):
+        return plan
+    from flashoverlap_inductor import cost_model
+
+    return cost_model.call_plan(collective, math.prod(y_shape[:-1]), y_shape[-1], a.shape[-1],
+                                str(a.dtype).removeprefix("torch."), group.size(), None, settings)
+
+
 def _call_lock(cuda: bool, a: torch.Tensor, group: dist.ProcessGroup) -> threading.RLock:
     """The lock a call runs under once its memo entry is found: per CUDA device (the device's counter slots and
     streams are shared by its calls), else per process group. Never one lock for the process: a thread holding it
@@ -187,7 +201,9 @@ def _dispatch(collective: str, a: torch.Tensor, b: Any, bias: Any, group: dist.P
     with _lock:
         entry = _memo.get(key)
         if entry is None:
-            call, opnd, out_shape = make_call(collective, a, b, bias, group, plan, output_split_sizes,
+            concrete = resolve_plan(collective, plan, a, y_shape, group, settings,
+                                    output_split_sizes is not None or input_split_sizes is not None)
+            call, opnd, out_shape = make_call(collective, a, b, bias, group, concrete, output_split_sizes,
                                               input_split_sizes, y_shape, cuda)
             if len(_memo) >= MAX_ENTRIES:
                 _evict(a)

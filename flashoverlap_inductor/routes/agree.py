@@ -47,7 +47,7 @@ def items(call: Call, settings: config.Settings, routes: Sequence[Route], gpu: s
     if a2a:  # rows, splits and the plan string (which holds the rows) are per rank; the group count is not
         groups = len(steps.schedule_steps(call.collective, call.plan, call.rows, call.n, call.k, call.dtype_name,
                                           call.world, call.rank, call.send_rows, call.recv_rows,
-                                          settings.all_to_all_default_groups, settings.config_dir))
+                                          settings.all_to_all_default_groups))
         rows = f"per rank, {groups} groups"
     else:
         rows = str(call.rows)

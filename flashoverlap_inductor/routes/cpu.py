@@ -84,7 +84,7 @@ class _RowGemm:
 
 def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, y_shape: list[int],
          group: dist.ProcessGroup, plan: str, out: torch.Tensor, buf: torch.Tensor, send_rows=None,
-         recv_rows=None, a2a_groups: int = 4, config_dir: str | None = None) -> torch.Tensor:
+         recv_rows=None, a2a_groups: int = 4) -> torch.Tensor:
     """Compute group by group into ``buf`` ([rows, N]) and overlap each group's collective with the next GEMM.
 
     Returns ``out`` only when no rank of ``group`` failed in this call; otherwise raises (module docstring,
@@ -97,7 +97,7 @@ def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor |
         _settle(None, collective, y_shape, buf, group, plan)
         return out
     steps = schedule_steps(collective, plan, rows, n, a.shape[-1], dtype, world, rank, send_rows, recv_rows,
-                           a2a_groups, config_dir)
+                           a2a_groups)
     out_flat = out.view(-1, n)
     failure: BaseException | None = None
     works: list = []
@@ -236,8 +236,8 @@ class CpuRoute(LastResortRoute):
         out = torch.empty(ctx.out_shape, dtype=a.dtype, device=a.device)
         buf = out.view(-1, y_shape[-1]) if call.collective == "all_reduce" else \
             torch.empty(call.rows, y_shape[-1], dtype=a.dtype, device=a.device)
-        return _run(call.collective, a, ctx.b, ctx.bias, y_shape, ctx.group, ctx.plan, out, buf, call.send_rows,
-                    call.recv_rows, ctx.settings.all_to_all_default_groups, ctx.settings.config_dir)
+        return _run(call.collective, a, ctx.b, ctx.bias, y_shape, ctx.group, call.plan, out, buf, call.send_rows,
+                    call.recv_rows, ctx.settings.all_to_all_default_groups)
 
 
 ROUTE = CpuRoute()

@@ -205,9 +205,9 @@ class NcclRoute:
         dname, rows, k, world = call.dtype_name, call.rows, call.k, call.world
         a2a = settings.all_to_all_default_groups
         sched = schedule.resolve_schedule(call.collective, call.plan, rows, n, k, dname, world, call.send_rows,
-                                          call.recv_rows, None, a2a, settings.config_dir)
+                                          call.recv_rows, a2a)
         steps = schedule.schedule_steps(call.collective, call.plan, rows, n, k, dname, world, call.rank,
-                                        call.send_rows, call.recv_rows, a2a, settings.config_dir)
+                                        call.send_rows, call.recv_rows, a2a)
         groups = len(steps)
         if groups > streams.MAX_GROUPS:
             return f"too_many_groups: {groups} groups > {streams.MAX_GROUPS}"

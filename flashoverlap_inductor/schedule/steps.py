@@ -1,9 +1,10 @@
 """Per-call schedules: the group plan of a call shape, its buffer layout and each group's steps (pure, memoized).
 
-``resolve_schedule`` turns a plan string (``GroupPlan.to_str()`` or ``"auto"``: the cost model's plan for the
-call shape) into the buffer layout of this call; ``schedule_steps`` into each group's work on one rank: the GEMM
-rows it computes and the transfers of its collective. The CPU route runs these steps with ``torch.distributed``;
-the NCCL route hands the same steps to the library (``routes.nccl``). Rows are flattened rows of ``y = a @ b``.
+``resolve_schedule`` turns a plan string (``GroupPlan.to_str()``; the dispatcher resolves ``"auto"`` with the cost
+model before, so nothing here imports it) into the buffer layout of this call; ``schedule_steps`` into each group's
+work on one rank: the GEMM rows it computes and the transfers of its collective. The CPU route runs these steps with
+``torch.distributed``; the NCCL route hands the same steps to the library (``routes.nccl``). Rows are flattened rows
+of ``y = a @ b``.
 
 Invariant: every function here depends only on the call shape, the plan string and the settings, which all ranks
 share, so every rank cuts its groups alike (all_to_all with explicit split sizes uses rank-independent uniform
@@ -22,7 +23,7 @@ from . import plan as planlib
 
 log = logging.getLogger("flashoverlap")
 
-# Tile shape and group count of the fallback plan when "auto" cannot ask the cost model or a plan is stale.
+# Tile shape and group count of the fallback plan when "auto" has no cost-model plan or a plan is stale.
 FALLBACK_TILE = (128, 128)
 FALLBACK_GROUPS = 4
 _warned: set[str] = set()
@@ -81,38 +82,21 @@ class Schedule:
         return len(self.layout.group_bounds) - 1
 
 
-def _fallback_plan(rows: int, n: int) -> planlib.GroupPlan:
+def fallback_plan(rows: int, n: int) -> planlib.GroupPlan:
+    """The uniform plan of ``FALLBACK_GROUPS`` groups: what a plan "auto" runs when the cost model cannot give one
+    (``cost_model.call_plan``), or when "auto" reaches the schedule unresolved (a direct caller)."""
     return planlib.uniform_plan(rows, n, FALLBACK_TILE[0], FALLBACK_TILE[1], FALLBACK_GROUPS)
-
-
-@functools.lru_cache(maxsize=4096)
-def auto_plan(collective: str, m: int, n: int, k: int, dtype: str, world: int,
-              device_name: str | None = None, config_dir: str | None = None) -> planlib.GroupPlan:
-    """The cost model's plan for one call shape with even chunks (memoized; ``config_dir`` names the current
-    settings' data folder for the memo, the cost model reads it from the settings); the fallback plan if the cost
-    model is missing or fails. (all_to_all with explicit split sizes never gets here: see ``resolve_schedule``.)"""
-    try:
-        from flashoverlap_inductor.cost_model import decide
-    except Exception as exc:  # missing or broken cost model: a uniform plan is always correct
-        _warn_once("no_cost_model", "flashoverlap: cost model unavailable (%r); 'auto' plans are uniform", exc)
-        return _fallback_plan(m, n)
-    try:
-        decision = decide(collective, m, n, k, dtype, world, device_name=device_name)
-    except Exception as exc:  # a cost-model bug must not break the op: a uniform plan is always correct
-        _warn_once(f"decide:{type(exc).__name__}", "flashoverlap: cost model failed (%r); using a uniform plan", exc)
-        return _fallback_plan(m, n)
-    log.debug("flashoverlap: auto plan %s m=%d n=%d k=%d: %s", collective, m, n, k, decision.reason)
-    return decision.plan
 
 
 @functools.lru_cache(maxsize=4096)
 def resolve_schedule(collective: str, plan_str: str, rows: int, n: int, k: int, dtype: str, world: int,
                      send_rows: tuple[int, ...] | None = None, recv_rows: tuple[int, ...] | None = None,
-                     device_name: str | None = None, a2a_groups: int = 4, config_dir: str | None = None) -> Schedule:
+                     a2a_groups: int = 4) -> Schedule:
     """The schedule of one call: ``rows``/``n``/``k`` are the flattened GEMM sizes; ``send_rows``/``recv_rows``
     the all_to_all split sizes in flattened rows (None = even splits, which implies equal rows on every rank);
     ``a2a_groups``: the uniform fractions of all_to_all with explicit split sizes
-    (``Settings.all_to_all_default_groups``); ``config_dir``: the settings' data folder (``auto_plan``)."""
+    (``Settings.all_to_all_default_groups``). ``plan_str`` is concrete: the dispatcher resolves "auto" with the
+    cost model (``cost_model.call_plan``); an unresolved "auto" gets ``fallback_plan``."""
     if collective == "all_to_all" and (send_rows is not None or recv_rows is not None):
         groups = max(1, int(a2a_groups))
         send = list(send_rows) if send_rows is not None else planlib.chunks_for("all_to_all", rows, world)
@@ -125,7 +109,7 @@ def resolve_schedule(collective: str, plan_str: str, rows: int, n: int, k: int, 
                       "1/%d (ranks may hold different rows; only rank-independent fractions agree)", plan_str, groups)
         return Schedule(layout, tuple(map(tuple, recv_pieces)), None, f"uniform fractions 1/{groups}")
     if plan_str == "auto":
-        plan = auto_plan(collective, rows, n, k, dtype, world, device_name, config_dir)
+        plan = fallback_plan(rows, n)
     else:
         try:
             plan = planlib.GroupPlan.from_str(plan_str)
@@ -162,10 +146,9 @@ class GroupStep:
 @functools.lru_cache(maxsize=4096)
 def schedule_steps(collective: str, plan_str: str, rows: int, n: int, k: int, dtype: str, world: int, rank: int,
                    send_rows: tuple[int, ...] | None = None, recv_rows: tuple[int, ...] | None = None,
-                   a2a_groups: int = 4, config_dir: str | None = None) -> tuple[GroupStep, ...]:
+                   a2a_groups: int = 4) -> tuple[GroupStep, ...]:
     """The per-group steps of one call shape on ``rank`` (memoized; the per-call path only walks them)."""
-    sched = resolve_schedule(collective, plan_str, rows, n, k, dtype, world, send_rows, recv_rows, None, a2a_groups,
-                             config_dir)
+    sched = resolve_schedule(collective, plan_str, rows, n, k, dtype, world, send_rows, recv_rows, a2a_groups)
     lay = sched.layout
     log.debug("flashoverlap cpu: %s rows=%d n=%d rank=%d: %d groups (%s)", collective, rows, n, rank,
               sched.num_groups, sched.description)
