@@ -78,16 +78,16 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs: list[Any], config_patch
         return _compile_fx(gm, example_inputs, inner_compile=inner, config_patches=config_patches)
 
 
-def run_first(compiled: Any, first: Callable[[], None]) -> bool:
-    """Make ``first()`` run before the first run of ``compiled`` (what ``compile_fx_inner`` returned) and never
-    again once it returned (after it raised, it runs again at the next run); False when ``compiled`` is not the
-    Inductor output this knows (``CompiledFxGraph`` with its ``current_callable``)."""
+def run_first(compiled: Any, first: Callable[[Any], None]) -> bool:
+    """Make ``first(inputs)`` run before the first run of ``compiled`` (what ``compile_fx_inner`` returned; ``inputs``:
+    that run's inputs) and never again once it returned (after it raised, it runs again at the next run); False when
+    ``compiled`` is not the Inductor output this knows (``CompiledFxGraph`` with its ``current_callable``)."""
     inner = getattr(compiled, "current_callable", None)
     if inner is None:
         return False
 
     def once(inputs: Any) -> Any:
-        first()
+        first(inputs)
         compiled.current_callable = inner  # from now on the graph runs exactly as Inductor compiled it
         return inner(inputs)
 

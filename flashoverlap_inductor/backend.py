@@ -15,6 +15,7 @@ every run (``checked``). Each graph's compilation, or its load from Inductor's c
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -92,9 +93,15 @@ def _agree_first(kind: str, compiled: Any, watched: _Watched) -> None:
     found = manifest.take(watched.before)
     if not found:
         return
+    if manifest.per_rank(found):  # rank-dependent shapes may recompile on one rank alone: nothing to pair with
+        logging.getLogger("flashoverlap").debug("flashoverlap: a compiled %s graph with per-rank sizes (all_to_all "
+                                                "split sizes): no first-run agreement", kind)
+        return
 
-    def first() -> None:
-        ms = agree.check_graph(found, kind)
+    def first(inputs: Any) -> None:
+        device = next((x.device for x in inputs if isinstance(x, torch.Tensor) and x.is_cuda), None)
+        with torch.cuda.device(device) if device is not None else contextlib.nullcontext():  # the graph's GPU
+            ms = agree.check_graph(found, kind)
         logging.getLogger("flashoverlap").info("flashoverlap: the ranks agreed on the %d collective(s) of a compiled "
                                                "%s graph in %.2f ms (first run only)", len(found), kind, ms)
 

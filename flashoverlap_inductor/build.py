@@ -43,7 +43,8 @@ from pathlib import Path
 try:
     from flashoverlap_inductor.tools import cli_util as cli
 except ImportError:  # loaded by its file path (setup.py, package not importable): load its sibling the same way
-    _spec = importlib.util.spec_from_file_location("_flashoverlap_cli_util", Path(__file__).with_name("cli_util.py"))
+    _spec = importlib.util.spec_from_file_location("_flashoverlap_cli_util",
+                                                   Path(__file__).parent / "tools" / "cli_util.py")
     cli = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(cli)
 

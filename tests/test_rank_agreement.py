@@ -99,6 +99,20 @@ def test_ranks_that_agree_run(pool):
         assert r["first"] == "ran, correct" and r["next"], r
 
 
+def test_a_call_with_no_rows_keeps_plan_auto():
+    """Plan "auto" of a call with no rows stays "auto" (nothing to cut; the op returns its empty result)."""
+    from flashoverlap_inductor import config, routes
+
+    a = torch.empty(0, 8)
+    assert routes.resolve_plan("all_reduce", "auto", a, [0, 4], dist.group.WORLD if dist.is_initialized() else
+                               _FakeGroup(), config.current(), False) == "auto"
+
+
+class _FakeGroup:
+    def size(self) -> int:
+        return 2
+
+
 @pytest.mark.skipif(_gpus() < 2, reason="needs >= 2 CUDA GPUs")
 def test_on_two_gpus_over_nccl():
     """The same cases over NCCL, one GPU per rank (bf16; without the kernel library the fused op runs unfused, which

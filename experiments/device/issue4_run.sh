@@ -48,7 +48,7 @@ ls -la "$FLASHOVERLAP_LIB" 2>&1 | tee -a "$LOG" || say "WARNING: no built librar
 
 # --- the package: editable install (offline) or, failing that, a symlinked package tree on PYTHONPATH
 CHECK='import flashoverlap_inductor.cost_model, flashoverlap_inductor.passes, flashoverlap_inductor.configs, torch
-from flashoverlap_inductor import kernels, runtime_gpu
+from flashoverlap_inductor.native import kernels
 print("torch", torch.__version__, "gpus", torch.cuda.device_count(), "overlapped path", kernels.available())'
 if ! (cd /tmp/fo_cwd && python3 -c "$CHECK") >>"$LOG" 2>&1; then
   say "installing the package (pip install -e . --no-deps --no-build-isolation)"

@@ -62,10 +62,26 @@ def graph_manifest(graph: torch.fx.Graph) -> list[tuple[str, str]]:
         group = group if isinstance(group, str) else getattr(group, "group_name", str(group))
         name = target.__name__.split(".")[0]
         per_rank = PER_RANK.get(name, ())
-        described = {k: "per rank" if k in per_rank else _describe(v, bool(per_rank))
-                     for k, v in args.items() if k != "group_name"}
+        described = {k: "per rank" if k in per_rank else _settings(v) if k == "settings" else
+                     _describe(v, bool(per_rank)) for k, v in args.items() if k != "group_name"}
         out.append((group, json.dumps({"op": f"{target.namespace}.{name}", "args": described})))
     return out
+
+
+def _settings(key: Any) -> Any:
+    """A fused op's settings key without the paths a rank may hold differently (the library's, the data folder's:
+    node-local paths; what they decide shows in the plan), as ``routes.agree.items`` compares settings."""
+    from flashoverlap_inductor import config
+
+    if not isinstance(key, str):
+        return _describe(key)
+    return config.from_key(key).replace(library=None, config_dir=None).key()
+
+
+def per_rank(manifest: list[tuple[str, str]]) -> bool:
+    """Whether any collective of ``manifest`` has per-rank sizes (an all_to_all with split sizes): such a graph's
+    shapes may differ between ranks and recompile on one rank alone, so no first-run exchange may be paired."""
+    return any('"per rank"' in entry for _, entry in manifest)
 
 
 def record(manifest: list[tuple[str, str]]) -> None:
@@ -80,9 +96,10 @@ def snapshot() -> Counter:
 
 
 def take(before: Counter) -> list[tuple[str, str]]:
-    """The manifest one compilation or cache load added since ``before`` ([] when its graph has no collective)."""
-    added = snapshot() - before
-    if not added:
-        return []
-    key = next(iter(added))
-    return [tuple(e) for e in json.loads(key[len(MANIFEST_PREFIX):])]
+    """The manifest one compilation or cache load added since ``before`` ([] when its graph has no collective). A
+    compilation that ran the pass on several graphs (subgraphs of ``cond``, ``invoke_subgraph``) added one each:
+    their collectives are all listed, in the order they were recorded."""
+    out: list[tuple[str, str]] = []
+    for key in snapshot() - before:
+        out += [tuple(e) for e in json.loads(key[len(MANIFEST_PREFIX):])]
+    return out

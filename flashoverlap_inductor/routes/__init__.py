@@ -165,6 +165,8 @@ def resolve_plan(collective: str, plan: str, a: torch.Tensor, y_shape: list[int]
     sizes runs uniform fractions whatever its plan (``schedule.steps.resolve_schedule``): both stay "auto"."""
     if plan != "auto" or collective == "all_gather" or (collective == "all_to_all" and uneven):
         return plan
+    if math.prod(y_shape[:-1]) == 0 or y_shape[-1] == 0 or a.shape[-1] == 0:  # nothing to plan: no rows to cut
+        return plan
     from flashoverlap_inductor import cost_model
 
     return cost_model.call_plan(collective, math.prod(y_shape[:-1]), y_shape[-1], a.shape[-1],

@@ -120,7 +120,8 @@ def check(found: dict[str, str], group: dist.ProcessGroup, what: str) -> None:
 
 def check_graph(manifest: list[tuple[str, str]], kind: str) -> float:
     """Agree on ``manifest`` (``[(group_name, entry)]``, the collectives of a compiled ``kind`` graph in order) with
-    the other ranks of each group it uses, in order of first use; raise ``errors.RankMismatch`` on every rank of a
+    the other ranks of each group it uses, groups in name order (exchanged on the current CUDA device for NCCL: the
+    caller makes it the graph's); raise ``errors.RankMismatch`` on every rank of a
     group whose ranks differ. Returns the milliseconds it took (host clock)."""
     import time
 
@@ -128,7 +129,7 @@ def check_graph(manifest: list[tuple[str, str]], kind: str) -> float:
     groups: dict[str, list[str]] = {}
     for name, entry in manifest:
         groups.setdefault(name, []).append(entry)
-    for name, entries in groups.items():
+    for name, entries in sorted(groups.items()):  # one order on every rank, whatever their manifests hold
         group = compat.resolve_group(name)
         if group.size() == 1:
             continue
