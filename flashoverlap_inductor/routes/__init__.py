@@ -59,6 +59,10 @@ _memo: collections.OrderedDict[tuple, _Entry] = collections.OrderedDict()  # LRU
 _captured: set[tuple] = set()  # keys whose launches a captured graph holds (never evicted)
 _lock = threading.RLock()  # guards the memo and the call locks (never held across a collective)
 _call_locks: dict[tuple, threading.RLock] = {}  # per CUDA device or process group: see ``_call_lock``
+# (id(group), agreement items) the ranks agreed on: a memo entry that differs from an agreed one only in what the items
+# leave out (a node-local library or data path) must not exchange again, since its peers, whose entry is agreed, will
+# not (they would pair the exchange with their real collective)
+_agreed: set[tuple] = set()
 
 
 @dataclass
@@ -226,7 +230,11 @@ def _dispatch(collective: str, a: torch.Tensor, b: Any, bias: Any, group: dist.P
                 faults.raise_pending(a.device.index or 0)
         if not entry.agreed and not capturing:  # before any route acts: ranks that disagree fail here, together
             gpu = ctx.res.name if ctx.res is not None else a.device.type
-            agree.check(agree.items(call, settings, entry.routes, gpu), group, _what(collective, a, b, call))
+            found = agree.items(call, settings, entry.routes, gpu)
+            mark = (id(group), tuple(sorted(found.items())))
+            if mark not in _agreed:  # once per group and items, not per memo entry: the memo key holds the settings'
+                agree.check(found, group, _what(collective, a, b, call))  # paths, which the items leave out
+                _agreed.add(mark)
             entry.agreed = True
         reason = entry.declined
         for route in entry.routes:
@@ -331,6 +339,7 @@ def reset() -> None:
     with _lock:
         _memo.clear()
         _captured.clear()
+        _agreed.clear()
         for route in REGISTRY:
             route.reset()
         faults.forget()
