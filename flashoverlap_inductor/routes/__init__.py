@@ -75,6 +75,7 @@ class _Entry:
     declined: str = ""  # why the first kernel route of the registry declined the call ("" = none did)
     agreed: bool = False  # the group's ranks compared this call's decision items (``agree.check``)
     launches: dict[str, Any] = field(default_factory=dict)
+    lock: Any = None  # the lock its calls run under (``_call_lock``), found once with the entry
 
 
 def candidates(call: Call, settings: config.Settings, declined: list[str] | None = None) -> list[Route]:
@@ -215,13 +216,14 @@ def _dispatch(collective: str, a: torch.Tensor, b: Any, bias: Any, group: dist.P
                 _evict(a)
             declined: list[str] = []
             found = candidates(call, settings, declined)
-            entry = _memo[key] = _Entry(call, out_shape, found, _slug(declined[-1]) if declined else "")
+            entry = _memo[key] = _Entry(call, out_shape, found, _slug(declined[-1]) if declined else "",
+                                        lock=_call_lock(cuda, a, group))
         else:
             call, out_shape, opnd = entry.call, entry.out_shape, None
             if cuda and call.operand_issue is None and collective != "all_gather":
                 opnd = kernel_select.normalize_operands(a, b, bias, collective)
         _memo.move_to_end(key)
-    with _call_lock(cuda, a, group):  # the rest: this device's (CUDA) or this group's (CPU) calls, one at a time
+    with entry.lock:  # the rest: this device's (CUDA) or this group's (CPU) calls, one at a time
         ctx = Context(a, b, bias, group, y_shape, out_shape, plan, settings, opnd, None, capturing,
                       output_split_sizes, input_split_sizes, gather_dim, return_gathered)
         if cuda:
