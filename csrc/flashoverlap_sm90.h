@@ -318,6 +318,12 @@ FO_API int fo_ring_call(const fo_ring_args* args);
 #define FO_GATHER_MAX_WORLD 8
 #define FO_GATHER_MAX_OUTPUTS 8
 #define FO_GATHER_FLAG_INTS (2 * FO_GATHER_MAX_WORLD)
+/* options bit: steps 2-3 become one handshake (ready to every peer, then one kernel waits for every peer's ready),
+ * after which cur_stream waits for the copy stream; then the pulls (copy engine) back to back, the own slot copy,
+ * and one kernel adds done to every peer. No protocol kernel then needs an SM while the caller's GEMMs run (a GEMM
+ * that fills every SM would otherwise hold a step kernel, hence the pulls, until its CTAs retire); the GEMMs start
+ * one handshake later. Without it, the per-peer steps of 3. below. */
+#define FO_GATHER_GEMM_AFTER_HANDSHAKE 1
 typedef struct {
   int32_t world, rank;
   int64_t shard_bytes;                        /* bytes of one shard ([shard_rows, K], contiguous) */
@@ -337,7 +343,7 @@ typedef struct {
   int32_t num_outputs;                        /* fo_gather_finish: outputs to poison on a fault */
   int32_t elem_bytes;                         /* 2 or 4 */
   int32_t bf16;                               /* elem_bytes 2: 1 bf16, 0 fp16 */
-  int32_t reserved;
+  int32_t options;                            /* bit FO_GATHER_GEMM_AFTER_HANDSHAKE; other bits 0 */
   void* outputs[FO_GATHER_MAX_OUTPUTS];
   int64_t output_numel[FO_GATHER_MAX_OUTPUTS];
 } fo_gather_args;

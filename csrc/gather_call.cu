@@ -108,7 +108,7 @@ __global__ void gather_finish_kernel(fo_fault* f, int* mirror, GatherOutputs o, 
 }
 
 struct GatherEvents {
-  cudaEvent_t fork = nullptr, join = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr, ready = nullptr;  // ready: every peer's shard is in its buffer
 };
 
 // Per host thread and device, like ring_call.cu's events.
@@ -119,7 +119,7 @@ int events(GatherEvents*& out) {
   if (rc != 0) return rc;
   GatherEvents& ev = table[device];
   if (ev.fork == nullptr) {
-    for (cudaEvent_t* e : {&ev.fork, &ev.join}) {
+    for (cudaEvent_t* e : {&ev.fork, &ev.join, &ev.ready}) {
       if ((rc = cuda_check(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreate")) != 0) return rc;
     }
   }
@@ -222,9 +222,48 @@ FO_API int fo_gather_call(const fo_gather_args* args) {
   // 2. this rank's shard into its buffer (and the gathered tensor's slot), then ready to every peer.
   note(cuda_check(cudaMemcpyAsync(p.buffers[r], p.a, bytes, cudaMemcpyDeviceToDevice, copy), "shard copy"),
        kTagEnqueue);
-  if (p.copy_own) {
-    note(cuda_check(cudaMemcpyAsync(staging + size_t(r) * bytes, p.a, bytes, cudaMemcpyDeviceToDevice, copy),
-                    "own slot copy"), kTagEnqueue);
+  auto copy_own_slot = [&]() {
+    if (p.copy_own) {
+      note(cuda_check(cudaMemcpyAsync(staging + size_t(r) * bytes, p.a, bytes, cudaMemcpyDeviceToDevice, copy),
+                      "own slot copy"), kTagEnqueue);
+    }
+  };
+  bool const handshake_first = (p.options & FO_GATHER_GEMM_AFTER_HANDSHAKE) != 0;
+  if (!handshake_first) copy_own_slot();  // with the handshake first: after the pulls (it delays no peer then)
+  if (handshake_first) {
+    // 3'. one handshake (ready to every peer, wait for every peer's ready), then cur may start its GEMMs: from here
+    // on the copy stream needs no SM until the pulls are done, so a GEMM that fills every SM cannot delay them.
+    s = step_base(p);
+    s.fail_tag = fail_tag;
+    for (int q = 1; q < W; ++q) s.notify[s.num_notify++] = p.flags[(r + q) % W] + kReady + r;
+    for (int d = 1; d < W; ++d) {
+      int const j = (r - d + W) % W;
+      s.wait[s.num_wait] = p.flags[r] + kReady + j;
+      s.tag[s.num_wait++] = kTagReady + j;
+    }
+    if (int const krc = launch_step(s, copy); krc == 0) {
+      fail_tag = 0;
+    } else {
+      note(krc, kTagEnqueue + 1);
+    }
+    // cur's wait is a scheduling choice only (the local GEMMs read `a`; each pulled shard's GEMM waits for its own
+    // event): if it cannot be enqueued, the call goes on without it (same results, the peers unaffected).
+    if (cudaEventRecord(ev->ready, copy) != cudaSuccess || cudaStreamWaitEvent(cur, ev->ready, 0) != cudaSuccess) {
+      (void)cudaGetLastError();
+    }
+    for (int d = 1; d < W; ++d) {
+      int const j = (r - d + W) % W;
+      note(cuda_check(cudaMemcpyAsync(staging + size_t(j) * bytes, p.buffers[j], bytes, cudaMemcpyDeviceToDevice,
+                                      copy), "shard pull"), kTagEnqueue + d);
+      note(cuda_check(cudaEventRecord(static_cast<cudaEvent_t>(p.shard_events[j]), copy), "shard record"),
+           kTagEnqueue + d);
+    }
+    copy_own_slot();
+    s = step_base(p);  // done to every peer
+    s.fail_tag = fail_tag;
+    for (int q = 1; q < W; ++q) s.notify[s.num_notify++] = p.flags[(r + q) % W] + kDone + r;
+    int const krc = launch_step(s, copy);
+    return first != 0 ? first : krc;
   }
   // 3. per peer in arrival order: notify (ready to all at first, then done to the previous peer), wait, pull.
   int prev = -1;

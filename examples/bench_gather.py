@@ -5,8 +5,10 @@ variants timed interleaved in one run (``tune_measure.Timer``: CUDA events, warm
 * ``gemm``: cuBLAS ``torch.mm`` of the gathered [M_total, K] @ [K, N]; ``comm``: ``all_gather_into_tensor`` alone;
   ``ideal``: max(gemm, comm);
 * ``seq``: all_gather then ``torch.mm`` (the unfused graph);
-* ``peer``: the op on the copy-engine route (``transport="peer"``, the default on one host);
-  ``nccl``: the op on the NCCL ring route (``transport="nccl"``);
+* ``peer``: the op on the copy-engine route (``transport="peer"``, the default on one host; its GEMMs start after
+  the handshake, ``gather_start="handshake"``); ``peer_eager``: the same with ``gather_start="eager"`` (the GEMMs
+  at once, the protocol's step kernels waiting for a free SM); ``nccl``: the op on the NCCL ring route
+  (``transport="nccl"``);
 * ``asynctp``: PyTorch's ``torch.ops.symm_mem.fused_all_gather_matmul`` (symmetric memory enabled for the group).
 
 Correctness first: every fused variant's output against ``seq`` on fresh data (relative Frobenius error, worst
@@ -33,6 +35,9 @@ from flashoverlap_inductor.tune import measure as tm
 # Llama-3-8B-like column-parallel GEMMs after a sequence-parallel gather: q/k/v fused width 6144 and gate/up 28672,
 # split over W ranks by the bench itself (N / W per rank), at 4k-16k tokens.
 SHAPES = [(m, n, 4096) for m in (4096, 8192, 16384) for n in (6144, 28672)]
+FUSED = {"peer": {"transport": "peer", "gather_start": "handshake"},
+         "peer_eager": {"transport": "peer", "gather_start": "eager"}, "nccl": {"transport": "nccl"}}
+COLUMNS = (*FUSED, "asynctp")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -82,12 +87,12 @@ def bench_shape(m: int, n: int, k: int, world: int, timer: tm.Timer) -> dict:
         dist.all_gather_into_tensor(gathered, a)
         return gathered @ b
 
-    def fused(transport: str):
-        key = config.current().replace(transport=transport).key()
+    def fused(**changes):
+        key = config.current().replace(**changes).key()
         return lambda: op(a, [b], [None], 0, world, name, "ring", False, key)[0]
 
     variants = {"gemm": lambda: gathered @ b, "comm": lambda: dist.all_gather_into_tensor(gathered, a),
-                "seq": seq, "peer": fused("peer"), "nccl": fused("nccl")}
+                "seq": seq, **{v: fused(**changes) for v, changes in FUSED.items()}}
     tp_fn, tp_why = asynctp(a, b, name)
     if tp_fn is not None:
         variants["asynctp"] = tp_fn
@@ -95,7 +100,7 @@ def bench_shape(m: int, n: int, k: int, world: int, timer: tm.Timer) -> dict:
     if tp_why:
         row["errors"]["asynctp"] = tp_why
     want = seq().float()
-    for v in ("peer", "nccl", "asynctp"):
+    for v in COLUMNS:
         if v not in variants:
             continue
         before = dict(routes.stats)
@@ -114,7 +119,7 @@ def bench_shape(m: int, n: int, k: int, world: int, timer: tm.Timer) -> dict:
     for v, t in times.items():
         row[f"{v}_ms"] = t.ms
     row["ideal_ms"] = max(row["gemm_ms"], row["comm_ms"])
-    for v in ("peer", "nccl", "asynctp"):
+    for v in COLUMNS:
         if f"{v}_ms" in row:
             row[f"speedup_{v}"] = row["seq_ms"] / row[f"{v}_ms"]
     row["speedup_ideal"] = row["seq_ms"] / row["ideal_ms"]
@@ -132,19 +137,19 @@ def main(argv: list[str] | None = None) -> int:
     timer = tm.Timer(rounds=args.rounds, target_ms=args.target_ms, min_iters=2, max_iters=40, spin_ms=0.3)
     rows = [bench_shape(m, n, k, world, timer) for m, n, k in shapes_of(args.shapes)]
     if rank == 0:
-        cols = ("seq", "peer", "nccl", "asynctp", "ideal")
+        cols = ("seq", *COLUMNS, "ideal")
         print(f"all_gather -> GEMM, {world} x {torch.cuda.get_device_name()}, bf16; ms (median, max over ranks); "
               "speedup = seq / variant")
-        print("M_total x N x K | gemm | comm | " + " | ".join(cols) + " | x peer | x nccl | x async-TP | x ideal | "
-              "err peer | err nccl")
+        print("M_total x N x K | gemm | comm | " + " | ".join(cols) + " | " + " | ".join(f"x {c}" for c in cols[1:])
+              + " | err peer | err nccl")
         for r in rows:
             ms = " | ".join(f"{r.get(f'{c}_ms', math.nan):.3f}" for c in cols)
-            sp = " | ".join(f"{r.get(f'speedup_{c}', math.nan):.3f}" for c in ("peer", "nccl", "asynctp", "ideal"))
+            sp = " | ".join(f"{r.get(f'speedup_{c}', math.nan):.3f}" for c in cols[1:])
             print(f"{r['m']}x{r['n']}x{r['k']} | {r['gemm_ms']:.3f} | {r['comm_ms']:.3f} | {ms} | {sp} | "
                   f"{r.get('relerr_peer', math.nan):.1e} | {r.get('relerr_nccl', math.nan):.1e}"
                   + (f"  errors: {r['errors']}" if r["errors"] else ""))
         geo = {c: math.exp(sum(math.log(r[f"speedup_{c}"]) for r in rows) / len(rows))
-               for c in ("peer", "nccl", "asynctp", "ideal") if all(f"speedup_{c}" in r for r in rows)}
+               for c in cols[1:] if all(f"speedup_{c}" in r for r in rows)}
         print("geomean speedup over seq: " + ", ".join(f"{c} {v:.3f}" for c, v in geo.items()))
         if args.json:
             with open(args.json, "w") as f:

@@ -9,7 +9,8 @@ bf16 data and is compared with eager PyTorch on the same rank (gloo ``all_gather
 ``addmm``) and with an fp64 reference; the gathered tensor must equal eager's bit for bit; every call must count
 ``route:gather_peer`` (so no check can pass on the unfused route). Covered: gather_dim 0 and 1 (contiguous and
 strided shard rows), 1 and 3 weights, bias or none, the gathered tensor returned or not, a shard buffer that grows,
-the same calls queued with no synchronization between them (the done flags guard every buffer), a rank that comes
+the same calls queued with no synchronization between them (the done flags guard every buffer; ``gather_start``
+"handshake" and "eager" alternating), a rank that comes
 late (every rank's outputs NaN, every rank raises ``FlashOverlapTimeout``, the next call is correct with no reset),
 and a rank that skips a call (the others raise within the bound; ``routes.reset()`` on every rank, then correct).
 """
@@ -140,9 +141,10 @@ def match_task() -> dict[str, int]:
             _check(outs, a, ws, cs, gdim, ret, f"{shape} dim {gdim} N={ns} bias={bias} gathered={ret}")
         synced = routes.stats["route:gather_peer"]
         queued = []
-        for seed, shape, gdim, ns, bias, ret in cases:
+        for i, (seed, shape, gdim, ns, bias, ret) in enumerate(cases):  # both GEMM starts, mixed in one queue
             a, ws, cs = _inputs(seed + 5000, shape, ns, bias)
-            queued.append((a, ws, cs, gdim, ret, _op(a, ws, cs, gdim, ret)))
+            with config.patch(gather_start=("handshake", "eager")[i % 2]):
+                queued.append((a, ws, cs, gdim, ret, _op(a, ws, cs, gdim, ret)))
         torch.cuda.synchronize()
         routes.check()
         for i, (a, ws, cs, gdim, ret, outs) in enumerate(queued):

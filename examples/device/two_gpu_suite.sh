@@ -102,8 +102,8 @@ if [ "$PART" = C ]; then
   if [[ "$SKIP" != *" e2e "* ]]; then
     step "e2e"
     timeout "$(cap 540)" "${TORCHRUN[@]}" --nproc_per_node=2 -m flashoverlap_inductor.bench e2e --preset llama3-8b \
-      --layers 8 --plan sp --workload train,prefill --seq "${FO_E2E_SEQ:-4096}" --batch 1 --steps 5 --warmup 2 \
-      --backends inductor,inductor+async-tp,flashoverlap --quiet --json "$OUT/e2e.json" >"$OUT/e2e.log" 2>&1
+      --layers 8 --plan "${FO_E2E_PLAN:-sp}" --workload train,prefill --seq "${FO_E2E_SEQ:-4096}" --batch 1 --steps 5 --warmup 2 \
+      --backends "${FO_E2E_BACKENDS:-inductor,inductor+async-tp,flashoverlap,bound}" ${FO_E2E_ARGS:-} --quiet --json "$OUT/e2e.json" >"$OUT/e2e.log" 2>&1
     echo "e2e rc=$?" | tee -a "$OUT/e2e.log"; tail -40 "$OUT/e2e.log"
   fi
 fi

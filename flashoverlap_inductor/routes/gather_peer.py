@@ -71,6 +71,7 @@ FAULT_OFFSET = 4 * FLAG_INTS  # bytes: the group's fo_fault block, after the fla
 FLAG_BYTES = FAULT_OFFSET + faults.BLOCK_BYTES
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 NAME = "gather_peer"
+GEMM_AFTER_HANDSHAKE = 1  # fo_gather_args.options bit FO_GATHER_GEMM_AFTER_HANDSHAKE (Tuning.gather_start)
 
 
 class GatherArgs(ctypes.Structure):
@@ -83,7 +84,7 @@ class GatherArgs(ctypes.Structure):
                 ("fault", ctypes.c_void_p), ("mirror", ctypes.c_void_p), ("cur_stream", ctypes.c_void_p),
                 ("copy_stream", ctypes.c_void_p), ("shard_events", ctypes.c_void_p * MAX_WORLD),
                 ("num_outputs", ctypes.c_int32), ("elem_bytes", ctypes.c_int32), ("bf16", ctypes.c_int32),
-                ("reserved", ctypes.c_int32), ("outputs", ctypes.c_void_p * MAX_OUTPUTS),
+                ("options", ctypes.c_int32), ("outputs", ctypes.c_void_p * MAX_OUTPUTS),
                 ("output_numel", ctypes.c_int64 * MAX_OUTPUTS)]
 
 
@@ -200,6 +201,7 @@ class GatherLaunch:
     shard_bytes: int
     timeout_ns: int
     description: str
+    options: int = 0  # fo_gather_args.options
     launch_id: int = 0  # ``faults.launch_id``
     args: dict[int, GatherArgs] = field(default_factory=dict)  # workspace serial -> args
 
@@ -217,8 +219,9 @@ def make_launch(call, settings: config.Settings, ctx) -> GatherLaunch | str:
             f"{len(ctx.b)} GEMM(s) N={[w.shape[-1] for w in ctx.b]}: gather_peer route, {shard_bytes} B per shard "
             "by copy engine")
     log.info("flashoverlap: launch %s", desc)
+    options = GEMM_AFTER_HANDSHAKE if settings.tuning.gather_start == "handshake" else 0
     return GatherLaunch(geo, call.rank, call.dtype, shard_bytes,
-                        settings.timeout_ns(compat.group_timeout_ms(ctx.group)), desc, faults.launch_id(desc))
+                        settings.timeout_ns(compat.group_timeout_ms(ctx.group)), desc, options, faults.launch_id(desc))
 
 
 def args_for(launch: GatherLaunch, ws: GatherWorkspace) -> GatherArgs:
@@ -235,6 +238,7 @@ def args_for(launch: GatherLaunch, ws: GatherWorkspace) -> GatherArgs:
         p.epoch, p.launch_id, p.timeout_ns = f.epoch.data_ptr(), launch.launch_id, launch.timeout_ns
         p.fault, p.mirror, p.copy_stream = f.fault.block_ptr, f.fault.mirror_ptr, f.copy.cuda_stream
         p.elem_bytes, p.bf16 = launch.dtype.itemsize, int(launch.dtype == torch.bfloat16)
+        p.options = launch.options
         launch.args[ws.serial] = p
     return p
 
