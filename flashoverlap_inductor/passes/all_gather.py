@@ -38,8 +38,9 @@ from torch.fx import Node
 from flashoverlap_inductor import _inductor_compat as compat
 from flashoverlap_inductor import config
 
+from .fx_forms import known_eq, node_arg, op_name, val
 from .gather_match import GatherMatch, match_gather, row_subset_gemm
-from .matching import GEMM_OPS, known_eq, node_arg, op_name, val
+from .matching import GEMM_OPS
 from .report import log, record_deferred, record_fused, record_near_miss, record_skip
 from .rewrite import _Builder
 

@@ -6,7 +6,6 @@ checks, decides and rewrites.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +14,8 @@ from torch.fx import Node
 
 from flashoverlap_inductor import _inductor_compat as compat
 
-from .matching import GEMM_OPS, SPLIT_OPS, VIEW_OPS, known_eq, node_arg, val
+from .fx_forms import SPLIT_OPS, known_eq, match_chunk_cat, node_arg, val
+from .matching import GEMM_OPS, VIEW_OPS
 
 aten = torch.ops.aten
 
@@ -113,40 +113,29 @@ def row_subset_gemm(m: GatherMatch) -> tuple[Node, Node] | None:
 
 def _split_cat(wait: Node, shard: torch.Tensor) -> tuple[list[Node], Node, int] | None:
     """funcol's gather along dim d > 0: ``cat([getitem(split(w, n0), i) for i], d)``, or (its backward) ``cat([slice(w,
-    0, i * n0, (i + 1) * n0) for i], d)``, with n0 = the shard's dim 0: the ranks' pieces in rank order."""
+    0, i * n0, (i + 1) * n0) for i], d)``, with n0 = the shard's dim 0: the ranks' pieces in rank order (the chunk/cat
+    form of ``fx_forms.match_chunk_cat`` cutting ``w`` along dim 0). Returns (split if any, pieces, cat), the cat and
+    d normalised, or None. Every use of ``w`` goes into the form (its only user is the split, or all its users are
+    the pieces, and the split's users are the pieces) and each piece's only user is the cat."""
     users = list(wait.users)
+    heads = list(users[0].users) if len(users) == 1 and users[0].target in SPLIT_OPS else users
+    if not heads or any(len(p.users) != 1 for p in heads):
+        return None
+    form = match_chunk_cat(next(iter(heads[0].users)))
+    if form is None or form.source is not wait or form.dim != 0 or len(form.pieces) != len(heads) or \
+            set(form.pieces) != set(heads):
+        return None
     n0 = shard.shape[0]
-    if len(users) == 1 and users[0].target in SPLIT_OPS and node_arg(users[0], 2, "dim", 0) == 0:
-        split = users[0]
-        sizes = split.args[1]
-        chunk = sizes[0] if isinstance(sizes, (list, tuple)) else sizes
-        if not known_eq(val(chunk) if isinstance(chunk, Node) else chunk, n0):
+    if form.split is not None:
+        if not known_eq(val(form.chunk) if isinstance(form.chunk, Node) else form.chunk, n0):
             return None
-        pieces = sorted(split.users, key=lambda p: p.args[1] if p.target is operator.getitem else -1)
-        if any(p.target is not operator.getitem for p in pieces) or [p.args[1] for p in pieces] != list(
-                range(len(pieces))):
-            return None
-        head = [split]
-    elif users and all(u.target is aten.slice.Tensor and node_arg(u, 1, "dim", 0) == 0 and
-                       node_arg(u, 4, "step", 1) == 1 for u in users):
-        pieces = sorted(users, key=lambda u: _int(node_arg(u, 2, "start", 0)))
-        for i, p in enumerate(pieces):
-            if not (known_eq(_int(node_arg(p, 2, "start", 0)), i * n0) and
-                    known_eq(val(p).shape[0], n0)):
-                return None
-        head = []
-    else:
+    elif not all(known_eq(_int(node_arg(p, 2, "start", 0)), i * n0) and known_eq(val(p).shape[0], n0)
+                 for i, p in enumerate(form.pieces)):
         return None
-    if any(len(p.users) != 1 for p in pieces):
+    dim = form.cat_dim
+    if not isinstance(dim, int) or dim % shard.dim() == 0:
         return None
-    cat = next(iter(pieces[0].users))
-    dim = node_arg(cat, 1, "dim", 0)
-    if cat.target is not aten.cat.default or list(cat.args[0]) != pieces or not isinstance(dim, int):
-        return None
-    dim %= shard.dim()
-    if dim == 0:
-        return None
-    return [*head, *pieces, cat], cat, dim
+    return form.nodes(), form.cat, dim % shard.dim()
 
 
 def _int(x: Any) -> Any:

@@ -27,17 +27,8 @@ from flashoverlap_inductor import _inductor_compat as compat
 from flashoverlap_inductor import config
 
 from . import all_gather, cache_key, manifest, rewrite, sum_of_gemms
-from .matching import (
-    Fusion,
-    GemmCollectiveMatch,
-    find_matches,
-    find_sum,
-    known_eq,
-    known_true,
-    match_at_wait,
-    node_arg,
-    val,
-)
+from .fx_forms import known_eq, known_true, node_arg, val
+from .matching import Fusion, GemmCollectiveMatch, find_matches, find_sum, match_at_wait
 from .report import log, record_deferred, record_fused, record_skip
 
 aten = torch.ops.aten

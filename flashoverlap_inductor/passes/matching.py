@@ -10,28 +10,29 @@ Recognized forms (torch 2.11 and 2.13 post-grad graphs, see torch_compile.md §3
   ``_c10d_functional.all_reduce | reduce_scatter_tensor | all_to_all_single`` then ``wait_tensor``;
 * reduce_scatter along ``scatter_dim > 0``: funcol rewrites it as ``cat([pieces of x along dim d], 0)`` with the
   pieces from ``split``/``split_with_sizes`` + ``getitem`` (or, with unbacked sizes, ``slice``), then a dim-0
-  reduce_scatter (as Inductor's ``micro_pipeline_tp.find_reduce_scatter_patterns`` also matches).
+  reduce_scatter (as Inductor's ``micro_pipeline_tp.find_reduce_scatter_patterns`` also matches). That form is
+  recognised by ``fx_forms.match_chunk_cat``, which ``gather_match`` shares for the all_gather side.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import operator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.fx import Node
 
-from flashoverlap_inductor._inductor_compat import c10d, statically_known_true
+from flashoverlap_inductor._inductor_compat import c10d
+
+from .fx_forms import known_eq, match_chunk_cat, node_arg, op_name, val
 
 log = logging.getLogger("flashoverlap")
 aten = torch.ops.aten
 
 GEMM_OPS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
 VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-SPLIT_OPS = (aten.split.Tensor, aten.split.sizes, aten.split_with_sizes.default)
 COLLECTIVE_OPS = {
     c10d.all_reduce.default: "all_reduce",
     c10d.reduce_scatter_tensor.default: "reduce_scatter",
@@ -45,39 +46,12 @@ COLLECTIVE_ARGS = {
 }
 
 
-def node_arg(node: Node, index: int, name: str, default: Any = None) -> Any:
-    """Argument ``index`` of ``node`` (positional), else keyword ``name``, else ``default``."""
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
-
-def val(arg: Any) -> Any:
-    """The (fake) value of a graph argument: ``meta["val"]`` for a Node, the argument itself otherwise."""
-    return arg.meta.get("val") if isinstance(arg, Node) else arg
-
-
-def known_true(expr: Any) -> bool:
-    """True iff ``expr`` (bool or SymBool) is provably true without adding a guard."""
-    return bool(expr) if isinstance(expr, bool) else statically_known_true(expr)
-
-
-def known_eq(a: Any, b: Any) -> bool:
-    return known_true(a == b)
-
-
-def op_name(node: Node) -> str:
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target.__name__.split(".")[0]
-    return getattr(target, "__name__", str(target))
-
-
 @dataclass
 class ScatterCat:
     """funcol's reduce_scatter over ``dim > 0``: the collective input is ``cat(pieces, 0)`` where ``pieces``
-    cut ``source`` along ``dim`` into consecutive runs. ``chunk`` is a graph argument (int or SymInt node) equal
-    to each piece's size along ``dim``. ``split`` is None for the slice form."""
+    cut ``source`` along ``dim`` into consecutive runs (``fx_forms.ChunkCat`` with ``cat_dim`` 0 and ``dim``
+    normalised to ``0 <= dim < source.dim()``). ``chunk`` is a graph argument (int or SymInt node) that
+    ``_check_scatter`` requires equal to each piece's size along ``dim``. ``split`` is None for the slice form."""
 
     source: Node
     dim: int
@@ -200,41 +174,18 @@ def nearest_producer(x: Node, accept: Any, hops: int = NEAR_MISS_HOPS) -> Node |
 
 
 def match_scatter_cat(cat: Node) -> ScatterCat | None:
-    """Recognize ``cat([getitem(split(x, c, d), 0), ..., getitem(.., G-1)], 0)`` or
-    ``cat([slice(x, d, 0, e0), slice(x, d, e0, e1), ...], 0)``. Sizes are checked in
-    ``FlashOverlapPass._check_scatter``."""
-    pieces = cat.args[0]
-    if node_arg(cat, 1, "dim", 0) != 0 or not isinstance(pieces, (list, tuple)) or len(pieces) < 1:
+    """``cat`` as funcol's reduce_scatter over ``dim > 0``: the chunk/cat form (``fx_forms.match_chunk_cat``) with
+    ``cat_dim`` 0, an int cut dim and, in the slice form, a first slice from 0; or None. Sizes are checked in
+    ``FlashOverlapPass._check_scatter``, the users of its nodes in ``_unexpected_user``."""
+    form = match_chunk_cat(cat)
+    if form is None or form.cat_dim != 0:
         return None
-    if not all(isinstance(p, Node) for p in pieces):
+    if form.split is None and node_arg(form.pieces[0], 2, "start", 0) != 0:
         return None
-    first = pieces[0]
-    if first.target is operator.getitem:
-        split = first.args[0]
-        if not isinstance(split, Node) or split.target not in SPLIT_OPS:
-            return None
-        if any(p.target is not operator.getitem or p.args[0] is not split or p.args[1] != i
-               for i, p in enumerate(pieces)):
-            return None
-        sizes = split.args[1]
-        chunk = sizes[0] if isinstance(sizes, (list, tuple)) else sizes
-        source, dim = split.args[0], node_arg(split, 2, "dim", 0)
-    elif first.target is aten.slice.Tensor:
-        split, source, dim = None, first.args[0], node_arg(first, 1, "dim", 0)
-        if node_arg(first, 2, "start", 0) != 0:
-            return None
-        for p in pieces:
-            if p.target is not aten.slice.Tensor or p.args[0] is not source or node_arg(p, 1, "dim", 0) != dim:
-                return None
-            if node_arg(p, 4, "step", 1) != 1:
-                return None
-        chunk = node_arg(first, 3, "end")
-    else:
+    src_val = val(form.source)
+    if src_val is None or not isinstance(form.dim, int):
         return None
-    src_val = val(source)
-    if not isinstance(source, Node) or src_val is None or not isinstance(dim, int):
-        return None
-    return ScatterCat(source, dim % src_val.dim(), chunk, list(pieces), split, cat)
+    return ScatterCat(form.source, form.dim % src_val.dim(), form.chunk, form.pieces, form.split, cat)
 
 
 @dataclass

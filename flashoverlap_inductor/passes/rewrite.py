@@ -26,7 +26,8 @@ from torch.fx.node import map_arg
 import flashoverlap_inductor.ops  # noqa: F401  (registers torch.ops.flashoverlap.*)
 from flashoverlap_inductor import _inductor_compat as compat
 
-from .matching import Fusion, known_eq, val
+from .fx_forms import known_eq, val
+from .matching import Fusion
 from .report import record_skip
 
 aten = torch.ops.aten
