@@ -77,6 +77,15 @@ PRIVATE_TORCH = re.compile(r"torch\._C\b|_comm_ptr|_resolve_process_group|\._get
                            r"current_callable|_functorch\.config")
 
 
+def test_the_runtime_does_not_import_the_cost_model():
+    """``runtime/`` decides from its arguments; what the cost model's data says comes from the routes
+    (``cost_model/launch.py``), so the runtime never loads the cost model (any import, function-level too)."""
+    modules = _modules()
+    found = {name: sorted(m for m in _imports(name, path, modules) if m.startswith("flashoverlap_inductor.cost_model"))
+             for name, path in modules.items() if name.startswith("flashoverlap_inductor.runtime")}
+    assert found and not any(found.values()), found
+
+
 def test_private_torch_only_in_the_compat_module():
     """Version-fragile private torch names live in ``_inductor_compat.py`` alone (a torch upgrade is a one-file
     review)."""

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from flashoverlap_inductor import config, ops, routes
-from flashoverlap_inductor.cost_model import clear_caches, decide, model_for, registry, schema
+from flashoverlap_inductor.cost_model import clear_caches, decide, launch, model_for, registry, schema
 from flashoverlap_inductor.cost_model.bandwidth import BandwidthCurve
 from flashoverlap_inductor.cost_model.gemm import GemmModel
 from flashoverlap_inductor.cost_model.search import DEFAULT_TILE, predictive_search
@@ -42,11 +42,11 @@ def data_copy(tmp_path):
     for path in registry.data_dir().glob("*.json"):
         shutil.copy(path, tmp_path / path.name)
     clear_caches()
-    kernel_select.preferred_kernels.cache_clear()
+    launch.preferred_kernels.cache_clear()
     with config.patch(config_dir=str(tmp_path)):
         yield tmp_path
     clear_caches()
-    kernel_select.preferred_kernels.cache_clear()
+    launch.preferred_kernels.cache_clear()
 
 
 # --------------------------------------------------------------------------------------------- bandwidth
@@ -115,8 +115,8 @@ def test_update_gemm_doc_recovers_efficiency_and_best_kernels(data_copy):
     # the runtime picks its preferred kernels from the written file
     tune_docs.write_json(tune_docs.gemm_path(data_copy, GPU), new)
     clear_caches()
-    kernel_select.preferred_kernels.cache_clear()
-    assert kernel_select.preferred_kernels(GPU) == tk["best_by_tile"]
+    launch.preferred_kernels.cache_clear()
+    assert launch.preferred_kernels(GPU) == tk["best_by_tile"]
 
 
 # --------------------------------------------------------------------------------------------- search
@@ -435,18 +435,35 @@ def test_gather_rows_follow_the_buffer_layout(world):
     assert kernel_select.gather_rows(ar) is None
 
 
+def _unasked() -> None:
+    raise AssertionError("the cost model's default was asked although a setting decides")
+
+
 def test_sm_reserve_sources():
-    assert kernel_select.sm_reserve(GPU) == model_for(GPU)[0].gemm.nccl_sms
-    assert kernel_select.sm_reserve(GPU, None, 22) == 24  # the group's NCCL max_ctas + 2
-    assert kernel_select.sm_reserve(GPU, 8, 22) == 8  # the tuning setting wins
+    assert launch.fused_nccl_sms(GPU) == model_for(GPU)[0].gemm.nccl_sms
+    assert kernel_select.sm_reserve(None, None, lambda: launch.fused_nccl_sms(GPU)) == model_for(GPU)[0].gemm.nccl_sms
+    assert kernel_select.sm_reserve(None, 22, _unasked) == 24  # the group's NCCL max_ctas + 2
+    assert kernel_select.sm_reserve(8, 22, _unasked) == 8  # the tuning setting wins
+
+
+def test_cost_model_launch_defaults_without_data(monkeypatch):
+    """No readable data: the documented defaults (16 SMs, persistent), never an exception."""
+    def broken(*args, **kwargs):
+        raise registry.ConfigError("no data")
+
+    monkeypatch.setattr(registry, "model_for", broken)
+    assert launch.fused_nccl_sms(GPU) == launch.DEFAULT_NCCL_SMS == 16
+    assert launch.fused_grid(GPU) == launch.DEFAULT_GRID == "persistent"
 
 
 def test_gemm_grid_sources_and_ctas():
-    assert kernel_select.gemm_grid(GPU) == model_for(GPU)[0].gemm.grid
-    assert kernel_select.gemm_grid(GPU, "persistent") == "persistent"
-    assert kernel_select.gemm_grid(GPU, "tiles") == "tiles"
+    assert kernel_select.gemm_grid(None, lambda: launch.fused_grid(GPU)) == model_for(GPU)[0].gemm.grid
+    assert kernel_select.gemm_grid("persistent", _unasked) == "persistent"
+    assert kernel_select.gemm_grid("tiles", _unasked) == "tiles"
     with pytest.raises(ValueError, match="'persistent' or 'tiles'"):
-        kernel_select.gemm_grid(GPU, "tiles2")
+        kernel_select.gemm_grid("tiles2", _unasked)
+    with pytest.raises(ValueError, match="'persistent' or 'tiles'"):
+        kernel_select.gemm_grid(None, lambda: "waves")  # a data file's grid is checked too
     # 8192^3 at 128x256: 2048 tiles on 132 SMs
     assert kernel_select.grid_ctas("persistent", 132, 2048, 16) == 116
     assert kernel_select.grid_ctas("persistent", 132, 2048, 200) == 1

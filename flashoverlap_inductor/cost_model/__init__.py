@@ -10,7 +10,8 @@ Public API (the contract with the pass and the ops)::
 
 Modules: ``bandwidth`` (NCCL curves, bytes -> ms), ``gemm`` (wave model, ms), ``pipeline`` (recurrence),
 ``search`` (partitions), ``decide``, ``gather`` (all_gather -> GEMMs: ``decide_gather``), ``gain`` (the one gain
-rule every verdict uses), ``registry`` (data files by GPU name), ``schema`` (JSON validation). Turning
+rule every verdict uses), ``registry`` (data files by GPU name), ``schema`` (JSON validation), ``launch`` (the
+data's SM reserve, grid and tuned kernels, which the routes pass to ``runtime.kernel_select``). Turning
 ``tools/anchor_bench.py`` output into data files is ``flashoverlap_inductor.tune.import_anchor``.
 """
 

@@ -39,11 +39,11 @@ from flashoverlap_inductor.runtime.kernel_select import (
     gemm_grid,
     grid_ctas,
     nccl_max_ctas,
-    preferred_kernels,
     sm_reserve,
 )
 
 from .. import _inductor_compat as compat
+from ..cost_model import launch as model_launch
 from ..schedule import plan as planlib
 from ..schedule import row_order
 from ..schedule import steps as schedule
@@ -181,9 +181,11 @@ def agreed_communicator(group: dist.ProcessGroup, device: torch.device) -> bool:
 
 
 def grid_for(res: streams.DeviceResources, tuning: config.Tuning, group: dist.ProcessGroup, tiles: int) -> int:
-    """CTAs of a GEMM of ``tiles`` tiles: the tuning's grid (else the data file's) on the device's SMs."""
-    grid = gemm_grid(res.name, tuning.gemm_grid)
-    reserve = sm_reserve(res.name, tuning.sm_reserve, nccl_max_ctas(group)) if grid == "persistent" else 0
+    """CTAs of a GEMM of ``tiles`` tiles: the tuning's grid (else the data file's) on the device's SMs, less the
+    reserve a persistent grid leaves to NCCL (the tuning's, else the group's NCCL cap + 2, else the data file's)."""
+    grid = gemm_grid(tuning.gemm_grid, lambda: model_launch.fused_grid(res.name))
+    reserve = sm_reserve(tuning.sm_reserve, nccl_max_ctas(group),
+                         lambda: model_launch.fused_nccl_sms(res.name)) if grid == "persistent" else 0
     return grid_ctas(grid, res.sm_count, tiles, reserve)
 
 
@@ -216,7 +218,7 @@ class NcclRoute:
         tile = (sched.plan.tile_m, sched.plan.tile_n) if sched.plan is not None else None
         plan_kernel = sched.plan.kernel if sched.plan is not None else ""
         choice = choose_kernel(kernel_infos(), plan_kernel, tile, dname, call.b_layout,
-                               preferred_kernels(res.name, settings.config_dir))
+                               model_launch.preferred_kernels(res.name, settings.config_dir))
         if choice is None:
             return f"no_config: no configuration compiled for {dname}"
         if choice.convert_b:
@@ -300,7 +302,7 @@ class NcclRoute:
     def reset(self) -> None:
         _agreed.clear()
         _kernel_infos.cache_clear()
-        preferred_kernels.cache_clear()
+        model_launch.preferred_kernels.cache_clear()
 
 
 def slot_domain(res: streams.DeviceResources, slot: int) -> faults.FaultDomain:

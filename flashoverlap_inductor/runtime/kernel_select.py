@@ -2,15 +2,16 @@
 operand form the kernel takes, B's layout, the kernel configuration, the SMs left to NCCL and the row gather of
 reduce_scatter / all_to_all layouts. The routes memoize the results per call shape.
 
+Never imports the cost model: what the cost model's data says (the SM reserve, the grid, the tuned kernel per tile:
+``cost_model/launch.py``) comes in as arguments from the routes.
+
 Units: rows/columns in elements; strides in elements; tiles ``tile_m x tile_n`` output elements.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 
 from flashoverlap_inductor import _inductor_compat as compat
 from flashoverlap_inductor import config
-from flashoverlap_inductor.cost_model.schema import GEMM_GRIDS
+from flashoverlap_inductor.config import GEMM_GRIDS
 from flashoverlap_inductor.native import kernels
 from flashoverlap_inductor.schedule import plan as planlib
 
@@ -141,38 +142,26 @@ def gather_rows(layout: planlib.BufferLayout) -> list[int] | None:
     return rows
 
 
-def sm_reserve(device_name: str, override: int | None = None, group_max_ctas: int | None = None) -> int:
+def sm_reserve(override: int | None, group_max_ctas: int | None, model_reserve: Callable[[], int]) -> int:
     """SMs the fused GEMM leaves to NCCL and the wait kernel: ``override`` (``Settings.tuning.sm_reserve``), else
     ``group_max_ctas + 2`` when the process group's NCCL config caps its CTAs
     (NCCL's CTAs must all be resident beside the persistent GEMM, or the collective waits for the GEMM to end),
-    else the cost model's ``fused.nccl_sms`` (16 when it has no data)."""
+    else ``model_reserve()`` (the cost model's ``fused.nccl_sms``: ``cost_model.launch.fused_nccl_sms``), called
+    only then."""
     if override is not None:
         return int(override)
     if group_max_ctas:
         return int(group_max_ctas) + 2
-    try:
-        from flashoverlap_inductor.cost_model import model_for
-
-        return int(model_for(device_name)[0].gemm.nccl_sms)
-    except Exception as exc:  # the cost model's data missing: its documented default
-        log.warning("flashoverlap: no cost-model SM reserve (%r); leaving 16 SMs", exc)
-        return 16
+    return int(model_reserve())
 
 
-def gemm_grid(device_name: str, override: str | None = None) -> str:
-    """How the fused GEMM is launched: ``override`` (``Settings.tuning.gemm_grid``), else the cost model's
-    ``fused.grid`` (what its predictions assume), else ``"persistent"``.
+def gemm_grid(override: str | None, model_grid: Callable[[], str]) -> str:
+    """How the fused GEMM is launched: ``override`` (``Settings.tuning.gemm_grid``), else ``model_grid()`` (the
+    cost model's ``fused.grid``, what its predictions assume: ``cost_model.launch.fused_grid``), called only then.
+    Either must be one of ``GEMM_GRIDS`` (else ValueError).
     ``"persistent"``: one CTA per SM on the SMs ``sm_reserve`` does not leave to NCCL; ``"tiles"``: one CTA per
     tile on every SM, so SMs freed by finished tiles go to NCCL's kernels on the highest-priority side stream."""
-    value = override
-    if not value:
-        try:
-            from flashoverlap_inductor.cost_model import model_for
-
-            value = model_for(device_name)[0].gemm.grid
-        except Exception as exc:  # the cost model's data missing
-            log.debug("flashoverlap: no cost-model GEMM grid (%r); persistent", exc)
-            value = "persistent"
+    value = override or model_grid()
     if value not in GEMM_GRIDS:
         raise ValueError(f"flashoverlap: GEMM grid must be 'persistent' or 'tiles', got {value!r}")
     return value
@@ -200,22 +189,3 @@ def nccl_max_ctas(group: object) -> int | None:
     except Exception:  # not NCCL, or a torch without these bindings
         pass
     return config.nccl_max_ctas_env()
-
-
-@functools.lru_cache(maxsize=8)
-def preferred_kernels(device_name: str, config_dir: str | None = None) -> dict[str, str]:
-    """``"<tm>x<tn>" -> configuration`` measured best by ``tune gemm`` (``tuned_kernels.best_by_tile`` of the
-    GPU's ``flashoverlap.gemm`` data file in the current settings' data folder, which ``config_dir`` names for the
-    memo); empty when not tuned."""
-    try:
-        from flashoverlap_inductor.cost_model import registry
-
-        want = registry.normalize_gpu_name(device_name)
-        for path in sorted(registry.data_dir().glob("*.json")):
-            doc = json.loads(path.read_text())
-            if (isinstance(doc, dict) and str(doc.get("schema", "")).startswith("flashoverlap.gemm/")
-                    and registry.normalize_gpu_name(str(doc.get("gpu", ""))) == want):
-                return dict(doc.get("tuned_kernels", {}).get("best_by_tile", {}))
-    except Exception as exc:  # tuning data is optional
-        log.debug("flashoverlap: no tuned kernel preferences: %r", exc)
-    return {}
