@@ -40,11 +40,14 @@ __all__ = [
     "is_static_int",
     "chain_passes",
     "PRE_PASS_KEY",
+    "POST_PASS_KEY",
     "c10d",
 ]
 
 # Name of the Inductor config entry our pass is installed in (runs on forward AND backward post-grad graphs).
 PRE_PASS_KEY = "post_grad_custom_pre_pass"
+# The entry after Inductor's own post-grad passes (``bench.model_coverage`` records the graphs there).
+POST_PASS_KEY = "post_grad_custom_post_pass"
 
 c10d = torch.ops._c10d_functional
 

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from flashoverlap_inductor import _inductor_compat as compat
+
 from . import coverage
 
 
@@ -77,7 +79,9 @@ def model_coverage(module: torch.nn.Module, *args: Any, backward: bool | None = 
     fused, declined (with its reason) and missed; see the module docstring.
 
     ``backward``: also run the backward of the sum of the floating outputs (None: when an output requires grad).
-    ``options``: as ``torch.compile``'s (``{"flashoverlap.fuse": "always"}``; our keys and Inductor's). The module's
+    ``options``: as ``torch.compile``'s (``{"flashoverlap.fuse": "always"}``; our keys and Inductor's). The graphs are
+    recorded in Inductor's ``post_grad_custom_post_pass``; a pass the user set there (in ``options``, else in
+    Inductor's config) still runs, right after the recording, on every graph (``compat.chain_passes``). The module's
     parameters are not changed (no optimizer step); their ``.grad`` is, when the backward runs. Collective: every
     rank of the groups the model uses must call it with inputs of the same shapes."""
     from flashoverlap_inductor.reporting import fusion_report, reset_fusion_report
@@ -89,7 +93,8 @@ def model_coverage(module: torch.nn.Module, *args: Any, backward: bool | None = 
     if fuse is not None:
         opts.setdefault("flashoverlap.fuse", fuse)
     capture = coverage.GraphCapture()
-    opts["post_grad_custom_post_pass"] = capture
+    existing = opts.get(compat.POST_PASS_KEY, getattr(compat.inductor_config(), compat.POST_PASS_KEY, None))
+    opts[compat.POST_PASS_KEY] = compat.chain_passes(capture, existing)  # the capture, then the user's own
     reset_fusion_report()
     compiled = torch.compile(module, backend=flashoverlap_backend(), options=opts, dynamic=False)
     out = compiled(*args, **kwargs)
