@@ -90,7 +90,7 @@ elif [ "$PART" = B ]; then
   fi
   if [[ "$SKIP" != *" gather "* ]]; then
     step "bench_gather"
-    timeout "$(cap 120)" "${TORCHRUN[@]}" --nproc_per_node=2 "$REPO/examples/bench_gather.py" \
+    timeout "$(cap ${FO_GATHER_CAP_S:-120})" "${TORCHRUN[@]}" --nproc_per_node=2 "$REPO/examples/bench_gather.py" \
       --shapes "${FO_GATHER_SHAPES:-4096x6144x4096,16384x4096x4096}" --json /tmp/fo_probe/bench_gather.json >"$OUT/bench_gather.log" 2>&1
     echo "bench_gather rc=$?" | tee -a "$OUT/bench_gather.log"; tail -25 "$OUT/bench_gather.log"
   fi
@@ -102,7 +102,7 @@ if [ "$PART" = C ]; then
   if [[ "$SKIP" != *" e2e "* ]]; then
     step "e2e"
     timeout "$(cap 540)" "${TORCHRUN[@]}" --nproc_per_node=2 -m flashoverlap_inductor.bench e2e --preset llama3-8b \
-      --layers 8 --plan "${FO_E2E_PLAN:-sp}" --workload train,prefill --seq "${FO_E2E_SEQ:-4096}" --batch 1 --steps 5 --warmup 2 \
+      --layers 8 --plan "${FO_E2E_PLAN:-sp}" --workload "${FO_E2E_WORKLOAD:-train,prefill}" --seq "${FO_E2E_SEQ:-4096}" --batch 1 --steps 5 --warmup 2 \
       --backends "${FO_E2E_BACKENDS:-inductor,inductor+async-tp,flashoverlap,bound}" ${FO_E2E_ARGS:-} --quiet --json "$OUT/e2e.json" >"$OUT/e2e.log" 2>&1
     echo "e2e rc=$?" | tee -a "$OUT/e2e.log"; tail -40 "$OUT/e2e.log"
   fi

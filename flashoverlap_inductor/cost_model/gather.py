@@ -11,6 +11,13 @@ GEMMs take ``reference_ms(shard_rows, n_i, k)`` (cuBLAS at the smaller M: wave
 quantization counted), slowed by ``GemmModel.effective_interference`` for the part of them that runs while NCCL
 still moves shards (``route="nccl"``; the peer route's copy engine takes no SMs: no slowdown).
 
+The peer route, where the GPU's data file has a ``gather_peer`` section (``PeerTerms``: ``gemm_factor``, ``fixed_ms``,
+``link_efficiency``), is modelled as it runs (``routes.gather_peer``, ``gather_start="handshake"``): one handshake
+(``fixed_ms``), then the local shard's GEMMs at once while the copy engine pulls the peers' shards back to back, shard
+``s`` landing at ``s * shard_bytes / (link_efficiency * link)`` after the handshake (``link``: the NVLink rate of
+``CostModel.link_bytes_per_ms``); each shard's GEMMs after it landed and the previous shard's are done, all of them
+``gemm_factor`` times slower than alone (the pulls share HBM bandwidth). Without the section: the ring model above.
+
 The all_gather's curve is the data's ``all_gather`` curve where it has one, else its ``reduce_scatter`` curve on the
 same byte count: a ring moves ``(w-1)/w`` of the buffer per rank in both (``bandwidth.ring_traffic_factor``);
 the reduction's arithmetic makes the proxy slightly pessimistic for the sequential baseline and the fused path
@@ -84,8 +91,11 @@ def _decide(rows: int, ns: tuple[int, ...], k: int, dtype: str, world: int, devi
 
 def gather_fused_ms(model, shard_rows: int, ns: Sequence[int], k: int, dtype: str, world: int, gather_ms: float,
                     route: str) -> float:
-    """The ring pipeline's time (module docstring), in ms."""
+    """The fused call's time (module docstring), in ms."""
     gemm = model.gemm
+    terms = gemm.gather_peer if route == "peer" else None
+    if terms is not None:
+        return peer_fused_ms(model, terms, shard_rows, ns, k, dtype, world)
     step = gather_ms / (world - 1) + model.call_overhead_ms
     slowdown = gemm.effective_interference if route == "nccl" else 0.0
     shard_ms = sum(gemm.reference_ms(shard_rows, n, k, dtype) for n in ns)
@@ -94,6 +104,24 @@ def gather_fused_ms(model, shard_rows: int, ns: Sequence[int], k: int, dtype: st
     for s in range(world):  # s = 0: the local shard, no transfer to wait for
         start = t if s == 0 else max(t, s * step)
         t = start + shard_ms + slowdown * min(shard_ms, max(0.0, last - start))  # slowed while transfers run
+    return t
+
+
+def peer_fused_ms(model, terms, shard_rows: int, ns: Sequence[int], k: int, dtype: str, world: int) -> float:
+    """The peer route's time in ms: ``fixed_ms + gemm_factor * x`` with ``x`` = ``peer_pipeline_ms``."""
+    return terms.fixed_ms + terms.gemm_factor * peer_pipeline_ms(
+        model, shard_rows, ns, k, dtype, world, terms.link_efficiency)
+
+
+def peer_pipeline_ms(model, shard_rows: int, ns: Sequence[int], k: int, dtype: str, world: int,
+                     link_efficiency: float) -> float:
+    """The peer route's regressor (ms): shard GEMMs one after the other, shard ``s`` (1 .. world - 1) not before
+    its pull landed at ``s * shard_bytes / (link_efficiency * link)``."""
+    shard_ms = sum(model.gemm.reference_ms(shard_rows, n, k, dtype) for n in ns)
+    pull_ms = shard_rows * k * DTYPE_BYTES[dtype] / (link_efficiency * model.link_bytes_per_ms(world))
+    t = 0.0
+    for s in range(world):
+        t = max(t, s * pull_ms) + shard_ms
     return t
 
 

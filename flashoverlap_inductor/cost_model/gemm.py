@@ -29,7 +29,7 @@ from typing import Any
 
 from flashoverlap_inductor.schedule.plan import tiles_per_group
 
-from .peer import PeerModel
+from .peer import PeerModel, PeerTerms
 from .ring import RingModel
 from .schema import validate_gemm
 
@@ -54,6 +54,7 @@ class GemmModel:
     group_overhead_ms: float = 0.0  # fixed cost of each group's wait + collective launch (CostModel.call_overhead_ms)
     peer: PeerModel | None = None  # the peer route's time model (cost_model/peer.py), where the data file has one
     ring: RingModel | None = None  # the ring route's (cost_model/ring.py), likewise
+    gather_peer: PeerTerms | None = None  # the all_gather peer route's terms (cost_model/gather.py), likewise
     # the sequential baseline's collective ends this fraction of the GEMM time later than GEMM + collective alone,
     # per world size and collective (data file section "sequential"; 0 where absent)
     seq_skew: Mapping[int, Mapping[str, float]] = field(default_factory=dict)
@@ -83,6 +84,10 @@ class GemmModel:
             group_overhead_ms=float(fused.get("group_overhead_ms", 0.0)),
             peer=PeerModel.from_json(doc["peer"]) if "peer" in doc else None,
             ring=RingModel.from_json(doc["ring"]) if "ring" in doc else None,
+            gather_peer=None if "gather_peer" not in doc else PeerTerms(
+                float(doc["gather_peer"]["gemm_factor"]), float(doc["gather_peer"]["fixed_ms"]),
+                float(doc["gather_peer"].get("host_floor_ms", 0.0)),
+                float(doc["gather_peer"].get("link_efficiency", 1.0))),
             seq_skew={int(w): {op: float(f) for op, f in per.items()}
                       for w, per in doc.get("sequential", {}).get("skew_fraction", {}).items()},
             anchor_rows=tuple(doc.get("anchor_rows", ())), source=f"{where}: {doc['source']}")

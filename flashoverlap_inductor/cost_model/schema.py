@@ -31,7 +31,9 @@ Three kinds of document live in the config directory (``configs/`` of the packag
   0 .. 0.5}}, "fit": {...}, "note": "..."}``, the sequential baseline's time after its GEMM beyond the collective's
   own, as a fraction of the GEMM time (``GemmModel.seq_skew_fraction``; ``tune fit --sequential``). ``ring``
   (optional): the ring route's time model, ``{"worlds": {"<world size >= 2>": {"<collective>": terms as peer's}},
-  "fit": {...}, "note": "..."}`` (``ring.py``; ``tune fit --ring``).
+  "fit": {...}, "note": "..."}`` (``ring.py``; ``tune fit --ring``). ``gather_peer`` (optional): the all_gather
+  peer route's terms, ``{"gemm_factor": > 0, "fixed_ms": >= 0, "link_efficiency": (0, 1], "fit": {...}, "note":
+  "..."}`` (``gather.py``).
 
 ``flashoverlap.plans/1`` (``configs/plans/*.json``): tuned plans that override the search::
 
@@ -221,6 +223,11 @@ def validate_gemm(doc: Any, where: str) -> dict[str, Any]:
         _validate_sequential(doc["sequential"], where)
     if "ring" in doc:
         _validate_ring(doc["ring"], where)
+    if "gather_peer" in doc:
+        section = doc["gather_peer"]
+        if not isinstance(section, dict):
+            raise _fail(where, "gather_peer", "expected a JSON object")
+        _validate_terms(section, where, "gather_peer")
     rows = doc.get("anchor_rows", [])
     if not isinstance(rows, list):
         raise _fail(where, "anchor_rows", "expected a list")
@@ -291,12 +298,18 @@ def _validate_route_terms(colls: dict[str, Any], where: str, path: str) -> None:
             raise _fail(where, here, f"not a collective of the route; expected one of {ROUTE_COLLECTIVES}")
         if not isinstance(terms, dict):
             raise _fail(where, here, "expected a JSON object")
-        _positive(_require(terms, "gemm_factor", (int, float), where, here), where, f"{here}.gemm_factor")
-        _positive(_require(terms, "fixed_ms", (int, float), where, here), where, f"{here}.fixed_ms", allow_zero=True)
-        if "host_floor_ms" in terms:
-            _positive(terms["host_floor_ms"], where, f"{here}.host_floor_ms", allow_zero=True)
-        if "link_efficiency" in terms and _positive(terms["link_efficiency"], where, f"{here}.link_efficiency") > 1:
-            raise _fail(where, f"{here}.link_efficiency", "must be <= 1")
+        _validate_terms(terms, where, here)
+
+
+def _validate_terms(terms: dict[str, Any], where: str, here: str) -> None:
+    """One route's terms (``peer.PeerTerms``): gemm_factor > 0, fixed_ms >= 0 and, if present, host_floor_ms >= 0
+    and 0 < link_efficiency <= 1."""
+    _positive(_require(terms, "gemm_factor", (int, float), where, here), where, f"{here}.gemm_factor")
+    _positive(_require(terms, "fixed_ms", (int, float), where, here), where, f"{here}.fixed_ms", allow_zero=True)
+    if "host_floor_ms" in terms:
+        _positive(terms["host_floor_ms"], where, f"{here}.host_floor_ms", allow_zero=True)
+    if "link_efficiency" in terms and _positive(terms["link_efficiency"], where, f"{here}.link_efficiency") > 1:
+        raise _fail(where, f"{here}.link_efficiency", "must be <= 1")
 
 
 def validate_plans(doc: Any, where: str) -> list[dict[str, Any]]:
