@@ -9,13 +9,14 @@
 #    side (cpu_side below).
 # B: the CPU side in the background; a rerun of the GPU test files in FO_RERUN; the op benchmarks on 2 GPUs
 #    (examples/bench_gather.py and examples/bench_ops.py --fuse auto, a few shapes each: a check that they run, not
-#    the grid).
+#    the grid); the call timeline (python -m flashoverlap_inductor.bench timeline: one shape, both GEMM starts, a PNG
+#    each).
 # C: alone on the machine, a short e2e run (llama3-8b, 8 layers, sp plan, batch 1, seq 4096: train and prefill;
 #    Inductor, Inductor + async-TP, flashoverlap).
 # $OUT (8 files at most): A: build.log gpu_tests.log faults.log cpu_tests.log coverage.log gpus.txt install.log;
 #   B: gpu_tests.log cpu_tests.log coverage.log bench_ops.log bench_gather.log e2e.log e2e.json (+ the benchmarks'
 #   JSON, which do not all come back).
-# FO_SKIP: any of "build tests faults cpu coverage ops gather e2e"; FO_BUDGET_S: the part's budget (default 570).
+# FO_SKIP: any of "build tests faults cpu coverage ops gather timeline e2e"; FO_BUDGET_S: the part's budget (default 570).
 set -uo pipefail
 START=$SECONDS
 PART=${FO_PART:-A}
@@ -93,6 +94,12 @@ elif [ "$PART" = B ]; then
     timeout "$(cap ${FO_GATHER_CAP_S:-120})" "${TORCHRUN[@]}" --nproc_per_node=2 "$REPO/examples/bench_gather.py" \
       --shapes "${FO_GATHER_SHAPES:-4096x6144x4096,16384x4096x4096}" --json /tmp/fo_probe/bench_gather.json >"$OUT/bench_gather.log" 2>&1
     echo "bench_gather rc=$?" | tee -a "$OUT/bench_gather.log"; tail -25 "$OUT/bench_gather.log"
+  fi
+  if [[ "$SKIP" != *" timeline "* ]]; then
+    step "timeline"
+    timeout "$(cap 120)" "${TORCHRUN[@]}" --nproc_per_node=2 -m flashoverlap_inductor.bench timeline \
+      --shapes "${FO_TIMELINE_SHAPES:-8192x6144x4096}" --png "$OUT" --json /tmp/fo_probe/timeline.json >"$OUT/timeline.log" 2>&1
+    echo "timeline rc=$?" | tee -a "$OUT/timeline.log"; tail -30 "$OUT/timeline.log"
   fi
   while kill -0 "$CPU_PID" 2>/dev/null && [ "$(left)" -gt 5 ]; do sleep 2; done
   pkill -f "bench coverage" 2>/dev/null; pkill -f "tests/test_pass_gather.py" 2>/dev/null

@@ -1,7 +1,8 @@
 """``python -m flashoverlap_inductor.bench <command> [options]``; ``<command> --help`` lists its options.
 
 Commands: ``e2e``, the end-to-end benchmark (``flashoverlap_inductor/bench/e2e.py``, ``docs/e2e.md``);
-``coverage``, what the pass fuses in a model's graphs, nothing timed (``cli_coverage.py``).
+``coverage``, what the pass fuses in a model's graphs, nothing timed (``cli_coverage.py``); ``timeline``, where the
+time of one fused all_gather -> GEMM call goes (``timeline.py``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import sys
 
 COMMANDS = {"e2e": "end-to-end train / prefill of a TP / SP / EP HuggingFace model under eager, Inductor, "
                    "Inductor + async-TP and flashoverlap, side by side",
+            "timeline": "where the time of one fused all_gather -> GEMM call goes, per rank: handshake, GEMMs, "
+                        "pulls, waits, tail against the ideal; text and PNG Gantt charts (torchrun, >= 2 GPUs)",
             "coverage": "what the flashoverlap pass fuses, declines (and why) and misses in a model's graphs: a "
                         "preset under a plan, or your own model (--model MODULE:FUNCTION); nothing timed"}
 
@@ -26,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
         from .e2e import run
 
         return run(argv[1:])
+    if argv[0] == "timeline":
+        from .timeline import run as run_timeline
+
+        return run_timeline(argv[1:])
     if argv[0] == "coverage":
         from .cli_coverage import run as run_coverage
 

@@ -68,6 +68,7 @@ class Context:
     input_split_sizes: Sequence[int] | None = None
     gather_dim: int = 0  # all_gather: the dim of ``a`` the shards are concatenated along (``schedule.gather``)
     return_gathered: bool = False  # all_gather: also return the gathered tensor
+    probe: Any = None  # a ``runtime.probe.CallProbe`` (the timeline tool's; None for every dispatched call)
 
 
 class Route(Protocol):

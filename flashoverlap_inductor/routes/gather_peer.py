@@ -243,6 +243,16 @@ def args_for(launch: GatherLaunch, ws: GatherWorkspace) -> GatherArgs:
     return p
 
 
+def probe_events(probe, p: GatherArgs, rank: int, world: int) -> list:
+    """Timing events of ``probe`` for this call's pulls (``pull:<j>``, recorded by the library on the copy stream),
+    put into the call's struct in place of the flags' own (``execute`` puts those back)."""
+    names = [f"pull:{j}" for j in range(world)]
+    events = probe.events_for(names, "copy")
+    for r in range(world):
+        p.shard_events[r] = events[r].cuda_event if r != rank else None
+    return events
+
+
 class GatherPeerRoute(symmetric.SymmetricRoute):
     name = NAME
     collectives = ("all_gather",)
@@ -271,19 +281,30 @@ class GatherPeerRoute(symmetric.SymmetricRoute):
         for i, t in enumerate(poisoned):
             p.outputs[i], p.output_numel[i] = t.data_ptr(), t.numel()
         lib = kernels.library()
+        stream, events, probe = torch.cuda.current_stream(device), ws.flags.events, ctx.probe
+        if probe is not None:  # the timeline tool's call: its own timing events for the pulls, marks on cur
+            events = probe_events(probe, p, launch.rank, geo.world)
+            probe.mark("start", stream)
         rc = lib.fo_gather_call(ctypes.byref(p))
         try:
             if rc == 0:  # the GEMMs: the local shard's now, each pulled shard's after its event
-                stream = torch.cuda.current_stream(device)
+                if probe is not None:
+                    probe.mark("gemm_start", stream)  # after cur's wait for the handshake, if any
                 for step, j in enumerate(schedule.arrival_order(launch.rank, geo.world)):
                     x = a
                     if step:
-                        stream.wait_event(ws.flags.events[j])
+                        stream.wait_event(events[j])
                         x = staging[j]
                     for w, c, out in zip(ctx.b, bias, outs, strict=True):
                         schedule.shard_gemm(x, w, c, schedule.shard_view(out, geo, j))
+                    if probe is not None:
+                        probe.mark(f"gemm_done:{j}", stream)
         finally:  # joined and poisoned whatever happened above: the copy stream never outlives the call's tensors
             rc_finish = lib.fo_gather_finish(ctypes.byref(p))
+            if probe is not None:
+                probe.mark("end", stream)
+                for r in range(geo.world):  # the memoized struct gets the flags' own events back
+                    p.shard_events[r] = ws.flags.events[r].cuda_event if r != launch.rank else None
         kernels.check(rc, "fo_gather_call")
         kernels.check(rc_finish, "fo_gather_finish")
         if not ctx.return_gathered:

@@ -1,0 +1,143 @@
+"""``python -m flashoverlap_inductor.bench timeline``: where the time of one fused all_gather -> GEMM call goes.
+
+Under ``torchrun --nproc_per_node=W`` (NCCL, one GPU per rank, one host). Per shape (``M x N x K``: M gathered rows,
+N before the split over ranks, as ``examples/bench_gather.py``) and GEMM start (``gather_start``), the gather_peer
+route runs ``--iters`` probed calls (``runtime.probe.CallProbe``: CUDA events at the call's start, after the handshake,
+at each pull's landing on the copy stream, after each shard's GEMM and at the end) after ``--warmup`` plain ones;
+every mark's median over the calls gives the timeline of each rank. In the same run, ``gemm`` (cuBLAS on the whole
+gathered tensor) and ``comm`` (``all_gather_into_tensor``) alone give the ideal ``max(gemm, comm)``.
+
+Prints per rank the breakdown of the gap to the ideal (``bench.gantt.gather_breakdown``: handshake, the shard GEMMs'
+time beyond the GEMM alone, GEMM waits for pulls, tail) and the host time per call, draws the timelines as text and,
+with ``--png DIR``, one PNG per shape and start (every rank's compute and copy lanes on one axis), and writes
+``--json``. What it cannot show yet: inside the fused GEMM kernels of the all_reduce / reduce_scatter / all_to_all
+routes (their per-tile signals need device timestamps in the kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from flashoverlap_inductor import config, routes
+from flashoverlap_inductor.routes import gather_peer
+from flashoverlap_inductor.routes.base import Context
+from flashoverlap_inductor.runtime.probe import CallProbe
+from flashoverlap_inductor.schedule import gather as gather_schedule
+
+from . import gantt
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m flashoverlap_inductor.bench timeline",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="4096x6144x4096,16384x28672x4096", help="MxNxK,... (N before the split)")
+    p.add_argument("--start", default="handshake,eager", help="gather_start values to compare (comma-separated)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--png", default=None, help="folder for one Gantt PNG per shape and start")
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def _median_ms(fn, iters: int) -> float:
+    out = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
+def probe_shape(m: int, n: int, k: int, start: str, args: argparse.Namespace) -> dict:
+    group, world, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(1000 + rank)
+    a = torch.randn(m // world, k, device="cuda", dtype=torch.bfloat16)
+    b = (torch.randn(n // world, k, device="cuda") / math.sqrt(k)).bfloat16().t()
+    gathered = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+    settings = config.current().replace(gather_start=start, transport="peer")
+    call, _, _ = routes.make_call("all_gather", a, [b], [None], group, "ring", None, None, [m, k], True)
+    why = gather_peer.unsupported(call, settings)
+    ctx = Context(a=a, b=[b], bias=[None], group=group, y_shape=[m, k], out_shape=[m, k], plan="ring",
+                  settings=settings, gather_dim=0)
+    launch = why or gather_peer.make_launch(call, settings, ctx)
+    if isinstance(launch, str):
+        return {"m": m, "n": n, "k": k, "start": start, "declined": launch}
+    for _ in range(args.warmup):
+        gather_peer.ROUTE.execute(launch, ctx)
+    marks: dict[str, list[float]] = {}
+    host: list[float] = []
+    for _ in range(args.iters):
+        ctx.probe = CallProbe()
+        dist.barrier()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        gather_peer.ROUTE.execute(launch, ctx)
+        host.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        for name, ms in ctx.probe.times().items():
+            marks.setdefault(name, []).append(ms)
+    ctx.probe = None
+    t = {name: statistics.median(v) for name, v in marks.items()}
+    gemm_ms = _median_ms(lambda: gathered @ b, args.iters)
+    comm_ms = _median_ms(lambda: dist.all_gather_into_tensor(gathered, a), args.iters)
+    order = gather_schedule.arrival_order(rank, world)
+    breakdown, lanes = gantt.gather_breakdown(t, rank, order, gemm_ms, comm_ms)
+    breakdown.update(gemm=gemm_ms, comm=comm_ms, host_ms=statistics.median(host))
+    return {"m": m, "n": n, "k": k, "start": start, "rank": rank, "breakdown": breakdown, "lanes": lanes}
+
+
+def report(rows: list[list[dict]], png_dir: str | None) -> None:
+    """Rank 0: per shape and start, each rank's breakdown, then the text Gantt (and the PNG)."""
+    cols = ("total", "ideal", "gap", "handshake", "gemm_extra", "waits", "tail", "gemm", "comm", "host_ms")
+    print("gather_peer call timeline, ms (medians of probed calls); gap = total - ideal = handshake + gemm_extra + "
+          "waits + tail when the GEMM is the longer side")
+    for per_rank in rows:
+        head = per_rank[0]
+        title = f"{head['m']}x{head['n']}x{head['k']} gather_start={head['start']}"
+        if "declined" in head:
+            print(f"== {title}: declined: {head['declined']}")
+            continue
+        print(f"== {title}\n   rank | " + " | ".join(cols))
+        for r in per_rank:
+            print(f"   {r['rank']:>4} | " + " | ".join(f"{r['breakdown'][c]:.3f}" for c in cols))
+        timeline = {r["rank"]: r["lanes"] for r in per_rank}
+        print(gantt.text(timeline))
+        if png_dir:
+            path = f"{png_dir}/timeline_{head['m']}x{head['n']}x{head['k']}_{head['start']}.png"
+            gantt.png(timeline, path)
+            print(f"   wrote {path}")
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.cuda.set_device(dist.get_node_local_rank(fallback_rank=0) if dist.is_torchelastic_launched() else 0)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    if dist.get_world_size() < 2:
+        print("timeline: run under torchrun with >= 2 ranks", file=sys.stderr)
+        return 2
+    rows = []
+    for item in args.shapes.split(","):
+        m, n, k = (int(x) for x in item.lower().split("x"))
+        for start in args.start.split(","):
+            mine = probe_shape(m, n, k, start, args)
+            got: list = [None] * dist.get_world_size()
+            dist.all_gather_object(got, mine)
+            rows.append(got)
+    if dist.get_rank() == 0:
+        report(rows, args.png)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+    dist.destroy_process_group()
+    return 0
