@@ -5,7 +5,8 @@ Everything version-dependent lives here, so a torch upgrade is a one-file review
 * ``compile_fx`` and the ``post_grad_custom_pre_pass`` hook: 2.11 accepts ONE callable only, 2.13 also a
   list/tuple. We always install one ``CustomGraphPass`` object (see ``chain_passes`` for user passes).
 * ``CustomGraphPass`` (its ``uuid()`` keys the FX graph cache): same API in both.
-* ``_resolve_process_group`` (group name -> ProcessGroup), fake-mode detection, symbolic-shape queries.
+* ``_resolve_process_group`` (group name -> ProcessGroup), ``_get_process_group_store``, fake-mode detection,
+  symbolic-shape queries.
 * The ``_c10d_functional`` op overloads the pass matches (same names and schemas in both).
 """
 
@@ -33,6 +34,7 @@ __all__ = [
     "group_size",
     "resolve_group",
     "group_backend",
+    "group_store",
     "nccl_communicator",
     "AFTER_AUTOGRAD_KEYSET",
     "CUDA_DISPATCH_KEY",
@@ -308,6 +310,13 @@ def resolve_group(group_name: str) -> Any:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name)
+
+
+def group_store(group: Any) -> Any:
+    """The c10d store of ``group`` (its ``PrefixStore``: keys are the group's own; ``_get_process_group_store``)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return c10d._get_process_group_store(group)
 
 
 def group_backend(group: Any, device: torch.device) -> Any:

@@ -113,11 +113,17 @@ def _agree_first(kind: str, compiled: Any, watched: _Watched) -> None:
 def checked(compiled: Any) -> Any:
     """``compiled`` followed, at every run, by the host-side fault check (``faults.raise_pending``: a pinned-memory
     read per fault domain, no device sync), so a wait that gave up inside a fused op -- CUDA-graph replays included
-    -- raises at the next run the host sees it, on every rank, like an eager call would (``docs/design.md``)."""
+    -- raises at the next run the host sees it, on every rank, like an eager call would (``docs/design.md``); and
+    preceded by the resynchronization of the groups such a fault marked (``routes.resync_marked``; a set test when
+    none is), which replays would otherwise never reach."""
     from flashoverlap_inductor.runtime import faults
 
     @functools.wraps(compiled)  # keeps Inductor's attributes (``_boxed_call``, ...) and its calling convention
     def run(*args: Any, **kwargs: Any) -> Any:
+        if faults.marked():
+            from flashoverlap_inductor import routes
+
+            routes.resync_marked()
         out = compiled(*args, **kwargs)
         faults.raise_pending()
         return out

@@ -12,7 +12,8 @@ strided shard rows), 1 and 3 weights, bias or none, the gathered tensor returned
 the same calls queued with no synchronization between them (the done flags guard every buffer; ``gather_start``
 "handshake" and "eager" alternating), a rank that comes
 late (every rank's outputs NaN, every rank raises ``FlashOverlapTimeout``, the next call is correct with no reset),
-and a rank that skips a call (the others raise within the bound; ``routes.reset()`` on every rank, then correct).
+and a rank that skips a call (the others raise within the bound, the skipper in ``routes.check()``; with no reset,
+the next call resynchronizes the group first and it and the one after are correct on every rank).
 """
 
 from __future__ import annotations
@@ -185,7 +186,8 @@ CASE = ((256, 512), 0, [384, 128], True, True)  # shape, gather_dim, N, bias, re
 
 def late_rank_task() -> dict:
     """The last rank comes STALL_S late to one call: the others' waits give up at the bound, every rank's outputs
-    of that call are NaN and every rank raises; the next call is correct with no reset."""
+    of that call are NaN and every rank raises; the next call resynchronizes the group (every rank raised) and is
+    correct, with no reset."""
     import torch.distributed as dist
 
     from flashoverlap_inductor import config, routes
@@ -217,6 +219,7 @@ def late_rank_task() -> dict:
         _check(_op(a, ws, cs, gdim, ret), a, ws, cs, gdim, ret, "the call after the fault")
         routes.check()
     out["after"] = routes.stats["route:gather_peer"]
+    out["resyncs"] = routes.stats["resync"]
     return out
 
 
@@ -225,17 +228,21 @@ def test_gather_peer_late_rank_poisons_and_raises_everywhere(pool):
     for r in per_rank:
         assert r["pending"] and r["poisoned"], per_rank
         assert r["error"].startswith("raised") and "gather_peer" in r["error"], per_rank
-        assert r["routed"] == 2 and r["after"] == 3, per_rank
+        assert r["routed"] == 2 and r["after"] == 3 and r["resyncs"] == 1, per_rank
         if not r["late"]:
             assert r["elapsed_s"] < SHORT_MS / 1e3 + SLACK_S, per_rank
 
 
 def missing_rank_task() -> dict:
-    """The last rank skips a call: the others' waits give up at the bound, their outputs are NaN and they raise. The
-    flags are a call apart then (a skipped call consumes no epoch), so every rank resets; the next call is correct."""
+    """The last rank skips a call: the others' waits give up at the bound, their outputs are NaN and they raise; the
+    skipper raises too, in ``routes.check()`` (their waits wrote the fault into its block). The flags are a call
+    apart then (a skipped call consumes no epoch), and nobody resets: every rank's next call first resynchronizes
+    the group (the same collective on every rank, marked by the fault each raised), then it and the one after are
+    correct on every rank."""
     import torch.distributed as dist
 
     from flashoverlap_inductor import config, routes
+    from flashoverlap_inductor.runtime import faults
 
     rank, world = dist.get_rank(), dist.get_world_size()
     shape, gdim, ns, bias, ret = CASE
@@ -253,22 +260,26 @@ def missing_rank_task() -> dict:
             torch.cuda.synchronize()
             out["elapsed_s"] = time.monotonic() - t0
             out["poisoned"] = all(bool(torch.isnan(y).all()) for y in outs)
+        dist.barrier()  # every rank's timed-out waits have recorded their faults, in every rank's block
+        out["error"] = _expect_timeout(routes.check)  # every rank, the skipper too
+        out["marked"] = faults.resync_due(0, dist.group.WORLD.group_name)
         dist.barrier()
-        if not out["skips"]:
-            out["error"] = _expect_timeout(routes.check)
-        dist.barrier()
-        routes.reset()
-        a, ws, cs = _inputs(3, shape, ns, bias)
-        _check(_op(a, ws, cs, gdim, ret), a, ws, cs, gdim, ret, "the call after the reset")
-        routes.check()
+        for seed in (3, 4):  # no reset: the first resynchronizes the group before it runs
+            a, ws, cs = _inputs(seed, shape, ns, bias)
+            _check(_op(a, ws, cs, gdim, ret), a, ws, cs, gdim, ret, f"call {seed - 2} after the fault")
+            routes.check()
     out["after"] = routes.stats["route:gather_peer"]
+    out["resyncs"] = routes.stats["resync"]
+    out["marked_after"] = bool(faults.marked())
     return out
 
 
 def test_gather_peer_missing_rank_times_out(pool):
     per_rank = pool.run(missing_rank_task)
     for r in per_rank:
-        assert r["after"] == 1, per_rank  # the call after the reset took the route
+        assert r["error"].startswith("raised") and "gather_peer" in r["error"], per_rank  # every rank raised
+        assert r["marked"] and r["resyncs"] == 1 and not r["marked_after"], per_rank
+        assert r["after"] == (3 if r["skips"] else 4), per_rank  # both calls after the fault took the route
         if not r["skips"]:
-            assert r["poisoned"] and r["error"].startswith("raised"), per_rank
+            assert r["poisoned"], per_rank
             assert r["elapsed_s"] < SHORT_MS / 1e3 + SLACK_S, per_rank

@@ -13,6 +13,9 @@ The dispatcher owns the rules every route shares:
   and their launches, made on first use; the per-call path is a dict lookup, then the route's ``execute``.
 - **CUDA-graph capture**: nothing is made inside a capture (no launches, workspaces or collective allocations); a
   launch first needed inside one is skipped for the next route, down to ``unfused``, which always runs.
+- **Resynchronization**: a call on a (device, group) that a raised fault of a symmetric-memory route marked first
+  runs ``symmetric.resync`` (collective: every rank raised that fault, so every rank's next call on the group does
+  it; inside a capture it raises instead), before anything else of the call; ``stats["resync"]`` counts them.
 - **Fallback**: a route whose ``make_launch`` or ``execute`` returns a reason (a ``str``) passes the call to the next
   candidate; logged once per reason, counted in ``stats["skip:<route>:<reason>"]``. Every reason depends only on
   what all ranks share (shapes, dtypes, strides, settings, call history), so all ranks run the same collectives.
@@ -41,11 +44,11 @@ from flashoverlap_inductor.runtime import faults, kernel_select, streams
 
 from .. import _inductor_compat as compat
 from ..schedule import steps as schedule
-from . import agree, cpu, gather_nccl, gather_peer, nccl, peer, ring, unfused
+from . import agree, cpu, gather_nccl, gather_peer, nccl, peer, ring, symmetric, unfused
 from .base import Call, Context, Route, forget_notes, note, stats
 
 __all__ = ["REGISTRY", "Call", "Context", "Route", "candidates", "check", "dispatch", "make_call", "note", "reset",
-           "select", "stats"]
+           "resync_marked", "select", "stats"]
 
 log = logging.getLogger("flashoverlap")
 
@@ -183,12 +186,35 @@ def _call_lock(cuda: bool, a: torch.Tensor, group: dist.ProcessGroup) -> threadi
     streams are shared by its calls), else per process group. Never one lock for the process: a thread holding it
     inside a collective of one group would block a thread of another group, whose peer ranks then wait forever in
     theirs (two threads of one process with fused calls on two groups deadlocked so on gloo)."""
-    name = ("cuda", a.device.index) if cuda else ("group", id(group))
+    return _named_lock(("cuda", a.device.index) if cuda else ("group", id(group)))
+
+
+def _named_lock(name: tuple) -> threading.RLock:
     with _lock:
         lock = _call_locks.get(name)
         if lock is None:
             lock = _call_locks[name] = threading.RLock()
     return lock
+
+
+def _resync(group: dist.ProcessGroup, index: int, settings: config.Settings, capturing: bool, call_id: str) -> None:
+    """``symmetric.resync`` of (device ``index``, ``group``) over every symmetric-memory route, bounded by the
+    group's wait bound under ``settings``; under the device's call lock."""
+    timeout_s = settings.timeout_ns(compat.group_timeout_ms(group)) / 1e9
+    symmetric.resync(group, index, [r for r in REGISTRY if isinstance(r, symmetric.SymmetricRoute)], timeout_s,
+                     capturing, call_id)
+    stats["resync"] += 1
+
+
+def resync_marked() -> None:
+    """Resynchronize every (device, group) a raised fault marked: the compiled wrapper's step before each run
+    (``backend.checked``), since CUDA-graph replays reach no dispatcher. Every rank runs the same graphs in the same
+    order, so every rank does it at the same run."""
+    capturing = torch.cuda.is_available() and compat.is_capturing()
+    for index, name in faults.marked():
+        with _named_lock(("cuda", index)):
+            if faults.resync_due(index, name):
+                _resync(compat.resolve_group(name), index, config.current(), capturing, "the run of a compiled graph")
 
 
 def _dispatch(collective: str, a: torch.Tensor, b: Any, bias: Any, group: dist.ProcessGroup,
@@ -230,6 +256,9 @@ def _dispatch(collective: str, a: torch.Tensor, b: Any, bias: Any, group: dist.P
             ctx.res = streams.resources(a.device.index or 0)
             if not capturing:  # a fault an earlier call (or graph replay) recorded: raise it, before this call
                 faults.raise_pending(a.device.index or 0)
+            if faults.resync_due(a.device.index or 0, call.group_name):  # every rank raised the group's fault
+                _resync(group, a.device.index or 0, settings, capturing,
+                        f"{collective} N={call.n} K={call.k} {call.dtype_name}")
         if not entry.agreed and not capturing:  # before any route acts: ranks that disagree fail here, together
             gpu = ctx.res.name if ctx.res is not None else a.device.type
             found = agree.items(call, settings, entry.routes, gpu)
@@ -322,19 +351,21 @@ def _evict(a: torch.Tensor) -> None:
 def check(sync: bool = True) -> None:
     """Raise the fault any fused call recorded (``faults``: ``errors.FlashOverlapTimeout`` or ``PeerFailure``),
     after synchronizing the devices when ``sync`` (without it, what the host can see so far: the compiled wrapper
-    runs that after each call). Every rank of the faulted group raises it."""
+    runs that after each call). Every rank of the faulted group raises it; with ``sync`` that includes a rank that
+    ran nothing since a peer recorded the fault in its block (it skipped the faulted call: the blocks themselves
+    are read, ``faults.raise_pending(deep=True)``), so that every rank's next call on the group resynchronizes it."""
     for res in streams.existing():
         if sync:
             torch.cuda.synchronize(res.index)
         if res.timed_out():
             res.raise_if_timed_out()
-    faults.raise_pending()
+    faults.raise_pending(deep=sync)
 
 
 def reset() -> None:
-    """Forget memoized launches, statistics and logged notes, and every route's state (workspaces, flags):
-    tests, and after a timeout. Synchronizes the devices first. CUDA graphs captured before must not be replayed
-    after it."""
+    """Forget memoized launches, statistics and logged notes, and every route's state (workspaces, flags) and
+    resynchronization marks: tests (after a fault, the group's next call resynchronizes it; no reset needed).
+    Synchronizes the devices first. CUDA graphs captured before must not be replayed after it."""
     global last_launch
     for res in streams.existing():
         torch.cuda.synchronize(res.index)

@@ -28,12 +28,15 @@ Invariants (units: bytes for buffers and shards, flattened rows for the GEMMs, a
   order on its copy stream (eager calls from another caller stream first wait for the last, ``order_after_last``).
 - Every wait is bounded by the call's deadline (``Settings.timeout_ns``: ``wait_timeout_ms`` or the group's
   timeout). A wait that gives up records the fault in this rank's block and every peer's; the call still notifies
-  every flag once and every wait consumes its epoch, so the next call is in step again (a late rank is caught up; a
-  rank that skips a call altogether leaves the epochs one call apart: ``routes.reset()`` on every rank). The fault
-  poisons the outputs of every call that finishes while the block holds it; the host raises it at the next call
-  (``faults.raise_pending``) or in ``routes.check()``, on every rank of the group, and clears it. With 3 or more
-  ranks, another rank's record of the same stall may land after this rank cleared its block: the next call is then
-  poisoned and raises too (never a wrong value).
+  every flag once and every wait consumes its epoch, so the next call is in step again (a late rank is caught up).
+  The fault poisons the outputs of every call that finishes while the block holds it; the host raises it at the
+  next call (``faults.raise_pending``) or in ``routes.check()``, on every rank of the group, and clears it. With 3
+  or more ranks, another rank's record of the same stall may land after this rank cleared its block: the next call
+  is then poisoned and raises too (never a wrong value).
+- A rank that skips a call altogether leaves the epochs one call apart; its peers' waits give up and write the
+  fault into its block too, so it raises in ``routes.check()`` as they do, and every rank's next call on the group
+  first resynchronizes it (``symmetric.resync``: the flag page and the epoch zeroed in place on every rank, the
+  buffers kept), with no reset. That resynchronization also drops the late records above.
 - Cost beside the GEMMs: the pulls take copy engines only; the protocol's one-thread kernels (one per peer and call)
   run on the high-priority copy stream and need an SM slot, which a full cuBLAS grid frees at its next CTA's end.
 
@@ -256,6 +259,7 @@ def probe_events(probe, p: GatherArgs, rank: int, world: int) -> list:
 class GatherPeerRoute(symmetric.SymmetricRoute):
     name = NAME
     collectives = ("all_gather",)
+    epoch_field = "epoch"
 
     unsupported = staticmethod(unsupported)
     make_launch = staticmethod(make_launch)

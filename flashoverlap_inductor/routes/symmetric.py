@@ -11,18 +11,32 @@ Invariants:
 - The routed calls of a group on a device share one set of flags and buffers, so they run one after another: an
   eager call from another stream than the last one first waits for it (``order_after_last``); host threads issue
   them one at a time (the dispatcher's lock).
+- A skipped call is recovered by ``resync``, never by a reset: a rank that skips a call altogether leaves its
+  epochs one call behind its peers', whose waits then give up and record the fault in every rank's block. Every
+  rank raises it (the skipper at ``routes.check()``, which reads the blocks after its sync; ``faults``), and
+  raising it marks (device, group); so every rank's next call on the group (the dispatcher's, or the compiled
+  wrapper's before a run of CUDA-graph replays) first runs ``resync``, the same collective on every rank: once
+  every rank's device is idle, each zeroes its flag pages and epochs in place (the state they were made in; the
+  buffers and the pointers captured graphs hold stay valid), and no rank goes on before every rank has. Inside a
+  capture it raises instead (no collective there). A barrier that a rank does not reach within the bound raises on
+  the ranks that came, and their next call tries again; the ranks compare the calls they resynchronized at and
+  raise ``errors.RankMismatch`` when these differ (their programs are out of step). A skipping rank whose next call
+  comes before its peers' waits gave up pairs that call with the skipped one: no device can tell two calls of one
+  shape apart (as with NCCL, whose collectives pair by order).
 """
 
 from __future__ import annotations
 
 import ctypes
+import datetime
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from flashoverlap_inductor import errors
 from flashoverlap_inductor.native import kernels
 from flashoverlap_inductor.runtime import faults, streams
 
@@ -31,7 +45,9 @@ from . import nccl
 
 T = TypeVar("T")
 MIN_CAPACITY = 1 << 20  # bytes
+RESYNC_MIN_S = 5.0  # the least ``resync`` waits for the other ranks (host time between their calls)
 _serials = itertools.count(1)
+_resyncs: dict[tuple[int, str], int] = {}  # (device, group) -> resynchronizations that passed their first barrier
 
 
 def next_serial() -> int:
@@ -63,7 +79,8 @@ def fault_domain(route: str, group: dist.ProcessGroup, device: torch.device, pag
     """The group's fault block: ``offset`` bytes into its symmetric flag ``page``; every peer's at the same offset of
     its page (``peer_pages``: their addresses mapped here), which a timed-out wait of this rank also writes."""
     dom = faults.domain((route, device.index, group.group_name), lambda: faults.FaultDomain(
-        device.index, route, group.group_name, page[offset:offset + faults.BLOCK_BYTES], faults.new_mirror()))
+        device.index, route, group.group_name, page[offset:offset + faults.BLOCK_BYTES], faults.new_mirror(),
+        resync=True))
     dom.setup(group.rank(), [base + offset for base in peer_pages])
     return dom
 
@@ -104,6 +121,65 @@ def forget_streams() -> None:
     _last_stream.clear()
 
 
+def resync(group: dist.ProcessGroup, index: int, routes: Sequence[SymmetricRoute], timeout_s: float,
+           capturing: bool, call_id: str) -> None:
+    """Bring the symmetric-memory state of (device ``index``, ``group``) back in step on every rank (collective:
+    every rank of the group calls it at the same call, the one after they raised the group's fault; see the module
+    docstring). ``call_id``: the call it runs before, in terms every rank shares (compared across the ranks);
+    ``timeout_s``: the barriers' bound (at least ``RESYNC_MIN_S``). Records still in the blocks are dropped with
+    the flags: they concern calls before this one, whose outputs were poisoned, and the fault was raised already.
+    Clears the mark (``faults.resynced``) once every rank zeroed its state."""
+    key = (index, group.group_name)
+    if capturing:
+        raise errors.FlashOverlapError(
+            f"flashoverlap: group {group.group_name} (cuda:{index}) must resynchronize its ranks after a fault every "
+            "rank raised, which takes a collective and cannot run inside a CUDA-graph capture: make one eager call "
+            "on the group (or one run without capture) first")
+    torch.cuda.synchronize(index)  # this rank's calls on the old epochs have ended (each within its bound)
+    number = _resyncs.get(key, 0)
+    store, world, rank = compat.group_store(group), group.size(), group.rank()
+    name = f"flashoverlap/resync/{group.group_name}/{number}"
+    timeout_s = max(timeout_s, RESYNC_MIN_S)
+    store.set(f"{name}/call/{rank}", call_id)
+    barrier(store, f"{name}/idle", world, timeout_s, group.group_name)  # every rank's device is idle on the group
+    _resyncs[key] = number + 1  # a retry after a failed second barrier uses fresh keys, as every rank's does
+    for route in routes:
+        route.zero_state(key)
+    torch.cuda.synchronize(index)
+    barrier(store, f"{name}/zeroed", world, timeout_s, group.group_name)  # no notification lands before a zeroing
+    faults.resynced(*key)
+    calls = [store.get(f"{name}/call/{r}").decode() for r in range(world)]
+    if len(set(calls)) > 1:
+        per_rank = "; ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
+        raise errors.RankMismatch(
+            f"flashoverlap: the ranks of group {group.group_name} resynchronized after a fault at different calls "
+            f"({per_rank}): their programs are out of step (a rank skipped calls, or ran one before it learned of "
+            "the fault; call routes.check() on every rank after a fault). Their state is fresh; their calls pair "
+            "by order from here, as collectives do.")
+
+
+def barrier(store: Any, key: str, world: int, timeout_s: float, group_name: str) -> None:
+    """Wait until ``world`` ranks reached ``key`` on ``store`` (the group's), at most ``timeout_s``; every rank
+    passes or none does: a rank that gives up withdraws its arrival first, unless the last rank had counted it
+    (then it passes too), and raises ``errors.FlashOverlapTimeout``."""
+    go = key + "/go"
+    if store.add(key, 1) == world:
+        store.set(go, "1")
+    try:
+        store.wait([go], datetime.timedelta(seconds=timeout_s))
+        return
+    except RuntimeError:  # DistStoreError: timed out
+        others = store.add(key, -1)
+        if others < world - 1:
+            raise errors.FlashOverlapTimeout(
+                f"flashoverlap: not all {world} ranks of group {group_name} came to resynchronize it within "
+                f"{timeout_s:.1f} s after a fault every rank raised. A rank that skipped the faulted call "
+                "learns of the fault in routes.check() (or at a later call): call it on every rank after a fault. "
+                "The next call on the group tries again.") from None
+    store.add(key, 1)  # the barrier had completed with this rank: its last rank sets ``go`` now
+    store.wait([go], datetime.timedelta(seconds=timeout_s))
+
+
 class SymmetricRoute:
     """What the peer and ring routes' ``execute`` and ``reset`` share. A subclass names its C function
     (``c_function``) and provides ``workspace_for(launch, ctx)`` (None: it would have to grow inside a capture),
@@ -115,6 +191,7 @@ class SymmetricRoute:
     collectives: tuple[str, ...] = ("all_reduce", "reduce_scatter")
     last_resort = False
     c_function = ""
+    epoch_field = "expected"  # the flags' device tensor of epochs (and targets), zeroed with their page
 
     def execute(self, launch: Any, ctx: Any) -> torch.Tensor | str:
         opnd, device = ctx.opnd, ctx.a.device
@@ -145,6 +222,17 @@ class SymmetricRoute:
 
     def slot_needed(self, launch: Any) -> bool:
         return False
+
+    def zero_state(self, key: tuple[int, str]) -> None:
+        """Zero the flag page and the epochs of ``key`` (device, group) and rewrite its fault block: the state they
+        were made in (``resync``, while no rank's call uses them). Workspaces hold data only: they stay."""
+        flags, _ = self.state()
+        f = flags.get(key)
+        if f is None:
+            return
+        f.buf.zero_()
+        getattr(f, self.epoch_field).zero_()
+        f.fault.reinit()
 
     def reset(self) -> None:
         """Drop every workspace and flag area (after synchronizing their devices): the next call makes fresh ones,

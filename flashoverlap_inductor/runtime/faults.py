@@ -12,9 +12,17 @@ call's last NCCL group). Invariants:
   after synchronizing. It then synchronizes the device, clears the block and the mirror, and raises
   ``errors.FlashOverlapTimeout`` (or ``errors.PeerFailure``) naming the route, the wait, the rank that stalled and
   the call's shape. Every rank of the group raises: each one's own block holds the fault.
-- Nothing needs resetting afterwards: every rank notifies each flag once per call and every wait consumes one epoch
+- A late rank needs nothing reset: every rank notifies each flag once per call and every wait consumes one epoch
   whether or not it timed out, so epochs stay aligned, and each call sets its own deadline (a fault never makes a
-  later call skip its waits).
+  later call skip its waits). A rank that skips a call altogether leaves its epochs one call behind its peers', so
+  a fault of a symmetric-memory domain (peer, ring, gather_peer: ``FaultDomain.resync``) also marks its (device,
+  group) *to resynchronize* when it is raised (``resync_due``): every rank of the group raises it (the recording
+  rank's wait wrote every peer's block), so every rank's next call on the group first runs the same collective
+  resynchronization (``routes.symmetric.resync``), which clears the mark (``resynced``).
+- A rank learns of a peer's record in its block from its mirror, which only its own calls write, or from
+  ``raise_pending(deep=True)`` (``routes.check()``, after its device sync), which reads the blocks themselves: a
+  rank that skipped the faulted call ran nothing that would copy its block, so ``routes.check()`` is where it
+  raises (and is marked) before its next call, as its peers are.
 """
 
 from __future__ import annotations
@@ -94,6 +102,8 @@ class FaultDomain:
     block: torch.Tensor
     mirror: torch.Tensor
     peers: list[int] = field(default_factory=list)
+    resync: bool = False  # a symmetric-memory domain: raising its fault marks (device, group) to resynchronize
+    rank: int = 0  # this rank in the group (``setup``)
 
     def __post_init__(self) -> None:  # addresses read on every call: taken once
         self.block_ptr: int = self.block.data_ptr()
@@ -109,7 +119,27 @@ class FaultDomain:
         host = torch.frombuffer(bytearray(bytes(img)), dtype=torch.uint8)
         self.block.view(torch.uint8).copy_(host)
         torch.cuda.synchronize(self.device)
-        self.peers = list(peer_blocks)
+        self.peers, self.rank = list(peer_blocks), rank
+
+    def reinit(self) -> None:
+        """Write the block afresh (every field zero but rank and the peers) and zero the mirror: after its flag page
+        was zeroed (``routes.symmetric.resync``)."""
+        self.mirror.zero_()
+        if not self.block.is_cuda:  # a CPU simulation
+            self.block.zero_()
+            self.block.view(torch.int32)[7] = self.rank
+            return
+        self.setup(self.rank, self.peers)
+
+    def refresh(self) -> None:
+        """Copy the block's record into the mirror when the mirror holds none (a device read: after a sync only).
+        A peer's timed-out wait writes this rank's block, but only this rank's own calls copy the block to the
+        mirror: a rank that ran no call since (it skipped the faulted call) learns of the record here."""
+        if self._code.value:
+            return
+        ints = self.block.view(torch.int32)[:MIRROR_INTS].cpu()
+        if int(ints[0]):
+            self.mirror.copy_(ints)
 
     def clear(self) -> None:
         """Zero the block's fault fields and the mirror (``fo_fault_clear``; on the host for a CPU simulation)."""
@@ -129,27 +159,33 @@ class FaultDomain:
         return self._code.value != 0
 
     def raise_fault(self) -> None:
-        """Synchronize the device, clear the block and the mirror, and raise the recorded fault."""
+        """Synchronize the device, clear the block and the mirror, mark (device, group) to resynchronize when this
+        is a symmetric-memory domain (``resync``), and raise the recorded fault."""
         torch.cuda.synchronize(self.device)
         vals = [int(v) for v in self.mirror.tolist()]
         code, tag, seen, target, origin, _call, launch, rank = vals
         if code == 0:
             return
         self.clear()
+        if self.resync:
+            _resync.add((self.device, self.group))
         who = CODES.get(code, "a wait").format(origin=origin)
         shape = _launches.get(launch, "a call whose shape is no longer known")
         if code == 4:
             raise errors.PeerFailure(f"flashoverlap: {who} ({self.route} route, group {self.group}, cuda:{self.device},"
-                                     f" rank {rank}): {shape}. Its outputs were poisoned (NaN).")
+                                     f" rank {rank}): {shape}. Its outputs were poisoned (NaN). {AFTER[self.resync]}")
         detail = "" if code == 3 else f" for {describe_wait(tag)} (saw {seen}, waited for {target})"
         raise errors.FlashOverlapTimeout(
             f"flashoverlap: {who} timed out{detail} on the {self.route} route, group {self.group} (cuda:{self.device}, "
             f"this is rank {rank}), during {shape}. The rank that stalled is rank {origin}. Every rank of the group "
             "raises this; the outputs of the calls it concerned were poisoned (NaN), never returned with stale data. "
-            "The next call runs normally (no reset needed). Raise wait_timeout_ms if the stall was expected.")
+            f"{AFTER[self.resync]} Raise wait_timeout_ms if the stall was expected.")
 
 
 _domains: dict[tuple, FaultDomain] = {}
+_resync: set[tuple[int, str]] = set()  # (device, group name) whose next call resynchronizes the group first
+AFTER = {False: "The next call runs normally (no reset needed).",
+         True: "The group's next call first resynchronizes its ranks (collectively; no reset needed)."}
 
 
 def new_mirror() -> torch.Tensor:
@@ -165,14 +201,38 @@ def domain(key: tuple, make) -> FaultDomain:
     return d
 
 
-def raise_pending(device: int | None = None) -> None:
-    """Raise the first recorded fault of ``device``'s domains (every device when None); a host read per domain."""
+def raise_pending(device: int | None = None, deep: bool = False) -> None:
+    """Raise the first recorded fault of ``device``'s domains (every device when None); a host read per domain.
+    ``deep``: read the symmetric-memory domains' blocks too, which peers write (``FaultDomain.refresh``; the caller
+    synchronized the devices)."""
     for d in tuple(_domains.values()):
-        if d._code.value and (device is None or d.device == device):
+        if device is not None and d.device != device:
+            continue
+        if deep and d.resync:
+            d.refresh()
+        if d._code.value:
             d.raise_fault()
 
 
+def resync_due(device: int, group: str) -> bool:
+    """Whether a raised fault marked (``device``, ``group``) to resynchronize before its next call (a set lookup)."""
+    return bool(_resync) and (device, group) in _resync
+
+
+def marked() -> list[tuple[int, str]]:
+    """The (device, group) pairs marked to resynchronize, in one order on every rank."""
+    return sorted(_resync)
+
+
+def resynced(device: int, group: str) -> None:
+    """The mark of (``device``, ``group``) is done with: its ranks resynchronized."""
+    _resync.discard((device, group))
+
+
 def forget(route: str | None = None) -> None:
-    """Drop the domains (of ``route``; all when None): after the route's state was reset."""
+    """Drop the domains (of ``route``; all, and every resynchronization mark, when None): after the route's state
+    was reset."""
     for key in [k for k, d in _domains.items() if route is None or d.route == route]:
         del _domains[key]
+    if route is None:
+        _resync.clear()
