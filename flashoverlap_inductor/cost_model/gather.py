@@ -15,8 +15,10 @@ The peer route, where the GPU's data file has a ``gather_peer`` section (``PeerT
 ``link_efficiency``), is modelled as it runs (``routes.gather_peer``, ``gather_start="handshake"``): one handshake
 (``fixed_ms``), then the local shard's GEMMs at once while the copy engine pulls the peers' shards back to back, shard
 ``s`` landing at ``s * shard_bytes / (link_efficiency * link)`` after the handshake (``link``: the NVLink rate of
-``CostModel.link_bytes_per_ms``); each shard's GEMMs after it landed and the previous shard's are done, all of them
-``gemm_factor`` times slower than alone (the pulls share HBM bandwidth). Without the section: the ring model above.
+``CostModel.link_bytes_per_ms``); each shard's GEMMs after it landed and the previous shard's are done. A shard's
+GEMMs take ``1 / world`` of the whole gathered GEMMs' reference time (not the wave model at the shard's rows, whose
+partial-wave cost overstates split GEMMs: measured, cuBLAS loses little by splitting M), all of it ``gemm_factor``
+times slower (the split and the pulls' share of HBM). Without the section: the ring model above.
 
 The all_gather's curve is the data's ``all_gather`` curve where it has one, else its ``reduce_scatter`` curve on the
 same byte count: a ring moves ``(w-1)/w`` of the buffer per rank in both (``bandwidth.ring_traffic_factor``);
@@ -115,9 +117,10 @@ def peer_fused_ms(model, terms, shard_rows: int, ns: Sequence[int], k: int, dtyp
 
 def peer_pipeline_ms(model, shard_rows: int, ns: Sequence[int], k: int, dtype: str, world: int,
                      link_efficiency: float) -> float:
-    """The peer route's regressor (ms): shard GEMMs one after the other, shard ``s`` (1 .. world - 1) not before
-    its pull landed at ``s * shard_bytes / (link_efficiency * link)``."""
-    shard_ms = sum(model.gemm.reference_ms(shard_rows, n, k, dtype) for n in ns)
+    """The peer route's regressor (ms): shard GEMMs one after the other, each ``1 / world`` of the gathered GEMMs'
+    reference time, shard ``s`` (1 .. world - 1) not before its pull landed at ``s * shard_bytes / (link_efficiency *
+    link)``."""
+    shard_ms = sum(model.gemm.reference_ms(shard_rows * world, n, k, dtype) for n in ns) / world
     pull_ms = shard_rows * k * DTYPE_BYTES[dtype] / (link_efficiency * model.link_bytes_per_ms(world))
     t = 0.0
     for s in range(world):
