@@ -273,6 +273,10 @@ def test_bound_pass_removes_every_collective():
     g.output(tuple(outs))
     assert replace_collectives(g) == 5
     assert not [n for n in g.nodes if getattr(n.target, "namespace", "") == "_c10d_functional"]
+    # the gathered rows depend on x (a constant would let Inductor fold away everything downstream)
+    gathered = g.output_node().args[0][2]
+    assert gathered.target is torch.ops.aten.repeat.default and gathered.args[0] is x
+    assert gathered.meta["val"].shape == (16, 4)
 
 
 def test_table_marks_mismatch_and_na():

@@ -6,14 +6,19 @@ of the right shape and no communication: the time of a step whose communication 
 
 * ``all_reduce(x)`` -> ``x`` (the input itself);
 * ``reduce_scatter_tensor(x, op, P)`` -> ``x[: rows / P]`` (a view of the first rows);
-* ``all_gather_into_tensor(x, P)`` -> ``x.new_zeros([P * rows, ...])``;
+* ``all_gather_into_tensor(x, P)`` -> ``x.repeat(P, 1, ...)`` (the local shard P times);
 * ``all_to_all_single(x, out, in)`` -> ``x`` with even splits (``None``) or equal static ones (MoE's count exchange,
   whose values decide the sizes after it), else ``x.new_zeros([sum(out), ...])``.
 
-Zeros, not uninitialized memory: a gathered or exchanged tensor may hold indices or counts that later ops index
-with (MoE routing); a memset of the output is the only cost these ops add (local memory traffic, no
-communication). Results are meaningless (the harness never compares them, and says so); shapes, dtypes and every
-GEMM, norm and kernel of the step are those of the Inductor row. ``hidden`` of a row is then ``(T_inductor - T_row) /
+Values that depend on the input, never a constant: with the gathered rows replaced by zeros, the sequence-parallel
+prefill's bound ran in 4.99 ms on 2 H200s (2026-11-26, torch 2.11), below the time of its GEMMs alone (about 7 TFLOP
+per rank, >= 10 ms): a constant lets Inductor drop work that only it feeds. A repeat of the shard holds only values
+the rank has (valid indices where it held indices) and costs one local copy of the output. Only an all_to_all with
+uneven splits, whose output rows cannot come from the input one for one, gets zeros (MoE routing may index with
+them); a memset is its cost.
+
+Results are meaningless (the harness never compares them, and says so); shapes, dtypes and every GEMM, norm and
+kernel of the step are those of the Inductor row. ``hidden`` of a row is then ``(T_inductor - T_row) /
 (T_inductor - T_bound)``: the share of the communication time that row hid (``e2e.add_hidden``).
 """
 
@@ -51,8 +56,8 @@ def replace_collectives(graph: torch.fx.Graph) -> int:
                 rows = x.meta["val"].shape[0] // _arg(coll, 2, "group_size")
                 local = graph.call_function(aten.slice.Tensor, (x, 0, 0, rows))
             elif coll.target is c10d.all_gather_into_tensor.default:
-                shape = list(x.meta["val"].shape)
-                local = _zeros(graph, x, [shape[0] * _arg(coll, 1, "group_size"), *shape[1:]])
+                ndim = x.meta["val"].dim()
+                local = graph.call_function(aten.repeat.default, (x, [_arg(coll, 1, "group_size")] + [1] * (ndim - 1)))
             elif coll.target is c10d.all_to_all_single.default:
                 out, inp = _arg(coll, 1, "output_split_sizes"), _arg(coll, 2, "input_split_sizes")
                 if out is None or _same_static(out, inp):  # e.g. MoE's count exchange: its values set later sizes
