@@ -4,7 +4,10 @@ Under ``torchrun --nproc_per_node=W`` (NCCL, one GPU per rank, one host). Per sh
 N before the split over ranks, as ``examples/bench_gather.py``) and GEMM start (``gather_start``), the gather_peer
 route runs ``--iters`` probed calls (``runtime.probe.CallProbe``: CUDA events at the call's start, after the handshake,
 at each pull's landing on the copy stream, after each shard's GEMM and at the end) after ``--warmup`` plain ones;
-every mark's median over the calls gives the timeline of each rank. In the same run, ``gemm`` (cuBLAS on the whole
+every mark's median over the calls gives the timeline of each rank. Before each probed call the GPU spins
+``--spin-ms`` (default 1 ms) so the host has enqueued the whole call before it starts: the marks time the device
+alone (``--spin-ms 0``: the call as issued from an idle GPU, host gaps included; the first run on 2 H200s, without the
+spin, counted up to 0.08 ms of host enqueue time as "handshake"). In the same run, ``gemm`` (cuBLAS on the whole
 gathered tensor) and ``comm`` (``all_gather_into_tensor``) alone give the ideal ``max(gemm, comm)``.
 
 Prints per rank the breakdown of the gap to the ideal (``bench.gantt.gather_breakdown``: handshake, the shard GEMMs'
@@ -31,6 +34,7 @@ from flashoverlap_inductor.routes import gather_peer
 from flashoverlap_inductor.routes.base import Context
 from flashoverlap_inductor.runtime.probe import CallProbe
 from flashoverlap_inductor.schedule import gather as gather_schedule
+from flashoverlap_inductor.tune import measure
 
 from . import gantt
 
@@ -42,6 +46,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--start", default="handshake,eager", help="gather_start values to compare (comma-separated)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--spin-ms", type=float, default=1.0,
+                   help="GPU spin before each probed call, so the host has enqueued the whole call before it starts "
+                        "(the marks then time the device alone); 0: the call as issued (host gaps included)")
     p.add_argument("--png", default=None, help="folder for one Gantt PNG per shape and start")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
@@ -81,6 +88,8 @@ def probe_shape(m: int, n: int, k: int, start: str, args: argparse.Namespace) ->
         ctx.probe = CallProbe()
         dist.barrier()
         torch.cuda.synchronize()
+        if args.spin_ms > 0:
+            measure.spin(args.spin_ms)
         t0 = time.perf_counter()
         gather_peer.ROUTE.execute(launch, ctx)
         host.append((time.perf_counter() - t0) * 1e3)
