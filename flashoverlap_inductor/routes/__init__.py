@@ -353,13 +353,16 @@ def check(sync: bool = True) -> None:
     after synchronizing the devices when ``sync`` (without it, what the host can see so far: the compiled wrapper
     runs that after each call). Every rank of the faulted group raises it; with ``sync`` that includes a rank that
     ran nothing since a peer recorded the fault in its block (it skipped the faulted call: the blocks themselves
-    are read, ``faults.raise_pending(deep=True)``), so that every rank's next call on the group resynchronizes it."""
+    are read, ``faults.raise_pending(deep=True)``), so that every rank's next call on the group resynchronizes it.
+    Then the failures of peers that the NCCL all_gather route's exchange brought and no call reported yet
+    (``gather_nccl.raise_pending``: ``errors.PeerFailure``)."""
     for res in streams.existing():
         if sync:
             torch.cuda.synchronize(res.index)
         if res.timed_out():
             res.raise_if_timed_out()
     faults.raise_pending(deep=sync)
+    gather_nccl.raise_pending(sync)
 
 
 def reset() -> None:

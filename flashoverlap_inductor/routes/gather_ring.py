@@ -5,10 +5,17 @@ Ring step s (1 .. world-1): send the shard received at step s-1 (at step 1: the 
 the shard of rank ``rank - s`` from rank - 1 into ``staging[rank - s]`` ([world, shard_rows, K], the dim-0
 all_gather's layout). The GEMMs of shard j write their rows of each result (``schedule.gather.shard_view``): the
 local shard first, then in arrival order. Every rank issues the same ring steps whatever happens, so a rank whose
-GEMM fails still delivers its shard and the peers' results stay exact (they depend only on the shards).
+GEMM fails still delivers its shard and the peers' results stay exact (they depend only on the shards); a rank that
+could not even prepare its call (``GatherCall`` raised: no memory for ``staging``) issues them from ``VoidRing``,
+which sends NaN shards, so that a peer's rows of a lost shard are NaN, never other data.
+
+``run_streams`` takes its streams from a ``CudaStreams`` (the NCCL route) or a ``HostStreams`` (every step in order
+on the host: the CPU tests of the NCCL route's failure contract, ``tests/test_gather_nccl_contract.py``).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -40,11 +47,8 @@ class GatherCall:
 
     def issue(self, step: int) -> list:
         """Ring step ``step``'s send and receive (async works)."""
-        nxt, prev = self.peers()
         sent = self.a if step == 1 else self.staging[self.source(step - 1)]
-        ops = [dist.P2POp(dist.isend, sent, nxt, self.group, tag=step),
-               dist.P2POp(dist.irecv, self.staging[self.source(step)], prev, self.group, tag=step)]
-        return [w for w in (dist.batch_isend_irecv(ops) or ()) if w is not None]
+        return ring_step(self.group, self.peers(), step, sent, self.staging[self.source(step)])
 
     def compute(self, j: int) -> None:
         """Every GEMM's rows of shard j."""
@@ -96,28 +100,123 @@ def run_host(call: GatherCall) -> BaseException | None:
     return failure
 
 
-def run_streams(call: GatherCall) -> None:
+def ring_step(group, peers: tuple[int, int], step: int, sent: torch.Tensor, received: torch.Tensor) -> list:
+    """One ring step: send ``sent`` to ``peers[0]`` and receive ``received`` from ``peers[1]`` (async works)."""
+    nxt, prev = peers
+    ops = [dist.P2POp(dist.isend, sent, nxt, group, tag=step), dist.P2POp(dist.irecv, received, prev, group, tag=step)]
+    return [w for w in (dist.batch_isend_irecv(ops) or ()) if w is not None]
+
+
+class VoidRing:
+    """The ring steps of a rank whose ``GatherCall`` could not be made: every step sends a NaN shard (zeros for a
+    dtype without NaN) and receives into a scratch shard, so the peers' steps complete and their rows of every shard
+    that passed through this rank are NaN. Two shards of memory instead of the call's ``staging`` and outputs."""
+
+    def __init__(self, ctx) -> None:
+        self.group, self.world, self.rank = ctx.group, ctx.group.size(), ctx.group.rank()
+        geo = schedule.geometry(list(ctx.a.shape), ctx.gather_dim, self.world)
+        self.a = ctx.a  # its device, for the streams
+        buf = ctx.a.new_empty(2, geo.shard_rows, geo.k)
+        buf[0].fill_(float("nan") if buf.is_floating_point() or buf.is_complex() else 0)
+        self.sent, self.scratch = buf[0], buf[1]
+
+    peers = GatherCall.peers
+
+    def issue(self, step: int) -> list:
+        return ring_step(self.group, self.peers(), step, self.sent, self.scratch)
+
+
+class StepIssueError(RuntimeError):
+    """Issuing ring step ``step`` (or making the side stream wait for it) raised ``cause``: the step may be half
+    enqueued, so the ring cannot be completed; the NCCL route aborts the group (``gather_nccl``)."""
+
+    def __init__(self, step: int, cause: BaseException) -> None:
+        super().__init__(f"ring step {step} could not be issued: {cause!r}")
+        self.step, self.cause = step, cause
+
+
+class CudaStreams:
+    """The NCCL route's streams: the caller's (``cur``: the GEMMs) and the device's side stream (the ring steps)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cur = torch.cuda.current_stream(device)
+        self.side = _side_stream(device)
+
+    def fork(self) -> None:
+        self.side.wait_stream(self.cur)
+
+    def on_side(self):
+        return torch.cuda.stream(self.side)
+
+    def mark(self) -> torch.cuda.Event:
+        """An event of the side stream's work so far."""
+        ev = torch.cuda.Event()
+        ev.record(self.side)
+        return ev
+
+    def wait(self, ev) -> None:
+        self.cur.wait_event(ev)
+
+    def join(self) -> None:
+        self.cur.wait_stream(self.side)
+
+
+class HostStreams:
+    """Every step in order on the host (gloo works are waited on the host): no stream to fork, mark or join."""
+
+    def fork(self) -> None:
+        pass
+
+    def on_side(self):
+        return contextlib.nullcontext()
+
+    def mark(self) -> None:
+        return None
+
+    def wait(self, ev) -> None:
+        pass
+
+    def join(self) -> None:
+        pass
+
+
+def run_streams(call, streams=None, compute: bool = True) -> BaseException | None:
     """The ring on CUDA streams, without host waits: every step issued at once from a side stream (step s+1 after
-    step s landed: the side stream waits on each step's works), the GEMMs on the caller's stream, each after an
-    event of its shard's step; the caller's stream joins the side stream at the end."""
-    cur = torch.cuda.current_stream(call.a.device)
-    side = _side_stream(call.a.device)
-    side.wait_stream(cur)
-    events = []
-    with torch.cuda.stream(side):
-        for step in range(1, call.world):
-            for work in call.issue(step):
-                work.wait()  # the side stream waits for the step (no host wait with NCCL)
-            ev = torch.cuda.Event()
-            ev.record(side)
-            events.append(ev)
+    step s landed: the side stream waits on each step's works), the GEMMs (``compute``; ``call`` a ``GatherCall``)
+    on the caller's stream, each after an event of its shard's step; the caller's stream joins the side stream at
+    the end, whatever happened. ``streams``: ``CudaStreams`` of ``call.a``'s device by default.
+
+    Returns the first failure of the GEMMs or of the events (every ring step was issued), None when all went well;
+    raises ``StepIssueError`` when issuing a step, or waiting for its works, raised (the later steps are not
+    issued: the caller aborts the group)."""
+    streams = CudaStreams(call.a.device) if streams is None else streams
+    failure: BaseException | None = None
+    events: list = []
+    streams.fork()
     try:
-        call.compute(call.rank)
-        for step, ev in enumerate(events, start=1):
-            cur.wait_event(ev)
-            call.compute(call.source(step))
-    finally:  # even after a GEMM error: nothing allocated on cur is reused while a transfer may still write it
-        cur.wait_stream(side)
+        with streams.on_side():
+            for step in range(1, call.world):
+                try:
+                    for work in call.issue(step):
+                        work.wait()  # the side stream waits for the step (no host wait with NCCL)
+                except BaseException as exc:  # noqa: BLE001 - the step may be half enqueued: the caller aborts
+                    raise StepIssueError(step, exc) from exc
+                try:
+                    events.append(streams.mark())
+                except BaseException as exc:  # noqa: BLE001 - the step is issued: issue the others, compute none
+                    failure = failure or exc
+        if compute and failure is None:
+            call.compute(call.rank)
+            for step, ev in enumerate(events, start=1):
+                streams.wait(ev)
+                call.compute(call.source(step))
+    except StepIssueError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - settled by the caller (the route's failure exchange)
+        failure = failure or exc
+    finally:  # even after a failure: nothing allocated on cur is reused while a transfer may still write it
+        streams.join()
+    return failure
 
 
 _side: dict[int, torch.cuda.Stream] = {}
