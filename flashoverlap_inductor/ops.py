@@ -8,6 +8,11 @@ added on every rank *before* the reduction), then a collective over ``y`` along 
 * ``gemm_all_reduce``: sum over the group; same shape as ``y``.
 * ``gemm_reduce_scatter``: rank r's contiguous shard ``y.shape[0] / group_size`` of the sum along dim 0.
 * ``gemm_all_to_all``: like ``all_to_all_single(y, output_split_sizes, input_split_sizes)`` (None = even).
+* ``gemm_unpermute_all_to_all`` (the MoE combine): the experts' GEMM ``y = cat(a[e] @ b[e])`` (per-expert loop;
+  ``offs`` None) or ``y = sum_t _grouped_mm(a[t], b[t], offs)`` (``b[t]`` [E, K_t, N]), then the un-permutation
+  ``send = zeros([sum(input_split_sizes), N]).index_put_((index,), y, accumulate)``, then
+  ``all_to_all_single(send, output_split_sizes, input_split_sizes)`` (row counts). Rows the graph leaves undefined
+  (past the last offset, send rows no index names) are 0. Runtime: ``routes/combine.py``.
 
 And the other way round, a collective *before* the GEMMs:
 
@@ -22,7 +27,8 @@ sizes become row counts by multiplying with ``unit``. A call whose ``y`` is empt
 for all_reduce / reduce_scatter, whose ranks hold equal shapes; for all_to_all a zero size after dim 0, e.g. N = 0,
 or no rows with even splits) returns its empty result here, before any route: no GEMM, no collective on any rank.
 
-``plan`` is a ``GroupPlan.to_str()`` or ``"auto"`` (a memoized cost-model plan per call shape; ``schedule.steps``).
+``plan`` is a ``GroupPlan.to_str()`` or ``"auto"`` (a memoized cost-model plan per call shape; ``schedule.steps``);
+for the combine ``"blocks"`` (one step per destination rank, ``schedule.combine``) or ``"auto"`` (the route's own).
 ``settings`` is a ``config.Settings.key()`` string (the pass passes the settings it compiled under; "" = the
 process's current settings). Which implementation runs is decided by the route registry (``routes.dispatch``).
 """
@@ -37,6 +43,7 @@ import torch.distributed as dist
 
 from . import _inductor_compat as compat
 from . import routes
+from .routes import combine as combine_route
 from .routes.unfused import reduce_scatter_into  # noqa: F401  (the version shim tools import from here)
 from .schedule import gather as gather_schedule
 from .schedule.steps import all_to_all_splits, even_splits
@@ -54,6 +61,9 @@ _SCHEMAS = {
                        "SymInt[]? input_split_sizes, str group_name, str plan, str settings=\"\") -> Tensor",
     "all_gather_gemm": "(Tensor a, Tensor[] b, Tensor?[] bias, int gather_dim, int group_size, str group_name, "
                        "str plan, bool return_gathered, str settings=\"\") -> Tensor[]",
+    "gemm_unpermute_all_to_all": "(Tensor[] a, Tensor[] b, Tensor? offs, Tensor index, bool accumulate, "
+                                 "SymInt[] output_split_sizes, SymInt[] input_split_sizes, str group_name, str plan, "
+                                 "str settings=\"\") -> Tensor",
 }
 
 # ----------------------------------------------------------------------------------------------- validation
@@ -228,6 +238,62 @@ def _(a, b, bias, gather_dim, group_size, group_name, plan, return_gathered, set
     return [_new_output(a, s) for s in (shapes if return_gathered else shapes[:-1])]
 
 
+def check_combine(a: list, b: list, offs: torch.Tensor | None, index: torch.Tensor) -> int:
+    """Validate a ``gemm_unpermute_all_to_all`` call's operands (ranks, dtypes, devices, K and N; row counts are per
+    rank and checked by the route); returns N. Raises ``ValueError`` with the reason."""
+    if not a or len(a) != len(b):
+        raise ValueError(f"flashoverlap: the combine needs one or more a and one b per a, got {len(a)} a, {len(b)} b")
+    if any(t.dtype != a[0].dtype or t.device != a[0].device for t in (*a, *b)):
+        raise ValueError("flashoverlap: the combine's a and b must share one dtype and one device")
+    if index.dim() != 1 or index.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"flashoverlap: the combine's index must be a 1-D int64/int32 tensor, got "
+                         f"{index.dtype}{list(index.shape)}")
+    want_b = 2 if offs is None else 3
+    if any(x.dim() != 2 for x in a) or any(w.dim() != want_b for w in b):
+        raise ValueError(f"flashoverlap: the combine needs a [M, K] and b of {want_b} dims, got a "
+                         f"{[list(x.shape) for x in a]}, b {[list(w.shape) for w in b]}")
+    if offs is not None and (offs.dim() != 1 or offs.dtype != torch.int32):
+        raise ValueError(f"flashoverlap: the combine's offs must be a 1-D int32 tensor, got {offs.dtype}"
+                         f"{list(offs.shape)}")
+    n = b[0].shape[-1]
+    for x, w in zip(a, b, strict=True):
+        msg = f"flashoverlap: combine inner sizes differ {list(x.shape)} @ {list(w.shape)}"
+        torch._check(x.shape[1] == w.shape[-2], lambda msg=msg: msg)
+        torch._check(w.shape[-1] == n, lambda: "flashoverlap: the combine's GEMMs must share N")
+        if offs is not None:
+            torch._check(w.shape[0] == offs.shape[0], lambda: "flashoverlap: one offset per expert of b")
+            torch._check(x.shape[0] == a[0].shape[0], lambda: "flashoverlap: the grouped terms must share their rows")
+    return n
+
+
+def _gemm_unpermute_all_to_all(a, b, offs, index, accumulate, output_split_sizes, input_split_sizes, group_name, plan,
+                               settings=""):
+    n = check_combine(a, b, offs, index)
+    group = resolve_group(group_name)
+    outs, ins = [int(x) for x in output_split_sizes], [int(x) for x in input_split_sizes]
+    world, rank = group.size(), group.rank()
+    if len(outs) != world or len(ins) != world:
+        raise ValueError(f"flashoverlap: the combine needs {world} split sizes each, got {outs} and {ins}")
+    if outs[rank] != ins[rank]:
+        raise ValueError(f"flashoverlap: combine rank {rank} sends itself {ins[rank]} rows but expects {outs[rank]}")
+    if n == 0:  # nothing moves on any rank (N is the ranks' shared weight size)
+        return _new_output(a[0], [sum(outs), 0])
+    return combine_route.dispatch(list(a), list(b), offs, index, accumulate, outs, ins, group, plan, settings)
+
+
+gemm_unpermute_all_to_all = torch.library.custom_op(
+    f"{NAMESPACE}::gemm_unpermute_all_to_all", mutates_args=(),
+    schema=_SCHEMAS["gemm_unpermute_all_to_all"])(_gemm_unpermute_all_to_all)
+
+
+@gemm_unpermute_all_to_all.register_fake
+def _(a, b, offs, index, accumulate, output_split_sizes, input_split_sizes, group_name, plan, settings=""):
+    n = check_combine(a, b, offs, index)
+    torch._check(len(output_split_sizes) == len(input_split_sizes),
+                 lambda: "flashoverlap: the combine needs one output and one input split size per rank")
+    return _new_output(a[0], [sum(output_split_sizes), n])
+
+
 # The CUDA fast path. custom_op's own layers (autograd wrapper, dynamo guard, aliasing check) cost ~130 us of host
 # time per call on torch 2.11 (examples/device/host_profile.py). Two plain kernels replace them for CUDA tensors:
 # on AutogradCUDA, a check (the ops have no autograd formula: the pass inserts them after autograd; with grad
@@ -261,7 +327,8 @@ def _autograd_cuda_kernel(name: str, impl):
 
 
 for _name, _impl in (("gemm_all_reduce", _gemm_all_reduce), ("gemm_reduce_scatter", _gemm_reduce_scatter),
-                     ("gemm_all_to_all", _gemm_all_to_all), ("all_gather_gemm", _all_gather_gemm)):
+                     ("gemm_all_to_all", _gemm_all_to_all), ("all_gather_gemm", _all_gather_gemm),
+                     ("gemm_unpermute_all_to_all", _gemm_unpermute_all_to_all)):
     _fast_lib.impl(_name, _autograd_cuda_kernel(_name, _impl), "AutogradCUDA", with_keyset=True)
     _fast_lib.impl(_name, _impl, "CUDA")
 
@@ -270,6 +337,7 @@ FUSED_OPS = (
     torch.ops.flashoverlap.gemm_reduce_scatter.default,
     torch.ops.flashoverlap.gemm_all_to_all.default,
     torch.ops.flashoverlap.all_gather_gemm.default,
+    torch.ops.flashoverlap.gemm_unpermute_all_to_all.default,
 )
 # Every rank must run its collectives: never let DCE drop a fused op whose output looks unused.
 for _op in FUSED_OPS:

@@ -4,7 +4,7 @@
   which checks the gradient sums of replicated weights (Qwen3's q/k norms, the MoE router) and the EP dispatch;
 * tp and sp training through ``run()`` inside the rank pool: eager, Inductor and flashoverlap (``fuse="always"``)
   match Inductor, and the pass fused the row-parallel all_reduces (tp) and reduce_scatters (sp);
-* the ep plan of the tiny MoE runs (prefill) and reports its coverage (the combine all_to_all and what blocks it);
+* the ep plan of the tiny MoE runs (prefill), fused combine included, and reports its coverage;
 * the CLI itself under ``torch.distributed.run`` (prefill): exit status 0, the JSON, and the PNG when matplotlib
   is installed;
 * argument validation (one-line errors, status 2) and the table's mismatch marking, without ranks.
@@ -152,10 +152,12 @@ def test_moe_expert_parallel_runs_and_reports_coverage(pool, tmp_path):
     assert fo["fusion"].get("fused:reduce_scatter", 0) == 1, fo["fusion"]  # the attention's o projection
     cov = data["coverage"][0]
     fwd = cov["graphs"]["inference"]["collectives"]
-    # 2 local experts per rank: the un-permutation (index_copy -> index_put) stands before the combine all_to_all
-    assert fwd.get("all_to_all <- via index_put", 0) == 1, cov
-    assert any("MoE combine: not matched: index_put" in n for n in cov["notes"]), cov["notes"]
-    assert "near_miss:index_put" in fo["fusion"], fo["fusion"]
+    # 2 local experts per rank: the experts' GEMMs, the un-permutation (index_copy -> index_put) and the combine
+    # all_to_all are one fused op; the count exchange and the dispatch are left (no GEMM before them)
+    assert cov["graphs"]["inference"]["fused"].get("flashoverlap:gemm_unpermute_all_to_all") == 1, cov
+    assert {k: n for k, n in fwd.items() if k.startswith("all_to_all")} == {"all_to_all <- other": 2}, cov
+    assert any("MoE combine: the experts' GEMM with the un-permutation" in n for n in cov["notes"]), cov["notes"]
+    assert fo["fusion"].get("fused:all_to_all_combine") == 1 and "near_miss:index_put" not in fo["fusion"], fo
     assert "MoE combine" in results[0]["stdout"]
 
 

@@ -5,8 +5,8 @@
   fused, forward and backward, with no near miss: at batch 1 funcol gathers the sequence dim as a ``reshape`` (the
   chunks of a batch-1 tensor are consecutive), at batch 2 as split/cat;
 * ``tp`` (HF Qwen3, prefill): both row-parallel all_reduces fused;
-* ``ep`` (the tiny MoE, prefill): the attention's gather and reduce_scatter fused; the MoE's all_to_alls are left
-  (the combine is a near miss through ``index_put``: the MoE issue's work);
+* ``ep`` (the tiny MoE, prefill): the attention's gather and reduce_scatter fused, and the MoE combine (the experts'
+  GEMMs, the un-permutation and the all_to_all: one op); the count exchange and the dispatch all_to_all are left;
 * ``--model MODULE:FUNCTION`` on a user's own DTensor-parallel MLP, through the CLI's ``run``.
 """
 
@@ -87,12 +87,13 @@ def test_tp_prefill_at_batch_1(pool):
     assert got["near"] == 0 and got["left_gemm"] == 0, got["text"]
 
 
-def test_ep_prefill_at_batch_1_fuses_the_attention(pool):
+def test_ep_prefill_at_batch_1_fuses_the_attention_and_the_moe_combine(pool):
     got = pool.run(preset_worker, "tiny-moe", "ep", "prefill", 1, timeout_s=400)[0]
-    assert got["fused"]["inference"] == {"flashoverlap:all_gather_gemm": 1,
-                                         "flashoverlap:gemm_reduce_scatter": 1}, got
-    # lm_head's last position (a slice of the gathered rows); the MoE combine (the MoE issue's work)
-    assert got["events"]["inference"] == ["near_miss:index_put", "skip:row_subset"], got
+    assert got["fused"]["inference"] == {"flashoverlap:all_gather_gemm": 1, "flashoverlap:gemm_reduce_scatter": 1,
+                                         "flashoverlap:gemm_unpermute_all_to_all": 1}, got
+    # lm_head's last position (a slice of the gathered rows)
+    assert got["events"]["inference"] == ["skip:row_subset"], got
+    assert got["near"] == 0 and got["left_gemm"] == 0, got["text"]
 
 
 def test_cli_on_a_users_own_model(pool):

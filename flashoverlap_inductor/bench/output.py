@@ -166,12 +166,13 @@ def plot(rows: list[dict[str, Any]], path: str, where: str = "") -> str:
 
 
 def moe_combine_note(entry: dict[str, Any]) -> str:
-    """Whether the MoE combine (the experts' down GEMM -> all_to_all) was fused, and if not what stands between."""
+    """Whether the MoE combine (the experts' GEMM [-> un-permutation] -> all_to_all) was fused, and if not why."""
     fwd = entry["graphs"].get("forward") or entry["graphs"].get("inference") or {}
     fused = {k: n for k, n in fwd.get("fused", {}).items() if k.endswith("all_to_all")}
     left = {k: n for k, n in fwd.get("collectives", {}).items() if k.startswith("all_to_all")}
     if fused:
-        return (f"MoE combine: the experts' down-projection GEMM -> all_to_all is fused in the forward graph "
+        through = " with the un-permutation" if any("unpermute" in k for k in fused) else ""
+        return (f"MoE combine: the experts' GEMM{through} -> all_to_all is fused in the forward graph "
                 f"({sum(fused.values())} x); the dispatch all_to_all is fed by the token gather (no GEMM)")
     direct = {k: n for k, n in left.items() if k.endswith("<- gemm")}
     via = sorted({k.split("<- via ", 1)[1] for k in left if "<- via " in k})
@@ -180,6 +181,10 @@ def moe_combine_note(entry: dict[str, Any]) -> str:
     if direct:
         return (f"MoE combine: matched (GEMM -> all_to_all) but not fused; skips in that graph: "
                 f"{', '.join(skips) or 'none recorded'}")
+    declined = [k for k in skips if k.startswith("skip:combine")]
+    if via and declined:
+        return (f"MoE combine: recognized (experts' GEMM -> {'; '.join(via)} -> all_to_all) but not fused: "
+                f"{', '.join(declined)}")
     if via:
         return (f"MoE combine: not matched: {'; '.join(via)} stands between the experts' GEMM and the all_to_all "
                 "(one expert per rank, e.g. --experts equal to the world size, removes the un-permutation)")

@@ -29,7 +29,8 @@ NOT_COLLECTIVES = ("wait_tensor",)
 # all_to_all: each rank holds its own rows and split sizes by design, and the fused op's plan holds the rows; what
 # the ranks must share is the op, the other sizes, the dtype and the settings
 PER_RANK = {"all_to_all_single": ("output_split_sizes", "input_split_sizes"),
-            "gemm_all_to_all": ("output_split_sizes", "input_split_sizes", "plan")}
+            "gemm_all_to_all": ("output_split_sizes", "input_split_sizes", "plan"),
+            "gemm_unpermute_all_to_all": ("output_split_sizes", "input_split_sizes")}
 
 
 def _describe(arg: Any, rows_per_rank: bool = False) -> Any:

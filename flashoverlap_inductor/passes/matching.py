@@ -26,6 +26,7 @@ from torch.fx import Node
 
 from flashoverlap_inductor._inductor_compat import c10d
 
+from .combine_match import match_combine
 from .fx_forms import known_eq, match_chunk_cat, node_arg, op_name, val
 
 log = logging.getLogger("flashoverlap")
@@ -127,6 +128,9 @@ def match_at_wait(wait: Node) -> GemmCollectiveMatch | None:
     if not isinstance(x, Node) or x.target not in GEMM_OPS:
         if find_sum(wait) is not None:  # the pass stages it as one GEMM (``run``)
             log.debug("flashoverlap: %s: a sum of GEMMs, staged as one", coll.name)
+            return None
+        if match_combine(wait) is not None:  # an MoE combine the combine sub-pass declined, with its skip reason
+            log.debug("flashoverlap: %s: an MoE combine (passes/combine.py)", coll.name)
             return None
         what = op_name(x) if isinstance(x, Node) else type(x).__name__
         _no_match(coll, x, f"its input comes from {what}, not mm/addmm/bmm or a view of one")

@@ -67,6 +67,13 @@ SKIP_REASONS = {
     "weight_reads_gathered": "all_gather: a GEMM's weight or bias is computed from the gathered rows",
     "inputs_after_use": "all_gather: a GEMM's weight is computed after the gathered rows are first used, by ops "
                         "that cannot move",
+    "combine_auto": "MoE combine, under 'auto': fused only under 'always' (no GPU route runs the fused combine yet, "
+                    "and its rows are per rank: a per-rank verdict could differ between ranks)",
+    "combine_gemm": "MoE combine: the experts' GEMM is not plain mm pieces of a row cat, nor torch._grouped_mm terms "
+                    "sharing one int32 offsets tensor (a bias, another output dtype, batched GEMMs)",
+    "combine_base": "MoE combine: the un-permutation writes into something other than a fresh empty or zero-filled "
+                    "[rows, N] buffer",
+    "combine_index": "MoE combine: the un-permutation is not one 1-D integer index along dim 0",
     "internal_error": "the checks raised (a bug in the pass; logged with its traceback)",
 }
 

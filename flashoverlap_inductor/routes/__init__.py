@@ -44,7 +44,7 @@ from flashoverlap_inductor.runtime import faults, kernel_select, streams
 
 from .. import _inductor_compat as compat
 from ..schedule import steps as schedule
-from . import agree, cpu, gather_nccl, gather_peer, nccl, peer, ring, symmetric, unfused
+from . import agree, combine, cpu, gather_nccl, gather_peer, nccl, peer, ring, symmetric, unfused
 from .base import Call, Context, Route, forget_notes, note, stats
 
 __all__ = ["REGISTRY", "Call", "Context", "Route", "candidates", "check", "dispatch", "make_call", "note", "reset",
@@ -378,6 +378,7 @@ def reset() -> None:
         _agreed.clear()
         for route in REGISTRY:
             route.reset()
+        combine.reset()  # the MoE combine's own dispatcher (``routes/combine.py``)
         faults.forget()
         stats.clear()
         forget_notes()
