@@ -10,7 +10,7 @@ call's last NCCL group). Invariants:
 - The host learns of a fault from the pinned mirror, without a device sync: every eager fused call reads the mirrors
   of its device first (``raise_pending``), the compiled wrapper after each run (``backend``), and ``routes.check()``
   after synchronizing. It then synchronizes the device, clears the block and the mirror, and raises
-  ``errors.FlashOverlapTimeout`` (or ``errors.PeerFailure``) naming the route, the wait, the rank that stalled and
+  ``errors.FlashOverlapTimeout`` (or ``errors.PeerFailure``) naming the route, the wait, the rank whose wait gave up and
   the call's shape. Every rank of the group raises: each one's own block holds the fault.
 - A late rank needs nothing reset: every rank notifies each flag once per call and every wait consumes one epoch
   whether or not it timed out, so epochs stay aligned, and each call sets its own deadline (a fault never makes a
@@ -177,7 +177,8 @@ class FaultDomain:
         detail = "" if code == 3 else f" for {describe_wait(tag)} (saw {seen}, waited for {target})"
         raise errors.FlashOverlapTimeout(
             f"flashoverlap: {who} timed out{detail} on the {self.route} route, group {self.group} (cuda:{self.device}, "
-            f"this is rank {rank}), during {shape}. The rank that stalled is rank {origin}. Every rank of the group "
+            f"this is rank {rank}), during {shape}. Rank {origin} gave up waiting (for a rank that stalled, failed "
+            "or skipped the call). Every rank of the group "
             "raises this; the outputs of the calls it concerned were poisoned (NaN), never returned with stale data. "
             f"{AFTER[self.resync]} Raise wait_timeout_ms if the stall was expected.")
 
