@@ -16,6 +16,7 @@ Recognized forms (torch 2.11 and 2.13 post-grad graphs, see torch_compile.md §3
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from torch.fx import Node
 from flashoverlap_inductor._inductor_compat import c10d
 
 from .combine_match import match_combine
-from .fx_forms import known_eq, match_chunk_cat, node_arg, op_name, val
+from .fx_forms import ChunkCat, known_eq, match_chunk_cat, node_arg, op_name, val
 
 log = logging.getLogger("flashoverlap")
 aten = torch.ops.aten
@@ -48,25 +49,6 @@ COLLECTIVE_ARGS = {
 
 
 @dataclass
-class ScatterCat:
-    """funcol's reduce_scatter over ``dim > 0``: the collective input is ``cat(pieces, 0)`` where ``pieces``
-    cut ``source`` along ``dim`` into consecutive runs (``fx_forms.ChunkCat`` with ``cat_dim`` 0 and ``dim``
-    normalised to ``0 <= dim < source.dim()``). ``chunk`` is a graph argument (int or SymInt node) that
-    ``_check_scatter`` requires equal to each piece's size along ``dim``. ``split`` is None for the slice form."""
-
-    source: Node
-    dim: int
-    chunk: Any
-    pieces: list[Node]
-    split: Node | None
-    cat: Node
-
-    def nodes(self) -> list[Node]:
-        """The nodes of the form in graph order (split, pieces, cat)."""
-        return ([self.split] if self.split is not None else []) + self.pieces + [self.cat]
-
-
-@dataclass
 class GemmCollectiveMatch:
     """One candidate: ``gemm -> views -> [scatter] -> coll -> wait``. ``views`` are in graph order (the first
     consumes the GEMM output); ``rows_node`` is the tensor the collective (or the scatter form) consumes."""
@@ -76,7 +58,7 @@ class GemmCollectiveMatch:
     views: list[Node]
     coll: Node
     wait: Node
-    scatter: ScatterCat | None = None
+    scatter: ChunkCat | None = None  # funcol's reduce_scatter over dim > 0 (``match_scatter_cat``)
     args: dict[str, Any] = field(default_factory=dict)
     label: str = ""  # what ``gemm`` stands for when the pass made it (a sum of GEMMs); "" = the GEMM's op name
 
@@ -177,9 +159,10 @@ def nearest_producer(x: Node, accept: Any, hops: int = NEAR_MISS_HOPS) -> Node |
     return None
 
 
-def match_scatter_cat(cat: Node) -> ScatterCat | None:
+def match_scatter_cat(cat: Node) -> ChunkCat | None:
     """``cat`` as funcol's reduce_scatter over ``dim > 0``: the chunk/cat form (``fx_forms.match_chunk_cat``) with
-    ``cat_dim`` 0, an int cut dim and, in the slice form, a first slice from 0; or None. Sizes are checked in
+    ``cat_dim`` 0, an int cut dim (returned normalised to ``0 <= dim < source.dim()``) and, in the slice form, a
+    first slice from 0; or None. ``chunk`` must equal each piece's size along ``dim``: sizes are checked in
     ``FlashOverlapPass._check_scatter``, the users of its nodes in ``_unexpected_user``."""
     form = match_chunk_cat(cat)
     if form is None or form.cat_dim != 0:
@@ -189,7 +172,7 @@ def match_scatter_cat(cat: Node) -> ScatterCat | None:
     src_val = val(form.source)
     if src_val is None or not isinstance(form.dim, int):
         return None
-    return ScatterCat(form.source, form.dim % src_val.dim(), form.chunk, form.pieces, form.split, cat)
+    return dataclasses.replace(form, dim=form.dim % src_val.dim())
 
 
 @dataclass

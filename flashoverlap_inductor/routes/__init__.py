@@ -44,7 +44,7 @@ from flashoverlap_inductor.runtime import faults, kernel_select, streams
 
 from .. import _inductor_compat as compat
 from ..schedule import steps as schedule
-from . import agree, combine, cpu, gather_nccl, gather_peer, nccl, peer, ring, symmetric, unfused
+from . import agree, cpu, gather_nccl, gather_peer, nccl, peer, ring, symmetric, unfused
 from .base import Call, Context, Route, forget_notes, note, stats
 
 __all__ = ["REGISTRY", "Call", "Context", "Route", "candidates", "check", "dispatch", "make_call", "note", "reset",
@@ -62,10 +62,6 @@ _memo: collections.OrderedDict[tuple, _Entry] = collections.OrderedDict()  # LRU
 _captured: set[tuple] = set()  # keys whose launches a captured graph holds (never evicted)
 _lock = threading.RLock()  # guards the memo and the call locks (never held across a collective)
 _call_locks: dict[tuple, threading.RLock] = {}  # per CUDA device or process group: see ``_call_lock``
-# (id(group), agreement items) the ranks agreed on: a memo entry that differs from an agreed one only in what the items
-# leave out (a node-local library or data path) must not exchange again, since its peers, whose entry is agreed, will
-# not (they would pair the exchange with their real collective)
-_agreed: set[tuple] = set()
 
 
 @dataclass
@@ -262,10 +258,7 @@ def _dispatch(collective: str, a: torch.Tensor, b: Any, bias: Any, group: dist.P
         if not entry.agreed and not capturing:  # before any route acts: ranks that disagree fail here, together
             gpu = ctx.res.name if ctx.res is not None else a.device.type
             found = agree.items(call, settings, entry.routes, gpu)
-            mark = (id(group), tuple(sorted(found.items())))
-            if mark not in _agreed:  # once per group and items, not per memo entry: the memo key holds the settings'
-                agree.check(found, group, _what(collective, a, b, call))  # paths, which the items leave out
-                _agreed.add(mark)
+            agree.check_once(found, group, _what(collective, a, b, call))  # per group and items, not per entry
             entry.agreed = True
         reason = entry.declined
         for route in entry.routes:
@@ -375,10 +368,9 @@ def reset() -> None:
     with _lock:
         _memo.clear()
         _captured.clear()
-        _agreed.clear()
+        agree.forget()
         for route in REGISTRY:
             route.reset()
-        combine.reset()  # the MoE combine's own dispatcher (``routes/combine.py``)
         faults.forget()
         stats.clear()
         forget_notes()

@@ -94,6 +94,25 @@ def exchange_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
+# (id(group), agreement items) the ranks agreed on: a call that differs from an agreed one only in what the items leave
+# out (a node-local library or data path) must not exchange again, since its peers, whose call is agreed, will not
+# (they would pair the exchange with their real collective)
+_agreed: set[tuple] = set()
+
+
+def check_once(found: dict[str, str], group: dist.ProcessGroup, what: str) -> None:
+    """``check`` unless ``group``'s ranks already agreed on these items (then nothing: no collective)."""
+    mark = (id(group), tuple(sorted(found.items())))
+    if mark not in _agreed:
+        check(found, group, what)
+        _agreed.add(mark)
+
+
+def forget() -> None:
+    """Forget every agreement (``routes.reset``)."""
+    _agreed.clear()
+
+
 def check(found: dict[str, str], group: dist.ProcessGroup, what: str) -> None:
     """Exchange ``found``'s digests over ``group`` (collective); raise ``errors.RankMismatch`` on every rank if any
     item differs. ``what`` names the call in the message."""

@@ -42,13 +42,12 @@ from .. import _inductor_compat as compat
 from ..schedule.combine import Block, block_order, group_ends, normalize_index, offsets, plan_blocks
 from . import agree
 from .base import stats
-from .cpu import _poison, _settle
+from .cpu import _poison, _settle, _wait_all
 
 PLANS = ("blocks", "auto")  # "auto": the route's own schedule (on CPU: "blocks")
 TAG = 3083  # the P2P tag of the combine's block transfers (no other transfer of the package uses it)
 _locks: dict[int, threading.RLock] = {}
 _locks_lock = threading.Lock()
-_agreed: set[tuple] = set()  # (id(group), items) the group's ranks agreed on
 
 
 class ExpertGemm:
@@ -163,11 +162,7 @@ def run_cpu(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | N
                 works.append(dist.isend(send[lo:hi], dst=dist.get_global_rank(group, j), group=group, tag=TAG))
         except BaseException as exc:  # noqa: BLE001 - as above
             failure = failure or exc
-    for work in works:
-        try:
-            work.wait()
-        except BaseException as exc:  # noqa: BLE001 - wait for the others, then settle
-            failure = failure or exc
+    failure = _wait_all(works, failure)
     _settle(failure, "all_to_all combine", [send.shape[0], n], send, group, plan)
     return out
 
@@ -189,11 +184,6 @@ def _items(route: str, a: list[torch.Tensor], b: list[torch.Tensor], offs: torch
             "gpu": a[0].device.type}
 
 
-def reset() -> None:
-    """Forget which groups agreed (``routes.reset`` calls it)."""
-    _agreed.clear()
-
-
 def dispatch(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | None, index: torch.Tensor,
              accumulate: bool, outs: list[int], ins: list[int], group: dist.ProcessGroup, plan: str,
              settings_key: str) -> torch.Tensor:
@@ -205,11 +195,9 @@ def dispatch(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | 
     capturing = a[0].is_cuda and compat.is_capturing()
     with config.using(settings), _lock(group):
         found = _items(route, a, b, offs, accumulate, plan, group, settings)
-        mark = (id(group), tuple(sorted(found.items())))
-        if mark not in _agreed and not capturing:
-            agree.check(found, group, f"a fused MoE combine of {len(a)} x {list(a[0].shape)} rows @ "
-                        f"{list(b[0].shape)} ({a[0].dtype})")
-            _agreed.add(mark)
+        if not capturing:
+            agree.check_once(found, group, f"a fused MoE combine of {len(a)} x {list(a[0].shape)} rows @ "
+                             f"{list(b[0].shape)} ({a[0].dtype})")
         if route == "cpu":
             out = run_cpu(a, b, offs, index, accumulate, outs, ins, group, plan)
             stats["route:cpu"] += 1

@@ -120,11 +120,7 @@ def _run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor |
             works += issue_group(collective, g, step, buf, out_flat, group, async_op=True)
         except BaseException as exc:  # noqa: BLE001 - g counts as issued (c10d may have started it); go on
             failure = failure or exc
-    for work in works:
-        try:
-            work.wait()
-        except BaseException as exc:  # noqa: BLE001 - wait for the others, then settle
-            failure = failure or exc
+    failure = _wait_all(works, failure)
     _settle(failure, collective, y_shape, buf, group, plan)
     return out
 
@@ -134,6 +130,16 @@ def _poison(rows: torch.Tensor) -> None:
     that what its peers receive from it is never mistaken for data."""
     if rows.numel() and (rows.is_floating_point() or rows.is_complex()):
         rows.fill_(float("nan"))
+
+
+def _wait_all(works: list, failure: BaseException | None) -> BaseException | None:
+    """Wait for every issued transfer whatever fails; returns ``failure``, else the first wait's exception."""
+    for work in works:
+        try:
+            work.wait()
+        except BaseException as exc:  # noqa: BLE001 - wait for the others, then settle
+            failure = failure or exc
+    return failure
 
 
 def _settle(failure: BaseException | None, collective: str, y_shape: list[int], buf: torch.Tensor,
