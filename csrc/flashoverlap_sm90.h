@@ -169,6 +169,19 @@ FO_API int fo_fused_call(int config, const void* a, int64_t lda, const void* b, 
                          int64_t timeout_ns, fo_fault* fault, int* mirror, int32_t launch_id, int64_t out_numel,
                          int32_t rank, void* cur_stream, void* side_stream);
 
+/* Test-only fault injection into fo_fused_call (off unless armed; not part of the versioned ABI: bound optionally by
+ * flashoverlap_inductor/runtime/fault_inject.py, which disarms it again). Process-wide. Counts the NCCL enqueue calls
+ * fo_fused_call makes (ncclAllReduce, ncclReduceScatter, ncclReduce, ncclSend, ncclRecv; the fault exchange
+ * included; not ncclGroupStart/End); the nth one after arming (nth >= 1; nth <= 0 injects no call) is replaced:
+ * code != 7 (an ncclResult_t): the call is not made and returns `code` (refused: nothing enqueued); code 7
+ * (ncclInProgress): the call is made and reported as in progress, then the next `polls` polls of
+ * ncclCommGetAsyncError report ncclInProgress before the real ones. stall_ns > 0: the next fo_fused_call with rows
+ * spins that long (ns, GPU timer) on cur_stream after its fork, before its GEMM (the GEMM of this rank starts
+ * late; the side stream's first wait has set the call's deadline already). Arming resets the counts of
+ * fo_nccl_inject_stats: fired (injected NCCL results), polled (injected in-progress polls), stalled (stalls). */
+FO_API int fo_nccl_inject(int64_t nth, int code, int64_t polls, int64_t stall_ns);
+FO_API int fo_nccl_inject_stats(int64_t* fired, int64_t* polled, int64_t* stalled);
+
 /* The peer route of a two-rank fused reduce_scatter / all_reduce (csrc/peer_call.cu): no NCCL, no reduction
  * kernel. Rank r owns rows [own_row, own_row + rows) of the [m, n] result, its peer [peer_row, peer_row + rows).
  *   cur:  GEMM 1 (config_partial): A's peer rows -> partial; notify peer_flags[0]; wait flags[0] (the peer's

@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 
+#include <atomic>
 #include <string>
 #include <unordered_map>
 
@@ -63,6 +64,59 @@ constexpr int kNcclInProgress = 7;
 thread_local void* current_comm = nullptr;
 thread_local long long current_timeout_ns = 0;
 
+// Test-only fault injection (fo_nccl_inject; all zero = off). countdown > 0: armed; the NCCL enqueue call that
+// takes it from 1 to 0 is the injected one. Process-wide atomics: fused calls may come from several host threads.
+struct Injection {
+  std::atomic<long long> countdown{0};
+  std::atomic<int> code{0};
+  std::atomic<long long> pending_polls{0};  // polls to report once the injected ncclInProgress fires
+  std::atomic<long long> polls{0};          // in-progress polls still to report
+  std::atomic<long long> stall_ns{0};  // the next fused call's stall before its GEMM (ns)
+  std::atomic<long long> fired{0}, polled{0}, stalled{0};
+};
+
+Injection& injection() {
+  static Injection in;
+  return in;
+}
+
+// One NCCL enqueue call through the injection point: `call` makes the real call. Unarmed: one relaxed load.
+template <class F>
+NcclResult enqueue(F&& call) {
+  Injection& in = injection();
+  if (in.countdown.load(std::memory_order_relaxed) > 0 && in.countdown.fetch_sub(1) == 1) {
+    in.fired.fetch_add(1);
+    int const code = in.code.load();
+    if (code != kNcclInProgress) return code;  // refused: nothing enqueued
+    NcclResult const r = call();
+    if (r != 0) return r;
+    in.polls.store(in.pending_polls.load());
+    return kNcclInProgress;  // enqueued, reported as still in progress (polls follow)
+  }
+  return call();
+}
+
+// One poll of the communicator's state (ncclCommGetAsyncError), or an injected "still in progress".
+NcclResult poll_async(void* comm, NcclResult* state) {
+  Injection& in = injection();
+  if (in.polls.load(std::memory_order_relaxed) > 0 && in.polls.fetch_sub(1) > 0) {
+    in.polled.fetch_add(1);
+    *state = kNcclInProgress;
+    return 0;
+  }
+  return nccl().async_error(comm, state);
+}
+
+// Spins `ns` nanoseconds of GPU time (the injected stall); one thread.
+__global__ void inject_spin_kernel(long long ns) {
+  unsigned long long start = 0, now = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while ((long long)(now - start) < ns);
+}
+
 // ncclInProgress (a non-blocking communicator) is waited out with ncclCommGetAsyncError, bounded by the call's
 // timeout; any other result but success is an error.
 int nccl_check(NcclResult r, char const* what) {
@@ -74,7 +128,7 @@ int nccl_check(NcclResult r, char const* what) {
     auto const until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(current_timeout_ns);
     while (r == kNcclInProgress) {
       NcclResult state = 0;
-      NcclResult q = nccl().async_error(current_comm, &state);
+      NcclResult q = poll_async(current_comm, &state);
       if (q != 0) { r = q; break; }
       r = state;
       if (r == kNcclInProgress && std::chrono::steady_clock::now() > until) {
@@ -128,21 +182,25 @@ int issue_group(fo_group_step const& s, fo_p2p_step const* p2p, char* buf, char*
   switch (s.kind) {
     case 0:
       if (s.count == 0) return 0;
-      return nccl_check(n.all_reduce(buf + s.buf_offset * elem_bytes, buf + s.buf_offset * elem_bytes,
-                                     size_t(s.count), dtype, kNcclSum, comm, side), "ncclAllReduce");
+      return nccl_check(enqueue([&] { return n.all_reduce(buf + s.buf_offset * elem_bytes,
+                                                          buf + s.buf_offset * elem_bytes, size_t(s.count), dtype,
+                                                          kNcclSum, comm, side); }),
+                        "ncclAllReduce");
     case 1:
       if (s.count == 0) return 0;
-      return nccl_check(n.reduce_scatter(buf + s.buf_offset * elem_bytes, out + s.out_offset * elem_bytes,
-                                         size_t(s.count), dtype, kNcclSum, comm, side), "ncclReduceScatter");
+      return nccl_check(enqueue([&] { return n.reduce_scatter(buf + s.buf_offset * elem_bytes,
+                                                              out + s.out_offset * elem_bytes, size_t(s.count),
+                                                              dtype, kNcclSum, comm, side); }),
+                        "ncclReduceScatter");
     case 2: {
       if (s.num_p2p > 0) {
         int rc = nccl_check(n.group_start(), "ncclGroupStart");
         for (int i = 0; rc == 0 && i < s.num_p2p; ++i) {
           fo_p2p_step const& p = p2p[s.first_p2p + i];
-          rc = p.recv ? nccl_check(n.recv(out + p.offset * elem_bytes, size_t(p.count), dtype, p.peer, comm, side),
-                                   "ncclRecv")
-                      : nccl_check(n.send(buf + p.offset * elem_bytes, size_t(p.count), dtype, p.peer, comm, side),
-                                   "ncclSend");
+          rc = p.recv ? nccl_check(enqueue([&] { return n.recv(out + p.offset * elem_bytes, size_t(p.count), dtype,
+                                                               p.peer, comm, side); }), "ncclRecv")
+                      : nccl_check(enqueue([&] { return n.send(buf + p.offset * elem_bytes, size_t(p.count), dtype,
+                                                               p.peer, comm, side); }), "ncclSend");
         }
         int rc_end = nccl_check(n.group_end(), "ncclGroupEnd");  // always close the group
         if (rc != 0) return rc;
@@ -162,8 +220,9 @@ int issue_group(fo_group_step const& s, fo_p2p_step const* p2p, char* buf, char*
       int rc = nccl_check(n.group_start(), "ncclGroupStart");
       for (int i = 0; rc == 0 && i < s.num_p2p; ++i) {
         fo_p2p_step const& p = p2p[s.first_p2p + i];
-        rc = nccl_check(n.reduce(buf + p.offset * elem_bytes, out + s.out_offset * elem_bytes, size_t(p.count), dtype,
-                                 kNcclSum, p.peer, comm, side), "ncclReduce");
+        rc = nccl_check(enqueue([&] { return n.reduce(buf + p.offset * elem_bytes, out + s.out_offset * elem_bytes,
+                                                      size_t(p.count), dtype, kNcclSum, p.peer, comm, side); }),
+                        "ncclReduce");
       }
       int rc_end = nccl_check(n.group_end(), "ncclGroupEnd");
       return rc != 0 ? rc : rc_end;
@@ -198,6 +257,29 @@ FO_API int fo_nccl_bind(const char* path) {
   return 0;
 }
 
+FO_API int fo_nccl_inject(int64_t nth, int code, int64_t polls, int64_t stall_ns) {
+  Injection& in = injection();
+  if (stall_ns > 0) {  // loaded now (current device), never lazily beside a spinning wait kernel (fo_preload)
+    cudaFuncAttributes attr{};
+    cudaError_t e = cudaFuncGetAttributes(&attr, reinterpret_cast<void const*>(inject_spin_kernel));
+    if (e != cudaSuccess) return fail_code(100 + int(e), std::string("fo_nccl_inject: ") + cudaGetErrorString(e));
+  }
+  in.countdown.store(0);  // disarmed while the fields change
+  in.fired.store(0), in.polled.store(0), in.stalled.store(0);
+  in.code.store(code), in.polls.store(0), in.stall_ns.store(stall_ns > 0 ? stall_ns : 0);
+  in.pending_polls.store(polls > 0 ? polls : 0);
+  in.countdown.store(nth > 0 ? nth : 0);
+  return 0;
+}
+
+FO_API int fo_nccl_inject_stats(int64_t* fired, int64_t* polled, int64_t* stalled) {
+  Injection& in = injection();
+  if (fired != nullptr) *fired = in.fired.load();
+  if (polled != nullptr) *polled = in.polled.load();
+  if (stalled != nullptr) *stalled = in.stalled.load();
+  return 0;
+}
+
 FO_API int fo_fused_call(int config, const void* a, int64_t lda, const void* b, int64_t ldb, const void* bias,
                          void* d, void* buf, int64_t ldd, int m, int n, int k, const int* group_of_tile_row,
                          const int* tile_row_order, int signal_mode, int sm_count, int raster, int swizzle,
@@ -227,6 +309,12 @@ FO_API int fo_fused_call(int config, const void* a, int64_t lda, const void* b, 
   if ((rc = cuda_check(cudaEventRecord(ev->fork, cur), "fork record")) != 0) return rc;
   if ((rc = cuda_check(cudaStreamWaitEvent(side, ev->fork, 0), "fork wait")) != 0) return rc;
   if (rows) {
+    long long const stall = injection().stall_ns.exchange(0);
+    if (stall > 0) {  // injected: this rank's GEMM starts `stall` ns after the fork (its waits' deadline is set)
+      inject_spin_kernel<<<1, 1, 0, cur>>>(stall);
+      if ((rc = cuda_check(cudaGetLastError(), "injected stall")) != 0) return rc;
+      injection().stalled.fetch_add(1);
+    }
     GemmCall call{a,        lda,       b,        ldb,         bias,     d,      ldd,     m,
                   n,        k,         counters, group_of_tile_row, tile_row_order, signal_mode, sm_count, raster,
                   swizzle,  workspace, workspace_bytes, cur};
@@ -266,8 +354,9 @@ FO_API int fo_fused_call(int config, const void* a, int64_t lda, const void* b, 
     }
     int const nrc = issue_group(steps[g], p2p, bufp, outp, elem_bytes, nccl_dtype, comm, side);
     if (last) {
-      int const xrc = nccl_check(nccl().all_reduce(&fault->exchange, &fault->exchange, 1, kNcclInt32, kNcclMax, comm,
-                                                   side), "ncclAllReduce (fault exchange)");
+      int const xrc = nccl_check(enqueue([&] { return nccl().all_reduce(&fault->exchange, &fault->exchange, 1,
+                                                                        kNcclInt32, kNcclMax, comm, side); }),
+                                 "ncclAllReduce (fault exchange)");
       int const erc = nccl_check(nccl().group_end(), "ncclGroupEnd");
       if (nrc == 0 && xrc != 0) return xrc;
       if (nrc == 0 && erc != 0) return erc;

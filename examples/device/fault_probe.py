@@ -9,6 +9,9 @@ Per route (``--route peer --world 2``, ``--route ring --world 3``), every rank:
    correct with no reset.
 2. replay: the same call captured in a CUDA graph (after an eager warm-up of the shape), replayed with the last
    rank stalled: the same three checks, the next replay correct.
+``--nccl-world 2``: the NCCL routes on 2 GPUs, one rank each, with faults injected into one rank (``ncclInProgress``,
+a stalled GEMM, a GEMM that raises on the gather route, a refused NCCL call): ``fault_probe_nccl.py``; skipped
+(exit 0) when fewer than 2 GPUs are visible.
 ``--nccl``: one process, an NCCL group of one rank, ``transport="nccl"``: a bound of 1 us that the GEMM cannot meet
 (the wait for its tiles gives up): the output must be NaN, the next call must raise ``FlashOverlapTimeout``, and
 the call after it, with a normal bound, must be correct.
@@ -19,6 +22,7 @@ C`` (W and H must be 0, C must equal N). Exits 1 otherwise. Timings mean nothing
     python examples/device/fault_probe.py --route peer --world 2
     python examples/device/fault_probe.py --route ring --world 3
     python examples/device/fault_probe.py --nccl
+    python examples/device/fault_probe.py --nccl-world 2
 """
 
 from __future__ import annotations
@@ -197,15 +201,22 @@ def nccl_case(out_dir: str) -> None:
 
 
 def summarize(out_dir: str, hangs: int) -> int:
+    """Count every case line of every rank's file: a fault each; wrong when a verdict says WRONG or the line says
+    ``wrong``; a hang per ``hang`` line (plus ``hangs``: ranks killed at the deadline); clear when the line says
+    ``clear`` (the NCCL-world cases), else when it raised and the next call was correct."""
     faults = wrong = clear = 0
     for fname in sorted(os.listdir(out_dir)):
         if not fname.startswith("fault_probe_"):
             continue
         for line in json.load(open(os.path.join(out_dir, fname))):
             faults += 1
-            if "WRONG" in (line.get("stalled_call"), line.get("next_call"), line.get("warm")):
+            if "WRONG" in (line.get("stalled_call"), line.get("next_call"), line.get("warm"), line.get("call")) \
+                    or line.get("wrong"):
                 wrong += 1
-            if str(line.get("error", "")).startswith("raised") and line.get("next_call") == "correct":
+            hangs += bool(line.get("hang"))
+            if "clear" in line:
+                clear += line["clear"] is True
+            elif str(line.get("error", "")).startswith("raised") and line.get("next_call") == "correct":
                 clear += 1
     print(f"fault probe: faults injected {faults}, wrong results {wrong}, hangs {hangs}, clear errors {clear}")
     return 0 if faults and wrong == 0 and hangs == 0 and clear == faults else 1
@@ -216,6 +227,8 @@ def main() -> None:
     p.add_argument("--route", choices=("peer", "ring"), default="peer")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--nccl", action="store_true", help="the NCCL route's case instead (one process)")
+    p.add_argument("--nccl-world", type=int, choices=(2,), help="the NCCL routes on 2 GPUs (fault_probe_nccl.py)")
+    p.add_argument("--case-s", type=float, default=15.0, help="--nccl-world: how long a case's outputs may take")
     p.add_argument("--timeout-ms", type=float, default=1500.0)
     p.add_argument("--stall-s", type=float, default=4.0)
     p.add_argument("--limit-s", type=float, default=200.0, help="a run past this counts as a hang")
@@ -225,6 +238,10 @@ def main() -> None:
     for f in os.listdir(args.out):
         if f.startswith("fault_probe_"):
             os.remove(os.path.join(args.out, f))
+    if args.nccl_world:
+        import fault_probe_nccl
+
+        sys.exit(fault_probe_nccl.main(args.out, args.timeout_ms, args.stall_s * 1000, args.case_s, args.limit_s))
     if args.nccl:
         nccl_case(args.out)
         sys.exit(summarize(args.out, 0))

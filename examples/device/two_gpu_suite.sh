@@ -5,8 +5,9 @@
 #   run(command="FO_PART=B bash examples/device/two_gpu_suite.sh", carry=["build/cutlass", ".whl"])
 #   run(command="FO_PART=C bash examples/device/two_gpu_suite.sh", carry=["build/cutlass", ".whl"])
 # A: build the library; every GPU test file (tests/test_gpu_*.py: ops, peer, ring, kernels, gather, gather_nccl; the
-#    2-GPU tests run on the 2 GPUs); the fault probes (peer 2 ranks, ring 3 ranks, NCCL); then (time left) the CPU
-#    side (cpu_side below).
+#    2-GPU tests run on the 2 GPUs); the fault probes (peer 2 ranks, ring 3 ranks, NCCL 1 rank, NCCL
+#    routes on the 2 GPUs: --nccl-world 2); the CPU side (cpu_side
+#    below) in the background meanwhile.
 # B: the CPU side in the background; a rerun of the GPU test files in FO_RERUN; the op benchmarks on 2 GPUs
 #    (examples/bench_gather.py and examples/bench_ops.py --fuse auto, a few shapes each: a check that they run, not
 #    the grid); the call timeline (python -m flashoverlap_inductor.bench timeline: one shape, both GEMM starts, a PNG
@@ -16,6 +17,7 @@
 # $OUT (8 files at most): A: build.log gpu_tests.log faults.log cpu_tests.log coverage.log gpus.txt install.log;
 #   B: gpu_tests.log cpu_tests.log coverage.log bench_ops.log bench_gather.log e2e.log e2e.json (+ the benchmarks'
 #   JSON, which do not all come back).
+# FO_FAULT_SPECS: the fault probes' argument lists, ';'-separated; FO_TIMELINE_ARGS: more timeline arguments.
 # FO_SKIP: any of "build tests faults cpu coverage ops gather timeline e2e"; FO_BUDGET_S: the part's budget (default 570).
 set -uo pipefail
 START=$SECONDS
@@ -42,8 +44,8 @@ step() { echo "=== $1 ($(( SECONDS - START )) s)"; }
 cpu_side() {
   if [[ "$SKIP" != *" cpu "* ]]; then
     step "CPU pass tests under torch $(python3 -c 'import torch; print(torch.__version__)')" >"$OUT/cpu_tests.log"
-    (cd "$REPO" && CUDA_VISIBLE_DEVICES= timeout 240 python3 -m pytest -q -p no:cacheprovider \
-      tests/test_pass_gather.py tests/test_coverage_cli.py >>"$OUT/cpu_tests.log" 2>&1)
+    (cd "$REPO" && CUDA_VISIBLE_DEVICES= timeout 400 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_pass_gather.py tests/test_coverage_cli.py tests/test_combine_pass.py tests/test_combine_op.py >>"$OUT/cpu_tests.log" 2>&1)
     echo "cpu pytest rc=$?" >>"$OUT/cpu_tests.log"
   fi
   if [[ "$SKIP" != *" coverage "* ]]; then
@@ -57,6 +59,8 @@ cpu_side() {
   fi
 }
 if [ "$PART" = A ]; then
+  cpu_side &  # the CPU side on the host's other cores while the GPU steps run
+  CPU_PID=$!
   if [[ "$SKIP" != *" tests "* ]]; then
     step "GPU tests"
     TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 timeout "$(cap 270)" python3 -m pytest -q -rs -p no:cacheprovider \
@@ -65,7 +69,8 @@ if [ "$PART" = A ]; then
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -12
   fi
   if [[ "$SKIP" != *" faults "* ]]; then
-    for spec in "--route peer --world 2" "--route ring --world 3" "--nccl"; do
+    IFS=';' read -ra SPECS <<<"${FO_FAULT_SPECS:---route peer --world 2;--route ring --world 3;--nccl;--nccl-world 2 --timeout-ms 500 --stall-s 2 --case-s 10}"
+    for spec in "${SPECS[@]}"; do
       [ "$(left)" -gt 150 ] || { echo "fault probe $spec: no time left" | tee -a "$OUT/faults.log"; continue; }
       step "fault probe $spec" >>"$OUT/faults.log"
       TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 timeout "$(cap 100)" python3 "$REPO/examples/device/fault_probe.py" \
@@ -73,9 +78,8 @@ if [ "$PART" = A ]; then
       echo "fault probe $spec rc=$?" | tee -a "$OUT/faults.log"; grep "^fault probe:" "$OUT/faults.log" | tail -1
     done
   fi
-  cpu_side  # CPU only: after the GPU steps here
 elif [ "$PART" = B ]; then
-  cpu_side &  # on the host's other cores while the GPU steps before the e2e run
+  cpu_side &  # on the host's other cores while the GPU steps run
   CPU_PID=$!
   if [[ "$SKIP" != *" tests "* ]]; then
     step "GPU test rerun: ${FO_RERUN:-tests/test_gpu_gather_nccl.py}"
@@ -98,12 +102,14 @@ elif [ "$PART" = B ]; then
   if [[ "$SKIP" != *" timeline "* ]]; then
     step "timeline"
     timeout "$(cap 120)" "${TORCHRUN[@]}" --nproc_per_node=2 -m flashoverlap_inductor.bench timeline \
-      --shapes "${FO_TIMELINE_SHAPES:-8192x6144x4096}" --png "$OUT" --json /tmp/fo_probe/timeline.json >"$OUT/timeline.log" 2>&1
+      --shapes "${FO_TIMELINE_SHAPES:-8192x6144x4096}" --png "$OUT" ${FO_TIMELINE_ARGS:-} --json /tmp/fo_probe/timeline.json >"$OUT/timeline.log" 2>&1
     echo "timeline rc=$?" | tee -a "$OUT/timeline.log"; tail -30 "$OUT/timeline.log"
   fi
+fi
+if [ "$PART" = A ] || [ "$PART" = B ]; then
   while kill -0 "$CPU_PID" 2>/dev/null && [ "$(left)" -gt 5 ]; do sleep 2; done
   pkill -f "bench coverage" 2>/dev/null; pkill -f "tests/test_pass_gather.py" 2>/dev/null
-  step "CPU side done"; grep -E "rc=|passed|failed|^coverage:" "$OUT/cpu_tests.log" "$OUT/coverage.log"
+  step "CPU side done"; grep -E "rc=|passed|failed|^coverage:" "$OUT/cpu_tests.log" "$OUT/coverage.log" 2>/dev/null
 fi
 if [ "$PART" = C ]; then
   if [[ "$SKIP" != *" e2e "* ]]; then
