@@ -13,6 +13,11 @@ added on every rank *before* the reduction), then a collective over ``y`` along 
   ``send = zeros([sum(input_split_sizes), N]).index_put_((index,), y, accumulate)``, then
   ``all_to_all_single(send, output_split_sizes, input_split_sizes)`` (row counts). Rows the graph leaves undefined
   (past the last offset, send rows no index names) are 0. Runtime: ``routes/combine.py``.
+* ``all_to_all_permute_gemm`` (the MoE dispatch, the combine's mirror): ``p = all_to_all_single(x,
+  output_split_sizes, input_split_sizes)[index]`` (the permutation by expert), then the experts' first GEMM(s):
+  ``y[e] = p[s_e:s_e + sizes[e]] @ b[e]`` (per-expert loop, ``offs`` None, ``s_e = sum(sizes[:e])``) or
+  ``y[t] = _grouped_mm(p, b[t], offs)`` (``b[t]`` [E, K, N_t]; rows past the last offset 0). Returns ``[p, *y]``
+  (``p`` feeds the weight gradients and is saved for backward). Runtime: ``routes/moe_dispatch.py``.
 
 And the other way round, a collective *before* the GEMMs:
 
@@ -44,6 +49,7 @@ import torch.distributed as dist
 from . import _inductor_compat as compat
 from . import routes
 from .routes import combine as combine_route
+from .routes import moe_dispatch as dispatch_route
 from .routes.unfused import reduce_scatter_into  # noqa: F401  (the version shim tools import from here)
 from .schedule import gather as gather_schedule
 from .schedule.steps import all_to_all_splits, even_splits
@@ -64,6 +70,9 @@ _SCHEMAS = {
     "gemm_unpermute_all_to_all": "(Tensor[] a, Tensor[] b, Tensor? offs, Tensor index, bool accumulate, "
                                  "SymInt[] output_split_sizes, SymInt[] input_split_sizes, str group_name, str plan, "
                                  "str settings=\"\") -> Tensor",
+    "all_to_all_permute_gemm": "(Tensor x, Tensor index, Tensor[] b, SymInt[]? sizes, Tensor? offs, "
+                               "SymInt[] output_split_sizes, SymInt[] input_split_sizes, str group_name, str plan, "
+                               "str settings=\"\") -> Tensor[]",
 }
 
 # ----------------------------------------------------------------------------------------------- validation
@@ -294,6 +303,34 @@ def _(a, b, offs, index, accumulate, output_split_sizes, input_split_sizes, grou
     return _new_output(a[0], [sum(output_split_sizes), n])
 
 
+def _all_to_all_permute_gemm(x, index, b, sizes, offs, output_split_sizes, input_split_sizes, group_name, plan,
+                             settings=""):
+    shapes = dispatch_route.check_operands(x, index, b, sizes, offs)
+    group = resolve_group(group_name)
+    outs, ins = [int(v) for v in output_split_sizes], [int(v) for v in input_split_sizes]
+    world, rank = group.size(), group.rank()
+    if len(outs) != world or len(ins) != world:
+        raise ValueError(f"flashoverlap: the dispatch needs {world} split sizes each, got {outs} and {ins}")
+    if outs[rank] != ins[rank]:
+        raise ValueError(f"flashoverlap: dispatch rank {rank} sends itself {ins[rank]} rows but expects {outs[rank]}")
+    if x.shape[1] == 0:  # nothing moves on any rank (K is the ranks' shared hidden size)
+        return [x.new_zeros(s) for s in shapes]
+    return dispatch_route.dispatch(x, index, list(b), None if sizes is None else [int(s) for s in sizes], offs, outs,
+                                   ins, group, plan, settings)
+
+
+all_to_all_permute_gemm = torch.library.custom_op(
+    f"{NAMESPACE}::all_to_all_permute_gemm", mutates_args=(),
+    schema=_SCHEMAS["all_to_all_permute_gemm"])(_all_to_all_permute_gemm)
+
+
+@all_to_all_permute_gemm.register_fake
+def _(x, index, b, sizes, offs, output_split_sizes, input_split_sizes, group_name, plan, settings=""):
+    torch._check(len(output_split_sizes) == len(input_split_sizes),
+                 lambda: "flashoverlap: the dispatch needs one output and one input split size per rank")
+    return [_new_output(x, s) for s in dispatch_route.check_operands(x, index, b, sizes, offs)]
+
+
 # The CUDA fast path. custom_op's own layers (autograd wrapper, dynamo guard, aliasing check) cost ~130 us of host
 # time per call on torch 2.11 (examples/device/host_profile.py). Two plain kernels replace them for CUDA tensors:
 # on AutogradCUDA, a check (the ops have no autograd formula: the pass inserts them after autograd; with grad
@@ -328,7 +365,8 @@ def _autograd_cuda_kernel(name: str, impl):
 
 for _name, _impl in (("gemm_all_reduce", _gemm_all_reduce), ("gemm_reduce_scatter", _gemm_reduce_scatter),
                      ("gemm_all_to_all", _gemm_all_to_all), ("all_gather_gemm", _all_gather_gemm),
-                     ("gemm_unpermute_all_to_all", _gemm_unpermute_all_to_all)):
+                     ("gemm_unpermute_all_to_all", _gemm_unpermute_all_to_all),
+                     ("all_to_all_permute_gemm", _all_to_all_permute_gemm)):
     _fast_lib.impl(_name, _autograd_cuda_kernel(_name, _impl), "AutogradCUDA", with_keyset=True)
     _fast_lib.impl(_name, _impl, "CUDA")
 
@@ -338,6 +376,7 @@ FUSED_OPS = (
     torch.ops.flashoverlap.gemm_all_to_all.default,
     torch.ops.flashoverlap.all_gather_gemm.default,
     torch.ops.flashoverlap.gemm_unpermute_all_to_all.default,
+    torch.ops.flashoverlap.all_to_all_permute_gemm.default,
 )
 # Every rank must run its collectives: never let DCE drop a fused op whose output looks unused.
 for _op in FUSED_OPS:

@@ -6,7 +6,8 @@
   chunks of a batch-1 tensor are consecutive), at batch 2 as split/cat;
 * ``tp`` (HF Qwen3, prefill): both row-parallel all_reduces fused;
 * ``ep`` (the tiny MoE, prefill): the attention's gather and reduce_scatter fused, and the MoE combine (the experts'
-  GEMMs, the un-permutation and the all_to_all: one op); the count exchange and the dispatch all_to_all are left;
+  GEMMs, the un-permutation and the all_to_all: one op) and the MoE dispatch (the all_to_all, the permutation and
+  the experts' gate_up GEMMs: one op); the count exchange is left;
 * ``--model MODULE:FUNCTION`` on a user's own DTensor-parallel MLP, through the CLI's ``run``.
 """
 
@@ -87,10 +88,11 @@ def test_tp_prefill_at_batch_1(pool):
     assert got["near"] == 0 and got["left_gemm"] == 0, got["text"]
 
 
-def test_ep_prefill_at_batch_1_fuses_the_attention_and_the_moe_combine(pool):
+def test_ep_prefill_at_batch_1_fuses_the_attention_and_the_moe_combine_and_dispatch(pool):
     got = pool.run(preset_worker, "tiny-moe", "ep", "prefill", 1, timeout_s=400)[0]
     assert got["fused"]["inference"] == {"flashoverlap:all_gather_gemm": 1, "flashoverlap:gemm_reduce_scatter": 1,
-                                         "flashoverlap:gemm_unpermute_all_to_all": 1}, got
+                                         "flashoverlap:gemm_unpermute_all_to_all": 1,
+                                         "flashoverlap:all_to_all_permute_gemm": 1}, got
     # lm_head's last position (a slice of the gathered rows)
     assert got["events"]["inference"] == ["skip:row_subset"], got
     assert got["near"] == 0 and got["left_gemm"] == 0, got["text"]

@@ -3,7 +3,8 @@
 Flow per candidate (one ``wait_tensor`` of an all_reduce / reduce_scatter / all_to_all fed by mm/addmm/bmm):
 
     match   (``matching.find_matches``)   gemm -> views -> [split/cat] -> collective -> wait
-            (before them: the MoE combine, experts' GEMM -> index_put -> all_to_all: ``combine.py``)
+            (before them: the MoE combine, experts' GEMM -> index_put -> all_to_all: ``combine.py``; and the
+            MoE dispatch, all_to_all -> index -> experts' GEMMs: ``dispatch.py``)
     check   (``FlashOverlapPass.check``)  users, reduce op, dtype, row geometry, divisibility, group
     decide  (``FlashOverlapPass.choose_plan``)  fuse mode + cost model -> plan string (or skip)
     replace (``rewrite.replace``)         flashoverlap::gemm_<collective>(a, b, bias, ..., plan) + reshape
@@ -27,7 +28,7 @@ import flashoverlap_inductor.ops  # noqa: F401  (registers torch.ops.flashoverla
 from flashoverlap_inductor import _inductor_compat as compat
 from flashoverlap_inductor import config
 
-from . import all_gather, cache_key, combine, manifest, rewrite, sum_of_gemms
+from . import all_gather, cache_key, combine, dispatch, manifest, rewrite, sum_of_gemms
 from .fx_forms import known_eq, known_true, node_arg, val
 from .matching import Fusion, GemmCollectiveMatch, find_matches, find_sum, match_at_wait
 from .report import log, record_deferred, record_fused, record_skip
@@ -62,6 +63,7 @@ class FlashOverlapPass(compat.CustomGraphPass):
             record_skip("fuse_never", "fuse mode is 'never'; graph left unchanged")
             return 0
         fused = combine.fuse_combines(graph, self.settings)  # first: its all_to_alls are no GEMM -> collective match
+        fused += dispatch.fuse_dispatches(graph, self.settings)  # the MoE dispatch, the combine's mirror
         for match in find_matches(graph):
             log.debug("flashoverlap: match %s", match.describe())
             try:  # checks only read the graph: a bug here must cost a fusion, never the compilation

@@ -30,7 +30,8 @@ NOT_COLLECTIVES = ("wait_tensor",)
 # the ranks must share is the op, the other sizes, the dtype and the settings
 PER_RANK = {"all_to_all_single": ("output_split_sizes", "input_split_sizes"),
             "gemm_all_to_all": ("output_split_sizes", "input_split_sizes", "plan"),
-            "gemm_unpermute_all_to_all": ("output_split_sizes", "input_split_sizes")}
+            "gemm_unpermute_all_to_all": ("output_split_sizes", "input_split_sizes"),
+            "all_to_all_permute_gemm": ("output_split_sizes", "input_split_sizes", "sizes")}
 
 
 def _describe(arg: Any, rows_per_rank: bool = False) -> Any:

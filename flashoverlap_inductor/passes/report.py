@@ -74,6 +74,13 @@ SKIP_REASONS = {
     "combine_base": "MoE combine: the un-permutation writes into something other than a fresh empty or zero-filled "
                     "[rows, N] buffer",
     "combine_index": "MoE combine: the un-permutation is not one 1-D integer index along dim 0",
+    "dispatch_auto": "MoE dispatch, under 'auto': fused only under 'always' (no GPU route runs the fused dispatch "
+                     "yet, and its rows are per rank: a per-rank verdict could differ between ranks)",
+    "dispatch_gemm": "MoE dispatch: the experts' GEMMs are not plain mm of row pieces, nor torch._grouped_mm terms "
+                     "sharing one int32 offsets tensor (a bias, another output dtype, batched GEMMs, mixed forms)",
+    "dispatch_pieces": "MoE dispatch: the permuted rows are not cut into consecutive row pieces from row 0, each "
+                       "feeding one GEMM",
+    "dispatch_index": "MoE dispatch: the permutation is not one 1-D integer index along dim 0",
     "internal_error": "the checks raised (a bug in the pass; logged with its traceback)",
 }
 

@@ -1,0 +1,262 @@
+"""The fused MoE dispatch op (``flashoverlap::all_to_all_permute_gemm``) on 2 and 3 gloo ranks: the CPU route's
+pipelined per-source schedule against the unfused reference (``routes.moe_dispatch.reference``: one
+``all_to_all_single``, one ``index``, the GEMMs) on random uneven splits, for the per-expert loop and
+``torch._grouped_mm`` (one term, and torchtitan's two terms sharing the rows), a permutation as the MoE forms make it,
+a random permutation and duplicate / negative indices; the failure contract; validation; the arrival order; the
+fake implementation and ``opcheck``.
+
+Every 2-process case runs under ``torch.use_deterministic_algorithms(True)``, which fills ``torch.empty`` with NaN:
+a row the schedule forgets to receive, gather or compute poisons the comparison.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import get_pool
+
+from flashoverlap_inductor.routes import moe_dispatch as dispatch_route
+
+K, N, E = 16, 24, 3
+TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 1.6e-2, "atol": 5e-2}}
+
+
+# ------------------------------------------------------------------------------------------ helpers (all ranks)
+
+
+def make_case(form: str, index_kind: str, dtype: torch.dtype, seed: int, world: int, rank: int) -> dict:
+    """One call's arguments on ``rank``: uneven split sizes shared by construction (``counts[i][j]`` rows go from rank
+    i to rank j, some 0), this rank's rows, the permutation by expert and the experts' weights."""
+    shared = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, 7, (world, world), generator=shared)
+    counts[0, 0] = 0  # a rank that keeps none of its rows
+    ins, outs = counts[rank].tolist(), counts[:, rank].tolist()
+    gen = torch.Generator().manual_seed(seed * 10 + rank)
+    recv_rows = sum(outs)
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
+    if index_kind == "moe":  # received rows are source-major (source i, then expert e); sorted by expert, stably
+        per = torch.tensor([_split(n, E, gen) for n in outs])  # [world, E]
+        expert_of_row = torch.arange(E).repeat(world).repeat_interleave(per.flatten())
+        index, sizes = expert_of_row.argsort(stable=True), per.sum(0).tolist()
+    elif index_kind == "perm":
+        index = torch.randperm(recv_rows, generator=gen)
+        sizes = _split(recv_rows, E, gen)
+    else:  # "dup": more rows than received, repeated and negative indices; the loop's pieces leave 2 rows out
+        rows = recv_rows + 5
+        index = torch.randint(0, max(recv_rows, 1), (rows,), generator=gen) if recv_rows else \
+            torch.zeros(0, dtype=torch.int64)
+        index = index - recv_rows * (torch.rand(index.shape[0], generator=gen) < 0.3)
+        sizes = _split(max(index.shape[0] - 2, 0), E, gen)
+    x = rnd(sum(ins), K)
+    if form == "loop":
+        b, offs = [rnd(N, K).t() for _ in sizes], None  # the transposed weights of the MoE graphs
+    else:
+        terms = 2 if form == "grouped2" else 1
+        b = [rnd(E, N, K).transpose(-2, -1) for _ in range(terms)]
+        offs, sizes = torch.tensor(sizes).cumsum(0).to(torch.int32), None
+    return {"x": x, "index": index, "b": b, "sizes": sizes, "offs": offs, "outs": outs, "ins": ins}
+
+
+def _split(rows: int, groups: int, gen: torch.Generator) -> list[int]:
+    cuts = sorted(torch.randint(0, rows + 1, (groups - 1,), generator=gen).tolist())
+    return [b - a for a, b in zip([0, *cuts], [*cuts, rows], strict=True)]
+
+
+def _call(c: dict, g, plan: str = "blocks") -> list[torch.Tensor]:
+    return torch.ops.flashoverlap.all_to_all_permute_gemm(c["x"], c["index"], c["b"], c["sizes"], c["offs"],
+                                                          c["outs"], c["ins"], g.group_name, plan)
+
+
+def _reference(c: dict, g) -> list[torch.Tensor]:
+    return dispatch_route.reference(c["x"], c["index"], c["b"], c["sizes"], c["offs"], c["outs"], c["ins"], g)
+
+
+def op_worker(forms: list[str], index_kinds: list[str], dtype_name: str, seeds: list[int]) -> int:
+    """Every (form, index kind, seed): the fused op equals the unfused reference on this rank; returns the count."""
+    from flashoverlap_inductor.routes import stats
+
+    dtype = getattr(torch, dtype_name)
+    g = dist.group.WORLD
+    before = stats["dispatch:cpu"]
+    torch.use_deterministic_algorithms(True)
+    done = 0
+    try:
+        for form in forms:
+            for kind in index_kinds:
+                for seed in seeds:
+                    c = make_case(form, kind, dtype, seed, g.size(), g.rank())
+                    got, want = _call(c, g), _reference(c, g)
+                    assert len(got) == len(want) == 1 + len(c["b"]), (form, kind, seed)
+                    assert got[0].shape == (c["index"].shape[0], K), (form, kind, seed, got[0].shape)
+                    where = f"{form} {kind} {seed}"
+                    for x, y in zip(got, want, strict=True):
+                        assert x.dtype == dtype and x.shape == y.shape, where
+                        torch.testing.assert_close(x, y, **TOL[dtype], msg=lambda m, w=where: f"{w}: {m}")
+                    done += 1
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert stats["dispatch:cpu"] - before == done  # the pipelined CPU route ran, not the reference
+    return done
+
+
+def failure_worker(bad_rank: int) -> tuple[str, str]:
+    """A GEMM that raises on ``bad_rank`` in the middle of a call: every rank raises; the next call is exact."""
+    from unittest import mock
+
+    from flashoverlap_inductor import errors
+
+    g = dist.group.WORLD
+    c = make_case("loop", "moe", torch.float32, 5, g.size(), g.rank())
+    real = dispatch_route.FirstGemms.segment
+    seen = []
+
+    def flaky(self, p, seg, y):
+        seen.append(seg)
+        if g.rank() == bad_rank and len(seen) == 2:
+            raise RuntimeError("injected GEMM fault")
+        return real(self, p, seg, y)
+
+    with mock.patch.object(dispatch_route.FirstGemms, "segment", flaky):
+        try:
+            _call(c, g)
+            first = "no error"
+        except errors.PeerFailure as exc:
+            first = f"PeerFailure: {exc}"
+        except RuntimeError as exc:
+            first = f"RuntimeError: {exc}"
+    for x, y in zip(_call(c, g), _reference(c, g), strict=True):
+        torch.testing.assert_close(x, y)
+    return first, "next call exact"
+
+
+def bad_index_worker() -> tuple[str, str]:
+    """An index out of range on rank 1 only (per-rank data): raised there after every transfer, PeerFailure on rank
+    0; the next call is exact."""
+    from flashoverlap_inductor import errors
+
+    g = dist.group.WORLD
+    c = make_case("grouped", "moe", torch.bfloat16, 2, g.size(), g.rank())
+    bad = dict(c, index=c["index"] + (10_000 if g.rank() == 1 else 0))
+    try:
+        _call(bad, g)
+        first = "no error"
+    except errors.PeerFailure as exc:
+        first = f"PeerFailure: {exc}"
+    except IndexError as exc:
+        first = f"IndexError: {exc}"
+    for x, y in zip(_call(c, g), _reference(c, g), strict=True):
+        torch.testing.assert_close(x, y)
+    return first, "next call exact"
+
+
+def bad_inputs_worker() -> dict[str, str]:
+    g = dist.group.WORLD
+    fo = torch.ops.flashoverlap
+    x, idx, b = torch.randn(4, K), torch.arange(4), [torch.randn(K, N)]
+    name = g.group_name
+    cases = {
+        "sizes": lambda: fo.all_to_all_permute_gemm(x, idx, b + b, [4], None, [2, 2], [2, 2], name, "blocks"),
+        "dtype": lambda: fo.all_to_all_permute_gemm(x, idx, [b[0].double()], [4], None, [2, 2], [2, 2], name,
+                                                    "blocks"),
+        "index": lambda: fo.all_to_all_permute_gemm(x, idx.float(), b, [4], None, [2, 2], [2, 2], name, "blocks"),
+        "splits": lambda: fo.all_to_all_permute_gemm(x, idx, b, [4], None, [4], [4], name, "blocks"),
+        "self": lambda: fo.all_to_all_permute_gemm(x, idx, b, [4], None, [1, 3], [3, 1], name, "blocks"),
+        "plan": lambda: fo.all_to_all_permute_gemm(x, idx, b, [4], None, [2, 2], [2, 2], name, "v1;x"),
+        "offs": lambda: fo.all_to_all_permute_gemm(x, idx, [torch.randn(2, K, N)], None, torch.tensor([1, 4]),
+                                                   [2, 2], [2, 2], name, "blocks"),
+    }
+    out = {}
+    for key, fn in cases.items():
+        try:
+            fn()
+            out[key] = "NO ERROR"
+        except (ValueError, RuntimeError) as exc:
+            out[key] = str(exc)
+    dist.barrier()  # still in step: nothing was half-sent
+    return out
+
+
+def opcheck_worker() -> list[dict]:
+    g = dist.group.WORLD
+    results = []
+    for form in ("loop", "grouped2"):
+        c = make_case(form, "moe", torch.bfloat16 if form != "loop" else torch.float32, 3, g.size(), g.rank())
+        args = (c["x"], c["index"], c["b"], c["sizes"], c["offs"], c["outs"], c["ins"], g.group_name, "blocks")
+        results.append(torch.library.opcheck(torch.ops.flashoverlap.all_to_all_permute_gemm.default, args))
+    return results
+
+
+# ------------------------------------------------------------------------------------------ 2-process tests
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return get_pool(2)
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_loop_form_matches_the_reference_on_uneven_splits(pool, dtype_name):
+    assert pool.run(op_worker, ["loop"], ["moe", "perm", "dup"], dtype_name, [1, 2, 3, 4]) == [12, 12]
+
+
+def test_grouped_forms_match_the_reference_in_bf16(pool):
+    assert pool.run(op_worker, ["grouped", "grouped2"], ["moe", "perm", "dup"], "bfloat16", [1, 2, 3]) == [18, 18]
+
+
+def test_three_ranks():
+    """Three ranks: each arrival order starts at a different peer, splits uneven, one rank keeping none."""
+    assert get_pool(3).run(op_worker, ["loop", "grouped"], ["moe", "dup"], "bfloat16", [1, 2]) == [8, 8, 8]
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_fault_on_one_rank_raises_on_every_rank_and_the_next_call_works(pool, bad_rank):
+    for rank, (first, after) in enumerate(pool.run(failure_worker, bad_rank)):
+        want = "RuntimeError: injected GEMM fault" if rank == bad_rank else "PeerFailure"
+        assert first.startswith(want), (rank, first)
+        assert after == "next call exact"
+
+
+def test_a_bad_index_on_one_rank_raises_on_every_rank(pool):
+    got = pool.run(bad_index_worker)
+    assert got[0][0].startswith("PeerFailure") and got[1][0].startswith("IndexError"), got
+    assert got[0][1] == got[1][1] == "next call exact"
+
+
+def test_bad_inputs_raise_on_every_rank_before_any_transfer(pool):
+    expect = {"sizes": "one expert size per b", "dtype": "share one dtype", "index": "1-D int64",
+              "splits": "2 split sizes", "self": "sends itself", "plan": "unknown dispatch plan", "offs": "1-D int32"}
+    for per_rank in pool.run(bad_inputs_worker):
+        for name, fragment in expect.items():
+            assert fragment in per_rank[name], (name, per_rank[name])
+
+
+def test_opcheck_on_gloo(pool):
+    for per_rank in pool.run(opcheck_worker):
+        for result in per_rank:
+            assert set(result.values()) == {"SUCCESS"}, result
+
+
+# ------------------------------------------------------------------------------------------ one process
+
+
+def test_arrival_order_is_own_block_then_the_ring():
+    assert dispatch_route.arrival_order(4, 1) == [1, 0, 3, 2] and dispatch_route.arrival_order(1, 0) == [0]
+    assert all(sorted(dispatch_route.arrival_order(5, r)) == list(range(5)) for r in range(5))
+
+
+def test_fake_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(torch.randn(5, K))
+        idx = mode.from_tensor(torch.arange(6))
+        loop = torch.ops.flashoverlap.all_to_all_permute_gemm(
+            x, idx, [mode.from_tensor(torch.randn(K, N)), mode.from_tensor(torch.randn(K, 8))], [2, 4], None,
+            [3, 3], [3, 2], "0", "blocks")
+        grouped = torch.ops.flashoverlap.all_to_all_permute_gemm(
+            x, idx, [mode.from_tensor(torch.randn(E, K, N))], None, mode.from_tensor(torch.tensor([1, 3, 6],
+                                                                                            dtype=torch.int32)),
+            [3, 3], [3, 2], "0", "blocks")
+    assert [tuple(t.shape) for t in loop] == [(6, K), (2, N), (4, 8)]
+    assert [tuple(t.shape) for t in grouped] == [(6, K), (6, N)]

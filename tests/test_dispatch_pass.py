@@ -1,0 +1,189 @@
+"""The MoE dispatch fused end to end on 2 gloo ranks: ``torch.compile(..., backend="flashoverlap")`` of real
+expert-parallel models against eager, forward and gradients, with the pass's counters checked inside each rank.
+
+* the e2e harness's ``ep`` plan of tiny-moe (Qwen3-MoE) and tiny-mixtral, per-expert ``mm`` loop, fp32, batch 1 and
+  2: the forward's dispatch (all_to_all -> index -> split_with_sizes -> gate_up ``mm`` per expert) and the
+  backward's (the combine's gradient: all_to_all -> index -> expand -> slices -> the down GEMMs' input gradients)
+  are fused beside the combine; only the count exchange is left;
+* the harness's MoE block with ``torch._grouped_mm`` in bf16;
+* torchtitan's expert-parallel data path (``TitanStyleMoE`` of ``test_combine_pass``, its op sequence re-typed),
+  whose forward feeds the permuted rows to two grouped GEMMs (w1 and w3);
+* ``fuse="auto"``: every rank declines every dispatch alike (``skip:dispatch_auto``);
+* declined forms, each with its slug.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from dist_utils import get_pool
+from torch import nn
+
+pytest.importorskip("transformers")
+
+from test_combine_pass import FP32, TitanStyleMoE, _compare, _Run  # noqa: E402  (after the importorskip)
+
+OP = "all_to_all_permute_gemm"
+
+
+class _DispatchRun(_Run):
+    def report(self) -> dict:
+        from flashoverlap_inductor import routes
+        from flashoverlap_inductor.passes import counters
+
+        keep = ("dispatch", "combine", "near_miss")
+        return {"pass": {k: v for k, v in counters.items() if any(w in k for w in keep)},
+                "calls": routes.stats["dispatch:cpu"], "combine_calls": routes.stats["combine:cpu"]}
+
+
+def ep_model_worker(preset: str, batches: list[int], fuse: str = "always", dynamic: bool | None = False) -> dict:
+    """The harness's ep plan of ``preset`` (one layer, seq 16, fp32): compiled vs eager loss and every gradient at
+    each batch size, on fresh random token ids."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from flashoverlap_inductor.bench import models, plans
+    from flashoverlap_inductor.bench.runner import TrainLoss
+
+    spec = models.PRESETS[preset].with_overrides(layers=1)
+    model = plans.apply(models.build(spec, torch.device("cpu"), torch.float32, 0, 16), spec, "ep",
+                        init_device_mesh("cpu", (dist.get_world_size(),)), "loop")
+    ref, got = TrainLoss(model), TrainLoss(copy.deepcopy(model))
+    with _DispatchRun() as run:
+        compiled = torch.compile(got, backend="flashoverlap", options={"flashoverlap.fuse": fuse}, dynamic=dynamic)
+        for batch in batches:
+            gen = torch.Generator().manual_seed(100 * batch + 3)
+            ids = torch.randint(0, spec.vocab, (batch, 16), generator=gen)
+            targets = torch.randint(0, spec.vocab, (batch, 16), generator=gen)
+            for m in (ref, got):
+                m.zero_grad(set_to_none=True)
+            loss_ref, loss_got = ref(ids, targets), compiled(ids, targets)
+            loss_ref.backward()
+            loss_got.backward()
+            _compare(ref, got, loss_ref.detach(), loss_got.detach(), FP32)
+        return run.report()
+
+
+def _block_vs_eager(ref: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> dict:
+    """Compiled (fuse "always") vs eager output, input and parameter gradients (bf16); the dispatch ops' lines of the
+    post-grad graphs, forward then backward."""
+    from test_combine_pass import BF16
+
+    got, lines = copy.deepcopy(ref), []
+    options = {"flashoverlap.fuse": "always", "post_grad_custom_post_pass": lambda g: lines.extend(
+        line.strip() for line in g.python_code("self").src.splitlines() if f"flashoverlap.{OP}" in line)}
+    with _DispatchRun() as run:
+        compiled = torch.compile(got, backend="flashoverlap", options=options)
+        x_ref, x_got = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out_ref, out_got = ref(x_ref), compiled(x_got)
+        out_ref.backward(dy)
+        out_got.backward(dy)
+        _compare(ref, got, out_ref.detach(), out_got.detach(), BF16)
+        torch.testing.assert_close(x_got.grad.float(), x_ref.grad.float(), **BF16)
+        return {**run.report(), "ops": lines}
+
+
+def grouped_block_worker() -> dict:
+    from flashoverlap_inductor.bench import models, moe
+
+    spec = models.PRESETS["tiny-moe"].with_overrides(layers=1)
+    block = models.build(spec, torch.device("cpu"), torch.float32, 0, 16).model.layers[0].mlp
+    ref = moe.ExpertParallelMoE(block, dist.group.WORLD, "grouped").to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(13 + dist.get_rank())
+    x, dy = (torch.randn(2, 8, spec.hidden, generator=gen).to(torch.bfloat16) for _ in range(2))
+    return _block_vs_eager(ref, x, dy)
+
+
+def titan_worker() -> dict:
+    ref = TitanStyleMoE(64, 32, 4, 2, dist.group.WORLD).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(23 + dist.get_rank())
+    x, dy = (torch.randn(16, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    return _block_vs_eager(ref, x, dy)
+
+
+class Declined(nn.Module):
+    """Three dispatches the pass must decline, each with its reason: the experts' GEMMs carry a bias (addmm pieces),
+    the pieces overlap, and the permutation indexes two dims."""
+
+    def __init__(self, k: int = 16, n: int = 24) -> None:
+        super().__init__()
+        self.e0, self.e1 = nn.Linear(k, n), nn.Linear(k, n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group, half = dist.group.WORLD.group_name, x.shape[0] // 2
+        perm, w0, w1 = torch.arange(x.shape[0] - 1, -1, -1), self.e0.weight.t(), self.e1.weight.t()
+        out = []
+        for kind in ("bias", "overlap", "index"):
+            recv = funcol.all_to_all_single(x * (len(out) + 1), [half, half], [half, half], group)
+            if kind == "bias":
+                p = recv[perm]
+                out.append(torch.cat([self.e0(p[:half]), self.e1(p[half:])]))
+            elif kind == "overlap":
+                p = recv[perm]
+                out.append(torch.cat([p[:half + 1] @ w0, p[half - 1:] @ w1])[:x.shape[0]])
+            else:
+                p = recv[perm.unsqueeze(1), torch.arange(x.shape[1])]
+                out.append(torch.cat([p[:half] @ w0, p[half:] @ w1]))
+        return F.relu(sum(out))
+
+
+def declined_worker() -> dict:
+    with _DispatchRun() as run, torch.no_grad():
+        torch.compile(Declined(), backend="flashoverlap", options={"flashoverlap.fuse": "always"})(torch.randn(8, 16))
+        return run.report()
+
+
+# ------------------------------------------------------------------------------------------ 2-process tests
+
+
+def _terms(line: str) -> dict:
+    """The fused op's GEMM count and offsets from its line of graph code."""
+    m = re.search(rf"{OP}\.default\(\w+, \w+, \[([^\]]*)\], (\[[^\]]*\]|None), (\w+),", line)
+    assert m is not None, line
+    return {"terms": len(m.group(1).split(",")), "offs": m.group(3)}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return get_pool(2)
+
+
+@pytest.mark.parametrize("preset, dynamic", [("tiny-moe", False), ("tiny-mixtral", None)])
+def test_ep_training_fuses_the_dispatch_forward_and_backward_and_matches_eager(pool, preset, dynamic):
+    for got in pool.run(ep_model_worker, preset, [1, 2], "always", dynamic, timeout_s=600):
+        # a forward and a backward graph per compilation (one per batch size): one dispatch and one combine each
+        assert got["pass"] == {"fused:all_to_all_dispatch": 4, "fused:all_to_all_combine": 4}, got
+        assert got["calls"] == 4 and got["combine_calls"] == 4, got
+
+
+def test_grouped_mm_block_in_bf16(pool):
+    for got in pool.run(grouped_block_worker, timeout_s=400):
+        assert got["pass"].get("fused:all_to_all_dispatch") == 2 and got["calls"] == 2, got
+        forward, backward = (_terms(line) for line in got["ops"])
+        assert forward["terms"] == backward["terms"] == 1 and forward["offs"] != "None", got["ops"]
+
+
+def test_torchtitan_style_expert_parallel_block(pool):
+    for got in pool.run(titan_worker, timeout_s=400):
+        assert got["pass"].get("fused:all_to_all_dispatch") == 2 and got["calls"] == 2, got
+        forward, backward = (_terms(line) for line in got["ops"])
+        # forward: w1's and w3's grouped GEMMs share the permuted rows; backward: w2's input gradient
+        assert (forward["terms"], backward["terms"]) == (2, 1), got["ops"]
+
+
+def test_unsupported_dispatches_are_declined_with_their_reason(pool):
+    for got in pool.run(declined_worker, timeout_s=300):
+        assert {k: v for k, v in got["pass"].items() if "dispatch" in k} == {
+            "skip:dispatch_gemm": 1, "skip:dispatch_pieces": 1, "skip:dispatch_index": 1}, got
+        assert got["calls"] == 0, got
+
+
+def test_auto_declines_every_dispatch_on_every_rank(pool):
+    got = pool.run(ep_model_worker, "tiny-moe", [2], "auto", timeout_s=600)
+    assert got[0] == got[1], got
+    assert got[0]["pass"] == {"skip:dispatch_auto": 2, "skip:combine_auto": 2} and got[0]["calls"] == 0, got
