@@ -157,6 +157,9 @@ int launch_fault_local(fo_fault* f, int tag, cudaStream_t stream) {
   return cudaGetLastError() == cudaSuccess ? 0 : 1;
 }
 
+// The host watchdog's record (runtime/nccl_watch.py): `code` with this rank as origin, in the call the block is in.
+__global__ void fault_mark_kernel(fo_fault* f, int code, int tag) { record_fault(f, code, tag, 0, 0, f->rank); }
+
 __global__ void fault_clear_kernel(fo_fault* f, int* mirror) {
   f->code = f->tag = f->seen = f->target = f->origin = f->fault_call = f->launch = 0;
   f->exchange = 0;
@@ -173,7 +176,7 @@ using namespace flashoverlap;
 
 extern "C" {
 
-FO_API int fo_abi_version(void) { return 9; }
+FO_API int fo_abi_version(void) { return 10; }
 
 FO_API int fo_preload(void) {
   cudaFuncAttributes attr{};
@@ -272,6 +275,13 @@ FO_API int fo_fault_clear(fo_fault* fault, int* mirror, void* stream) {
   fault_clear_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(fault, mirror);
   cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? 0 : fail_cuda("fo_fault_clear", e);
+}
+
+FO_API int fo_fault_mark(fo_fault* fault, int code, int tag, void* stream) {
+  if (fault == nullptr || code <= 0) return fail_code(2, "fo_fault_mark: needs a fault block and a code > 0");
+  fault_mark_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(fault, code, tag);
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? 0 : fail_cuda("fault mark kernel launch", e);
 }
 
 FO_API int fo_stream_wait_value(void* stream, int* counter, int target) {

@@ -50,6 +50,10 @@ typedef struct fo_fault {
 /* On `stream`: zero the block's fault fields (code .. launch, exchange; rank, npeers and peers stay) and the pinned
  * mirror int32[8]. */
 FO_API int fo_fault_clear(fo_fault* fault, int* mirror, void* stream);
+/* Records `code` (> 0; 5: the host watchdog gave up on an NCCL call, runtime/nccl_watch.py) with tag `tag` and this
+ * rank as origin in the call the block is in, unless the block already holds a fault; on `stream` (the watchdog's own:
+ * it runs beside a stuck NCCL kernel). Bound optionally (not in the versioned ABI). */
+FO_API int fo_fault_mark(fo_fault* fault, int code, int tag, void* stream);
 
 /* ABI version; bumped on any change of the functions below. */
 FO_API int fo_abi_version(void);

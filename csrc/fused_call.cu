@@ -363,11 +363,14 @@ FO_API int fo_fused_call(int config, const void* a, int64_t lda, const void* b, 
     }
     if (nrc != 0) return nrc;  // NCCL failed to enqueue: the caller aborts the communicator (torch's abort path)
   }
-  unsigned const nan = nan_bits(elem_bytes, nccl_dtype != kNcclFloat16);  // 2-byte: bf16 unless fp16
-  int rc_fault = launch_fault_finish(fault, mirror, out, out_numel, 1, 1, elem_bytes, nan, side);
   // Join even after a failure, so the caller's stream never runs ahead of work already queued on `side`.
   int rc_join = cuda_check(cudaEventRecord(ev->join, side), "join record");
   if (rc_join == 0) rc_join = cuda_check(cudaStreamWaitEvent(cur, ev->join, 0), "join wait");
+  // The poison runs on `cur` after the join, i.e. after this rank's GEMM too: a GEMM that started late (a stalled
+  // rank whose own wait gave up) writes `d`, which is the output of an all_reduce; poisoning on `side` before the
+  // GEMM's last tile would let its finite partial product overwrite the NaN (seen on 2 H200s, fault_probe_nccl).
+  unsigned const nan = nan_bits(elem_bytes, nccl_dtype != kNcclFloat16);  // 2-byte: bf16 unless fp16
+  int rc_fault = launch_fault_finish(fault, mirror, out, out_numel, 1, 1, elem_bytes, nan, cur);
   if (first_error != 0) return first_error;
   return rc_fault != 0 ? rc_fault : rc_join;
 }

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from flashoverlap_inductor import config
 from flashoverlap_inductor.native import kernels, nccl_direct
-from flashoverlap_inductor.runtime import faults, streams
+from flashoverlap_inductor.runtime import faults, nccl_watch, streams
 from flashoverlap_inductor.runtime.kernel_select import (
     KernelChoice,
     a_is_kernel_ready,
@@ -297,6 +297,10 @@ class NcclRoute:
                     f"process group {getattr(group, 'group_name', '?')} was {'aborted' if aborted else 'NOT aborted'}"
                     f" so that no rank waits forever: {exc}") from exc
             raise
+        if not ctx.capturing:  # NCCL's kernels have no bound of ours: the host watchdog gives the call one
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(a.device))
+            nccl_watch.watchdog().watch(done, launch.timeout_ns * 1e-9, group, dom, launch.description)
         return out
 
     def reset(self) -> None:

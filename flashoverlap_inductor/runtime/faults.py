@@ -41,7 +41,8 @@ MAX_PEERS = 8  # FO_FAULT_MAX_PEERS
 BLOCK_BYTES = 128
 MIRROR_INTS = 8
 CODES = {1: "a wait of this rank", 2: "a wait of rank {origin}", 3: "a wait of rank {origin}",
-         4: "rank {origin} could not enqueue part of the call"}
+         4: "rank {origin} could not enqueue part of the call",
+         5: "the NCCL transfers of rank {origin}"}  # 5: given up by the host watchdog (runtime/nccl_watch.py)
 
 
 class FaultBlock(ctypes.Structure):
@@ -174,6 +175,13 @@ class FaultDomain:
         if code == 4:
             raise errors.PeerFailure(f"flashoverlap: {who} ({self.route} route, group {self.group}, cuda:{self.device},"
                                      f" rank {rank}): {shape}. Its outputs were poisoned (NaN). {AFTER[self.resync]}")
+        if code == 5:
+            raise errors.FlashOverlapTimeout(
+                f"flashoverlap: {who} did not finish within the host watchdog's bound on the {self.route} route, "
+                f"group {self.group} (cuda:{self.device}, this is rank {rank}), during {shape}: a peer never made "
+                "its matching NCCL call (it failed or refused it). Its outputs were poisoned (NaN); the process "
+                "group was aborted so that no kernel waits forever, and is unusable now (NCCL's rule): create a "
+                "new group.")
         detail = "" if code == 3 else f" for {describe_wait(tag)} (saw {seen}, waited for {target})"
         raise errors.FlashOverlapTimeout(
             f"flashoverlap: {who} timed out{detail} on the {self.route} route, group {self.group} (cuda:{self.device}, "
