@@ -184,7 +184,8 @@ FO_API int fo_preload(void) {
                          reinterpret_cast<void const*>(fault_finish_kernel),
                          reinterpret_cast<void const*>(fault_exchange_kernel),
                          reinterpret_cast<void const*>(fault_local_kernel),
-                         reinterpret_cast<void const*>(fault_clear_kernel)}) {
+                         reinterpret_cast<void const*>(fault_clear_kernel),
+                         reinterpret_cast<void const*>(fault_mark_kernel)}) {  // the watchdog's, beside a stuck kernel
     cudaError_t e = cudaFuncGetAttributes(&attr, k);
     if (e != cudaSuccess) return fail_cuda("fo_preload", e);
   }
