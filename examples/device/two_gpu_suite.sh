@@ -17,6 +17,7 @@
 # $OUT (8 files at most): A: build.log gpu_tests.log faults.log cpu_tests.log coverage.log gpus.txt install.log;
 #   B: gpu_tests.log cpu_tests.log coverage.log bench_ops.log bench_gather.log e2e.log e2e.json (+ the benchmarks'
 #   JSON, which do not all come back).
+# FO_E2E_PRESET, FO_E2E_LAYERS: the e2e model (default llama3-8b, 8 layers; e.g. qwen3-moe 4 with FO_E2E_PLAN=ep).
 # FO_FAULT_SPECS: the fault probes' argument lists, ';'-separated; FO_TIMELINE_ARGS: more timeline arguments.
 # FO_SKIP: any of "build tests faults cpu coverage ops gather timeline e2e"; FO_BUDGET_S: the part's budget (default 570).
 set -uo pipefail
@@ -114,8 +115,8 @@ fi
 if [ "$PART" = C ]; then
   if [[ "$SKIP" != *" e2e "* ]]; then
     step "e2e"
-    timeout "$(cap 540)" "${TORCHRUN[@]}" --nproc_per_node=2 -m flashoverlap_inductor.bench e2e --preset llama3-8b \
-      --layers 8 --plan "${FO_E2E_PLAN:-sp}" --workload "${FO_E2E_WORKLOAD:-train,prefill}" --seq "${FO_E2E_SEQ:-4096}" --batch 1 --steps 5 --warmup 2 \
+    timeout "$(cap 540)" "${TORCHRUN[@]}" --nproc_per_node=2 -m flashoverlap_inductor.bench e2e --preset "${FO_E2E_PRESET:-llama3-8b}" \
+      --layers "${FO_E2E_LAYERS:-8}" --plan "${FO_E2E_PLAN:-sp}" --workload "${FO_E2E_WORKLOAD:-train,prefill}" --seq "${FO_E2E_SEQ:-4096}" --batch 1 --steps 5 --warmup 2 \
       --backends "${FO_E2E_BACKENDS:-inductor,inductor+async-tp,flashoverlap,bound}" ${FO_E2E_ARGS:-} --quiet --json "$OUT/e2e.json" >"$OUT/e2e.log" 2>&1
     echo "e2e rc=$?" | tee -a "$OUT/e2e.log"; tail -40 "$OUT/e2e.log"
   fi
