@@ -83,3 +83,17 @@ def test_the_thread_gives_up_a_stuck_call_and_sleeps_when_idle():
         time.sleep(0.02)
     assert [i.description for i in gone] == ["stuck"] and w.pending() == 0
     assert w.thread is not None and w.thread.daemon
+
+
+def test_a_new_group_is_not_taken_for_an_aborted_one():
+    w, clock, gone = make()
+
+    class Group:
+        pass
+
+    old = Group()
+    w.items.append(nccl_watch.Watched(Event(False), clock.now - 1, old, None, "old"))
+    assert w.poll() is None and [i.description for i in gone] == ["old"]
+    del old
+    w.items.append(nccl_watch.Watched(Event(False), clock.now + 5, Group(), None, "new"))
+    assert w.poll() == 5.0 and len(gone) == 1

@@ -65,7 +65,9 @@ class Watchdog:
         self.items: collections.deque[Watched] = collections.deque()
         self.cond = threading.Condition()
         self.thread: threading.Thread | None = None
-        self.aborted: set[int] = set()  # id() of groups given up (their later calls are given up at once)
+        # groups given up (their later calls are given up at once); the objects, not their id()s, which a new group
+        # could reuse once an aborted one is freed
+        self.aborted: list[Any] = []
         self.given_up = 0
 
     def watch(self, event: Any, timeout_s: float, group: Any, domain: Any, description: str) -> None:
@@ -90,10 +92,11 @@ class Watchdog:
                     self.items.popleft()
                     continue
                 now = self.clock()
-                if now < item.deadline and id(item.group) not in self.aborted:
+                if now < item.deadline and not any(g is item.group for g in self.aborted):
                     return item.deadline - now
                 self.items.popleft()
-                self.aborted.add(id(item.group))
+                if not any(g is item.group for g in self.aborted):
+                    self.aborted.append(item.group)
                 self.given_up += 1
             try:
                 self.give_up(item)
