@@ -176,7 +176,7 @@ using namespace flashoverlap;
 
 extern "C" {
 
-FO_API int fo_abi_version(void) { return 10; }
+FO_API int fo_abi_version(void) { return 11; }
 
 FO_API int fo_preload(void) {
   cudaFuncAttributes attr{};

@@ -207,6 +207,15 @@ FO_API int fo_nccl_inject_stats(int64_t* fired, int64_t* polled, int64_t* stalle
  * expected: device ints, 1 + 2 * FO_PEER_MAX_GROUPS: [0] the epoch of flags[0], [1 + g] of flags[1 + g], and
  * [1 + FO_PEER_MAX_GROUPS + g] the target of counters[g] (resynchronised from counters at every call). */
 #define FO_PEER_MAX_GROUPS 64
+#define FO_PEER_PROBE_GEMM1 0
+#define FO_PEER_PROBE_NOTIFY 1
+#define FO_PEER_PROBE_GEMM2 2
+#define FO_PEER_PROBE_EXCHANGE 3
+#define FO_PEER_PROBE_COPY 4
+#define FO_PEER_PROBE_PULL 8
+#define FO_PEER_PROBE_GROUPS 8
+#define FO_PEER_PROBE_SIDE (FO_PEER_PROBE_PULL + FO_PEER_PROBE_GROUPS)
+#define FO_PEER_PROBE_EVENTS (FO_PEER_PROBE_SIDE + FO_PEER_PROBE_GROUPS)
 typedef struct {
   int32_t config_partial, config_add;
   const void* a;
@@ -248,6 +257,21 @@ typedef struct {
                              tile's C load (the peer's GEMM 1 is then usually long done). 0: a wait kernel. */
   int* mirror;            /* pinned host int32[8]: the fault block's copy while it holds a fault */
   int32_t launch_id;      /* the host's id of this call's launch (fo_fault.current_launch) */
+  /* The timeline probe (python -m flashoverlap_inductor.bench timeline --op ...; routes/peer.py probe_points):
+   * optional timing-enabled cudaEvent_t handles, each recorded by the call on the stream where its point happens
+   * (null: none, the normal case; one pointer test per point). A failed record never changes the protocol (every
+   * notify still runs); the call then returns its error at the end. Indices (FO_PEER_PROBE_*):
+   *   0 cur, after GEMM 1;
+   *   1 cur, after the notify (gate_in_kernel 1) or the notify + wait kernel (0): the peer's GEMM 1 is done;
+   *   2 cur, after GEMM 2 (with gate_in_kernel 1 its gate's waits are inside);
+   *   3 cur: reduce_scatter and push, after the flag exchange; pull (num_groups > 0), after the join of the side
+   *     and pull streams;
+   *   4 cur, push: after the final copy (landing buffer -> out's peer rows);
+   *   5-7 unused (null);
+   *   8 + g, g < FO_PEER_PROBE_GROUPS, pull: the pull stream after group g's copy (the peer's rows landed);
+   *   8 + FO_PEER_PROBE_GROUPS + g, pull: the side stream after group g's copy (own rows -> out).
+   * Groups from FO_PEER_PROBE_GROUPS on record none. */
+  void* probe_events[FO_PEER_PROBE_EVENTS];
 } fo_peer_args;
 
 FO_API int fo_peer_call(const fo_peer_args* args);

@@ -14,8 +14,13 @@
 //
 // Cross-GPU ordering: fo_notify (system-scope fence + release add on the peer's flag, after the GEMM in stream
 // order) pairs with the bounded wait kernel's system-scope acquire. See flashoverlap_sm90.h for the contract.
+//
+// The timeline tool's probe: fo_peer_args.probe_events, timing events recorded at the call's points on the streams
+// where they happen (after GEMM 1, the notify / wait, GEMM 2, the exchange or join, the final copy, each group's
+// copies); all null in every other call (flashoverlap_sm90.h lists the indices).
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <unordered_map>
@@ -33,6 +38,26 @@ constexpr int kTagPartial = 1000;   // the peer's GEMM 1
 constexpr int kTagOwnGroup = 1100;  // + g: this rank's GEMM 2, group g
 constexpr int kTagPeerGroup = 1200;  // + g: the peer's GEMM 2, group g
 constexpr int kMaxGroups = FO_PEER_MAX_GROUPS;
+
+// The layout routes/peer.py's ctypes mirror (PeerArgs) assumes; tests/test_routes_cpu.py reads these numbers.
+static_assert(offsetof(fo_peer_args, launch_id) == 288, "fo_peer_args layout (routes/peer.py PeerArgs)");
+static_assert(offsetof(fo_peer_args, probe_events) == 296, "fo_peer_args layout (routes/peer.py PeerArgs)");
+static_assert(sizeof(fo_peer_args) == 488, "fo_peer_args layout (routes/peer.py PeerArgs)");
+
+// The timeline probe's events (fo_peer_args.probe_events; null: none, the normal case). A failed record leaves the
+// call's protocol as it is (every notify still runs): the call returns the first such error at its end.
+struct Probe {
+  void* const* events;
+  int rc = 0;
+  void operator()(int i, cudaStream_t stream) {
+    if (events[i] != nullptr && rc == 0) {
+      rc = cuda_check(cudaEventRecord(static_cast<cudaEvent_t>(events[i]), stream), "probe event record");
+    }
+  }
+  void group(int base, int g, cudaStream_t stream) {
+    if (g < FO_PEER_PROBE_GROUPS) (*this)(base + g, stream);
+  }
+};
 
 struct PeerEvents {
   cudaEvent_t fork = nullptr, join_side = nullptr, join_pull = nullptr;
@@ -157,6 +182,7 @@ FO_API int fo_peer_call(const fo_peer_args* args) {
   int const G = p.num_groups;
   PeerEvents* ev = nullptr;
   if ((rc = events(ev)) != 0) return rc;
+  Probe probe{p.probe_events};
   int* const counter_targets = p.expected + 1 + kMaxGroups;
   if (G > 0) {  // epoch resync of GEMM 2's counters (every earlier user was joined into `cur`), begin, then fork
     rc = cuda_check(cudaMemcpyAsync(counter_targets, p.counters, size_t(G) * sizeof(int), cudaMemcpyDeviceToDevice,
@@ -172,12 +198,14 @@ FO_API int fo_peer_call(const fo_peer_args* args) {
   }
   // GEMM 1: the peer's rows, then (one kernel) tell the peer and wait until its GEMM 1 (our C) is complete.
   rc = gemm(*c1, p, p.peer_row, nullptr, p.partial, p.n, nullptr, nullptr, cur);
+  if (rc == 0) probe(FO_PEER_PROBE_GEMM1, cur);
   bool const begin = G == 0;  // else begun before the fork
   if (rc == 0 && p.gate_in_kernel) {  // notify and advance the epoch; GEMM 2's epilogue waits before loading C
     rc = route_wait(p, nullptr, p.expected, 1, kTagPartial, cur, p.peer_flags, false, begin);
   } else if (rc == 0) {
     rc = route_wait(p, p.flags, p.expected, 1, kTagPartial, cur, p.peer_flags, true, begin);
   }
+  if (rc == 0) probe(FO_PEER_PROBE_NOTIFY, cur);
   bool const gate = p.gate_in_kernel != 0;
   if (p.push) {  // all_reduce by push: GEMM 2 -> out's own rows + the peer's landing buffer; then ours -> out
     char* const out = static_cast<char*>(p.out);
@@ -185,9 +213,11 @@ FO_API int fo_peer_call(const fo_peer_args* args) {
       rc = gemm(*c2, p, p.own_row, p.peer_partial, out + int64_t(p.own_row) * p.ld_out * p.elem_bytes, p.ld_out,
                 nullptr, nullptr, cur, const_cast<void*>(p.peer_own), gate);
     }
+    if (rc == 0) probe(FO_PEER_PROBE_GEMM2, cur);
     if (rc == 0) {
       rc = route_wait(p, p.flags + 1, p.expected + 1, 1, kTagPeerGroup, cur, p.peer_flags + 1, true);
     }
+    if (rc == 0) probe(FO_PEER_PROBE_EXCHANGE, cur);
     if (rc == 0 && p.copy_on_sms && p.ld_out == p.n) {
       rc = copy_on_sms(out + int64_t(p.peer_row) * p.ld_out * p.elem_bytes, p.own_dst,
                        size_t(p.rows) * size_t(p.n) * size_t(p.elem_bytes), cur);
@@ -195,18 +225,21 @@ FO_API int fo_peer_call(const fo_peer_args* args) {
       rc = copy_rows(out + int64_t(p.peer_row) * p.ld_out * p.elem_bytes, p.ld_out, p.own_dst, p.n, 0, p.rows, p.n,
                      p.elem_bytes, cur);
     }
+    if (rc == 0) probe(FO_PEER_PROBE_COPY, cur);
     if (rc == 0) rc = finish(p, *c2, out, 2 * int64_t(p.rows), p.ld_out, cur);
-    return rc;
+    return rc != 0 ? rc : probe.rc;
   }
   // GEMM 2: own rows + the peer's partial of them.
   if (rc == 0) {
     rc = gemm(*c2, p, p.own_row, p.peer_partial, p.own_dst, p.ld_own, G > 0 ? p.counters : nullptr,
               G > 0 ? p.group_of_tile_row : nullptr, cur, nullptr, gate);
   }
+  if (rc == 0) probe(FO_PEER_PROBE_GEMM2, cur);
   if (G == 0) {  // reduce_scatter: one flag each way after GEMM 2 (our C reads are done; see the header)
     if (rc == 0) rc = route_wait(p, p.flags + 1, p.expected + 1, 1, kTagPeerGroup, cur, p.peer_flags + 1, true);
+    if (rc == 0) probe(FO_PEER_PROBE_EXCHANGE, cur);
     if (rc == 0) rc = finish(p, *c2, p.own_dst, p.rows, p.ld_own, cur);
-    return rc;
+    return rc != 0 ? rc : probe.rc;
   }
   for (int g = 0; g < G && rc == 0; ++g) {
     int const r0 = p.group_rows[g], r1 = p.group_rows[g + 1];
@@ -216,6 +249,7 @@ FO_API int fo_peer_call(const fo_peer_args* args) {
       rc = copy_rows(static_cast<char*>(p.out) + int64_t(p.own_row) * p.ld_out * p.elem_bytes, p.ld_out, p.own_dst,
                      p.ld_own, r0, r1, p.n, p.elem_bytes, side);
     }
+    if (rc == 0) probe.group(FO_PEER_PROBE_SIDE, g, side);
     if (rc == 0) {
       rc = route_wait(p, p.flags + 1 + g, p.expected + 1 + g, 1, kTagPeerGroup + g, pull, nullptr);
     }
@@ -223,14 +257,16 @@ FO_API int fo_peer_call(const fo_peer_args* args) {
       rc = copy_rows(static_cast<char*>(p.out) + int64_t(p.peer_row) * p.ld_out * p.elem_bytes, p.ld_out, p.peer_own,
                      p.n, r0, r1, p.n, p.elem_bytes, pull);
     }
+    if (rc == 0) probe.group(FO_PEER_PROBE_PULL, g, pull);
   }
   // Join even after a failure, so `cur` never runs ahead of work already queued on the side streams.
   int rc_join = cuda_check(cudaEventRecord(ev->join_side, side), "join record");
   if (rc_join == 0) rc_join = cuda_check(cudaEventRecord(ev->join_pull, pull), "join record");
   if (rc_join == 0) rc_join = cuda_check(cudaStreamWaitEvent(cur, ev->join_side, 0), "join wait");
   if (rc_join == 0) rc_join = cuda_check(cudaStreamWaitEvent(cur, ev->join_pull, 0), "join wait");
+  if (rc == 0 && rc_join == 0) probe(FO_PEER_PROBE_EXCHANGE, cur);
   if (rc == 0 && rc_join == 0) rc = finish(p, *c2, p.out, 2 * int64_t(p.rows), p.ld_out, cur);
-  return rc != 0 ? rc : rc_join;
+  return rc != 0 ? rc : (rc_join != 0 ? rc_join : probe.rc);
 }
 
 }  // extern "C"

@@ -174,9 +174,28 @@ def test_peer_args_struct_matches_the_c_header():
     header = HEADER.read_text()
     body = header[header.index("typedef struct {", header.index("FO_PEER_MAX_GROUPS")):]
     body = re.sub(r"/\*.*?\*/", "", body[:body.index("} fo_peer_args;")], flags=re.S)
-    names = [n for decl in body.split(";") for n in re.findall(r"(\w+)\s*(?:,|$)", decl.strip()) if decl.strip()]
-    assert names == [f for f, _ in peer.PeerArgs._fields_]
+    names = [n for decl in body.split(";") for n in re.findall(r"(\w+(?:\[\w+\])?)\s*(?:,|$)", decl.strip())
+             if decl.strip()]
+    ours = [f if not hasattr(t, "_length_") else f"{f}[FO_PEER_PROBE_EVENTS]" for f, t in peer.PeerArgs._fields_]
+    assert names == ours
     assert ctypes.sizeof(peer.PeerArgs) % 8 == 0
+
+
+def test_peer_args_layout_matches_the_static_asserts_and_probe_indices():
+    """The offsets and size that csrc/peer_call.cu asserts at compile time (nvcc checks the C side) are the ctypes
+    mirror's, and the probe indices are the header's ``FO_PEER_PROBE_*``."""
+    source = (HEADER.parent / "peer_call.cu").read_text()
+    offsets = dict(re.findall(r"static_assert\(offsetof\(fo_peer_args, (\w+)\) == (\d+)", source))
+    assert set(offsets) == {"launch_id", "probe_events"}
+    for name, offset in offsets.items():
+        assert getattr(peer.PeerArgs, name).offset == int(offset)
+    size = re.search(r"static_assert\(sizeof\(fo_peer_args\) == (\d+)", source)
+    assert size and ctypes.sizeof(peer.PeerArgs) == int(size.group(1))
+    defines = dict(re.findall(r"#define FO_PEER_PROBE_(\w+) (\d+)\n", HEADER.read_text()))
+    assert {k.lower(): int(v) for k, v in defines.items() if k not in ("PULL", "GROUPS")} == peer.PROBE_CUR
+    assert (int(defines["PULL"]), int(defines["GROUPS"])) == (peer.PROBE_PULL, peer.PROBE_GROUPS)
+    assert peer.PROBE_EVENTS == len(peer.PeerArgs().probe_events) == peer.PROBE_PULL + 2 * peer.PROBE_GROUPS
+    assert "#define FO_PEER_PROBE_SIDE (FO_PEER_PROBE_PULL + FO_PEER_PROBE_GROUPS)" in HEADER.read_text()
 
 
 def test_ring_args_struct_matches_the_c_header():
@@ -255,6 +274,68 @@ def test_peer_execute_pushes_gemm1_to_the_peer_and_fills_only_the_calls_pointers
         else:
             assert p.own_dst == out.data_ptr()
         assert len(launch.args) == 1  # the workspace's args are made once per launch
+    peer.ROUTE.reset()
+
+
+class _Probe:
+    """A ``runtime.probe.CallProbe`` stand-in: events as handles 1000, 1001, ... and the marks' names."""
+
+    def __init__(self):
+        self.handles = iter(range(1000, 2000))
+        self.events: dict[str, tuple[int, str]] = {}
+        self.marks: list[str] = []
+
+    def events_for(self, names, lane):
+        out = [types.SimpleNamespace(cuda_event=next(self.handles)) for _ in names]
+        self.events.update({n: (e.cuda_event, lane) for n, e in zip(names, out, strict=True)})
+        return out
+
+    def mark(self, name, stream, lane="compute"):
+        self.marks.append(name)
+
+
+@pytest.mark.parametrize("how", ["reduce_scatter", "push", "pull"])
+def test_peer_probe_events_reach_the_struct_for_the_probed_call_only(monkeypatch, how):
+    """A probed call gets the probe's events at its points' indices (``probe_points``) and the start / end marks;
+    the memoized struct holds none before or after it."""
+    _fake_symmetric(monkeypatch, [])
+    seen = []
+
+    class Lib:
+        def fo_peer_call(self, ref):
+            seen.append(peer.PeerArgs.from_buffer_copy(ref._obj))
+            return 0
+
+    monkeypatch.setattr(kernels, "library", lambda: Lib())
+    monkeypatch.setattr(kernels, "check", lambda rc, what: None)
+    peer.ROUTE.reset()
+    group = types.SimpleNamespace(group_name="g", rank=lambda: 0, size=lambda: 2)
+    rows, n, k = 64, 32, 16
+    collective = "reduce_scatter" if how == "reduce_scatter" else "all_reduce"
+    groups = 10 if how == "pull" else 0  # more than PROBE_GROUPS: the later ones record none
+    t = peer.PeerArgs()
+    t.n = n
+    choice = types.SimpleNamespace(b_layout="nk", convert_b=False)
+    launch = peer.PeerLaunch(collective, choice, rows // 2, groups, None, None, None, None, rows // 2 * n * 4, "t",
+                             how == "push", peer.PeerArgs.from_buffer_copy(t))
+    ctx = _ctx(group, rows, n, k, rows if collective == "all_reduce" else rows // 2)
+    peer.ROUTE.execute(launch, ctx)
+    ctx.probe = probe = _Probe()
+    peer.ROUTE.execute(launch, ctx)
+    ctx.probe = None
+    peer.ROUTE.execute(launch, ctx)
+    assert all(not any(p.probe_events) for p in (seen[0], seen[2]))
+    assert probe.marks == ["start", "end"]
+    points = peer.probe_points(launch)
+    got = {i: h for i, h in enumerate(seen[1].probe_events) if h}
+    assert got == {i: probe.events[name][0] for i, name, _ in points}
+    names = [name for _, name, _ in points]
+    assert names[:3] == ["gemm1", "notify", "gemm2"]
+    assert names[3] == ("join" if how == "pull" else "exchange")
+    assert ("copy" in names) == (how == "push")
+    pulls = [i for i, name, lane in points if lane == "pull"]
+    assert pulls == ([peer.PROBE_PULL + g for g in range(peer.PROBE_GROUPS)] if how == "pull" else [])
+    assert all(probe.events[name][1] == lane for _, name, lane in points)
     peer.ROUTE.reset()
 
 

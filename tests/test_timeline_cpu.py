@@ -1,6 +1,7 @@
-"""The timeline tool's pure parts (``bench.gantt``): the breakdown of a gather call's gap to the ideal adds up, its
-bars follow the marks, and the PNG and text charts are well formed. The probed GPU run itself:
-``python -m flashoverlap_inductor.bench timeline`` on 2 GPUs (examples/device/two_gpu_suite.sh)."""
+"""The timeline tool's pure parts (``bench.gantt``, ``bench.timeline_peer``): the breakdown of a gather or peer-route
+call's gap to the ideal adds up, its bars follow the marks, the report's text and the PNG and text charts are well
+formed. The probed GPU run itself: ``python -m flashoverlap_inductor.bench timeline [--op reduce_scatter]`` on 2
+GPUs (examples/device/two_gpu_suite.sh)."""
 
 from __future__ import annotations
 
@@ -67,3 +68,101 @@ def test_png_and_text(tmp_path):
     text = gantt.text(timeline, width=40)
     lines = text.splitlines()
     assert len(lines) == 1 + 4 + 1 and "G" in lines[1] and "p" in lines[2] and "h" in lines[1]
+
+
+def _peer_marks(rng: random.Random, how: str, groups: int = 0) -> dict[str, float]:
+    """Synthetic marks of one peer-route call (ms since start), in the order the route records them."""
+    t = {"start": 0.0}
+    now = t["gemm1"] = rng.uniform(0.1, 1.0)
+    now = t["notify"] = now + rng.uniform(0.0, 0.2)
+    now = t["gemm2"] = now + rng.uniform(0.1, 1.2)
+    for g in range(groups):  # the copy streams' marks: any time after the notify
+        t[f"pull:{g}"] = t["notify"] + rng.uniform(0.05, 1.3) + 0.1 * g
+        t[f"side:{g}"] = t["notify"] + rng.uniform(0.05, 1.3) + 0.1 * g
+    if how == "pull":
+        now = t["join"] = max([now] + [v for name, v in t.items() if ":" in name]) + rng.uniform(0.0, 0.01)
+    else:
+        now = t["exchange"] = now + rng.uniform(0.0, 0.1)
+    if how == "push":
+        now = t["copy"] = now + rng.uniform(0.01, 0.1)
+    t["end"] = now + rng.uniform(0.0, 0.02)
+    return t
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_peer_breakdown_adds_up(seed):
+    rng = random.Random(seed)
+    how = ("reduce_scatter", "push", "pull")[seed % 3]
+    groups = rng.randint(1, 8) if how == "pull" else 0
+    t = _peer_marks(rng, how, groups)
+    half_ms = rng.uniform(0.1, 1.0)
+    gemm_ms = 2 * half_ms * rng.uniform(0.9, 1.0)
+    comm_ms = gemm_ms * rng.uniform(0.1, 0.9)  # the GEMM is the longer side: the identity holds exactly
+    out, lanes = gantt.peer_breakdown(t, gemm_ms, half_ms, comm_ms)
+    assert out["total"] == pytest.approx(t["end"]) and out["ideal"] == pytest.approx(gemm_ms)
+    parts = ("split", "gemm1_extra", "wait", "gemm2_extra", "exchange", "copy", "tail")
+    assert out["gap"] == pytest.approx(sum(out[p] for p in parts))
+    assert out["gemm1"] == pytest.approx(half_ms + out["gemm1_extra"])
+    assert out["gemm2"] == pytest.approx(half_ms + out["gemm2_extra"])
+    assert out["gemm1"] + out["wait"] + out["gemm2"] + out["exchange"] + out["copy"] + out["tail"] == \
+        pytest.approx(t["end"])
+    assert (out["copy"] > 0) == (how == "push") and out["copy"] >= 0
+    compute = lanes["compute"]
+    assert compute[0] == ("gemm:1", 0.0, t["gemm1"]) and compute[-1] == ("tail", compute[-2][2], t["end"])
+    for (_, _, end), (_, start, _) in zip(compute, compute[1:]):  # contiguous, in time order
+        assert start == pytest.approx(end)
+    kinds = [gantt.kind(label) for label, _, _ in compute]
+    assert kinds == ["gemm", "wait", "gemm", "exchange", *(["copy"] if how == "push" else []), "tail"]
+    if how == "pull":
+        assert [label for label, _, _ in lanes["pull"]] == [f"pull:{g}" for g in range(groups)]
+        assert [label for label, _, _ in lanes["side"]] == [f"copy:{g}" for g in range(groups)]
+        assert all(s <= e for lane in ("pull", "side") for _, s, e in lanes[lane])
+    else:
+        assert set(lanes) == {"compute"}
+
+
+def _peer_row(rank: int, how: str, seed: int) -> dict:
+    t = _peer_marks(random.Random(seed), how, 2 if how == "pull" else 0)
+    out, lanes = gantt.peer_breakdown(t, 1.0, 0.5, 0.6)
+    out.update(gemm=1.0, half=0.5, comm=0.6, seq=1.6, hidden=(1.6 - out["total"]) / 0.6, host_ms=0.05)
+    return {"op": "all_reduce", "m": 4096, "n": 8192, "k": 8192, "gate": "epilogue", "rank": rank,
+            "how": f"all_reduce {how}", "breakdown": out, "lanes": lanes}
+
+
+def test_peer_report_text_and_png(tmp_path):
+    from flashoverlap_inductor.bench import timeline_peer
+
+    rows = [[_peer_row(0, "pull", 1), _peer_row(1, "pull", 2)],
+            [{"op": "reduce_scatter", "m": 6, "n": 8, "k": 8, "gate": "kernel", "rank": r,
+              "declined": "6 rows do not split"} for r in range(2)]]
+    text = timeline_peer.format_report(rows)
+    lines = text.splitlines()
+    assert lines[0] == timeline_peer.HEADER
+    assert lines[1] == "== all_reduce 4096x8192x8192 gate=epilogue: all_reduce pull"
+    assert lines[2].split(" | ")[1:] == list(timeline_peer.COLS)
+    for r, line in enumerate(lines[3:5]):
+        cells = [c.strip() for c in line.split("|")]
+        assert cells[0] == str(r) and len(cells) == 1 + len(timeline_peer.COLS)
+        assert float(cells[1 + timeline_peer.COLS.index("hidden")]) == \
+            pytest.approx(rows[0][r]["breakdown"]["hidden"], abs=1e-3)
+    gantt_lines = [ln for ln in lines if ln.startswith("rank ")]
+    assert [ln.split("|")[0].split()[:3] for ln in gantt_lines] == \
+        [["rank", str(r), lane] for r in range(2) for lane in ("compute", "pull", "side")]
+    assert "x" in gantt_lines[0] and "G" in gantt_lines[0] and "y" in gantt_lines[2]
+    assert lines[-1] == "== reduce_scatter 6x8x8 gate=kernel: declined: 6 rows do not split"
+    timeline_peer.report(rows, str(tmp_path))
+    path = timeline_peer.png_path(str(tmp_path), rows[0][0])
+    assert path.endswith("timeline_all_reduce_4096x8192x8192_epilogue.png")
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["timeline_all_reduce_4096x8192x8192_epilogue.png"]
+
+
+def test_timeline_op_option():
+    from flashoverlap_inductor.bench import timeline
+
+    args = timeline.parse_args(["--op", "all_gather,reduce_scatter", "--gate", "epilogue,kernel"])
+    assert args.op == "all_gather,reduce_scatter" and args.shapes is None and args.spin_ms == 1.0
+    assert timeline.parse_args([]).op == "all_gather"
+    with pytest.raises(SystemExit):
+        timeline.parse_args(["--op", "all_to_all"])

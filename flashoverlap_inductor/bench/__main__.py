@@ -2,7 +2,8 @@
 
 Commands: ``e2e``, the end-to-end benchmark (``flashoverlap_inductor/bench/e2e.py``, ``docs/e2e.md``);
 ``coverage``, what the pass fuses in a model's graphs, nothing timed (``cli_coverage.py``); ``timeline``, where the
-time of one fused all_gather -> GEMM call goes (``timeline.py``).
+time of one fused all_gather -> GEMM call (or, ``--op all_reduce|reduce_scatter``, GEMM -> collective call on the
+peer route) goes (``timeline.py``, ``timeline_peer.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import sys
 COMMANDS = {"e2e": "end-to-end train / prefill of a TP / SP / EP HuggingFace model under eager, Inductor, "
                    "Inductor + async-TP and flashoverlap, side by side",
             "timeline": "where the time of one fused all_gather -> GEMM call goes, per rank: handshake, GEMMs, "
-                        "pulls, waits, tail against the ideal; text and PNG Gantt charts (torchrun, >= 2 GPUs)",
+                        "pulls, waits, tail against the ideal; --op all_reduce|reduce_scatter: GEMM -> collective "
+                        "on the peer route (GEMM 1, wait, GEMM 2, exchange, copy); text and PNG Gantt charts "
+                        "(torchrun, >= 2 GPUs)",
             "coverage": "what the flashoverlap pass fuses, declines (and why) and misses in a model's graphs: a "
                         "preset under a plan, or your own model (--model MODULE:FUNCTION); nothing timed"}
 

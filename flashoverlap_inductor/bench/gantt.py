@@ -1,6 +1,6 @@
 """Timelines of fused calls: the breakdown of a call's time and its Gantt chart (text and PNG), pure Python.
 
-A timeline is ``{rank: {lane: [(label, start_ms, end_ms), ...]}}`` (lanes such as "compute" and "copy"; times in
+A timeline is ``{rank: {lane: [(label, start_ms, end_ms), ...]}}`` (lanes such as "compute", "copy", "pull"; times in
 ms from the call's start on that rank). ``png`` writes an RGB PNG with no dependency (zlib only): one row of bars
 per (rank, lane), a colour per label kind (the text before ``:``), a tick every ``tick_ms``; ``text`` draws the same
 in characters. Both take every rank's timeline on one time axis.
@@ -16,8 +16,10 @@ Bar = tuple[str, float, float]  # label, start ms, end ms
 Timeline = Mapping[int, Mapping[str, Sequence[Bar]]]
 
 COLOURS = {"handshake": (150, 150, 150), "gemm": (52, 101, 164), "pull": (237, 125, 49), "wait": (220, 220, 220),
-           "tail": (200, 60, 60), "comm": (237, 125, 49), "host": (120, 180, 90)}
-CHARS = {"handshake": "h", "gemm": "G", "pull": "p", "wait": ".", "tail": "t", "comm": "c", "host": "H"}
+           "tail": (200, 60, 60), "comm": (237, 125, 49), "host": (120, 180, 90), "exchange": (140, 90, 170),
+           "copy": (230, 190, 40)}
+CHARS = {"handshake": "h", "gemm": "G", "pull": "p", "wait": ".", "tail": "t", "comm": "c", "host": "H",
+         "exchange": "x", "copy": "y"}
 
 
 def kind(label: str) -> str:
@@ -116,4 +118,48 @@ def gather_breakdown(t: Mapping[str, float], rank: int, order: Sequence[int], ge
     ideal = max(gemm_ms, comm_ms)
     out = {"total": end, "ideal": ideal, "handshake": start, "gemm_extra": busy - gemm_ms, "waits": waits,
            "tail": end - prev, "gap": end - ideal}
+    return out, lanes
+
+
+def peer_breakdown(t: Mapping[str, float], gemm_ms: float, half_ms: float, comm_ms: float
+                   ) -> tuple[dict[str, float], dict[str, list[Bar]]]:
+    """The gap of one peer-route call (GEMM -> all_reduce / reduce_scatter on two ranks) to the ideal
+    ``max(gemm_ms, comm_ms)`` and its bars, from the probe's marks ``t`` (ms since ``start``, on one rank; names of
+    ``routes.peer.probe_points``): ``gemm1``, ``notify``, ``gemm2``, ``exchange`` (reduce_scatter, push) or ``join``
+    (pull), ``copy`` (push), ``end``; by pull ``pull:<g>`` and ``side:<g>`` per copy group. ``gemm_ms``: cuBLAS on
+    the full rows alone; ``half_ms``: on half of them (one rank's GEMM 1 or GEMM 2 alone); ``comm_ms``: NCCL alone.
+
+    Returns (breakdown, lanes). Breakdown (ms): ``total``; ``ideal``; ``gemm1`` (start to GEMM 1's end: the launch's
+    first kernels included); ``wait`` (the notify, or notify + wait kernel: the peer's GEMM 1); ``gemm2`` (GEMM 2,
+    its gate's waits included when the gate is in its epilogue); ``gemm1_extra`` / ``gemm2_extra``: each beyond
+    ``half_ms`` (GEMM 2's: remote C loads, pushes to the peer, the gate); ``split`` = 2 ``half_ms`` - ``gemm_ms``
+    (two half GEMMs against one); ``exchange`` (GEMM 2's end to the flag exchange's, or by pull to the join of the
+    copy streams); ``copy`` (push: the final copy); ``tail`` (the last mark on cur to the call's end: the fault
+    finish kernel); ``gap`` = total - ideal; when the GEMM is the longer side, ``gap`` = split + gemm1_extra + wait +
+    gemm2_extra + exchange + copy + tail exactly. Lanes: ``compute`` (cur, contiguous) and, by pull, ``pull`` and
+    ``side``, whose bars span from the lane's previous mark (the first: ``notify``) to their own: wait and copy."""
+    lanes: dict[str, list[Bar]] = {"compute": []}
+    g1, notify, g2 = t["gemm1"], t["notify"], t["gemm2"]
+    exch_name = "join" if "join" in t else "exchange"
+    exch = t[exch_name]
+    copy = t.get("copy", exch)
+    end = t["end"]
+    lanes["compute"] += [("gemm:1", 0.0, g1), ("wait:peer", g1, notify), ("gemm:2", notify, g2),
+                         (f"exchange:{exch_name}", g2, exch)]
+    if "copy" in t:
+        lanes["compute"].append(("copy", exch, copy))
+    lanes["compute"].append(("tail", copy, end))
+    for lane, kind_ in (("pull", "pull"), ("side", "copy")):
+        groups = sorted(int(name.split(":", 1)[1]) for name in t if name.startswith(f"{lane}:"))
+        if groups:
+            prev, bars = notify, []
+            for g in groups:
+                land = t[f"{lane}:{g}"]
+                bars.append((f"{kind_}:{g}", min(prev, land), land))
+                prev = land
+            lanes[lane] = bars
+    ideal = max(gemm_ms, comm_ms)
+    out = {"total": end, "ideal": ideal, "gap": end - ideal, "gemm1": g1, "wait": notify - g1, "gemm2": g2 - notify,
+           "gemm1_extra": g1 - half_ms, "gemm2_extra": g2 - notify - half_ms, "split": 2 * half_ms - gemm_ms,
+           "exchange": exch - g2, "copy": copy - exch, "tail": end - copy}
     return out, lanes

@@ -1,20 +1,31 @@
-"""``python -m flashoverlap_inductor.bench timeline``: where the time of one fused all_gather -> GEMM call goes.
+"""``python -m flashoverlap_inductor.bench timeline``: where the time of one fused call goes, per rank.
 
-Under ``torchrun --nproc_per_node=W`` (NCCL, one GPU per rank, one host). Per shape (``M x N x K``: M gathered rows,
-N before the split over ranks, as ``examples/bench_gather.py``) and GEMM start (``gather_start``), the gather_peer
-route runs ``--iters`` probed calls (``runtime.probe.CallProbe``: CUDA events at the call's start, after the handshake,
-at each pull's landing on the copy stream, after each shard's GEMM and at the end) after ``--warmup`` plain ones;
-every mark's median over the calls gives the timeline of each rank. Before each probed call the GPU spins
-``--spin-ms`` (default 1 ms) so the host has enqueued the whole call before it starts: the marks time the device
-alone (``--spin-ms 0``: the call as issued from an idle GPU, host gaps included; the first run on 2 H200s, without the
-spin, counted up to 0.08 ms of host enqueue time as "handshake"). In the same run, ``gemm`` (cuBLAS on the whole
-gathered tensor) and ``comm`` (``all_gather_into_tensor``) alone give the ideal ``max(gemm, comm)``.
+    torchrun --nproc_per_node=2 -m flashoverlap_inductor.bench timeline [--shapes 4096x6144x4096] [--png DIR]
+    torchrun --nproc_per_node=2 -m flashoverlap_inductor.bench timeline --op reduce_scatter \\
+        [--shapes 4096x8192x8192] [--gate epilogue,kernel] [--png DIR] [--json FILE]
+    FO_PART=B FO_TIMELINE_ARGS="--op reduce_scatter" bash examples/device/two_gpu_suite.sh   # (its timeline step)
+
+``--op all_gather`` (the default): all_gather -> GEMM on the gather_peer route, below. ``--op all_reduce`` /
+``--op reduce_scatter`` (a comma-separated list runs each): GEMM -> collective on the peer route of 2 ranks
+(``bench.timeline_peer``: GEMM 1, the wait or gate, GEMM 2 beyond a GEMM of its rows alone, the flag exchange, the
+copy and the tail against the ideal, ms).
+
+all_gather: under ``torchrun --nproc_per_node=W`` (NCCL, one GPU per rank, one host). Per shape (``M x N x K``: M
+gathered rows, N before the split over ranks, as ``examples/bench_gather.py``) and GEMM start (``gather_start``),
+the gather_peer route runs ``--iters`` probed calls (``runtime.probe.CallProbe``: CUDA events at the call's start,
+after the handshake, at each pull's landing on the copy stream, after each shard's GEMM and at the end) after
+``--warmup`` plain ones; every mark's median over the calls gives the timeline of each rank. Before each probed call
+the GPU spins ``--spin-ms`` (default 1 ms) so the host has enqueued the whole call before it starts: the marks time
+the device alone (``--spin-ms 0``: the call as issued from an idle GPU, host gaps included; the first run on 2
+H200s, without the spin, counted up to 0.08 ms of host enqueue time as "handshake"). In the same run, ``gemm``
+(cuBLAS on the whole gathered tensor) and ``comm`` (``all_gather_into_tensor``) alone give the ideal ``max(gemm,
+comm)``.
 
 Prints per rank the breakdown of the gap to the ideal (``bench.gantt.gather_breakdown``: handshake, the shard GEMMs'
 time beyond the GEMM alone, GEMM waits for pulls, tail) and the host time per call, draws the timelines as text and,
 with ``--png DIR``, one PNG per shape and start (every rank's compute and copy lanes on one axis), and writes
-``--json``. What it cannot show yet: inside the fused GEMM kernels of the all_reduce / reduce_scatter / all_to_all
-routes (their per-tile signals need device timestamps in the kernels).
+``--json``. What it cannot show yet: inside the fused GEMM kernels (their per-tile signals need device timestamps in
+the kernels), and the all_to_all and ring routes.
 """
 
 from __future__ import annotations
@@ -36,34 +47,39 @@ from flashoverlap_inductor.runtime.probe import CallProbe
 from flashoverlap_inductor.schedule import gather as gather_schedule
 from flashoverlap_inductor.tune import measure
 
-from . import gantt
+from . import gantt, timeline_peer
+from .timeline_peer import median_ms
+
+GATHER_SHAPES = "4096x6144x4096,16384x28672x4096"  # the default --shapes of all_gather
+OPS = ("all_gather", *timeline_peer.OPS)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m flashoverlap_inductor.bench timeline",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default="4096x6144x4096,16384x28672x4096", help="MxNxK,... (N before the split)")
-    p.add_argument("--start", default="handshake,eager", help="gather_start values to compare (comma-separated)")
+    p.add_argument("--op", default="all_gather",
+                   help="all_gather (all_gather -> GEMM, gather_peer route), all_reduce or reduce_scatter (GEMM -> "
+                        "collective, peer route, 2 ranks); comma-separated: each in turn")
+    p.add_argument("--shapes", default=None,
+                   help=f"MxNxK,...; all_gather: M gathered rows, N before the split (default {GATHER_SHAPES}); "
+                        f"all_reduce / reduce_scatter: A [M, K] per rank, B [K, N] (default {timeline_peer.SHAPES})")
+    p.add_argument("--start", default="handshake,eager",
+                   help="all_gather: gather_start values to compare (comma-separated)")
+    p.add_argument("--gate", default="epilogue",
+                   help="all_reduce / reduce_scatter: GEMM 2's wait for the peer's GEMM 1 to compare (comma-separated):"
+                        " epilogue (the route's, before each tile's C load), kernel (a wait kernel between the GEMMs)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--spin-ms", type=float, default=1.0,
                    help="GPU spin before each probed call, so the host has enqueued the whole call before it starts "
                         "(the marks then time the device alone); 0: the call as issued (host gaps included)")
-    p.add_argument("--png", default=None, help="folder for one Gantt PNG per shape and start")
+    p.add_argument("--png", default=None, help="folder for one Gantt PNG per shape and start (or op, shape and gate)")
     p.add_argument("--json", default=None)
-    return p.parse_args(argv)
-
-
-def _median_ms(fn, iters: int) -> float:
-    out = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
+    args = p.parse_args(argv)
+    bad = [op for op in args.op.split(",") if op not in OPS]
+    if bad:
+        p.error(f"--op {','.join(bad)}: one of {', '.join(OPS)}")
+    return args
 
 
 def probe_shape(m: int, n: int, k: int, start: str, args: argparse.Namespace) -> dict:
@@ -98,8 +114,8 @@ def probe_shape(m: int, n: int, k: int, start: str, args: argparse.Namespace) ->
             marks.setdefault(name, []).append(ms)
     ctx.probe = None
     t = {name: statistics.median(v) for name, v in marks.items()}
-    gemm_ms = _median_ms(lambda: gathered @ b, args.iters)
-    comm_ms = _median_ms(lambda: dist.all_gather_into_tensor(gathered, a), args.iters)
+    gemm_ms = median_ms(lambda: gathered @ b, args.iters)
+    comm_ms = median_ms(lambda: dist.all_gather_into_tensor(gathered, a), args.iters)
     order = gather_schedule.arrival_order(rank, world)
     breakdown, lanes = gantt.gather_breakdown(t, rank, order, gemm_ms, comm_ms)
     breakdown.update(gemm=gemm_ms, comm=comm_ms, host_ms=statistics.median(host))
@@ -135,18 +151,26 @@ def run(argv: list[str] | None = None) -> int:
     if dist.get_world_size() < 2:
         print("timeline: run under torchrun with >= 2 ranks", file=sys.stderr)
         return 2
-    rows = []
-    for item in args.shapes.split(","):
-        m, n, k = (int(x) for x in item.lower().split("x"))
-        for start in args.start.split(","):
-            mine = probe_shape(m, n, k, start, args)
-            got: list = [None] * dist.get_world_size()
-            dist.all_gather_object(got, mine)
-            rows.append(got)
+    rows, peer_rows = [], []
+    for op in args.op.split(","):
+        if op != "all_gather":
+            peer_rows += timeline_peer.collect(op, args.shapes, args)
+            continue
+        for item in (args.shapes or GATHER_SHAPES).split(","):
+            m, n, k = (int(x) for x in item.lower().split("x"))
+            for start in args.start.split(","):
+                mine = probe_shape(m, n, k, start, args)
+                got: list = [None] * dist.get_world_size()
+                dist.all_gather_object(got, mine)
+                rows.append(got)
     if dist.get_rank() == 0:
-        report(rows, args.png)
+        if rows:
+            report(rows, args.png)
+        if peer_rows:
+            timeline_peer.report(peer_rows, args.png)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
+                           "peer_rows": peer_rows}, f, indent=1)
     dist.destroy_process_group()
     return 0

@@ -26,7 +26,7 @@ import torch
 
 from flashoverlap_inductor import errors
 
-ABI_VERSION = 10  # 10: fo_fault_mark (the NCCL watchdog)
+ABI_VERSION = 11  # 10: fo_fault_mark (the NCCL watchdog); 11: fo_peer_args.probe_events
 LIB_ENV = "FLASHOVERLAP_LIB"
 DEFAULT_LIB = Path(__file__).resolve().parents[2] / "build" / "libflashoverlap_sm90.so"
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}

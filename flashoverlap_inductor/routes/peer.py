@@ -28,7 +28,9 @@ device (``Flags.expected``), so eager calls and graph replays interleave freely 
 
 Per call shape and workspace, the launch holds the whole ``fo_peer_args`` but the operands', the output's and the
 stream's pointers (``PeerLaunch.args``), and a GEMM workspace of its own: the per-call path copies that struct,
-fills five pointers and makes one library call.
+fills five pointers and makes one library call. A call with a probe (``Context.probe``: the timeline tool's,
+``python -m flashoverlap_inductor.bench timeline --op reduce_scatter``) also gets timing events at its points
+(``probe_points``, ``fo_peer_args.probe_events``), null again after it; every other call's are null.
 
 Variants measured and removed (docs/results.md): GEMM 2 pulling the peer's partial over NVLink, a wait kernel between
 the GEMMs instead of the epilogue's gate, the final copy by copy engine.
@@ -62,6 +64,12 @@ PULL_GROUPS = 8  # all_reduce by pull: copy groups of GEMM 2's rows (at most)
 FLAG_BYTES = 4096
 FAULT_OFFSET = 2048  # the group's fo_fault block in the flag page (bytes; the flags use the first 1 + 64 ints)
 COLLECTIVES = ROUTE_COLLECTIVES
+# fo_peer_args.probe_events (FO_PEER_PROBE_*): the timeline probe's points on cur, then per copy group g (g <
+# PROBE_GROUPS) the pull stream's (PROBE_PULL + g) and the side stream's (PROBE_SIDE + g)
+PROBE_CUR = {"gemm1": 0, "notify": 1, "gemm2": 2, "exchange": 3, "copy": 4}
+PROBE_PULL, PROBE_GROUPS = 8, 8
+PROBE_SIDE = PROBE_PULL + PROBE_GROUPS
+PROBE_EVENTS = PROBE_SIDE + PROBE_GROUPS
 
 
 class PeerArgs(ctypes.Structure):
@@ -80,7 +88,8 @@ class PeerArgs(ctypes.Structure):
                 ("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_size_t), ("timeout_ns", ctypes.c_int64),
                 ("fault", ctypes.c_void_p), ("cur_stream", ctypes.c_void_p), ("side_stream", ctypes.c_void_p),
                 ("pull_stream", ctypes.c_void_p), ("push", ctypes.c_int32), ("copy_on_sms", ctypes.c_int32),
-                ("gate_in_kernel", ctypes.c_int32), ("mirror", ctypes.c_void_p), ("launch_id", ctypes.c_int32)]
+                ("gate_in_kernel", ctypes.c_int32), ("mirror", ctypes.c_void_p), ("launch_id", ctypes.c_int32),
+                ("probe_events", ctypes.c_void_p * PROBE_EVENTS)]
 
 
 @dataclass
@@ -299,6 +308,20 @@ def args_for(launch: PeerLaunch, ws: Workspace, res: streams.DeviceResources, sl
     return p
 
 
+def probe_points(launch: PeerLaunch) -> list[tuple[int, str, str]]:
+    """The timeline probe's points that a call of ``launch`` records: (``probe_events`` index, mark name, lane).
+    On ``compute`` (cur) ``gemm1``, ``notify``, ``gemm2``, then ``exchange`` (reduce_scatter, push: after the flag
+    exchange) or ``join`` (pull: cur joined the side and pull streams), and ``copy`` (push: the final copy); by pull
+    per copy group g < ``PROBE_GROUPS`` ``pull:<g>`` (lane ``pull``) and ``side:<g>`` (lane ``side``)."""
+    out = [(PROBE_CUR[name], name, "compute") for name in ("gemm1", "notify", "gemm2")]
+    out.append((PROBE_CUR["exchange"], "join" if launch.groups else "exchange", "compute"))
+    if launch.push:
+        out.append((PROBE_CUR["copy"], "copy", "compute"))
+    for g in range(min(launch.groups, PROBE_GROUPS)):
+        out += [(PROBE_PULL + g, f"pull:{g}", "pull"), (PROBE_SIDE + g, f"side:{g}", "side")]
+    return out
+
+
 class PeerRoute(symmetric.SymmetricRoute):
     name = "peer"
     c_function = "fo_peer_call"
@@ -318,6 +341,19 @@ class PeerRoute(symmetric.SymmetricRoute):
     def finish(self, p: PeerArgs, launch: PeerLaunch) -> None:
         if launch.collective != "all_reduce":  # reduce_scatter: GEMM 2 writes the output
             p.own_dst, p.ld_own = p.out, p.ld_out
+
+    def probe_events(self, probe, p: PeerArgs, launch: PeerLaunch) -> None:
+        """The probe's timing events (``probe.events_for``) at this call's points (``probe_points``); every slot
+        null when ``probe`` is None."""
+        for i in range(PROBE_EVENTS):
+            p.probe_events[i] = None
+        if probe is None:
+            return
+        points = probe_points(launch)
+        for lane in dict.fromkeys(lane for _, _, lane in points):
+            mine = [(i, name) for i, name, la in points if la == lane]
+            for (i, _), ev in zip(mine, probe.events_for([name for _, name in mine], lane), strict=True):
+                p.probe_events[i] = ev.cuda_event
 
     def state(self) -> tuple[dict, dict]:
         return _flags, _workspaces

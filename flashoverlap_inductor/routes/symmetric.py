@@ -185,7 +185,9 @@ class SymmetricRoute:
     (``c_function``) and provides ``workspace_for(launch, ctx)`` (None: it would have to grow inside a capture),
     ``args_for(launch, ws, res, slot)`` (the launch's argument struct with every pointer but the call's own,
     memoized per workspace), ``slot_needed(launch)``, ``finish(p, launch)`` (route-specific pointers of the call)
-    and its state dicts ``_flags`` / ``_workspaces``."""
+    and its state dicts ``_flags`` / ``_workspaces``; optionally ``probe_events(probe, p, launch)`` (the timeline
+    probe's events into the struct; ``probe`` None: none again), called only for a probed call (``ctx.probe``),
+    which also gets the marks ``start`` and ``end`` on the caller's stream."""
 
     devices = ("cuda",)
     collectives: tuple[str, ...] = ("all_reduce", "reduce_scatter")
@@ -214,8 +216,21 @@ class SymmetricRoute:
         p.bias = opnd.bias.data_ptr() if opnd.bias is not None else None
         p.out, p.ld_out, p.cur_stream = out.data_ptr(), p.n, cur
         self.finish(p, launch)
-        kernels.check(getattr(kernels.library(), self.c_function)(ctypes.byref(p)), self.c_function)
+        probe = ctx.probe
+        if probe is None:  # every dispatched call
+            kernels.check(getattr(kernels.library(), self.c_function)(ctypes.byref(p)), self.c_function)
+            return out
+        stream = torch.cuda.current_stream(device)  # the timeline tool's call: ``cur`` as a torch stream
+        self.probe_events(probe, p, launch)
+        probe.mark("start", stream)
+        rc = getattr(kernels.library(), self.c_function)(ctypes.byref(p))
+        probe.mark("end", stream)
+        self.probe_events(None, p, launch)  # the memoized struct records nothing in later calls
+        kernels.check(rc, self.c_function)
         return out
+
+    def probe_events(self, probe: Any, p: Any, launch: Any) -> None:
+        pass
 
     def finish(self, p: Any, launch: Any) -> None:
         pass

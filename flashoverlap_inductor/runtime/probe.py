@@ -5,7 +5,8 @@ Only the timeline tool (``python -m flashoverlap_inductor.bench timeline``) make
 
 Invariants: every mark is a timing-enabled ``torch.cuda.Event`` recorded on the stream named with it; times are
 read after the caller synchronized, in ms since the ``start`` mark (``CallProbe.times``); a name marked twice keeps
-the last record. Events the library records itself (the gather route's pull events) come from ``events_for``.
+the last record. Events the library records itself (the gather route's pull events, the peer route's points:
+``routes.peer.probe_points``) come from ``events_for``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,170 @@
+"""``python -m flashoverlap_inductor.bench timeline --op all_reduce|reduce_scatter``: where the time of one fused
+GEMM -> all_reduce / reduce_scatter call on the peer route goes (2 ranks, one GPU each, NVLink).
+
+    torchrun --nproc_per_node=2 -m flashoverlap_inductor.bench timeline --op reduce_scatter \\
+        --shapes 4096x8192x8192,16384x8192x8192 [--gate epilogue,kernel] [--png DIR] [--json FILE]
+
+Per shape (``M x N x K``: A ``[M, K]`` per rank, B = W.t() with W ``[N, K]``, bf16, as ``examples/bench_ops.py``)
+and gate (``--gate``: ``epilogue``, the route's own, GEMM 2 waits for the peer's GEMM 1 before each tile's C load;
+``kernel``, a wait kernel between the GEMMs, so the wait is a bar of its own), the peer route (``routes.peer``:
+``make_launch``, then ``execute``, no dispatcher) runs ``--iters`` probed calls (``runtime.probe.CallProbe``: the
+marks ``start`` / ``end`` on the caller's stream around the call, and the timing events ``fo_peer_call`` records at
+its points, ``routes.peer.probe_points``: after GEMM 1, the notify / wait, GEMM 2, the flag exchange (by pull: the
+join of the copy streams), the final copy (push), each copy group's copies (pull)) after ``--warmup`` plain ones,
+each behind a ``--spin-ms`` GPU spin (``bench.timeline``). Every mark's median over the calls gives each rank's
+timeline (ms since that rank's ``start``; ranks are not aligned with each other beyond the barrier and the spin).
+In the same run: ``gemm`` (cuBLAS at the full M rows), ``half`` (cuBLAS at M / 2 rows: what one of the route's two
+GEMMs would take alone), ``comm`` (NCCL ``all_reduce`` of ``[M, N]`` / ``reduce_scatter_tensor`` into
+``[M / 2, N]``) and ``seq`` (the GEMM then the collective), so the ideal ``max(gemm, comm)`` and ``hidden`` =
+(seq - total) / comm, the share of the collective the fused call hides (1: all of it).
+
+Prints per rank the breakdown of the gap to the ideal (``bench.gantt.peer_breakdown``) and the host time per call,
+draws the timelines as text and, with ``--png DIR``, one PNG per op, shape and gate. What events cannot show: the
+per-tile timing inside the GEMMs (the gate's waits are inside ``gemm2`` with the epilogue gate: compare
+``--gate kernel``), and the two ranks' clocks against each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from flashoverlap_inductor import config, routes
+from flashoverlap_inductor.routes import peer
+from flashoverlap_inductor.routes.base import Context
+from flashoverlap_inductor.runtime import streams
+from flashoverlap_inductor.runtime.probe import CallProbe
+from flashoverlap_inductor.tune import measure
+
+from . import gantt
+
+OPS = ("all_reduce", "reduce_scatter")
+SHAPES = "4096x8192x8192,16384x8192x8192"  # the default --shapes of these ops
+GATES = ("epilogue", "kernel")
+COLS = ("total", "ideal", "gap", "split", "gemm1_extra", "wait", "gemm2_extra", "exchange", "copy", "tail", "gemm",
+        "half", "comm", "seq", "hidden", "host_ms")
+HEADER = ("peer route call timeline, ms (medians of probed calls); gap = total - ideal = split + gemm1_extra + wait "
+          "+ gemm2_extra + exchange + copy + tail when the GEMM is the longer side; split = 2 half - gemm; "
+          "hidden = (seq - total) / comm (the collective's share hidden)")
+
+
+def median_ms(fn, iters: int) -> float:
+    """The median time of ``fn`` on the current stream over ``iters`` calls (ms, CUDA events; also the all_gather
+    timeline's)."""
+    out = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
+def probe_shape(op: str, m: int, n: int, k: int, gate: str, args: argparse.Namespace) -> dict:
+    """This rank's breakdown and lanes of the peer route's ``op`` at ``m x n x k`` with ``gate`` (a dict; with
+    ``declined`` instead when the route does not take the call)."""
+    group, rank = dist.group.WORLD, dist.get_rank()
+    head = {"op": op, "m": m, "n": n, "k": k, "gate": gate, "rank": rank}
+    if gate not in GATES:
+        return {**head, "declined": f"--gate {gate!r}: one of {', '.join(GATES)}"}
+    torch.manual_seed(1000 + rank)
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = (torch.randn(n, k, device="cuda") / math.sqrt(k)).bfloat16().t()
+    settings = config.current().replace(transport="peer", ring="off")
+    with config.using(settings):
+        call, opnd, out_shape = routes.make_call(op, a, b, None, group, "auto", None, None, [m, n], True)
+        why = peer.unsupported(call, settings)
+        ctx = Context(a=a, b=b, bias=None, group=group, y_shape=[m, n], out_shape=out_shape, plan="auto",
+                      settings=settings, opnd=opnd, res=streams.resources(torch.cuda.current_device()))
+        launch = why or peer.make_launch(call, settings, ctx)
+        if isinstance(launch, str):
+            return {**head, "declined": launch}
+        launch.template.gate_in_kernel = int(gate == "epilogue")  # before the first call: its args copy the template
+        for _ in range(args.warmup):
+            peer.ROUTE.execute(launch, ctx)
+        marks: dict[str, list[float]] = {}
+        host: list[float] = []
+        for _ in range(args.iters):
+            ctx.probe = CallProbe()
+            dist.barrier()
+            torch.cuda.synchronize()
+            measure.spin(args.spin_ms)
+            t0 = time.perf_counter()
+            peer.ROUTE.execute(launch, ctx)
+            host.append((time.perf_counter() - t0) * 1e3)
+            torch.cuda.synchronize()
+            for name, ms in ctx.probe.times().items():
+                marks.setdefault(name, []).append(ms)
+        ctx.probe = None
+        routes.check()  # a wait that gave up raises here, on both ranks
+    t = {name: statistics.median(v) for name, v in marks.items()}
+    full = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    part = torch.empty(m // dist.get_world_size(), n, device="cuda", dtype=torch.bfloat16)
+
+    def comm() -> None:
+        if op == "all_reduce":
+            dist.all_reduce(full)
+        else:
+            dist.reduce_scatter_tensor(part, full)
+
+    gemm_ms = median_ms(lambda: torch.mm(a, b, out=full), args.iters)
+    half_ms = median_ms(lambda: torch.mm(a[:m // 2], b), args.iters)
+    comm_ms = median_ms(comm, args.iters)
+    seq_ms = median_ms(lambda: (torch.mm(a, b, out=full), comm()), args.iters)
+    breakdown, lanes = gantt.peer_breakdown(t, gemm_ms, half_ms, comm_ms)
+    breakdown.update(gemm=gemm_ms, half=half_ms, comm=comm_ms, seq=seq_ms, host_ms=statistics.median(host),
+                     hidden=(seq_ms - breakdown["total"]) / comm_ms if comm_ms > 0 else math.nan)
+    return {**head, "how": launch.description, "breakdown": breakdown, "lanes": lanes}
+
+
+def title(head: dict) -> str:
+    return f"{head['op']} {head['m']}x{head['n']}x{head['k']} gate={head['gate']}"
+
+
+def format_report(rows: list[list[dict]]) -> str:
+    """The text report of every (op, shape, gate): per rank the breakdown's ``COLS`` (ms; ``hidden`` a fraction),
+    then the text Gantt of every rank; a declined one in one line. Pure."""
+    lines = [HEADER]
+    for per_rank in rows:
+        declined = [r for r in per_rank if "declined" in r]
+        if declined:
+            lines.append(f"== {title(per_rank[0])}: declined: {declined[0]['declined']}")
+            continue
+        lines += [f"== {title(per_rank[0])}: {per_rank[0]['how']}", "   rank | " + " | ".join(COLS)]
+        lines += [f"   {r['rank']:>4} | " + " | ".join(f"{r['breakdown'][c]:.3f}" for c in COLS) for r in per_rank]
+        lines.append(gantt.text({r["rank"]: r["lanes"] for r in per_rank}))
+    return "\n".join(lines)
+
+
+def png_path(png_dir: str, head: dict) -> str:
+    return f"{png_dir}/timeline_{head['op']}_{head['m']}x{head['n']}x{head['k']}_{head['gate']}.png"
+
+
+def report(rows: list[list[dict]], png_dir: str | None) -> None:
+    """Rank 0: ``format_report`` and, with ``png_dir``, one Gantt PNG per op, shape and gate."""
+    print(format_report(rows))
+    for per_rank in rows:
+        if png_dir and not any("declined" in r for r in per_rank):
+            path = png_path(png_dir, per_rank[0])
+            gantt.png({r["rank"]: r["lanes"] for r in per_rank}, path)
+            print(f"   wrote {path}")
+
+
+def collect(op: str, shapes: str | None, args: argparse.Namespace) -> list[list[dict]]:
+    """Every rank's result per shape and gate of ``op`` (a collective: every rank calls it alike)."""
+    rows = []
+    for item in (shapes or SHAPES).split(","):
+        m, n, k = (int(x) for x in item.lower().split("x"))
+        for gate in args.gate.split(","):
+            mine = probe_shape(op, m, n, k, gate, args)
+            got: list = [None] * dist.get_world_size()
+            dist.all_gather_object(got, mine)
+            rows.append(got)
+    return rows
