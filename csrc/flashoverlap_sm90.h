@@ -30,7 +30,8 @@ extern "C" {
 #define FO_FAULT_MAX_PEERS 8
 typedef struct fo_fault {
   int32_t code;         /* 0 none; 1 a wait of this rank timed out; 2 a peer's did; 3 another rank's (NCCL route);
-                           4 this rank failed to issue part of the call */
+                           4 this rank failed to issue part of the call; 5 the host watchdog gave up on the
+                           call's NCCL kernels (fo_fault_mark) */
   int32_t tag;          /* the wait that gave up (route-coded) */
   int32_t seen;         /* the flag / counter value it last saw */
   int32_t target;       /* the value it waited for */
@@ -52,7 +53,7 @@ typedef struct fo_fault {
 FO_API int fo_fault_clear(fo_fault* fault, int* mirror, void* stream);
 /* Records `code` (> 0; 5: the host watchdog gave up on an NCCL call, runtime/nccl_watch.py) with tag `tag` and this
  * rank as origin in the call the block is in, unless the block already holds a fault; on `stream` (the watchdog's own:
- * it runs beside a stuck NCCL kernel). Bound optionally (not in the versioned ABI). */
+ * it runs beside a stuck NCCL kernel). In the versioned ABI since 10 (native/kernels.py binds it at load). */
 FO_API int fo_fault_mark(fo_fault* fault, int code, int tag, void* stream);
 
 /* ABI version; bumped on any change of the functions below. */

@@ -339,6 +339,43 @@ def test_peer_probe_events_reach_the_struct_for_the_probed_call_only(monkeypatch
     peer.ROUTE.reset()
 
 
+def test_peer_probe_events_are_cleared_when_the_probed_call_raises(monkeypatch):
+    """A probe whose end mark raises must not leave its (soon freed) events in the memoized struct: the next plain
+    call records none."""
+    _fake_symmetric(monkeypatch, [])
+    seen = []
+
+    class Lib:
+        def fo_peer_call(self, ref):
+            seen.append(peer.PeerArgs.from_buffer_copy(ref._obj))
+            return 0
+
+    class Failing(_Probe):
+        def mark(self, name, stream, lane="compute"):
+            if name == "end":
+                raise RuntimeError("mark failed")
+            super().mark(name, stream, lane)
+
+    monkeypatch.setattr(kernels, "library", lambda: Lib())
+    monkeypatch.setattr(kernels, "check", lambda rc, what: None)
+    peer.ROUTE.reset()
+    group = types.SimpleNamespace(group_name="g", rank=lambda: 0, size=lambda: 2)
+    rows, n, k = 64, 32, 16
+    t = peer.PeerArgs()
+    t.n = n
+    choice = types.SimpleNamespace(b_layout="nk", convert_b=False)
+    launch = peer.PeerLaunch("reduce_scatter", choice, rows // 2, 0, None, None, None, None, rows // 2 * n * 4, "t",
+                             False, peer.PeerArgs.from_buffer_copy(t))
+    ctx = _ctx(group, rows, n, k, rows // 2)
+    ctx.probe = Failing()
+    with pytest.raises(RuntimeError, match="mark failed"):
+        peer.ROUTE.execute(launch, ctx)
+    ctx.probe = None
+    peer.ROUTE.execute(launch, ctx)
+    assert any(seen[0].probe_events) and not any(seen[1].probe_events)
+    peer.ROUTE.reset()
+
+
 def test_workspaces_grow_outside_captures_only_and_are_kept():
     made = []
 

@@ -283,6 +283,10 @@ class NcclRoute:
             workspace = torch.empty(launch.workspace_bytes, dtype=torch.uint8, device=a.device) \
                 if launch.workspace_bytes else None
         dom = slot_domain(res, slot)
+        started = None
+        if not ctx.capturing:  # the host watchdog's start: the device has reached this call
+            started = torch.cuda.Event()
+            started.record(torch.cuda.current_stream(a.device))
         try:
             fused_call(launch.index, a_in, b_in, ldb, opnd.bias, d, d, rows, k, launch.gmap, launch.order,
                        SIGNAL_DEFERRED, launch.sm_count, RASTER, launch.swizzle, workspace,
@@ -298,9 +302,11 @@ class NcclRoute:
                     f" so that no rank waits forever: {exc}") from exc
             raise
         if not ctx.capturing:  # NCCL's kernels have no bound of ours: the host watchdog gives the call one
+            # on the side stream, after the call's NCCL kernels: the caller's stream also holds this rank's GEMM,
+            # which the wait bound does not cover (a late GEMM would get a healthy group aborted)
             done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(a.device))
-            nccl_watch.watchdog().watch(done, launch.timeout_ns * 1e-9, group, dom, launch.description)
+            done.record(res.side)
+            nccl_watch.watchdog().watch(started, done, launch.timeout_ns * 1e-9, group, dom, launch.description)
         return out
 
     def reset(self) -> None:

@@ -221,11 +221,13 @@ class SymmetricRoute:
             kernels.check(getattr(kernels.library(), self.c_function)(ctypes.byref(p)), self.c_function)
             return out
         stream = torch.cuda.current_stream(device)  # the timeline tool's call: ``cur`` as a torch stream
-        self.probe_events(probe, p, launch)
-        probe.mark("start", stream)
-        rc = getattr(kernels.library(), self.c_function)(ctypes.byref(p))
-        probe.mark("end", stream)
-        self.probe_events(None, p, launch)  # the memoized struct records nothing in later calls
+        try:
+            self.probe_events(probe, p, launch)
+            probe.mark("start", stream)
+            rc = getattr(kernels.library(), self.c_function)(ctypes.byref(p))
+            probe.mark("end", stream)
+        finally:  # the memoized struct records nothing in later calls, whatever raised (the probe's events die)
+            self.probe_events(None, p, launch)
         kernels.check(rc, self.c_function)
         return out
 

@@ -7,20 +7,27 @@ torch issues (it does not see the library's direct NCCL calls).
 
 Invariants:
 
-- Each eager NCCL-route call with rows is *watched* (``watch``): an event recorded on the caller's stream after the
-  call (after its join, i.e. after every NCCL kernel of the call) and a deadline in host seconds, measured from the
-  enqueue as torch measures its collectives': ``enqueue + 2 x wait bound + GRACE_S`` (the call's own waits give up
-  after one bound from their start; the second bound and the grace cover a queue ahead of the call). Calls inside a
-  CUDA-graph capture are not watched (their replays have no host enqueue to measure from).
+- Each eager NCCL-route call (with rows or not) is *watched* (``watch``) by two events: ``started``, recorded on the
+  caller's stream just before the call (it completes when the device reaches the call), and ``done``, recorded on
+  the device's side stream after the call's last NCCL kernel (not on the caller's stream, whose own GEMM the wait
+  bound does not cover: a rank whose GEMM starts late, e.g. the injected stall, must not have its healthy group
+  aborted). The deadline is ``start + 2 x wait bound + GRACE_S`` in host seconds, from when the watchdog first sees
+  ``started`` complete (within ``POLL_S``): not from the host's enqueue, which may run far ahead of the device; the
+  call's own waits give up within one bound from their start, NCCL's transfers take the rest. Calls inside a
+  CUDA-graph capture are not watched.
 - One daemon thread per process, started on the first watched call, sleeps while nothing is watched; while calls
-  are in flight it polls the oldest (``event.query()``, no sync) at most every ``POLL_S`` and forgets completed ones.
-- A call past its deadline is *given up* once: (1) the device fault block of the call's domain gets code 5 from a
-  one-thread kernel on the watchdog's own stream (``fo_fault_mark``: it runs beside the stuck NCCL kernel), so the
-  call's last kernel (after the join, on the caller's stream) poisons the output (NaN) and mirrors the fault to the
-  host; (2) the group is aborted (``_inductor_compat.abort_group``), which makes the stuck NCCL kernels return.
-  The rank's next eager call or ``routes.check()`` raises ``FlashOverlapTimeout`` naming the call. The aborted group
-  is unusable afterwards (NCCL's rule): the job creates a new one, as after any NCCL abort. Every later call watched
-  on that group is given up at once (its kernels were aborted too).
+  are in flight it polls them at most every ``POLL_S`` (``event.query()``, no sync): it forgets the completed ones,
+  starts the deadlines of the started ones and gives up every overdue one wherever it stands in the list (deadlines
+  are not in enqueue order: groups have bounds of their own).
+- The first overdue call of a group is *given up*: (1) the device fault block of the call's domain gets code 5 from
+  a one-thread kernel on the watchdog's own stream (``fo_fault_mark``, preloaded: it runs beside the stuck NCCL
+  kernel), so the call's last kernel (after the join, on the caller's stream) poisons the output (NaN) and mirrors
+  the fault to the host; (2) the group is aborted (``_inductor_compat.abort_group``), which makes the stuck NCCL
+  kernels return. The rank's next eager call or ``routes.check()`` raises ``FlashOverlapTimeout`` naming the call.
+  The aborted group is unusable afterwards (NCCL's rule): the job creates a new one. The group's later watched calls
+  are dropped, not marked again: their kernels return aborted, and their last kernels still see the code, which
+  the host clears only after a device sync (``FaultDomain.raise_fault``), so they are poisoned too; a second mark
+  could land after that clear and poison a healthy later call.
 - The thread never raises: a failure of the mark or the abort is logged; the clock and the give-up action are
   injectable (``Watchdog(clock=..., give_up=...)``) for the CPU tests.
 """
@@ -44,18 +51,22 @@ CODE_WATCHDOG = 5  # the fault code of a call the watchdog gave up on (runtime/f
 
 @dataclass
 class Watched:
-    """One watched call: ``event`` (``query()`` -> bool), ``deadline`` (host s), the ``group`` to abort, the fault
-    ``domain`` to mark (``runtime.faults.FaultDomain``; None in tests) and the call's ``description``."""
+    """One watched call: ``started`` and ``done`` events (``query()`` -> bool; ``started`` None: started when
+    watched), ``span`` (s: the deadline after the start), the ``group`` to abort, the fault ``domain`` to mark
+    (``runtime.faults.FaultDomain``; None in tests), the call's ``description`` and its ``deadline`` (host s; None
+    until the start is seen)."""
 
-    event: Any
-    deadline: float
+    started: Any
+    done: Any
+    span: float
     group: Any
     domain: Any
     description: str
+    deadline: float | None = None
 
 
 class Watchdog:
-    """The watch list and its thread (module docstring). ``give_up(item)`` is called once per overdue call, from
+    """The watch list and its thread (module docstring). ``give_up(item)`` is called once per aborted group, from
     the thread; ``clock()`` gives host seconds."""
 
     def __init__(self, give_up: Callable[[Watched], None] | None = None,
@@ -65,14 +76,14 @@ class Watchdog:
         self.items: collections.deque[Watched] = collections.deque()
         self.cond = threading.Condition()
         self.thread: threading.Thread | None = None
-        # groups given up (their later calls are given up at once); the objects, not their id()s, which a new group
-        # could reuse once an aborted one is freed
+        # the groups given up, as objects (a new group could reuse a freed one's id()); held for the process's life
         self.aborted: list[Any] = []
-        self.given_up = 0
+        self.given_up = 0  # calls given up (one per group)
+        self.dropped = 0  # later calls of a given-up group, dropped unmarked
 
-    def watch(self, event: Any, timeout_s: float, group: Any, domain: Any, description: str) -> None:
-        """Watch one call enqueued now whose waits are bounded by ``timeout_s``."""
-        item = Watched(event, self.clock() + 2.0 * timeout_s + GRACE_S, group, domain, description)
+    def watch(self, started: Any, done: Any, timeout_s: float, group: Any, domain: Any, description: str) -> None:
+        """Watch one call whose waits are bounded by ``timeout_s`` (s)."""
+        item = Watched(started, done, 2.0 * timeout_s + GRACE_S, group, domain, description)
         with self.cond:
             self.items.append(item)
             if self.thread is None:
@@ -81,27 +92,40 @@ class Watchdog:
             self.cond.notify()
 
     def poll(self) -> float | None:
-        """One pass: forget the completed calls at the head, give up the overdue ones; the seconds until the next
-        deadline (None: nothing watched). Called by the thread; tests call it directly."""
+        """One pass over the list (module docstring); the seconds until the next check is due (None: nothing is
+        watched). Called by the thread; tests call it directly."""
         while True:
+            overdue = None
             with self.cond:
-                if not self.items:
-                    return None
-                item = self.items[0]
-                if _done(item.event):
-                    self.items.popleft()
-                    continue
-                now = self.clock()
-                if now < item.deadline and not any(g is item.group for g in self.aborted):
-                    return item.deadline - now
-                self.items.popleft()
-                if not any(g is item.group for g in self.aborted):
-                    self.aborted.append(item.group)
+                now, wait = self.clock(), None
+                for cand in list(self.items):
+                    if _done(cand.done):
+                        self.items.remove(cand)
+                    elif self._is_aborted(cand.group):
+                        self.items.remove(cand)
+                        self.dropped += 1
+                    elif cand.deadline is None and cand.started is not None and not _done(cand.started):
+                        wait = POLL_S if wait is None else min(wait, POLL_S)
+                    else:
+                        if cand.deadline is None:
+                            cand.deadline = now + cand.span
+                        if now < cand.deadline:
+                            left = cand.deadline - now
+                            wait = left if wait is None else min(wait, left)
+                        elif overdue is None:
+                            overdue = cand
+                if overdue is None:
+                    return wait if self.items else None
+                self.items.remove(overdue)
+                self.aborted.append(overdue.group)
                 self.given_up += 1
             try:
-                self.give_up(item)
+                self.give_up(overdue)
             except Exception:  # noqa: BLE001 - the watchdog thread never dies; the rank's next call raises
-                log.exception("flashoverlap: the NCCL watchdog could not give up %s", item.description)
+                log.exception("flashoverlap: the NCCL watchdog could not give up %s", overdue.description)
+
+    def _is_aborted(self, group: Any) -> bool:
+        return any(g is group for g in self.aborted)
 
     def _run(self) -> None:
         while True:
