@@ -138,6 +138,8 @@ def _execute_with(monkeypatch, code: int):
     monkeypatch.setattr(nccl, "slot_domain", lambda res, slot: None)
     monkeypatch.setattr(nccl, "kernel_b", lambda b, choice: (b, b.stride(0)))
     monkeypatch.setattr(nccl, "fused_call", fused_call)
+    monkeypatch.setattr(torch.cuda, "Event", lambda *args, **kwargs: types.SimpleNamespace(record=lambda s=None: None))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args, **kwargs: None)  # the watchdog's start event
     a, b = torch.zeros(256, 64, dtype=torch.bfloat16), torch.zeros(64, 128, dtype=torch.bfloat16)
     res = types.SimpleNamespace(slot=lambda cur, dedicated: 0, counters=[torch.zeros(4, dtype=torch.int32)],
                                 expected=[torch.zeros(4, dtype=torch.int32)], side=types.SimpleNamespace(cuda_stream=0))
