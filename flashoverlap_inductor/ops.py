@@ -33,7 +33,8 @@ for all_reduce / reduce_scatter, whose ranks hold equal shapes; for all_to_all a
 or no rows with even splits) returns its empty result here, before any route: no GEMM, no collective on any rank.
 
 ``plan`` is a ``GroupPlan.to_str()`` or ``"auto"`` (a memoized cost-model plan per call shape; ``schedule.steps``);
-for the combine ``"blocks"`` (one step per destination rank, ``schedule.combine``) or ``"auto"`` (the route's own).
+for the MoE combine and dispatch ``"blocks"`` (one transfer per peer and ring step, ``schedule.combine``),
+``"blocks:c=N"`` (each peer's block in N chunks, 1 <= N <= 16) or ``"auto"`` (for now ``"blocks"``).
 ``settings`` is a ``config.Settings.key()`` string (the pass passes the settings it compiled under; "" = the
 process's current settings). Which implementation runs is decided by the route registry (``routes.dispatch``).
 """

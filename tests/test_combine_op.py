@@ -1,9 +1,10 @@
-"""The fused MoE combine op (``flashoverlap::gemm_unpermute_all_to_all``) on 2 gloo ranks: the CPU route's pipelined
-per-destination schedule against the unfused reference (``routes.combine.reference``, one GEMM, one ``index_put``,
-one ``all_to_all_single``) on random uneven splits, for the per-expert loop, ``torch._grouped_mm`` (one term, and
-the two-term sum of torchtitan's backward), a permutation as the MoE forms make it, a random permutation and
-duplicate indices with ``accumulate``; the failure contract; validation; the geometry of ``schedule.combine``; the
-fake implementation and ``opcheck``.
+"""The fused MoE combine op (``flashoverlap::gemm_unpermute_all_to_all``) on 2 and 3 gloo ranks: the P2P route's
+ring schedule (one unit per destination and ring step, or several with ``"blocks:c=N"``) against the unfused
+reference (``routes.combine.reference``, one GEMM, one ``index_put``, one ``all_to_all_single``) on random uneven
+splits, for the per-expert loop, ``torch._grouped_mm`` (one term, and the two-term sum of torchtitan's backward), a
+permutation as the MoE forms make it, a random permutation and duplicate indices with ``accumulate``, split sizes
+with empty blocks (one direction of a pair empty, a pair of ranks exchanging nothing); the failure contract;
+validation; the geometry of ``schedule.combine``; the fake implementation and ``opcheck``.
 
 Every 2-process case runs under ``torch.use_deterministic_algorithms(True)``, which fills ``torch.empty`` with NaN:
 a row the schedule forgets to write or receive poisons the comparison.
@@ -26,12 +27,12 @@ TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 1.6
 # ------------------------------------------------------------------------------------------ helpers (all ranks)
 
 
-def make_case(form: str, index_kind: str, dtype: torch.dtype, seed: int, world: int, rank: int) -> dict:
+def make_case(form: str, index_kind: str, dtype: torch.dtype, seed: int, world: int, rank: int,
+              empty: bool = False) -> dict:
     """One call's arguments on ``rank``: uneven split sizes shared by construction (``counts[i][j]`` rows go from rank
-    i to rank j, some 0), this rank's expert GEMM operands and the un-permutation's index."""
-    shared = torch.Generator().manual_seed(seed)
-    counts = torch.randint(0, 7, (world, world), generator=shared)
-    counts[0, 0] = 0  # a rank that keeps none of its rows
+    i to rank j, some 0; ``empty``: chosen pairs empty, every other one not: ``split_counts``),
+    this rank's expert GEMM operands and the un-permutation's index."""
+    counts = split_counts(seed, world, empty)
     ins, outs = counts[rank].tolist(), counts[:, rank].tolist()
     gen = torch.Generator().manual_seed(seed * 10 + rank)
     send_rows = sum(ins)
@@ -60,37 +61,51 @@ def make_case(form: str, index_kind: str, dtype: torch.dtype, seed: int, world: 
     return {"a": a, "b": b, "offs": offs, "index": index, "accumulate": index_kind == "dup", "outs": outs, "ins": ins}
 
 
+def split_counts(seed: int, world: int, empty: bool) -> torch.Tensor:
+    """``counts[i][j]``: rows rank i sends rank j (module docstring of ``make_case``); the same on every rank."""
+    counts = torch.randint(0, 7, (world, world), generator=torch.Generator().manual_seed(seed))
+    counts[0, 0] = 0  # a rank that keeps none of its rows
+    if empty:  # one direction empty (0 -> 1 while 1 -> 0 carries rows); on 3 ranks a pair exchanging nothing
+        counts = counts.clamp(min=1)
+        counts[0, 1] = 0
+        if world > 2:
+            counts[1, 2] = counts[2, 1] = counts[2, 0] = 0
+    return counts
+
+
 def _split(rows: int, groups: int, gen: torch.Generator) -> list[int]:
     cuts = sorted(torch.randint(0, rows + 1, (groups - 1,), generator=gen).tolist())
     return [b - a for a, b in zip([0, *cuts], [*cuts, rows], strict=True)]
 
 
-def op_worker(forms: list[str], index_kinds: list[str], dtype_name: str, seeds: list[int]) -> int:
-    """Every (form, index kind, seed): the fused op equals the unfused reference on this rank; returns the count."""
+def op_worker(forms: list[str], index_kinds: list[str], dtype_name: str, seeds: list[int], plan: str = "blocks",
+              empty: bool = False) -> int:
+    """Every (form, index kind, seed): the fused op under ``plan`` equals the unfused reference on this rank; returns
+    the count."""
     from flashoverlap_inductor.routes import stats
 
     dtype = getattr(torch, dtype_name)
     g = dist.group.WORLD
-    before = stats["combine:cpu"]
+    before = stats["combine:p2p"]
     torch.use_deterministic_algorithms(True)
     done = 0
     try:
         for form in forms:
             for kind in index_kinds:
                 for seed in seeds:
-                    c = make_case(form, kind, dtype, seed, g.size(), g.rank())
+                    c = make_case(form, kind, dtype, seed, g.size(), g.rank(), empty)
                     got = torch.ops.flashoverlap.gemm_unpermute_all_to_all(
                         c["a"], c["b"], c["offs"], c["index"], c["accumulate"], c["outs"], c["ins"], g.group_name,
-                        "blocks")
+                        plan)
                     want = combine_route.reference(c["a"], c["b"], c["offs"], c["index"], c["accumulate"], c["outs"],
                                                    c["ins"], g)
                     assert got.shape == (sum(c["outs"]), N) and got.dtype == dtype, (form, kind, seed, got.shape)
-                    where = f"{form} {kind} {seed}"
+                    where = f"{form} {kind} {seed} {plan}"
                     torch.testing.assert_close(got, want, **TOL[dtype], msg=lambda m, w=where: f"{w}: {m}")
                     done += 1
     finally:
         torch.use_deterministic_algorithms(False)
-    assert stats["combine:cpu"] - before == done  # the pipelined CPU route ran, not the reference
+    assert stats["combine:p2p"] - before == done  # the P2P route ran, not the reference
     return done
 
 
@@ -104,16 +119,16 @@ def failure_worker(bad_rank: int) -> tuple[str, str]:
     c = make_case("loop", "moe", torch.float32, 5, g.size(), g.rank())
     call = lambda: torch.ops.flashoverlap.gemm_unpermute_all_to_all(  # noqa: E731
         c["a"], c["b"], None, c["index"], False, c["outs"], c["ins"], g.group_name, "blocks")
-    real = combine_route.ExpertGemm.segment
+    real = combine_route.CombineUnits.fill
     seen = []
 
-    def flaky(self, seg):
-        seen.append(seg)
+    def flaky(self, u, send):
+        seen.append(u)
         if g.rank() == bad_rank and len(seen) == 2:
             raise RuntimeError("injected GEMM fault")
-        return real(self, seg)
+        return real(self, u, send)
 
-    with mock.patch.object(combine_route.ExpertGemm, "segment", flaky):
+    with mock.patch.object(combine_route.CombineUnits, "fill", flaky):
         try:
             call()
             first = "no error"
@@ -140,6 +155,8 @@ def bad_inputs_worker() -> dict[str, str]:
         "splits": lambda: fo.gemm_unpermute_all_to_all(a, b, None, idx, False, [4], [4], g.group_name, "blocks"),
         "self": lambda: fo.gemm_unpermute_all_to_all(a, b, None, idx, False, [1, 3], [3, 1], g.group_name, "blocks"),
         "plan": lambda: fo.gemm_unpermute_all_to_all(a, b, None, idx, False, [2, 2], [2, 2], g.group_name, "v1;x"),
+        "chunks": lambda: fo.gemm_unpermute_all_to_all(a, b, None, idx, False, [2, 2], [2, 2], g.group_name,
+                                                       "blocks:c=0"),
         "offs": lambda: fo.gemm_unpermute_all_to_all(a, [torch.randn(2, K, N)], torch.tensor([1, 4]), idx, False,
                                                      [2, 2], [2, 2], g.group_name, "blocks"),
     }
@@ -189,6 +206,20 @@ def test_grouped_forms_match_the_reference_in_bf16(pool):
     assert pool.run(op_worker, ["grouped", "grouped2"], kinds, "bfloat16", [1, 2, 3]) == [18, 18]
 
 
+@pytest.mark.parametrize("plan", ["blocks:c=2", "blocks:c=3"])
+def test_chunked_plans_match_the_reference(pool, plan):
+    """Each block in 2 or 3 chunks (some empty: blocks of fewer rows than chunks), one transfer per chunk."""
+    assert pool.run(op_worker, ["loop", "grouped2"], ["moe", "dup"], "bfloat16", [1, 2], plan) == [8, 8]
+
+
+@pytest.mark.parametrize("world,plan", [(2, "blocks"), (2, "blocks:c=2"), (3, "blocks"), (3, "blocks:c=2")])
+def test_empty_blocks_are_skipped_alike_on_both_sides(world, plan):
+    """Rank 0 sends rank 1 nothing while rank 1 sends it rows; on 3 ranks ranks 1 and 2 exchange nothing and rank 2
+    sends rank 0 nothing: the empty transfers are left out on both sides, the others still pair up."""
+    got = get_pool(world).run(op_worker, ["loop", "grouped"], ["moe", "perm"], "float32", [3], plan, True)
+    assert got == [4] * world
+
+
 @pytest.mark.parametrize("bad_rank", [0, 1])
 def test_a_fault_on_one_rank_raises_on_every_rank_and_the_next_call_works(pool, bad_rank):
     got = pool.run(failure_worker, bad_rank)
@@ -200,7 +231,8 @@ def test_a_fault_on_one_rank_raises_on_every_rank_and_the_next_call_works(pool, 
 
 def test_bad_inputs_raise_on_every_rank_before_any_transfer(pool):
     expect = {"counts": "one b per a", "dtype": "share one dtype", "index": "1-D int64", "splits": "2 split sizes",
-              "self": "sends itself", "plan": "unknown combine plan", "offs": "1-D int32"}
+              "self": "sends itself", "plan": "unknown combine plan", "offs": "1-D int32",
+              "chunks": "unknown combine plan"}
     for per_rank in pool.run(bad_inputs_worker):
         for name, fragment in expect.items():
             assert fragment in per_rank[name], (name, per_rank[name])
@@ -215,22 +247,37 @@ def test_opcheck_on_gloo(pool):
 # ------------------------------------------------------------------------------------------ one process
 
 
-def test_block_geometry_cuts_every_grouped_row_once_in_block_order():
-    index = torch.tensor([3, 0, 4, 1, 5, 2, 6])  # 7 rows of y into 7 send rows; blocks of 2, 3, 2 rows
-    blocks = geo.plan_blocks(index, [2, 5, 6], [2, 3, 2])  # experts: rows [0,2) [2,5) [5,6); row 6 in no expert
-    assert [(b.lo, b.hi) for b in blocks] == [(0, 2), (2, 5), (5, 7)]
+def test_unit_geometry_cuts_every_row_once():
+    index = torch.tensor([3, 0, 4, 1, 5, 2, -1])  # 7 rows of y into 7 send rows (-1: row 6); blocks of 2, 3, 2 rows
+    sizes = geo.chunk_sizes([2, 3, 2], 2)
+    assert sizes == [1, 1, 1, 2, 1, 1]
+    bounds = geo.offsets(sizes)
+    ends = [2, 5, 6, 7]  # experts: rows [0,2) [2,5) [5,6); row 6 in no expert (the last group)
+    plan, extra = geo.plan_units(index, torch.tensor(ends[:3]), torch.tensor(bounds), 7, torch.tensor([9]))
+    assert extra.tolist() == [9] and plan.counts.sum().item() == 7
+    assert plan.target.tolist() == [int(index[r]) % 7 for r in plan.order.tolist()]
     seen = []
-    for b in blocks:
-        for s in b.segments:
-            rows = s.row_ids().tolist()
-            seen += rows
-            assert all(b.lo <= int(index[r]) < b.hi for r in rows)
-            assert (s.dest + b.lo).tolist() == index[s.row_ids()].tolist()
-    assert sorted(seen) == list(range(6))  # row 6 is past the last offset: written nowhere
-    assert geo.block_order(4, 1) == [2, 3, 0, 1] and geo.block_order(1, 0) == [0]
-    assert geo.normalize_index(torch.tensor([-1, 0]), 3).tolist() == [2, 0]
-    with pytest.raises(IndexError):
-        geo.normalize_index(torch.tensor([3]), 3)
+    for u in range(len(sizes)):
+        rows = plan.order[plan.starts[u]:plan.starts[u + 1]].tolist()
+        assert rows == sorted(rows) and all(bounds[u] <= int(index[r]) % 7 < bounds[u + 1] for r in rows)
+        assert rows[:plan.grouped_rows(u)] == [r for r in rows if r < 6]  # rows in an expert first
+        for g, pos, count, row0 in plan.segments(u):
+            run = plan.order[pos:pos + count].tolist()
+            assert all((ends[g - 1] if g else 0) <= r < ends[g] for r in run)
+            assert row0 is None or run == list(range(row0, row0 + count))
+        seen += rows
+    assert sorted(seen) == list(range(7))
+    assert plan.expert_offsets().shape == (6, 4) and plan.expert_offsets().dtype == torch.int32
+    with pytest.raises(IndexError, match="index 7 is out of bounds"):
+        geo.plan_units(torch.tensor([0, 7]), torch.tensor([2]), torch.tensor([0, 7]), 7)
+    assert geo.ring_steps(4, 1) == [(2, 0), (3, 3), (0, 2)] and geo.ring_steps(1, 0) == []
+    for world in (2, 3, 5):  # at step s, r's destination has r as its source
+        for s in range(world - 1):
+            assert all(geo.ring_steps(world, geo.ring_steps(world, r)[s][0])[s][1] == r for r in range(world))
+    assert [geo.parse_plan(p, "x") for p in ("blocks", "auto", "blocks:c=3")] == [1, 1, 3]
+    for bad in ("blocks:c=0", "blocks:c=17", "ring"):
+        with pytest.raises(ValueError, match="unknown x plan"):
+            geo.parse_plan(bad, "x")
     with pytest.raises(ValueError):
         geo.group_ends(torch.tensor([3, 2]), 5, cumulative=True)
 

@@ -63,7 +63,7 @@ class _Run:
         from flashoverlap_inductor.passes import counters
 
         return {"pass": {k: v for k, v in counters.items() if "combine" in k or k.startswith("near_miss")},
-                "calls": routes.stats["combine:cpu"]}
+                "calls": routes.stats["combine:p2p"]}
 
 
 def _local(t):

@@ -1,9 +1,9 @@
-"""The fused MoE dispatch op (``flashoverlap::all_to_all_permute_gemm``) on 2 and 3 gloo ranks: the CPU route's
-pipelined per-source schedule against the unfused reference (``routes.moe_dispatch.reference``: one
-``all_to_all_single``, one ``index``, the GEMMs) on random uneven splits, for the per-expert loop and
-``torch._grouped_mm`` (one term, and torchtitan's two terms sharing the rows), a permutation as the MoE forms make it,
-a random permutation and duplicate / negative indices; the failure contract; validation; the arrival order; the
-fake implementation and ``opcheck``.
+"""The fused MoE dispatch op (``flashoverlap::all_to_all_permute_gemm``) on 2 and 3 gloo ranks: the P2P route's
+ring schedule (one unit per source and ring step, or several with ``"blocks:c=N"``) against the unfused reference
+(``routes.moe_dispatch.reference``: one ``all_to_all_single``, one ``index``, the GEMMs) on random uneven splits, for
+the per-expert loop and ``torch._grouped_mm`` (one term, and torchtitan's two terms sharing the rows), a permutation
+as the MoE forms make it, a random permutation and duplicate / negative indices, split sizes with empty blocks
+(``test_combine_op.split_counts``); the failure contract; validation; the fake implementation and ``opcheck``.
 
 Every 2-process case runs under ``torch.use_deterministic_algorithms(True)``, which fills ``torch.empty`` with NaN:
 a row the schedule forgets to receive, gather or compute poisons the comparison.
@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import get_pool
+from test_combine_op import split_counts
 
 from flashoverlap_inductor.routes import moe_dispatch as dispatch_route
 
@@ -25,12 +26,12 @@ TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 1.6
 # ------------------------------------------------------------------------------------------ helpers (all ranks)
 
 
-def make_case(form: str, index_kind: str, dtype: torch.dtype, seed: int, world: int, rank: int) -> dict:
+def make_case(form: str, index_kind: str, dtype: torch.dtype, seed: int, world: int, rank: int,
+              empty: bool = False) -> dict:
     """One call's arguments on ``rank``: uneven split sizes shared by construction (``counts[i][j]`` rows go from rank
-    i to rank j, some 0), this rank's rows, the permutation by expert and the experts' weights."""
-    shared = torch.Generator().manual_seed(seed)
-    counts = torch.randint(0, 7, (world, world), generator=shared)
-    counts[0, 0] = 0  # a rank that keeps none of its rows
+    i to rank j, some 0; ``empty``: chosen pairs empty: ``split_counts``), this rank's rows, the permutation by expert
+    and the experts' weights."""
+    counts = split_counts(seed, world, empty)
     ins, outs = counts[rank].tolist(), counts[:, rank].tolist()
     gen = torch.Generator().manual_seed(seed * 10 + rank)
     recv_rows = sum(outs)
@@ -72,31 +73,33 @@ def _reference(c: dict, g) -> list[torch.Tensor]:
     return dispatch_route.reference(c["x"], c["index"], c["b"], c["sizes"], c["offs"], c["outs"], c["ins"], g)
 
 
-def op_worker(forms: list[str], index_kinds: list[str], dtype_name: str, seeds: list[int]) -> int:
-    """Every (form, index kind, seed): the fused op equals the unfused reference on this rank; returns the count."""
+def op_worker(forms: list[str], index_kinds: list[str], dtype_name: str, seeds: list[int], plan: str = "blocks",
+              empty: bool = False) -> int:
+    """Every (form, index kind, seed): the fused op under ``plan`` equals the unfused reference on this rank; returns
+    the count."""
     from flashoverlap_inductor.routes import stats
 
     dtype = getattr(torch, dtype_name)
     g = dist.group.WORLD
-    before = stats["dispatch:cpu"]
+    before = stats["dispatch:p2p"]
     torch.use_deterministic_algorithms(True)
     done = 0
     try:
         for form in forms:
             for kind in index_kinds:
                 for seed in seeds:
-                    c = make_case(form, kind, dtype, seed, g.size(), g.rank())
-                    got, want = _call(c, g), _reference(c, g)
+                    c = make_case(form, kind, dtype, seed, g.size(), g.rank(), empty)
+                    got, want = _call(c, g, plan), _reference(c, g)
                     assert len(got) == len(want) == 1 + len(c["b"]), (form, kind, seed)
                     assert got[0].shape == (c["index"].shape[0], K), (form, kind, seed, got[0].shape)
-                    where = f"{form} {kind} {seed}"
+                    where = f"{form} {kind} {seed} {plan}"
                     for x, y in zip(got, want, strict=True):
                         assert x.dtype == dtype and x.shape == y.shape, where
                         torch.testing.assert_close(x, y, **TOL[dtype], msg=lambda m, w=where: f"{w}: {m}")
                     done += 1
     finally:
         torch.use_deterministic_algorithms(False)
-    assert stats["dispatch:cpu"] - before == done  # the pipelined CPU route ran, not the reference
+    assert stats["dispatch:p2p"] - before == done  # the P2P route ran, not the reference
     return done
 
 
@@ -108,16 +111,16 @@ def failure_worker(bad_rank: int) -> tuple[str, str]:
 
     g = dist.group.WORLD
     c = make_case("loop", "moe", torch.float32, 5, g.size(), g.rank())
-    real = dispatch_route.FirstGemms.segment
+    real = dispatch_route.DispatchUnits.compute
     seen = []
 
-    def flaky(self, p, seg, y):
-        seen.append(seg)
+    def flaky(self, v, recv):
+        seen.append(v)
         if g.rank() == bad_rank and len(seen) == 2:
             raise RuntimeError("injected GEMM fault")
-        return real(self, p, seg, y)
+        return real(self, v, recv)
 
-    with mock.patch.object(dispatch_route.FirstGemms, "segment", flaky):
+    with mock.patch.object(dispatch_route.DispatchUnits, "compute", flaky):
         try:
             _call(c, g)
             first = "no error"
@@ -163,6 +166,7 @@ def bad_inputs_worker() -> dict[str, str]:
         "splits": lambda: fo.all_to_all_permute_gemm(x, idx, b, [4], None, [4], [4], name, "blocks"),
         "self": lambda: fo.all_to_all_permute_gemm(x, idx, b, [4], None, [1, 3], [3, 1], name, "blocks"),
         "plan": lambda: fo.all_to_all_permute_gemm(x, idx, b, [4], None, [2, 2], [2, 2], name, "v1;x"),
+        "chunks": lambda: fo.all_to_all_permute_gemm(x, idx, b, [4], None, [2, 2], [2, 2], name, "blocks:c=99"),
         "offs": lambda: fo.all_to_all_permute_gemm(x, idx, [torch.randn(2, K, N)], None, torch.tensor([1, 4]),
                                                    [2, 2], [2, 2], name, "blocks"),
     }
@@ -209,6 +213,20 @@ def test_three_ranks():
     assert get_pool(3).run(op_worker, ["loop", "grouped"], ["moe", "dup"], "bfloat16", [1, 2]) == [8, 8, 8]
 
 
+@pytest.mark.parametrize("plan", ["blocks:c=2", "blocks:c=3"])
+def test_chunked_plans_match_the_reference(pool, plan):
+    """Each block in 2 or 3 chunks (some empty: blocks of fewer rows than chunks), one transfer per chunk."""
+    assert pool.run(op_worker, ["loop", "grouped2"], ["moe", "dup"], "bfloat16", [1, 2], plan) == [8, 8]
+
+
+@pytest.mark.parametrize("world,plan", [(2, "blocks"), (2, "blocks:c=2"), (3, "blocks"), (3, "blocks:c=2")])
+def test_empty_blocks_are_skipped_alike_on_both_sides(world, plan):
+    """Rank 0 sends rank 1 nothing while rank 1 sends it rows; on 3 ranks ranks 1 and 2 exchange nothing and rank 2
+    sends rank 0 nothing: the empty transfers are left out on both sides, the others still pair up."""
+    got = get_pool(world).run(op_worker, ["loop", "grouped"], ["moe", "perm"], "float32", [3], plan, True)
+    assert got == [4] * world
+
+
 @pytest.mark.parametrize("bad_rank", [0, 1])
 def test_a_fault_on_one_rank_raises_on_every_rank_and_the_next_call_works(pool, bad_rank):
     for rank, (first, after) in enumerate(pool.run(failure_worker, bad_rank)):
@@ -225,7 +243,8 @@ def test_a_bad_index_on_one_rank_raises_on_every_rank(pool):
 
 def test_bad_inputs_raise_on_every_rank_before_any_transfer(pool):
     expect = {"sizes": "one expert size per b", "dtype": "share one dtype", "index": "1-D int64",
-              "splits": "2 split sizes", "self": "sends itself", "plan": "unknown dispatch plan", "offs": "1-D int32"}
+              "splits": "2 split sizes", "self": "sends itself", "plan": "unknown dispatch plan", "offs": "1-D int32",
+              "chunks": "unknown dispatch plan"}
     for per_rank in pool.run(bad_inputs_worker):
         for name, fragment in expect.items():
             assert fragment in per_rank[name], (name, per_rank[name])
@@ -238,11 +257,6 @@ def test_opcheck_on_gloo(pool):
 
 
 # ------------------------------------------------------------------------------------------ one process
-
-
-def test_arrival_order_is_own_block_then_the_ring():
-    assert dispatch_route.arrival_order(4, 1) == [1, 0, 3, 2] and dispatch_route.arrival_order(1, 0) == [0]
-    assert all(sorted(dispatch_route.arrival_order(5, r)) == list(range(5)) for r in range(5))
 
 
 def test_fake_shapes():

@@ -39,7 +39,7 @@ class _DispatchRun(_Run):
 
         keep = ("dispatch", "combine", "near_miss")
         return {"pass": {k: v for k, v in counters.items() if any(w in k for w in keep)},
-                "calls": routes.stats["dispatch:cpu"], "combine_calls": routes.stats["combine:cpu"]}
+                "calls": routes.stats["dispatch:p2p"], "combine_calls": routes.stats["combine:p2p"]}
 
 
 def ep_model_worker(preset: str, batches: list[int], fuse: str = "always", dynamic: bool | None = False) -> dict:

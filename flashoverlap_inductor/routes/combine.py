@@ -1,5 +1,6 @@
 """The fused MoE combine at run time (``flashoverlap::gemm_unpermute_all_to_all``, ``ops``): the unfused reference,
-the CPU route and the op's dispatcher.
+the point-to-point (P2P) route, which runs on gloo (CPU tensors) and NCCL (CUDA tensors) alike, and the op's
+dispatcher.
 
 Semantics (the contract of every route; rows and split sizes count rows of ``[*, N]`` tensors)::
 
@@ -11,27 +12,31 @@ Semantics (the contract of every route; rows and split sizes count rows of ``[*,
 Rows of ``y`` past the last offset (which ``_grouped_mm`` leaves undefined) and send rows that ``index`` does not
 name (which the graph's ``empty`` leaves undefined) are 0 here.
 
-Routes. **cpu** (gloo): the pipelined schedule of ``schedule/combine.py``: every receive is posted first; then per
-send block, in ``block_order`` (the peers' blocks first, this rank's own last), the block's rows of every expert are
-computed alone (row-slice GEMMs), written to their places in the block (``index_put_``) and the block is sent
-(``isend``; the own block is a local copy) while the next block computes. **unfused**: ``reference`` (one GEMM, one
-``index_put``, one ``all_to_all_single``); every other device, CUDA included (no fused GPU route yet: the design of
-the NCCL and peer routes is in ``docs/design.md``), and the oracle of the tests.
+Routes. **p2p** (``run_p2p``; geometry in ``schedule/combine.py``, shared pieces in ``routes/moe_p2p.py``): the send
+buffer is cut into units (block j: the rows for rank j; ``plan`` ``"blocks:c=N"`` cuts each block into N chunks).
+Per ring step ``s = 1 .. W - 1`` (destination ``(r + s) % W``, source ``(r - s) % W``) and chunk, the rank computes
+the unit's rows alone (grouped form: the unit's rows of ``a`` gathered in expert order, one ``torch._grouped_mm``
+per term over them; loop form: one ``mm`` per expert run into a unit buffer), writes them to their un-permuted
+places (``index_put_``), then issues the step's send and receive in one ``batch_isend_irecv`` and goes on to the
+next unit while that transfer runs (on CUDA: on NCCL's stream, which waits for this unit's GEMM only). Its own block
+comes last, by a local copy. Host syncs per call: one copy of the per-(unit, expert) row counts (cut on the device)
+and ``offs`` to the host, the failure exchange.
+**unfused**: ``reference`` (one GEMM, one ``index_put``, one ``all_to_all_single``): the tests' oracle and every call
+the P2P route does not take (``moe_p2p.unsupported``: a CUDA-graph capture, a dtype other than bf16/fp16/fp32, a
+non-NCCL group for CUDA tensors, ...), counted ``fallback:<reason>`` and logged once per reason.
 
-Failure contract (CPU route; as ``routes/cpu.py``): every rank posts every receive and issues every block's send
-whatever happens; a rank whose GEMM, index or transfer raises fills its blocks not yet sent with NaN, and every call
-ends with the one-int failure exchange (``cpu._settle``): the failing rank re-raises, every other rank raises
-``errors.PeerFailure``; no rank returns the output of a call in which a rank failed, and the next call needs no reset.
-Errors that depend only on what every rank shares (operand ranks, dtypes, a bad plan) are raised by every rank
-before any transfer. Ranks agree or fail together: before a group's first call of a kind (form, N, K, dtype,
-settings, route) the ranks exchange digests (``agree.check``): a difference raises ``errors.RankMismatch`` on every
-rank. Statistics: ``stats["combine:<route>"]`` per call, plus ``route:cpu`` or ``unfused`` and
-``fallback:no_combine_route`` as the other ops count them.
+Failure contract (as ``routes/cpu.py``): every rank issues every ring step whatever happens; a rank whose routing
+data, GEMM or transfer raises fills its units not yet sent with NaN, and every call ends with the one-int failure
+exchange (``cpu._settle``, on the send buffer's device: the group's NCCL device on CUDA): the failing rank re-raises,
+every other rank raises ``errors.PeerFailure``; no rank returns the output of a call in which a rank failed, and the
+next call needs no reset. Errors that depend only on what every rank shares (operand ranks, dtypes, a bad plan) are
+raised by every rank before any transfer. Ranks agree or fail together: before a group's first call of a kind
+(form, N, K, dtype, settings, route) the ranks exchange digests (``agree.check_once``). Statistics
+(``moe_p2p.count_route`` / ``count_fallback``): ``combine:p2p`` and ``route:cpu`` (CPU) or ``route:moe_p2p`` and
+``fused:all_to_all_combine`` (CUDA); ``combine:unfused``, ``unfused`` and ``fallback:<reason>``.
 """
 
 from __future__ import annotations
-
-import threading
 
 import torch
 import torch.distributed as dist
@@ -39,23 +44,20 @@ import torch.distributed as dist
 from flashoverlap_inductor import config
 
 from .. import _inductor_compat as compat
-from ..schedule.combine import Block, block_order, group_ends, normalize_index, offsets, plan_blocks
-from . import agree
-from .base import stats
+from ..schedule.combine import chunk_sizes, group_ends, offsets, parse_plan, plan_units, ring_steps
+from . import agree, moe_p2p
 from .cpu import _poison, _settle, _wait_all
 
-PLANS = ("blocks", "auto")  # "auto": the route's own schedule (on CPU: "blocks")
-TAG = 3083  # the P2P tag of the combine's block transfers (no other transfer of the package uses it)
-_locks: dict[int, threading.RLock] = {}
-_locks_lock = threading.Lock()
+TAG = 30830  # + chunk: the P2P tags of the combine's transfers (no other transfer of the package uses them)
 
 
 class ExpertGemm:
-    """The op's GEMM by rows. ``rows``: rows of ``y``; ``ends``: the experts' end rows (``schedule.combine``);
-    ``n``: columns. ``segment(seg)`` computes the rows of one ``schedule.combine.Segment`` ([count, N]) with the same
-    roundings as the graph (each GEMM rounded to the dtype, then the grouped terms summed); ``whole()`` all of ``y``."""
+    """The op's GEMM. ``rows``: rows of ``y``; ``ends``: the experts' end rows (``schedule.combine.group_ends``, from
+    ``offs_host`` when given: no device read); ``starts``: their first rows; ``n``: columns. ``whole()`` computes all
+    of ``y`` with the graph's roundings (each GEMM rounded to the dtype, then the grouped terms summed)."""
 
-    def __init__(self, a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | None) -> None:
+    def __init__(self, a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | None,
+                 offs_host: torch.Tensor | None = None) -> None:
         self.a, self.b, self.offs = a, b, offs
         self.n = int(b[0].shape[-1])
         if offs is None:
@@ -63,18 +65,8 @@ class ExpertGemm:
             self.ends = group_ends([int(x.shape[0]) for x in a], self.rows, cumulative=False)
         else:
             self.rows = int(a[0].shape[0])
-            self.ends = group_ends(offs, self.rows, cumulative=True)
+            self.ends = group_ends(offs if offs_host is None else offs_host, self.rows, cumulative=True)
         self.starts = [0, *self.ends[:-1]]
-
-    def segment(self, seg) -> torch.Tensor:
-        g = seg.group
-        if self.offs is None:
-            return torch.mm(_rows(self.a[g], seg, self.starts[g]), self.b[g])
-        out = None
-        for x, w in zip(self.a, self.b, strict=True):
-            y = torch.mm(_rows(x, seg, 0), w[g])
-            out = y if out is None else out.add_(y)
-        return out
 
     def whole(self) -> torch.Tensor:
         if self.offs is None:
@@ -87,17 +79,9 @@ class ExpertGemm:
         return y
 
 
-def _rows(x: torch.Tensor, seg, base: int) -> torch.Tensor:
-    """The rows of ``x`` that ``seg`` names, ``base`` being the row of ``y`` where ``x`` starts (a view when they are
-    contiguous)."""
-    if seg.rows is None:
-        return x[seg.first - base:seg.first - base + seg.count]
-    return x.index_select(0, seg.rows - base)
-
-
 def reference(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | None, index: torch.Tensor,
               accumulate: bool, outs: list[int], ins: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """The op unfused (module docstring): the CUDA route and the tests' oracle."""
+    """The op unfused (module docstring): the fallback and the tests' oracle."""
     gemm = ExpertGemm(a, b, offs)
     y = gemm.whole()
     send = y.new_zeros(sum(ins), gemm.n)
@@ -107,70 +91,94 @@ def reference(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor |
     return out
 
 
-def _fill(buf: torch.Tensor, block: Block, gemm: ExpertGemm, values: torch.Tensor | None, accumulate: bool) -> None:
-    """Write one send block ``buf`` (its rows of the send buffer): each expert's rows for it, then ``index_put_``."""
-    for seg in block.segments:
-        rows = gemm.segment(seg) if values is None else values.index_select(0, seg.row_ids())
-        buf.index_put_((seg.dest,), rows, accumulate)
+class CombineUnits:
+    """The P2P route's GEMM by send unit. Built once per call: the unit cut on the device (``plan_units``: one host
+    copy of the small per-(unit, expert) table, ``offs`` and the index check; ``moe_p2p``'s pinned upload of the unit
+    bounds); ``fill(u, send)`` writes unit u's rows of the send buffer ``send`` ([sum(input_split_sizes), N]) and
+    nothing else. ``unit_sizes``: ``schedule.combine.chunk_sizes`` of the input split sizes. Raises ``IndexError`` /
+    ``ValueError`` for routing data that does not fit (before any GEMM)."""
+
+    def __init__(self, a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | None, index: torch.Tensor,
+                 accumulate: bool, unit_sizes: list[int], send_rows: int) -> None:
+        dev, entries = a[0].device, int(index.shape[0])
+        rows = sum(int(x.shape[0]) for x in a) if offs is None else int(a[0].shape[0])
+        if entries != rows and rows != 1:
+            raise ValueError(f"flashoverlap: index_put of {rows} GEMM rows at {entries} indices: shape mismatch")
+        broadcast = entries != rows  # index_put broadcasting one GEMM row to every index entry
+        host_ends = [entries] if broadcast else \
+            group_ends([int(x.shape[0]) for x in a], rows, cumulative=False) if offs is None else None
+        small = moe_p2p.upload([torch.tensor(offsets(unit_sizes)), torch.tensor(host_ends or [], dtype=torch.int64)],
+                               dev)
+        ends = small[1] if host_ends is not None else offs.to(torch.int64).clamp(max=rows)
+        self.plan, offs_host = plan_units(index.to(dev), ends, small[0], send_rows, offs)
+        self.gemm = ExpertGemm(a, b, offs, offs_host)  # checks the offsets (host copy)
+        self.accumulate = accumulate
+        self.values = self.gemm.whole() if broadcast else None
+        self.offs = self.plan.expert_offsets() if offs is not None and not broadcast else None
+        self.experts = len(self.gemm.ends)
+
+    def fill(self, u: int, send: torch.Tensor) -> None:
+        lo = self.plan.starts[u]
+        hi = lo + self.plan.grouped_rows(u)  # the unit's rows in no expert group (last) write nothing
+        if hi == lo:
+            return
+        gemm = self.gemm
+        if self.values is not None:
+            y = self.values.expand(hi - lo, gemm.n)
+        elif self.offs is not None:
+            rows, y = self.plan.order[lo:hi], None
+            for x, w in zip(gemm.a, gemm.b, strict=True):
+                t = torch._grouped_mm(x.index_select(0, rows), w, offs=self.offs[u, :self.experts])
+                y = t if y is None else y.add_(t)
+        else:
+            y = send.new_empty(hi - lo, gemm.n)
+            for g, pos, count, row0 in self.plan.segments(u):
+                base = gemm.starts[g]
+                rows = gemm.a[g][row0 - base:row0 - base + count] if row0 is not None else \
+                    gemm.a[g].index_select(0, self.plan.order[pos:pos + count] - base)
+                torch.mm(rows, gemm.b[g], out=y[pos - lo:pos - lo + count])
+        send.index_put_((self.plan.target[lo:hi],), y, self.accumulate)
 
 
-def run_cpu(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | None, index: torch.Tensor,
+def run_p2p(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | None, index: torch.Tensor,
             accumulate: bool, outs: list[int], ins: list[int], group: dist.ProcessGroup, plan: str) -> torch.Tensor:
-    """The CPU route (module docstring). Transfers per call on every rank: one receive per peer with rows for it, one
-    send per peer it has rows for, then the failure exchange."""
+    """The P2P route (module docstring). Transfers per call on every rank: per ring step and chunk one batch (a send
+    and a receive, either left out when its rows are 0, on both sides alike), then the failure exchange."""
     world, rank = group.size(), group.rank()
+    chunks = parse_plan(plan, "combine")
     n, like = int(b[0].shape[-1]), a[0]
-    send = like.new_zeros(sum(ins), n)
-    out = like.new_empty(sum(outs), n)
-    send_off, recv_off = offsets(ins), offsets(outs)
+    send_sizes, recv_sizes = chunk_sizes(ins, chunks), chunk_sizes(outs, chunks)
+    send_off, recv_off = offsets(send_sizes), offsets(recv_sizes)
+    send = like.new_zeros(send_off[-1], n)
+    out = like.new_empty(recv_off[-1], n)
     works: list = []
     failure: BaseException | None = None
+    units = None
     try:
-        for i in range(world):
-            if i != rank and outs[i]:
-                works.append(dist.irecv(out[recv_off[i]:recv_off[i + 1]], src=dist.get_global_rank(group, i),
-                                        group=group, tag=TAG))
-    except BaseException as exc:  # noqa: BLE001 - settled below, after every send was issued
+        units = CombineUnits(a, b, offs, index, accumulate, send_sizes, send.shape[0])
+    except BaseException as exc:  # noqa: BLE001 - settled below, after every ring step was issued
         failure = exc
-    gemm, values, blocks = None, None, None
-    try:
-        gemm = ExpertGemm(a, b, offs)
-        idx = normalize_index(index, send.shape[0])
-        if idx.shape[0] == gemm.rows:
-            blocks = plan_blocks(idx, gemm.ends, ins)
-        elif gemm.rows == 1:  # index_put broadcasts one value row to every index
-            values = gemm.whole().expand(idx.shape[0], n)
-            blocks = plan_blocks(idx, [idx.shape[0]], ins)
-        else:
-            raise ValueError(f"flashoverlap: index_put of {gemm.rows} GEMM rows at {idx.shape[0]} indices: shape "
-                             "mismatch")
-    except BaseException as exc:  # noqa: BLE001 - as above
-        failure = failure or exc
-    for j in block_order(world, rank):
-        lo, hi = send_off[j], send_off[j + 1]
-        if failure is None:
+    for dst, src in [*ring_steps(world, rank), (rank, rank)]:  # the own block last: a local copy
+        for q in range(chunks):
+            u, v = dst * chunks + q, src * chunks + q
+            block, into = send[send_off[u]:send_off[u + 1]], out[recv_off[v]:recv_off[v + 1]]
+            if failure is None:
+                try:
+                    units.fill(u, send)
+                except BaseException as exc:  # noqa: BLE001 - as above
+                    failure = exc
+            if failure is not None:
+                _poison(block)  # not sent yet: what the peer receives is never mistaken for data
             try:
-                _fill(send[lo:hi], blocks[j], gemm, values, accumulate)
+                if dst == rank:
+                    into.copy_(block)
+                else:
+                    works += moe_p2p.exchange(block, into, dst, src, group, TAG + q)
             except BaseException as exc:  # noqa: BLE001 - as above
-                failure = exc
-        if failure is not None:
-            _poison(send[lo:hi])  # not sent yet: what the peer receives is never mistaken for data
-        try:
-            if j == rank:
-                out[recv_off[j]:recv_off[j + 1]].copy_(send[lo:hi])
-            elif hi > lo:
-                works.append(dist.isend(send[lo:hi], dst=dist.get_global_rank(group, j), group=group, tag=TAG))
-        except BaseException as exc:  # noqa: BLE001 - as above
-            failure = failure or exc
+                failure = failure or exc
     failure = _wait_all(works, failure)
     _settle(failure, "all_to_all combine", [send.shape[0], n], send, group, plan)
     return out
-
-
-def _lock(group: dist.ProcessGroup) -> threading.RLock:
-    """One lock per process group: a group's combine calls run one at a time (their transfers share one tag)."""
-    with _locks_lock:
-        return _locks.setdefault(id(group), threading.RLock())
 
 
 def _items(route: str, a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | None, accumulate: bool,
@@ -188,22 +196,20 @@ def dispatch(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | 
              accumulate: bool, outs: list[int], ins: list[int], group: dist.ProcessGroup, plan: str,
              settings_key: str) -> torch.Tensor:
     """Run one call on its route (module docstring), under the settings it was compiled with."""
-    if plan not in PLANS:
-        raise ValueError(f"flashoverlap: unknown combine plan {plan!r} (expected one of {PLANS})")
+    parse_plan(plan, "combine")  # a bad plan raises on every rank alike, before any transfer
     settings = config.from_key(settings_key)
-    route = "cpu" if a[0].device.type == "cpu" else "unfused"
+    why = moe_p2p.unsupported(a[0], group, len(outs))
+    route = "p2p" if why is None else f"unfused ({why.split(':', 1)[0]})"
     capturing = a[0].is_cuda and compat.is_capturing()
-    with config.using(settings), _lock(group):
+    with config.using(settings), moe_p2p.lock("combine", group):
         found = _items(route, a, b, offs, accumulate, plan, group, settings)
         if not capturing:
             agree.check_once(found, group, f"a fused MoE combine of {len(a)} x {list(a[0].shape)} rows @ "
                              f"{list(b[0].shape)} ({a[0].dtype})")
-        if route == "cpu":
-            out = run_cpu(a, b, offs, index, accumulate, outs, ins, group, plan)
-            stats["route:cpu"] += 1
+        if why is None:
+            out = run_p2p(a, b, offs, index, accumulate, outs, ins, group, plan)
+            moe_p2p.count_route("combine", a[0].device)
         else:
             out = reference(a, b, offs, index, accumulate, outs, ins, group)
-            stats["unfused"] += 1
-            stats["fallback:no_combine_route"] += 1
-        stats[f"combine:{route}"] += 1
+            moe_p2p.count_fallback("combine", why)
         return out

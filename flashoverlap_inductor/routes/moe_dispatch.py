@@ -1,5 +1,5 @@
 """The fused MoE dispatch at run time (``flashoverlap::all_to_all_permute_gemm``, ``ops``): the unfused reference, the
-CPU route and the op's dispatcher.
+point-to-point (P2P) route, which runs on gloo (CPU tensors) and NCCL (CUDA tensors) alike, and the op's dispatcher.
 
 Semantics (the contract of every route; rows and split sizes count rows of ``[*, K]`` tensors)::
 
@@ -12,28 +12,33 @@ Semantics (the contract of every route; rows and split sizes count rows of ``[*,
 Rows of a grouped ``y[t]`` past the last offset (which ``_grouped_mm`` leaves undefined) are 0 here; rows of ``p``
 past ``sum(sizes)`` are in no loop piece.
 
-Routes. **cpu** (gloo): every receive is posted and every send block of ``x`` issued first (``x`` needs no compute);
-then, per source block in ``arrival order`` (this rank's own block first, by a local copy, then each peer's as its
-receive completes), the block's rows of ``p`` are gathered (``recv[index]`` restricted to the rows that come from
-that block; ``schedule.combine.plan_blocks`` cuts them per expert) and the experts' GEMMs run on those rows alone
-(row-slice ``mm``s), so the GEMMs overlap the transfers still in flight. **unfused**: ``reference`` (one NCCL/gloo
-all_to_all, one ``index``, the GEMMs); every other device, CUDA included (no fused GPU route yet), and the tests'
-oracle.
+Routes. **p2p** (``run_p2p``; geometry in ``schedule/combine.py``, shared pieces in ``routes/moe_p2p.py``): the
+receive buffer is cut into units (block i: the rows from rank i; ``plan`` ``"blocks:c=N"`` cuts each block into N
+chunks). ``x`` needs no compute, so the rank first issues every ring step's batch (step ``s = 1 .. W - 1``: send block
+``(r + s) % W`` of ``x``, receive block ``(r - s) % W``, one ``batch_isend_irecv`` per chunk, the same order on every
+rank); then copies its own block locally and runs its GEMMs; then per step waits for that step's transfers only and
+runs the GEMMs of the unit that landed: its rows of ``p`` gathered from the receive buffer (``index`` restricted to
+the unit), one ``torch._grouped_mm`` per term over them (grouped form) or one ``mm`` per expert run (loop form),
+scattered into ``p`` and ``y``. All batches go out before any GEMM is enqueued: on CUDA NCCL's stream waits for the
+caller's stream at each issue, so a batch issued after a GEMM would wait for it. Host syncs per call: one copy of
+the per-(unit, expert) row counts (cut on the device) and ``offs`` to the host (after the transfers were issued), the
+failure exchange. **unfused**: ``reference``
+(one all_to_all, one ``index``, the GEMMs): the tests' oracle and every call the P2P route does not take
+(``moe_p2p.unsupported``), counted ``fallback:<reason>`` and logged once per reason.
 
-Failure contract (CPU route; as ``routes/cpu.py`` and ``routes/combine.py``): every rank posts every receive and
-issues every block's send whatever happens (a rank that failed before a send sends a NaN block instead of its rows);
-a rank whose index, GEMM or transfer raises stops computing, and every call ends with the one-int failure exchange
+Failure contract (as ``routes/cpu.py`` and ``routes/combine.py``): every rank issues every ring step whatever happens
+(a rank that failed before a send sends a NaN block instead of its rows); a rank whose routing data, GEMM or
+transfer raises stops computing but waits for every transfer, and every call ends with the one-int failure exchange
 (``cpu._settle``): the failing rank re-raises, every other rank raises ``errors.PeerFailure``; no rank returns the
 output of a call in which a rank failed, and the next call needs no reset. Errors that depend only on what every
 rank shares (operand ranks, dtypes, a bad plan) are raised by every rank before any transfer (``ops``). Ranks agree
 or fail together: before a group's first call of a kind (form, K, N, dtype, settings, route) the ranks exchange
-digests (``agree.check_once``). Statistics: ``stats["dispatch:<route>"]`` per call, plus ``route:cpu`` or
-``unfused`` and ``fallback:no_dispatch_route``.
+digests (``agree.check_once``). Statistics (``moe_p2p``): ``dispatch:p2p`` and ``route:cpu`` (CPU) or
+``route:moe_p2p`` and ``fused:all_to_all_dispatch`` (CUDA); ``dispatch:unfused``, ``unfused`` and
+``fallback:<reason>``.
 """
 
 from __future__ import annotations
-
-import threading
 
 import torch
 import torch.distributed as dist
@@ -41,15 +46,11 @@ import torch.distributed as dist
 from flashoverlap_inductor import config
 
 from .. import _inductor_compat as compat
-from ..schedule.combine import Block, group_ends, normalize_index, offsets, plan_blocks
-from . import agree
-from .base import stats
+from ..schedule.combine import chunk_sizes, group_ends, offsets, parse_plan, plan_units, ring_steps
+from . import agree, moe_p2p
 from .cpu import _poison, _settle, _wait_all
 
-PLANS = ("blocks", "auto")  # "auto": the route's own schedule (on CPU: "blocks")
-TAG = 3084  # the P2P tag of the dispatch's block transfers (no other transfer of the package uses it)
-_locks: dict[int, threading.RLock] = {}
-_locks_lock = threading.Lock()
+TAG = 30850  # + chunk: the P2P tags of the dispatch's transfers (no other transfer of the package uses them)
 
 
 def check_operands(x: torch.Tensor, index: torch.Tensor, b: list, sizes: list | None,
@@ -84,26 +85,20 @@ def check_operands(x: torch.Tensor, index: torch.Tensor, b: list, sizes: list | 
     return [[rows, x.shape[1]], *ys]
 
 
-def arrival_order(world: int, rank: int) -> list[int]:
-    """The source blocks in the order a rank expects them: its own (a local copy) first, then ``rank - 1, rank - 2,
-    ...`` (mod ``world``), the ring order in which the peers' first sends reach it. A permutation of
-    ``range(world)``; the CPU route takes a later block first when it has landed already."""
-    return [(rank - s) % world for s in range(world)]
-
-
 class FirstGemms:
-    """The op's GEMMs on ``p`` by rows. ``sizes`` (loop) or ``offs`` (grouped) cut ``p``'s ``rows`` into experts
-    (``ends``: ``schedule.combine.group_ends``); ``outputs()`` allocates ``y`` (grouped rows in no expert are 0);
-    ``segment(p, seg, y)`` writes the rows of one ``schedule.combine.Segment`` of every term."""
+    """The op's GEMMs' geometry on ``p``'s ``rows``: ``sizes`` (loop) or ``offs`` (grouped; ``offs_host``, when given,
+    is read instead: no device read) cut them into experts (``ends``: ``schedule.combine.group_ends``; ``starts``:
+    their first rows); ``outputs()`` allocates ``y`` (grouped rows in no expert are 0)."""
 
-    def __init__(self, rows: int, b: list[torch.Tensor], sizes: list[int] | None, offs: torch.Tensor | None) -> None:
+    def __init__(self, rows: int, b: list[torch.Tensor], sizes: list[int] | None, offs: torch.Tensor | None,
+                 offs_host: torch.Tensor | None = None) -> None:
         self.b, self.offs, self.rows = b, offs, rows
         if offs is None:
             if sum(sizes) > rows or any(s < 0 for s in sizes):
                 raise ValueError(f"flashoverlap: the dispatch's expert pieces {sizes} do not fit its {rows} rows")
             self.ends = group_ends(sizes, rows, cumulative=False)
         else:
-            self.ends = group_ends(offs, rows, cumulative=True)
+            self.ends = group_ends(offs if offs_host is None else offs_host, rows, cumulative=True)
         self.starts = [0, *self.ends[:-1]]
 
     def outputs(self, like: torch.Tensor) -> list[torch.Tensor]:
@@ -111,27 +106,10 @@ class FirstGemms:
             return [like.new_empty(e - s, w.shape[-1]) for s, e, w in zip(self.starts, self.ends, self.b, strict=True)]
         return [like.new_zeros(self.rows, w.shape[-1]) for w in self.b]
 
-    def segment(self, p: torch.Tensor, seg, y: list[torch.Tensor]) -> None:
-        g, rows = seg.group, seg.row_ids()
-        a = p[seg.first:seg.first + seg.count] if seg.rows is None else p.index_select(0, rows)
-        if self.offs is None:
-            _put(y[g], rows - self.starts[g], seg, torch.mm(a, self.b[g]), self.starts[g])
-            return
-        for out, w in zip(y, self.b, strict=True):
-            _put(out, rows, seg, torch.mm(a, w[g]), 0)
-
-
-def _put(out: torch.Tensor, rows: torch.Tensor, seg, values: torch.Tensor, base: int) -> None:
-    """``out[rows] = values`` (a slice copy when the segment's rows are contiguous)."""
-    if seg.rows is None:
-        out[seg.first - base:seg.first - base + seg.count].copy_(values)
-    else:
-        out.index_copy_(0, rows, values)
-
 
 def reference(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes: list[int] | None,
               offs: torch.Tensor | None, outs: list[int], ins: list[int], group: dist.ProcessGroup) -> list:
-    """The op unfused (module docstring): the CUDA route and the tests' oracle."""
+    """The op unfused (module docstring): the fallback and the tests' oracle."""
     recv = x.new_empty(sum(outs), x.shape[1])
     dist.all_to_all_single(recv, x.contiguous(), list(outs), list(ins), group=group)
     p = recv[index]
@@ -145,88 +123,105 @@ def reference(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes
     return [p, *y]
 
 
-def _compute_block(block: Block, recv: torch.Tensor, lo: int, p: torch.Tensor, gemms: FirstGemms,
-                   y: list[torch.Tensor]) -> None:
-    """Gather block ``block``'s rows of ``p`` from its received rows ``recv[lo:...]`` and run their GEMMs."""
-    for seg in block.segments:
-        if seg.rows is None:
-            p[seg.first:seg.first + seg.count] = recv[lo + seg.dest]
-        else:
-            p.index_copy_(0, seg.rows, recv[lo + seg.dest])
-        if seg.group < len(gemms.ends):
-            gemms.segment(p, seg, y)
+class DispatchUnits:
+    """The P2P route's permutation and GEMMs by receive unit. Built once per call: the unit cut on the device
+    (``plan_units``: one host copy of the small per-(unit, expert) table, ``offs`` and the index check; ``moe_p2p``'s
+    pinned upload of the unit bounds); allocates ``p`` and ``y``; ``compute(v, recv)`` gathers unit v's rows of ``p``
+    from the receive buffer ``recv`` (its rows must have landed) and writes them and their GEMM rows of every ``y``,
+    nothing else. ``unit_sizes``: ``chunk_sizes`` of the output split sizes. Raises ``IndexError`` / ``ValueError``
+    for routing data that does not fit (before any GEMM)."""
+
+    def __init__(self, x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes: list[int] | None,
+                 offs: torch.Tensor | None, unit_sizes: list[int], recv_rows: int) -> None:
+        rows = int(index.shape[0])
+        host_ends = None if offs is None else []
+        if offs is None:
+            host_ends = FirstGemms(rows, b, sizes, None).ends  # checks the pieces
+        small = moe_p2p.upload([torch.tensor(offsets(unit_sizes)), torch.tensor(host_ends, dtype=torch.int64)],
+                               x.device)
+        ends = small[1] if offs is None else offs.to(torch.int64).clamp(max=rows)
+        # every row of p is planned: the rows past the last expert are the last group (their rows of p, no GEMM)
+        self.plan, offs_host = plan_units(index.to(x.device), ends, small[0], recv_rows, offs)
+        self.gemms = FirstGemms(rows, b, sizes, offs, offs_host)  # checks the offsets (host copy)
+        self.p = x.new_empty(rows, x.shape[1])
+        self.y = self.gemms.outputs(x)
+        self.experts = len(self.gemms.ends)
+        self.offs = None if offs is None else self.plan.expert_offsets()
+
+    def compute(self, v: int, recv: torch.Tensor) -> None:
+        lo, hi = self.plan.starts[v], self.plan.starts[v + 1]
+        if hi == lo:
+            return
+        rows = self.plan.order[lo:hi]
+        a = recv.index_select(0, self.plan.target[lo:hi])  # unit v's rows of p, in p's (expert) order
+        self.p.index_copy_(0, rows, a)
+        if self.offs is not None:
+            grouped = self.plan.grouped_rows(v)  # its rows in an expert: the first ones
+            if grouped:
+                for out, w in zip(self.y, self.gemms.b, strict=True):
+                    out.index_copy_(0, rows[:grouped], torch._grouped_mm(a[:grouped], w,
+                                                                         offs=self.offs[v, :self.experts]))
+            return
+        for g, pos, count, row0 in self.plan.segments(v):
+            piece, out, base = a[pos - lo:pos - lo + count], self.y[g], self.gemms.starts[g]
+            if row0 is not None:
+                torch.mm(piece, self.gemms.b[g], out=out[row0 - base:row0 - base + count])
+            else:
+                out.index_copy_(0, self.plan.order[pos:pos + count] - base, torch.mm(piece, self.gemms.b[g]))
 
 
-def run_cpu(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes: list[int] | None,
+def run_p2p(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes: list[int] | None,
             offs: torch.Tensor | None, outs: list[int], ins: list[int], group: dist.ProcessGroup,
             plan: str) -> list:
-    """The CPU route (module docstring). Transfers per call on every rank: one receive per peer with rows for it, one
-    send per peer it has rows for, then the failure exchange."""
+    """The P2P route (module docstring). Transfers per call on every rank: per ring step and chunk one batch (a send
+    and a receive, either left out when its rows are 0, on both sides alike), then the failure exchange."""
     world, rank = group.size(), group.rank()
+    chunks = parse_plan(plan, "dispatch")
     k = int(x.shape[1])
-    recv = x.new_empty(sum(outs), k)
-    send_off, recv_off = offsets(ins), offsets(outs)
-    works: dict[int, object] = {}
-    sends: list = []
+    send_sizes, recv_sizes = chunk_sizes(ins, chunks), chunk_sizes(outs, chunks)
+    send_off, recv_off = offsets(send_sizes), offsets(recv_sizes)
+    recv = x.new_empty(recv_off[-1], k)
     failure: BaseException | None = None
-    try:
+    if x.shape[0] != send_off[-1]:
+        failure = ValueError(f"flashoverlap: the dispatch's input_split_sizes {ins} do not sum to its {x.shape[0]} "
+                             "rows")
+    else:
         x = x.contiguous()
-        for i in range(world):
-            if i != rank and outs[i]:
-                works[i] = dist.irecv(recv[recv_off[i]:recv_off[i + 1]], src=dist.get_global_rank(group, i),
-                                      group=group, tag=TAG)
-    except BaseException as exc:  # noqa: BLE001 - settled below, after every send was issued
-        failure = exc
-    for j in range(world):
-        lo, hi = send_off[j], send_off[j + 1]
-        if j == rank or hi == lo:
-            continue
-        try:
-            if failure is None and x.shape[0] != send_off[-1]:
-                failure = ValueError(f"flashoverlap: the dispatch's input_split_sizes {ins} do not sum to its "
-                                     f"{x.shape[0]} rows")
-            block = x[lo:hi]
+    landing: list[tuple[int, list]] = []  # (receive unit, its batch's works), in issue order
+    poisoned: list[torch.Tensor] = []  # NaN blocks sent in place of x's rows: alive until every transfer was waited
+    for dst, src in ring_steps(world, rank):
+        for q in range(chunks):
+            u, v = dst * chunks + q, src * chunks + q
+            block = x[send_off[u]:send_off[u + 1]]
             if failure is not None:
-                block = x.new_empty(hi - lo, k)
+                block = x.new_empty(send_off[u + 1] - send_off[u], k)
                 _poison(block)  # what the peer receives is never mistaken for data
-            sends.append(dist.isend(block, dst=dist.get_global_rank(group, j), group=group, tag=TAG))
-        except BaseException as exc:  # noqa: BLE001 - as above
-            failure = failure or exc
-    p, y, blocks, gemms = None, [], None, None
+                poisoned.append(block)
+            try:
+                works = moe_p2p.exchange(block, recv[recv_off[v]:recv_off[v + 1]], dst, src, group, TAG + q)
+            except BaseException as exc:  # noqa: BLE001 - settled below, after every ring step was issued
+                failure, works = failure or exc, []
+            landing.append((v, works))
+    units = None
     try:
-        if failure is not None:
-            raise failure
-        recv[recv_off[rank]:recv_off[rank + 1]].copy_(x[send_off[rank]:send_off[rank + 1]])
-        idx = normalize_index(index, recv.shape[0])
-        p = x.new_empty(idx.shape[0], k)
-        gemms = FirstGemms(p.shape[0], b, sizes, offs)
-        y = gemms.outputs(x)
-        # the rows of p by source block: p[r] = recv[idx[r]] (plan_blocks' "destination rows" are source rows here);
-        # rows past the last expert form one more group, so that p is complete
-        ends = [*gemms.ends, p.shape[0]] if gemms.ends[-1] < p.shape[0] else gemms.ends
-        blocks = plan_blocks(idx, ends, outs)
-    except BaseException as exc:  # noqa: BLE001 - as above
+        if failure is None:
+            own = slice(recv_off[rank * chunks], recv_off[(rank + 1) * chunks])
+            recv[own].copy_(x[send_off[rank * chunks]:send_off[(rank + 1) * chunks]])
+            units = DispatchUnits(x, index, b, sizes, offs, recv_sizes, recv.shape[0])
+            for q in range(chunks):
+                units.compute(rank * chunks + q, recv)
+    except BaseException as exc:  # noqa: BLE001 - as above: the transfers are still waited for
         failure = failure or exc
-    pending = arrival_order(world, rank)
-    while pending:
-        i = next((s for s in pending if s not in works or works[s].is_completed()), pending[0])
-        pending.remove(i)
-        try:
-            if i in works:
-                works.pop(i).wait()
-            if failure is None:
-                _compute_block(blocks[i], recv, recv_off[i], p, gemms, y)
-        except BaseException as exc:  # noqa: BLE001 - as above: the other receives are still waited for
-            failure = failure or exc
-    failure = _wait_all([*works.values(), *sends], failure)
+    for v, works in landing:
+        failure = _wait_all(works, failure)  # this unit's transfers only (on CUDA: the stream waits, not the host)
+        if failure is None:
+            try:
+                units.compute(v, recv)
+            except BaseException as exc:  # noqa: BLE001 - as above
+                failure = exc
     _settle(failure, "all_to_all dispatch", [recv.shape[0], k], recv, group, plan)
-    return [p, *y]
-
-
-def _lock(group: dist.ProcessGroup) -> threading.RLock:
-    """One lock per process group: a group's dispatch calls run one at a time (their transfers share one tag)."""
-    with _locks_lock:
-        return _locks.setdefault(id(group), threading.RLock())
+    del poisoned
+    return [units.p, *units.y]
 
 
 def _items(route: str, x: torch.Tensor, b: list[torch.Tensor], sizes: list[int] | None, offs: torch.Tensor | None,
@@ -243,22 +238,20 @@ def dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes:
              offs: torch.Tensor | None, outs: list[int], ins: list[int], group: dist.ProcessGroup, plan: str,
              settings_key: str) -> list:
     """Run one call on its route (module docstring), under the settings it was compiled with."""
-    if plan not in PLANS:
-        raise ValueError(f"flashoverlap: unknown dispatch plan {plan!r} (expected one of {PLANS})")
+    parse_plan(plan, "dispatch")  # a bad plan raises on every rank alike, before any transfer
     settings = config.from_key(settings_key)
-    route = "cpu" if x.device.type == "cpu" else "unfused"
+    why = moe_p2p.unsupported(x, group, len(outs))
+    route = "p2p" if why is None else f"unfused ({why.split(':', 1)[0]})"
     capturing = x.is_cuda and compat.is_capturing()
-    with config.using(settings), _lock(group):
+    with config.using(settings), moe_p2p.lock("dispatch", group):
         found = _items(route, x, b, sizes, offs, plan, group, settings)
         if not capturing:
             agree.check_once(found, group, f"a fused MoE dispatch of {list(x.shape)} rows into {len(b)} GEMM(s) "
                              f"{list(b[0].shape)} ({x.dtype})")
-        if route == "cpu":
-            out = run_cpu(x, index, b, sizes, offs, outs, ins, group, plan)
-            stats["route:cpu"] += 1
+        if why is None:
+            out = run_p2p(x, index, b, sizes, offs, outs, ins, group, plan)
+            moe_p2p.count_route("dispatch", x.device)
         else:
             out = reference(x, index, b, sizes, offs, outs, ins, group)
-            stats["unfused"] += 1
-            stats["fallback:no_dispatch_route"] += 1
-        stats[f"dispatch:{route}"] += 1
+            moe_p2p.count_fallback("dispatch", why)
         return out

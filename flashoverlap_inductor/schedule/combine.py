@@ -1,36 +1,58 @@
-"""Geometry of the fused MoE combine (``flashoverlap::gemm_unpermute_all_to_all``, ``ops``): which GEMM rows land in
-which send block, and the order in which a rank computes and sends its blocks. Pure functions of the op's arguments
-(host int64 tensors and ints); the CPU route uses them now, a GPU route would use the same cut.
+"""Geometry of the MoE expert-parallel ops (``flashoverlap::gemm_unpermute_all_to_all``, the combine, and
+``flashoverlap::all_to_all_permute_gemm``, the dispatch; ``ops``): the ring steps both routes take, the plan string,
+and which expert rows belong to which transfer *unit*. Functions of the ops' arguments (host ints, and tensors on
+the ops' device); the P2P route (``routes/combine.py``, ``routes/moe_dispatch.py``) runs the same cut on every device.
 
 Terms (all sizes in rows):
 
-* the GEMM output ``y`` has ``entries`` rows (one per index entry), cut into *groups* (experts): group g is rows
-  ``[ends[g - 1], ends[g])`` (``ends[-1]`` 0 before the first); rows at or past ``ends[-1]`` are in no group (the
-  grouped GEMM leaves them undefined; the op makes them 0, and writes nothing for them);
-* row r goes to row ``index[r]`` of the send buffer, which has ``R = sum(send_sizes)`` rows (a negative index counts
-  from the end, as in ``index_put``); the send buffer is cut into ``world`` *blocks*, block j = rows
-  ``[send_off[j], send_off[j + 1])``, which the all_to_all sends to rank j.
+* the *expert rows*: the combine's GEMM output ``y`` (one row per index entry) or the dispatch's permuted rows ``p``
+  (one row per index entry), ordered by expert: *group* g is rows ``[ends[g - 1], ends[g])`` (``ends[-1]`` 0 before
+  the first); rows at or past ``ends[-1]`` are in no group (the grouped GEMM leaves them undefined);
+* the *blocked buffer*: the combine's send buffer (row r of ``y`` goes to row ``index[r]``) or the dispatch's
+  receive buffer (row r of ``p`` comes from row ``index[r]``), cut into ``world`` *blocks* by the split sizes (block
+  j: the rows for, or from, rank j), each block cut into ``chunks`` *units* of near-equal rows (``chunk_sizes``):
+  unit ``u = j * chunks + q`` is chunk q of block j. A negative index counts from the end, as in ``index_put``.
 
-The pipelining idea: ``y``'s rows are ordered by expert, the blocks by destination, so block j needs some rows of
-every expert. ``plan_blocks`` lists, per block, each expert's rows for it (a contiguous run in the MoE forms: expert
-e's rows are ordered by source rank) and where each lands in the block, so a rank computes block j's rows alone,
-writes them into block j and sends it while it computes the next block. ``block_order``: the other ranks' blocks
-first (their transfers start early), this rank's own block last (it moves by a local copy, overlapping the
-transfers in flight).
+Ring steps (``ring_steps``): at step ``s = 1 .. world - 1`` rank r sends block ``dst = (r + s) % world`` and receives
+block ``src = (r - s) % world``, in one batch per chunk (the same order on every rank, so the point-to-point ops of a
+step pair up on NCCL, which runs them in issue order). The sizes are per rank, but a sender's ``input_split_sizes[dst]``
+equals its receiver's ``output_split_sizes[src]``, so both sides cut the same chunks and skip the same empty ones.
+
+Units (``plan_units``): the rows of each unit, unit by unit and ascending within a unit (so group by group: in the
+MoE forms each (unit, group) is a contiguous run, expert e's rows being ordered by rank), with each row's place in
+the blocked buffer and the per-(unit, group) row counts, from one stable sort and a few searches on the device (no
+per-unit loop); only the small per-(unit, group) table comes to the host.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+MAX_CHUNKS = 16
+PLANS = ("blocks", "auto", "blocks:c=N")  # N in 1 .. MAX_CHUNKS; "auto" is "blocks" (no GPU measurement yet)
+_CHUNKED = re.compile(r"blocks:c=(\d+)")
 
-def block_order(world: int, rank: int) -> list[int]:
-    """The blocks in the order a rank computes and sends them: ``rank + 1, rank + 2, ...`` (mod ``world``), then
-    ``rank`` itself. Every rank's order is a permutation of ``range(world)``."""
-    return [(rank + s) % world for s in range(1, world)] + [rank]
+
+def parse_plan(plan: str, what: str) -> int:
+    """The chunks per block of a plan string: ``"blocks"`` and ``"auto"`` 1, ``"blocks:c=N"`` N (1 <= N <=
+    ``MAX_CHUNKS``). Raises ``ValueError`` for anything else (``what`` names the op in the message)."""
+    if plan in ("blocks", "auto"):
+        return 1
+    m = _CHUNKED.fullmatch(plan)
+    if m is None or not 1 <= int(m.group(1)) <= MAX_CHUNKS:
+        raise ValueError(f"flashoverlap: unknown {what} plan {plan!r} (expected one of {PLANS}, N in 1 .. "
+                         f"{MAX_CHUNKS})")
+    return int(m.group(1))
+
+
+def ring_steps(world: int, rank: int) -> list[tuple[int, int]]:
+    """``(dst, src)`` of steps ``s = 1 .. world - 1``: ``((rank + s) % world, (rank - s) % world)``. Over the steps
+    every peer is a destination once and a source once; at step s, rank r's destination has r as its source."""
+    return [((rank + s) % world, (rank - s) % world) for s in range(1, world)]
 
 
 def offsets(sizes: Sequence[int]) -> list[int]:
@@ -39,6 +61,12 @@ def offsets(sizes: Sequence[int]) -> list[int]:
     for s in sizes:
         out.append(out[-1] + int(s))
     return out
+
+
+def chunk_sizes(block_sizes: Sequence[int], chunks: int) -> list[int]:
+    """The units' sizes, block by block: block j of n rows gives chunks ``n * (q + 1) // chunks - n * q // chunks``
+    for q in ``range(chunks)`` (they sum to n; a function of n alone, so sender and receiver agree)."""
+    return [int(n) * (q + 1) // chunks - int(n) * q // chunks for n in block_sizes for q in range(chunks)]
 
 
 def group_ends(sizes_or_offs: Sequence[int] | torch.Tensor, rows: int, cumulative: bool) -> list[int]:
@@ -52,65 +80,82 @@ def group_ends(sizes_or_offs: Sequence[int] | torch.Tensor, rows: int, cumulativ
     return [min(e, rows) for e in ends]
 
 
-def normalize_index(index: torch.Tensor, send_rows: int) -> torch.Tensor:
-    """``index`` as int64 destination rows in ``[0, send_rows)`` (negative entries count from the end); raises
-    ``IndexError`` for an entry out of range, as ``index_put`` does."""
-    idx = index.to(torch.int64)
-    idx = torch.where(idx < 0, idx + send_rows, idx)
-    if idx.numel() and (bool((idx < 0).any()) or bool((idx >= send_rows).any())):
-        bad = index[(idx < 0) | (idx >= send_rows)][0].item()
-        raise IndexError(f"flashoverlap: index {bad} is out of bounds for a send buffer of {send_rows} rows")
-    return idx
-
-
 @dataclass(frozen=True)
-class Segment:
-    """Rows of one group (expert) that go to one block. ``first``/``count``: the rows ``[first, first + count)`` of
-    ``y`` when ``rows`` is None (contiguous), else ``rows`` (int64, ascending) lists them; ``dest``: each row's
-    destination row inside the block (int64, ``count`` entries)."""
+class UnitPlan:
+    """The expert rows cut by unit and group (module docstring). On the index's device: ``order`` (int64, one entry
+    per expert row): the rows unit by unit, ascending within a unit, so group by group with the rows in no group
+    last; ``target`` (int64): each one's row in the blocked buffer (``index[order]``, normalized); ``device_counts``
+    (int64 ``[units, groups]``). On the host: ``counts`` (the same), ``first`` / ``last`` (int64 ``[units, groups]``:
+    the first and last row of each (unit, group) run; meaningless where its count is 0), ``starts`` (``units + 1``
+    ints: unit u's rows are ``order[starts[u]:starts[u + 1]]``). ``groups`` = the expert groups + 1 (rows in no group).
+    Every expert row is in exactly one unit."""
 
-    group: int
-    first: int
-    count: int
-    rows: torch.Tensor | None
-    dest: torch.Tensor
+    order: torch.Tensor
+    target: torch.Tensor
+    device_counts: torch.Tensor
+    counts: torch.Tensor
+    first: torch.Tensor
+    last: torch.Tensor
+    starts: list[int]
 
-    def row_ids(self) -> torch.Tensor:
-        """The rows of ``y`` (int64), contiguous or not."""
-        return torch.arange(self.first, self.first + self.count) if self.rows is None else self.rows
+    def grouped_rows(self, u: int) -> int:
+        """Unit u's rows in an expert group: the first ones of the unit."""
+        return int(self.counts[u, :-1].sum())
+
+    def segments(self, u: int) -> list[tuple[int, int, int, int | None]]:
+        """Unit u's non-empty expert groups as ``(group, pos, count, row0)``: rows ``order[pos:pos + count]``, which
+        are the consecutive rows ``row0 ..`` when ``row0`` is not None."""
+        out, pos = [], self.starts[u]
+        for g, (count, first, last) in enumerate(zip(self.counts[u, :-1].tolist(), self.first[u, :-1].tolist(),
+                                                     self.last[u, :-1].tolist(), strict=True)):
+            if count:
+                out.append((g, pos, count, first if last - first + 1 == count else None))
+                pos += count
+        return out
+
+    def expert_offsets(self) -> torch.Tensor:
+        """Per unit, ``torch._grouped_mm``'s cumulative expert offsets (int32, on the device; computed there, no host
+        trip): row u starts with unit u's E offsets; rows are E rounded up to 4 long, so that each row starts 16-byte
+        aligned (use ``[u, :E]``)."""
+        units, experts = self.device_counts.shape[0], self.device_counts.shape[1] - 1
+        table = torch.zeros(units, -(-experts // 4) * 4, dtype=torch.int32, device=self.device_counts.device)
+        table[:, :experts] = self.device_counts[:, :experts].cumsum(1)
+        return table
 
 
-@dataclass(frozen=True)
-class Block:
-    """Send block ``block`` = send-buffer rows ``[lo, hi)``; ``segments``: the rows of ``y`` it receives, by group."""
-
-    block: int
-    lo: int
-    hi: int
-    segments: tuple[Segment, ...]
-
-
-def plan_blocks(index: torch.Tensor, ends: Sequence[int], send_sizes: Sequence[int]) -> list[Block]:
-    """Per block (indexed by destination rank), the rows of ``y`` it receives, cut by group (module docstring).
-    ``index``: normalized (``normalize_index``), one entry per row of ``y``; ``ends``: ``group_ends``. Every row of a
-    group appears in exactly one segment; rows in no group in none."""
-    idx = index.to(torch.int64).cpu()
-    off = offsets(send_sizes)
-    block_of = torch.searchsorted(torch.tensor(off[1:], dtype=torch.int64), idx, right=True)
-    blocks = []
-    for j in range(len(send_sizes)):
-        rows = torch.nonzero(block_of == j).flatten()  # ascending
-        segs = []
-        start = 0
-        for g, end in enumerate(ends):
-            lo = int(torch.searchsorted(rows, start))
-            hi = int(torch.searchsorted(rows, end))
-            start = end
-            if hi == lo:
-                continue
-            sel = rows[lo:hi]
-            first, count = int(sel[0]), hi - lo
-            contiguous = int(sel[-1]) - first + 1 == count
-            segs.append(Segment(g, first, count, None if contiguous else sel, idx[sel] - off[j]))
-        blocks.append(Block(j, off[j], off[j + 1], tuple(segs)))
-    return blocks
+def plan_units(index: torch.Tensor, ends: torch.Tensor, unit_bounds: torch.Tensor, buffer_rows: int,
+               extra: torch.Tensor | None = None) -> tuple[UnitPlan, torch.Tensor | None]:
+    """Cut the expert rows by unit, on ``index``'s device (no per-unit loop; ``index``: the op's, one entry per
+    expert row, negative entries counting from the end; ``ends``: the groups' end rows, int64, non-decreasing, on the
+    device; ``unit_bounds``: ``offsets(unit_sizes)`` as an int64 device tensor). Brings the per-(unit, group) counts
+    and runs, the index check and ``extra`` (an int tensor of the device, e.g. ``offs``; returned on the host as
+    int64) to the host in one copy: the call's one host sync on CUDA. Raises ``IndexError`` for an index entry out of
+    ``[-buffer_rows, buffer_rows)``, as ``index_put`` does (after that copy; nothing was indexed with it)."""
+    dev, rows = index.device, int(index.shape[0])
+    units, groups = int(unit_bounds.shape[0]) - 1, int(ends.shape[0]) + 1
+    raw = index.to(torch.int64)
+    idx = torch.where(raw < 0, raw + buffer_rows, raw)
+    bad = (idx < 0) | (idx >= buffer_rows)
+    idx = idx.clamp(0, max(buffer_rows - 1, 0))
+    row_group = torch.searchsorted(ends, torch.arange(rows, device=dev), right=True)
+    by_unit = torch.sort(torch.searchsorted(unit_bounds[1:].contiguous(), idx, right=True), stable=True)
+    order = by_unit.indices
+    key = by_unit.values * groups + row_group[order]  # non-decreasing: rows ascend within a unit, groups with rows
+    bounds = torch.searchsorted(key, torch.arange(units * groups + 1, device=dev))
+    counts = bounds.diff()
+    if rows:
+        first = order[bounds[:-1].clamp(max=rows - 1)]
+        last = order[(bounds[1:] - 1).clamp(min=0)]
+        first_bad = bad.to(torch.int8).argmax().view(1)  # a 1-D index: a 0-d one would be read on the host
+        check = torch.cat([bad.sum().view(1), raw.index_select(0, first_bad)])
+    else:
+        first = last = torch.zeros_like(counts)
+        check = torch.zeros(2, dtype=torch.int64, device=dev)
+    parts = [counts, first, last, check, *([] if extra is None else [extra.reshape(-1).to(torch.int64)])]
+    host = torch.cat(parts).cpu().split([p.numel() for p in parts])
+    if int(host[3][0]):
+        raise IndexError(f"flashoverlap: index {int(host[3][1])} is out of bounds for a buffer of {buffer_rows} rows")
+    shape = (units, groups)
+    counts_h = host[0].view(shape)
+    return (UnitPlan(order, idx[order], counts.view(shape), counts_h, host[1].view(shape), host[2].view(shape),
+                     offsets(counts_h.sum(1).tolist())), None if extra is None else host[4])

@@ -1,0 +1,211 @@
+"""Op-level benchmark of the MoE expert-parallel ops on 2 GPUs of one host (one rank per GPU, NCCL, bf16): the combine
+(``flashoverlap::gemm_unpermute_all_to_all``: the experts' down GEMM, the un-permutation, the all_to_all back) and the
+dispatch (``flashoverlap::all_to_all_permute_gemm``: the all_to_all of the routed rows, the permutation by expert,
+the experts' gate/up GEMM), both in the grouped form (``torch._grouped_mm``), on the P2P route (``routes/moe_p2p.py``).
+
+Shapes (``--shapes preset:tokens,...``; tokens per rank): ``qwen3`` (Qwen3-MoE-like: hidden 2048, expert inter 768,
+64 experts per rank, top-8) and ``mixtral`` (Mixtral-like: hidden 4096, inter 14336, 4 experts per rank, top-2), at
+4096, 8192 and 16384 tokens per rank by default. Routing: every rank's tokens pick their top-k experts of a uniform
+random score (one shared seed, so every rank knows every split size), rows sent expert-sorted as the MoE layer sends
+them. Per shape and op, all variants timed interleaved (``tune.measure.Timer``: CUDA events, warm-up, medians of
+rounds, max over ranks):
+
+* ``seq``: the unfused graph (combine: ``_grouped_mm``, ``index_put``, ``all_to_all_single``; dispatch:
+  ``all_to_all_single``, the index, ``_grouped_mm``); ``gemm``: its compute alone; ``comm``: its ``all_to_all_single``
+  alone; ``ideal``: max(gemm, comm);
+* ``fused[<plan>]``: the op under each ``--plans`` entry (default ``blocks`` and ``blocks:c=2``); the route it took
+  (``route:moe_p2p`` expected) and its relative error against ``seq`` (worst rank) are reported.
+
+The fused op copies its routing data to the host once per call (a host sync): it is in the timings.
+
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 examples/bench_moe.py [--shapes qwen3:4096,mixtral:8192] \\
+        [--plans blocks,blocks:c=2,blocks:c=4] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+import torch.distributed as dist
+
+from flashoverlap_inductor import routes
+from flashoverlap_inductor.tune import measure as tm
+
+PRESETS = {"qwen3": {"hidden": 2048, "inter": 768, "experts": 64, "top_k": 8},
+           "mixtral": {"hidden": 4096, "inter": 14336, "experts": 4, "top_k": 2}}
+TOKENS = (4096, 8192, 16384)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench_moe", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="", help="preset:tokens,... (presets: " + ", ".join(PRESETS) + ")")
+    p.add_argument("--plans", default="blocks,blocks:c=2", help="the fused op's plans, one column each")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--target-ms", type=float, default=20.0)
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def shapes_of(text: str) -> list[tuple[str, int]]:
+    if not text:
+        return [(preset, t) for preset in PRESETS for t in TOKENS]
+    out = []
+    for item in text.split(","):
+        preset, tokens = item.split(":")
+        if preset not in PRESETS:
+            raise SystemExit(f"bench_moe: unknown preset {preset!r} (expected one of {list(PRESETS)})")
+        out.append((preset, int(tokens)))
+    return out
+
+
+def routing(experts: int, top_k: int, tokens: int, world: int, rank: int, dev: torch.device) -> dict:
+    """Split sizes and the permutation of the dispatch's received rows (source-major, then local expert) into expert
+    order. ``counts[i, j * E + e]``: rows rank i sends to local expert e of rank j (the same on every rank)."""
+    gen = torch.Generator(device=dev).manual_seed(tokens)
+    counts = torch.stack([torch.rand(tokens, world * experts, generator=gen, device=dev).topk(top_k, dim=1)
+                          .indices.flatten().bincount(minlength=world * experts) for _ in range(world)]).cpu()
+    per_block = counts.view(world, world, experts)  # [source, destination, local expert]
+    ins = per_block[rank].sum(1).tolist()  # rows this rank sends each rank (dispatch)
+    outs = per_block[:, rank].sum(1).tolist()  # rows it receives from each rank
+    mine = per_block[:, rank]  # [source, local expert]
+    expert_of_row = torch.arange(experts).repeat(world).repeat_interleave(mine.flatten())
+    perm = expert_of_row.argsort(stable=True).to(dev)
+    offs = mine.sum(0).cumsum(0).to(torch.int32).to(dev)
+    return {"ins": ins, "outs": outs, "perm": perm, "offs": offs, "rows": sum(outs)}
+
+
+def _relerr(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item()
+
+
+def _variants(op: str, shape: dict, r: dict, plans: list[str], dev: torch.device) -> tuple[dict, object]:
+    """The timed functions of one op (module docstring) and the reference result's function."""
+    g, name = dist.group.WORLD, dist.group.WORLD.group_name
+    rank, h, inter, e = dist.get_rank(), shape["hidden"], shape["inter"], shape["experts"]
+    torch.manual_seed(1000 + rank)
+    if op == "dispatch":
+        x = torch.randn(sum(r["ins"]), h, device=dev).bfloat16()
+        torch.manual_seed(7)
+        w = (torch.randn(e, 2 * inter, h, device=dev) / math.sqrt(h)).bfloat16().transpose(-2, -1)
+        recv = torch.empty(r["rows"], h, device=dev, dtype=torch.bfloat16)
+
+        def comm():
+            dist.all_to_all_single(recv, x, r["outs"], r["ins"], group=g)
+            return recv
+
+        def gemm():
+            return torch._grouped_mm(recv[r["perm"]], w, offs=r["offs"])
+
+        def seq():
+            comm()
+            return gemm()
+
+        def fused(plan):
+            return lambda: torch.ops.flashoverlap.all_to_all_permute_gemm(
+                x, r["perm"], [w], None, r["offs"], r["outs"], r["ins"], name, plan)[1]
+    else:
+        a = torch.randn(r["rows"], inter, device=dev).bfloat16()
+        torch.manual_seed(8)
+        w = (torch.randn(e, h, inter, device=dev) / math.sqrt(inter)).bfloat16().transpose(-2, -1)
+        send = torch.empty(r["rows"], h, device=dev, dtype=torch.bfloat16)
+        out = torch.empty(sum(r["ins"]), h, device=dev, dtype=torch.bfloat16)
+
+        def gemm():
+            return send.index_put_((r["perm"],), torch._grouped_mm(a, w, offs=r["offs"]))
+
+        def comm():
+            dist.all_to_all_single(out, send, r["ins"], r["outs"], group=g)
+            return out
+
+        def seq():
+            gemm()
+            return comm()
+
+        def fused(plan):
+            return lambda: torch.ops.flashoverlap.gemm_unpermute_all_to_all(
+                [a], [w], r["offs"], r["perm"], False, r["ins"], r["outs"], name, plan)
+
+    variants = {"seq": seq, "gemm": gemm, "comm": comm, **{f"fused[{p}]": fused(p) for p in plans}}
+    return variants, seq
+
+
+def bench(op: str, preset: str, tokens: int, plans: list[str], timer: tm.Timer, dev: torch.device) -> dict:
+    shape = PRESETS[preset]
+    world, rank = dist.get_world_size(), dist.get_rank()
+    r = routing(shape["experts"], shape["top_k"], tokens, world, rank, dev)
+    variants, seq = _variants(op, shape, r, plans, dev)
+    row = {"op": op, "preset": preset, "tokens": tokens, **shape, "world": world,
+           "rows_received": tm.reduce_max([float(r["rows"])])[0], "errors": {}}
+    want = seq().clone()
+    for p in plans:
+        v = f"fused[{p}]"
+        before = routes.stats["route:moe_p2p"]
+        try:
+            got = variants[v]()
+            torch.cuda.synchronize()
+            row[f"relerr_{v}"] = tm.reduce_max([_relerr(got, want)])[0]
+        except Exception as exc:  # noqa: BLE001 - the variant is dropped from the timing and reported
+            row["errors"][v] = repr(exc)[:200]
+            del variants[v]
+            continue
+        row[f"route_{v}"] = "moe_p2p" if routes.stats["route:moe_p2p"] > before else "unfused"
+    for v, t in timer.measure(variants).items():
+        row[f"{v}_ms"] = t.ms
+    row["ideal_ms"] = max(row["gemm_ms"], row["comm_ms"])
+    for v in [*(f"fused[{p}]" for p in plans), "ideal"]:
+        if f"{v}_ms" in row:
+            row[f"speedup_{v}"] = row["seq_ms"] / row[f"{v}_ms"]
+    return row
+
+
+def _print(rows: list[dict], plans: list[str], world: int) -> None:
+    fused = [f"fused[{p}]" for p in plans]
+    print(f"MoE ops, {world} x {torch.cuda.get_device_name()}, bf16, grouped experts; ms (median, max over ranks); "
+          "speedup = seq / variant")
+    print("op | preset | tokens/rank | seq | " + " | ".join(fused) + " | gemm | comm | ideal | "
+          + " | ".join(f"x {v}" for v in [*fused, "ideal"]) + " | route | max err")
+    for r in rows:
+        ms = " | ".join(f"{r.get(f'{v}_ms', math.nan):.3f}" for v in ["seq", *fused, "gemm", "comm", "ideal"])
+        sp = " | ".join(f"{r.get(f'speedup_{v}', math.nan):.3f}" for v in [*fused, "ideal"])
+        route = ",".join(sorted({r.get(f"route_{v}", "-") for v in fused}))
+        err = max((r.get(f"relerr_{v}", math.nan) for v in fused), default=math.nan)
+        print(f"{r['op']} | {r['preset']} | {r['tokens']} | {ms} | {sp} | {route} | {err:.1e}"
+              + (f"  errors: {r['errors']}" if r["errors"] else ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < 2 or not dist.is_torchelastic_launched():
+        print(f"bench_moe: needs 2 CUDA GPUs of one host and torchrun (found {gpus} GPU(s), "
+              f"{'under' if dist.is_torchelastic_launched() else 'not under'} torchrun); run:\n"
+              "  NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 examples/bench_moe.py", file=sys.stderr)
+        return 2
+    torch.cuda.set_device(dist.get_node_local_rank(fallback_rank=0))  # before the NCCL communicator exists
+    dev = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", device_id=dev)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world < 2:
+        print("bench_moe: run with --nproc_per_node=2 (one rank per GPU)", file=sys.stderr)
+        dist.destroy_process_group()
+        return 2
+    plans = [p for p in args.plans.split(",") if p]
+    timer = tm.Timer(rounds=args.rounds, target_ms=args.target_ms, min_iters=2, max_iters=40, spin_ms=0.3)
+    rows = [bench(op, preset, tokens, plans, timer, dev) for preset, tokens in shapes_of(args.shapes)
+            for op in ("dispatch", "combine")]
+    if rank == 0:
+        _print(rows, plans, world)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"world": world, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                           "rows": rows}, f, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""What the MoE ops' point-to-point route shares (``routes/combine.py``, ``routes/moe_dispatch.py``): which calls it
+takes, the ring step's transfer, the upload of host ints, the per-group lock.
+
+One route for every device: the same Python schedule issues ``torch.distributed`` point-to-point ops on gloo (CPU
+tensors) and on NCCL (CUDA tensors). On CUDA, ``ProcessGroupNCCL`` runs them on its internal NCCL stream, which waits
+for the caller's current stream at issue and which the caller's stream waits for at ``Work.wait()`` (no host wait):
+GEMMs enqueued on the current stream after a transfer was issued overlap it, with no stream code here. NCCL runs a
+stream's point-to-point ops in issue order, so every rank issues the ring steps in one order, each step's send and
+receive in one ``batch_isend_irecv`` (one NCCL group: no deadlock whichever rank comes first).
+
+Host syncs per call on CUDA: one device-to-host copy of the routing data's small per-(unit, expert) table, ``offs``
+and the index check (``schedule.combine.plan_units``, which cuts the rows on the device), before the first GEMM; the
+failure exchange's read of one int at the end (``cpu._settle``). The unit bounds go to the device in one pinned,
+non-blocking copy (``upload``), which does not sync.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+import torch.distributed as dist
+
+from .. import _inductor_compat as compat
+from .base import note, stats
+from .nccl import is_nccl_group
+
+CUDA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_locks: dict[tuple[str, int], threading.RLock] = {}
+_locks_lock = threading.Lock()
+
+
+def unsupported(x: torch.Tensor, group: dist.ProcessGroup, world: int) -> str | None:
+    """Why the P2P route cannot take a call whose tensors are like ``x`` over ``group`` with ``world`` split sizes
+    (``"slug: detail"``), or None. CPU tensors always go (gloo); CUDA ones when the dtype is bf16/fp16/fp32, the
+    group's backend is NCCL, its size is ``world``, the tensors are on the current CUDA device (NCCL's) and no CUDA
+    graph is being captured (the route syncs the host). Every condition is one that all ranks of a program share;
+    ``agree.check_once`` compares the route the ranks chose."""
+    if x.device.type == "cpu":
+        return None
+    if x.device.type != "cuda":
+        return f"device: no P2P route for {x.device.type} tensors"
+    if compat.is_capturing():
+        return "capture: the P2P route syncs the host (its routing data), which a CUDA-graph capture forbids"
+    if x.dtype not in CUDA_DTYPES:
+        return f"dtype: {x.dtype} (the P2P route takes bf16, fp16 and fp32)"
+    if not is_nccl_group(group):
+        return f"backend: the group's backend {dist.get_backend(group)!r} is not NCCL"
+    if group.size() != world:
+        return f"world: {world} split sizes for a group of {group.size()} ranks"
+    if x.device.index != compat.current_device():
+        return f"device: the tensors are on {x.device}, NCCL's current device is cuda:{compat.current_device()}"
+    return None
+
+
+def count_fallback(op: str, why: str) -> None:
+    """Count and log (once per reason) a call that runs the unfused reference: ``stats["<op>:unfused"]``,
+    ``stats["unfused"]`` and ``stats["fallback:<slug>"]``, as the other ops count theirs."""
+    slug = why.split(":", 1)[0].strip() or "unsupported"
+    stats[f"{op}:unfused"] += 1
+    stats["unfused"] += 1
+    stats[f"fallback:{slug}"] += 1
+    note(f"moe:{op}:{why}", logging.INFO, "flashoverlap: the MoE %s runs unfused: %s", op, why)
+
+
+def count_route(op: str, device: torch.device) -> None:
+    """Count a call the P2P route ran: ``stats["<op>:p2p"]``, plus ``route:cpu`` on CPU (as the CPU routes count)
+    or ``route:moe_p2p`` and ``fused:all_to_all_<op>`` on CUDA (as the GPU routes count)."""
+    stats[f"{op}:p2p"] += 1
+    if device.type == "cpu":
+        stats["route:cpu"] += 1
+    else:
+        stats["route:moe_p2p"] += 1
+        stats[f"fused:all_to_all_{op}"] += 1
+
+
+def lock(kind: str, group: dist.ProcessGroup) -> threading.RLock:
+    """One lock per (op, group): an op's calls on a group run one at a time (their transfers share tags)."""
+    with _locks_lock:
+        return _locks.setdefault((kind, id(group)), threading.RLock())
+
+
+def exchange(send: torch.Tensor | None, recv: torch.Tensor | None, dst: int, src: int, group: dist.ProcessGroup,
+             tag: int) -> list:
+    """One ring step's unit: send ``send`` (rows, contiguous) to group rank ``dst`` and receive ``recv`` from group
+    rank ``src`` in one ``batch_isend_irecv``; an empty or None side is left out (its peer, whose split size is the
+    same 0, leaves it out too), nothing is issued when both are. Returns the works to wait on."""
+    ops = []
+    if send is not None and send.numel():
+        ops.append(dist.P2POp(dist.isend, send, dist.get_global_rank(group, dst), group, tag=tag))
+    if recv is not None and recv.numel():
+        ops.append(dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, src), group, tag=tag))
+    if not ops:
+        return []
+    return [w for w in (dist.batch_isend_irecv(ops) or ()) if w is not None]
+
+
+def upload(host: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host int64 tensors on ``device`` (views of one buffer): unchanged on the CPU; on CUDA one pinned,
+    non-blocking host-to-device copy (the caching host allocator keeps the pinned buffer until the copy ran)."""
+    if device.type == "cpu":
+        return host
+    flat = torch.cat([t.reshape(-1) for t in host]) if host else torch.zeros(0, dtype=torch.int64)
+    flat = flat.pin_memory().to(device, non_blocking=True)
+    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in host]), host, strict=True)]
+

@@ -1,0 +1,285 @@
+"""The MoE ops' P2P route on NCCL (``routes/combine.py``, ``routes/moe_dispatch.py``), 2 GPUs, one rank per GPU:
+the combine (``flashoverlap::gemm_unpermute_all_to_all``) and the dispatch (``flashoverlap::all_to_all_permute_gemm``)
+in bf16 on random uneven splits (some pairs empty), loop and grouped forms (one and two ``torch._grouped_mm`` terms),
+the MoE permutation and a random one, plans ``blocks`` and ``blocks:c=2``: against an fp64 oracle (the same
+semantics in float64, its all_to_all on NCCL too) with a bf16-fit tolerance, and against the unfused bf16 reference;
+``p`` bit-exact (it is moved, not computed). Outputs pre-poisoned (the caching allocator hands out blocks of a freed
+NaN tensor); the route counted (``combine:p2p``, ``route:moe_p2p``), so the test cannot pass on the reference. Also:
+an fp64 call falls back to the reference (``fallback:dtype``); a GEMM raising on rank 1 in the middle of a call
+reaches both ranks as an exception (its own on rank 1, ``PeerFailure`` on rank 0) and the next call is exact.
+
+    NCCL_NVLS_ENABLE=0 python3 -m pytest -q tests/test_gpu_moe.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import DistPool
+
+TIMEOUT_S = 150.0
+K, N, E = 256, 384, 4  # bf16 rows of 512 / 768 bytes: _grouped_mm's 16-byte stride rule holds
+SCALE = 37  # rows per unit of test_combine_op.split_counts (0 .. 222 rows per pair of ranks)
+TOL = 4 * torch.finfo(torch.bfloat16).eps  # normwise relative error of a bf16 GEMM output against fp64
+
+
+def _gpus() -> int:
+    try:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - any failure to probe means: skip
+        return 0
+
+
+two_gpus = pytest.mark.skipif(_gpus() < 2, reason="needs >= 2 CUDA GPUs")
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = DistPool(2, backend="nccl", timeout_s=TIMEOUT_S, env={"NCCL_NVLS_ENABLE": "0"})
+    yield p
+    p.close()
+
+
+# ------------------------------------------------------------------------------------------ helpers (all ranks)
+
+
+def routing(kind: str, seed: int, world: int, rank: int, blocked: str) -> dict:
+    """Split sizes (``ins``, ``outs``; some pairs empty, shared by construction), the expert rows' sizes and the
+    permutation between the expert rows and the ``blocked`` side (``"send"``: the combine's send buffer, ``"recv"``:
+    the dispatch's receive buffer), on the host."""
+    from test_combine_op import split_counts
+
+    counts = split_counts(seed, world, True) * SCALE
+    ins, outs = counts[rank].tolist(), counts[:, rank].tolist()
+    sizes_by_block = ins if blocked == "send" else outs
+    gen = torch.Generator().manual_seed(seed * 10 + rank)
+    rows = sum(sizes_by_block)
+    if kind == "moe":  # block-major rows (block, then expert); expert-major after the permutation
+        per = torch.stack([torch.multinomial(torch.ones(E), n, replacement=True, generator=gen).bincount(minlength=E)
+                           if n else torch.zeros(E, dtype=torch.int64) for n in sizes_by_block])
+        expert_of_row = torch.arange(E).repeat(world).repeat_interleave(per.flatten())
+        index, sizes = expert_of_row.argsort(stable=True), per.sum(0).tolist()
+    else:
+        index = torch.randperm(rows, generator=gen)
+        cuts = sorted(torch.randint(0, rows + 1, (E - 1,), generator=gen).tolist())
+        sizes = [b - a for a, b in zip([0, *cuts], [*cuts, rows], strict=True)]
+    return {"ins": ins, "outs": outs, "index": index, "sizes": sizes, "rows": rows}
+
+
+def weights(form: str, dev: torch.device, seed: int) -> list[torch.Tensor]:
+    """The experts' weights as the MoE graphs hold them (transposed Linear weights), bf16, the same on every rank."""
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    if form == "loop":
+        return [(torch.randn(N, K, generator=gen, device=dev) / K ** 0.5).bfloat16().t() for _ in range(E)]
+    terms = 2 if form == "grouped2" else 1
+    return [(torch.randn(E, N, K, generator=gen, device=dev) / K ** 0.5).bfloat16().transpose(-2, -1)
+            for _ in range(terms)]
+
+
+def _poison_allocator(dev: torch.device) -> None:
+    poison = torch.full((64 << 20,), float("nan"), device=dev)
+    del poison  # freed: the next outputs' blocks hold NaN
+
+
+def _err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    if bool(got.isnan().any()):
+        return float("nan")
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def combine_case(form: str, kind: str, seed: int, dev: torch.device) -> dict:
+    import torch.distributed as dist
+
+    r = routing(kind, seed, dist.get_world_size(), dist.get_rank(), "send")
+    gen = torch.Generator(device=dev).manual_seed(seed * 10 + dist.get_rank())
+    b = weights(form, dev, seed)
+    if form == "loop":
+        a, offs = [torch.randn(m, K, generator=gen, device=dev).bfloat16() for m in r["sizes"]], None
+    else:
+        a = [torch.randn(r["rows"], K, generator=gen, device=dev).bfloat16() for _ in b]
+        offs = torch.tensor(r["sizes"], device=dev).cumsum(0).to(torch.int32)
+    return dict(r, a=a, b=b, offs=offs, index=r["index"].to(dev))
+
+
+def combine_fp64(c: dict, group) -> torch.Tensor:
+    """The combine's semantics in float64 (its all_to_all on the group too)."""
+    import torch.distributed as dist
+
+    starts = [0, *torch.tensor(c["sizes"]).cumsum(0).tolist()]
+    y = torch.zeros(c["rows"], N, dtype=torch.float64, device=c["index"].device)
+    for e in range(E):
+        lo, hi = starts[e], starts[e + 1]
+        if c["offs"] is None:
+            y[lo:hi] = c["a"][e].double() @ c["b"][e].double()
+        else:
+            for x, w in zip(c["a"], c["b"], strict=True):
+                y[lo:hi] += x[lo:hi].double() @ w[e].double()
+    send = torch.zeros(sum(c["ins"]), N, dtype=torch.float64, device=y.device).index_put_((c["index"],), y)
+    out = torch.empty(sum(c["outs"]), N, dtype=torch.float64, device=y.device)
+    dist.all_to_all_single(out, send, c["outs"], c["ins"], group=group)
+    return out
+
+
+def dispatch_case(form: str, kind: str, seed: int, dev: torch.device) -> dict:
+    import torch.distributed as dist
+
+    r = routing(kind, seed, dist.get_world_size(), dist.get_rank(), "recv")
+    gen = torch.Generator(device=dev).manual_seed(seed * 10 + dist.get_rank())
+    x = torch.randn(sum(r["ins"]), K, generator=gen, device=dev).bfloat16()
+    b = weights(form, dev, seed)
+    offs = None if form == "loop" else torch.tensor(r["sizes"], device=dev).cumsum(0).to(torch.int32)
+    return dict(r, x=x, b=b, offs=offs, index=r["index"].to(dev), loop_sizes=r["sizes"] if form == "loop" else None)
+
+
+def dispatch_fp64(c: dict, group) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    recv = torch.empty(sum(c["outs"]), K, dtype=torch.float64, device=c["x"].device)
+    dist.all_to_all_single(recv, c["x"].double(), c["outs"], c["ins"], group=group)
+    p = recv[c["index"]]
+    starts = [0, *torch.tensor(c["sizes"]).cumsum(0).tolist()]
+    if c["offs"] is None:
+        return [p, *[p[starts[e]:starts[e + 1]] @ c["b"][e].double() for e in range(E)]]
+    ys = []
+    for w in c["b"]:
+        y = torch.zeros(p.shape[0], w.shape[-1], dtype=torch.float64, device=p.device)
+        for e in range(E):
+            y[starts[e]:starts[e + 1]] = p[starts[e]:starts[e + 1]] @ w[e].double()
+        ys.append(y)
+    return [p, *ys]
+
+
+def _combine(c: dict, g, plan: str) -> torch.Tensor:
+    return torch.ops.flashoverlap.gemm_unpermute_all_to_all(c["a"], c["b"], c["offs"], c["index"], False, c["outs"],
+                                                            c["ins"], g.group_name, plan)
+
+
+def _dispatch(c: dict, g, plan: str) -> list[torch.Tensor]:
+    return torch.ops.flashoverlap.all_to_all_permute_gemm(c["x"], c["index"], c["b"], c["loop_sizes"], c["offs"],
+                                                          c["outs"], c["ins"], g.group_name, plan)
+
+
+# ------------------------------------------------------------------------------------------ workers
+
+
+def ops_worker(forms: list[str], kinds: list[str], plans: list[str], seeds: list[int]) -> list[str]:
+    """Every case of both ops: what went wrong (nothing: [])."""
+    import torch.distributed as dist
+
+    from flashoverlap_inductor import routes
+    from flashoverlap_inductor.routes import combine as combine_route
+    from flashoverlap_inductor.routes import moe_dispatch as dispatch_route
+
+    g, dev = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device())
+    bad = []
+    for form in forms:
+        for kind in kinds:
+            for plan in plans:
+                for seed in seeds:
+                    where = f"{form} {kind} {plan} {seed}"
+                    c = combine_case(form, kind, seed, dev)
+                    want, ref = combine_fp64(c, g), combine_route.reference(
+                        c["a"], c["b"], c["offs"], c["index"], False, c["outs"], c["ins"], g)
+                    before = (routes.stats["combine:p2p"], routes.stats["route:moe_p2p"])
+                    _poison_allocator(dev)
+                    got = _combine(c, g, plan)
+                    torch.cuda.synchronize()
+                    if (routes.stats["combine:p2p"], routes.stats["route:moe_p2p"]) != (before[0] + 1, before[1] + 1):
+                        bad.append(f"combine {where}: not the P2P route: {dict(routes.stats)}")
+                    for name, err in (("fp64", _err(got, want)), ("reference", _err(got, ref))):
+                        if not err <= TOL:
+                            bad.append(f"combine {where}: rel err vs {name} {err:.3g}")
+                    d = dispatch_case(form, kind, seed, dev)
+                    want, ref = dispatch_fp64(d, g), dispatch_route.reference(
+                        d["x"], d["index"], d["b"], d["loop_sizes"], d["offs"], d["outs"], d["ins"], g)
+                    before = routes.stats["dispatch:p2p"]
+                    _poison_allocator(dev)
+                    got = _dispatch(d, g, plan)
+                    torch.cuda.synchronize()
+                    if routes.stats["dispatch:p2p"] != before + 1:
+                        bad.append(f"dispatch {where}: not the P2P route: {dict(routes.stats)}")
+                    if not torch.equal(got[0], ref[0]):
+                        bad.append(f"dispatch {where}: p differs from the reference's")
+                    for i, (y, w, r) in enumerate(zip(got[1:], want[1:], ref[1:], strict=True)):
+                        for name, err in (("fp64", _err(y, w)), ("reference", _err(y, r))):
+                            if not err <= TOL:
+                                bad.append(f"dispatch {where}: y{i} rel err vs {name} {err:.3g}")
+    return bad
+
+
+def fallback_worker() -> list[str]:
+    """An fp64 call (a dtype the route does not take) runs the reference, counted ``fallback:dtype``."""
+    import torch.distributed as dist
+
+    from flashoverlap_inductor import routes
+
+    g, dev = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device())
+    c = combine_case("loop", "moe", 9, dev)
+    c = dict(c, a=[x.double() for x in c["a"]], b=[w.double() for w in c["b"]])
+    before = routes.stats["fallback:dtype"]
+    got = _combine(c, g, "blocks")
+    bad = [] if routes.stats["fallback:dtype"] == before + 1 else [f"not counted: {dict(routes.stats)}"]
+    err = _err(got, combine_fp64(c, g))
+    return bad + ([] if err < 1e-12 else [f"fp64 fallback rel err {err:.3g}"])
+
+
+def fault_worker(op: str) -> list[str]:
+    """Rank 1's second unit GEMM raises in the first call; per call: "own", "peer" (naming rank 1) or "exact"."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from flashoverlap_inductor import errors
+    from flashoverlap_inductor.routes import combine as combine_route
+    from flashoverlap_inductor.routes import moe_dispatch as dispatch_route
+
+    g, dev, rank = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()), dist.get_rank()
+    owner, name = (combine_route.CombineUnits, "fill") if op == "combine" else (dispatch_route.DispatchUnits, "compute")
+    real, seen = getattr(owner, name), []
+
+    def flaky(self, unit, buf):
+        seen.append(unit)
+        if len(seen) == 2:
+            raise RuntimeError("injected GEMM fault")
+        return real(self, unit, buf)
+
+    c = combine_case("grouped", "moe", 5, dev) if op == "combine" else dispatch_case("grouped", "moe", 5, dev)
+    want = combine_fp64(c, g) if op == "combine" else dispatch_fp64(c, g)[1]
+    out = []
+    for i in range(2):
+        patch = mock.patch.object(owner, name, flaky) if i == 0 and rank == 1 else mock.patch.object(owner, name, real)
+        _poison_allocator(dev)
+        try:
+            with patch:
+                got = _combine(c, g, "blocks") if op == "combine" else _dispatch(c, g, "blocks")[1]
+            torch.cuda.synchronize()
+        except errors.PeerFailure as exc:
+            out.append("peer" if "rank 1 (" in str(exc) else f"peer, not naming rank 1: {exc}")
+            continue
+        except RuntimeError as exc:
+            out.append("own" if "injected" in str(exc) else f"other: {exc}")
+            continue
+        err = _err(got, want)
+        out.append("exact" if err <= TOL else f"WRONG: rel err {err:.3g}")
+    return out
+
+
+# ------------------------------------------------------------------------------------------ tests
+
+
+@two_gpus
+def test_both_ops_match_fp64_and_the_reference_on_uneven_splits(pool):
+    got = pool.run(ops_worker, ["loop", "grouped", "grouped2"], ["moe", "perm"], ["blocks", "blocks:c=2"], [1, 2])
+    assert got == [[], []]
+
+
+@two_gpus
+def test_an_unsupported_dtype_falls_back_to_the_reference(pool):
+    assert pool.run(fallback_worker) == [[], []]
+
+
+@two_gpus
+@pytest.mark.parametrize("op", ["combine", "dispatch"])
+def test_a_gemm_fault_on_one_rank_raises_on_every_rank_and_the_next_call_is_exact(pool, op):
+    assert pool.run(fault_worker, op) == [["peer", "exact"], ["own", "exact"]]
