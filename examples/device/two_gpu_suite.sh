@@ -10,7 +10,8 @@
 #    below) in the background meanwhile.
 # B: the CPU side in the background; a rerun of the GPU test files in FO_RERUN; the op benchmarks on 2 GPUs
 #    (examples/bench_gather.py and examples/bench_ops.py --fuse auto, a few shapes each: a check that they run, not
-#    the grid); the call timeline (python -m flashoverlap_inductor.bench timeline: one shape, both GEMM starts, a PNG
+#    the grid); examples/bench_moe.py (the MoE ops, step "moe"); the call timeline (python -m flashoverlap_inductor.bench
+#    timeline: one shape, both GEMM starts, a PNG
 #    each).
 # C: alone on the machine, a short e2e run (llama3-8b, 8 layers, sp plan, batch 1, seq 4096: train and prefill;
 #    Inductor, Inductor + async-TP, flashoverlap).
@@ -20,7 +21,7 @@
 # FO_E2E_PRESET, FO_E2E_LAYERS: the e2e model (default llama3-8b, 8 layers; e.g. qwen3-moe 4 with FO_E2E_PLAN=ep).
 # FO_FAULT_SPECS: the fault probes' argument lists, ';'-separated; FO_TIMELINE_ARGS: more timeline arguments (e.g.
 #   "--op reduce_scatter" or "--op all_reduce": the peer route's call timeline instead of the all_gather one, 1 PNG).
-# FO_SKIP: any of "build tests faults cpu coverage ops gather timeline e2e"; FO_BUDGET_S: the part's budget (default 570).
+# FO_SKIP: any of "build tests faults cpu coverage ops gather moe timeline e2e"; FO_BUDGET_S: the part's budget (default 570).
 set -uo pipefail
 START=$SECONDS
 PART=${FO_PART:-A}
@@ -100,6 +101,12 @@ elif [ "$PART" = B ]; then
     timeout "$(cap ${FO_GATHER_CAP_S:-120})" "${TORCHRUN[@]}" --nproc_per_node=2 "$REPO/examples/bench_gather.py" \
       --shapes "${FO_GATHER_SHAPES:-4096x6144x4096,16384x4096x4096}" --json /tmp/fo_probe/bench_gather.json >"$OUT/bench_gather.log" 2>&1
     echo "bench_gather rc=$?" | tee -a "$OUT/bench_gather.log"; tail -25 "$OUT/bench_gather.log"
+  fi
+  if [[ "$SKIP" != *" moe "* ]]; then  # the MoE ops' P2P route: examples/bench_moe.py (FO_MOE_ARGS: e.g. --shapes)
+    step "bench_moe"
+    timeout "$(cap 150)" "${TORCHRUN[@]}" --nproc_per_node=2 "$REPO/examples/bench_moe.py" ${FO_MOE_ARGS:-} \
+      --json /tmp/fo_probe/bench_moe.json >"$OUT/bench_moe.log" 2>&1
+    echo "bench_moe rc=$?" | tee -a "$OUT/bench_moe.log"; tail -20 "$OUT/bench_moe.log"
   fi
   if [[ "$SKIP" != *" timeline "* ]]; then
     step "timeline"
