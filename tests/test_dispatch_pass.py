@@ -138,6 +138,38 @@ def declined_worker() -> dict:
         return run.report()
 
 
+class OpenEndedPieces(nn.Module):
+    """A dispatch whose rows are data-dependent and whose last piece is ``p[h:]`` (a slice ending at INT64_MAX): the
+    op's piece sizes must come out as ``rows - h``, not ``INT64_MAX - h``."""
+
+    def __init__(self, k: int = 16, n: int = 24) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.w0 = nn.Parameter(torch.randn(k, n, generator=gen) / 4)
+        self.w1 = nn.Parameter(torch.randn(k, n, generator=gen) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = dist.group.WORLD.group_name
+        dest = (x[:, 0] > 0).long()
+        send = torch.bincount(dest, minlength=2)
+        ins, outs = send.tolist(), funcol.all_to_all_single(send, [1, 1], [1, 1], group).tolist()
+        for v in ins + outs:
+            torch._check(v >= 0)
+        recv = funcol.all_to_all_single(x[dest.argsort(stable=True)], outs, ins, group)
+        p = recv[torch.arange(recv.shape[0] - 1, -1, -1)]
+        torch._check(outs[0] <= p.shape[0])
+        return torch.cat([p[:outs[0]] @ self.w0, p[outs[0]:] @ self.w1])
+
+
+def open_ended_worker() -> dict:
+    model = OpenEndedPieces()
+    x = torch.randn(12, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
+    with _DispatchRun() as run, torch.no_grad(), torch._dynamo.config.patch(capture_scalar_outputs=True):
+        got = torch.compile(model, backend="flashoverlap", options={"flashoverlap.fuse": "always"})(x)
+        torch.testing.assert_close(got, model(x), **FP32)
+        return run.report()
+
+
 # ------------------------------------------------------------------------------------------ 2-process tests
 
 
@@ -187,3 +219,8 @@ def test_auto_declines_every_dispatch_on_every_rank(pool):
     got = pool.run(ep_model_worker, "tiny-moe", [2], "auto", timeout_s=600)
     assert got[0] == got[1], got
     assert got[0]["pass"] == {"skip:dispatch_auto": 2, "skip:combine_auto": 2} and got[0]["calls"] == 0, got
+
+
+def test_an_open_ended_last_piece_with_data_dependent_rows_fuses(pool):
+    for got in pool.run(open_ended_worker, timeout_s=300):
+        assert got["pass"] == {"fused:all_to_all_dispatch": 1} and got["calls"] == 1, got

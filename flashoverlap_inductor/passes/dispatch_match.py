@@ -86,6 +86,9 @@ class DispatchMatch:
             if is_static_int(val(piece).shape[0]):
                 out.append(int(val(piece).shape[0]))
                 continue
+            if is_static_int(val(end)) and int(val(end)) >= 2 ** 62:  # ``p[s:]``: INT64_MAX, clamped to p's rows
+                rows = val(self.perm).shape[0]  # p = recv[perm]: one row per index entry
+                end = int(rows) if is_static_int(rows) else build.call(SIZE_OP, (self.perm, 0))
             out.append(end if is_static_int(val(start)) and int(val(start)) == 0 else
                        build.call(operator.sub, (end, start)))
         return out
