@@ -292,3 +292,17 @@ def test_fake_shape():
         out = torch.ops.flashoverlap.gemm_unpermute_all_to_all(a, b, offs, mode.from_tensor(torch.arange(5)), False,
                                                                [4, 2], [3, 2], "0", "blocks")
     assert out.shape == (6, N) and out.is_contiguous()
+
+
+def test_cuda_calls_take_the_p2p_route_only_under_its_experiment():
+    """The MoE ops' P2P route on CUDA has not run on a GPU yet: it is the experiment ``moe_p2p_cuda`` (else the
+    unfused reference runs, ``fallback:experiment``); CPU calls (gloo) take it always."""
+    import types
+
+    from flashoverlap_inductor import config
+    from flashoverlap_inductor.routes import moe_p2p
+
+    assert "moe_p2p_cuda" in config.EXPERIMENTS
+    cuda_like = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda", index=0), dtype=torch.bfloat16)
+    assert moe_p2p.unsupported(cuda_like, None, 2, frozenset()).startswith("experiment:")
+    assert moe_p2p.unsupported(torch.zeros(2, 2), None, 2, frozenset()) is None

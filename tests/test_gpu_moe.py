@@ -150,14 +150,23 @@ def dispatch_fp64(c: dict, group) -> list[torch.Tensor]:
     return [p, *ys]
 
 
+def _p2p():
+    """The settings under which CUDA calls take the P2P route (an experiment until it is measured on GPUs)."""
+    from flashoverlap_inductor import config
+
+    return config.patch(experiments={"moe_p2p_cuda"})
+
+
 def _combine(c: dict, g, plan: str) -> torch.Tensor:
-    return torch.ops.flashoverlap.gemm_unpermute_all_to_all(c["a"], c["b"], c["offs"], c["index"], False, c["outs"],
-                                                            c["ins"], g.group_name, plan)
+    with _p2p():
+        return torch.ops.flashoverlap.gemm_unpermute_all_to_all(c["a"], c["b"], c["offs"], c["index"], False,
+                                                                c["outs"], c["ins"], g.group_name, plan)
 
 
 def _dispatch(c: dict, g, plan: str) -> list[torch.Tensor]:
-    return torch.ops.flashoverlap.all_to_all_permute_gemm(c["x"], c["index"], c["b"], c["loop_sizes"], c["offs"],
-                                                          c["outs"], c["ins"], g.group_name, plan)
+    with _p2p():
+        return torch.ops.flashoverlap.all_to_all_permute_gemm(c["x"], c["index"], c["b"], c["loop_sizes"], c["offs"],
+                                                              c["outs"], c["ins"], g.group_name, plan)
 
 
 # ------------------------------------------------------------------------------------------ workers

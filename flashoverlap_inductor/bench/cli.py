@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from flashoverlap_inductor import config
+
 from . import models, plans
 
 BACKENDS = ("eager", "inductor", "inductor+async-tp", "flashoverlap", "flashoverlap-ro", "inductor-ro", "bound")
@@ -83,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fuse", choices=("auto", "always", "never"), default="auto",
                    help="flashoverlap's fuse setting (auto: the cost model, fitted on H200s, decides; it fuses "
                         "nothing on CPU; always: for CPU correctness runs)")
+    g.add_argument("--experiments", type=_names(tuple(config.EXPERIMENTS)), default=[],
+                   help="flashoverlap's experiments setting, comma-separated (e.g. moe_p2p_cuda: the MoE ops' P2P "
+                        "route on CUDA): " + ", ".join(config.EXPERIMENTS))
     g.add_argument("--cache", choices=("fresh", "shared", "keep"), default="fresh",
                    help="fresh: an empty Inductor cache per backend and case (fair compile times); shared: one "
                         "empty cache for the whole run (later backends reuse compiled kernels: faster, compile times "

@@ -165,8 +165,10 @@ def unavailable(backend: str, case: Case, env: Env) -> str | None:
     return None
 
 
-def compile_for(backend: str, module: nn.Module, env: Env, fuse: str, capture: coverage.GraphCapture) -> Any:
-    """``module`` as ``backend`` runs it (``eager``: unchanged). ``dynamic=False``: one static graph per shape."""
+def compile_for(backend: str, module: nn.Module, env: Env, fuse: str, capture: coverage.GraphCapture,
+                experiments: tuple[str, ...] = ()) -> Any:
+    """``module`` as ``backend`` runs it (``eager``: unchanged). ``dynamic=False``: one static graph per shape.
+    ``fuse`` and ``experiments``: flashoverlap's settings of those names (fusing backends only)."""
     if backend == "eager":
         return module
     from torch._inductor import list_mode_options
@@ -189,6 +191,8 @@ def compile_for(backend: str, module: nn.Module, env: Env, fuse: str, capture: c
         options["post_grad_custom_pre_pass"] = NoCommPass()
     if backend in FUSING:
         options["flashoverlap.fuse"] = fuse
+        if experiments:
+            options["flashoverlap.experiments"] = frozenset(experiments)
         return torch.compile(module, backend=flashoverlap_backend(), options=options, dynamic=False)
     return torch.compile(module, backend="inductor", options=options, dynamic=False)
 
@@ -289,7 +293,7 @@ def run_backend(backend: str, case: Case, template: nn.Module, data: list, env: 
         with cache:
             if case.workload == "train":
                 model.train()
-                fn = compile_for(backend, TrainLoss(model), env, args.fuse, capture)
+                fn = compile_for(backend, TrainLoss(model), env, args.fuse, capture, tuple(args.experiments))
                 opt = make_optimizer(model, args.lr)
 
                 def step(i: int) -> torch.Tensor:
@@ -304,7 +308,7 @@ def run_backend(backend: str, case: Case, template: nn.Module, data: list, env: 
                 trace(args, case, backend, env, step)
             else:
                 model.eval()
-                fn = compile_for(backend, Prefill(model), env, args.fuse, capture)
+                fn = compile_for(backend, Prefill(model), env, args.fuse, capture, tuple(args.experiments))
 
                 def forward(i: int) -> None:  # the logits are dropped: a CUDA graph's output is overwritten
                     fn(data[i][0])

@@ -22,8 +22,9 @@ next unit while that transfer runs (on CUDA: on NCCL's stream, which waits for t
 comes last, by a local copy. Host syncs per call: one copy of the per-(unit, expert) row counts (cut on the device)
 and ``offs`` to the host, the failure exchange.
 **unfused**: ``reference`` (one GEMM, one ``index_put``, one ``all_to_all_single``): the tests' oracle and every call
-the P2P route does not take (``moe_p2p.unsupported``: a CUDA-graph capture, a dtype other than bf16/fp16/fp32, a
-non-NCCL group for CUDA tensors, ...), counted ``fallback:<reason>`` and logged once per reason.
+the P2P route does not take (``moe_p2p.unsupported``: CUDA without the experiment ``moe_p2p_cuda``, a CUDA-graph
+capture, a dtype other than bf16/fp16/fp32, a non-NCCL group for CUDA tensors, ...), counted ``fallback:<reason>``
+and logged once per reason.
 
 Failure contract (as ``routes/cpu.py``): every rank issues every ring step whatever happens; a rank whose routing
 data, GEMM or transfer raises fills its units not yet sent with NaN, and every call ends with the one-int failure
@@ -198,7 +199,7 @@ def dispatch(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | 
     """Run one call on its route (module docstring), under the settings it was compiled with."""
     parse_plan(plan, "combine")  # a bad plan raises on every rank alike, before any transfer
     settings = config.from_key(settings_key)
-    why = moe_p2p.unsupported(a[0], group, len(outs))
+    why = moe_p2p.unsupported(a[0], group, len(outs), settings.experiments)
     route = "p2p" if why is None else f"unfused ({why.split(':', 1)[0]})"
     capturing = a[0].is_cuda and compat.is_capturing()
     with config.using(settings), moe_p2p.lock("combine", group):

@@ -240,7 +240,7 @@ def dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes:
     """Run one call on its route (module docstring), under the settings it was compiled with."""
     parse_plan(plan, "dispatch")  # a bad plan raises on every rank alike, before any transfer
     settings = config.from_key(settings_key)
-    why = moe_p2p.unsupported(x, group, len(outs))
+    why = moe_p2p.unsupported(x, group, len(outs), settings.experiments)
     route = "p2p" if why is None else f"unfused ({why.split(':', 1)[0]})"
     capturing = x.is_cuda and compat.is_capturing()
     with config.using(settings), moe_p2p.lock("dispatch", group):
