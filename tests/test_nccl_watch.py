@@ -174,3 +174,38 @@ def test_the_route_watches_the_side_stream_not_the_callers(monkeypatch):
     assert recorded == ["the caller's stream", side]  # the start on the caller's stream, the end on the side
     assert [w[2:] for w in watched] == [(0.5, group, "dom", "all_reduce rows=256")]
     assert all(isinstance(e, FakeEvent) for e in watched[0][:2])
+
+
+def test_give_up_call_aborts_the_group_even_when_the_mark_fails(monkeypatch, caplog):
+    """The abort is what releases the stuck NCCL kernels: a mark that raises (no library, a launch error) is logged
+    and the group is aborted all the same."""
+    from flashoverlap_inductor import _inductor_compat as compat
+
+    aborted = []
+
+    def bad_mark(dom):
+        raise RuntimeError("no library")
+
+    monkeypatch.setattr(nccl_watch, "_mark", bad_mark)
+    monkeypatch.setattr(compat, "abort_group", aborted.append)
+    dom = types.SimpleNamespace(device=0)
+    nccl_watch.give_up_call(nccl_watch.Watched(None, Event(False), 1.0, "g9", dom, "stuck call"))
+    assert aborted == ["g9"]
+    assert "could not mark the fault of stuck call" in caplog.text
+
+
+def test_the_thread_binds_the_watched_calls_device(monkeypatch):
+    """The thread's current device is the one of the first watched call's ``done`` event (a CUDA call from a thread
+    with no device set would make a context on device 0); stand-in events without a device bind nothing."""
+    import torch
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "set_device", seen.append)
+    w = nccl_watch.Watchdog(give_up=lambda it: None)
+    assert not w._bind_device()  # nothing watched
+    w.items.append(nccl_watch.Watched(None, Event(False), 1.0, "g", None, "cpu stand-in"))
+    assert not w._bind_device() and seen == []
+    ev = Event(False)
+    ev.device = types.SimpleNamespace(index=1)
+    w.items.appendleft(nccl_watch.Watched(None, ev, 1.0, "g", None, "on cuda:1"))
+    assert w._bind_device() and seen == [1]

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -164,6 +165,8 @@ def run(argv: list[str] | None = None) -> int:
                 dist.all_gather_object(got, mine)
                 rows.append(got)
     if dist.get_rank() == 0:
+        if args.png:
+            os.makedirs(args.png, exist_ok=True)
         if rows:
             report(rows, args.png)
         if peer_rows:

@@ -88,7 +88,9 @@ def probe_shape(op: str, m: int, n: int, k: int, gate: str, args: argparse.Names
             return {**head, "declined": launch}
         launch.template.gate_in_kernel = int(gate == "epilogue")  # before the first call: its args copy the template
         for _ in range(args.warmup):
-            peer.ROUTE.execute(launch, ctx)
+            out = peer.ROUTE.execute(launch, ctx)
+            if isinstance(out, str):  # the route declined the call itself (the same on every rank)
+                return {**head, "declined": out}
         marks: dict[str, list[float]] = {}
         host: list[float] = []
         for _ in range(args.iters):
@@ -97,8 +99,10 @@ def probe_shape(op: str, m: int, n: int, k: int, gate: str, args: argparse.Names
             torch.cuda.synchronize()
             measure.spin(args.spin_ms)
             t0 = time.perf_counter()
-            peer.ROUTE.execute(launch, ctx)
+            out = peer.ROUTE.execute(launch, ctx)
             host.append((time.perf_counter() - t0) * 1e3)
+            if isinstance(out, str):  # declined before any mark: no timeline
+                return {**head, "declined": out}
             torch.cuda.synchronize()
             for name, ms in ctx.probe.times().items():
                 marks.setdefault(name, []).append(ms)

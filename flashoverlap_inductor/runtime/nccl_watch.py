@@ -28,8 +28,10 @@ Invariants:
   are dropped, not marked again: their kernels return aborted, and their last kernels still see the code, which
   the host clears only after a device sync (``FaultDomain.raise_fault``), so they are poisoned too; a second mark
   could land after that clear and poison a healthy later call.
-- The thread never raises: a failure of the mark or the abort is logged; the clock and the give-up action are
-  injectable (``Watchdog(clock=..., give_up=...)``) for the CPU tests.
+- The thread never raises: a failure of the mark or the abort is logged (the abort runs even when the mark
+  failed or did not run within ``MARK_WAIT_S``); its current device is the watched calls' (no context on device 0
+  of another rank's GPU); the clock and the give-up action are injectable (``Watchdog(clock=..., give_up=...)``)
+  for the CPU tests.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ log = logging.getLogger(__name__)
 GRACE_S = 1.0  # seconds added to twice the wait bound
 POLL_S = 0.02  # the thread's longest sleep while calls are in flight (s)
 CODE_WATCHDOG = 5  # the fault code of a call the watchdog gave up on (runtime/faults.py CODES)
+MARK_WAIT_S = 2.0  # the longest wait for the fault mark before the abort (s)
 
 
 @dataclass
@@ -128,13 +131,32 @@ class Watchdog:
         return any(g is group for g in self.aborted)
 
     def _run(self) -> None:
+        bound = False
         while True:
+            bound = bound or self._bind_device()
             wait = self.poll()
             with self.cond:
                 if wait is None and not self.items:
                     self.cond.wait()
                 else:
                     self.cond.wait(timeout=min(POLL_S, max(wait or 0.0, 0.001)))
+
+    def _bind_device(self) -> bool:
+        """Make this thread's current CUDA device the device of the watched calls (the first one's ``done``
+        event): a CUDA call from a thread whose device was never set creates a context on device 0, on every rank
+        of a host. True once bound (never for the CPU tests' stand-in events)."""
+        with self.cond:
+            event = self.items[0].done if self.items else None
+        index = getattr(getattr(event, "device", None), "index", None)
+        if not isinstance(index, int):
+            return False
+        try:
+            import torch
+
+            torch.cuda.set_device(index)
+        except Exception:  # noqa: BLE001 - only the context's placement is at stake
+            log.warning("flashoverlap: the NCCL watchdog could not set its thread's device to cuda:%d", index)
+        return True
 
     def pending(self) -> int:
         with self.cond:
@@ -149,22 +171,42 @@ def _done(event: Any) -> bool:
 
 
 def give_up_call(item: Watched) -> None:
-    """Mark the call's fault block (code 5, on a stream of the watchdog's own) and abort its group."""
-    import torch
-
+    """Mark the call's fault block (code 5, on a stream of the watchdog's own) and abort its group. The abort runs
+    whatever became of the mark: it is what makes the stuck NCCL kernels return."""
     from flashoverlap_inductor import _inductor_compat as compat
-    from flashoverlap_inductor.native import kernels
 
     dom = item.domain
     log.error("flashoverlap: an NCCL call did not finish within its bound (%s); poisoning it and aborting its "
               "process group %s", item.description, getattr(item.group, "group_name", "?"))
     if dom is not None:
-        with torch.cuda.device(dom.device):
-            stream = torch.cuda.Stream(dom.device)
-            kernels.check(kernels.library().fo_fault_mark(dom.block_ptr, CODE_WATCHDOG, 0, stream.cuda_stream),
-                          "fo_fault_mark")
-            stream.synchronize()  # the record is in the block before the aborted kernels let the call finish
+        try:
+            _mark(dom)
+        except Exception:  # noqa: BLE001 - the abort below must run: without it the peers' kernels never return
+            log.exception("flashoverlap: the NCCL watchdog could not mark the fault of %s; aborting its group anyway",
+                          item.description)
     compat.abort_group(item.group)
+
+
+def _mark(dom: Any) -> None:
+    """``fo_fault_mark`` into ``dom``'s block on a fresh stream of the watchdog's, waited for at most ``MARK_WAIT_S``:
+    the stream comes from torch's pool, which may hand out a stream that the stuck call blocks (a caller's pool
+    stream), and then the mark runs only after the abort (logged)."""
+    import torch
+
+    from flashoverlap_inductor.native import kernels
+
+    with torch.cuda.device(dom.device):
+        stream = torch.cuda.Stream(dom.device)
+        kernels.check(kernels.library().fo_fault_mark(dom.block_ptr, CODE_WATCHDOG, 0, stream.cuda_stream),
+                      "fo_fault_mark")
+        until = time.monotonic() + MARK_WAIT_S
+        while not stream.query():  # the record is in the block before the aborted kernels let the call finish
+            if time.monotonic() > until:
+                log.error("flashoverlap: the NCCL watchdog's fault mark did not run within %.1f s (its stream waits "
+                          "behind the stuck call); aborting without it: the call's output may not be poisoned",
+                          MARK_WAIT_S)
+                return
+            time.sleep(0.001)
 
 
 _watchdog: Watchdog | None = None
