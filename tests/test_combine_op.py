@@ -206,6 +206,15 @@ def test_grouped_forms_match_the_reference_in_bf16(pool):
     assert pool.run(op_worker, ["grouped", "grouped2"], kinds, "bfloat16", [1, 2, 3]) == [18, 18]
 
 
+def test_grouped_forms_without_a_grouped_mm_kernel_match_the_reference(pool):
+    """fp32 (and fp16): one mm per (expert run, term) from the host counts, not _grouped_mm, whose CUDA fallback for
+    these dtypes copies offs to the host on every call (``moe_p2p.grouped_kernel``)."""
+    from flashoverlap_inductor.routes import moe_p2p
+
+    assert moe_p2p.grouped_kernel(torch.bfloat16) and not moe_p2p.grouped_kernel(torch.float32)
+    assert pool.run(op_worker, ["grouped", "grouped2"], ["moe", "perm", "dup"], "float32", [1, 2]) == [12, 12]
+
+
 @pytest.mark.parametrize("plan", ["blocks:c=2", "blocks:c=3"])
 def test_chunked_plans_match_the_reference(pool, plan):
     """Each block in 2 or 3 chunks (some empty: blocks of fewer rows than chunks), one transfer per chunk."""

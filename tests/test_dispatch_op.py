@@ -208,6 +208,11 @@ def test_grouped_forms_match_the_reference_in_bf16(pool):
     assert pool.run(op_worker, ["grouped", "grouped2"], ["moe", "perm", "dup"], "bfloat16", [1, 2, 3]) == [18, 18]
 
 
+def test_grouped_forms_without_a_grouped_mm_kernel_match_the_reference(pool):
+    """fp32 (and fp16): one mm per (expert run, term) from the host counts, not _grouped_mm (``moe_p2p``)."""
+    assert pool.run(op_worker, ["grouped", "grouped2"], ["moe", "perm", "dup"], "float32", [1, 2]) == [12, 12]
+
+
 def test_three_ranks():
     """Three ranks: each arrival order starts at a different peer, splits uneven, one rank keeping none."""
     assert get_pool(3).run(op_worker, ["loop", "grouped"], ["moe", "dup"], "bfloat16", [1, 2]) == [8, 8, 8]

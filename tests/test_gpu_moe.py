@@ -2,7 +2,8 @@
 the combine (``flashoverlap::gemm_unpermute_all_to_all``) and the dispatch (``flashoverlap::all_to_all_permute_gemm``)
 in bf16 on random uneven splits (some pairs empty), loop and grouped forms (one and two ``torch._grouped_mm`` terms),
 the MoE permutation and a random one, plans ``blocks`` and ``blocks:c=2``: against an fp64 oracle (the same
-semantics in float64, its all_to_all on NCCL too) with a bf16-fit tolerance, and against the unfused bf16 reference;
+semantics in float64, its all_to_all on NCCL too) with a bf16-fit tolerance, and against the unfused bf16 reference
+(the grouped forms in fp16 and fp32 too, which run one mm per expert run and term instead of ``torch._grouped_mm``);
 ``p`` bit-exact (it is moved, not computed). Outputs pre-poisoned (the caching allocator hands out blocks of a freed
 NaN tensor); the route counted (``combine:p2p``, ``route:moe_p2p``), so the test cannot pass on the reference. Also:
 an fp64 call falls back to the reference (``fallback:dtype``); a GEMM raising on rank 1 in the middle of a call
@@ -21,6 +22,7 @@ TIMEOUT_S = 150.0
 K, N, E = 256, 384, 4  # bf16 rows of 512 / 768 bytes: _grouped_mm's 16-byte stride rule holds
 SCALE = 37  # rows per unit of test_combine_op.split_counts (0 .. 222 rows per pair of ranks)
 TOL = 4 * torch.finfo(torch.bfloat16).eps  # normwise relative error of a bf16 GEMM output against fp64
+TOLS = {torch.bfloat16: TOL, torch.float16: 4 * torch.finfo(torch.float16).eps, torch.float32: 1e-5}
 
 
 def _gpus() -> int:
@@ -34,10 +36,20 @@ two_gpus = pytest.mark.skipif(_gpus() < 2, reason="needs >= 2 CUDA GPUs")
 
 
 @pytest.fixture(scope="module")
-def pool():
-    p = DistPool(2, backend="nccl", timeout_s=TIMEOUT_S, env={"NCCL_NVLS_ENABLE": "0"})
-    yield p
-    p.close()
+def _pools():
+    held: list[DistPool] = []
+    yield held
+    for p in held:
+        p.close()
+
+
+@pytest.fixture
+def pool(_pools):
+    """The module's NCCL ranks, started again after a test whose worker raised or timed out (``DistPool`` closes
+    itself then), so that one failure does not fail every test after it."""
+    if not _pools or not _pools[-1].alive:
+        _pools.append(DistPool(2, backend="nccl", timeout_s=TIMEOUT_S, env={"NCCL_NVLS_ENABLE": "0"}))
+    return _pools[-1]
 
 
 # ------------------------------------------------------------------------------------------ helpers (all ranks)
@@ -66,19 +78,23 @@ def routing(kind: str, seed: int, world: int, rank: int, blocked: str) -> dict:
     return {"ins": ins, "outs": outs, "index": index, "sizes": sizes, "rows": rows}
 
 
-def weights(form: str, dev: torch.device, seed: int) -> list[torch.Tensor]:
-    """The experts' weights as the MoE graphs hold them (transposed Linear weights), bf16, the same on every rank."""
+def weights(form: str, dev: torch.device, seed: int, dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
+    """The experts' weights as the MoE graphs hold them (transposed Linear weights), in ``dtype``, the same on every
+    rank."""
     gen = torch.Generator(device=dev).manual_seed(seed)
     if form == "loop":
-        return [(torch.randn(N, K, generator=gen, device=dev) / K ** 0.5).bfloat16().t() for _ in range(E)]
+        return [(torch.randn(N, K, generator=gen, device=dev) / K ** 0.5).to(dtype).t() for _ in range(E)]
     terms = 2 if form == "grouped2" else 1
-    return [(torch.randn(E, N, K, generator=gen, device=dev) / K ** 0.5).bfloat16().transpose(-2, -1)
+    return [(torch.randn(E, N, K, generator=gen, device=dev) / K ** 0.5).to(dtype).transpose(-2, -1)
             for _ in range(terms)]
 
 
 def _poison_allocator(dev: torch.device) -> None:
-    poison = torch.full((64 << 20,), float("nan"), device=dev)
-    del poison  # freed: the next outputs' blocks hold NaN
+    # freed: the next outputs' blocks hold NaN. Both pools of the caching allocator: blocks of at most 1 MiB (every
+    # output of these cases) come from the small pool's 2 MiB segments, which the large tensor never touches.
+    poison = [torch.full((64 << 20,), float("nan"), device=dev),
+              *(torch.full((1 << 18,), float("nan"), device=dev) for _ in range(64))]
+    del poison
 
 
 def _err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -88,16 +104,16 @@ def _err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
-def combine_case(form: str, kind: str, seed: int, dev: torch.device) -> dict:
+def combine_case(form: str, kind: str, seed: int, dev: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
     import torch.distributed as dist
 
     r = routing(kind, seed, dist.get_world_size(), dist.get_rank(), "send")
     gen = torch.Generator(device=dev).manual_seed(seed * 10 + dist.get_rank())
-    b = weights(form, dev, seed)
+    b = weights(form, dev, seed, dtype)
     if form == "loop":
-        a, offs = [torch.randn(m, K, generator=gen, device=dev).bfloat16() for m in r["sizes"]], None
+        a, offs = [torch.randn(m, K, generator=gen, device=dev).to(dtype) for m in r["sizes"]], None
     else:
-        a = [torch.randn(r["rows"], K, generator=gen, device=dev).bfloat16() for _ in b]
+        a = [torch.randn(r["rows"], K, generator=gen, device=dev).to(dtype) for _ in b]
         offs = torch.tensor(r["sizes"], device=dev).cumsum(0).to(torch.int32)
     return dict(r, a=a, b=b, offs=offs, index=r["index"].to(dev))
 
@@ -121,13 +137,13 @@ def combine_fp64(c: dict, group) -> torch.Tensor:
     return out
 
 
-def dispatch_case(form: str, kind: str, seed: int, dev: torch.device) -> dict:
+def dispatch_case(form: str, kind: str, seed: int, dev: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
     import torch.distributed as dist
 
     r = routing(kind, seed, dist.get_world_size(), dist.get_rank(), "recv")
     gen = torch.Generator(device=dev).manual_seed(seed * 10 + dist.get_rank())
-    x = torch.randn(sum(r["ins"]), K, generator=gen, device=dev).bfloat16()
-    b = weights(form, dev, seed)
+    x = torch.randn(sum(r["ins"]), K, generator=gen, device=dev).to(dtype)
+    b = weights(form, dev, seed, dtype)
     offs = None if form == "loop" else torch.tensor(r["sizes"], device=dev).cumsum(0).to(torch.int32)
     return dict(r, x=x, b=b, offs=offs, index=r["index"].to(dev), loop_sizes=r["sizes"] if form == "loop" else None)
 
@@ -172,48 +188,68 @@ def _dispatch(c: dict, g, plan: str) -> list[torch.Tensor]:
 # ------------------------------------------------------------------------------------------ workers
 
 
-def ops_worker(forms: list[str], kinds: list[str], plans: list[str], seeds: list[int]) -> list[str]:
-    """Every case of both ops: what went wrong (nothing: [])."""
+def _check_combine(form: str, kind: str, plan: str, seed: int, dtype: torch.dtype, dev: torch.device,
+                   where: str) -> list[str]:
     import torch.distributed as dist
 
     from flashoverlap_inductor import routes
     from flashoverlap_inductor.routes import combine as combine_route
+
+    g, tol, bad = dist.group.WORLD, TOLS[dtype], []
+    c = combine_case(form, kind, seed, dev, dtype)
+    want, ref = combine_fp64(c, g), combine_route.reference(
+        c["a"], c["b"], c["offs"], c["index"], False, c["outs"], c["ins"], g)
+    before = (routes.stats["combine:p2p"], routes.stats["route:moe_p2p"])
+    _poison_allocator(dev)
+    got = _combine(c, g, plan)
+    torch.cuda.synchronize()
+    if (routes.stats["combine:p2p"], routes.stats["route:moe_p2p"]) != (before[0] + 1, before[1] + 1):
+        bad.append(f"combine {where}: not the P2P route: {dict(routes.stats)}")
+    for name, err in (("fp64", _err(got, want)), ("reference", _err(got, ref))):
+        if not err <= tol:
+            bad.append(f"combine {where}: rel err vs {name} {err:.3g}")
+    return bad
+
+
+def _check_dispatch(form: str, kind: str, plan: str, seed: int, dtype: torch.dtype, dev: torch.device,
+                    where: str) -> list[str]:
+    import torch.distributed as dist
+
+    from flashoverlap_inductor import routes
     from flashoverlap_inductor.routes import moe_dispatch as dispatch_route
 
-    g, dev = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device())
+    g, tol, bad = dist.group.WORLD, TOLS[dtype], []
+    d = dispatch_case(form, kind, seed, dev, dtype)
+    want, ref = dispatch_fp64(d, g), dispatch_route.reference(
+        d["x"], d["index"], d["b"], d["loop_sizes"], d["offs"], d["outs"], d["ins"], g)
+    before = routes.stats["dispatch:p2p"]
+    _poison_allocator(dev)
+    got = _dispatch(d, g, plan)
+    torch.cuda.synchronize()
+    if routes.stats["dispatch:p2p"] != before + 1:
+        bad.append(f"dispatch {where}: not the P2P route: {dict(routes.stats)}")
+    if not torch.equal(got[0], ref[0]):
+        bad.append(f"dispatch {where}: p differs from the reference's")
+    for i, (y, w, r) in enumerate(zip(got[1:], want[1:], ref[1:], strict=True)):
+        for name, err in (("fp64", _err(y, w)), ("reference", _err(y, r))):
+            if not err <= tol:
+                bad.append(f"dispatch {where}: y{i} rel err vs {name} {err:.3g}")
+    return bad
+
+
+def ops_worker(forms: list[str], kinds: list[str], plans: list[str], seeds: list[int],
+               dtype_name: str = "bfloat16") -> list[str]:
+    """Every case of both ops in ``dtype_name``: what went wrong (nothing: []). An exception ends the worker (a rank
+    that went on could wait in NCCL for a peer that raised alone, until the group's timeout)."""
+    dev, dtype = torch.device("cuda", torch.cuda.current_device()), getattr(torch, dtype_name)
     bad = []
     for form in forms:
         for kind in kinds:
             for plan in plans:
                 for seed in seeds:
-                    where = f"{form} {kind} {plan} {seed}"
-                    c = combine_case(form, kind, seed, dev)
-                    want, ref = combine_fp64(c, g), combine_route.reference(
-                        c["a"], c["b"], c["offs"], c["index"], False, c["outs"], c["ins"], g)
-                    before = (routes.stats["combine:p2p"], routes.stats["route:moe_p2p"])
-                    _poison_allocator(dev)
-                    got = _combine(c, g, plan)
-                    torch.cuda.synchronize()
-                    if (routes.stats["combine:p2p"], routes.stats["route:moe_p2p"]) != (before[0] + 1, before[1] + 1):
-                        bad.append(f"combine {where}: not the P2P route: {dict(routes.stats)}")
-                    for name, err in (("fp64", _err(got, want)), ("reference", _err(got, ref))):
-                        if not err <= TOL:
-                            bad.append(f"combine {where}: rel err vs {name} {err:.3g}")
-                    d = dispatch_case(form, kind, seed, dev)
-                    want, ref = dispatch_fp64(d, g), dispatch_route.reference(
-                        d["x"], d["index"], d["b"], d["loop_sizes"], d["offs"], d["outs"], d["ins"], g)
-                    before = routes.stats["dispatch:p2p"]
-                    _poison_allocator(dev)
-                    got = _dispatch(d, g, plan)
-                    torch.cuda.synchronize()
-                    if routes.stats["dispatch:p2p"] != before + 1:
-                        bad.append(f"dispatch {where}: not the P2P route: {dict(routes.stats)}")
-                    if not torch.equal(got[0], ref[0]):
-                        bad.append(f"dispatch {where}: p differs from the reference's")
-                    for i, (y, w, r) in enumerate(zip(got[1:], want[1:], ref[1:], strict=True)):
-                        for name, err in (("fp64", _err(y, w)), ("reference", _err(y, r))):
-                            if not err <= TOL:
-                                bad.append(f"dispatch {where}: y{i} rel err vs {name} {err:.3g}")
+                    where = f"{dtype_name} {form} {kind} {plan} {seed}"
+                    bad += _check_combine(form, kind, plan, seed, dtype, dev, where)
+                    bad += _check_dispatch(form, kind, plan, seed, dtype, dev, where)
     return bad
 
 
@@ -280,6 +316,15 @@ def fault_worker(op: str) -> list[str]:
 @two_gpus
 def test_both_ops_match_fp64_and_the_reference_on_uneven_splits(pool):
     got = pool.run(ops_worker, ["loop", "grouped", "grouped2"], ["moe", "perm"], ["blocks", "blocks:c=2"], [1, 2])
+    assert got == [[], []]
+
+
+@two_gpus
+@pytest.mark.parametrize("dtype_name", ["float16", "float32"])
+def test_grouped_forms_in_fp16_and_fp32_take_the_route_without_grouped_mm(pool, dtype_name):
+    """fp16 / fp32: the grouped form runs one mm per expert run and term (``moe_p2p.grouped_kernel``: torch's CUDA
+    _grouped_mm has no fp16 / fp32 kernel and its fallback syncs the host per call)."""
+    got = pool.run(ops_worker, ["grouped", "grouped2"], ["moe", "perm"], ["blocks:c=2"], [1], dtype_name)
     assert got == [[], []]
 
 

@@ -16,11 +16,12 @@ Routes. **p2p** (``run_p2p``; geometry in ``schedule/combine.py``, shared pieces
 buffer is cut into units (block j: the rows for rank j; ``plan`` ``"blocks:c=N"`` cuts each block into N chunks).
 Per ring step ``s = 1 .. W - 1`` (destination ``(r + s) % W``, source ``(r - s) % W``) and chunk, the rank computes
 the unit's rows alone (grouped form: the unit's rows of ``a`` gathered in expert order, one ``torch._grouped_mm``
-per term over them; loop form: one ``mm`` per expert run into a unit buffer), writes them to their un-permuted
-places (``index_put_``), then issues the step's send and receive in one ``batch_isend_irecv`` and goes on to the
-next unit while that transfer runs (on CUDA: on NCCL's stream, which waits for this unit's GEMM only). Its own block
-comes last, by a local copy. Host syncs per call: one copy of the per-(unit, expert) row counts (cut on the device)
-and ``offs`` to the host, the failure exchange.
+per term over them in bf16, one ``mm`` per expert run and term in fp16 / fp32, whose ``_grouped_mm`` would sync the
+host on CUDA, ``moe_p2p.grouped_kernel``; loop form: one ``mm`` per expert run into a unit buffer), writes them to
+their un-permuted places (``index_put_``), then issues the step's send and receive in one ``batch_isend_irecv`` and
+goes on to the next unit while that transfer runs (on CUDA: on NCCL's stream, which waits for this unit's GEMM only).
+Its own block comes last, by a local copy. Host syncs per call: one copy of the per-(unit, expert) row counts (cut
+on the device) and ``offs`` to the host, the failure exchange.
 **unfused**: ``reference`` (one GEMM, one ``index_put``, one ``all_to_all_single``): the tests' oracle and every call
 the P2P route does not take (``moe_p2p.unsupported``: CUDA without the experiment ``moe_p2p_cuda``, a CUDA-graph
 capture, a dtype other than bf16/fp16/fp32, a non-NCCL group for CUDA tensors, ...), counted ``fallback:<reason>``
@@ -115,7 +116,8 @@ class CombineUnits:
         self.gemm = ExpertGemm(a, b, offs, offs_host)  # checks the offsets (host copy)
         self.accumulate = accumulate
         self.values = self.gemm.whole() if broadcast else None
-        self.offs = self.plan.expert_offsets() if offs is not None and not broadcast else None
+        grouped = offs is not None and not broadcast and moe_p2p.grouped_kernel(a[0].dtype)
+        self.offs = self.plan.expert_offsets() if grouped else None  # else one mm per (expert run, term)
         self.experts = len(self.gemm.ends)
 
     def fill(self, u: int, send: torch.Tensor) -> None:
@@ -131,13 +133,19 @@ class CombineUnits:
             for x, w in zip(gemm.a, gemm.b, strict=True):
                 t = torch._grouped_mm(x.index_select(0, rows), w, offs=self.offs[u, :self.experts])
                 y = t if y is None else y.add_(t)
-        else:
+        else:  # the loop form, or the grouped form without a _grouped_mm kernel (moe_p2p.grouped_kernel)
             y = send.new_empty(hi - lo, gemm.n)
             for g, pos, count, row0 in self.plan.segments(u):
-                base = gemm.starts[g]
-                rows = gemm.a[g][row0 - base:row0 - base + count] if row0 is not None else \
-                    gemm.a[g].index_select(0, self.plan.order[pos:pos + count] - base)
-                torch.mm(rows, gemm.b[g], out=y[pos - lo:pos - lo + count])
+                out = y[pos - lo:pos - lo + count]
+                terms = [(gemm.a[g], gemm.b[g], gemm.starts[g])] if gemm.offs is None else \
+                    [(x, w[g], 0) for x, w in zip(gemm.a, gemm.b, strict=True)]
+                for i, (x, w, base) in enumerate(terms):
+                    rows = x[row0 - base:row0 - base + count] if row0 is not None else \
+                        x.index_select(0, self.plan.order[pos:pos + count] - base)
+                    if i == 0:
+                        torch.mm(rows, w, out=out)
+                    else:  # the grouped terms summed as the graph rounds them
+                        out.add_(torch.mm(rows, w))
         send.index_put_((self.plan.target[lo:hi],), y, self.accumulate)
 
 

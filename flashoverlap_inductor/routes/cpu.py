@@ -152,7 +152,8 @@ def _settle(failure: BaseException | None, collective: str, y_shape: list[int], 
         if failure is not None:
             raise failure
         return
-    flag = torch.tensor([0 if failure is None else group.rank() + 1], dtype=torch.int64, device=buf.device)
+    # a fill, not torch.tensor(..., device=cuda): that copies from pageable memory, which syncs the host
+    flag = torch.full((1,), 0 if failure is None else group.rank() + 1, dtype=torch.int64, device=buf.device)
     what = f"{collective} of a {list(y_shape)} GEMM output ({buf.shape[0]} x {buf.shape[1]} buffer rows, plan {plan!r})"
     lost: Exception | None = None
     try:

@@ -18,7 +18,8 @@ chunks). ``x`` needs no compute, so the rank first issues every ring step's batc
 ``(r + s) % W`` of ``x``, receive block ``(r - s) % W``, one ``batch_isend_irecv`` per chunk, the same order on every
 rank); then copies its own block locally and runs its GEMMs; then per step waits for that step's transfers only and
 runs the GEMMs of the unit that landed: its rows of ``p`` gathered from the receive buffer (``index`` restricted to
-the unit), one ``torch._grouped_mm`` per term over them (grouped form) or one ``mm`` per expert run (loop form),
+the unit), one ``torch._grouped_mm`` per term over them (grouped form in bf16; in fp16 / fp32 one ``mm`` per expert
+run and term, ``moe_p2p.grouped_kernel``) or one ``mm`` per expert run (loop form),
 scattered into ``p`` and ``y``. All batches go out before any GEMM is enqueued: on CUDA NCCL's stream waits for the
 caller's stream at each issue, so a batch issued after a GEMM would wait for it. Host syncs per call: one copy of
 the per-(unit, expert) row counts (cut on the device) and ``offs`` to the host (after the transfers were issued), the
@@ -146,7 +147,8 @@ class DispatchUnits:
         self.p = x.new_empty(rows, x.shape[1])
         self.y = self.gemms.outputs(x)
         self.experts = len(self.gemms.ends)
-        self.offs = None if offs is None else self.plan.expert_offsets()
+        grouped = offs is not None and moe_p2p.grouped_kernel(x.dtype)
+        self.offs = self.plan.expert_offsets() if grouped else None  # else one mm per (expert run, term)
 
     def compute(self, v: int, recv: torch.Tensor) -> None:
         lo, hi = self.plan.starts[v], self.plan.starts[v + 1]
@@ -162,12 +164,16 @@ class DispatchUnits:
                     out.index_copy_(0, rows[:grouped], torch._grouped_mm(a[:grouped], w,
                                                                          offs=self.offs[v, :self.experts]))
             return
+        # the loop form, or the grouped form without a _grouped_mm kernel (moe_p2p.grouped_kernel)
         for g, pos, count, row0 in self.plan.segments(v):
-            piece, out, base = a[pos - lo:pos - lo + count], self.y[g], self.gemms.starts[g]
-            if row0 is not None:
-                torch.mm(piece, self.gemms.b[g], out=out[row0 - base:row0 - base + count])
-            else:
-                out.index_copy_(0, self.plan.order[pos:pos + count] - base, torch.mm(piece, self.gemms.b[g]))
+            piece = a[pos - lo:pos - lo + count]
+            targets = [(self.y[g], self.gemms.b[g], self.gemms.starts[g])] if self.gemms.offs is None else \
+                [(out, w[g], 0) for out, w in zip(self.y, self.gemms.b, strict=True)]
+            for out, w, base in targets:
+                if row0 is not None:
+                    torch.mm(piece, w, out=out[row0 - base:row0 - base + count])
+                else:
+                    out.index_copy_(0, self.plan.order[pos:pos + count] - base, torch.mm(piece, w))
 
 
 def run_p2p(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes: list[int] | None,

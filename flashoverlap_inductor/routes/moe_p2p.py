@@ -31,6 +31,15 @@ _locks: dict[tuple[str, int], threading.RLock] = {}
 _locks_lock = threading.Lock()
 
 
+def grouped_kernel(dtype: torch.dtype) -> bool:
+    """Whether the grouped form's units run ``torch._grouped_mm`` (bf16), else one ``mm`` per (expert run, term)
+    from the plan's host counts. On CUDA (torch 2.10 / 2.11) ``_grouped_mm`` has a device-side kernel for bf16 only
+    (sm90 / sm100); fp16 and fp32 take its fallback, which copies ``offs`` to the host (a host sync) on every call:
+    once per unit and term here, against the route's one routing sync per call. The same choice on every device,
+    so that the CPU tests run both."""
+    return dtype == torch.bfloat16
+
+
 def unsupported(x: torch.Tensor, group: dist.ProcessGroup, world: int, experiments: frozenset[str]) -> str | None:
     """Why the P2P route cannot take a call whose tensors are like ``x`` over ``group`` with ``world`` split sizes
     (``"slug: detail"``), or None. CPU tensors always go (gloo); CUDA ones only under the experiment
