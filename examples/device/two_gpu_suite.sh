@@ -18,6 +18,7 @@
 # $OUT (8 files at most): A: build.log gpu_tests.log faults.log cpu_tests.log coverage.log gpus.txt install.log;
 #   B: gpu_tests.log cpu_tests.log coverage.log bench_ops.log bench_gather.log e2e.log e2e.json (+ the benchmarks'
 #   JSON, which do not all come back).
+# FO_WORLD: GPUs of bench_ops / bench_gather / bench_moe / e2e (default 2; 4 on an nvidia-h200-x4 or h100-x4).
 # FO_E2E_PRESET, FO_E2E_LAYERS: the e2e model (default llama3-8b, 8 layers; e.g. qwen3-moe 4 with FO_E2E_PLAN=ep).
 # FO_FAULT_SPECS: the fault probes' argument lists, ';'-separated; FO_TIMELINE_ARGS: more timeline arguments (e.g.
 #   "--op reduce_scatter" or "--op all_reduce": the peer route's call timeline instead of the all_gather one, 1 PNG).
@@ -25,6 +26,7 @@
 set -uo pipefail
 START=$SECONDS
 PART=${FO_PART:-A}
+WORLD=${FO_WORLD:-2}  # ranks (one per GPU) of the benchmarks and the e2e run; the timeline stays at 2 (peer route)
 SKIP=" ${FO_SKIP:-} "
 OUT=${OUT:-/tmp/fo_out}; mkdir -p "$OUT" /tmp/fo_probe
 if [ "$PART" = A ] && [[ "$SKIP" != *" build "* ]] || [ ! -f build/libflashoverlap_sm90.so ]; then
@@ -92,19 +94,19 @@ elif [ "$PART" = B ]; then
   fi
   if [[ "$SKIP" != *" ops "* ]]; then
     step "bench_ops"
-    timeout "$(cap 120)" "${TORCHRUN[@]}" --nproc_per_node=2 "$REPO/examples/bench_ops.py" --fuse auto \
+    timeout "$(cap 120)" "${TORCHRUN[@]}" --nproc_per_node="$WORLD" "$REPO/examples/bench_ops.py" --fuse auto \
       --shapes "${FO_OPS_SHAPES:-4096x4096x4096,16384x4096x4096}" --time-budget-s 60 --json /tmp/fo_probe/bench_ops.json >"$OUT/bench_ops.log" 2>&1
     echo "bench_ops rc=$?" | tee -a "$OUT/bench_ops.log"; tail -25 "$OUT/bench_ops.log"
   fi
   if [[ "$SKIP" != *" gather "* ]]; then
     step "bench_gather"
-    timeout "$(cap ${FO_GATHER_CAP_S:-120})" "${TORCHRUN[@]}" --nproc_per_node=2 "$REPO/examples/bench_gather.py" \
+    timeout "$(cap ${FO_GATHER_CAP_S:-120})" "${TORCHRUN[@]}" --nproc_per_node="$WORLD" "$REPO/examples/bench_gather.py" \
       --shapes "${FO_GATHER_SHAPES:-4096x6144x4096,16384x4096x4096}" --json /tmp/fo_probe/bench_gather.json >"$OUT/bench_gather.log" 2>&1
     echo "bench_gather rc=$?" | tee -a "$OUT/bench_gather.log"; tail -25 "$OUT/bench_gather.log"
   fi
   if [[ "$SKIP" != *" moe "* ]]; then  # the MoE ops' P2P route: examples/bench_moe.py (FO_MOE_ARGS: e.g. --shapes)
     step "bench_moe"
-    timeout "$(cap 150)" "${TORCHRUN[@]}" --nproc_per_node=2 "$REPO/examples/bench_moe.py" ${FO_MOE_ARGS:-} \
+    timeout "$(cap 150)" "${TORCHRUN[@]}" --nproc_per_node="$WORLD" "$REPO/examples/bench_moe.py" ${FO_MOE_ARGS:-} \
       --json /tmp/fo_probe/bench_moe.json >"$OUT/bench_moe.log" 2>&1
     echo "bench_moe rc=$?" | tee -a "$OUT/bench_moe.log"; tail -20 "$OUT/bench_moe.log"
   fi
@@ -123,7 +125,7 @@ fi
 if [ "$PART" = C ]; then
   if [[ "$SKIP" != *" e2e "* ]]; then
     step "e2e"
-    timeout "$(cap 540)" "${TORCHRUN[@]}" --nproc_per_node=2 -m flashoverlap_inductor.bench e2e --preset "${FO_E2E_PRESET:-llama3-8b}" \
+    timeout "$(cap 540)" "${TORCHRUN[@]}" --nproc_per_node="$WORLD" -m flashoverlap_inductor.bench e2e --preset "${FO_E2E_PRESET:-llama3-8b}" \
       --layers "${FO_E2E_LAYERS:-8}" --plan "${FO_E2E_PLAN:-sp}" --workload "${FO_E2E_WORKLOAD:-train,prefill}" --seq "${FO_E2E_SEQ:-4096}" --batch 1 --steps 5 --warmup 2 \
       --backends "${FO_E2E_BACKENDS:-inductor,inductor+async-tp,flashoverlap,bound}" ${FO_E2E_ARGS:-} --quiet --json "$OUT/e2e.json" >"$OUT/e2e.log" 2>&1
     echo "e2e rc=$?" | tee -a "$OUT/e2e.log"; tail -40 "$OUT/e2e.log"
