@@ -6,14 +6,15 @@ Flow per candidate (each ``wait_tensor`` of an ``all_to_all_single`` whose input
     find    (``combine_match.match_combine``)  the structure: GEMM(s) -> [cat | add] -> index_put -> all_to_all
     check   (``check``)   users, GEMM form, buffer, index, dtypes, sizes, group; every skip under a
                           ``report.SKIP_REASONS`` slug (``combine_*`` and the shared ones)
-    decide  (``decide``)  the fuse mode
-    fuse    (``fuse_combines``)  emit the op before the all_to_all; the match hands its users over and erases itself
+    decide  (``moe_pass.decide``)  the fuse mode
+    fuse    (``fuse_combines``, ``moe_pass.fuse_each``)  emit the op before the all_to_all; the match hands its users
+                                                       over and erases itself
 
 Rank agreement. A rank never fuses where another does not: every condition above reads only the graph's structure,
 dtypes, the weights' sizes (N, K, experts) and the settings, which every rank shares (the rows and split sizes, which
 are per rank, are never read), and the fuse mode decides alone: ``always`` fuses every match; ``auto`` declines every
-match (``skip:combine_auto``): no GPU route runs the fused combine yet, so fusing could not pay, and a verdict from
-this rank's rows could differ between ranks. The graphs' manifests (``passes/manifest.py``) list the op with its rows
+match (``skip:combine_auto``): no GPU route of the fused combine has been measured yet, and a verdict from this
+rank's rows could differ between ranks. The graphs' manifests (``passes/manifest.py``) list the op with its rows
 "per rank".
 
 Invariants of a rewrite: the wait's users see a tensor of the wait's shape and dtype; every size query of a removed
@@ -23,27 +24,20 @@ node reads an equal size of a node that stays; no raw SymInt enters a node argum
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 from torch.fx import Node
 
-from flashoverlap_inductor import _inductor_compat as compat
 from flashoverlap_inductor import config
 
 from .combine_match import SIZE_OP, CombineMatch, match_combine
 from .fx_forms import known_eq, node_arg, val
-from .report import record_fused, record_skip
+from .moe_pass import fuse_each, group_of, grouped_gemm_problem, skip
+from .report import record_fused
 from .rewrite import _Builder
 
 aten = torch.ops.aten
 FUSED_OP = torch.ops.flashoverlap.gemm_unpermute_all_to_all.default
-PLAN = "blocks"  # per destination rank: that rank's rows of every expert, then its transfer (``schedule.combine``)
-
-
-def _skip(slug: str, msg: str, *args: Any, level: int = logging.INFO) -> None:
-    record_skip(slug, msg, *args, level=level)
-    return None
 
 
 def check(m: CombineMatch, settings: config.Settings) -> str | None:
@@ -51,50 +45,43 @@ def check(m: CombineMatch, settings: config.Settings) -> str | None:
     fails."""
     desc = m.describe()
     if "all_to_all" not in settings.collectives:
-        return _skip("collective_disabled", "%s: all_to_all not in config.collectives %s", desc, settings.collectives)
+        return skip("collective_disabled", "%s: all_to_all not in config.collectives %s", desc, settings.collectives)
     for node, allowed in m.steps():
         extra = [u.name for u in node.users if u not in allowed and u.target is not SIZE_OP]
         if extra or not any(u in allowed for u in node.users):
-            return _skip("multiple_users", "%s: %s has users %s", desc, node.name, [u.name for u in node.users])
+            return skip("multiple_users", "%s: %s has users %s", desc, node.name, [u.name for u in node.users])
     if not m.wait.users:
-        return _skip("unused_result", "%s: the all_to_all's result is unused", desc)
+        return skip("unused_result", "%s: the all_to_all's result is unused", desc)
     nodes = [*m.gemms, m.values, m.base, m.wait, *(x for g in m.gemms for x in g.all_input_nodes)]
     if any(not isinstance(val(x), (torch.Tensor, torch.SymInt, int)) for x in nodes):
-        return _skip("no_meta", "%s: missing meta['val']", desc)
+        return skip("no_meta", "%s: missing meta['val']", desc)
     why = _gemm_problem(m)
     if why:
-        return _skip("combine_gemm", "%s: %s", desc, why)
+        return skip("combine_gemm", "%s: %s", desc, why)
     why = _buffer_problem(m)
     if why:
-        return _skip("combine_base", "%s: %s", desc, why)
+        return skip("combine_base", "%s: %s", desc, why)
     index = m.index
     iv = val(index) if isinstance(index, Node) else None
     if not isinstance(iv, torch.Tensor) or iv.dim() != 1 or iv.dtype not in (torch.int64, torch.int32) or \
             not isinstance(m.accumulate, bool):
-        return _skip("combine_index", "%s: indices %s are not one 1-D integer index along dim 0", desc,
+        return skip("combine_index", "%s: indices %s are not one 1-D integer index along dim 0", desc,
                      m.index_put.args[1])
     y = val(m.values)
     dtype = str(y.dtype).removeprefix("torch.")
     if dtype not in settings.dtypes:
-        return _skip("dtype", "%s: dtype %s not in config.dtypes %s", desc, dtype, settings.dtypes)
+        return skip("dtype", "%s: dtype %s not in config.dtypes %s", desc, dtype, settings.dtypes)
     operands = [x for g in m.gemms for x in g.args[:2]] + [m.base, m.wait]
     mixed = [x.name for x in operands if val(x).dtype != y.dtype]
     if mixed:
-        return _skip("dtype_mismatch", "%s: %s differ in dtype from the GEMM's %s output", desc, mixed, dtype)
+        return skip("dtype_mismatch", "%s: %s differ in dtype from the GEMM's %s output", desc, mixed, dtype)
     n = y.shape[-1]
     shapes_ok = y.dim() == 2 and val(m.base).dim() == 2 and known_eq(val(m.base).shape[1], n)
     shapes_ok = shapes_ok and all(known_eq(val(g.args[1]).shape[-1], n) for g in m.gemms)
     if not shapes_ok:
-        return _skip("view_shape", "%s: the GEMM output %s and the buffer %s are not [rows, N] alike", desc,
+        return skip("view_shape", "%s: the GEMM output %s and the buffer %s are not [rows, N] alike", desc,
                      list(y.shape), list(val(m.base).shape))
-    group = m.args.get("group_name")
-    group = group if isinstance(group, str) else getattr(group, "group_name", None)
-    splits = (m.args.get("output_split_sizes"), m.args.get("input_split_sizes"))
-    if group is None or not all(isinstance(s, (list, tuple)) for s in splits) or \
-            len(splits[0]) != len(splits[1]) or len(splits[1]) != compat.group_size(group):
-        return _skip("unknown_group", "%s: group %r with split sizes %s cannot be resolved", desc,
-                     m.args.get("group_name"), splits)
-    return group
+    return group_of(m.args, desc)
 
 
 def _gemm_problem(m: CombineMatch) -> str:
@@ -104,18 +91,7 @@ def _gemm_problem(m: CombineMatch) -> str:
             return f"the experts' outputs are concatenated along dim {node_arg(m.cat, 1, 'dim', 0)}, not the rows"
         bad = [g.name for g in m.gemms if g.target is not aten.mm.default]
         return f"{bad} are not plain mm (bias or batched GEMMs)" if bad else ""
-    offs = [node_arg(g, 2, "offs") for g in m.gemms]
-    extras = [g.name for g in m.gemms if node_arg(g, 3, "bias") is not None or
-              node_arg(g, 4, "out_dtype") not in (None, val(g).dtype)]
-    if extras:
-        return f"{extras} have a bias or another output dtype"
-    if not isinstance(offs[0], Node) or any(o is not offs[0] for o in offs):
-        return "the grouped GEMMs do not share one offsets tensor"
-    if any(val(g.args[0]).dim() != 2 or val(g.args[1]).dim() != 3 for g in m.gemms):
-        return "a grouped GEMM is not [rows, K] @ [experts, K, N]"
-    if val(offs[0]).dtype != torch.int32 or val(offs[0]).dim() != 1:
-        return "the offsets are not a 1-D int32 tensor"
-    return ""
+    return grouped_gemm_problem(m.gemms)
 
 
 def _buffer_problem(m: CombineMatch) -> str:
@@ -130,36 +106,19 @@ def _buffer_problem(m: CombineMatch) -> str:
     return ""
 
 
-def decide(m: CombineMatch, settings: config.Settings) -> str | None:
-    """The plan, or None after recording a skip: rank-identical by construction (module docstring)."""
-    if settings.fuse == "auto":
-        return _skip("combine_auto", "%s: the fused MoE combine has no GPU route yet and its rows are per rank; it is "
-                     "fused only under fuse='always'", m.describe())
-    return PLAN
-
-
 def fuse_combines(graph: torch.fx.Graph, settings: config.Settings) -> int:
     """Find, check, decide and rewrite every combine of ``graph``; returns how many were fused."""
-    fused = 0
-    for wait in list(graph.find_nodes(op="call_function", target=compat.c10d.wait_tensor.default)):
-        m = match_combine(wait)
-        if m is None:
-            continue
-        try:  # checks only read the graph: a bug here must cost a fusion, never the compilation
-            group = check(m, settings)
-            plan = decide(m, settings) if group is not None else None
-        except Exception as exc:  # noqa: BLE001
-            record_skip("internal_error", "%s: %r", m.describe(), exc, level=logging.WARNING, exc_info=True)
-            continue
-        if plan is None:
-            continue
-        y, desc, ks = val(m.values), m.describe(), [val(g.args[1]).shape[-2] for g in m.gemms]
-        if _rewrite(m, group, plan, settings.key()):
-            fused += 1
-            record_fused("all_to_all_combine", "%s (%s, %d GEMM(s), n=%s k=%s %s, accumulate=%s, group %r x%d, "
-                         "plan %s)", desc, m.form, len(m.gemms), y.shape[-1], ks, str(y.dtype).removeprefix("torch."),
-                         m.accumulate, group, len(m.args["input_split_sizes"]), plan)
-    return fused
+    return fuse_each(graph, settings, match_combine, check, "combine", _fuse)
+
+
+def _fuse(m: CombineMatch, group: str, plan: str, settings_key: str) -> bool:
+    y, desc, ks = val(m.values), m.describe(), [val(g.args[1]).shape[-2] for g in m.gemms]
+    if not _rewrite(m, group, plan, settings_key):
+        return False
+    record_fused("all_to_all_combine", "%s (%s, %d GEMM(s), n=%s k=%s %s, accumulate=%s, group %r x%d, plan %s)",
+                 desc, m.form, len(m.gemms), y.shape[-1], ks, str(y.dtype).removeprefix("torch."), m.accumulate,
+                 group, len(m.args["input_split_sizes"]), plan)
+    return True
 
 
 def _rewrite(m: CombineMatch, group: str, plan: str, settings_key: str) -> bool:
@@ -182,7 +141,7 @@ def _rewrite(m: CombineMatch, group: str, plan: str, settings_key: str) -> bool:
             raise ValueError(f"result {got.dtype}{list(got.shape)} != the all_to_all's {want.dtype}{list(want.shape)}")
     except Exception as exc:  # noqa: BLE001
         build.rollback()
-        return bool(_skip("shape_mismatch", "%s: %s", m.describe(), exc, level=logging.WARNING))
+        return bool(skip("shape_mismatch", "%s: %s", m.describe(), exc, level=logging.WARNING))
     m.replace_with(out, build)
     return True
 

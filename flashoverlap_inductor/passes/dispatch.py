@@ -6,13 +6,13 @@ Flow per candidate (each ``wait_tensor`` of an ``all_to_all_single`` whose one u
     find    (``dispatch_match.match_dispatch``)  all_to_all -> index -> [expand] -> [split | slices] -> GEMM(s)
     check   (``check``)   users, the structure's problem, GEMM form, index, dtypes, sizes, group; every skip under a
                           ``report.SKIP_REASONS`` slug (``dispatch_*`` and the shared ones)
-    decide  (``decide``)  the fuse mode
+    decide  (``moe_pass.decide``)  the fuse mode
     fuse    (``fuse_dispatches``)  emit the op before the first use of the permuted rows (moving late weights up);
                                    the match hands its users over and erases itself
 
 Rank agreement. As for the combine: every condition reads only the graph's structure, dtypes, the weights' sizes and
 the settings (never the per-rank rows, split sizes or expert sizes), and the fuse mode decides alone: ``always``
-fuses every match; ``auto`` declines every match (``skip:dispatch_auto``): no GPU route runs the fused dispatch yet.
+fuses every match; ``auto`` declines every match (``skip:dispatch_auto``): no GPU route of it has been measured yet.
 
 Invariants of a rewrite: the permuted rows' users and each GEMM's users see tensors of the same shape and dtype (the
 op's results, checked); every size query of a removed node reads an equal size of a node that stays; no raw SymInt
@@ -23,27 +23,20 @@ from __future__ import annotations
 
 import logging
 import operator
-from typing import Any
 
 import torch
 from torch.fx import Node
 
-from flashoverlap_inductor import _inductor_compat as compat
 from flashoverlap_inductor import config
 
-from .dispatch_match import GROUPED_OP, SIZE_OP, DispatchMatch, match_dispatch
+from .dispatch_match import SIZE_OP, DispatchMatch, match_dispatch
 from .fx_forms import known_eq, node_arg, val
-from .report import record_fused, record_skip
+from .moe_pass import fuse_each, group_of, grouped_gemm_problem, skip
+from .report import record_fused
 from .rewrite import _Builder
 
 aten = torch.ops.aten
 FUSED_OP = torch.ops.flashoverlap.all_to_all_permute_gemm.default
-PLAN = "blocks"  # per source rank: its rows of every expert as they land (``routes/moe_dispatch.py``)
-
-
-def _skip(slug: str, msg: str, *args: Any, level: int = logging.INFO) -> None:
-    record_skip(slug, msg, *args, level=level)
-    return None
 
 
 def check(m: DispatchMatch, settings: config.Settings) -> str | None:
@@ -51,39 +44,32 @@ def check(m: DispatchMatch, settings: config.Settings) -> str | None:
     fails."""
     desc = m.describe()
     if "all_to_all" not in settings.collectives:
-        return _skip("collective_disabled", "%s: all_to_all not in config.collectives %s", desc, settings.collectives)
+        return skip("collective_disabled", "%s: all_to_all not in config.collectives %s", desc, settings.collectives)
     if [u for u in m.coll.users if u is not m.wait and u.target is not SIZE_OP]:
-        return _skip("multiple_users", "%s: %s has users %s", desc, m.coll.name, [u.name for u in m.coll.users])
+        return skip("multiple_users", "%s: %s has users %s", desc, m.coll.name, [u.name for u in m.coll.users])
     nodes = [m.coll, m.wait, m.permuted, *m.gemms, *(x for g in m.gemms for x in g.all_input_nodes)]
     if any(not isinstance(val(x), (torch.Tensor, torch.SymInt, int)) for x in nodes):
-        return _skip("no_meta", "%s: missing meta['val']", desc)
+        return skip("no_meta", "%s: missing meta['val']", desc)
     if m.problem:
-        return _skip(m.slug, "%s: %s", desc, m.problem)
+        return skip(m.slug, "%s: %s", desc, m.problem)
     why = _gemm_problem(m)
     if why:
-        return _skip("dispatch_gemm", "%s: %s", desc, why)
+        return skip("dispatch_gemm", "%s: %s", desc, why)
     perm, indices = m.perm, m.permuted.args[1]
     pv = val(perm) if isinstance(perm, Node) else None
     if not isinstance(indices, (list, tuple)) or len(indices) != 1 or not isinstance(pv, torch.Tensor) or \
             pv.dim() != 1 or pv.dtype not in (torch.int64, torch.int32):
-        return _skip("dispatch_index", "%s: indices %s are not one 1-D integer index along dim 0", desc, indices)
+        return skip("dispatch_index", "%s: indices %s are not one 1-D integer index along dim 0", desc, indices)
     x = val(m.coll.args[0])
     dtype = str(x.dtype).removeprefix("torch.")
     if dtype not in settings.dtypes:
-        return _skip("dtype", "%s: dtype %s not in config.dtypes %s", desc, dtype, settings.dtypes)
+        return skip("dtype", "%s: dtype %s not in config.dtypes %s", desc, dtype, settings.dtypes)
     mixed = [g.name for g in m.gemms if val(g).dtype != x.dtype or val(g.args[1]).dtype != x.dtype]
     if mixed:
-        return _skip("dtype_mismatch", "%s: %s differ in dtype from the rows' %s", desc, mixed, dtype)
+        return skip("dtype_mismatch", "%s: %s differ in dtype from the rows' %s", desc, mixed, dtype)
     if x.dim() != 2 or not all(known_eq(val(g.args[1]).shape[-2], x.shape[1]) for g in m.gemms):
-        return _skip("view_shape", "%s: the rows %s are not [rows, K] for the GEMMs' K", desc, list(x.shape))
-    group = m.args.get("group_name")
-    group = group if isinstance(group, str) else getattr(group, "group_name", None)
-    splits = (m.args.get("output_split_sizes"), m.args.get("input_split_sizes"))
-    if group is None or not all(isinstance(s, (list, tuple)) for s in splits) or \
-            len(splits[0]) != len(splits[1]) or len(splits[1]) != compat.group_size(group):
-        return _skip("unknown_group", "%s: group %r with split sizes %s cannot be resolved", desc,
-                     m.args.get("group_name"), splits)
-    return group
+        return skip("view_shape", "%s: the rows %s are not [rows, K] for the GEMMs' K", desc, list(x.shape))
+    return group_of(m.args, desc)
 
 
 def _gemm_problem(m: DispatchMatch) -> str:
@@ -91,51 +77,23 @@ def _gemm_problem(m: DispatchMatch) -> str:
     if m.form == "loop":
         bad = [g.name for g in m.gemms if g.target is not aten.mm.default]
         return f"{bad} are not plain mm (bias or batched GEMMs)" if bad else ""
-    offs = [node_arg(g, 2, "offs") for g in m.gemms]
-    extras = [g.name for g in m.gemms if node_arg(g, 3, "bias") is not None or
-              node_arg(g, 4, "out_dtype") not in (None, val(g).dtype)]
-    if extras:
-        return f"{extras} have a bias or another output dtype"
-    if not isinstance(offs[0], Node) or any(o is not offs[0] for o in offs):
-        return "the grouped GEMMs do not share one offsets tensor"
-    if any(val(g.args[1]).dim() != 3 or g.target is not GROUPED_OP for g in m.gemms):
-        return "a grouped GEMM is not [rows, K] @ [experts, K, N]"
-    if val(offs[0]).dtype != torch.int32 or val(offs[0]).dim() != 1:
-        return "the offsets are not a 1-D int32 tensor"
-    return ""
-
-
-def decide(m: DispatchMatch, settings: config.Settings) -> str | None:
-    """The plan, or None after recording a skip: rank-identical by construction (module docstring)."""
-    if settings.fuse == "auto":
-        return _skip("dispatch_auto", "%s: the fused MoE dispatch has no GPU route yet and its rows are per rank; it "
-                     "is fused only under fuse='always'", m.describe())
-    return PLAN
+    return grouped_gemm_problem(m.gemms)
 
 
 def fuse_dispatches(graph: torch.fx.Graph, settings: config.Settings) -> int:
     """Find, check, decide and rewrite every dispatch of ``graph``; returns how many were fused."""
-    fused = 0
-    for wait in list(graph.find_nodes(op="call_function", target=compat.c10d.wait_tensor.default)):
-        m = match_dispatch(wait)
-        if m is None:
-            continue
-        try:  # checks only read the graph: a bug here must cost a fusion, never the compilation
-            group = check(m, settings)
-            plan = decide(m, settings) if group is not None else None
-        except Exception as exc:  # noqa: BLE001
-            record_skip("internal_error", "%s: %r", m.describe(), exc, level=logging.WARNING, exc_info=True)
-            continue
-        if plan is None:
-            continue
-        x, desc = val(m.coll.args[0]), m.describe()
-        ns = [val(g.args[1]).shape[-1] for g in m.gemms]
-        if _rewrite(m, group, plan, settings.key()):
-            fused += 1
-            record_fused("all_to_all_dispatch", "%s (%s, %d GEMM(s), k=%s n=%s %s, group %r x%d, plan %s)", desc,
-                         m.form, len(m.gemms), x.shape[-1], ns, str(x.dtype).removeprefix("torch."), group,
-                         len(m.args["input_split_sizes"]), plan)
-    return fused
+    return fuse_each(graph, settings, match_dispatch, check, "dispatch", _fuse)
+
+
+def _fuse(m: DispatchMatch, group: str, plan: str, settings_key: str) -> bool:
+    x, desc = val(m.coll.args[0]), m.describe()
+    ns = [val(g.args[1]).shape[-1] for g in m.gemms]
+    if not _rewrite(m, group, plan, settings_key):
+        return False
+    record_fused("all_to_all_dispatch", "%s (%s, %d GEMM(s), k=%s n=%s %s, group %r x%d, plan %s)", desc, m.form,
+                 len(m.gemms), x.shape[-1], ns, str(x.dtype).removeprefix("torch."), group,
+                 len(m.args["input_split_sizes"]), plan)
+    return True
 
 
 def _rewrite(m: DispatchMatch, group: str, plan: str, settings_key: str) -> bool:
@@ -150,7 +108,7 @@ def _rewrite(m: DispatchMatch, group: str, plan: str, settings_key: str) -> bool
     inputs = [*b, offs, *size_args, m.coll.args[0], m.perm, *m.args["output_split_sizes"],
               *m.args["input_split_sizes"]]
     if not _place_before(anchor, [x for x in inputs if isinstance(x, Node)], order, m):
-        return bool(_skip("inputs_after_use", "%s: a weight is computed after the permuted rows are first used "
+        return bool(skip("inputs_after_use", "%s: a weight is computed after the permuted rows are first used "
                           "by ops that cannot move", m.describe()))
     build = _Builder(graph, m.gemms[0])
     try:
@@ -166,7 +124,7 @@ def _rewrite(m: DispatchMatch, group: str, plan: str, settings_key: str) -> bool
                 raise ValueError(f"{want.name}: result {g.dtype}{list(g.shape)} != {w.dtype}{list(w.shape)}")
     except Exception as exc:  # noqa: BLE001
         build.rollback()
-        return bool(_skip("shape_mismatch", "%s: %s", m.describe(), exc, level=logging.WARNING))
+        return bool(skip("shape_mismatch", "%s: %s", m.describe(), exc, level=logging.WARNING))
     with graph.inserting_before(anchor):
         m.replace_with(outs, build)
     return True

@@ -31,12 +31,12 @@ from torch.fx import Node
 
 from flashoverlap_inductor._inductor_compat import c10d, is_static_int
 
+from .combine_match import GROUPED_OP
 from .fx_forms import known_eq, node_arg, op_name, val
 
 aten = torch.ops.aten
 
 PIECE_OPS = (aten.mm.default, aten.addmm.default, aten.bmm.default)  # what may read a piece (mm fuses)
-GROUPED_OP = aten._grouped_mm.default
 SPLIT_OPS = (aten.split_with_sizes.default, aten.split.sizes)
 SIZE_OP = aten.sym_size.int
 

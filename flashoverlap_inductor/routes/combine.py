@@ -43,11 +43,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flashoverlap_inductor import config
-
-from .. import _inductor_compat as compat
 from ..schedule.combine import chunk_sizes, group_ends, offsets, parse_plan, plan_units, ring_steps
-from . import agree, moe_p2p
+from . import moe_p2p
 from .cpu import _poison, _settle, _wait_all
 
 TAG = 30830  # + chunk: the P2P tags of the combine's transfers (no other transfer of the package uses them)
@@ -190,35 +187,15 @@ def run_p2p(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | N
     return out
 
 
-def _items(route: str, a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | None, accumulate: bool,
-           plan: str, group: dist.ProcessGroup, settings: config.Settings) -> dict[str, str]:
-    """What decides the call's transfers, as ``agree.ITEMS`` (rows and split sizes are per rank by design)."""
-    form = ("loop", len(a)) if offs is None else ("grouped", len(a), int(offs.shape[0]))
-    call = ("combine", form, int(b[0].shape[-1]), [int(w.shape[-2]) for w in b], str(a[0].dtype), accumulate, plan,
-            group.size(), a[0].device.type)
-    return {"call": repr(call), "rows": "per rank", "settings": settings.replace(library=None, config_dir=None).key(),
-            "routes": route, "library": "-", "data": agree.data_digest(settings.config_dir),
-            "gpu": a[0].device.type}
-
-
 def dispatch(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | None, index: torch.Tensor,
              accumulate: bool, outs: list[int], ins: list[int], group: dist.ProcessGroup, plan: str,
              settings_key: str) -> torch.Tensor:
     """Run one call on its route (module docstring), under the settings it was compiled with."""
-    parse_plan(plan, "combine")  # a bad plan raises on every rank alike, before any transfer
-    settings = config.from_key(settings_key)
-    why = moe_p2p.unsupported(a[0], group, len(outs), settings.experiments)
-    route = "p2p" if why is None else f"unfused ({why.split(':', 1)[0]})"
-    capturing = a[0].is_cuda and compat.is_capturing()
-    with config.using(settings), moe_p2p.lock("combine", group):
-        found = _items(route, a, b, offs, accumulate, plan, group, settings)
-        if not capturing:
-            agree.check_once(found, group, f"a fused MoE combine of {len(a)} x {list(a[0].shape)} rows @ "
-                             f"{list(b[0].shape)} ({a[0].dtype})")
-        if why is None:
-            out = run_p2p(a, b, offs, index, accumulate, outs, ins, group, plan)
-            moe_p2p.count_route("combine", a[0].device)
-        else:
-            out = reference(a, b, offs, index, accumulate, outs, ins, group)
-            moe_p2p.count_fallback("combine", why)
-        return out
+    form = ("loop", len(a)) if offs is None else ("grouped", len(a), int(offs.shape[0]))
+    call = ("combine", form, int(b[0].shape[-1]), [int(w.shape[-2]) for w in b], str(a[0].dtype), accumulate, plan,
+            group.size(), a[0].device.type)
+    return moe_p2p.run_call(
+        "combine", a[0], group, len(outs), plan, settings_key, call,
+        f"a fused MoE combine of {len(a)} x {list(a[0].shape)} rows @ {list(b[0].shape)} ({a[0].dtype})",
+        lambda: run_p2p(a, b, offs, index, accumulate, outs, ins, group, plan),
+        lambda: reference(a, b, offs, index, accumulate, outs, ins, group))

@@ -44,11 +44,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flashoverlap_inductor import config
-
-from .. import _inductor_compat as compat
 from ..schedule.combine import chunk_sizes, group_ends, offsets, parse_plan, plan_units, ring_steps
-from . import agree, moe_p2p
+from . import moe_p2p
 from .cpu import _poison, _settle, _wait_all
 
 TAG = 30850  # + chunk: the P2P tags of the dispatch's transfers (no other transfer of the package uses them)
@@ -230,34 +227,15 @@ def run_p2p(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes: 
     return [units.p, *units.y]
 
 
-def _items(route: str, x: torch.Tensor, b: list[torch.Tensor], sizes: list[int] | None, offs: torch.Tensor | None,
-           plan: str, group: dist.ProcessGroup, settings: config.Settings) -> dict[str, str]:
-    """What decides the call's transfers, as ``agree.ITEMS`` (rows, split sizes and expert sizes are per rank)."""
-    form = ("loop", len(sizes)) if offs is None else ("grouped", len(b), int(offs.shape[0]))
-    call = ("dispatch", form, int(x.shape[1]), [int(w.shape[-1]) for w in b], str(x.dtype), plan, group.size(),
-            x.device.type)
-    return {"call": repr(call), "rows": "per rank", "settings": settings.replace(library=None, config_dir=None).key(),
-            "routes": route, "library": "-", "data": agree.data_digest(settings.config_dir), "gpu": x.device.type}
-
-
 def dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes: list[int] | None,
              offs: torch.Tensor | None, outs: list[int], ins: list[int], group: dist.ProcessGroup, plan: str,
              settings_key: str) -> list:
     """Run one call on its route (module docstring), under the settings it was compiled with."""
-    parse_plan(plan, "dispatch")  # a bad plan raises on every rank alike, before any transfer
-    settings = config.from_key(settings_key)
-    why = moe_p2p.unsupported(x, group, len(outs), settings.experiments)
-    route = "p2p" if why is None else f"unfused ({why.split(':', 1)[0]})"
-    capturing = x.is_cuda and compat.is_capturing()
-    with config.using(settings), moe_p2p.lock("dispatch", group):
-        found = _items(route, x, b, sizes, offs, plan, group, settings)
-        if not capturing:
-            agree.check_once(found, group, f"a fused MoE dispatch of {list(x.shape)} rows into {len(b)} GEMM(s) "
-                             f"{list(b[0].shape)} ({x.dtype})")
-        if why is None:
-            out = run_p2p(x, index, b, sizes, offs, outs, ins, group, plan)
-            moe_p2p.count_route("dispatch", x.device)
-        else:
-            out = reference(x, index, b, sizes, offs, outs, ins, group)
-            moe_p2p.count_fallback("dispatch", why)
-        return out
+    form = ("loop", len(sizes)) if offs is None else ("grouped", len(b), int(offs.shape[0]))
+    call = ("dispatch", form, int(x.shape[1]), [int(w.shape[-1]) for w in b], str(x.dtype), plan, group.size(),
+            x.device.type)
+    return moe_p2p.run_call(
+        "dispatch", x, group, len(outs), plan, settings_key, call,
+        f"a fused MoE dispatch of {list(x.shape)} rows into {len(b)} GEMM(s) {list(b[0].shape)} ({x.dtype})",
+        lambda: run_p2p(x, index, b, sizes, offs, outs, ins, group, plan),
+        lambda: reference(x, index, b, sizes, offs, outs, ins, group))

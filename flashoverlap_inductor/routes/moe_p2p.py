@@ -18,14 +18,21 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
+from flashoverlap_inductor import config
+
 from .. import _inductor_compat as compat
+from ..schedule.combine import parse_plan
+from . import agree
 from .base import note, stats
 from .nccl import is_nccl_group
 
+T = TypeVar("T")
 CUDA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _locks: dict[tuple[str, int], threading.RLock] = {}
 _locks_lock = threading.Lock()
@@ -86,6 +93,32 @@ def count_route(op: str, device: torch.device) -> None:
     else:
         stats["route:moe_p2p"] += 1
         stats[f"fused:all_to_all_{op}"] += 1
+
+
+def run_call(op: str, x: torch.Tensor, group: dist.ProcessGroup, splits: int, plan: str, settings_key: str,
+             call: tuple, what: str, p2p: Callable[[], T], reference: Callable[[], T]) -> T:
+    """One call of MoE op ``op`` ("combine" or "dispatch"), its tensors like ``x``, ``splits`` split sizes: the plan
+    checked (a bad one raises on every rank alike, before any transfer), the route chosen (``unsupported`` under
+    the settings of ``settings_key``), the ranks' agreement on ``call`` (what decides its transfers; rows and split
+    sizes are per rank by design) and the route once per group (``agree.check_once``; ``what`` names the call in a
+    mismatch; not inside a capture), then ``p2p()`` or ``reference()``, counted; one call per (op, group) at a time."""
+    parse_plan(plan, op)
+    settings = config.from_key(settings_key)
+    why = unsupported(x, group, splits, settings.experiments)
+    with config.using(settings), lock(op, group):
+        if not (x.is_cuda and compat.is_capturing()):
+            route = "p2p" if why is None else f"unfused ({why.split(':', 1)[0]})"
+            agree.check_once({"call": repr(call), "rows": "per rank",
+                              "settings": settings.replace(library=None, config_dir=None).key(), "routes": route,
+                              "library": "-", "data": agree.data_digest(settings.config_dir),
+                              "gpu": x.device.type}, group, what)
+        if why is None:
+            out = p2p()
+            count_route(op, x.device)
+        else:
+            out = reference()
+            count_fallback(op, why)
+        return out
 
 
 def lock(kind: str, group: dist.ProcessGroup) -> threading.RLock:

@@ -1,0 +1,95 @@
+"""What the MoE sub-passes share (``combine.py``: experts' GEMM -> un-permutation -> all_to_all; ``dispatch.py``:
+all_to_all -> permutation -> experts' GEMMs): the find / check / decide / fuse loop, the rank-identical decision,
+the group check and the grouped-GEMM form check.
+
+Rank agreement, for both: every check reads only the graph's structure, dtypes, the weights' sizes and the settings
+(never the per-rank rows or split sizes), and the fuse mode decides alone (``decide``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from flashoverlap_inductor import _inductor_compat as compat
+from flashoverlap_inductor import config
+
+from .combine_match import GROUPED_OP
+from .fx_forms import node_arg, val
+from .report import record_skip
+
+PLAN = "blocks"  # per peer rank: its block of every expert's rows (``schedule.combine``)
+
+
+def skip(slug: str, msg: str, *args: Any, level: int = logging.INFO) -> None:
+    """Record a skip under ``slug`` (``report.SKIP_REASONS``); returns None, for ``return skip(...)``."""
+    record_skip(slug, msg, *args, level=level)
+    return None
+
+
+def decide(op: str, desc: str, settings: config.Settings) -> str | None:
+    """The plan of a checked MoE ``op`` ("combine" / "dispatch"), or None after recording ``<op>_auto``: ``always``
+    fuses every match; ``auto`` declines every match (no GPU route of these ops has been measured yet, and a verdict
+    from this rank's rows could differ between ranks)."""
+    if settings.fuse == "auto":
+        return skip(f"{op}_auto", "%s: the fused MoE %s has no measured GPU route yet and its rows are per rank; it is "
+                    "fused only under fuse='always'", desc, op)
+    return PLAN
+
+
+def group_of(args: dict[str, Any], desc: str) -> str | None:
+    """The all_to_all's group name when it resolves and its split sizes are two lists of the group's size, else
+    None after recording ``unknown_group``. ``args``: the all_to_all's ``output_split_sizes``,
+    ``input_split_sizes`` and ``group_name``."""
+    group = args.get("group_name")
+    group = group if isinstance(group, str) else getattr(group, "group_name", None)
+    splits = (args.get("output_split_sizes"), args.get("input_split_sizes"))
+    if group is None or not all(isinstance(s, (list, tuple)) for s in splits) or \
+            len(splits[0]) != len(splits[1]) or len(splits[1]) != compat.group_size(group):
+        return skip("unknown_group", "%s: group %r with split sizes %s cannot be resolved", desc,
+                    args.get("group_name"), splits)
+    return group
+
+
+def grouped_gemm_problem(gemms: list[Node]) -> str:
+    """Why ``torch._grouped_mm`` terms are not ones the MoE ops run ("" when they are): no bias or other output
+    dtype, one shared 1-D int32 offsets tensor, ``[rows, K] @ [experts, K, N]``."""
+    offs = [node_arg(g, 2, "offs") for g in gemms]
+    extras = [g.name for g in gemms if node_arg(g, 3, "bias") is not None or
+              node_arg(g, 4, "out_dtype") not in (None, val(g).dtype)]
+    if extras:
+        return f"{extras} have a bias or another output dtype"
+    if not isinstance(offs[0], Node) or any(o is not offs[0] for o in offs):
+        return "the grouped GEMMs do not share one offsets tensor"
+    if any(g.target is not GROUPED_OP or val(g.args[0]).dim() != 2 or val(g.args[1]).dim() != 3 for g in gemms):
+        return "a grouped GEMM is not [rows, K] @ [experts, K, N]"
+    if val(offs[0]).dtype != torch.int32 or val(offs[0]).dim() != 1:
+        return "the offsets are not a 1-D int32 tensor"
+    return ""
+
+
+def fuse_each(graph: torch.fx.Graph, settings: config.Settings, match: Callable[[Node], Any],
+              check: Callable[[Any, config.Settings], str | None], op: str,
+              fuse: Callable[[Any, str, str, str], bool]) -> int:
+    """For every ``wait_tensor`` of ``graph``: ``match(wait)`` (a match object or None), ``check(m, settings)``
+    (the group name, or None after a skip), ``decide``, then ``fuse(m, group, plan, settings_key)`` (True when it
+    rewrote, recording the fusion); returns how many were fused. A check that raises costs the fusion, never the
+    compilation (``internal_error``)."""
+    fused = 0
+    for wait in list(graph.find_nodes(op="call_function", target=compat.c10d.wait_tensor.default)):
+        m = match(wait)
+        if m is None:
+            continue
+        try:
+            group = check(m, settings)
+            plan = decide(op, m.describe(), settings) if group is not None else None
+        except Exception as exc:  # noqa: BLE001
+            record_skip("internal_error", "%s: %r", m.describe(), exc, level=logging.WARNING, exc_info=True)
+            continue
+        if plan is not None and fuse(m, group, plan, settings.key()):
+            fused += 1
+    return fused
