@@ -34,9 +34,7 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -44,12 +42,10 @@ import torch.distributed as dist
 from flashoverlap_inductor import config, routes
 from flashoverlap_inductor.routes import gather_peer
 from flashoverlap_inductor.routes.base import Context
-from flashoverlap_inductor.runtime.probe import CallProbe
 from flashoverlap_inductor.schedule import gather as gather_schedule
-from flashoverlap_inductor.tune import measure
 
 from . import gantt, timeline_peer
-from .timeline_peer import median_ms
+from .timeline_peer import median_ms, probed_calls
 
 GATHER_SHAPES = "4096x6144x4096,16384x28672x4096"  # the default --shapes of all_gather
 OPS = ("all_gather", *timeline_peer.OPS)
@@ -97,29 +93,15 @@ def probe_shape(m: int, n: int, k: int, start: str, args: argparse.Namespace) ->
     launch = why or gather_peer.make_launch(call, settings, ctx)
     if isinstance(launch, str):
         return {"m": m, "n": n, "k": k, "start": start, "declined": launch}
-    for _ in range(args.warmup):
-        gather_peer.ROUTE.execute(launch, ctx)
-    marks: dict[str, list[float]] = {}
-    host: list[float] = []
-    for _ in range(args.iters):
-        ctx.probe = CallProbe()
-        dist.barrier()
-        torch.cuda.synchronize()
-        if args.spin_ms > 0:
-            measure.spin(args.spin_ms)
-        t0 = time.perf_counter()
-        gather_peer.ROUTE.execute(launch, ctx)
-        host.append((time.perf_counter() - t0) * 1e3)
-        torch.cuda.synchronize()
-        for name, ms in ctx.probe.times().items():
-            marks.setdefault(name, []).append(ms)
-    ctx.probe = None
-    t = {name: statistics.median(v) for name, v in marks.items()}
+    probed = probed_calls(lambda: gather_peer.ROUTE.execute(launch, ctx), ctx, args)
+    if isinstance(probed, str):
+        return {"m": m, "n": n, "k": k, "start": start, "declined": probed}
+    t, host_ms = probed
     gemm_ms = median_ms(lambda: gathered @ b, args.iters)
     comm_ms = median_ms(lambda: dist.all_gather_into_tensor(gathered, a), args.iters)
     order = gather_schedule.arrival_order(rank, world)
     breakdown, lanes = gantt.gather_breakdown(t, rank, order, gemm_ms, comm_ms)
-    breakdown.update(gemm=gemm_ms, comm=comm_ms, host_ms=statistics.median(host))
+    breakdown.update(gemm=gemm_ms, comm=comm_ms, host_ms=host_ms)
     return {"m": m, "n": n, "k": k, "start": start, "rank": rank, "breakdown": breakdown, "lanes": lanes}
 
 

@@ -67,6 +67,36 @@ def median_ms(fn, iters: int) -> float:
     return statistics.median(out)
 
 
+def probed_calls(execute, ctx: Context, args: argparse.Namespace) -> tuple[dict[str, float], float] | str:
+    """``args.warmup`` calls, then ``args.iters`` probed calls of ``execute()`` (each after a barrier, a device sync
+    and ``args.spin_ms`` of GPU spin): the median of each probe mark (ms since ``start``) and the median host time per
+    call (ms); or the reason a call returned instead of running (the route declined it, on every rank alike). Also
+    the all_gather timeline's."""
+    for _ in range(args.warmup):
+        out = execute()
+        if isinstance(out, str):
+            return out
+    marks: dict[str, list[float]] = {}
+    host: list[float] = []
+    try:
+        for _ in range(args.iters):
+            ctx.probe = CallProbe()
+            dist.barrier()
+            torch.cuda.synchronize()
+            measure.spin(args.spin_ms)
+            t0 = time.perf_counter()
+            out = execute()
+            host.append((time.perf_counter() - t0) * 1e3)
+            if isinstance(out, str):  # declined before any mark: no timeline
+                return out
+            torch.cuda.synchronize()
+            for name, ms in ctx.probe.times().items():
+                marks.setdefault(name, []).append(ms)
+    finally:
+        ctx.probe = None
+    return {name: statistics.median(v) for name, v in marks.items()}, statistics.median(host)
+
+
 def probe_shape(op: str, m: int, n: int, k: int, gate: str, args: argparse.Namespace) -> dict:
     """This rank's breakdown and lanes of the peer route's ``op`` at ``m x n x k`` with ``gate`` (a dict; with
     ``declined`` instead when the route does not take the call)."""
@@ -87,28 +117,11 @@ def probe_shape(op: str, m: int, n: int, k: int, gate: str, args: argparse.Names
         if isinstance(launch, str):
             return {**head, "declined": launch}
         launch.template.gate_in_kernel = int(gate == "epilogue")  # before the first call: its args copy the template
-        for _ in range(args.warmup):
-            out = peer.ROUTE.execute(launch, ctx)
-            if isinstance(out, str):  # the route declined the call itself (the same on every rank)
-                return {**head, "declined": out}
-        marks: dict[str, list[float]] = {}
-        host: list[float] = []
-        for _ in range(args.iters):
-            ctx.probe = CallProbe()
-            dist.barrier()
-            torch.cuda.synchronize()
-            measure.spin(args.spin_ms)
-            t0 = time.perf_counter()
-            out = peer.ROUTE.execute(launch, ctx)
-            host.append((time.perf_counter() - t0) * 1e3)
-            if isinstance(out, str):  # declined before any mark: no timeline
-                return {**head, "declined": out}
-            torch.cuda.synchronize()
-            for name, ms in ctx.probe.times().items():
-                marks.setdefault(name, []).append(ms)
-        ctx.probe = None
+        probed = probed_calls(lambda: peer.ROUTE.execute(launch, ctx), ctx, args)
+        if isinstance(probed, str):
+            return {**head, "declined": probed}
+        t, host_ms = probed
         routes.check()  # a wait that gave up raises here, on both ranks
-    t = {name: statistics.median(v) for name, v in marks.items()}
     full = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     part = torch.empty(m // dist.get_world_size(), n, device="cuda", dtype=torch.bfloat16)
 
@@ -123,7 +136,7 @@ def probe_shape(op: str, m: int, n: int, k: int, gate: str, args: argparse.Names
     comm_ms = median_ms(comm, args.iters)
     seq_ms = median_ms(lambda: (torch.mm(a, b, out=full), comm()), args.iters)
     breakdown, lanes = gantt.peer_breakdown(t, gemm_ms, half_ms, comm_ms)
-    breakdown.update(gemm=gemm_ms, half=half_ms, comm=comm_ms, seq=seq_ms, host_ms=statistics.median(host),
+    breakdown.update(gemm=gemm_ms, half=half_ms, comm=comm_ms, seq=seq_ms, host_ms=host_ms,
                      hidden=(seq_ms - breakdown["total"]) / comm_ms if comm_ms > 0 else math.nan)
     return {**head, "how": launch.description, "breakdown": breakdown, "lanes": lanes}
 
