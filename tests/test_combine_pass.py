@@ -78,10 +78,11 @@ def _compare(ref: nn.Module, got: nn.Module, out_ref, out_got, tol: dict) -> Non
                                    msg=lambda s, n=name: f"grad {n}: {s}")
 
 
-def ep_model_worker(preset: str, batches: list[int], fuse: str = "always", dynamic: bool | None = False) -> dict:
+def ep_model_worker(preset: str, batches: list[int], fuse: str = "always", dynamic: bool | None = False,
+                    run_cls: type = _Run, seed: int = 7) -> dict:
     """The harness's ep plan of ``preset`` (one layer, seq 16, fp32): compiled vs eager loss and every gradient at
-    each batch size, on fresh random token ids. ``dynamic=None``: the second batch size recompiles with a symbolic
-    batch (torch.compile's automatic dynamic shapes)."""
+    each batch size, on fresh random token ids (``seed``). ``dynamic=None``: the second batch size recompiles with a
+    symbolic batch (torch.compile's automatic dynamic shapes). Returns ``run_cls``'s report."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from flashoverlap_inductor.bench import models, plans
@@ -91,10 +92,10 @@ def ep_model_worker(preset: str, batches: list[int], fuse: str = "always", dynam
     model = plans.apply(models.build(spec, torch.device("cpu"), torch.float32, 0, 16), spec, "ep",
                         init_device_mesh("cpu", (dist.get_world_size(),)), "loop")
     ref, got = TrainLoss(model), TrainLoss(copy.deepcopy(model))
-    with _Run() as run:
+    with run_cls() as run:
         compiled = torch.compile(got, backend="flashoverlap", options={"flashoverlap.fuse": fuse}, dynamic=dynamic)
         for batch in batches:
-            gen = torch.Generator().manual_seed(100 * batch + 7)  # the same tokens on every rank, fresh per batch
+            gen = torch.Generator().manual_seed(100 * batch + seed)  # the same tokens on every rank, fresh per batch
             ids = torch.randint(0, spec.vocab, (batch, 16), generator=gen)
             targets = torch.randint(0, spec.vocab, (batch, 16), generator=gen)
             for m in (ref, got):

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import get_pool
-from test_combine_op import split_counts
+from test_combine_op import _split, split_counts
 
 from flashoverlap_inductor.routes import moe_dispatch as dispatch_route
 
@@ -57,11 +57,6 @@ def make_case(form: str, index_kind: str, dtype: torch.dtype, seed: int, world: 
         b = [rnd(E, N, K).transpose(-2, -1) for _ in range(terms)]
         offs, sizes = torch.tensor(sizes).cumsum(0).to(torch.int32), None
     return {"x": x, "index": index, "b": b, "sizes": sizes, "offs": offs, "outs": outs, "ins": ins}
-
-
-def _split(rows: int, groups: int, gen: torch.Generator) -> list[int]:
-    cuts = sorted(torch.randint(0, rows + 1, (groups - 1,), generator=gen).tolist())
-    return [b - a for a, b in zip([0, *cuts], [*cuts, rows], strict=True)]
 
 
 def _call(c: dict, g, plan: str = "blocks") -> list[torch.Tensor]:
@@ -107,7 +102,6 @@ def failure_worker(bad_rank: int) -> tuple[str, str]:
     """A GEMM that raises on ``bad_rank`` in the middle of a call: every rank raises; the next call is exact."""
     from unittest import mock
 
-    from flashoverlap_inductor import errors
 
     g = dist.group.WORLD
     c = make_case("loop", "moe", torch.float32, 5, g.size(), g.rank())
@@ -121,36 +115,37 @@ def failure_worker(bad_rank: int) -> tuple[str, str]:
         return real(self, v, recv)
 
     with mock.patch.object(dispatch_route.DispatchUnits, "compute", flaky):
-        try:
-            _call(c, g)
-            first = "no error"
-        except errors.PeerFailure as exc:
-            first = f"PeerFailure: {exc}"
-        except RuntimeError as exc:
-            first = f"RuntimeError: {exc}"
+        first = _outcome(lambda: _call(c, g), RuntimeError)
+    return first, _next_call_exact(c, g)
+
+
+def _outcome(call, expected: type[Exception]) -> str:
+    """What ``call()`` did on this rank: "no error", "PeerFailure: ..." or "<expected's name>: ..."."""
+    from flashoverlap_inductor import errors
+
+    try:
+        call()
+        return "no error"
+    except errors.PeerFailure as exc:
+        return f"PeerFailure: {exc}"
+    except expected as exc:
+        return f"{expected.__name__}: {exc}"
+
+
+def _next_call_exact(c: dict, g) -> str:
     for x, y in zip(_call(c, g), _reference(c, g), strict=True):
         torch.testing.assert_close(x, y)
-    return first, "next call exact"
+    return "next call exact"
 
 
 def bad_index_worker() -> tuple[str, str]:
     """An index out of range on rank 1 only (per-rank data): raised there after every transfer, PeerFailure on rank
     0; the next call is exact."""
-    from flashoverlap_inductor import errors
 
     g = dist.group.WORLD
     c = make_case("grouped", "moe", torch.bfloat16, 2, g.size(), g.rank())
     bad = dict(c, index=c["index"] + (10_000 if g.rank() == 1 else 0))
-    try:
-        _call(bad, g)
-        first = "no error"
-    except errors.PeerFailure as exc:
-        first = f"PeerFailure: {exc}"
-    except IndexError as exc:
-        first = f"IndexError: {exc}"
-    for x, y in zip(_call(c, g), _reference(c, g), strict=True):
-        torch.testing.assert_close(x, y)
-    return first, "next call exact"
+    return _outcome(lambda: _call(bad, g), IndexError), _next_call_exact(c, g)
 
 
 def bad_inputs_worker() -> dict[str, str]:

@@ -28,6 +28,7 @@ from torch import nn
 pytest.importorskip("transformers")
 
 from test_combine_pass import FP32, TitanStyleMoE, _compare, _Run  # noqa: E402  (after the importorskip)
+from test_combine_pass import ep_model_worker as combine_ep_model_worker  # noqa: E402
 
 OP = "all_to_all_permute_gemm"
 
@@ -43,31 +44,8 @@ class _DispatchRun(_Run):
 
 
 def ep_model_worker(preset: str, batches: list[int], fuse: str = "always", dynamic: bool | None = False) -> dict:
-    """The harness's ep plan of ``preset`` (one layer, seq 16, fp32): compiled vs eager loss and every gradient at
-    each batch size, on fresh random token ids."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from flashoverlap_inductor.bench import models, plans
-    from flashoverlap_inductor.bench.runner import TrainLoss
-
-    spec = models.PRESETS[preset].with_overrides(layers=1)
-    model = plans.apply(models.build(spec, torch.device("cpu"), torch.float32, 0, 16), spec, "ep",
-                        init_device_mesh("cpu", (dist.get_world_size(),)), "loop")
-    ref, got = TrainLoss(model), TrainLoss(copy.deepcopy(model))
-    with _DispatchRun() as run:
-        compiled = torch.compile(got, backend="flashoverlap", options={"flashoverlap.fuse": fuse}, dynamic=dynamic)
-        for batch in batches:
-            gen = torch.Generator().manual_seed(100 * batch + 3)
-            ids = torch.randint(0, spec.vocab, (batch, 16), generator=gen)
-            targets = torch.randint(0, spec.vocab, (batch, 16), generator=gen)
-            for m in (ref, got):
-                m.zero_grad(set_to_none=True)
-            loss_ref, loss_got = ref(ids, targets), compiled(ids, targets)
-            loss_ref.backward()
-            loss_got.backward()
-            _compare(ref, got, loss_ref.detach(), loss_got.detach(), FP32)
-        return run.report()
-
+    """``test_combine_pass.ep_model_worker`` (the harness's ep plan vs eager), reporting the dispatch's counters."""
+    return combine_ep_model_worker(preset, batches, fuse, dynamic, run_cls=_DispatchRun, seed=3)
 
 def _block_vs_eager(ref: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> dict:
     """Compiled (fuse "always") vs eager output, input and parameter gradients (bf16); the dispatch ops' lines of the

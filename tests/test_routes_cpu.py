@@ -229,6 +229,22 @@ def _fake_symmetric(monkeypatch, made: list):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=3))
 
 
+def _record_peer_calls(monkeypatch) -> list:
+    """A fake kernel library whose ``fo_peer_call`` appends a copy of its ``PeerArgs`` to the returned list (and
+    succeeds); the peer route's memo reset."""
+    seen: list = []
+
+    class Lib:
+        def fo_peer_call(self, ref):
+            seen.append(peer.PeerArgs.from_buffer_copy(ref._obj))
+            return 0
+
+    monkeypatch.setattr(kernels, "library", lambda: Lib())
+    monkeypatch.setattr(kernels, "check", lambda rc, what: None)
+    peer.ROUTE.reset()
+    return seen
+
+
 def _ctx(group, rows, n, k, out_rows):
     a, b = torch.randn(rows, k), torch.randn(n, k).t()
     res = types.SimpleNamespace(counters=[torch.zeros(4, dtype=torch.int32)], record=torch.zeros(4),
@@ -240,16 +256,7 @@ def _ctx(group, rows, n, k, out_rows):
 def test_peer_execute_pushes_gemm1_to_the_peer_and_fills_only_the_calls_pointers(monkeypatch):
     made: list[int] = []
     _fake_symmetric(monkeypatch, made)
-    seen = []
-
-    class Lib:
-        def fo_peer_call(self, ref):
-            seen.append(peer.PeerArgs.from_buffer_copy(ref._obj))
-            return 0
-
-    monkeypatch.setattr(kernels, "library", lambda: Lib())
-    monkeypatch.setattr(kernels, "check", lambda rc, what: None)
-    peer.ROUTE.reset()
+    seen = _record_peer_calls(monkeypatch)
     group = types.SimpleNamespace(group_name="g", rank=lambda: 0, size=lambda: 2)
     rows, n, k = 64, 32, 16
     t = peer.PeerArgs()
@@ -299,16 +306,7 @@ def test_peer_probe_events_reach_the_struct_for_the_probed_call_only(monkeypatch
     """A probed call gets the probe's events at its points' indices (``probe_points``) and the start / end marks;
     the memoized struct holds none before or after it."""
     _fake_symmetric(monkeypatch, [])
-    seen = []
-
-    class Lib:
-        def fo_peer_call(self, ref):
-            seen.append(peer.PeerArgs.from_buffer_copy(ref._obj))
-            return 0
-
-    monkeypatch.setattr(kernels, "library", lambda: Lib())
-    monkeypatch.setattr(kernels, "check", lambda rc, what: None)
-    peer.ROUTE.reset()
+    seen = _record_peer_calls(monkeypatch)
     group = types.SimpleNamespace(group_name="g", rank=lambda: 0, size=lambda: 2)
     rows, n, k = 64, 32, 16
     collective = "reduce_scatter" if how == "reduce_scatter" else "all_reduce"
@@ -343,22 +341,13 @@ def test_peer_probe_events_are_cleared_when_the_probed_call_raises(monkeypatch):
     """A probe whose end mark raises must not leave its (soon freed) events in the memoized struct: the next plain
     call records none."""
     _fake_symmetric(monkeypatch, [])
-    seen = []
-
-    class Lib:
-        def fo_peer_call(self, ref):
-            seen.append(peer.PeerArgs.from_buffer_copy(ref._obj))
-            return 0
-
+    seen = _record_peer_calls(monkeypatch)
     class Failing(_Probe):
         def mark(self, name, stream, lane="compute"):
             if name == "end":
                 raise RuntimeError("mark failed")
             super().mark(name, stream, lane)
 
-    monkeypatch.setattr(kernels, "library", lambda: Lib())
-    monkeypatch.setattr(kernels, "check", lambda rc, what: None)
-    peer.ROUTE.reset()
     group = types.SimpleNamespace(group_name="g", rank=lambda: 0, size=lambda: 2)
     rows, n, k = 64, 32, 16
     t = peer.PeerArgs()
