@@ -154,3 +154,13 @@ def close_pools() -> None:
 
 
 atexit.register(close_pools)
+
+
+def cuda_gpus() -> int:
+    """CUDA GPUs visible to this process (0 when CUDA is missing or its probe fails): for the 2-GPU tests' skips."""
+    import torch
+
+    try:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - any failure to probe means: skip
+        return 0

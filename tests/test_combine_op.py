@@ -78,36 +78,45 @@ def _split(rows: int, groups: int, gen: torch.Generator) -> list[int]:
     return [b - a for a, b in zip([0, *cuts], [*cuts, rows], strict=True)]
 
 
-def op_worker(forms: list[str], index_kinds: list[str], dtype_name: str, seeds: list[int], plan: str = "blocks",
-              empty: bool = False) -> int:
-    """Every (form, index kind, seed): the fused op under ``plan`` equals the unfused reference on this rank; returns
-    the count."""
+def run_cases(op: str, make, check, forms: list[str], index_kinds: list[str], dtype_name: str, seeds: list[int],
+              plan: str, empty: bool) -> int:
+    """Every (form, index kind, seed): ``check(make(form, kind, dtype, seed, world, rank, empty), dtype, where)``
+    on this rank, with deterministic algorithms; asserts the P2P route of MoE ``op`` ran every call (not the
+    reference); returns the count. Also the dispatch tests'."""
     from flashoverlap_inductor.routes import stats
 
     dtype = getattr(torch, dtype_name)
     g = dist.group.WORLD
-    before = stats["combine:p2p"]
+    before = stats[f"{op}:p2p"]
     torch.use_deterministic_algorithms(True)
     done = 0
     try:
         for form in forms:
             for kind in index_kinds:
                 for seed in seeds:
-                    c = make_case(form, kind, dtype, seed, g.size(), g.rank(), empty)
-                    got = torch.ops.flashoverlap.gemm_unpermute_all_to_all(
-                        c["a"], c["b"], c["offs"], c["index"], c["accumulate"], c["outs"], c["ins"], g.group_name,
-                        plan)
-                    want = combine_route.reference(c["a"], c["b"], c["offs"], c["index"], c["accumulate"], c["outs"],
-                                                   c["ins"], g)
-                    assert got.shape == (sum(c["outs"]), N) and got.dtype == dtype, (form, kind, seed, got.shape)
-                    where = f"{form} {kind} {seed} {plan}"
-                    torch.testing.assert_close(got, want, **TOL[dtype], msg=lambda m, w=where: f"{w}: {m}")
+                    case = make(form, kind, dtype, seed, g.size(), g.rank(), empty)
+                    check(case, dtype, f"{form} {kind} {seed} {plan}")
                     done += 1
     finally:
         torch.use_deterministic_algorithms(False)
-    assert stats["combine:p2p"] - before == done  # the P2P route ran, not the reference
+    assert stats[f"{op}:p2p"] - before == done  # the P2P route ran, not the reference
     return done
 
+
+def op_worker(forms: list[str], index_kinds: list[str], dtype_name: str, seeds: list[int], plan: str = "blocks",
+              empty: bool = False) -> int:
+    """Every (form, index kind, seed): the fused op under ``plan`` equals the unfused reference on this rank; returns
+    the count."""
+    g = dist.group.WORLD
+
+    def check(c: dict, dtype: torch.dtype, where: str) -> None:
+        got = torch.ops.flashoverlap.gemm_unpermute_all_to_all(
+            c["a"], c["b"], c["offs"], c["index"], c["accumulate"], c["outs"], c["ins"], g.group_name, plan)
+        want = combine_route.reference(c["a"], c["b"], c["offs"], c["index"], c["accumulate"], c["outs"], c["ins"], g)
+        assert got.shape == (sum(c["outs"]), N) and got.dtype == dtype, (where, got.shape)
+        torch.testing.assert_close(got, want, **TOL[dtype], msg=lambda m, w=where: f"{w}: {m}")
+
+    return run_cases("combine", make_case, check, forms, index_kinds, dtype_name, seeds, plan, empty)
 
 def failure_worker(bad_rank: int) -> tuple[str, str]:
     """A GEMM that raises on ``bad_rank`` in the middle of a call: every rank raises; the next call is exact."""

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import get_pool
-from test_combine_op import _split, split_counts
+from test_combine_op import _split, run_cases, split_counts
 
 from flashoverlap_inductor.routes import moe_dispatch as dispatch_route
 
@@ -72,31 +72,17 @@ def op_worker(forms: list[str], index_kinds: list[str], dtype_name: str, seeds: 
               empty: bool = False) -> int:
     """Every (form, index kind, seed): the fused op under ``plan`` equals the unfused reference on this rank; returns
     the count."""
-    from flashoverlap_inductor.routes import stats
-
-    dtype = getattr(torch, dtype_name)
     g = dist.group.WORLD
-    before = stats["dispatch:p2p"]
-    torch.use_deterministic_algorithms(True)
-    done = 0
-    try:
-        for form in forms:
-            for kind in index_kinds:
-                for seed in seeds:
-                    c = make_case(form, kind, dtype, seed, g.size(), g.rank(), empty)
-                    got, want = _call(c, g, plan), _reference(c, g)
-                    assert len(got) == len(want) == 1 + len(c["b"]), (form, kind, seed)
-                    assert got[0].shape == (c["index"].shape[0], K), (form, kind, seed, got[0].shape)
-                    where = f"{form} {kind} {seed} {plan}"
-                    for x, y in zip(got, want, strict=True):
-                        assert x.dtype == dtype and x.shape == y.shape, where
-                        torch.testing.assert_close(x, y, **TOL[dtype], msg=lambda m, w=where: f"{w}: {m}")
-                    done += 1
-    finally:
-        torch.use_deterministic_algorithms(False)
-    assert stats["dispatch:p2p"] - before == done  # the P2P route ran, not the reference
-    return done
 
+    def check(c: dict, dtype: torch.dtype, where: str) -> None:
+        got, want = _call(c, g, plan), _reference(c, g)
+        assert len(got) == len(want) == 1 + len(c["b"]), where
+        assert got[0].shape == (c["index"].shape[0], K), (where, got[0].shape)
+        for x, y in zip(got, want, strict=True):
+            assert x.dtype == dtype and x.shape == y.shape, where
+            torch.testing.assert_close(x, y, **TOL[dtype], msg=lambda m, w=where: f"{w}: {m}")
+
+    return run_cases("dispatch", make_case, check, forms, index_kinds, dtype_name, seeds, plan, empty)
 
 def failure_worker(bad_rank: int) -> tuple[str, str]:
     """A GEMM that raises on ``bad_rank`` in the middle of a call: every rank raises; the next call is exact."""

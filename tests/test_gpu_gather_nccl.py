@@ -11,22 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import DistPool
+from dist_utils import DistPool, cuda_gpus
 
 TIMEOUT_S = 150.0
 
 
-def _gpus() -> int:
-    try:
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # noqa: BLE001 - any failure to probe means: skip
-        return 0
+two_gpus = pytest.mark.skipif(cuda_gpus() < 2, reason="needs >= 2 CUDA GPUs")
 
 
-two_gpus = pytest.mark.skipif(_gpus() < 2, reason="needs >= 2 CUDA GPUs")
-
-
-@pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU")
+@pytest.mark.skipif(cuda_gpus() < 1, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("world,gather_dim", [(2, 0), (4, 1), (8, 1)])
 def test_stream_schedule_on_one_gpu(world, gather_dim):
     """The route's stream schedule (``gather_ring.run_streams``) on one GPU, its ring steps simulated by copies on
@@ -67,7 +60,7 @@ def test_stream_schedule_on_one_gpu(world, gather_dim):
     assert torch.equal(got[-1], g)
 
 
-@pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU")
+@pytest.mark.skipif(cuda_gpus() < 1, reason="needs a CUDA GPU")
 def test_failure_exchange_on_one_gpu(monkeypatch):
     """The route's call (``gather_nccl.run_call``) on one GPU with its CUDA streams, as rank 0 of 2: the ring step
     simulated by a late copy on the side stream, the failure exchange by a device-side max with a simulated peer

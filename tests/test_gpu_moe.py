@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import DistPool
+from dist_utils import DistPool, cuda_gpus
 
 TIMEOUT_S = 150.0
 K, N, E = 256, 384, 4  # bf16 rows of 512 / 768 bytes: _grouped_mm's 16-byte stride rule holds
@@ -25,14 +25,7 @@ TOL = 4 * torch.finfo(torch.bfloat16).eps  # normwise relative error of a bf16 G
 TOLS = {torch.bfloat16: TOL, torch.float16: 4 * torch.finfo(torch.float16).eps, torch.float32: 1e-5}
 
 
-def _gpus() -> int:
-    try:
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # noqa: BLE001 - any failure to probe means: skip
-        return 0
-
-
-two_gpus = pytest.mark.skipif(_gpus() < 2, reason="needs >= 2 CUDA GPUs")
+two_gpus = pytest.mark.skipif(cuda_gpus() < 2, reason="needs >= 2 CUDA GPUs")
 
 
 @pytest.fixture(scope="module")
