@@ -109,7 +109,7 @@ def run_call(op: str, x: torch.Tensor, group: dist.ProcessGroup, splits: int, pl
         if not (x.is_cuda and compat.is_capturing()):
             route = "p2p" if why is None else f"unfused ({why.split(':', 1)[0]})"
             agree.check_once({"call": repr(call), "rows": "per rank",
-                              "settings": settings.replace(library=None, config_dir=None).key(), "routes": route,
+                              "settings": agree.shared_settings_key(settings), "routes": route,
                               "library": "-", "data": agree.data_digest(settings.config_dir),
                               "gpu": x.device.type}, group, what)
         if why is None:
