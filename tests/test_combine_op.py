@@ -324,3 +324,23 @@ def test_cuda_calls_take_the_p2p_route_only_under_its_experiment():
     cuda_like = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda", index=0), dtype=torch.bfloat16)
     assert moe_p2p.unsupported(cuda_like, None, 2, frozenset()).startswith("experiment:")
     assert moe_p2p.unsupported(torch.zeros(2, 2), None, 2, frozenset()) is None
+
+
+@pytest.mark.parametrize("dtype,cols", [(torch.bfloat16, 24), (torch.bfloat16, 12), (torch.float16, 6),
+                                        (torch.float32, 3), (torch.float32, 8), (torch.uint8, 5)])
+def test_copy_rows_matches_index_copy_bit_for_bit(dtype, cols):
+    """``moe_p2p.copy_rows`` moves rows as wide words where they divide a row: the same bits as ``index_copy_``,
+    on whole tensors and on row slices (a slice's offset, a whole number of rows, stays word-aligned)."""
+    from flashoverlap_inductor.routes import moe_p2p
+
+    gen = torch.Generator().manual_seed(cols)
+    full = torch.randint(0, 255, (40, cols * torch.empty((), dtype=dtype).element_size()), generator=gen,
+                         dtype=torch.uint8).view(dtype)
+    src = torch.randint(0, 255, (9, full.shape[1] * full.element_size()), generator=gen,
+                        dtype=torch.uint8).view(dtype)
+    index = torch.randperm(20, generator=gen)[:9]
+    for dst_of in (lambda t: t, lambda t: t[3:23]):
+        got, want = full.clone(), full.clone()
+        moe_p2p.copy_rows(dst_of(got), index, src)
+        dst_of(want).index_copy_(0, index, src)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))

@@ -22,7 +22,8 @@
 # FO_E2E_PRESET, FO_E2E_LAYERS: the e2e model (default llama3-8b, 8 layers; e.g. qwen3-moe 4 with FO_E2E_PLAN=ep).
 # FO_FAULT_SPECS: the fault probes' argument lists, ';'-separated; FO_TIMELINE_ARGS: more timeline arguments (e.g.
 #   "--op reduce_scatter" or "--op all_reduce": the peer route's call timeline instead of the all_gather one, 1 PNG).
-# FO_SKIP: any of "build tests faults cpu coverage ops gather moe timeline e2e"; FO_BUDGET_S: the part's budget (default 570).
+# FO_OPS_CAP_S: bench_ops' cap (default 120 s; FO_OPS_SHAPES=grid, the 16-shape grid, needs ~300).
+# FO_SKIP: any of "build tests faults cpu coverage ops gather moe moeprof timeline e2e"; FO_BUDGET_S: the part's budget (default 570).
 set -uo pipefail
 START=$SECONDS
 PART=${FO_PART:-A}
@@ -94,8 +95,9 @@ elif [ "$PART" = B ]; then
   fi
   if [[ "$SKIP" != *" ops "* ]]; then
     step "bench_ops"
-    timeout "$(cap 120)" "${TORCHRUN[@]}" --nproc_per_node="$WORLD" "$REPO/examples/bench_ops.py" --fuse auto \
-      --shapes "${FO_OPS_SHAPES:-4096x4096x4096,16384x4096x4096}" --time-budget-s 60 --json /tmp/fo_probe/bench_ops.json >"$OUT/bench_ops.log" 2>&1
+    OPS_CAP=$(cap "${FO_OPS_CAP_S:-120}")
+    timeout "$OPS_CAP" "${TORCHRUN[@]}" --nproc_per_node="$WORLD" "$REPO/examples/bench_ops.py" --fuse auto \
+      --shapes "${FO_OPS_SHAPES:-4096x4096x4096,16384x4096x4096}" --time-budget-s $((OPS_CAP > 90 ? OPS_CAP - 30 : 60)) --json /tmp/fo_probe/bench_ops.json >"$OUT/bench_ops.log" 2>&1
     echo "bench_ops rc=$?" | tee -a "$OUT/bench_ops.log"; tail -25 "$OUT/bench_ops.log"
   fi
   if [[ "$SKIP" != *" gather "* ]]; then
@@ -109,6 +111,13 @@ elif [ "$PART" = B ]; then
     timeout "$(cap 150)" "${TORCHRUN[@]}" --nproc_per_node="$WORLD" "$REPO/examples/bench_moe.py" ${FO_MOE_ARGS:-} \
       --json /tmp/fo_probe/bench_moe.json >"$OUT/bench_moe.log" 2>&1
     echo "bench_moe rc=$?" | tee -a "$OUT/bench_moe.log"; tail -20 "$OUT/bench_moe.log"
+  fi
+  if [[ "$SKIP" != *" moeprof "* ]]; then  # where a fused MoE call's time goes: profiler tables; traces: $OUT/moe_traces.tgz
+    step "moe_profile"
+    timeout "$(cap 90)" "${TORCHRUN[@]}" --nproc_per_node=2 "$REPO/examples/device/moe_profile.py" \
+      --shapes "${FO_MOEPROF_SHAPES:-qwen3:4096}" --trace /tmp/fo_probe >"$OUT/moe_profile.log" 2>&1
+    echo "moe_profile rc=$?" | tee -a "$OUT/moe_profile.log"; grep "^==" "$OUT/moe_profile.log"
+    (cd /tmp/fo_probe && tar czf "$OUT/moe_traces.tgz" moe_*.json 2>/dev/null)
   fi
   if [[ "$SKIP" != *" timeline "* ]]; then
     step "timeline"

@@ -143,7 +143,10 @@ class CombineUnits:
                         torch.mm(rows, w, out=out)
                     else:  # the grouped terms summed as the graph rounds them
                         out.add_(torch.mm(rows, w))
-        send.index_put_((self.plan.target[lo:hi],), y, self.accumulate)
+        if self.accumulate:
+            send.index_put_((self.plan.target[lo:hi],), y, True)
+        else:  # the unit's targets are distinct rows of its own block
+            moe_p2p.copy_rows(send, self.plan.target[lo:hi], y.contiguous())
 
 
 def run_p2p(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | None, index: torch.Tensor,

@@ -153,13 +153,13 @@ class DispatchUnits:
             return
         rows = self.plan.order[lo:hi]
         a = recv.index_select(0, self.plan.target[lo:hi])  # unit v's rows of p, in p's (expert) order
-        self.p.index_copy_(0, rows, a)
+        moe_p2p.copy_rows(self.p, rows, a)
         if self.offs is not None:
             grouped = self.plan.grouped_rows(v)  # its rows in an expert: the first ones
             if grouped:
                 for out, w in zip(self.y, self.gemms.b, strict=True):
-                    out.index_copy_(0, rows[:grouped], torch._grouped_mm(a[:grouped], w,
-                                                                         offs=self.offs[v, :self.experts]))
+                    moe_p2p.copy_rows(out, rows[:grouped], torch._grouped_mm(a[:grouped], w,
+                                                                             offs=self.offs[v, :self.experts]))
             return
         # the loop form, or the grouped form without a _grouped_mm kernel (moe_p2p.grouped_kernel)
         for g, pos, count, row0 in self.plan.segments(v):
@@ -170,7 +170,7 @@ class DispatchUnits:
                 if row0 is not None:
                     torch.mm(piece, w, out=out[row0 - base:row0 - base + count])
                 else:
-                    out.index_copy_(0, self.plan.order[pos:pos + count] - base, torch.mm(piece, w))
+                    moe_p2p.copy_rows(out, self.plan.order[pos:pos + count] - base, torch.mm(piece, w))
 
 
 def run_p2p(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes: list[int] | None,

@@ -142,6 +142,34 @@ def exchange(send: torch.Tensor | None, recv: torch.Tensor | None, dst: int, src
     return [w for w in (dist.batch_isend_irecv(ops) or ()) if w is not None]
 
 
+_WIDE = (torch.complex128, torch.int64, torch.int32)  # 16-, 8- and 4-byte words, widest first
+_no_kernel: set[tuple[str, torch.dtype]] = set()  # (device type, word) whose index_copy_ raised: not tried again
+
+
+def copy_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.index_copy_(0, index, src)`` (row ``index[i]`` of ``dst`` = row i of ``src``; 2-D, rows contiguous),
+    with each row moved as the widest words that divide it (16, 8 or 4 bytes: the same bits; a bf16 row of 1536
+    elements is 192 16-byte words): torch's index_copy_ kernel moves one element per index step, so bf16 rows copy
+    several times slower than a gather's vectorized rows (measured on H100: 94 us per 32768 x 1536 bf16 half).
+    Falls back to the elements' own dtype when no word divides a row or a view is refused (alignment)."""
+    if dst.dim() == 2 and dst.stride(1) == 1 and src.stride(1) == 1 and src.dtype == dst.dtype:
+        row_bytes = dst.shape[1] * dst.element_size()
+        for word in _WIDE:
+            size = torch.empty((), dtype=word).element_size()
+            if size <= dst.element_size() or row_bytes % size or (dst.device.type, word) in _no_kernel:
+                continue
+            try:
+                wide_dst, wide_src = dst.view(word), src.view(word)
+            except RuntimeError:  # the rows' offset or stride is not a whole number of words
+                continue
+            try:
+                wide_dst.index_copy_(0, index, wide_src)
+                return
+            except (RuntimeError, NotImplementedError):  # no index_copy_ kernel for the word on this device
+                _no_kernel.add((dst.device.type, word))
+    dst.index_copy_(0, index, src)
+
+
 def upload(host: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """Host int64 tensors on ``device`` (views of one buffer): unchanged on the CPU; on CUDA one pinned,
     non-blocking host-to-device copy (the caching host allocator keeps the pinned buffer until the copy ran)."""

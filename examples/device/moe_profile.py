@@ -1,0 +1,74 @@
+"""Where the time of one fused MoE call goes on 2 GPUs (a diagnostic for ``examples/bench_moe.py``): per op and shape,
+the host time of a call, its wall time with a sync, and a torch profiler table (top ops by device and host time).
+
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 examples/device/moe_profile.py [--shapes qwen3:4096] [--trace DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import bench_moe as bm  # noqa: E402
+
+from flashoverlap_inductor import config  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="qwen3:4096,mixtral:4096")
+    p.add_argument("--plan", default="blocks")
+    p.add_argument("--trace", default=None)
+    args = p.parse_args()
+    torch.cuda.set_device(dist.get_node_local_rank(fallback_rank=0))
+    dev = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", device_id=dev)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with config.patch(experiments={"moe_p2p_cuda"}):
+        for preset, tokens in bm.shapes_of(args.shapes):
+            shape = bm.PRESETS[preset]
+            r = bm.routing(shape["experts"], shape["top_k"], tokens, world, rank, dev)
+            for op in ("dispatch", "combine"):
+                variants, seq = bm._variants(op, shape, r, [args.plan], dev)
+                fused = variants[f"fused[{args.plan}]"]
+                for name, f in (("seq", seq), ("fused", fused)):
+                    for _ in range(3):
+                        f()
+                    torch.cuda.synchronize()
+                    host, wall = [], []
+                    for _ in range(10):
+                        dist.barrier()
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        f()
+                        t1 = time.perf_counter()
+                        torch.cuda.synchronize()
+                        t2 = time.perf_counter()
+                        host.append((t1 - t0) * 1e3)
+                        wall.append((t2 - t0) * 1e3)
+                    if rank == 0:
+                        print(f"== {op} {preset}:{tokens} {name}: host {statistics.median(host):.3f} ms, "
+                              f"wall {statistics.median(wall):.3f} ms", flush=True)
+                acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                with torch.profiler.profile(activities=acts) as prof:
+                    for _ in range(3):
+                        fused()
+                    torch.cuda.synchronize()
+                if rank == 0:
+                    ka = prof.key_averages()
+                    print(ka.table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
+                    print(ka.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+                    if args.trace:
+                        prof.export_chrome_trace(os.path.join(args.trace, f"moe_{op}_{preset}_{tokens}.json"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
