@@ -7,8 +7,9 @@ whose ``m`` may differ between ranks); else, for all_to_all with ``input_split_s
 hold different rows, so nothing rank-specific may choose them); else the predictive search (``search.py``).
 
 Verdict (``fuse``): the plan has >= 2 groups, ``m >= config.min_rows``, and
-``fused <= (1 - config.min_gain_fraction) * sequential``, where both times are measured ones from the plan
-table when it has them and the model's predictions otherwise. ``plan`` is returned even when ``fuse`` is False
+``fused <= (1 - config.min_gain_fraction - e) * sequential``, where both times are measured ones from the plan
+table when it has them (``e`` = 0) and the model's predictions otherwise (``e`` = ``gain.model_error``: all_to_all's
+NCCL route errs most, more so on another GPU's data). ``plan`` is returned even when ``fuse`` is False
 (fuse mode "always" uses it).
 
 ``peer=True`` says the call will take the peer route (``flashoverlap_inductor.routes.select`` picks it): where the
@@ -140,7 +141,8 @@ def _decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int
                f"{verdict_seq:.3f} ms sequential ({_ratio(verdict_fused, verdict_seq)}){data_note}")
     if plan.num_groups < 2:
         return Decision(False, plan, fused, seq, f"declined: too few rows for two groups; {summary}")
-    fuse, reason = gain.verdict(verdict_fused, verdict_seq, m, min_gain, min_rows, summary)
+    error = 0.0 if what == "measured" else gain.model_error(collective, None, how in ("exact", "family"))
+    fuse, reason = gain.verdict(verdict_fused, verdict_seq, m, min_gain, min_rows, summary, error)
     return Decision(fuse, plan, fused, seq, reason)
 
 
