@@ -8,9 +8,9 @@ hold different rows, so nothing rank-specific may choose them); else the predict
 
 Verdict (``fuse``): the plan has >= 2 groups, ``m >= config.min_rows``, and
 ``fused <= (1 - config.min_gain_fraction - e) * sequential``, where both times are measured ones from the plan
-table when it has them (``e`` = 0) and the model's predictions otherwise (``e`` = ``gain.model_error``: all_to_all's
-NCCL route errs most, more so on another GPU's data). ``plan`` is returned even when ``fuse`` is False
-(fuse mode "always" uses it).
+table when it has them and the model's predictions otherwise; ``e`` = ``gain.model_error`` (all_to_all's NCCL route
+errs most, and its measured times vary between runs; more so on another GPU's data). ``plan`` is returned even
+when ``fuse`` is False (fuse mode "always" uses it).
 
 ``peer=True`` says the call will take the peer route (``flashoverlap_inductor.routes.select`` picks it): where the
 data has a peer model for it (``peer.py``), ``fused`` is that model's time and the verdict needs no groups
@@ -141,7 +141,7 @@ def _decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int
                f"{verdict_seq:.3f} ms sequential ({_ratio(verdict_fused, verdict_seq)}){data_note}")
     if plan.num_groups < 2:
         return Decision(False, plan, fused, seq, f"declined: too few rows for two groups; {summary}")
-    error = 0.0 if what == "measured" else gain.model_error(collective, None, how in ("exact", "family"))
+    error = gain.model_error(collective, None, how in ("exact", "family"), measured=what == "measured")
     fuse, reason = gain.verdict(verdict_fused, verdict_seq, m, min_gain, min_rows, summary, error)
     return Decision(fuse, plan, fused, seq, reason)
 
