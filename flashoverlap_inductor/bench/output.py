@@ -77,7 +77,8 @@ def fusion_summary(row: dict[str, Any]) -> str:
         got = {k[len(prefix):]: n for k, n in c.items() if k.startswith(prefix)}
         if got:
             parts.append(label + " " + " ".join(f"{SHORT.get(k, k)} {n}" for k, n in sorted(got.items())))
-    ran = {k: n for k, n in row.get("runtime", {}).items() if k.startswith(("route:", "fallback:"))}
+    ran = {k: n for k, n in row.get("runtime", {}).items()
+           if k.startswith(("route:", "fallback:")) or k.endswith((":fast", ":redo"))}
     if ran:
         parts.append("ran " + " ".join(f"{k} {n}" for k, n in sorted(ran.items())))
     return "; ".join(parts) or "nothing to fuse"

@@ -44,10 +44,11 @@ import torch
 import torch.distributed as dist
 
 from ..schedule.combine import chunk_sizes, group_ends, offsets, parse_plan, plan_units, ring_steps
-from . import moe_p2p
-from .cpu import _poison, _settle, _wait_all
+from . import moe_fast, moe_p2p
+from .base import stats
+from .cpu import _poison, _wait_all
 
-TAG = 30830  # + chunk: the P2P tags of the combine's transfers (no other transfer of the package uses them)
+TAG = moe_p2p.COMBINE_TAG
 
 
 class ExpertGemm:
@@ -156,6 +157,12 @@ def run_p2p(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | N
     world, rank = group.size(), group.rank()
     chunks = parse_plan(plan, "combine")
     n, like = int(b[0].shape[-1]), a[0]
+    what = f"a fused all_to_all combine of {list(a[0].shape)} rows (plan {plan!r})"
+    redo = lambda: reference(a, b, offs, index, accumulate, outs, ins, group)  # noqa: E731
+    entries = int(index.shape[0])
+    if offs is not None and all(int(x.shape[0]) == entries for x in a) and \
+            moe_fast.eligible(True, like.dtype, chunks, entries, sum(ins)):
+        return moe_fast.run_combine(a, b, offs, index, outs, ins, group, what, redo)
     send_sizes, recv_sizes = chunk_sizes(ins, chunks), chunk_sizes(outs, chunks)
     send_off, recv_off = offsets(send_sizes), offsets(recv_sizes)
     send = like.new_zeros(send_off[-1], n)
@@ -186,7 +193,9 @@ def run_p2p(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | N
             except BaseException as exc:  # noqa: BLE001 - as above
                 failure = failure or exc
     failure = _wait_all(works, failure)
-    _settle(failure, "all_to_all combine", [send.shape[0], n], send, group, plan)
+    if moe_p2p.settle(failure, None, what, send.device, group):  # a peer's whole-block premise failed
+        stats["combine:redo"] += 1
+        return redo()
     return out
 
 

@@ -45,10 +45,11 @@ import torch
 import torch.distributed as dist
 
 from ..schedule.combine import chunk_sizes, group_ends, offsets, parse_plan, plan_units, ring_steps
-from . import moe_p2p
-from .cpu import _poison, _settle, _wait_all
+from . import moe_fast, moe_p2p
+from .base import stats
+from .cpu import _poison, _wait_all
 
-TAG = 30850  # + chunk: the P2P tags of the dispatch's transfers (no other transfer of the package uses them)
+TAG = moe_p2p.DISPATCH_TAG
 
 
 def check_operands(x: torch.Tensor, index: torch.Tensor, b: list, sizes: list | None,
@@ -181,6 +182,10 @@ def run_p2p(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes: 
     world, rank = group.size(), group.rank()
     chunks = parse_plan(plan, "dispatch")
     k = int(x.shape[1])
+    what = f"a fused all_to_all dispatch of {list(x.shape)} rows (plan {plan!r})"
+    redo = lambda: reference(x, index, b, sizes, offs, outs, ins, group)  # noqa: E731
+    if offs is not None and moe_fast.eligible(True, x.dtype, chunks, int(index.shape[0]), sum(outs)):
+        return moe_fast.run_dispatch(x, index, b, offs, outs, ins, group, what, redo)
     send_sizes, recv_sizes = chunk_sizes(ins, chunks), chunk_sizes(outs, chunks)
     send_off, recv_off = offsets(send_sizes), offsets(recv_sizes)
     recv = x.new_empty(recv_off[-1], k)
@@ -222,7 +227,10 @@ def run_p2p(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes: 
                 units.compute(v, recv)
             except BaseException as exc:  # noqa: BLE001 - as above
                 failure = exc
-    _settle(failure, "all_to_all dispatch", [recv.shape[0], k], recv, group, plan)
+    if moe_p2p.settle(failure, None, what, recv.device, group):  # a peer's whole-block premise failed
+        del poisoned
+        stats["dispatch:redo"] += 1
+        return redo()
     del poisoned
     return [units.p, *units.y]
 

@@ -27,12 +27,22 @@ import torch.distributed as dist
 from flashoverlap_inductor import config
 
 from .. import _inductor_compat as compat
+from .. import errors
 from ..schedule.combine import parse_plan
 from . import agree
 from .base import note, stats
+from .cpu import _group_name
 from .nccl import is_nccl_group
 
 T = TypeVar("T")
+log = logging.getLogger("flashoverlap")
+# The settle's vector (int64, MAX over the ranks): the failure code (rank + 1), then the routing checks of the
+# whole-block path (``routes/moe_fast.py``; 0 where they pass, and on the general path): index entries above the
+# buffer, below it, decreasing expert offsets, the premise violated (> 0 where it fails).
+FAIL, ABOVE, BELOW, OFFS, PREMISE = range(5)
+SETTLE_LEN = 5
+COMBINE_TAG = 30830  # + chunk: the P2P tags of the combine's transfers (no other transfer of the package uses them)
+DISPATCH_TAG = 30850  # + chunk: the dispatch's
 CUDA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _locks: dict[tuple[str, int], threading.RLock] = {}
 _locks_lock = threading.Lock()
@@ -121,6 +131,46 @@ def run_call(op: str, x: torch.Tensor, group: dist.ProcessGroup, splits: int, pl
             out = reference()
             count_fallback(op, why)
         return out
+
+
+def settle(failure: BaseException | None, checks: torch.Tensor | None, what: str, device: torch.device,
+           group: dist.ProcessGroup) -> bool:
+    """The exchange that ends every call of both MoE ops on the P2P route, on either path (the same collective on
+    every rank: one all_reduce (MAX) of the ``SETTLE_LEN`` int64 vector; none in a group of one rank), and the call's
+    one host read. ``checks``: this rank's routing checks (``moe_fast``), None on the general path. Raises
+    ``failure`` on a failed rank; ``IndexError`` / ``ValueError`` on a rank whose index or offsets are bad;
+    ``errors.PeerFailure`` on the others when any rank failed or had bad routing data. Returns whether any rank's
+    premise failed: then every rank redoes the call with the unfused reference (the same answer on every rank)."""
+    local = torch.zeros(SETTLE_LEN, dtype=torch.int64, device=device) if checks is None else checks.clone()
+    if failure is not None:
+        local[FAIL] = group.rank() + 1  # a fill on the device: no host sync
+    lost: Exception | None = None
+    reduced = local.clone()
+    if group.size() > 1:
+        try:
+            dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+        except Exception as exc:  # noqa: BLE001 - the group itself broke: raised below
+            lost = exc
+    if failure is not None:
+        if lost is not None:
+            log.warning("flashoverlap: the failure exchange of %s failed too: %r", what, lost)
+        raise failure
+    if lost is not None:
+        raise errors.PeerFailure(f"flashoverlap: the failure exchange after {what} failed on rank {group.rank()} of "
+                                 f"group {_group_name(group)}; its output is not returned: {lost}") from lost
+    both = torch.cat([local, reduced]).tolist()  # the host sync
+    mine, worst = both[:SETTLE_LEN], both[SETTLE_LEN:]
+    if mine[ABOVE] > 0 or mine[BELOW] > 0:
+        raise IndexError(f"flashoverlap: {what}: an index entry is out of bounds for its buffer (by "
+                         f"{max(mine[ABOVE], mine[BELOW])} rows), as index_put / index would raise")
+    if mine[OFFS] > 0:
+        raise ValueError(f"flashoverlap: {what}: the expert group offsets must be non-negative and non-decreasing")
+    if worst[FAIL] or worst[ABOVE] > 0 or worst[BELOW] > 0 or worst[OFFS] > 0:
+        bad = f"rank {worst[FAIL] - 1}" if worst[FAIL] else "a rank"
+        raise errors.PeerFailure(f"flashoverlap: {bad} of group {_group_name(group)} failed in the middle of {what} "
+                                 f"(or had bad routing data); rank {group.rank()} completed its collectives but does "
+                                 "not return its output (the failing rank raises the cause)")
+    return worst[PREMISE] > 0
 
 
 def lock(kind: str, group: dist.ProcessGroup) -> threading.RLock:

@@ -1,0 +1,214 @@
+"""The MoE ops' whole-block path on the P2P route (``routes/combine.py``, ``routes/moe_dispatch.py``): no routing
+sync, few launches, no scatter. The general path (``CombineUnits``, ``DispatchUnits``) cuts the expert rows by unit
+on the device and reads the cut on the host before its first GEMM (a sync, then ~100 small ops per call: measured
+on 2 H100s at 2.6-2.9 ms of host time per call where the unfused ops take 0.8 ms); this path needs neither, where
+the routing data have the form the MoE layers give them.
+
+**The premise** (a property of each rank's routing data, checked on the device in every call):
+
+1. the index names every row of the blocked buffer once (``len(index)`` == the buffer's rows, checked on the host;
+   no row named twice, checked on the device);
+2. every expert row is in an expert group (``offs[-1] == len(index)``);
+3. within each block, the buffer's rows belong to non-decreasing expert groups (each rank sends its rows for a peer
+   sorted by that peer's local expert: torchtitan's and the e2e ``ep`` block's dispatch do).
+
+Under it, block j's rows of the buffer, in buffer order, *are* its expert rows in expert order, so each block's
+GEMMs run on rows as they lie, with per-block expert offsets counted on the device (``BlockPlan``):
+
+* dispatch: ``Y_j = grouped_mm(recv[block j], w, offs_j)`` for the own block at once, then for each block as its
+  transfer lands; then ``p = recv[index]`` and ``y = cat_j(Y_j)[index]`` (one gather each: expert order);
+* combine: ``Y_j = grouped_mm(a[inv[block j]], w, offs_j)`` (``inv``: the expert row of each send row) *is* send
+  block j, sent as soon as computed; no send buffer, no scatter.
+
+The call's one host sync is the settle (``moe_p2p.settle``): one all_reduce (MAX) of a 5-int vector per rank
+(failure, index bounds, offsets, premise). Where any rank's premise failed, every rank redoes the call with the
+unfused reference (the same answer on every rank, from the reduced vector; counted ``<op>:redo``). A rank may take
+this path while its peer takes the general one (the premise's host part is per rank): both issue the same transfers
+in the same order and the same settle. Where the premise fails the kernels still run on in-range rows: the index is
+reduced modulo the buffer's rows, unnamed rows read row 0, and every block's offsets are clamped to its rows.
+
+Taken (``eligible``) for the grouped form with a ``torch._grouped_mm`` kernel (bf16; ``moe_p2p.grouped_kernel``),
+plan ``"blocks"`` (one unit per block), and a per-rank index as long as the buffer; bf16 rows whose byte offsets are
+not 16-byte multiples are copied first (the grouped GEMM's alignment).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..schedule.combine import offsets, ring_steps
+from . import moe_p2p
+from .base import stats
+from .cpu import _poison, _wait_all
+
+
+def eligible(grouped: bool, dtype: torch.dtype, chunks: int, index_rows: int, buffer_rows: int) -> bool:
+    """Whether a call takes the whole-block path (module docstring); per rank (the paths interoperate)."""
+    return grouped and moe_p2p.grouped_kernel(dtype) and chunks == 1 and index_rows == buffer_rows
+
+
+class BlockPlan:
+    """The premise's checks and each block's expert offsets, on the index's device, with no host read. ``index``:
+    the op's (one entry per expert row; ``len(index)`` == ``sum(sizes)``, the buffer's rows); ``offs``: the experts'
+    cumulative row offsets (int32, E entries); ``sizes``: the blocks' rows (host ints). ``idx``: the index reduced
+    modulo the buffer's rows; ``inv``: the expert row of each buffer row (0 where none names it; the index is a
+    permutation iff ``idx[inv]`` is ``arange``); ``table`` (int32 ``[blocks, E rounded up to 4]``): row j holds block
+    j's cumulative expert offsets (16-byte aligned rows), each clamped to the block's rows; ``checks``: the settle's
+    vector (``moe_p2p.SETTLE_LEN`` int64)."""
+
+    def __init__(self, index: torch.Tensor, offs: torch.Tensor, sizes: list[int]) -> None:
+        dev, rows, experts = index.device, int(index.shape[0]), int(offs.shape[0])
+        blocks, bounds = len(sizes), offsets(sizes)
+        raw = index.to(torch.int64)
+        self.idx = torch.remainder(raw, max(rows, 1))
+        arange = torch.arange(rows, device=dev)
+        offs64 = offs.to(torch.int64)
+        group = torch.searchsorted(offs64, arange, right=True)  # each expert row's group; E: in none
+        self.inv = torch.zeros(rows, dtype=torch.int64, device=dev).index_copy_(0, self.idx, arange)
+        unnamed = (self.idx.index_select(0, self.inv) != arange).sum()  # 0 iff the index is a permutation
+        key = group.index_select(0, self.inv)  # each buffer row's expert group
+        small = moe_p2p.upload([torch.tensor(bounds), torch.tensor(sizes, dtype=torch.int64)], dev)
+        block = torch.searchsorted(small[0][1:].contiguous(), arange, right=True)
+        key.add_(block, alpha=experts + 1)  # (block, group), non-decreasing under the premise
+        ends = torch.searchsorted(key, torch.arange(blocks * (experts + 1), device=dev), right=True)
+        per_block = ends.view(blocks, experts + 1)[:, :experts] - small[0][:blocks, None]
+        self.table = torch.zeros(blocks, -(-experts // 4) * 4, dtype=torch.int32, device=dev)
+        self.table[:, :experts] = torch.minimum(per_block.clamp_(min=0), small[1][:, None])
+        if rows:
+            lo_hi = torch.aminmax(raw)
+            order = torch.diff(key).amin() if rows > 1 else torch.zeros((), dtype=torch.int64, device=dev)
+            self.checks = torch.stack([
+                torch.zeros((), dtype=torch.int64, device=dev), lo_hi.max - (rows - 1), -rows - lo_hi.min,
+                -torch.diff(offs64, prepend=offs64.new_zeros(1)).amin().clamp(max=0),
+                unnamed + (offs64[-1] - rows).abs() + (-order).clamp(min=0)])
+        else:
+            self.checks = torch.zeros(moe_p2p.SETTLE_LEN, dtype=torch.int64, device=dev)
+        self.experts, self.bounds = experts, bounds
+
+    def offs(self, j: int) -> torch.Tensor:
+        """Block j's cumulative expert offsets (int32, E entries, a 16-byte-aligned view)."""
+        return self.table[j, :self.experts]
+
+
+def _aligned(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` as the grouped GEMM reads them: a copy where the data do not start on 16 bytes."""
+    return rows if rows.data_ptr() % 16 == 0 else rows.clone()
+
+
+def _block_gemm(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor) -> torch.Tensor:
+    """``sum_t grouped_mm(a[t], b[t], offs)`` rounded as the graph rounds it (each term in the dtype, then summed)."""
+    y = None
+    for x, w in zip(a, b, strict=True):
+        t = torch._grouped_mm(_aligned(x), w, offs=offs)
+        y = t if y is None else y.add_(t)
+    return y
+
+
+def run_combine(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor, index: torch.Tensor,
+                outs: list[int], ins: list[int], group: dist.ProcessGroup, what: str, reference) -> torch.Tensor:
+    """The combine on the whole-block path: per ring step, block ``dst``'s rows (its expert rows gathered by
+    ``inv``, one grouped GEMM per term) sent to ``dst`` while the next block computes; the own block last, copied."""
+    world, rank = group.size(), group.rank()
+    n, like = int(b[0].shape[-1]), a[0]
+    recv_off = offsets(outs)
+    out = like.new_empty(recv_off[-1], n)
+    works, keep, failure, plan = [], [], None, None
+    try:
+        plan = BlockPlan(index, offs, list(ins))
+    except BaseException as exc:  # noqa: BLE001 - settled below, after every ring step was issued
+        failure = exc
+    for dst, src in [*ring_steps(world, rank), (rank, rank)]:
+        into = out[recv_off[src]:recv_off[src + 1]]
+        rows = int(ins[dst])
+        block = None
+        if failure is None and rows:
+            try:
+                lo = plan.bounds[dst]
+                block = _block_gemm([x.index_select(0, plan.inv[lo:lo + rows]) for x in a], b, plan.offs(dst))
+            except BaseException as exc:  # noqa: BLE001 - as above
+                failure = exc
+        if block is None:
+            block = like.new_empty(rows, n)
+            _poison(block)  # a failed rank's block: never mistaken for data
+        keep.append(block)  # alive until its transfer completed
+        try:
+            if dst == rank:
+                into.copy_(block)
+            else:
+                works += moe_p2p.exchange(block, into, dst, src, group, moe_p2p.COMBINE_TAG)
+        except BaseException as exc:  # noqa: BLE001 - as above
+            failure = failure or exc
+    failure = _wait_all(works, failure)
+    checks = None if plan is None else plan.checks
+    if moe_p2p.settle(failure, checks, what, like.device, group):
+        stats["combine:redo"] += 1
+        return reference()
+    stats["combine:fast"] += 1
+    del keep
+    return out
+
+
+def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], offs: torch.Tensor, outs: list[int],
+                 ins: list[int], group: dist.ProcessGroup, what: str, reference) -> list[torch.Tensor]:
+    """The dispatch on the whole-block path: every ring step's transfer issued first, the own block's GEMMs on its
+    rows as they lie, then each block's as it lands; then ``p`` and ``y`` gathered into expert order."""
+    world, rank = group.size(), group.rank()
+    k = int(x.shape[1])
+    send_off, recv_off = offsets(ins), offsets(outs)
+    recv = x.new_empty(recv_off[-1], k)
+    failure: BaseException | None = None
+    if x.shape[0] != send_off[-1]:
+        failure = ValueError(f"flashoverlap: the dispatch's input_split_sizes {ins} do not sum to its {x.shape[0]} "
+                             "rows")
+    else:
+        x = x.contiguous()
+    landing, poisoned = [], []
+    for dst, src in ring_steps(world, rank):
+        block = x[send_off[dst]:send_off[dst + 1]]
+        if failure is not None:
+            block = x.new_empty(send_off[dst + 1] - send_off[dst], k)
+            _poison(block)
+            poisoned.append(block)
+        try:
+            works = moe_p2p.exchange(block, recv[recv_off[src]:recv_off[src + 1]], dst, src, group,
+                                     moe_p2p.DISPATCH_TAG)
+        except BaseException as exc:  # noqa: BLE001 - settled below, after every ring step was issued
+            failure, works = failure or exc, []
+        landing.append((src, works))
+    ys: list[list[torch.Tensor | None]] = [[None] * world for _ in b]
+    plan = None
+
+    def compute(j: int) -> None:
+        rows = recv[recv_off[j]:recv_off[j + 1]]
+        for t, w in enumerate(b):
+            ys[t][j] = torch._grouped_mm(_aligned(rows), w, offs=plan.offs(j)) if rows.shape[0] else \
+                rows.new_empty(0, w.shape[-1])
+
+    try:
+        if failure is None:
+            recv[recv_off[rank]:recv_off[rank + 1]].copy_(x[send_off[rank]:send_off[rank + 1]])
+            plan = BlockPlan(index, offs, list(outs))
+            compute(rank)
+    except BaseException as exc:  # noqa: BLE001 - the transfers are still waited for
+        failure = failure or exc
+    for src, works in landing:
+        failure = _wait_all(works, failure)
+        if failure is None:
+            try:
+                compute(src)
+            except BaseException as exc:  # noqa: BLE001 - as above
+                failure = exc
+    result = None
+    if failure is None:
+        try:
+            result = [recv.index_select(0, plan.idx), *(torch.cat(y).index_select(0, plan.idx) for y in ys)]
+        except BaseException as exc:  # noqa: BLE001 - as above
+            failure = exc
+    checks = None if plan is None else plan.checks
+    if moe_p2p.settle(failure, checks, what, x.device, group):
+        stats["dispatch:redo"] += 1
+        return reference()
+    stats["dispatch:fast"] += 1
+    del poisoned
+    return result
