@@ -1,0 +1,181 @@
+"""The MoE ops' whole-block path (``routes/moe_fast.py``) on 2 and 3 gloo ranks: taken where each rank's routing data
+have the MoE layers' form (bf16, grouped, plan ``"blocks"``), equal to the unfused reference; every rank redoes the
+call unfused where any rank's premise fails (a rank whose index is not expert-sorted per block, or not a
+permutation); a rank on the general path (an index longer than the buffer) interoperates with one on this path;
+an index entry out of bounds or decreasing offsets raise on their rank and ``PeerFailure`` on the others; a fault in
+the middle of a call raises on every rank and the next call is exact.
+
+Every case runs under ``torch.use_deterministic_algorithms(True)`` (``torch.empty`` filled with NaN): a row the path
+forgets to compute or gather poisons the comparison.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import test_combine_op as tc
+import test_dispatch_op as td
+import torch
+import torch.distributed as dist
+from dist_utils import get_pool
+
+from flashoverlap_inductor import errors, routes
+from flashoverlap_inductor.routes import combine as combine_route
+from flashoverlap_inductor.routes import moe_fast
+
+BF16 = torch.bfloat16
+
+
+def _case(op: str, form: str, kind: str, seed: int) -> dict:
+    g = dist.group.WORLD
+    return (tc if op == "combine" else td).make_case(form, kind, BF16, seed, g.size(), g.rank())
+
+
+def _call(op: str, c: dict, plan: str = "blocks") -> list[torch.Tensor]:
+    g = dist.group.WORLD
+    if op == "dispatch":
+        return td._call(c, g, plan)
+    return [torch.ops.flashoverlap.gemm_unpermute_all_to_all(c["a"], c["b"], c["offs"], c["index"], c["accumulate"],
+                                                             c["outs"], c["ins"], g.group_name, plan)]
+
+
+def _reference(op: str, c: dict) -> list[torch.Tensor]:
+    g = dist.group.WORLD
+    if op == "dispatch":
+        return td._reference(c, g)
+    return [combine_route.reference(c["a"], c["b"], c["offs"], c["index"], c["accumulate"], c["outs"], c["ins"], g)]
+
+
+def _same(got: list[torch.Tensor], want: list[torch.Tensor], where: str) -> None:
+    assert len(got) == len(want), where
+    for x, y in zip(got, want, strict=True):
+        assert x.shape == y.shape and x.dtype == y.dtype, where
+        torch.testing.assert_close(x, y, rtol=1.6e-2, atol=5e-2, msg=lambda m: f"{where}: {m}")
+
+
+def path_worker(op: str, kinds_by_rank: list[str], forms: list[str], seeds: list[int]) -> dict[str, int]:
+    """Each (form, seed) with this rank's index kind ``kinds_by_rank[rank]``: the op equals the reference; returns
+    the path counters of this rank (``<op>:fast``, ``<op>:redo``, ``<op>:p2p``)."""
+    torch.use_deterministic_algorithms(True)
+    before = {k: routes.stats[f"{op}:{k}"] for k in ("fast", "redo", "p2p")}
+    kind = kinds_by_rank[dist.get_rank()]
+    for form in forms:
+        for seed in seeds:
+            c = _case(op, form, kind, seed)
+            if op == "combine" and "dup" in kinds_by_rank:
+                c["accumulate"] = True  # as "dup" needs (repeated rows summed): the same on every rank
+            _same(_call(op, c), _reference(op, c), f"{op} {form} {kind} seed {seed}")
+    return {k: routes.stats[f"{op}:{k}"] - v for k, v in before.items()}
+
+
+def bad_data_worker(op: str, bad_rank: int, what: str) -> tuple[str, str]:
+    """``bad_rank``'s index gets an entry past its buffer (``what`` "index") or its offsets a decrease ("offs"):
+    this call's outcome per rank, then whether the next (good) call is exact."""
+    torch.use_deterministic_algorithms(True)
+    rank = dist.get_rank()
+    c = _case(op, "grouped", "moe", 7)
+    bad = dict(c)
+    if rank == bad_rank and what == "index":
+        bad["index"] = c["index"].clone()
+        bad["index"][0] = c["index"].shape[0] + 3
+    elif rank == bad_rank:
+        bad["offs"] = c["offs"].clone()
+        bad["offs"][0] = c["offs"][-1] + 1  # the first expert's end past the next ones'
+    try:
+        _call(op, bad)
+        first = "no error"
+    except errors.PeerFailure as exc:
+        first = f"PeerFailure: {exc}"
+    except (IndexError, ValueError) as exc:
+        first = f"{type(exc).__name__}: {exc}"
+    _same(_call(op, c), _reference(op, c), "next call")
+    return first, "next call exact"
+
+
+def fault_worker(op: str, bad_rank: int) -> tuple[str, str]:
+    """A grouped GEMM that raises on ``bad_rank`` in the middle of a whole-block call: every rank raises; the next
+    call is exact."""
+    torch.use_deterministic_algorithms(True)
+    c = _case(op, "grouped2", "moe", 9)  # two terms: two grouped GEMMs per block
+    real, seen = torch._grouped_mm, []
+
+    def flaky(*args, **kwargs):
+        seen.append(1)
+        if dist.get_rank() == bad_rank and len(seen) == 2:
+            raise RuntimeError("injected GEMM fault")
+        return real(*args, **kwargs)
+
+    with mock.patch.object(moe_fast.torch, "_grouped_mm", flaky):
+        try:
+            _call(op, c)
+            first = "no error"
+        except errors.PeerFailure as exc:
+            first = f"PeerFailure: {exc}"
+        except RuntimeError as exc:
+            first = f"RuntimeError: {exc}"
+    _same(_call(op, c), _reference(op, c), "next call")
+    return first, "next call exact"
+
+
+# ------------------------------------------------------------------------------------------ 2-process tests
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return get_pool(2)
+
+
+@pytest.mark.parametrize("op", ["combine", "dispatch"])
+def test_moe_form_takes_the_whole_block_path_and_matches_the_reference(pool, op):
+    forms = ["grouped", "grouped2"]
+    for counts in pool.run(path_worker, op, ["moe", "moe"], forms, [1, 2, 3]):
+        assert counts == {"fast": 6, "redo": 0, "p2p": 6}, counts
+
+
+@pytest.mark.parametrize("op", ["combine", "dispatch"])
+def test_one_rank_outside_the_premise_makes_every_rank_redo_the_call(pool, op):
+    """Rank 1's index is a random permutation (not expert-sorted per block): its premise fails; rank 0's holds, yet
+    both redo the call unfused (the same answer from the settle), and both match the reference. (A random
+    permutation of a few rows can be expert-sorted per block by chance: then both take the whole-block path.)"""
+    got = pool.run(path_worker, op, ["moe", "perm"], ["grouped"], [1, 2, 3])
+    assert got[0] == got[1] and got[0]["redo"] >= 2 and got[0]["fast"] + got[0]["redo"] == 3, got
+
+
+@pytest.mark.parametrize("op", ["combine", "dispatch"])
+def test_a_rank_on_the_general_path_interoperates_with_one_on_the_whole_block_path(pool, op):
+    """Rank 1's index is longer than its buffer (repeats): it takes the general path, rank 0 the whole-block one;
+    their transfers and settle pair up."""
+    got = pool.run(path_worker, op, ["moe", "dup"], ["grouped"], [1, 2])
+    assert got[0] == {"fast": 2, "redo": 0, "p2p": 2}, got
+    assert got[1] == {"fast": 0, "redo": 0, "p2p": 2}, got
+
+
+def test_three_ranks():
+    for op in ("combine", "dispatch"):
+        for counts in get_pool(3).run(path_worker, op, ["moe"] * 3, ["grouped", "grouped2"], [1, 2]):
+            assert counts == {"fast": 4, "redo": 0, "p2p": 4}, counts
+
+
+@pytest.mark.parametrize("op", ["combine", "dispatch"])
+@pytest.mark.parametrize("what,error", [("index", "IndexError: flashoverlap"), ("offs", "ValueError: flashoverlap")])
+def test_bad_routing_data_raise_on_their_rank_and_peer_failure_on_the_other(pool, op, what, error):
+    for rank, (first, after) in enumerate(pool.run(bad_data_worker, op, 1, what)):
+        assert first.startswith(error if rank == 1 else "PeerFailure"), (rank, first)
+        assert after == "next call exact"
+
+
+@pytest.mark.parametrize("op", ["combine", "dispatch"])
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_fault_in_the_middle_raises_on_every_rank_and_the_next_call_is_exact(pool, op, bad_rank):
+    for rank, (first, after) in enumerate(pool.run(fault_worker, op, bad_rank)):
+        assert first.startswith("RuntimeError: injected" if rank == bad_rank else "PeerFailure"), (rank, first)
+        assert after == "next call exact"
+
+
+def test_eligibility():
+    assert moe_fast.eligible(True, BF16, 1, 10, 10)
+    assert not moe_fast.eligible(True, torch.float32, 1, 10, 10)  # no grouped kernel: one mm per expert run
+    assert not moe_fast.eligible(True, BF16, 2, 10, 10)  # "blocks:c=2": chunks are the general path's
+    assert not moe_fast.eligible(True, BF16, 1, 12, 10)  # an index longer than the buffer
+    assert not moe_fast.eligible(False, BF16, 1, 10, 10)  # the loop form
