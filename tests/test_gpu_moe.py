@@ -262,8 +262,10 @@ def fallback_worker() -> list[str]:
     return bad + ([] if err < 1e-12 else [f"fp64 fallback rel err {err:.3g}"])
 
 
-def fault_worker(op: str) -> list[str]:
-    """Rank 1's second unit GEMM raises in the first call; per call: "own", "peer" (naming rank 1) or "exact"."""
+def fault_worker(op: str, path: str) -> list[str]:
+    """Rank 1's second GEMM of the call raises in the first call; per call: "own", "peer" (naming rank 1) or "exact".
+    ``path`` "general": plan ``"blocks:c=2"`` (the unit GEMMs of ``CombineUnits`` / ``DispatchUnits``); "whole-block":
+    plan ``"blocks"`` (``routes/moe_fast.py``: its second grouped GEMM)."""
     from unittest import mock
 
     import torch.distributed as dist
@@ -271,16 +273,22 @@ def fault_worker(op: str) -> list[str]:
     from flashoverlap_inductor import errors
     from flashoverlap_inductor.routes import combine as combine_route
     from flashoverlap_inductor.routes import moe_dispatch as dispatch_route
+    from flashoverlap_inductor.routes import moe_fast
 
     g, dev, rank = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()), dist.get_rank()
-    owner, name = (combine_route.CombineUnits, "fill") if op == "combine" else (dispatch_route.DispatchUnits, "compute")
+    if path == "general":
+        owner, name = (combine_route.CombineUnits, "fill") if op == "combine" else \
+            (dispatch_route.DispatchUnits, "compute")
+        plan = "blocks:c=2"
+    else:
+        owner, name, plan = moe_fast.torch, "_grouped_mm", "blocks"
     real, seen = getattr(owner, name), []
 
-    def flaky(self, unit, buf):
-        seen.append(unit)
+    def flaky(*args, **kwargs):
+        seen.append(1)
         if len(seen) == 2:
             raise RuntimeError("injected GEMM fault")
-        return real(self, unit, buf)
+        return real(*args, **kwargs)
 
     c = combine_case("grouped", "moe", 5, dev) if op == "combine" else dispatch_case("grouped", "moe", 5, dev)
     want = combine_fp64(c, g) if op == "combine" else dispatch_fp64(c, g)[1]
@@ -290,7 +298,7 @@ def fault_worker(op: str) -> list[str]:
         _poison_allocator(dev)
         try:
             with patch:
-                got = _combine(c, g, "blocks") if op == "combine" else _dispatch(c, g, "blocks")[1]
+                got = _combine(c, g, plan) if op == "combine" else _dispatch(c, g, plan)[1]
             torch.cuda.synchronize()
         except errors.PeerFailure as exc:
             out.append("peer" if "rank 1 (" in str(exc) else f"peer, not naming rank 1: {exc}")
@@ -301,6 +309,47 @@ def fault_worker(op: str) -> list[str]:
         err = _err(got, want)
         out.append("exact" if err <= TOL else f"WRONG: rel err {err:.3g}")
     return out
+
+
+def sync_free_worker(op: str) -> list[str]:
+    """The whole-block path (``routes/moe_fast.py``) takes the MoE form's call with no host sync before its settle:
+    under ``torch.cuda.set_sync_debug_mode("error")`` (off inside ``moe_p2p.settle`` alone, whose one read is the
+    call's sync); its result against fp64 and the path's counter."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from flashoverlap_inductor import routes
+    from flashoverlap_inductor.routes import moe_p2p
+
+    g, dev = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device())
+    c = (combine_case if op == "combine" else dispatch_case)("grouped2", "moe", 6, dev)
+    want = combine_fp64(c, g) if op == "combine" else dispatch_fp64(c, g)[1]
+    call = (lambda: _combine(c, g, "blocks")) if op == "combine" else (lambda: _dispatch(c, g, "blocks")[1])
+    call()  # warm: the first call of a kind exchanges the ranks' agreement digests
+    torch.cuda.synchronize()
+    real = moe_p2p.settle
+
+    def unguarded(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    fast = routes.stats[f"{op}:fast"]
+    try:
+        with mock.patch.object(moe_p2p, "settle", unguarded):
+            torch.cuda.set_sync_debug_mode("error")
+            got = call()
+    except RuntimeError as exc:
+        return [f"synced: {exc}"[:300]]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    out = [] if routes.stats[f"{op}:fast"] == fast + 1 else [f"not the whole-block path: {dict(routes.stats)}"]
+    err = _err(got, want)
+    return out + ([] if err <= TOL else [f"WRONG: rel err {err:.3g}"])
 
 
 # ------------------------------------------------------------------------------------------ tests
@@ -328,5 +377,12 @@ def test_an_unsupported_dtype_falls_back_to_the_reference(pool):
 
 @two_gpus
 @pytest.mark.parametrize("op", ["combine", "dispatch"])
-def test_a_gemm_fault_on_one_rank_raises_on_every_rank_and_the_next_call_is_exact(pool, op):
-    assert pool.run(fault_worker, op) == [["peer", "exact"], ["own", "exact"]]
+@pytest.mark.parametrize("path", ["general", "whole-block"])
+def test_a_gemm_fault_on_one_rank_raises_on_every_rank_and_the_next_call_is_exact(pool, op, path):
+    assert pool.run(fault_worker, op, path) == [["peer", "exact"], ["own", "exact"]]
+
+
+@two_gpus
+@pytest.mark.parametrize("op", ["combine", "dispatch"])
+def test_the_whole_block_path_syncs_the_host_only_in_its_settle(pool, op):
+    assert pool.run(sync_free_worker, op) == [[], []]

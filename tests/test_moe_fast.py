@@ -118,6 +118,34 @@ def fault_worker(op: str, bad_rank: int) -> tuple[str, str]:
     return first, "next call exact"
 
 
+def host_reads_worker(op: str) -> dict[str, int]:
+    """The tensor-to-host reads of one whole-block call (``tolist``, ``item``, ``cpu``, ``bool``/``int``/``float``
+    of a tensor), counted by wrapping them: on CUDA each is a host sync. The settle's one read is the only one."""
+    c = _case(op, "grouped2", "moe", 4)
+    _call(op, c)  # warm: the first call of a kind exchanges the ranks' agreement digests
+    counts: dict[str, int] = {}
+    names = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__index__", "__float__")
+    patches = []
+    for name in names:
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _real=real, _name=name, **kwargs):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _real(self, *args, **kwargs)
+
+        patches.append(mock.patch.object(torch.Tensor, name, counted))
+    fast = routes.stats[f"{op}:fast"]
+    for patch in patches:
+        patch.start()
+    try:
+        _call(op, c)
+    finally:
+        for patch in patches:
+            patch.stop()
+    assert routes.stats[f"{op}:fast"] == fast + 1
+    return counts
+
+
 # ------------------------------------------------------------------------------------------ 2-process tests
 
 
@@ -171,6 +199,12 @@ def test_a_fault_in_the_middle_raises_on_every_rank_and_the_next_call_is_exact(p
     for rank, (first, after) in enumerate(pool.run(fault_worker, op, bad_rank)):
         assert first.startswith("RuntimeError: injected" if rank == bad_rank else "PeerFailure"), (rank, first)
         assert after == "next call exact"
+
+
+@pytest.mark.parametrize("op", ["combine", "dispatch"])
+def test_the_whole_block_path_reads_the_device_once_per_call(pool, op):
+    for counts in pool.run(host_reads_worker, op):
+        assert counts == {"tolist": 1}, counts
 
 
 def test_eligibility():

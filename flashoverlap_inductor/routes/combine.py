@@ -28,8 +28,8 @@ capture, a dtype other than bf16/fp16/fp32, a non-NCCL group for CUDA tensors, .
 and logged once per reason.
 
 Failure contract (as ``routes/cpu.py``): every rank issues every ring step whatever happens; a rank whose routing
-data, GEMM or transfer raises fills its units not yet sent with NaN, and every call ends with the one-int failure
-exchange (``cpu._settle``, on the send buffer's device: the group's NCCL device on CUDA): the failing rank re-raises,
+data, GEMM or transfer raises fills its units not yet sent with NaN, and every call ends with the failure exchange
+(``moe_p2p.settle``, on the send buffer's device: the group's NCCL device on CUDA): the failing rank re-raises,
 every other rank raises ``errors.PeerFailure``; no rank returns the output of a call in which a rank failed, and the
 next call needs no reset. Errors that depend only on what every rank shares (operand ranks, dtypes, a bad plan) are
 raised by every rank before any transfer. Ranks agree or fail together: before a group's first call of a kind

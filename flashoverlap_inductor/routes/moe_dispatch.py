@@ -29,8 +29,8 @@ failure exchange. **unfused**: ``reference``
 
 Failure contract (as ``routes/cpu.py`` and ``routes/combine.py``): every rank issues every ring step whatever happens
 (a rank that failed before a send sends a NaN block instead of its rows); a rank whose routing data, GEMM or
-transfer raises stops computing but waits for every transfer, and every call ends with the one-int failure exchange
-(``cpu._settle``): the failing rank re-raises, every other rank raises ``errors.PeerFailure``; no rank returns the
+transfer raises stops computing but waits for every transfer, and every call ends with the failure exchange
+(``moe_p2p.settle``): the failing rank re-raises, every other rank raises ``errors.PeerFailure``; no rank returns the
 output of a call in which a rank failed, and the next call needs no reset. Errors that depend only on what every
 rank shares (operand ranks, dtypes, a bad plan) are raised by every rank before any transfer (``ops``). Ranks agree
 or fail together: before a group's first call of a kind (form, K, N, dtype, settings, route) the ranks exchange

@@ -8,10 +8,10 @@ GEMMs enqueued on the current stream after a transfer was issued overlap it, wit
 stream's point-to-point ops in issue order, so every rank issues the ring steps in one order, each step's send and
 receive in one ``batch_isend_irecv`` (one NCCL group: no deadlock whichever rank comes first).
 
-Host syncs per call on CUDA: one device-to-host copy of the routing data's small per-(unit, expert) table, ``offs``
-and the index check (``schedule.combine.plan_units``, which cuts the rows on the device), before the first GEMM; the
-failure exchange's read of one int at the end (``cpu._settle``). The unit bounds go to the device in one pinned,
-non-blocking copy (``upload``), which does not sync.
+Host syncs per call on CUDA, general path: one device-to-host copy of the routing data's small per-(unit, expert)
+table, ``offs`` and the index check (``schedule.combine.plan_units``, which cuts the rows on the device), before the
+first GEMM; the settle's read at the end (``settle``: both paths; the whole-block path, ``moe_fast``, has only it).
+The unit bounds go to the device in one pinned, non-blocking copy (``upload``), which does not sync.
 """
 
 from __future__ import annotations
@@ -166,11 +166,19 @@ def settle(failure: BaseException | None, checks: torch.Tensor | None, what: str
     if mine[OFFS] > 0:
         raise ValueError(f"flashoverlap: {what}: the expert group offsets must be non-negative and non-decreasing")
     if worst[FAIL] or worst[ABOVE] > 0 or worst[BELOW] > 0 or worst[OFFS] > 0:
-        bad = f"rank {worst[FAIL] - 1}" if worst[FAIL] else "a rank"
+        bad = _rank_name(group, worst[FAIL] - 1) if worst[FAIL] else "a rank"
         raise errors.PeerFailure(f"flashoverlap: {bad} of group {_group_name(group)} failed in the middle of {what} "
                                  f"(or had bad routing data); rank {group.rank()} completed its collectives but does "
                                  "not return its output (the failing rank raises the cause)")
     return worst[PREMISE] > 0
+
+
+def _rank_name(group: dist.ProcessGroup, rank: int) -> str:
+    """``"rank r (global rank g)"``, or ``"rank r"`` where this process cannot map the group rank."""
+    try:
+        return f"rank {rank} (global rank {dist.get_global_rank(group, rank)})"
+    except Exception:  # noqa: BLE001 - a group this process cannot map: the group rank alone
+        return f"rank {rank}"
 
 
 def lock(kind: str, group: dist.ProcessGroup) -> threading.RLock:
