@@ -20,12 +20,13 @@ GEMMs run on rows as they lie, with per-block expert offsets counted on the devi
 * combine: ``Y_j = grouped_mm(a[inv[block j]], w, offs_j)`` (``inv``: the expert row of each send row) *is* send
   block j, sent as soon as computed; no send buffer, no scatter.
 
-The call's one host sync is the settle (``moe_p2p.settle``): one all_reduce (MAX) of a 5-int vector per rank
-(failure, index bounds, offsets, premise). Where any rank's premise failed, every rank redoes the call with the
-unfused reference (the same answer on every rank, from the reduced vector; counted ``<op>:redo``). A rank may take
-this path while its peer takes the general one (the premise's host part is per rank): both issue the same transfers
-in the same order and the same settle. Where the premise fails the kernels still run on in-range rows: the index is
-reduced modulo the buffer's rows, unnamed rows read row 0, and every block's offsets are clamped to its rows.
+The call's one host sync is the settle (``moe_p2p.settle``): one all_gather of an 8-int vector per rank (failure,
+the routing facts: index extremes, offsets' smallest step, unnamed rows, ...), judged on the host alike on every
+rank. Where any rank's premise failed, every rank redoes the call with the unfused reference (the same answer on
+every rank, from the reduced vector; counted ``<op>:redo``). A rank may take this path while its peer takes the
+general one (the premise's host part is per rank): both issue the same transfers in the same order and the same
+settle. Where the premise fails the kernels still run on in-range rows: the index is reduced modulo the buffer's
+rows, unnamed rows read row 0, and every block's offsets are clamped to its rows.
 
 Taken (``eligible``) for the grouped form with a ``torch._grouped_mm`` kernel (bf16; ``moe_p2p.grouped_kernel``),
 plan ``"blocks"`` (one unit per block), and a per-rank index as long as the buffer; bf16 rows whose byte offsets are
@@ -55,35 +56,40 @@ class BlockPlan:
     modulo the buffer's rows; ``inv``: the expert row of each buffer row (0 where none names it; the index is a
     permutation iff ``idx[inv]`` is ``arange``); ``table`` (int32 ``[blocks, E rounded up to 4]``): row j holds block
     j's cumulative expert offsets (16-byte aligned rows), each clamped to the block's rows; ``checks``: the settle's
-    vector (``moe_p2p.SETTLE_LEN`` int64)."""
+    vector of routing facts (``moe_p2p.SETTLE_LEN`` int64; verdicts on the host, ``moe_p2p.verdicts``)."""
 
     def __init__(self, index: torch.Tensor, offs: torch.Tensor, sizes: list[int]) -> None:
         dev, rows, experts = index.device, int(index.shape[0]), int(offs.shape[0])
         blocks, bounds = len(sizes), offsets(sizes)
+        # host ints in one upload: the blocks' first and end rows and sizes, the (block, group) keys to search, 0, rows
+        starts, ends, sizes_d, queries, scalars = moe_p2p.upload([
+            torch.tensor(bounds[:-1], dtype=torch.int64), torch.tensor(bounds[1:], dtype=torch.int64),
+            torch.tensor(sizes, dtype=torch.int64), torch.arange(blocks * (experts + 1)),
+            torch.tensor([0, rows])], dev)
         raw = index.to(torch.int64)
         self.idx = torch.remainder(raw, max(rows, 1))
         arange = torch.arange(rows, device=dev)
         offs64 = offs.to(torch.int64)
         group = torch.searchsorted(offs64, arange, right=True)  # each expert row's group; E: in none
         self.inv = torch.zeros(rows, dtype=torch.int64, device=dev).index_copy_(0, self.idx, arange)
-        unnamed = (self.idx.index_select(0, self.inv) != arange).sum()  # 0 iff the index is a permutation
         key = group.index_select(0, self.inv)  # each buffer row's expert group
-        small = moe_p2p.upload([torch.tensor(bounds), torch.tensor(sizes, dtype=torch.int64)], dev)
-        block = torch.searchsorted(small[0][1:].contiguous(), arange, right=True)
-        key.add_(block, alpha=experts + 1)  # (block, group), non-decreasing under the premise
-        ends = torch.searchsorted(key, torch.arange(blocks * (experts + 1), device=dev), right=True)
-        per_block = ends.view(blocks, experts + 1)[:, :experts] - small[0][:blocks, None]
-        self.table = torch.zeros(blocks, -(-experts // 4) * 4, dtype=torch.int32, device=dev)
-        self.table[:, :experts] = torch.minimum(per_block.clamp_(min=0), small[1][:, None])
+        key.add_(torch.searchsorted(ends, arange, right=True), alpha=experts + 1)  # + its block: (block, group)
+        found = torch.searchsorted(key, queries, right=True).view(blocks, experts + 1)[:, :experts]
+        per_block = torch.minimum((found - starts[:, None]).clamp_(min=0), sizes_d[:, None])  # within each block
+        if experts % 4 == 0:  # each block's row of offsets starts 16-byte aligned, as the grouped GEMM needs
+            self.table = per_block.to(torch.int32)
+        else:
+            self.table = torch.zeros(blocks, -(-experts // 4) * 4, dtype=torch.int32, device=dev)
+            self.table[:, :experts] = per_block
+        zero = scalars[0]
         if rows:
             lo_hi = torch.aminmax(raw)
-            order = torch.diff(key).amin() if rows > 1 else torch.zeros((), dtype=torch.int64, device=dev)
-            self.checks = torch.stack([
-                torch.zeros((), dtype=torch.int64, device=dev), lo_hi.max - (rows - 1), -rows - lo_hi.min,
-                -torch.diff(offs64, prepend=offs64.new_zeros(1)).amin().clamp(max=0),
-                unnamed + (offs64[-1] - rows).abs() + (-order).clamp(min=0)])
+            self.facts = torch.stack([
+                zero, scalars[1], lo_hi.max, lo_hi.min, torch.diff(offs64, prepend=zero.view(1)).amin(),
+                (self.idx.index_select(0, self.inv) != arange).sum(),  # 0 iff the index is a permutation
+                offs64[-1], torch.diff(key).amin() if rows > 1 else zero])
         else:
-            self.checks = torch.zeros(moe_p2p.SETTLE_LEN, dtype=torch.int64, device=dev)
+            self.facts = torch.zeros(moe_p2p.SETTLE_LEN, dtype=torch.int64, device=dev)
         self.experts, self.bounds = experts, bounds
 
     def offs(self, j: int) -> torch.Tensor:
@@ -140,8 +146,8 @@ def run_combine(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor
         except BaseException as exc:  # noqa: BLE001 - as above
             failure = failure or exc
     failure = _wait_all(works, failure)
-    checks = None if plan is None else plan.checks
-    if moe_p2p.settle(failure, checks, what, like.device, group):
+    facts = None if plan is None else plan.facts
+    if moe_p2p.settle(failure, facts, what, like.device, group):
         stats["combine:redo"] += 1
         return reference()
     stats["combine:fast"] += 1
@@ -205,8 +211,8 @@ def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], of
             result = [recv.index_select(0, plan.idx), *(torch.cat(y).index_select(0, plan.idx) for y in ys)]
         except BaseException as exc:  # noqa: BLE001 - as above
             failure = exc
-    checks = None if plan is None else plan.checks
-    if moe_p2p.settle(failure, checks, what, x.device, group):
+    facts = None if plan is None else plan.facts
+    if moe_p2p.settle(failure, facts, what, x.device, group):
         stats["dispatch:redo"] += 1
         return reference()
     stats["dispatch:fast"] += 1

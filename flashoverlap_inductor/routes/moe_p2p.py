@@ -36,11 +36,13 @@ from .nccl import is_nccl_group
 
 T = TypeVar("T")
 log = logging.getLogger("flashoverlap")
-# The settle's vector (int64, MAX over the ranks): the failure code (rank + 1), then the routing checks of the
-# whole-block path (``routes/moe_fast.py``; 0 where they pass, and on the general path): index entries above the
-# buffer, below it, decreasing expert offsets, the premise violated (> 0 where it fails).
-FAIL, ABOVE, BELOW, OFFS, PREMISE = range(5)
-SETTLE_LEN = 5
+# The settle's vector per rank (int64): FAIL (rank + 1 where this rank failed, else 0), then the whole-block path's
+# routing facts (``moe_fast.BlockPlan.facts``; all 0 on the general path, which they then pass): ROWS (the index's
+# entries, = the buffer's rows), IDX_MAX / IDX_MIN (the index's extremes), OFFS_STEP (the smallest step of the expert
+# offsets from 0), UNNAMED (buffer rows the index does not name), OFFS_LAST (the last expert offset), KEY_STEP (the
+# smallest step of the buffer rows' (block, expert group) keys).
+FAIL, ROWS, IDX_MAX, IDX_MIN, OFFS_STEP, UNNAMED, OFFS_LAST, KEY_STEP = range(8)
+SETTLE_LEN = 8
 COMBINE_TAG = 30830  # + chunk: the P2P tags of the combine's transfers (no other transfer of the package uses them)
 DISPATCH_TAG = 30850  # + chunk: the dispatch's
 CUDA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -133,22 +135,34 @@ def run_call(op: str, x: torch.Tensor, group: dist.ProcessGroup, splits: int, pl
         return out
 
 
-def settle(failure: BaseException | None, checks: torch.Tensor | None, what: str, device: torch.device,
+def verdicts(v: list[int]) -> tuple[bool, bool, bool]:
+    """One rank's settle vector judged: (an index entry out of ``[-rows, rows)``, decreasing expert offsets, the
+    whole-block premise violated: a row unnamed or named twice, a row in no expert group, or a block's rows not
+    expert-sorted)."""
+    rows = v[ROWS]
+    bounds = rows > 0 and (v[IDX_MAX] >= rows or v[IDX_MIN] < -rows)
+    return bounds, v[OFFS_STEP] < 0, v[UNNAMED] > 0 or v[OFFS_LAST] != rows or v[KEY_STEP] < 0
+
+
+def settle(failure: BaseException | None, facts: torch.Tensor | None, what: str, device: torch.device,
            group: dist.ProcessGroup) -> bool:
     """The exchange that ends every call of both MoE ops on the P2P route, on either path (the same collective on
-    every rank: one all_reduce (MAX) of the ``SETTLE_LEN`` int64 vector; none in a group of one rank), and the call's
-    one host read. ``checks``: this rank's routing checks (``moe_fast``), None on the general path. Raises
-    ``failure`` on a failed rank; ``IndexError`` / ``ValueError`` on a rank whose index or offsets are bad;
-    ``errors.PeerFailure`` on the others when any rank failed or had bad routing data. Returns whether any rank's
-    premise failed: then every rank redoes the call with the unfused reference (the same answer on every rank)."""
-    local = torch.zeros(SETTLE_LEN, dtype=torch.int64, device=device) if checks is None else checks.clone()
+    every rank: one all_gather of the ``SETTLE_LEN`` int64 vector; none in a group of one rank), and the call's one
+    host read; every rank judges every rank's vector alike (``verdicts``). ``facts``: this rank's routing facts
+    (``moe_fast``), None on the general path. Raises ``failure`` on a failed rank; ``IndexError`` / ``ValueError`` on
+    a rank whose index or offsets are bad; ``errors.PeerFailure`` on the others when any rank failed or had bad
+    routing data. Returns whether any rank's premise failed: then every rank redoes the call with the unfused
+    reference."""
+    world, rank = group.size(), group.rank()
+    local = torch.zeros(SETTLE_LEN, dtype=torch.int64, device=device) if facts is None else facts
     if failure is not None:
-        local[FAIL] = group.rank() + 1  # a fill on the device: no host sync
+        local[FAIL] = rank + 1  # a fill on the device: no host sync
     lost: Exception | None = None
-    reduced = local.clone()
-    if group.size() > 1:
+    every = local
+    if world > 1:
+        every = local.new_empty(world * SETTLE_LEN)
         try:
-            dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+            dist.all_gather_into_tensor(every, local, group=group)
         except Exception as exc:  # noqa: BLE001 - the group itself broke: raised below
             lost = exc
     if failure is not None:
@@ -156,21 +170,24 @@ def settle(failure: BaseException | None, checks: torch.Tensor | None, what: str
             log.warning("flashoverlap: the failure exchange of %s failed too: %r", what, lost)
         raise failure
     if lost is not None:
-        raise errors.PeerFailure(f"flashoverlap: the failure exchange after {what} failed on rank {group.rank()} of "
-                                 f"group {_group_name(group)}; its output is not returned: {lost}") from lost
-    both = torch.cat([local, reduced]).tolist()  # the host sync
-    mine, worst = both[:SETTLE_LEN], both[SETTLE_LEN:]
-    if mine[ABOVE] > 0 or mine[BELOW] > 0:
-        raise IndexError(f"flashoverlap: {what}: an index entry is out of bounds for its buffer (by "
-                         f"{max(mine[ABOVE], mine[BELOW])} rows), as index_put / index would raise")
-    if mine[OFFS] > 0:
+        raise errors.PeerFailure(f"flashoverlap: the failure exchange after {what} failed on rank {rank} of group "
+                                 f"{_group_name(group)}; its output is not returned: {lost}") from lost
+    flat = every.tolist()  # the host sync
+    vectors = [flat[r * SETTLE_LEN:(r + 1) * SETTLE_LEN] for r in range(world)]
+    judged = [verdicts(v) for v in vectors]
+    bounds, offs_bad, _ = judged[rank]
+    if bounds:
+        raise IndexError(f"flashoverlap: {what}: an index entry is out of bounds for its buffer of "
+                         f"{vectors[rank][ROWS]} rows (extremes {vectors[rank][IDX_MIN]}, {vectors[rank][IDX_MAX]}), "
+                         "as index_put / index would raise")
+    if offs_bad:
         raise ValueError(f"flashoverlap: {what}: the expert group offsets must be non-negative and non-decreasing")
-    if worst[FAIL] or worst[ABOVE] > 0 or worst[BELOW] > 0 or worst[OFFS] > 0:
-        bad = _rank_name(group, worst[FAIL] - 1) if worst[FAIL] else "a rank"
-        raise errors.PeerFailure(f"flashoverlap: {bad} of group {_group_name(group)} failed in the middle of {what} "
-                                 f"(or had bad routing data); rank {group.rank()} completed its collectives but does "
-                                 "not return its output (the failing rank raises the cause)")
-    return worst[PREMISE] > 0
+    bad = [r for r in range(world) if vectors[r][FAIL] or judged[r][0] or judged[r][1]]
+    if bad:
+        raise errors.PeerFailure(f"flashoverlap: {_rank_name(group, bad[0])} of group {_group_name(group)} failed in "
+                                 f"the middle of {what} (or had bad routing data); rank {rank} completed its "
+                                 "collectives but does not return its output (the failing rank raises the cause)")
+    return any(j[2] for j in judged)
 
 
 def _rank_name(group: dist.ProcessGroup, rank: int) -> str:
