@@ -54,18 +54,46 @@ def _same(got: list[torch.Tensor], want: list[torch.Tensor], where: str) -> None
         torch.testing.assert_close(x, y, rtol=1.6e-2, atol=5e-2, msg=lambda m: f"{where}: {m}")
 
 
-def path_worker(op: str, kinds_by_rank: list[str], forms: list[str], seeds: list[int]) -> dict[str, int]:
-    """Each (form, seed) with this rank's index kind ``kinds_by_rank[rank]``: the op equals the reference; returns
-    the path counters of this rank (``<op>:fast``, ``<op>:redo``, ``<op>:p2p``)."""
+def _mutate(c: dict, how: str | None) -> dict:
+    """This rank's case changed so that its whole-block premise fails while the op stays well defined: "twice" (one
+    entry named twice, one row unnamed: same length), "no_group" (the last expert row in no group)."""
+    if how is None:
+        return c
+    c = dict(c)
+    if how == "twice" and c["index"].shape[0] >= 2:
+        c["index"] = c["index"].clone()
+        c["index"][1] = c["index"][0]
+    elif how == "no_group" and int(c["offs"][-1]) > 0:  # the trailing equal offsets one less: still non-decreasing
+        c["offs"] = torch.where(c["offs"] == c["offs"][-1], c["offs"] - 1, c["offs"])
+    return c
+
+
+def path_worker(op: str, kinds_by_rank: list[str], forms: list[str], seeds: list[int],
+                mutate_by_rank: list[str | None] | None = None, exact: bool = False, n: int | None = None
+                ) -> dict[str, int]:
+    """Each (form, seed) with this rank's index kind ``kinds_by_rank[rank]`` (and ``_mutate``'s change
+    ``mutate_by_rank[rank]``; ``n``: the GEMMs' N): the op equals the reference (``exact``: bit for bit); returns the
+    path counters of this rank (``<op>:fast``, ``<op>:redo``, ``<op>:p2p``)."""
     torch.use_deterministic_algorithms(True)
     before = {k: routes.stats[f"{op}:{k}"] for k in ("fast", "redo", "p2p")}
-    kind = kinds_by_rank[dist.get_rank()]
-    for form in forms:
-        for seed in seeds:
-            c = _case(op, form, kind, seed)
-            if op == "combine" and "dup" in kinds_by_rank:
-                c["accumulate"] = True  # as "dup" needs (repeated rows summed): the same on every rank
-            _same(_call(op, c), _reference(op, c), f"{op} {form} {kind} seed {seed}")
+    rank = dist.get_rank()
+    kind, how = kinds_by_rank[rank], (mutate_by_rank or [None] * dist.get_world_size())[rank]
+    mod = tc if op == "combine" else td
+    saved = mod.N
+    mod.N = n or saved
+    try:
+        for form in forms:
+            for seed in seeds:
+                c = _mutate(_case(op, form, kind, seed), how)
+                if op == "combine" and "dup" in kinds_by_rank:
+                    c["accumulate"] = True  # as "dup" needs (repeated rows summed): the same on every rank
+                got, want = _call(op, c), _reference(op, c)
+                where = f"{op} {form} {kind} {how} seed {seed}"
+                if exact:
+                    assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True)), where
+                _same(got, want, where)
+    finally:
+        mod.N = saved
     return {k: routes.stats[f"{op}:{k}"] - v for k, v in before.items()}
 
 
@@ -79,9 +107,12 @@ def bad_data_worker(op: str, bad_rank: int, what: str) -> tuple[str, str]:
     if rank == bad_rank and what == "index":
         bad["index"] = c["index"].clone()
         bad["index"][0] = c["index"].shape[0] + 3
-    elif rank == bad_rank:
+    elif rank == bad_rank and what == "offs":
         bad["offs"] = c["offs"].clone()
         bad["offs"][0] = c["offs"][-1] + 1  # the first expert's end past the next ones'
+    elif rank == bad_rank:
+        bad["offs"] = c["offs"].clone()
+        bad["offs"][-1] = c["index"].shape[0] + 2  # past the rows: the unfused _grouped_mm would fault on CUDA
     try:
         _call(op, bad)
         first = "no error"
@@ -156,9 +187,35 @@ def pool():
 
 @pytest.mark.parametrize("op", ["combine", "dispatch"])
 def test_moe_form_takes_the_whole_block_path_and_matches_the_reference(pool, op):
+    """Bit for bit: each block's grouped GEMM and the gathers round as the unfused graph does."""
     forms = ["grouped", "grouped2"]
-    for counts in pool.run(path_worker, op, ["moe", "moe"], forms, [1, 2, 3]):
+    for counts in pool.run(path_worker, op, ["moe", "moe"], forms, [1, 2, 3], None, True):
         assert counts == {"fast": 6, "redo": 0, "p2p": 6}, counts
+
+
+@pytest.mark.parametrize("op", ["combine", "dispatch"])
+def test_a_gemm_width_off_16_bytes_is_sent_whole(pool, op):
+    """N = 12 in bf16: ``_grouped_mm`` pads its output rows to 16 bytes (a strided result); the combine sends the
+    rows contiguous."""
+    for counts in pool.run(path_worker, op, ["moe", "moe"], ["grouped"], [1, 2], None, False, 12):
+        assert counts == {"fast": 2, "redo": 0, "p2p": 2}, counts
+
+
+@pytest.mark.parametrize("op", ["combine", "dispatch"])
+@pytest.mark.parametrize("how", ["twice", "no_group"])
+def test_each_clause_of_the_premise_makes_every_rank_redo(pool, op, how):
+    """Rank 1 names a row twice (and so leaves one unnamed) or leaves its last expert row out of every group: its
+    premise fails, both ranks redo the call unfused, and both match the reference."""
+    for counts in pool.run(path_worker, op, ["moe", "moe"], ["grouped"], [1, 2], [None, how]):
+        assert counts == {"fast": 0, "redo": 2, "p2p": 2}, counts
+
+
+@pytest.mark.parametrize("op", ["combine", "dispatch"])
+def test_a_general_path_rank_redoes_when_a_whole_block_rank_refuses(pool, op):
+    """Rank 0 takes the whole-block path and fails its premise (a row named twice); rank 1 takes the general path
+    (an index longer than its buffer): both redo the call unfused."""
+    got = pool.run(path_worker, op, ["moe", "dup"], ["grouped"], [1, 2], ["twice", None])
+    assert got == [{"fast": 0, "redo": 2, "p2p": 2}] * 2, got
 
 
 @pytest.mark.parametrize("op", ["combine", "dispatch"])
@@ -186,7 +243,8 @@ def test_three_ranks():
 
 
 @pytest.mark.parametrize("op", ["combine", "dispatch"])
-@pytest.mark.parametrize("what,error", [("index", "IndexError: flashoverlap"), ("offs", "ValueError: flashoverlap")])
+@pytest.mark.parametrize("what,error", [("index", "IndexError: flashoverlap"), ("offs", "ValueError: flashoverlap"),
+                                        ("offs_past", "ValueError: flashoverlap")])
 def test_bad_routing_data_raise_on_their_rank_and_peer_failure_on_the_other(pool, op, what, error):
     for rank, (first, after) in enumerate(pool.run(bad_data_worker, op, 1, what)):
         assert first.startswith(error if rank == 1 else "PeerFailure"), (rank, first)
@@ -205,6 +263,21 @@ def test_a_fault_in_the_middle_raises_on_every_rank_and_the_next_call_is_exact(p
 def test_the_whole_block_path_reads_the_device_once_per_call(pool, op):
     for counts in pool.run(host_reads_worker, op):
         assert counts == {"tolist": 1}, counts
+
+
+def test_the_model_error_allowance():
+    """all_to_all on the NCCL route needs its model's error (predictions) or its spread (tuned plans' measured times),
+    doubled on another GPU's data; other collectives and routes need none; a verdict adds it to min_gain."""
+    from flashoverlap_inductor.cost_model import gain
+
+    assert gain.model_error("all_to_all", None, True) == pytest.approx(0.067)
+    assert gain.model_error("all_to_all", "nccl", False) == pytest.approx(2 * 0.067)
+    assert gain.model_error("all_to_all", None, True, measured=True) == pytest.approx(0.03)
+    assert gain.model_error("all_to_all", "peer", True) == 0.0
+    assert gain.model_error("all_reduce", None, False) == 0.0
+    assert gain.verdict(0.95, 1.0, 8192, 0.03, 1024, "s")[0]  # 5% gain >= 3%
+    fuse, why = gain.verdict(0.95, 1.0, 8192, 0.03, 1024, "s", 0.067)
+    assert not fuse and "error allowance 0.067" in why
 
 
 def test_eligibility():

@@ -55,6 +55,7 @@ class Decision:
     predicted_seq_ms: float
     reason: str  # human-readable
     route: str = "nccl"  # the fused path predicted_fused_ms is for: "nccl" (wave groups + NCCL), "peer" or "ring"
+    error_allowance: float = 0.0  # gain.model_error's fraction the verdict added to min_gain_fraction
 
 
 def decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int, *,
@@ -143,7 +144,7 @@ def _decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int
         return Decision(False, plan, fused, seq, f"declined: too few rows for two groups; {summary}")
     error = gain.model_error(collective, None, how in ("exact", "family"), measured=what == "measured")
     fuse, reason = gain.verdict(verdict_fused, verdict_seq, m, min_gain, min_rows, summary, error)
-    return Decision(fuse, plan, fused, seq, reason)
+    return Decision(fuse, plan, fused, seq, reason, error_allowance=error)
 
 
 def _route_verdict(route: str, fused: float, seq: float, m: int, plan: GroupPlan, min_gain: float, min_rows: int,

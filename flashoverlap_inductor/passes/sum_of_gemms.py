@@ -64,13 +64,14 @@ def erase_terms(form: SumOfGemms, graph: torch.fx.Graph) -> None:
 
 def adjust(decision: Any, s: SumOfGemms, dtype: str, device_name: str | None, min_gain: float) -> tuple[bool, str]:
     """The "auto" verdict for a staged sum: ``decision`` (the cost model's, for the one GEMM over the concatenated
-    K) with the cats' copies added to the fused time and the adds' traffic to the sequential time (ms)."""
+    K) with the cats' copies added to the fused time and the adds' traffic to the sequential time (ms); the gain
+    needed is the decision's (``min_gain`` plus its ``error_allowance``)."""
     from flashoverlap_inductor import cost_model
 
     itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     cat_elems, add_elems = s.copy_elements()
     fused = decision.predicted_fused_ms + cost_model.copy_ms(int(cat_elems) * itemsize, device_name)
     seq = decision.predicted_seq_ms + cost_model.copy_ms(int(add_elems) * itemsize, device_name)
-    verdict = cost_model.gain.pays(fused, seq, min_gain)
+    verdict = cost_model.gain.pays(fused, seq, min(min_gain + getattr(decision, "error_allowance", 0.0), 0.99))
     return verdict, (f"{s.describe()}: fused {fused:.4f} ms incl. the cats' copies vs sequential {seq:.4f} ms "
                      f"incl. the adds ({'fusing' if verdict else 'declined'}); {decision.reason}")

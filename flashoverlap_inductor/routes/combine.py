@@ -45,7 +45,6 @@ import torch.distributed as dist
 
 from ..schedule.combine import chunk_sizes, group_ends, offsets, parse_plan, plan_units, ring_steps
 from . import moe_fast, moe_p2p
-from .base import stats
 from .cpu import _poison, _wait_all
 
 TAG = moe_p2p.COMBINE_TAG
@@ -194,8 +193,8 @@ def run_p2p(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | N
                 failure = failure or exc
     failure = _wait_all(works, failure)
     if moe_p2p.settle(failure, None, what, send.device, group):  # a peer's whole-block premise failed
-        stats["combine:redo"] += 1
-        return redo()
+        del send, out
+        return moe_p2p.redo("combine", redo)
     return out
 
 

@@ -46,7 +46,6 @@ import torch.distributed as dist
 
 from ..schedule.combine import chunk_sizes, group_ends, offsets, parse_plan, plan_units, ring_steps
 from . import moe_fast, moe_p2p
-from .base import stats
 from .cpu import _poison, _wait_all
 
 TAG = moe_p2p.DISPATCH_TAG
@@ -228,9 +227,8 @@ def run_p2p(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes: 
             except BaseException as exc:  # noqa: BLE001 - as above
                 failure = exc
     if moe_p2p.settle(failure, None, what, recv.device, group):  # a peer's whole-block premise failed
-        del poisoned
-        stats["dispatch:redo"] += 1
-        return redo()
+        del poisoned, recv, units
+        return moe_p2p.redo("dispatch", redo)
     del poisoned
     return [units.p, *units.y]
 

@@ -82,14 +82,15 @@ class BlockPlan:
             self.table = torch.zeros(blocks, -(-experts // 4) * 4, dtype=torch.int32, device=dev)
             self.table[:, :experts] = per_block
         zero = scalars[0]
+        offs_step = torch.diff(offs64, prepend=zero.view(1)).amin()  # checked with no rows too
         if rows:
             lo_hi = torch.aminmax(raw)
             self.facts = torch.stack([
-                zero, scalars[1], lo_hi.max, lo_hi.min, torch.diff(offs64, prepend=zero.view(1)).amin(),
+                zero, scalars[1], lo_hi.max, lo_hi.min, offs_step,
                 (self.idx.index_select(0, self.inv) != arange).sum(),  # 0 iff the index is a permutation
                 offs64[-1], torch.diff(key).amin() if rows > 1 else zero])
         else:
-            self.facts = torch.zeros(moe_p2p.SETTLE_LEN, dtype=torch.int64, device=dev)
+            self.facts = torch.stack([zero, zero, zero, zero, offs_step, zero, offs64[-1], zero])
         self.experts, self.bounds = experts, bounds
 
     def offs(self, j: int) -> torch.Tensor:
@@ -121,7 +122,7 @@ def run_combine(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor
     out = like.new_empty(recv_off[-1], n)
     works, keep, failure, plan = [], [], None, None
     try:
-        plan = BlockPlan(index, offs, list(ins))
+        plan = BlockPlan(index.to(like.device), offs, list(ins))
     except BaseException as exc:  # noqa: BLE001 - settled below, after every ring step was issued
         failure = exc
     for dst, src in [*ring_steps(world, rank), (rank, rank)]:
@@ -132,6 +133,7 @@ def run_combine(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor
             try:
                 lo = plan.bounds[dst]
                 block = _block_gemm([x.index_select(0, plan.inv[lo:lo + rows]) for x in a], b, plan.offs(dst))
+                block = block.contiguous()  # _grouped_mm pads its rows to 16 bytes: N % 8 != 0 in bf16 is strided
             except BaseException as exc:  # noqa: BLE001 - as above
                 failure = exc
         if block is None:
@@ -148,8 +150,8 @@ def run_combine(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor
     failure = _wait_all(works, failure)
     facts = None if plan is None else plan.facts
     if moe_p2p.settle(failure, facts, what, like.device, group):
-        stats["combine:redo"] += 1
-        return reference()
+        del keep, out, plan  # the redo's memory
+        return moe_p2p.redo("combine", reference)
     stats["combine:fast"] += 1
     del keep
     return out
@@ -194,7 +196,7 @@ def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], of
     try:
         if failure is None:
             recv[recv_off[rank]:recv_off[rank + 1]].copy_(x[send_off[rank]:send_off[rank + 1]])
-            plan = BlockPlan(index, offs, list(outs))
+            plan = BlockPlan(index.to(x.device), offs, list(outs))
             compute(rank)
     except BaseException as exc:  # noqa: BLE001 - the transfers are still waited for
         failure = failure or exc
@@ -213,8 +215,8 @@ def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], of
             failure = exc
     facts = None if plan is None else plan.facts
     if moe_p2p.settle(failure, facts, what, x.device, group):
-        stats["dispatch:redo"] += 1
-        return reference()
+        del recv, ys, result, plan, poisoned  # the redo's memory
+        return moe_p2p.redo("dispatch", reference)
     stats["dispatch:fast"] += 1
     del poisoned
     return result

@@ -136,12 +136,13 @@ def run_call(op: str, x: torch.Tensor, group: dist.ProcessGroup, splits: int, pl
 
 
 def verdicts(v: list[int]) -> tuple[bool, bool, bool]:
-    """One rank's settle vector judged: (an index entry out of ``[-rows, rows)``, decreasing expert offsets, the
-    whole-block premise violated: a row unnamed or named twice, a row in no expert group, or a block's rows not
-    expert-sorted)."""
+    """One rank's settle vector judged: (an index entry out of ``[-rows, rows)``, expert offsets decreasing or past
+    the rows, the whole-block premise violated: a row unnamed or named twice, a row in no expert group, or a block's
+    rows not expert-sorted). The general path's zeros pass all three."""
     rows = v[ROWS]
     bounds = rows > 0 and (v[IDX_MAX] >= rows or v[IDX_MIN] < -rows)
-    return bounds, v[OFFS_STEP] < 0, v[UNNAMED] > 0 or v[OFFS_LAST] != rows or v[KEY_STEP] < 0
+    offsets_bad = v[OFFS_STEP] < 0 or v[OFFS_LAST] > rows  # past the rows: the unfused _grouped_mm would fault
+    return bounds, offsets_bad, v[UNNAMED] > 0 or v[OFFS_LAST] != rows or v[KEY_STEP] < 0
 
 
 def settle(failure: BaseException | None, facts: torch.Tensor | None, what: str, device: torch.device,
@@ -156,7 +157,7 @@ def settle(failure: BaseException | None, facts: torch.Tensor | None, what: str,
     world, rank = group.size(), group.rank()
     local = torch.zeros(SETTLE_LEN, dtype=torch.int64, device=device) if facts is None else facts
     if failure is not None:
-        local[FAIL] = rank + 1  # a fill on the device: no host sync
+        local[FAIL:FAIL + 1].fill_(rank + 1)  # a fill on the device (an item assignment would copy: a sync)
     lost: Exception | None = None
     every = local
     if world > 1:
@@ -181,13 +182,24 @@ def settle(failure: BaseException | None, facts: torch.Tensor | None, what: str,
                          f"{vectors[rank][ROWS]} rows (extremes {vectors[rank][IDX_MIN]}, {vectors[rank][IDX_MAX]}), "
                          "as index_put / index would raise")
     if offs_bad:
-        raise ValueError(f"flashoverlap: {what}: the expert group offsets must be non-negative and non-decreasing")
+        raise ValueError(f"flashoverlap: {what}: the expert group offsets must be non-negative, non-decreasing and "
+                         f"at most the {vectors[rank][ROWS]} rows (the last is {vectors[rank][OFFS_LAST]})")
     bad = [r for r in range(world) if vectors[r][FAIL] or judged[r][0] or judged[r][1]]
     if bad:
         raise errors.PeerFailure(f"flashoverlap: {_rank_name(group, bad[0])} of group {_group_name(group)} failed in "
                                  f"the middle of {what} (or had bad routing data); rank {rank} completed its "
                                  "collectives but does not return its output (the failing rank raises the cause)")
     return any(j[2] for j in judged)
+
+
+def redo(op: str, reference: Callable[[], T]) -> T:
+    """A call some rank's whole-block premise refused (``settle`` said so on every rank): run ``reference`` (the
+    unfused op: its collectives are the same on every rank), counted ``<op>:redo`` and logged once per op (a layout
+    that always fails the premise pays the call about twice)."""
+    stats[f"{op}:redo"] += 1
+    note(f"moe:{op}:redo", logging.INFO, "flashoverlap: a fused MoE %s was redone unfused: some rank's routing data "
+         "are not in the whole-block form (routes/moe_fast.py); counted %s:redo", op, op)
+    return reference()
 
 
 def _rank_name(group: dist.ProcessGroup, rank: int) -> str:
