@@ -1,5 +1,5 @@
 """The MoE ops' whole-block path on the P2P route (``routes/combine.py``, ``routes/moe_dispatch.py``): no routing
-sync, few launches, no scatter. The general path (``CombineUnits``, ``DispatchUnits``) cuts the expert rows by unit
+sync, ~30 ops per call, no scatter. The general path (``CombineUnits``, ``DispatchUnits``) cuts the expert rows by unit
 on the device and reads the cut on the host before its first GEMM (a sync, then ~100 small ops per call: measured
 on 2 H100s at 2.6-2.9 ms of host time per call where the unfused ops take 0.8 ms); this path needs neither, where
 the routing data have the form the MoE layers give them.
@@ -8,7 +8,7 @@ the routing data have the form the MoE layers give them.
 
 1. the index names every row of the blocked buffer once (``len(index)`` == the buffer's rows, checked on the host;
    no row named twice, checked on the device);
-2. every expert row is in an expert group (``offs[-1] == len(index)``);
+2. every expert row is in an expert group (``offs[-1] == len(index)``; past it the offsets are bad data: raised);
 3. within each block, the buffer's rows belong to non-decreasing expert groups (each rank sends its rows for a peer
    sorted by that peer's local expert: torchtitan's and the e2e ``ep`` block's dispatch do).
 
@@ -23,10 +23,10 @@ GEMMs run on rows as they lie, with per-block expert offsets counted on the devi
 The call's one host sync is the settle (``moe_p2p.settle``): one all_gather of an 8-int vector per rank (failure,
 the routing facts: index extremes, offsets' smallest step, unnamed rows, ...), judged on the host alike on every
 rank. Where any rank's premise failed, every rank redoes the call with the unfused reference (the same answer on
-every rank, from the reduced vector; counted ``<op>:redo``). A rank may take this path while its peer takes the
-general one (the premise's host part is per rank): both issue the same transfers in the same order and the same
-settle. Where the premise fails the kernels still run on in-range rows: the index is reduced modulo the buffer's
-rows, unnamed rows read row 0, and every block's offsets are clamped to its rows.
+every rank, from the gathered vectors; ``moe_p2p.redo``, counted ``<op>:redo``). A rank may take this path while its
+peer takes the general one (the premise's host part is per rank): both issue the same transfers in the same order
+and the same settle. Where the premise fails the kernels still run on in-range rows: the index is reduced modulo the
+buffer's rows, unnamed rows read row 0, and every block's offsets are clamped to its rows.
 
 Taken (``eligible``) for the grouped form with a ``torch._grouped_mm`` kernel (bf16; ``moe_p2p.grouped_kernel``),
 plan ``"blocks"`` (one unit per block), and a per-rank index as long as the buffer; bf16 rows whose byte offsets are
