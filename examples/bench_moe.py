@@ -13,10 +13,12 @@ rounds, max over ranks):
 * ``seq``: the unfused graph (combine: ``_grouped_mm``, ``index_put``, ``all_to_all_single``; dispatch:
   ``all_to_all_single``, the index, ``_grouped_mm``); ``gemm``: its compute alone; ``comm``: its ``all_to_all_single``
   alone; ``ideal``: max(gemm, comm);
-* ``fused[<plan>]``: the op under each ``--plans`` entry (default ``blocks`` and ``blocks:c=2``); the route it took
-  (``route:moe_p2p`` expected) and its relative error against ``seq`` (worst rank) are reported.
+* ``fused[<plan>]``: the op under each ``--plans`` entry (default ``blocks``: the whole-block path,
+  ``routes/moe_fast.py``; ``blocks:c=2``: the general path); the route and path it took (``moe_p2p/whole-block``,
+  ``moe_p2p/general``, ``moe_p2p/redo``) and its relative error against ``seq`` (worst rank) are reported.
 
-The fused op copies its routing data to the host once per call (a host sync): it is in the timings.
+Each fused call reads the device once (the settle; the general path also copies its routing cut to the host before
+its first GEMM): the host syncs are in the timings.
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 examples/bench_moe.py [--shapes qwen3:4096,mixtral:8192] \\
         [--plans blocks,blocks:c=2,blocks:c=4] [--json out.json]
@@ -144,6 +146,7 @@ def bench(op: str, preset: str, tokens: int, plans: list[str], timer: tm.Timer, 
     for p in plans:
         v = f"fused[{p}]"
         before = routes.stats["route:moe_p2p"]
+        paths = {k: routes.stats[f"{op}:{k}"] for k in ("fast", "redo")}
         try:
             got = variants[v]()
             torch.cuda.synchronize()
@@ -152,7 +155,9 @@ def bench(op: str, preset: str, tokens: int, plans: list[str], timer: tm.Timer, 
             row["errors"][v] = repr(exc)[:200]
             del variants[v]
             continue
-        row[f"route_{v}"] = "moe_p2p" if routes.stats["route:moe_p2p"] > before else "unfused"
+        path = "whole-block" if routes.stats[f"{op}:fast"] > paths["fast"] else \
+            "redo" if routes.stats[f"{op}:redo"] > paths["redo"] else "general"
+        row[f"route_{v}"] = f"moe_p2p/{path}" if routes.stats["route:moe_p2p"] > before else "unfused"
     for v, t in timer.measure(variants).items():
         row[f"{v}_ms"] = t.ms
     row["ideal_ms"] = max(row["gemm_ms"], row["comm_ms"])

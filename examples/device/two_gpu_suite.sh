@@ -22,6 +22,7 @@
 # FO_E2E_PRESET, FO_E2E_LAYERS: the e2e model (default llama3-8b, 8 layers; e.g. qwen3-moe 4 with FO_E2E_PLAN=ep).
 # FO_FAULT_SPECS: the fault probes' argument lists, ';'-separated; FO_TIMELINE_ARGS: more timeline arguments (e.g.
 #   "--op reduce_scatter" or "--op all_reduce": the peer route's call timeline instead of the all_gather one, 1 PNG).
+# The MoE check alone (tests/test_gpu_moe.py, bench_moe, moe_profile): FO_PART=B FO_SKIP="cpu coverage ops gather timeline".
 # FO_OPS_CAP_S: bench_ops' cap (default 120 s; FO_OPS_SHAPES=grid, the 16-shape grid, needs ~300).
 # FO_SKIP: any of "build tests faults cpu coverage ops gather moe moeprof timeline e2e"; FO_BUDGET_S: the part's budget (default 570).
 set -uo pipefail
@@ -88,8 +89,8 @@ elif [ "$PART" = B ]; then
   cpu_side &  # on the host's other cores while the GPU steps run
   CPU_PID=$!
   if [[ "$SKIP" != *" tests "* ]]; then
-    step "GPU test rerun: ${FO_RERUN:-tests/test_gpu_gather_nccl.py}"
-    timeout "$(cap 120)" python3 -m pytest -q -rs -p no:cacheprovider $(for f in ${FO_RERUN:-tests/test_gpu_gather_nccl.py}; \
+    step "GPU test rerun: ${FO_RERUN:-tests/test_gpu_moe.py}"
+    timeout "$(cap 120)" python3 -m pytest -q -rs -p no:cacheprovider $(for f in ${FO_RERUN:-tests/test_gpu_moe.py}; \
       do echo "$REPO/$f"; done) >"$OUT/gpu_tests.log" 2>&1
     echo "gpu pytest rc=$?" | tee -a "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log"
   fi
