@@ -28,8 +28,11 @@ BF16 = torch.bfloat16
 
 
 def _case(op: str, form: str, kind: str, seed: int) -> dict:
+    """``make_case`` of the op's test module; kind "moe_empty": the MoE form with some blocks empty."""
     g = dist.group.WORLD
-    return (tc if op == "combine" else td).make_case(form, kind, BF16, seed, g.size(), g.rank())
+    empty = kind == "moe_empty"
+    return (tc if op == "combine" else td).make_case(form, "moe" if empty else kind, BF16, seed, g.size(), g.rank(),
+                                                     empty)
 
 
 def _call(op: str, c: dict, plan: str = "blocks") -> list[torch.Tensor]:
@@ -236,10 +239,17 @@ def test_a_rank_on_the_general_path_interoperates_with_one_on_the_whole_block_pa
     assert got[1] == {"fast": 0, "redo": 0, "p2p": 2}, got
 
 
-def test_three_ranks():
+@pytest.mark.parametrize("world", [2, 3])
+def test_empty_blocks_and_three_ranks(world):
+    """Some blocks empty (a rank sending a peer nothing, on 3 ranks a pair exchanging nothing): their GEMMs and
+    transfers are left out on both sides alike; and the plain MoE form on 3 ranks (ring order)."""
     for op in ("combine", "dispatch"):
-        for counts in get_pool(3).run(path_worker, op, ["moe"] * 3, ["grouped", "grouped2"], [1, 2]):
-            assert counts == {"fast": 4, "redo": 0, "p2p": 4}, counts
+        for counts in get_pool(world).run(path_worker, op, ["moe_empty"] * world, ["grouped", "grouped2"], [3]):
+            assert counts == {"fast": 2, "redo": 0, "p2p": 2}, counts
+    if world == 3:
+        for op in ("combine", "dispatch"):
+            for counts in get_pool(3).run(path_worker, op, ["moe"] * 3, ["grouped", "grouped2"], [1, 2]):
+                assert counts == {"fast": 4, "redo": 0, "p2p": 4}, counts
 
 
 @pytest.mark.parametrize("op", ["combine", "dispatch"])
