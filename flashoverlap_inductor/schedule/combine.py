@@ -138,9 +138,11 @@ def plan_units(index: torch.Tensor, ends: torch.Tensor, unit_bounds: torch.Tenso
     bad = (idx < 0) | (idx >= buffer_rows)
     idx = idx.clamp(0, max(buffer_rows - 1, 0))
     row_group = torch.searchsorted(ends, torch.arange(rows, device=dev), right=True)
-    by_unit = torch.sort(torch.searchsorted(unit_bounds[1:].contiguous(), idx, right=True), stable=True)
+    unit = torch.searchsorted(unit_bounds[1:].contiguous(), idx, right=True)
+    # sorted as int16 where the units fit (a radix sort's passes follow the key's bytes: 2 instead of 8 on CUDA)
+    by_unit = torch.sort(unit.to(torch.int16) if units < 2**15 else unit, stable=True)
     order = by_unit.indices
-    key = by_unit.values * groups + row_group[order]  # non-decreasing: rows ascend within a unit, groups with rows
+    key = by_unit.values.to(torch.int64) * groups + row_group[order]  # non-decreasing: rows ascend within a unit
     bounds = torch.searchsorted(key, torch.arange(units * groups + 1, device=dev))
     counts = bounds.diff()
     if rows:
