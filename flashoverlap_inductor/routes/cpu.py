@@ -160,24 +160,33 @@ def _settle(failure: BaseException | None, collective: str, y_shape: list[int], 
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     except Exception as exc:  # noqa: BLE001 - the group itself broke: raised below
         lost = exc
-    if failure is not None:
-        if lost is not None:
-            log.warning("flashoverlap: the failure exchange of a fused %s failed too: %r", what, lost)
-        raise failure
-    if lost is not None:
-        raise errors.PeerFailure(f"flashoverlap: the failure exchange after a fused {what} failed on rank "
-                                 f"{group.rank()} of group {_group_name(group)}; its output is not returned: "
-                                 f"{lost}") from lost
+    _raise_unless_exchanged(failure, lost, f"a fused {what}", group)
     worst = int(flag.item())
     if worst:
-        bad = worst - 1
-        try:
-            where = f"rank {bad} (global rank {dist.get_global_rank(group, bad)})"
-        except Exception:  # noqa: BLE001 - a group this process cannot map: the group rank alone
-            where = f"rank {bad}"
-        raise errors.PeerFailure(f"flashoverlap: {where} of group {_group_name(group)} failed in the middle of a "
-                                 f"fused {what}; rank {group.rank()} completed its collectives but does not return "
-                                 "its output (the failing rank raises the cause)")
+        raise errors.PeerFailure(f"flashoverlap: {_rank_name(group, worst - 1)} of group {_group_name(group)} "
+                                 f"failed in the middle of a fused {what}; rank {group.rank()} completed its "
+                                 "collectives but does not return its output (the failing rank raises the cause)")
+
+
+def _raise_unless_exchanged(failure: BaseException | None, lost: Exception | None, what: str,
+                            group: dist.ProcessGroup) -> None:
+    """After a failure exchange (``lost``: its own exception, if it raised): a failed rank re-raises its ``failure``
+    (logging a lost exchange too); a rank whose exchange was lost raises ``errors.PeerFailure``; else nothing."""
+    if failure is not None:
+        if lost is not None:
+            log.warning("flashoverlap: the failure exchange of %s failed too: %r", what, lost)
+        raise failure
+    if lost is not None:
+        raise errors.PeerFailure(f"flashoverlap: the failure exchange after {what} failed on rank {group.rank()} of "
+                                 f"group {_group_name(group)}; its output is not returned: {lost}") from lost
+
+
+def _rank_name(group: dist.ProcessGroup, rank: int) -> str:
+    """``"rank r (global rank g)"``, or ``"rank r"`` where this process cannot map the group rank."""
+    try:
+        return f"rank {rank} (global rank {dist.get_global_rank(group, rank)})"
+    except Exception:  # noqa: BLE001 - a group this process cannot map: the group rank alone
+        return f"rank {rank}"
 
 
 def _group_name(group: dist.ProcessGroup) -> str:

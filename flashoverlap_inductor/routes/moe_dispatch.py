@@ -44,11 +44,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..schedule.combine import chunk_sizes, group_ends, offsets, parse_plan, plan_units, ring_steps
+from ..schedule.combine import chunk_sizes, group_ends, offsets, parse_plan, plan_units
 from . import moe_fast, moe_p2p
-from .cpu import _poison, _wait_all
-
-TAG = moe_p2p.DISPATCH_TAG
+from .cpu import _wait_all
 
 
 def check_operands(x: torch.Tensor, index: torch.Tensor, b: list, sizes: list | None,
@@ -178,37 +176,15 @@ def run_p2p(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes: 
             plan: str) -> list:
     """The P2P route (module docstring). Transfers per call on every rank: per ring step and chunk one batch (a send
     and a receive, either left out when its rows are 0, on both sides alike), then the failure exchange."""
-    world, rank = group.size(), group.rank()
+    rank = group.rank()
     chunks = parse_plan(plan, "dispatch")
-    k = int(x.shape[1])
     what = f"a fused all_to_all dispatch of {list(x.shape)} rows (plan {plan!r})"
     redo = lambda: reference(x, index, b, sizes, offs, outs, ins, group)  # noqa: E731
     if offs is not None and moe_fast.eligible(True, x.dtype, chunks, int(index.shape[0]), sum(outs)):
         return moe_fast.run_dispatch(x, index, b, offs, outs, ins, group, what, redo)
-    send_sizes, recv_sizes = chunk_sizes(ins, chunks), chunk_sizes(outs, chunks)
-    send_off, recv_off = offsets(send_sizes), offsets(recv_sizes)
-    recv = x.new_empty(recv_off[-1], k)
-    failure: BaseException | None = None
-    if x.shape[0] != send_off[-1]:
-        failure = ValueError(f"flashoverlap: the dispatch's input_split_sizes {ins} do not sum to its {x.shape[0]} "
-                             "rows")
-    else:
-        x = x.contiguous()
-    landing: list[tuple[int, list]] = []  # (receive unit, its batch's works), in issue order
-    poisoned: list[torch.Tensor] = []  # NaN blocks sent in place of x's rows: alive until every transfer was waited
-    for dst, src in ring_steps(world, rank):
-        for q in range(chunks):
-            u, v = dst * chunks + q, src * chunks + q
-            block = x[send_off[u]:send_off[u + 1]]
-            if failure is not None:
-                block = x.new_empty(send_off[u + 1] - send_off[u], k)
-                _poison(block)  # what the peer receives is never mistaken for data
-                poisoned.append(block)
-            try:
-                works = moe_p2p.exchange(block, recv[recv_off[v]:recv_off[v + 1]], dst, src, group, TAG + q)
-            except BaseException as exc:  # noqa: BLE001 - settled below, after every ring step was issued
-                failure, works = failure or exc, []
-            landing.append((v, works))
+    sent = moe_p2p.issue_dispatch(x, outs, ins, chunks, group)
+    x, recv, send_off, recv_off, failure = sent.x, sent.recv, sent.send_off, sent.recv_off, sent.failure
+    recv_sizes = chunk_sizes(outs, chunks)
     units = None
     try:
         if failure is None:
@@ -219,7 +195,7 @@ def run_p2p(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes: 
                 units.compute(rank * chunks + q, recv)
     except BaseException as exc:  # noqa: BLE001 - as above: the transfers are still waited for
         failure = failure or exc
-    for v, works in landing:
+    for v, works in sent.landing:
         failure = _wait_all(works, failure)  # this unit's transfers only (on CUDA: the stream waits, not the host)
         if failure is None:
             try:
@@ -227,9 +203,9 @@ def run_p2p(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes: 
             except BaseException as exc:  # noqa: BLE001 - as above
                 failure = exc
     if moe_p2p.settle(failure, None, what, recv.device, group):  # a peer's whole-block premise failed
-        del poisoned, recv, units
+        del sent, recv, units
         return moe_p2p.redo("dispatch", redo)
-    del poisoned
+    del sent
     return [units.p, *units.y]
 
 

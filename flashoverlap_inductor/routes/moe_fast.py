@@ -162,28 +162,8 @@ def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], of
     """The dispatch on the whole-block path: every ring step's transfer issued first, the own block's GEMMs on its
     rows as they lie, then each block's as it lands; then ``p`` and ``y`` gathered into expert order."""
     world, rank = group.size(), group.rank()
-    k = int(x.shape[1])
-    send_off, recv_off = offsets(ins), offsets(outs)
-    recv = x.new_empty(recv_off[-1], k)
-    failure: BaseException | None = None
-    if x.shape[0] != send_off[-1]:
-        failure = ValueError(f"flashoverlap: the dispatch's input_split_sizes {ins} do not sum to its {x.shape[0]} "
-                             "rows")
-    else:
-        x = x.contiguous()
-    landing, poisoned = [], []
-    for dst, src in ring_steps(world, rank):
-        block = x[send_off[dst]:send_off[dst + 1]]
-        if failure is not None:
-            block = x.new_empty(send_off[dst + 1] - send_off[dst], k)
-            _poison(block)
-            poisoned.append(block)
-        try:
-            works = moe_p2p.exchange(block, recv[recv_off[src]:recv_off[src + 1]], dst, src, group,
-                                     moe_p2p.DISPATCH_TAG)
-        except BaseException as exc:  # noqa: BLE001 - settled below, after every ring step was issued
-            failure, works = failure or exc, []
-        landing.append((src, works))
+    sent = moe_p2p.issue_dispatch(x, outs, ins, 1, group)  # one unit per block: unit j is block j
+    x, recv, send_off, recv_off, failure = sent.x, sent.recv, sent.send_off, sent.recv_off, sent.failure
     ys: list[list[torch.Tensor | None]] = [[None] * world for _ in b]
     plan = None
 
@@ -200,7 +180,7 @@ def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], of
             compute(rank)
     except BaseException as exc:  # noqa: BLE001 - the transfers are still waited for
         failure = failure or exc
-    for src, works in landing:
+    for src, works in sent.landing:
         failure = _wait_all(works, failure)
         if failure is None:
             try:
@@ -215,8 +195,8 @@ def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], of
             failure = exc
     facts = None if plan is None else plan.facts
     if moe_p2p.settle(failure, facts, what, x.device, group):
-        del recv, ys, result, plan, poisoned  # the redo's memory
+        del recv, ys, result, plan, sent  # the redo's memory
         return moe_p2p.redo("dispatch", reference)
     stats["dispatch:fast"] += 1
-    del poisoned
+    del sent
     return result

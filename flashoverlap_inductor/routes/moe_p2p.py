@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -28,14 +29,13 @@ from flashoverlap_inductor import config
 
 from .. import _inductor_compat as compat
 from .. import errors
-from ..schedule.combine import parse_plan
+from ..schedule.combine import chunk_sizes, offsets, parse_plan, ring_steps
 from . import agree
 from .base import note, stats
-from .cpu import _group_name
+from .cpu import _group_name, _poison, _raise_unless_exchanged, _rank_name
 from .nccl import is_nccl_group
 
 T = TypeVar("T")
-log = logging.getLogger("flashoverlap")
 # The settle's vector per rank (int64): FAIL (rank + 1 where this rank failed, else 0), then the whole-block path's
 # routing facts (``moe_fast.BlockPlan.facts``; all 0 on the general path, which they then pass): ROWS (the index's
 # entries, = the buffer's rows), IDX_MAX / IDX_MIN (the index's extremes), OFFS_STEP (the smallest step of the expert
@@ -166,13 +166,7 @@ def settle(failure: BaseException | None, facts: torch.Tensor | None, what: str,
             dist.all_gather_into_tensor(every, local, group=group)
         except Exception as exc:  # noqa: BLE001 - the group itself broke: raised below
             lost = exc
-    if failure is not None:
-        if lost is not None:
-            log.warning("flashoverlap: the failure exchange of %s failed too: %r", what, lost)
-        raise failure
-    if lost is not None:
-        raise errors.PeerFailure(f"flashoverlap: the failure exchange after {what} failed on rank {rank} of group "
-                                 f"{_group_name(group)}; its output is not returned: {lost}") from lost
+    _raise_unless_exchanged(failure, lost, what, group)
     flat = every.tolist()  # the host sync
     vectors = [flat[r * SETTLE_LEN:(r + 1) * SETTLE_LEN] for r in range(world)]
     judged = [verdicts(v) for v in vectors]
@@ -200,14 +194,6 @@ def redo(op: str, reference: Callable[[], T]) -> T:
     note(f"moe:{op}:redo", logging.INFO, "flashoverlap: a fused MoE %s was redone unfused: some rank's routing data "
          "are not in the whole-block form (routes/moe_fast.py); counted %s:redo", op, op)
     return reference()
-
-
-def _rank_name(group: dist.ProcessGroup, rank: int) -> str:
-    """``"rank r (global rank g)"``, or ``"rank r"`` where this process cannot map the group rank."""
-    try:
-        return f"rank {rank} (global rank {dist.get_global_rank(group, rank)})"
-    except Exception:  # noqa: BLE001 - a group this process cannot map: the group rank alone
-        return f"rank {rank}"
 
 
 def lock(kind: str, group: dist.ProcessGroup) -> threading.RLock:
@@ -257,6 +243,51 @@ def copy_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None
             except (RuntimeError, NotImplementedError):  # no index_copy_ kernel for the word on this device
                 _no_kernel.add((dst.device.type, word))
     dst.index_copy_(0, index, src)
+
+
+@dataclass
+class Issued:
+    """The dispatch's transfers as ``issue_dispatch`` left them: ``recv`` (the receive buffer, cut by ``recv_off``
+    into units, block i's chunks q at unit ``i * chunks + q``); ``send_off``: ``x``'s units likewise; ``landing``:
+    (receive unit, its batch's works) in issue order; ``poisoned``: NaN blocks sent in place of ``x``'s rows (alive
+    until every transfer was waited for); ``failure``: the first exception, settled at the call's end."""
+
+    x: torch.Tensor
+    recv: torch.Tensor
+    send_off: list[int]
+    recv_off: list[int]
+    landing: list[tuple[int, list]] = field(default_factory=list)
+    poisoned: list[torch.Tensor] = field(default_factory=list)
+    failure: BaseException | None = None
+
+
+def issue_dispatch(x: torch.Tensor, outs: list[int], ins: list[int], chunks: int, group: dist.ProcessGroup) -> Issued:
+    """Both dispatch paths' transfers, issued before any GEMM (NCCL's stream waits for the caller's at each issue):
+    per ring step and chunk one batch (send unit ``dst * chunks + q`` of ``x``, receive unit ``src * chunks + q``),
+    tag ``DISPATCH_TAG + q``; every step issued whatever fails (a rank whose ``x`` does not fit its split sizes sends
+    NaN blocks)."""
+    world, rank, k = group.size(), group.rank(), int(x.shape[1])
+    send_off, recv_off = offsets(chunk_sizes(ins, chunks)), offsets(chunk_sizes(outs, chunks))
+    out = Issued(x, x.new_empty(recv_off[-1], k), send_off, recv_off)
+    if x.shape[0] != send_off[-1]:
+        out.failure = ValueError(f"flashoverlap: the dispatch's input_split_sizes {ins} do not sum to its "
+                                 f"{x.shape[0]} rows")
+    else:
+        out.x = x.contiguous()
+    for dst, src in ring_steps(world, rank):
+        for q in range(chunks):
+            u, v = dst * chunks + q, src * chunks + q
+            block = out.x[send_off[u]:send_off[u + 1]]
+            if out.failure is not None:
+                block = x.new_empty(send_off[u + 1] - send_off[u], k)
+                _poison(block)  # what the peer receives is never mistaken for data
+                out.poisoned.append(block)
+            try:
+                works = exchange(block, out.recv[recv_off[v]:recv_off[v + 1]], dst, src, group, DISPATCH_TAG + q)
+            except BaseException as exc:  # noqa: BLE001 - settled at the call's end, after every step was issued
+                out.failure, works = out.failure or exc, []
+            out.landing.append((v, works))
+    return out
 
 
 def upload(host: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
