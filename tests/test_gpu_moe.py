@@ -265,7 +265,9 @@ def fallback_worker() -> list[str]:
 def fault_worker(op: str, path: str) -> list[str]:
     """Rank 1's second GEMM of the call raises in the first call; per call: "own", "peer" (naming rank 1) or "exact".
     ``path`` "general": plan ``"blocks:c=2"`` (the unit GEMMs of ``CombineUnits`` / ``DispatchUnits``); "whole-block":
-    plan ``"blocks"`` (``routes/moe_fast.py``: its second grouped GEMM)."""
+    plan ``"blocks"`` (``routes/moe_fast.py``: its second grouped GEMM; in the dispatch its first, since rank 1
+    receives no rows from rank 0 (``split_counts``' pair 0 -> 1 is empty) and so runs one block GEMM, its own, while
+    its transfers are in flight)."""
     from unittest import mock
 
     import torch.distributed as dist
@@ -283,10 +285,11 @@ def fault_worker(op: str, path: str) -> list[str]:
     else:
         owner, name, plan = moe_fast.torch, "_grouped_mm", "blocks"
     real, seen = getattr(owner, name), []
+    fault_at = 1 if (path, op) == ("whole-block", "dispatch") else 2
 
     def flaky(*args, **kwargs):
         seen.append(1)
-        if len(seen) == 2:
+        if len(seen) == fault_at:
             raise RuntimeError("injected GEMM fault")
         return real(*args, **kwargs)
 

@@ -22,8 +22,10 @@
 # FO_E2E_PRESET, FO_E2E_LAYERS: the e2e model (default llama3-8b, 8 layers; e.g. qwen3-moe 4 with FO_E2E_PLAN=ep).
 # FO_FAULT_SPECS: the fault probes' argument lists, ';'-separated; FO_TIMELINE_ARGS: more timeline arguments (e.g.
 #   "--op reduce_scatter" or "--op all_reduce": the peer route's call timeline instead of the all_gather one, 1 PNG).
-# The MoE check alone (tests/test_gpu_moe.py, bench_moe, moe_profile): FO_PART=B FO_SKIP="cpu coverage ops gather timeline".
-# FO_OPS_CAP_S: bench_ops' cap (default 120 s; FO_OPS_SHAPES=grid, the 16-shape grid, needs ~300).
+# The MoE check alone (tests/test_gpu_moe.py, tests/test_moe_plan_kernel.py, bench_moe, moe_profile):
+#   FO_PART=B FO_SKIP="cpu coverage ops gather timeline".
+# FO_OPS_CAP_S: bench_ops' cap (default 120 s; FO_OPS_SHAPES=grid, the 16-shape grid, needs ~300); FO_OPS_ARGS: more
+#   bench_ops arguments (e.g. "--ops all_to_all").
 # FO_SKIP: any of "build tests faults cpu coverage ops gather moe moeprof timeline e2e"; FO_BUDGET_S: the part's budget (default 570).
 set -uo pipefail
 START=$SECONDS
@@ -89,8 +91,8 @@ elif [ "$PART" = B ]; then
   cpu_side &  # on the host's other cores while the GPU steps run
   CPU_PID=$!
   if [[ "$SKIP" != *" tests "* ]]; then
-    step "GPU test rerun: ${FO_RERUN:-tests/test_gpu_moe.py}"
-    timeout "$(cap 120)" python3 -m pytest -q -rs -p no:cacheprovider $(for f in ${FO_RERUN:-tests/test_gpu_moe.py}; \
+    step "GPU test rerun: ${FO_RERUN:-tests/test_gpu_moe.py tests/test_moe_plan_kernel.py}"
+    timeout "$(cap 120)" python3 -m pytest -q -rs -p no:cacheprovider $(for f in ${FO_RERUN:-tests/test_gpu_moe.py tests/test_moe_plan_kernel.py}; \
       do echo "$REPO/$f"; done) >"$OUT/gpu_tests.log" 2>&1
     echo "gpu pytest rc=$?" | tee -a "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log"
   fi
@@ -98,7 +100,7 @@ elif [ "$PART" = B ]; then
     step "bench_ops"
     OPS_CAP=$(cap "${FO_OPS_CAP_S:-120}")
     timeout "$OPS_CAP" "${TORCHRUN[@]}" --nproc_per_node="$WORLD" "$REPO/examples/bench_ops.py" --fuse auto \
-      --shapes "${FO_OPS_SHAPES:-4096x4096x4096,16384x4096x4096}" --time-budget-s $((OPS_CAP > 90 ? OPS_CAP - 30 : 60)) --json /tmp/fo_probe/bench_ops.json >"$OUT/bench_ops.log" 2>&1
+      --shapes "${FO_OPS_SHAPES:-4096x4096x4096,16384x4096x4096}" ${FO_OPS_ARGS:-} --time-budget-s $((OPS_CAP > 90 ? OPS_CAP - 30 : 60)) --json /tmp/fo_probe/bench_ops.json >"$OUT/bench_ops.log" 2>&1
     echo "bench_ops rc=$?" | tee -a "$OUT/bench_ops.log"; tail -25 "$OUT/bench_ops.log"
   fi
   if [[ "$SKIP" != *" gather "* ]]; then

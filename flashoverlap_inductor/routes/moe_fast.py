@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule.combine import offsets, ring_steps
-from . import moe_p2p
+from . import moe_p2p, moe_plan_kernel
 from .base import stats
 from .cpu import _poison, _wait_all
 
@@ -55,47 +55,59 @@ class BlockPlan:
     cumulative row offsets (int32, E entries); ``sizes``: the blocks' rows (host ints). ``idx``: the index reduced
     modulo the buffer's rows; ``inv``: the expert row of each buffer row (0 where none names it; the index is a
     permutation iff ``idx[inv]`` is ``arange``); ``table`` (int32 ``[blocks, E rounded up to 4]``): row j holds block
-    j's cumulative expert offsets (16-byte aligned rows), each clamped to the block's rows; ``checks``: the settle's
-    vector of routing facts (``moe_p2p.SETTLE_LEN`` int64; verdicts on the host, ``moe_p2p.verdicts``)."""
+    j's cumulative expert offsets (16-byte aligned rows), each clamped to the block's rows; ``facts``: the settle's
+    vector of routing facts (``moe_p2p.SETTLE_LEN`` int64; verdicts on the host, ``moe_p2p.verdicts``). Built by
+    two Triton kernels where ``moe_plan_kernel.should_use`` says so (CUDA), else by ``plan_with_torch``: the same
+    tensors."""
 
     def __init__(self, index: torch.Tensor, offs: torch.Tensor, sizes: list[int]) -> None:
-        dev, rows, experts = index.device, int(index.shape[0]), int(offs.shape[0])
-        blocks, bounds = len(sizes), offsets(sizes)
-        # host ints in one upload: the blocks' first and end rows and sizes, the (block, group) keys to search, 0, rows
-        starts, ends, sizes_d, queries, scalars = moe_p2p.upload([
-            torch.tensor(bounds[:-1], dtype=torch.int64), torch.tensor(bounds[1:], dtype=torch.int64),
-            torch.tensor(sizes, dtype=torch.int64), torch.arange(blocks * (experts + 1)),
-            torch.tensor([0, rows])], dev)
-        raw = index.to(torch.int64)
-        self.idx = torch.remainder(raw, max(rows, 1))
-        arange = torch.arange(rows, device=dev)
-        offs64 = offs.to(torch.int64)
-        group = torch.searchsorted(offs64, arange, right=True)  # each expert row's group; E: in none
-        self.inv = torch.zeros(rows, dtype=torch.int64, device=dev).index_copy_(0, self.idx, arange)
-        key = group.index_select(0, self.inv)  # each buffer row's expert group
-        key.add_(torch.searchsorted(ends, arange, right=True), alpha=experts + 1)  # + its block: (block, group)
-        found = torch.searchsorted(key, queries, right=True).view(blocks, experts + 1)[:, :experts]
-        per_block = torch.minimum((found - starts[:, None]).clamp_(min=0), sizes_d[:, None])  # within each block
-        if experts % 4 == 0:  # each block's row of offsets starts 16-byte aligned, as the grouped GEMM needs
-            self.table = per_block.to(torch.int32)
-        else:
-            self.table = torch.zeros(blocks, -(-experts // 4) * 4, dtype=torch.int32, device=dev)
-            self.table[:, :experts] = per_block
-        zero = scalars[0]
-        offs_step = torch.diff(offs64, prepend=zero.view(1)).amin()  # checked with no rows too
-        if rows:
-            lo_hi = torch.aminmax(raw)
-            self.facts = torch.stack([
-                zero, scalars[1], lo_hi.max, lo_hi.min, offs_step,
-                (self.idx.index_select(0, self.inv) != arange).sum(),  # 0 iff the index is a permutation
-                offs64[-1], torch.diff(key).amin() if rows > 1 else zero])
-        else:
-            self.facts = torch.stack([zero, zero, zero, zero, offs_step, zero, offs64[-1], zero])
+        experts, bounds = int(offs.shape[0]), offsets(sizes)
+        built = moe_plan_kernel.build(index, offs, bounds) if moe_plan_kernel.should_use(index, offs, len(sizes)) \
+            else None
+        self.idx, self.inv, self.table, self.facts = built or plan_with_torch(index, offs, bounds)
         self.experts, self.bounds = experts, bounds
 
     def offs(self, j: int) -> torch.Tensor:
         """Block j's cumulative expert offsets (int32, E entries, a 16-byte-aligned view)."""
         return self.table[j, :self.experts]
+
+
+def plan_with_torch(index: torch.Tensor, offs: torch.Tensor, bounds: list[int]) -> tuple[torch.Tensor, ...]:
+    """``BlockPlan``'s ``(idx, inv, table, facts)`` in ~28 torch ops (the reference semantics of
+    ``moe_plan_kernel.build``; taken on CPU, without Triton and past its limits). ``bounds``: the blocks' row bounds."""
+    dev, rows, experts = index.device, int(index.shape[0]), int(offs.shape[0])
+    blocks = len(bounds) - 1
+    # host ints in one upload: the blocks' first and end rows and sizes, the (block, group) keys to search, 0, rows
+    starts, ends, sizes_d, queries, scalars = moe_p2p.upload([
+        torch.tensor(bounds[:-1], dtype=torch.int64), torch.tensor(bounds[1:], dtype=torch.int64),
+        torch.tensor([b - a for a, b in zip(bounds, bounds[1:])], dtype=torch.int64),
+        torch.arange(blocks * (experts + 1)), torch.tensor([0, rows])], dev)
+    raw = index.to(torch.int64)
+    idx = torch.remainder(raw, max(rows, 1))
+    arange = torch.arange(rows, device=dev)
+    offs64 = offs.to(torch.int64)
+    group = torch.searchsorted(offs64, arange, right=True)  # each expert row's group; E: in none
+    inv = torch.zeros(rows, dtype=torch.int64, device=dev).index_copy_(0, idx, arange)
+    key = group.index_select(0, inv)  # each buffer row's expert group
+    key.add_(torch.searchsorted(ends, arange, right=True), alpha=experts + 1)  # + its block: (block, group)
+    found = torch.searchsorted(key, queries, right=True).view(blocks, experts + 1)[:, :experts]
+    per_block = torch.minimum((found - starts[:, None]).clamp_(min=0), sizes_d[:, None])  # within each block
+    if experts % 4 == 0:  # each block's row of offsets starts 16-byte aligned, as the grouped GEMM needs
+        table = per_block.to(torch.int32)
+    else:
+        table = torch.zeros(blocks, -(-experts // 4) * 4, dtype=torch.int32, device=dev)
+        table[:, :experts] = per_block
+    zero = scalars[0]
+    offs_step = torch.diff(offs64, prepend=zero.view(1)).amin()  # checked with no rows too
+    if rows:
+        lo_hi = torch.aminmax(raw)
+        facts = torch.stack([
+            zero, scalars[1], lo_hi.max, lo_hi.min, offs_step,
+            (idx.index_select(0, inv) != arange).sum(),  # the rows no entry names: 0 iff a permutation
+            offs64[-1], torch.diff(key).amin().clamp(max=0) if rows > 1 else zero])
+    else:
+        facts = torch.stack([zero, zero, zero, zero, offs_step, zero, offs64[-1], zero])
+    return idx, inv, table, facts
 
 
 def _aligned(rows: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,133 @@
+"""``routes/moe_plan_kernel.py`` (the whole-block path's routing plan in two Triton kernels) against its reference,
+``moe_fast.plan_with_torch``, on random routing data: the MoE form (the premise holds), random permutations, repeated
+and unnamed rows, negative and out-of-range entries, offsets decreasing, short of or past the rows, 1-8 blocks with
+empty ones, experts not a multiple of 4, int32 and int64 operands. ``idx`` and ``facts`` bit for bit; ``table``
+bit for bit where the data are good and the premise holds, else within its bounds (each block's offsets
+non-decreasing, at most its rows: all the GEMMs need before the settle redoes or refuses the call); ``inv``
+exactly where the index names each row once, else "each named row's entry names it". On CUDA where a GPU is
+present, else on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, in a fresh process); skips without
+Triton.
+
+    python3 -m pytest -q tests/test_moe_plan_kernel.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+
+DEV = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+# On the CPU the kernels run under Triton's interpreter, which must be on before Triton is first imported (its
+# library functions, tl.sum and the like, are decorated then): in a fresh process (test_under_the_interpreter)
+HERE = DEV.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+here = pytest.mark.skipif(not HERE, reason="on the CPU: run by test_under_the_interpreter in a fresh process")
+
+
+@pytest.mark.skipif(HERE, reason="the kernels run in this process")
+def test_under_the_interpreter():
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def _case(seed: int, kind: str, blocks: int, experts: int, rows_per_block: int) -> tuple:
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(0, rows_per_block + 1, (blocks,), generator=gen).tolist()
+    if kind != "empty-blocks":
+        sizes = [max(s, 1) for s in sizes]
+    rows = sum(sizes) or 1
+    sizes[-1] += rows - sum(sizes)
+    per = torch.zeros(blocks, experts, dtype=torch.int64)
+    for j, n in enumerate(sizes):
+        if n:
+            per[j] = torch.multinomial(torch.ones(experts), n, replacement=True, generator=gen).bincount(
+                minlength=experts)
+    expert_of_row = torch.arange(experts).repeat(blocks).repeat_interleave(per.flatten())
+    index = expert_of_row.argsort(stable=True)  # the MoE form: block-major rows, expert-major after the index
+    offs = per.sum(0).cumsum(0)
+    if kind == "random-perm":
+        index = torch.randperm(rows, generator=gen)
+    elif kind == "repeats":
+        index[torch.randint(0, rows, (max(1, rows // 5),), generator=gen)] = int(index[0])
+    elif kind == "negative":
+        index = index - rows * torch.randint(0, 2, (rows,), generator=gen)
+    elif kind == "out-of-range":
+        index[int(torch.randint(0, rows, (1,), generator=gen))] = rows + 3
+    elif kind == "offs-decreasing" and experts > 1:
+        offs[0], offs[1] = offs[1] + 1, offs[0]
+    elif kind == "offs-short":
+        offs = (offs - 1).clamp(min=0)
+    elif kind == "offs-past":
+        offs[-1] = rows + 5
+    elif kind == "unsorted-block":
+        index = index.flip(0)
+    bounds = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+    return index, offs, bounds
+
+
+KINDS = ["moe", "empty-blocks", "random-perm", "repeats", "negative", "out-of-range", "offs-decreasing", "offs-short",
+         "offs-past", "unsorted-block"]
+
+
+@here
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("blocks,experts", [(1, 4), (2, 64), (3, 5), (8, 13), (2, 130)])
+def test_the_kernels_build_the_reference_plan(kind, blocks, experts):
+    from flashoverlap_inductor.routes import moe_fast, moe_p2p, moe_plan_kernel
+
+    for seed in range(3):
+        index, offs, bounds = _case(seed * 31 + blocks * 7 + experts, kind, blocks, experts, 40)
+        for itype, otype in ((torch.int64, torch.int32), (torch.int32, torch.int64)):
+            i, o = index.to(DEV, itype), offs.to(DEV, otype)
+            want = moe_fast.plan_with_torch(i, o, bounds)
+            got = moe_plan_kernel.build(i, o, bounds)
+            name = f"{kind} seed {seed} {itype} {otype}"
+            assert torch.equal(got[0], want[0]), f"idx: {name}"
+            assert got[3].tolist() == want[3].tolist(), f"facts: {name}"
+            if not any(moe_p2p.verdicts(want[3].tolist())):  # good data, the premise holds: the same offsets
+                assert torch.equal(got[2], want[2]), f"table: {name}\n{got[2]}\n{want[2]}"
+            rows = int(i.shape[0])
+            if want[3][moe_p2p.UNNAMED] == 0:  # each row named once: inv is determined
+                assert torch.equal(got[1], want[1]), f"inv: {name}"
+            else:
+                named = torch.zeros(rows, dtype=torch.bool, device=DEV).index_fill_(0, want[0], True)
+                assert torch.equal(want[0][got[1]][named], torch.arange(rows, device=DEV)[named]), f"inv: {name}"
+            assert (got[2] >= 0).all() and (got[2][:, :experts].diff(dim=1) >= 0).all(), name
+            sizes = torch.tensor([b - a for a, b in zip(bounds, bounds[1:])], device=DEV)
+            assert (got[2] <= sizes[:, None]).all(), f"table past a block: {name}"
+
+
+@here
+def test_the_premise_verdicts_are_the_references():
+    """The settle's verdicts (``moe_p2p.verdicts``) on the kernels' facts name the same failures."""
+    from flashoverlap_inductor.routes import moe_fast, moe_p2p, moe_plan_kernel
+
+    seen = set()
+    for kind in KINDS:
+        index, offs, bounds = _case(5, kind, 2, 8, 50)
+        i, o = index.to(DEV), offs.to(DEV, torch.int32)
+        got = moe_p2p.verdicts(moe_plan_kernel.build(i, o, bounds)[3].tolist())
+        assert got == moe_p2p.verdicts(moe_fast.plan_with_torch(i, o, bounds)[3].tolist()), kind
+        seen.add((kind, got))
+    assert ("moe", (False, False, False)) in seen and ("out-of-range", (True, False, True)) in seen
+    assert ("repeats", (False, False, True)) in seen and ("offs-past", (False, True, True)) in seen
+
+
+def test_the_predicate():
+    from flashoverlap_inductor.routes import moe_plan_kernel
+
+    i, o = torch.arange(8), torch.tensor([4, 8], dtype=torch.int32)
+    assert not moe_plan_kernel.should_use(i, o, 2)  # CPU tensors: the torch ops
+    if torch.cuda.is_available():
+        assert moe_plan_kernel.should_use(i.cuda(), o.cuda(), 2)
+        assert not moe_plan_kernel.should_use(i.cuda(), o.cuda(), 9)
+        assert not moe_plan_kernel.should_use(i.cuda()[:0], o.cuda(), 2)
