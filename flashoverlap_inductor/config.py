@@ -51,7 +51,8 @@ OPTION_PREFIX = "flashoverlap."
 EXPERIMENTS = {
     "single_group": "run a one-group plan fused (it overlaps nothing; for tests of the fused path on tiny shapes)",
     "moe_p2p_cuda": "run the fused MoE combine and dispatch on CUDA with their point-to-point route over NCCL "
-                    "(correct on 2 GPUs but 0.25-0.84x of sequential: host-bound); without it CUDA runs their "
+                    "(correct on 2 GPUs; combine 0.78-1.46x and dispatch 0.54-0.87x of sequential on 2 H200s, "
+                    "slower end to end: host-bound); without it CUDA runs their "
                     "unfused reference",
 }
 

@@ -184,6 +184,9 @@ def test_cli_under_torchrun_writes_json_and_png(tmp_path):
     traces = sorted(p.name for p in (tmp_path / "traces").glob("*.json"))  # --trace: a Chrome trace per rank
     assert traces == [f"tiny-llama_tp_prefill_s16_{b}_rank{r}.json" for b in ("eager", "flashoverlap")
                       for r in (0, 1)], traces
+    summary = fo["trace"]  # rank 0's trace summarized: its fused all_reduces' host time, 2 steps x 2 calls
+    assert summary["span_ms"] > 0 and summary["gpu_busy_ms"] == 0 and summary["fused"]["gemm_all_reduce"][0] == 4
+    assert "tiny-llama tp prefill 16 flashoverlap: span" in proc.stdout and "gemm_all_reduce 4 x" in proc.stdout
     if importlib.util.find_spec("matplotlib") is not None:
         assert out_png.stat().st_size > 1000
     else:

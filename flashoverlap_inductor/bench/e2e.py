@@ -245,6 +245,8 @@ def _run(args: argparse.Namespace, env: Env) -> int:
     with fresh_cache() if args.cache == "shared" else contextlib.nullcontext():
         rows, entries = _cases(args, env)
     say(output.table(rows))
+    if args.trace:
+        say(output.trace_lines(rows))
     if args.coverage == "on":
         say("\n".join(line for e in entries for line in coverage.coverage_lines(e)))
     if env.rank == 0:

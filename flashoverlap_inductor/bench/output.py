@@ -110,6 +110,20 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def trace_lines(rows: list[dict[str, Any]]) -> str:
+    """Per traced row (``--trace``), rank 0's trace in one line (``trace_summary.describe``): is the step host-bound,
+    and what do the fused ops cost on the host."""
+    from .trace_summary import describe
+
+    lines = ["traces (--trace: 2 steps each, rank 0, under the profiler; a GPU idle for much of the span means a "
+             "host-bound step, where CUDA graphs, the -ro backends, help):"]
+    for r in rows:
+        if r.get("trace"):
+            lines.append(f"  {r['model']} {r['plan']} {r['workload']} {r['seq']} {r['backend']}: "
+                         f"{describe(r['trace'])}")
+    return "\n".join(lines)
+
+
 def _jsonable(x: Any) -> Any:
     if isinstance(x, float) and not math.isfinite(x):
         return None

@@ -305,7 +305,7 @@ def run_backend(backend: str, case: Case, template: nn.Module, data: list, env: 
 
                 first_s, times, outs = _measure(step, n_warm, n_steps, env, bar)
                 values = torch.stack(outs).double().cpu()
-                trace(args, case, backend, env, step)
+                traced = trace(args, case, backend, env, step)
             else:
                 model.eval()
                 fn = compile_for(backend, Prefill(model), env, args.fuse, capture, tuple(args.experiments))
@@ -317,7 +317,7 @@ def run_backend(backend: str, case: Case, template: nn.Module, data: list, env: 
                     first_s, times, _ = _measure(forward, n_warm, n_steps, env, bar)
                     values = fn(data[0][0]).double().cpu()  # one more call: a CUDA graph's output is reused
                     env.sync()
-                    trace(args, case, backend, env, forward)
+                    traced = trace(args, case, backend, env, forward)
     finally:
         bar.close()
     row["step_ms"] = [round(t, 4) for t in times]
@@ -332,13 +332,18 @@ def run_backend(backend: str, case: Case, template: nn.Module, data: list, env: 
         row["fusion"] = {k: v for k, v in sorted(report.compile.items())}
         row["runtime"] = {k: v for k, v in sorted(report.runtime.items())}
         row["events"] = coverage.report_events(report)
+    if traced:
+        from .trace_summary import summarize
+
+        row["trace"] = {"path": traced, **summarize(traced)}
     row["_values"] = values
     return row
 
 
 def trace(args: Any, case: Case, backend: str, env: Env, step: Any) -> str | None:
     """With ``--trace DIR``: two more steps (the first two inputs again) under ``torch.profiler``, exported as a
-    Chrome trace ``DIR/<case>_<backend>_rank<r>.json``; its path, or None. Not timed, after the timed steps."""
+    Chrome trace ``DIR/<case>_<backend>_rank<r>.json``; its path, or None. Not timed, after the timed steps; the row
+    keeps ``trace_summary.summarize``'s figures of it (printed under the table)."""
     if not getattr(args, "trace", None):
         return None
     from pathlib import Path

@@ -1,8 +1,9 @@
 """The MoE ops' whole-block path on the P2P route (``routes/combine.py``, ``routes/moe_dispatch.py``): no routing
-sync, ~30 ops per call, no scatter. The general path (``CombineUnits``, ``DispatchUnits``) cuts the expert rows by unit
-on the device and reads the cut on the host before its first GEMM (a sync, then ~100 small ops per call: measured
-on 2 H100s at 2.6-2.9 ms of host time per call where the unfused ops take 0.8 ms); this path needs neither, where
-the routing data have the form the MoE layers give them.
+sync, ~15 launches per call on CUDA (the plan: two Triton kernels, ``moe_plan_kernel``), no scatter. The general
+path (``CombineUnits``, ``DispatchUnits``) cuts the expert rows by unit on the device and reads the cut on the host
+before its first GEMM (a sync, then ~100 small ops per call: measured on 2 H100s at 2.6-2.9 ms of host time per call
+where the unfused ops take 0.8 ms); this path needs neither, where the routing data have the form the MoE layers give
+them (measured on 2 H200s: 1.2-1.3 ms of host time per call, the settle's read included; docs/results.md).
 
 **The premise** (a property of each rank's routing data, checked on the device in every call):
 

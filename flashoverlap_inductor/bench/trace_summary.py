@@ -1,0 +1,62 @@
+"""Where a traced step's time goes, from a Chrome trace of ``torch.profiler`` (``bench e2e --trace DIR`` writes one
+per case, backend and rank, and prints this summary of rank 0's under the table): the traced span (first to last
+event), the GPU's busy time (the union of its kernel and copy intervals over all streams) and the host time inside
+each fused op (``flashoverlap::*`` CPU ops). A step whose GPU idles for much of its span is host-bound: there a fused
+op's host time costs the step as much as its overlap saves, and CUDA graphs (the ``-ro`` backends,
+``mode="reduce-overhead"``) take that host time away. Host times are the profiler's (inflated by its own cost).
+
+    python -m flashoverlap_inductor.bench.trace_summary DIR/*.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from typing import Any
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def busy_ms(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``(start_us, end_us)`` intervals, in ms."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if s >= end:
+            total, end = total + (e - s), e
+        elif e > end:
+            total, end = total + (e - end), e
+    return total / 1e3
+
+
+def summarize(path: str) -> dict[str, Any]:
+    """``{"span_ms", "gpu_busy_ms", "fused": {op: [calls, host_ms]}}`` of the trace at ``path`` (span 0 when it has
+    no complete events)."""
+    with open(path) as f:
+        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    if not events:
+        return {"span_ms": 0.0, "gpu_busy_ms": 0.0, "fused": {}}
+    span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e3
+    busy = busy_ms([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in GPU_CATEGORIES])
+    fused: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("cat") == "cpu_op" and e["name"].startswith("flashoverlap::"):
+            fused[e["name"].removeprefix("flashoverlap::")][0] += 1
+            fused[e["name"].removeprefix("flashoverlap::")][1] += e["dur"] / 1e3
+    return {"span_ms": round(span, 4), "gpu_busy_ms": round(busy, 4),
+            "fused": {k: [n, round(ms, 4)] for k, (n, ms) in sorted(fused.items(), key=lambda kv: -kv[1][1])}}
+
+
+def describe(s: dict[str, Any]) -> str:
+    """One line of ``summarize``'s result: span, GPU busy share, host time per fused op."""
+    span, busy = s["span_ms"], s["gpu_busy_ms"]
+    if span <= 0:
+        return "no events"
+    text = f"span {span:.3f} ms, GPU busy {busy:.3f} ms ({busy / span:.0%}), idle {span - busy:.3f} ms"
+    ops = [f"{op} {n} x {ms / n:.3f} ms" for op, (n, ms) in s["fused"].items() if n]
+    return text + ("; host in fused ops: " + ", ".join(ops) if ops else "")
+
+
+if __name__ == "__main__":
+    for p in sys.argv[1:]:
+        print(f"{p}: {describe(summarize(p))}")

@@ -1,0 +1,41 @@
+"""``bench/trace_summary.py``: the GPU's busy time as the union of its intervals over streams (overlaps counted once,
+gaps not at all), the host time per fused op, the one-line description; on a hand-made Chrome trace whose answer is
+known."""
+
+from __future__ import annotations
+
+import json
+
+from flashoverlap_inductor.bench import trace_summary
+
+
+def _trace(tmp_path, events):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    return str(path)
+
+
+def test_busy_time_is_the_union_of_the_gpu_intervals(tmp_path):
+    x = lambda cat, name, ts, dur: {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    events = [
+        x("cpu_op", "flashoverlap::gemm_reduce_scatter", 0, 400),   # host: 0.4 ms
+        x("cpu_op", "flashoverlap::gemm_reduce_scatter", 5000, 600),  # host: 0.6 ms
+        x("cpu_op", "flashoverlap::all_gather_gemm", 2000, 1000),
+        x("cpu_op", "aten::mm", 2100, 50),
+        x("kernel", "gemm", 100, 1000),       # 0.1 - 1.1 ms
+        x("kernel", "nccl", 600, 1000),       # 0.6 - 1.6 ms: overlaps the GEMM (union 0.1 - 1.6)
+        x("gpu_memcpy", "copy", 1600, 400),   # 1.6 - 2.0 ms: touches it
+        x("kernel", "tail", 9000, 1000),      # 9 - 10 ms; the span ends here
+        {"ph": "i", "name": "marker", "ts": 20000},  # not a complete event: ignored
+    ]
+    s = trace_summary.summarize(_trace(tmp_path, events))
+    assert s["span_ms"] == 10.0 and s["gpu_busy_ms"] == 2.9
+    assert s["fused"] == {"gemm_reduce_scatter": [2, 1.0], "all_gather_gemm": [1, 1.0]}
+    line = trace_summary.describe(s)
+    assert line.startswith("span 10.000 ms, GPU busy 2.900 ms (29%), idle 7.100 ms; host in fused ops: ")
+    assert "gemm_reduce_scatter 2 x 0.500 ms" in line and "all_gather_gemm 1 x 1.000 ms" in line
+
+
+def test_an_empty_trace(tmp_path):
+    s = trace_summary.summarize(_trace(tmp_path, []))
+    assert s == {"span_ms": 0.0, "gpu_busy_ms": 0.0, "fused": {}} and trace_summary.describe(s) == "no events"
