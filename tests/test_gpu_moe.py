@@ -263,7 +263,7 @@ def fallback_worker() -> list[str]:
 
 
 def fault_worker(op: str, path: str) -> list[str]:
-    """Rank 1's second GEMM of the call raises in the first call; per call: "own", "peer" (naming rank 1) or "exact".
+    """A GEMM of rank 1 raises mid-call in the first call; per call: "own", "peer" (naming rank 1) or "exact".
     ``path`` "general": plan ``"blocks:c=2"`` (the unit GEMMs of ``CombineUnits`` / ``DispatchUnits``); "whole-block":
     plan ``"blocks"`` (``routes/moe_fast.py``: its second grouped GEMM; in the dispatch its first, since rank 1
     receives no rows from rank 0 (``split_counts``' pair 0 -> 1 is empty) and so runs one block GEMM, its own, while

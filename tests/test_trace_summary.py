@@ -27,12 +27,14 @@ def test_busy_time_is_the_union_of_the_gpu_intervals(tmp_path):
         x("gpu_memcpy", "copy", 1600, 400),   # 1.6 - 2.0 ms: touches it
         x("kernel", "tail", 9000, 1000),      # 9 - 10 ms; the span ends here
         {"ph": "i", "name": "marker", "ts": 20000},  # not a complete event: ignored
+        x("Trace", "PyTorch Profiler (0)", -5000, 30000),  # the profiler's window: not part of the span
     ]
     s = trace_summary.summarize(_trace(tmp_path, events))
     assert s["span_ms"] == 10.0 and s["gpu_busy_ms"] == 2.9
     assert s["fused"] == {"gemm_reduce_scatter": [2, 1.0], "all_gather_gemm": [1, 1.0]}
     line = trace_summary.describe(s)
-    assert line.startswith("span 10.000 ms, GPU busy 2.900 ms (29%), idle 7.100 ms; host in fused ops: ")
+    assert line.startswith("span 10.000 ms, GPU busy 2.900 ms (29%), idle 7.100 ms; host thread in fused ops "
+                           "(waits included): ")
     assert "gemm_reduce_scatter 2 x 0.500 ms" in line and "all_gather_gemm 1 x 1.000 ms" in line
 
 

@@ -332,7 +332,7 @@ def run_backend(backend: str, case: Case, template: nn.Module, data: list, env: 
         row["fusion"] = {k: v for k, v in sorted(report.compile.items())}
         row["runtime"] = {k: v for k, v in sorted(report.runtime.items())}
         row["events"] = coverage.report_events(report)
-    if traced:
+    if traced and env.rank == 0:  # printed for rank 0 only
         from .trace_summary import summarize
 
         row["trace"] = {"path": traced, **summarize(traced)}

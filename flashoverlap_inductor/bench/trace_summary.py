@@ -1,9 +1,12 @@
 """Where a traced step's time goes, from a Chrome trace of ``torch.profiler`` (``bench e2e --trace DIR`` writes one
 per case, backend and rank, and prints this summary of rank 0's under the table): the traced span (first to last
-event), the GPU's busy time (the union of its kernel and copy intervals over all streams) and the host time inside
-each fused op (``flashoverlap::*`` CPU ops). A step whose GPU idles for much of its span is host-bound: there a fused
-op's host time costs the step as much as its overlap saves, and CUDA graphs (the ``-ro`` backends,
-``mode="reduce-overhead"``) take that host time away. Host times are the profiler's (inflated by its own cost).
+event, the profiler's own whole-window event left out), the GPU's busy time (the union of its kernel and copy
+intervals over all streams) and the host thread's time inside each fused op (``flashoverlap::*`` CPU ops: the
+durations of the op's host calls, its waits included: a host sync or a blocking collective inside the op counts). A
+step whose GPU idles for much of its span is host-bound: there a fused op's host time costs the step as much as its
+overlap saves, and CUDA graphs (the ``-ro`` backends, ``mode="reduce-overhead"``) take that time away. Caveats: the
+profiler inflates host times; a communication kernel that spins while it waits for a peer counts as busy, so the
+busy share overstates the GPU's useful work.
 
     python -m flashoverlap_inductor.bench.trace_summary DIR/*.json
 """
@@ -32,8 +35,9 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
 def summarize(path: str) -> dict[str, Any]:
     """``{"span_ms", "gpu_busy_ms", "fused": {op: [calls, host_ms]}}`` of the trace at ``path`` (span 0 when it has
     no complete events)."""
-    with open(path) as f:
-        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    with open(path) as f:  # "Trace": the profiler's event spanning its whole window (not a step's work)
+        events = [e for e in json.load(f).get("traceEvents", [])
+                  if e.get("ph") == "X" and "dur" in e and e.get("cat") != "Trace"]
     if not events:
         return {"span_ms": 0.0, "gpu_busy_ms": 0.0, "fused": {}}
     span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e3
@@ -54,7 +58,7 @@ def describe(s: dict[str, Any]) -> str:
         return "no events"
     text = f"span {span:.3f} ms, GPU busy {busy:.3f} ms ({busy / span:.0%}), idle {span - busy:.3f} ms"
     ops = [f"{op} {n} x {ms / n:.3f} ms" for op, (n, ms) in s["fused"].items() if n]
-    return text + ("; host in fused ops: " + ", ".join(ops) if ops else "")
+    return text + ("; host thread in fused ops (waits included): " + ", ".join(ops) if ops else "")
 
 
 if __name__ == "__main__":

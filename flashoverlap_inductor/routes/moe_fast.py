@@ -54,12 +54,12 @@ class BlockPlan:
     """The premise's checks and each block's expert offsets, on the index's device, with no host read. ``index``:
     the op's (one entry per expert row; ``len(index)`` == ``sum(sizes)``, the buffer's rows); ``offs``: the experts'
     cumulative row offsets (int32, E entries); ``sizes``: the blocks' rows (host ints). ``idx``: the index reduced
-    modulo the buffer's rows; ``inv``: the expert row of each buffer row (0 where none names it; the index is a
-    permutation iff ``idx[inv]`` is ``arange``); ``table`` (int32 ``[blocks, E rounded up to 4]``): row j holds block
-    j's cumulative expert offsets (16-byte aligned rows), each clamped to the block's rows; ``facts``: the settle's
-    vector of routing facts (``moe_p2p.SETTLE_LEN`` int64; verdicts on the host, ``moe_p2p.verdicts``). Built by
-    two Triton kernels where ``moe_plan_kernel.should_use`` says so (CUDA), else by ``plan_with_torch``: the same
-    tensors."""
+    modulo the buffer's rows; ``inv``: the expert row of each buffer row (0 where none names it, the last where
+    several do; the index is a permutation iff ``idx[inv]`` is ``arange``); ``table`` (int32 ``[blocks, E rounded
+    up to 4]``): row j holds block j's cumulative expert offsets (16-byte aligned rows), each clamped to the block's
+    rows; ``facts``: the settle's vector of routing facts (``moe_p2p.SETTLE_LEN`` int64; verdicts on the host,
+    ``moe_p2p.verdicts``). Built by two Triton kernels where ``moe_plan_kernel.should_use`` says so (CUDA), else by
+    ``plan_with_torch``: the same tensors (the table where the data are good and the premise holds)."""
 
     def __init__(self, index: torch.Tensor, offs: torch.Tensor, sizes: list[int]) -> None:
         experts, bounds = int(offs.shape[0]), offsets(sizes)
@@ -88,7 +88,8 @@ def plan_with_torch(index: torch.Tensor, offs: torch.Tensor, bounds: list[int]) 
     arange = torch.arange(rows, device=dev)
     offs64 = offs.to(torch.int64)
     group = torch.searchsorted(offs64, arange, right=True)  # each expert row's group; E: in none
-    inv = torch.zeros(rows, dtype=torch.int64, device=dev).index_copy_(0, idx, arange)
+    # the last expert row naming each row (amax: deterministic where several do, as the kernels' atomic maximum)
+    inv = torch.zeros(rows, dtype=torch.int64, device=dev).scatter_reduce_(0, idx, arange, "amax")
     key = group.index_select(0, inv)  # each buffer row's expert group
     key.add_(torch.searchsorted(ends, arange, right=True), alpha=experts + 1)  # + its block: (block, group)
     found = torch.searchsorted(key, queries, right=True).view(blocks, experts + 1)[:, :experts]

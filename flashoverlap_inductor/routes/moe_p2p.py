@@ -38,9 +38,10 @@ from .nccl import is_nccl_group
 T = TypeVar("T")
 # The settle's vector per rank (int64): FAIL (rank + 1 where this rank failed, else 0), then the whole-block path's
 # routing facts (``moe_fast.BlockPlan.facts``; all 0 on the general path, which they then pass): ROWS (the index's
-# entries, = the buffer's rows), IDX_MAX / IDX_MIN (the index's extremes), OFFS_STEP (the smallest step of the expert
-# offsets from 0), UNNAMED (buffer rows the index does not name), OFFS_LAST (the last expert offset), KEY_STEP (the
-# smallest step of the buffer rows' (block, expert group) keys).
+# entries, = the buffer's rows), IDX_MAX / IDX_MIN (the index's extremes; on CUDA each entry clamped to +-(2^62 - 1)
+# first), OFFS_STEP (the smallest step of the expert offsets from 0), UNNAMED (buffer rows the index does not name),
+# OFFS_LAST (the last expert offset), KEY_STEP (the smallest step of the buffer rows' (block, expert group) keys,
+# clipped at 0: only its sign is judged).
 FAIL, ROWS, IDX_MAX, IDX_MIN, OFFS_STEP, UNNAMED, OFFS_LAST, KEY_STEP = range(8)
 SETTLE_LEN = 8
 COMBINE_TAG = 30830  # + chunk: the P2P tags of the combine's transfers (no other transfer of the package uses them)

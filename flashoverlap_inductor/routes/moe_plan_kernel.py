@@ -4,8 +4,9 @@ the plan alone, where the whole unfused call takes 0.7-0.8 ms). Same outputs as 
 (``moe_fast.plan_with_torch``, the reference semantics; ``tests/test_moe_plan_kernel.py`` compares them bit for bit,
 the table where the data are good and the premise holds):
 
-* ``idx`` (int64, ``rows``): the index reduced modulo the rows (``torch.remainder``);
-* ``inv`` (int64, ``rows``): the expert row of each buffer row (0 where none names it; any one where several do);
+* ``idx`` (int64, ``rows``): the index reduced modulo the rows (``torch.remainder``; entries beyond +-(2^62 - 1),
+  out of bounds either way, are clamped first);
+* ``inv`` (int64, ``rows``): the expert row of each buffer row (0 where none names it; the last where several do);
 * ``table`` (int32 ``[blocks, E rounded up to 4]``): row j = block j's cumulative expert offsets, each at most the
   block's rows; the padding columns 0;
 * ``facts`` (int64, ``moe_p2p.SETTLE_LEN``): the settle's vector (``moe_p2p.verdicts``).
@@ -45,18 +46,28 @@ def _kernels():
     """``moe_plan_triton``'s kernels (``scatter``, ``judge``), or None where Triton does not import."""
     try:
         from . import moe_plan_triton
-    except ImportError:
+    except Exception as exc:  # noqa: BLE001 - no Triton, or one that does not import: the torch ops
+        if not isinstance(exc, ImportError):
+            _failed.append(repr(exc))
+            note("moe:plan_kernel", logging.WARNING, "flashoverlap: Triton does not import (%r); the MoE routing "
+                 "plan is built with torch ops", exc)
         return None
     return moe_plan_triton.scatter, moe_plan_triton.judge
 
 
 def should_use(index: torch.Tensor, offs: torch.Tensor, blocks: int) -> bool:
     """Whether the plan of a call with this index, offsets and blocks is built by the kernels (module docstring)."""
-    rows, experts = int(index.shape[0]), int(offs.shape[0])
-    return (index.is_cuda and offs.device == index.device and 1 <= blocks <= MAX_BLOCKS and 0 < rows < 2 ** 31
-            and 1 <= experts <= MAX_EXPERTS and index.dtype in (torch.int32, torch.int64)
-            and offs.dtype in (torch.int32, torch.int64) and index.is_contiguous() and offs.is_contiguous()
-            and not _failed and _kernels() is not None)
+    return (fits(index, offs, blocks) and index.is_cuda and offs.device == index.device
+            and index.device.index == torch.cuda.current_device() and not _failed and _kernels() is not None)
+
+
+def fits(index: torch.Tensor, offs: torch.Tensor, blocks: int) -> bool:
+    """The kernels' limits, on any device: 1-D contiguous int32/int64 index and offsets, 1 to 2^31 - 1 rows, 1 to
+    ``MAX_EXPERTS`` experts, 1 to ``MAX_BLOCKS`` blocks."""
+    return (index.dim() == 1 and offs.dim() == 1 and 0 < index.shape[0] < 2 ** 31
+            and 1 <= offs.shape[0] <= MAX_EXPERTS and 1 <= blocks <= MAX_BLOCKS
+            and index.dtype in (torch.int32, torch.int64) and offs.dtype in (torch.int32, torch.int64)
+            and index.is_contiguous() and offs.is_contiguous())
 
 
 def build(index: torch.Tensor, offs: torch.Tensor, bounds: list[int]) -> tuple[torch.Tensor, ...] | None:
@@ -65,9 +76,15 @@ def build(index: torch.Tensor, offs: torch.Tensor, bounds: list[int]) -> tuple[t
     kernel launches and one zeroed workspace; no host read. None where Triton fails to compile or launch them
     (logged once; ``should_use`` is False after it): the caller builds the plan with torch ops (the same plan, so
     ranks may differ here without changing any collective)."""
+    if bounds[0] != 0 or bounds[-1] != int(index.shape[0]):
+        raise ValueError(f"flashoverlap: the blocks' bounds {bounds} do not cover the index's {index.shape[0]} rows")
     try:
         return _launch(index, offs, bounds)
+    except torch.OutOfMemoryError:
+        raise
     except Exception as exc:  # noqa: BLE001 - a compile or launch failure of the kernels, not of the data
+        if "CUDA error" in str(exc) or "Triton Error [CUDA]" in str(exc):  # the device's, not the kernels': raised
+            raise
         _failed.append(repr(exc))
         note("moe:plan_kernel", logging.WARNING, "flashoverlap: the MoE routing plan's Triton kernels failed (%r); "
              "building it with torch ops from now on", exc)
@@ -81,9 +98,11 @@ def _launch(index: torch.Tensor, offs: torch.Tensor, bounds: list[int]) -> tuple
     lanes = max(16, min(256, 8192 // ep))
     table_cols = -(-experts // 4) * 4
     dev = index.device
-    work = torch.zeros(2 * rows + 8 * ep + moe_p2p.SETTLE_LEN, dtype=torch.int64, device=dev)
-    inv, hits = work[:rows], work[rows:2 * rows]
-    count, facts = work[2 * rows:2 * rows + 8 * ep], work[2 * rows + 8 * ep:]
+    head = 8 * ep + moe_p2p.SETTLE_LEN  # count and facts first; inv and hits each from a 16-byte boundary
+    padded = rows + (rows & 1)
+    work = torch.zeros(head + 2 * padded, dtype=torch.int64, device=dev)
+    count, facts = work[:8 * ep], work[8 * ep:head]
+    inv, hits = work[head:head + rows], work[head + padded:head + padded + rows]
     idx = torch.empty(rows, dtype=torch.int64, device=dev)
     table = torch.empty(blocks, table_cols, dtype=torch.int32, device=dev)
     ends = [*bounds[1:-1], *([rows] * (MAX_BLOCKS - blocks))]

@@ -1,6 +1,7 @@
 """The Triton kernels of ``moe_plan_kernel`` (imported only where Triton imports: ``moe_plan_kernel.should_use``).
 Lane ``i`` of ``scatter`` is expert row i; lane ``r`` of ``judge`` is buffer row r; both take the 8 block ends as 7
-scalars plus ``rows`` (not specialized: they change per call) and the experts as compile-time constants (per model)."""
+scalars plus ``rows`` and their pointers unspecialized (they change per call, alignment included: one compile per
+model) and the experts as compile-time constants (per model)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,11 @@ def _block(pos, ends):
     return tl.sum((ends[None, :] <= pos[:, None]).to(tl.int64), axis=1)
 
 
-@triton.jit(do_not_specialize=["rows", "e0", "e1", "e2", "e3", "e4", "e5", "e6"])
+_SCALARS = ["rows", "e0", "e1", "e2", "e3", "e4", "e5", "e6"]  # change per call: never specialized on
+_POINTERS = ["index_ptr", "offs_ptr", "idx_ptr", "inv_ptr", "hits_ptr", "count_ptr", "facts_ptr", "table_ptr"]
+
+
+@triton.jit(do_not_specialize=_SCALARS, do_not_specialize_on_alignment=_POINTERS[:7])
 def scatter(index_ptr, offs_ptr, idx_ptr, inv_ptr, hits_ptr, count_ptr, facts_ptr, rows, e0, e1, e2, e3, e4, e5, e6,
             EXPERTS: tl.constexpr, EP: tl.constexpr, BLOCK: tl.constexpr, SHIFT: tl.constexpr, LIMIT: tl.constexpr,
             IDX_MAX: tl.constexpr, IDX_MIN: tl.constexpr):
@@ -52,7 +57,7 @@ def scatter(index_ptr, offs_ptr, idx_ptr, inv_ptr, hits_ptr, count_ptr, facts_pt
     idx = raw % rows
     idx = tl.where(idx < 0, idx + rows, idx)  # Python's modulo whichever sign rule the hardware's has
     tl.store(idx_ptr + i, idx, mask=m)
-    tl.store(inv_ptr + idx, i, mask=m)
+    tl.atomic_max(inv_ptr + idx, i, mask=m)  # the last expert row naming a row: the same on every run
     tl.atomic_add(hits_ptr + idx, 1, mask=m)
     group = _group(i, offs_ptr, EXPERTS, EP)
     block = _block(idx, _ends(e0, e1, e2, e3, e4, e5, e6, rows))
@@ -61,7 +66,7 @@ def scatter(index_ptr, offs_ptr, idx_ptr, inv_ptr, hits_ptr, count_ptr, facts_pt
     tl.atomic_max(facts_ptr + IDX_MIN, tl.max(tl.where(m, SHIFT - raw, 0), axis=0))
 
 
-@triton.jit(do_not_specialize=["rows", "e0", "e1", "e2", "e3", "e4", "e5", "e6"])
+@triton.jit(do_not_specialize=_SCALARS, do_not_specialize_on_alignment=_POINTERS[1:2] + _POINTERS[3:])
 def judge(offs_ptr, inv_ptr, hits_ptr, count_ptr, facts_ptr, table_ptr, rows, e0, e1, e2, e3, e4, e5, e6,
           BLOCKS: tl.constexpr, EXPERTS: tl.constexpr, EP: tl.constexpr, TABLE_COLS: tl.constexpr,
           BLOCK: tl.constexpr, SHIFT: tl.constexpr, ROWS: tl.constexpr, IDX_MAX: tl.constexpr, IDX_MIN: tl.constexpr,
