@@ -212,3 +212,26 @@ def test_fake_shapes():
 
         shapes = check_gather(a, b, [None, None], 1, 4)
     assert shapes == [[40, 8], [40, 4], [2, 20, K]]
+
+
+def test_a_call_shape_is_validated_once():
+    """``ops.checked_gather`` (the run-time op's front): ``check_gather``'s shapes, memoized by the operands' shapes,
+    dtypes and devices; a call that fails validation raises every time (never memoized), and one that differs only
+    in b's dtype is validated again (and refused)."""
+    from unittest import mock
+
+    from flashoverlap_inductor import ops
+
+    a, b = torch.randn(2, 5, K), [torch.randn(K, 8), torch.randn(K, 4)]
+    ops._checked_gathers.clear()
+    with mock.patch.object(ops, "check_gather", wraps=ops.check_gather) as checks:
+        first = ops.checked_gather(a, b, [None, None], 1, 4)
+        first[0][0] = -1  # the caller's own copy
+        again = ops.checked_gather(a, b, [None, None], 1, 4)
+        assert again == [[40, 8], [40, 4], [2, 20, K]] and checks.call_count == 1
+        for _ in range(2):
+            with pytest.raises(ValueError, match="share a dtype"):
+                ops.checked_gather(a, [b[0].double(), b[1]], [None, None], 1, 4)
+        with pytest.raises(ValueError, match="must be a row dim"):
+            ops.checked_gather(a, b, [None, None], 2, 4)
+        assert checks.call_count == 4
