@@ -14,7 +14,8 @@
 #    timeline: one shape, both GEMM starts, a PNG
 #    each).
 # C: alone on the machine, a short e2e run (llama3-8b, 8 layers, sp plan, batch 1, seq 4096: train and prefill;
-#    Inductor, Inductor + async-TP, flashoverlap).
+#    Inductor, Inductor + async-TP, flashoverlap, the bound; prefill also under CUDA graphs: inductor-ro,
+#    flashoverlap-ro, which take the fused ops' host time away where a step is host-bound).
 # $OUT (8 files at most): A: build.log gpu_tests.log faults.log cpu_tests.log coverage.log gpus.txt install.log;
 #   B: gpu_tests.log cpu_tests.log coverage.log bench_ops.log bench_gather.log e2e.log e2e.json (+ the benchmarks'
 #   JSON, which do not all come back).
@@ -139,7 +140,7 @@ if [ "$PART" = C ]; then
     step "e2e"
     timeout "$(cap 540)" "${TORCHRUN[@]}" --nproc_per_node="$WORLD" -m flashoverlap_inductor.bench e2e --preset "${FO_E2E_PRESET:-llama3-8b}" \
       --layers "${FO_E2E_LAYERS:-8}" --plan "${FO_E2E_PLAN:-sp}" --workload "${FO_E2E_WORKLOAD:-train,prefill}" --seq "${FO_E2E_SEQ:-4096}" --batch 1 --steps 5 --warmup 2 \
-      --backends "${FO_E2E_BACKENDS:-inductor,inductor+async-tp,flashoverlap,bound}" ${FO_E2E_ARGS:-} --quiet --json "$OUT/e2e.json" >"$OUT/e2e.log" 2>&1
+      --backends "${FO_E2E_BACKENDS:-inductor,inductor+async-tp,flashoverlap,bound,inductor-ro,flashoverlap-ro}" ${FO_E2E_ARGS:-} --quiet --json "$OUT/e2e.json" >"$OUT/e2e.log" 2>&1
     echo "e2e rc=$?" | tee -a "$OUT/e2e.log"; tail -40 "$OUT/e2e.log"
   fi
 fi
