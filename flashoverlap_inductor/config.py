@@ -54,6 +54,9 @@ EXPERIMENTS = {
                     "(correct on 2 GPUs; combine 0.78-1.46x and dispatch 0.54-0.87x of sequential on 2 H200s, "
                     "slower end to end: host-bound); without it CUDA runs their "
                     "unfused reference",
+    "moe_settle_deferred": "end the fused MoE calls' status exchange without a host read once a group's calls held "
+                           "the whole-block premise (routes/moe_deferred.py): a failure poisons the outputs with NaN "
+                           "and raises errors.PoisonedResult at a later call; a failed premise is then not redone",
 }
 
 

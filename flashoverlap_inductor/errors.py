@@ -23,3 +23,9 @@ class RankMismatch(FlashOverlapError):
 
 class PeerFailure(FlashOverlapError):
     """Another rank of the group failed in the middle of a fused call; this rank's output of it is not returned."""
+
+
+class PoisonedResult(FlashOverlapError):
+    """A fused call that returned before its ranks' status was read on the host (a deferred settle) turned out to have
+    failed on some rank: its outputs were NaN on every rank (never other values); raised at a later call on the group
+    or in ``routes.check()``, with the cause chained where there is one."""

@@ -314,6 +314,63 @@ def fault_worker(op: str, path: str) -> list[str]:
     return out
 
 
+def deferred_worker(op: str) -> list[str]:
+    """The settle without a host read (``routes/moe_deferred.py``) on the whole-block path: warm calls, then deferred
+    calls against fp64 (no host sync inside them: ``set_sync_debug_mode("error")``), then rank 1's GEMM raising in a
+    deferred call: rank 1 raises it, rank 0's outputs are NaN, and rank 0 raises ``PoisonedResult`` at the end of a
+    later call (after a device sync, its event is done); then exact again. Per step: an outcome word."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from flashoverlap_inductor import config, errors, routes
+    from flashoverlap_inductor.routes import moe_deferred, moe_fast
+
+    g, dev, rank = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()), dist.get_rank()
+    moe_deferred.forget()
+    c = combine_case("grouped", "moe", 2, dev) if op == "combine" else dispatch_case("grouped", "moe", 2, dev)
+    want = combine_fp64(c, g) if op == "combine" else dispatch_fp64(c, g)[1]
+    run = (lambda: _combine(c, g, "blocks")) if op == "combine" else (lambda: _dispatch(c, g, "blocks")[1])
+    out = []
+    with config.patch(experiments={"moe_p2p_cuda", moe_deferred.EXPERIMENT}):
+        for _ in range(moe_deferred.HELD_BEFORE_DEFERRING):
+            run()
+        before = routes.stats["moe:deferred"]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = run()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        err = _err(got, want)
+        out.append("exact" if err <= TOL and routes.stats["moe:deferred"] == before + 1 else f"WRONG {err:.3g}")
+        real, seen = torch._grouped_mm, []
+
+        def flaky(*args, **kwargs):
+            seen.append(1)
+            if rank == 1 and len(seen) == 1:
+                raise RuntimeError("injected GEMM fault")
+            return real(*args, **kwargs)
+
+        try:
+            with mock.patch.object(moe_fast.torch, "_grouped_mm", flaky):
+                got = run()
+            torch.cuda.synchronize()
+            out.append("NaN" if bool(got.isnan().all()) else "NOT POISONED")
+        except RuntimeError as exc:
+            out.append("own" if "injected" in str(exc) else f"other: {exc}")
+        torch.cuda.synchronize()
+        for _ in range(2):
+            try:
+                got = run()
+                torch.cuda.synchronize()
+                out.append("exact" if _err(got, want) <= TOL else "WRONG")
+            except errors.PoisonedResult as exc:
+                out.append(f"poisoned ({type(exc.__cause__).__name__})")
+    return out
+
+
 def sync_free_worker(op: str) -> list[str]:
     """The whole-block path (``routes/moe_fast.py``) takes the MoE form's call with no host sync before its settle:
     under ``torch.cuda.set_sync_debug_mode("error")`` (off inside ``moe_p2p.settle`` alone, whose one read is the
@@ -389,3 +446,11 @@ def test_a_gemm_fault_on_one_rank_raises_on_every_rank_and_the_next_call_is_exac
 @pytest.mark.parametrize("op", ["combine", "dispatch"])
 def test_the_whole_block_path_syncs_the_host_only_in_its_settle(pool, op):
     assert pool.run(sync_free_worker, op) == [[], []]
+
+
+@two_gpus
+@pytest.mark.parametrize("op", ["combine", "dispatch"])
+def test_the_settle_without_a_host_read_poisons_and_raises_a_call_later(pool, op):
+    r0, r1 = pool.run(deferred_worker, op)
+    assert r0 == ["exact", "NaN", "poisoned (PeerFailure)", "exact"], r0
+    assert r1 == ["exact", "own", "exact", "exact"], r1

@@ -132,3 +132,29 @@ def test_the_predicate():
         assert moe_plan_kernel.should_use(i.cuda(), o.cuda(), 2)
         assert not moe_plan_kernel.should_use(i.cuda(), o.cuda(), 9)
         assert not moe_plan_kernel.should_use(i.cuda()[:0], o.cuda(), 2)
+
+
+@here
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_poison_kernel_judges_as_the_torch_verdict(dtype):
+    """``moe_plan_triton.poison_if_bad`` (the deferred settle's poison, ``routes/moe_deferred.py``) against
+    ``moe_deferred.bad``: every field's bad value on one rank of 1-8, and good vectors (from real plans and the
+    general path's zeros); NaN over the whole output where bad, the output untouched where good."""
+    from flashoverlap_inductor.routes import moe_deferred, moe_fast, moe_p2p, moe_plan_triton
+
+    good = [moe_fast.plan_with_torch(*_case(s, "moe", 2, 8, 30)[:2], _case(s, "moe", 2, 8, 30)[2])[3].tolist()
+            for s in range(3)] + [[0] * moe_p2p.SETTLE_LEN]
+    changes = [(moe_p2p.FAIL, 2), (moe_p2p.IDX_MAX, 10 ** 6), (moe_p2p.IDX_MIN, -10 ** 6), (moe_p2p.OFFS_STEP, -1),
+               (moe_p2p.UNNAMED, 1), (moe_p2p.OFFS_LAST, 10 ** 6), (moe_p2p.KEY_STEP, -3), (None, None)]
+    for world in (1, 2, 3, 8):
+        for field, value in changes:
+            rows = [list(good[r % len(good)]) for r in range(world)]
+            if field is not None:  # on a whole-block rank's vector (the general path's zeros have no rows to judge)
+                rows[world // 2 if world in (3, 8) else 0][field] = value
+            vectors = torch.tensor(rows, dtype=torch.int64, device=DEV).flatten()
+            out = torch.randn(3, 4099, device=DEV).to(dtype)  # not a multiple of the block
+            want = out.clone().masked_fill_(moe_deferred.bad(vectors, world), float("nan"))
+            moe_deferred.poison_with_kernel(moe_plan_triton.poison_if_bad, out, vectors, world, block=1024)
+            assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.nan_to_num(0), want.nan_to_num(0)), \
+                (world, field)
+            assert bool(want.isnan().all()) == (field is not None), (world, field)

@@ -44,7 +44,7 @@ from flashoverlap_inductor.runtime import faults, kernel_select, streams
 
 from .. import _inductor_compat as compat
 from ..schedule import steps as schedule
-from . import agree, cpu, gather_nccl, gather_peer, nccl, peer, ring, symmetric, unfused
+from . import agree, cpu, gather_nccl, gather_peer, moe_deferred, nccl, peer, ring, symmetric, unfused
 from .base import Call, Context, Route, forget_notes, note, stats
 
 __all__ = ["REGISTRY", "Call", "Context", "Route", "candidates", "check", "dispatch", "make_call", "note", "reset",
@@ -348,7 +348,8 @@ def check(sync: bool = True) -> None:
     ran nothing since a peer recorded the fault in its block (it skipped the faulted call: the blocks themselves
     are read, ``faults.raise_pending(deep=True)``), so that every rank's next call on the group resynchronizes it.
     Then the failures of peers that the NCCL all_gather route's exchange brought and no call reported yet
-    (``gather_nccl.raise_pending``: ``errors.PeerFailure``)."""
+    (``gather_nccl.raise_pending``: ``errors.PeerFailure``), and the MoE calls settled without a host read that
+    failed (``moe_deferred.raise_pending``: ``errors.PoisonedResult``)."""
     for res in streams.existing():
         if sync:
             torch.cuda.synchronize(res.index)
@@ -356,6 +357,7 @@ def check(sync: bool = True) -> None:
             res.raise_if_timed_out()
     faults.raise_pending(deep=sync)
     gather_nccl.raise_pending(sync)
+    moe_deferred.raise_pending(sync=sync)
 
 
 def reset() -> None:
@@ -372,6 +374,7 @@ def reset() -> None:
         for route in REGISTRY:
             route.reset()
         faults.forget()
+        moe_deferred.forget()
         stats.clear()
         forget_notes()
         last_launch = None

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule.combine import chunk_sizes, group_ends, offsets, parse_plan, plan_units, ring_steps
-from . import moe_fast, moe_p2p
+from . import moe_deferred, moe_fast, moe_p2p
 from .cpu import _poison, _wait_all
 
 TAG = moe_p2p.COMBINE_TAG
@@ -150,9 +150,11 @@ class CombineUnits:
 
 
 def run_p2p(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | None, index: torch.Tensor,
-            accumulate: bool, outs: list[int], ins: list[int], group: dist.ProcessGroup, plan: str) -> torch.Tensor:
+            accumulate: bool, outs: list[int], ins: list[int], group: dist.ProcessGroup, plan: str,
+            deferred: bool = False) -> torch.Tensor:
     """The P2P route (module docstring). Transfers per call on every rank: per ring step and chunk one batch (a send
-    and a receive, either left out when its rows are 0, on both sides alike), then the failure exchange."""
+    and a receive, either left out when its rows are 0, on both sides alike), then the failure exchange (settled on
+    the host, or without a host read when ``deferred``: ``moe_deferred``)."""
     world, rank = group.size(), group.rank()
     chunks = parse_plan(plan, "combine")
     n, like = int(b[0].shape[-1]), a[0]
@@ -161,7 +163,7 @@ def run_p2p(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | N
     entries = int(index.shape[0])
     if offs is not None and all(int(x.shape[0]) == entries for x in a) and \
             moe_fast.eligible(True, like.dtype, chunks, entries, sum(ins)):
-        return moe_fast.run_combine(a, b, offs, index, outs, ins, group, what, redo)
+        return moe_fast.run_combine(a, b, offs, index, outs, ins, group, what, redo, deferred)
     send_sizes, recv_sizes = chunk_sizes(ins, chunks), chunk_sizes(outs, chunks)
     send_off, recv_off = offsets(send_sizes), offsets(recv_sizes)
     send = like.new_zeros(send_off[-1], n)
@@ -192,6 +194,9 @@ def run_p2p(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | N
             except BaseException as exc:  # noqa: BLE001 - as above
                 failure = failure or exc
     failure = _wait_all(works, failure)
+    if deferred:
+        moe_deferred.settle_later(failure, None, [out], what, send.device, group)
+        return out
     if moe_p2p.settle(failure, None, what, send.device, group):  # a peer's whole-block premise failed
         del send, out
         return moe_p2p.redo("combine", redo)
@@ -208,5 +213,5 @@ def dispatch(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | 
     return moe_p2p.run_call(
         "combine", a[0], group, len(outs), plan, settings_key, call,
         f"a fused MoE combine of {len(a)} x {list(a[0].shape)} rows @ {list(b[0].shape)} ({a[0].dtype})",
-        lambda: run_p2p(a, b, offs, index, accumulate, outs, ins, group, plan),
+        lambda deferred: run_p2p(a, b, offs, index, accumulate, outs, ins, group, plan, deferred),
         lambda: reference(a, b, offs, index, accumulate, outs, ins, group))

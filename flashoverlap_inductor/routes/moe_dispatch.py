@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule.combine import chunk_sizes, group_ends, offsets, parse_plan, plan_units
-from . import moe_fast, moe_p2p
+from . import moe_deferred, moe_fast, moe_p2p
 from .cpu import _wait_all
 
 
@@ -173,15 +173,16 @@ class DispatchUnits:
 
 def run_p2p(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes: list[int] | None,
             offs: torch.Tensor | None, outs: list[int], ins: list[int], group: dist.ProcessGroup,
-            plan: str) -> list:
+            plan: str, deferred: bool = False) -> list:
     """The P2P route (module docstring). Transfers per call on every rank: per ring step and chunk one batch (a send
-    and a receive, either left out when its rows are 0, on both sides alike), then the failure exchange."""
+    and a receive, either left out when its rows are 0, on both sides alike), then the failure exchange (settled on
+    the host, or without a host read when ``deferred``: ``moe_deferred``)."""
     rank = group.rank()
     chunks = parse_plan(plan, "dispatch")
     what = f"a fused all_to_all dispatch of {list(x.shape)} rows (plan {plan!r})"
     redo = lambda: reference(x, index, b, sizes, offs, outs, ins, group)  # noqa: E731
     if offs is not None and moe_fast.eligible(True, x.dtype, chunks, int(index.shape[0]), sum(outs)):
-        return moe_fast.run_dispatch(x, index, b, offs, outs, ins, group, what, redo)
+        return moe_fast.run_dispatch(x, index, b, offs, outs, ins, group, what, redo, deferred)
     sent = moe_p2p.issue_dispatch(x, outs, ins, chunks, group)
     x, recv, send_off, recv_off, failure = sent.x, sent.recv, sent.send_off, sent.recv_off, sent.failure
     recv_sizes = chunk_sizes(outs, chunks)
@@ -202,6 +203,11 @@ def run_p2p(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes: 
                 units.compute(v, recv)
             except BaseException as exc:  # noqa: BLE001 - as above
                 failure = exc
+    if deferred:
+        moe_deferred.settle_later(failure, None, [] if units is None else [units.p, *units.y], what, recv.device,
+                                  group)
+        del sent
+        return [units.p, *units.y]
     if moe_p2p.settle(failure, None, what, recv.device, group):  # a peer's whole-block premise failed
         del sent, recv, units
         return moe_p2p.redo("dispatch", redo)
@@ -219,5 +225,5 @@ def dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes:
     return moe_p2p.run_call(
         "dispatch", x, group, len(outs), plan, settings_key, call,
         f"a fused MoE dispatch of {list(x.shape)} rows into {len(b)} GEMM(s) {list(b[0].shape)} ({x.dtype})",
-        lambda: run_p2p(x, index, b, sizes, offs, outs, ins, group, plan),
+        lambda deferred: run_p2p(x, index, b, sizes, offs, outs, ins, group, plan, deferred),
         lambda: reference(x, index, b, sizes, offs, outs, ins, group))

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule.combine import offsets, ring_steps
-from . import moe_p2p, moe_plan_kernel
+from . import moe_deferred, moe_p2p, moe_plan_kernel
 from .base import stats
 from .cpu import _poison, _wait_all
 
@@ -127,7 +127,8 @@ def _block_gemm(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor
 
 
 def run_combine(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor, index: torch.Tensor,
-                outs: list[int], ins: list[int], group: dist.ProcessGroup, what: str, reference) -> torch.Tensor:
+                outs: list[int], ins: list[int], group: dist.ProcessGroup, what: str, reference,
+                deferred: bool = False) -> torch.Tensor:
     """The combine on the whole-block path: per ring step, block ``dst``'s rows (its expert rows gathered by
     ``inv``, one grouped GEMM per term) sent to ``dst`` while the next block computes; the own block last, copied."""
     world, rank = group.size(), group.rank()
@@ -163,6 +164,11 @@ def run_combine(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor
             failure = failure or exc
     failure = _wait_all(works, failure)
     facts = None if plan is None else plan.facts
+    if deferred:
+        moe_deferred.settle_later(failure, facts, [out], what, like.device, group)
+        stats["combine:fast"] += 1
+        del keep
+        return out
     if moe_p2p.settle(failure, facts, what, like.device, group):
         del keep, out, plan  # the redo's memory
         return moe_p2p.redo("combine", reference)
@@ -172,7 +178,8 @@ def run_combine(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor
 
 
 def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], offs: torch.Tensor, outs: list[int],
-                 ins: list[int], group: dist.ProcessGroup, what: str, reference) -> list[torch.Tensor]:
+                 ins: list[int], group: dist.ProcessGroup, what: str, reference,
+                 deferred: bool = False) -> list[torch.Tensor]:
     """The dispatch on the whole-block path: every ring step's transfer issued first, the own block's GEMMs on its
     rows as they lie, then each block's as it lands; then ``p`` and ``y`` gathered into expert order."""
     world, rank = group.size(), group.rank()
@@ -208,6 +215,11 @@ def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], of
         except BaseException as exc:  # noqa: BLE001 - as above
             failure = exc
     facts = None if plan is None else plan.facts
+    if deferred:
+        moe_deferred.settle_later(failure, facts, result or [], what, x.device, group)
+        stats["dispatch:fast"] += 1
+        del sent
+        return result
     if moe_p2p.settle(failure, facts, what, x.device, group):
         del recv, ys, result, plan, sent  # the redo's memory
         return moe_p2p.redo("dispatch", reference)

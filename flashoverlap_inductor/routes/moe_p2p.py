@@ -111,12 +111,15 @@ def count_route(op: str, device: torch.device) -> None:
 
 
 def run_call(op: str, x: torch.Tensor, group: dist.ProcessGroup, splits: int, plan: str, settings_key: str,
-             call: tuple, what: str, p2p: Callable[[], T], reference: Callable[[], T]) -> T:
+             call: tuple, what: str, p2p: Callable[[bool], T], reference: Callable[[], T]) -> T:
     """One call of MoE op ``op`` ("combine" or "dispatch"), its tensors like ``x``, ``splits`` split sizes: the plan
     checked (a bad one raises on every rank alike, before any transfer), the route chosen (``unsupported`` under
     the settings of ``settings_key``), the ranks' agreement on ``call`` (what decides its transfers; rows and split
     sizes are per rank by design) and the route once per group (``agree.check_once``; ``what`` names the call in a
-    mismatch; not inside a capture), then ``p2p()`` or ``reference()``, counted; one call per (op, group) at a time."""
+    mismatch; not inside a capture), then ``p2p(deferred)`` (whether the call settles without a host read:
+    ``moe_deferred.defers``) or ``reference()``, counted; then the group's earlier deferred calls whose status reached
+    the host are judged (``moe_deferred.raise_pending``: after this call's collectives, so the ranks stay paired);
+    one call per (op, group) at a time."""
     parse_plan(plan, op)
     settings = config.from_key(settings_key)
     why = unsupported(x, group, splits, settings.experiments)
@@ -127,12 +130,14 @@ def run_call(op: str, x: torch.Tensor, group: dist.ProcessGroup, splits: int, pl
                               "settings": agree.shared_settings_key(settings), "routes": route,
                               "library": "-", "data": agree.data_digest(settings.config_dir),
                               "gpu": x.device.type}, group, what)
+        earlier = moe_deferred.pending(group)  # judged below: this call's own status is judged by a later call
         if why is None:
-            out = p2p()
+            out = p2p(moe_deferred.defers(group, settings.experiments))
             count_route(op, x.device)
         else:
             out = reference()
             count_fallback(op, why)
+        moe_deferred.raise_pending(group, limit=earlier)
         return out
 
 
@@ -170,6 +175,14 @@ def settle(failure: BaseException | None, facts: torch.Tensor | None, what: str,
     _raise_unless_exchanged(failure, lost, what, group)
     flat = every.tolist()  # the host sync
     vectors = [flat[r * SETTLE_LEN:(r + 1) * SETTLE_LEN] for r in range(world)]
+    moe_deferred.note_settled(group, vectors)
+    return judge(vectors, what, group)
+
+
+def judge(vectors: list[list[int]], what: str, group: dist.ProcessGroup) -> bool:
+    """Every rank's settle vector judged alike (``settle``'s raises; also ``moe_deferred``'s, one call later):
+    whether any rank's premise failed."""
+    world, rank = group.size(), group.rank()
     judged = [verdicts(v) for v in vectors]
     bounds, offs_bad, _ = judged[rank]
     if bounds:
@@ -300,3 +313,5 @@ def upload(host: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]
     flat = flat.pin_memory().to(device, non_blocking=True)
     return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in host]), host, strict=True)]
 
+
+from . import moe_deferred  # noqa: E402 - it imports this module's constants

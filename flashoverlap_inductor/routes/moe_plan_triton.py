@@ -101,3 +101,28 @@ def judge(offs_ptr, inv_ptr, hits_ptr, count_ptr, facts_ptr, table_ptr, rows, e0
         tl.store(facts_ptr + ROWS, rows.to(tl.int64))
         tl.store(facts_ptr + IDX_MAX, tl.load(facts_ptr + IDX_MAX) - SHIFT)
         tl.store(facts_ptr + IDX_MIN, SHIFT - tl.load(facts_ptr + IDX_MIN))
+
+
+@triton.jit
+def _field(v, f, k: tl.constexpr):
+    """Field ``k`` of every rank's settle vector (``v``: [8 ranks, 16 fields])."""
+    return tl.sum(tl.where(f == k, v, 0), axis=1)
+
+
+@triton.jit(do_not_specialize=["world", "numel"], do_not_specialize_on_alignment=["every_ptr", "out_ptr"])
+def poison_if_bad(every_ptr, world, out_ptr, numel, LEN: tl.constexpr, FAIL: tl.constexpr, ROWS: tl.constexpr,
+                  IDX_MAX: tl.constexpr, IDX_MIN: tl.constexpr, OFFS_STEP: tl.constexpr, UNNAMED: tl.constexpr,
+                  OFFS_LAST: tl.constexpr, KEY_STEP: tl.constexpr, BLOCK: tl.constexpr):
+    """``out`` (``numel`` elements) NaN where any rank's settle vector is bad (``moe_deferred.bad``): each program
+    judges the vectors and writes its block only then (nothing written when every vector is good)."""
+    r = tl.arange(0, 8)[:, None]
+    f = tl.arange(0, 16)[None, :]
+    v = tl.load(every_ptr + r * LEN + f, mask=(r < world) & (f < LEN), other=0)
+    rows, last = _field(v, f, ROWS), _field(v, f, OFFS_LAST)
+    out_of_range = (rows > 0) & ((_field(v, f, IDX_MAX) >= rows) | (_field(v, f, IDX_MIN) < -rows))
+    bad = (_field(v, f, FAIL) != 0) | out_of_range | (_field(v, f, OFFS_STEP) < 0) | (last != rows) | \
+        (_field(v, f, UNNAMED) > 0) | (_field(v, f, KEY_STEP) < 0)
+    if tl.max(bad.to(tl.int32), axis=0) > 0:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        nan = tl.full([BLOCK], float("nan"), tl.float32).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offs, nan, mask=offs < numel)

@@ -1,0 +1,181 @@
+"""The MoE P2P route's settle without a host read (the experiment ``moe_settle_deferred``): the call's status
+exchange as in ``moe_p2p.settle`` (one all_gather of every rank's ``SETTLE_LEN`` vector), judged on the device, its
+outputs poisoned with NaN there where any rank's vector is bad, and judged on the host later, as the NCCL all_gather
+route's exchange is (``routes/gather_nccl.py``). Measured as a bound before it was built (the all_gather without any
+read, ``examples/device/moe_settle_cost.py``, 2 H200s): the combine 0.78x -> 1.50x of unfused at qwen3 4096 tokens.
+
+When a call defers (``defers``): under the experiment, on a group whose last ``HELD_BEFORE_DEFERRING`` calls settled on
+the host found every rank on the whole-block path (rows > 0) with good data and the premise held. That count comes
+from the gathered vectors, judged alike on every rank in the same call, so every rank defers from the same call on,
+and it never goes back (nothing depends on when a host judges a deferred call): every rank settles each call the
+same way, so no rank redoes a call unfused while another does not.
+
+The contract, as ``gather_nccl``'s: a rank whose own call failed raises in that call (after the exchange); every
+rank's outputs of a call whose vectors show a failure, bad routing data or a failed premise on any rank are NaN
+(never other values: a premise failure cannot be redone here, only poisoned), and every rank raises
+``errors.PoisonedResult`` (its cause chained: the exception the host settle would have raised) at the end of a later
+call on the group whose host finds that call's status done (its event queried, never waited for), or in
+``routes.check()`` (``raise_pending(sync=True)``). The later call's collectives were all issued before it raises, so
+the ranks' calls stay paired whichever call each raises in; its outputs are dropped. The next call runs normally.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .. import errors
+from . import moe_p2p
+from .base import stats
+from .cpu import _raise_unless_exchanged
+
+EXPERIMENT = "moe_settle_deferred"
+HELD_BEFORE_DEFERRING = 4
+_held: dict[int, int] = {}  # id(group) -> calls settled on the host that qualify it (module docstring)
+_pending: dict[int, list[Pending]] = {}  # id(group) -> deferred calls not judged on the host yet, oldest first
+
+
+@dataclass
+class Pending:
+    """A deferred call's status: every rank's vector (a pinned host copy on CUDA, written when ``done`` completes)."""
+
+    vectors: torch.Tensor
+    done: torch.cuda.Event | None
+    what: str
+    group: dist.ProcessGroup
+
+
+def defers(group: dist.ProcessGroup, experiments: frozenset[str]) -> bool:
+    """Whether this call on ``group`` settles without a host read (module docstring); the same on every rank."""
+    return EXPERIMENT in experiments and _held.get(id(group), 0) >= HELD_BEFORE_DEFERRING
+
+
+def note_settled(group: dist.ProcessGroup, vectors: list[list[int]]) -> None:
+    """Count a call settled on the host whose every rank's vector shows the whole-block path (rows > 0), good data and
+    the premise held (``moe_p2p.verdicts``); any other call sets the count back to 0 (until the group defers)."""
+    if _held.get(id(group), 0) >= HELD_BEFORE_DEFERRING:
+        return
+    ok = all(v[moe_p2p.ROWS] > 0 and not v[moe_p2p.FAIL] and not any(moe_p2p.verdicts(v)) for v in vectors)
+    _held[id(group)] = _held.get(id(group), 0) + 1 if ok else 0
+
+
+def settle_later(failure: BaseException | None, facts: torch.Tensor | None, outputs: list[torch.Tensor], what: str,
+                 device: torch.device, group: dist.ProcessGroup) -> None:
+    """End a deferred call: the exchange, this rank's own failure raised, the outputs poisoned on the device where
+    any rank's vector is bad, the vectors copied to the host for ``raise_pending``; no host read, no wait."""
+    world, rank = group.size(), group.rank()
+    local = torch.zeros(moe_p2p.SETTLE_LEN, dtype=torch.int64, device=device) if facts is None else facts
+    if failure is not None:
+        local[moe_p2p.FAIL:moe_p2p.FAIL + 1].fill_(rank + 1)
+    every, lost = local, None
+    if world > 1:
+        every = local.new_empty(world * moe_p2p.SETTLE_LEN)
+        try:
+            dist.all_gather_into_tensor(every, local, group=group)
+        except Exception as exc:  # noqa: BLE001 - the group itself broke: raised below
+            lost = exc
+    if device.type == "cuda":
+        host, done = torch.empty(every.shape, dtype=every.dtype, pin_memory=True), torch.cuda.Event()
+        host.copy_(every, non_blocking=True)
+        done.record()
+    else:
+        host, done = every, None
+    if lost is None:  # judged later on every rank, the failing one included (its own cause is not raised twice)
+        _pending.setdefault(id(group), []).append(Pending(host, done, what, group))
+    _raise_unless_exchanged(failure, lost, what, group)
+    for out in outputs:
+        poison_if_bad(out, every, world)
+    stats["moe:deferred"] += 1
+
+
+def bad(vectors: torch.Tensor, world: int) -> torch.Tensor:
+    """Whether any rank's vector shows a failure, bad routing data or a failed premise (``moe_p2p.verdicts``, on the
+    device: a 0-dim bool tensor)."""
+    v = vectors.view(world, moe_p2p.SETTLE_LEN)
+    rows, last = v[:, moe_p2p.ROWS], v[:, moe_p2p.OFFS_LAST]
+    out_of_range = (rows > 0) & ((v[:, moe_p2p.IDX_MAX] >= rows) | (v[:, moe_p2p.IDX_MIN] < -rows))
+    return ((v[:, moe_p2p.FAIL] != 0) | out_of_range | (v[:, moe_p2p.OFFS_STEP] < 0) | (last != rows)
+            | (v[:, moe_p2p.UNNAMED] > 0) | (v[:, moe_p2p.KEY_STEP] < 0)).any()
+
+
+def poison_if_bad(out: torch.Tensor, vectors: torch.Tensor, world: int) -> None:
+    """``out`` filled with NaN where ``bad(vectors)``, on the device (no host read): on CUDA one Triton kernel that
+    writes nothing when every vector is good (``moe_plan_triton.poison_if_bad``), else ``bad`` and a masked fill."""
+    if not out.numel():
+        return
+    kernel = _poison_kernel() if out.is_cuda and out.is_contiguous() and world <= 8 else None
+    if kernel is None:
+        out.masked_fill_(bad(vectors, world), float("nan"))
+    else:
+        poison_with_kernel(kernel, out, vectors, world)
+
+
+def poison_with_kernel(kernel, out: torch.Tensor, vectors: torch.Tensor, world: int, block: int = 4096) -> None:
+    """Launch ``moe_plan_triton.poison_if_bad`` over ``out`` (contiguous; ``world`` <= 8)."""
+    kernel[(-(-out.numel() // block),)](
+        vectors, world, out, out.numel(), LEN=moe_p2p.SETTLE_LEN, FAIL=moe_p2p.FAIL, ROWS=moe_p2p.ROWS,
+        IDX_MAX=moe_p2p.IDX_MAX, IDX_MIN=moe_p2p.IDX_MIN, OFFS_STEP=moe_p2p.OFFS_STEP, UNNAMED=moe_p2p.UNNAMED,
+        OFFS_LAST=moe_p2p.OFFS_LAST, KEY_STEP=moe_p2p.KEY_STEP, BLOCK=block)
+
+
+def _poison_kernel():
+    """``moe_plan_triton.poison_if_bad`` where the plan's kernels are in use (``moe_plan_kernel``), else None."""
+    from . import moe_plan_kernel
+
+    kernels = None if moe_plan_kernel._failed else moe_plan_kernel._kernels()
+    if kernels is None:
+        return None
+    from . import moe_plan_triton
+
+    return moe_plan_triton.poison_if_bad
+
+
+def pending(group: dist.ProcessGroup) -> int:
+    """How many deferred calls of ``group`` were not judged on the host yet."""
+    return len(_pending.get(id(group), ()))
+
+
+def raise_pending(group: dist.ProcessGroup | None = None, sync: bool = False, limit: int | None = None) -> None:
+    """Judge the deferred calls of ``group`` (every group when None) whose status reached the host (all of them when
+    ``sync``: waited for; at most the ``limit`` oldest), oldest first, and raise ``errors.PoisonedResult`` for the
+    first bad one (after dropping it and every older one); a rank whose own failure is the only cause does not raise
+    again."""
+    for gid in [id(group)] if group is not None else list(_pending):
+        queue = _pending.get(gid, [])
+        for _ in range(len(queue) if limit is None else min(limit, len(queue))):
+            p = queue[0]
+            if p.done is not None:
+                if sync:
+                    p.done.synchronize()
+                elif not p.done.query():
+                    break  # the older ones first: this one (and the later) at a later call
+            queue.pop(0)
+            vectors = p.vectors.tolist()
+            _judge([vectors[r * moe_p2p.SETTLE_LEN:(r + 1) * moe_p2p.SETTLE_LEN] for r in range(p.group.size())],
+                   p)
+
+
+def _judge(vectors: list[list[int]], p: Pending) -> None:
+    rank = p.group.rank()
+    only_own_failure = vectors[rank][moe_p2p.FAIL] and all(
+        not any(moe_p2p.verdicts(v)) and (r == rank or not v[moe_p2p.FAIL]) for r, v in enumerate(vectors))
+    if only_own_failure:
+        return
+    try:
+        premise = moe_p2p.judge(vectors, p.what, p.group)
+    except Exception as cause:  # noqa: BLE001 - what the host settle would have raised: chained
+        raise errors.PoisonedResult(f"flashoverlap: {p.what}, settled without a host read, failed on some rank (the "
+                                    "cause below); its outputs were NaN on every rank") from cause
+    if premise:
+        raise errors.PoisonedResult(f"flashoverlap: {p.what}, settled without a host read, found some rank's routing "
+                                    "data not in the whole-block form (routes/moe_fast.py), which only a host settle "
+                                    "can redo; its outputs were NaN on every rank (turn the experiment "
+                                    f"{EXPERIMENT!r} off for such routing)")
+
+
+def forget() -> None:
+    """Forget the counts and the pending calls (``routes.reset``)."""
+    _held.clear()
+    _pending.clear()

@@ -1,0 +1,120 @@
+"""The MoE settle without a host read (``routes/moe_deferred.py``, the experiment ``moe_settle_deferred``) on 2 gloo
+ranks, both ops on the whole-block path: the first ``HELD_BEFORE_DEFERRING`` calls settle on the host, the later ones
+defer (counted ``moe:deferred``) and stay bit for bit the unfused reference; a failed premise, an index out of
+bounds or a GEMM fault on one rank in a deferred call leave every rank's outputs NaN (the failing rank raises its own
+fault in that call) and every rank raises ``errors.PoisonedResult`` (the cause chained) at the end of the next call,
+or in ``routes.check()``; the call after is exact; without the experiment nothing defers.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import get_pool
+from test_moe_fast import _call, _case, _mutate, _reference, _same
+
+from flashoverlap_inductor import config, errors, routes
+from flashoverlap_inductor.routes import moe_deferred, moe_fast
+
+
+def _nan(outs: list[torch.Tensor]) -> bool:
+    assert all(t.numel() for t in outs), "the case gives every rank rows (seed 2)"
+    return all(bool(t.isnan().all()) for t in outs)
+
+
+def deferred_worker(op: str, fault: str | None, bad_rank: int, experiments: tuple[str, ...], checked: bool
+                    ) -> list[str]:
+    """Warm calls, then one call with ``fault`` on ``bad_rank`` (None, "premise", "index", "gemm"), then two good
+    calls (``checked``: ``routes.check()`` before them): the outcome of each call after the warm ones."""
+    torch.use_deterministic_algorithms(True)
+    moe_deferred.forget()
+    c = _case(op, "grouped2", "moe", 2)  # every rank gets rows in both ops
+    want = _reference(op, c)
+    rank, log = dist.get_rank(), []
+    with config.patch(experiments=set(experiments)):
+        for _ in range(moe_deferred.HELD_BEFORE_DEFERRING):
+            _same(_call(op, c), want, "warm")
+        deferred = routes.stats["moe:deferred"]
+        bad = c
+        if rank == bad_rank and fault == "premise":
+            bad = _mutate(c, "twice")
+        elif rank == bad_rank and fault == "index":
+            bad = dict(c, index=c["index"].clone())
+            bad["index"][0] = c["index"].shape[0] + 3
+        real, seen = torch._grouped_mm, []
+
+        def flaky(*args, **kwargs):
+            seen.append(1)
+            if rank == bad_rank and fault == "gemm" and len(seen) == 2:
+                raise RuntimeError("injected GEMM fault")
+            return real(*args, **kwargs)
+
+        with mock.patch.object(moe_fast.torch, "_grouped_mm", flaky):
+            try:
+                got = _call(op, bad)
+                log.append("NaN" if _nan(got) else "exact" if all(torch.equal(x, y) for x, y in zip(got, want,
+                                                                                                     strict=True))
+                           else "other")
+            except RuntimeError as exc:
+                log.append(f"raised {type(exc).__name__}: {exc}")
+        if checked:
+            try:
+                routes.check()
+                log.append("check: ok")
+            except errors.PoisonedResult as exc:
+                log.append(f"check: PoisonedResult from {type(exc.__cause__).__name__}")
+        for _ in range(2):
+            try:
+                got = _call(op, c)
+                log.append("exact" if all(torch.equal(x, y) for x, y in zip(got, want, strict=True)) else "other")
+            except errors.PoisonedResult as exc:
+                log.append(f"PoisonedResult from {type(exc.__cause__).__name__}")
+        log.append(f"deferred {routes.stats['moe:deferred'] - deferred}")
+    return log
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return get_pool(2)
+
+
+@pytest.mark.parametrize("op", ["combine", "dispatch"])
+def test_calls_defer_after_the_held_ones_and_stay_exact(pool, op):
+    for log in pool.run(deferred_worker, op, None, 0, (moe_deferred.EXPERIMENT,), False):
+        assert log == ["exact", "exact", "exact", "deferred 3"], log
+
+
+@pytest.mark.parametrize("op", ["combine", "dispatch"])
+def test_nothing_defers_without_the_experiment(pool, op):
+    for log in pool.run(deferred_worker, op, None, 0, (), False):
+        assert log == ["exact", "exact", "exact", "deferred 0"], log
+
+
+@pytest.mark.parametrize("op", ["combine", "dispatch"])
+@pytest.mark.parametrize("fault, cause", [("premise", None), ("index", "IndexError")])
+def test_bad_routing_poisons_every_rank_and_the_next_call_raises(pool, op, fault, cause):
+    """A failed premise (which a deferred call cannot redo) or an index out of bounds on rank 1: NaN on both ranks,
+    ``PoisonedResult`` at the end of the next call on both (the bad index's own ``IndexError`` chained on rank 1,
+    ``PeerFailure`` on rank 0), then exact."""
+    logs = pool.run(deferred_worker, op, fault, 1, (moe_deferred.EXPERIMENT,), False)
+    for rank, log in enumerate(logs):
+        why = "NoneType" if cause is None else (cause if rank == 1 else "PeerFailure")
+        assert log == ["NaN", f"PoisonedResult from {why}", "exact", "deferred 3"], (rank, log)
+
+
+@pytest.mark.parametrize("op", ["combine", "dispatch"])
+def test_a_gemm_fault_raises_there_and_poisons_the_peer(pool, op):
+    """Rank 1's GEMM raises mid-call: rank 1 raises it in that call; rank 0's outputs are NaN and it raises
+    ``PoisonedResult`` (from ``PeerFailure``) at the end of its next call; rank 1 does not raise twice."""
+    log0, log1 = pool.run(deferred_worker, op, "gemm", 1, (moe_deferred.EXPERIMENT,), False)
+    assert log0 == ["NaN", "PoisonedResult from PeerFailure", "exact", "deferred 3"], log0
+    assert log1 == ["raised RuntimeError: injected GEMM fault", "exact", "exact", "deferred 2"], log1
+
+
+def test_routes_check_raises_what_no_call_judged_yet(pool):
+    for rank, log in enumerate(pool.run(deferred_worker, "combine", "index", 1, (moe_deferred.EXPERIMENT,), True)):
+        why = "IndexError" if rank == 1 else "PeerFailure"
+        assert log == ["NaN", f"check: PoisonedResult from {why}", "exact", "exact", "deferred 3"], (rank, log)
