@@ -45,7 +45,9 @@ TOKENS = (4096, 8192, 16384)
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench_moe", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="", help="preset:tokens,... (presets: " + ", ".join(PRESETS) + ")")
-    p.add_argument("--plans", default="blocks,blocks:c=2", help="the fused op's plans, one column each")
+    p.add_argument("--plans", default="blocks,blocks+deferred,blocks:c=2",
+                   help="the fused op's plans, one column each; '<plan>+deferred': that plan under the experiment "
+                        "moe_settle_deferred (the settle without a host read, once the group qualifies)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--target-ms", type=float, default=20.0)
     p.add_argument("--json", default=None)
@@ -84,6 +86,15 @@ def _relerr(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item()
 
 
+def _settings(plan: str) -> tuple[str, str]:
+    """The op's plan and settings key of a column: ``<plan>+deferred`` adds the experiment ``moe_settle_deferred``
+    to the current settings (passed as the op's settings argument: no context manager in the timed call)."""
+    if not plan.endswith("+deferred"):
+        return plan, ""
+    now = config.current()
+    return plan.removesuffix("+deferred"), now.replace(experiments=now.experiments | {"moe_settle_deferred"}).key()
+
+
 def _variants(op: str, shape: dict, r: dict, plans: list[str], dev: torch.device) -> tuple[dict, object]:
     """The timed functions of one op (module docstring) and the reference result's function."""
     g, name = dist.group.WORLD, dist.group.WORLD.group_name
@@ -107,8 +118,9 @@ def _variants(op: str, shape: dict, r: dict, plans: list[str], dev: torch.device
             return gemm()
 
         def fused(plan):
+            plan, key = _settings(plan)
             return lambda: torch.ops.flashoverlap.all_to_all_permute_gemm(
-                x, r["perm"], [w], None, r["offs"], r["outs"], r["ins"], name, plan)[1]
+                x, r["perm"], [w], None, r["offs"], r["outs"], r["ins"], name, plan, key)[1]
     else:
         a = torch.randn(r["rows"], inter, device=dev).bfloat16()
         torch.manual_seed(8)
@@ -128,8 +140,9 @@ def _variants(op: str, shape: dict, r: dict, plans: list[str], dev: torch.device
             return comm()
 
         def fused(plan):
+            plan, key = _settings(plan)
             return lambda: torch.ops.flashoverlap.gemm_unpermute_all_to_all(
-                [a], [w], r["offs"], r["perm"], False, r["ins"], r["outs"], name, plan)
+                [a], [w], r["offs"], r["perm"], False, r["ins"], r["outs"], name, plan, key)
 
     variants = {"seq": seq, "gemm": gemm, "comm": comm, **{f"fused[{p}]": fused(p) for p in plans}}
     return variants, seq

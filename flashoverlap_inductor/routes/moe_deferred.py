@@ -4,8 +4,9 @@ outputs poisoned with NaN there where any rank's vector is bad, and judged on th
 route's exchange is (``routes/gather_nccl.py``). Measured as a bound before it was built (the all_gather without any
 read, ``examples/device/moe_settle_cost.py``, 2 H200s): the combine 0.78x -> 1.50x of unfused at qwen3 4096 tokens.
 
-When a call defers (``defers``): under the experiment, on a group whose last ``HELD_BEFORE_DEFERRING`` calls settled on
-the host found every rank on the whole-block path (rows > 0) with good data and the premise held. That count comes
+When a call defers (``defers``): under the experiment, on a group where ``HELD_BEFORE_DEFERRING`` calls settled on
+the host in a row (calls of the general path on every rank not counted) found a rank on the whole-block path (rows >
+0) and every rank with good data and the premise held. That count comes
 from the gathered vectors, judged alike on every rank in the same call, so every rank defers from the same call on,
 and it never goes back (nothing depends on when a host judges a deferred call): every rank settles each call the
 same way, so no rank redoes a call unfused while another does not.
@@ -53,12 +54,17 @@ def defers(group: dist.ProcessGroup, experiments: frozenset[str]) -> bool:
 
 
 def note_settled(group: dist.ProcessGroup, vectors: list[list[int]]) -> None:
-    """Count a call settled on the host whose every rank's vector shows the whole-block path (rows > 0), good data and
-    the premise held (``moe_p2p.verdicts``); any other call sets the count back to 0 (until the group defers)."""
-    if _held.get(id(group), 0) >= HELD_BEFORE_DEFERRING:
+    """Count a call settled on the host where some rank took the whole-block path (rows > 0) and every rank's vector
+    shows no failure, good data and the premise held (``moe_p2p.verdicts``); a call with a failure, bad data or a
+    failed premise sets the count back to 0; a call of the general path on every rank (zeros) leaves it. Nothing
+    changes once the group defers."""
+    count = _held.get(id(group), 0)
+    if count >= HELD_BEFORE_DEFERRING:
         return
-    ok = all(v[moe_p2p.ROWS] > 0 and not v[moe_p2p.FAIL] and not any(moe_p2p.verdicts(v)) for v in vectors)
-    _held[id(group)] = _held.get(id(group), 0) + 1 if ok else 0
+    if any(v[moe_p2p.FAIL] or any(moe_p2p.verdicts(v)) for v in vectors):
+        _held[id(group)] = 0
+    elif any(v[moe_p2p.ROWS] > 0 for v in vectors):
+        _held[id(group)] = count + 1
 
 
 def settle_later(failure: BaseException | None, facts: torch.Tensor | None, outputs: list[torch.Tensor], what: str,
