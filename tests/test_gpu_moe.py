@@ -329,45 +329,53 @@ def deferred_worker(op: str) -> list[str]:
     g, dev, rank = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()), dist.get_rank()
     moe_deferred.forget()
     c = combine_case("grouped", "moe", 2, dev) if op == "combine" else dispatch_case("grouped", "moe", 2, dev)
-    want = combine_fp64(c, g) if op == "combine" else dispatch_fp64(c, g)[1]
-    run = (lambda: _combine(c, g, "blocks")) if op == "combine" else (lambda: _dispatch(c, g, "blocks")[1])
+    want = combine_fp64(c, g) if op == "combine" else torch.cat(dispatch_fp64(c, g), dim=1)
+    key = config.current().replace(experiments={"moe_p2p_cuda", moe_deferred.EXPERIMENT}).key()  # no nested patch
+
+    def run() -> torch.Tensor:  # the dispatch's p and y side by side: both checked, both poisoned
+        if op == "combine":
+            return torch.ops.flashoverlap.gemm_unpermute_all_to_all(c["a"], c["b"], c["offs"], c["index"], False,
+                                                                    c["outs"], c["ins"], g.group_name, "blocks", key)
+        return torch.cat(torch.ops.flashoverlap.all_to_all_permute_gemm(
+            c["x"], c["index"], c["b"], c["loop_sizes"], c["offs"], c["outs"], c["ins"], g.group_name, "blocks",
+            key), dim=1)
+
     out = []
-    with config.patch(experiments={"moe_p2p_cuda", moe_deferred.EXPERIMENT}):
-        for _ in range(moe_deferred.HELD_BEFORE_DEFERRING):
-            run()
-        before = routes.stats["moe:deferred"]
+    for _ in range(moe_deferred.HELD_BEFORE_DEFERRING):
+        run()
+    before = routes.stats["moe:deferred"]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = run()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    err = _err(got, want)
+    out.append("exact" if err <= TOL and routes.stats["moe:deferred"] == before + 1 else f"WRONG {err:.3g}")
+    real, seen = torch._grouped_mm, []
+
+    def flaky(*args, **kwargs):
+        seen.append(1)
+        if rank == 1 and len(seen) == 1:
+            raise RuntimeError("injected GEMM fault")
+        return real(*args, **kwargs)
+
+    try:
+        with mock.patch.object(moe_fast.torch, "_grouped_mm", flaky):
+            got = run()
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
+        out.append("NaN" if bool(got.isnan().all()) else "NOT POISONED")
+    except RuntimeError as exc:
+        out.append("own" if "injected" in str(exc) else f"other: {exc}")
+    torch.cuda.synchronize()
+    for _ in range(2):
         try:
             got = run()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        torch.cuda.synchronize()
-        err = _err(got, want)
-        out.append("exact" if err <= TOL and routes.stats["moe:deferred"] == before + 1 else f"WRONG {err:.3g}")
-        real, seen = torch._grouped_mm, []
-
-        def flaky(*args, **kwargs):
-            seen.append(1)
-            if rank == 1 and len(seen) == 1:
-                raise RuntimeError("injected GEMM fault")
-            return real(*args, **kwargs)
-
-        try:
-            with mock.patch.object(moe_fast.torch, "_grouped_mm", flaky):
-                got = run()
             torch.cuda.synchronize()
-            out.append("NaN" if bool(got.isnan().all()) else "NOT POISONED")
-        except RuntimeError as exc:
-            out.append("own" if "injected" in str(exc) else f"other: {exc}")
-        torch.cuda.synchronize()
-        for _ in range(2):
-            try:
-                got = run()
-                torch.cuda.synchronize()
-                out.append("exact" if _err(got, want) <= TOL else "WRONG")
-            except errors.PoisonedResult as exc:
-                out.append(f"poisoned ({type(exc.__cause__).__name__})")
+            out.append("exact" if _err(got, want) <= TOL else "WRONG")
+        except errors.PoisonedResult as exc:
+            out.append(f"poisoned ({type(exc.__cause__).__name__})")
     return out
 
 

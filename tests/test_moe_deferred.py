@@ -27,7 +27,8 @@ def _nan(outs: list[torch.Tensor]) -> bool:
 
 def deferred_worker(op: str, fault: str | None, bad_rank: int, experiments: tuple[str, ...], checked: bool
                     ) -> list[str]:
-    """Warm calls, then one call with ``fault`` on ``bad_rank`` (None, "premise", "index", "gemm"), then two good
+    """Warm calls, then one call with ``fault`` on ``bad_rank`` (None, "premise", "index", "gemm", "both": premise and
+    gemm), then two good
     calls (``checked``: ``routes.check()`` before them): the outcome of each call after the warm ones."""
     torch.use_deterministic_algorithms(True)
     moe_deferred.forget()
@@ -39,7 +40,7 @@ def deferred_worker(op: str, fault: str | None, bad_rank: int, experiments: tupl
             _same(_call(op, c), want, "warm")
         deferred = routes.stats["moe:deferred"]
         bad = c
-        if rank == bad_rank and fault == "premise":
+        if rank == bad_rank and fault in ("premise", "both"):
             bad = _mutate(c, "twice")
         elif rank == bad_rank and fault == "index":
             bad = dict(c, index=c["index"].clone())
@@ -48,7 +49,7 @@ def deferred_worker(op: str, fault: str | None, bad_rank: int, experiments: tupl
 
         def flaky(*args, **kwargs):
             seen.append(1)
-            if rank == bad_rank and fault == "gemm" and len(seen) == 2:
+            if rank == bad_rank and fault in ("gemm", "both") and len(seen) == 2:
                 raise RuntimeError("injected GEMM fault")
             return real(*args, **kwargs)
 
@@ -114,7 +115,49 @@ def test_a_gemm_fault_raises_there_and_poisons_the_peer(pool, op):
     assert log1 == ["raised RuntimeError: injected GEMM fault", "exact", "exact", "deferred 2"], log1
 
 
+@pytest.mark.parametrize("op", ["combine", "dispatch"])
+def test_a_rank_that_raised_its_own_fault_does_not_raise_again_for_its_own_data(pool, op):
+    """Rank 1's premise fails and its GEMM raises in the same deferred call: rank 1 raises the fault then and not
+    again (its own data are its own failure's); rank 0 raises ``PoisonedResult`` (from ``PeerFailure``) once."""
+    log0, log1 = pool.run(deferred_worker, op, "both", 1, (moe_deferred.EXPERIMENT,), False)
+    assert log0 == ["NaN", "PoisonedResult from PeerFailure", "exact", "deferred 3"], log0
+    assert log1 == ["raised RuntimeError: injected GEMM fault", "exact", "exact", "deferred 2"], log1
+
+
 def test_routes_check_raises_what_no_call_judged_yet(pool):
     for rank, log in enumerate(pool.run(deferred_worker, "combine", "index", 1, (moe_deferred.EXPERIMENT,), True)):
         why = "IndexError" if rank == 1 else "PeerFailure"
         assert log == ["NaN", f"check: PoisonedResult from {why}", "exact", "exact", "deferred 3"], (rank, log)
+
+
+def warm_fault_worker(op: str) -> list[int]:
+    """A GEMM fault on rank 1 in a host-settled call before the group qualifies: both ranks start the count again
+    there (the failing one included), so both defer from the same later call: per call after it, ``moe:deferred``."""
+    torch.use_deterministic_algorithms(True)
+    moe_deferred.forget()
+    c = _case(op, "grouped2", "moe", 2)
+    real, seen = torch._grouped_mm, []
+
+    def flaky(*args, **kwargs):
+        seen.append(1)
+        if dist.get_rank() == 1 and len(seen) == 1:
+            raise RuntimeError("injected GEMM fault")
+        return real(*args, **kwargs)
+
+    counts = []
+    with config.patch(experiments={moe_deferred.EXPERIMENT}):
+        for _ in range(moe_deferred.HELD_BEFORE_DEFERRING - 1):
+            _call(op, c)
+        with mock.patch.object(moe_fast.torch, "_grouped_mm", flaky), pytest.raises(RuntimeError):
+            _call(op, c)
+        start = routes.stats["moe:deferred"]
+        for _ in range(moe_deferred.HELD_BEFORE_DEFERRING + 2):
+            _same(_call(op, c), _reference(op, c), "after the fault")
+            counts.append(routes.stats["moe:deferred"] - start)
+    return counts
+
+
+@pytest.mark.parametrize("op", ["combine", "dispatch"])
+def test_a_fault_before_the_group_qualifies_restarts_the_count_on_every_rank(pool, op):
+    c0, c1 = pool.run(warm_fault_worker, op)
+    assert c0 == c1 == [0, 0, 0, 0, 1, 2], (c0, c1)

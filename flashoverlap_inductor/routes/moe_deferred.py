@@ -13,11 +13,13 @@ same way, so no rank redoes a call unfused while another does not.
 
 The contract, as ``gather_nccl``'s: a rank whose own call failed raises in that call (after the exchange); every
 rank's outputs of a call whose vectors show a failure, bad routing data or a failed premise on any rank are NaN
-(never other values: a premise failure cannot be redone here, only poisoned), and every rank raises
-``errors.PoisonedResult`` (its cause chained: the exception the host settle would have raised) at the end of a later
-call on the group whose host finds that call's status done (its event queried, never waited for), or in
-``routes.check()`` (``raise_pending(sync=True)``). The later call's collectives were all issued before it raises, so
-the ranks' calls stay paired whichever call each raises in; its outputs are dropped. The next call runs normally.
+(never other values: a premise failure cannot be redone here, only poisoned), and every other rank raises
+``errors.PoisonedResult`` (its cause chained: the exception the host settle would have raised) at the end of the
+next call on the group (its status waited for there: one call behind, so the host runs at most one call ahead, and
+the same call on every rank), or in ``routes.check()`` (``raise_pending(sync=True)``). That next call's collectives
+were all issued before it raises, so a program that goes on calling stays paired; its outputs are dropped. A program
+that unwinds on the first exception (a step, a compiled graph) leaves the failing rank one call ahead of its peers:
+as after any collective error, call ``routes.check()`` on every rank and restart the step.
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ from .base import stats
 from .cpu import _raise_unless_exchanged
 
 EXPERIMENT = "moe_settle_deferred"
+_kernel_failed: list[str] = []  # the poison kernel's compile or launch failure, once (then the torch ops)
 HELD_BEFORE_DEFERRING = 4
-_held: dict[int, int] = {}  # id(group) -> calls settled on the host that qualify it (module docstring)
-_pending: dict[int, list[Pending]] = {}  # id(group) -> deferred calls not judged on the host yet, oldest first
+# keyed by the group's name (the same on every rank, never reused, where an id may be after a group is destroyed)
+_held: dict[str, int] = {}  # group -> calls settled on the host that qualify it (module docstring)
+_pending: dict[str, list[Pending]] = {}  # group -> deferred calls not judged on the host yet, oldest first
 
 
 @dataclass
@@ -50,7 +54,7 @@ class Pending:
 
 def defers(group: dist.ProcessGroup, experiments: frozenset[str]) -> bool:
     """Whether this call on ``group`` settles without a host read (module docstring); the same on every rank."""
-    return EXPERIMENT in experiments and _held.get(id(group), 0) >= HELD_BEFORE_DEFERRING
+    return EXPERIMENT in experiments and _held.get(group.group_name, 0) >= HELD_BEFORE_DEFERRING
 
 
 def note_settled(group: dist.ProcessGroup, vectors: list[list[int]]) -> None:
@@ -58,13 +62,13 @@ def note_settled(group: dist.ProcessGroup, vectors: list[list[int]]) -> None:
     shows no failure, good data and the premise held (``moe_p2p.verdicts``); a call with a failure, bad data or a
     failed premise sets the count back to 0; a call of the general path on every rank (zeros) leaves it. Nothing
     changes once the group defers."""
-    count = _held.get(id(group), 0)
+    count = _held.get(group.group_name, 0)
     if count >= HELD_BEFORE_DEFERRING:
         return
     if any(v[moe_p2p.FAIL] or any(moe_p2p.verdicts(v)) for v in vectors):
-        _held[id(group)] = 0
+        _held[group.group_name] = 0
     elif any(v[moe_p2p.ROWS] > 0 for v in vectors):
-        _held[id(group)] = count + 1
+        _held[group.group_name] = count + 1
 
 
 def settle_later(failure: BaseException | None, facts: torch.Tensor | None, outputs: list[torch.Tensor], what: str,
@@ -82,14 +86,16 @@ def settle_later(failure: BaseException | None, facts: torch.Tensor | None, outp
             dist.all_gather_into_tensor(every, local, group=group)
         except Exception as exc:  # noqa: BLE001 - the group itself broke: raised below
             lost = exc
-    if device.type == "cuda":
-        host, done = torch.empty(every.shape, dtype=every.dtype, pin_memory=True), torch.cuda.Event()
-        host.copy_(every, non_blocking=True)
-        done.record()
-    else:
-        host, done = every, None
     if lost is None:  # judged later on every rank, the failing one included (its own cause is not raised twice)
-        _pending.setdefault(id(group), []).append(Pending(host, done, what, group))
+        host, done = every, None
+        if device.type == "cuda":
+            try:  # a pinned mirror and an event: read with no sync; else the device copy, read with one
+                host, done = torch.empty(every.shape, dtype=every.dtype, pin_memory=True), torch.cuda.Event()
+                host.copy_(every, non_blocking=True)
+                done.record()
+            except Exception:  # noqa: BLE001 - no pinned memory: the plain read below works too
+                host, done = every, None
+        _pending.setdefault(group.group_name, []).append(Pending(host, done, what, group))
     _raise_unless_exchanged(failure, lost, what, group)
     for out in outputs:
         poison_if_bad(out, every, world)
@@ -112,10 +118,17 @@ def poison_if_bad(out: torch.Tensor, vectors: torch.Tensor, world: int) -> None:
     if not out.numel():
         return
     kernel = _poison_kernel() if out.is_cuda and out.is_contiguous() and world <= 8 else None
-    if kernel is None:
-        out.masked_fill_(bad(vectors, world), float("nan"))
-    else:
-        poison_with_kernel(kernel, out, vectors, world)
+    if kernel is not None:
+        try:
+            poison_with_kernel(kernel, out, vectors, world)
+            return
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the kernel's compile or launch: the torch ops from now on
+            if "CUDA error" in str(exc) or "Triton Error [CUDA]" in str(exc):
+                raise
+            _kernel_failed.append(repr(exc))
+    out.masked_fill_(bad(vectors, world), float("nan"))
 
 
 def poison_with_kernel(kernel, out: torch.Tensor, vectors: torch.Tensor, world: int, block: int = 4096) -> None:
@@ -130,7 +143,7 @@ def _poison_kernel():
     """``moe_plan_triton.poison_if_bad`` where the plan's kernels are in use (``moe_plan_kernel``), else None."""
     from . import moe_plan_kernel
 
-    kernels = None if moe_plan_kernel._failed else moe_plan_kernel._kernels()
+    kernels = None if moe_plan_kernel._failed or _kernel_failed else moe_plan_kernel._kernels()
     if kernels is None:
         return None
     from . import moe_plan_triton
@@ -140,7 +153,7 @@ def _poison_kernel():
 
 def pending(group: dist.ProcessGroup) -> int:
     """How many deferred calls of ``group`` were not judged on the host yet."""
-    return len(_pending.get(id(group), ()))
+    return len(_pending.get(group.group_name, ()))
 
 
 def raise_pending(group: dist.ProcessGroup | None = None, sync: bool = False, limit: int | None = None) -> None:
@@ -148,7 +161,7 @@ def raise_pending(group: dist.ProcessGroup | None = None, sync: bool = False, li
     ``sync``: waited for; at most the ``limit`` oldest), oldest first, and raise ``errors.PoisonedResult`` for the
     first bad one (after dropping it and every older one); a rank whose own failure is the only cause does not raise
     again."""
-    for gid in [id(group)] if group is not None else list(_pending):
+    for gid in [group.group_name] if group is not None else list(_pending):
         queue = _pending.get(gid, [])
         for _ in range(len(queue) if limit is None else min(limit, len(queue))):
             p = queue[0]
@@ -165,9 +178,8 @@ def raise_pending(group: dist.ProcessGroup | None = None, sync: bool = False, li
 
 def _judge(vectors: list[list[int]], p: Pending) -> None:
     rank = p.group.rank()
-    only_own_failure = vectors[rank][moe_p2p.FAIL] and all(
-        not any(moe_p2p.verdicts(v)) and (r == rank or not v[moe_p2p.FAIL]) for r, v in enumerate(vectors))
-    if only_own_failure:
+    others_bad = any(v[moe_p2p.FAIL] or any(moe_p2p.verdicts(v)) for r, v in enumerate(vectors) if r != rank)
+    if vectors[rank][moe_p2p.FAIL] and not others_bad:  # this rank raised its own failure in that call
         return
     try:
         premise = moe_p2p.judge(vectors, p.what, p.group)

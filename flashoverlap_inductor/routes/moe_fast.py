@@ -21,7 +21,8 @@ GEMMs run on rows as they lie, with per-block expert offsets counted on the devi
 * combine: ``Y_j = grouped_mm(a[inv[block j]], w, offs_j)`` (``inv``: the expert row of each send row) *is* send
   block j, sent as soon as computed; no send buffer, no scatter.
 
-The call's one host sync is the settle (``moe_p2p.settle``): one all_gather of an 8-int vector per rank (failure,
+The call's one host sync is the settle (``moe_p2p.settle``; none under the experiment ``moe_settle_deferred``:
+``moe_deferred``): one all_gather of an 8-int vector per rank (failure,
 the routing facts: index extremes, offsets' smallest step, unnamed rows, ...), judged on the host alike on every
 rank. Where any rank's premise failed, every rank redoes the call with the unfused reference (the same answer on
 every rank, from the gathered vectors; ``moe_p2p.redo``, counted ``<op>:redo``). A rank may take this path while its

@@ -137,7 +137,7 @@ def run_call(op: str, x: torch.Tensor, group: dist.ProcessGroup, splits: int, pl
         else:
             out = reference()
             count_fallback(op, why)
-        moe_deferred.raise_pending(group, limit=earlier)
+        moe_deferred.raise_pending(group, sync=True, limit=earlier)  # the earlier calls' status: one call behind
         return out
 
 
@@ -172,10 +172,12 @@ def settle(failure: BaseException | None, facts: torch.Tensor | None, what: str,
             dist.all_gather_into_tensor(every, local, group=group)
         except Exception as exc:  # noqa: BLE001 - the group itself broke: raised below
             lost = exc
+    vectors = None
+    if lost is None:  # read and counted on every rank, the failing one included, before anything raises
+        flat = every.tolist()  # the host sync
+        vectors = [flat[r * SETTLE_LEN:(r + 1) * SETTLE_LEN] for r in range(world)]
+        moe_deferred.note_settled(group, vectors)
     _raise_unless_exchanged(failure, lost, what, group)
-    flat = every.tolist()  # the host sync
-    vectors = [flat[r * SETTLE_LEN:(r + 1) * SETTLE_LEN] for r in range(world)]
-    moe_deferred.note_settled(group, vectors)
     return judge(vectors, what, group)
 
 

@@ -115,6 +115,7 @@ def poison_if_bad(every_ptr, world, out_ptr, numel, LEN: tl.constexpr, FAIL: tl.
                   OFFS_LAST: tl.constexpr, KEY_STEP: tl.constexpr, BLOCK: tl.constexpr):
     """``out`` (``numel`` elements) NaN where any rank's settle vector is bad (``moe_deferred.bad``): each program
     judges the vectors and writes its block only then (nothing written when every vector is good)."""
+    tl.static_assert(LEN <= 16)
     r = tl.arange(0, 8)[:, None]
     f = tl.arange(0, 16)[None, :]
     v = tl.load(every_ptr + r * LEN + f, mask=(r < world) & (f < LEN), other=0)
