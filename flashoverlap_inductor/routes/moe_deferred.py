@@ -1,15 +1,15 @@
 """The MoE P2P route's settle without a host read (the experiment ``moe_settle_deferred``): the call's status
-exchange as in ``moe_p2p.settle`` (one all_gather of every rank's ``SETTLE_LEN`` vector), judged on the device, its
+exchange as in ``moe_settle.settle`` (one all_gather of every rank's ``SETTLE_LEN`` vector), judged on the device, its
 outputs poisoned with NaN there where any rank's vector is bad, and judged on the host later, as the NCCL all_gather
 route's exchange is (``routes/gather_nccl.py``). Measured as a bound before it was built (the all_gather without any
 read, ``examples/device/moe_settle_cost.py``, 2 H200s): the combine 0.78x -> 1.50x of unfused at qwen3 4096 tokens.
 
 When a call defers (``defers``): under the experiment, on a group where ``HELD_BEFORE_DEFERRING`` calls settled on
-the host in a row (calls of the general path on every rank not counted) found a rank on the whole-block path (rows >
-0) and every rank with good data and the premise held. That count comes
-from the gathered vectors, judged alike on every rank in the same call, so every rank defers from the same call on,
-and it never goes back (nothing depends on when a host judges a deferred call): every rank settles each call the
-same way, so no rank redoes a call unfused while another does not.
+the host in a row found a rank on the whole-block path (rows > 0) and every rank with good data and the premise held
+(``moe_settle.note_settled``: calls of the general path on every rank not counted, a failure starting the count
+again). The count comes from the gathered vectors, read and counted on every rank before any rank raises, so every
+rank defers from the same call on, and it never goes back: every rank settles each call the same way, and no rank
+redoes a call unfused while another does not.
 
 The contract, as ``gather_nccl``'s: a rank whose own call failed raises in that call (after the exchange); every
 rank's outputs of a call whose vectors show a failure, bad routing data or a failed premise on any rank are NaN
@@ -30,15 +30,14 @@ import torch
 import torch.distributed as dist
 
 from .. import errors
-from . import moe_p2p
+from . import moe_settle
 from .base import stats
 from .cpu import _raise_unless_exchanged
 
 EXPERIMENT = "moe_settle_deferred"
 _kernel_failed: list[str] = []  # the poison kernel's compile or launch failure, once (then the torch ops)
-HELD_BEFORE_DEFERRING = 4
+HELD_BEFORE_DEFERRING = moe_settle.HELD_BEFORE_DEFERRING
 # keyed by the group's name (the same on every rank, never reused, where an id may be after a group is destroyed)
-_held: dict[str, int] = {}  # group -> calls settled on the host that qualify it (module docstring)
 _pending: dict[str, list[Pending]] = {}  # group -> deferred calls not judged on the host yet, oldest first
 
 
@@ -54,21 +53,7 @@ class Pending:
 
 def defers(group: dist.ProcessGroup, experiments: frozenset[str]) -> bool:
     """Whether this call on ``group`` settles without a host read (module docstring); the same on every rank."""
-    return EXPERIMENT in experiments and _held.get(group.group_name, 0) >= HELD_BEFORE_DEFERRING
-
-
-def note_settled(group: dist.ProcessGroup, vectors: list[list[int]]) -> None:
-    """Count a call settled on the host where some rank took the whole-block path (rows > 0) and every rank's vector
-    shows no failure, good data and the premise held (``moe_p2p.verdicts``); a call with a failure, bad data or a
-    failed premise sets the count back to 0; a call of the general path on every rank (zeros) leaves it. Nothing
-    changes once the group defers."""
-    count = _held.get(group.group_name, 0)
-    if count >= HELD_BEFORE_DEFERRING:
-        return
-    if any(v[moe_p2p.FAIL] or any(moe_p2p.verdicts(v)) for v in vectors):
-        _held[group.group_name] = 0
-    elif any(v[moe_p2p.ROWS] > 0 for v in vectors):
-        _held[group.group_name] = count + 1
+    return EXPERIMENT in experiments and moe_settle.held(group) >= HELD_BEFORE_DEFERRING
 
 
 def settle_later(failure: BaseException | None, facts: torch.Tensor | None, outputs: list[torch.Tensor], what: str,
@@ -76,12 +61,12 @@ def settle_later(failure: BaseException | None, facts: torch.Tensor | None, outp
     """End a deferred call: the exchange, this rank's own failure raised, the outputs poisoned on the device where
     any rank's vector is bad, the vectors copied to the host for ``raise_pending``; no host read, no wait."""
     world, rank = group.size(), group.rank()
-    local = torch.zeros(moe_p2p.SETTLE_LEN, dtype=torch.int64, device=device) if facts is None else facts
+    local = torch.zeros(moe_settle.SETTLE_LEN, dtype=torch.int64, device=device) if facts is None else facts
     if failure is not None:
-        local[moe_p2p.FAIL:moe_p2p.FAIL + 1].fill_(rank + 1)
+        local[moe_settle.FAIL:moe_settle.FAIL + 1].fill_(rank + 1)
     every, lost = local, None
     if world > 1:
-        every = local.new_empty(world * moe_p2p.SETTLE_LEN)
+        every = local.new_empty(world * moe_settle.SETTLE_LEN)
         try:
             dist.all_gather_into_tensor(every, local, group=group)
         except Exception as exc:  # noqa: BLE001 - the group itself broke: raised below
@@ -103,13 +88,13 @@ def settle_later(failure: BaseException | None, facts: torch.Tensor | None, outp
 
 
 def bad(vectors: torch.Tensor, world: int) -> torch.Tensor:
-    """Whether any rank's vector shows a failure, bad routing data or a failed premise (``moe_p2p.verdicts``, on the
+    """Whether any rank's vector shows a failure, bad routing data or a failed premise (``moe_settle.verdicts``, on the
     device: a 0-dim bool tensor)."""
-    v = vectors.view(world, moe_p2p.SETTLE_LEN)
-    rows, last = v[:, moe_p2p.ROWS], v[:, moe_p2p.OFFS_LAST]
-    out_of_range = (rows > 0) & ((v[:, moe_p2p.IDX_MAX] >= rows) | (v[:, moe_p2p.IDX_MIN] < -rows))
-    return ((v[:, moe_p2p.FAIL] != 0) | out_of_range | (v[:, moe_p2p.OFFS_STEP] < 0) | (last != rows)
-            | (v[:, moe_p2p.UNNAMED] > 0) | (v[:, moe_p2p.KEY_STEP] < 0)).any()
+    v = vectors.view(world, moe_settle.SETTLE_LEN)
+    rows, last = v[:, moe_settle.ROWS], v[:, moe_settle.OFFS_LAST]
+    out_of_range = (rows > 0) & ((v[:, moe_settle.IDX_MAX] >= rows) | (v[:, moe_settle.IDX_MIN] < -rows))
+    return ((v[:, moe_settle.FAIL] != 0) | out_of_range | (v[:, moe_settle.OFFS_STEP] < 0) | (last != rows)
+            | (v[:, moe_settle.UNNAMED] > 0) | (v[:, moe_settle.KEY_STEP] < 0)).any()
 
 
 def poison_if_bad(out: torch.Tensor, vectors: torch.Tensor, world: int) -> None:
@@ -134,9 +119,9 @@ def poison_if_bad(out: torch.Tensor, vectors: torch.Tensor, world: int) -> None:
 def poison_with_kernel(kernel, out: torch.Tensor, vectors: torch.Tensor, world: int, block: int = 4096) -> None:
     """Launch ``moe_plan_triton.poison_if_bad`` over ``out`` (contiguous; ``world`` <= 8)."""
     kernel[(-(-out.numel() // block),)](
-        vectors, world, out, out.numel(), LEN=moe_p2p.SETTLE_LEN, FAIL=moe_p2p.FAIL, ROWS=moe_p2p.ROWS,
-        IDX_MAX=moe_p2p.IDX_MAX, IDX_MIN=moe_p2p.IDX_MIN, OFFS_STEP=moe_p2p.OFFS_STEP, UNNAMED=moe_p2p.UNNAMED,
-        OFFS_LAST=moe_p2p.OFFS_LAST, KEY_STEP=moe_p2p.KEY_STEP, BLOCK=block)
+        vectors, world, out, out.numel(), LEN=moe_settle.SETTLE_LEN, FAIL=moe_settle.FAIL, ROWS=moe_settle.ROWS,
+        IDX_MAX=moe_settle.IDX_MAX, IDX_MIN=moe_settle.IDX_MIN, OFFS_STEP=moe_settle.OFFS_STEP,
+        UNNAMED=moe_settle.UNNAMED, OFFS_LAST=moe_settle.OFFS_LAST, KEY_STEP=moe_settle.KEY_STEP, BLOCK=block)
 
 
 def _poison_kernel():
@@ -172,17 +157,17 @@ def raise_pending(group: dist.ProcessGroup | None = None, sync: bool = False, li
                     break  # the older ones first: this one (and the later) at a later call
             queue.pop(0)
             vectors = p.vectors.tolist()
-            _judge([vectors[r * moe_p2p.SETTLE_LEN:(r + 1) * moe_p2p.SETTLE_LEN] for r in range(p.group.size())],
+            _judge([vectors[r * moe_settle.SETTLE_LEN:(r + 1) * moe_settle.SETTLE_LEN] for r in range(p.group.size())],
                    p)
 
 
 def _judge(vectors: list[list[int]], p: Pending) -> None:
     rank = p.group.rank()
-    others_bad = any(v[moe_p2p.FAIL] or any(moe_p2p.verdicts(v)) for r, v in enumerate(vectors) if r != rank)
-    if vectors[rank][moe_p2p.FAIL] and not others_bad:  # this rank raised its own failure in that call
+    others_bad = any(v[moe_settle.FAIL] or any(moe_settle.verdicts(v)) for r, v in enumerate(vectors) if r != rank)
+    if vectors[rank][moe_settle.FAIL] and not others_bad:  # this rank raised its own failure in that call
         return
     try:
-        premise = moe_p2p.judge(vectors, p.what, p.group)
+        premise = moe_settle.judge(vectors, p.what, p.group)
     except Exception as cause:  # noqa: BLE001 - what the host settle would have raised: chained
         raise errors.PoisonedResult(f"flashoverlap: {p.what}, settled without a host read, failed on some rank (the "
                                     "cause below); its outputs were NaN on every rank") from cause
@@ -195,5 +180,5 @@ def _judge(vectors: list[list[int]], p: Pending) -> None:
 
 def forget() -> None:
     """Forget the counts and the pending calls (``routes.reset``)."""
-    _held.clear()
+    moe_settle.forget()
     _pending.clear()

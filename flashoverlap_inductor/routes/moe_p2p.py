@@ -28,22 +28,27 @@ import torch.distributed as dist
 from flashoverlap_inductor import config
 
 from .. import _inductor_compat as compat
-from .. import errors
 from ..schedule.combine import chunk_sizes, offsets, parse_plan, ring_steps
-from . import agree
+from . import agree, moe_deferred
 from .base import note, stats
-from .cpu import _group_name, _poison, _raise_unless_exchanged, _rank_name
+from .cpu import _poison
+from .moe_settle import (  # noqa: F401 - the status exchange's names, used through this module too
+    FAIL,
+    IDX_MAX,
+    IDX_MIN,
+    KEY_STEP,
+    OFFS_LAST,
+    OFFS_STEP,
+    ROWS,
+    SETTLE_LEN,
+    UNNAMED,
+    judge,
+    settle,
+    verdicts,
+)
 from .nccl import is_nccl_group
 
 T = TypeVar("T")
-# The settle's vector per rank (int64): FAIL (rank + 1 where this rank failed, else 0), then the whole-block path's
-# routing facts (``moe_fast.BlockPlan.facts``; all 0 on the general path, which they then pass): ROWS (the index's
-# entries, = the buffer's rows), IDX_MAX / IDX_MIN (the index's extremes; on CUDA each entry clamped to +-(2^62 - 1)
-# first), OFFS_STEP (the smallest step of the expert offsets from 0), UNNAMED (buffer rows the index does not name),
-# OFFS_LAST (the last expert offset), KEY_STEP (the smallest step of the buffer rows' (block, expert group) keys,
-# clipped at 0: only its sign is judged).
-FAIL, ROWS, IDX_MAX, IDX_MIN, OFFS_STEP, UNNAMED, OFFS_LAST, KEY_STEP = range(8)
-SETTLE_LEN = 8
 COMBINE_TAG = 30830  # + chunk: the P2P tags of the combine's transfers (no other transfer of the package uses them)
 DISPATCH_TAG = 30850  # + chunk: the dispatch's
 CUDA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -139,67 +144,6 @@ def run_call(op: str, x: torch.Tensor, group: dist.ProcessGroup, splits: int, pl
             count_fallback(op, why)
         moe_deferred.raise_pending(group, sync=True, limit=earlier)  # the earlier calls' status: one call behind
         return out
-
-
-def verdicts(v: list[int]) -> tuple[bool, bool, bool]:
-    """One rank's settle vector judged: (an index entry out of ``[-rows, rows)``, expert offsets decreasing or past
-    the rows, the whole-block premise violated: a row unnamed or named twice, a row in no expert group, or a block's
-    rows not expert-sorted). The general path's zeros pass all three."""
-    rows = v[ROWS]
-    bounds = rows > 0 and (v[IDX_MAX] >= rows or v[IDX_MIN] < -rows)
-    offsets_bad = v[OFFS_STEP] < 0 or v[OFFS_LAST] > rows  # past the rows: the unfused _grouped_mm would fault
-    return bounds, offsets_bad, v[UNNAMED] > 0 or v[OFFS_LAST] != rows or v[KEY_STEP] < 0
-
-
-def settle(failure: BaseException | None, facts: torch.Tensor | None, what: str, device: torch.device,
-           group: dist.ProcessGroup) -> bool:
-    """The exchange that ends every call of both MoE ops on the P2P route, on either path (the same collective on
-    every rank: one all_gather of the ``SETTLE_LEN`` int64 vector; none in a group of one rank), and the call's one
-    host read; every rank judges every rank's vector alike (``verdicts``). ``facts``: this rank's routing facts
-    (``moe_fast``), None on the general path. Raises ``failure`` on a failed rank; ``IndexError`` / ``ValueError`` on
-    a rank whose index or offsets are bad; ``errors.PeerFailure`` on the others when any rank failed or had bad
-    routing data. Returns whether any rank's premise failed: then every rank redoes the call with the unfused
-    reference."""
-    world, rank = group.size(), group.rank()
-    local = torch.zeros(SETTLE_LEN, dtype=torch.int64, device=device) if facts is None else facts
-    if failure is not None:
-        local[FAIL:FAIL + 1].fill_(rank + 1)  # a fill on the device (an item assignment would copy: a sync)
-    lost: Exception | None = None
-    every = local
-    if world > 1:
-        every = local.new_empty(world * SETTLE_LEN)
-        try:
-            dist.all_gather_into_tensor(every, local, group=group)
-        except Exception as exc:  # noqa: BLE001 - the group itself broke: raised below
-            lost = exc
-    vectors = None
-    if lost is None:  # read and counted on every rank, the failing one included, before anything raises
-        flat = every.tolist()  # the host sync
-        vectors = [flat[r * SETTLE_LEN:(r + 1) * SETTLE_LEN] for r in range(world)]
-        moe_deferred.note_settled(group, vectors)
-    _raise_unless_exchanged(failure, lost, what, group)
-    return judge(vectors, what, group)
-
-
-def judge(vectors: list[list[int]], what: str, group: dist.ProcessGroup) -> bool:
-    """Every rank's settle vector judged alike (``settle``'s raises; also ``moe_deferred``'s, one call later):
-    whether any rank's premise failed."""
-    world, rank = group.size(), group.rank()
-    judged = [verdicts(v) for v in vectors]
-    bounds, offs_bad, _ = judged[rank]
-    if bounds:
-        raise IndexError(f"flashoverlap: {what}: an index entry is out of bounds for its buffer of "
-                         f"{vectors[rank][ROWS]} rows (extremes {vectors[rank][IDX_MIN]}, {vectors[rank][IDX_MAX]}), "
-                         "as index_put / index would raise")
-    if offs_bad:
-        raise ValueError(f"flashoverlap: {what}: the expert group offsets must be non-negative, non-decreasing and "
-                         f"at most the {vectors[rank][ROWS]} rows (the last is {vectors[rank][OFFS_LAST]})")
-    bad = [r for r in range(world) if vectors[r][FAIL] or judged[r][0] or judged[r][1]]
-    if bad:
-        raise errors.PeerFailure(f"flashoverlap: {_rank_name(group, bad[0])} of group {_group_name(group)} failed in "
-                                 f"the middle of {what} (or had bad routing data); rank {rank} completed its "
-                                 "collectives but does not return its output (the failing rank raises the cause)")
-    return any(j[2] for j in judged)
 
 
 def redo(op: str, reference: Callable[[], T]) -> T:
@@ -315,5 +259,3 @@ def upload(host: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]
     flat = flat.pin_memory().to(device, non_blocking=True)
     return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in host]), host, strict=True)]
 
-
-from . import moe_deferred  # noqa: E402 - it imports this module's constants

@@ -9,7 +9,7 @@ the table where the data are good and the premise holds):
 * ``inv`` (int64, ``rows``): the expert row of each buffer row (0 where none names it; the last where several do);
 * ``table`` (int32 ``[blocks, E rounded up to 4]``): row j = block j's cumulative expert offsets, each at most the
   block's rows; the padding columns 0;
-* ``facts`` (int64, ``moe_p2p.SETTLE_LEN``): the settle's vector (``moe_p2p.verdicts``).
+* ``facts`` (int64, ``moe_settle.SETTLE_LEN``): the settle's vector (``moe_settle.verdicts``).
 
 Kernel 1 (one lane per expert row i): ``idx[i]``, ``inv[idx[i]] = i``, a hit on buffer row ``idx[i]``, the count of
 (block of ``idx[i]``, expert group of i), the index's extremes (each entry clamped to +-(2^62 - 1), then kept as the
@@ -31,7 +31,7 @@ import logging
 
 import torch
 
-from . import moe_p2p
+from . import moe_settle
 from .base import note
 
 MAX_BLOCKS = 8  # the kernels take the block ends as 7 scalars (unused ones = rows)
@@ -98,7 +98,7 @@ def _launch(index: torch.Tensor, offs: torch.Tensor, bounds: list[int]) -> tuple
     lanes = max(16, min(256, 8192 // ep))
     table_cols = -(-experts // 4) * 4
     dev = index.device
-    head = 8 * ep + moe_p2p.SETTLE_LEN  # count and facts first; inv and hits each from a 16-byte boundary
+    head = 8 * ep + moe_settle.SETTLE_LEN  # count and facts first; inv and hits each from a 16-byte boundary
     padded = rows + (rows & 1)
     work = torch.zeros(head + 2 * padded, dtype=torch.int64, device=dev)
     count, facts = work[:8 * ep], work[8 * ep:head]
@@ -108,9 +108,9 @@ def _launch(index: torch.Tensor, offs: torch.Tensor, bounds: list[int]) -> tuple
     ends = [*bounds[1:-1], *([rows] * (MAX_BLOCKS - blocks))]
     grid = (-(-rows // lanes),)
     scatter[grid](index, offs, idx, inv, hits, count, facts, rows, *ends, EXPERTS=experts, EP=ep, BLOCK=lanes,
-                  SHIFT=_SHIFT, LIMIT=_LIMIT, IDX_MAX=moe_p2p.IDX_MAX, IDX_MIN=moe_p2p.IDX_MIN)
+                  SHIFT=_SHIFT, LIMIT=_LIMIT, IDX_MAX=moe_settle.IDX_MAX, IDX_MIN=moe_settle.IDX_MIN)
     judge[grid](offs, inv, hits, count, facts, table, rows, *ends, BLOCKS=blocks, EXPERTS=experts, EP=ep,
-                TABLE_COLS=table_cols, BLOCK=lanes, SHIFT=_SHIFT, ROWS=moe_p2p.ROWS, IDX_MAX=moe_p2p.IDX_MAX,
-                IDX_MIN=moe_p2p.IDX_MIN, OFFS_STEP=moe_p2p.OFFS_STEP, UNNAMED=moe_p2p.UNNAMED,
-                OFFS_LAST=moe_p2p.OFFS_LAST, KEY_STEP=moe_p2p.KEY_STEP)
+                TABLE_COLS=table_cols, BLOCK=lanes, SHIFT=_SHIFT, ROWS=moe_settle.ROWS, IDX_MAX=moe_settle.IDX_MAX,
+                IDX_MIN=moe_settle.IDX_MIN, OFFS_STEP=moe_settle.OFFS_STEP, UNNAMED=moe_settle.UNNAMED,
+                OFFS_LAST=moe_settle.OFFS_LAST, KEY_STEP=moe_settle.KEY_STEP)
     return idx, inv, table, facts
