@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule.combine import chunk_sizes, group_ends, offsets, parse_plan, plan_units, ring_steps
-from . import moe_deferred, moe_fast, moe_p2p
+from . import moe_fast, moe_p2p
 from .cpu import _poison, _wait_all
 
 TAG = moe_p2p.COMBINE_TAG
@@ -194,10 +194,7 @@ def run_p2p(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | N
             except BaseException as exc:  # noqa: BLE001 - as above
                 failure = failure or exc
     failure = _wait_all(works, failure)
-    if deferred:
-        moe_deferred.settle_later(failure, None, [out], what, send.device, group)
-        return out
-    if moe_p2p.settle(failure, None, what, send.device, group):  # a peer's whole-block premise failed
+    if moe_p2p.end_call(failure, None, [out], what, send.device, group, deferred):  # a peer's premise failed
         del send, out
         return moe_p2p.redo("combine", redo)
     return out

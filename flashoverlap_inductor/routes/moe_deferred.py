@@ -30,12 +30,11 @@ import torch
 import torch.distributed as dist
 
 from .. import errors
-from . import moe_settle
+from . import moe_plan_kernel, moe_settle
 from .base import stats
 from .cpu import _raise_unless_exchanged
 
 EXPERIMENT = "moe_settle_deferred"
-_kernel_failed: list[str] = []  # the poison kernel's compile or launch failure, once (then the torch ops)
 HELD_BEFORE_DEFERRING = moe_settle.HELD_BEFORE_DEFERRING
 # keyed by the group's name (the same on every rank, never reused, where an id may be after a group is destroyed)
 _pending: dict[str, list[Pending]] = {}  # group -> deferred calls not judged on the host yet, oldest first
@@ -103,32 +102,24 @@ def poison_if_bad(out: torch.Tensor, vectors: torch.Tensor, world: int) -> None:
     if not out.numel():
         return
     kernel = _poison_kernel() if out.is_cuda and out.is_contiguous() and world <= 8 else None
-    if kernel is not None:
-        try:
-            poison_with_kernel(kernel, out, vectors, world)
-            return
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the kernel's compile or launch: the torch ops from now on
-            if "CUDA error" in str(exc) or "Triton Error [CUDA]" in str(exc):
-                raise
-            _kernel_failed.append(repr(exc))
-    out.masked_fill_(bad(vectors, world), float("nan"))
+    if kernel is None or moe_plan_kernel.run_or_fall_back(
+            lambda: poison_with_kernel(kernel, out, vectors, world), "the deferred settle's poison") is None:
+        out.masked_fill_(bad(vectors, world), float("nan"))
 
 
-def poison_with_kernel(kernel, out: torch.Tensor, vectors: torch.Tensor, world: int, block: int = 4096) -> None:
-    """Launch ``moe_plan_triton.poison_if_bad`` over ``out`` (contiguous; ``world`` <= 8)."""
+def poison_with_kernel(kernel, out: torch.Tensor, vectors: torch.Tensor, world: int,
+                       block: int = 4096) -> torch.Tensor:
+    """Launch ``moe_plan_triton.poison_if_bad`` over ``out`` (contiguous; ``world`` <= 8); returns ``out``."""
     kernel[(-(-out.numel() // block),)](
         vectors, world, out, out.numel(), LEN=moe_settle.SETTLE_LEN, FAIL=moe_settle.FAIL, ROWS=moe_settle.ROWS,
         IDX_MAX=moe_settle.IDX_MAX, IDX_MIN=moe_settle.IDX_MIN, OFFS_STEP=moe_settle.OFFS_STEP,
         UNNAMED=moe_settle.UNNAMED, OFFS_LAST=moe_settle.OFFS_LAST, KEY_STEP=moe_settle.KEY_STEP, BLOCK=block)
+    return out
 
 
 def _poison_kernel():
     """``moe_plan_triton.poison_if_bad`` where the plan's kernels are in use (``moe_plan_kernel``), else None."""
-    from . import moe_plan_kernel
-
-    kernels = None if moe_plan_kernel._failed or _kernel_failed else moe_plan_kernel._kernels()
+    kernels = None if moe_plan_kernel._failed else moe_plan_kernel._kernels()
     if kernels is None:
         return None
     from . import moe_plan_triton

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule.combine import chunk_sizes, group_ends, offsets, parse_plan, plan_units
-from . import moe_deferred, moe_fast, moe_p2p
+from . import moe_fast, moe_p2p
 from .cpu import _wait_all
 
 
@@ -203,13 +203,9 @@ def run_p2p(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes: 
                 units.compute(v, recv)
             except BaseException as exc:  # noqa: BLE001 - as above
                 failure = exc
-    if deferred:
-        moe_deferred.settle_later(failure, None, [] if units is None else [units.p, *units.y], what, recv.device,
-                                  group)
-        del sent
-        return [units.p, *units.y]
-    if moe_p2p.settle(failure, None, what, recv.device, group):  # a peer's whole-block premise failed
-        del sent, recv, units
+    outputs = [] if units is None else [units.p, *units.y]
+    if moe_p2p.end_call(failure, None, outputs, what, recv.device, group, deferred):  # a peer's premise failed
+        del sent, recv, units, outputs
         return moe_p2p.redo("dispatch", redo)
     del sent
     return [units.p, *units.y]

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule.combine import offsets, ring_steps
-from . import moe_deferred, moe_p2p, moe_plan_kernel
+from . import moe_p2p, moe_plan_kernel
 from .base import stats
 from .cpu import _poison, _wait_all
 
@@ -165,12 +165,7 @@ def run_combine(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor
             failure = failure or exc
     failure = _wait_all(works, failure)
     facts = None if plan is None else plan.facts
-    if deferred:
-        moe_deferred.settle_later(failure, facts, [out], what, like.device, group)
-        stats["combine:fast"] += 1
-        del keep
-        return out
-    if moe_p2p.settle(failure, facts, what, like.device, group):
+    if moe_p2p.end_call(failure, facts, [out], what, like.device, group, deferred):
         del keep, out, plan  # the redo's memory
         return moe_p2p.redo("combine", reference)
     stats["combine:fast"] += 1
@@ -216,12 +211,7 @@ def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], of
         except BaseException as exc:  # noqa: BLE001 - as above
             failure = exc
     facts = None if plan is None else plan.facts
-    if deferred:
-        moe_deferred.settle_later(failure, facts, result or [], what, x.device, group)
-        stats["dispatch:fast"] += 1
-        del sent
-        return result
-    if moe_p2p.settle(failure, facts, what, x.device, group):
+    if moe_p2p.end_call(failure, facts, result or [], what, x.device, group, deferred):
         del recv, ys, result, plan, sent  # the redo's memory
         return moe_p2p.redo("dispatch", reference)
     stats["dispatch:fast"] += 1

@@ -146,6 +146,16 @@ def run_call(op: str, x: torch.Tensor, group: dist.ProcessGroup, splits: int, pl
         return out
 
 
+def end_call(failure: BaseException | None, facts: torch.Tensor | None, outputs: list[torch.Tensor], what: str,
+             device: torch.device, group: dist.ProcessGroup, deferred: bool) -> bool:
+    """End a call on either path: ``settle`` on the host, or when ``deferred`` ``moe_deferred.settle_later`` (which
+    poisons ``outputs`` where any rank's status is bad). Returns whether every rank redoes the call (``redo``)."""
+    if deferred:
+        moe_deferred.settle_later(failure, facts, outputs, what, device, group)
+        return False
+    return settle(failure, facts, what, device, group)
+
+
 def redo(op: str, reference: Callable[[], T]) -> T:
     """A call some rank's whole-block premise refused (``settle`` said so on every rank): run ``reference`` (the
     unfused op: its collectives are the same on every rank), counted ``<op>:redo`` and logged once per op (a layout

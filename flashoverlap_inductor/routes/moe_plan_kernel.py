@@ -78,16 +78,23 @@ def build(index: torch.Tensor, offs: torch.Tensor, bounds: list[int]) -> tuple[t
     ranks may differ here without changing any collective)."""
     if bounds[0] != 0 or bounds[-1] != int(index.shape[0]):
         raise ValueError(f"flashoverlap: the blocks' bounds {bounds} do not cover the index's {index.shape[0]} rows")
+    return run_or_fall_back(lambda: _launch(index, offs, bounds), "the MoE routing plan's")
+
+
+def run_or_fall_back(launch, whose: str):
+    """``launch()`` (a Triton kernel launch of this module's or ``moe_plan_triton``'s); None where Triton fails to
+    compile or launch it: recorded in ``_failed`` (the kernels are not used again: ``should_use``) and logged once.
+    Out of memory and the device's own errors (CUDA errors) are raised."""
     try:
-        return _launch(index, offs, bounds)
+        return launch()
     except torch.OutOfMemoryError:
         raise
     except Exception as exc:  # noqa: BLE001 - a compile or launch failure of the kernels, not of the data
         if "CUDA error" in str(exc) or "Triton Error [CUDA]" in str(exc):  # the device's, not the kernels': raised
             raise
         _failed.append(repr(exc))
-        note("moe:plan_kernel", logging.WARNING, "flashoverlap: the MoE routing plan's Triton kernels failed (%r); "
-             "building it with torch ops from now on", exc)
+        note("moe:plan_kernel", logging.WARNING, "flashoverlap: %s Triton kernel failed (%r); torch ops from now on",
+             whose, exc)
         return None
 
 
