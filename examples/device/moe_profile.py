@@ -1,13 +1,18 @@
 """Where the time of one fused MoE call goes on 2 GPUs (a diagnostic for ``examples/bench_moe.py``): per op and shape,
-the host time of a call, its wall time with a sync, and a torch profiler table (top ops by device and host time).
+the host time of a call, its wall time with a sync, a torch profiler table (top ops by device and host time) and,
+with ``--cprofile N``, the Python functions that hold the host longest over N calls (rank 0, cProfile's own time).
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 examples/device/moe_profile.py [--shapes qwen3:4096] [--trace DIR]
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 examples/device/moe_profile.py [--shapes qwen3:4096]
+        [--plans blocks,blocks+deferred] [--trace DIR] [--cprofile 20]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -24,7 +29,8 @@ from flashoverlap_inductor import config  # noqa: E402
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="qwen3:4096,mixtral:4096")
-    p.add_argument("--plan", default="blocks")
+    p.add_argument("--plans", default="blocks", help="comma-separated bench_moe plans (e.g. blocks+deferred)")
+    p.add_argument("--cprofile", type=int, default=0, help="calls of each fused variant under cProfile (rank 0)")
     p.add_argument("--trace", default=None)
     args = p.parse_args()
     torch.cuda.set_device(dist.get_node_local_rank(fallback_rank=0))
@@ -36,10 +42,11 @@ def main() -> None:
             shape = bm.PRESETS[preset]
             r = bm.routing(shape["experts"], shape["top_k"], tokens, world, rank, dev)
             for op in ("dispatch", "combine"):
-                variants, seq = bm._variants(op, shape, r, [args.plan], dev)
-                fused = variants[f"fused[{args.plan}]"]
-                for name, f in (("seq", seq), ("fused", fused)):
-                    for _ in range(3):
+                plans = args.plans.split(",")
+                variants, seq = bm._variants(op, shape, r, plans, dev)
+                timed = [("seq", seq), *((plan, variants[f"fused[{plan}]"]) for plan in plans)]
+                for name, f in timed:
+                    for _ in range(5):
                         f()
                     torch.cuda.synchronize()
                     host, wall = [], []
@@ -56,6 +63,21 @@ def main() -> None:
                     if rank == 0:
                         print(f"== {op} {preset}:{tokens} {name}: host {statistics.median(host):.3f} ms, "
                               f"wall {statistics.median(wall):.3f} ms", flush=True)
+                    if args.cprofile and name != "seq":
+                        prof = cProfile.Profile()
+                        dist.barrier()
+                        torch.cuda.synchronize()
+                        prof.enable()
+                        for _ in range(args.cprofile):
+                            f()
+                        prof.disable()
+                        torch.cuda.synchronize()
+                        if rank == 0:
+                            text = io.StringIO()
+                            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(22)
+                            print(f"-- cProfile, {args.cprofile} calls of {op} {preset}:{tokens} {name} (tottime)")
+                            print("\n".join(line[:170] for line in text.getvalue().splitlines()[:40]), flush=True)
+                fused = variants[f"fused[{plans[0]}]"]
                 acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
                 with torch.profiler.profile(activities=acts) as prof:
                     for _ in range(3):

@@ -17,7 +17,8 @@ Under it, block j's rows of the buffer, in buffer order, *are* its expert rows i
 GEMMs run on rows as they lie, with per-block expert offsets counted on the device (``BlockPlan``):
 
 * dispatch: ``Y_j = grouped_mm(recv[block j], w, offs_j)`` for the own block at once, then for each block as its
-  transfer lands; then ``p = recv[index]`` and ``y = cat_j(Y_j)[index]`` (one gather each: expert order);
+  transfer lands (the own block on ``x``'s rows, never copied); each block's rows and ``Y_j`` moved into expert
+  order at once (``p[inv[r]] = row r``, ``y[inv[r]] = Y_j[r]``: ``p = recv[index]``, ``y = cat_j(Y_j)[index]``);
 * combine: ``Y_j = grouped_mm(a[inv[block j]], w, offs_j)`` (``inv``: the expert row of each send row) *is* send
   block j, sent as soon as computed; no send buffer, no scatter.
 
@@ -177,42 +178,45 @@ def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], of
                  ins: list[int], group: dist.ProcessGroup, what: str, reference,
                  deferred: bool = False) -> list[torch.Tensor]:
     """The dispatch on the whole-block path: every ring step's transfer issued first, the own block's GEMMs on its
-    rows as they lie, then each block's as it lands; then ``p`` and ``y`` gathered into expert order."""
-    world, rank = group.size(), group.rank()
+    rows as they lie in ``x`` (never copied into the receive buffer), then each block's as it lands. Each block's
+    rows and GEMM results are moved into expert order as soon as they exist (``p[inv[r]] = row r``, ``y[inv[r]] =
+    Y_j[r]``: under the premise ``inv`` inverts the index, so this is ``p = recv[index]``, ``y = cat_j(Y_j)[index]``
+    bit for bit), so the own block's moves run while the peers' rows travel and no ``cat`` of the blocks' results
+    is made; where the premise fails the outputs are the settle's to discard (redo) or poison (deferred)."""
+    rank = group.rank()
     sent = moe_p2p.issue_dispatch(x, outs, ins, 1, group)  # one unit per block: unit j is block j
     x, recv, send_off, recv_off, failure = sent.x, sent.recv, sent.send_off, sent.recv_off, sent.failure
-    ys: list[list[torch.Tensor | None]] = [[None] * world for _ in b]
-    plan = None
+    plan, result = None, None
 
-    def compute(j: int) -> None:
-        rows = recv[recv_off[j]:recv_off[j + 1]]
+    def compute(j: int, rows: torch.Tensor) -> None:
+        if not rows.shape[0]:
+            return
+        inv = plan.inv[recv_off[j]:recv_off[j + 1]]
+        moe_p2p.copy_rows(result[0], inv, rows)
         for t, w in enumerate(b):
-            ys[t][j] = torch._grouped_mm(_aligned(rows), w, offs=plan.offs(j)) if rows.shape[0] else \
-                rows.new_empty(0, w.shape[-1])
+            moe_p2p.copy_rows(result[1 + t], inv, torch._grouped_mm(_aligned(rows), w, offs=plan.offs(j)))
 
     try:
         if failure is None:
-            recv[recv_off[rank]:recv_off[rank + 1]].copy_(x[send_off[rank]:send_off[rank + 1]])
+            if ins[rank] != outs[rank]:
+                raise ValueError(f"flashoverlap: the dispatch sends {ins[rank]} rows to its own rank and receives "
+                                 f"{outs[rank]} from it (input_split_sizes {list(ins)}, output {list(outs)})")
             plan = BlockPlan(index.to(x.device), offs, list(outs))
-            compute(rank)
+            rows = recv_off[-1]
+            result = [x.new_empty(rows, x.shape[1]), *(x.new_empty(rows, w.shape[-1]) for w in b)]
+            compute(rank, x[send_off[rank]:send_off[rank + 1]])
     except BaseException as exc:  # noqa: BLE001 - the transfers are still waited for
         failure = failure or exc
     for src, works in sent.landing:
         failure = _wait_all(works, failure)
         if failure is None:
             try:
-                compute(src)
+                compute(src, recv[recv_off[src]:recv_off[src + 1]])
             except BaseException as exc:  # noqa: BLE001 - as above
                 failure = exc
-    result = None
-    if failure is None:
-        try:
-            result = [recv.index_select(0, plan.idx), *(torch.cat(y).index_select(0, plan.idx) for y in ys)]
-        except BaseException as exc:  # noqa: BLE001 - as above
-            failure = exc
     facts = None if plan is None else plan.facts
     if moe_p2p.end_call(failure, facts, result or [], what, x.device, group, deferred):
-        del recv, ys, result, plan, sent  # the redo's memory
+        del recv, result, plan, sent  # the redo's memory
         return moe_p2p.redo("dispatch", reference)
     stats["dispatch:fast"] += 1
     del sent
