@@ -420,6 +420,51 @@ def sync_free_worker(op: str) -> list[str]:
     return out + ([] if err <= TOL else [f"WRONG: rel err {err:.3g}"])
 
 
+def direct_worker() -> list[str]:
+    """Both ops on both paths with their transfers straight into NCCL (``routes/moe_nccl.py``, counted
+    ``moe:nccl_direct``): against fp64 and the reference, as ``ops_worker``."""
+    from flashoverlap_inductor import routes
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    before = routes.stats["moe:nccl_direct"]
+    bad = []
+    for plan in ("blocks", "blocks:c=2"):
+        where = f"direct {plan}"
+        bad += _check_combine("grouped", "moe", plan, 3, torch.bfloat16, dev, where)
+        bad += _check_dispatch("grouped2", "moe", plan, 3, torch.bfloat16, dev, where)
+    if routes.stats["moe:nccl_direct"] == before:
+        bad.append(f"no transfer went straight into NCCL: {dict(routes.stats)}")
+    return bad
+
+
+def skipped_call_worker(timeout_ms: int) -> str:
+    """Rank 1 skips a combine that rank 0 makes (after two calls on both): rank 0's transfer has no peer, the NCCL
+    watchdog (``runtime/nccl_watch.py``) aborts the group past its bound and rank 0 raises; returns what each rank saw
+    and, on rank 0, within how many seconds (the group is unusable afterwards: the test restarts the ranks)."""
+    import time
+
+    import torch.distributed as dist
+
+    from flashoverlap_inductor import config
+
+    g, dev, rank = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()), dist.get_rank()
+    c = combine_case("grouped", "moe", 4, dev)
+    with config.patch(wait_timeout_ms=timeout_ms):
+        for _ in range(2):
+            _combine(c, g, "blocks")
+        torch.cuda.synchronize()
+        dist.barrier()
+        if rank == 1:
+            return "skipped"
+        t0 = time.monotonic()
+        try:
+            got = _combine(c, g, "blocks")
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - the outcome is the test's
+            return f"raised {type(exc).__name__} in {time.monotonic() - t0:.0f} s"
+        return f"returned (finite: {bool(torch.isfinite(got).all())}) in {time.monotonic() - t0:.0f} s"
+
+
 # ------------------------------------------------------------------------------------------ tests
 
 
@@ -462,3 +507,19 @@ def test_the_settle_without_a_host_read_poisons_and_raises_a_call_later(pool, op
     r0, r1 = pool.run(deferred_worker, op)
     assert r0 == ["exact", "NaN", "poisoned (PeerFailure)", "exact"], r0
     assert r1 == ["exact", "own", "exact", "exact"], r1
+
+
+@two_gpus
+def test_transfers_go_straight_into_nccl_and_stay_exact(pool):
+    assert pool.run(direct_worker) == [[], []]
+
+
+@two_gpus
+def test_a_rank_that_skips_a_call_makes_its_peer_raise_within_the_bound(pool):
+    """No hang: the skipped rank's peer raises within ~2 x the wait bound + 1 s (the watchdog's deadline)."""
+    try:
+        r0, r1 = pool.run(skipped_call_worker, 300, timeout_s=60)
+    finally:
+        pool.close(force=True)  # the group was aborted on rank 0
+    assert r1 == "skipped"
+    assert r0.startswith("raised ") and int(r0.split(" in ")[1].split()[0]) <= 10, r0

@@ -161,3 +161,24 @@ def warm_fault_worker(op: str) -> list[int]:
 def test_a_fault_before_the_group_qualifies_restarts_the_count_on_every_rank(pool, op):
     c0, c1 = pool.run(warm_fault_worker, op)
     assert c0 == c1 == [0, 0, 0, 0, 1, 2], (c0, c1)
+
+
+def test_a_status_that_never_arrived_raises_on_every_rank():
+    """The settle's gathered vectors start as ``UNSENT`` (``moe_settle``): an exchange that never ran (its group
+    aborted by the NCCL watchdog) is judged a peer's failure, never a good call."""
+    from flashoverlap_inductor import errors
+    from flashoverlap_inductor.routes import moe_settle
+
+    class Group:
+        group_name = "g"
+
+        def size(self):
+            return 2
+
+        def rank(self):
+            return 0
+
+    good = [0, 5, 4, 0, 0, 0, 5, 0]
+    with pytest.raises(errors.PeerFailure, match="never arrived"):
+        moe_settle.judge([good, [moe_settle.UNSENT] * moe_settle.SETTLE_LEN], "a call", Group())
+    assert moe_settle.judge([good, good], "a call", Group()) is False

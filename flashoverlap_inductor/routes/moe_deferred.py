@@ -65,7 +65,7 @@ def settle_later(failure: BaseException | None, facts: torch.Tensor | None, outp
         local[moe_settle.FAIL:moe_settle.FAIL + 1].fill_(rank + 1)
     every, lost = local, None
     if world > 1:
-        every = local.new_empty(world * moe_settle.SETTLE_LEN)
+        every = local.new_full((world * moe_settle.SETTLE_LEN,), moe_settle.UNSENT)  # bad unless exchanged
         try:
             dist.all_gather_into_tensor(every, local, group=group)
         except Exception as exc:  # noqa: BLE001 - the group itself broke: raised below

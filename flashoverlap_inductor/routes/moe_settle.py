@@ -19,6 +19,7 @@ from .cpu import _group_name, _raise_unless_exchanged, _rank_name
 # clipped at 0: only its sign is judged).
 FAIL, ROWS, IDX_MAX, IDX_MIN, OFFS_STEP, UNNAMED, OFFS_LAST, KEY_STEP = range(8)
 SETTLE_LEN = 8
+UNSENT = -1  # every entry of the gathered vectors before the exchange: FAIL == UNSENT means a status never arrived
 HELD_BEFORE_DEFERRING = 4  # host-settled calls that qualify a group to settle without a host read (moe_deferred)
 # keyed by the group's name (the same on every rank, never reused, where an id may be after a group is destroyed)
 _held: dict[str, int] = {}
@@ -73,14 +74,18 @@ def settle(failure: BaseException | None, facts: torch.Tensor | None, what: str,
     lost: Exception | None = None
     every = local
     if world > 1:
-        every = local.new_empty(world * SETTLE_LEN)
+        every = local.new_full((world * SETTLE_LEN,), UNSENT)  # what an exchange that never ran leaves: bad
         try:
             dist.all_gather_into_tensor(every, local, group=group)
         except Exception as exc:  # noqa: BLE001 - the group itself broke: raised below
             lost = exc
     vectors = None
     if lost is None:  # read and counted on every rank, the failing one included, before anything raises
-        flat = every.tolist()  # the host sync
+        if every.is_cuda:  # the host sync, waited for without the GIL: the NCCL watchdog's thread must run meanwhile
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()
+        flat = every.tolist()
         vectors = [flat[r * SETTLE_LEN:(r + 1) * SETTLE_LEN] for r in range(world)]
         note_settled(group, vectors)
     _raise_unless_exchanged(failure, lost, what, group)
@@ -91,6 +96,11 @@ def judge(vectors: list[list[int]], what: str, group: dist.ProcessGroup) -> bool
     """Every rank's settle vector judged alike (``settle``'s raises; also ``moe_deferred``'s, one call later):
     whether any rank's premise failed."""
     world, rank = group.size(), group.rank()
+    unsent = [r for r in range(world) if vectors[r][FAIL] == UNSENT]
+    if unsent:
+        raise errors.PeerFailure(f"flashoverlap: {what}: the status of {_rank_name(group, unsent[0])} never arrived "
+                                 f"(group {_group_name(group)} aborted, e.g. by the NCCL watchdog after a transfer "
+                                 f"outlived its bound); rank {rank} does not return its output")
     judged = [verdicts(v) for v in vectors]
     bounds, offs_bad, _ = judged[rank]
     if bounds:

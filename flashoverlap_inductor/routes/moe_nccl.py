@@ -1,0 +1,96 @@
+"""The MoE P2P route's transfers on CUDA issued straight into NCCL (``native/nccl_direct.py``), on the process
+group's own communicator, from a side stream of this module's: one NCCL group (``ncclSend`` + ``ncclRecv``) per ring
+step, where ``torch.distributed.batch_isend_irecv`` held the host 0.3-0.7 ms per MoE call (measured on 2 H100s:
+cProfile of ``examples/device/moe_profile.py``; the whole unfused op issues in ~0.1 ms).
+
+Invariants:
+
+* **The same mechanism on every rank at every call.** ``transfer`` is taken where the group's communicator exists
+  (torch makes it at the group's first collective, the same call on every rank; the route's agreement check is one)
+  and the NCCL library torch loaded is bound (the same on every rank of one program); else ``moe_p2p.exchange``
+  issues ``batch_isend_irecv`` as before. NCCL runs one communicator's operations in issue order, whatever stream
+  they are on, so the steps issued here and torch's own calls on the group (the settle's all_gather) keep the
+  order every rank issued them in.
+* **Streams.** The side stream waits for the caller's current stream at issue (the rows to send exist); the returned
+  ``Transfer``'s ``wait()`` makes the caller's current stream wait for the step's NCCL kernels (no host wait). Every
+  transfer a call issues is waited for before the call returns (``cpu._wait_all``), so memory the caller's stream
+  frees afterwards is never reused while NCCL still reads or writes it.
+* **Bounded.** NCCL's kernels have no bound of their own: each step is watched by the host watchdog
+  (``runtime/nccl_watch.py``) from the moment the device reaches it; past twice the wait bound (``timeout_ns``) plus
+  a grace the group is aborted, so a peer that never issued its half does not hang this rank (the settle's
+  all_gather then fails or leaves its sentinel: every rank raises). A step NCCL refuses aborts the group at once and
+  raises (``NcclError``), as the NCCL route does: its peer's kernels would otherwise wait forever.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import _inductor_compat as compat
+from ..native import nccl_direct
+from ..runtime import nccl_watch
+from .base import stats
+
+_side: dict[int, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """This module's stream on ``device`` (highest priority: NCCL's kernels get the SMs a GEMM frees first)."""
+    stream = _side.get(device.index)
+    if stream is None:
+        low, high = torch.cuda.Stream.priority_range()
+        stream = _side[device.index] = torch.cuda.Stream(device, priority=min(low, high))
+    return stream
+
+
+class Transfer:
+    """One issued ring step: ``wait()`` makes the caller's current stream wait for it (as ``dist.Work.wait()`` does)
+    and drops the step's tensors (kept alive until then)."""
+
+    def __init__(self, done: torch.cuda.Event, device: torch.device, keep: tuple) -> None:
+        self.done, self.device, self.keep = done, device, keep
+
+    def wait(self) -> bool:
+        torch.cuda.current_stream(self.device).wait_event(self.done)
+        self.keep = ()
+        return True
+
+
+def communicator(group: dist.ProcessGroup, device: torch.device) -> nccl_direct.Communicator | None:
+    """The group's communicator where the direct path is taken (module docstring), else None."""
+    if device.type != "cuda":
+        return None
+    return nccl_direct.communicator(group, device)
+
+
+def transfer(comm: nccl_direct.Communicator, send: torch.Tensor | None, recv: torch.Tensor | None, dst: int, src: int,
+             group: dist.ProcessGroup, timeout_ns: int, what: str) -> list[Transfer]:
+    """``moe_p2p.exchange`` through ``comm`` (counted ``moe:nccl_direct``): send ``send`` (contiguous rows) to
+    group rank ``dst`` and receive ``recv`` (contiguous) from ``src`` in one NCCL group on the side stream; an empty
+    or None side is left out (its peer's split size is the same 0). Returns the step to wait on (none when nothing
+    was issued)."""
+    sends = [(dst, send.data_ptr(), send.numel())] if send is not None and send.numel() else []
+    recvs = [(src, recv.data_ptr(), recv.numel())] if recv is not None and recv.numel() else []
+    if not sends and not recvs:
+        return []
+    like = send if sends else recv
+    if any(t is not None and t.numel() and not t.is_contiguous() for t in (send, recv)):
+        raise ValueError(f"flashoverlap: {what}: a transfer's rows must be contiguous")
+    device = like.device
+    caller, side = torch.cuda.current_stream(device), side_stream(device)
+    started = torch.cuda.Event()
+    started.record(caller)
+    side.wait_event(started)
+    try:
+        comm.send_recv(sends, recvs, like.dtype, side.cuda_stream)
+    except nccl_direct.NcclError as exc:  # the peer's half may be queued already: it must not wait forever
+        aborted = compat.abort_group(group)
+        raise nccl_direct.NcclError(
+            f"flashoverlap: NCCL refused a transfer of {what}; the process group {getattr(group, 'group_name', '?')} "
+            f"was {'aborted' if aborted else 'NOT aborted'} so that no rank waits forever: {exc}") from exc
+    done = torch.cuda.Event()
+    done.record(side)
+    nccl_watch.watchdog().watch(started, done, timeout_ns * 1e-9, group, None, what)
+    stats["moe:nccl_direct"] += 1
+    return [Transfer(done, device, (send, recv))]
