@@ -40,7 +40,8 @@ log = logging.getLogger("flashoverlap")
 NCCL_SUCCESS = 0
 NCCL_IN_PROGRESS = 7
 NCCL_SUM = 0
-NCCL_DTYPES = {torch.float16: 6, torch.float32: 7, torch.bfloat16: 9}
+NCCL_DTYPES = {torch.float16: 6, torch.float32: 7, torch.bfloat16: 9}  # the fused GEMMs' output dtypes
+NCCL_INT64 = 4  # ncclInt64: the MoE route's status vectors (routes/moe_nccl.py)
 
 
 class NcclError(RuntimeError):
@@ -75,6 +76,7 @@ class NcclLibrary:
         lib.ncclAllReduce.argtypes = [p, p, sz, i, i, p, p]
         lib.ncclReduceScatter.argtypes = [p, p, sz, i, i, p, p]
         lib.ncclReduce.argtypes = [p, p, sz, i, i, i, p, p]
+        lib.ncclAllGather.argtypes = [p, p, sz, i, p, p]
         lib.ncclSend.argtypes = [p, sz, i, i, p, p]
         lib.ncclRecv.argtypes = [p, sz, i, i, p, p]
         lib.ncclGroupStart.argtypes = []
@@ -84,8 +86,8 @@ class NcclLibrary:
         lib.ncclCommCount.argtypes = [p, ctypes.POINTER(i)]
         lib.ncclCommUserRank.argtypes = [p, ctypes.POINTER(i)]
         lib.ncclCommGetAsyncError.argtypes = [p, ctypes.POINTER(i)]
-        for fn in (lib.ncclAllReduce, lib.ncclReduceScatter, lib.ncclReduce, lib.ncclSend, lib.ncclRecv,
-                   lib.ncclGroupStart, lib.ncclGroupEnd, lib.ncclCommCount, lib.ncclCommUserRank,
+        for fn in (lib.ncclAllReduce, lib.ncclReduceScatter, lib.ncclReduce, lib.ncclAllGather, lib.ncclSend,
+                   lib.ncclRecv, lib.ncclGroupStart, lib.ncclGroupEnd, lib.ncclCommCount, lib.ncclCommUserRank,
                    lib.ncclCommGetAsyncError):
             fn.restype = u
         self.lib = lib
@@ -155,6 +157,11 @@ class Communicator:
         """``recv`` (``recv_count`` elements) = the sum over ranks of block ``rank`` of ``send`` (``size`` blocks)."""
         self.lib.check(self.lib.lib.ncclReduceScatter(send, recv, recv_count, NCCL_DTYPES[dtype], NCCL_SUM,
                                                       self.comm, stream), "ncclReduceScatter", self.comm)
+
+    def all_gather_int64(self, send: int, recv: int, count: int, stream: int) -> None:
+        """``recv`` (``size * count`` int64) = every rank's ``count`` int64 at ``send``, in rank order."""
+        self.lib.check(self.lib.lib.ncclAllGather(send, recv, count, NCCL_INT64, self.comm, stream), "ncclAllGather",
+                       self.comm)
 
     def reduce_pieces(self, pieces: list[tuple[int, int, int]], recv: int, dtype: torch.dtype, stream: int) -> None:
         """One NCCL group of ``ncclReduce`` calls: ``pieces`` are ``(root, pointer, count)``; each root receives the

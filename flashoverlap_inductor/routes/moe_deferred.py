@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .. import errors
-from . import moe_plan_kernel, moe_settle
+from . import moe_nccl, moe_plan_kernel, moe_settle
 from .base import stats
 from .cpu import _raise_unless_exchanged
 
@@ -67,7 +67,7 @@ def settle_later(failure: BaseException | None, facts: torch.Tensor | None, outp
     if world > 1:
         every = local.new_full((world * moe_settle.SETTLE_LEN,), moe_settle.UNSENT)  # bad unless exchanged
         try:
-            dist.all_gather_into_tensor(every, local, group=group)
+            moe_nccl.gather_status(every, local, group, what)
         except Exception as exc:  # noqa: BLE001 - the group itself broke: raised below
             lost = exc
     if lost is None:  # judged later on every rank, the failing one included (its own cause is not raised twice)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _inductor_compat as compat
+from .. import config
 from ..native import nccl_direct
 from ..runtime import nccl_watch
 from .base import stats
@@ -64,8 +65,13 @@ def communicator(group: dist.ProcessGroup, device: torch.device) -> nccl_direct.
     return nccl_direct.communicator(group, device)
 
 
+def bound_s(group: dist.ProcessGroup) -> float:
+    """The wait bound of a call on ``group`` in seconds (the settings' ``timeout_ns``, else the group's timeout)."""
+    return config.current().timeout_ns(compat.group_timeout_ms(group)) * 1e-9
+
+
 def transfer(comm: nccl_direct.Communicator, send: torch.Tensor | None, recv: torch.Tensor | None, dst: int, src: int,
-             group: dist.ProcessGroup, timeout_ns: int, what: str) -> list[Transfer]:
+             group: dist.ProcessGroup, what: str) -> list[Transfer]:
     """``moe_p2p.exchange`` through ``comm`` (counted ``moe:nccl_direct``): send ``send`` (contiguous rows) to
     group rank ``dst`` and receive ``recv`` (contiguous) from ``src`` in one NCCL group on the side stream; an empty
     or None side is left out (its peer's split size is the same 0). Returns the step to wait on (none when nothing
@@ -91,6 +97,30 @@ def transfer(comm: nccl_direct.Communicator, send: torch.Tensor | None, recv: to
             f"was {'aborted' if aborted else 'NOT aborted'} so that no rank waits forever: {exc}") from exc
     done = torch.cuda.Event()
     done.record(side)
-    nccl_watch.watchdog().watch(started, done, timeout_ns * 1e-9, group, None, what)
+    nccl_watch.watchdog().watch(started, done, bound_s(group), group, None, what)
     stats["moe:nccl_direct"] += 1
     return [Transfer(done, device, (send, recv))]
+
+
+def gather_status(every: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup, what: str) -> None:
+    """The settle's exchange (``moe_settle``, ``moe_deferred``): ``every`` = every rank's int64 vector ``local``, in
+    rank order; on the caller's current stream straight into NCCL where the transfers go (watched likewise; counted
+    ``moe:nccl_direct``), else ``dist.all_gather_into_tensor``. Raises where the exchange could not be issued."""
+    comm = communicator(group, local.device)
+    if comm is None:
+        dist.all_gather_into_tensor(every, local, group=group)
+        return
+    stream = torch.cuda.current_stream(local.device)
+    started = torch.cuda.Event()
+    started.record(stream)
+    try:
+        comm.all_gather_int64(local.data_ptr(), every.data_ptr(), local.numel(), stream.cuda_stream)
+    except nccl_direct.NcclError as exc:
+        aborted = compat.abort_group(group)
+        raise nccl_direct.NcclError(
+            f"flashoverlap: NCCL refused the status exchange of {what}; the process group "
+            f"{getattr(group, 'group_name', '?')} was {'aborted' if aborted else 'NOT aborted'}: {exc}") from exc
+    done = torch.cuda.Event()
+    done.record(stream)
+    nccl_watch.watchdog().watch(started, done, bound_s(group), group, None, f"the status exchange of {what}")
+    stats["moe:nccl_direct"] += 1

@@ -184,9 +184,8 @@ def exchange(send: torch.Tensor | None, recv: torch.Tensor | None, dst: int, src
     like = send if send is not None else recv
     comm = moe_nccl.communicator(group, like.device) if like is not None else None
     if comm is not None:
-        return moe_nccl.transfer(comm, send, recv, dst, src, group,
-                                 config.current().timeout_ns(compat.group_timeout_ms(group)),
-                                 f"a MoE {'combine' if tag < DISPATCH_TAG else 'dispatch'} transfer "
+        op = "combine" if tag < DISPATCH_TAG else "dispatch"
+        return moe_nccl.transfer(comm, send, recv, dst, src, group, f"a MoE {op} transfer "
                                  f"(to rank {dst}, from rank {src})")
     ops = []
     if send is not None and send.numel():

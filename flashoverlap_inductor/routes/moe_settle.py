@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .. import errors
+from . import moe_nccl
 from .cpu import _group_name, _raise_unless_exchanged, _rank_name
 
 # The settle's vector per rank (int64): FAIL (rank + 1 where this rank failed, else 0), then the whole-block path's
@@ -76,7 +77,7 @@ def settle(failure: BaseException | None, facts: torch.Tensor | None, what: str,
     if world > 1:
         every = local.new_full((world * SETTLE_LEN,), UNSENT)  # what an exchange that never ran leaves: bad
         try:
-            dist.all_gather_into_tensor(every, local, group=group)
+            moe_nccl.gather_status(every, local, group, what)
         except Exception as exc:  # noqa: BLE001 - the group itself broke: raised below
             lost = exc
     vectors = None
