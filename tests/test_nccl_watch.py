@@ -209,3 +209,23 @@ def test_the_thread_binds_the_watched_calls_device(monkeypatch):
     ev.device = types.SimpleNamespace(index=1)
     w.items.appendleft(nccl_watch.Watched(None, ev, 1.0, "g", None, "on cuda:1"))
     assert w._bind_device() and seen == [1]
+
+
+def test_gave_up_names_the_aborted_group_only_and_a_busy_thread_is_not_woken():
+    """``gave_up`` (read by the MoE route's settle after its host wait) is set for the group of a call given up;
+    ``watch`` wakes the thread only when nothing was watched (a wake-up per call took the caller's GIL)."""
+    w, clock, gone = make()
+    notified = []
+    w.thread = types.SimpleNamespace()  # no real thread: record the wake-ups
+    real_notify = w.cond.notify
+    w.cond.notify = lambda *a: (notified.append(1), real_notify(*a))
+    w.watch(None, Event(False), 0.5, "g1", None, "first")
+    w.watch(None, Event(False), 0.5, "g2", None, "second")
+    assert len(notified) == 1
+    assert not w.gave_up("g1") and not w.gave_up("g2")
+    w.poll()  # both start now
+    clock.now += 2 * 0.5 + nccl_watch.GRACE_S + 0.1
+    w.poll()
+    w.poll()
+    assert w.gave_up("g1") and w.gave_up("g2") and [i.description for i in gone] == ["first", "second"]
+    assert not w.gave_up("g3")

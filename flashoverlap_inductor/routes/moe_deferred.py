@@ -147,6 +147,13 @@ def raise_pending(group: dist.ProcessGroup | None = None, sync: bool = False, li
                 elif not p.done.query():
                     break  # the older ones first: this one (and the later) at a later call
             queue.pop(0)
+            if p.done is not None:
+                try:
+                    moe_nccl.check_not_given_up(p.group, p.what)
+                except errors.FlashOverlapTimeout as cause:
+                    raise errors.PoisonedResult(f"flashoverlap: {p.what}, settled without a host read, lost its "
+                                                "exchange (the cause below); its outputs were not poisoned (the "
+                                                "status never arrived): discard them") from cause
             vectors = p.vectors.tolist()
             _judge([vectors[r * moe_settle.SETTLE_LEN:(r + 1) * moe_settle.SETTLE_LEN] for r in range(p.group.size())],
                    p)

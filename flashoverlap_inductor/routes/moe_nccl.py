@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _inductor_compat as compat
-from .. import config
+from .. import config, errors
 from ..native import nccl_direct
 from ..runtime import nccl_watch
 from .base import stats
@@ -65,9 +65,15 @@ def communicator(group: dist.ProcessGroup, device: torch.device) -> nccl_direct.
     return nccl_direct.communicator(group, device)
 
 
+_group_timeout_ms: dict[str, float | None] = {}  # a group's own timeout, read once (~50 us through torch)
+
+
 def bound_s(group: dist.ProcessGroup) -> float:
     """The wait bound of a call on ``group`` in seconds (the settings' ``timeout_ns``, else the group's timeout)."""
-    return config.current().timeout_ns(compat.group_timeout_ms(group)) * 1e-9
+    name = group.group_name
+    if name not in _group_timeout_ms:
+        _group_timeout_ms[name] = compat.group_timeout_ms(group)
+    return config.current().timeout_ns(_group_timeout_ms[name]) * 1e-9
 
 
 def transfer(comm: nccl_direct.Communicator, send: torch.Tensor | None, recv: torch.Tensor | None, dst: int, src: int,
@@ -124,3 +130,15 @@ def gather_status(every: torch.Tensor, local: torch.Tensor, group: dist.ProcessG
     done.record(stream)
     nccl_watch.watchdog().watch(started, done, bound_s(group), group, None, f"the status exchange of {what}")
     stats["moe:nccl_direct"] += 1
+
+
+def check_not_given_up(group: dist.ProcessGroup, what: str) -> None:
+    """Raise ``errors.FlashOverlapTimeout`` where the NCCL watchdog gave up a transfer or status exchange of
+    ``group``: what the aborted kernels left in the buffers (the status vectors included) cannot be trusted. Called
+    after the host waited for the call's exchange (``moe_settle.settle``, ``moe_deferred.raise_pending``)."""
+    if nccl_watch.watchdog().gave_up(group):
+        raise errors.FlashOverlapTimeout(
+            f"flashoverlap: {what}: a transfer or the status exchange of group {getattr(group, 'group_name', '?')} "
+            f"outlived its bound ({bound_s(group):.1f} s: wait_timeout_ms, else the group's timeout; a peer that "
+            "skipped the call or stopped); the NCCL watchdog aborted the group (make a new one), and this rank does "
+            "not return the call's output")

@@ -86,6 +86,7 @@ def settle(failure: BaseException | None, facts: torch.Tensor | None, what: str,
             done = torch.cuda.Event()
             done.record()
             done.synchronize()
+            moe_nccl.check_not_given_up(group, what)
         flat = every.tolist()
         vectors = [flat[r * SETTLE_LEN:(r + 1) * SETTLE_LEN] for r in range(world)]
         note_settled(group, vectors)

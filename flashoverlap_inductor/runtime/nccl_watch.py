@@ -88,11 +88,13 @@ class Watchdog:
         """Watch one call whose waits are bounded by ``timeout_s`` (s)."""
         item = Watched(started, done, 2.0 * timeout_s + GRACE_S, group, domain, description)
         with self.cond:
+            idle = not self.items  # the thread sleeps untimed only with nothing watched
             self.items.append(item)
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, name="flashoverlap-nccl-watchdog", daemon=True)
                 self.thread.start()
-            self.cond.notify()
+            if idle:  # else its next poll (within POLL_S) sees the item: a wake-up per call would take the GIL
+                self.cond.notify()  # from the caller's thread each time (measured: ~0.2 ms per watched MoE transfer)
 
     def poll(self) -> float | None:
         """One pass over the list (module docstring); the seconds until the next check is due (None: nothing is
@@ -129,6 +131,12 @@ class Watchdog:
 
     def _is_aborted(self, group: Any) -> bool:
         return any(g is group for g in self.aborted)
+
+    def gave_up(self, group: Any) -> bool:
+        """Whether a watched call of ``group`` was given up (the group is then aborted): set before the abort, so a
+        host that waited for the call's kernels sees it once they return."""
+        with self.cond:
+            return self._is_aborted(group)
 
     def _run(self) -> None:
         bound = False
