@@ -70,12 +70,12 @@ def grouped_kernel(dtype: torch.dtype) -> bool:
 def unsupported(x: torch.Tensor, group: dist.ProcessGroup, world: int, experiments: frozenset[str]) -> str | None:
     """Why the P2P route cannot take a call whose tensors are like ``x`` over ``group`` with ``world`` split sizes
     (``"slug: detail"``), or None. CPU tensors always go (gloo); CUDA ones only under the experiment
-    ``moe_p2p_cuda`` (in ``experiments``, the settings': correct on 2 GPUs, but host-bound: on 2 H200s the
-    whole-block path's combine runs 0.78-1.46x and its dispatch 0.54-0.87x of the unfused ops, ~1.2 ms of host time
-    per call, and EP steps are slower end to end; docs/results.md), when the dtype is bf16/fp16/fp32, the group's
-    backend is NCCL, its size is ``world``, the tensors are on the current CUDA device (NCCL's) and no CUDA graph is
-    being captured (the route syncs the host). Every condition is one that all ranks of a program share;
-    ``agree.check_once`` compares the route the ranks chose."""
+    ``moe_p2p_cuda`` (in ``experiments``, the settings': correct on 2 GPUs, but host-bound: on 2 H100s, with the
+    settle deferred, the whole-block path's combine runs 0.95-1.62x and its dispatch 0.46-0.91x of the unfused ops,
+    ~1 ms of host time per call, and EP steps are slower end to end; docs/results.md), when the dtype is
+    bf16/fp16/fp32, the group's backend is NCCL, its size is ``world``, the tensors are on the current CUDA device
+    (NCCL's) and no CUDA graph is being captured (the route syncs the host). Every condition is one that all ranks
+    of a program share; ``agree.check_once`` compares the route the ranks chose."""
     if x.device.type == "cpu":
         return None
     if x.device.type != "cuda":
