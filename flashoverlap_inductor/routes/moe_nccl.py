@@ -1,7 +1,8 @@
 """The MoE P2P route's transfers on CUDA issued straight into NCCL (``native/nccl_direct.py``), on the process
 group's own communicator, from a side stream of this module's: one NCCL group (``ncclSend`` + ``ncclRecv``) per ring
-step, where ``torch.distributed.batch_isend_irecv`` held the host 0.3-0.7 ms per MoE call (measured on 2 H100s:
-cProfile of ``examples/device/moe_profile.py``; the whole unfused op issues in ~0.1 ms).
+step, where ``torch.distributed.batch_isend_irecv`` held the host 0.3-0.7 ms per MoE call under cProfile (2 H100s,
+``examples/device/moe_profile.py --cprofile``; the whole unfused op issues in ~0.1 ms). Measured without the profiler on
+the next machines, a call's host time did not drop measurably (~1 ms; docs/results.md, twenty-third session).
 
 Invariants:
 

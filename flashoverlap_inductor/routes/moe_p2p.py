@@ -2,13 +2,12 @@
 takes, the ring step's transfer, the upload of host ints, the per-group lock.
 
 One route for every device: the same Python schedule issues point-to-point ops on gloo (CPU tensors,
-``torch.distributed``) and on NCCL (CUDA tensors: straight into NCCL on the group's communicator, ``moe_nccl``, where
-``torch.distributed``'s ops held the host ~10x longer; ``torch.distributed`` until the communicator exists). On CUDA
-the transfers run on a side stream, which waits for the caller's current stream at issue and which the caller's
-stream waits for at ``wait()`` (no host wait): GEMMs enqueued on the current stream after a transfer was issued
-overlap it. NCCL runs a
-stream's point-to-point ops in issue order, so every rank issues the ring steps in one order, each step's send and
-receive in one ``batch_isend_irecv`` (one NCCL group: no deadlock whichever rank comes first).
+``torch.distributed``) and on NCCL (CUDA tensors: straight into NCCL on the group's communicator, ``moe_nccl``, without
+``torch.distributed``'s Python layers and work objects; through ``torch.distributed`` until the communicator
+exists). On CUDA the transfers run on a side stream, which waits for the caller's current stream at issue and which
+the caller's stream waits for at ``wait()`` (no host wait): GEMMs enqueued on the current stream after a transfer was
+issued overlap it. NCCL runs one communicator's point-to-point ops in issue order, so every rank issues the ring
+steps in one order, each step's send and receive in one NCCL group (no deadlock whichever rank comes first).
 
 Host syncs per call on CUDA, general path: one device-to-host copy of the routing data's small per-(unit, expert)
 table, ``offs`` and the index check (``schedule.combine.plan_units``, which cuts the rows on the device), before the
@@ -179,8 +178,8 @@ def exchange(send: torch.Tensor | None, recv: torch.Tensor | None, dst: int, src
     """One ring step's unit: send ``send`` (rows, contiguous) to group rank ``dst`` and receive ``recv`` from group
     rank ``src`` in one ``batch_isend_irecv``; an empty or None side is left out (its peer, whose split size is the
     same 0, leaves it out too), nothing is issued when both are. Returns the works to wait on. On CUDA, where the
-    group's NCCL communicator is at hand, the step goes straight into NCCL instead (``moe_nccl``: tens of
-    microseconds of host time where ``batch_isend_irecv`` takes hundreds; the same choice on every rank)."""
+    group's NCCL communicator is at hand, the step goes straight into NCCL instead (``moe_nccl``: none of
+    ``batch_isend_irecv``'s Python layers and work objects; the same choice on every rank)."""
     like = send if send is not None else recv
     comm = moe_nccl.communicator(group, like.device) if like is not None else None
     if comm is not None:
