@@ -182,3 +182,25 @@ def test_a_status_that_never_arrived_raises_on_every_rank():
     with pytest.raises(errors.PeerFailure, match="never arrived"):
         moe_settle.judge([good, [moe_settle.UNSENT] * moe_settle.SETTLE_LEN], "a call", Group())
     assert moe_settle.judge([good, good], "a call", Group()) is False
+
+
+def test_a_deferred_call_whose_own_status_never_arrived_raises():
+    """``moe_deferred._judge``: this rank's slot left ``UNSENT`` is not its own raised failure (``FAIL > 0``): the
+    call is judged, and raises, even where the peers' slots look good."""
+    from flashoverlap_inductor import errors
+    from flashoverlap_inductor.routes import moe_deferred, moe_settle
+
+    class Group:
+        group_name = "g2"
+
+        def size(self):
+            return 2
+
+        def rank(self):
+            return 0
+
+    good = [0, 5, 4, 0, 0, 0, 5, 0]
+    p = moe_deferred.Pending(None, None, "a call", Group())
+    with pytest.raises(errors.PoisonedResult):
+        moe_deferred._judge([[moe_settle.UNSENT] * moe_settle.SETTLE_LEN, good], p)
+    moe_deferred._judge([[1, 5, 4, 0, 0, 0, 5, 0], good], p)  # its own failure, raised in its call: not again

@@ -229,3 +229,29 @@ def test_gave_up_names_the_aborted_group_only_and_a_busy_thread_is_not_woken():
     w.poll()
     assert w.gave_up("g1") and w.gave_up("g2") and [i.description for i in gone] == ["first", "second"]
     assert not w.gave_up("g3")
+
+
+def test_an_aborted_group_never_hands_out_its_freed_communicator(monkeypatch):
+    """Every abort of ours goes through ``nccl_direct.abort``: the group's cached communicator is forgotten,
+    ``nccl_direct.communicator`` returns None for it and the MoE route's ``moe_nccl.communicator`` raises."""
+    import pytest
+    import torch
+
+    from flashoverlap_inductor import _inductor_compat as compat
+    from flashoverlap_inductor import errors
+    from flashoverlap_inductor.native import nccl_direct
+    from flashoverlap_inductor.routes import moe_nccl
+
+    group, other, calls = types.SimpleNamespace(group_name="dead"), types.SimpleNamespace(group_name="alive"), []
+    monkeypatch.setattr(compat, "abort_group", lambda g: calls.append(g) or True)
+    monkeypatch.setitem(nccl_direct._by_group, (id(group), 0), (group, "stale communicator"))
+    assert nccl_direct.communicator(group, torch.device("cuda", 0)) == "stale communicator"
+    assert nccl_direct.abort(group) and calls == [group]
+    assert nccl_direct.aborted(group) and not nccl_direct.aborted(other)
+    assert (id(group), 0) not in nccl_direct._by_group
+    assert nccl_direct.communicator(group, torch.device("cuda", 0)) is None
+    with pytest.raises(errors.FlashOverlapTimeout, match="aborted"):
+        moe_nccl.communicator(group, torch.device("cuda", 0))
+    with pytest.raises(errors.FlashOverlapTimeout, match="aborted"):
+        moe_nccl.check_not_given_up(group, "a call")
+    assert moe_nccl.communicator(group, torch.device("cpu")) is None  # gloo tensors: torch's path

@@ -193,13 +193,32 @@ class Communicator:
 # so a group's communicator is looked up once. A process group keeps its communicator for its whole life (an
 # aborted group is unusable; a re-initialized one is a new group object).
 _by_group: dict[tuple[int, int | None], tuple[object, Communicator]] = {}
+_aborted: list[object] = []  # groups this process aborted: their communicators are freed (ncclCommAbort)
+
+
+def abort(group: object) -> bool:
+    """Abort ``group`` through torch (``_inductor_compat.abort_group``; True when an abort ran), first recording it so
+    that ``communicator`` never hands out its freed ``ncclComm_t`` again (every abort of ours goes through here)."""
+    if not aborted(group):
+        _aborted.append(group)
+    for key in [k for k, (g, _) in _by_group.items() if g is group]:
+        del _by_group[key]
+    return compat.abort_group(group)
+
+
+def aborted(group: object) -> bool:
+    """Whether this process aborted ``group`` (``abort``)."""
+    return any(g is group for g in _aborted)
 
 
 def communicator(group: object, device: torch.device) -> Communicator | None:
     """The ``ncclComm_t`` of ``group`` on ``device`` (None: the NCCL route declines; see the module docstring).
 
     Until torch has created the communicator (lazily, at the group's first collective) this returns None on every
-    rank alike; once found it is cached per group and device, after a size/rank check against the group."""
+    rank alike, and again once this process aborted the group (``abort``); once found it is cached per group and
+    device, after a size/rank check against the group."""
+    if aborted(group):  # its communicator is freed: the callers take torch's path, which raises for an aborted group
+        return None
     cached = _by_group.get((id(group), device.index))
     if cached is not None and cached[0] is group:  # the group object itself is kept alive: its id is not reused
         return cached[1]

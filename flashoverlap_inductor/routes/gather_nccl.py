@@ -19,7 +19,7 @@ is NCCL's, ended by the process group's watchdog at its timeout on every rank, a
   ``staging`` or the outputs) issues them from ``gather_ring.VoidRing`` (two shards of memory), which sends NaN
   shards: a peer's rows of any shard that passed through it are NaN, never other data. A rank that cannot do even
   that, or whose step (or failure exchange, below) could not be issued (it may be half enqueued, so the ring cannot
-  be completed), aborts the group through torch (``_inductor_compat.abort_group``) and raises: its own later calls
+  be completed), aborts the group through torch (``nccl_direct.abort``) and raises: its own later calls
   fail at once, and the peers' pending NCCL calls end with torch's error at the group's timeout, never hang.
 - The failure exchange: every call outside a capture ends with one ``all_reduce`` (MAX) of ``int32[world]`` on the
   side stream, after the ring's last step: slot j holds rank j's failure count (monotonic; only rank j raises its
@@ -66,8 +66,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from .. import _inductor_compat as compat
 from .. import config, errors
+from ..native import nccl_direct
 from ..runtime import streams as device_streams
 from .gather_ring import CudaStreams, GatherCall, StepIssueError, VoidRing, run_streams
 from .nccl import is_nccl_group
@@ -238,7 +238,7 @@ def _abort(ctx, what: str, cause: BaseException | None, earlier: BaseException |
     """Abort the group (its ring cannot be completed) and raise: ``cause`` itself when it is no ``Exception`` (a
     ``KeyboardInterrupt`` stays one), else ``errors.FlashOverlapError`` from it."""
     group = ctx.group
-    aborted = compat.abort_group(group)
+    aborted = nccl_direct.abort(group)
     msg = (f"flashoverlap: rank {group.rank()} of group {_group_name(group)} {what} in a fused all_gather of a "
            f"{list(ctx.a.shape)} shard (dim {ctx.gather_dim}) -> {len(ctx.b)} GEMM(s) on the {NAME} route; the "
            f"process group was {'aborted' if aborted else 'NOT aborted (the abort failed)'} so that no rank waits "

@@ -152,8 +152,8 @@ def raise_pending(group: dist.ProcessGroup | None = None, sync: bool = False, li
                     moe_nccl.check_not_given_up(p.group, p.what)
                 except errors.FlashOverlapTimeout as cause:
                     raise errors.PoisonedResult(f"flashoverlap: {p.what}, settled without a host read, lost its "
-                                                "exchange (the cause below); its outputs were not poisoned (the "
-                                                "status never arrived): discard them") from cause
+                                                "exchange (the cause below); its outputs may not have been "
+                                                "poisoned (a status never arrived): discard them") from cause
             vectors = p.vectors.tolist()
             _judge([vectors[r * moe_settle.SETTLE_LEN:(r + 1) * moe_settle.SETTLE_LEN] for r in range(p.group.size())],
                    p)
@@ -162,7 +162,7 @@ def raise_pending(group: dist.ProcessGroup | None = None, sync: bool = False, li
 def _judge(vectors: list[list[int]], p: Pending) -> None:
     rank = p.group.rank()
     others_bad = any(v[moe_settle.FAIL] or any(moe_settle.verdicts(v)) for r, v in enumerate(vectors) if r != rank)
-    if vectors[rank][moe_settle.FAIL] and not others_bad:  # this rank raised its own failure in that call
+    if vectors[rank][moe_settle.FAIL] > 0 and not others_bad:  # this rank raised its own failure in that call
         return
     try:
         premise = moe_settle.judge(vectors, p.what, p.group)

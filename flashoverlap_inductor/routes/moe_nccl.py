@@ -14,8 +14,12 @@ Invariants:
   order every rank issued them in.
 * **Streams.** The side stream waits for the caller's current stream at issue (the rows to send exist); the returned
   ``Transfer``'s ``wait()`` makes the caller's current stream wait for the step's NCCL kernels (no host wait). Every
-  transfer a call issues is waited for before the call returns (``cpu._wait_all``), so memory the caller's stream
-  frees afterwards is never reused while NCCL still reads or writes it.
+  transfer a call issues is waited for before the call returns (``cpu._wait_all``), and the step's tensors are
+  recorded on the side stream (``record_stream``), so memory freed on any path, an exception's included, is never
+  reused while NCCL still reads or writes it.
+* **Aborted groups.** Every abort of ours goes through ``nccl_direct.abort``, which forgets the group's communicator
+  (``ncclCommAbort`` frees it); ``communicator`` then raises for the group, so no later step or status exchange
+  touches the freed communicator.
 * **Bounded.** NCCL's kernels have no bound of their own: each step is watched by the host watchdog
   (``runtime/nccl_watch.py``) from the moment the device reaches it; past twice the wait bound (``timeout_ns``) plus
   a grace the group is aborted, so a peer that never issued its half does not hang this rank (the settle's
@@ -24,6 +28,8 @@ Invariants:
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.distributed as dist
@@ -34,6 +40,7 @@ from ..native import nccl_direct
 from ..runtime import nccl_watch
 from .base import stats
 
+log = logging.getLogger("flashoverlap")
 _side: dict[int, torch.cuda.Stream] = {}
 
 
@@ -60,9 +67,15 @@ class Transfer:
 
 
 def communicator(group: dist.ProcessGroup, device: torch.device) -> nccl_direct.Communicator | None:
-    """The group's communicator where the direct path is taken (module docstring), else None."""
+    """The group's communicator where the direct path is taken (module docstring), else None. Raises
+    ``errors.FlashOverlapTimeout`` for a group this process aborted (its communicator is freed): nothing more is
+    issued on it, by either path."""
     if device.type != "cuda":
         return None
+    if nccl_direct.aborted(group):
+        raise errors.FlashOverlapTimeout(
+            f"flashoverlap: the process group {getattr(group, 'group_name', '?')} was aborted (a MoE transfer or "
+            "status exchange outlived its bound or NCCL refused it): make a new group")
     return nccl_direct.communicator(group, device)
 
 
@@ -95,24 +108,38 @@ def transfer(comm: nccl_direct.Communicator, send: torch.Tensor | None, recv: to
     started = torch.cuda.Event()
     started.record(caller)
     side.wait_event(started)
+    for t in (send, recv):  # the caching allocator keeps their blocks until the side stream's work on them is done,
+        if t is not None and t.numel():  # whatever exits the caller takes before it waits for the step
+            t.record_stream(side)
     try:
         comm.send_recv(sends, recvs, like.dtype, side.cuda_stream)
     except nccl_direct.NcclError as exc:  # the peer's half may be queued already: it must not wait forever
-        aborted = compat.abort_group(group)
+        aborted = nccl_direct.abort(group)
+        caller.wait_stream(side)
         raise nccl_direct.NcclError(
             f"flashoverlap: NCCL refused a transfer of {what}; the process group {getattr(group, 'group_name', '?')} "
             f"was {'aborted' if aborted else 'NOT aborted'} so that no rank waits forever: {exc}") from exc
     done = torch.cuda.Event()
     done.record(side)
-    nccl_watch.watchdog().watch(started, done, bound_s(group), group, None, what)
+    step = Transfer(done, device, (send, recv))
+    _watch(started, done, group, what)
     stats["moe:nccl_direct"] += 1
-    return [Transfer(done, device, (send, recv))]
+    return [step]
+
+
+def _watch(started: torch.cuda.Event, done: torch.cuda.Event, group: dist.ProcessGroup, what: str) -> None:
+    """Hand an issued exchange to the NCCL watchdog; a failure to watch is logged, not raised (the exchange is in
+    flight and its caller must still wait for it)."""
+    try:
+        nccl_watch.watchdog().watch(started, done, bound_s(group), group, None, what)
+    except Exception:  # noqa: BLE001 - see the docstring
+        log.exception("flashoverlap: %s is not watched (no bound on its NCCL kernels)", what)
 
 
 def gather_status(every: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup, what: str) -> None:
     """The settle's exchange (``moe_settle``, ``moe_deferred``): ``every`` = every rank's int64 vector ``local``, in
     rank order; on the caller's current stream straight into NCCL where the transfers go (watched likewise; counted
-    ``moe:nccl_direct``), else ``dist.all_gather_into_tensor``. Raises where the exchange could not be issued."""
+    ``moe:nccl_direct_status``), else ``dist.all_gather_into_tensor``. Raises where the exchange could not be issued."""
     comm = communicator(group, local.device)
     if comm is None:
         dist.all_gather_into_tensor(every, local, group=group)
@@ -123,21 +150,21 @@ def gather_status(every: torch.Tensor, local: torch.Tensor, group: dist.ProcessG
     try:
         comm.all_gather_int64(local.data_ptr(), every.data_ptr(), local.numel(), stream.cuda_stream)
     except nccl_direct.NcclError as exc:
-        aborted = compat.abort_group(group)
+        aborted = nccl_direct.abort(group)
         raise nccl_direct.NcclError(
             f"flashoverlap: NCCL refused the status exchange of {what}; the process group "
             f"{getattr(group, 'group_name', '?')} was {'aborted' if aborted else 'NOT aborted'}: {exc}") from exc
     done = torch.cuda.Event()
     done.record(stream)
-    nccl_watch.watchdog().watch(started, done, bound_s(group), group, None, f"the status exchange of {what}")
-    stats["moe:nccl_direct"] += 1
+    _watch(started, done, group, f"the status exchange of {what}")
+    stats["moe:nccl_direct_status"] += 1
 
 
 def check_not_given_up(group: dist.ProcessGroup, what: str) -> None:
     """Raise ``errors.FlashOverlapTimeout`` where the NCCL watchdog gave up a transfer or status exchange of
     ``group``: what the aborted kernels left in the buffers (the status vectors included) cannot be trusted. Called
     after the host waited for the call's exchange (``moe_settle.settle``, ``moe_deferred.raise_pending``)."""
-    if nccl_watch.watchdog().gave_up(group):
+    if nccl_watch.watchdog().gave_up(group) or nccl_direct.aborted(group):
         raise errors.FlashOverlapTimeout(
             f"flashoverlap: {what}: a transfer or the status exchange of group {getattr(group, 'group_name', '?')} "
             f"outlived its bound ({bound_s(group):.1f} s: wait_timeout_ms, else the group's timeout; a peer that "

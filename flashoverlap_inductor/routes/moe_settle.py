@@ -86,7 +86,12 @@ def settle(failure: BaseException | None, facts: torch.Tensor | None, what: str,
             done = torch.cuda.Event()
             done.record()
             done.synchronize()
-            moe_nccl.check_not_given_up(group, what)
+            try:
+                moe_nccl.check_not_given_up(group, what)
+            except errors.FlashOverlapTimeout as timeout:
+                if failure is not None:  # this rank's own cause first, the lost exchange chained
+                    raise failure from timeout
+                raise
         flat = every.tolist()
         vectors = [flat[r * SETTLE_LEN:(r + 1) * SETTLE_LEN] for r in range(world)]
         note_settled(group, vectors)

@@ -295,7 +295,7 @@ class NcclRoute:
                        group.rank(), cur, res.side.cuda_stream)
         except kernels.KernelLibraryError as exc:
             if 300 <= getattr(exc, "code", 0) < 400:  # NCCL refused a call: peers may wait on it; abort the group
-                aborted = compat.abort_group(group)
+                aborted = nccl_direct.abort(group)
                 raise kernels.KernelLibraryError(
                     f"flashoverlap: NCCL failed inside a fused {launch.collective} ({launch.description}); the "
                     f"process group {getattr(group, 'group_name', '?')} was {'aborted' if aborted else 'NOT aborted'}"

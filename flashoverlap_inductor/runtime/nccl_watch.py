@@ -22,7 +22,7 @@ Invariants:
 - The first overdue call of a group is *given up*: (1) the device fault block of the call's domain gets code 5 from
   a one-thread kernel on the watchdog's own stream (``fo_fault_mark``, preloaded: it runs beside the stuck NCCL
   kernel), so the call's last kernel (after the join, on the caller's stream) poisons the output (NaN) and mirrors
-  the fault to the host; (2) the group is aborted (``_inductor_compat.abort_group``), which makes the stuck NCCL
+  the fault to the host; (2) the group is aborted (``nccl_direct.abort``), which makes the stuck NCCL
   kernels return. The rank's next eager call or ``routes.check()`` raises ``FlashOverlapTimeout`` naming the call.
   The aborted group is unusable afterwards (NCCL's rule): the job creates a new one. The group's later watched calls
   are dropped, not marked again: their kernels return aborted, and their last kernels still see the code, which
@@ -181,7 +181,7 @@ def _done(event: Any) -> bool:
 def give_up_call(item: Watched) -> None:
     """Mark the call's fault block (code 5, on a stream of the watchdog's own) and abort its group. The abort runs
     whatever became of the mark: it is what makes the stuck NCCL kernels return."""
-    from flashoverlap_inductor import _inductor_compat as compat
+    from flashoverlap_inductor.native import nccl_direct
 
     dom = item.domain
     log.error("flashoverlap: an NCCL call did not finish within its bound (%s); poisoning it and aborting its "
@@ -192,7 +192,7 @@ def give_up_call(item: Watched) -> None:
         except Exception:  # noqa: BLE001 - the abort below must run: without it the peers' kernels never return
             log.exception("flashoverlap: the NCCL watchdog could not mark the fault of %s; aborting its group anyway",
                           item.description)
-    compat.abort_group(item.group)
+    nccl_direct.abort(item.group)
 
 
 def _mark(dom: Any) -> None:
