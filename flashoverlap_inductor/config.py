@@ -51,12 +51,15 @@ OPTION_PREFIX = "flashoverlap."
 EXPERIMENTS = {
     "single_group": "run a one-group plan fused (it overlaps nothing; for tests of the fused path on tiny shapes)",
     "moe_p2p_cuda": "run the fused MoE combine and dispatch on CUDA with their point-to-point route over NCCL "
-                    "(correct on 2 GPUs; combine 0.78-1.46x and dispatch 0.54-0.87x of sequential on 2 H200s, "
-                    "slower end to end: host-bound); without it CUDA runs their "
-                    "unfused reference",
+                    "(correct on 2 GPUs; with moe_settle_deferred combine 0.95-1.62x and dispatch 0.46-0.91x of "
+                    "sequential on 2 H100s, slower end to end: host-bound); without it CUDA runs their unfused "
+                    "reference",
     "moe_settle_deferred": "end the fused MoE calls' status exchange without a host read once a group's calls held "
                            "the whole-block premise (routes/moe_deferred.py): a failure poisons the outputs with NaN "
                            "and raises errors.PoisonedResult at a later call; a failed premise is then not redone",
+    "moe_judge_two_behind": "with moe_settle_deferred, judge a deferred MoE call's status at the end of the call "
+                            "after next instead of the next one (the host may run two MoE calls ahead of the GPU; "
+                            "a failure raises one call later)",
 }
 
 

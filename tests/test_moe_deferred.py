@@ -107,6 +107,21 @@ def test_bad_routing_poisons_every_rank_and_the_next_call_raises(pool, op, fault
 
 
 @pytest.mark.parametrize("op", ["combine", "dispatch"])
+def test_two_behind_judges_the_call_after_next(pool, op):
+    """Under ``moe_judge_two_behind`` a bad call's ``PoisonedResult`` comes at the end of the call after next, on
+    every rank (the call between returns exact)."""
+    logs = pool.run(deferred_worker, op, "premise", 1, (moe_deferred.EXPERIMENT, moe_deferred.TWO_BEHIND), False)
+    for rank, log in enumerate(logs):
+        assert log == ["NaN", "exact", "PoisonedResult from NoneType", "deferred 3"], (rank, log)
+
+
+def test_judged_now_leaves_the_newest_call_under_two_behind():
+    one, two = frozenset({moe_deferred.EXPERIMENT}), frozenset({moe_deferred.EXPERIMENT, moe_deferred.TWO_BEHIND})
+    assert [moe_deferred.judged_now(n, one) for n in range(3)] == [0, 1, 2]
+    assert [moe_deferred.judged_now(n, two) for n in range(3)] == [0, 0, 1]
+
+
+@pytest.mark.parametrize("op", ["combine", "dispatch"])
 def test_a_gemm_fault_raises_there_and_poisons_the_peer(pool, op):
     """Rank 1's GEMM raises mid-call: rank 1 raises it in that call; rank 0's outputs are NaN and it raises
     ``PoisonedResult`` (from ``PeerFailure``) at the end of its next call; rank 1 does not raise twice."""

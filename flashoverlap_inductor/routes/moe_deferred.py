@@ -35,6 +35,7 @@ from .base import stats
 from .cpu import _raise_unless_exchanged
 
 EXPERIMENT = "moe_settle_deferred"
+TWO_BEHIND = "moe_judge_two_behind"  # the judgement two calls behind (``judged_now``)
 HELD_BEFORE_DEFERRING = moe_settle.HELD_BEFORE_DEFERRING
 # keyed by the group's name (the same on every rank, never reused, where an id may be after a group is destroyed)
 _pending: dict[str, list[Pending]] = {}  # group -> deferred calls not judged on the host yet, oldest first
@@ -125,6 +126,13 @@ def _poison_kernel():
     from . import moe_plan_triton
 
     return moe_plan_triton.poison_if_bad
+
+
+def judged_now(earlier: int, experiments: frozenset[str]) -> int:
+    """How many of the ``earlier`` deferred calls pending before a call are judged (waited for) at its end: all of
+    them (one call behind), or under the experiment ``moe_judge_two_behind`` all but the newest (two calls behind:
+    the host may run two calls ahead). A function of the call count alone: every rank judges the same calls."""
+    return max(earlier - 1, 0) if TWO_BEHIND in experiments else earlier
 
 
 def pending(group: dist.ProcessGroup) -> int:
