@@ -17,7 +17,7 @@ from dist_utils import get_pool
 from test_moe_fast import _call, _case, _mutate, _reference, _same
 
 from flashoverlap_inductor import config, errors, routes
-from flashoverlap_inductor.routes import moe_deferred, moe_fast
+from flashoverlap_inductor.routes import moe_deferred, moe_fast, moe_settle
 
 
 def _nan(outs: list[torch.Tensor]) -> bool:
@@ -178,44 +178,35 @@ def test_a_fault_before_the_group_qualifies_restarts_the_count_on_every_rank(poo
     assert c0 == c1 == [0, 0, 0, 0, 1, 2], (c0, c1)
 
 
+class RankZeroOfTwo:
+    """A stand-in group for judging settle vectors on the host: rank 0 of 2, named ``name``."""
+
+    def __init__(self, name: str) -> None:
+        self.group_name = name
+
+    def size(self) -> int:
+        return 2
+
+    def rank(self) -> int:
+        return 0
+
+
+GOOD = [0, 5, 4, 0, 0, 0, 5, 0]  # a settle vector of a good whole-block call: 5 rows, index 0..4, offsets end at 5
+UNSENT = [moe_settle.UNSENT] * moe_settle.SETTLE_LEN  # a slot the exchange never wrote
+
+
 def test_a_status_that_never_arrived_raises_on_every_rank():
     """The settle's gathered vectors start as ``UNSENT`` (``moe_settle``): an exchange that never ran (its group
     aborted by the NCCL watchdog) is judged a peer's failure, never a good call."""
-    from flashoverlap_inductor import errors
-    from flashoverlap_inductor.routes import moe_settle
-
-    class Group:
-        group_name = "g"
-
-        def size(self):
-            return 2
-
-        def rank(self):
-            return 0
-
-    good = [0, 5, 4, 0, 0, 0, 5, 0]
     with pytest.raises(errors.PeerFailure, match="never arrived"):
-        moe_settle.judge([good, [moe_settle.UNSENT] * moe_settle.SETTLE_LEN], "a call", Group())
-    assert moe_settle.judge([good, good], "a call", Group()) is False
+        moe_settle.judge([GOOD, UNSENT], "a call", RankZeroOfTwo("g"))
+    assert moe_settle.judge([GOOD, GOOD], "a call", RankZeroOfTwo("g")) is False
 
 
 def test_a_deferred_call_whose_own_status_never_arrived_raises():
     """``moe_deferred._judge``: this rank's slot left ``UNSENT`` is not its own raised failure (``FAIL > 0``): the
     call is judged, and raises, even where the peers' slots look good."""
-    from flashoverlap_inductor import errors
-    from flashoverlap_inductor.routes import moe_deferred, moe_settle
-
-    class Group:
-        group_name = "g2"
-
-        def size(self):
-            return 2
-
-        def rank(self):
-            return 0
-
-    good = [0, 5, 4, 0, 0, 0, 5, 0]
-    p = moe_deferred.Pending(None, None, "a call", Group())
+    p = moe_deferred.Pending(None, None, "a call", RankZeroOfTwo("g2"))
     with pytest.raises(errors.PoisonedResult):
-        moe_deferred._judge([[moe_settle.UNSENT] * moe_settle.SETTLE_LEN, good], p)
-    moe_deferred._judge([[1, 5, 4, 0, 0, 0, 5, 0], good], p)  # its own failure, raised in its call: not again
+        moe_deferred._judge([UNSENT, GOOD], p)
+    moe_deferred._judge([[1, *GOOD[1:]], GOOD], p)  # its own failure, raised in its call: not again

@@ -114,17 +114,23 @@ def transfer(comm: nccl_direct.Communicator, send: torch.Tensor | None, recv: to
     try:
         comm.send_recv(sends, recvs, like.dtype, side.cuda_stream)
     except nccl_direct.NcclError as exc:  # the peer's half may be queued already: it must not wait forever
-        aborted = nccl_direct.abort(group)
         caller.wait_stream(side)
-        raise nccl_direct.NcclError(
-            f"flashoverlap: NCCL refused a transfer of {what}; the process group {getattr(group, 'group_name', '?')} "
-            f"was {'aborted' if aborted else 'NOT aborted'} so that no rank waits forever: {exc}") from exc
+        raise _refused(exc, group, f"a transfer of {what}") from exc
     done = torch.cuda.Event()
     done.record(side)
     step = Transfer(done, device, (send, recv))
     _watch(started, done, group, what)
     stats["moe:nccl_direct"] += 1
     return [step]
+
+
+def _refused(exc: nccl_direct.NcclError, group: dist.ProcessGroup, what: str) -> nccl_direct.NcclError:
+    """Abort ``group`` after NCCL refused ``what`` (the peers' halves may be queued: they must not wait forever);
+    returns the error to raise."""
+    aborted = nccl_direct.abort(group)
+    return nccl_direct.NcclError(
+        f"flashoverlap: NCCL refused {what}; the process group {getattr(group, 'group_name', '?')} was "
+        f"{'aborted' if aborted else 'NOT aborted'} so that no rank waits forever: {exc}")
 
 
 def _watch(started: torch.cuda.Event, done: torch.cuda.Event, group: dist.ProcessGroup, what: str) -> None:
@@ -150,10 +156,7 @@ def gather_status(every: torch.Tensor, local: torch.Tensor, group: dist.ProcessG
     try:
         comm.all_gather_int64(local.data_ptr(), every.data_ptr(), local.numel(), stream.cuda_stream)
     except nccl_direct.NcclError as exc:
-        aborted = nccl_direct.abort(group)
-        raise nccl_direct.NcclError(
-            f"flashoverlap: NCCL refused the status exchange of {what}; the process group "
-            f"{getattr(group, 'group_name', '?')} was {'aborted' if aborted else 'NOT aborted'}: {exc}") from exc
+        raise _refused(exc, group, f"the status exchange of {what}") from exc
     done = torch.cuda.Event()
     done.record(stream)
     _watch(started, done, group, f"the status exchange of {what}")
