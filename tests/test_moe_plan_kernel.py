@@ -120,6 +120,23 @@ def test_the_premise_verdicts_are_the_references():
     assert ("repeats", (False, False, True)) in seen and ("offs-past", (False, True, True)) in seen
 
 
+@pytest.mark.skipif(DEV.type != "cuda", reason="direct launches need a GPU (the interpreter always runs)")
+def test_later_launches_go_straight_to_the_compiled_kernels():
+    """After a key's first launch the plan's kernels launch through their compiled form (``runtime.triton_launch``)
+    and still build the reference plan, on fresh data of the same form and on other block sizes."""
+    from flashoverlap_inductor.routes import moe_fast, moe_plan_kernel
+    from flashoverlap_inductor.runtime import triton_launch
+
+    for seed in range(4):
+        index, offs, bounds = _case(seed, "moe", 2, 64, 300 + seed)
+        i, o = index.to(DEV), offs.to(DEV, torch.int32)
+        before = triton_launch.counts["direct"]
+        got, want = moe_plan_kernel.build(i, o, bounds), moe_fast.plan_with_torch(i, o, bounds)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), seed
+        if seed:
+            assert triton_launch.counts["direct"] == before + 2, "the plan's kernels went through triton.jit's run"
+
+
 def test_the_predicate():
     from flashoverlap_inductor.routes import moe_plan_kernel
 
@@ -140,8 +157,9 @@ def test_the_poison_kernel_judges_as_the_torch_verdict(dtype):
     """``moe_plan_triton.poison_if_bad`` (the deferred settle's poison, ``routes/moe_deferred.py``) against
     ``moe_deferred.bad``: every field's bad value on one rank of 1-8, and good vectors (from real plans and the
     general path's zeros); NaN over the whole output where bad, the output untouched where good."""
-    from flashoverlap_inductor.routes import moe_deferred, moe_fast, moe_p2p, moe_plan_triton
+    from flashoverlap_inductor.routes import moe_deferred, moe_fast, moe_p2p, moe_plan_kernel
 
+    kernel = moe_plan_kernel._kernels()[2]  # as the deferred settle launches it: through its compiled form
     good = [moe_fast.plan_with_torch(*_case(s, "moe", 2, 8, 30)[:2], _case(s, "moe", 2, 8, 30)[2])[3].tolist()
             for s in range(3)] + [[0] * moe_p2p.SETTLE_LEN]
     changes = [(moe_p2p.FAIL, 2), (moe_p2p.IDX_MAX, 10 ** 6), (moe_p2p.IDX_MIN, -10 ** 6), (moe_p2p.OFFS_STEP, -1),
@@ -154,7 +172,7 @@ def test_the_poison_kernel_judges_as_the_torch_verdict(dtype):
             vectors = torch.tensor(rows, dtype=torch.int64, device=DEV).flatten()
             out = torch.randn(3, 4099, device=DEV).to(dtype)  # not a multiple of the block
             want = out.clone().masked_fill_(moe_deferred.bad(vectors, world), float("nan"))
-            moe_deferred.poison_with_kernel(moe_plan_triton.poison_if_bad, out, vectors, world, block=1024)
+            moe_deferred.poison_with_kernel(kernel, out, vectors, world, block=1024)
             assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.nan_to_num(0), want.nan_to_num(0)), \
                 (world, field)
             assert bool(want.isnan().all()) == (field is not None), (world, field)

@@ -1,9 +1,11 @@
 """Where the time of one fused MoE call goes on 2 GPUs (a diagnostic for ``examples/bench_moe.py``): per op and shape,
 the host time of a call, its wall time with a sync, a torch profiler table (top ops by device and host time) and,
-with ``--cprofile N``, the Python functions that hold the host longest over N calls (rank 0, cProfile's own time).
+with ``--cprofile N``, the Python functions that hold the host longest over N calls (rank 0, cProfile's own time),
+and with ``--sections N`` the host time of each step of a fused call (inclusive, microseconds per call over N
+back-to-back calls, no profiler: ``SECTIONS`` wrapped in timers; rank 0).
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 examples/device/moe_profile.py [--shapes qwen3:4096]
-        [--plans blocks,blocks+deferred] [--trace DIR] [--cprofile 20]
+        [--plans blocks,blocks+deferred] [--trace DIR] [--cprofile 20] [--sections 50]
 """
 
 from __future__ import annotations
@@ -24,6 +26,46 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import bench_moe as bm  # noqa: E402
 
 from flashoverlap_inductor import config  # noqa: E402
+from flashoverlap_inductor.routes import agree, moe_deferred, moe_fast, moe_nccl, moe_p2p, moe_plan_kernel  # noqa: E402
+from flashoverlap_inductor.runtime import triton_launch  # noqa: E402
+
+# (module, attribute): the steps of a fused call timed by --sections (inclusive: a step's time holds its callees')
+SECTIONS = [(moe_p2p, "run_call"), (agree, "check_once"), (moe_p2p, "issue_dispatch"), (moe_p2p, "exchange"),
+            (moe_nccl, "transfer"), (moe_plan_kernel, "build"), (moe_p2p, "copy_rows"), (torch, "_grouped_mm"),
+            (moe_fast, "_block_gemm"), (moe_p2p, "end_call"), (moe_deferred, "settle_later"),
+            (moe_nccl, "gather_status"), (moe_deferred, "poison_if_bad"), (moe_deferred, "raise_pending"),
+            (moe_p2p, "settle")]
+
+
+def timed_sections(calls: int, f) -> tuple[float, dict[str, tuple[float, int]]]:
+    """Host ms per call of ``calls`` back-to-back calls of ``f``, and per ``SECTIONS`` entry (us per call, entries
+    per call), with each entry wrapped in a timer for the calls' duration."""
+    spent: dict[str, list[float]] = {f"{m.__name__.rsplit('.', 1)[-1]}.{a}": [0.0, 0] for m, a in SECTIONS}
+    saved = [(m, a, getattr(m, a)) for m, a in SECTIONS]
+
+    def timer(name, fn):
+        def wrapped(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                spent[name][0] += time.perf_counter() - t0
+                spent[name][1] += 1
+        return wrapped
+
+    for m, a, fn in saved:
+        setattr(m, a, timer(f"{m.__name__.rsplit('.', 1)[-1]}.{a}", fn))
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            f()
+        host = (time.perf_counter() - t0) * 1e3 / calls
+        torch.cuda.synchronize()
+    finally:
+        for m, a, fn in saved:
+            setattr(m, a, fn)
+    return host, {k: (v[0] * 1e6 / calls, v[1] / calls) for k, v in spent.items() if v[1]}
 
 
 def main() -> None:
@@ -31,6 +73,8 @@ def main() -> None:
     p.add_argument("--shapes", default="qwen3:4096,mixtral:4096")
     p.add_argument("--plans", default="blocks", help="comma-separated bench_moe plans (e.g. blocks+deferred)")
     p.add_argument("--cprofile", type=int, default=0, help="calls of each fused variant under cProfile (rank 0)")
+    p.add_argument("--sections", type=int, default=0, help="back-to-back calls of each fused variant with its steps "
+                   "timed (rank 0 prints)")
     p.add_argument("--trace", default=None)
     args = p.parse_args()
     torch.cuda.set_device(dist.get_node_local_rank(fallback_rank=0))
@@ -63,6 +107,16 @@ def main() -> None:
                     if rank == 0:
                         print(f"== {op} {preset}:{tokens} {name}: host {statistics.median(host):.3f} ms, "
                               f"wall {statistics.median(wall):.3f} ms", flush=True)
+                    if args.sections and name != "seq":
+                        dist.barrier()
+                        direct = triton_launch.counts["direct"]
+                        host_ms, steps = timed_sections(args.sections, f)
+                        if rank == 0:
+                            print(f"-- steps of {op} {preset}:{tokens} {name}: host {host_ms:.3f} ms per call back to "
+                                  f"back, {(triton_launch.counts['direct'] - direct) / args.sections:.1f} direct "
+                                  "Triton launches per call; us per call (calls per call), inclusive:")
+                            for k, (us, n) in sorted(steps.items(), key=lambda kv: -kv[1][0]):
+                                print(f"   {k:<32} {us:8.1f} us  ({n:g})", flush=True)
                     if args.cprofile and name != "seq":
                         prof = cProfile.Profile()
                         dist.barrier()

@@ -119,13 +119,10 @@ def poison_with_kernel(kernel, out: torch.Tensor, vectors: torch.Tensor, world: 
 
 
 def _poison_kernel():
-    """``moe_plan_triton.poison_if_bad`` where the plan's kernels are in use (``moe_plan_kernel``), else None."""
+    """``moe_plan_triton.poison_if_bad`` (through its compiled form) where the plan's kernels are in use
+    (``moe_plan_kernel``), else None."""
     kernels = None if moe_plan_kernel._failed else moe_plan_kernel._kernels()
-    if kernels is None:
-        return None
-    from . import moe_plan_triton
-
-    return moe_plan_triton.poison_if_bad
+    return None if kernels is None else kernels[2]
 
 
 def judged_now(earlier: int, experiments: frozenset[str]) -> int:

@@ -31,6 +31,7 @@ import logging
 
 import torch
 
+from ..runtime import triton_launch
 from . import moe_settle
 from .base import note
 
@@ -43,7 +44,8 @@ _failed: list[str] = []  # the kernels' compile or launch failure, once (then th
 
 @functools.cache
 def _kernels():
-    """``moe_plan_triton``'s kernels (``scatter``, ``judge``), or None where Triton does not import."""
+    """``moe_plan_triton``'s kernels (``scatter``, ``judge``, ``poison_if_bad``), each launched through its compiled
+    form (``runtime.triton_launch``), or None where Triton does not import."""
     try:
         from . import moe_plan_triton
     except Exception as exc:  # noqa: BLE001 - no Triton, or one that does not import: the torch ops
@@ -52,7 +54,8 @@ def _kernels():
             note("moe:plan_kernel", logging.WARNING, "flashoverlap: Triton does not import (%r); the MoE routing "
                  "plan is built with torch ops", exc)
         return None
-    return moe_plan_triton.scatter, moe_plan_triton.judge
+    return tuple(triton_launch.Launcher(k) for k in (moe_plan_triton.scatter, moe_plan_triton.judge,
+                                                     moe_plan_triton.poison_if_bad))
 
 
 def should_use(index: torch.Tensor, offs: torch.Tensor, blocks: int) -> bool:
@@ -99,7 +102,7 @@ def run_or_fall_back(launch, whose: str):
 
 
 def _launch(index: torch.Tensor, offs: torch.Tensor, bounds: list[int]) -> tuple[torch.Tensor, ...]:
-    scatter, judge = _kernels()
+    scatter, judge, _ = _kernels()
     rows, experts, blocks = int(index.shape[0]), int(offs.shape[0]), len(bounds) - 1
     ep = max(16, 1 << (experts - 1).bit_length())
     lanes = max(16, min(256, 8192 // ep))
