@@ -119,7 +119,7 @@ elif [ "$PART" = B ]; then
   if [[ "$SKIP" != *" moeprof "* ]]; then  # where a fused MoE call's time goes: profiler tables; traces: $OUT/moe_traces.tgz
     step "moe_profile"
     timeout "$(cap 90)" "${TORCHRUN[@]}" --nproc_per_node=2 "$REPO/examples/device/moe_profile.py" \
-      --shapes "${FO_MOEPROF_SHAPES:-qwen3:4096}" --plans blocks,blocks+deferred --cprofile 10 --trace /tmp/fo_probe \
+      --shapes "${FO_MOEPROF_SHAPES:-qwen3:4096}" --plans blocks,blocks+deferred --cprofile 10 --sections 30 --trace /tmp/fo_probe \
       >"$OUT/moe_profile.log" 2>&1
     echo "moe_profile rc=$?" | tee -a "$OUT/moe_profile.log"; grep "^==" "$OUT/moe_profile.log"
     (cd /tmp/fo_probe && tar czf "$OUT/moe_traces.tgz" moe_*.json 2>/dev/null)
