@@ -117,3 +117,16 @@ def test_a_launcher_of_another_convention_falls_back_to_run_for_good():
         launch[(2,)](x, 5, B=1, C=2)
     assert kinds(fn) == ["run", "run", "run"]  # the failed direct launch ran the kernel through run instead
     assert not launch.direct
+
+
+def test_an_empty_hook_chain_is_no_hook():
+    """Triton 3.5+ keeps the launch hooks in ``HookChain`` objects that are never None (measured on the device:
+    every launch went through ``run`` while this module took the empty chain for a hook)."""
+    chain = types.SimpleNamespace(calls=[])
+    assert not triton_launch.hook_set(None) and not triton_launch.hook_set(chain)
+    chain.calls.append(print)
+    assert triton_launch.hook_set(chain) and triton_launch.hook_set(print)
+    knobs = pytest.importorskip("triton").knobs
+    hook = knobs.runtime.launch_enter_hook
+    if getattr(hook, "calls", None) == []:  # this Triton's own empty chain: no hook
+        assert not triton_launch.hook_set(hook)

@@ -15,9 +15,10 @@ or None's value; a float's type. Anything else (a default left out, an argument 
 
 ``run`` is also taken where the direct launch cannot be trusted: the first launch of each key (it compiles; its
 ``CompiledKernel`` is kept), Triton's interpreter (``run`` returns no compiled kernel there), launch hooks set (a
-profiler's: ``run`` calls them), and for good after a direct launch raised (a launcher of another calling convention:
-``TypeError``; logged once). The launch's results are the same either way; ``tests/test_triton_launch.py`` checks the
-caching and order on a stand-in, the GPU tests (``tests/test_moe_plan_kernel.py`` on CUDA) bit for bit.
+profiler's: ``run`` calls them; an empty ``HookChain`` is none), and for good after a direct launch raised (a
+launcher of another calling convention: ``TypeError``; logged once). The launch's results are the same either way;
+``tests/test_triton_launch.py`` checks the caching and order on stand-ins, ``tests/test_moe_plan_kernel.py`` the
+real launches bit for bit on CUDA.
 """
 
 from __future__ import annotations
@@ -55,7 +56,15 @@ def _hooks_set() -> bool:
         from triton import knobs
     except ImportError:  # an older Triton: no knobs, no hooks of this kind
         return False
-    return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+    return hook_set(knobs.runtime.launch_enter_hook) or hook_set(knobs.runtime.launch_exit_hook)
+
+
+def hook_set(hook: object) -> bool:
+    """Whether a launch hook is set: a callable, or a Triton 3.5+ ``HookChain`` (never None) with hooks in it."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if isinstance(calls, list) else True
 
 
 class Launcher:
