@@ -170,9 +170,28 @@ def test_the_poison_kernel_judges_as_the_torch_verdict(dtype):
             if field is not None:  # on a whole-block rank's vector (the general path's zeros have no rows to judge)
                 rows[world // 2 if world in (3, 8) else 0][field] = value
             vectors = torch.tensor(rows, dtype=torch.int64, device=DEV).flatten()
-            out = torch.randn(3, 4099, device=DEV).to(dtype)  # not a multiple of the block
-            want = out.clone().masked_fill_(moe_deferred.bad(vectors, world), float("nan"))
-            moe_deferred.poison_with_kernel(kernel, out, vectors, world, block=1024)
-            assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.nan_to_num(0), want.nan_to_num(0)), \
-                (world, field)
-            assert bool(want.isnan().all()) == (field is not None), (world, field)
+            # 1-4 outputs of other sizes (not multiples of the block) and dtypes, in one launch
+            outs = [torch.randn(3, 4099, device=DEV).to(dtype), torch.randn(1500, device=DEV),
+                    torch.randn(2, 7, device=DEV).to(dtype), torch.randn(5000, device=DEV).to(dtype)][:1 + world % 4]
+            wants = [out.clone().masked_fill_(moe_deferred.bad(vectors, world), float("nan")) for out in outs]
+            moe_deferred.poison_with_kernel(kernel, outs, vectors, world, block=1024)
+            for out, want in zip(outs, wants, strict=True):
+                assert torch.equal(out.isnan(), want.isnan()) and \
+                    torch.equal(out.nan_to_num(0), want.nan_to_num(0)), (world, field, len(outs))
+            assert all(bool(w.isnan().all()) == (field is not None) for w in wants), (world, field)
+
+
+@pytest.mark.skipif(DEV.type != "cuda", reason="the kernel poisons CUDA outputs (CPU ones take the masked fill)")
+def test_more_outputs_than_slots_take_several_launches():
+    """``moe_deferred.poison_if_bad`` with 6 outputs (``POISON_SLOTS`` = 4 per launch): all NaN where bad, all
+    untouched where good."""
+    from flashoverlap_inductor.routes import moe_deferred, moe_p2p
+
+    for value in (2, 0):
+        vectors = torch.zeros(2 * moe_p2p.SETTLE_LEN, dtype=torch.int64, device=DEV)
+        vectors[moe_p2p.FAIL] = value
+        outs = [torch.randn(100 + 37 * i, device=DEV).to(torch.bfloat16) for i in range(6)]
+        keep = [o.clone() for o in outs]
+        moe_deferred.poison_if_bad(outs, vectors, 2)
+        for out, old in zip(outs, keep, strict=True):
+            assert bool(out.isnan().all()) if value else torch.equal(out, old), value

@@ -82,8 +82,7 @@ def settle_later(failure: BaseException | None, facts: torch.Tensor | None, outp
                 host, done = every, None
         _pending.setdefault(group.group_name, []).append(Pending(host, done, what, group))
     _raise_unless_exchanged(failure, lost, what, group)
-    for out in outputs:
-        poison_if_bad(out, every, world)
+    poison_if_bad(outputs, every, world)
     stats["moe:deferred"] += 1
 
 
@@ -97,25 +96,40 @@ def bad(vectors: torch.Tensor, world: int) -> torch.Tensor:
             | (v[:, moe_settle.UNNAMED] > 0) | (v[:, moe_settle.KEY_STEP] < 0)).any()
 
 
-def poison_if_bad(out: torch.Tensor, vectors: torch.Tensor, world: int) -> None:
-    """``out`` filled with NaN where ``bad(vectors)``, on the device (no host read): on CUDA one Triton kernel that
-    writes nothing when every vector is good (``moe_plan_triton.poison_if_bad``), else ``bad`` and a masked fill."""
-    if not out.numel():
-        return
-    kernel = _poison_kernel() if out.is_cuda and out.is_contiguous() and world <= 8 else None
-    if kernel is None or moe_plan_kernel.run_or_fall_back(
-            lambda: poison_with_kernel(kernel, out, vectors, world), "the deferred settle's poison") is None:
-        out.masked_fill_(bad(vectors, world), float("nan"))
+def poison_if_bad(outputs: list[torch.Tensor], vectors: torch.Tensor, world: int) -> None:
+    """Every tensor of ``outputs`` filled with NaN where ``bad(vectors)``, on the device (no host read): on CUDA one
+    Triton launch per ``POISON_SLOTS`` contiguous outputs that writes nothing when every vector is good
+    (``moe_plan_triton.poison_if_bad``), else ``bad`` and a masked fill per output."""
+    rest = [out for out in outputs if out.numel()]
+    kernel = _poison_kernel() if rest and all(o.is_cuda and o.is_contiguous() for o in rest) and world <= 8 else None
+    while rest and kernel is not None and moe_plan_kernel.run_or_fall_back(
+            lambda part=rest[:POISON_SLOTS]: poison_with_kernel(kernel, part, vectors, world),
+            "the deferred settle's poison") is not None:
+        rest = rest[POISON_SLOTS:]
+    if rest:
+        verdict = bad(vectors, world)
+        for out in rest:
+            out.masked_fill_(verdict, float("nan"))
 
 
-def poison_with_kernel(kernel, out: torch.Tensor, vectors: torch.Tensor, world: int,
-                       block: int = 4096) -> torch.Tensor:
-    """Launch ``moe_plan_triton.poison_if_bad`` over ``out`` (contiguous; ``world`` <= 8); returns ``out``."""
-    kernel[(-(-out.numel() // block),)](
-        vectors, world, out, out.numel(), LEN=moe_settle.SETTLE_LEN, FAIL=moe_settle.FAIL, ROWS=moe_settle.ROWS,
+POISON_SLOTS = 4  # outputs per launch of moe_plan_triton.poison_if_bad
+
+
+def poison_with_kernel(kernel, outputs: list[torch.Tensor], vectors: torch.Tensor, world: int,
+                       block: int = 4096) -> list[torch.Tensor]:
+    """Launch ``moe_plan_triton.poison_if_bad`` over ``outputs`` (1 to ``POISON_SLOTS`` contiguous tensors; ``world``
+    <= 8): grid (blocks of the largest, outputs); unused slots repeat the first output with 0 elements. Returns
+    ``outputs``."""
+    slots = []
+    for k in range(POISON_SLOTS):
+        out = outputs[k] if k < len(outputs) else outputs[0]
+        slots += [out, out.numel() if k < len(outputs) else 0]
+    most = max(o.numel() for o in outputs)
+    kernel[(-(-most // block), len(outputs))](
+        vectors, world, *slots, LEN=moe_settle.SETTLE_LEN, FAIL=moe_settle.FAIL, ROWS=moe_settle.ROWS,
         IDX_MAX=moe_settle.IDX_MAX, IDX_MIN=moe_settle.IDX_MIN, OFFS_STEP=moe_settle.OFFS_STEP,
         UNNAMED=moe_settle.UNNAMED, OFFS_LAST=moe_settle.OFFS_LAST, KEY_STEP=moe_settle.KEY_STEP, BLOCK=block)
-    return out
+    return outputs
 
 
 def _poison_kernel():

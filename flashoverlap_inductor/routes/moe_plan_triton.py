@@ -109,12 +109,22 @@ def _field(v, f, k: tl.constexpr):
     return tl.sum(tl.where(f == k, v, 0), axis=1)
 
 
-@triton.jit(do_not_specialize=["world", "numel"], do_not_specialize_on_alignment=["every_ptr", "out_ptr"])
-def poison_if_bad(every_ptr, world, out_ptr, numel, LEN: tl.constexpr, FAIL: tl.constexpr, ROWS: tl.constexpr,
-                  IDX_MAX: tl.constexpr, IDX_MIN: tl.constexpr, OFFS_STEP: tl.constexpr, UNNAMED: tl.constexpr,
-                  OFFS_LAST: tl.constexpr, KEY_STEP: tl.constexpr, BLOCK: tl.constexpr):
-    """``out`` (``numel`` elements) NaN where any rank's settle vector is bad (``moe_deferred.bad``): each program
-    judges the vectors and writes its block only then (nothing written when every vector is good)."""
+@triton.jit
+def _nan_block(out_ptr, numel, BLOCK: tl.constexpr):
+    """Program 0-axis block of ``out`` (``numel`` elements) set to NaN."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    nan = tl.full([BLOCK], float("nan"), tl.float32).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs, nan, mask=offs < numel)
+
+
+@triton.jit(do_not_specialize=["world", "n0", "n1", "n2", "n3"],
+            do_not_specialize_on_alignment=["every_ptr", "out0", "out1", "out2", "out3"])
+def poison_if_bad(every_ptr, world, out0, n0, out1, n1, out2, n2, out3, n3, LEN: tl.constexpr, FAIL: tl.constexpr,
+                  ROWS: tl.constexpr, IDX_MAX: tl.constexpr, IDX_MIN: tl.constexpr, OFFS_STEP: tl.constexpr,
+                  UNNAMED: tl.constexpr, OFFS_LAST: tl.constexpr, KEY_STEP: tl.constexpr, BLOCK: tl.constexpr):
+    """Outputs ``out0``..``out3`` (``n0``..``n3`` elements each; 0: an unused slot) NaN where any rank's settle vector
+    is bad (``moe_deferred.bad``): program (i, k) judges the vectors and writes block i of output k only then
+    (nothing written when every vector is good). One launch for all of a call's outputs."""
     tl.static_assert(LEN <= 16)
     r = tl.arange(0, 8)[:, None]
     f = tl.arange(0, 16)[None, :]
@@ -124,6 +134,12 @@ def poison_if_bad(every_ptr, world, out_ptr, numel, LEN: tl.constexpr, FAIL: tl.
     bad = (_field(v, f, FAIL) != 0) | out_of_range | (_field(v, f, OFFS_STEP) < 0) | (last != rows) | \
         (_field(v, f, UNNAMED) > 0) | (_field(v, f, KEY_STEP) < 0)
     if tl.max(bad.to(tl.int32), axis=0) > 0:
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        nan = tl.full([BLOCK], float("nan"), tl.float32).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + offs, nan, mask=offs < numel)
+        k = tl.program_id(1)
+        if k == 0:
+            _nan_block(out0, n0, BLOCK)
+        elif k == 1:
+            _nan_block(out1, n1, BLOCK)
+        elif k == 2:
+            _nan_block(out2, n2, BLOCK)
+        else:
+            _nan_block(out3, n3, BLOCK)
