@@ -34,13 +34,17 @@ SECTIONS = [(moe_p2p, "run_call"), (agree, "check_once"), (moe_p2p, "issue_dispa
             (moe_nccl, "transfer"), (moe_plan_kernel, "build"), (moe_p2p, "copy_rows"), (torch, "_grouped_mm"),
             (moe_fast, "_block_gemm"), (moe_p2p, "end_call"), (moe_deferred, "settle_later"),
             (moe_nccl, "gather_status"), (moe_deferred, "poison_if_bad"), (moe_deferred, "raise_pending"),
-            (moe_p2p, "settle")]
+            (moe_p2p, "settle"), (moe_plan_kernel, "_launch"), (triton_launch.Launcher, "__call__")]
+
+
+def _name(owner) -> str:
+    return owner.__name__.rsplit(".", 1)[-1]
 
 
 def timed_sections(calls: int, f) -> tuple[float, dict[str, tuple[float, int]]]:
     """Host ms per call of ``calls`` back-to-back calls of ``f``, and per ``SECTIONS`` entry (us per call, entries
     per call), with each entry wrapped in a timer for the calls' duration."""
-    spent: dict[str, list[float]] = {f"{m.__name__.rsplit('.', 1)[-1]}.{a}": [0.0, 0] for m, a in SECTIONS}
+    spent: dict[str, list[float]] = {f"{_name(m)}.{a}": [0.0, 0] for m, a in SECTIONS}
     saved = [(m, a, getattr(m, a)) for m, a in SECTIONS]
 
     def timer(name, fn):
@@ -54,7 +58,7 @@ def timed_sections(calls: int, f) -> tuple[float, dict[str, tuple[float, int]]]:
         return wrapped
 
     for m, a, fn in saved:
-        setattr(m, a, timer(f"{m.__name__.rsplit('.', 1)[-1]}.{a}", fn))
+        setattr(m, a, timer(f"{_name(m)}.{a}", fn))
     try:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
