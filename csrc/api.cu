@@ -55,6 +55,7 @@ void count_gemm_launch(bool cached) {
 int peer_call_preload();  // peer_call.cu
 int ring_call_preload();  // ring_call.cu
 int gather_call_preload();  // gather_call.cu
+int moe_plan_preload();  // moe_plan.cu
 
 // Make everything this GPU's stream order put before this point visible to every GPU, then add 1 to *counter
 // (possibly another GPU's memory, mapped here): a peer that acquires the new value sees all of it.
@@ -176,7 +177,7 @@ using namespace flashoverlap;
 
 extern "C" {
 
-FO_API int fo_abi_version(void) { return 11; }
+FO_API int fo_abi_version(void) { return 12; }
 
 FO_API int fo_preload(void) {
   cudaFuncAttributes attr{};
@@ -192,6 +193,7 @@ FO_API int fo_preload(void) {
   if (int rc = peer_call_preload(); rc != 0) return rc;
   if (int rc = ring_call_preload(); rc != 0) return rc;
   if (int rc = gather_call_preload(); rc != 0) return rc;
+  if (int rc = moe_plan_preload(); rc != 0) return rc;
   for (int i = 0; i < num_configs(); ++i) {
     std::string err;
     int rc = registry()[i].preload(err);

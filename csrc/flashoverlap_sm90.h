@@ -393,6 +393,50 @@ typedef struct {
 FO_API int fo_gather_call(const fo_gather_args* args);
 FO_API int fo_gather_finish(const fo_gather_args* args);
 
+/* The MoE whole-block path's routing plan (flashoverlap_inductor/routes/moe_plan_kernel.py; csrc/moe_plan.cu): on
+ * `stream`, zero work[0, work_len) (int64), then two kernels fill idx (int64 [rows]: each index entry mod rows), inv
+ * (the last expert row naming each buffer row; 0 for none), hits, count (int64 [blocks * experts]), facts (the settle
+ * vector, FO_MOE_SETTLE_LEN int64 fields FAIL ROWS IDX_MAX IDX_MIN OFFS_STEP UNNAMED OFFS_LAST KEY_STEP) and table
+ * (int32 [blocks, table_cols]: block j's cumulative expert offsets clamped to its rows; columns past experts 0).
+ * count, facts, inv and hits lie inside work. ends: block j's end row (ends[blocks - 1] == rows; unused entries
+ * rows). */
+#define FO_MOE_MAX_BLOCKS 8
+#define FO_MOE_MAX_EXPERTS 1024
+#define FO_MOE_SETTLE_LEN 8
+#define FO_MOE_POISON_SLOTS 4
+typedef struct {
+  const void* index;                /* rows int32 / int64 entries (index_bytes 4 / 8) */
+  const void* offs;                 /* experts int32 / int64 cumulative offsets (offs_bytes 4 / 8) */
+  int32_t index_bytes, offs_bytes;
+  int64_t rows;                     /* in [1, 2^31) */
+  int32_t experts, blocks;          /* in [1, FO_MOE_MAX_EXPERTS], [1, FO_MOE_MAX_BLOCKS] */
+  int64_t ends[FO_MOE_MAX_BLOCKS];
+  int64_t* work;                    /* zeroed here first: work_len int64 */
+  int64_t work_len;
+  int64_t *count, *facts, *inv, *hits;
+  int64_t* idx;
+  int32_t* table;
+  int32_t table_cols;               /* >= experts */
+  void* stream;
+} fo_moe_plan_args;
+FO_API int fo_moe_plan(const fo_moe_plan_args* args);
+
+/* The deferred MoE settle's poison (routes/moe_deferred.py): on `stream`, outputs 0..outputs-1 (numel[k] elements of
+ * elem_bytes[k] each, contiguous) filled with nan_bits[k] where any of the world vectors (FO_MOE_SETTLE_LEN int64
+ * each, rank order) is bad: a failure (FAIL != 0: UNSENT included), an index out of range, offsets that decrease or
+ * do not end at the rows, unnamed rows, a key step below 0. Nothing is written when every vector is good. */
+typedef struct {
+  const int64_t* every;
+  int32_t world;                    /* in [1, 8] */
+  int32_t outputs;                  /* in [1, FO_MOE_POISON_SLOTS] */
+  void* out[FO_MOE_POISON_SLOTS];
+  int64_t numel[FO_MOE_POISON_SLOTS];
+  int32_t elem_bytes[FO_MOE_POISON_SLOTS];  /* 2, 4 or 8 */
+  uint64_t nan_bits[FO_MOE_POISON_SLOTS];
+  void* stream;
+} fo_moe_poison_args;
+FO_API int fo_moe_poison(const fo_moe_poison_args* args);
+
 #ifdef __cplusplus
 }
 #endif

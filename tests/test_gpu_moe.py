@@ -314,11 +314,12 @@ def fault_worker(op: str, path: str) -> list[str]:
     return out
 
 
-def deferred_worker(op: str) -> list[str]:
+def deferred_worker(op: str, extra: tuple[str, ...] = ()) -> list[str]:
     """The settle without a host read (``routes/moe_deferred.py``) on the whole-block path: warm calls, then deferred
     calls against fp64 (no host sync inside them: ``set_sync_debug_mode("error")``), then rank 1's GEMM raising in a
     deferred call: rank 1 raises it, rank 0's outputs are NaN, and rank 0 raises ``PoisonedResult`` at the end of a
-    later call (after a device sync, its event is done); then exact again. Per step: an outcome word."""
+    later call (after a device sync, its event is done); then exact again. Per step: an outcome word. ``extra``:
+    more experiments (``moe_plan_cuda``: the plan and the poison by the library's kernels)."""
     from unittest import mock
 
     import torch.distributed as dist
@@ -330,7 +331,7 @@ def deferred_worker(op: str) -> list[str]:
     moe_deferred.forget()
     c = combine_case("grouped", "moe", 2, dev) if op == "combine" else dispatch_case("grouped", "moe", 2, dev)
     want = combine_fp64(c, g) if op == "combine" else torch.cat(dispatch_fp64(c, g), dim=1)
-    key = config.current().replace(experiments={"moe_p2p_cuda", moe_deferred.EXPERIMENT}).key()  # no nested patch
+    key = config.current().replace(experiments={"moe_p2p_cuda", moe_deferred.EXPERIMENT, *extra}).key()  # no nesting
 
     def run() -> torch.Tensor:  # the dispatch's p and y side by side: both checked, both poisoned
         if op == "combine":
@@ -512,8 +513,9 @@ def test_the_whole_block_path_syncs_the_host_only_in_its_settle(pool, op):
 
 @two_gpus
 @pytest.mark.parametrize("op", ["combine", "dispatch"])
-def test_the_settle_without_a_host_read_poisons_and_raises_a_call_later(pool, op):
-    r0, r1 = pool.run(deferred_worker, op)
+@pytest.mark.parametrize("extra", [(), ("moe_plan_cuda",)])
+def test_the_settle_without_a_host_read_poisons_and_raises_a_call_later(pool, op, extra):
+    r0, r1 = pool.run(deferred_worker, op, extra)
     assert r0 == ["exact", "NaN", "poisoned (PeerFailure)", "exact"], r0
     assert r1 == ["exact", "own", "exact", "exact"], r1
 

@@ -39,6 +39,22 @@ def test_under_the_interpreter():
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
 
 
+@pytest.fixture(params=["triton", "library"])
+def impl(request):
+    """Which kernels build the plan and poison: Triton's (the default) or the library's (``routes/moe_plan_lib.py``,
+    experiment ``moe_plan_cuda``; on an sm90 GPU with the library built)."""
+    from flashoverlap_inductor import config
+    from flashoverlap_inductor.native import kernels
+
+    if request.param == "triton":
+        yield "triton"
+        return
+    if DEV.type != "cuda" or not kernels.available():
+        pytest.skip("the library's kernels need an sm90 GPU and the built library")
+    with config.patch(experiments={"moe_plan_cuda"}):
+        yield "library"
+
+
 def _case(seed: int, kind: str, blocks: int, experts: int, rows_per_block: int) -> tuple:
     gen = torch.Generator().manual_seed(seed)
     sizes = torch.randint(0, rows_per_block + 1, (blocks,), generator=gen).tolist()
@@ -82,7 +98,7 @@ KINDS = ["moe", "empty-blocks", "random-perm", "repeats", "negative", "out-of-ra
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("blocks,experts,per_block", [(1, 4, 40), (2, 64, 40), (3, 5, 40), (8, 13, 40), (2, 130, 40),
                                                       (3, 16, 700), (2, 1024, 60)])
-def test_the_kernels_build_the_reference_plan(kind, blocks, experts, per_block):
+def test_the_kernels_build_the_reference_plan(kind, blocks, experts, per_block, impl):
     """(3, 16, 700): several programs per kernel (512 lanes each), neighbours compared across their edges; (2, 1024,
     60): the most experts, 16 lanes per program."""
     from flashoverlap_inductor.routes import moe_fast, moe_p2p, moe_plan_kernel
@@ -92,6 +108,7 @@ def test_the_kernels_build_the_reference_plan(kind, blocks, experts, per_block):
         for itype, otype in ((torch.int64, torch.int32), (torch.int32, torch.int64)):
             i, o = index.to(DEV, itype), offs.to(DEV, otype)
             want = moe_fast.plan_with_torch(i, o, bounds)
+            assert impl != "library" or moe_plan_kernel.moe_plan_lib.should_plan(i, o, len(bounds) - 1)
             got = moe_plan_kernel.build(i, o, bounds)
             name = f"{kind} seed {seed} {itype} {otype}"
             assert torch.equal(got[0], want[0]), f"idx: {name}"
@@ -105,7 +122,7 @@ def test_the_kernels_build_the_reference_plan(kind, blocks, experts, per_block):
 
 
 @here
-def test_the_premise_verdicts_are_the_references():
+def test_the_premise_verdicts_are_the_references(impl):
     """The settle's verdicts (``moe_p2p.verdicts``) on the kernels' facts name the same failures."""
     from flashoverlap_inductor.routes import moe_fast, moe_p2p, moe_plan_kernel
 
@@ -153,7 +170,7 @@ def test_the_predicate():
 
 @here
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_poison_kernel_judges_as_the_torch_verdict(dtype):
+def test_the_poison_kernel_judges_as_the_torch_verdict(dtype, impl):
     """``moe_plan_triton.poison_if_bad`` (the deferred settle's poison, ``routes/moe_deferred.py``) against
     ``moe_deferred.bad``: every field's bad value on one rank of 1-8, and good vectors (from real plans and the
     general path's zeros); NaN over the whole output where bad, the output untouched where good."""
@@ -174,7 +191,13 @@ def test_the_poison_kernel_judges_as_the_torch_verdict(dtype):
             outs = [torch.randn(3, 4099, device=DEV).to(dtype), torch.randn(1500, device=DEV),
                     torch.randn(2, 7, device=DEV).to(dtype), torch.randn(5000, device=DEV).to(dtype)][:1 + world % 4]
             wants = [out.clone().masked_fill_(moe_deferred.bad(vectors, world), float("nan")) for out in outs]
-            moe_deferred.poison_with_kernel(kernel, outs, vectors, world, block=1024)
+            if impl == "library":
+                from flashoverlap_inductor.routes import moe_plan_lib
+
+                assert moe_plan_lib.should_poison(outs, world)
+                moe_plan_lib.poison(outs, vectors, world)
+            else:
+                moe_deferred.poison_with_kernel(kernel, outs, vectors, world, block=1024)
             for out, want in zip(outs, wants, strict=True):
                 assert torch.equal(out.isnan(), want.isnan()) and \
                     torch.equal(out.nan_to_num(0), want.nan_to_num(0)), (world, field, len(outs))
@@ -182,7 +205,7 @@ def test_the_poison_kernel_judges_as_the_torch_verdict(dtype):
 
 
 @pytest.mark.skipif(DEV.type != "cuda", reason="the kernel poisons CUDA outputs (CPU ones take the masked fill)")
-def test_more_outputs_than_slots_take_several_launches():
+def test_more_outputs_than_slots_take_several_launches(impl):
     """``moe_deferred.poison_if_bad`` with 6 outputs (``POISON_SLOTS`` = 4 per launch): all NaN where bad, all
     untouched where good."""
     from flashoverlap_inductor.routes import moe_deferred, moe_p2p

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .. import errors
-from . import moe_nccl, moe_plan_kernel, moe_settle
+from . import moe_nccl, moe_plan_kernel, moe_plan_lib, moe_settle
 from .base import stats
 from .cpu import _raise_unless_exchanged
 
@@ -98,9 +98,13 @@ def bad(vectors: torch.Tensor, world: int) -> torch.Tensor:
 
 def poison_if_bad(outputs: list[torch.Tensor], vectors: torch.Tensor, world: int) -> None:
     """Every tensor of ``outputs`` filled with NaN where ``bad(vectors)``, on the device (no host read): on CUDA one
-    Triton launch per ``POISON_SLOTS`` contiguous outputs that writes nothing when every vector is good
+    library call (``moe_plan_lib``, experiment ``moe_plan_cuda``) or one Triton launch per ``POISON_SLOTS`` contiguous
+    outputs that writes nothing when every vector is good
     (``moe_plan_triton.poison_if_bad``), else ``bad`` and a masked fill per output."""
     rest = [out for out in outputs if out.numel()]
+    if moe_plan_lib.should_poison(rest, world):
+        moe_plan_lib.poison(rest, vectors, world)
+        return
     kernel = _poison_kernel() if rest and all(o.is_cuda and o.is_contiguous() for o in rest) and world <= 8 else None
     while rest and kernel is not None and moe_plan_kernel.run_or_fall_back(
             lambda part=rest[:POISON_SLOTS]: poison_with_kernel(kernel, part, vectors, world),

@@ -32,7 +32,7 @@ import logging
 import torch
 
 from ..runtime import triton_launch
-from . import moe_settle
+from . import moe_plan_lib, moe_settle
 from .base import note
 
 MAX_BLOCKS = 8  # the kernels take the block ends as 7 scalars (unused ones = rows)
@@ -59,7 +59,13 @@ def _kernels():
 
 
 def should_use(index: torch.Tensor, offs: torch.Tensor, blocks: int) -> bool:
-    """Whether the plan of a call with this index, offsets and blocks is built by the kernels (module docstring)."""
+    """Whether the plan of a call with this index, offsets and blocks is built by kernels (``build``): the library's
+    (``moe_plan_lib.should_plan``) or the Triton ones (``should_use_triton``)."""
+    return moe_plan_lib.should_plan(index, offs, blocks) or should_use_triton(index, offs, blocks)
+
+
+def should_use_triton(index: torch.Tensor, offs: torch.Tensor, blocks: int) -> bool:
+    """Whether the Triton kernels can build this plan (module docstring)."""
     return (fits(index, offs, blocks) and index.is_cuda and offs.device == index.device
             and index.device.index == torch.cuda.current_device() and not _failed and _kernels() is not None)
 
@@ -75,12 +81,15 @@ def fits(index: torch.Tensor, offs: torch.Tensor, blocks: int) -> bool:
 
 def build(index: torch.Tensor, offs: torch.Tensor, bounds: list[int]) -> tuple[torch.Tensor, ...] | None:
     """``(idx, inv, table, facts)`` of ``BlockPlan`` for ``index`` (rows = ``bounds[-1]``), ``offs`` (E int32 or
-    int64) and the blocks' row bounds (``bounds[0] == 0``, ``len(bounds) - 1`` blocks); ``should_use`` holds. Two
-    kernel launches and one zeroed workspace; no host read. None where Triton fails to compile or launch them
+    int64) and the blocks' row bounds (``bounds[0] == 0``, ``len(bounds) - 1`` blocks); ``should_use`` holds. One
+    library call (``moe_plan_lib``, experiment ``moe_plan_cuda``), else two Triton launches and one zeroed workspace;
+    no host read. None where Triton fails to compile or launch them
     (logged once; ``should_use`` is False after it): the caller builds the plan with torch ops (the same plan, so
     ranks may differ here without changing any collective)."""
     if bounds[0] != 0 or bounds[-1] != int(index.shape[0]):
         raise ValueError(f"flashoverlap: the blocks' bounds {bounds} do not cover the index's {index.shape[0]} rows")
+    if moe_plan_lib.should_plan(index, offs, len(bounds) - 1):
+        return moe_plan_lib.plan(index, offs, bounds)
     return run_or_fall_back(lambda: _launch(index, offs, bounds), "the MoE routing plan's")
 
 

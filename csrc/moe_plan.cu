@@ -1,0 +1,236 @@
+// The MoE whole-block path's routing plan and the deferred settle's poison as library kernels
+// (fo_moe_plan, fo_moe_poison; the ABI in flashoverlap_sm90.h). The same results as the Triton kernels of
+// flashoverlap_inductor/routes/moe_plan_triton.py and, where those match it, the torch reference
+// (moe_fast.plan_with_torch): one ctypes call each, in place of a Triton launch (~40-80 us of host time per launch
+// on the 2-GPU hosts, measured) and a torch fill.
+//
+// fo_moe_plan: one cudaMemsetAsync of the workspace, then
+//   scatter (one thread per expert row i): idx[i] = index[i] mod rows (Python's sign rule; entries clamped to
+//     +-(2^62 - 1) first), inv[idx] = max(inv[idx], i), hits[idx] += 1, count[block of idx][group of i] += 1 for a
+//     group < experts, the index's extremes as maxima of (raw + 2^62) and (2^62 - raw) (warp-reduced);
+//   judge (one thread per buffer row r): UNNAMED += (hits[r] == 0); KEY_STEP = min(KEY_STEP, key(r + 1) - key(r))
+//     with key(r) = group(inv[r]) + block(r) * (experts + 1); block 0 also writes the table (per block a cumulative
+//     sum over the experts, each at most the block's rows; padding columns 0) and the scalar facts.
+// group(pos): how many offsets are at most pos (searchsorted-right on sorted offsets); block(pos): how many block
+// ends are at most pos. Both kernels keep the offsets in shared memory (experts <= FO_MOE_MAX_EXPERTS).
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "flashoverlap_sm90.h"
+#include "route_util.hpp"
+
+// The ctypes mirrors' layout (routes/moe_plan_lib.py; tests/test_moe_plan_lib.py compares every field's offset).
+static_assert(sizeof(fo_moe_plan_args) == 184 && offsetof(fo_moe_plan_args, stream) == 176, "fo_moe_plan_args layout");
+static_assert(sizeof(fo_moe_poison_args) == 136 && offsetof(fo_moe_poison_args, stream) == 128,
+              "fo_moe_poison_args layout");
+
+namespace flashoverlap {
+
+namespace {
+
+constexpr long long kShift = 1LL << 62;
+constexpr long long kLimit = (1LL << 62) - 1;
+constexpr int kThreads = 256;
+enum Field { kFail = 0, kRows, kIdxMax, kIdxMin, kOffsStep, kUnnamed, kOffsLast, kKeyStep };
+
+__device__ __forceinline__ long long load_int(void const* p, int bytes, long long i) {
+  return bytes == 4 ? (long long)static_cast<int const*>(p)[i] : static_cast<long long const*>(p)[i];
+}
+
+__device__ __forceinline__ long long group_of(long long pos, long long const* offs, int experts) {
+  long long g = 0;
+  for (int e = 0; e < experts; ++e) g += offs[e] <= pos;
+  return g;
+}
+
+__device__ __forceinline__ long long block_of(long long pos, long long const* ends) {
+  long long b = 0;
+#pragma unroll
+  for (int j = 0; j < FO_MOE_MAX_BLOCKS; ++j) b += ends[j] <= pos;
+  return b;
+}
+
+__device__ __forceinline__ void load_offsets(fo_moe_plan_args const& a, long long* s_offs) {
+  for (int e = threadIdx.x; e < a.experts; e += blockDim.x) s_offs[e] = load_int(a.offs, a.offs_bytes, e);
+  __syncthreads();
+}
+
+// The argument struct's int64_t (long) pointers as the long long pointers CUDA's 64-bit atomics take.
+__device__ __forceinline__ long long* ll(int64_t* p) { return reinterpret_cast<long long*>(p); }
+__device__ __forceinline__ long long const* ll(int64_t const* p) { return reinterpret_cast<long long const*>(p); }
+
+__device__ __forceinline__ long long warp_max(long long v) {
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_down_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ long long warp_min(long long v) {
+  for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_down_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__global__ void moe_plan_scatter(fo_moe_plan_args a) {
+  extern __shared__ long long s_offs[];
+  load_offsets(a, s_offs);
+  long long const i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  long long hi = 0, lo = 0;  // (raw + SHIFT), (SHIFT - raw): both >= 1 for an entry, 0 for none
+  if (i < a.rows) {
+    long long raw = load_int(a.index, a.index_bytes, i);
+    raw = min(max(raw, -kLimit), kLimit);
+    long long idx = raw % a.rows;
+    if (idx < 0) idx += a.rows;
+    ll(a.idx)[i] = idx;
+    atomicMax(ll(a.inv) + idx, i);  // the last expert row naming a row: the same on every run
+    atomicAdd(reinterpret_cast<unsigned long long*>(ll(a.hits) + idx), 1ULL);
+    long long const g = group_of(i, s_offs, a.experts);
+    if (g < a.experts)
+      atomicAdd(reinterpret_cast<unsigned long long*>(ll(a.count) + block_of(idx, ll(a.ends)) * a.experts + g), 1ULL);
+    hi = raw + kShift;
+    lo = kShift - raw;
+  }
+  hi = warp_max(hi);
+  lo = warp_max(lo);
+  if ((threadIdx.x & 31) == 0) {
+    if (hi) atomicMax(ll(a.facts) + kIdxMax, hi);
+    if (lo) atomicMax(ll(a.facts) + kIdxMin, lo);
+  }
+}
+
+__global__ void moe_plan_judge(fo_moe_plan_args a) {
+  extern __shared__ long long s_offs[];
+  load_offsets(a, s_offs);
+  long long const r = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  long long const* ends = ll(a.ends);
+  long long const* inv = ll(a.inv);
+  long long* facts = ll(a.facts);
+  long long unnamed = (r < a.rows && ll(a.hits)[r] == 0) ? 1 : 0;
+  long long step = 0;  // KEY_STEP is clipped at 0
+  if (r + 1 < a.rows) {
+    long long const key = group_of(inv[r], s_offs, a.experts) + block_of(r, ends) * (a.experts + 1);
+    long long const key1 = group_of(inv[r + 1], s_offs, a.experts) + block_of(r + 1, ends) * (a.experts + 1);
+    step = min(key1 - key, 0LL);
+  }
+  for (int o = 16; o > 0; o >>= 1) unnamed += __shfl_down_sync(0xffffffffu, unnamed, o);
+  step = warp_min(step);
+  if ((threadIdx.x & 31) == 0) {
+    if (unnamed) atomicAdd(reinterpret_cast<unsigned long long*>(facts + kUnnamed), (unsigned long long)unnamed);
+    if (step < 0) atomicMin(facts + kKeyStep, step);
+  }
+  if (blockIdx.x != 0) return;
+  if ((int)threadIdx.x < a.blocks) {  // the table: block j's cumulative expert offsets, clamped to its rows
+    int const j = threadIdx.x;
+    long long const size = ends[j] - (j ? ends[j - 1] : 0LL);
+    long long cum = 0;
+    for (int e = 0; e < a.table_cols; ++e) {
+      if (e < a.experts) cum += ll(a.count)[(long long)j * a.experts + e];
+      a.table[(long long)j * a.table_cols + e] = e < a.experts ? (int)min(cum, size) : 0;
+    }
+  }
+  if (threadIdx.x == 0) {  // the scalar facts (kernel 1 is complete; the other blocks touch UNNAMED, KEY_STEP only)
+    long long step0 = kShift;
+    for (int e = 0; e < a.experts; ++e) step0 = min(step0, s_offs[e] - (e ? s_offs[e - 1] : 0LL));
+    facts[kOffsStep] = step0;
+    facts[kOffsLast] = s_offs[a.experts - 1];
+    facts[kRows] = a.rows;
+    facts[kIdxMax] = facts[kIdxMax] - kShift;
+    facts[kIdxMin] = kShift - facts[kIdxMin];
+  }
+}
+
+// Whether any of the world vectors (FO_MOE_SETTLE_LEN int64 each) shows a failure, bad routing data or a failed
+// premise (flashoverlap_inductor/routes/moe_deferred.py: bad).
+__device__ bool any_bad(long long const* every, int world) {
+  bool bad = false;
+  for (int r = 0; r < world; ++r) {
+    long long const* v = every + (long long)r * FO_MOE_SETTLE_LEN;
+    long long const rows = v[kRows];
+    bool const out_of_range = rows > 0 && (v[kIdxMax] >= rows || v[kIdxMin] < -rows);
+    bad = bad || v[kFail] != 0 || out_of_range || v[kOffsStep] < 0 || v[kOffsLast] != rows || v[kUnnamed] > 0 ||
+          v[kKeyStep] < 0;
+  }
+  return bad;
+}
+
+__global__ void moe_poison(fo_moe_poison_args a) {
+  __shared__ int s_bad;
+  if (threadIdx.x == 0) s_bad = any_bad(ll(a.every), a.world);
+  __syncthreads();
+  if (!s_bad) return;
+  int const k = blockIdx.y;
+  long long const n = a.numel[k];
+  unsigned long long const bits = a.nan_bits[k];
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    switch (a.elem_bytes[k]) {
+      case 2: static_cast<unsigned short*>(a.out[k])[i] = (unsigned short)bits; break;
+      case 4: static_cast<unsigned int*>(a.out[k])[i] = (unsigned int)bits; break;
+      default: static_cast<unsigned long long*>(a.out[k])[i] = bits; break;
+    }
+  }
+}
+
+int cuda_fail(char const* what, cudaError_t e) {
+  return fail_code(100 + int(e), std::string(what) + ": " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
+}
+
+}  // namespace
+
+// fo_preload (api.cu): load this file's kernels too.
+int moe_plan_preload() {
+  cudaFuncAttributes attr{};
+  for (void const* k : {reinterpret_cast<void const*>(moe_plan_scatter), reinterpret_cast<void const*>(moe_plan_judge),
+                        reinterpret_cast<void const*>(moe_poison)}) {
+    if (cudaError_t e = cudaFuncGetAttributes(&attr, k); e != cudaSuccess) return cuda_fail("fo_preload (moe)", e);
+  }
+  return 0;
+}
+
+}  // namespace flashoverlap
+
+using flashoverlap::cuda_fail;
+using flashoverlap::fail_code;
+
+FO_API int fo_moe_plan(const fo_moe_plan_args* args) {
+  if (args == nullptr) return fail_code(2, "fo_moe_plan: null arguments");
+  fo_moe_plan_args const& a = *args;
+  if (a.rows <= 0 || a.rows >= (1LL << 31)) return fail_code(2, "fo_moe_plan: rows must be in [1, 2^31)");
+  if (a.experts < 1 || a.experts > FO_MOE_MAX_EXPERTS) return fail_code(2, "fo_moe_plan: experts out of range");
+  if (a.blocks < 1 || a.blocks > FO_MOE_MAX_BLOCKS) return fail_code(2, "fo_moe_plan: blocks out of range");
+  if ((a.index_bytes != 4 && a.index_bytes != 8) || (a.offs_bytes != 4 && a.offs_bytes != 8))
+    return fail_code(2, "fo_moe_plan: index_bytes and offs_bytes must be 4 or 8");
+  if (a.table_cols < a.experts) return fail_code(2, "fo_moe_plan: table_cols must be at least experts");
+  if (a.ends[a.blocks - 1] != a.rows) return fail_code(2, "fo_moe_plan: the last block must end at rows");
+  if (!a.index || !a.offs || !a.work || !a.idx || !a.table || !a.count || !a.facts || !a.inv || !a.hits)
+    return fail_code(2, "fo_moe_plan: a null pointer");
+  auto stream = static_cast<cudaStream_t>(a.stream);
+  if (cudaError_t e = cudaMemsetAsync(a.work, 0, (size_t)a.work_len * sizeof(long long), stream); e != cudaSuccess)
+    return cuda_fail("fo_moe_plan: zeroing the workspace", e);
+  unsigned const grid = (unsigned)((a.rows + flashoverlap::kThreads - 1) / flashoverlap::kThreads);
+  size_t const shared = (size_t)a.experts * sizeof(long long);
+  flashoverlap::moe_plan_scatter<<<grid, flashoverlap::kThreads, shared, stream>>>(a);
+  flashoverlap::moe_plan_judge<<<grid, flashoverlap::kThreads, shared, stream>>>(a);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_fail("fo_moe_plan", e);
+  return 0;
+}
+
+FO_API int fo_moe_poison(const fo_moe_poison_args* args) {
+  if (args == nullptr) return fail_code(2, "fo_moe_poison: null arguments");
+  fo_moe_poison_args const& a = *args;
+  if (a.world < 1 || a.world > FO_MOE_MAX_BLOCKS || a.every == nullptr)
+    return fail_code(2, "fo_moe_poison: world must be in [1, 8] with the vectors given");
+  if (a.outputs < 1 || a.outputs > FO_MOE_POISON_SLOTS) return fail_code(2, "fo_moe_poison: outputs out of range");
+  long long most = 0;
+  for (int k = 0; k < a.outputs; ++k) {
+    if (a.elem_bytes[k] != 2 && a.elem_bytes[k] != 4 && a.elem_bytes[k] != 8)
+      return fail_code(2, "fo_moe_poison: elem_bytes must be 2, 4 or 8");
+    if (a.numel[k] < 0 || (a.numel[k] > 0 && a.out[k] == nullptr)) return fail_code(2, "fo_moe_poison: bad output");
+    most = a.numel[k] > most ? a.numel[k] : most;
+  }
+  long long const blocks = (most + flashoverlap::kThreads - 1) / flashoverlap::kThreads;
+  dim3 const grid((unsigned)(blocks < 1 ? 1 : (blocks > 4096 ? 4096 : blocks)), (unsigned)a.outputs);
+  flashoverlap::moe_poison<<<grid, flashoverlap::kThreads, 0, static_cast<cudaStream_t>(a.stream)>>>(a);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_fail("fo_moe_poison", e);
+  return 0;
+}

@@ -1,0 +1,124 @@
+"""The whole-block path's routing plan and the deferred settle's poison as library calls (``csrc/moe_plan.cu``:
+``fo_moe_plan``, ``fo_moe_poison``), under the experiment ``moe_plan_cuda``.
+
+Same results as ``moe_plan_kernel``'s Triton kernels (``tests/test_moe_plan_kernel.py`` runs the same cases through
+both against the torch reference), in one ctypes call each where the Triton path takes a torch fill and two launches
+(the plan) or one launch (the poison): on the 2-GPU hosts a Triton launch held the host 40-80 us even straight into
+its compiled kernel (``runtime/triton_launch.py``; docs/results.md, twenty-fourth session), about a quarter of a fused
+MoE call's host time. **Never run on a GPU yet**: hence the experiment (off by default).
+
+Taken (``should_plan`` / ``should_poison``) where the experiment is on, the tensors are on the current CUDA device,
+the library loads on an sm90 GPU (``native.kernels.available``) and the call is within the kernels' limits
+(``moe_plan_kernel.fits``; outputs of 2-, 4- or 8-byte floats, at most ``POISON_SLOTS`` per call, 1-8 ranks).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from .. import config
+from ..native import kernels
+from . import moe_settle
+
+EXPERIMENT = "moe_plan_cuda"
+MAX_BLOCKS = 8  # FO_MOE_MAX_BLOCKS
+POISON_SLOTS = 4  # FO_MOE_POISON_SLOTS
+# the settle vector's layout the kernels assume (FO_MOE_SETTLE_LEN fields in this order)
+assert (moe_settle.FAIL, moe_settle.ROWS, moe_settle.IDX_MAX, moe_settle.IDX_MIN, moe_settle.OFFS_STEP,
+        moe_settle.UNNAMED, moe_settle.OFFS_LAST, moe_settle.KEY_STEP) == tuple(range(8)) \
+    and moe_settle.SETTLE_LEN == 8, "csrc/moe_plan.cu assumes the settle vector's layout"
+_NAN_BITS = {torch.bfloat16: 0x7FC0, torch.float16: 0x7E00, torch.float32: 0x7FC00000,
+             torch.float64: 0x7FF8000000000000}
+
+
+class PlanArgs(ctypes.Structure):
+    """``fo_moe_plan_args`` of ``csrc/flashoverlap_sm90.h``."""
+
+    _fields_ = [("index", ctypes.c_void_p), ("offs", ctypes.c_void_p), ("index_bytes", ctypes.c_int32),
+                ("offs_bytes", ctypes.c_int32), ("rows", ctypes.c_int64), ("experts", ctypes.c_int32),
+                ("blocks", ctypes.c_int32), ("ends", ctypes.c_int64 * MAX_BLOCKS), ("work", ctypes.c_void_p),
+                ("work_len", ctypes.c_int64), ("count", ctypes.c_void_p), ("facts", ctypes.c_void_p),
+                ("inv", ctypes.c_void_p), ("hits", ctypes.c_void_p), ("idx", ctypes.c_void_p),
+                ("table", ctypes.c_void_p), ("table_cols", ctypes.c_int32), ("stream", ctypes.c_void_p)]
+
+
+class PoisonArgs(ctypes.Structure):
+    """``fo_moe_poison_args`` of ``csrc/flashoverlap_sm90.h``."""
+
+    _fields_ = [("every", ctypes.c_void_p), ("world", ctypes.c_int32), ("outputs", ctypes.c_int32),
+                ("out", ctypes.c_void_p * POISON_SLOTS), ("numel", ctypes.c_int64 * POISON_SLOTS),
+                ("elem_bytes", ctypes.c_int32 * POISON_SLOTS), ("nan_bits", ctypes.c_uint64 * POISON_SLOTS),
+                ("stream", ctypes.c_void_p)]
+
+
+def _on() -> bool:
+    return EXPERIMENT in config.current().experiments
+
+
+@functools.cache
+def _library_on(device_index: int) -> bool:
+    """Whether the library loads on this process's sm90 GPU (``kernels.available``), asked once per device."""
+    return kernels.available()
+
+
+def should_plan(index: torch.Tensor, offs: torch.Tensor, blocks: int) -> bool:
+    """Whether ``moe_plan_kernel.build`` takes ``plan`` (module docstring)."""
+    from . import moe_plan_kernel
+
+    return (_on() and index.is_cuda and offs.device == index.device and moe_plan_kernel.fits(index, offs, blocks)
+            and index.device.index == torch.cuda.current_device() and _library_on(index.device.index))
+
+
+def plan(index: torch.Tensor, offs: torch.Tensor, bounds: list[int]) -> tuple[torch.Tensor, ...]:
+    """``(idx, inv, table, facts)`` of ``moe_fast.BlockPlan`` (``moe_plan_kernel.build``'s contract) in one library
+    call on the current stream: the workspace zeroed there, then two kernels."""
+    rows, experts, blocks = int(index.shape[0]), int(offs.shape[0]), len(bounds) - 1
+    padded = rows + (rows & 1)  # inv and hits each from a 16-byte boundary
+    head = -(-(blocks * experts + moe_settle.SETTLE_LEN) // 2) * 2
+    dev = index.device
+    work = torch.empty(head + 2 * padded, dtype=torch.int64, device=dev)
+    idx = torch.empty(rows, dtype=torch.int64, device=dev)
+    table_cols = -(-experts // 4) * 4
+    table = torch.empty(blocks, table_cols, dtype=torch.int32, device=dev)
+    base = work.data_ptr()
+    a = PlanArgs()
+    a.index, a.offs, a.index_bytes, a.offs_bytes = index.data_ptr(), offs.data_ptr(), index.element_size(), \
+        offs.element_size()
+    a.rows, a.experts, a.blocks = rows, experts, blocks
+    for j in range(MAX_BLOCKS):
+        a.ends[j] = bounds[j + 1] if j < blocks else rows
+    a.work, a.work_len = base, work.numel()
+    a.count, a.facts = base, base + 8 * blocks * experts
+    a.inv, a.hits = base + 8 * head, base + 8 * (head + padded)
+    a.idx, a.table, a.table_cols = idx.data_ptr(), table.data_ptr(), table_cols
+    a.stream = torch.cuda.current_stream(dev).cuda_stream
+    kernels.check(kernels.ready(dev).fo_moe_plan(ctypes.byref(a)), "fo_moe_plan")
+    facts = work[blocks * experts:blocks * experts + moe_settle.SETTLE_LEN]
+    return idx, work[head:head + rows], table, facts
+
+
+def should_poison(outputs: list[torch.Tensor], world: int) -> bool:
+    """Whether ``moe_deferred.poison_if_bad`` takes ``poison`` for ``outputs`` (non-empty, each contiguous on the
+    current CUDA device, of a float dtype the kernel knows) of a ``world``-rank call."""
+    return (_on() and 1 <= world <= 8 and bool(outputs)
+            and all(o.is_cuda and o.is_contiguous() and o.dtype in _NAN_BITS for o in outputs)
+            and outputs[0].device.index == torch.cuda.current_device() and _library_on(outputs[0].device.index))
+
+
+def poison(outputs: list[torch.Tensor], vectors: torch.Tensor, world: int) -> None:
+    """Every tensor of ``outputs`` NaN where any of the ``world`` settle vectors in ``vectors`` (int64, contiguous,
+    on the outputs' device) is bad; one library call per ``POISON_SLOTS`` outputs, on the current stream."""
+    dev = outputs[0].device
+    lib = kernels.ready(dev)
+    for first in range(0, len(outputs), POISON_SLOTS):
+        part = outputs[first:first + POISON_SLOTS]
+        a = PoisonArgs()
+        a.every, a.world, a.outputs = vectors.data_ptr(), world, len(part)
+        for k, out in enumerate(part):
+            a.out[k], a.numel[k], a.elem_bytes[k] = out.data_ptr(), out.numel(), out.element_size()
+            a.nan_bits[k] = _NAN_BITS[out.dtype]
+        a.stream = torch.cuda.current_stream(dev).cuda_stream
+        kernels.check(lib.fo_moe_poison(ctypes.byref(a)), "fo_moe_poison")

@@ -1,0 +1,72 @@
+"""``routes/moe_plan_lib.py`` (the MoE plan and the deferred poison as library calls, ``csrc/moe_plan.cu``): the
+ctypes mirrors against the C header field by field (a C compiler prints every ``offsetof``), the settle layout the
+kernels assume, and which implementation the dispatchers take. The kernels' results are checked on a GPU by
+``tests/test_moe_plan_kernel.py`` (its cases run through both the library and the Triton kernels).
+
+    python3 -m pytest -q tests/test_moe_plan_lib.py
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashoverlap_inductor import config
+from flashoverlap_inductor.routes import moe_deferred, moe_plan_kernel, moe_plan_lib
+
+HEADER = Path(__file__).resolve().parent.parent / "csrc" / "flashoverlap_sm90.h"
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+@pytest.mark.parametrize("struct,c_name", [(moe_plan_lib.PlanArgs, "fo_moe_plan_args"),
+                                           (moe_plan_lib.PoisonArgs, "fo_moe_poison_args")])
+def test_the_ctypes_mirrors_match_the_c_layout(tmp_path, struct, c_name):
+    fields = [f for f, _ in struct._fields_]
+    prints = "".join(f'printf("{f} %zu\\n", offsetof({c_name}, {f}));' for f in fields)
+    src = tmp_path / "layout.c"
+    src.write_text(f'#include <stddef.h>\n#include <stdio.h>\n#include "{HEADER}"\n'
+                   f'int main(void) {{ {prints} printf("sizeof %zu\\n", sizeof({c_name})); return 0; }}\n')
+    exe = tmp_path / "layout"
+    subprocess.run(["cc", "-std=c11", str(src), "-o", str(exe)], check=True, capture_output=True)
+    got = dict(line.split() for line in subprocess.run([str(exe)], check=True, capture_output=True,
+                                                       text=True).stdout.splitlines())
+    assert {f: int(got[f]) for f in fields} == {f: getattr(struct, f).offset for f in fields}
+    assert int(got["sizeof"]) == ctypes.sizeof(struct)
+    source = (HEADER.parent / "moe_plan.cu").read_text()  # the sizes nvcc asserts
+    assert f"sizeof({c_name}) == {ctypes.sizeof(struct)}" in source
+
+
+def test_the_header_limits_are_the_modules():
+    text = HEADER.read_text()
+    assert f"#define FO_MOE_MAX_BLOCKS {moe_plan_lib.MAX_BLOCKS}\n" in text
+    assert f"#define FO_MOE_POISON_SLOTS {moe_plan_lib.POISON_SLOTS}\n" in text
+    assert f"#define FO_MOE_MAX_EXPERTS {moe_plan_kernel.MAX_EXPERTS}\n" in text
+    assert moe_plan_lib.MAX_BLOCKS == moe_plan_kernel.MAX_BLOCKS
+
+
+def test_off_without_the_experiment_or_on_the_cpu():
+    index, offs = torch.arange(8), torch.tensor([4, 8], dtype=torch.int32)
+    out = [torch.zeros(4)]
+    assert not moe_plan_lib.should_plan(index, offs, 2) and not moe_plan_lib.should_poison(out, 2)
+    with config.patch(experiments={"moe_plan_cuda"}):  # CPU tensors: never the library
+        assert not moe_plan_lib.should_plan(index, offs, 2) and not moe_plan_lib.should_poison(out, 2)
+
+
+def test_the_dispatchers_take_the_library_where_it_should_be_used(monkeypatch):
+    """``moe_plan_kernel.build`` and ``moe_deferred.poison_if_bad`` call the library where its predicate holds
+    (stand-ins here: no GPU), and nothing else."""
+    calls = []
+    monkeypatch.setattr(moe_plan_lib, "should_plan", lambda *a: True)
+    monkeypatch.setattr(moe_plan_lib, "plan", lambda index, offs, bounds: calls.append(("plan", bounds)) or "built")
+    monkeypatch.setattr(moe_plan_lib, "should_poison", lambda outs, world: True)
+    monkeypatch.setattr(moe_plan_lib, "poison", lambda outs, vectors, world: calls.append(("poison", len(outs))))
+    index, offs = torch.arange(8), torch.tensor([4, 8], dtype=torch.int32)
+    assert moe_plan_kernel.should_use(index, offs, 2)
+    assert moe_plan_kernel.build(index, offs, [0, 3, 8]) == "built"
+    moe_deferred.poison_if_bad([torch.zeros(3), torch.zeros(0), torch.zeros(2)], torch.zeros(16), 2)
+    assert calls == [("plan", [0, 3, 8]), ("poison", 2)]  # the empty output left out
