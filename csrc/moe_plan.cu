@@ -201,7 +201,11 @@ FO_API int fo_moe_plan(const fo_moe_plan_args* args) {
   if ((a.index_bytes != 4 && a.index_bytes != 8) || (a.offs_bytes != 4 && a.offs_bytes != 8))
     return fail_code(2, "fo_moe_plan: index_bytes and offs_bytes must be 4 or 8");
   if (a.table_cols < a.experts) return fail_code(2, "fo_moe_plan: table_cols must be at least experts");
-  if (a.ends[a.blocks - 1] != a.rows) return fail_code(2, "fo_moe_plan: the last block must end at rows");
+  for (int j = 0; j < FO_MOE_MAX_BLOCKS; ++j) {  // block_of reads all 8: non-decreasing, rows from the last block on
+    int64_t const prev = j ? a.ends[j - 1] : 0;
+    bool const ok = j >= a.blocks - 1 ? a.ends[j] == a.rows : (a.ends[j] >= prev && a.ends[j] <= a.rows);
+    if (!ok) return fail_code(2, "fo_moe_plan: ends must be non-decreasing in [0, rows], rows from the last block on");
+  }
   if (!a.index || !a.offs || !a.work || !a.idx || !a.table || !a.count || !a.facts || !a.inv || !a.hits)
     return fail_code(2, "fo_moe_plan: a null pointer");
   auto stream = static_cast<cudaStream_t>(a.stream);

@@ -70,3 +70,19 @@ def test_the_dispatchers_take_the_library_where_it_should_be_used(monkeypatch):
     assert moe_plan_kernel.build(index, offs, [0, 3, 8]) == "built"
     moe_deferred.poison_if_bad([torch.zeros(3), torch.zeros(0), torch.zeros(2)], torch.zeros(16), 2)
     assert calls == [("plan", [0, 3, 8]), ("poison", 2)]  # the empty output left out
+
+
+def test_a_refused_call_hands_over_to_the_triton_kernels_and_a_device_error_raises(monkeypatch):
+    """A library refusal (rc < 100: its arguments) is recorded and logged, and the predicates say no from then on;
+    a CUDA error (rc >= 100) raises."""
+    fake = type("Lib", (), {"fo_last_error": staticmethod(lambda: b"bad ends")})()
+    monkeypatch.setattr(moe_plan_lib.kernels, "library", lambda: fake)
+    monkeypatch.setattr(moe_plan_lib, "_failed", [])
+    assert moe_plan_lib._called(0, "fo_moe_plan")
+    with pytest.raises(moe_plan_lib.kernels.KernelLibraryError, match="fo_moe_poison failed"):
+        moe_plan_lib._called(105, "fo_moe_poison")
+    assert not moe_plan_lib._failed
+    with config.patch(experiments={"moe_plan_cuda"}):
+        assert moe_plan_lib._on()
+        assert not moe_plan_lib._called(2, "fo_moe_plan")
+        assert moe_plan_lib._failed == ["fo_moe_plan: bad ends"] and not moe_plan_lib._on()

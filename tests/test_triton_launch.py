@@ -37,6 +37,7 @@ class Jit:
     (None: the interpreter)."""
 
     arg_names = ["a", "n", "B", "C"]
+    constexprs = [2, 3]  # B and C, as triton.jit's ``constexprs`` (positions)
 
     def __init__(self, interpreted: bool = False, fail: bool = False) -> None:
         self.log: list = []
@@ -130,3 +131,18 @@ def test_an_empty_hook_chain_is_no_hook():
     hook = knobs.runtime.launch_enter_hook
     if getattr(hook, "calls", None) == []:  # this Triton's own empty chain: no hook
         assert not triton_launch.hook_set(hook)
+
+
+def test_a_constexpr_is_keyed_by_its_value_and_type_by_name_or_position():
+    """Found by review: a constexpr passed positionally was keyed like a runtime int (2 and 3 alike), and ``True``,
+    ``1`` and ``1.0`` compare equal by name; Triton compiles each apart."""
+    fn = Jit()
+    launch = triton_launch.Launcher(fn)
+    x = torch.zeros(8)
+    launch[(1,)](x, 5, 2, C=2)
+    launch[(1,)](x, 5, 3, C=2)  # B positional, another value
+    launch[(1,)](x, 5, 3, C=True)
+    launch[(1,)](x, 5, 3, C=1)
+    launch[(1,)](x, 5, 3, C=1.0)
+    launch[(1,)](x, 5, 3, C=1.0)
+    assert kinds(fn) == ["run"] * 5 + ["direct"]

@@ -103,8 +103,7 @@ def poison_if_bad(outputs: list[torch.Tensor], vectors: torch.Tensor, world: int
     (``moe_plan_triton.poison_if_bad``), else ``bad`` and a masked fill per output."""
     rest = [out for out in outputs if out.numel()]
     if moe_plan_lib.should_poison(rest, world):
-        moe_plan_lib.poison(rest, vectors, world)
-        return
+        rest = moe_plan_lib.poison(rest, vectors, world)
     kernel = _poison_kernel() if rest and all(o.is_cuda and o.is_contiguous() for o in rest) and world <= 8 else None
     while rest and kernel is not None and moe_plan_kernel.run_or_fall_back(
             lambda part=rest[:POISON_SLOTS]: poison_with_kernel(kernel, part, vectors, world),
@@ -116,7 +115,7 @@ def poison_if_bad(outputs: list[torch.Tensor], vectors: torch.Tensor, world: int
             out.masked_fill_(verdict, float("nan"))
 
 
-POISON_SLOTS = 4  # outputs per launch of moe_plan_triton.poison_if_bad
+POISON_SLOTS = moe_plan_lib.POISON_SLOTS  # outputs per launch of moe_plan_triton.poison_if_bad (as the library's)
 
 
 def poison_with_kernel(kernel, outputs: list[torch.Tensor], vectors: torch.Tensor, world: int,

@@ -9,19 +9,23 @@ MoE call's host time. **Never run on a GPU yet**: hence the experiment (off by d
 
 Taken (``should_plan`` / ``should_poison``) where the experiment is on, the tensors are on the current CUDA device,
 the library loads on an sm90 GPU (``native.kernels.available``) and the call is within the kernels' limits
-(``moe_plan_kernel.fits``; outputs of 2-, 4- or 8-byte floats, at most ``POISON_SLOTS`` per call, 1-8 ranks).
+(``moe_plan_kernel.fits``; outputs of 2-, 4- or 8-byte floats, 1-8 ranks); counted ``moe:plan_lib`` and
+``moe:poison_lib``. A call the library refuses (its arguments: error codes below 100) is logged once and, like every
+later one, taken by the Triton kernels; the device's own errors (CUDA errors) are raised.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 
 import torch
 
 from .. import config
 from ..native import kernels
 from . import moe_settle
+from .base import note, stats
 
 EXPERIMENT = "moe_plan_cuda"
 MAX_BLOCKS = 8  # FO_MOE_MAX_BLOCKS
@@ -54,8 +58,11 @@ class PoisonArgs(ctypes.Structure):
                 ("stream", ctypes.c_void_p)]
 
 
+_failed: list[str] = []  # a library call's refusal (its arguments), once: the Triton kernels from then on
+
+
 def _on() -> bool:
-    return EXPERIMENT in config.current().experiments
+    return EXPERIMENT in config.current().experiments and not _failed
 
 
 @functools.cache
@@ -74,10 +81,12 @@ def should_plan(index: torch.Tensor, offs: torch.Tensor, blocks: int) -> bool:
 
 def plan(index: torch.Tensor, offs: torch.Tensor, bounds: list[int]) -> tuple[torch.Tensor, ...]:
     """``(idx, inv, table, facts)`` of ``moe_fast.BlockPlan`` (``moe_plan_kernel.build``'s contract) in one library
-    call on the current stream: the workspace zeroed there, then two kernels."""
+    call on the current stream: the workspace zeroed there, then two kernels. None where the library refused the
+    call (``_called``): the caller takes the Triton kernels."""
     rows, experts, blocks = int(index.shape[0]), int(offs.shape[0]), len(bounds) - 1
-    padded = rows + (rows & 1)  # inv and hits each from a 16-byte boundary
-    head = -(-(blocks * experts + moe_settle.SETTLE_LEN) // 2) * 2
+    padded = rows + (rows & 1)  # facts, inv and hits each from a 16-byte boundary
+    counted = blocks * experts + (blocks * experts) % 2
+    head = counted + moe_settle.SETTLE_LEN
     dev = index.device
     work = torch.empty(head + 2 * padded, dtype=torch.int64, device=dev)
     idx = torch.empty(rows, dtype=torch.int64, device=dev)
@@ -91,26 +100,43 @@ def plan(index: torch.Tensor, offs: torch.Tensor, bounds: list[int]) -> tuple[to
     for j in range(MAX_BLOCKS):
         a.ends[j] = bounds[j + 1] if j < blocks else rows
     a.work, a.work_len = base, work.numel()
-    a.count, a.facts = base, base + 8 * blocks * experts
+    a.count, a.facts = base, base + 8 * counted
     a.inv, a.hits = base + 8 * head, base + 8 * (head + padded)
     a.idx, a.table, a.table_cols = idx.data_ptr(), table.data_ptr(), table_cols
     a.stream = torch.cuda.current_stream(dev).cuda_stream
-    kernels.check(kernels.ready(dev).fo_moe_plan(ctypes.byref(a)), "fo_moe_plan")
-    facts = work[blocks * experts:blocks * experts + moe_settle.SETTLE_LEN]
-    return idx, work[head:head + rows], table, facts
+    if not _called(kernels.ready(dev).fo_moe_plan(ctypes.byref(a)), "fo_moe_plan"):
+        return None
+    stats["moe:plan_lib"] += 1
+    return idx, work[head:head + rows], table, work[counted:head]
+
+
+def _called(rc: int, what: str) -> bool:
+    """Whether the library call ``what`` returned 0; a refusal of its arguments (rc < 100) is recorded (``_failed``:
+    the Triton kernels from now on) and logged once; the device's errors raise ``KernelLibraryError``."""
+    if rc == 0:
+        return True
+    if rc >= 100:
+        kernels.check(rc, what)
+    message = kernels.library().fo_last_error().decode(errors="replace")
+    _failed.append(f"{what}: {message}")
+    note("moe:plan_lib", logging.WARNING, "flashoverlap: %s refused its arguments (%s); the MoE plan and poison use "
+         "the Triton kernels from now on", what, message)
+    return False
 
 
 def should_poison(outputs: list[torch.Tensor], world: int) -> bool:
     """Whether ``moe_deferred.poison_if_bad`` takes ``poison`` for ``outputs`` (non-empty, each contiguous on the
     current CUDA device, of a float dtype the kernel knows) of a ``world``-rank call."""
     return (_on() and 1 <= world <= 8 and bool(outputs)
-            and all(o.is_cuda and o.is_contiguous() and o.dtype in _NAN_BITS for o in outputs)
+            and all(o.is_cuda and o.is_contiguous() and o.dtype in _NAN_BITS and o.device == outputs[0].device
+                    for o in outputs)
             and outputs[0].device.index == torch.cuda.current_device() and _library_on(outputs[0].device.index))
 
 
-def poison(outputs: list[torch.Tensor], vectors: torch.Tensor, world: int) -> None:
+def poison(outputs: list[torch.Tensor], vectors: torch.Tensor, world: int) -> list[torch.Tensor]:
     """Every tensor of ``outputs`` NaN where any of the ``world`` settle vectors in ``vectors`` (int64, contiguous,
-    on the outputs' device) is bad; one library call per ``POISON_SLOTS`` outputs, on the current stream."""
+    on the outputs' device) is bad; one library call per ``POISON_SLOTS`` outputs, on the current stream. Returns
+    the outputs left unpoisoned (from the first the library refused: ``_called``; none normally)."""
     dev = outputs[0].device
     lib = kernels.ready(dev)
     for first in range(0, len(outputs), POISON_SLOTS):
@@ -121,4 +147,7 @@ def poison(outputs: list[torch.Tensor], vectors: torch.Tensor, world: int) -> No
             a.out[k], a.numel[k], a.elem_bytes[k] = out.data_ptr(), out.numel(), out.element_size()
             a.nan_bits[k] = _NAN_BITS[out.dtype]
         a.stream = torch.cuda.current_stream(dev).cuda_stream
-        kernels.check(lib.fo_moe_poison(ctypes.byref(a)), "fo_moe_poison")
+        if not _called(lib.fo_moe_poison(ctypes.byref(a)), "fo_moe_poison"):
+            return outputs[first:]
+        stats["moe:poison_lib"] += 1
+    return []

@@ -8,7 +8,8 @@ compiled kernel, since 2.x): ``values`` is every parameter in the kernel's order
 ``JITFunction.run`` passes them to the launcher in Triton 3.x.
 
 **The key** is a superset of what Triton specializes on, so a cached kernel is always the one ``run`` would pick:
-the current device, each constexpr's value, and per positional argument: a tensor's dtype and whether its address
+the current device, each constexpr's value and type (by name or by position: ``fn.constexprs``), and per other
+positional argument: a tensor's dtype and whether its address
 is a multiple of 16; an int's width class (int32, int64, uint64) and whether it is 1 and a multiple of 16; a bool's
 or None's value; a float's type. Anything else (a default left out, an argument of another type) goes through
 ``run`` every time.
@@ -50,6 +51,11 @@ def _arg_key(v: object) -> object:
     return NotImplemented
 
 
+def _value_key(v: object) -> tuple:
+    """A constexpr's part of the key: its value with its type (Triton compiles ``True``, ``1`` and ``1.0`` apart)."""
+    return (type(v), v)
+
+
 def _hooks_set() -> bool:
     """Whether Triton's launch hooks are set (then every launch goes through ``run``, which calls them)."""
     try:
@@ -75,6 +81,7 @@ class Launcher:
     def __init__(self, fn) -> None:
         self.fn = fn
         self.names = list(getattr(fn, "arg_names", ()))
+        self.constexpr_at = frozenset(getattr(fn, "constexprs", ()))  # the constexpr parameters' positions
         self.compiled: dict[tuple, object] = {}
         self.direct = bool(self.names)  # False for good after a direct launch raised
 
@@ -106,12 +113,12 @@ class Launcher:
         given neither positionally nor by name: a default)."""
         if len(args) + len(constexprs) != len(self.names) or any(n not in constexprs for n in self.names[len(args):]):
             return None
-        parts = [_arg_key(v) for v in args]
+        parts = tuple(_value_key(v) if i in self.constexpr_at else _arg_key(v) for i, v in enumerate(args))
         if any(p is NotImplemented for p in parts):
             return None
         try:
-            fixed = tuple(sorted(constexprs.items()))
-            hash(fixed)
+            fixed = tuple((k, *_value_key(v)) for k, v in sorted(constexprs.items()))
+            hash((parts, fixed))
         except TypeError:  # an unhashable constexpr
             return None
-        return (torch.cuda.current_device() if torch.cuda.is_available() else -1, tuple(parts), fixed)
+        return (torch.cuda.current_device() if torch.cuda.is_available() else -1, parts, fixed)
