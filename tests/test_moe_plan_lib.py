@@ -52,9 +52,9 @@ def test_the_header_limits_are_the_modules():
 def test_off_without_the_experiment_or_on_the_cpu():
     index, offs = torch.arange(8), torch.tensor([4, 8], dtype=torch.int32)
     out = [torch.zeros(4)]
-    assert not moe_plan_lib.should_plan(index, offs, 2) and not moe_plan_lib.should_poison(out, 2)
+    assert not moe_plan_lib.should_plan(index, offs) and not moe_plan_lib.should_poison(out, 2)
     with config.patch(experiments={"moe_plan_cuda"}):  # CPU tensors: never the library
-        assert not moe_plan_lib.should_plan(index, offs, 2) and not moe_plan_lib.should_poison(out, 2)
+        assert not moe_plan_lib.should_plan(index, offs) and not moe_plan_lib.should_poison(out, 2)
 
 
 def test_the_dispatchers_take_the_library_where_it_should_be_used(monkeypatch):

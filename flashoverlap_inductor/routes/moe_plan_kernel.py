@@ -61,7 +61,8 @@ def _kernels():
 def should_use(index: torch.Tensor, offs: torch.Tensor, blocks: int) -> bool:
     """Whether the plan of a call with this index, offsets and blocks is built by kernels (``build``): the library's
     (``moe_plan_lib.should_plan``) or the Triton ones (``should_use_triton``)."""
-    return moe_plan_lib.should_plan(index, offs, blocks) or should_use_triton(index, offs, blocks)
+    in_limits = fits(index, offs, blocks)
+    return (in_limits and moe_plan_lib.should_plan(index, offs)) or should_use_triton(index, offs, blocks)
 
 
 def should_use_triton(index: torch.Tensor, offs: torch.Tensor, blocks: int) -> bool:
@@ -88,7 +89,7 @@ def build(index: torch.Tensor, offs: torch.Tensor, bounds: list[int]) -> tuple[t
     ranks may differ here without changing any collective)."""
     if bounds[0] != 0 or bounds[-1] != int(index.shape[0]):
         raise ValueError(f"flashoverlap: the blocks' bounds {bounds} do not cover the index's {index.shape[0]} rows")
-    if moe_plan_lib.should_plan(index, offs, len(bounds) - 1):
+    if fits(index, offs, len(bounds) - 1) and moe_plan_lib.should_plan(index, offs):
         built = moe_plan_lib.plan(index, offs, bounds)
         if built is not None:
             return built

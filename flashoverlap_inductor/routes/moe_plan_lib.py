@@ -9,9 +9,9 @@ MoE call's host time. **Never run on a GPU yet**: hence the experiment (off by d
 
 Taken (``should_plan`` / ``should_poison``) where the experiment is on, the tensors are on the current CUDA device,
 the library loads on an sm90 GPU (``native.kernels.available``) and the call is within the kernels' limits
-(``moe_plan_kernel.fits``; outputs of 2-, 4- or 8-byte floats, 1-8 ranks); counted ``moe:plan_lib`` and
-``moe:poison_lib``. A call the library refuses (its arguments: error codes below 100) is logged once and, like every
-later one, taken by the Triton kernels; the device's own errors (CUDA errors) are raised.
+(``moe_plan_kernel.fits``, checked by its caller; outputs of 2-, 4- or 8-byte floats, 1-8 ranks); counted
+``moe:plan_lib`` and ``moe:poison_lib``. A call the library refuses (its arguments: error codes below 100) is logged
+once and, like every later one, taken by the Triton kernels; the device's own errors (CUDA errors) are raised.
 """
 
 from __future__ import annotations
@@ -71,11 +71,10 @@ def _library_on(device_index: int) -> bool:
     return kernels.available()
 
 
-def should_plan(index: torch.Tensor, offs: torch.Tensor, blocks: int) -> bool:
-    """Whether ``moe_plan_kernel.build`` takes ``plan`` (module docstring)."""
-    from . import moe_plan_kernel
-
-    return (_on() and index.is_cuda and offs.device == index.device and moe_plan_kernel.fits(index, offs, blocks)
+def should_plan(index: torch.Tensor, offs: torch.Tensor) -> bool:
+    """Whether ``moe_plan_kernel.build`` takes ``plan`` for a call within the kernels' limits
+    (``moe_plan_kernel.fits``, checked there; module docstring)."""
+    return (_on() and index.is_cuda and offs.device == index.device
             and index.device.index == torch.cuda.current_device() and _library_on(index.device.index))
 
 
