@@ -437,6 +437,26 @@ typedef struct {
 } fo_moe_poison_args;
 FO_API int fo_moe_poison(const fo_moe_poison_args* args);
 
+/* The MoE dispatch's moves into expert order (routes/moe_fast.py): on `stream`, for each move k < moves and each
+ * source row r < rows, dst[k] row inv[r] = src[k] row r (row_bytes[k] bytes, moved as word_bytes[k]-byte words: 16,
+ * 8, 4 or 2, dividing the row, the strides and both base addresses); rows whose inv is outside [0, dst_rows) are not
+ * moved. Strides in bytes. */
+#define FO_MOE_MOVE_SLOTS 4
+typedef struct {
+  const int64_t* inv;
+  int64_t rows, dst_rows;
+  int32_t moves;                    /* in [1, FO_MOE_MOVE_SLOTS] */
+  int32_t reserved;
+  const void* src[FO_MOE_MOVE_SLOTS];
+  void* dst[FO_MOE_MOVE_SLOTS];
+  int64_t row_bytes[FO_MOE_MOVE_SLOTS];
+  int64_t src_stride[FO_MOE_MOVE_SLOTS];
+  int64_t dst_stride[FO_MOE_MOVE_SLOTS];
+  int32_t word_bytes[FO_MOE_MOVE_SLOTS];
+  void* stream;
+} fo_moe_move_args;
+FO_API int fo_moe_move_rows(const fo_moe_move_args* args);
+
 #ifdef __cplusplus
 }
 #endif

@@ -26,6 +26,7 @@
 static_assert(sizeof(fo_moe_plan_args) == 184 && offsetof(fo_moe_plan_args, stream) == 176, "fo_moe_plan_args layout");
 static_assert(sizeof(fo_moe_poison_args) == 136 && offsetof(fo_moe_poison_args, stream) == 128,
               "fo_moe_poison_args layout");
+static_assert(sizeof(fo_moe_move_args) == 216 && offsetof(fo_moe_move_args, stream) == 208, "fo_moe_move_args layout");
 
 namespace flashoverlap {
 
@@ -171,6 +172,34 @@ __global__ void moe_poison(fo_moe_poison_args a) {
   }
 }
 
+// One warp per (row, move): dst[k] row inv[r] = src[k] row r, as W-byte words.
+template <class W>
+__device__ __forceinline__ void move_row(char const* src, char* dst, long long words, int lane) {
+  W const* s = reinterpret_cast<W const*>(src);
+  W* d = reinterpret_cast<W*>(dst);
+  for (long long w = lane; w < words; w += 32) d[w] = s[w];
+}
+
+__global__ void moe_move_rows(fo_moe_move_args a) {
+  int const k = blockIdx.y;
+  int const lane = threadIdx.x & 31;
+  long long const warps = (long long)gridDim.x * (blockDim.x >> 5);
+  long long const* inv = ll(a.inv);
+  for (long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < a.rows; r += warps) {
+    long long const to = inv[r];
+    if (to < 0 || to >= a.dst_rows) continue;
+    char const* src = static_cast<char const*>(a.src[k]) + r * a.src_stride[k];
+    char* dst = static_cast<char*>(a.dst[k]) + to * a.dst_stride[k];
+    long long const words = a.row_bytes[k] / a.word_bytes[k];
+    switch (a.word_bytes[k]) {
+      case 16: move_row<uint4>(src, dst, words, lane); break;
+      case 8: move_row<unsigned long long>(src, dst, words, lane); break;
+      case 4: move_row<unsigned int>(src, dst, words, lane); break;
+      default: move_row<unsigned short>(src, dst, words, lane); break;
+    }
+  }
+}
+
 int cuda_fail(char const* what, cudaError_t e) {
   return fail_code(100 + int(e), std::string(what) + ": " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
 }
@@ -181,7 +210,7 @@ int cuda_fail(char const* what, cudaError_t e) {
 int moe_plan_preload() {
   cudaFuncAttributes attr{};
   for (void const* k : {reinterpret_cast<void const*>(moe_plan_scatter), reinterpret_cast<void const*>(moe_plan_judge),
-                        reinterpret_cast<void const*>(moe_poison)}) {
+                        reinterpret_cast<void const*>(moe_poison), reinterpret_cast<void const*>(moe_move_rows)}) {
     if (cudaError_t e = cudaFuncGetAttributes(&attr, k); e != cudaSuccess) return cuda_fail("fo_preload (moe)", e);
   }
   return 0;
@@ -236,5 +265,28 @@ FO_API int fo_moe_poison(const fo_moe_poison_args* args) {
   dim3 const grid((unsigned)(blocks < 1 ? 1 : (blocks > 4096 ? 4096 : blocks)), (unsigned)a.outputs);
   flashoverlap::moe_poison<<<grid, flashoverlap::kThreads, 0, static_cast<cudaStream_t>(a.stream)>>>(a);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_fail("fo_moe_poison", e);
+  return 0;
+}
+
+FO_API int fo_moe_move_rows(const fo_moe_move_args* args) {
+  if (args == nullptr) return fail_code(2, "fo_moe_move_rows: null arguments");
+  fo_moe_move_args const& a = *args;
+  if (a.rows < 0 || a.dst_rows < 0 || a.inv == nullptr) return fail_code(2, "fo_moe_move_rows: bad rows or inv");
+  if (a.moves < 1 || a.moves > FO_MOE_MOVE_SLOTS) return fail_code(2, "fo_moe_move_rows: moves out of range");
+  for (int k = 0; k < a.moves; ++k) {
+    int64_t const w = a.word_bytes[k];
+    bool const word_ok = w == 16 || w == 8 || w == 4 || w == 2;
+    if (!word_ok || a.row_bytes[k] <= 0 || a.row_bytes[k] % w || a.src_stride[k] % w || a.dst_stride[k] % w ||
+        reinterpret_cast<uintptr_t>(a.src[k]) % w || reinterpret_cast<uintptr_t>(a.dst[k]) % w)
+      return fail_code(2, "fo_moe_move_rows: word_bytes must be 16, 8, 4 or 2 and divide rows, strides and addresses");
+    if (a.src_stride[k] < a.row_bytes[k] || a.dst_stride[k] < a.row_bytes[k])
+      return fail_code(2, "fo_moe_move_rows: strides must hold a row");
+  }
+  if (a.rows == 0) return 0;
+  long long const per_block = flashoverlap::kThreads / 32;
+  long long const blocks = (a.rows + per_block - 1) / per_block;
+  dim3 const grid((unsigned)(blocks > 8192 ? 8192 : blocks), (unsigned)a.moves);
+  flashoverlap::moe_move_rows<<<grid, flashoverlap::kThreads, 0, static_cast<cudaStream_t>(a.stream)>>>(a);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_fail("fo_moe_move_rows", e);
   return 0;
 }

@@ -345,7 +345,8 @@ def deferred_worker(op: str, extra: tuple[str, ...] = ()) -> list[str]:
     for _ in range(moe_deferred.HELD_BEFORE_DEFERRING):
         run()
     before = routes.stats["moe:deferred"]
-    lib = (routes.stats["moe:plan_lib"], routes.stats["moe:poison_lib"])
+    keys = ("moe:plan_lib", "moe:poison_lib", "moe:move_lib")
+    lib = [routes.stats[k] for k in keys]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -354,9 +355,10 @@ def deferred_worker(op: str, extra: tuple[str, ...] = ()) -> list[str]:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     err = _err(got, want)
-    grew = (routes.stats["moe:plan_lib"] - lib[0], routes.stats["moe:poison_lib"] - lib[1])
-    if grew != ((1, 1) if "moe_plan_cuda" in extra else (0, 0)):  # the library's plan and poison where asked
-        out.append(f"library calls {grew}")
+    grew = [routes.stats[k] - v for k, v in zip(keys, lib, strict=True)]
+    on = "moe_plan_cuda" in extra  # the library's plan, poison and (dispatch) moves where asked, else none
+    if grew[:2] != ([1, 1] if on else [0, 0]) or (grew[2] > 0) != (on and op == "dispatch"):
+        out.append(f"library calls {dict(zip(keys, grew, strict=True))}")
     else:
         out.append("exact" if err <= TOL and routes.stats["moe:deferred"] == before + 1 else f"WRONG {err:.3g}")
     real, seen = torch._grouped_mm, []

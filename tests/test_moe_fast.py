@@ -100,6 +100,29 @@ def path_worker(op: str, kinds_by_rank: list[str], forms: list[str], seeds: list
     return {k: routes.stats[f"{op}:{k}"] - v for k, v in before.items()}
 
 
+def library_moves_worker() -> tuple[dict[str, int], list[int]]:
+    """The dispatch with its per-block moves handed to ``moe_plan_lib.move_rows`` (a stand-in doing what the library
+    call does, ``dst[inv[r]] = src[r]`` per pair, with torch ops: no GPU here): the pairs and indices it is given make
+    the reference's outputs bit for bit. Returns the path counters and the moves of each call it got."""
+    from flashoverlap_inductor.routes import moe_plan_lib
+
+    calls = []
+
+    def move_rows(inv, moves):
+        calls.append(len(moves))
+        for dst, src in moves:
+            dst.index_copy_(0, inv, src)
+        return True
+
+    saved = moe_plan_lib.should_move, moe_plan_lib.move_rows
+    moe_plan_lib.should_move, moe_plan_lib.move_rows = (lambda inv, moves: True), move_rows
+    try:
+        counts = path_worker("dispatch", ["moe", "moe"], ["grouped", "grouped2"], [1, 2], None, True)
+    finally:
+        moe_plan_lib.should_move, moe_plan_lib.move_rows = saved
+    return counts, calls
+
+
 def bad_data_worker(op: str, bad_rank: int, what: str) -> tuple[str, str]:
     """``bad_rank``'s index gets an entry past its buffer (``what`` "index") or its offsets a decrease ("offs"):
     this call's outcome per rank, then whether the next (good) call is exact."""
@@ -194,6 +217,13 @@ def test_moe_form_takes_the_whole_block_path_and_matches_the_reference(pool, op)
     forms = ["grouped", "grouped2"]
     for counts in pool.run(path_worker, op, ["moe", "moe"], forms, [1, 2, 3], None, True):
         assert counts == {"fast": 6, "redo": 0, "p2p": 6}, counts
+
+
+def test_the_dispatch_hands_each_blocks_moves_to_the_library_in_one_call(pool):
+    """Under ``moe_plan_cuda`` a block's row move and its GEMM results' moves are one ``fo_moe_move_rows`` call."""
+    for counts, calls in pool.run(library_moves_worker):
+        assert counts == {"fast": 4, "redo": 0, "p2p": 4}, counts
+        assert set(calls) == {2, 3}, calls  # per non-empty block: its rows and 1 (grouped) or 2 (grouped2) results
 
 
 @pytest.mark.parametrize("op", ["combine", "dispatch"])

@@ -24,7 +24,8 @@ HEADER = Path(__file__).resolve().parent.parent / "csrc" / "flashoverlap_sm90.h"
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 @pytest.mark.parametrize("struct,c_name", [(moe_plan_lib.PlanArgs, "fo_moe_plan_args"),
-                                           (moe_plan_lib.PoisonArgs, "fo_moe_poison_args")])
+                                           (moe_plan_lib.PoisonArgs, "fo_moe_poison_args"),
+                                           (moe_plan_lib.MoveArgs, "fo_moe_move_args")])
 def test_the_ctypes_mirrors_match_the_c_layout(tmp_path, struct, c_name):
     fields = [f for f, _ in struct._fields_]
     prints = "".join(f'printf("{f} %zu\\n", offsetof({c_name}, {f}));' for f in fields)
@@ -45,6 +46,7 @@ def test_the_header_limits_are_the_modules():
     text = HEADER.read_text()
     assert f"#define FO_MOE_MAX_BLOCKS {moe_plan_lib.MAX_BLOCKS}\n" in text
     assert f"#define FO_MOE_POISON_SLOTS {moe_plan_lib.POISON_SLOTS}\n" in text
+    assert f"#define FO_MOE_MOVE_SLOTS {moe_plan_lib.MOVE_SLOTS}\n" in text
     assert f"#define FO_MOE_MAX_EXPERTS {moe_plan_kernel.MAX_EXPERTS}\n" in text
     assert moe_plan_lib.MAX_BLOCKS == moe_plan_kernel.MAX_BLOCKS
 
@@ -53,8 +55,17 @@ def test_off_without_the_experiment_or_on_the_cpu():
     index, offs = torch.arange(8), torch.tensor([4, 8], dtype=torch.int32)
     out = [torch.zeros(4)]
     assert not moe_plan_lib.should_plan(index, offs) and not moe_plan_lib.should_poison(out, 2)
+    moves = [(torch.zeros(8, 4), torch.zeros(8, 4))]
+    assert not moe_plan_lib.should_move(index, moves)
     with config.patch(experiments={"moe_plan_cuda"}):  # CPU tensors: never the library
         assert not moe_plan_lib.should_plan(index, offs) and not moe_plan_lib.should_poison(out, 2)
+        assert not moe_plan_lib.should_move(index, moves)
+
+
+def test_the_widest_word_divides_every_size():
+    assert moe_plan_lib._word(4096, 8192, 4096, 0x7F0000, 0x7F1000) == 16
+    assert moe_plan_lib._word(1536 * 2, 1536 * 2, 3072, 0x7F0008, 0x7F1000) == 8
+    assert moe_plan_lib._word(6, 6, 12, 0x10, 0x20) == 2
 
 
 def test_the_dispatchers_take_the_library_where_it_should_be_used(monkeypatch):

@@ -26,7 +26,7 @@ import torch
 
 from flashoverlap_inductor import errors
 
-ABI_VERSION = 12  # 10: fo_fault_mark (the NCCL watchdog); 11: fo_peer_args.probe_events; 12: fo_moe_plan, fo_moe_poison
+ABI_VERSION = 12  # 10: fo_fault_mark (the NCCL watchdog); 11: fo_peer_args.probe_events; 12: the fo_moe_* calls
 LIB_ENV = "FLASHOVERLAP_LIB"
 DEFAULT_LIB = Path(__file__).resolve().parents[2] / "build" / "libflashoverlap_sm90.so"
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
@@ -164,6 +164,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "fo_fault_mark": (c_int, [c_p, c_int, c_int, c_p]),
         "fo_moe_plan": (c_int, [c_p]),
         "fo_moe_poison": (c_int, [c_p]),
+        "fo_moe_move_rows": (c_int, [c_p]),
     }
     for name, (res, args) in sig.items():
         fn = getattr(lib, name)

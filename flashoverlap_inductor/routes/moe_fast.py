@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule.combine import offsets, ring_steps
-from . import moe_p2p, moe_plan_kernel
+from . import moe_p2p, moe_plan_kernel, moe_plan_lib
 from .base import stats
 from .cpu import _poison, _wait_all
 
@@ -192,9 +192,12 @@ def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], of
         if not rows.shape[0]:
             return
         inv = plan.inv[recv_off[j]:recv_off[j + 1]]
-        moe_p2p.copy_rows(result[0], inv, rows)
-        for t, w in enumerate(b):
-            moe_p2p.copy_rows(result[1 + t], inv, torch._grouped_mm(_aligned(rows), w, offs=plan.offs(j)))
+        ys = [torch._grouped_mm(_aligned(rows), w, offs=plan.offs(j)) for w in b]
+        moves = list(zip(result, [rows, *ys], strict=True))
+        if moe_plan_lib.should_move(inv, moves) and moe_plan_lib.move_rows(inv, moves):
+            return  # every move of the block in one library call (experiment moe_plan_cuda)
+        for dst, src in moves:
+            moe_p2p.copy_rows(dst, inv, src)
 
     try:
         if failure is None:

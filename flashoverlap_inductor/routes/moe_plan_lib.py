@@ -1,5 +1,6 @@
-"""The whole-block path's routing plan and the deferred settle's poison as library calls (``csrc/moe_plan.cu``:
-``fo_moe_plan``, ``fo_moe_poison``), under the experiment ``moe_plan_cuda``.
+"""The whole-block path's small steps as library calls (``csrc/moe_plan.cu``), under the experiment ``moe_plan_cuda``:
+the routing plan (``fo_moe_plan``), the deferred settle's poison (``fo_moe_poison``) and the dispatch's moves of a
+block's rows and GEMM results into expert order (``fo_moe_move_rows``: all of a block's in one call).
 
 Same results as ``moe_plan_kernel``'s Triton kernels (``tests/test_moe_plan_kernel.py`` runs the same cases through
 both against the torch reference), in one ctypes call each where the Triton path takes a torch fill and two launches
@@ -7,11 +8,12 @@ both against the torch reference), in one ctypes call each where the Triton path
 its compiled kernel (``runtime/triton_launch.py``; docs/results.md, twenty-fourth session), about a quarter of a fused
 MoE call's host time. **Never run on a GPU yet**: hence the experiment (off by default).
 
-Taken (``should_plan`` / ``should_poison``) where the experiment is on, the tensors are on the current CUDA device,
-the library loads on an sm90 GPU (``native.kernels.available``) and the call is within the kernels' limits
-(``moe_plan_kernel.fits``, checked by its caller; outputs of 2-, 4- or 8-byte floats, 1-8 ranks); counted
-``moe:plan_lib`` and ``moe:poison_lib``. A call the library refuses (its arguments: error codes below 100) is logged
-once and, like every later one, taken by the Triton kernels; the device's own errors (CUDA errors) are raised.
+Taken (``should_plan`` / ``should_poison`` / ``should_move``) where the experiment is on, the tensors are on the
+current CUDA device, the library loads on an sm90 GPU (``native.kernels.available``) and the call is within the
+kernels' limits (``moe_plan_kernel.fits``, checked by its caller; outputs of 2-, 4- or 8-byte floats, 1-8 ranks; 2-D
+moves with contiguous rows); counted ``moe:plan_lib``, ``moe:poison_lib`` and ``moe:move_lib``. A call the library
+refuses (its arguments: error codes below 100) is logged once and, like every later one, taken by the Triton kernels
+and torch ops; the device's own errors (CUDA errors) are raised.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from .base import note, stats
 EXPERIMENT = "moe_plan_cuda"
 MAX_BLOCKS = 8  # FO_MOE_MAX_BLOCKS
 POISON_SLOTS = 4  # FO_MOE_POISON_SLOTS
+MOVE_SLOTS = 4  # FO_MOE_MOVE_SLOTS
 # the settle vector's layout the kernels assume (FO_MOE_SETTLE_LEN fields in this order)
 assert (moe_settle.FAIL, moe_settle.ROWS, moe_settle.IDX_MAX, moe_settle.IDX_MIN, moe_settle.OFFS_STEP,
         moe_settle.UNNAMED, moe_settle.OFFS_LAST, moe_settle.KEY_STEP) == tuple(range(8)) \
@@ -59,6 +62,16 @@ class PoisonArgs(ctypes.Structure):
 
 
 _failed: list[str] = []  # a library call's refusal (its arguments), once: the Triton kernels from then on
+
+
+class MoveArgs(ctypes.Structure):
+    """``fo_moe_move_args`` of ``csrc/flashoverlap_sm90.h``."""
+
+    _fields_ = [("inv", ctypes.c_void_p), ("rows", ctypes.c_int64), ("dst_rows", ctypes.c_int64),
+                ("moves", ctypes.c_int32), ("reserved", ctypes.c_int32), ("src", ctypes.c_void_p * MOVE_SLOTS),
+                ("dst", ctypes.c_void_p * MOVE_SLOTS), ("row_bytes", ctypes.c_int64 * MOVE_SLOTS),
+                ("src_stride", ctypes.c_int64 * MOVE_SLOTS), ("dst_stride", ctypes.c_int64 * MOVE_SLOTS),
+                ("word_bytes", ctypes.c_int32 * MOVE_SLOTS), ("stream", ctypes.c_void_p)]
 
 
 def _on() -> bool:
@@ -150,3 +163,42 @@ def poison(outputs: list[torch.Tensor], vectors: torch.Tensor, world: int) -> li
             return outputs[first:]
         stats["moe:poison_lib"] += 1
     return []
+
+
+def should_move(inv: torch.Tensor, moves: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Whether ``move_rows`` takes these ``(dst, src)`` pairs: 1 to ``MOVE_SLOTS`` of them, 2-D with contiguous rows of
+    one dtype per pair (even bytes), ``src`` as many rows as ``inv`` (int64, contiguous), all on the current device."""
+    if not (_on() and inv.is_cuda and inv.dtype == torch.int64 and inv.dim() == 1 and inv.is_contiguous()
+            and 1 <= len(moves) <= MOVE_SLOTS and inv.device.index == torch.cuda.current_device()):
+        return False
+    for dst, src in moves:
+        if not (dst.dim() == 2 and src.dim() == 2 and dst.dtype == src.dtype and dst.shape[1] == src.shape[1]
+                and src.shape[0] == inv.shape[0] and dst.stride(1) == 1 and src.stride(1) == 1
+                and dst.device == inv.device and src.device == inv.device
+                and (dst.shape[1] * dst.element_size()) % 2 == 0 and dst.shape[0] == moves[0][0].shape[0]):
+            return False
+    return _library_on(inv.device.index)
+
+
+def _word(*sizes: int) -> int:
+    """The widest of 16, 8, 4 and 2 bytes that divides every size."""
+    return next(w for w in (16, 8, 4, 2) if all(n % w == 0 for n in sizes))
+
+
+def move_rows(inv: torch.Tensor, moves: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """For each ``(dst, src)`` pair, ``dst[inv[r]] = src[r]`` (as ``dst.index_copy_(0, inv, src)``) in one library call
+    on the current stream; ``should_move`` holds. False where the library refused the call (``_called``: the caller
+    moves them with torch ops)."""
+    a = MoveArgs()
+    a.inv, a.rows, a.dst_rows, a.moves = inv.data_ptr(), int(inv.shape[0]), int(moves[0][0].shape[0]), len(moves)
+    for k, (dst, src) in enumerate(moves):
+        size = dst.element_size()
+        row, s_stride, d_stride = dst.shape[1] * size, src.stride(0) * size, dst.stride(0) * size
+        a.src[k], a.dst[k] = src.data_ptr(), dst.data_ptr()
+        a.row_bytes[k], a.src_stride[k], a.dst_stride[k] = row, s_stride, d_stride
+        a.word_bytes[k] = _word(row, s_stride, d_stride, src.data_ptr(), dst.data_ptr())
+    a.stream = torch.cuda.current_stream(inv.device).cuda_stream
+    if not _called(kernels.ready(inv.device).fo_moe_move_rows(ctypes.byref(a)), "fo_moe_move_rows"):
+        return False
+    stats["moe:move_lib"] += 1
+    return True
