@@ -111,7 +111,11 @@ def test_the_kernels_build_the_reference_plan(kind, blocks, experts, per_block, 
             i, o = index.to(DEV, itype), offs.to(DEV, otype)
             want = moe_fast.plan_with_torch(i, o, bounds)
             assert impl != "library" or moe_plan_kernel.moe_plan_lib.should_plan(i, o)
+            from flashoverlap_inductor.routes import base
+
+            built = base.stats["moe:plan_lib"]
             got = moe_plan_kernel.build(i, o, bounds)
+            assert base.stats["moe:plan_lib"] == built + (impl == "library"), "the library refused the plan"
             name = f"{kind} seed {seed} {itype} {otype}"
             assert torch.equal(got[0], want[0]), f"idx: {name}"
             assert got[3].tolist() == want[3].tolist(), f"facts: {name}"

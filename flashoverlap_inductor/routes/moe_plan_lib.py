@@ -80,8 +80,12 @@ def _on() -> bool:
 
 @functools.cache
 def _library_on(device_index: int) -> bool:
-    """Whether the library loads on this process's sm90 GPU (``kernels.available``), asked once per device."""
-    return kernels.available()
+    """Whether the library loads on this process's sm90 GPU (``kernels.available``), asked once per device; its
+    kernels are loaded then (``kernels.ready``), not beside a call's NCCL transfers in flight."""
+    if not kernels.available():
+        return False
+    kernels.ready(device_index)
+    return True
 
 
 def should_plan(index: torch.Tensor, offs: torch.Tensor) -> bool:
@@ -174,7 +178,8 @@ def should_move(inv: torch.Tensor, moves: list[tuple[torch.Tensor, torch.Tensor]
     for dst, src in moves:
         if not (dst.dim() == 2 and src.dim() == 2 and dst.dtype == src.dtype and dst.shape[1] == src.shape[1]
                 and src.shape[0] == inv.shape[0] and dst.stride(1) == 1 and src.stride(1) == 1
-                and dst.device == inv.device and src.device == inv.device
+                and dst.device == inv.device and src.device == inv.device and dst.shape[1] > 0
+                and dst.stride(0) >= dst.shape[1] and src.stride(0) >= src.shape[1]
                 and (dst.shape[1] * dst.element_size()) % 2 == 0 and dst.shape[0] == moves[0][0].shape[0]):
             return False
     return _library_on(inv.device.index)
@@ -182,7 +187,7 @@ def should_move(inv: torch.Tensor, moves: list[tuple[torch.Tensor, torch.Tensor]
 
 def _word(*sizes: int) -> int:
     """The widest of 16, 8, 4 and 2 bytes that divides every size."""
-    return next(w for w in (16, 8, 4, 2) if all(n % w == 0 for n in sizes))
+    return next((w for w in (16, 8, 4, 2) if all(n % w == 0 for n in sizes)), 0)  # 0: the library refuses
 
 
 def move_rows(inv: torch.Tensor, moves: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
