@@ -94,6 +94,6 @@ def test_a_refused_call_hands_over_to_the_triton_kernels_and_a_device_error_rais
         moe_plan_lib._called(105, "fo_moe_poison")
     assert not moe_plan_lib._failed
     with config.patch(experiments={"moe_plan_cuda"}):
-        assert moe_plan_lib._on()
+        assert moe_plan_lib.on()
         assert not moe_plan_lib._called(2, "fo_moe_plan")
-        assert moe_plan_lib._failed == ["fo_moe_plan: bad ends"] and not moe_plan_lib._on()
+        assert moe_plan_lib._failed == ["fo_moe_plan: bad ends"] and not moe_plan_lib.on()

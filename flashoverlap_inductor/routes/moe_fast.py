@@ -192,12 +192,16 @@ def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], of
         if not rows.shape[0]:
             return
         inv = plan.inv[recv_off[j]:recv_off[j + 1]]
-        ys = [torch._grouped_mm(_aligned(rows), w, offs=plan.offs(j)) for w in b]
-        moves = list(zip(result, [rows, *ys], strict=True))
-        if moe_plan_lib.should_move(inv, moves) and moe_plan_lib.move_rows(inv, moves):
-            return  # every move of the block in one library call (experiment moe_plan_cuda)
-        for dst, src in moves:
-            moe_p2p.copy_rows(dst, inv, src)
+        if moe_plan_lib.on():  # every move of the block in one library call where it takes them
+            moves = list(zip(result, [rows, *(torch._grouped_mm(_aligned(rows), w, offs=plan.offs(j)) for w in b)],
+                             strict=True))
+            if not (moe_plan_lib.should_move(inv, moves) and moe_plan_lib.move_rows(inv, moves)):
+                for dst, src in moves:
+                    moe_p2p.copy_rows(dst, inv, src)
+            return
+        moe_p2p.copy_rows(result[0], inv, rows)  # each result moved (and freed) as soon as it exists
+        for t, w in enumerate(b):
+            moe_p2p.copy_rows(result[1 + t], inv, torch._grouped_mm(_aligned(rows), w, offs=plan.offs(j)))
 
     try:
         if failure is None:

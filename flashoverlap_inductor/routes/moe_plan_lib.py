@@ -74,7 +74,8 @@ class MoveArgs(ctypes.Structure):
                 ("word_bytes", ctypes.c_int32 * MOVE_SLOTS), ("stream", ctypes.c_void_p)]
 
 
-def _on() -> bool:
+def on() -> bool:
+    """Whether the experiment is on in the current settings and no library call was refused in this process."""
     return EXPERIMENT in config.current().experiments and not _failed
 
 
@@ -91,7 +92,7 @@ def _library_on(device_index: int) -> bool:
 def should_plan(index: torch.Tensor, offs: torch.Tensor) -> bool:
     """Whether ``moe_plan_kernel.build`` takes ``plan`` for a call within the kernels' limits
     (``moe_plan_kernel.fits``, checked there; module docstring)."""
-    return (_on() and index.is_cuda and offs.device == index.device
+    return (on() and index.is_cuda and offs.device == index.device
             and index.device.index == torch.cuda.current_device() and _library_on(index.device.index))
 
 
@@ -143,7 +144,7 @@ def _called(rc: int, what: str) -> bool:
 def should_poison(outputs: list[torch.Tensor], world: int) -> bool:
     """Whether ``moe_deferred.poison_if_bad`` takes ``poison`` for ``outputs`` (non-empty, each contiguous on the
     current CUDA device, of a float dtype the kernel knows) of a ``world``-rank call."""
-    return (_on() and 1 <= world <= 8 and bool(outputs)
+    return (on() and 1 <= world <= 8 and bool(outputs)
             and all(o.is_cuda and o.is_contiguous() and o.dtype in _NAN_BITS and o.device == outputs[0].device
                     for o in outputs)
             and outputs[0].device.index == torch.cuda.current_device() and _library_on(outputs[0].device.index))
@@ -172,7 +173,7 @@ def poison(outputs: list[torch.Tensor], vectors: torch.Tensor, world: int) -> li
 def should_move(inv: torch.Tensor, moves: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
     """Whether ``move_rows`` takes these ``(dst, src)`` pairs: 1 to ``MOVE_SLOTS`` of them, 2-D with contiguous rows of
     one dtype per pair (even bytes), ``src`` as many rows as ``inv`` (int64, contiguous), all on the current device."""
-    if not (_on() and inv.is_cuda and inv.dtype == torch.int64 and inv.dim() == 1 and inv.is_contiguous()
+    if not (on() and inv.is_cuda and inv.dtype == torch.int64 and inv.dim() == 1 and inv.is_contiguous()
             and 1 <= len(moves) <= MOVE_SLOTS and inv.device.index == torch.cuda.current_device()):
         return False
     for dst, src in moves:
