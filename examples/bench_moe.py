@@ -46,8 +46,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench_moe", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="", help="preset:tokens,... (presets: " + ", ".join(PRESETS) + ")")
     p.add_argument("--plans", default="blocks,blocks+deferred,blocks:c=2",
-                   help="the fused op's plans, one column each; '<plan>+deferred': that plan under the experiment "
-                        "moe_settle_deferred (the settle without a host read, once the group qualifies)")
+                   help="the fused op's plans, one column each; '<plan>+<experiment>[+...]': that plan with those "
+                        "experiments on (config.EXPERIMENTS; 'deferred' stands for moe_settle_deferred, 'plan_cuda' "
+                        "for moe_plan_cuda), e.g. blocks+deferred+plan_cuda")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--target-ms", type=float, default=20.0)
     p.add_argument("--json", default=None)
@@ -86,13 +87,23 @@ def _relerr(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item()
 
 
+SUFFIXES = {"deferred": "moe_settle_deferred", "plan_cuda": "moe_plan_cuda", "two_behind": "moe_judge_two_behind"}
+
+
 def _settings(plan: str) -> tuple[str, str]:
-    """The op's plan and settings key of a column: ``<plan>+deferred`` adds the experiment ``moe_settle_deferred``
-    to the current settings (passed as the op's settings argument: no context manager in the timed call)."""
-    if not plan.endswith("+deferred"):
+    """The op's plan and settings key of a column ``<plan>[+<experiment>...]``: each ``+`` name (or its short form in
+    ``SUFFIXES``) is added to the current settings' experiments, passed as the op's settings argument (no context
+    manager in the timed call). A plan without ``+`` runs under the current settings (key "")."""
+    plan, *extra = plan.split("+")
+    if not extra:
         return plan, ""
     now = config.current()
-    return plan.removesuffix("+deferred"), now.replace(experiments=now.experiments | {"moe_settle_deferred"}).key()
+    names = {SUFFIXES.get(name, name) for name in extra}
+    unknown = names - set(config.EXPERIMENTS)
+    if unknown:
+        raise SystemExit(f"bench_moe: unknown experiments {sorted(unknown)} in a plan (known: "
+                         f"{', '.join(sorted(config.EXPERIMENTS))}; short forms: {', '.join(SUFFIXES)})")
+    return plan, now.replace(experiments=now.experiments | names).key()
 
 
 def _variants(op: str, shape: dict, r: dict, plans: list[str], dev: torch.device) -> tuple[dict, object]:

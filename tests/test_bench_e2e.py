@@ -301,3 +301,18 @@ def test_table_marks_mismatch_and_na():
             {**base, "backend": "inductor+async-tp", "status": "n/a", "note": "n/a (needs CUDA symmetric memory)"}]
     text = output.table(rows)
     assert "MISMATCH" in text and "fused AR 3; skip cost_model 1" in text and "needs CUDA symmetric memory" in text
+
+
+def test_backend_with_experiments_parses_and_splits():
+    """``--backends flashoverlap@a+b``: a fusing backend's row with more experiments (an A/B in one run); a name on a
+    non-fusing backend or an unknown experiment is a one-line parse error."""
+    from flashoverlap_inductor.bench import cli, runner
+
+    args = cli.build_parser().parse_args(
+        ["--backends", "inductor,flashoverlap,flashoverlap@moe_plan_cuda+moe_settle_deferred"])
+    assert args.backends == ["inductor", "flashoverlap", "flashoverlap@moe_plan_cuda+moe_settle_deferred"]
+    assert runner.variant(args.backends[2]) == ("flashoverlap", ("moe_plan_cuda", "moe_settle_deferred"))
+    assert runner.variant("inductor") == ("inductor", ())
+    for bad in ("inductor@moe_plan_cuda", "flashoverlap@no_such", "flashoverlap@", "nothing"):
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args(["--backends", bad])

@@ -346,3 +346,21 @@ def test_quick_loops_stay_silent(capsys):
         bar.update()
     bar.close()
     assert capsys.readouterr().out == ""
+
+
+def test_bench_moe_plan_columns_add_experiments():
+    """``examples/bench_moe.py --plans``: ``<plan>+<experiment>...`` adds each experiment (short forms too) to the
+    column's settings key; an unknown name exits naming it (it once took only ``+deferred``)."""
+    import importlib.util
+
+    from flashoverlap_inductor import config
+
+    spec = importlib.util.spec_from_file_location("bench_moe", ROOT / "examples" / "bench_moe.py")
+    bench_moe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_moe)
+    assert bench_moe._settings("blocks") == ("blocks", "")
+    plan, key = bench_moe._settings("blocks:c=2+deferred+plan_cuda")
+    assert plan == "blocks:c=2"
+    assert config.from_key(key).experiments >= {"moe_settle_deferred", "moe_plan_cuda"}
+    with pytest.raises(SystemExit, match="no_such"):
+        bench_moe._settings("blocks+no_such")

@@ -25,6 +25,7 @@
 #   "--op reduce_scatter" or "--op all_reduce": the peer route's call timeline instead of the all_gather one, 1 PNG).
 # The MoE check alone (tests/test_gpu_moe.py, tests/test_moe_plan_kernel.py, bench_moe, moe_profile):
 #   FO_PART=B FO_SKIP="cpu coverage ops gather timeline".
+# FO_MOEPROF_SHAPES, FO_MOEPROF_PLANS: moe_profile's shapes and bench_moe plans (e.g. blocks+deferred+plan_cuda).
 # FO_OPS_CAP_S: bench_ops' cap (default 120 s; FO_OPS_SHAPES=grid, the 16-shape grid, needs ~300); FO_OPS_ARGS: more
 #   bench_ops arguments (e.g. "--ops all_to_all").
 # FO_SKIP: any of "build tests faults cpu coverage ops gather moe moeprof timeline e2e"; FO_BUDGET_S: the part's budget (default 570).
@@ -119,7 +120,7 @@ elif [ "$PART" = B ]; then
   if [[ "$SKIP" != *" moeprof "* ]]; then  # where a fused MoE call's time goes: profiler tables; traces: $OUT/moe_traces.tgz
     step "moe_profile"
     timeout "$(cap 90)" "${TORCHRUN[@]}" --nproc_per_node=2 "$REPO/examples/device/moe_profile.py" \
-      --shapes "${FO_MOEPROF_SHAPES:-qwen3:4096}" --plans blocks,blocks+deferred --cprofile 10 --sections 30 --trace /tmp/fo_probe \
+      --shapes "${FO_MOEPROF_SHAPES:-qwen3:4096}" --plans "${FO_MOEPROF_PLANS:-blocks,blocks+deferred}" --cprofile 10 --sections 30 --trace /tmp/fo_probe \
       >"$OUT/moe_profile.log" 2>&1
     echo "moe_profile rc=$?" | tee -a "$OUT/moe_profile.log"; grep "^==" "$OUT/moe_profile.log"
     (cd /tmp/fo_probe && tar czf "$OUT/moe_traces.tgz" moe_*.json 2>/dev/null)

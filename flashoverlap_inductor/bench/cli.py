@@ -10,6 +10,7 @@ import argparse
 from flashoverlap_inductor import config
 
 from . import models, plans
+from .runner import FUSING
 
 BACKENDS = ("eager", "inductor", "inductor+async-tp", "flashoverlap", "flashoverlap-ro", "inductor-ro", "bound")
 DEFAULT_BACKENDS = ("eager", "inductor", "inductor+async-tp", "flashoverlap", "flashoverlap-ro", "bound")
@@ -40,6 +41,22 @@ def _names(choices: tuple[str, ...]):
             raise argparse.ArgumentTypeError(f"unknown {bad or text!r}; choose from {', '.join(choices)}")
         return list(dict.fromkeys(out))
     return parse
+
+
+def _backends(text: str) -> list[str]:
+    """``--backends``: names from ``BACKENDS``; a fusing one may carry ``@exp[+exp...]`` (runner.variant)."""
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    for name in out:
+        kind, at, extra = name.partition("@")
+        names = [x for x in extra.split("+") if x]
+        if kind not in BACKENDS or (at and (kind not in FUSING or not names
+                                            or any(x not in config.EXPERIMENTS for x in names))):
+            raise argparse.ArgumentTypeError(
+                f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}; {' or '.join(FUSING)} may add "
+                f"'@experiment[+experiment...]' (experiments: {', '.join(config.EXPERIMENTS)})")
+    if not out:
+        raise argparse.ArgumentTypeError(f"no backend in {text!r}")
+    return list(dict.fromkeys(out))
 
 
 def _positive(text: str) -> int:
@@ -79,9 +96,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ep: local experts as a loop of mm, or torch._grouped_mm (bf16 only); auto: grouped on CUDA "
                         "bf16 with several experts per rank")
     g = p.add_argument_group("backends")
-    g.add_argument("--backends", type=_names(BACKENDS), default=list(DEFAULT_BACKENDS),
+    g.add_argument("--backends", type=_backends, default=list(DEFAULT_BACKENDS),
                    help="comma-separated, run side by side on the same inputs and initial weights: "
-                        + ", ".join(BACKENDS))
+                        + ", ".join(BACKENDS) + "; a fusing one with '@exp+exp' runs with those experiments on too "
+                        "(e.g. flashoverlap,flashoverlap@moe_plan_cuda: an A/B in one run)")
     g.add_argument("--fuse", choices=("auto", "always", "never"), default="auto",
                    help="flashoverlap's fuse setting (auto: the cost model, fitted on H200s, decides; it fuses "
                         "nothing on CPU; always: for CPU correctness runs)")

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from . import bound, cli, coverage, output
-from .runner import FUSING, Case, Env, rel_error, release, run_backend, unavailable
+from .runner import FUSING, Case, Env, rel_error, release, run_backend, unavailable, variant
 
 TOLERANCE = {"bf16": 2e-2, "fp32": 1e-4}
 # eager rounds every intermediate to bf16 where Inductor keeps a fused kernel's intermediates in fp32: on random-init
@@ -130,7 +130,7 @@ def run_case(case: Case, template, env: Env, args: argparse.Namespace) -> list[d
     for backend in args.backends:
         base = {"model": case.spec.name, "plan": case.plan, "workload": case.workload, "seq": case.seq,
                 "batch": case.batch, "tokens": case.tokens, "world": env.world, "dtype": args.dtype}
-        why = unavailable(backend, case, env)
+        why = unavailable(variant(backend)[0], case, env)
         if why:
             rows.append({**base, "backend": backend, "status": "n/a", "note": why})
             continue
@@ -185,14 +185,14 @@ def coverage_entry(spec, plan: str, workload: str, rows: list[dict[str, Any]], w
     mine = [r for r in rows if r["model"] == spec.name and r["plan"] == plan and r["workload"] == workload
             and r.get("graphs")]
     src = next((r for r in mine if r["backend"] == "flashoverlap"), None) or \
-        next((r for r in mine if r["backend"] in FUSING), None) or (mine[0] if mine else None)
+        next((r for r in mine if variant(r["backend"])[0] in FUSING), None) or (mine[0] if mine else None)
     entry: dict[str, Any] = {"model": spec.name, "plan": plan, "workload": workload, "notes": [],
                              "source": f"{src['backend']} at seq {src['seq']}" if src else "none",
                              "graphs": coverage.merge(src["graphs"]) if src else {},
                              "events": src.get("events", {}) if src else {}}
     if world == 1:
         entry["notes"].append("world size 1: the plans need no collectives, so there is nothing to fuse")
-    if src and src["backend"] not in FUSING:
+    if src and variant(src["backend"])[0] not in FUSING:
         entry["notes"].append("no flashoverlap backend ran: the pairs are listed unfused")
     if plan == "ep" and src:
         entry["notes"].append(output.moe_combine_note(entry))

@@ -37,6 +37,14 @@ FUSING = ("flashoverlap", "flashoverlap-ro")
 GRAPHED = ("flashoverlap-ro", "inductor-ro")
 
 
+def variant(backend: str) -> tuple[str, tuple[str, ...]]:
+    """``"flashoverlap@moe_plan_cuda+moe_settle_deferred"`` -> ``("flashoverlap", (the two names))``: a fusing
+    backend's row with more experiments on than ``--experiments`` gives (an A/B of experiments in one run); a name
+    without ``@`` -> ``(name, ())``."""
+    kind, _, extra = backend.partition("@")
+    return kind, tuple(x for x in extra.split("+") if x)
+
+
 @dataclass
 class Env:
     """The process's distributed setting. ``device``: this rank's device; ``dtype``: the model's."""
@@ -278,6 +286,8 @@ def run_backend(backend: str, case: Case, template: nn.Module, data: list, env: 
     from flashoverlap_inductor import reporting as fo
 
     row: dict[str, Any] = {"backend": backend, "status": "ok", "note": ""}
+    backend, extra = variant(backend)
+    experiments = tuple(dict.fromkeys((*args.experiments, *extra)))
     capture = coverage.GraphCapture()
     torch._dynamo.reset()
     fo.reset_fusion_report()
@@ -293,7 +303,7 @@ def run_backend(backend: str, case: Case, template: nn.Module, data: list, env: 
         with cache:
             if case.workload == "train":
                 model.train()
-                fn = compile_for(backend, TrainLoss(model), env, args.fuse, capture, tuple(args.experiments))
+                fn = compile_for(backend, TrainLoss(model), env, args.fuse, capture, experiments)
                 opt = make_optimizer(model, args.lr)
 
                 def step(i: int) -> torch.Tensor:
@@ -305,10 +315,10 @@ def run_backend(backend: str, case: Case, template: nn.Module, data: list, env: 
 
                 first_s, times, outs = _measure(step, n_warm, n_steps, env, bar)
                 values = torch.stack(outs).double().cpu()
-                traced = trace(args, case, backend, env, step)
+                traced = trace(args, case, row["backend"], env, step)
             else:
                 model.eval()
-                fn = compile_for(backend, Prefill(model), env, args.fuse, capture, tuple(args.experiments))
+                fn = compile_for(backend, Prefill(model), env, args.fuse, capture, experiments)
 
                 def forward(i: int) -> None:  # the logits are dropped: a CUDA graph's output is overwritten
                     fn(data[i][0])
@@ -317,7 +327,7 @@ def run_backend(backend: str, case: Case, template: nn.Module, data: list, env: 
                     first_s, times, _ = _measure(forward, n_warm, n_steps, env, bar)
                     values = fn(data[0][0]).double().cpu()  # one more call: a CUDA graph's output is reused
                     env.sync()
-                    traced = trace(args, case, backend, env, forward)
+                    traced = trace(args, case, row["backend"], env, forward)
     finally:
         bar.close()
     row["step_ms"] = [round(t, 4) for t in times]
