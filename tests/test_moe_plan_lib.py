@@ -97,3 +97,44 @@ def test_a_refused_call_hands_over_to_the_triton_kernels_and_a_device_error_rais
         assert moe_plan_lib.on()
         assert not moe_plan_lib._called(2, "fo_moe_plan")
         assert moe_plan_lib._failed == ["fo_moe_plan: bad ends"] and not moe_plan_lib.on()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the library's kernels need an sm90 GPU")
+@pytest.mark.parametrize("dtype,cols,pad,moves", [
+    (torch.bfloat16, 2048, 0, 4),   # 16-byte words
+    (torch.bfloat16, 772, 0, 1),    # 1544-byte rows: 8-byte words
+    (torch.bfloat16, 770, 6, 2),    # 1540-byte rows, padded strides: 4-byte words
+    (torch.bfloat16, 769, 1, 3),    # 1538-byte rows: 2-byte words
+    (torch.float32, 96, 8, 4),      # fp32, padded: 16-byte words
+    (torch.float16, 3, 0, 1),       # 6-byte rows: 2-byte words
+])
+def test_move_rows_is_index_copy_bit_for_bit(dtype, cols, pad, moves):
+    """``fo_moe_move_rows`` against ``index_copy_`` on fresh random rows: every word width (16/8/4/2 bytes), padded
+    row strides (a column slice of a wider tensor, both sides), 1-4 moves in one call, a permutation with rows
+    left untouched in ``dst`` (their poison must survive), bit for bit; the column padding is never written."""
+    from flashoverlap_inductor.native import kernels
+
+    if not kernels.available():  # on an sm90 GPU the library must be built: these cases must not vanish
+        pytest.fail("the library does not load on this sm90 GPU: build it (python -m flashoverlap_inductor.build)")
+    g = torch.Generator(device="cuda").manual_seed(cols * 7 + moves)
+    rows, dst_rows = 1000, 1300
+    inv = torch.randperm(dst_rows, device="cuda", generator=g)[:rows].contiguous()
+    pairs, wants = [], []
+    for _ in range(moves):
+        src = torch.randn(rows, cols + pad, device="cuda", generator=g).to(dtype)[:, :cols]
+        dst = torch.full((dst_rows, cols + pad), float("nan"), device="cuda", dtype=dtype)[:, :cols]
+        want = dst.clone().index_copy_(0, inv, src)
+        pairs.append((dst, src))
+        wants.append(want)
+    with config.patch(experiments={"moe_plan_cuda"}):
+        assert moe_plan_lib.should_move(inv, pairs)
+        before = moe_plan_lib.stats["moe:move_lib"]
+        assert moe_plan_lib.move_rows(inv, pairs)
+        assert moe_plan_lib.stats["moe:move_lib"] == before + 1
+    torch.cuda.synchronize()
+    for (dst, _), want in zip(pairs, wants):
+        assert torch.equal(dst.view(torch.int16 if dst.element_size() == 2 else torch.int32),
+                           want.view(torch.int16 if want.element_size() == 2 else torch.int32))
+        if pad:  # the padding columns kept their NaN
+            assert torch.isnan(dst._base[:, cols:].float()).all()
