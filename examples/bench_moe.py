@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plans", default="blocks,blocks+deferred,blocks:c=2",
                    help="the fused op's plans, one column each; '<plan>+<experiment>[+...]': that plan with those "
                         "experiments on (config.EXPERIMENTS; 'deferred' stands for moe_settle_deferred, 'plan_cuda' "
-                        "for moe_plan_cuda), e.g. blocks+deferred+plan_cuda")
+                        "for moe_plan_triton), e.g. blocks+deferred,blocks+deferred+plan_triton")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--target-ms", type=float, default=20.0)
     p.add_argument("--json", default=None)
@@ -87,7 +87,7 @@ def _relerr(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item()
 
 
-SUFFIXES = {"deferred": "moe_settle_deferred", "plan_cuda": "moe_plan_cuda", "two_behind": "moe_judge_two_behind"}
+SUFFIXES = {"deferred": "moe_settle_deferred", "plan_triton": "moe_plan_triton", "two_behind": "moe_judge_two_behind"}
 
 
 def _settings(plan: str) -> tuple[str, str]:

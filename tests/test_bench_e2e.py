@@ -309,10 +309,10 @@ def test_backend_with_experiments_parses_and_splits():
     from flashoverlap_inductor.bench import cli, runner
 
     args = cli.build_parser().parse_args(
-        ["--backends", "inductor,flashoverlap,flashoverlap@moe_plan_cuda+moe_settle_deferred"])
-    assert args.backends == ["inductor", "flashoverlap", "flashoverlap@moe_plan_cuda+moe_settle_deferred"]
-    assert runner.variant(args.backends[2]) == ("flashoverlap", ("moe_plan_cuda", "moe_settle_deferred"))
+        ["--backends", "inductor,flashoverlap,flashoverlap@moe_plan_triton+moe_settle_deferred"])
+    assert args.backends == ["inductor", "flashoverlap", "flashoverlap@moe_plan_triton+moe_settle_deferred"]
+    assert runner.variant(args.backends[2]) == ("flashoverlap", ("moe_plan_triton", "moe_settle_deferred"))
     assert runner.variant("inductor") == ("inductor", ())
-    for bad in ("inductor@moe_plan_cuda", "flashoverlap@no_such", "flashoverlap@", "nothing"):
+    for bad in ("inductor@moe_plan_triton", "flashoverlap@no_such", "flashoverlap@", "nothing"):
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args(["--backends", bad])

@@ -359,8 +359,8 @@ def test_bench_moe_plan_columns_add_experiments():
     bench_moe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_moe)
     assert bench_moe._settings("blocks") == ("blocks", "")
-    plan, key = bench_moe._settings("blocks:c=2+deferred+plan_cuda")
+    plan, key = bench_moe._settings("blocks:c=2+deferred+plan_triton")
     assert plan == "blocks:c=2"
-    assert config.from_key(key).experiments >= {"moe_settle_deferred", "moe_plan_cuda"}
+    assert config.from_key(key).experiments >= {"moe_settle_deferred", "moe_plan_triton"}
     with pytest.raises(SystemExit, match="no_such"):
         bench_moe._settings("blocks+no_such")

@@ -319,7 +319,8 @@ def deferred_worker(op: str, extra: tuple[str, ...] = ()) -> list[str]:
     calls against fp64 (no host sync inside them: ``set_sync_debug_mode("error")``), then rank 1's GEMM raising in a
     deferred call: rank 1 raises it, rank 0's outputs are NaN, and rank 0 raises ``PoisonedResult`` at the end of a
     later call (after a device sync, its event is done); then exact again. Per step: an outcome word. ``extra``:
-    more experiments (``moe_plan_cuda``: the plan and the poison by the library's kernels)."""
+    more experiments (``moe_plan_triton``: the plan, the poison and the moves by Triton kernels and torch ops instead
+    of the library's kernels)."""
     from unittest import mock
 
     import torch.distributed as dist
@@ -356,7 +357,7 @@ def deferred_worker(op: str, extra: tuple[str, ...] = ()) -> list[str]:
     torch.cuda.synchronize()
     err = _err(got, want)
     grew = [routes.stats[k] - v for k, v in zip(keys, lib, strict=True)]
-    on = "moe_plan_cuda" in extra  # the library's plan, poison and (dispatch) moves where asked, else none
+    on = "moe_plan_triton" not in extra  # the library's plan, poison and (dispatch) moves unless opted out
     if grew[:2] != ([1, 1] if on else [0, 0]) or (grew[2] > 0) != (on and op == "dispatch"):
         out.append(f"library calls {dict(zip(keys, grew, strict=True))}")
     else:
@@ -520,7 +521,7 @@ def test_the_whole_block_path_syncs_the_host_only_in_its_settle(pool, op):
 
 @two_gpus
 @pytest.mark.parametrize("op", ["combine", "dispatch"])
-@pytest.mark.parametrize("extra", [(), ("moe_plan_cuda",)])
+@pytest.mark.parametrize("extra", [(), ("moe_plan_triton",)])
 def test_the_settle_without_a_host_read_poisons_and_raises_a_call_later(pool, op, extra):
     r0, r1 = pool.run(deferred_worker, op, extra)
     assert r0 == ["exact", "NaN", "poisoned (PeerFailure)", "exact"], r0

@@ -221,7 +221,8 @@ def test_moe_form_takes_the_whole_block_path_and_matches_the_reference(pool, op)
 
 
 def test_the_dispatch_hands_each_blocks_moves_to_the_library_in_one_call(pool):
-    """Under ``moe_plan_cuda`` a block's row move and its GEMM results' moves are one ``fo_moe_move_rows`` call."""
+    """With the library (the default; not under ``moe_plan_triton``) a block's row move and its GEMM results' moves
+    are one ``fo_moe_move_rows`` call."""
     for counts, calls in pool.run(library_moves_worker):
         assert counts == {"fast": 4, "redo": 0, "p2p": 4}, counts
         assert set(calls) == {2, 3}, calls  # per non-empty block: its rows and 1 (grouped) or 2 (grouped2) results

@@ -42,19 +42,19 @@ def test_under_the_interpreter():
 @pytest.fixture(params=["triton", "library"])
 def impl(request):
     """Which kernels build the plan and poison: Triton's (the default) or the library's (``routes/moe_plan_lib.py``,
-    experiment ``moe_plan_cuda``; on an sm90 GPU with the library built)."""
+    the default on an sm90 GPU with the library built; the experiment ``moe_plan_triton`` keeps Triton's)."""
     from flashoverlap_inductor import config
     from flashoverlap_inductor.native import kernels
 
     if request.param == "triton":
-        yield "triton"
+        with config.patch(experiments={"moe_plan_triton"}):
+            yield "triton"
         return
     if DEV.type != "cuda" or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the library's kernels need an sm90 GPU")
     if not kernels.available():  # on an sm90 GPU the library must be built: these cases must not vanish
         pytest.fail("the library does not load on this sm90 GPU: build it (python -m flashoverlap_inductor.build)")
-    with config.patch(experiments={"moe_plan_cuda"}):
-        yield "library"
+    yield "library"
 
 
 def _case(seed: int, kind: str, blocks: int, experts: int, rows_per_block: int) -> tuple:
@@ -148,6 +148,7 @@ def test_the_premise_verdicts_are_the_references(impl):
 def test_later_launches_go_straight_to_the_compiled_kernels():
     """After a key's first launch the plan's kernels launch through their compiled form (``runtime.triton_launch``)
     and still build the reference plan, on fresh data of the same form and on other block sizes."""
+    from flashoverlap_inductor import config
     from flashoverlap_inductor.routes import moe_fast, moe_plan_kernel
     from flashoverlap_inductor.runtime import triton_launch
 
@@ -155,7 +156,9 @@ def test_later_launches_go_straight_to_the_compiled_kernels():
         index, offs, bounds = _case(seed, "moe", 2, 64, 300 + seed)
         i, o = index.to(DEV), offs.to(DEV, torch.int32)
         before = triton_launch.counts["direct"]
-        got, want = moe_plan_kernel.build(i, o, bounds), moe_fast.plan_with_torch(i, o, bounds)
+        with config.patch(experiments={"moe_plan_triton"}):  # the Triton kernels, not the library's
+            got = moe_plan_kernel.build(i, o, bounds)
+        want = moe_fast.plan_with_torch(i, o, bounds)
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), seed
         if seed:
             assert triton_launch.counts["direct"] == before + 2, "the plan's kernels went through triton.jit's run"

@@ -51,15 +51,16 @@ def test_the_header_limits_are_the_modules():
     assert moe_plan_lib.MAX_BLOCKS == moe_plan_kernel.MAX_BLOCKS
 
 
-def test_off_without_the_experiment_or_on_the_cpu():
+def test_off_under_the_opt_out_or_on_the_cpu():
     index, offs = torch.arange(8), torch.tensor([4, 8], dtype=torch.int32)
     out = [torch.zeros(4)]
-    assert not moe_plan_lib.should_plan(index, offs) and not moe_plan_lib.should_poison(out, 2)
     moves = [(torch.zeros(8, 4), torch.zeros(8, 4))]
+    assert moe_plan_lib.on() or moe_plan_lib._failed  # the default
+    # CPU tensors: never the library
+    assert not moe_plan_lib.should_plan(index, offs) and not moe_plan_lib.should_poison(out, 2)
     assert not moe_plan_lib.should_move(index, moves)
-    with config.patch(experiments={"moe_plan_cuda"}):  # CPU tensors: never the library
-        assert not moe_plan_lib.should_plan(index, offs) and not moe_plan_lib.should_poison(out, 2)
-        assert not moe_plan_lib.should_move(index, moves)
+    with config.patch(experiments={"moe_plan_triton"}):
+        assert not moe_plan_lib.on()
 
 
 def test_the_widest_word_divides_every_size():
@@ -93,7 +94,7 @@ def test_a_refused_call_hands_over_to_the_triton_kernels_and_a_device_error_rais
     with pytest.raises(moe_plan_lib.kernels.KernelLibraryError, match="fo_moe_poison failed"):
         moe_plan_lib._called(105, "fo_moe_poison")
     assert not moe_plan_lib._failed
-    with config.patch(experiments={"moe_plan_cuda"}):
+    with config.patch(experiments=set()):  # the default: the library
         assert moe_plan_lib.on()
         assert not moe_plan_lib._called(2, "fo_moe_plan")
         assert moe_plan_lib._failed == ["fo_moe_plan: bad ends"] and not moe_plan_lib.on()
@@ -127,7 +128,7 @@ def test_move_rows_is_index_copy_bit_for_bit(dtype, cols, pad, moves):
         want = dst.clone().index_copy_(0, inv, src)
         pairs.append((dst, src))
         wants.append(want)
-    with config.patch(experiments={"moe_plan_cuda"}):
+    with config.patch(experiments=set()):  # the default: the library
         assert moe_plan_lib.should_move(inv, pairs)
         before = moe_plan_lib.stats["moe:move_lib"]
         assert moe_plan_lib.move_rows(inv, pairs)

@@ -99,7 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backends", type=_backends, default=list(DEFAULT_BACKENDS),
                    help="comma-separated, run side by side on the same inputs and initial weights: "
                         + ", ".join(BACKENDS) + "; a fusing one with '@exp+exp' runs with those experiments on too "
-                        "(e.g. flashoverlap,flashoverlap@moe_plan_cuda: an A/B in one run)")
+                        "(e.g. flashoverlap,flashoverlap@moe_plan_triton: an A/B in one run)")
     g.add_argument("--fuse", choices=("auto", "always", "never"), default="auto",
                    help="flashoverlap's fuse setting (auto: the cost model, fitted on H200s, decides; it fuses "
                         "nothing on CPU; always: for CPU correctness runs)")

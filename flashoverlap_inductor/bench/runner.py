@@ -38,7 +38,7 @@ GRAPHED = ("flashoverlap-ro", "inductor-ro")
 
 
 def variant(backend: str) -> tuple[str, tuple[str, ...]]:
-    """``"flashoverlap@moe_plan_cuda+moe_settle_deferred"`` -> ``("flashoverlap", (the two names))``: a fusing
+    """``"flashoverlap@moe_plan_triton+moe_settle_deferred"`` -> ``("flashoverlap", (the two names))``: a fusing
     backend's row with more experiments on than ``--experiments`` gives (an A/B of experiments in one run); a name
     without ``@`` -> ``(name, ())``."""
     kind, _, extra = backend.partition("@")

@@ -98,8 +98,8 @@ def bad(vectors: torch.Tensor, world: int) -> torch.Tensor:
 
 def poison_if_bad(outputs: list[torch.Tensor], vectors: torch.Tensor, world: int) -> None:
     """Every tensor of ``outputs`` filled with NaN where ``bad(vectors)``, on the device (no host read): on CUDA one
-    library call (``moe_plan_lib``, experiment ``moe_plan_cuda``) or one Triton launch per ``POISON_SLOTS`` contiguous
-    outputs that writes nothing when every vector is good
+    library call (``moe_plan_lib``; not under the experiment ``moe_plan_triton``) or one Triton launch per
+    ``POISON_SLOTS`` contiguous outputs that writes nothing when every vector is good
     (``moe_plan_triton.poison_if_bad``), else ``bad`` and a masked fill per output."""
     rest = [out for out in outputs if out.numel()]
     if moe_plan_lib.should_poison(rest, world):

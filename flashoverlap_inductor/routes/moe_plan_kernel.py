@@ -83,10 +83,10 @@ def fits(index: torch.Tensor, offs: torch.Tensor, blocks: int) -> bool:
 def build(index: torch.Tensor, offs: torch.Tensor, bounds: list[int]) -> tuple[torch.Tensor, ...] | None:
     """``(idx, inv, table, facts)`` of ``BlockPlan`` for ``index`` (rows = ``bounds[-1]``), ``offs`` (E int32 or
     int64) and the blocks' row bounds (``bounds[0] == 0``, ``len(bounds) - 1`` blocks); ``should_use`` holds. One
-    library call (``moe_plan_lib``, experiment ``moe_plan_cuda``), else (and where the library refused the call) two
-    Triton launches and one zeroed workspace; no host read. None where Triton fails to compile or launch them
-    (logged once; ``should_use`` is False after it): the caller builds the plan with torch ops (the same plan, so
-    ranks may differ here without changing any collective)."""
+    library call (``moe_plan_lib``; not under the experiment ``moe_plan_triton``), else (and where the library
+    refused the call) two Triton launches and one zeroed workspace; no host read. None where Triton fails to compile
+    or launch them (logged once; ``should_use`` is False after it): the caller builds the plan with torch ops (the
+    same plan, so ranks may differ here without changing any collective)."""
     if bounds[0] != 0 or bounds[-1] != int(index.shape[0]):
         raise ValueError(f"flashoverlap: the blocks' bounds {bounds} do not cover the index's {index.shape[0]} rows")
     if fits(index, offs, len(bounds) - 1) and moe_plan_lib.should_plan(index, offs):
