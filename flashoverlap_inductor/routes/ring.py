@@ -21,10 +21,13 @@ prove that every reader is done -- for all_reduce a barrier of all ranks, so a c
 pieces out differently in the same workspace (the argument is in ``csrc/flashoverlap_sm90.h``). Sums are rounded
 to the output dtype after every step, as NCCL's ring rounds after every hop.
 
-Status: measured on 2 GPUs only (where it runs with ``ring="all"``; the default there is the peer route). Not
-measured on 4 or more GPUs, for want of a machine: off by default (``Settings.ring = "off"``); ``"wide"`` turns it
-on for groups of 3 or more ranks. The cost model predicts it (``cost_model/ring.py``, ``rounds``) where its data
-file has ring terms for the world size (``tune fit --ring``); elsewhere ``auto`` predicts the NCCL route.
+Status: measured on 2 GPUs (where it runs with ``ring="all"``; the default there is the peer route) and once on
+4 H200s (twenty-fifth session, the grid's shapes that ``auto`` fused; correct on all): reduce_scatter 1.04-1.17x of
+sequential (the NCCL route 1.00-1.06x, PyTorch async-TP 1.14-1.32x on the same shapes), all_reduce 0.94-1.00x (the
+NCCL route 1.05-1.26x). Off by default (``Settings.ring = "off"``); ``"wide"`` turns it on for groups of 3 or more
+ranks. The cost model predicts it (``cost_model/ring.py``, ``rounds``) where its data file has ring terms for the
+world size (``tune fit --ring``: the H200 file has world 4, fitted to that run); elsewhere ``auto`` predicts the
+NCCL route.
 
 Symmetric memory of one (device, group): a ring flag area (``FLAG_BYTES``, made once, zeroed) and workspaces of
 ``capacity`` bytes (``symmetric.smallest_with_room``), each mapped from every rank. Calls are ordered like the peer
