@@ -23,7 +23,7 @@ to the output dtype after every step, as NCCL's ring rounds after every hop.
 
 Status: measured on 2 GPUs (where it runs with ``ring="all"``; the default there is the peer route) and once on
 4 H200s (twenty-fifth session, the grid's shapes that ``auto`` fused; correct on all): reduce_scatter 1.04-1.17x of
-sequential (the NCCL route 1.00-1.06x, PyTorch async-TP 1.14-1.32x on the same shapes), all_reduce 0.94-1.00x (the
+sequential (the NCCL route 1.00-1.06x, PyTorch async-TP 1.14-1.32x on the same shapes), all_reduce 0.87-1.03x (the
 NCCL route 1.05-1.26x). Off by default (``Settings.ring = "off"``); ``"wide"`` turns it on for groups of 3 or more
 ranks. The cost model predicts it (``cost_model/ring.py``, ``rounds``) where its data file has ring terms for the
 world size (``tune fit --ring``: the H200 file has world 4, fitted to that run); elsewhere ``auto`` predicts the
