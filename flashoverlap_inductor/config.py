@@ -60,7 +60,8 @@ EXPERIMENTS = {
     "moe_plan_triton": "run the fused MoE calls' routing plan, the deferred settle's poison and the dispatch's moves "
                        "into expert order as Triton launches and torch ops, as where the library is not built, "
                        "instead of the library's CUDA kernels (csrc/moe_plan.cu: one ctypes call each; 2 H200s: "
-                       "dispatch 1.11-1.17x and combine 1.08-1.18x faster than with this experiment)",
+                       "dispatch 1.10-1.20x and combine 1.08-1.22x faster at qwen3 shapes than with this "
+                       "experiment)",
     "moe_judge_two_behind": "with moe_settle_deferred, judge a deferred MoE call's status at the end of the call "
                             "after next instead of the next one (the host may run two MoE calls ahead of the GPU; "
                             "a failure raises one call later)",

@@ -7,8 +7,8 @@ Same results as ``moe_plan_kernel``'s Triton kernels (``tests/test_moe_plan_kern
 both against the torch reference), in one ctypes call each where the Triton path takes a torch fill and two launches
 (the plan) or one launch (the poison): on the 2-GPU hosts a Triton launch held the host 40-80 us even straight into
 its compiled kernel (``runtime/triton_launch.py``; docs/results.md, twenty-fourth session), about a quarter of a fused
-MoE call's host time. On 2 H200s (twenty-fifth session) the library made the deferred dispatch 1.11-1.17x and the
-combine 1.08-1.18x faster at qwen3 shapes, and its GPU tests passed.
+MoE call's host time. On 2 H200s (twenty-fifth session) the library made the deferred dispatch 1.10-1.20x and the
+combine 1.08-1.22x faster at qwen3 shapes, and its GPU tests passed.
 
 Taken (``should_plan`` / ``should_poison`` / ``should_move``) unless ``moe_plan_triton`` is on, where the tensors are
 on the current CUDA device, the library loads on an sm90 GPU (``native.kernels.available``) and the call is within the
