@@ -47,8 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shapes", default="", help="preset:tokens,... (presets: " + ", ".join(PRESETS) + ")")
     p.add_argument("--plans", default="blocks,blocks+deferred,blocks:c=2",
                    help="the fused op's plans, one column each; '<plan>+<experiment>[+...]': that plan with those "
-                        "experiments on (config.EXPERIMENTS; 'deferred' stands for moe_settle_deferred, 'plan_cuda' "
-                        "for moe_plan_triton), e.g. blocks+deferred,blocks+deferred+plan_triton")
+                        "experiments on (config.EXPERIMENTS; short forms: 'deferred' moe_settle_deferred, "
+                        "'plan_triton' moe_plan_triton, 'two_behind' moe_judge_two_behind), e.g. "
+                        "blocks+deferred,blocks+deferred+plan_triton")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--target-ms", type=float, default=20.0)
     p.add_argument("--json", default=None)

@@ -24,9 +24,10 @@ TARGETS = {  # (world, op): geomean speedup over T_seq the issue asks for
 PEER_ROWS = ("wait", "cpull", "cpush", *(f"ring{r}" for r in BENCH_RING_ROUNDS))  # ringR: the ring in <= R rounds
 
 
-def _finite(x) -> bool:
-    """A number that is not NaN or inf (a variant not run has NaN, or None once read back from JSON)."""
-    return x is not None and math.isfinite(x)
+def _ran(relerr) -> bool:
+    """Whether a variant's error was measured: a number, inf included (a NaN output), where a variant not run has
+    NaN, or None once read back from JSON."""
+    return relerr is not None and not math.isnan(relerr)
 
 
 def parse_spec(spec: str) -> tuple[str, str, str, str, tuple[int, int | None] | None, str]:
@@ -115,9 +116,9 @@ def summarize(rows: list[dict[str, Any]], world: int) -> dict[str, Any]:
         }
         specs = sorted({spec for r in rs for spec in r.get("variants", {})})
         agg["variants"] = {spec: {"geomean_speedup": tm.geomean(r["variants"][spec]["speedup"] for r in rs),
-                                  "wrong": [f"{r['m']}x{r['n']}x{r['k']}" for r in rs  # where it ran (timed)
-                                            if _finite(r["variants"][spec]["ms"])
-                                            and not (r["variants"][spec]["relerr"] or math.nan) <= 2e-2
+                                  "wrong": [f"{r['m']}x{r['n']}x{r['k']}" for r in rs  # where it ran
+                                            if _ran(r["variants"][spec]["relerr"])
+                                            and not r["variants"][spec]["relerr"] <= 2e-2
                                             and not is_diagnostic(spec)]}
                            for spec in specs}
         if op == "reduce_scatter":

@@ -115,7 +115,9 @@ def checked(compiled: Any) -> Any:
     read per fault domain, no device sync), so a wait that gave up inside a fused op -- CUDA-graph replays included
     -- raises at the next run the host sees it, on every rank, like an eager call would (``docs/design.md``); and
     preceded by the resynchronization of the groups such a fault marked (``routes.resync_marked``; a set test when
-    none is), which replays would otherwise never reach."""
+    none is), which replays would otherwise never reach. The run is a ``moe_deferred.graph_run`` (deferred MoE calls
+    judged at the end of the next run under ``moe_judge_per_graph``)."""
+    from flashoverlap_inductor.routes import moe_deferred
     from flashoverlap_inductor.runtime import faults
 
     @functools.wraps(compiled)  # keeps Inductor's attributes (``_boxed_call``, ...) and its calling convention
@@ -124,7 +126,8 @@ def checked(compiled: Any) -> Any:
             from flashoverlap_inductor import routes
 
             routes.resync_marked()
-        out = compiled(*args, **kwargs)
+        with moe_deferred.graph_run():  # MoE calls judged per graph run (moe_judge_per_graph)
+            out = compiled(*args, **kwargs)
         faults.raise_pending()
         return out
 

@@ -313,6 +313,11 @@ def test_backend_with_experiments_parses_and_splits():
     assert args.backends == ["inductor", "flashoverlap", "flashoverlap@moe_plan_triton+moe_settle_deferred"]
     assert runner.variant(args.backends[2]) == ("flashoverlap", ("moe_plan_triton", "moe_settle_deferred"))
     assert runner.variant("inductor") == ("inductor", ())
-    for bad in ("inductor@moe_plan_triton", "flashoverlap@no_such", "flashoverlap@", "nothing"):
+    same = cli.build_parser().parse_args(
+        ["--backends", "flashoverlap@moe_settle_deferred+moe_plan_triton,"
+         "flashoverlap@moe_plan_triton+moe_settle_deferred+moe_plan_triton"])
+    assert same.backends == ["flashoverlap@moe_plan_triton+moe_settle_deferred"]  # one spelling, one row
+    for bad in ("inductor@moe_plan_triton", "flashoverlap@no_such", "flashoverlap@", "flashoverlap@a++b",
+                "flashoverlap@moe_plan_triton+", "nothing"):
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args(["--backends", bad])

@@ -114,13 +114,13 @@ def library_moves_worker() -> tuple[dict[str, int], list[int]]:
             dst.index_copy_(0, inv, src)
         return True
 
-    saved = moe_plan_lib.on, moe_plan_lib.should_move, moe_plan_lib.move_rows
-    moe_plan_lib.on, moe_plan_lib.should_move, moe_plan_lib.move_rows = (lambda: True), (lambda inv, moves: True), \
-        move_rows
+    saved = moe_plan_lib.usable, moe_plan_lib.should_move, moe_plan_lib.move_rows
+    moe_plan_lib.usable, moe_plan_lib.should_move, moe_plan_lib.move_rows = (lambda like: True), \
+        (lambda inv, moves: True), move_rows
     try:
         counts = path_worker("dispatch", ["moe", "moe"], ["grouped", "grouped2"], [1, 2], None, True)
     finally:
-        moe_plan_lib.on, moe_plan_lib.should_move, moe_plan_lib.move_rows = saved
+        moe_plan_lib.usable, moe_plan_lib.should_move, moe_plan_lib.move_rows = saved
     return counts, calls
 
 

@@ -1,4 +1,5 @@
-"""``routes/moe_plan_kernel.py`` (the whole-block path's routing plan in two Triton kernels) against its reference,
+"""``routes/moe_plan_kernel.py`` (the whole-block path's routing plan in two Triton kernels, or one library call:
+the ``impl`` fixture runs each case through both) against its reference,
 ``moe_fast.plan_with_torch``, on random routing data: the MoE form (the premise holds), random permutations, repeated
 and unnamed rows, negative and out-of-range entries, offsets decreasing, short of or past the rows, 1-8 blocks with
 empty ones, experts not a multiple of 4 and up to 1024, several programs per kernel, int32 and int64 operands.
@@ -41,8 +42,9 @@ def test_under_the_interpreter():
 
 @pytest.fixture(params=["triton", "library"])
 def impl(request):
-    """Which kernels build the plan and poison: Triton's (the default) or the library's (``routes/moe_plan_lib.py``,
-    the default on an sm90 GPU with the library built; the experiment ``moe_plan_triton`` keeps Triton's)."""
+    """Which kernels build the plan and poison: Triton's (the experiment ``moe_plan_triton``; also wherever the
+    library does not load) or the library's (``routes/moe_plan_lib.py``: the default on an sm90 GPU with the library
+    built)."""
     from flashoverlap_inductor import config
     from flashoverlap_inductor.native import kernels
 
@@ -54,7 +56,8 @@ def impl(request):
         pytest.skip("the library's kernels need an sm90 GPU")
     if not kernels.available():  # on an sm90 GPU the library must be built: these cases must not vanish
         pytest.fail("the library does not load on this sm90 GPU: build it (python -m flashoverlap_inductor.build)")
-    yield "library"
+    with config.patch(experiments=set()):  # the default, whatever the environment sets
+        yield "library"
 
 
 def _case(seed: int, kind: str, blocks: int, experts: int, rows_per_block: int) -> tuple:

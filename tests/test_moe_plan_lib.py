@@ -51,14 +51,16 @@ def test_the_header_limits_are_the_modules():
     assert moe_plan_lib.MAX_BLOCKS == moe_plan_kernel.MAX_BLOCKS
 
 
-def test_off_under_the_opt_out_or_on_the_cpu():
+def test_on_by_default_off_under_the_opt_out_and_never_on_the_cpu(monkeypatch):
     index, offs = torch.arange(8), torch.tensor([4, 8], dtype=torch.int32)
     out = [torch.zeros(4)]
     moves = [(torch.zeros(8, 4), torch.zeros(8, 4))]
-    assert moe_plan_lib.on() or moe_plan_lib._failed  # the default
-    # CPU tensors: never the library
-    assert not moe_plan_lib.should_plan(index, offs) and not moe_plan_lib.should_poison(out, 2)
-    assert not moe_plan_lib.should_move(index, moves)
+    monkeypatch.setattr(moe_plan_lib, "_failed", [])
+    with config.patch(experiments=set()):
+        assert moe_plan_lib.on()  # the default
+        # CPU tensors: never the library
+        assert not moe_plan_lib.should_plan(index, offs) and not moe_plan_lib.should_poison(out, 2)
+        assert not moe_plan_lib.should_move(index, moves) and not moe_plan_lib.usable(index)
     with config.patch(experiments={"moe_plan_triton"}):
         assert not moe_plan_lib.on()
 
@@ -102,15 +104,15 @@ def test_a_refused_call_hands_over_to_the_triton_kernels_and_a_device_error_rais
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the library's kernels need an sm90 GPU")
-@pytest.mark.parametrize("dtype,cols,pad,moves", [
-    (torch.bfloat16, 2048, 0, 4),   # 16-byte words
-    (torch.bfloat16, 772, 0, 1),    # 1544-byte rows: 8-byte words
-    (torch.bfloat16, 770, 6, 2),    # 1540-byte rows, padded strides: 4-byte words
-    (torch.bfloat16, 769, 1, 3),    # 1538-byte rows: 2-byte words
-    (torch.float32, 96, 8, 4),      # fp32, padded: 16-byte words
-    (torch.float16, 3, 0, 1),       # 6-byte rows: 2-byte words
+@pytest.mark.parametrize("dtype,cols,pad,moves,word", [
+    (torch.bfloat16, 2048, 0, 4, 16),
+    (torch.bfloat16, 772, 0, 1, 8),    # 1544-byte rows
+    (torch.bfloat16, 770, 6, 2, 4),    # 1540-byte rows, padded strides
+    (torch.bfloat16, 769, 1, 3, 2),    # 1538-byte rows
+    (torch.float32, 96, 8, 4, 16),     # fp32, padded
+    (torch.float16, 3, 0, 1, 2),       # 6-byte rows
 ])
-def test_move_rows_is_index_copy_bit_for_bit(dtype, cols, pad, moves):
+def test_move_rows_is_index_copy_bit_for_bit(dtype, cols, pad, moves, word):
     """``fo_moe_move_rows`` against ``index_copy_`` on fresh random rows: every word width (16/8/4/2 bytes), padded
     row strides (a column slice of a wider tensor, both sides), 1-4 moves in one call, a permutation with rows
     left untouched in ``dst`` (their poison must survive), bit for bit; the column padding is never written."""
@@ -128,8 +130,11 @@ def test_move_rows_is_index_copy_bit_for_bit(dtype, cols, pad, moves):
         want = dst.clone().index_copy_(0, inv, src)
         pairs.append((dst, src))
         wants.append(want)
+        size = dst.element_size()  # the word the library is given for this pair
+        assert moe_plan_lib._word(cols * size, src.stride(0) * size, dst.stride(0) * size, src.data_ptr(),
+                                  dst.data_ptr()) == word
     with config.patch(experiments=set()):  # the default: the library
-        assert moe_plan_lib.should_move(inv, pairs)
+        assert moe_plan_lib.usable(inv) and moe_plan_lib.should_move(inv, pairs)
         before = moe_plan_lib.stats["moe:move_lib"]
         assert moe_plan_lib.move_rows(inv, pairs)
         assert moe_plan_lib.stats["moe:move_lib"] == before + 1

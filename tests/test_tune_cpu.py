@@ -886,3 +886,16 @@ def test_gpu_test_tasks_dry_run_on_cpu():
         assert r["uneven"] == 12 and r["in_flight"] == 9 and r["timeout"].startswith("ok")
         assert r["fallback"] == ["fallback:alignment", "fallback:bias_rows", "fallback:bmm", "fallback:dtype"]
         assert all(v >= 20 for v in r["repeated"].values())
+
+
+def test_a_variant_is_wrong_only_where_its_error_was_measured(bench):
+    """A fused variant skipped on a shape (NaN error, None after JSON) is not counted wrong; an exact result (error
+    0.0) is right; a NaN output (error inf) and a large error are wrong (the 4-GPU ring run counted skips as wrong)."""
+    rows = []
+    for m, rel in ((2048, math.nan), (4096, None), (8192, 0.0), (16384, math.inf), (32768, 0.5)):
+        r = _row(bench, "reduce_scatter", m, seq=1.0, fused=0.9, gemm=0.8, comm=0.3)
+        r["variants"] = {"tiles/peer////ring1": {"ms": 0.9 if rel is not None else None, "speedup": 1.1,
+                                                 "relerr": rel}}
+        rows.append(r)
+    wrong = bench.summarize(rows, 4)["ops"]["reduce_scatter"]["variants"]["tiles/peer////ring1"]["wrong"]
+    assert wrong == ["16384x8192x8192", "32768x8192x8192"]

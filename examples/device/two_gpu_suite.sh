@@ -25,7 +25,7 @@
 #   "--op reduce_scatter" or "--op all_reduce": the peer route's call timeline instead of the all_gather one, 1 PNG).
 # The MoE check alone (tests/test_gpu_moe.py, tests/test_moe_plan_kernel.py, bench_moe, moe_profile):
 #   FO_PART=B FO_SKIP="cpu coverage ops gather timeline".
-# FO_MOEPROF_SHAPES, FO_MOEPROF_PLANS: moe_profile's shapes and bench_moe plans (e.g. blocks+deferred+plan_cuda).
+# FO_MOEPROF_SHAPES, FO_MOEPROF_PLANS: moe_profile's shapes and bench_moe plans (e.g. blocks+deferred+plan_triton).
 # FO_OPS_CAP_S: bench_ops' cap (default 120 s; FO_OPS_SHAPES=grid, the 16-shape grid, needs ~300); FO_OPS_ARGS: more
 #   bench_ops arguments (e.g. "--ops all_to_all").
 # FO_SKIP: any of "build tests faults cpu coverage ops gather moe moeprof timeline e2e"; FO_BUDGET_S: the part's budget (default 570).
@@ -93,8 +93,8 @@ elif [ "$PART" = B ]; then
   cpu_side &  # on the host's other cores while the GPU steps run
   CPU_PID=$!
   if [[ "$SKIP" != *" tests "* ]]; then
-    step "GPU test rerun: ${FO_RERUN:-tests/test_gpu_moe.py tests/test_moe_plan_kernel.py}"
-    timeout "$(cap 120)" python3 -m pytest -q -rs -p no:cacheprovider $(for f in ${FO_RERUN:-tests/test_gpu_moe.py tests/test_moe_plan_kernel.py}; \
+    step "GPU test rerun: ${FO_RERUN:-tests/test_gpu_moe.py tests/test_moe_plan_kernel.py tests/test_moe_plan_lib.py}"
+    timeout "$(cap 120)" python3 -m pytest -q -rs -p no:cacheprovider $(for f in ${FO_RERUN:-tests/test_gpu_moe.py tests/test_moe_plan_kernel.py tests/test_moe_plan_lib.py}; \
       do echo "$REPO/$f"; done) >"$OUT/gpu_tests.log" 2>&1
     echo "gpu pytest rc=$?" | tee -a "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log"
   fi

@@ -45,15 +45,16 @@ def _names(choices: tuple[str, ...]):
 
 def _backends(text: str) -> list[str]:
     """``--backends``: names from ``BACKENDS``; a fusing one may carry ``@exp[+exp...]`` (runner.variant)."""
-    out = [x.strip() for x in text.split(",") if x.strip()]
-    for name in out:
+    out = []
+    for name in (x.strip() for x in text.split(",") if x.strip()):
         kind, at, extra = name.partition("@")
-        names = [x for x in extra.split("+") if x]
-        if kind not in BACKENDS or (at and (kind not in FUSING or not names
+        names = extra.split("+") if at else []
+        if kind not in BACKENDS or (at and (kind not in FUSING or not all(names)
                                             or any(x not in config.EXPERIMENTS for x in names))):
             raise argparse.ArgumentTypeError(
                 f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}; {' or '.join(FUSING)} may add "
                 f"'@experiment[+experiment...]' (experiments: {', '.join(config.EXPERIMENTS)})")
+        out.append(kind + ("@" + "+".join(sorted(set(names))) if names else ""))  # one spelling per row
     if not out:
         raise argparse.ArgumentTypeError(f"no backend in {text!r}")
     return list(dict.fromkeys(out))

@@ -20,10 +20,21 @@ the same call on every rank), or in ``routes.check()`` (``raise_pending(sync=Tru
 were all issued before it raises, so a program that goes on calling stays paired; its outputs are dropped. A program
 that unwinds on the first exception (a step, a compiled graph) leaves the failing rank one call ahead of its peers:
 as after any collective error, call ``routes.check()`` on every rank and restart the step.
+
+Judged per graph (the experiment ``moe_judge_per_graph``): inside a run of a compiled graph (``graph_run``, around
+every run by ``backend.checked``) a call judges none of the earlier calls (the host may run the whole graph ahead of
+the GPU), and at the end of each run the calls that were pending at the end of the run before it are judged
+(waited for), so a failure raises ``errors.PoisonedResult`` at the end of the next graph run, after its outputs were
+computed (and dropped). Every rank runs the same graphs in the same order (as the fault check at the same place
+assumes), so every rank judges the same calls; beyond ``MAX_PENDING`` calls pending on a group a call judges the
+excess oldest.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -36,9 +47,13 @@ from .cpu import _raise_unless_exchanged
 
 EXPERIMENT = "moe_settle_deferred"
 TWO_BEHIND = "moe_judge_two_behind"  # the judgement two calls behind (``judged_now``)
+PER_GRAPH = "moe_judge_per_graph"  # the judgement at the end of the next compiled graph's run (``graph_run``)
+MAX_PENDING = 256  # under PER_GRAPH, a group's calls left unjudged inside a graph run, at most
 HELD_BEFORE_DEFERRING = moe_settle.HELD_BEFORE_DEFERRING
 # keyed by the group's name (the same on every rank, never reused, where an id may be after a group is destroyed)
 _pending: dict[str, list[Pending]] = {}  # group -> deferred calls not judged on the host yet, oldest first
+_marks: dict[str, Pending | None] = {}  # PER_GRAPH group -> its newest pending call at the end of the last graph run
+_run = threading.local()  # depth: graph runs entered (``graph_run``) and not left, in this thread
 
 
 @dataclass
@@ -144,9 +159,50 @@ def _poison_kernel():
 
 def judged_now(earlier: int, experiments: frozenset[str]) -> int:
     """How many of the ``earlier`` deferred calls pending before a call are judged (waited for) at its end: all of
-    them (one call behind), or under the experiment ``moe_judge_two_behind`` all but the newest (two calls behind:
-    the host may run two calls ahead). A function of the call count alone: every rank judges the same calls."""
+    them (one call behind), under the experiment ``moe_judge_two_behind`` all but the newest (two calls behind: the
+    host may run two calls ahead), under ``moe_judge_per_graph`` inside a graph run none but those beyond
+    ``MAX_PENDING``. A function of the call count and the graph runs alone: every rank judges the same calls."""
+    if PER_GRAPH in experiments and getattr(_run, "depth", 0):
+        return max(earlier - MAX_PENDING, 0)
     return max(earlier - 1, 0) if TWO_BEHIND in experiments else earlier
+
+
+def judge_after_call(group: dist.ProcessGroup, earlier: int, experiments: frozenset[str]) -> None:
+    """The end of a MoE call on ``group`` (after its collectives), ``earlier`` calls pending before it: the oldest
+    ``judged_now`` of them judged, waited for (``raise_pending``); under ``moe_judge_per_graph`` inside a graph run the
+    group's calls are left to the end of the next run (``graph_run``)."""
+    if PER_GRAPH in experiments and getattr(_run, "depth", 0):
+        _marks.setdefault(group.group_name, None)
+    raise_pending(group, sync=True, limit=judged_now(earlier, experiments))
+
+
+@contextlib.contextmanager
+def graph_run() -> Iterator[None]:
+    """Around one run of a compiled graph (``backend.checked``). On leaving the outermost one normally, every group
+    with calls left to it (``moe_judge_per_graph``) has its calls judged that were pending at the end of the run
+    before (waited for; ``errors.PoisonedResult`` for a bad one), and its newest pending call marked for the next
+    run's end. Not on an exception (the run's own error propagates; the calls wait for the next run or
+    ``routes.check()``)."""
+    _run.depth = getattr(_run, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _run.depth -= 1
+    if _run.depth == 0 and _marks:
+        _judge_marked()
+
+
+def _judge_marked() -> None:
+    """The end of a graph run: per marked group, the calls up to its mark judged, then the mark moved to its newest
+    pending call (before judging: a raise leaves the other groups' calls to the next run's end)."""
+    due = {}
+    for name, mark in list(_marks.items()):
+        queue = _pending.get(name, [])
+        due[name] = next((i + 1 for i, p in enumerate(queue) if p is mark), 0)  # 0: judged since, or no mark
+        _marks[name] = queue[-1] if queue else None
+    for name, count in due.items():
+        if count:
+            raise_pending(_pending[name][0].group, sync=True, limit=count)
 
 
 def pending(group: dist.ProcessGroup) -> int:
@@ -202,3 +258,4 @@ def forget() -> None:
     """Forget the counts and the pending calls (``routes.reset``)."""
     moe_settle.forget()
     _pending.clear()
+    _marks.clear()

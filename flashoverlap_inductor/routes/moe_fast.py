@@ -1,9 +1,10 @@
 """The MoE ops' whole-block path on the P2P route (``routes/combine.py``, ``routes/moe_dispatch.py``): no routing
-sync, ~15 launches per call on CUDA (the plan: two Triton kernels, ``moe_plan_kernel``), no scatter. The general
-path (``CombineUnits``, ``DispatchUnits``) cuts the expert rows by unit on the device and reads the cut on the host
-before its first GEMM (a sync, then ~100 small ops per call: measured on 2 H100s at 2.6-2.9 ms of host time per call
-where the unfused ops take 0.8 ms); this path needs neither, where the routing data have the form the MoE layers give
-them (measured on 2 H200s: 1.2-1.3 ms of host time per call, the settle's read included; docs/results.md).
+sync, ~15 launches per call on CUDA (the plan: one library call, else two Triton kernels, ``moe_plan_kernel``), no
+scatter. The general path (``CombineUnits``, ``DispatchUnits``) cuts the expert rows by unit on the device and reads
+the cut on the host before its first GEMM (a sync, then ~100 small ops per call: measured on 2 H100s at 2.6-2.9 ms of
+host time per call where the unfused ops take 0.8 ms); this path needs neither, where the routing data have the form
+the MoE layers give them (measured on 2 H200s: 1.2-1.3 ms of host time per call, the settle's read included;
+docs/results.md).
 
 **The premise** (a property of each rank's routing data, checked on the device in every call):
 
@@ -60,7 +61,8 @@ class BlockPlan:
     several do; the index is a permutation iff ``idx[inv]`` is ``arange``); ``table`` (int32 ``[blocks, E rounded
     up to 4]``): row j holds block j's cumulative expert offsets (16-byte aligned rows), each clamped to the block's
     rows; ``facts``: the settle's vector of routing facts (``moe_p2p.SETTLE_LEN`` int64; verdicts on the host,
-    ``moe_p2p.verdicts``). Built by two Triton kernels where ``moe_plan_kernel.should_use`` says so (CUDA), else by
+    ``moe_p2p.verdicts``). Built by the library (``moe_plan_lib``) or two Triton kernels where
+    ``moe_plan_kernel.should_use`` says so (CUDA), else by
     ``plan_with_torch``: the same tensors (the table where the data are good and the premise holds)."""
 
     def __init__(self, index: torch.Tensor, offs: torch.Tensor, sizes: list[int]) -> None:
@@ -184,6 +186,7 @@ def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], of
     bit for bit), so the own block's moves run while the peers' rows travel and no ``cat`` of the blocks' results
     is made; where the premise fails the outputs are the settle's to discard (redo) or poison (deferred)."""
     rank = group.rank()
+    moe_plan_lib.usable(x)  # the library's kernels loaded (first call) before any transfer is in flight
     sent = moe_p2p.issue_dispatch(x, outs, ins, 1, group)  # one unit per block: unit j is block j
     x, recv, send_off, recv_off, failure = sent.x, sent.recv, sent.send_off, sent.recv_off, sent.failure
     plan, result = None, None
@@ -192,7 +195,7 @@ def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], of
         if not rows.shape[0]:
             return
         inv = plan.inv[recv_off[j]:recv_off[j + 1]]
-        if moe_plan_lib.on():  # every move of the block in one library call where it takes them
+        if moe_plan_lib.usable(inv):  # every move of the block in one library call where it takes them
             moves = list(zip(result, [rows, *(torch._grouped_mm(_aligned(rows), w, offs=plan.offs(j)) for w in b)],
                              strict=True))
             if not (moe_plan_lib.should_move(inv, moves) and moe_plan_lib.move_rows(inv, moves)):

@@ -143,7 +143,7 @@ def run_call(op: str, x: torch.Tensor, group: dist.ProcessGroup, splits: int, pl
         else:
             out = reference()
             count_fallback(op, why)
-        moe_deferred.raise_pending(group, sync=True, limit=moe_deferred.judged_now(earlier, settings.experiments))
+        moe_deferred.judge_after_call(group, earlier, settings.experiments)
         return out
 
 

@@ -92,6 +92,12 @@ def _library_on(device_index: int) -> bool:
     return True
 
 
+def usable(like: torch.Tensor) -> bool:
+    """Whether the library can take a call on ``like``'s device (``on``, a CUDA tensor of the current device, the
+    library loading there): the dispatch then readies a block's moves for one call (``should_move`` decides)."""
+    return on() and like.is_cuda and like.device.index == torch.cuda.current_device() and _library_on(like.device.index)
+
+
 def should_plan(index: torch.Tensor, offs: torch.Tensor) -> bool:
     """Whether ``moe_plan_kernel.build`` takes ``plan`` for a call within the kernels' limits
     (``moe_plan_kernel.fits``, checked there; module docstring)."""
