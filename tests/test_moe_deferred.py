@@ -121,6 +121,52 @@ def test_judged_now_leaves_the_newest_call_under_two_behind():
     assert [moe_deferred.judged_now(n, two) for n in range(3)] == [0, 0, 1]
 
 
+def test_judged_now_inside_a_graph_run_leaves_all_but_the_excess():
+    per = frozenset({moe_deferred.EXPERIMENT, moe_deferred.PER_GRAPH})
+    top = moe_deferred.MAX_PENDING
+    assert [moe_deferred.judged_now(n, per) for n in (0, 1, 2)] == [0, 1, 2]  # outside a graph run: as before
+    with moe_deferred.graph_run():
+        assert [moe_deferred.judged_now(n, per) for n in (0, 1, top, top + 3)] == [0, 0, 0, 3]
+        assert moe_deferred.judged_now(2, frozenset({moe_deferred.EXPERIMENT})) == 2  # not under the experiment
+
+
+def per_graph_worker(op: str) -> list[str]:
+    """Under ``moe_judge_per_graph``, graph runs as ``backend.checked`` makes them (``moe_deferred.graph_run``): rank
+    1's premise fails in run 1's first call; per run, each call's outcome, the calls pending at its end, and how the
+    run ended."""
+    torch.use_deterministic_algorithms(True)
+    moe_deferred.forget()
+    c = _case(op, "grouped2", "moe", 2)
+    want = _reference(op, c)
+    bad = _mutate(c, "twice") if dist.get_rank() == 1 else c
+    log = []
+    with config.patch(experiments={moe_deferred.EXPERIMENT, moe_deferred.PER_GRAPH}):
+        for _ in range(moe_deferred.HELD_BEFORE_DEFERRING):
+            _same(_call(op, c), want, "warm")
+        for run, cases in enumerate(([bad, c], [c, c], [c]), start=1):
+            try:
+                with moe_deferred.graph_run():
+                    for case in cases:
+                        got = _call(op, case)
+                        log.append("NaN" if _nan(got) else "exact" if all(
+                            torch.equal(x, y) for x, y in zip(got, want, strict=True)) else "other")
+                    log.append(f"pending {moe_deferred.pending(dist.group.WORLD)}")
+                log.append(f"run {run}: ok")
+            except errors.PoisonedResult as exc:
+                log.append(f"run {run}: PoisonedResult from {type(exc.__cause__).__name__}")
+    return log
+
+
+@pytest.mark.parametrize("op", ["combine", "dispatch"])
+def test_per_graph_judges_a_run_at_the_end_of_the_next(pool, op):
+    """No call inside a graph run waits for an earlier one; the bad call of run 1 is judged at the end of run 2 (its
+    calls exact), on both ranks alike; run 3 judges what run 2 left and ends clean."""
+    for rank, log in enumerate(pool.run(per_graph_worker, op)):
+        assert log == ["NaN", "exact", "pending 2", "run 1: ok",
+                       "exact", "exact", "pending 4", "run 2: PoisonedResult from NoneType",
+                       "exact", "pending 4", "run 3: ok"], (rank, log)
+
+
 @pytest.mark.parametrize("op", ["combine", "dispatch"])
 def test_a_gemm_fault_raises_there_and_poisons_the_peer(pool, op):
     """Rank 1's GEMM raises mid-call: rank 1 raises it in that call; rank 0's outputs are NaN and it raises
@@ -210,3 +256,12 @@ def test_a_deferred_call_whose_own_status_never_arrived_raises():
     with pytest.raises(errors.PoisonedResult):
         moe_deferred._judge([UNSENT, GOOD], p)
     moe_deferred._judge([[1, *GOOD[1:]], GOOD], p)  # its own failure, raised in its call: not again
+
+
+def test_each_run_of_a_compiled_graph_is_a_graph_run():
+    """``backend.checked`` (around every compiled graph the backend returns) runs it inside ``graph_run``."""
+    from flashoverlap_inductor import backend
+
+    seen = []
+    run = backend.checked(lambda: seen.append(getattr(moe_deferred._run, "depth", 0)) or "out")
+    assert run() == "out" and seen == [1] and moe_deferred._run.depth == 0
