@@ -392,6 +392,67 @@ def deferred_worker(op: str, extra: tuple[str, ...] = ()) -> list[str]:
     return out
 
 
+def per_graph_worker(op: str) -> list[str]:
+    """The settle without a host read judged per graph run (the experiment ``moe_judge_per_graph``): three graph runs
+    as ``backend.checked`` makes them (``moe_deferred.graph_run``) of two deferred calls each, with no host sync
+    inside a run (``set_sync_debug_mode("error")``); rank 1's GEMM raises in run 2's first call. Per step an outcome
+    word: rank 1 raises its own fault there; rank 0's call is NaN, its run's second call exact, and it raises
+    ``PoisonedResult`` at the end of run 3 (after that run's calls, exact)."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from flashoverlap_inductor import config, errors
+    from flashoverlap_inductor.routes import moe_deferred, moe_fast
+
+    g, dev, rank = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()), dist.get_rank()
+    moe_deferred.forget()
+    c = combine_case("grouped", "moe", 2, dev) if op == "combine" else dispatch_case("grouped", "moe", 2, dev)
+    want = combine_fp64(c, g) if op == "combine" else torch.cat(dispatch_fp64(c, g), dim=1)
+    key = config.current().replace(experiments={"moe_p2p_cuda", moe_deferred.EXPERIMENT,
+                                                moe_deferred.PER_GRAPH}).key()
+
+    def run() -> torch.Tensor:
+        if op == "combine":
+            return torch.ops.flashoverlap.gemm_unpermute_all_to_all(c["a"], c["b"], c["offs"], c["index"], False,
+                                                                    c["outs"], c["ins"], g.group_name, "blocks", key)
+        return torch.cat(torch.ops.flashoverlap.all_to_all_permute_gemm(
+            c["x"], c["index"], c["b"], c["loop_sizes"], c["offs"], c["outs"], c["ins"], g.group_name, "blocks",
+            key), dim=1)
+
+    for _ in range(moe_deferred.HELD_BEFORE_DEFERRING):
+        run()
+    torch.cuda.synchronize()
+    real, seen, out = torch._grouped_mm, [], []
+
+    def flaky(*args, **kwargs):
+        seen.append(1)
+        if rank == 1 and len(seen) == 1:
+            raise RuntimeError("injected GEMM fault")
+        return real(*args, **kwargs)
+
+    for number in (1, 2, 3):
+        got = []
+        try:
+            with moe_deferred.graph_run():
+                for call in range(2):
+                    torch.cuda.set_sync_debug_mode("error")
+                    try:
+                        with mock.patch.object(moe_fast.torch, "_grouped_mm", flaky if number == 2 and call == 0
+                                               else real):
+                            got.append(run())
+                    except RuntimeError as exc:
+                        out.append("own" if "injected" in str(exc) else f"other: {exc}")
+                    finally:
+                        torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize()
+            out += ["NaN" if bool(t.isnan().all()) else "exact" if _err(t, want) <= TOL else "WRONG" for t in got]
+            out.append(f"run {number}: ok")
+        except errors.PoisonedResult as exc:
+            out.append(f"run {number}: poisoned ({type(exc.__cause__).__name__})")
+    return out
+
+
 def sync_free_worker(op: str) -> list[str]:
     """The whole-block path (``routes/moe_fast.py``) takes the MoE form's call with no host sync before its settle:
     under ``torch.cuda.set_sync_debug_mode("error")`` (off inside ``moe_p2p.settle`` alone, whose one read is the
@@ -530,6 +591,14 @@ def test_the_settle_without_a_host_read_poisons_and_raises_a_call_later(pool, op
     r0, r1 = pool.run(deferred_worker, op, extra)
     assert r0 == ["exact", "NaN", "poisoned (PeerFailure)", "exact"], r0
     assert r1 == ["exact", "own", "exact", "exact"], r1
+
+
+@two_gpus
+@pytest.mark.parametrize("op", ["combine", "dispatch"])
+def test_per_graph_judging_waits_for_nothing_inside_a_run_and_raises_a_run_later(pool, op):
+    r0, r1 = pool.run(per_graph_worker, op)
+    assert r0 == ["exact", "exact", "run 1: ok", "NaN", "exact", "run 2: ok", "run 3: poisoned (PeerFailure)"], r0
+    assert r1 == ["exact", "exact", "run 1: ok", "own", "exact", "run 2: ok", "exact", "exact", "run 3: ok"], r1
 
 
 @two_gpus
