@@ -321,3 +321,24 @@ def test_backend_with_experiments_parses_and_splits():
                 "flashoverlap@moe_plan_triton+", "nothing"):
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args(["--backends", bad])
+
+
+def test_interleaved_backends_match_the_sequential_run(pool, tmp_path):
+    """``--interleave 1``: every backend built and warmed, then the measured steps in turns; each row's losses are
+    the ones the backends give one after another (the same inputs in the same order), the fusing row keeps its
+    own compile report and runtime counts, and an unavailable backend stays n/a."""
+    argv = ["--preset", "tiny-llama", "--plan", "sp", "--workload", "train", "--backends",
+            "inductor,flashoverlap,inductor+async-tp", *QUICK, "--steps", "3"]
+    one, two = (pool.run(bench_worker, argv + extra, str(tmp_path / f"{name}.json"), timeout_s=600)
+                for name, extra in (("seq", []), ("inter", ["--interleave", "1"])))
+    assert [r["rc"] for r in one + two] == [0, 0, 0, 0], two[0]["stdout"]
+    seq, inter = (_rows(res[0]["json"], plan="sp", workload="train") for res in (one, two))
+    assert [r["backend"] for r in inter] == ["inductor", "flashoverlap", "inductor+async-tp"]
+    assert inter[2]["status"] == "n/a", inter[2]
+    for a, b in zip(seq[:2], inter[:2], strict=True):
+        assert b["status"] == "ok" and len(b["step_ms"]) == 3 and "interleaved" in b["note"], b
+        assert b["values"] == a["values"], (a["values"], b["values"])  # the same losses, step for step
+        assert b["peak_bytes"] is None
+    assert inter[1]["fusion"] == seq[1]["fusion"] and inter[1]["fusion"].get("fused:reduce_scatter", 0) > 0
+    assert inter[1]["runtime"].get("route:cpu", 0) == seq[1]["runtime"].get("route:cpu", 0) > 0, \
+        (inter[1]["runtime"], seq[1]["runtime"])

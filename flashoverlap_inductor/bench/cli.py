@@ -91,6 +91,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--steps", type=_positive, default=None, help="measured steps per backend (default 10 GPU, 3 CPU)")
     g.add_argument("--warmup", type=int, default=None,
                    help="unmeasured steps after the first (compiling) call (default 3 GPU, 1 CPU)")
+    g.add_argument("--interleave", type=int, default=0, metavar="N",
+                   help="build and warm every backend first, then take the measured steps in turns of N steps per "
+                        "backend, the order rotating (bench/interleave.py: a drift during the run touches every "
+                        "backend alike; every backend's model in memory at once); 0: one backend after another")
     g.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (train)")
     g.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the token ids")
     g.add_argument("--expert-gemm", choices=("auto", "loop", "grouped"), default="auto",
@@ -138,6 +142,8 @@ def resolve(args: argparse.Namespace, device: str, world: int) -> argparse.Names
     args.warmup = warmup if args.warmup is None else args.warmup
     if args.warmup < 0:
         raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.interleave < 0:
+        raise UsageError(f"--interleave must be >= 0, got {args.interleave}")
     if not args.lr > 0:
         raise UsageError(f"--lr must be > 0, got {args.lr}")
     args.seqs = {"train": args.seq or train_seqs, "prefill": args.seq or prefill_seqs}

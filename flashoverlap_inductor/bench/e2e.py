@@ -126,21 +126,29 @@ def run_case(case: Case, template, env: Env, args: argparse.Namespace) -> list[d
     from .runner import make_data
 
     data = make_data(case, 1 + args.warmup + args.steps, args.seed, env.device)
+    base = {"model": case.spec.name, "plan": case.plan, "workload": case.workload, "seq": case.seq,
+            "batch": case.batch, "tokens": case.tokens, "world": env.world, "dtype": args.dtype}
+    why = {backend: unavailable(variant(backend)[0], case, env) for backend in args.backends}
     rows = []
-    for backend in args.backends:
-        base = {"model": case.spec.name, "plan": case.plan, "workload": case.workload, "seq": case.seq,
-                "batch": case.batch, "tokens": case.tokens, "world": env.world, "dtype": args.dtype}
-        why = unavailable(variant(backend)[0], case, env)
-        if why:
-            rows.append({**base, "backend": backend, "status": "n/a", "note": why})
-            continue
-        try:
-            rows.append({**base, **run_backend(backend, case, template, data, env, args)})
-        except Exception as exc:  # noqa: BLE001 - reported in the row; the exit status becomes 1
-            if env.rank == 0:
-                traceback.print_exc()
-            rows.append({**base, "backend": backend, "status": "error", "note": f"{type(exc).__name__}: {exc}"[:300]})
+    if args.interleave:
+        from .interleave import run_interleaved
+
+        ran = run_interleaved([b for b in args.backends if not why[b]], case, template, data, env, args)
         release(env)
+    for backend in args.backends:
+        if why[backend]:
+            rows.append({**base, "backend": backend, "status": "n/a", "note": why[backend]})
+        elif args.interleave:
+            rows.append({**base, **ran.pop(0)})
+        else:
+            try:
+                rows.append({**base, **run_backend(backend, case, template, data, env, args)})
+            except Exception as exc:  # noqa: BLE001 - reported in the row; the exit status becomes 1
+                if env.rank == 0:
+                    traceback.print_exc()
+                rows.append({**base, "backend": backend, "status": "error",
+                             "note": f"{type(exc).__name__}: {exc}"[:300]})
+            release(env)
     for r in rows:
         if r["backend"] == "bound" and r["status"] == "ok":
             r["note"] = bound.NOTE

@@ -18,8 +18,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-import math
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -32,6 +30,7 @@ from torch import nn
 
 from . import coverage
 from .models import ModelSpec
+from .progress import Progress
 
 FUSING = ("flashoverlap", "flashoverlap-ro")
 GRAPHED = ("flashoverlap-ro", "inductor-ro")
@@ -114,41 +113,6 @@ class Prefill(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=ids, logits_to_keep=1).logits[:, -1]
-
-
-class Progress:
-    """A progress bar over ``total`` steps: tqdm when installed, else a plain line at the first step, every
-    ``every_s`` seconds and at the end (flushed; the same in a terminal and a CI log). Disabled: silent."""
-
-    def __init__(self, total: int, desc: str, enabled: bool = True, every_s: float = 10.0) -> None:
-        self.total, self.desc, self.enabled, self.every_s = total, desc, enabled, every_s
-        self.done, self.t0, self.last, self.bar = 0, time.monotonic(), -math.inf, None
-        if enabled:
-            try:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=total, desc=desc, file=sys.stdout, ascii=True, mininterval=1.0)
-            except ImportError:
-                self.bar = None
-
-    def update(self, note: str = "") -> None:
-        self.done += 1
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            if note:
-                self.bar.set_postfix_str(note, refresh=False)
-            self.bar.update(1)
-            return
-        now = time.monotonic()
-        if self.done in (1, self.total) or now - self.last >= self.every_s:
-            self.last = now
-            print(f"{self.desc}: {self.done}/{self.total} steps, {now - self.t0:.1f} s {note}".rstrip(), flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        sys.stdout.flush()
 
 
 def unavailable(backend: str, case: Case, env: Env) -> str | None:
@@ -243,8 +207,8 @@ def _progress(env: Env, total: int, desc: str) -> Progress:
     return Progress(total, desc, enabled=env.rank == 0 and not env.quiet)
 
 
-def _measure(step, n_warm: int, n_steps: int, env: Env, bar: Progress) -> tuple[float, list[float], list[Any]]:
-    """(first call s, per-step ms of the measured steps, their outputs); see the module docstring."""
+def warm(step, n_warm: int, env: Env, bar: Progress) -> float:
+    """The first call (timed alone, wall clock: it compiles; s), then ``n_warm`` unmeasured steps."""
     env.sync()
     dist.barrier()
     t0 = time.perf_counter()
@@ -255,11 +219,16 @@ def _measure(step, n_warm: int, n_steps: int, env: Env, bar: Progress) -> tuple[
     for i in range(1, 1 + n_warm):
         step(i)
         bar.update()
+    return first_s
+
+
+def timed(step, indices: list[int], env: Env, bar: Progress) -> tuple[list[float], list[Any]]:
+    """(per-step ms, outputs) of the steps on inputs ``indices``, after a sync and a barrier; see the module
+    docstring."""
     env.sync()
     dist.barrier()
     outs, times, events = [], [], []
-    for j in range(n_steps):
-        i = 1 + n_warm + j
+    for i in indices:
         if env.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -275,7 +244,50 @@ def _measure(step, n_warm: int, n_steps: int, env: Env, bar: Progress) -> tuple[
     if env.cuda:
         torch.cuda.synchronize(env.device)
         times = [s.elapsed_time(e) for s, e in events]
-    return first_s, times, outs
+    return times, outs
+
+
+@dataclass
+class Built:
+    """A compiled backend ready to run: ``step(i)`` runs one step on input ``i`` (train: returns the loss;
+    prefill: under ``no_grad``, returns None); ``values(outs)``: the row's values from the measured steps' outputs
+    (train: their losses; prefill: one more call's logits)."""
+
+    step: Any
+    values: Any
+
+
+def build(kind: str, case: Case, template: nn.Module, data: list, env: Env, args: Any,
+          capture: coverage.GraphCapture, experiments: tuple[str, ...]) -> Built:
+    """A fresh deep copy of ``template`` compiled for backend ``kind`` (a fresh AdamW for train)."""
+    model = copy.deepcopy(template)
+    if case.workload == "train":
+        model.train()
+        fn = compile_for(kind, TrainLoss(model), env, args.fuse, capture, experiments)
+        opt = make_optimizer(model, args.lr)
+
+        def step(i: int) -> torch.Tensor:
+            loss = fn(*data[i])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return Built(step, lambda outs: torch.stack(outs).double().cpu())
+    model.eval()
+    fn = compile_for(kind, Prefill(model), env, args.fuse, capture, experiments)
+
+    def forward(i: int) -> None:  # the logits are dropped: a CUDA graph's output is overwritten
+        with torch.no_grad():
+            fn(data[i][0])
+
+    def values(outs: list) -> torch.Tensor:
+        with torch.no_grad():
+            out = fn(data[0][0]).double().cpu()  # one more call: a CUDA graph's output is reused
+        env.sync()
+        return out
+
+    return Built(forward, values)
 
 
 def run_backend(backend: str, case: Case, template: nn.Module, data: list, env: Env, args: Any) -> dict[str, Any]:
@@ -285,9 +297,7 @@ def run_backend(backend: str, case: Case, template: nn.Module, data: list, env: 
 
     from flashoverlap_inductor import reporting as fo
 
-    row: dict[str, Any] = {"backend": backend, "status": "ok", "note": ""}
-    backend, extra = variant(backend)
-    experiments = tuple(dict.fromkeys((*args.experiments, *extra)))
+    kind, extra = variant(backend)
     capture = coverage.GraphCapture()
     torch._dynamo.reset()
     fo.reset_fusion_report()
@@ -295,53 +305,43 @@ def run_backend(backend: str, case: Case, template: nn.Module, data: list, env: 
     if env.cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(env.device)
-    model = copy.deepcopy(template)
     n_warm, n_steps = args.warmup, args.steps
     bar = _progress(env, 1 + n_warm + n_steps, f"{case.label()} {backend}")
     cache = fresh_cache() if args.cache == "fresh" else contextlib.nullcontext()
     try:
         with cache:
-            if case.workload == "train":
-                model.train()
-                fn = compile_for(backend, TrainLoss(model), env, args.fuse, capture, experiments)
-                opt = make_optimizer(model, args.lr)
-
-                def step(i: int) -> torch.Tensor:
-                    loss = fn(*data[i])
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    return loss.detach()
-
-                first_s, times, outs = _measure(step, n_warm, n_steps, env, bar)
-                values = torch.stack(outs).double().cpu()
-                traced = trace(args, case, row["backend"], env, step)
-            else:
-                model.eval()
-                fn = compile_for(backend, Prefill(model), env, args.fuse, capture, experiments)
-
-                def forward(i: int) -> None:  # the logits are dropped: a CUDA graph's output is overwritten
-                    fn(data[i][0])
-
-                with torch.no_grad():
-                    first_s, times, _ = _measure(forward, n_warm, n_steps, env, bar)
-                    values = fn(data[0][0]).double().cpu()  # one more call: a CUDA graph's output is reused
-                    env.sync()
-                    traced = trace(args, case, row["backend"], env, forward)
+            built = build(kind, case, template, data, env, args, capture,
+                          tuple(dict.fromkeys((*args.experiments, *extra))))
+            first_s = warm(built.step, n_warm, env, bar)
+            times, outs = timed(built.step, list(range(1 + n_warm, 1 + n_warm + n_steps)), env, bar)
+            values = built.values(outs)
+            traced = trace(args, case, backend, env, built.step)
     finally:
         bar.close()
+    peak = int(env.reduce_max([torch.cuda.max_memory_allocated(env.device)])[0]) if env.cuda else None
+    runtime = fo.fusion_report() if kind in FUSING else None
+    return finish(backend, case, env, times, first_s, peak, capture, runtime, runtime, traced, values)
+
+
+def finish(backend: str, case: Case, env: Env, times: list[float], first_s: float, peak: int | None,
+           capture: coverage.GraphCapture, compiled: Any, runtime: Any, traced: str | None,
+           values: torch.Tensor) -> dict[str, Any]:
+    """The row of a backend that ran: its times (ms; the median, max over ranks), compile time, ``peak`` bytes, the
+    graphs ``capture`` saw, for a fusing backend the fusion report's compile part (``compiled``) and runtime counts
+    (``runtime``: a report, or a dict of counts), the trace's summary and ``_values``."""
+    row: dict[str, Any] = {"backend": backend, "status": "ok", "note": ""}
     row["step_ms"] = [round(t, 4) for t in times]
     ms, first_s = env.reduce_max([float(torch.tensor(times).median()), first_s])
     row["ms"], row["compile_s"] = ms, (first_s if backend != "eager" else None)
     row["first_call_s"] = first_s
     row["tokens_per_s"] = case.tokens / (ms / 1e3) if ms > 0 else None
-    row["peak_bytes"] = int(env.reduce_max([torch.cuda.max_memory_allocated(env.device)])[0]) if env.cuda else None
+    row["peak_bytes"] = peak
     row["graphs"] = capture.graphs
-    if backend in FUSING:
-        report = fo.fusion_report()
-        row["fusion"] = {k: v for k, v in sorted(report.compile.items())}
-        row["runtime"] = {k: v for k, v in sorted(report.runtime.items())}
-        row["events"] = coverage.report_events(report)
+    if compiled is not None:
+        row["fusion"] = {k: v for k, v in sorted(compiled.compile.items())}
+        counts = runtime if isinstance(runtime, dict) else runtime.runtime
+        row["runtime"] = {k: v for k, v in sorted(counts.items())}
+        row["events"] = coverage.report_events(compiled)
     if traced and env.rank == 0:  # printed for rank 0 only
         from .trace_summary import summarize
 

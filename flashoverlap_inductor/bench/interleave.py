@@ -1,0 +1,117 @@
+"""``e2e --interleave N``: a case's backends timed in turns instead of one after another.
+
+Every backend is built and warmed first (``runner.build``, ``runner.warm``: its first call and ``warmup`` steps,
+each in a fresh Inductor cache under ``--cache fresh``), and all of them stay alive; then the measured steps are
+taken in turns of ``N`` steps of one backend (``runner.timed``: a sync and a barrier before each turn, CUDA events
+around each step, no sync between the steps of a turn), the backends' order rotating by one every round. A drift
+of the host or the GPU during the run (clocks, the allocator, a neighbour) then touches every backend alike, where
+one after another it lands on whichever ran last (2 H200s, qwen3-moe prefill: the same row read 0.79x and 0.47x of
+Inductor in two runs). Each backend runs the same inputs in the same order as without ``--interleave``, so its
+values (losses, logits) are the same. Costs: every backend's model, gradients and optimizer state in memory at
+once (``peak_bytes`` is not reported: the backends share the peak), and each turn's first step starts from an idle
+host (the host runs ahead within a turn only).
+
+A fusing backend's row keeps its own compile report (taken after its warm-up) and the runtime counts of its own
+calls (the counters' growth over its turns added to what its warm-up counted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flashoverlap_inductor import reporting as fo
+
+from . import coverage
+from .runner import FUSING, Built, Case, Env, _progress, build, finish, timed, trace, variant, warm
+
+
+@dataclass
+class _Live:
+    """One built, warmed backend and what its turns measured."""
+
+    backend: str
+    built: Built
+    capture: coverage.GraphCapture
+    first_s: float
+    compiled: Any  # its fusion report after the warm-up (fusing backends), else None
+    runtime: dict[str, int]
+    times: list[float] = field(default_factory=list)
+    outs: list[Any] = field(default_factory=list)
+
+
+def run_interleaved(backends: list[str], case: Case, template: Any, data: list, env: Env,
+                    args: Any) -> list[dict[str, Any]]:
+    """The rows of ``backends`` (each available here) on ``case`` (``runner.run_backend``'s, ``peak_bytes`` None),
+    measured in turns of ``args.interleave`` steps (module docstring); a backend that fails is an error row."""
+    from torch._inductor.utils import fresh_cache
+
+    torch._dynamo.reset()
+    live: list[_Live] = []
+    rows: dict[str, dict[str, Any]] = {}
+    for backend in backends:
+        kind, extra = variant(backend)
+        capture = coverage.GraphCapture()
+        fo.reset_fusion_report()
+        bar = _progress(env, 1 + args.warmup, f"{case.label()} {backend} (build)")
+        try:
+            with fresh_cache() if args.cache == "fresh" else contextlib.nullcontext():
+                built = build(kind, case, template, data, env, args, capture,
+                              tuple(dict.fromkeys((*args.experiments, *extra))))
+                first_s = warm(built.step, args.warmup, env, bar)
+            report = fo.fusion_report() if kind in FUSING else None
+            live.append(_Live(backend, built, capture, first_s, report, dict(report.runtime) if report else {}))
+        except Exception as exc:  # noqa: BLE001 - reported in the row; the exit status becomes 1
+            rows[backend] = _error(backend, exc, env)
+        finally:
+            bar.close()
+    first = 1 + args.warmup
+    indices = list(range(first, first + args.steps))
+    turns = [indices[i:i + args.interleave] for i in range(0, len(indices), args.interleave)]
+    bar = _progress(env, len(indices) * len(live), f"{case.label()} interleaved, {len(live)} backends")
+    try:
+        for t, turn in enumerate(turns):
+            for one in live[t % len(live):] + live[:t % len(live)] if live else []:
+                if one.backend in rows:  # failed in an earlier turn
+                    continue
+                before = fo.fusion_report().runtime
+                try:
+                    times, outs = timed(one.built.step, turn, env, bar)
+                except Exception as exc:  # noqa: BLE001 - reported in the row
+                    rows[one.backend] = _error(one.backend, exc, env)
+                    continue
+                one.times += times
+                one.outs += outs
+                _add(one.runtime, before)
+    finally:
+        bar.close()
+    for one in live:
+        if one.backend in rows:
+            continue
+        try:
+            before = fo.fusion_report().runtime
+            values = one.built.values(one.outs)
+            traced = trace(args, case, one.backend, env, one.built.step)
+            _add(one.runtime, before)  # the calls of the values and the trace, as runner.run_backend counts them
+            rows[one.backend] = finish(one.backend, case, env, one.times, one.first_s, None, one.capture,
+                                       one.compiled, one.runtime, traced, values)
+            rows[one.backend]["note"] = f"interleaved, {args.interleave} step(s) per turn"
+        except Exception as exc:  # noqa: BLE001 - reported in the row
+            rows[one.backend] = _error(one.backend, exc, env)
+    return [rows[b] for b in backends]
+
+
+def _add(runtime: dict[str, int], before: dict[str, int]) -> None:
+    """Add to ``runtime`` how much each run-time counter grew since ``before`` (a snapshot)."""
+    for key, count in fo.fusion_report().runtime.items():
+        runtime[key] = runtime.get(key, 0) + count - before.get(key, 0)
+
+
+def _error(backend: str, exc: BaseException, env: Env) -> dict[str, Any]:
+    if env.rank == 0:
+        traceback.print_exc()
+    return {"backend": backend, "status": "error", "note": f"{type(exc).__name__}: {exc}"[:300]}
