@@ -83,6 +83,31 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs: list[Any], config_patch
         return _compile_fx(gm, example_inputs, inner_compile=inner, config_patches=config_patches)
 
 
+def recompile_limit(at_least: int) -> Any:
+    """A context manager raising Dynamo's recompile limit (per code object: a module compiled for several backends
+    at once holds one cache entry per backend) to ``at_least`` where it is lower."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    return dynamo_config.patch(**{name: max(at_least, getattr(dynamo_config, name))})
+
+
+def wrap_runs(compiled: Any, around: Callable[[], Any]) -> bool:
+    """Make every run of ``compiled`` (what ``compile_fx_inner`` returned) happen inside the context manager
+    ``around()``; False when ``compiled`` is not the Inductor output this knows (``CompiledFxGraph`` with its
+    ``current_callable``). Call it before ``run_first``, which restores what it found after the first run."""
+    inner = getattr(compiled, "current_callable", None)
+    if inner is None:
+        return False
+
+    def run(inputs: Any) -> Any:
+        with around():
+            return inner(inputs)
+
+    compiled.current_callable = run
+    return True
+
+
 def run_first(compiled: Any, first: Callable[[Any], None]) -> bool:
     """Make ``first(inputs)`` run before the first run of ``compiled`` (what ``compile_fx_inner`` returned; ``inputs``:
     that run's inputs) and never again once it returned (after it raised, it runs again at the next run); False when

@@ -84,15 +84,21 @@ class _Watched:
 
 def _agree_first(kind: str, compiled: Any, watched: _Watched) -> None:
     """Before the first run of ``compiled``, its ranks agree on the collectives it issues (``agree.check_graph``);
-    a graph with no collective needs nothing."""
+    a graph with no collective needs nothing. A graph with fused MoE ops runs each time inside
+    ``moe_deferred.graph_run`` (its deferred calls judged per run under ``moe_judge_per_graph``): forward, inference
+    and the backward that autograd calls alike."""
     import logging
 
     from .passes import manifest
-    from .routes import agree
+    from .routes import agree, moe_deferred
 
     found = manifest.take(watched.before)
     if not found:
         return
+    if any(op in entry for _, entry in found for op in moe_deferred.MOE_OPS) and \
+            not compat.wrap_runs(compiled, moe_deferred.graph_run):  # before run_first, which keeps what it finds
+        logging.getLogger("flashoverlap").warning("flashoverlap: cannot judge a compiled %s graph's MoE calls per run "
+                                                  "(%s): unknown Inductor output", kind, type(compiled).__name__)
     if manifest.per_rank(found):  # rank-dependent shapes may recompile on one rank alone: nothing to pair with
         logging.getLogger("flashoverlap").debug("flashoverlap: a compiled %s graph with per-rank sizes (all_to_all "
                                                 "split sizes): no first-run agreement", kind)
@@ -115,9 +121,7 @@ def checked(compiled: Any) -> Any:
     read per fault domain, no device sync), so a wait that gave up inside a fused op -- CUDA-graph replays included
     -- raises at the next run the host sees it, on every rank, like an eager call would (``docs/design.md``); and
     preceded by the resynchronization of the groups such a fault marked (``routes.resync_marked``; a set test when
-    none is), which replays would otherwise never reach. The run is a ``moe_deferred.graph_run`` (deferred MoE calls
-    judged at the end of the next run under ``moe_judge_per_graph``)."""
-    from flashoverlap_inductor.routes import moe_deferred
+    none is), which replays would otherwise never reach."""
     from flashoverlap_inductor.runtime import faults
 
     @functools.wraps(compiled)  # keeps Inductor's attributes (``_boxed_call``, ...) and its calling convention
@@ -126,8 +130,7 @@ def checked(compiled: Any) -> Any:
             from flashoverlap_inductor import routes
 
             routes.resync_marked()
-        with moe_deferred.graph_run():  # MoE calls judged per graph run (moe_judge_per_graph)
-            out = compiled(*args, **kwargs)
+        out = compiled(*args, **kwargs)
         faults.raise_pending()
         return out
 

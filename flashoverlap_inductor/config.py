@@ -65,9 +65,10 @@ EXPERIMENTS = {
     "moe_judge_two_behind": "with moe_settle_deferred, judge a deferred MoE call's status at the end of the call "
                             "after next instead of the next one (the host may run two MoE calls ahead of the GPU; "
                             "a failure raises one call later)",
-    "moe_judge_per_graph": "with moe_settle_deferred, inside a compiled graph judge the deferred MoE calls at the end "
-                           "of the next graph run instead of at each call (the host may run a whole graph ahead; a "
-                           "failure raises at the end of the next run; never run on a GPU)",
+    "moe_judge_per_graph": "with moe_settle_deferred, inside a compiled graph with fused MoE ops (forward, backward or "
+                           "inference) judge a group's deferred MoE calls at the end of its next graph run instead of "
+                           "at each call (the host may run a whole graph ahead; a failure raises at the end of the "
+                           "next run; never run on a GPU)",
 }
 
 

@@ -394,10 +394,10 @@ def deferred_worker(op: str, extra: tuple[str, ...] = ()) -> list[str]:
 
 def per_graph_worker(op: str) -> list[str]:
     """The settle without a host read judged per graph run (the experiment ``moe_judge_per_graph``): three graph runs
-    as ``backend.checked`` makes them (``moe_deferred.graph_run``) of two deferred calls each, with no host sync
-    inside a run (``set_sync_debug_mode("error")``); rank 1's GEMM raises in run 2's first call. Per step an outcome
-    word: rank 1 raises its own fault there; rank 0's call is NaN, its run's second call exact, and it raises
-    ``PoisonedResult`` at the end of run 3 (after that run's calls, exact)."""
+    as the backend wraps a compiled graph's runs (``moe_deferred.graph_run``) of two deferred calls each, none judged
+    inside its run (the calls pending at its end count them; ``set_sync_debug_mode("error")`` catches other host
+    syncs); rank 1's GEMM raises in run 2's first call. Per step an outcome word: rank 1 raises its own fault there;
+    rank 0's call is NaN, its run's second call exact, and it raises ``PoisonedResult`` at the end of run 3."""
     from unittest import mock
 
     import torch.distributed as dist
@@ -445,6 +445,7 @@ def per_graph_worker(op: str) -> list[str]:
                         out.append("own" if "injected" in str(exc) else f"other: {exc}")
                     finally:
                         torch.cuda.set_sync_debug_mode(0)
+                out.append(f"pending {moe_deferred.pending(g)}")
             torch.cuda.synchronize()
             out += ["NaN" if bool(t.isnan().all()) else "exact" if _err(t, want) <= TOL else "WRONG" for t in got]
             out.append(f"run {number}: ok")
@@ -597,8 +598,10 @@ def test_the_settle_without_a_host_read_poisons_and_raises_a_call_later(pool, op
 @pytest.mark.parametrize("op", ["combine", "dispatch"])
 def test_per_graph_judging_waits_for_nothing_inside_a_run_and_raises_a_run_later(pool, op):
     r0, r1 = pool.run(per_graph_worker, op)
-    assert r0 == ["exact", "exact", "run 1: ok", "NaN", "exact", "run 2: ok", "run 3: poisoned (PeerFailure)"], r0
-    assert r1 == ["exact", "exact", "run 1: ok", "own", "exact", "run 2: ok", "exact", "exact", "run 3: ok"], r1
+    assert r0 == ["pending 2", "exact", "exact", "run 1: ok", "pending 4", "NaN", "exact", "run 2: ok", "pending 4",
+                  "run 3: poisoned (PeerFailure)"], r0
+    assert r1 == ["pending 2", "exact", "exact", "run 1: ok", "own", "pending 4", "exact", "run 2: ok", "pending 4",
+                  "exact", "exact", "run 3: ok"], r1
 
 
 @two_gpus

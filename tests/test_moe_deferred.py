@@ -258,10 +258,67 @@ def test_a_deferred_call_whose_own_status_never_arrived_raises():
     moe_deferred._judge([[1, *GOOD[1:]], GOOD], p)  # its own failure, raised in its call: not again
 
 
-def test_each_run_of_a_compiled_graph_is_a_graph_run():
-    """``backend.checked`` (around every compiled graph the backend returns) runs it inside ``graph_run``."""
-    from flashoverlap_inductor import backend
+def test_wrapped_runs_outlive_the_first_run_hook():
+    """``compat.wrap_runs`` then ``compat.run_first`` (as the backend calls them): the first run has both, every later
+    run still runs inside the wrapper."""
+    from flashoverlap_inductor import _inductor_compat as compat
 
     seen = []
-    run = backend.checked(lambda: seen.append(getattr(moe_deferred._run, "depth", 0)) or "out")
-    assert run() == "out" and seen == [1] and moe_deferred._run.depth == 0
+    compiled = type("Graph", (), {})()
+    compiled.current_callable = lambda inputs: seen.append(("run", getattr(moe_deferred._run, "depth", 0)))
+    assert compat.wrap_runs(compiled, moe_deferred.graph_run)
+    assert compat.run_first(compiled, lambda inputs: seen.append(("first", 0)))
+    for _ in range(3):
+        compiled.current_callable([])
+    assert seen == [("first", 0), ("run", 1), ("run", 1), ("run", 1)] and moe_deferred._run.depth == 0
+    assert not compat.wrap_runs(object(), moe_deferred.graph_run)
+
+
+def compiled_moe_worker() -> dict:
+    """tiny-moe (one layer, 2 experts per rank) under the ``ep`` plan, compiled by the flashoverlap backend with the
+    MoE ops fused and judged per graph: 6 training steps; the graph runs counted, the deferred calls, the calls
+    pending at the end, and the losses against the same steps under Inductor."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from flashoverlap_inductor.bench import models, plans
+    from flashoverlap_inductor.bench.runner import TrainLoss, flashoverlap_backend
+
+    moe_deferred.forget()
+    spec = models.PRESETS["tiny-moe"].with_overrides(layers=1)
+    base = plans.apply(models.build(spec, torch.device("cpu"), torch.float32, 0, 16), spec, "ep",
+                       init_device_mesh("cpu", (2,)))
+    gen = torch.Generator().manual_seed(3)
+    data = [(torch.randint(0, spec.vocab, (1, 16), generator=gen),) * 2 for _ in range(6)]
+    out = {}
+    for name in ("inductor", "flashoverlap"):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        options = {"flashoverlap.fuse": "always", "flashoverlap.experiments": frozenset(
+            {moe_deferred.EXPERIMENT, moe_deferred.PER_GRAPH})} if name == "flashoverlap" else {}
+        fn = torch.compile(TrainLoss(model), backend=flashoverlap_backend() if options else "inductor",
+                           options=options or None, dynamic=False)
+        before = dict(routes.stats)
+        losses = []
+        with torch._dynamo.config.patch(capture_scalar_outputs=True):
+            for ids, tgt in data:
+                loss = fn(ids, tgt)
+                loss.backward()
+                losses.append(loss.item())
+        out[name] = losses
+        out[f"{name}:runs"] = routes.stats["moe:graph_run"] - before.get("moe:graph_run", 0)
+        out[f"{name}:deferred"] = routes.stats["moe:deferred"] - before.get("moe:deferred", 0)
+    out["pending"] = moe_deferred.pending(dist.group.WORLD)
+    routes.check()
+    return out
+
+
+def test_a_compiled_moe_model_runs_its_forward_and_backward_as_graph_runs(pool):
+    """Every run of a compiled graph with fused MoE ops, the backward that autograd calls included, is a graph run
+    (2 per training step), and the losses are Inductor's. (This fp32 per-expert-loop model takes the general path,
+    which never defers: the judgement points are ``per_graph_worker``'s.)"""
+    for res in pool.run(compiled_moe_worker):
+        assert res["inductor:runs"] == 0 and res["flashoverlap:runs"] == 12, res
+        assert res["flashoverlap:deferred"] == 0 and res["pending"] == 0, res
+        torch.testing.assert_close(res["flashoverlap"], res["inductor"], rtol=1e-4, atol=1e-5)

@@ -94,7 +94,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--interleave", type=int, default=0, metavar="N",
                    help="build and warm every backend first, then take the measured steps in turns of N steps per "
                         "backend, the order rotating (bench/interleave.py: a drift during the run touches every "
-                        "backend alike; every backend's model in memory at once); 0: one backend after another")
+                        "backend alike; every backend's model in memory at once; each turn starts from an idle host: "
+                        "N >= 3 for host-bound rows); 0: one backend after another")
     g.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (train)")
     g.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the token ids")
     g.add_argument("--expert-gemm", choices=("auto", "loop", "grouped"), default="auto",

@@ -91,9 +91,10 @@ def make_env(args: argparse.Namespace, device_type: str) -> Env:
     return Env(rank, world, device, DTYPES[args.dtype], mesh, mesh.get_group().group_name, quiet=args.quiet)
 
 
-def check_memory(spec, plan: str, workload: str, env: Env) -> str | None:
-    """A rough static estimate (parameters, template copy, gradients, AdamW state; no activations) against the
-    GPU's memory: a one-line error with the number of layers that would fit, or None."""
+def check_memory(spec, plan: str, workload: str, env: Env, live: int = 1) -> str | None:
+    """A rough static estimate (parameters, template copy, gradients, AdamW state; no activations; ``live`` models
+    at once: ``--interleave`` keeps every compiled backend's) against the GPU's memory: a one-line error with the
+    number of layers that would fit, or None."""
     if not env.cuda:
         return None
     size = torch.finfo(env.dtype).bits // 8
@@ -102,7 +103,7 @@ def check_memory(spec, plan: str, workload: str, env: Env) -> str | None:
 
     def need(layers: int) -> float:
         sharded = per_layer * layers / env.world + fixed
-        copies = 5 if workload == "train" else 2  # template + live (+ grads + 2 AdamW states)
+        copies = 1 + live * (4 if workload == "train" else 1)  # template + live models (+ grads + 2 AdamW states)
         return max((per_layer * layers + fixed) * size, sharded * copies * size)
 
     total = torch.cuda.get_device_properties(env.device).total_memory * 0.9
@@ -151,7 +152,7 @@ def run_case(case: Case, template, env: Env, args: argparse.Namespace) -> list[d
             release(env)
     for r in rows:
         if r["backend"] == "bound" and r["status"] == "ok":
-            r["note"] = bound.NOTE
+            r["note"] = "; ".join(x for x in (bound.NOTE, r["note"]) if x)
             r["values"] = r.pop("_values").flatten()[:8].tolist()
     ran = [r for r in rows if r["status"] == "ok" and r["backend"] != "bound"]
     ref = next((r for r in ran if r["backend"] == "inductor"), ran[0] if ran else None)
@@ -244,7 +245,8 @@ def _run(args: argparse.Namespace, env: Env) -> int:
     say = print if env.rank == 0 else (lambda *a, **k: None)
     for spec, plan in args.cases:
         for workload in args.workload:
-            why = check_memory(spec, plan, workload, env)
+            live = sum(b != "eager" for b in args.backends) if args.interleave else 1
+            why = check_memory(spec, plan, workload, env, max(live, 1))
             if why:
                 say(f"e2e: error: {why}", file=sys.stderr)
                 return 2

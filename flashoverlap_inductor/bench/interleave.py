@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from flashoverlap_inductor import _inductor_compat as compat
 from flashoverlap_inductor import reporting as fo
 
 from . import coverage
@@ -47,7 +48,13 @@ class _Live:
 def run_interleaved(backends: list[str], case: Case, template: Any, data: list, env: Env,
                     args: Any) -> list[dict[str, Any]]:
     """The rows of ``backends`` (each available here) on ``case`` (``runner.run_backend``'s, ``peak_bytes`` None),
-    measured in turns of ``args.interleave`` steps (module docstring); a backend that fails is an error row."""
+    measured in turns of ``args.interleave`` steps (module docstring); a backend that fails is an error row. Dynamo's
+    recompile limit is raised for the run (each backend holds a cache entry of the same ``forward``)."""
+    with compat.recompile_limit(2 * len(backends) + 8):
+        return _run(backends, case, template, data, env, args)
+
+
+def _run(backends: list[str], case: Case, template: Any, data: list, env: Env, args: Any) -> list[dict[str, Any]]:
     from torch._inductor.utils import fresh_cache
 
     torch._dynamo.reset()

@@ -21,13 +21,16 @@ were all issued before it raises, so a program that goes on calling stays paired
 that unwinds on the first exception (a step, a compiled graph) leaves the failing rank one call ahead of its peers:
 as after any collective error, call ``routes.check()`` on every rank and restart the step.
 
-Judged per graph (the experiment ``moe_judge_per_graph``): inside a run of a compiled graph (``graph_run``, around
-every run by ``backend.checked``) a call judges none of the earlier calls (the host may run the whole graph ahead of
-the GPU), and at the end of each run the calls that were pending at the end of the run before it are judged
-(waited for), so a failure raises ``errors.PoisonedResult`` at the end of the next graph run, after its outputs were
-computed (and dropped). Every rank runs the same graphs in the same order (as the fault check at the same place
-assumes), so every rank judges the same calls; beyond ``MAX_PENDING`` calls pending on a group a call judges the
-excess oldest.
+Judged per graph (the experiment ``moe_judge_per_graph``): inside a run of a compiled graph with fused MoE ops
+(``graph_run``: the backend wraps every run of such a graph, forward, backward or inference) a call judges none of
+the earlier calls (the host may run the whole graph ahead of the GPU). At the end of the run, for each group with a
+call in it (registered before the call, ``enter_call``: a call that raises counts too), the calls pending at the
+end of that group's previous such run are judged (waited for), so a failure raises ``errors.PoisonedResult`` at the
+end of the group's next graph run, after its outputs were computed (and dropped). Every member of a group makes the
+same MoE calls in the same graphs, so every rank judges the same calls at the same points; beyond ``MAX_PENDING``
+calls pending on a group a call judges the excess oldest. One host thread per group (as the routes' locks assume
+for the calls' order): another thread's run ending may judge this thread's calls. A run that raises judges nothing;
+after it, ``routes.check()`` on every rank.
 """
 
 from __future__ import annotations
@@ -49,11 +52,12 @@ EXPERIMENT = "moe_settle_deferred"
 TWO_BEHIND = "moe_judge_two_behind"  # the judgement two calls behind (``judged_now``)
 PER_GRAPH = "moe_judge_per_graph"  # the judgement at the end of the next compiled graph's run (``graph_run``)
 MAX_PENDING = 256  # under PER_GRAPH, a group's calls left unjudged inside a graph run, at most
+MOE_OPS = ("gemm_unpermute_all_to_all", "all_to_all_permute_gemm")  # the fused MoE ops (a graph with one: graph_run)
 HELD_BEFORE_DEFERRING = moe_settle.HELD_BEFORE_DEFERRING
 # keyed by the group's name (the same on every rank, never reused, where an id may be after a group is destroyed)
 _pending: dict[str, list[Pending]] = {}  # group -> deferred calls not judged on the host yet, oldest first
 _marks: dict[str, Pending | None] = {}  # PER_GRAPH group -> its newest pending call at the end of the last graph run
-_run = threading.local()  # depth: graph runs entered (``graph_run``) and not left, in this thread
+_run = threading.local()  # depth: graph runs entered and not left; groups: those with a call in the run (this thread)
 
 
 @dataclass
@@ -167,42 +171,44 @@ def judged_now(earlier: int, experiments: frozenset[str]) -> int:
     return max(earlier - 1, 0) if TWO_BEHIND in experiments else earlier
 
 
-def judge_after_call(group: dist.ProcessGroup, earlier: int, experiments: frozenset[str]) -> None:
-    """The end of a MoE call on ``group`` (after its collectives), ``earlier`` calls pending before it: the oldest
-    ``judged_now`` of them judged, waited for (``raise_pending``); under ``moe_judge_per_graph`` inside a graph run the
-    group's calls are left to the end of the next run (``graph_run``)."""
+def enter_call(group: dist.ProcessGroup, experiments: frozenset[str]) -> None:
+    """Before a MoE call's transfers on ``group``: under ``moe_judge_per_graph`` inside a graph run, the group is
+    judged at the run's end (``graph_run``), whether the call returns or raises."""
     if PER_GRAPH in experiments and getattr(_run, "depth", 0):
-        _marks.setdefault(group.group_name, None)
-    raise_pending(group, sync=True, limit=judged_now(earlier, experiments))
+        _run.groups.add(group.group_name)
 
 
 @contextlib.contextmanager
 def graph_run() -> Iterator[None]:
-    """Around one run of a compiled graph (``backend.checked``). On leaving the outermost one normally, every group
-    with calls left to it (``moe_judge_per_graph``) has its calls judged that were pending at the end of the run
-    before (waited for; ``errors.PoisonedResult`` for a bad one), and its newest pending call marked for the next
-    run's end. Not on an exception (the run's own error propagates; the calls wait for the next run or
-    ``routes.check()``)."""
-    _run.depth = getattr(_run, "depth", 0) + 1
+    """Around one run of a compiled graph with fused MoE ops (module docstring). On leaving the outermost one
+    normally, each group with a call in it (``enter_call``) has its calls judged that were pending at the end of its
+    previous run (waited for; ``errors.PoisonedResult`` for a bad one), its newest pending call marked for the next.
+    Not on an exception (the run's own error propagates; the calls wait for the next run or ``routes.check()``)."""
+    depth = getattr(_run, "depth", 0)
+    if depth == 0:
+        _run.groups = set()
+        stats["moe:graph_run"] += 1
+    _run.depth = depth + 1
     try:
         yield
     finally:
-        _run.depth -= 1
-    if _run.depth == 0 and _marks:
-        _judge_marked()
+        _run.depth = depth
+    if depth == 0 and _run.groups:
+        _judge_marked(sorted(_run.groups))  # sorted: the same order on every rank
 
 
-def _judge_marked() -> None:
-    """The end of a graph run: per marked group, the calls up to its mark judged, then the mark moved to its newest
-    pending call (before judging: a raise leaves the other groups' calls to the next run's end)."""
+def _judge_marked(groups: list[str]) -> None:
+    """The end of a graph run: per group, the calls up to its mark judged, the mark moved to its newest pending call
+    first (a raise leaves the later groups' calls to their next run's end)."""
     due = {}
-    for name, mark in list(_marks.items()):
-        queue = _pending.get(name, [])
+    for name in groups:
+        queue, mark = _pending.get(name, []), _marks.get(name)
         due[name] = next((i + 1 for i, p in enumerate(queue) if p is mark), 0)  # 0: judged since, or no mark
         _marks[name] = queue[-1] if queue else None
     for name, count in due.items():
-        if count:
-            raise_pending(_pending[name][0].group, sync=True, limit=count)
+        queue = _pending.get(name, [])
+        if count and queue:
+            raise_pending(queue[0].group, sync=True, limit=count)
 
 
 def pending(group: dist.ProcessGroup) -> int:

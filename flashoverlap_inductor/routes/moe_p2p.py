@@ -137,13 +137,14 @@ def run_call(op: str, x: torch.Tensor, group: dist.ProcessGroup, splits: int, pl
                               "library": "-", "data": agree.data_digest(settings.config_dir),
                               "gpu": x.device.type}, group, what)
         earlier = moe_deferred.pending(group)  # judged below: this call's own status is judged by a later call
+        moe_deferred.enter_call(group, settings.experiments)
         if why is None:
             out = p2p(moe_deferred.defers(group, settings.experiments))
             count_route(op, x.device)
         else:
             out = reference()
             count_fallback(op, why)
-        moe_deferred.judge_after_call(group, earlier, settings.experiments)
+        moe_deferred.raise_pending(group, sync=True, limit=moe_deferred.judged_now(earlier, settings.experiments))
         return out
 
 
