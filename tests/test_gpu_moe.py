@@ -314,6 +314,27 @@ def fault_worker(op: str, path: str) -> list[str]:
     return out
 
 
+def _deferred_calls(op: str, experiments: tuple[str, ...], dev: torch.device, g) -> tuple:
+    """(the fp64 reference, ``run``): one bf16 ``blocks`` call of ``op`` on the MoE form's case, under
+    ``moe_p2p_cuda`` and ``experiments`` (passed as the op's settings: no nesting); the dispatch's p and y side by
+    side, both checked, both poisoned."""
+    from flashoverlap_inductor import config
+
+    c = combine_case("grouped", "moe", 2, dev) if op == "combine" else dispatch_case("grouped", "moe", 2, dev)
+    want = combine_fp64(c, g) if op == "combine" else torch.cat(dispatch_fp64(c, g), dim=1)
+    key = config.current().replace(experiments={"moe_p2p_cuda", *experiments}).key()
+
+    def run() -> torch.Tensor:
+        if op == "combine":
+            return torch.ops.flashoverlap.gemm_unpermute_all_to_all(c["a"], c["b"], c["offs"], c["index"], False,
+                                                                    c["outs"], c["ins"], g.group_name, "blocks", key)
+        return torch.cat(torch.ops.flashoverlap.all_to_all_permute_gemm(
+            c["x"], c["index"], c["b"], c["loop_sizes"], c["offs"], c["outs"], c["ins"], g.group_name, "blocks",
+            key), dim=1)
+
+    return want, run
+
+
 def deferred_worker(op: str, extra: tuple[str, ...] = ()) -> list[str]:
     """The settle without a host read (``routes/moe_deferred.py``) on the whole-block path: warm calls, then deferred
     calls against fp64 (no host sync inside them: ``set_sync_debug_mode("error")``), then rank 1's GEMM raising in a
@@ -325,22 +346,12 @@ def deferred_worker(op: str, extra: tuple[str, ...] = ()) -> list[str]:
 
     import torch.distributed as dist
 
-    from flashoverlap_inductor import config, errors, routes
+    from flashoverlap_inductor import errors, routes
     from flashoverlap_inductor.routes import moe_deferred, moe_fast
 
     g, dev, rank = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()), dist.get_rank()
     moe_deferred.forget()
-    c = combine_case("grouped", "moe", 2, dev) if op == "combine" else dispatch_case("grouped", "moe", 2, dev)
-    want = combine_fp64(c, g) if op == "combine" else torch.cat(dispatch_fp64(c, g), dim=1)
-    key = config.current().replace(experiments={"moe_p2p_cuda", moe_deferred.EXPERIMENT, *extra}).key()  # no nesting
-
-    def run() -> torch.Tensor:  # the dispatch's p and y side by side: both checked, both poisoned
-        if op == "combine":
-            return torch.ops.flashoverlap.gemm_unpermute_all_to_all(c["a"], c["b"], c["offs"], c["index"], False,
-                                                                    c["outs"], c["ins"], g.group_name, "blocks", key)
-        return torch.cat(torch.ops.flashoverlap.all_to_all_permute_gemm(
-            c["x"], c["index"], c["b"], c["loop_sizes"], c["offs"], c["outs"], c["ins"], g.group_name, "blocks",
-            key), dim=1)
+    want, run = _deferred_calls(op, (moe_deferred.EXPERIMENT, *extra), dev, g)
 
     out = []
     for _ in range(moe_deferred.HELD_BEFORE_DEFERRING):
@@ -402,23 +413,12 @@ def per_graph_worker(op: str) -> list[str]:
 
     import torch.distributed as dist
 
-    from flashoverlap_inductor import config, errors
+    from flashoverlap_inductor import errors
     from flashoverlap_inductor.routes import moe_deferred, moe_fast
 
     g, dev, rank = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()), dist.get_rank()
     moe_deferred.forget()
-    c = combine_case("grouped", "moe", 2, dev) if op == "combine" else dispatch_case("grouped", "moe", 2, dev)
-    want = combine_fp64(c, g) if op == "combine" else torch.cat(dispatch_fp64(c, g), dim=1)
-    key = config.current().replace(experiments={"moe_p2p_cuda", moe_deferred.EXPERIMENT,
-                                                moe_deferred.PER_GRAPH}).key()
-
-    def run() -> torch.Tensor:
-        if op == "combine":
-            return torch.ops.flashoverlap.gemm_unpermute_all_to_all(c["a"], c["b"], c["offs"], c["index"], False,
-                                                                    c["outs"], c["ins"], g.group_name, "blocks", key)
-        return torch.cat(torch.ops.flashoverlap.all_to_all_permute_gemm(
-            c["x"], c["index"], c["b"], c["loop_sizes"], c["offs"], c["outs"], c["ins"], g.group_name, "blocks",
-            key), dim=1)
+    want, run = _deferred_calls(op, (moe_deferred.EXPERIMENT, moe_deferred.PER_GRAPH), dev, g)
 
     for _ in range(moe_deferred.HELD_BEFORE_DEFERRING):
         run()

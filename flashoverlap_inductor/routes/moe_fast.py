@@ -186,7 +186,7 @@ def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], of
     bit for bit), so the own block's moves run while the peers' rows travel and no ``cat`` of the blocks' results
     is made; where the premise fails the outputs are the settle's to discard (redo) or poison (deferred)."""
     rank = group.rank()
-    moe_plan_lib.usable(x)  # the library's kernels loaded (first call) before any transfer is in flight
+    library = moe_plan_lib.usable(x)  # asked once per call; its kernels loaded before any transfer is in flight
     sent = moe_p2p.issue_dispatch(x, outs, ins, 1, group)  # one unit per block: unit j is block j
     x, recv, send_off, recv_off, failure = sent.x, sent.recv, sent.send_off, sent.recv_off, sent.failure
     plan, result = None, None
@@ -195,7 +195,7 @@ def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], of
         if not rows.shape[0]:
             return
         inv = plan.inv[recv_off[j]:recv_off[j + 1]]
-        if moe_plan_lib.usable(inv):  # every move of the block in one library call where it takes them
+        if library:  # every move of the block in one library call where it takes them
             moves = list(zip(result, [rows, *(torch._grouped_mm(_aligned(rows), w, offs=plan.offs(j)) for w in b)],
                              strict=True))
             if not (moe_plan_lib.should_move(inv, moves) and moe_plan_lib.move_rows(inv, moves)):

@@ -182,8 +182,8 @@ def poison(outputs: list[torch.Tensor], vectors: torch.Tensor, world: int) -> li
 def should_move(inv: torch.Tensor, moves: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
     """Whether ``move_rows`` takes these ``(dst, src)`` pairs: 1 to ``MOVE_SLOTS`` of them, 2-D with contiguous rows of
     one dtype per pair (even bytes), ``src`` as many rows as ``inv`` (int64, contiguous), all on the current device."""
-    if not (on() and inv.is_cuda and inv.dtype == torch.int64 and inv.dim() == 1 and inv.is_contiguous()
-            and 1 <= len(moves) <= MOVE_SLOTS and inv.device.index == torch.cuda.current_device()):
+    if not (inv.dtype == torch.int64 and inv.dim() == 1 and inv.is_contiguous() and 1 <= len(moves) <= MOVE_SLOTS
+            and usable(inv)):
         return False
     for dst, src in moves:
         if not (dst.dim() == 2 and src.dim() == 2 and dst.dtype == src.dtype and dst.shape[1] == src.shape[1]
@@ -192,7 +192,7 @@ def should_move(inv: torch.Tensor, moves: list[tuple[torch.Tensor, torch.Tensor]
                 and dst.stride(0) >= dst.shape[1] and src.stride(0) >= src.shape[1]
                 and (dst.shape[1] * dst.element_size()) % 2 == 0 and dst.shape[0] == moves[0][0].shape[0]):
             return False
-    return _library_on(inv.device.index)
+    return True
 
 
 def _word(*sizes: int) -> int:
