@@ -41,3 +41,21 @@ def test_busy_time_is_the_union_of_the_gpu_intervals(tmp_path):
 def test_an_empty_trace(tmp_path):
     s = trace_summary.summarize(_trace(tmp_path, []))
     assert s == {"span_ms": 0.0, "gpu_busy_ms": 0.0, "fused": {}} and trace_summary.describe(s) == "no events"
+
+
+def test_idle_gaps_are_charged_to_what_the_host_ran(tmp_path):
+    x = lambda cat, name, ts, dur: {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    events = [
+        x("kernel", "a", 0, 100),             # busy 0 - 100
+        x("kernel", "b", 150, 50),            # gap 100 - 150 (50 us)
+        x("kernel", "c", 210, 40),            # gap 200 - 210 (10 us: under the threshold)
+        x("gpu_memcpy", "d", 1250, 50),       # gap 250 - 1250 (1000 us)
+        x("kernel", "e", 1400, 10),           # gap 1300 - 1400 (100 us)
+        x("cpu_op", "flashoverlap::all_to_all_permute_gemm", 80, 1500),
+        x("cpu_op", "aten::index_select", 90, 30),  # innermost at t = 100
+        x("cpu_op", "aten::mm", 1290, 200),         # innermost at t = 1300
+        x("cuda_runtime", "cudaStreamSynchronize", 240, 1000),  # at t = 250
+    ]
+    gaps = trace_summary.idle_gaps(_trace(tmp_path, events))
+    assert gaps == [("flashoverlap::all_to_all_permute_gemm | cudaStreamSynchronize", 1, 1.0),
+                    ("aten::mm | -", 1, 0.1), ("aten::index_select | -", 1, 0.05)]

@@ -28,6 +28,9 @@
 # FO_MOEPROF_SHAPES, FO_MOEPROF_PLANS: moe_profile's shapes and bench_moe plans (e.g. blocks+deferred+plan_triton).
 # FO_OPS_CAP_S: bench_ops' cap (default 120 s; FO_OPS_SHAPES=grid, the 16-shape grid, needs ~300); FO_OPS_ARGS: more
 #   bench_ops arguments (e.g. "--ops all_to_all").
+# FO_GATHER_ARGS: more bench_gather arguments (e.g. "--pieces 1,2,4"); FO_E2E_TRACE=1: the e2e run writes a profiler
+#   trace per case, backend and rank (rank 0's brought back as $OUT/e2e_traces.tgz) and trace_gaps.log (where each
+#   traced step's GPU idles: bench.trace_summary).
 # FO_SKIP: any of "build tests faults cpu coverage ops gather moe moeprof timeline e2e"; FO_BUDGET_S: the part's budget (default 570).
 set -uo pipefail
 START=$SECONDS
@@ -108,7 +111,7 @@ elif [ "$PART" = B ]; then
   if [[ "$SKIP" != *" gather "* ]]; then
     step "bench_gather"
     timeout "$(cap ${FO_GATHER_CAP_S:-120})" "${TORCHRUN[@]}" --nproc_per_node="$WORLD" "$REPO/examples/bench_gather.py" \
-      --shapes "${FO_GATHER_SHAPES:-4096x6144x4096,16384x4096x4096}" --json /tmp/fo_probe/bench_gather.json >"$OUT/bench_gather.log" 2>&1
+      --shapes "${FO_GATHER_SHAPES:-4096x6144x4096,16384x4096x4096}" ${FO_GATHER_ARGS:-} --json /tmp/fo_probe/bench_gather.json >"$OUT/bench_gather.log" 2>&1
     echo "bench_gather rc=$?" | tee -a "$OUT/bench_gather.log"; tail -25 "$OUT/bench_gather.log"
   fi
   if [[ "$SKIP" != *" moe "* ]]; then  # the MoE ops' P2P route: examples/bench_moe.py (FO_MOE_ARGS: e.g. --shapes)
@@ -142,8 +145,13 @@ if [ "$PART" = C ]; then
     step "e2e"
     timeout "$(cap 540)" "${TORCHRUN[@]}" --nproc_per_node="$WORLD" -m flashoverlap_inductor.bench e2e --preset "${FO_E2E_PRESET:-llama3-8b}" \
       --layers "${FO_E2E_LAYERS:-8}" --plan "${FO_E2E_PLAN:-sp}" --workload "${FO_E2E_WORKLOAD:-train,prefill}" --seq "${FO_E2E_SEQ:-4096}" --batch 1 --steps 5 --warmup 2 \
-      --backends "${FO_E2E_BACKENDS:-inductor,inductor+async-tp,flashoverlap,bound,inductor-ro,flashoverlap-ro}" ${FO_E2E_ARGS:-} --quiet --json "$OUT/e2e.json" >"$OUT/e2e.log" 2>&1
+      --backends "${FO_E2E_BACKENDS:-inductor,inductor+async-tp,flashoverlap,bound,inductor-ro,flashoverlap-ro}" ${FO_E2E_ARGS:-} \
+      ${FO_E2E_TRACE:+--trace /tmp/fo_probe/traces} --quiet --json "$OUT/e2e.json" >"$OUT/e2e.log" 2>&1
     echo "e2e rc=$?" | tee -a "$OUT/e2e.log"; tail -40 "$OUT/e2e.log"
+    if [ -n "${FO_E2E_TRACE:-}" ]; then  # where each traced step's GPU idles, then the traces themselves
+      timeout "$(cap 120)" python3 -m flashoverlap_inductor.bench.trace_summary /tmp/fo_probe/traces/*.json >"$OUT/trace_gaps.log" 2>&1
+      (cd /tmp/fo_probe/traces && tar czf "$OUT/e2e_traces.tgz" ./*rank0*.json 2>/dev/null)
+    fi
   fi
 fi
 step "done"

@@ -9,10 +9,14 @@ profiler inflates host times; a communication kernel that spins while it waits f
 busy share overstates the GPU's useful work.
 
     python -m flashoverlap_inductor.bench.trace_summary DIR/*.json
+
+It also lists where the GPU idled (``idle_gaps``): each gap of >= 20 us charged to what the host was doing when it
+began (the innermost CPU op and CUDA runtime call), the largest totals first.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import sys
 from collections import defaultdict
@@ -61,6 +65,44 @@ def describe(s: dict[str, Any]) -> str:
     return text + ("; host thread in fused ops (waits included): " + ", ".join(ops) if ops else "")
 
 
+def idle_gaps(path: str, min_us: float = 20.0, top: int = 12) -> list[tuple[str, int, float]]:
+    """Where the GPU idles in the trace at ``path``: every gap of at least ``min_us`` between the union of its kernel
+    and copy intervals, charged to the host's innermost CPU op (``cpu_op``) and CUDA runtime call (``cuda_runtime``,
+    e.g. a ``cudaStreamSynchronize``) running on the host when the gap began. Returns ``(what, gaps, ms)``, the
+    ``top`` largest by total ms; ``what`` is ``op | runtime call`` (``-`` where none ran)."""
+    with open(path) as f:
+        events = [e for e in json.load(f).get("traceEvents", [])
+                  if e.get("ph") == "X" and "dur" in e and e.get("cat") != "Trace"]
+    gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in GPU_CATEGORIES)
+    gaps, end = [], None
+    for s, e in gpu:
+        if end is not None and s - end >= min_us:
+            gaps.append((end, s))
+        end = e if end is None else max(end, e)
+
+    by_cat = {cat: sorted((e for e in events if e.get("cat") == cat), key=lambda e: e["ts"])
+              for cat in ("cpu_op", "cuda_runtime")}
+    starts = {cat: [e["ts"] for e in evs] for cat, evs in by_cat.items()}
+
+    def innermost(cat: str, t: float) -> str:
+        """The latest-starting ``cat`` event that covers ``t`` (the innermost of nested ones)."""
+        evs, i = by_cat[cat], bisect.bisect_right(starts[cat], t)
+        for e in reversed(evs[max(0, i - 4000):i]):
+            if e["ts"] + e["dur"] > t:
+                return e["name"]
+        return "-"
+
+    charged: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for s, e in gaps:
+        key = f"{innermost('cpu_op', s)} | {innermost('cuda_runtime', s)}"
+        charged[key][0] += 1
+        charged[key][1] += (e - s) / 1e3
+    ranked = sorted(charged.items(), key=lambda kv: -kv[1][1])[:top]
+    return [(what, n, round(ms, 4)) for what, (n, ms) in ranked]
+
+
 if __name__ == "__main__":
     for p in sys.argv[1:]:
         print(f"{p}: {describe(summarize(p))}")
+        for what, n, ms in idle_gaps(p):
+            print(f"  GPU idle {ms:.3f} ms in {n} gap(s) while the host ran {what}")
