@@ -369,12 +369,6 @@ FO_API int fo_ring_call(const fo_ring_args* args);
  * that fills every SM would otherwise hold a step kernel, hence the pulls, until its CTAs retire); the GEMMs start
  * one handshake later. Without it, the per-peer steps of 3. below. */
 #define FO_GATHER_GEMM_AFTER_HANDSHAKE 1
-/* options bit: as FO_GATHER_GEMM_AFTER_HANDSHAKE, but cur_stream waits only for the call's first step kernel (its
- * beginning and the waits of step 1), not for the handshake: the caller's GEMMs start one short kernel after the
- * call, and the handshake kernel, launched on the high-priority copy stream after the own shard's copy, takes the
- * first SM slot a GEMM CTA frees (so the pulls start at most one CTA's time later, under the local shard's GEMMs).
- * The pulls after it are copy-engine work as with the handshake first. */
-#define FO_GATHER_GEMM_AFTER_BEGIN 2
 typedef struct {
   int32_t world, rank;
   int64_t shard_bytes;                        /* bytes of one shard ([shard_rows, K], contiguous) */
@@ -399,7 +393,7 @@ typedef struct {
   int32_t num_outputs;                        /* fo_gather_finish: outputs to poison on a fault */
   int32_t elem_bytes;                         /* 2 or 4 */
   int32_t bf16;                               /* elem_bytes 2: 1 bf16, 0 fp16 */
-  int32_t options;                            /* bit FO_GATHER_GEMM_AFTER_HANDSHAKE or _BEGIN; other bits 0 */
+  int32_t options;                            /* bit FO_GATHER_GEMM_AFTER_HANDSHAKE; other bits 0 */
   void* outputs[FO_GATHER_MAX_OUTPUTS];
   int64_t output_numel[FO_GATHER_MAX_OUTPUTS];
 } fo_gather_args;

@@ -223,13 +223,6 @@ FO_API int fo_gather_call(const fo_gather_args* args) {
     s.tag[s.num_wait++] = kTagDone + j;
   }
   if ((rc = launch_step(s, copy)) != 0) return rc;
-  bool const after_begin = (p.options & FO_GATHER_GEMM_AFTER_BEGIN) != 0;
-  // With the GEMMs after the beginning: cur waits for that kernel only (a scheduling choice, as below: if it cannot
-  // be enqueued, the call goes on without it).
-  if (after_begin &&
-      (cudaEventRecord(ev->ready, copy) != cudaSuccess || cudaStreamWaitEvent(cur, ev->ready, 0) != cudaSuccess)) {
-    (void)cudaGetLastError();
-  }
   // From here on every notification is issued whatever fails (the peers stay in step); a part that could not be
   // enqueued is recorded (code 4) by the next step kernel, before it notifies, so no peer takes stale data for good.
   int first = 0, fail_tag = 0;
@@ -259,7 +252,7 @@ FO_API int fo_gather_call(const fo_gather_args* args) {
       lo = hi;
     }
   };
-  bool const handshake_first = after_begin || (p.options & FO_GATHER_GEMM_AFTER_HANDSHAKE) != 0;
+  bool const handshake_first = (p.options & FO_GATHER_GEMM_AFTER_HANDSHAKE) != 0;
   if (!handshake_first) copy_own_slot();  // with the handshake first: after the pulls (it delays no peer then)
   if (handshake_first) {
     // 3'. one handshake (ready to every peer, wait for every peer's ready), then cur may start its GEMMs: from here
@@ -279,8 +272,7 @@ FO_API int fo_gather_call(const fo_gather_args* args) {
     }
     // cur's wait is a scheduling choice only (the local GEMMs read `a`; each pulled shard's GEMM waits for its own
     // event): if it cannot be enqueued, the call goes on without it (same results, the peers unaffected).
-    if (!after_begin &&
-        (cudaEventRecord(ev->ready, copy) != cudaSuccess || cudaStreamWaitEvent(cur, ev->ready, 0) != cudaSuccess)) {
+    if (cudaEventRecord(ev->ready, copy) != cudaSuccess || cudaStreamWaitEvent(cur, ev->ready, 0) != cudaSuccess) {
       (void)cudaGetLastError();
     }
     for (int d = 1; d < W; ++d) pull(d);

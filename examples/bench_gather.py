@@ -6,11 +6,11 @@ variants timed interleaved in one run (``tune_measure.Timer``: CUDA events, warm
   ``ideal``: max(gemm, comm);
 * ``seq``: all_gather then ``torch.mm`` (the unfused graph);
 * ``peer``: the op on the copy-engine route (``transport="peer"``, the default on one host; its GEMMs start after
-  the handshake, ``gather_start="handshake"``); ``peer_begin``: ``gather_start="begin"`` (the GEMMs after the
-  call's first step kernel, the handshake beside them); ``peer_eager``: ``gather_start="eager"`` (the GEMMs at once,
-  the protocol's step kernels waiting for a free SM); ``nccl``: the op on the NCCL ring route (``transport="nccl"``);
+  the handshake, ``gather_start="handshake"``); ``peer_eager``: the same with ``gather_start="eager"`` (the GEMMs
+  at once, the protocol's step kernels waiting for a free SM); ``nccl``: the op on the NCCL ring route
+  (``transport="nccl"``);
 * ``peer_p<N>`` (``--pieces N,...``): the peer route with each pulled shard in N pieces (``gather_pieces=N``; ``peer``
-  takes the default, 1);
+  takes the default, ``schedule.gather.auto_pieces``);
 * ``asynctp``: PyTorch's ``torch.ops.symm_mem.fused_all_gather_matmul`` (symmetric memory enabled for the group).
 
 Correctness first: every fused variant's output against ``seq`` on fresh data (relative Frobenius error, worst
@@ -38,7 +38,6 @@ from flashoverlap_inductor.tune import measure as tm
 # split over W ranks by the bench itself (N / W per rank), at 4k-16k tokens.
 SHAPES = [(m, n, 4096) for m in (4096, 8192, 16384) for n in (6144, 28672)]
 FUSED = {"peer": {"transport": "peer", "gather_start": "handshake"},
-         "peer_begin": {"transport": "peer", "gather_start": "begin"},
          "peer_eager": {"transport": "peer", "gather_start": "eager"}, "nccl": {"transport": "nccl"}}
 
 

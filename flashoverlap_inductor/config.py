@@ -44,7 +44,7 @@ TRANSPORTS = ("peer", "nccl")
 RING_MODES = ("off", "wide", "all")
 GEMM_GRIDS = ("tiles", "persistent")
 ROW_ORDERS = ("schedule", "gather")
-GATHER_STARTS = ("handshake", "begin", "eager")
+GATHER_STARTS = ("handshake", "eager")
 DTYPES = ("bfloat16", "float16", "float32")  # the GEMM output dtypes the fused routes and the cost model know
 OPTION_PREFIX = "flashoverlap."
 # Experimental variants still under study: each name turns one on (``Settings.experiments``).
@@ -102,7 +102,7 @@ RULES: dict[str, check.Rule] = {
     "ring_rounds": check.Int(1, 16),
     "peer_kernel": check.OrNone(check.Text("a GEMM configuration name"), "the preferred one", words=()),
     "gather_start": check.Choice(GATHER_STARTS),
-    "gather_pieces": check.OrNone(check.Int(1, 4), "one piece"),
+    "gather_pieces": check.OrNone(check.Int(1, 4), "schedule.gather.auto_pieces"),
 }
 
 
@@ -125,12 +125,11 @@ class Tuning:
     ring_rounds: int = 2  # ring all_reduce: at most this many rounds (1 .. 16)
     peer_kernel: str | None = None  # peer/ring routes: the _addc GEMM configuration; None: preferred
     # gather_peer route: when the caller's GEMMs start. "handshake": after every rank's shard is in its buffer (one
-    # handshake, ~10-30 us), so the pulls need no SM while the GEMMs run; "begin": after the call's first step kernel
-    # only (the handshake kernel then takes the first SM slot a GEMM CTA frees); "eager": at once, the protocol's
-    # per-peer step kernels then wait for an SM the GEMM frees (the route's behaviour before 2026-11-26).
+    # handshake, ~10-30 us), so the pulls need no SM while the GEMMs run; "eager": at once, the protocol's per-peer
+    # step kernels then wait for an SM the GEMM frees (the route's behaviour before 2026-11-26).
     gather_start: str = "handshake"
-    # gather_peer route: pieces per pulled shard (1 .. 4; each piece's GEMMs start when it landed); None: 1 (on 2
-    # H200s the GEMMs never waited for a pull, and 2 or 4 pieces ran no faster: docs/results.md, 26th session)
+    # gather_peer route: pieces per pulled shard (1 .. 4; each piece's GEMMs start when it landed); None: the most
+    # that keep >= 2048 rows per piece (``schedule.gather.auto_pieces``)
     gather_pieces: int | None = None
 
     def __post_init__(self) -> None:

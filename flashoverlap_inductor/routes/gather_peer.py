@@ -76,8 +76,7 @@ FLAG_BYTES = FAULT_OFFSET + faults.BLOCK_BYTES
 MAX_PIECES = schedule.MAX_PIECES  # FO_GATHER_MAX_PIECES
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 NAME = "gather_peer"
-# fo_gather_args.options bits FO_GATHER_GEMM_AFTER_HANDSHAKE / _BEGIN, per Tuning.gather_start ("eager": none)
-START_OPTIONS = {"handshake": 1, "begin": 2, "eager": 0}
+GEMM_AFTER_HANDSHAKE = 1  # fo_gather_args.options bit FO_GATHER_GEMM_AFTER_HANDSHAKE (Tuning.gather_start)
 
 
 class GatherArgs(ctypes.Structure):
@@ -230,7 +229,7 @@ def make_launch(call, settings: config.Settings, ctx) -> GatherLaunch | str:
             f"{len(ctx.b)} GEMM(s) N={[w.shape[-1] for w in ctx.b]}: gather_peer route, {shard_bytes} B per shard "
             f"by copy engine in {len(bounds)} piece(s)")
     log.info("flashoverlap: launch %s", desc)
-    options = START_OPTIONS[settings.tuning.gather_start]
+    options = GEMM_AFTER_HANDSHAKE if settings.tuning.gather_start == "handshake" else 0
     return GatherLaunch(geo, bounds, call.rank, call.dtype, shard_bytes,
                         settings.timeout_ns(compat.group_timeout_ms(ctx.group)), desc, options, faults.launch_id(desc))
 
