@@ -10,7 +10,7 @@ variants timed interleaved in one run (``tune_measure.Timer``: CUDA events, warm
   at once, the protocol's step kernels waiting for a free SM); ``nccl``: the op on the NCCL ring route
   (``transport="nccl"``);
 * ``peer_p<N>`` (``--pieces N,...``): the peer route with each pulled shard in N pieces (``gather_pieces=N``; ``peer``
-  takes the default, ``schedule.gather.auto_pieces``);
+  takes the default, 1);
 * ``asynctp``: PyTorch's ``torch.ops.symm_mem.fused_all_gather_matmul`` (symmetric memory enabled for the group).
 
 Correctness first: every fused variant's output against ``seq`` on fresh data (relative Frobenius error, worst

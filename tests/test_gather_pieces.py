@@ -38,10 +38,9 @@ def test_pieces_cover_each_shard_once_on_boundaries(seed):
         schedule.pieces(geo, schedule.MAX_PIECES + 1)
 
 
-def test_auto_pieces_keep_enough_rows():
-    assert schedule.auto_pieces(2048) == 1 and schedule.auto_pieces(4096) == 2 and schedule.auto_pieces(8192) == 4
-    assert all(n // schedule.auto_pieces(n) >= schedule.MIN_PIECE_ROWS or schedule.auto_pieces(n) == 1
-               for n in range(1, 40000, 777))
+def test_one_piece_unless_asked():
+    assert schedule.pieces(schedule.GatherGeometry(2, 1, 16384, 4096), None) == 1
+    assert schedule.pieces(schedule.GatherGeometry(2, 1, 16384, 4096), 4) == 4
 
 
 @pytest.mark.parametrize("shape,gather_dim", [((256, 16), 0), ((3, 40, 16), 1), ((1, 300, 16), 1), ((2, 2, 7, 16), 2)])

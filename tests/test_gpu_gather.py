@@ -61,7 +61,7 @@ def pool(request):
 # (shard shape, gather_dim): 2D; 3D along dim 1 with 3 leading rows (strided shard views); 3D along dim 0; a
 # leading size of 1 along dim 1 with ragged rows (contiguous again)
 SHAPES = [((256, 512), 0), ((3, 96, 512), 1), ((4, 128, 256), 0), ((1, 200, 384), 1)]
-# gather_pieces of the i-th case (None: the default); shards of 256 and 512 rows or 3 leading rows take 2-4 pieces
+# gather_pieces of the i-th case (None: the default, 1); shards of 256 and 512 rows or 3 leading rows take 2-4 pieces
 PIECES = (None, 2, 4, 3)
 WEIGHTS = [[384], [256, 128, 64]]  # N of each GEMM: one, and three sharing the gather (q/k/v)
 FLAGS = [(False, False), (True, True), (True, False), (False, True)]  # (bias, return_gathered)

@@ -17,7 +17,7 @@ Pieces. The peer route pulls each peer's shard in 1 .. ``MAX_PIECES`` pieces (``
 shard rows, on whole leading elements when ``lead > 1``, else on multiples of ``PIECE_ALIGN`` rows) and runs each
 piece's GEMMs as soon as that piece landed: with 2 ranks the one peer shard is half the rows, and whole it keeps the
 GEMMs waiting ``comm - gemm / 2`` ms whenever the transfer is the longer side. ``pieces(geo, requested)`` is the one
-choice of the count (``Tuning.gather_pieces``; None: ``auto_pieces``), the cost model's and the route's.
+choice of the count (``Tuning.gather_pieces``; None: 1), the cost model's and the route's.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import torch
 
 MAX_PIECES = 4  # FO_GATHER_MAX_PIECES of csrc/flashoverlap_sm90.h
 PIECE_ALIGN = 128  # rows: a piece boundary of a contiguous shard (one GEMM tile's M), so no tile straddles pieces
-MIN_PIECE_ROWS = 2048  # auto_pieces: a piece's GEMMs keep at least this many rows (smaller ones lose cuBLAS rate)
 
 
 @dataclass(frozen=True)
@@ -107,19 +106,11 @@ def assemble(staging: torch.Tensor, geo: GatherGeometry, shape: list[int]) -> to
     return staging.view(geo.world, geo.lead, geo.unit, geo.k).transpose(0, 1).reshape(shape)
 
 
-def auto_pieces(shard_rows: int) -> int:
-    """The default pieces per pulled shard: the most of (4, 2, 1) that keeps ``MIN_PIECE_ROWS`` rows per piece."""
-    for p in (4, 2):
-        if shard_rows // p >= MIN_PIECE_ROWS:
-            return p
-    return 1
-
-
 def pieces(geo: GatherGeometry, requested: int | None) -> int:
-    """Pieces per pulled shard: ``requested`` (1 .. ``MAX_PIECES``; None: ``auto_pieces``), at most the shard's
-    boundaries allow (``lead`` leading elements, or ``shard_rows // PIECE_ALIGN`` aligned runs). Pure: the same on
-    every rank."""
-    want = auto_pieces(geo.shard_rows) if requested is None else int(requested)
+    """Pieces per pulled shard: ``requested`` (1 .. ``MAX_PIECES``; None: 1, measured as fast as more on 2 H200s,
+    where a pull never kept the GEMMs waiting), at most the shard's boundaries allow (``lead`` leading elements, or
+    ``shard_rows // PIECE_ALIGN`` aligned runs). Pure: the same on every rank."""
+    want = 1 if requested is None else int(requested)
     if not 1 <= want <= MAX_PIECES:
         raise ValueError(f"gather pieces: {want} (1 .. {MAX_PIECES})")
     units = geo.lead if geo.lead > 1 else max(1, geo.shard_rows // PIECE_ALIGN)
