@@ -348,10 +348,8 @@ FO_API int fo_ring_call(const fo_ring_args* args);
  *   2. copy a -> buffers[rank] (and, with copy_own, -> staging slot `rank`); add 1 to ready[rank] in every peer's
  *      page;
  *   3. per peer j in arrival order (rank - 1, rank - 2, ... mod world): wait until ready[j] here >= e (tag 3000 + j),
- *      copy buffers[j] -> staging slot j (staging + j * shard_bytes) in `pieces` copies (piece k: bytes
- *      [piece_end[k - 1], piece_end[k]) of the shard, piece_end[-1] = 0), recording shard_events[j * MAX_PIECES + k]
- *      after each, and (with the next wait) add 1 to done[rank] in rank j's page. The caller's GEMMs of piece k of
- *      shard j wait for that event only, so they start while the rest of the shard travels.
+ *      copy buffers[j] -> staging slot j (staging + j * shard_bytes), record shard_events[j], and (with the next
+ *      wait) add 1 to done[rank] in rank j's page.
  * fo_gather_finish: cur_stream joins copy_stream, then one kernel fills each of the num_outputs outputs (contiguous,
  * output_numel elements of elem_bytes; NaN of bf16 when bf16, else fp16 / fp32) with NaN while the fault block
  * holds a fault, and copies the block into `mirror`. Every rank adds each of its flags once per call and every wait
@@ -360,7 +358,6 @@ FO_API int fo_ring_call(const fo_ring_args* args);
  * rewritten by call e + 1 only after every reader of call e said done (step 1), so one set of buffers serves every
  * call, eager or replayed. Returns the first error. */
 #define FO_GATHER_MAX_WORLD 8
-#define FO_GATHER_MAX_PIECES 4
 #define FO_GATHER_MAX_OUTPUTS 8
 #define FO_GATHER_FLAG_INTS (2 * FO_GATHER_MAX_WORLD)
 /* options bit: steps 2-3 become one handshake (ready to every peer, then one kernel waits for every peer's ready),
@@ -384,12 +381,7 @@ typedef struct {
   int* mirror;                                /* pinned host int32[8] */
   void* cur_stream;
   void* copy_stream;
-  int32_t pieces;                             /* copies per peer's shard, 1 .. FO_GATHER_MAX_PIECES */
-  int64_t piece_end[FO_GATHER_MAX_PIECES];    /* bytes: where piece k ends in a shard; increasing, the last
-                                                 (piece_end[pieces - 1]) = shard_bytes */
-  void* shard_events[FO_GATHER_MAX_WORLD * FO_GATHER_MAX_PIECES]; /* cudaEvent_t per peer j and piece k (the
-                                                 caller's) at [j * FO_GATHER_MAX_PIECES + k], recorded after that
-                                                 piece's pull */
+  void* shard_events[FO_GATHER_MAX_WORLD];    /* cudaEvent_t per peer (the caller's), recorded after its pull */
   int32_t num_outputs;                        /* fo_gather_finish: outputs to poison on a fault */
   int32_t elem_bytes;                         /* 2 or 4 */
   int32_t bf16;                               /* elem_bytes 2: 1 bf16, 0 fp16 */

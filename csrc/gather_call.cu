@@ -3,8 +3,7 @@
 // Every rank copies its shard into its own symmetric buffer and tells every peer; each peer's copy engine then
 // pulls it (cudaMemcpyAsync from the buffer mapped here: no SM is taken from the GEMMs) and says when it is done
 // reading. The caller's stream runs the GEMMs (cuBLAS, issued from Python between the two calls): the local shard's
-// at once, each pulled piece's after the event of its pull (a shard travels in 1-4 pieces, so its first rows' GEMMs
-// start while the rest is on its way). All the protocol -- the call's beginning, the bounded
+// at once, each pulled shard's after the event of its pull. All the protocol -- the call's beginning, the bounded
 // waits, the copies, the notifications -- runs on one copy stream per (device, group), in order, so calls of the
 // group never overtake each other there. flashoverlap_sm90.h states the flags, the epochs and why one set of
 // buffers serves every call.
@@ -26,7 +25,6 @@ namespace flashoverlap {
 namespace {
 
 constexpr int kMaxWorld = FO_GATHER_MAX_WORLD;
-constexpr int kMaxPieces = FO_GATHER_MAX_PIECES;
 constexpr int kMaxOutputs = FO_GATHER_MAX_OUTPUTS;
 constexpr int kReady = 0;           // ready[j] at kReady + j: rank j's shard of the current call is in its buffer
 constexpr int kDone = kMaxWorld;    // done[j] at kDone + j: rank j finished reading this rank's shard
@@ -148,21 +146,12 @@ int check_args(fo_gather_args const& p, bool finish) {
     return fail_code(2, "fo_gather_call: shard_bytes must be positive; a, staging and epoch are required");
   }
   if (p.timeout_ns <= 0) return fail_code(2, "fo_gather_call: timeout_ns must be positive");
-  if (p.pieces < 1 || p.pieces > kMaxPieces) return fail_code(2, "fo_gather_call: pieces must be in [1, FO_GATHER_MAX_PIECES]");
-  for (int k = 0; k < p.pieces; ++k) {
-    if (p.piece_end[k] <= (k == 0 ? 0 : p.piece_end[k - 1])) {
-      return fail_code(2, "fo_gather_call: piece_end must increase from above 0");
-    }
-  }
-  if (p.piece_end[p.pieces - 1] != p.shard_bytes) return fail_code(2, "fo_gather_call: the last piece must end at shard_bytes");
   for (int r = 0; r < p.world; ++r) {
     if (p.buffers[r] == nullptr || p.flags[r] == nullptr) {
       return fail_code(2, "fo_gather_call: buffers and flags of every rank are required");
     }
-    for (int k = 0; k < p.pieces && r != p.rank; ++k) {
-      if (p.shard_events[r * kMaxPieces + k] == nullptr) {
-        return fail_code(2, "fo_gather_call: an event per peer and piece is required");
-      }
+    if (r != p.rank && p.shard_events[r] == nullptr) {
+      return fail_code(2, "fo_gather_call: an event per peer is required");
     }
   }
   return 0;
@@ -239,19 +228,6 @@ FO_API int fo_gather_call(const fo_gather_args* args) {
                       "own slot copy"), kTagEnqueue);
     }
   };
-  // Peer (rank - d)'s shard into its staging slot, piece by piece, each piece's event after it.
-  auto pull = [&](int d) {
-    int const j = (r - d + W) % W;
-    size_t lo = 0;
-    for (int k = 0; k < p.pieces; ++k) {
-      size_t const hi = size_t(p.piece_end[k]);
-      note(cuda_check(cudaMemcpyAsync(staging + size_t(j) * bytes + lo, static_cast<char const*>(p.buffers[j]) + lo,
-                                      hi - lo, cudaMemcpyDeviceToDevice, copy), "shard pull"), kTagEnqueue + d);
-      note(cuda_check(cudaEventRecord(static_cast<cudaEvent_t>(p.shard_events[j * kMaxPieces + k]), copy),
-                      "shard record"), kTagEnqueue + d);
-      lo = hi;
-    }
-  };
   bool const handshake_first = (p.options & FO_GATHER_GEMM_AFTER_HANDSHAKE) != 0;
   if (!handshake_first) copy_own_slot();  // with the handshake first: after the pulls (it delays no peer then)
   if (handshake_first) {
@@ -275,7 +251,13 @@ FO_API int fo_gather_call(const fo_gather_args* args) {
     if (cudaEventRecord(ev->ready, copy) != cudaSuccess || cudaStreamWaitEvent(cur, ev->ready, 0) != cudaSuccess) {
       (void)cudaGetLastError();
     }
-    for (int d = 1; d < W; ++d) pull(d);
+    for (int d = 1; d < W; ++d) {
+      int const j = (r - d + W) % W;
+      note(cuda_check(cudaMemcpyAsync(staging + size_t(j) * bytes, p.buffers[j], bytes, cudaMemcpyDeviceToDevice,
+                                      copy), "shard pull"), kTagEnqueue + d);
+      note(cuda_check(cudaEventRecord(static_cast<cudaEvent_t>(p.shard_events[j]), copy), "shard record"),
+           kTagEnqueue + d);
+    }
     copy_own_slot();
     s = step_base(p);  // done to every peer
     s.fail_tag = fail_tag;
@@ -302,7 +284,10 @@ FO_API int fo_gather_call(const fo_gather_args* args) {
     } else {
       note(krc, kTagEnqueue + d);  // the next step kernel records it
     }
-    pull(d);
+    note(cuda_check(cudaMemcpyAsync(staging + size_t(j) * bytes, p.buffers[j], bytes, cudaMemcpyDeviceToDevice, copy),
+                    "shard pull"), kTagEnqueue + d);
+    note(cuda_check(cudaEventRecord(static_cast<cudaEvent_t>(p.shard_events[j]), copy), "shard record"),
+         kTagEnqueue + d);
     prev = j;
   }
   s = step_base(p);  // done to the last peer pulled

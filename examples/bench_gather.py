@@ -9,8 +9,6 @@ variants timed interleaved in one run (``tune_measure.Timer``: CUDA events, warm
   the handshake, ``gather_start="handshake"``); ``peer_eager``: the same with ``gather_start="eager"`` (the GEMMs
   at once, the protocol's step kernels waiting for a free SM); ``nccl``: the op on the NCCL ring route
   (``transport="nccl"``);
-* ``peer_p<N>`` (``--pieces N,...``): the peer route with each pulled shard in N pieces (``gather_pieces=N``; ``peer``
-  takes the default, 1);
 * ``asynctp``: PyTorch's ``torch.ops.symm_mem.fused_all_gather_matmul`` (symmetric memory enabled for the group).
 
 Correctness first: every fused variant's output against ``seq`` on fresh data (relative Frobenius error, worst
@@ -39,6 +37,7 @@ from flashoverlap_inductor.tune import measure as tm
 SHAPES = [(m, n, 4096) for m in (4096, 8192, 16384) for n in (6144, 28672)]
 FUSED = {"peer": {"transport": "peer", "gather_start": "handshake"},
          "peer_eager": {"transport": "peer", "gather_start": "eager"}, "nccl": {"transport": "nccl"}}
+COLUMNS = (*FUSED, "asynctp")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -50,17 +49,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the leading shapes run once, untimed, before the timed sweep (every variant's first calls, "
                         "buffers and peer mappings; on a fresh 4-H200 host the first shape ran slow for every fused "
                         "variant and the second for all but the peer route)")
-    p.add_argument("--pieces", default="",
-                   help="extra peer variants peer_p<N>, one per N in this list (1-4): each pulled shard in N pieces")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
-
-
-def variants_of(pieces: str) -> dict[str, dict]:
-    """The fused variants: ``FUSED`` and one ``peer_p<N>`` per N of ``pieces`` (comma-separated)."""
-    extra = {f"peer_p{int(n)}": {"transport": "peer", "gather_start": "handshake", "gather_pieces": int(n)}
-             for n in pieces.split(",") if n.strip()}
-    return {**FUSED, **extra}
 
 
 def shapes_of(text: str) -> list[tuple[int, int, int]]:
@@ -87,7 +77,7 @@ def asynctp(a: torch.Tensor, b: torch.Tensor, name: str):
     return (lambda: fn(a, [b], 0, name)[1][0]), ""
 
 
-def bench_shape(m: int, n: int, k: int, world: int, timer: tm.Timer, fused_variants: dict[str, dict]) -> dict:
+def bench_shape(m: int, n: int, k: int, world: int, timer: tm.Timer) -> dict:
     rank, name = dist.get_rank(), dist.group.WORLD.group_name
     n_rank = n // world
     torch.manual_seed(1000 + rank)
@@ -106,7 +96,7 @@ def bench_shape(m: int, n: int, k: int, world: int, timer: tm.Timer, fused_varia
         return lambda: op(a, [b], [None], 0, world, name, "ring", False, key)[0]
 
     variants = {"gemm": lambda: gathered @ b, "comm": lambda: dist.all_gather_into_tensor(gathered, a),
-                "seq": seq, **{v: fused(**changes) for v, changes in fused_variants.items()}}
+                "seq": seq, **{v: fused(**changes) for v, changes in FUSED.items()}}
     tp_fn, tp_why = asynctp(a, b, name)
     if tp_fn is not None:
         variants["asynctp"] = tp_fn
@@ -114,8 +104,7 @@ def bench_shape(m: int, n: int, k: int, world: int, timer: tm.Timer, fused_varia
     if tp_why:
         row["errors"]["asynctp"] = tp_why
     want = seq().float()
-    columns = (*fused_variants, "asynctp")
-    for v in columns:
+    for v in COLUMNS:
         if v not in variants:
             continue
         before = dict(routes.stats)
@@ -134,7 +123,7 @@ def bench_shape(m: int, n: int, k: int, world: int, timer: tm.Timer, fused_varia
     for v, t in times.items():
         row[f"{v}_ms"] = t.ms
     row["ideal_ms"] = max(row["gemm_ms"], row["comm_ms"])
-    for v in columns:
+    for v in COLUMNS:
         if f"{v}_ms" in row:
             row[f"speedup_{v}"] = row["seq_ms"] / row[f"{v}_ms"]
     row["speedup_ideal"] = row["seq_ms"] / row["ideal_ms"]
@@ -150,13 +139,12 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_gather: run under torchrun with >= 2 ranks", file=sys.stderr)
         return 2
     timer = tm.Timer(rounds=args.rounds, target_ms=args.target_ms, min_iters=2, max_iters=40, spin_ms=0.3)
-    shapes, fused_variants = shapes_of(args.shapes), variants_of(args.pieces)
+    shapes = shapes_of(args.shapes)
     for m, n, k in shapes[:max(args.warmup_shapes, 0)]:  # discarded: one short timing of every variant
-        bench_shape(m, n, k, world, tm.Timer(rounds=1, target_ms=5.0, min_iters=2, max_iters=10, spin_ms=0.3),
-                    fused_variants)
-    rows = [bench_shape(m, n, k, world, timer, fused_variants) for m, n, k in shapes]
+        bench_shape(m, n, k, world, tm.Timer(rounds=1, target_ms=5.0, min_iters=2, max_iters=10, spin_ms=0.3))
+    rows = [bench_shape(m, n, k, world, timer) for m, n, k in shapes]
     if rank == 0:
-        cols = ("seq", *fused_variants, "asynctp", "ideal")
+        cols = ("seq", *COLUMNS, "ideal")
         print(f"all_gather -> GEMM, {world} x {torch.cuda.get_device_name()}, bf16; ms (median, max over ranks); "
               "speedup = seq / variant")
         print("M_total x N x K | gemm | comm | " + " | ".join(cols) + " | " + " | ".join(f"x {c}" for c in cols[1:])

@@ -102,7 +102,6 @@ RULES: dict[str, check.Rule] = {
     "ring_rounds": check.Int(1, 16),
     "peer_kernel": check.OrNone(check.Text("a GEMM configuration name"), "the preferred one", words=()),
     "gather_start": check.Choice(GATHER_STARTS),
-    "gather_pieces": check.OrNone(check.Int(1, 4), "one piece"),
 }
 
 
@@ -128,9 +127,6 @@ class Tuning:
     # handshake, ~10-30 us), so the pulls need no SM while the GEMMs run; "eager": at once, the protocol's per-peer
     # step kernels then wait for an SM the GEMM frees (the route's behaviour before 2026-11-26).
     gather_start: str = "handshake"
-    # gather_peer route: pieces per pulled shard (1 .. 4; each piece's GEMMs start when it landed); None: 1 (on 2
-    # H200s the GEMMs never waited for a pull, and 2 or 4 pieces ran no faster: docs/results.md, 26th session)
-    gather_pieces: int | None = None
 
     def __post_init__(self) -> None:
         _check_fields(self)  # every field in its rule's type (``RULES``)

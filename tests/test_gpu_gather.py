@@ -8,8 +8,7 @@ Skipped unless CUDA, an sm90 GPU and a library with ``fo_gather_call`` are prese
 bf16 data and is compared with eager PyTorch on the same rank (gloo ``all_gather`` of the shards, then ``torch.mm`` /
 ``addmm``) and with an fp64 reference; the gathered tensor must equal eager's bit for bit; every call must count
 ``route:gather_peer`` (so no check can pass on the unfused route). Covered: gather_dim 0 and 1 (contiguous and
-strided shard rows), each pulled shard in 1-4 pieces (``gather_pieces``: every case rotates through them), 1 and 3
-weights, bias or none, the gathered tensor returned or not, a shard buffer that grows,
+strided shard rows), 1 and 3 weights, bias or none, the gathered tensor returned or not, a shard buffer that grows,
 the same calls queued with no synchronization between them (the done flags guard every buffer; ``gather_start``
 "handshake" and "eager" alternating), a rank that comes
 late (every rank's outputs NaN, every rank raises ``FlashOverlapTimeout``, the next call is correct with no reset),
@@ -58,11 +57,9 @@ def pool(request):
     p.close()
 
 
-# (shard shape, gather_dim): 2D; 3D along dim 1 with 3 leading rows (strided shard views); 3D along dim 0; a
+# (shard shape, gather_dim): 2D; 3D along dim 1 with 2 leading rows (strided shard views); 3D along dim 0; a
 # leading size of 1 along dim 1 with ragged rows (contiguous again)
-SHAPES = [((256, 512), 0), ((3, 96, 512), 1), ((4, 128, 256), 0), ((1, 200, 384), 1)]
-# gather_pieces of the i-th case (None: the default, 1); shards of 256 and 512 rows or 3 leading rows take 2-4 pieces
-PIECES = (None, 2, 4, 3)
+SHAPES = [((256, 512), 0), ((2, 96, 512), 1), ((3, 64, 256), 0), ((1, 200, 384), 1)]
 WEIGHTS = [[384], [256, 128, 64]]  # N of each GEMM: one, and three sharing the gather (q/k/v)
 FLAGS = [(False, False), (True, True), (True, False), (False, True)]  # (bias, return_gathered)
 GROW = ((2048, 1024), 0)  # a 4 MiB shard: the shard buffer grows past 1 MiB
@@ -128,14 +125,6 @@ def _cases() -> list[tuple]:
     return out
 
 
-def _pieced_cases(world: int) -> int:
-    """Cases whose pulled shards travel in 2 or more pieces (``schedule.gather.pieces``, as the route chooses)."""
-    from flashoverlap_inductor.schedule import gather as schedule
-
-    return sum(schedule.pieces(schedule.geometry(list(shape), gdim, world), PIECES[i % len(PIECES)]) > 1
-               for i, (_, shape, gdim, *_rest) in enumerate(_cases()))
-
-
 def match_task() -> dict[str, int]:
     """Every case synchronized and checked, then every case queued back to back and checked after one sync."""
     from flashoverlap_inductor import config, routes
@@ -143,11 +132,10 @@ def match_task() -> dict[str, int]:
     routes.reset()
     cases = _cases()
     with config.patch(wait_timeout_ms=LONG_MS):
-        for i, (seed, shape, gdim, ns, bias, ret) in enumerate(cases):
+        for seed, shape, gdim, ns, bias, ret in cases:
             before = routes.stats["route:gather_peer"]
             a, ws, cs = _inputs(seed, shape, ns, bias)
-            with config.patch(gather_pieces=PIECES[i % len(PIECES)]):
-                outs = _op(a, ws, cs, gdim, ret)
+            outs = _op(a, ws, cs, gdim, ret)
             torch.cuda.synchronize()
             routes.check()
             assert routes.stats["route:gather_peer"] == before + 1, (shape, gdim, ns, dict(routes.stats))
@@ -156,7 +144,7 @@ def match_task() -> dict[str, int]:
         queued = []
         for i, (seed, shape, gdim, ns, bias, ret) in enumerate(cases):  # both GEMM starts, mixed in one queue
             a, ws, cs = _inputs(seed + 5000, shape, ns, bias)
-            with config.patch(gather_start=("handshake", "eager")[i % 2], gather_pieces=PIECES[(i + 1) % len(PIECES)]):
+            with config.patch(gather_start=("handshake", "eager")[i % 2]):
                 queued.append((a, ws, cs, gdim, ret, _op(a, ws, cs, gdim, ret)))
         torch.cuda.synchronize()
         routes.check()
@@ -168,7 +156,6 @@ def match_task() -> dict[str, int]:
 
 def test_gather_peer_matches_eager(pool):
     n = len(_cases())
-    assert _pieced_cases(pool.world_size) >= n // 3  # the cases do exercise the pieces (the same choice as the route's)
     per_rank = pool.run(match_task)
     for r in per_rank:
         assert r["synced"] == n and r["total"] == 2 * n, per_rank

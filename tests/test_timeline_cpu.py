@@ -14,21 +14,17 @@ import pytest
 from flashoverlap_inductor.bench import gantt
 
 
-def _marks(rng: random.Random, world: int, rank: int, pieces: int = 1) -> tuple[dict[str, float], list[int]]:
-    """The probe's marks of one call: each pulled shard in ``pieces`` pieces (``pull:<j>/<k>``, ``gemm_done:<j>/<k>``
-    for all but the last, as ``routes.gather_peer`` names them)."""
+def _marks(rng: random.Random, world: int, rank: int) -> tuple[dict[str, float], list[int]]:
     order = [(rank - s) % world for s in range(world)]
     t = {"start": 0.0, "gemm_start": rng.uniform(0.0, 0.05)}
     now, pulled = t["gemm_start"], t["gemm_start"]
     for j in order:
-        names = [f"{j}"] if j == rank else [f"{j}/{k}" for k in range(pieces - 1)] + [f"{j}"]
-        for name in names:
-            if j != rank:
-                pulled += rng.uniform(0.01, 0.3) / pieces
-                t[f"pull:{name}"] = pulled
-                now = max(now, pulled)
-            now += rng.uniform(0.02, 0.4) / len(names)
-            t[f"gemm_done:{name}"] = now
+        if j != rank:
+            pulled += rng.uniform(0.01, 0.3)
+            t[f"pull:{j}"] = pulled
+            now = max(now, pulled)
+        now += rng.uniform(0.02, 0.4)
+        t[f"gemm_done:{j}"] = now
     t["end"] = now + rng.uniform(0.0, 0.02)
     return t, order
 
@@ -38,8 +34,7 @@ def test_gather_breakdown_adds_up(seed):
     rng = random.Random(seed)
     world = rng.randint(2, 8)
     rank = rng.randrange(world)
-    pieces = 1 + seed % 4
-    t, order = _marks(rng, world, rank, pieces)
+    t, order = _marks(rng, world, rank)
     gemm_ms = rng.uniform(0.05, 1.0)
     comm_ms = gemm_ms * rng.uniform(0.1, 0.9)  # the GEMM is the longer side: the identity holds exactly
     out, lanes = gantt.gather_breakdown(t, rank, order, gemm_ms, comm_ms)
@@ -50,9 +45,7 @@ def test_gather_breakdown_adds_up(seed):
     assert compute[0] == ("handshake", 0.0, t["gemm_start"]) and compute[-1][0] == "tail"
     for (_, _, end), (_, start, _) in zip(compute, compute[1:]):  # contiguous, in time order
         assert start == pytest.approx(end)
-    assert [label for label, _, _ in lanes["copy"]] == [
-        f"pull:{j}{part}" for j in order if j != rank for part in [f"/{k}" for k in range(pieces - 1)] + [""]]
-    assert sum(label.startswith("gemm:") for label, _, _ in compute) == 1 + (world - 1) * pieces
+    assert [label for label, _, _ in lanes["copy"]] == [f"pull:{j}" for j in order if j != rank]
     busy = sum(e - s for label, s, e in compute if label.startswith("gemm"))
     assert busy == pytest.approx(gemm_ms + out["gemm_extra"])
 

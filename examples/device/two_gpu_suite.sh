@@ -28,7 +28,7 @@
 # FO_MOEPROF_SHAPES, FO_MOEPROF_PLANS: moe_profile's shapes and bench_moe plans (e.g. blocks+deferred+plan_triton).
 # FO_OPS_CAP_S: bench_ops' cap (default 120 s; FO_OPS_SHAPES=grid, the 16-shape grid, needs ~300); FO_OPS_ARGS: more
 #   bench_ops arguments (e.g. "--ops all_to_all").
-# FO_GATHER_ARGS: more bench_gather arguments (e.g. "--pieces 1,2,4"); FO_E2E_TRACE=1: the e2e run writes a profiler
+# FO_GATHER_ARGS: more bench_gather arguments (e.g. "--warmup-shapes 3"); FO_E2E_TRACE=1: the e2e run writes a profiler
 #   trace per case, backend and rank (rank 0's brought back as $OUT/e2e_traces.tgz) and trace_gaps.log (where each
 #   traced step's GPU idles: bench.trace_summary).
 # FO_SKIP: any of "build tests faults cpu coverage ops gather moe moeprof timeline e2e"; FO_BUDGET_S: the part's budget (default 570).

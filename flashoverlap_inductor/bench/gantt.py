@@ -8,7 +8,6 @@ in characters. Both take every rank's timeline on one time axis.
 
 from __future__ import annotations
 
-import itertools
 import struct
 import zlib
 from collections.abc import Mapping, Sequence
@@ -89,8 +88,7 @@ def png(timeline: Timeline, path: str, width: int = 1200, lane_px: int = 28, tic
 def gather_breakdown(t: Mapping[str, float], rank: int, order: Sequence[int], gemm_ms: float, comm_ms: float
                      ) -> tuple[dict[str, float], dict[str, list[Bar]]]:
     """The gap of one gather_peer call to the ideal ``max(gemm_ms, comm_ms)`` and its bars, from the probe's marks
-    ``t`` (ms since ``start``: ``gemm_start``, ``gemm_done:<j>``, ``pull:<j>`` for every peer, ``end``; a shard
-    pulled in pieces adds ``pull:<j>/<k>`` and ``gemm_done:<j>/<k>`` for each piece k but its last) on ``rank``;
+    ``t`` (ms since ``start``: ``gemm_start``, ``gemm_done:<j>``, ``pull:<j>`` for every peer, ``end``) on ``rank``;
     ``order``: the shards in the order the GEMMs take them (``schedule.gather.arrival_order``, the local one first).
 
     Returns (breakdown, lanes). Breakdown (ms): ``total``; ``ideal``; ``handshake`` (start to the first GEMM);
@@ -103,22 +101,18 @@ def gather_breakdown(t: Mapping[str, float], rank: int, order: Sequence[int], ge
     prev, busy, waits = start, 0.0, 0.0
     pulled = start
     for j in order:
-        pieces = 0 if j == rank else next(k for k in itertools.count() if f"pull:{j}/{k}" not in t)
-        parts = [f"/{k}" for k in range(pieces)] + [""]
-        for part in parts:
-            name = f"{j}{part}"
-            if j != rank:
-                land = t[f"pull:{name}"]
-                lanes["copy"].append((f"pull:{name}", min(pulled, land), land))
-                pulled = land
-                if land > prev:
-                    lanes["compute"].append((f"wait:{name}", prev, land))
-                    waits += land - prev
-                    prev = land
-            done = t[f"gemm_done:{name}"]
-            lanes["compute"].append((f"gemm:{name}", prev, done))
-            busy += done - prev
-            prev = done
+        if j != rank:
+            land = t[f"pull:{j}"]
+            lanes["copy"].append((f"pull:{j}", min(pulled, land), land))
+            pulled = land
+            if land > prev:
+                lanes["compute"].append((f"wait:{j}", prev, land))
+                waits += land - prev
+                prev = land
+        done = t[f"gemm_done:{j}"]
+        lanes["compute"].append((f"gemm:{j}", prev, done))
+        busy += done - prev
+        prev = done
     end = t["end"]
     lanes["compute"].append(("tail", prev, end))
     ideal = max(gemm_ms, comm_ms)

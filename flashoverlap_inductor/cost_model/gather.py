@@ -15,8 +15,7 @@ The peer route, where the GPU's data file has a ``gather_peer`` section (``PeerT
 ``link_efficiency``), is modelled as it runs (``routes.gather_peer``, ``gather_start="handshake"``): one handshake
 (``fixed_ms``), then the local shard's GEMMs at once while the copy engine pulls the peers' shards back to back, shard
 ``s`` landing at ``s * shard_bytes / (link_efficiency * link)`` after the handshake (``link``: the NVLink rate of
-``CostModel.link_bytes_per_ms``), in ``schedule.gather.pieces`` pieces (a dim-0 gather's: ``lead`` 1), each landing
-in its share of that time; each piece's GEMMs after it landed and the previous piece's are done. A shard's
+``CostModel.link_bytes_per_ms``); each shard's GEMMs after it landed and the previous shard's are done. A shard's
 GEMMs take ``1 / world`` of the whole gathered GEMMs' reference time (not the wave model at the shard's rows, whose
 partial-wave cost overstates split GEMMs: measured, cuBLAS loses little by splitting M), all of it ``gemm_factor``
 times slower (the split and the pulls' share of HBM). Without the section: the ring model above.
@@ -36,7 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flashoverlap_inductor import config
-from flashoverlap_inductor.schedule import gather as schedule
 
 from . import gain, registry
 from .pipeline import DTYPE_BYTES
@@ -64,12 +62,12 @@ def decide_gather(rows: int, ns: Sequence[int], k: int, dtype: str, world_size: 
     ``settings``: the caller's (None: ``config.current()``)."""
     s = settings or config.current()
     return _decide(int(rows), tuple(int(n) for n in ns), int(k), dtype, int(world_size), device_name, route,
-                   registry.data_dir(s), s.min_gain_fraction, s.min_rows, s.tuning.gather_pieces)
+                   registry.data_dir(s), s.min_gain_fraction, s.min_rows)
 
 
 @functools.lru_cache(maxsize=1024)
 def _decide(rows: int, ns: tuple[int, ...], k: int, dtype: str, world: int, device_name: str | None, route: str,
-            directory: Path, min_gain: float, min_rows: int, pieces: int | None) -> GatherDecision:
+            directory: Path, min_gain: float, min_rows: int) -> GatherDecision:
     model, how = registry.model_for(device_name, directory)
     note = "" if how == "exact" else f" [{how} match: using data of {model.gemm.gpu}]"
     nan = float("nan")
@@ -86,8 +84,7 @@ def _decide(rows: int, ns: tuple[int, ...], k: int, dtype: str, world: int, devi
         else "reduce_scatter"
     gather_ms = model.curve.comm_ms(curve_name, world, rows * k * DTYPE_BYTES[dtype])
     seq = gather_ms + seq_gemms
-    count = schedule.pieces(schedule.GatherGeometry(world, 1, rows // world, k), pieces)
-    fused = gather_fused_ms(model, rows // world, ns, k, dtype, world, gather_ms, route, count)
+    fused = gather_fused_ms(model, rows // world, ns, k, dtype, world, gather_ms, route)
     summary = (f"predicted {fused:.3f} ms fused ({world - 1} ring steps, {route}) vs {seq:.3f} ms sequential "
                f"({seq / fused:.3f}x; all_gather {gather_ms:.3f} ms on the {curve_name} curve){note}")
     fuse, reason = gain.verdict(fused, seq, rows, min_gain, min_rows, summary)
@@ -95,12 +92,12 @@ def _decide(rows: int, ns: tuple[int, ...], k: int, dtype: str, world: int, devi
 
 
 def gather_fused_ms(model, shard_rows: int, ns: Sequence[int], k: int, dtype: str, world: int, gather_ms: float,
-                    route: str, pieces: int = 1) -> float:
-    """The fused call's time (module docstring), in ms; ``pieces``: per pulled shard (the peer route's)."""
+                    route: str) -> float:
+    """The fused call's time (module docstring), in ms."""
     gemm = model.gemm
     terms = gemm.gather_peer if route == "peer" else None
     if terms is not None:
-        return peer_fused_ms(model, terms, shard_rows, ns, k, dtype, world, pieces)
+        return peer_fused_ms(model, terms, shard_rows, ns, k, dtype, world)
     step = gather_ms / (world - 1) + model.call_overhead_ms
     slowdown = gemm.effective_interference if route == "nccl" else 0.0
     shard_ms = sum(gemm.reference_ms(shard_rows, n, k, dtype) for n in ns)
@@ -112,25 +109,22 @@ def gather_fused_ms(model, shard_rows: int, ns: Sequence[int], k: int, dtype: st
     return t
 
 
-def peer_fused_ms(model, terms, shard_rows: int, ns: Sequence[int], k: int, dtype: str, world: int,
-                  pieces: int = 1) -> float:
+def peer_fused_ms(model, terms, shard_rows: int, ns: Sequence[int], k: int, dtype: str, world: int) -> float:
     """The peer route's time in ms: ``fixed_ms + gemm_factor * x`` with ``x`` = ``peer_pipeline_ms``."""
     return terms.fixed_ms + terms.gemm_factor * peer_pipeline_ms(
-        model, shard_rows, ns, k, dtype, world, terms.link_efficiency, pieces)
+        model, shard_rows, ns, k, dtype, world, terms.link_efficiency)
 
 
 def peer_pipeline_ms(model, shard_rows: int, ns: Sequence[int], k: int, dtype: str, world: int,
-                     link_efficiency: float, pieces: int = 1) -> float:
+                     link_efficiency: float) -> float:
     """The peer route's regressor (ms): shard GEMMs one after the other, each ``1 / world`` of the gathered GEMMs'
-    reference time (a pulled shard's in ``pieces`` equal parts), shard ``s`` (1 .. world - 1) landing at ``s *
-    pull`` with ``pull = shard_bytes / (link_efficiency * link)``, its piece ``q`` (0 .. pieces - 1) at ``(s - 1 + (q
-    + 1) / pieces) * pull``; a piece's GEMMs start when it landed and the previous piece's are done."""
+    reference time, shard ``s`` (1 .. world - 1) not before its pull landed at ``s * shard_bytes / (link_efficiency *
+    link)``."""
     shard_ms = sum(model.gemm.reference_ms(shard_rows * world, n, k, dtype) for n in ns) / world
     pull_ms = shard_rows * k * DTYPE_BYTES[dtype] / (link_efficiency * model.link_bytes_per_ms(world))
-    t = shard_ms  # the local shard
-    for s in range(1, world):
-        for q in range(pieces):
-            t = max(t, (s - 1 + (q + 1) / pieces) * pull_ms) + shard_ms / pieces
+    t = 0.0
+    for s in range(world):
+        t = max(t, s * pull_ms) + shard_ms
     return t
 
 

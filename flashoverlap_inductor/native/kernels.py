@@ -26,8 +26,7 @@ import torch
 
 from flashoverlap_inductor import errors
 
-ABI_VERSION = 13  # 10: fo_fault_mark (the NCCL watchdog); 11: fo_peer_args.probe_events; 12: the fo_moe_* calls;
-# 13: fo_gather_args.pieces / piece_end (a peer's shard pulled in pieces)
+ABI_VERSION = 12  # 10: fo_fault_mark (the NCCL watchdog); 11: fo_peer_args.probe_events; 12: the fo_moe_* calls
 LIB_ENV = "FLASHOVERLAP_LIB"
 DEFAULT_LIB = Path(__file__).resolve().parents[2] / "build" / "libflashoverlap_sm90.so"
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}

@@ -7,11 +7,10 @@ share one GPU works too, under ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``). 
 - on the group's copy stream, forked from the caller's: begin the call (its deadline, its epoch ``e``), wait until
   every peer finished reading this rank's shard of call ``e - 1``, copy the shard into this rank's symmetric buffer,
   tell every peer; then per peer ``j`` in arrival order (``schedule.gather.arrival_order``: ``rank - 1, rank - 2,
-  ...``) wait for ``j``'s shard of call ``e``, pull it from ``j``'s buffer mapped here into ``staging[j]`` in
-  ``schedule.gather.pieces`` pieces (``cudaMemcpyAsync``: the copy engine, no SM), recording ``j``'s event of each
-  piece; tell ``j`` its buffer is read;
+  ...``) wait for ``j``'s shard of call ``e``, pull it from ``j``'s buffer mapped here into ``staging[j]``
+  (``cudaMemcpyAsync``: the copy engine, no SM) and record ``j``'s event; tell ``j`` its buffer is read;
 - on the caller's stream, meanwhile: the local shard's GEMMs (cuBLAS, ``schedule.gather.shard_gemm`` into
-  ``shard_view``), then each pulled piece's (``piece_view``) after its event;
+  ``shard_view``), then each pulled shard's after its event;
 - ``fo_gather_finish``: the caller's stream joins the copy stream, and one kernel fills every output (each ``y_i``
   and, when returned, the gathered rows) with NaN while the group's fault block holds a fault.
 
@@ -20,10 +19,10 @@ Invariants (units: bytes for buffers and shards, flattened rows for the GEMMs, a
 - Memory of one (device, group): a flag page of ``FLAG_BYTES`` (zeroed once; ``ready[j]`` at int ``j`` and
   ``done[j]`` at int ``MAX_WORLD + j``, each added to only by rank ``j``, once per call; the group's ``fo_fault`` block
   at ``FAULT_OFFSET``), a device epoch (calls begun; graph-replay safe: the first kernel of a call advances it), the
-  copy stream, one event per source rank and piece; and workspaces of ``capacity`` bytes
-  (``symmetric.smallest_with_room``: a call of ``shard_bytes = shard_rows * K * itemsize`` uses the smallest with
-  room, never grows one inside a capture), every rank's mapped here. ``staging`` ([world, shard_rows, K], the dim-0
-  all_gather's layout) and the outputs are the call's own fresh tensors.
+  copy stream, one event per source rank; and workspaces of ``capacity`` bytes (``symmetric.smallest_with_room``:
+  a call of ``shard_bytes = shard_rows * K * itemsize`` uses the smallest with room, never grows one inside a
+  capture), every rank's mapped here. ``staging`` ([world, shard_rows, K], the dim-0 all_gather's layout) and the
+  outputs are the call's own fresh tensors.
 - A rank's buffer is rewritten by call ``e + 1`` only after every peer said it read call ``e``'s shard, and the
   flags count calls, not shapes, so calls of any shape share one page and buffer set; calls of a group run in
   order on its copy stream (eager calls from another caller stream first wait for the last, ``order_after_last``).
@@ -73,7 +72,6 @@ MAX_OUTPUTS = 8  # FO_GATHER_MAX_OUTPUTS: the GEMMs' results and the gathered ro
 FLAG_INTS = 2 * MAX_WORLD  # FO_GATHER_FLAG_INTS
 FAULT_OFFSET = 4 * FLAG_INTS  # bytes: the group's fo_fault block, after the flags
 FLAG_BYTES = FAULT_OFFSET + faults.BLOCK_BYTES
-MAX_PIECES = schedule.MAX_PIECES  # FO_GATHER_MAX_PIECES
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 NAME = "gather_peer"
 GEMM_AFTER_HANDSHAKE = 1  # fo_gather_args.options bit FO_GATHER_GEMM_AFTER_HANDSHAKE (Tuning.gather_start)
@@ -87,9 +85,7 @@ class GatherArgs(ctypes.Structure):
                 ("flags", ctypes.c_void_p * MAX_WORLD), ("epoch", ctypes.c_void_p), ("staging", ctypes.c_void_p),
                 ("copy_own", ctypes.c_int32), ("launch_id", ctypes.c_int32), ("timeout_ns", ctypes.c_int64),
                 ("fault", ctypes.c_void_p), ("mirror", ctypes.c_void_p), ("cur_stream", ctypes.c_void_p),
-                ("copy_stream", ctypes.c_void_p), ("pieces", ctypes.c_int32),
-                ("piece_end", ctypes.c_int64 * MAX_PIECES),
-                ("shard_events", ctypes.c_void_p * (MAX_WORLD * MAX_PIECES)),
+                ("copy_stream", ctypes.c_void_p), ("shard_events", ctypes.c_void_p * MAX_WORLD),
                 ("num_outputs", ctypes.c_int32), ("elem_bytes", ctypes.c_int32), ("bf16", ctypes.c_int32),
                 ("options", ctypes.c_int32), ("outputs", ctypes.c_void_p * MAX_OUTPUTS),
                 ("output_numel", ctypes.c_int64 * MAX_OUTPUTS)]
@@ -104,8 +100,7 @@ class GatherFlags:
     views: list[torch.Tensor]  # every rank's page mapped here (keeps the mappings alive)
     epoch: torch.Tensor  # int32 [1]: calls begun (advanced by the device)
     copy: torch.cuda.Stream  # the protocol and the pulls, in call order
-    events: list[list[torch.cuda.Event]]  # [j][k]: piece k of rank j's shard landed in staging (the library
-    # records it on ``copy``)
+    events: list[torch.cuda.Event]  # [j]: rank j's shard landed in staging (recorded by the library on ``copy``)
     fault: faults.FaultDomain  # the group's fault block (in ``buf``), which the peers' waits also write
 
 
@@ -134,9 +129,9 @@ def flags(group: dist.ProcessGroup, device: torch.device) -> GatherFlags:
         world, rank = group.size(), group.rank()
         buf, hdl, views = symmetric.symmetric(FLAG_BYTES, group, device, True, list(range(world)))
         epoch = streams.persistent(device.index, lambda: torch.zeros(1, dtype=torch.int32, device=device))
-        events = [[torch.cuda.Event() for _ in range(MAX_PIECES)] for _ in range(world)]
-        for ev in (e for row in events for e in row):  # created now (torch makes an event at its first record);
-            ev.record(torch.cuda.current_stream(device))  # the library re-records them
+        events = [torch.cuda.Event() for _ in range(world)]
+        for ev in events:  # created now (torch makes an event at its first record); the library re-records them
+            ev.record(torch.cuda.current_stream(device))
         dom = symmetric.fault_domain(NAME, group, device, buf, FAULT_OFFSET,
                                      [v.data_ptr() for r, v in enumerate(views) if r != rank])
         f = _flags[key] = GatherFlags(buf, hdl, views, epoch, torch.cuda.Stream(device=device, priority=-100),
@@ -204,7 +199,6 @@ class GatherLaunch:
     pointer but the call's own."""
 
     geo: schedule.GatherGeometry
-    bounds: list[tuple[int, int]]  # the pulled shards' pieces, [lo, hi) shard rows (``schedule.piece_bounds``)
     rank: int
     dtype: torch.dtype
     shard_bytes: int
@@ -224,13 +218,12 @@ def make_launch(call, settings: config.Settings, ctx) -> GatherLaunch | str:
         return f"outputs: {outputs} outputs (at most {MAX_OUTPUTS})"
     geo = schedule.geometry(list(ctx.a.shape), ctx.gather_dim, call.world)
     shard_bytes = geo.shard_rows * geo.k * call.dtype.itemsize
-    bounds = schedule.piece_bounds(geo, schedule.pieces(geo, settings.tuning.gather_pieces))
     desc = (f"all_gather of {geo.shard_rows} x {geo.k} {call.dtype_name} shards over {call.world} ranks, then "
             f"{len(ctx.b)} GEMM(s) N={[w.shape[-1] for w in ctx.b]}: gather_peer route, {shard_bytes} B per shard "
-            f"by copy engine in {len(bounds)} piece(s)")
+            "by copy engine")
     log.info("flashoverlap: launch %s", desc)
     options = GEMM_AFTER_HANDSHAKE if settings.tuning.gather_start == "handshake" else 0
-    return GatherLaunch(geo, bounds, call.rank, call.dtype, shard_bytes,
+    return GatherLaunch(geo, call.rank, call.dtype, shard_bytes,
                         settings.timeout_ns(compat.group_timeout_ms(ctx.group)), desc, options, faults.launch_id(desc))
 
 
@@ -242,13 +235,9 @@ def args_for(launch: GatherLaunch, ws: GatherWorkspace) -> GatherArgs:
         f, world = ws.flags, launch.geo.world
         p = GatherArgs()
         p.world, p.rank, p.shard_bytes = world, launch.rank, launch.shard_bytes
-        row_bytes = launch.geo.k * launch.dtype.itemsize
-        p.pieces = len(launch.bounds)
-        for k, (_, hi) in enumerate(launch.bounds):
-            p.piece_end[k] = hi * row_bytes
         for r in range(world):
             p.buffers[r], p.flags[r] = ws.views[r].data_ptr(), f.views[r].data_ptr()
-        set_events(p, f.events, launch.rank, world)
+            p.shard_events[r] = f.events[r].cuda_event if r != launch.rank else None
         p.epoch, p.launch_id, p.timeout_ns = f.epoch.data_ptr(), launch.launch_id, launch.timeout_ns
         p.fault, p.mirror, p.copy_stream = f.fault.block_ptr, f.fault.mirror_ptr, f.copy.cuda_stream
         p.elem_bytes, p.bf16 = launch.dtype.itemsize, int(launch.dtype == torch.bfloat16)
@@ -257,22 +246,13 @@ def args_for(launch: GatherLaunch, ws: GatherWorkspace) -> GatherArgs:
     return p
 
 
-def set_events(p: GatherArgs, events: list[list[torch.cuda.Event]], rank: int, world: int) -> None:
-    """Put ``events[j][k]`` (every peer j, piece k < ``p.pieces``) into the struct's ``shard_events``."""
+def probe_events(probe, p: GatherArgs, rank: int, world: int) -> list:
+    """Timing events of ``probe`` for this call's pulls (``pull:<j>``, recorded by the library on the copy stream),
+    put into the call's struct in place of the flags' own (``execute`` puts those back)."""
+    names = [f"pull:{j}" for j in range(world)]
+    events = probe.events_for(names, "copy")
     for r in range(world):
-        for k in range(MAX_PIECES):
-            use = r != rank and k < p.pieces
-            p.shard_events[r * MAX_PIECES + k] = events[r][k].cuda_event if use else None
-
-
-def probe_events(probe, p: GatherArgs, rank: int, world: int) -> list[list[torch.cuda.Event]]:
-    """Timing events of ``probe`` for this call's pulls (``pull:<j>`` when shard j has landed, ``pull:<j>/<k>`` for
-    its earlier pieces; recorded by the library on the copy stream), put into the call's struct in place of the
-    flags' own (``execute`` puts those back)."""
-    last = p.pieces - 1
-    events = [probe.events_for([f"pull:{j}" if k == last else f"pull:{j}/{k}" for k in range(p.pieces)], "copy")
-              for j in range(world)]
-    set_events(p, events, rank, world)
+        p.shard_events[r] = events[r].cuda_event if r != rank else None
     return events
 
 
@@ -315,22 +295,20 @@ class GatherPeerRoute(symmetric.SymmetricRoute):
                 if probe is not None:
                     probe.mark("gemm_start", stream)  # after cur's wait for the handshake, if any
                 for step, j in enumerate(schedule.arrival_order(launch.rank, geo.world)):
-                    if not step:  # the local shard, whole
-                        for w, c, out in zip(ctx.b, bias, outs, strict=True):
-                            schedule.shard_gemm(a, w, c, schedule.shard_view(out, geo, j))
-                    for k, (lo, hi) in enumerate(launch.bounds if step else ()):
-                        stream.wait_event(events[j][k])
-                        for w, c, out in zip(ctx.b, bias, outs, strict=True):
-                            schedule.shard_gemm(staging[j, lo:hi], w, c, schedule.piece_view(out, geo, j, lo, hi))
-                        if probe is not None and k < len(launch.bounds) - 1:
-                            probe.mark(f"gemm_done:{j}/{k}", stream)
+                    x = a
+                    if step:
+                        stream.wait_event(events[j])
+                        x = staging[j]
+                    for w, c, out in zip(ctx.b, bias, outs, strict=True):
+                        schedule.shard_gemm(x, w, c, schedule.shard_view(out, geo, j))
                     if probe is not None:
                         probe.mark(f"gemm_done:{j}", stream)
         finally:  # joined and poisoned whatever happened above: the copy stream never outlives the call's tensors
             rc_finish = lib.fo_gather_finish(ctypes.byref(p))
             if probe is not None:
                 probe.mark("end", stream)
-                set_events(p, ws.flags.events, launch.rank, geo.world)  # the memoized struct's own events back
+                for r in range(geo.world):  # the memoized struct gets the flags' own events back
+                    p.shard_events[r] = ws.flags.events[r].cuda_event if r != launch.rank else None
         kernels.check(rc, "fo_gather_call")
         kernels.check(rc_finish, "fo_gather_finish")
         if not ctx.return_gathered:

@@ -12,12 +12,6 @@ views: each output row depends on its own input row only, so the order is free.
 Order. Every route computes the local shard first (its rows need no transfer), then the others in ring order
 ``rank - 1, rank - 2, ...`` (mod world): in a ring all_gather step s brings the shard of rank ``rank - s`` from the
 previous rank, so that is the order in which they land.
-
-Pieces. The peer route pulls each peer's shard in 1 .. ``MAX_PIECES`` pieces (``piece_bounds``: runs of flattened
-shard rows, on whole leading elements when ``lead > 1``, else on multiples of ``PIECE_ALIGN`` rows) and runs each
-piece's GEMMs as soon as that piece landed: with 2 ranks the one peer shard is half the rows, and whole it keeps the
-GEMMs waiting ``comm - gemm / 2`` ms whenever the transfer is the longer side. ``pieces(geo, requested)`` is the one
-choice of the count (``Tuning.gather_pieces``; None: 1), the cost model's and the route's.
 """
 
 from __future__ import annotations
@@ -26,9 +20,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-
-MAX_PIECES = 4  # FO_GATHER_MAX_PIECES of csrc/flashoverlap_sm90.h
-PIECE_ALIGN = 128  # rows: a piece boundary of a contiguous shard (one GEMM tile's M), so no tile straddles pieces
 
 
 @dataclass(frozen=True)
@@ -104,34 +95,3 @@ def assemble(staging: torch.Tensor, geo: GatherGeometry, shape: list[int]) -> to
     if geo.contiguous_shards:
         return staging.view(shape)
     return staging.view(geo.world, geo.lead, geo.unit, geo.k).transpose(0, 1).reshape(shape)
-
-
-def pieces(geo: GatherGeometry, requested: int | None) -> int:
-    """Pieces per pulled shard: ``requested`` (1 .. ``MAX_PIECES``; None: 1, measured as fast as more on 2 H200s,
-    where a pull never kept the GEMMs waiting), at most the shard's boundaries allow (``lead`` leading elements, or
-    ``shard_rows // PIECE_ALIGN`` aligned runs). Pure: the same on every rank."""
-    want = 1 if requested is None else int(requested)
-    if not 1 <= want <= MAX_PIECES:
-        raise ValueError(f"gather pieces: {want} (1 .. {MAX_PIECES})")
-    units = geo.lead if geo.lead > 1 else max(1, geo.shard_rows // PIECE_ALIGN)
-    return max(1, min(want, units))
-
-
-def piece_bounds(geo: GatherGeometry, count: int) -> list[tuple[int, int]]:
-    """``count`` pieces of a shard as [lo, hi) flattened shard rows: increasing, covering ``[0, shard_rows)``, the
-    boundaries on whole leading elements (``lead > 1``: multiples of ``unit``) or on multiples of ``PIECE_ALIGN``
-    rows. ``count`` as ``pieces`` gives it."""
-    if geo.lead > 1:
-        step, units = geo.unit, geo.lead
-    else:
-        step, units = PIECE_ALIGN, max(1, geo.shard_rows // PIECE_ALIGN)
-    cuts = [k * units // count * step for k in range(count)] + [geo.shard_rows]
-    return [(cuts[k], cuts[k + 1]) for k in range(count)]
-
-
-def piece_view(rows: torch.Tensor, geo: GatherGeometry, j: int, lo: int, hi: int) -> torch.Tensor:
-    """Rows [lo, hi) of shard j (a ``piece_bounds`` piece) of a [geo.rows, C] tensor: [hi - lo, C] when shards are
-    contiguous, else [(hi - lo) / unit, unit, C] (strided)."""
-    if geo.contiguous_shards:
-        return rows[j * geo.unit + lo:j * geo.unit + hi]
-    return rows.view(geo.lead, geo.world, geo.unit, rows.shape[-1])[lo // geo.unit:hi // geo.unit, j]
