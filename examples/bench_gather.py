@@ -12,7 +12,10 @@ variants timed interleaved in one run (``tune_measure.Timer``: CUDA events, warm
 * ``asynctp``: PyTorch's ``torch.ops.symm_mem.fused_all_gather_matmul`` (symmetric memory enabled for the group).
 
 Correctness first: every fused variant's output against ``seq`` on fresh data (relative Frobenius error, worst
-rank), and the route each one took (``route:<name>`` counted). Prints a table (rank 0) and writes ``--json``.
+rank), and the route each one took (``route:<name>`` counted). Then the host time of one call of every fused variant
+(``host_ms_<v>``, max over ranks; ``tune.measure.host_us``, the GPU kept busy): where it reaches 90% of the
+variant's median the row is host-bound for it (``host_bound``: the GPU waits for the slowest rank's host, not for
+the route; seen on some hosts at the small shapes). Prints a table (rank 0) and writes ``--json``.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --nproc_per_node=W examples/bench_gather.py \\
         [--shapes 4096x4096x4096,8192x14336x4096,...] [--json out.json]
@@ -38,6 +41,7 @@ SHAPES = [(m, n, 4096) for m in (4096, 8192, 16384) for n in (6144, 28672)]
 FUSED = {"peer": {"transport": "peer", "gather_start": "handshake"},
          "peer_eager": {"transport": "peer", "gather_start": "eager"}, "nccl": {"transport": "nccl"}}
 COLUMNS = (*FUSED, "asynctp")
+HOST_BOUND = 0.9  # a variant whose host time per call reaches this share of its median is host-bound there
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -122,12 +126,21 @@ def bench_shape(m: int, n: int, k: int, world: int, timer: tm.Timer) -> dict:
     times = timer.measure(variants)
     for v, t in times.items():
         row[f"{v}_ms"] = t.ms
+    fused_names = [v for v in COLUMNS if v in variants]
+    hosts = tm.reduce_max([tm.host_us(variants[v], 20, batch=10, sync=dist.barrier) / 1e3 for v in fused_names])
+    row.update({f"host_ms_{v}": h for v, h in zip(fused_names, hosts, strict=True)})
+    row["host_bound"] = [v for v, h in zip(fused_names, hosts, strict=True) if h >= HOST_BOUND * row[f"{v}_ms"]]
     row["ideal_ms"] = max(row["gemm_ms"], row["comm_ms"])
     for v in COLUMNS:
         if f"{v}_ms" in row:
             row[f"speedup_{v}"] = row["seq_ms"] / row[f"{v}_ms"]
     row["speedup_ideal"] = row["seq_ms"] / row["ideal_ms"]
     return row
+
+
+def host_bound(row: dict) -> str:
+    """The row's host-bound variants with their host ms per call, for the table."""
+    return ", ".join(f"{v} (host {row['host_ms_' + v]:.3f} ms)" for v in row["host_bound"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             sp = " | ".join(f"{r.get(f'speedup_{c}', math.nan):.3f}" for c in cols[1:])
             print(f"{r['m']}x{r['n']}x{r['k']} | {r['gemm_ms']:.3f} | {r['comm_ms']:.3f} | {ms} | {sp} | "
                   f"{r.get('relerr_peer', math.nan):.1e} | {r.get('relerr_nccl', math.nan):.1e}"
-                  + (f"  errors: {r['errors']}" if r["errors"] else ""))
+                  + (f"  errors: {r['errors']}" if r["errors"] else "")
+                  + (f"  host-bound: {host_bound(r)}" if r["host_bound"] else ""))
         geo = {c: math.exp(sum(math.log(r[f"speedup_{c}"]) for r in rows) / len(rows))
                for c in cols[1:] if all(f"speedup_{c}" in r for r in rows)}
         print("geomean speedup over seq: " + ", ".join(f"{c} {v:.3f}" for c, v in geo.items()))
