@@ -17,6 +17,10 @@ rounds, max over ranks):
   ``routes/moe_fast.py``; ``blocks:c=2``: the general path); the route and path it took (``moe_p2p/whole-block``,
   ``moe_p2p/general``, ``moe_p2p/redo``) and its relative error against ``seq`` (worst rank) are reported.
 
+The cost model's verdict for the shape (``cost_model.moe.decide_moe``, what ``fuse="auto"`` does with it: ``auto``
+fuse or not, ``pred x`` its predicted speedup) sits beside the measured one, and a last line checks that no shape it
+fuses runs more than 2% slower than ``seq`` under the first plan.
+
 Each fused call reads the device once (the settle; the general path also copies its routing cut to the host before
 its first GEMM): the host syncs are in the timings.
 
@@ -35,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap_inductor import config, routes
+from flashoverlap_inductor.cost_model import moe
 from flashoverlap_inductor.tune import measure as tm
 
 PRESETS = {"qwen3": {"hidden": 2048, "inter": 768, "experts": 64, "top_k": 8},
@@ -189,7 +194,17 @@ def bench(op: str, preset: str, tokens: int, plans: list[str], timer: tm.Timer, 
     for v in [*(f"fused[{p}]" for p in plans), "ideal"]:
         if f"{v}_ms" in row:
             row[f"speedup_{v}"] = row["seq_ms"] / row[f"{v}_ms"]
+    d = moe.decide_moe(op, tokens * shape["top_k"], _gemms(op, shape), "bfloat16", world,
+                       device_name=torch.cuda.get_device_name(dev))
+    row.update(auto=d.fuse, pred_speedup=d.predicted_seq_ms / d.predicted_fused_ms, pred_seq_ms=d.predicted_seq_ms,
+               pred_fused_ms=d.predicted_fused_ms)
     return row
+
+
+def _gemms(op: str, shape: dict) -> list[tuple[int, int]]:
+    """The op's GEMM terms as the cost model takes them: (k, n) each (dispatch: gate and up; combine: down)."""
+    h, i = shape["hidden"], shape["inter"]
+    return [(h, i), (h, i)] if op == "dispatch" else [(i, h)]
 
 
 def _print(rows: list[dict], plans: list[str], world: int) -> None:
@@ -197,14 +212,20 @@ def _print(rows: list[dict], plans: list[str], world: int) -> None:
     print(f"MoE ops, {world} x {torch.cuda.get_device_name()}, bf16, grouped experts; ms (median, max over ranks); "
           "speedup = seq / variant")
     print("op | preset | tokens/rank | seq | " + " | ".join(fused) + " | gemm | comm | ideal | "
-          + " | ".join(f"x {v}" for v in [*fused, "ideal"]) + " | route | max err")
+          + " | ".join(f"x {v}" for v in [*fused, "ideal"]) + " | pred x | auto | route | max err")
     for r in rows:
         ms = " | ".join(f"{r.get(f'{v}_ms', math.nan):.3f}" for v in ["seq", *fused, "gemm", "comm", "ideal"])
         sp = " | ".join(f"{r.get(f'speedup_{v}', math.nan):.3f}" for v in [*fused, "ideal"])
         route = ",".join(sorted({r.get(f"route_{v}", "-") for v in fused}))
         err = max((r.get(f"relerr_{v}", math.nan) for v in fused), default=math.nan)
-        print(f"{r['op']} | {r['preset']} | {r['tokens']} | {ms} | {sp} | {route} | {err:.1e}"
+        print(f"{r['op']} | {r['preset']} | {r['tokens']} | {ms} | {sp} | {r['pred_speedup']:.3f} | "
+              f"{'fuse' if r['auto'] else 'no'} | {route} | {err:.1e}"
               + (f"  errors: {r['errors']}" if r["errors"] else ""))
+    first = fused[0] if fused else None
+    chosen = [r for r in rows if r["auto"] and first and f"speedup_{first}" in r]
+    worst = min((r[f"speedup_{first}"] for r in chosen), default=math.nan)
+    print(f"auto fuses {len(chosen)} of {len(rows)} rows; the slowest of them runs {worst:.3f}x of seq under {first} "
+          f"[{'PASS' if not chosen or worst >= 1 / 1.02 else 'FAIL'}: none more than 2% slower]")
 
 
 def main(argv: list[str] | None = None) -> int:

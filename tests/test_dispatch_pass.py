@@ -8,7 +8,8 @@ expert-parallel models against eager, forward and gradients, with the pass's cou
 * the harness's MoE block with ``torch._grouped_mm`` in bf16;
 * torchtitan's expert-parallel data path (``TitanStyleMoE`` of ``test_combine_pass``, its op sequence re-typed),
   whose forward feeds the permuted rows to two grouped GEMMs (w1 and w3);
-* ``fuse="auto"``: every rank declines every dispatch alike (``skip:dispatch_auto``);
+* ``fuse="auto"``: the cost model decides, alike on every rank (the static-row dispatch when compiled, the rest per
+  call), and where its terms make the ops pay both fuse and run fused;
 * declined forms, each with its slug.
 """
 
@@ -40,12 +41,31 @@ class _DispatchRun(_Run):
 
         keep = ("dispatch", "combine", "near_miss")
         return {"pass": {k: v for k, v in counters.items() if any(w in k for w in keep)},
-                "calls": routes.stats["dispatch:p2p"], "combine_calls": routes.stats["combine:p2p"]}
+                "calls": routes.stats["dispatch:p2p"], "combine_calls": routes.stats["combine:p2p"],
+                "auto_unfused": routes.stats["fallback:auto"]}
 
 
-def ep_model_worker(preset: str, batches: list[int], fuse: str = "always", dynamic: bool | None = False) -> dict:
+def ep_model_worker(preset: str, batches: list[int], fuse: str = "always", dynamic: bool | None = False,
+                    options: dict | None = None) -> dict:
     """``test_combine_pass.ep_model_worker`` (the harness's ep plan vs eager), reporting the dispatch's counters."""
-    return combine_ep_model_worker(preset, batches, fuse, dynamic, run_cls=_DispatchRun, seed=3)
+    return combine_ep_model_worker(preset, batches, fuse, dynamic, run_cls=_DispatchRun, seed=3, options=options)
+
+
+def _paying_data(tmp_path) -> str:
+    """The package's data files with MoE terms under which every MoE op pays (no host floor, a fast fused path)."""
+    import json
+    import shutil
+
+    from flashoverlap_inductor import configs
+
+    out = tmp_path / "data"
+    shutil.copytree(configs.__path__[0], out, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
+    path = out / "gemm_h200.json"
+    doc = json.loads(path.read_text())
+    for op in ("dispatch", "combine"):
+        doc["moe"][op].update(factor=0.01, host_floor_ms=0.0, model_error=0.0)
+    path.write_text(json.dumps(doc))
+    return str(out)
 
 def _block_vs_eager(ref: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> dict:
     """Compiled (fuse "always") vs eager output, input and parameter gradients (bf16); the dispatch ops' lines of the
@@ -193,10 +213,24 @@ def test_unsupported_dispatches_are_declined_with_their_reason(pool):
         assert got["calls"] == 0, got
 
 
-def test_auto_declines_every_dispatch_on_every_rank(pool):
+def test_auto_declines_by_the_cost_model_on_every_rank(pool):
+    """Under ``auto`` at tiny-moe's rows: the forward dispatch (static rows) declined by the cost model when
+    compiled, the rest (data-dependent rows) fused and declined per call, alike on every rank; eager's gradients."""
     got = pool.run(ep_model_worker, "tiny-moe", [2], "auto", timeout_s=600)
     assert got[0] == got[1], got
-    assert got[0]["pass"] == {"skip:dispatch_auto": 2, "skip:combine_auto": 2} and got[0]["calls"] == 0, got
+    assert got[0]["pass"] == {"skip:dispatch_auto": 1, "fused:all_to_all_dispatch": 1,
+                              "fused:all_to_all_combine": 2}, got
+    assert got[0]["calls"] == got[0]["combine_calls"] == 0 and got[0]["auto_unfused"] > 0, got
+
+
+def test_auto_fuses_where_the_cost_model_says_it_pays(pool, tmp_path):
+    """The same graphs under terms that make every MoE op pay: every rank fuses both ops in forward and backward
+    (the verdict from the graph's static rows, alike on every rank), and the gradients match eager's."""
+    options = {"flashoverlap.config_dir": _paying_data(tmp_path), "flashoverlap.min_rows": 0}
+    got = pool.run(ep_model_worker, "tiny-moe", [2], "auto", False, options, timeout_s=600)
+    assert got[0] == got[1], got
+    assert got[0]["pass"] == {"fused:all_to_all_dispatch": 2, "fused:all_to_all_combine": 2}, got
+    assert got[0]["calls"] > 0 and got[0]["combine_calls"] > 0 and got[0]["auto_unfused"] == 0, got
 
 
 def test_an_open_ended_last_piece_with_data_dependent_rows_fuses(pool):

@@ -29,6 +29,7 @@ from typing import Any
 
 from flashoverlap_inductor.schedule.plan import tiles_per_group
 
+from .moe_terms import MoeTerms
 from .peer import PeerModel, PeerTerms
 from .ring import RingModel
 from .schema import validate_gemm
@@ -55,6 +56,7 @@ class GemmModel:
     peer: PeerModel | None = None  # the peer route's time model (cost_model/peer.py), where the data file has one
     ring: RingModel | None = None  # the ring route's (cost_model/ring.py), likewise
     gather_peer: PeerTerms | None = None  # the all_gather peer route's terms (cost_model/gather.py), likewise
+    moe: Mapping[str, MoeTerms] | None = None  # the MoE ops' terms per op (cost_model/moe.py), likewise
     # the sequential baseline's collective ends this fraction of the GEMM time later than GEMM + collective alone,
     # per world size and collective (data file section "sequential"; 0 where absent)
     seq_skew: Mapping[int, Mapping[str, float]] = field(default_factory=dict)
@@ -88,6 +90,10 @@ class GemmModel:
                 float(doc["gather_peer"]["gemm_factor"]), float(doc["gather_peer"]["fixed_ms"]),
                 float(doc["gather_peer"].get("host_floor_ms", 0.0)),
                 float(doc["gather_peer"].get("link_efficiency", 1.0))),
+            moe=None if "moe" not in doc else {
+                op: MoeTerms(float(t["factor"]), float(t["host_floor_ms"]), float(t["moves_bytes_per_ms"]),
+                             float(t["unfused_bytes_per_ms"]), float(t.get("model_error", 0.0)))
+                for op, t in doc["moe"].items() if op not in ("fit", "note")},
             seq_skew={int(w): {op: float(f) for op, f in per.items()}
                       for w, per in doc.get("sequential", {}).get("skew_fraction", {}).items()},
             anchor_rows=tuple(doc.get("anchor_rows", ())), source=f"{where}: {doc['source']}")

@@ -33,7 +33,9 @@ Three kinds of document live in the config directory (``configs/`` of the packag
   (optional): the ring route's time model, ``{"worlds": {"<world size >= 2>": {"<collective>": terms as peer's}},
   "fit": {...}, "note": "..."}`` (``ring.py``; ``tune fit --ring``). ``gather_peer`` (optional): the all_gather
   peer route's terms, ``{"gemm_factor": > 0, "fixed_ms": >= 0, "link_efficiency": (0, 1], "fit": {...}, "note":
-  "..."}`` (``gather.py``).
+  "..."}`` (``gather.py``). ``moe`` (optional): the MoE ops' terms, ``{"dispatch" | "combine": {"factor": > 0,
+  "host_floor_ms": >= 0, "moves_bytes_per_ms": > 0, "unfused_bytes_per_ms": > 0, "model_error": [0, 0.5)}, "fit":
+  {...}, "note": "..."}`` (``moe.py``).
 
 ``flashoverlap.plans/1`` (``configs/plans/*.json``): tuned plans that override the search::
 
@@ -228,6 +230,8 @@ def validate_gemm(doc: Any, where: str) -> dict[str, Any]:
         if not isinstance(section, dict):
             raise _fail(where, "gather_peer", "expected a JSON object")
         _validate_terms(section, where, "gather_peer")
+    if "moe" in doc:
+        _validate_moe(doc["moe"], where)
     rows = doc.get("anchor_rows", [])
     if not isinstance(rows, list):
         raise _fail(where, "anchor_rows", "expected a list")
@@ -310,6 +314,24 @@ def _validate_terms(terms: dict[str, Any], where: str, here: str) -> None:
         _positive(terms["host_floor_ms"], where, f"{here}.host_floor_ms", allow_zero=True)
     if "link_efficiency" in terms and _positive(terms["link_efficiency"], where, f"{here}.link_efficiency") > 1:
         raise _fail(where, f"{here}.link_efficiency", "must be <= 1")
+
+
+def _validate_moe(section: Any, where: str) -> None:
+    """The ``moe`` section (``moe.MoeTerms`` per op)."""
+    if not isinstance(section, dict):
+        raise _fail(where, "moe", "expected a JSON object")
+    for op, terms in section.items():
+        if op in ("fit", "note"):
+            continue
+        here = f"moe.{op}"
+        if op not in ("dispatch", "combine") or not isinstance(terms, dict):
+            raise _fail(where, here, "expected 'dispatch' or 'combine' with a JSON object of terms")
+        for key in ("factor", "moves_bytes_per_ms", "unfused_bytes_per_ms"):
+            _positive(_require(terms, key, (int, float), where, here), where, f"{here}.{key}")
+        _positive(_require(terms, "host_floor_ms", (int, float), where, here), where, f"{here}.host_floor_ms",
+                  allow_zero=True)
+        if not 0 <= terms.get("model_error", 0.0) < 0.5:
+            raise _fail(where, f"{here}.model_error", "must be in [0, 0.5)")
 
 
 def validate_plans(doc: Any, where: str) -> list[dict[str, Any]]:

@@ -11,11 +11,10 @@ Flow per candidate (each ``wait_tensor`` of an ``all_to_all_single`` whose input
                                                        over and erases itself
 
 Rank agreement. A rank never fuses where another does not: every condition above reads only the graph's structure,
-dtypes, the weights' sizes (N, K, experts) and the settings, which every rank shares (the rows and split sizes, which
-are per rank, are never read), and the fuse mode decides alone: ``always`` fuses every match; ``auto`` declines every
-match (``skip:combine_auto``): no GPU route of the fused combine has been measured yet, and a verdict from this
-rank's rows could differ between ranks. The graphs' manifests (``passes/manifest.py``) list the op with its rows
-"per rank".
+dtypes, the weights' sizes (N, K, experts) and the settings, which every rank shares (the split sizes, which are per
+rank, are never read; the rows only where they are static); ``always`` fuses every match, ``auto`` asks the cost
+model with the graph's static rows or leaves the verdict to each call (``moe_pass.decide``; ``skip:combine_auto``
+where it declines). The graphs' manifests (``passes/manifest.py``) list the op with its rows "per rank".
 
 Invariants of a rewrite: the wait's users see a tensor of the wait's shape and dtype; every size query of a removed
 node reads an equal size of a node that stays; no raw SymInt enters a node argument.
@@ -32,7 +31,7 @@ from flashoverlap_inductor import config
 
 from .combine_match import SIZE_OP, CombineMatch, match_combine
 from .fx_forms import known_eq, node_arg, val
-from .moe_pass import fuse_each, group_of, grouped_gemm_problem, skip
+from .moe_pass import MoeProblem, fuse_each, group_of, grouped_gemm_problem, problem_of, skip
 from .report import record_fused
 from .rewrite import _Builder
 
@@ -108,7 +107,13 @@ def _buffer_problem(m: CombineMatch) -> str:
 
 def fuse_combines(graph: torch.fx.Graph, settings: config.Settings) -> int:
     """Find, check, decide and rewrite every combine of ``graph``; returns how many were fused."""
-    return fuse_each(graph, settings, match_combine, check, "combine", _fuse)
+    return fuse_each(graph, settings, match_combine, check, "combine", _fuse, _problem)
+
+
+def _problem(m: CombineMatch) -> MoeProblem | str:
+    """What ``auto`` decides from: the rows received back (else the rows computed), each term's (K, N)."""
+    return problem_of([m.wait, m.base], [g.args[1] for g in m.gemms], m.form == "loop", val(m.values).dtype,
+                      len(m.args["input_split_sizes"]))
 
 
 def _fuse(m: CombineMatch, group: str, plan: str, settings_key: str) -> bool:

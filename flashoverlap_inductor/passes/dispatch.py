@@ -11,8 +11,9 @@ Flow per candidate (each ``wait_tensor`` of an ``all_to_all_single`` whose one u
                                    the match hands its users over and erases itself
 
 Rank agreement. As for the combine: every condition reads only the graph's structure, dtypes, the weights' sizes and
-the settings (never the per-rank rows, split sizes or expert sizes), and the fuse mode decides alone: ``always``
-fuses every match; ``auto`` declines every match (``skip:dispatch_auto``): no GPU route of it has been measured yet.
+the settings (never the per-rank split sizes or expert sizes); ``always`` fuses every match, ``auto`` asks the cost
+model with the graph's static rows or leaves the verdict to each call (``moe_pass.decide``; ``skip:dispatch_auto``
+where it declines).
 
 Invariants of a rewrite: the permuted rows' users and each GEMM's users see tensors of the same shape and dtype (the
 op's results, checked); every size query of a removed node reads an equal size of a node that stays; no raw SymInt
@@ -31,7 +32,7 @@ from flashoverlap_inductor import config
 
 from .dispatch_match import SIZE_OP, DispatchMatch, match_dispatch
 from .fx_forms import known_eq, node_arg, val
-from .moe_pass import fuse_each, group_of, grouped_gemm_problem, skip
+from .moe_pass import MoeProblem, fuse_each, group_of, grouped_gemm_problem, problem_of, skip
 from .report import record_fused
 from .rewrite import _Builder
 
@@ -82,7 +83,14 @@ def _gemm_problem(m: DispatchMatch) -> str:
 
 def fuse_dispatches(graph: torch.fx.Graph, settings: config.Settings) -> int:
     """Find, check, decide and rewrite every dispatch of ``graph``; returns how many were fused."""
-    return fuse_each(graph, settings, match_dispatch, check, "dispatch", _fuse)
+    return fuse_each(graph, settings, match_dispatch, check, "dispatch", _fuse, _problem)
+
+
+def _problem(m: DispatchMatch) -> MoeProblem | str:
+    """What ``auto`` decides from: the rows sent (else received), each weight's (K, N)."""
+    x = m.coll.args[0]
+    return problem_of([x, m.wait], [g.args[1] for g in m.gemms], m.form == "loop", val(x).dtype,
+                      len(m.args["input_split_sizes"]))
 
 
 def _fuse(m: DispatchMatch, group: str, plan: str, settings_key: str) -> bool:

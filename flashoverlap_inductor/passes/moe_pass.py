@@ -3,13 +3,21 @@ all_to_all -> permutation -> experts' GEMMs): the find / check / decide / fuse l
 the group check and the grouped-GEMM form check.
 
 Rank agreement, for both: every check reads only the graph's structure, dtypes, the weights' sizes and the settings
-(never the per-rank rows or split sizes), and the fuse mode decides alone (``decide``).
+(never the per-rank split sizes). ``always`` fuses every match; ``auto`` asks the cost model
+(``cost_model.moe.decide_moe``) with the match's ``MoeProblem``: its rows are the graph's static row count of the
+tokens' rows (the all_to_all's input or output, a plain int: every rank traces the same program with the same
+shapes; a rank whose shapes differ fuses differently, and the compiled graphs' agreement check raises on every
+rank), the weights' (k, n), the dtype, the group's size and the GPU. Where the rows are symbolic (the split sizes
+read from the routing in the graph: the usual expert-parallel form) the op is fused and decides per call, from the
+rows its split sizes give (``routes.moe_p2p.auto_declines``: the unfused reference where it does not pay; the
+ranks' routes are compared, ``agree.check_once``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,6 +30,8 @@ from .combine_match import GROUPED_OP
 from .fx_forms import node_arg, val
 from .report import record_skip
 
+log = logging.getLogger("flashoverlap")
+
 PLAN = "blocks"  # per peer rank: its block of every expert's rows (``schedule.combine``)
 
 
@@ -31,13 +41,55 @@ def skip(slug: str, msg: str, *args: Any, level: int = logging.INFO) -> None:
     return None
 
 
-def decide(op: str, desc: str, settings: config.Settings) -> str | None:
-    """The plan of a checked MoE ``op`` ("combine" / "dispatch"), or None after recording ``<op>_auto``: ``always``
-    fuses every match; ``auto`` declines every match (no GPU route of these ops has been measured yet, and a verdict
-    from this rank's rows could differ between ranks)."""
-    if settings.fuse == "auto":
-        return skip(f"{op}_auto", "%s: the fused MoE %s has no measured GPU route yet and its rows are per rank; it is "
-                    "fused only under fuse='always'", desc, op)
+@dataclass(frozen=True)
+class MoeProblem:
+    """What ``auto`` decides a MoE op from (module docstring): ``rows`` per rank, the GEMM terms' ``(k, n)``, the
+    dtype name, the group's size, the GPU's name (None: the cost model's default)."""
+
+    rows: int
+    gemms: tuple[tuple[int, int], ...]
+    dtype: str
+    world: int
+    device: str | None
+
+
+def problem_of(rows_from: list[Node], weights: list[Node], loop: bool, dtype: torch.dtype,
+               world: int) -> MoeProblem | str:
+    """The ``MoeProblem`` of a match: the first plain-int row count of ``rows_from`` (tensors' dim 0), the (k, n)
+    of each weight's last two dims (one term for the per-expert loop form, whose pieces make one GEMM), or why there
+    is none (a string)."""
+    rows = next((r for r in (val(x).shape[0] for x in rows_from) if isinstance(r, int)), None)
+    if rows is None:
+        return "its rows are symbolic (data-dependent split sizes or dynamic shapes)"
+    shapes = [tuple(val(w).shape[-2:]) for w in (weights[:1] if loop else weights)]
+    if not all(isinstance(d, int) for s in shapes for d in s):
+        return "its weights' sizes are symbolic"
+    like = val(rows_from[0])
+    device = torch.cuda.get_device_name(like.device) if like.device.type == "cuda" and \
+        torch.cuda.is_available() else None
+    return MoeProblem(rows, tuple(shapes), str(dtype).removeprefix("torch."), world, device)
+
+
+def decide(op: str, desc: str, settings: config.Settings, problem: MoeProblem | str) -> str | None:
+    """The plan of a checked MoE ``op`` ("combine" / "dispatch"), or None after recording why not: ``always``
+    fuses every match; ``auto`` fuses where ``cost_model.moe.decide_moe`` says it pays for ``problem`` (else
+    ``<op>_auto``, with the prediction; ``cost_model_error`` where the model raised), and where ``problem`` says why
+    there is none (symbolic rows) leaves the verdict to each call."""
+    if settings.fuse != "auto":
+        return PLAN
+    if isinstance(problem, str):  # the op decides per call from its split sizes (module docstring)
+        log.info("flashoverlap: MoE %s fused under 'auto', decided per call: %s (%s)", op, desc, problem)
+        return PLAN
+    try:
+        from flashoverlap_inductor.cost_model import moe
+
+        d = moe.decide_moe(op, problem.rows, problem.gemms, problem.dtype, problem.world,
+                           device_name=problem.device, settings=settings)
+    except Exception as exc:  # noqa: BLE001 - a cost-model bug costs this fusion, never the compilation
+        return skip("cost_model_error", "%s: cost model failed: %r", desc, exc, level=logging.WARNING)
+    if not d.fuse:
+        return skip(f"{op}_auto", "%s: %s", desc, d.reason)
+    log.info("flashoverlap: MoE %s fused under 'auto': %s (%s)", op, desc, d.reason)
     return PLAN
 
 
@@ -74,11 +126,11 @@ def grouped_gemm_problem(gemms: list[Node]) -> str:
 
 def fuse_each(graph: torch.fx.Graph, settings: config.Settings, match: Callable[[Node], Any],
               check: Callable[[Any, config.Settings], str | None], op: str,
-              fuse: Callable[[Any, str, str, str], bool]) -> int:
+              fuse: Callable[[Any, str, str, str], bool], problem: Callable[[Any], MoeProblem | str]) -> int:
     """For every ``wait_tensor`` of ``graph``: ``match(wait)`` (a match object or None), ``check(m, settings)``
-    (the group name, or None after a skip), ``decide``, then ``fuse(m, group, plan, settings_key)`` (True when it
-    rewrote, recording the fusion); returns how many were fused. A check that raises costs the fusion, never the
-    compilation (``internal_error``)."""
+    (the group name, or None after a skip), ``decide`` (with ``problem(m)``), then ``fuse(m, group, plan,
+    settings_key)`` (True when it rewrote, recording the fusion); returns how many were fused. A check that raises
+    costs the fusion, never the compilation (``internal_error``)."""
     fused = 0
     for wait in list(graph.find_nodes(op="call_function", target=compat.c10d.wait_tensor.default)):
         m = match(wait)
@@ -86,7 +138,7 @@ def fuse_each(graph: torch.fx.Graph, settings: config.Settings, match: Callable[
             continue
         try:
             group = check(m, settings)
-            plan = decide(op, m.describe(), settings) if group is not None else None
+            plan = decide(op, m.describe(), settings, problem(m)) if group is not None else None
         except Exception as exc:  # noqa: BLE001
             record_skip("internal_error", "%s: %r", m.describe(), exc, level=logging.WARNING, exc_info=True)
             continue
