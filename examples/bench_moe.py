@@ -246,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     plans = [p for p in args.plans.split(",") if p]
     timer = tm.Timer(rounds=args.rounds, target_ms=args.target_ms, min_iters=2, max_iters=40, spin_ms=0.3)
-    with config.patch(experiments={"moe_p2p_cuda"}):  # the route on CUDA is an experiment until measured
+    # the route on CUDA is an experiment until measured; "always": the fused columns time the fused op (under "auto"
+    # it would run the unfused reference where the cost model says so: that verdict is the auto column)
+    with config.patch(experiments={"moe_p2p_cuda"}, fuse="always"):
         rows = [bench(op, preset, tokens, plans, timer, dev) for preset, tokens in shapes_of(args.shapes)
                 for op in ("dispatch", "combine")]
     if rank == 0:
