@@ -13,8 +13,8 @@ Flow per candidate (each ``wait_tensor`` of an ``all_to_all_single`` whose input
 Rank agreement. A rank never fuses where another does not: every condition above reads only the graph's structure,
 dtypes, the weights' sizes (N, K, experts) and the settings, which every rank shares (the split sizes, which are per
 rank, are never read; the rows only where they are static); ``always`` fuses every match, ``auto`` asks the cost
-model with the graph's static rows or leaves the verdict to each call (``moe_pass.decide``; ``skip:combine_auto``
-where it declines). The graphs' manifests (``passes/manifest.py``) list the op with its rows "per rank".
+model with the graph's static rows and declines symbolic ones (``moe_pass.decide``; ``skip:combine_auto``). The
+graphs' manifests (``passes/manifest.py``) list the op with its rows "per rank".
 
 Invariants of a rewrite: the wait's users see a tensor of the wait's shape and dtype; every size query of a removed
 node reads an equal size of a node that stays; no raw SymInt enters a node argument.

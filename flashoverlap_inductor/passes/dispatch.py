@@ -12,8 +12,7 @@ Flow per candidate (each ``wait_tensor`` of an ``all_to_all_single`` whose one u
 
 Rank agreement. As for the combine: every condition reads only the graph's structure, dtypes, the weights' sizes and
 the settings (never the per-rank split sizes or expert sizes); ``always`` fuses every match, ``auto`` asks the cost
-model with the graph's static rows or leaves the verdict to each call (``moe_pass.decide``; ``skip:dispatch_auto``
-where it declines).
+model with the graph's static rows and declines symbolic ones (``moe_pass.decide``; ``skip:dispatch_auto``).
 
 Invariants of a rewrite: the permuted rows' users and each GEMM's users see tensors of the same shape and dtype (the
 op's results, checked); every size query of a removed node reads an equal size of a node that stays; no raw SymInt
