@@ -183,12 +183,16 @@ def plot(rows: list[dict[str, Any]], path: str, where: str = "") -> str:
 def moe_combine_note(entry: dict[str, Any]) -> str:
     """Whether the MoE combine (the experts' GEMM [-> un-permutation] -> all_to_all) was fused, and if not why."""
     fwd = entry["graphs"].get("forward") or entry["graphs"].get("inference") or {}
-    fused = {k: n for k, n in fwd.get("fused", {}).items() if k.endswith("all_to_all")}
+    ops = fwd.get("fused", {})
+    fused = {k: n for k, n in ops.items() if k.endswith("all_to_all")}
+    dispatch = sum(n for k, n in ops.items() if k.endswith("all_to_all_permute_gemm"))
     left = {k: n for k, n in fwd.get("collectives", {}).items() if k.startswith("all_to_all")}
     if fused:
         through = " with the un-permutation" if any("unpermute" in k for k in fused) else ""
+        also = f"the dispatch (all_to_all -> permutation -> GEMMs) too ({dispatch} x)" if dispatch else \
+            "the dispatch is not"
         return (f"MoE combine: the experts' GEMM{through} -> all_to_all is fused in the forward graph "
-                f"({sum(fused.values())} x); the dispatch all_to_all is fed by the token gather (no GEMM)")
+                f"({sum(fused.values())} x); {also}")
     direct = {k: n for k, n in left.items() if k.endswith("<- gemm")}
     via = sorted({k.split("<- via ", 1)[1] for k in left if "<- via " in k})
     skips = sorted(k for k in entry["events"].get("forward", entry["events"].get("inference", {}))
