@@ -20,8 +20,6 @@ from dist_utils import get_pool
 from flashoverlap_inductor.routes import combine as combine_route
 from flashoverlap_inductor.schedule import combine as geo
 
-FUSED = {"FLASHOVERLAP_FUSE": "always"}  # direct op calls: the fused route, not the per-call verdict of "auto"
-
 K, N, E = 16, 24, 3
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 1.6e-2, "atol": 5e-2}}
 
@@ -197,7 +195,7 @@ def opcheck_worker() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def pool():
-    return get_pool(2, FUSED)
+    return get_pool(2)
 
 
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
@@ -208,7 +206,7 @@ def test_loop_form_matches_the_reference_on_uneven_splits(pool, dtype_name):
 
 def test_three_ranks():
     """Three ranks: each block order starts at a different peer (ring order), splits uneven, one rank keeping none."""
-    got = get_pool(3, FUSED).run(op_worker, ["loop", "grouped"], ["moe", "dup"], "bfloat16", [1, 2])
+    got = get_pool(3).run(op_worker, ["loop", "grouped"], ["moe", "dup"], "bfloat16", [1, 2])
     assert got == [8, 8, 8]
 
 
@@ -236,7 +234,7 @@ def test_chunked_plans_match_the_reference(pool, plan):
 def test_empty_blocks_are_skipped_alike_on_both_sides(world, plan):
     """Rank 0 sends rank 1 nothing while rank 1 sends it rows; on 3 ranks ranks 1 and 2 exchange nothing and rank 2
     sends rank 0 nothing: the empty transfers are left out on both sides, the others still pair up."""
-    got = get_pool(world, FUSED).run(op_worker, ["loop", "grouped"], ["moe", "perm"], "float32", [3], plan, True)
+    got = get_pool(world).run(op_worker, ["loop", "grouped"], ["moe", "perm"], "float32", [3], plan, True)
     assert got == [4] * world
 
 

@@ -19,8 +19,6 @@ from test_combine_op import _split, run_cases, split_counts
 
 from flashoverlap_inductor.routes import moe_dispatch as dispatch_route
 
-FUSED = {"FLASHOVERLAP_FUSE": "always"}  # direct op calls: the fused route, not the per-call verdict of "auto"
-
 K, N, E = 16, 24, 3
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 1.6e-2, "atol": 5e-2}}
 
@@ -179,7 +177,7 @@ def opcheck_worker() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def pool():
-    return get_pool(2, FUSED)
+    return get_pool(2)
 
 
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
@@ -198,7 +196,7 @@ def test_grouped_forms_without_a_grouped_mm_kernel_match_the_reference(pool):
 
 def test_three_ranks():
     """Three ranks: each arrival order starts at a different peer, splits uneven, one rank keeping none."""
-    assert get_pool(3, FUSED).run(op_worker, ["loop", "grouped"], ["moe", "dup"], "bfloat16", [1, 2]) == [8, 8, 8]
+    assert get_pool(3).run(op_worker, ["loop", "grouped"], ["moe", "dup"], "bfloat16", [1, 2]) == [8, 8, 8]
 
 
 @pytest.mark.parametrize("plan", ["blocks:c=2", "blocks:c=3"])
@@ -211,7 +209,7 @@ def test_chunked_plans_match_the_reference(pool, plan):
 def test_empty_blocks_are_skipped_alike_on_both_sides(world, plan):
     """Rank 0 sends rank 1 nothing while rank 1 sends it rows; on 3 ranks ranks 1 and 2 exchange nothing and rank 2
     sends rank 0 nothing: the empty transfers are left out on both sides, the others still pair up."""
-    got = get_pool(world, FUSED).run(op_worker, ["loop", "grouped"], ["moe", "perm"], "float32", [3], plan, True)
+    got = get_pool(world).run(op_worker, ["loop", "grouped"], ["moe", "perm"], "float32", [3], plan, True)
     assert got == [4] * world
 
 

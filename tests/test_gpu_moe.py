@@ -41,8 +41,7 @@ def pool(_pools):
     """The module's NCCL ranks, started again after a test whose worker raised or timed out (``DistPool`` closes
     itself then), so that one failure does not fail every test after it."""
     if not _pools or not _pools[-1].alive:
-        env = {"NCCL_NVLS_ENABLE": "0", "FLASHOVERLAP_FUSE": "always"}  # direct calls: the fused route, not auto's
-        _pools.append(DistPool(2, backend="nccl", timeout_s=TIMEOUT_S, env=env))
+        _pools.append(DistPool(2, backend="nccl", timeout_s=TIMEOUT_S, env={"NCCL_NVLS_ENABLE": "0"}))
     return _pools[-1]
 
 

@@ -19,8 +19,6 @@ from test_moe_fast import _call, _case, _mutate, _reference, _same
 from flashoverlap_inductor import config, errors, routes
 from flashoverlap_inductor.routes import moe_deferred, moe_fast, moe_settle
 
-FUSED = {"FLASHOVERLAP_FUSE": "always"}  # direct op calls: the fused route, not the per-call verdict of "auto"
-
 
 def _nan(outs: list[torch.Tensor]) -> bool:
     assert all(t.numel() for t in outs), "the case gives every rank rows (seed 2)"
@@ -81,7 +79,7 @@ def deferred_worker(op: str, fault: str | None, bad_rank: int, experiments: tupl
 
 @pytest.fixture(scope="module")
 def pool():
-    return get_pool(2, FUSED)
+    return get_pool(2)
 
 
 @pytest.mark.parametrize("op", ["combine", "dispatch"])

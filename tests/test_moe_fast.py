@@ -24,8 +24,6 @@ from flashoverlap_inductor import errors, routes
 from flashoverlap_inductor.routes import combine as combine_route
 from flashoverlap_inductor.routes import moe_fast
 
-FUSED = {"FLASHOVERLAP_FUSE": "always"}  # direct op calls: the fused route, not the per-call verdict of "auto"
-
 BF16 = torch.bfloat16
 
 
@@ -211,7 +209,7 @@ def host_reads_worker(op: str) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def pool():
-    return get_pool(2, FUSED)
+    return get_pool(2)
 
 
 @pytest.mark.parametrize("op", ["combine", "dispatch"])
@@ -278,11 +276,11 @@ def test_empty_blocks_and_three_ranks(world):
     """Some blocks empty (a rank sending a peer nothing, on 3 ranks a pair exchanging nothing): their GEMMs and
     transfers are left out on both sides alike; and the plain MoE form on 3 ranks (ring order)."""
     for op in ("combine", "dispatch"):
-        for counts in get_pool(world, FUSED).run(path_worker, op, ["moe_empty"] * world, ["grouped", "grouped2"], [3]):
+        for counts in get_pool(world).run(path_worker, op, ["moe_empty"] * world, ["grouped", "grouped2"], [3]):
             assert counts == {"fast": 2, "redo": 0, "p2p": 2}, counts
     if world == 3:
         for op in ("combine", "dispatch"):
-            for counts in get_pool(3, FUSED).run(path_worker, op, ["moe"] * 3, ["grouped", "grouped2"], [1, 2]):
+            for counts in get_pool(3).run(path_worker, op, ["moe"] * 3, ["grouped", "grouped2"], [1, 2]):
                 assert counts == {"fast": 4, "redo": 0, "p2p": 4}, counts
 
 

@@ -85,7 +85,7 @@ def main() -> None:
     dev = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("nccl", device_id=dev)
     rank, world = dist.get_rank(), dist.get_world_size()
-    with config.patch(experiments={"moe_p2p_cuda"}, fuse="always"):  # the fused op, not auto's per-call verdict
+    with config.patch(experiments={"moe_p2p_cuda"}):
         for preset, tokens in bm.shapes_of(args.shapes):
             shape = bm.PRESETS[preset]
             r = bm.routing(shape["experts"], shape["top_k"], tokens, world, rank, dev)

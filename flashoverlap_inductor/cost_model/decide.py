@@ -186,9 +186,10 @@ def decide_cache_info() -> functools._CacheInfo:
 
 def clear_caches() -> None:
     """Forget memoized decisions and loaded data (after changing data files)."""
-    from .gather import decide_cache_clear
+    from . import gather, moe
 
-    registry.clear_caches((_decide.cache_clear, decide_cache_clear, _call_plan.cache_clear))
+    registry.clear_caches((_decide.cache_clear, gather.decide_cache_clear, moe.decide_cache_clear,
+                           _call_plan.cache_clear))
 
 
 # Device-memory copy rates (bytes per ms, each byte counted once whether read or written): about 80% of the HBM peak

@@ -16,10 +16,12 @@ the dispatch's terms share k, the rows moved; the combine's share n, the rows se
   ``host_floor_ms``: a fused call holds the host that long (the settle, the plan, the transfers' issue, the moves),
   so a call whose GPU work is shorter is host-bound there.
 
-Verdict (``gain.verdict``): fuse iff ``rows >= min_rows`` and ``fused <= (1 - min_gain_fraction - model_error) *
-sequential``; ``model_error`` (data file) is the fit's typical error on the measured shapes. The terms are per op and
-GPU (data file section ``moe``); without them the verdict declines. Pure in its arguments, which every rank shares
-(the pass gives the graph's static row count; symbolic rows never reach here).
+Verdict (``gain.verdict``): fuse iff ``rows >= min_rows`` and ``fused <= (1 - min_gain_fraction - error) *
+sequential``; ``error`` is the data file's ``model_error`` (the fit's typical error on the measured shapes), times
+``gain.FOREIGN_DATA_FACTOR`` when the GPU has no data of its own. The terms are per op and GPU (data file section
+``moe``); without them the verdict declines. Pure in its arguments. Its callers: ``examples/bench_moe.py`` (the
+verdict beside the measured speedup) and the pass's message under ``auto``, which does not act on it: the rows are
+per rank (``passes/moe_pass.py``).
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ def _decide(op: str, rows: int, gemms: tuple[tuple[int, int], ...], dtype: str, 
     fused, seq = moe_times(model, terms, op, rows, gemms, dtype, world)
     summary = (f"predicted {fused:.3f} ms fused vs {seq:.3f} ms sequential ({seq / fused:.3f}x; MoE {op}, {rows} "
                f"rows per rank, GEMMs (k, n) {list(gemms)}, host floor {terms.host_floor_ms:g} ms){note}")
-    fuse, reason = gain.verdict(fused, seq, rows, min_gain, min_rows, summary, terms.model_error)
+    error = terms.model_error * (1.0 if how == "exact" else gain.FOREIGN_DATA_FACTOR)
+    fuse, reason = gain.verdict(fused, seq, rows, min_gain, min_rows, summary, error)
     return MoeDecision(fuse, fused, seq, reason)
 
 

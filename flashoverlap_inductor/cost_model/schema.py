@@ -330,7 +330,7 @@ def _validate_moe(section: Any, where: str) -> None:
             _positive(_require(terms, key, (int, float), where, here), where, f"{here}.{key}")
         _positive(_require(terms, "host_floor_ms", (int, float), where, here), where, f"{here}.host_floor_ms",
                   allow_zero=True)
-        if not 0 <= terms.get("model_error", 0.0) < 0.5:
+        if _positive(terms.get("model_error", 0.0), where, f"{here}.model_error", allow_zero=True) >= 0.5:
             raise _fail(where, f"{here}.model_error", "must be in [0, 0.5)")
 
 

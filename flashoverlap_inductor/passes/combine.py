@@ -12,9 +12,9 @@ Flow per candidate (each ``wait_tensor`` of an ``all_to_all_single`` whose input
 
 Rank agreement. A rank never fuses where another does not: every condition above reads only the graph's structure,
 dtypes, the weights' sizes (N, K, experts) and the settings, which every rank shares (the split sizes, which are per
-rank, are never read; the rows only where they are static); ``always`` fuses every match, ``auto`` asks the cost
-model with the graph's static rows and declines symbolic ones (``moe_pass.decide``; ``skip:combine_auto``). The
-graphs' manifests (``passes/manifest.py``) list the op with its rows "per rank".
+rank, are never read), and the fuse mode decides alone: ``always`` fuses every match; ``auto`` declines every match
+(``skip:combine_auto``, with the cost model's prediction: ``moe_pass.decide``). The graphs' manifests
+(``passes/manifest.py``) list the op with its rows "per rank".
 
 Invariants of a rewrite: the wait's users see a tensor of the wait's shape and dtype; every size query of a removed
 node reads an equal size of a node that stays; no raw SymInt enters a node argument.
@@ -111,8 +111,9 @@ def fuse_combines(graph: torch.fx.Graph, settings: config.Settings) -> int:
 
 
 def _problem(m: CombineMatch) -> MoeProblem | str:
-    """What ``auto`` decides from: the rows received back (else the rows computed), each term's (K, N)."""
-    return problem_of([m.wait, m.base], [g.args[1] for g in m.gemms], m.form == "loop", val(m.values).dtype,
+    """What the cost model is asked under ``auto``: the rows received back (this rank's token rows), each term's
+    (K, N)."""
+    return problem_of(m.wait, [g.args[1] for g in m.gemms], m.form == "loop", val(m.values).dtype,
                       len(m.args["input_split_sizes"]))
 
 

@@ -11,8 +11,9 @@ Flow per candidate (each ``wait_tensor`` of an ``all_to_all_single`` whose one u
                                    the match hands its users over and erases itself
 
 Rank agreement. As for the combine: every condition reads only the graph's structure, dtypes, the weights' sizes and
-the settings (never the per-rank split sizes or expert sizes); ``always`` fuses every match, ``auto`` asks the cost
-model with the graph's static rows and declines symbolic ones (``moe_pass.decide``; ``skip:dispatch_auto``).
+the settings (never the per-rank rows, split sizes or expert sizes), and the fuse mode decides alone: ``always``
+fuses every match; ``auto`` declines every match (``skip:dispatch_auto``, with the cost model's prediction:
+``moe_pass.decide``).
 
 Invariants of a rewrite: the permuted rows' users and each GEMM's users see tensors of the same shape and dtype (the
 op's results, checked); every size query of a removed node reads an equal size of a node that stays; no raw SymInt
@@ -86,9 +87,9 @@ def fuse_dispatches(graph: torch.fx.Graph, settings: config.Settings) -> int:
 
 
 def _problem(m: DispatchMatch) -> MoeProblem | str:
-    """What ``auto`` decides from: the rows sent (else received), each weight's (K, N)."""
+    """What the cost model is asked under ``auto``: the rows sent (this rank's token rows), each weight's (K, N)."""
     x = m.coll.args[0]
-    return problem_of([x, m.wait], [g.args[1] for g in m.gemms], m.form == "loop", val(x).dtype,
+    return problem_of(x, [g.args[1] for g in m.gemms], m.form == "loop", val(x).dtype,
                       len(m.args["input_split_sizes"]))
 
 

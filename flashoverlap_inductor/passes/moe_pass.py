@@ -3,14 +3,13 @@ all_to_all -> permutation -> experts' GEMMs): the find / check / decide / fuse l
 the group check and the grouped-GEMM form check.
 
 Rank agreement, for both: every check reads only the graph's structure, dtypes, the weights' sizes and the settings
-(never the per-rank split sizes). ``always`` fuses every match; ``auto`` asks the cost model
-(``cost_model.moe.decide_moe``) with the match's ``MoeProblem``: its rows are the graph's static row count of the
-tokens' rows (the all_to_all's input or output, a plain int: every rank traces the same program with the same
-shapes; a rank whose shapes differ fuses differently, and the compiled graphs' agreement check raises on every
-rank), the weights' (k, n), the dtype, the group's size and the GPU. Where the rows are symbolic (the split sizes
-read from the routing in the graph: the usual expert-parallel form) ``auto`` declines: deciding per call instead
-(fused, the op running the unfused reference where the model declines) was measured at 0.869x of Inductor on the
-qwen3-moe EP2 prefill (2 H100s), the reference inside the op being slower than Inductor's compiled unfused ops.
+(never the per-rank rows or split sizes), and the fuse mode decides alone: ``always`` fuses every match; ``auto``
+declines every match (``skip:<op>_auto``), saying what the cost model (``cost_model.moe.decide_moe``) predicts
+where the graph's rows are a plain int. The verdict itself is not used: the rows are per rank (a rank's token count
+may differ from another's, and the compiled graphs' agreement check skips graphs with per-rank split sizes), so a
+verdict from them could differ between ranks and pair a fused op with another rank's all_to_all. Deciding the
+data-dependent rows per call instead (the op running its unfused reference where the model declines) was built and
+measured at 0.869x of Inductor on the qwen3-moe EP2 prefill (2 H100s), and withdrawn.
 """
 
 from __future__ import annotations
@@ -29,8 +28,6 @@ from flashoverlap_inductor import config
 from .combine_match import GROUPED_OP
 from .fx_forms import node_arg, val
 from .report import record_skip
-
-log = logging.getLogger("flashoverlap")
 
 PLAN = "blocks"  # per peer rank: its block of every expert's rows (``schedule.combine``)
 
@@ -53,43 +50,42 @@ class MoeProblem:
     device: str | None
 
 
-def problem_of(rows_from: list[Node], weights: list[Node], loop: bool, dtype: torch.dtype,
+def problem_of(rows_from: Node, weights: list[Node], loop: bool, dtype: torch.dtype,
                world: int) -> MoeProblem | str:
-    """The ``MoeProblem`` of a match: the first plain-int row count of ``rows_from`` (tensors' dim 0), the (k, n)
-    of each weight's last two dims (one term for the per-expert loop form, whose pieces make one GEMM), or why there
-    is none (a string)."""
-    rows = next((r for r in (val(x).shape[0] for x in rows_from) if isinstance(r, int)), None)
-    if rows is None:
+    """The ``MoeProblem`` of a match: ``rows_from``'s row count (dim 0: this rank's token rows) where it is a plain
+    int, the (k, n) of each weight's last two dims (one term for the per-expert loop form, whose pieces make one
+    GEMM), or why there is none (a string)."""
+    rows = val(rows_from[0]).shape[0]
+    if not isinstance(rows, int):
         return "its rows are symbolic (data-dependent split sizes or dynamic shapes)"
     shapes = [tuple(val(w).shape[-2:]) for w in (weights[:1] if loop else weights)]
     if not all(isinstance(d, int) for s in shapes for d in s):
         return "its weights' sizes are symbolic"
-    like = val(rows_from[0])
+    like = val(rows_from)
     device = torch.cuda.get_device_name(like.device) if like.device.type == "cuda" and \
         torch.cuda.is_available() else None
     return MoeProblem(rows, tuple(shapes), str(dtype).removeprefix("torch."), world, device)
 
 
-def decide(op: str, desc: str, settings: config.Settings, problem: MoeProblem | str) -> str | None:
-    """The plan of a checked MoE ``op`` ("combine" / "dispatch"), or None after recording why not: ``always``
-    fuses every match; ``auto`` fuses where ``cost_model.moe.decide_moe`` says it pays for ``problem`` (else
-    ``<op>_auto``, with the prediction; ``cost_model_error`` where the model raised); where ``problem`` says why
-    there is none (symbolic rows) ``auto`` declines (``<op>_auto``)."""
+def decide(op: str, desc: str, settings: config.Settings, problem: Callable[[], MoeProblem | str]) -> str | None:
+    """The plan of a checked MoE ``op`` ("combine" / "dispatch"), or None after recording ``<op>_auto``: ``always``
+    fuses every match; ``auto`` declines every match (module docstring), its message giving the cost model's
+    prediction for ``problem()`` (asked only here, never under ``always``) or why there is none."""
     if settings.fuse != "auto":
         return PLAN
-    if isinstance(problem, str):
-        return skip(f"{op}_auto", "%s: %s; fused only under fuse='always'", desc, problem)
     try:
-        from flashoverlap_inductor.cost_model import moe
+        found = problem()
+        if isinstance(found, str):
+            predicted = found
+        else:
+            from flashoverlap_inductor.cost_model import moe
 
-        d = moe.decide_moe(op, problem.rows, problem.gemms, problem.dtype, problem.world,
-                           device_name=problem.device, settings=settings)
-    except Exception as exc:  # noqa: BLE001 - a cost-model bug costs this fusion, never the compilation
-        return skip("cost_model_error", "%s: cost model failed: %r", desc, exc, level=logging.WARNING)
-    if not d.fuse:
-        return skip(f"{op}_auto", "%s: %s", desc, d.reason)
-    log.info("flashoverlap: MoE %s fused under 'auto': %s (%s)", op, desc, d.reason)
-    return PLAN
+            predicted = moe.decide_moe(op, found.rows, found.gemms, found.dtype, found.world,
+                                       device_name=found.device, settings=settings).reason
+    except Exception as exc:  # noqa: BLE001 - only the message's prediction is lost
+        predicted = f"no prediction: {exc!r}"
+    return skip(f"{op}_auto", "%s: fused only under fuse='always' (a verdict from per-rank rows could differ between "
+                "ranks); the cost model: %s", desc, predicted)
 
 
 def group_of(args: dict[str, Any], desc: str) -> str | None:
@@ -137,7 +133,7 @@ def fuse_each(graph: torch.fx.Graph, settings: config.Settings, match: Callable[
             continue
         try:
             group = check(m, settings)
-            plan = decide(op, m.describe(), settings, problem(m)) if group is not None else None
+            plan = decide(op, m.describe(), settings, lambda m=m: problem(m)) if group is not None else None
         except Exception as exc:  # noqa: BLE001
             record_skip("internal_error", "%s: %r", m.describe(), exc, level=logging.WARNING, exc_info=True)
             continue

@@ -211,5 +211,4 @@ def dispatch(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | 
         "combine", a[0], group, len(outs), plan, settings_key, call,
         f"a fused MoE combine of {len(a)} x {list(a[0].shape)} rows @ {list(b[0].shape)} ({a[0].dtype})",
         lambda deferred: run_p2p(a, b, offs, index, accumulate, outs, ins, group, plan, deferred),
-        lambda: reference(a, b, offs, index, accumulate, outs, ins, group),
-        (sum(outs), [(int(w.shape[-2]), int(w.shape[-1])) for w in (b[:1] if offs is None else b)]))
+        lambda: reference(a, b, offs, index, accumulate, outs, ins, group))

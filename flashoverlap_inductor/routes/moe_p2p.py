@@ -17,7 +17,6 @@ The unit bounds go to the device in one pinned, non-blocking copy (``upload``), 
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -96,29 +95,6 @@ def unsupported(x: torch.Tensor, group: dist.ProcessGroup, world: int, experimen
     return None
 
 
-def auto_declines(op: str, x: torch.Tensor, group: dist.ProcessGroup, problem: tuple[int, list[tuple[int, int]]],
-                  settings: config.Settings) -> str | None:
-    """Under ``fuse="auto"``: ``"auto: <the prediction>"`` where the cost model (``cost_model.moe.decide_moe``)
-    says fusing this call does not pay, else None. ``problem``: (rows, the GEMM terms' (k, n)), the rows this rank's
-    tokens make (the dispatch's sent rows, the combine's received back): the same on every rank of a program whose
-    ranks hold as many tokens. Ranks whose rows differ may decide differently: ``agree.check_once`` compares the
-    routes the ranks chose (the verdict is in it) and raises on every rank where they differ."""
-    if settings.fuse != "auto":
-        return None
-    from ..cost_model import moe
-
-    rows, gemms = problem
-    d = moe.decide_moe(op, rows, gemms, str(x.dtype).removeprefix("torch."), group.size(),
-                       device_name=_gpu_name(x.device), settings=settings)
-    return None if d.fuse else f"auto: {d.reason}"
-
-
-@functools.lru_cache(maxsize=16)
-def _gpu_name(device: torch.device) -> str | None:
-    """The GPU's name for the cost model (None off CUDA: its default GPU's data)."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
-
-
 def count_fallback(op: str, why: str) -> None:
     """Count and log (once per reason) a call that runs the unfused reference: ``stats["<op>:unfused"]``,
     ``stats["unfused"]`` and ``stats["fallback:<slug>"]``, as the other ops count theirs."""
@@ -141,12 +117,10 @@ def count_route(op: str, device: torch.device) -> None:
 
 
 def run_call(op: str, x: torch.Tensor, group: dist.ProcessGroup, splits: int, plan: str, settings_key: str,
-             call: tuple, what: str, p2p: Callable[[bool], T], reference: Callable[[], T],
-             problem: tuple[int, list[tuple[int, int]]]) -> T:
+             call: tuple, what: str, p2p: Callable[[bool], T], reference: Callable[[], T]) -> T:
     """One call of MoE op ``op`` ("combine" or "dispatch"), its tensors like ``x``, ``splits`` split sizes: the plan
     checked (a bad one raises on every rank alike, before any transfer), the route chosen (``unsupported`` under
-    the settings of ``settings_key``, then under ``fuse="auto"`` the cost model's verdict on ``problem``:
-    ``auto_declines``), the ranks' agreement on ``call`` (what decides its transfers; rows and split
+    the settings of ``settings_key``), the ranks' agreement on ``call`` (what decides its transfers; rows and split
     sizes are per rank by design) and the route once per group (``agree.check_once``; ``what`` names the call in a
     mismatch; not inside a capture), then ``p2p(deferred)`` (whether the call settles without a host read:
     ``moe_deferred.defers``) or ``reference()``, counted; then the group's earlier deferred calls whose status reached
@@ -154,7 +128,7 @@ def run_call(op: str, x: torch.Tensor, group: dist.ProcessGroup, splits: int, pl
     one call per (op, group) at a time."""
     parse_plan(plan, op)
     settings = config.from_key(settings_key)
-    why = unsupported(x, group, splits, settings.experiments) or auto_declines(op, x, group, problem, settings)
+    why = unsupported(x, group, splits, settings.experiments)
     with config.using(settings), lock(op, group):
         if not (x.is_cuda and compat.is_capturing()):
             route = "p2p" if why is None else f"unfused ({why.split(':', 1)[0]})"
