@@ -38,7 +38,7 @@ from torch.fx import Node
 from flashoverlap_inductor import _inductor_compat as compat
 from flashoverlap_inductor import config
 
-from .fx_forms import known_eq, node_arg, op_name, val
+from .fx_forms import gpu_name, known_eq, node_arg, op_name, val
 from .gather_match import GatherMatch, match_gather, row_subset_gemm
 from .matching import GEMM_OPS
 from .report import log, record_deferred, record_fused, record_near_miss, record_skip
@@ -173,10 +173,9 @@ def choose_plan(f: GatherFusion, settings: config.Settings) -> str | None:
         from flashoverlap_inductor import cost_model
 
         shard = val(f.match.shard)
-        device = torch.cuda.get_device_name(shard.device) if shard.device.type == "cuda" and \
-            torch.cuda.is_available() else None
         d = cost_model.decide_gather(rows, [int(n) for n in f.ns], int(f.k), f.dtype, f.group_size,
-                                     device_name=device, route=_route_of(f, settings, shard), settings=settings)
+                                     device_name=gpu_name(shard), route=_route_of(f, settings, shard),
+                                     settings=settings)
     except Exception as exc:  # noqa: BLE001 - a cost-model bug costs this fusion, never the compilation
         return _skip("cost_model_error", "%s: cost model failed: %r", desc, exc, level=logging.WARNING)
     if not d.fuse:

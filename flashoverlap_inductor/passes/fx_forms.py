@@ -51,6 +51,13 @@ def known_eq(a: Any, b: Any) -> bool:
     return known_true(a == b)
 
 
+def gpu_name(t: torch.Tensor) -> str | None:
+    """The name of the GPU a (fake) tensor lives on, for the cost model's data (None: off CUDA, its default GPU)."""
+    if t.device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(t.device)
+    return None
+
+
 def op_name(node: Node) -> str:
     target = node.target
     if isinstance(target, torch._ops.OpOverload):

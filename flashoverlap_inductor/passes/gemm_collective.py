@@ -29,7 +29,7 @@ from flashoverlap_inductor import _inductor_compat as compat
 from flashoverlap_inductor import config
 
 from . import all_gather, cache_key, combine, dispatch, manifest, rewrite, sum_of_gemms
-from .fx_forms import known_eq, known_true, node_arg, val
+from .fx_forms import gpu_name, known_eq, known_true, node_arg, val
 from .matching import Fusion, GemmCollectiveMatch, find_matches, find_sum, match_at_wait
 from .report import log, record_deferred, record_fused, record_skip
 
@@ -283,7 +283,7 @@ class FlashOverlapPass(compat.CustomGraphPass):
 
             y = val(f.match.gemm)
             decision = cost_model.decide(f.match.collective, rows, int(f.n), int(f.k), f.dtype, f.group_size,
-                                         device_name=_device_name(y),
+                                         device_name=gpu_name(y),
                                          input_split_sizes=[int(x) for x in splits] if splits else None,
                                          **_route_of(f.match.collective, rows, int(f.n), int(f.k), f.dtype,
                                                      f.group_size, y, self.settings),
@@ -294,7 +294,7 @@ class FlashOverlapPass(compat.CustomGraphPass):
             log.warning("flashoverlap: %s: cost model failed (%r); plan 'auto'", desc, exc)
             return "auto"
         if f.sum_form is not None:  # the cats' copies and the adds it saves: on top of the one-GEMM prediction
-            verdict, reason = sum_of_gemms.adjust(decision, f.sum_form, f.dtype, _device_name(y),
+            verdict, reason = sum_of_gemms.adjust(decision, f.sum_form, f.dtype, gpu_name(y),
                                                   self.settings.min_gain_fraction)
             decision = dataclasses.replace(decision, fuse=verdict, reason=reason)
         if mode == "auto" and not decision.fuse:
@@ -359,13 +359,6 @@ def _shape_args(view: Node) -> list | None:
             x = int(size)
         out.append(x)
     return out
-
-
-def _device_name(y: torch.Tensor) -> str | None:
-    """The GPU name for the cost model's bandwidth curves (None = its default GPU)."""
-    if y.device.type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_name(y.device)
-    return None
 
 
 def _route_of(collective: str, rows: int, n: int, k: int, dtype: str, world: int, y: torch.Tensor,

@@ -26,7 +26,7 @@ from flashoverlap_inductor import _inductor_compat as compat
 from flashoverlap_inductor import config
 
 from .combine_match import GROUPED_OP
-from .fx_forms import node_arg, val
+from .fx_forms import gpu_name, node_arg, val
 from .report import record_skip
 
 PLAN = "blocks"  # per peer rank: its block of every expert's rows (``schedule.combine``)
@@ -55,16 +55,14 @@ def problem_of(rows_from: Node, weights: list[Node], loop: bool, dtype: torch.dt
     """The ``MoeProblem`` of a match: ``rows_from``'s row count (dim 0: this rank's token rows) where it is a plain
     int, the (k, n) of each weight's last two dims (one term for the per-expert loop form, whose pieces make one
     GEMM), or why there is none (a string)."""
-    rows = val(rows_from[0]).shape[0]
+    like = val(rows_from)
+    rows = like.shape[0]
     if not isinstance(rows, int):
         return "its rows are symbolic (data-dependent split sizes or dynamic shapes)"
     shapes = [tuple(val(w).shape[-2:]) for w in (weights[:1] if loop else weights)]
     if not all(isinstance(d, int) for s in shapes for d in s):
         return "its weights' sizes are symbolic"
-    like = val(rows_from)
-    device = torch.cuda.get_device_name(like.device) if like.device.type == "cuda" and \
-        torch.cuda.is_available() else None
-    return MoeProblem(rows, tuple(shapes), str(dtype).removeprefix("torch."), world, device)
+    return MoeProblem(rows, tuple(shapes), str(dtype).removeprefix("torch."), world, gpu_name(like))
 
 
 def decide(op: str, desc: str, settings: config.Settings, problem: Callable[[], MoeProblem | str]) -> str | None:
