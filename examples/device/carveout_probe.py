@@ -1,0 +1,103 @@
+"""One GPU: does an SM carveout let a small kernel on a high-priority stream run beside a cuBLAS GEMM?
+
+Per mode (no carveout; torch's ``_set_sm_carveout_experimental`` only; cuBLAS's handle target only; both; both with
+cuBLASLt preferred), the GEMM's kernel name and grid (profiler trace) and, over 20 trials after a 1 ms spin, when a
+one-element kernel on a high-priority stream (released by an event right after the GEMM's launch) ends, against the
+GEMM's end (ms from the GEMM's start; medians). Run: ``python examples/device/carveout_probe.py [MxNxK ...]``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+
+import torch
+
+from flashoverlap_inductor.runtime import sm_carveout
+
+
+def trial(a, b, small, hi, mode) -> tuple[float, float]:
+    cur = torch.cuda.current_stream()
+    torch.cuda._sleep(2_000_000)
+    start, after, done_small, done_gemm = (torch.cuda.Event(enable_timing=True) for _ in range(4))
+    start.record(cur)
+    with mode():
+        torch.mm(a, b)
+    after.record(cur)  # not used for release; the small kernel waits for start only
+    with torch.cuda.stream(hi):
+        hi.wait_event(start)
+        torch.cuda._sleep(1000)  # give the GEMM time to launch first
+        small.add_(1)
+        done_small.record(hi)
+    done_gemm.record(cur)
+    torch.cuda.synchronize()
+    return start.elapsed_time(done_small), start.elapsed_time(done_gemm)
+
+
+def kernels_of(fn) -> list[tuple[str, list]]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    return [(e["name"][:90], e.get("args", {}).get("grid")) for e in trace["traceEvents"]
+            if e.get("cat") == "kernel"]
+
+
+def main(argv: list[str]) -> None:
+    dev = torch.device("cuda", 0)
+    shapes = [tuple(int(x) for x in s.split("x")) for s in (argv or ["8192x3072x4096", "8192x14336x4096"])]
+    hi = torch.cuda.Stream(priority=-100)
+    small = torch.zeros(1, device=dev)
+    import contextlib
+
+    def torch_only():
+        ok, prev = sm_carveout.compat.swap_matmul_sm_carveout(2)
+        try:
+            yield
+        finally:
+            sm_carveout.compat.swap_matmul_sm_carveout(prev)
+
+    def cublas_only():
+        lib, h = sm_carveout._cublas(), torch.cuda.current_blas_handle()
+        lib.cublasSetSmCountTarget(h, sm_carveout._sm_count(0) - 2)
+        try:
+            yield
+        finally:
+            lib.cublasSetSmCountTarget(h, 0)
+
+    def lt_both():
+        prev = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        try:
+            with sm_carveout.gemm_carveout(2, dev):
+                yield
+        finally:
+            torch.backends.cuda.preferred_blas_library(prev)
+
+    modes = {"none": contextlib.nullcontext, "torch": contextlib.contextmanager(torch_only),
+             "cublas": contextlib.contextmanager(cublas_only), "both": lambda: sm_carveout.gemm_carveout(2, dev),
+             "lt_both": contextlib.contextmanager(lt_both)}
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} SMs {sm_carveout._sm_count(0)} "
+          f"blas {torch.backends.cuda.preferred_blas_library()} cublas lib {sm_carveout.available(dev)}")
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(n, k, device=dev, dtype=torch.bfloat16).t()
+        for name, mode in modes.items():
+            for _ in range(3):
+                trial(a, b, small, hi, mode)
+            rows = [trial(a, b, small, hi, mode) for _ in range(20)]
+            def gemm(mode=mode, a=a, b=b):
+                with mode():
+                    torch.mm(a, b)
+
+            ks = kernels_of(gemm)
+            s, g = statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows)
+            print(f"{m}x{n}x{k} {name:8s} small ends {s:.3f} ms, gemm ends {g:.3f} ms; kernels {ks}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
