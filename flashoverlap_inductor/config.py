@@ -126,8 +126,8 @@ class Tuning:
     peer_kernel: str | None = None  # peer/ring routes: the _addc GEMM configuration; None: preferred
     # gather_peer route: when the caller's GEMMs start. "handshake": after every rank's shard is in its buffer (one
     # handshake, ~10-30 us), so the pulls need no SM while the GEMMs run; "eager": at once, the protocol's per-peer
-    # step kernels then wait for an SM the GEMM frees (the route's behaviour before 2026-11-26); "carveout": at once,
-    # every GEMM of the call but the last leaving ``gather_carveout`` SMs free for the step kernels
+    # step kernels then wait for an SM the GEMM frees (the route's behaviour before 2026-11-26); "carveout": after
+    # the rank's own shard copy, every GEMM of the call leaving ``gather_carveout`` SMs free for the step kernels
     # (``runtime.sm_carveout``).
     gather_start: str = "handshake"
     gather_carveout: int = 2  # SMs the gather peer route's GEMMs leave free under gather_start="carveout"
