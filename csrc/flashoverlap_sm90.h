@@ -366,11 +366,6 @@ FO_API int fo_ring_call(const fo_ring_args* args);
  * that fills every SM would otherwise hold a step kernel, hence the pulls, until its CTAs retire); the GEMMs start
  * one handshake later. Without it, the per-peer steps of 3. below. */
 #define FO_GATHER_GEMM_AFTER_HANDSHAKE 1
-/* options bit (without FO_GATHER_GEMM_AFTER_HANDSHAKE): cur_stream waits for this rank's shard copy into its buffer
- * (2. below) only, then the per-peer steps of 3. run beside the caller's GEMMs, which leave SMs free for them (the
- * caller's SM carveout). A local copy-engine copy beside a GEMM that fills every SM ends only with the GEMM (measured
- * on an H200: 32 MiB beside an 0.27 ms GEMM ended at 0.27 ms, 0.016 ms alone), so the copy goes first. */
-#define FO_GATHER_GEMM_AFTER_OWN_COPY 2
 typedef struct {
   int32_t world, rank;
   int64_t shard_bytes;                        /* bytes of one shard ([shard_rows, K], contiguous) */
@@ -390,7 +385,7 @@ typedef struct {
   int32_t num_outputs;                        /* fo_gather_finish: outputs to poison on a fault */
   int32_t elem_bytes;                         /* 2 or 4 */
   int32_t bf16;                               /* elem_bytes 2: 1 bf16, 0 fp16 */
-  int32_t options;                            /* FO_GATHER_GEMM_AFTER_HANDSHAKE or _OWN_COPY; other bits 0 */
+  int32_t options;                            /* bit FO_GATHER_GEMM_AFTER_HANDSHAKE; other bits 0 */
   void* outputs[FO_GATHER_MAX_OUTPUTS];
   int64_t output_numel[FO_GATHER_MAX_OUTPUTS];
 } fo_gather_args;

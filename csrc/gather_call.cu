@@ -229,12 +229,6 @@ FO_API int fo_gather_call(const fo_gather_args* args) {
     }
   };
   bool const handshake_first = (p.options & FO_GATHER_GEMM_AFTER_HANDSHAKE) != 0;
-  if (!handshake_first && (p.options & FO_GATHER_GEMM_AFTER_OWN_COPY) != 0) {
-    // 2'. cur starts its GEMMs once the shard is in the buffer (a scheduling choice, as the handshake's wait below).
-    if (cudaEventRecord(ev->ready, copy) != cudaSuccess || cudaStreamWaitEvent(cur, ev->ready, 0) != cudaSuccess) {
-      (void)cudaGetLastError();
-    }
-  }
   if (!handshake_first) copy_own_slot();  // with the handshake first: after the pulls (it delays no peer then)
   if (handshake_first) {
     // 3'. one handshake (ready to every peer, wait for every peer's ready), then cur may start its GEMMs: from here

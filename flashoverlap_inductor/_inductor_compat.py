@@ -41,7 +41,6 @@ __all__ = [
     "statically_known_true",
     "is_static_int",
     "chain_passes",
-    "swap_matmul_sm_carveout",
     "PRE_PASS_KEY",
     "POST_PASS_KEY",
     "c10d",
@@ -277,24 +276,6 @@ def chain_passes(ours: CustomGraphPass, existing: Any) -> CustomGraphPass:
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
 _get_device = getattr(torch._C, "_cuda_getDevice", None)
-_get_carveout = getattr(torch._C, "_get_sm_carveout_experimental", None)
-_set_carveout = getattr(torch._C, "_set_sm_carveout_experimental", None)
-
-
-def swap_matmul_sm_carveout(sms: int | None) -> tuple[bool, int | None]:
-    """Set torch's SM carveout of its cuBLASLt and CUTLASS GEMMs (``_set_sm_carveout_experimental``: those GEMMs
-    target the device's SMs less ``sms``; None: unset) and return ``(set, previous)``; ``(False, None)`` where this
-    torch lacks it. Its one-time warning (the knob is experimental) is silenced."""
-    if _get_carveout is None or _set_carveout is None:
-        return False, None
-    previous = _get_carveout()
-    if previous != sms:
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _set_carveout(sms)
-    return True, previous
 
 
 def current_raw_stream(index: int) -> int:

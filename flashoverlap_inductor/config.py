@@ -44,7 +44,7 @@ TRANSPORTS = ("peer", "nccl")
 RING_MODES = ("off", "wide", "all")
 GEMM_GRIDS = ("tiles", "persistent")
 ROW_ORDERS = ("schedule", "gather")
-GATHER_STARTS = ("handshake", "eager", "carveout")
+GATHER_STARTS = ("handshake", "eager")
 DTYPES = ("bfloat16", "float16", "float32")  # the GEMM output dtypes the fused routes and the cost model know
 OPTION_PREFIX = "flashoverlap."
 # Experimental variants still under study: each name turns one on (``Settings.experiments``).
@@ -102,7 +102,6 @@ RULES: dict[str, check.Rule] = {
     "ring_rounds": check.Int(1, 16),
     "peer_kernel": check.OrNone(check.Text("a GEMM configuration name"), "the preferred one", words=()),
     "gather_start": check.Choice(GATHER_STARTS),
-    "gather_carveout": check.Int(1, 64),
 }
 
 
@@ -126,11 +125,8 @@ class Tuning:
     peer_kernel: str | None = None  # peer/ring routes: the _addc GEMM configuration; None: preferred
     # gather_peer route: when the caller's GEMMs start. "handshake": after every rank's shard is in its buffer (one
     # handshake, ~10-30 us), so the pulls need no SM while the GEMMs run; "eager": at once, the protocol's per-peer
-    # step kernels then wait for an SM the GEMM frees (the route's behaviour before 2026-11-26); "carveout": after
-    # the rank's own shard copy, every GEMM of the call leaving ``gather_carveout`` SMs free for the step kernels
-    # (``runtime.sm_carveout``).
+    # step kernels then wait for an SM the GEMM frees (the route's behaviour before 2026-11-26).
     gather_start: str = "handshake"
-    gather_carveout: int = 2  # SMs the gather peer route's GEMMs leave free under gather_start="carveout"
 
     def __post_init__(self) -> None:
         _check_fields(self)  # every field in its rule's type (``RULES``)

@@ -1,4 +1,5 @@
-"""One GPU: does an SM carveout let a small kernel on a high-priority stream run beside a cuBLAS GEMM?
+"""One GPU: does an SM carveout let a small kernel, or a copy-engine copy, on a high-priority stream run beside a
+cuBLAS GEMM? (The probe behind the gather peer route's start, docs/results.md, twenty-seventh session.)
 
 Per mode (no carveout; torch's ``_set_sm_carveout_experimental`` only; cuBLAS's handle target only; both; both with
 cuBLASLt preferred), the GEMM's kernel name and grid (profiler trace) and, over 20 trials after a 1 ms spin, when a
@@ -8,6 +9,8 @@ GEMM's end (ms from the GEMM's start; medians). Run: ``python examples/device/ca
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import statistics
 import sys
@@ -15,7 +18,40 @@ import tempfile
 
 import torch
 
-from flashoverlap_inductor.runtime import sm_carveout
+
+def cublas() -> ctypes.CDLL:
+    """The cuBLAS library torch loaded (from ``/proc/self/maps``)."""
+    torch.cuda.current_blas_handle()
+    with open("/proc/self/maps") as maps:
+        path = sorted({line.split()[-1] for line in maps if "/libcublas.so" in line})[0]
+    lib = ctypes.CDLL(path)
+    lib.cublasSetSmCountTarget.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    return lib
+
+
+@contextlib.contextmanager
+def torch_knob(sms: int):
+    torch._C._set_sm_carveout_experimental(sms)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(None)
+
+
+@contextlib.contextmanager
+def handle_target(sms: int):
+    lib, handle = cublas(), torch.cuda.current_blas_handle()
+    lib.cublasSetSmCountTarget(handle, torch.cuda.get_device_properties(0).multi_processor_count - sms)
+    try:
+        yield
+    finally:
+        lib.cublasSetSmCountTarget(handle, 0)
+
+
+@contextlib.contextmanager
+def both(sms: int):
+    with torch_knob(sms), handle_target(sms):
+        yield
 
 
 def trial(a, b, small, hi, mode) -> tuple[float, float]:
@@ -71,37 +107,22 @@ def main(argv: list[str]) -> None:
     shapes = [tuple(int(x) for x in s.split("x")) for s in (argv or ["8192x3072x4096", "8192x14336x4096"])]
     hi = torch.cuda.Stream(priority=-100)
     small = torch.zeros(1, device=dev)
-    import contextlib
 
-    def torch_only():
-        ok, prev = sm_carveout.compat.swap_matmul_sm_carveout(2)
-        try:
-            yield
-        finally:
-            sm_carveout.compat.swap_matmul_sm_carveout(prev)
-
-    def cublas_only():
-        lib, h = sm_carveout._cublas(), torch.cuda.current_blas_handle()
-        lib.cublasSetSmCountTarget(h, sm_carveout._sm_count(0) - 2)
-        try:
-            yield
-        finally:
-            lib.cublasSetSmCountTarget(h, 0)
-
+    @contextlib.contextmanager
     def lt_both():
         prev = torch.backends.cuda.preferred_blas_library()
         torch.backends.cuda.preferred_blas_library("cublaslt")
         try:
-            with sm_carveout.gemm_carveout(2, dev):
+            with both(2):
                 yield
         finally:
             torch.backends.cuda.preferred_blas_library(prev)
 
-    modes = {"none": contextlib.nullcontext, "torch": contextlib.contextmanager(torch_only),
-             "cublas": contextlib.contextmanager(cublas_only), "both": lambda: sm_carveout.gemm_carveout(2, dev),
-             "lt_both": contextlib.contextmanager(lt_both)}
-    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} SMs {sm_carveout._sm_count(0)} "
-          f"blas {torch.backends.cuda.preferred_blas_library()} cublas lib {sm_carveout.available(dev)}")
+    modes = {"none": contextlib.nullcontext, "torch": lambda: torch_knob(2), "cublas": lambda: handle_target(2),
+             "both": lambda: both(2), "lt_both": lt_both}
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} "
+          f"SMs {torch.cuda.get_device_properties(0).multi_processor_count} "
+          f"blas {torch.backends.cuda.preferred_blas_library()}")
     for m, n, k in shapes:
         a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         b = torch.randn(n, k, device=dev, dtype=torch.bfloat16).t()

@@ -38,12 +38,7 @@ Invariants (units: bytes for buffers and shards, flattened rows for the GEMMs, a
   first resynchronizes it (``symmetric.resync``: the flag page and the epoch zeroed in place on every rank, the
   buffers kept), with no reset. That resynchronization also drops the late records above.
 - Cost beside the GEMMs: the pulls take copy engines only; the protocol's one-thread kernels (one per peer and call)
-  run on the high-priority copy stream and need an SM slot, which a persistent cuBLAS GEMM frees only at its end.
-  Hence the GEMM starts (``Tuning.gather_start``): "handshake" (the caller's stream waits for one handshake
-  first), "eager" (at once), "carveout" (after this rank's shard copy into its buffer, every GEMM leaving
-  ``Tuning.gather_carveout`` SMs free, ``runtime.sm_carveout``: the step kernels run at once beside them; the copy
-  goes first because a local copy-engine copy beside a full GEMM ends only with it). Values are the same under all
-  three.
+  run on the high-priority copy stream and need an SM slot, which a full cuBLAS grid frees at its next CTA's end.
 
 Declines (pure; the same on every rank): another collective, ``transport="nccl"``, fewer than 2 or more than
 ``MAX_WORLD`` ranks, a dtype other than bf16 / fp16 / fp32, a plan other than ``gather_nccl.PLANS``, no kernel
@@ -64,7 +59,7 @@ import torch.distributed as dist
 
 from flashoverlap_inductor import config
 from flashoverlap_inductor.native import kernels
-from flashoverlap_inductor.runtime import faults, sm_carveout, streams
+from flashoverlap_inductor.runtime import faults, streams
 
 from .. import _inductor_compat as compat
 from ..schedule import gather as schedule
@@ -80,8 +75,6 @@ FLAG_BYTES = FAULT_OFFSET + faults.BLOCK_BYTES
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 NAME = "gather_peer"
 GEMM_AFTER_HANDSHAKE = 1  # fo_gather_args.options bit FO_GATHER_GEMM_AFTER_HANDSHAKE (Tuning.gather_start)
-GEMM_AFTER_OWN_COPY = 2  # FO_GATHER_GEMM_AFTER_OWN_COPY (gather_start="carveout")
-OPTIONS = {"handshake": GEMM_AFTER_HANDSHAKE, "eager": 0, "carveout": GEMM_AFTER_OWN_COPY}
 
 
 class GatherArgs(ctypes.Structure):
@@ -212,7 +205,6 @@ class GatherLaunch:
     timeout_ns: int
     description: str
     options: int = 0  # fo_gather_args.options
-    carveout: int = 0  # SMs every GEMM of the call leaves free (0: none; gather_start="carveout")
     launch_id: int = 0  # ``faults.launch_id``
     args: dict[int, GatherArgs] = field(default_factory=dict)  # workspace serial -> args
 
@@ -230,11 +222,9 @@ def make_launch(call, settings: config.Settings, ctx) -> GatherLaunch | str:
             f"{len(ctx.b)} GEMM(s) N={[w.shape[-1] for w in ctx.b]}: gather_peer route, {shard_bytes} B per shard "
             "by copy engine")
     log.info("flashoverlap: launch %s", desc)
-    options = OPTIONS[settings.tuning.gather_start]
-    carveout = settings.tuning.gather_carveout if settings.tuning.gather_start == "carveout" else 0
+    options = GEMM_AFTER_HANDSHAKE if settings.tuning.gather_start == "handshake" else 0
     return GatherLaunch(geo, call.rank, call.dtype, shard_bytes,
-                        settings.timeout_ns(compat.group_timeout_ms(ctx.group)), desc, options, carveout,
-                        faults.launch_id(desc))
+                        settings.timeout_ns(compat.group_timeout_ms(ctx.group)), desc, options, faults.launch_id(desc))
 
 
 def args_for(launch: GatherLaunch, ws: GatherWorkspace) -> GatherArgs:
@@ -309,9 +299,8 @@ class GatherPeerRoute(symmetric.SymmetricRoute):
                     if step:
                         stream.wait_event(events[j])
                         x = staging[j]
-                    with sm_carveout.gemm_carveout(launch.carveout, device):  # the step kernels get SMs at once
-                        for w, c, out in zip(ctx.b, bias, outs, strict=True):
-                            schedule.shard_gemm(x, w, c, schedule.shard_view(out, geo, j))
+                    for w, c, out in zip(ctx.b, bias, outs, strict=True):
+                        schedule.shard_gemm(x, w, c, schedule.shard_view(out, geo, j))
                     if probe is not None:
                         probe.mark(f"gemm_done:{j}", stream)
         finally:  # joined and poisoned whatever happened above: the copy stream never outlives the call's tensors
