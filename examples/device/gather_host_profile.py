@@ -1,0 +1,75 @@
+"""Where a fused all_gather -> GEMM call's host time goes (2+ GPUs, torchrun): the peer route's op at one shape,
+its host time per call with the GPU kept busy (``tune.measure.host_us``), beside the unfused ops'
+(``all_gather_into_tensor`` + ``mm`` per weight), then ``cProfile`` over the same batched calls: the functions with the most own time and the
+most inclusive time per call (us; cProfile's own overhead inflates both, so compare rows, not totals).
+
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 examples/device/gather_host_profile.py [--shape 4096x6144x4096]
+        [--weights 3] [--calls 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import math
+import pstats
+
+import torch
+import torch.distributed as dist
+
+from flashoverlap_inductor import config, routes
+from flashoverlap_inductor.tune import measure as tm
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="4096x6144x4096")
+    p.add_argument("--weights", type=int, default=3, help="GEMMs over the gathered rows (q/k/v: 3)")
+    p.add_argument("--calls", type=int, default=400)
+    p.add_argument("--rows", type=int, default=25)
+    args = p.parse_args()
+    torch.cuda.set_device(dist.get_node_local_rank(fallback_rank=0))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    rank, world, name = dist.get_rank(), dist.get_world_size(), dist.group.WORLD.group_name
+    m, n, k = (int(x) for x in args.shape.split("x"))
+    a = torch.randn(m // world, k, device="cuda", dtype=torch.bfloat16)
+    ws = [(torch.randn(n // world // args.weights, k, device="cuda") / math.sqrt(k)).bfloat16().t()
+          for _ in range(args.weights)]
+    gathered = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+    op, key = torch.ops.flashoverlap.all_gather_gemm, config.current().replace(transport="peer").key()
+
+    def fused():
+        return op(a, ws, [None] * len(ws), 0, world, name, "ring", False, key)
+
+    def unfused():
+        dist.all_gather_into_tensor(gathered, a)
+        return [gathered @ w for w in ws]
+
+    before = dict(routes.stats)
+    fused()
+    torch.cuda.synchronize()
+    took = sorted(k for k, c in routes.stats.items() if k.startswith("route:") and c > before.get(k, 0))
+    hosts = tm.reduce_max([tm.host_us(fused, args.calls, batch=20, sync=dist.barrier),
+                           tm.host_us(unfused, args.calls, batch=20, sync=dist.barrier)])
+    prof = cProfile.Profile()
+    prof.enable()
+    tm.host_us(fused, args.calls, batch=20, sync=dist.barrier)
+    prof.disable()
+    if rank == 0:
+        print(f"{torch.cuda.get_device_name()} x {world}, shape {args.shape}, {args.weights} weights, route {took}: "
+              f"host per call fused {hosts[0]:.1f} us, unfused {hosts[1]:.1f} us (max over ranks)")
+        calls = args.calls + 20  # host_us's warm-up calls are profiled too
+        for order in ("tottime", "cumulative"):
+            stats = pstats.Stats(prof, stream=io.StringIO())
+            print(f"--- by {order}: us per fused call (ncalls / {calls})")
+            for func, (_, nc, tt, ct, _) in sorted(stats.stats.items(),
+                                                     key=lambda kv: -kv[1][2 if order == "tottime" else 3])[:args.rows]:
+                file, line, fn = func
+                print(f"{tt / calls * 1e6:9.1f} own {ct / calls * 1e6:9.1f} incl {nc / calls:6.2f}/call  "
+                      f"{file.split('site-packages/')[-1].split('flashoverlap_inductor/')[-1]}:{line} {fn}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
