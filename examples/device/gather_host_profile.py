@@ -1,7 +1,8 @@
 """Where a fused all_gather -> GEMM call's host time goes (2+ GPUs, torchrun): the peer route's op at one shape,
 its host time per call with the GPU kept busy (``tune.measure.host_us``), beside the unfused ops'
 (``all_gather_into_tensor`` + ``mm`` per weight), then ``cProfile`` over the same batched calls: the functions
-with the most own time and the most inclusive time per call (us; cProfile's own overhead inflates both, so compare rows, not totals).
+with the most own time and the most inclusive time per call (us; cProfile's own overhead inflates both, so
+compare rows, not totals).
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 examples/device/gather_host_profile.py [--shape 4096x6144x4096]
         [--weights 3] [--calls 400]
