@@ -393,6 +393,31 @@ typedef struct {
 FO_API int fo_gather_call(const fo_gather_args* args);
 FO_API int fo_gather_finish(const fo_gather_args* args);
 
+/* fo_gather_gemms (gather_gemms.cu): the route's GEMMs between fo_gather_call and fo_gather_finish, in one host call,
+ * through the cuBLAS bound by fo_cublas_bind (the one torch loaded: dlopen with RTLD_NOLOAD) on `handle` (torch's,
+ * bound to cur_stream), issued as torch.mm issues them. Shard j in arrival order (rank, rank - 1, ...): after its
+ * pull event (not the local shard, read from `a`), per weight w: outputs[w][j * rows : (j + 1) * rows] = shard @ w.
+ * Contiguous shards only ([rows, K] each; staging as fo_gather_args's), no bias; bf16 / fp16. */
+typedef struct {
+  int32_t world, rank;
+  int64_t rows, k;                               /* a shard's rows (>= 2) and K (>= 2) */
+  const void* a;                                 /* this rank's shard, contiguous [rows, K] */
+  const void* staging;                           /* [world, rows, K]: pulled shard j at j * rows * K */
+  void* shard_events[FO_GATHER_MAX_WORLD];       /* cudaEvent_t per peer: its pull landed (fo_gather_call's) */
+  void* cur_stream;
+  void* handle;                                  /* cublasHandle_t, its stream cur_stream */
+  int32_t elem_type;                             /* cudaDataType_t: 14 bf16, 2 fp16 */
+  int32_t math_mode;                             /* cublasMath_t for each GEMM (reset to the default after it) */
+  int32_t num_weights;                           /* 1 .. FO_GATHER_MAX_OUTPUTS */
+  int32_t weight_transposed[FO_GATHER_MAX_OUTPUTS]; /* 1: W.t() of a contiguous [N, K]; 0: contiguous [K, N] */
+  const void* weights[FO_GATHER_MAX_OUTPUTS];
+  int64_t n[FO_GATHER_MAX_OUTPUTS];              /* each weight's N (>= 2) */
+  void* outputs[FO_GATHER_MAX_OUTPUTS];          /* each [world * rows, N], contiguous */
+} fo_gather_gemm_args;
+
+FO_API int fo_cublas_bind(const char* path);
+FO_API int fo_gather_gemms(const fo_gather_gemm_args* args);
+
 /* The MoE whole-block path's routing plan (flashoverlap_inductor/routes/moe_plan_kernel.py; csrc/moe_plan.cu): on
  * `stream`, zero work[0, work_len) (int64), then two kernels fill idx (int64 [rows]: each index entry mod rows), inv
  * (the last expert row naming each buffer row; 0 for none), hits, count (int64 [blocks * experts]), facts (the settle

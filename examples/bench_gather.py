@@ -7,7 +7,9 @@ variants timed interleaved in one run (``tune_measure.Timer``: CUDA events, warm
 * ``seq``: all_gather then ``torch.mm`` (the unfused graph);
 * ``peer``: the op on the copy-engine route (``transport="peer"``, the default on one host; its GEMMs start after
   the handshake, ``gather_start="handshake"``); ``peer_eager``: the same with ``gather_start="eager"`` (the GEMMs
-  at once, the protocol's step kernels waiting for a free SM); ``nccl``: the op on the NCCL ring route
+  at once, the protocol's step kernels waiting for a free SM); ``peer_torchmm``: ``peer`` with its GEMMs as one
+  ``torch.mm`` per shard and weight from Python (the experiment ``gather_torch_gemms``; ``peer`` issues them in one
+  library call, ``routes/gather_gemms.py``); ``nccl``: the op on the NCCL ring route
   (``transport="nccl"``);
 * ``asynctp``: PyTorch's ``torch.ops.symm_mem.fused_all_gather_matmul`` (symmetric memory enabled for the group).
 
@@ -39,7 +41,9 @@ from flashoverlap_inductor.tune import measure as tm
 # split over W ranks by the bench itself (N / W per rank), at 4k-16k tokens.
 SHAPES = [(m, n, 4096) for m in (4096, 8192, 16384) for n in (6144, 28672)]
 FUSED = {"peer": {"transport": "peer", "gather_start": "handshake"},
-         "peer_eager": {"transport": "peer", "gather_start": "eager"}, "nccl": {"transport": "nccl"}}
+         "peer_eager": {"transport": "peer", "gather_start": "eager"},
+         "peer_torchmm": {"transport": "peer", "experiments": frozenset({"gather_torch_gemms"})},
+         "nccl": {"transport": "nccl"}}
 COLUMNS = (*FUSED, "asynctp")
 HOST_BOUND = 0.9  # a variant whose host time per call reaches this share of its median is host-bound there
 

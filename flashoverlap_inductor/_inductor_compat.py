@@ -41,6 +41,7 @@ __all__ = [
     "statically_known_true",
     "is_static_int",
     "chain_passes",
+    "cublas_preferred",
     "PRE_PASS_KEY",
     "POST_PASS_KEY",
     "c10d",
@@ -276,6 +277,12 @@ def chain_passes(ours: CustomGraphPass, existing: Any) -> CustomGraphPass:
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
 _get_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def cublas_preferred() -> bool:
+    """Whether torch's GEMMs go to cuBLAS (``preferred_blas_library()`` is ``_BlasBackend.Cublas``), not cuBLASLt."""
+    backend = getattr(torch._C, "_BlasBackend", None)
+    return backend is not None and torch.backends.cuda.preferred_blas_library() == backend.Cublas
 
 
 def current_raw_stream(index: int) -> int:

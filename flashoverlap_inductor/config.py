@@ -65,6 +65,9 @@ EXPERIMENTS = {
     "moe_judge_two_behind": "with moe_settle_deferred, judge a deferred MoE call's status at the end of the call "
                             "after next instead of the next one (the host may run two MoE calls ahead of the GPU; "
                             "a failure raises one call later)",
+    "gather_torch_gemms": "run the all_gather peer route's GEMMs as one torch.mm per shard and weight from Python "
+                          "(the route before 2026-11-27) instead of one library call into torch's cuBLAS "
+                          "(routes/gather_gemms.py)",
     "moe_judge_per_graph": "with moe_settle_deferred, inside a compiled graph with fused MoE ops (forward, backward or "
                            "inference) judge a group's deferred MoE calls at the end of its next graph run instead of "
                            "at each call (the host may run a whole graph ahead; a failure raises at the end of the "

@@ -321,7 +321,7 @@ def test_build_prints_one_progress_line_per_unit(tmp_path, monkeypatch, capsys):
     assert build.main(["--smoke", "--out-dir", str(tmp_path / "out"), "-j", "3"]) == 0
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("[")]
     n = len(build.HOST_UNITS) + len(build.TEST_UNITS) + 2
-    assert [x.split("]")[0] for x in lines] == [f"[{k}/{n}" for k in range(1, n + 1)], lines
+    assert [x.split("]")[0] for x in lines] == [f"[{k:>{len(str(n))}}/{n}" for k in range(1, n + 1)], lines
     assert all(" built " in x and "(elapsed " in x and ", ETA " in x for x in lines), lines
     links = [x for x in log.read_text().splitlines() if x.startswith("-shared")]
     objs = [Path(a).stem for a in links[0].split() if a.endswith(".o")]

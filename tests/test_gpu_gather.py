@@ -10,7 +10,8 @@ bf16 data and is compared with eager PyTorch on the same rank (gloo ``all_gather
 ``route:gather_peer`` (so no check can pass on the unfused route). Covered: gather_dim 0 and 1 (contiguous and
 strided shard rows), 1 and 3 weights, bias or none, the gathered tensor returned or not, a shard buffer that grows,
 the same calls queued with no synchronization between them (the done flags guard every buffer; ``gather_start``
-"handshake" and "eager" alternating), a rank that comes
+"handshake" and "eager" alternating), the GEMMs in one library call equal to ``torch.mm``'s bit for bit (the
+experiment ``gather_torch_gemms`` runs the latter), a rank that comes
 late (every rank's outputs NaN, every rank raises ``FlashOverlapTimeout``, the next call is correct with no reset),
 and a rank that skips a call (the others raise within the bound, the skipper in ``routes.check()``; with no reset,
 the next call resynchronizes the group first and it and the one after are correct on every rank).
@@ -160,6 +161,41 @@ def test_gather_peer_matches_eager(pool):
     for r in per_rank:
         assert r["synced"] == n and r["total"] == 2 * n, per_rank
         assert r["workspaces"] == [1 << 20, 4 << 20], per_rank  # 1 MiB, grown once to 4 MiB, the small one reused
+
+
+def library_gemms_task() -> dict[str, int]:
+    """Every case without bias twice on fresh data: the GEMMs in one library call (``routes.gather_gemms``, where the
+    case's shards are contiguous) and under the experiment ``gather_torch_gemms`` (one ``torch.mm`` per shard and
+    weight): the results must be equal bit for bit, and the library call must have run exactly where it applies."""
+    from flashoverlap_inductor import config, routes
+    from flashoverlap_inductor.schedule import gather as schedule
+
+    routes.reset()
+    took = skipped = 0
+    with config.patch(wait_timeout_ms=LONG_MS):
+        for seed, shape, gdim, ns, bias, ret in _cases():
+            if bias:
+                continue
+            a, ws, cs = _inputs(seed + 7000, shape, ns, bias)
+            before = routes.stats["gather:library_gemms"]
+            lib_outs = _op(a, ws, cs, gdim, ret)
+            with config.patch(experiments=frozenset({"gather_torch_gemms"})):
+                torch_outs = _op(a, ws, cs, gdim, ret)
+            torch.cuda.synchronize()
+            routes.check()
+            contiguous = schedule.geometry(list(a.shape), gdim, 2).contiguous_shards
+            ran = routes.stats["gather:library_gemms"] - before
+            assert ran == int(contiguous), (shape, gdim, ran)
+            took, skipped = took + ran, skipped + (1 - ran)
+            for i, (x, y) in enumerate(zip(lib_outs, torch_outs, strict=True)):
+                assert torch.equal(x, y), (shape, gdim, ns, i, "the library's GEMMs differ from torch.mm's")
+            _check(lib_outs, a, ws, cs, gdim, ret, f"library GEMMs {shape} dim {gdim} N={ns}")
+    return {"took": took, "skipped": skipped}
+
+
+def test_gather_library_gemms_equal_torch_mm(pool):
+    per_rank = pool.run(library_gemms_task)
+    assert all(r["took"] > 0 and r["skipped"] > 0 for r in per_rank), per_rank
 
 
 def _pending() -> bool:

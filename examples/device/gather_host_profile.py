@@ -43,6 +43,11 @@ def main() -> None:
     def fused():
         return op(a, ws, [None] * len(ws), 0, world, name, "ring", False, key)
 
+    torch_key = config.current().replace(transport="peer", experiments=frozenset({"gather_torch_gemms"})).key()
+
+    def fused_torch_mm():
+        return op(a, ws, [None] * len(ws), 0, world, name, "ring", False, torch_key)
+
     def unfused():
         dist.all_gather_into_tensor(gathered, a)
         return [gathered @ w for w in ws]
@@ -51,15 +56,16 @@ def main() -> None:
     fused()
     torch.cuda.synchronize()
     took = sorted(k for k, c in routes.stats.items() if k.startswith("route:") and c > before.get(k, 0))
-    hosts = tm.reduce_max([tm.host_us(fused, args.calls, batch=20, sync=dist.barrier),
-                           tm.host_us(unfused, args.calls, batch=20, sync=dist.barrier)])
+    hosts = tm.reduce_max([tm.host_us(fn, args.calls, batch=20, sync=dist.barrier)
+                           for fn in (fused, fused_torch_mm, unfused)])
     prof = cProfile.Profile()
     prof.enable()
     tm.host_us(fused, args.calls, batch=20, sync=dist.barrier)
     prof.disable()
     if rank == 0:
         print(f"{torch.cuda.get_device_name()} x {world}, shape {args.shape}, {args.weights} weights, route {took}: "
-              f"host per call fused {hosts[0]:.1f} us, unfused {hosts[1]:.1f} us (max over ranks)")
+              f"host per call fused {hosts[0]:.1f} us, fused with torch.mm GEMMs {hosts[1]:.1f} us, unfused "
+              f"{hosts[2]:.1f} us (max over ranks; library GEMMs {routes.stats['gather:library_gemms']} calls)")
         calls = args.calls + 20  # host_us's warm-up calls are profiled too
         for order in ("tottime", "cumulative"):
             stats = pstats.Stats(prof, stream=io.StringIO())

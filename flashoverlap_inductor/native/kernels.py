@@ -26,7 +26,8 @@ import torch
 
 from flashoverlap_inductor import errors
 
-ABI_VERSION = 12  # 10: fo_fault_mark (the NCCL watchdog); 11: fo_peer_args.probe_events; 12: the fo_moe_* calls
+# 10: fo_fault_mark (the NCCL watchdog); 11: fo_peer_args.probe_events; 12: the fo_moe_* calls; 13: fo_gather_gemms
+ABI_VERSION = 13
 LIB_ENV = "FLASHOVERLAP_LIB"
 DEFAULT_LIB = Path(__file__).resolve().parents[2] / "build" / "libflashoverlap_sm90.so"
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
@@ -152,6 +153,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "fo_ring_call": (c_int, [c_p]),
         "fo_gather_call": (c_int, [c_p]),
         "fo_gather_finish": (c_int, [c_p]),
+        "fo_cublas_bind": (c_int, [ctypes.c_char_p]),
+        "fo_gather_gemms": (c_int, [c_p]),
         "fo_wait_counter": (c_int, [c_p, c_p, c_int, c_i64, c_p, c_int, c_p]),
         "fo_stream_wait_value": (c_int, [c_p, c_p, c_int]),
         "fo_nccl_bind": (c_int, [ctypes.c_char_p]),

@@ -10,7 +10,8 @@ share one GPU works too, under ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``). 
   ...``) wait for ``j``'s shard of call ``e``, pull it from ``j``'s buffer mapped here into ``staging[j]``
   (``cudaMemcpyAsync``: the copy engine, no SM) and record ``j``'s event; tell ``j`` its buffer is read;
 - on the caller's stream, meanwhile: the local shard's GEMMs (cuBLAS, ``schedule.gather.shard_gemm`` into
-  ``shard_view``), then each pulled shard's after its event;
+  ``shard_view``), then each pulled shard's after its event; where ``gather_gemms`` takes the call, all of them in
+  one library call (``fo_gather_gemms``: torch's cuBLAS, handle and arguments, the same results);
 - ``fo_gather_finish``: the caller's stream joins the copy stream, and one kernel fills every output (each ``y_i``
   and, when returned, the gathered rows) with NaN while the group's fault block holds a fault.
 
@@ -63,7 +64,7 @@ from flashoverlap_inductor.runtime import faults, streams
 
 from .. import _inductor_compat as compat
 from ..schedule import gather as schedule
-from . import gather_nccl, symmetric
+from . import gather_gemms, gather_nccl, symmetric
 
 log = logging.getLogger("flashoverlap")
 
@@ -205,6 +206,7 @@ class GatherLaunch:
     timeout_ns: int
     description: str
     options: int = 0  # fo_gather_args.options
+    gemms: gather_gemms.GatherGemmArgs | None = None  # the GEMMs in one library call (None: the Python loop)
     launch_id: int = 0  # ``faults.launch_id``
     args: dict[int, GatherArgs] = field(default_factory=dict)  # workspace serial -> args
 
@@ -224,7 +226,8 @@ def make_launch(call, settings: config.Settings, ctx) -> GatherLaunch | str:
     log.info("flashoverlap: launch %s", desc)
     options = GEMM_AFTER_HANDSHAKE if settings.tuning.gather_start == "handshake" else 0
     return GatherLaunch(geo, call.rank, call.dtype, shard_bytes,
-                        settings.timeout_ns(compat.group_timeout_ms(ctx.group)), desc, options, faults.launch_id(desc))
+                        settings.timeout_ns(compat.group_timeout_ms(ctx.group)), desc, options,
+                        gather_gemms.static_args(ctx, geo, call.rank), faults.launch_id(desc))
 
 
 def args_for(launch: GatherLaunch, ws: GatherWorkspace) -> GatherArgs:
@@ -285,13 +288,18 @@ class GatherPeerRoute(symmetric.SymmetricRoute):
         for i, t in enumerate(poisoned):
             p.outputs[i], p.output_numel[i] = t.data_ptr(), t.numel()
         lib = kernels.library()
-        stream, events, probe = torch.cuda.current_stream(device), ws.flags.events, ctx.probe
+        events, probe = ws.flags.events, ctx.probe
+        native = launch.gemms if launch.gemms is not None and gather_gemms.usable(
+            a.dtype, ctx.settings.experiments, probe) else None
+        stream = torch.cuda.current_stream(device) if native is None else None
         if probe is not None:  # the timeline tool's call: its own timing events for the pulls, marks on cur
             events = probe_events(probe, p, launch.rank, geo.world)
             probe.mark("start", stream)
         rc = lib.fo_gather_call(ctypes.byref(p))
         try:
-            if rc == 0:  # the GEMMs: the local shard's now, each pulled shard's after its event
+            if rc == 0 and native is not None:  # the GEMMs in one library call (routes/gather_gemms.py)
+                gather_gemms.run(native, ctx.b, a, staging, events, outs, cur)
+            elif rc == 0:  # the GEMMs: the local shard's now, each pulled shard's after its event
                 if probe is not None:
                     probe.mark("gemm_start", stream)  # after cur's wait for the handshake, if any
                 for step, j in enumerate(schedule.arrival_order(launch.rank, geo.world)):

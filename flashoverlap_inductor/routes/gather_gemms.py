@@ -1,0 +1,119 @@
+"""The gather peer route's GEMMs in one library call (``fo_gather_gemms``, ``csrc/gather_gemms.cu``) instead of one
+``torch.mm`` per (shard, weight) from Python: cuBLAS through the library torch loaded, on torch's handle of this
+thread, device and stream (with torch's workspace), with torch's arguments, so every result rounds bit for bit as
+``schedule.gather.shard_gemm``'s ``torch.mm`` (``tests/test_gpu_gather.py`` checks it against ``torch.mm``). It saves
+the host time of 2 x weights torch calls, their shard views and the Python stream (2 H200s: 6 ``torch.mm`` held the
+host ~95 us of a ~420 us call, cProfile, ``examples/device/gather_host_profile.py``).
+
+Taken (``static_args``, ``usable``) where that is provably the same computation: contiguous shards
+(``lead == 1``), no bias, bf16 or fp16, rows, K and every N at least 2 (torch adjusts leading dimensions below
+that), each weight a Linear's ``W.t()`` or a row-major ``[K, N]``, torch's cuBLAS preferred (not cuBLASLt), no
+deterministic-algorithms mode (torch then checks the workspace configuration), the reduced-precision reduction of
+the dtype allowed (torch's default: math mode ``CUBLAS_DEFAULT_MATH``), cuBLAS bound once per process (``bind``), no
+timeline probe (its marks sit between the GEMMs), and not under the experiment ``gather_torch_gemms``. Everywhere
+else the Python loop (``schedule.gather.shard_gemm``), which is also the reference semantics.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from flashoverlap_inductor import _inductor_compat as compat
+from flashoverlap_inductor.native import kernels
+
+from .base import stats
+
+log = logging.getLogger("flashoverlap")
+
+EXPERIMENT = "gather_torch_gemms"
+MAX_WEIGHTS = 8  # FO_GATHER_MAX_OUTPUTS
+ELEM_TYPES = {torch.bfloat16: 14, torch.float16: 2}  # cudaDataType_t
+_REDUCTION_ALLOWED = {torch.bfloat16: "allow_bf16_reduced_precision_reduction",
+                      torch.float16: "allow_fp16_reduced_precision_reduction"}
+_bound: list[bool] = []  # [whether fo_cublas_bind succeeded], once per process
+
+
+class GatherGemmArgs(ctypes.Structure):
+    """``fo_gather_gemm_args`` of ``csrc/flashoverlap_sm90.h``."""
+
+    _fields_ = [("world", ctypes.c_int32), ("rank", ctypes.c_int32), ("rows", ctypes.c_int64),
+                ("k", ctypes.c_int64), ("a", ctypes.c_void_p), ("staging", ctypes.c_void_p),
+                ("shard_events", ctypes.c_void_p * MAX_WEIGHTS), ("cur_stream", ctypes.c_void_p),
+                ("handle", ctypes.c_void_p), ("elem_type", ctypes.c_int32), ("math_mode", ctypes.c_int32),
+                ("num_weights", ctypes.c_int32), ("weight_transposed", ctypes.c_int32 * MAX_WEIGHTS),
+                ("weights", ctypes.c_void_p * MAX_WEIGHTS), ("n", ctypes.c_int64 * MAX_WEIGHTS),
+                ("outputs", ctypes.c_void_p * MAX_WEIGHTS)]
+
+
+def bind() -> bool:
+    """Whether the library can call cuBLAS: ``fo_cublas_bind`` with the cuBLAS torch loaded (from
+    ``/proc/self/maps`` after torch's handle exists), once per process; a failure is logged once."""
+    if not _bound:
+        torch.cuda.current_blas_handle()  # torch loads cuBLAS lazily
+        try:
+            with open("/proc/self/maps") as maps:
+                paths = sorted({line.split()[-1] for line in maps if "/libcublas.so" in line})
+        except OSError:
+            paths = []
+        lib = kernels.library()
+        ok = bool(paths) and lib.fo_cublas_bind(paths[0].encode()) == 0
+        if not ok:
+            log.info("flashoverlap: the gather route's GEMMs stay torch.mm calls: %s",
+                     lib.fo_last_error().decode() if paths else "no libcublas.so mapped in this process")
+        _bound.append(ok)
+    return _bound[0]
+
+
+def _weight_layout(w: torch.Tensor, k: int) -> int | None:
+    """1 for a Linear's ``W.t()`` ([K, N], strides (1, K)), 0 for a row-major [K, N], else None."""
+    if w.dim() != 2 or w.shape[0] != k:
+        return None
+    if w.stride() == (1, k):
+        return 1
+    return 0 if w.stride() == (w.shape[1], 1) else None
+
+
+def static_args(ctx, geo, rank: int) -> GatherGemmArgs | None:
+    """The part of a call shape's ``fo_gather_gemm_args`` fixed by its shapes, strides and dtypes (memoized with its
+    launch: the route registry keys launches by those), or None where the call shape needs the Python loop."""
+    dtype = ctx.a.dtype
+    if (not geo.contiguous_shards or dtype not in ELEM_TYPES or any(c is not None for c in ctx.bias)
+            or not 0 < len(ctx.b) <= MAX_WEIGHTS or geo.shard_rows < 2 or geo.k < 2
+            or any(w.shape[-1] < 2 or w.dtype != dtype for w in ctx.b)):
+        return None
+    layouts = [_weight_layout(w, geo.k) for w in ctx.b]
+    if None in layouts:
+        return None
+    p = GatherGemmArgs()
+    p.world, p.rank, p.rows, p.k = geo.world, rank, geo.shard_rows, geo.k
+    p.elem_type, p.math_mode, p.num_weights = ELEM_TYPES[dtype], 0, len(ctx.b)
+    for i, (w, layout) in enumerate(zip(ctx.b, layouts, strict=True)):
+        p.weight_transposed[i], p.n[i] = layout, w.shape[-1]
+    return p
+
+
+def usable(dtype: torch.dtype, experiments: frozenset[str], probe) -> bool:
+    """The per-call part (module docstring): torch's matmul settings as they are now, the experiment, the probe,
+    cuBLAS bound."""
+    return (EXPERIMENT not in experiments and probe is None and compat.cublas_preferred()
+            and not torch.are_deterministic_algorithms_enabled()
+            and getattr(torch.backends.cuda.matmul, _REDUCTION_ALLOWED[dtype], None) is True
+            and not getattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", False) and bind())
+
+
+def run(p: GatherGemmArgs, weights: list[torch.Tensor], a: torch.Tensor, staging: torch.Tensor, events: list,
+        outs: list[torch.Tensor], cur: int) -> None:
+    """The GEMMs of a call (``fo_gather_gemms``) on the caller's stream ``cur`` (raw), after ``fo_gather_call``,
+    counted ``gather:library_gemms``; raises ``KernelLibraryError`` where the library or cuBLAS refused (the caller
+    still joins and poisons)."""
+    p.a, p.staging, p.cur_stream = a.data_ptr(), staging.data_ptr(), cur
+    p.handle = torch.cuda.current_blas_handle()  # torch's, bound to cur with its workspace (as torch.mm gets it)
+    for r in range(p.world):
+        p.shard_events[r] = events[r].cuda_event if r != p.rank else None
+    for i, (w, out) in enumerate(zip(weights, outs, strict=True)):
+        p.weights[i], p.outputs[i] = w.data_ptr(), out.data_ptr()
+    kernels.check(kernels.library().fo_gather_gemms(ctypes.byref(p)), "fo_gather_gemms")
+    stats["gather:library_gemms"] += 1
