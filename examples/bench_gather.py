@@ -42,7 +42,8 @@ from flashoverlap_inductor.tune import measure as tm
 SHAPES = [(m, n, 4096) for m in (4096, 8192, 16384) for n in (6144, 28672)]
 FUSED = {"peer": {"transport": "peer", "gather_start": "handshake"},
          "peer_eager": {"transport": "peer", "gather_start": "eager"},
-         "peer_torchmm": {"transport": "peer", "experiments": frozenset({"gather_torch_gemms"})},
+         "peer_torchmm": {"transport": "peer", "gather_start": "handshake",
+                          "experiments": config.current().experiments | {"gather_torch_gemms"}},
          "nccl": {"transport": "nccl"}}
 COLUMNS = (*FUSED, "asynctp")
 HOST_BOUND = 0.9  # a variant whose host time per call reaches this share of its median is host-bound there

@@ -13,13 +13,14 @@ copy and the tail against the ideal, ms).
 all_gather: under ``torchrun --nproc_per_node=W`` (NCCL, one GPU per rank, one host). Per shape (``M x N x K``: M
 gathered rows, N before the split over ranks, as ``examples/bench_gather.py``) and GEMM start (``gather_start``),
 the gather_peer route runs ``--iters`` probed calls (``runtime.probe.CallProbe``: CUDA events at the call's start,
-after the handshake, at each pull's landing on the copy stream, after each shard's GEMM and at the end) after
-``--warmup`` plain ones; every mark's median over the calls gives the timeline of each rank. Before each probed call
-the GPU spins ``--spin-ms`` (default 1 ms) so the host has enqueued the whole call before it starts: the marks time
-the device alone (``--spin-ms 0``: the call as issued from an idle GPU, host gaps included; the first run on 2
-H200s, without the spin, counted up to 0.08 ms of host enqueue time as "handshake"). In the same run, ``gemm``
-(cuBLAS on the whole gathered tensor) and ``comm`` (``all_gather_into_tensor``) alone give the ideal ``max(gemm,
-comm)``.
+after the handshake, at each pull's landing on the copy stream, after each shard's GEMM and at the end; the probed
+calls issue their GEMMs as ``torch.mm`` calls, not in one library call as the route does, since the marks sit
+between them: the same kernels, more host time) after ``--warmup`` plain ones; every mark's median over the calls
+gives the timeline of each rank. Before each probed call the GPU spins ``--spin-ms`` (default 1 ms) so the host has
+enqueued the whole call before it starts: the marks time the device alone (``--spin-ms 0``: the call as issued from
+an idle GPU, host gaps included; the first run on 2 H200s, without the spin, counted up to 0.08 ms of host enqueue
+time as "handshake"). In the same run, ``gemm`` (cuBLAS on the whole gathered tensor) and ``comm``
+(``all_gather_into_tensor``) alone give the ideal ``max(gemm, comm)``.
 
 Prints per rank the breakdown of the gap to the ideal (``bench.gantt.gather_breakdown``: handshake, the shard GEMMs'
 time beyond the GEMM alone, GEMM waits for pulls, tail) and the host time per call, draws the timelines as text and,

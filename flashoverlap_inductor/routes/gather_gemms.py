@@ -6,18 +6,22 @@ the host time of 2 x weights torch calls, their shard views and the Python strea
 host ~95 us of a ~420 us call, cProfile, ``examples/device/gather_host_profile.py``).
 
 Taken (``static_args``, ``usable``) where that is provably the same computation: contiguous shards
-(``lead == 1``), no bias, bf16 or fp16, rows, K and every N at least 2 (torch adjusts leading dimensions below
-that), each weight a Linear's ``W.t()`` or a row-major ``[K, N]``, torch's cuBLAS preferred (not cuBLASLt), no
-deterministic-algorithms mode (torch then checks the workspace configuration), the reduced-precision reduction of
-the dtype allowed (torch's default: math mode ``CUBLAS_DEFAULT_MATH``), cuBLAS bound once per process (``bind``), no
-timeline probe (its marks sit between the GEMMs), and not under the experiment ``gather_torch_gemms``. Everywhere
-else the Python loop (``schedule.gather.shard_gemm``), which is also the reference semantics.
+(``lead == 1``), no bias, bf16, rows, K and every N in [2, 2^31) (torch adjusts leading dimensions below 2; cuBLAS
+takes ints), every weight a Linear's ``W.t()``, torch's cuBLAS preferred (not cuBLASLt), neither
+deterministic-algorithms mode (torch then checks the workspace configuration) nor TunableOp (it picks other
+algorithms), bf16's reduced-precision reduction allowed (torch's default: math mode ``CUBLAS_DEFAULT_MATH``), one
+cuBLAS mapped and bound (``bind``), no timeline probe (its marks sit between the GEMMs: ``bench timeline`` draws the
+``torch.mm`` loop), and not under the experiment ``gather_torch_gemms``. Everywhere else the Python loop
+(``schedule.gather.shard_gemm``), which is also the reference semantics. The library also takes fp16 and row-major
+``[K, N]`` weights; neither has run on a GPU, so neither is taken.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import threading
+from collections.abc import Iterable
 
 import torch
 
@@ -29,11 +33,14 @@ from .base import stats
 log = logging.getLogger("flashoverlap")
 
 EXPERIMENT = "gather_torch_gemms"
+MAX_WORLD = 8  # FO_GATHER_MAX_WORLD (gather_peer.MAX_WORLD; not imported: gather_peer imports this module)
 MAX_WEIGHTS = 8  # FO_GATHER_MAX_OUTPUTS
-ELEM_TYPES = {torch.bfloat16: 14, torch.float16: 2}  # cudaDataType_t
-_REDUCTION_ALLOWED = {torch.bfloat16: "allow_bf16_reduced_precision_reduction",
-                      torch.float16: "allow_fp16_reduced_precision_reduction"}
+# cudaDataType_t of the dtypes taken: bf16 only, the one run on a GPU (the library also takes fp16, 2: never run)
+ELEM_TYPES = {torch.bfloat16: 14}
+_REDUCTION_ALLOWED = {torch.bfloat16: "allow_bf16_reduced_precision_reduction"}
+INT_MAX = 2 ** 31 - 1  # cuBLAS's int sizes
 _bound: list[bool] = []  # [whether fo_cublas_bind succeeded], once per process
+_bind_lock = threading.Lock()
 
 
 class GatherGemmArgs(ctypes.Structure):
@@ -41,7 +48,7 @@ class GatherGemmArgs(ctypes.Structure):
 
     _fields_ = [("world", ctypes.c_int32), ("rank", ctypes.c_int32), ("rows", ctypes.c_int64),
                 ("k", ctypes.c_int64), ("a", ctypes.c_void_p), ("staging", ctypes.c_void_p),
-                ("shard_events", ctypes.c_void_p * MAX_WEIGHTS), ("cur_stream", ctypes.c_void_p),
+                ("shard_events", ctypes.c_void_p * MAX_WORLD), ("cur_stream", ctypes.c_void_p),
                 ("handle", ctypes.c_void_p), ("elem_type", ctypes.c_int32), ("math_mode", ctypes.c_int32),
                 ("num_weights", ctypes.c_int32), ("weight_transposed", ctypes.c_int32 * MAX_WEIGHTS),
                 ("weights", ctypes.c_void_p * MAX_WEIGHTS), ("n", ctypes.c_int64 * MAX_WEIGHTS),
@@ -50,30 +57,51 @@ class GatherGemmArgs(ctypes.Structure):
 
 def bind() -> bool:
     """Whether the library can call cuBLAS: ``fo_cublas_bind`` with the cuBLAS torch loaded (from
-    ``/proc/self/maps`` after torch's handle exists), once per process; a failure is logged once."""
-    if not _bound:
-        torch.cuda.current_blas_handle()  # torch loads cuBLAS lazily
-        try:
-            with open("/proc/self/maps") as maps:
-                paths = sorted({line.split()[-1] for line in maps if "/libcublas.so" in line})
-        except OSError:
-            paths = []
-        lib = kernels.library()
-        ok = bool(paths) and lib.fo_cublas_bind(paths[0].encode()) == 0
-        if not ok:
-            log.info("flashoverlap: the gather route's GEMMs stay torch.mm calls: %s",
-                     lib.fo_last_error().decode() if paths else "no libcublas.so mapped in this process")
-        _bound.append(ok)
+    ``/proc/self/maps`` after torch's handle exists), once per process; declined (logged once) where no cuBLAS or
+    more than one is mapped (another might not be the one torch's handle belongs to)."""
+    with _bind_lock:
+        if not _bound:
+            torch.cuda.current_blas_handle()  # torch loads cuBLAS lazily
+            try:
+                with open("/proc/self/maps") as maps:
+                    paths = mapped_cublas(maps)
+            except OSError:
+                paths = []
+            lib = kernels.library()
+            ok = len(paths) == 1 and lib.fo_cublas_bind(paths[0].encode()) == 0
+            if not ok:
+                log.info("flashoverlap: the gather route's GEMMs stay torch.mm calls: %s",
+                         lib.fo_last_error().decode() if len(paths) == 1 else
+                         f"{len(paths)} cuBLAS libraries mapped in this process ({paths})")
+            _bound.append(ok)
     return _bound[0]
 
 
+def mapped_cublas(maps: Iterable[str]) -> list[str]:
+    """The distinct cuBLAS libraries (``libcublas.so*``, not cuBLASLt) among ``/proc/self/maps`` lines (the path is
+    the sixth field; a deleted file's ``(deleted)`` mark is a seventh), sorted."""
+    paths = set()
+    for line in maps:
+        fields = line.split()
+        if len(fields) >= 6 and fields[5].rsplit("/", 1)[-1].startswith("libcublas.so"):
+            paths.add(fields[5])
+    return sorted(paths)
+
+
+def _tunable_on() -> bool:
+    """Whether TunableOp may pick torch's GEMM algorithms (then ``torch.mm`` is not cuBLAS's default choice)."""
+    try:
+        return bool(torch.cuda.tunable.is_enabled())
+    except (AttributeError, RuntimeError):  # a torch without TunableOp (CPU builds)
+        return False
+
+
 def _weight_layout(w: torch.Tensor, k: int) -> int | None:
-    """1 for a Linear's ``W.t()`` ([K, N], strides (1, K)), 0 for a row-major [K, N], else None."""
+    """1 for a Linear's ``W.t()`` ([K, N], strides (1, K)), else None (the library also takes a row-major [K, N]
+    as 0: never run on a GPU, so not taken)."""
     if w.dim() != 2 or w.shape[0] != k:
         return None
-    if w.stride() == (1, k):
-        return 1
-    return 0 if w.stride() == (w.shape[1], 1) else None
+    return 1 if w.stride() == (1, k) else None
 
 
 def static_args(ctx, geo, rank: int) -> GatherGemmArgs | None:
@@ -81,8 +109,8 @@ def static_args(ctx, geo, rank: int) -> GatherGemmArgs | None:
     launch: the route registry keys launches by those), or None where the call shape needs the Python loop."""
     dtype = ctx.a.dtype
     if (not geo.contiguous_shards or dtype not in ELEM_TYPES or any(c is not None for c in ctx.bias)
-            or not 0 < len(ctx.b) <= MAX_WEIGHTS or geo.shard_rows < 2 or geo.k < 2
-            or any(w.shape[-1] < 2 or w.dtype != dtype for w in ctx.b)):
+            or not 0 < len(ctx.b) <= MAX_WEIGHTS or not 2 <= geo.shard_rows <= INT_MAX or not 2 <= geo.k <= INT_MAX
+            or geo.world > MAX_WORLD or any(not 2 <= w.shape[-1] <= INT_MAX or w.dtype != dtype for w in ctx.b)):
         return None
     layouts = [_weight_layout(w, geo.k) for w in ctx.b]
     if None in layouts:
@@ -99,7 +127,7 @@ def usable(dtype: torch.dtype, experiments: frozenset[str], probe) -> bool:
     """The per-call part (module docstring): torch's matmul settings as they are now, the experiment, the probe,
     cuBLAS bound."""
     return (EXPERIMENT not in experiments and probe is None and compat.cublas_preferred()
-            and not torch.are_deterministic_algorithms_enabled()
+            and not torch.are_deterministic_algorithms_enabled() and not _tunable_on()
             and getattr(torch.backends.cuda.matmul, _REDUCTION_ALLOWED[dtype], None) is True
             and not getattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", False) and bind())
 
