@@ -68,9 +68,14 @@ def test_usable_follows_torch_settings(monkeypatch):
     monkeypatch.setattr(gather_gemms, "_tunable_on", lambda: True)
     assert not gather_gemms.usable(bf16, none, None)
     monkeypatch.setattr(gather_gemms, "_tunable_on", lambda: False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", False)
-    assert not gather_gemms.usable(bf16, none, None)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", True)
+    matmul = torch.backends.cuda.matmul  # torch's own setter, set back by hand (monkeypatch's undo may delattr it)
+    before = matmul.allow_bf16_reduced_precision_reduction
+    try:
+        matmul.allow_bf16_reduced_precision_reduction = False
+        assert not gather_gemms.usable(bf16, none, None)
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = before
+    assert gather_gemms.usable(bf16, none, None)
     monkeypatch.setattr(gather_gemms.compat, "cublas_preferred", lambda: False)
     assert not gather_gemms.usable(bf16, none, None)
 

@@ -9,11 +9,12 @@ Taken (``static_args``, ``usable``) where that is provably the same computation:
 (``lead == 1``), no bias, bf16, rows, K and every N in [2, 2^31) (torch adjusts leading dimensions below 2; cuBLAS
 takes ints), every weight a Linear's ``W.t()``, torch's cuBLAS preferred (not cuBLASLt), neither
 deterministic-algorithms mode (torch then checks the workspace configuration) nor TunableOp (it picks other
-algorithms), bf16's reduced-precision reduction allowed (torch's default: math mode ``CUBLAS_DEFAULT_MATH``), one
-cuBLAS mapped and bound (``bind``), no timeline probe (its marks sit between the GEMMs: ``bench timeline`` draws the
-``torch.mm`` loop), and not under the experiment ``gather_torch_gemms``. Everywhere else the Python loop
-(``schedule.gather.shard_gemm``), which is also the reference semantics. The library also takes fp16 and row-major
-``[K, N]`` weights; neither has run on a GPU, so neither is taken.
+algorithms), bf16's reduced-precision reduction allowed (torch's default, math mode ``CUBLAS_DEFAULT_MATH``; torch
+2.13's split-K setting can be off only where it is off), one cuBLAS mapped and bound (``bind``), no timeline probe
+(its marks sit between the GEMMs: ``bench timeline`` draws the ``torch.mm`` loop), and not under the experiment
+``gather_torch_gemms``. Everywhere else the Python loop (``schedule.gather.shard_gemm``), which is also the reference
+semantics. The library also takes fp16 and row-major ``[K, N]`` weights; neither has run on a GPU, so neither is
+taken.
 """
 
 from __future__ import annotations
