@@ -54,41 +54,47 @@ def both(sms: int):
         yield
 
 
-def trial(a, b, small, hi, mode) -> tuple[float, float]:
+def beside_gemm(a, b, hi, mode, side) -> list[float]:
+    """After a 1 ms spin, the GEMM under ``mode`` on the current stream and ``side(start)`` on the high-priority
+    stream ``hi`` (it enqueues its work after ``start`` and returns its timing events); ms from the GEMM's start to
+    each of those events, then to the GEMM's end."""
     cur = torch.cuda.current_stream()
     torch.cuda._sleep(2_000_000)
-    start, after, done_small, done_gemm = (torch.cuda.Event(enable_timing=True) for _ in range(4))
+    start, done_gemm = (torch.cuda.Event(enable_timing=True) for _ in range(2))
     start.record(cur)
     with mode():
         torch.mm(a, b)
-    after.record(cur)  # not used for release; the small kernel waits for start only
     with torch.cuda.stream(hi):
         hi.wait_event(start)
+        marks = side()
+    done_gemm.record(cur)
+    torch.cuda.synchronize()
+    return [start.elapsed_time(e) for e in (*marks, done_gemm)]
+
+
+def _recorded(stream) -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    return event
+
+
+def trial(a, b, small, hi, mode) -> list[float]:
+    """When a one-element kernel on ``hi`` ends beside the GEMM, and when the GEMM ends."""
+    def side():
         torch.cuda._sleep(1000)  # give the GEMM time to launch first
         small.add_(1)
-        done_small.record(hi)
-    done_gemm.record(cur)
-    torch.cuda.synchronize()
-    return start.elapsed_time(done_small), start.elapsed_time(done_gemm)
+        return [_recorded(hi)]
+    return beside_gemm(a, b, hi, mode, side)
 
 
-def copy_trial(a, b, src, dst, hi, mode) -> tuple[float, float, float]:
+def copy_trial(a, b, src, dst, hi, mode) -> list[float]:
     """When a D2D copy of ``src`` (then a small kernel) on the high-priority stream ends beside the GEMM."""
-    cur = torch.cuda.current_stream()
-    torch.cuda._sleep(2_000_000)
-    start, copied, small, done_gemm = (torch.cuda.Event(enable_timing=True) for _ in range(4))
-    start.record(cur)
-    with mode():
-        torch.mm(a, b)
-    with torch.cuda.stream(hi):
-        hi.wait_event(start)
+    def side():
         dst.copy_(src)
-        copied.record(hi)
+        copied = _recorded(hi)
         dst[:1].add_(1)
-        small.record(hi)
-    done_gemm.record(cur)
-    torch.cuda.synchronize()
-    return start.elapsed_time(copied), start.elapsed_time(small), start.elapsed_time(done_gemm)
+        return [copied, _recorded(hi)]
+    return beside_gemm(a, b, hi, mode, side)
 
 
 def kernels_of(fn) -> list[tuple[str, list]]:
