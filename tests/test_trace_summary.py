@@ -59,3 +59,21 @@ def test_idle_gaps_are_charged_to_what_the_host_ran(tmp_path):
     gaps = trace_summary.idle_gaps(_trace(tmp_path, events))
     assert gaps == [("flashoverlap::all_to_all_permute_gemm | cudaStreamSynchronize", 1, 1.0),
                     ("aten::mm | -", 1, 0.1), ("aten::index_select | -", 1, 0.05)]
+
+
+def test_overlap_splits_communication_beside_compute_from_exposed(tmp_path):
+    x = lambda cat, name, ts, dur: {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    events = [
+        x("kernel", "sm90_xmma_gemm_bf16bf16", 100, 1000),            # compute 0.1 - 1.1 ms
+        x("kernel", "ncclDevKernel_ReduceScatter_Sum_bf16", 600, 1000),  # comm 0.6 - 1.6: 0.5 beside the GEMM
+        x("gpu_memcpy", "Memcpy PtoP (Device -> Device)", 1600, 400),   # comm 1.6 - 2.0, exposed
+        x("kernel", "wait_counter_kernel", 1900, 300),                  # comm 1.9 - 2.2 (sync), exposed
+        x("kernel", "triton_poi_fused_mul_0", 2100, 100),               # compute 2.1 - 2.2: beside the wait
+        x("kernel", "void at::native::elementwise_kernel", 9000, 1000),  # compute ("other")
+    ]
+    o = trace_summary.summarize(_trace(tmp_path, events))["overlap"]
+    assert o["compute_ms"] == 2.1 and o["comm_ms"] == 1.6
+    assert o["both_ms"] == 0.6 and o["comm_exposed_ms"] == 1.0
+    assert o["classes"] == {"gemm": [1, 1.0], "triton": [1, 0.1], "other": [1, 1.0], "nccl": [1, 1.0],
+                            "copy": [1, 0.4], "sync": [1, 0.3]}
+    assert "exposed 1.000" in trace_summary.describe(trace_summary.summarize(_trace(tmp_path, events)))

@@ -11,7 +11,8 @@ busy share overstates the GPU's useful work.
     python -m flashoverlap_inductor.bench.trace_summary DIR/*.json
 
 It also lists where the GPU idled (``idle_gaps``): each gap of >= 20 us charged to what the host was doing when it
-began (the innermost CPU op and CUDA runtime call), the largest totals first.
+began (the innermost CPU op and CUDA runtime call), the largest totals first, and how much of the communication ran
+beside compute (``trace_overlap``: exposed communication, kernel time per class).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import json
 import sys
 from collections import defaultdict
 from typing import Any
+
+from . import trace_overlap
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -37,22 +40,24 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
 
 
 def summarize(path: str) -> dict[str, Any]:
-    """``{"span_ms", "gpu_busy_ms", "fused": {op: [calls, host_ms]}}`` of the trace at ``path`` (span 0 when it has
-    no complete events)."""
+    """``{"span_ms", "gpu_busy_ms", "fused": {op: [calls, host_ms]}, "overlap": trace_overlap.overlap(...)}`` of the
+    trace at ``path`` (span 0 when it has no complete events)."""
     with open(path) as f:  # "Trace": the profiler's event spanning its whole window (not a step's work)
         events = [e for e in json.load(f).get("traceEvents", [])
                   if e.get("ph") == "X" and "dur" in e and e.get("cat") != "Trace"]
     if not events:
         return {"span_ms": 0.0, "gpu_busy_ms": 0.0, "fused": {}}
     span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e3
-    busy = busy_ms([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in GPU_CATEGORIES])
+    gpu = [e for e in events if e.get("cat") in GPU_CATEGORIES]
+    busy = busy_ms([(e["ts"], e["ts"] + e["dur"]) for e in gpu])
     fused: dict[str, list] = defaultdict(lambda: [0, 0.0])
     for e in events:
         if e.get("cat") == "cpu_op" and e["name"].startswith("flashoverlap::"):
             fused[e["name"].removeprefix("flashoverlap::")][0] += 1
             fused[e["name"].removeprefix("flashoverlap::")][1] += e["dur"] / 1e3
     return {"span_ms": round(span, 4), "gpu_busy_ms": round(busy, 4),
-            "fused": {k: [n, round(ms, 4)] for k, (n, ms) in sorted(fused.items(), key=lambda kv: -kv[1][1])}}
+            "fused": {k: [n, round(ms, 4)] for k, (n, ms) in sorted(fused.items(), key=lambda kv: -kv[1][1])},
+            "overlap": trace_overlap.overlap(gpu)}
 
 
 def describe(s: dict[str, Any]) -> str:
@@ -62,7 +67,8 @@ def describe(s: dict[str, Any]) -> str:
         return "no events"
     text = f"span {span:.3f} ms, GPU busy {busy:.3f} ms ({busy / span:.0%}), idle {span - busy:.3f} ms"
     ops = [f"{op} {n} x {ms / n:.3f} ms" for op, (n, ms) in s["fused"].items() if n]
-    return text + ("; host thread in fused ops (waits included): " + ", ".join(ops) if ops else "")
+    text += "; host thread in fused ops (waits included): " + ", ".join(ops) if ops else ""
+    return text + ("\n    GPU: " + trace_overlap.describe(s["overlap"]) if s.get("overlap") else "")
 
 
 def idle_gaps(path: str, min_us: float = 20.0, top: int = 12) -> list[tuple[str, int, float]]:
