@@ -2,10 +2,11 @@
 its host time per call with the GPU kept busy (``tune.measure.host_us``), beside the unfused ops'
 (``all_gather_into_tensor`` + ``mm`` per weight), then ``cProfile`` over the same batched calls: the functions
 with the most own time and the most inclusive time per call (us; cProfile's own overhead inflates both, so
-compare rows, not totals).
+compare rows, not totals). ``--op reduce_scatter``: the same for GEMM -> reduce_scatter (``gemm_reduce_scatter``,
+plan ``auto``, ``[M, K/world] @ [K/world, N]`` per rank, against ``mm`` + ``reduce_scatter_tensor``).
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 examples/device/gather_host_profile.py [--shape 4096x6144x4096]
-        [--weights 3] [--calls 400]
+        [--weights 3] [--calls 400] [--op all_gather|reduce_scatter]
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def main() -> None:
     p.add_argument("--weights", type=int, default=3, help="GEMMs over the gathered rows (q/k/v: 3)")
     p.add_argument("--calls", type=int, default=400)
     p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--op", choices=("all_gather", "reduce_scatter"), default="all_gather")
     args = p.parse_args()
     torch.cuda.set_device(dist.get_node_local_rank(fallback_rank=0))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
@@ -52,6 +54,22 @@ def main() -> None:
         dist.all_gather_into_tensor(gathered, a)
         return [gathered @ w for w in ws]
 
+    if args.op == "reduce_scatter":  # y = x @ w over K split across the ranks, then reduce_scatter of y's rows
+        x = torch.randn(m, k // world, device="cuda", dtype=torch.bfloat16)
+        w = (torch.randn(n, k // world, device="cuda") / math.sqrt(k)).bfloat16().t()
+        rs_op = torch.ops.flashoverlap.gemm_reduce_scatter
+        scattered = torch.empty(m // world, n, device="cuda", dtype=torch.bfloat16)
+
+        def fused():
+            return rs_op(x, w, None, "sum", world, name, "auto", key)
+
+        def fused_torch_mm():  # no second variant for this op: the same call again
+            return fused()
+
+        def unfused():
+            dist.reduce_scatter_tensor(scattered, x @ w)
+            return scattered
+
     before = dict(routes.stats)
     fused()
     torch.cuda.synchronize()
@@ -63,7 +81,8 @@ def main() -> None:
     tm.host_us(fused, args.calls, batch=20, sync=dist.barrier)
     prof.disable()
     if rank == 0:
-        print(f"{torch.cuda.get_device_name()} x {world}, shape {args.shape}, {args.weights} weights, route {took}: "
+        print(f"{torch.cuda.get_device_name()} x {world}, op {args.op}, shape {args.shape}, {args.weights} weights, "
+              f"route {took}: "
               f"host per call fused {hosts[0]:.1f} us, fused with torch.mm GEMMs {hosts[1]:.1f} us, unfused "
               f"{hosts[2]:.1f} us (max over ranks; library GEMMs {routes.stats['gather:library_gemms']} calls)")
         calls = args.calls + 20  # host_us's warm-up calls are profiled too
