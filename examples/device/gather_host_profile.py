@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import math
 import pstats
+import threading
 
 import torch
 import torch.distributed as dist
@@ -76,6 +78,11 @@ def main() -> None:
     took = sorted(k for k, c in routes.stats.items() if k.startswith("route:") and c > before.get(k, 0))
     hosts = tm.reduce_max([tm.host_us(fn, args.calls, batch=20, sync=dist.barrier)
                            for fn in (fused, fused_torch_mm, unfused)])
+    gc.disable()  # is part of a call's host time Python's garbage collector? (the same calls, collector off)
+    try:
+        no_gc = tm.reduce_max([tm.host_us(fused, args.calls, batch=20, sync=dist.barrier)])[0]
+    finally:
+        gc.enable()
     prof = cProfile.Profile()
     prof.enable()
     tm.host_us(fused, args.calls, batch=20, sync=dist.barrier)
@@ -84,7 +91,9 @@ def main() -> None:
         print(f"{torch.cuda.get_device_name()} x {world}, op {args.op}, shape {args.shape}, {args.weights} weights, "
               f"route {took}: "
               f"host per call fused {hosts[0]:.1f} us, fused with torch.mm GEMMs {hosts[1]:.1f} us, unfused "
-              f"{hosts[2]:.1f} us (max over ranks; library GEMMs {routes.stats['gather:library_gemms']} calls)")
+              f"{hosts[2]:.1f} us (max over ranks; library GEMMs {routes.stats['gather:library_gemms']} calls); "
+              f"fused with the garbage collector off {no_gc:.1f} us; Python threads: "
+              f"{sorted(t.name for t in threading.enumerate())}")
         calls = args.calls + 20  # host_us's warm-up calls are profiled too
         for order in ("tottime", "cumulative"):
             stats = pstats.Stats(prof, stream=io.StringIO())

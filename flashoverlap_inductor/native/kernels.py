@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from flashoverlap_inductor import errors
+from flashoverlap_inductor import config, errors
 
 # 10: fo_fault_mark (the NCCL watchdog); 11: fo_peer_args.probe_events; 12: the fo_moe_* calls; 13: fo_gather_gemms
 ABI_VERSION = 13
@@ -127,8 +127,6 @@ def library_path() -> Path:
 
 
 def _library_path_str() -> str:
-    from flashoverlap_inductor import config
-
     return _path_str(config.current().library)
 
 
@@ -202,9 +200,20 @@ def _load(path: str) -> ctypes.CDLL:
     return lib
 
 
+_last_library: tuple = (None, None)  # (settings, library): library()'s last answer, reused for the same settings
+
+
 def library() -> ctypes.CDLL:
-    """The loaded library (raises ``KernelLibraryError`` with the build command when it is missing)."""
-    return _load(_library_path_str())
+    """The loaded library (raises ``KernelLibraryError`` with the build command when it is missing). Memoized on the
+    current ``Settings`` object (immutable; a fused call runs under one), a few us of host time per fused call."""
+    global _last_library
+    settings = config.current()
+    last = _last_library
+    if last[0] is settings:
+        return last[1]
+    lib = _load(_path_str(settings.library))
+    _last_library = (settings, lib)
+    return lib
 
 
 def available() -> bool:

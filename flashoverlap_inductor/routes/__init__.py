@@ -156,8 +156,8 @@ def dispatch(collective: str, a: torch.Tensor, b: Any, bias: Any, group: dist.Pr
 
 def _layout_key(x: Any) -> Any:
     """Shapes and strides of a tensor, of None, or of a list of them (never a pointer)."""
-    if isinstance(x, (list, tuple)):
-        return tuple(_layout_key(t) for t in x)
+    if isinstance(x, (list, tuple)):  # a list of tensors (or None) without a call per element: host time per call
+        return tuple([(t.shape, t.stride()) if isinstance(t, torch.Tensor) else _layout_key(t) for t in x])
     return None if x is None else (x.shape, x.stride())
 
 
