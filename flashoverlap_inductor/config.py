@@ -68,6 +68,10 @@ EXPERIMENTS = {
     "gather_torch_gemms": "run the all_gather peer route's GEMMs as one torch.mm per shard and weight from Python "
                           "(the route before 2026-11-27) instead of one library call into torch's cuBLAS "
                           "(routes/gather_gemms.py)",
+    "scatter_pull": "run GEMM -> reduce_scatter on 2 ranks of one NVLink host on the pull route "
+                    "(routes/scatter_pull.py: cuBLAS halves, the peer's half pulled by copy engine, one add; takes "
+                    "a bias of the output's shape too) instead of the peer route; the cost model still predicts the "
+                    "NCCL route for it",
     "moe_judge_per_graph": "with moe_settle_deferred, inside a compiled graph with fused MoE ops (forward, backward or "
                            "inference) judge a group's deferred MoE calls at the end of its next graph run instead of "
                            "at each call (the host may run a whole graph ahead; a failure raises at the end of the "

@@ -44,7 +44,7 @@ from flashoverlap_inductor.runtime import faults, kernel_select, streams
 
 from .. import _inductor_compat as compat
 from ..schedule import steps as schedule
-from . import agree, cpu, gather_nccl, gather_peer, moe_deferred, nccl, peer, ring, symmetric, unfused
+from . import agree, cpu, gather_nccl, gather_peer, moe_deferred, nccl, peer, ring, scatter_pull, symmetric, unfused
 from .base import Call, Context, Route, forget_notes, note, stats
 
 __all__ = ["REGISTRY", "Call", "Context", "Route", "candidates", "check", "dispatch", "make_call", "note", "reset",
@@ -54,8 +54,8 @@ log = logging.getLogger("flashoverlap")
 
 
 # In order of preference: the first route whose ``unsupported`` is None takes a call.
-REGISTRY: list[Route] = [ring.ROUTE, peer.ROUTE, nccl.ROUTE, gather_peer.ROUTE, gather_nccl.ROUTE, unfused.ROUTE,
-                         cpu.ROUTE]
+REGISTRY: list[Route] = [scatter_pull.ROUTE, ring.ROUTE, peer.ROUTE, nccl.ROUTE, gather_peer.ROUTE, gather_nccl.ROUTE,
+                         unfused.ROUTE, cpu.ROUTE]
 last_launch: Any = None
 MAX_ENTRIES = 512
 _memo: collections.OrderedDict[tuple, _Entry] = collections.OrderedDict()  # LRU order

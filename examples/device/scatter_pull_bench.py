@@ -1,0 +1,122 @@
+"""GEMM -> reduce_scatter on 2 GPUs: the pull route (experiment ``scatter_pull``) against the peer route, cuBLAS then
+NCCL, and the ideal ``max(T_gemm, T_comm)``, interleaved in one run (``tune.measure.Timer``: CUDA events, warm-up,
+medians, max over ranks); and the sum of two GEMMs (a backward's summed input gradients: ``x1 @ w1 + x2 @ w2`` then
+reduce_scatter) as Inductor runs it (``mm``, ``mm``, ``add``, NCCL), as the pass fuses it today (one GEMM over the
+concatenated K, the cats included) and on the pull route (``t = x1 @ w1``, then the fused op with ``t`` as its
+bias). Every variant's result is checked against the sequential one (relative error) and its route is printed.
+
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 examples/device/scatter_pull_bench.py \\
+        [--shapes 4096x4096x4096,4096x4096x14336] [--sum-shapes 4096x4096x14336]
+
+Shapes are M x N x K with K the whole reduction (each rank holds K/2; a sum shape's two terms K/2 each per rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import torch.distributed as dist
+
+from flashoverlap_inductor import config, routes
+from flashoverlap_inductor.tune import measure as tm
+
+PULL = frozenset({"scatter_pull"})
+
+
+def shapes_of(text: str) -> list[tuple[int, int, int]]:
+    return [tuple(int(x) for x in s.split("x")) for s in text.split(",") if s]
+
+
+def run_row(variants: dict, ref_name: str, timer: tm.Timer) -> dict:
+    """Each variant's route, error against ``ref_name``'s result and median ms (interleaved)."""
+    want = variants[ref_name]().float()
+    row = {}
+    for v, fn in variants.items():
+        before = dict(routes.stats)
+        got = fn()
+        torch.cuda.synchronize()
+        ran = [k for k, c in routes.stats.items() if k.startswith("route:") and c > before.get(k, 0)]
+        err = ((got.float() - want).norm() / want.norm()).item() if got is not None and got.shape == want.shape else 0.0
+        row[v] = {"route": ",".join(ran) or "-", "err": tm.reduce_max([err])[0]}
+    for v, t in timer.measure(variants).items():
+        row[v]["ms"] = t.ms
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="4096x4096x4096,4096x4096x14336,8192x4096x14336,16384x4096x4096")
+    p.add_argument("--sum-shapes", default="4096x4096x14336,8192x4096x14336")
+    args = p.parse_args()
+    torch.cuda.set_device(dist.get_node_local_rank(fallback_rank=0))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    rank, world, name = dist.get_rank(), dist.get_world_size(), dist.group.WORLD.group_name
+    op = torch.ops.flashoverlap.gemm_reduce_scatter
+    peer_key = config.current().replace(transport="peer").key()
+    pull_key = config.current().replace(transport="peer", experiments=PULL).key()
+    timer = tm.Timer(rounds=5, target_ms=10.0, min_iters=2, max_iters=40, spin_ms=0.3)
+    lines = []
+    for m, n, k in shapes_of(args.shapes):
+        torch.manual_seed(100 + rank)
+        x = torch.randn(m, k // world, device="cuda").bfloat16()
+        w = (torch.randn(n, k // world, device="cuda") / math.sqrt(k)).bfloat16().t()
+        y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(m // world, n, device="cuda", dtype=torch.bfloat16)
+
+        def seq(x=x, w=w, out=out):
+            dist.reduce_scatter_tensor(out, x @ w)
+            return out
+
+        variants = {"seq": seq, "gemm": lambda x=x, w=w: x @ w,
+                    "comm": lambda y=y, out=out: dist.reduce_scatter_tensor(out, y),
+                    "peer": lambda x=x, w=w: op(x, w, None, "sum", world, name, "auto", peer_key),
+                    "pull": lambda x=x, w=w: op(x, w, None, "sum", world, name, "auto", pull_key)}
+        row = run_row(variants, "seq", timer)
+        ideal = max(row["gemm"]["ms"], row["comm"]["ms"])
+        lines.append((f"{m}x{n}x{k}", row, ideal))
+    for m, n, k in shapes_of(args.sum_shapes):
+        torch.manual_seed(200 + rank)
+        x1, x2 = (torch.randn(m, k // world // 2, device="cuda").bfloat16() for _ in range(2))
+        w1, w2 = ((torch.randn(n, k // world // 2, device="cuda") / math.sqrt(k)).bfloat16().t() for _ in range(2))
+        out = torch.empty(m // world, n, device="cuda", dtype=torch.bfloat16)
+        y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+
+        def seq_sum(x1=x1, x2=x2, w1=w1, w2=w2, out=out):
+            dist.reduce_scatter_tensor(out, torch.mm(x1, w1) + torch.mm(x2, w2))
+            return out
+
+        def peer_cat(x1=x1, x2=x2, w1=w1, w2=w2):
+            return op(torch.cat([x1, x2], 1), torch.cat([w1, w2], 0), None, "sum", world, name, "auto", peer_key)
+
+        def pull_sum(x1=x1, x2=x2, w1=w1, w2=w2):
+            return op(x2, w2, torch.mm(x1, w1), "sum", world, name, "auto", pull_key)
+
+        variants = {"seq": seq_sum, "gemm": lambda x1=x1, x2=x2, w1=w1, w2=w2: torch.mm(x1, w1) + torch.mm(x2, w2),
+                    "comm": lambda y=y, out=out: dist.reduce_scatter_tensor(out, y),
+                    "peer": peer_cat, "pull": pull_sum}
+        row = run_row(variants, "seq", timer)
+        ideal = max(row["gemm"]["ms"], row["comm"]["ms"])
+        lines.append((f"sum {m}x{n}x{k}", row, ideal))
+    if rank == 0:
+        print(f"{torch.cuda.get_device_name()} x {world}; ms (median, max over ranks); x = seq / variant; "
+              "sum rows: peer = one GEMM over the concatenated K (cats included), pull = mm then the op with it as "
+              "bias")
+        print(f"{'shape':24} {'gemm':>7} {'comm':>7} {'seq':>7} {'peer':>7} {'pull':>7} {'ideal':>7} "
+              f"{'x peer':>7} {'x pull':>7} {'x ideal':>7}  routes / errors")
+        ratios = {"peer": [], "pull": []}
+        for label, row, ideal in lines:
+            s = row["seq"]["ms"]
+            for v in ratios:
+                ratios[v].append(s / row[v]["ms"])
+            print(f"{label:24} {row['gemm']['ms']:7.3f} {row['comm']['ms']:7.3f} {s:7.3f} {row['peer']['ms']:7.3f} "
+                  f"{row['pull']['ms']:7.3f} {ideal:7.3f} {s / row['peer']['ms']:7.3f} {s / row['pull']['ms']:7.3f} "
+                  f"{s / ideal:7.3f}  peer {row['peer']['route']} err {row['peer']['err']:.1e}; pull "
+                  f"{row['pull']['route']} err {row['pull']['err']:.1e}")
+        print(f"geomean x peer {tm.geomean(ratios['peer']):.3f}, x pull {tm.geomean(ratios['pull']):.3f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

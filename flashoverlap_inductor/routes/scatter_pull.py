@@ -1,0 +1,202 @@
+"""The copy-engine pull route of GEMM -> reduce_scatter on 2 ranks of one NVLink host: the GEMMs stay cuBLAS's.
+
+The experiment ``scatter_pull`` (off by default; 2 H200s, twenty-eighth session: see docs/results.md). The peer route
+(``routes/peer.py``) stores GEMM 1's tiles into the peer over NVLink from its epilogue, which costs its CUTLASS GEMMs
+time that cuBLAS's GEMM does not spend (docs/design.md, "Host cost of a fused call", last paragraph), and it takes no
+row-varying addend. Here, per call (rank ``r``, peer ``p = 1 - r``; the output rows in halves, half ``h`` being rank
+``h``'s result; ``M`` rows, ``N`` columns):
+
+- on the caller's stream: ``part = a[half p] @ b (+ bias[half p])`` (cuBLAS: ``mm`` / ``addmm``, a fresh
+  ``[M/2, N]``);
+- ``fo_gather_call`` with ``part`` as the shard: the all_gather peer route's protocol, flag page, epoch, copy stream
+  and symmetric buffers (``routes/gather_peer.py``; one call of that protocol per call of this route, in the same
+  order on every rank): the copy stream copies ``part`` into this rank's buffer, shakes hands with the peer (the
+  caller's stream waits for that), pulls the peer's part of this rank's rows into ``staging[p]`` by copy engine and
+  records ``p``'s event;
+- on the caller's stream meanwhile: ``out = a[half r] @ b (+ bias[half r])``, then, after ``p``'s event,
+  ``out += staging[p]`` (one add over ``M/2 x N``);
+- ``fo_gather_finish``: the caller's stream joins the copy stream, and ``out`` is NaN while the group's fault block
+  holds a fault (raised at the next call on every rank, as the gather route's).
+
+Invariants: the failure contract, the buffer reuse rule and the resynchronization are the gather route's (its
+docstring), since every wait, flag and buffer is its own; a fault raised here names ``gather_peer``. ``part``,
+``staging`` and ``a`` stay referenced until after the join. The sum order is ``own + peer`` on both ranks' halves
+(the reference ``reduce_scatter`` of the unfused op adds rank 0's then rank 1's rows: results agree to bf16
+rounding, not bit for bit).
+
+Declines (pure): the experiment off, another collective than reduce_scatter, ``transport="nccl"``, a world size
+other than 2, rows that do not halve, a dtype other than bf16 / fp16 / fp32, no kernel library or sm90 GPU.
+``make_launch`` also declines a batched ``b`` (bmm), a bias that is neither one row ``[N]`` nor the output's full
+shape, and what the gather route's group check declines (hosts, symmetric memory).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from flashoverlap_inductor import config
+from flashoverlap_inductor.native import kernels
+from flashoverlap_inductor.runtime import faults
+
+from .. import _inductor_compat as compat
+from . import gather_peer, symmetric
+
+log = logging.getLogger("flashoverlap")
+
+NAME = "scatter_pull"
+EXPERIMENT = "scatter_pull"
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def unsupported(call, settings: config.Settings) -> str | None:
+    """Why ``call`` cannot take this route (None: it can). Pure; depends only on what all ranks share."""
+    if EXPERIMENT not in settings.experiments:
+        return f"the experiment {EXPERIMENT!r} is off"
+    if call.collective != "reduce_scatter":
+        return f"{call.collective} is not a reduce_scatter"
+    if settings.transport != "peer":
+        return "transport is 'nccl'"
+    if call.world != 2:
+        return f"world size {call.world} (the pull route is for 2 ranks)"
+    if call.rows % 2 or call.rows < 2:
+        return f"{call.rows} rows do not split into two equal halves"
+    if call.dtype not in DTYPES:
+        return f"dtype: {call.dtype} (bf16, fp16 or fp32)"
+    if not kernels.available():  # never raises
+        return "library: the kernel library or an sm90 GPU is missing"
+    return None
+
+
+@dataclass
+class ScatterLaunch:
+    """One call shape: halves of ``half_rows`` rows of ``n`` columns, the shard bytes, the bias form (``None``,
+    ``"row"``: one ``[N]`` row for every row, ``"full"``: the output's own shape), the wait bound and, per gather
+    workspace it ran with, the protocol's argument struct."""
+
+    rank: int
+    half_rows: int
+    n: int
+    k: int
+    dtype: torch.dtype
+    bias: str | None
+    shard_bytes: int
+    timeout_ns: int
+    description: str
+    launch_id: int = 0
+    args: dict[int, gather_peer.GatherArgs] = field(default_factory=dict)  # workspace serial -> args
+
+
+def bias_form(bias: torch.Tensor | None, y_shape: list[int]) -> str | None:
+    """``None``, ``"row"`` or ``"full"`` (see ``ScatterLaunch``); ``"other"`` for any other broadcast."""
+    if bias is None:
+        return None
+    if bias.numel() == y_shape[-1] and bias.shape[-1] == y_shape[-1]:
+        return "row"
+    if list(bias.shape) == list(y_shape):
+        return "full"
+    return "other"
+
+
+def make_launch(call, settings: config.Settings, ctx) -> ScatterLaunch | str:
+    if ctx.b.dim() != 2:
+        return "bmm: a batched b"
+    form = bias_form(ctx.bias, ctx.y_shape)
+    if form == "other":
+        return f"bias: {tuple(ctx.bias.shape)} is neither one row [N] nor the output's shape {ctx.y_shape}"
+    why = gather_peer.group_issue(ctx.group)  # a collective, once per group: every rank gets here with this call
+    if why is not None:
+        return why
+    half = call.rows // 2
+    shard_bytes = half * call.n * call.dtype.itemsize
+    desc = (f"GEMM {call.rows}x{call.n}x{call.k} {call.dtype_name} then reduce_scatter over 2 ranks: scatter_pull "
+            f"route (cuBLAS halves, {shard_bytes} B pulled by copy engine, bias {form})")
+    log.info("flashoverlap: launch %s", desc)
+    return ScatterLaunch(call.rank, half, call.n, call.k, call.dtype, form, shard_bytes,
+                         settings.timeout_ns(compat.group_timeout_ms(ctx.group)), desc, faults.launch_id(desc))
+
+
+def args_for(launch: ScatterLaunch, ws: gather_peer.GatherWorkspace) -> gather_peer.GatherArgs:
+    """The protocol's struct with the workspace's, the flags' and the streams' pointers (memoized per workspace)."""
+    p = launch.args.get(ws.serial)
+    if p is None:
+        f = ws.flags
+        p = gather_peer.GatherArgs()
+        p.world, p.rank, p.shard_bytes = 2, launch.rank, launch.shard_bytes
+        for r in range(2):
+            p.buffers[r], p.flags[r] = ws.views[r].data_ptr(), f.views[r].data_ptr()
+            p.shard_events[r] = f.events[r].cuda_event if r != launch.rank else None
+        p.epoch, p.launch_id, p.timeout_ns = f.epoch.data_ptr(), launch.launch_id, launch.timeout_ns
+        p.fault, p.mirror, p.copy_stream = f.fault.block_ptr, f.fault.mirror_ptr, f.copy.cuda_stream
+        p.elem_bytes, p.bf16 = launch.dtype.itemsize, int(launch.dtype == torch.bfloat16)
+        p.options, p.copy_own, p.num_outputs = gather_peer.GEMM_AFTER_HANDSHAKE, 0, 1
+        launch.args[ws.serial] = p
+    return p
+
+
+def half_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """``a @ b (+ bias)`` by cuBLAS (``mm`` / ``addmm``), into ``out`` when given."""
+    if bias is None:
+        return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
+    return torch.addmm(bias, a, b) if out is None else torch.addmm(bias, a, b, out=out)
+
+
+class ScatterPullRoute:
+    name = NAME
+    devices = ("cuda",)
+    collectives = ("reduce_scatter",)
+    last_resort = False
+
+    unsupported = staticmethod(unsupported)
+    make_launch = staticmethod(make_launch)
+
+    def execute(self, launch: ScatterLaunch, ctx) -> torch.Tensor | str:
+        device, half, rank = ctx.a.device, launch.half_rows, launch.rank
+        ws = gather_peer.workspace(ctx.group, device, launch.shard_bytes, ctx.capturing)
+        if ws is None:
+            return "capture-grow: its shard buffer would have to grow inside a CUDA-graph capture"
+        cur = compat.current_raw_stream(device.index)
+        if not ctx.capturing:
+            symmetric.order_after_last(ctx.group, device, cur)
+        a = ctx.a.reshape(2 * half, launch.k)
+        bias = [None, None]
+        if launch.bias == "row":
+            bias = [ctx.bias.reshape(launch.n)] * 2
+        elif launch.bias == "full":
+            full = ctx.bias.reshape(2 * half, launch.n)
+            bias = [full[:half], full[half:]]
+        peer = 1 - rank
+        part = half_gemm(a[peer * half:(peer + 1) * half], ctx.b, bias[peer]).contiguous()
+        staging = part.new_empty(2, half, launch.n)
+        out = torch.empty(ctx.out_shape, dtype=part.dtype, device=device)
+        p = args_for(launch, ws)  # the memoized struct: every per-call field set here (the dispatcher's lock)
+        p.a, p.staging, p.cur_stream = part.data_ptr(), staging.data_ptr(), cur
+        p.outputs[0], p.output_numel[0] = out.data_ptr(), out.numel()
+        lib = kernels.library()
+        rc = lib.fo_gather_call(ctypes.byref(p))
+        try:
+            if rc == 0:  # the own half now (after the handshake), then the peer's part of it after its pull
+                own = out.view(half, launch.n)
+                half_gemm(a[rank * half:(rank + 1) * half], ctx.b, bias[rank], out=own)
+                torch.cuda.current_stream(device).wait_event(ws.flags.events[peer])
+                own.add_(staging[peer])
+        finally:  # joined and poisoned whatever happened above: the copy stream never outlives the call's tensors
+            rc_finish = lib.fo_gather_finish(ctypes.byref(p))
+            if rc_finish != 0 and sys.exc_info()[0] is not None:
+                log.warning("flashoverlap scatter_pull: fo_gather_finish after a failed call: %s",
+                            lib.fo_last_error().decode())
+        kernels.check(rc, "fo_gather_call")
+        kernels.check(rc_finish, "fo_gather_finish")
+        del part, staging  # alive until here: read on the copy stream, which the finish joined
+        return out
+
+    def reset(self) -> None:
+        """Nothing of its own: its flags, buffers and streams are the gather route's (``gather_peer.ROUTE.reset``)."""
+
+
+ROUTE = ScatterPullRoute()
