@@ -118,6 +118,54 @@ class TestSumOfGemms(FakePGTestCase):
         self.assertAlmostEqual(cost_model.copy_ms(3_800_000_000, "NVIDIA H200"), 1.0)  # bytes per ms
         self.assertAlmostEqual(cost_model.copy_ms(2_700_000_000, "NVIDIA H100 80GB HBM3"), 1.0)
 
+    def test_pull_route_staging_keeps_the_terms_as_gemms(self):
+        """Under the experiment scatter_pull a reduce_scatter of a sum over 2 ranks is staged for the pull route: the
+        first term unfused, the last fused with the partial sum as its bias; no cats."""
+        g = self.group
+
+        def fn(a1, a2, w1, w2):
+            return funcol.reduce_scatter_tensor((a1 @ w1 + a2 @ w2).view(4, 16, 48), "sum", 0, g)
+
+        (gm,), _ = self.capture(fn, torch.randn(64, 24), torch.randn(64, 40), torch.randn(24, 48),
+                                torch.randn(40, 48), options={"flashoverlap.experiments": "scatter_pull"})
+        code = graph_str(gm)
+        self.assertEqual(code.count("flashoverlap.gemm_reduce_scatter"), 1)
+        self.assertNotIn("aten.cat", code)
+        self.assertEqual(code.count("aten.mm"), 1)  # the first term; the second is the fused op's GEMM
+        self.assertEqual(dict(counters), {"fused:reduce_scatter": 1})
+        self.assert_rewrites_equivalent()
+
+    def test_pull_route_staging_over_the_sequence_dim_reorders_the_bias_rows(self):
+        """Scatter over dim 1 (the rewrite reorders ``a``'s rows): the partial sum, the fused op's bias, is reordered
+        the same way."""
+        g = self.group
+
+        def fn(a1, a2, a3, w1, w2, w3):
+            y = (a1 @ w1).view(2, 32, 48) + (a2 @ w2).view(2, 32, 48) + (a3 @ w3).view(2, 32, 48)
+            return funcol.reduce_scatter_tensor(y, "sum", 1, g)
+
+        (gm,), _ = self.capture(fn, *_three(ks=(24, 40, 16)), options={"flashoverlap.experiments": "scatter_pull"})
+        code = graph_str(gm)
+        self.assertEqual(code.count("flashoverlap.gemm_reduce_scatter"), 1)
+        self.assertNotIn("aten.cat", code)
+        self.assertEqual(code.count("aten.addmm"), 1)  # the middle term onto the first's product
+        self.assert_rewrites_equivalent()
+
+    def test_pull_verdict_fuses_the_summed_gate_up_gradients(self):
+        """The cost model of the pull staging (H200 data): the Llama-3-8B gate/up input gradient (2 x K 7168 per rank,
+        4096 rows) pays; a small q/k/v sum stays below the route's host floor; the bench's measured pair
+        (4096 x 4096, 2 x K 3584: 0.397 ms fused, 0.438 sequential) is predicted within 5%."""
+        from flashoverlap_inductor.cost_model import pull
+
+        fuse, fused, seq, _ = pull.sum_verdict(4096, 4096, [7168, 7168], "bfloat16", "NVIDIA H200", 0.03)
+        self.assertTrue(fuse and fused < seq)
+        self.assertFalse(pull.sum_verdict(4096, 4096, [512, 512, 2048], "bfloat16", "NVIDIA H200", 0.03)[0])
+        _, fused, seq, _ = pull.sum_verdict(4096, 4096, [3584, 3584], "bfloat16", "NVIDIA H200", 0.03)
+        self.assertLess(abs(fused / 0.397 - 1), 0.05)
+        self.assertLess(abs(seq / 0.438 - 1), 0.05)
+        _, graphed, _, _ = pull.sum_verdict(4096, 4096, [3584, 3584], "bfloat16", "NVIDIA H200", 0.03, True)
+        self.assertLess(graphed, fused)  # no host floor under CUDA graphs
+
     def test_skip_reasons_are_known(self):
         self.assertIn("dtype_mismatch", report.SKIP_REASONS)
 

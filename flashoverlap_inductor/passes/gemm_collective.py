@@ -96,7 +96,7 @@ class FlashOverlapPass(compat.CustomGraphPass):
             form = find_sum(wait)
             if form is None:
                 continue
-            sum_of_gemms.stage(form, graph)
+            self._stage_sum(form, wait, graph)
             match = match_at_wait(wait)
             fusion = None
             if match is not None:
@@ -123,6 +123,23 @@ class FlashOverlapPass(compat.CustomGraphPass):
             record(match.collective, "%s (rows=%s n=%s k=%s %s, group %r x%d, plan %s)", match.describe(),
                    fusion.rows, fusion.n, fusion.k, fusion.dtype, fusion.group_name, fusion.group_size, fusion.plan)
         return fused
+
+    def _stage_sum(self, form: Any, wait: Node, graph: torch.fx.Graph) -> None:
+        """Stage ``form`` for the pull route where it applies and its cost model says it pays (or fuse mode
+        "always"), else as one GEMM over the concatenated K (``sum_of_gemms``)."""
+        shape = sum_of_gemms.pull_applies(form, wait, self.settings)
+        if shape is not None:
+            from flashoverlap_inductor import cost_model
+            from flashoverlap_inductor.cost_model import pull
+
+            m, n, ks, dtype = shape
+            form.pull_verdict = pull.sum_verdict(m, n, ks, dtype, gpu_name(val(form.terms[0])),
+                                                 self.settings.min_gain_fraction, compat.cudagraphs_enabled(),
+                                                 cost_model.registry.data_dir(self.settings))
+            if form.pull_verdict[0] or self.settings.fuse == "always":
+                sum_of_gemms.stage_pull(form, graph)
+                return
+        sum_of_gemms.stage(form, graph)
 
     def uuid(self) -> str:
         return cache_key.uuid_for(self.settings)
@@ -226,7 +243,9 @@ class FlashOverlapPass(compat.CustomGraphPass):
                          desc, len(sc.pieces), list(t), sc.dim, ws)
         if sc.dim == 0:
             return True
-        if f.bias is not None and val(f.bias).dim() == 2 and not known_eq(val(f.bias).shape[0], 1):
+        rows_vary = f.bias is not None and val(f.bias).dim() >= 2 and not known_eq(val(f.bias).shape[0], 1)
+        if rows_vary and (val(f.bias).dim() != 2 or "scatter_pull" not in self.settings.experiments):
+            # only the pull route takes a bias of the output's rows (a staged sum's partial, reordered as a's rows)
             return _fail("bias_shape", "%s: bias %s varies along the rows that the rewrite reorders", desc,
                          list(val(f.bias).shape))
         args = _shape_args(f.match.rows_node)
@@ -293,7 +312,11 @@ class FlashOverlapPass(compat.CustomGraphPass):
                 return _skip("cost_model_error", "%s: cost model failed: %r", desc, exc, level=logging.WARNING)
             log.warning("flashoverlap: %s: cost model failed (%r); plan 'auto'", desc, exc)
             return "auto"
-        if f.sum_form is not None:  # the cats' copies and the adds it saves: on top of the one-GEMM prediction
+        if f.sum_form is not None and f.sum_form.pull:  # staged for the pull route: its own verdict
+            verdict, fused, seq, summary = f.sum_form.pull_verdict
+            decision = dataclasses.replace(decision, fuse=verdict, reason=f"{f.sum_form.describe()}: {summary}",
+                                           predicted_fused_ms=fused, predicted_seq_ms=seq)
+        elif f.sum_form is not None:  # the cats' copies and the adds it saves: on top of the one-GEMM prediction
             verdict, reason = sum_of_gemms.adjust(decision, f.sum_form, f.dtype, gpu_name(y),
                                                   self.settings.min_gain_fraction)
             decision = dataclasses.replace(decision, fuse=verdict, reason=reason)

@@ -213,6 +213,8 @@ class SumOfGemms:
     terms: list[Node]
     term_views: list[Node | None]
     staged: list[Node] | None = None  # cat(a), cat(b), mm[, view to the root's shape], once staged
+    pull: bool = False  # staged for the pull route (``sum_of_gemms.stage_pull``): mm, addmm ...[, view]
+    pull_verdict: tuple | None = None  # ``cost_model.pull.sum_verdict``'s answer, when staged for the pull route
 
     def k_sizes(self) -> list[Any]:
         return [val(t.args[0]).shape[1] for t in self.terms]

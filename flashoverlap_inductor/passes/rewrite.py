@@ -94,13 +94,20 @@ def replace(graph: torch.fx.Graph, f: Fusion) -> bool:
 def _emit(build: _Builder, f: Fusion) -> Node:
     m = f.match
     a: Node = f.a
+    bias = f.bias
     if f.row_perm is not None:
         shape, perm = f.row_perm
         a = build.call(aten.reshape.default, (a, shape))
         a = build.call(aten.permute.default, (a, perm))
         k = int(f.k) if compat.is_static_int(f.k) else build.call(aten.sym_size.int, (f.a, val(f.a).dim() - 1))
         a = build.call(aten.reshape.default, (a, [-1, k]))
-    head = (a, f.b, f.bias)
+        if bias is not None and val(bias).dim() == 2 and not known_eq(val(bias).shape[0], 1):
+            # a bias of the GEMM output's rows (a staged sum's partial): its rows reordered as a's
+            n = int(f.n) if compat.is_static_int(f.n) else build.call(aten.sym_size.int, (bias, 1))
+            bias = build.call(aten.reshape.default, (bias, shape))
+            bias = build.call(aten.permute.default, (bias, perm))
+            bias = build.call(aten.reshape.default, (bias, [-1, n]))
+    head = (a, f.b, bias)
     if m.collective == "all_reduce":
         args = (*head, str(m.args["reduce_op"]).lower(), f.group_name, f.plan, f.settings)
     elif m.collective == "reduce_scatter":

@@ -11,6 +11,11 @@ accepts);
 checks and cost model see one ``mm``; ``unstage(form, graph)`` puts the graph back exactly (a declined fusion leaves no
 trace); ``erase_terms(form, graph)`` removes the old add tree once the fused op replaced the chain.
 
+Under the experiment ``scatter_pull``, a sum feeding a reduce_scatter over 2 ranks is staged for the pull route
+instead where its cost model (``cost_model.pull.sum_verdict``) says it pays (``stage_pull``): the first terms unfused
+(``mm``, then ``addmm`` onto the partial sum: no copies), the last as ``addmm(partial, a_t, b_t)``, which the match
+sees as one GEMM with a bias of the output's shape; the pull route takes that bias (``routes/scatter_pull.py``).
+
 Cost (``adjust``): the cats copy ``2 * (M*K + K*N)`` elements (read + write) that the sum did not, and the sum
 read and wrote ``3 * (terms - 1) * M * N`` elements for its adds that the single GEMM does not; both at the GPU's
 copy rate (``cost_model.copy_ms``). Invariants: every term is a 2-D ``mm`` with one user, every add an
@@ -24,6 +29,9 @@ from typing import Any
 import torch
 from torch.fx import Node
 
+from flashoverlap_inductor import _inductor_compat as compat
+
+from .fx_forms import node_arg, val
 from .matching import SumOfGemms
 from .rewrite import _Builder
 
@@ -47,13 +55,49 @@ def stage(form: SumOfGemms, graph: torch.fx.Graph) -> Node:
     return mm
 
 
+def pull_applies(form: SumOfGemms, wait: Node, settings: Any) -> tuple[int, int, list[int], str] | None:
+    """``(m, n, ks, dtype)`` of a sum the pull route could take (the experiment on, a reduce_scatter over 2 ranks,
+    static sizes), else None."""
+    from .matching import COLLECTIVE_OPS
+
+    coll = wait.args[0]
+    if "scatter_pull" not in settings.experiments or COLLECTIVE_OPS.get(coll.target) != "reduce_scatter":
+        return None
+    if node_arg(coll, 2, "group_size", None) != 2:
+        return None
+    y = val(form.terms[0])
+    sizes = [*y.shape, *form.k_sizes()]
+    if not all(compat.is_static_int(x) for x in sizes):
+        return None
+    return int(y.shape[0]), int(y.shape[1]), [int(k) for k in form.k_sizes()], str(y.dtype).removeprefix("torch.")
+
+
+def stage_pull(form: SumOfGemms, graph: torch.fx.Graph) -> Node:
+    """Insert ``p = mm(a_1, b_1)``, ``p = addmm(p, a_i, b_i)`` for the middle terms and ``addmm(p, a_t, b_t)`` (viewed
+    as the root, when the terms were viewed) before the root, and make the root's users read it; returns the last
+    ``addmm`` (the GEMM the match sees, its bias the partial sum)."""
+    build = _Builder(graph, form.terms[0])
+    with graph.inserting_before(form.root):
+        staged = [build.call(aten.mm.default, tuple(form.terms[0].args[:2]))]
+        for t in form.terms[1:]:
+            staged.append(build.call(aten.addmm.default, (staged[-1], *t.args[:2])))
+        out = gemm = staged[-1]
+        view = next((v for v in form.term_views if v is not None), None)
+        if view is not None:
+            out = build.call(view.target, (gemm, *view.args[1:]))
+            staged.append(out)
+    form.staged, form.pull = staged, True
+    form.root.replace_all_uses_with(out)
+    return gemm
+
+
 def unstage(form: SumOfGemms, graph: torch.fx.Graph) -> None:
     """Undo ``stage`` (the chain still ends in the staged nodes: nothing fused them)."""
     assert form.staged is not None
     form.staged[-1].replace_all_uses_with(form.root)
     for node in reversed(form.staged):
         graph.erase_node(node)
-    form.staged = None
+    form.staged, form.pull = None, False
 
 
 def erase_terms(form: SumOfGemms, graph: torch.fx.Graph) -> None:
