@@ -68,10 +68,14 @@ EXPERIMENTS = {
     "gather_torch_gemms": "run the all_gather peer route's GEMMs as one torch.mm per shard and weight from Python "
                           "(the route before 2026-11-27) instead of one library call into torch's cuBLAS "
                           "(routes/gather_gemms.py)",
-    "scatter_pull": "run GEMM -> reduce_scatter on 2 ranks of one NVLink host on the pull route "
-                    "(routes/scatter_pull.py: cuBLAS halves, the peer's half pulled by copy engine, one add; takes "
-                    "a bias of the output's shape too) instead of the peer route; the cost model still predicts the "
-                    "NCCL route for it",
+    "scatter_pull": "stage a sum of GEMMs feeding a reduce_scatter over 2 ranks of one NVLink host for the pull "
+                    "route where its cost model (cost_model/pull.py) says it pays: the first terms unfused, the last "
+                    "fused with their sum as its bias, which the pull route runs (routes/scatter_pull.py: cuBLAS "
+                    "halves, the peer's half pulled by copy engine, one add; 2 H200s: 1.11-1.14x over sequential "
+                    "where the concatenated form ran 0.71-0.87x; not yet run end to end)",
+    "scatter_pull_all": "with or without scatter_pull, run every 2-rank GEMM -> reduce_scatter on the pull route "
+                        "ahead of the peer and ring routes (for benchmarks: host-bound at small shapes, 0.41-0.44 "
+                        "ms per call at 4096x4096 with K 2048 per rank on 2 H200s; the cost model does not know it)",
     "moe_judge_per_graph": "with moe_settle_deferred, inside a compiled graph with fused MoE ops (forward, backward or "
                            "inference) judge a group's deferred MoE calls at the end of its next graph run instead of "
                            "at each call (the host may run a whole graph ahead; a failure raises at the end of the "

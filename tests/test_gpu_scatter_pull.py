@@ -6,10 +6,13 @@ not speed (``examples/device/scatter_pull_bench.py`` times it on 2 GPUs).
 Skipped unless CUDA, an sm90 GPU and the library are present. Every call runs on fresh random bf16 data and is
 compared with an fp64 reference of the reduce_scatter of every rank's ``a @ b (+ bias)`` and with eager PyTorch's
 bf16 result (gloo all_gather of every rank's ``mm`` / ``addmm``, summed); every call must count
-``route:scatter_pull``. Covered: 2-D and 3-D ``a``, no bias, a bias row ``[N]`` and a bias of the output's shape (the
-summed-gradient form), a buffer that grows, and the same calls queued with no synchronization between them,
-interleaved with fused all_gather calls that share the protocol's flags and buffers. Not covered here: the late and
-skipping ranks (the protocol's, tested by ``tests/test_gpu_gather.py``).
+``route:scatter_pull`` (experiments ``scatter_pull`` and ``scatter_pull_all``). Covered: 2-D and 3-D ``a``, no bias, a
+bias row ``[N]`` and a bias of the output's shape (the summed-gradient form), a shard buffer that grows, the same calls
+queued with no synchronization between them, interleaved with fused all_gather calls (per-rank data, every rank's rows
+checked) that share the protocol's flags and buffers; under ``scatter_pull`` alone, a call without bias goes on to the
+peer route and one with a bias of the output's shape takes this one. Not covered here: the late and skipping ranks
+(the protocol's, tested by ``tests/test_gpu_gather.py``). This form has not run on a GPU yet (written after the
+twenty-eighth session's run of the first form, which passed).
 """
 
 from __future__ import annotations
@@ -46,8 +49,10 @@ def pool():
     p.close()
 
 
-# (a's shape on each rank, N); the rows of y (dim 0) halve between the 2 ranks
-SHAPES = [((256, 128), 384), ((4, 64, 256), 128), ((1024, 512), 1024)]
+# (a's shape on each rank, N); the rows of y (dim 0) halve between the 2 ranks; the last one's half is 2 MiB of bf16
+# (the shared shard buffer grows past its first 1 MiB), then a small shape again
+SHAPES = [((256, 128), 384), ((4, 64, 256), 128), ((1024, 512), 1024), ((2048, 256), 1024), ((256, 128), 384)]
+BOTH = frozenset({"scatter_pull", "scatter_pull_all"})
 BIASES = [None, "row", "full"]
 
 
@@ -100,7 +105,7 @@ def match_task() -> dict[str, int]:
 
     routes.reset()
     cases = [(10 * si + bi, shape, n, bias) for si, (shape, n) in enumerate(SHAPES) for bi, bias in enumerate(BIASES)]
-    with config.patch(wait_timeout_ms=LONG_MS, experiments=frozenset({"scatter_pull"})):
+    with config.patch(wait_timeout_ms=LONG_MS, experiments=BOTH):
         for seed, shape, n, bias in cases:
             before = routes.stats["route:scatter_pull"]
             a, w, c = _inputs(seed, shape, n, bias)
@@ -115,8 +120,9 @@ def match_task() -> dict[str, int]:
         for i, (seed, shape, n, bias) in enumerate(cases):  # queued, with fused all_gathers between them
             a, w, c = _inputs(seed + 5000, shape, n, bias)
             queued.append((a, w, c, _op(a, w, c)))
-            if i % 2 == 0:
-                x = torch.randn(64 + 32 * i, 128, device="cuda").bfloat16()
+            if i % 2 == 0:  # per-rank data: the peer's rows of the gathered tensor are checked below
+                gen = torch.Generator(device="cuda").manual_seed(7000 + 10 * i + torch.distributed.get_rank())
+                x = torch.randn(64 + 32 * i, 128, generator=gen, device="cuda").bfloat16()
                 wt = (torch.randn(96, 128, device="cuda") / 128 ** 0.5).bfloat16().t()
                 gathered.append((x, wt, torch.ops.flashoverlap.all_gather_gemm(
                     x, [wt], [None], 0, g.size(), g.group_name, "auto", True)))
@@ -124,16 +130,31 @@ def match_task() -> dict[str, int]:
         routes.check()
         for i, (a, w, c, out) in enumerate(queued):
             _check(out, a, w, c, f"queued case {i}")
-        for x, wt, (y, full) in gathered:  # the gathered rows and their GEMM, against the rows' own mm
+        for x, wt, (y, full) in gathered:  # every rank's rows (gloo's all_gather of the shards) and their GEMM
+            parts = [torch.empty(x.shape, dtype=torch.float32) for _ in range(2)]
+            torch.distributed.all_gather(parts, x.cpu().float())
+            want_rows = torch.cat(parts).bfloat16().cuda()
+            assert torch.equal(full, want_rows), "gather between pull calls: the gathered rows differ"
+            want = torch.mm(want_rows, wt).float()
             assert bool(torch.isfinite(y).all())
-            want = torch.mm(full, wt).float()
             assert ((y.float() - want).norm() / want.norm()).item() < 1e-2, "gather between pull calls: GEMM differs"
-            assert torch.equal(full[torch.distributed.get_rank() * x.shape[0]:][:x.shape[0]], x)
-    return {"synced": synced, "total": routes.stats["route:scatter_pull"],
-            "gathers": routes.stats["route:gather_peer"]}
+    with config.patch(wait_timeout_ms=LONG_MS, experiments=frozenset({"scatter_pull"})):  # staged sums only
+        a, w, c = _inputs(9000, *SHAPES[0], None)
+        before = dict(routes.stats)
+        _check(_op(a, w, c), a, w, c, "no bias, scatter_pull alone")
+        a, w, c = _inputs(9001, *SHAPES[0], "full")
+        _check(_op(a, w, c), a, w, c, "full bias, scatter_pull alone")
+        torch.cuda.synchronize()
+        routes.check()
+        took = {k: routes.stats[k] - before.get(k, 0) for k in ("route:scatter_pull", "route:peer")}
+        assert took == {"route:scatter_pull": 1, "route:peer": 1}, took
+    return {"synced": synced, "total": routes.stats["route:scatter_pull"] - 1,
+            "gathers": routes.stats["route:gather_peer"],
+            "workspaces": sorted(ws.capacity for lst in routes.gather_peer._workspaces.values() for ws in lst)}
 
 
 def test_scatter_pull_matches_reference(pool):
     n = len(SHAPES) * len(BIASES)
     for r in pool.run(match_task):
         assert r["synced"] == n and r["total"] == 2 * n and r["gathers"] == (n + 1) // 2, r
+        assert r["workspaces"] == [1 << 20, 2 << 20], r  # grown once past 1 MiB, the small one reused after

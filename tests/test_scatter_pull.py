@@ -12,8 +12,9 @@ from flashoverlap_inductor.native import kernels
 from flashoverlap_inductor.routes import scatter_pull
 
 
-def _call(collective="reduce_scatter", rows=256, world=2, dtype=torch.bfloat16, device="cuda"):
-    return routes.Call(collective, rows, 128, 64, dtype, world, 0, device, None, "auto", group_name="g")
+def _call(collective="reduce_scatter", rows=256, world=2, dtype=torch.bfloat16, device="cuda", compile_time=False):
+    return routes.Call(collective, rows, 128, 64, dtype, world, 0, device, None, "auto", group_name="g",
+                       compile_time=compile_time)
 
 
 ON = config.current().replace(experiments=frozenset({"scatter_pull"}))
@@ -21,8 +22,11 @@ ON = config.current().replace(experiments=frozenset({"scatter_pull"}))
 
 def test_declines_until_the_experiment_is_on(monkeypatch):
     monkeypatch.setattr(kernels, "available", lambda: True)
-    assert "experiment" in scatter_pull.unsupported(_call(), config.current())
+    assert "experiments" in scatter_pull.unsupported(_call(), config.current())
     assert scatter_pull.unsupported(_call(), ON) is None
+    assert scatter_pull.unsupported(_call(), config.current().replace(experiments=frozenset({"scatter_pull_all"}))) \
+        is None
+    assert "compile time" in scatter_pull.unsupported(_call(compile_time=True), ON)
     assert "all_reduce" in scatter_pull.unsupported(_call("all_reduce"), ON)
     assert "world size 3" in scatter_pull.unsupported(_call(world=3), ON)
     assert "halves" in scatter_pull.unsupported(_call(rows=255), ON)
@@ -37,6 +41,7 @@ def test_the_registry_prefers_it_only_under_the_experiment(monkeypatch):
     assert routes.REGISTRY[0] is scatter_pull.ROUTE
     assert routes.select(_call(), ON).name == "scatter_pull"
     assert routes.select(_call(), config.current()).name != "scatter_pull"
+    assert routes.select(_call(compile_time=True), ON).name == "peer"  # the pass predicts what runs without it
     assert routes.select(_call(device="cpu"), ON).name == "cpu"
 
 
@@ -47,6 +52,8 @@ def test_bias_forms():
     assert scatter_pull.bias_form(torch.zeros(1, 128), y) == "row"
     assert scatter_pull.bias_form(torch.zeros(4, 64, 128), y) == "full"
     assert scatter_pull.bias_form(torch.zeros(4, 1, 128), y) == "other"
+    assert scatter_pull.bias_form(torch.zeros(()), y) == "row" and scatter_pull.bias_form(torch.zeros(1), y) == "row"
+    assert scatter_pull.bias_form(torch.zeros(()), [4, 1]) == "row"  # a 0-d bias with N = 1
 
 
 @pytest.mark.parametrize("form", [None, "row", "full"])

@@ -1,14 +1,14 @@
-"""GEMM -> reduce_scatter on 2 GPUs: the pull route (experiment ``scatter_pull``) against the peer route, cuBLAS then
-NCCL, and the ideal ``max(T_gemm, T_comm)``, interleaved in one run (``tune.measure.Timer``: CUDA events, warm-up,
+"""GEMM -> reduce_scatter on 2 GPUs: the pull route (experiment ``scatter_pull_all``) against the peer route, cuBLAS
+then NCCL, and the ideal ``max(T_gemm, T_comm)``, interleaved in one run (``tune.measure.Timer``: CUDA events, warm-up,
 medians, max over ranks); and the sum of two GEMMs (a backward's summed input gradients: ``x1 @ w1 + x2 @ w2`` then
 reduce_scatter) as Inductor runs it (``mm``, ``mm``, ``add``, NCCL), as the pass fuses it today (one GEMM over the
-concatenated K, the cats included) and on the pull route (``t = x1 @ w1``, then the fused op with ``t`` as its
-bias). Every variant's result is checked against the sequential one (relative error) and its route is printed.
+concatenated K, the cats included) and on the pull route (``t = x1 @ w1``, then the fused op with ``t`` as its bias).
+Every variant's result is checked against the sequential one (relative error) and its route is printed.
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 examples/device/scatter_pull_bench.py \\
         [--shapes 4096x4096x4096,4096x4096x14336] [--sum-shapes 4096x4096x14336]
 
-Shapes are M x N x K with K the whole reduction (each rank holds K/2; a sum shape's two terms K/2 each per rank).
+Shapes are M x N x K with K the whole reduction (each rank holds K/2; a sum shape's two terms K/4 each per rank).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from flashoverlap_inductor import config, routes
 from flashoverlap_inductor.tune import measure as tm
 
-PULL = frozenset({"scatter_pull"})
+PULL = frozenset({"scatter_pull_all"})  # every 2-rank call on the pull route (the plain shapes have no bias)
 
 
 def shapes_of(text: str) -> list[tuple[int, int, int]]:

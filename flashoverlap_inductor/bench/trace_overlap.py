@@ -7,10 +7,12 @@ Each GPU event (kernel, copy, memset) falls in one class by its name (``classify
   GEMMs included (their epilogues also push data to peers: they count as compute);
 - ``triton``: Inductor's generated kernels (``triton_``);
 - ``nccl``: NCCL kernels (``nccl``);
-- ``copy``: copy-engine transfers (``Memcpy``: the gather route's pulls, peer copies, host copies);
+- ``copy``: copy-engine transfers between device memories (``Memcpy PtoP`` / ``DtoD``: the gather route's pulls and
+  shard copies, peer copies);
 - ``sync``: our protocol kernels (signal waits, flags, the watchdog's marks, ``FO_KERNELS``): they spin while they
   wait for a peer, so their time is waiting, not work;
-- ``other``: everything else (Inductor's extern kernels, ``Memset``, elementwise ATen kernels).
+- ``other``: everything else (Inductor's extern kernels, ``Memset``, host copies ``HtoD`` / ``DtoH``, elementwise
+  ATen kernels).
 
 Communication is ``nccl`` + ``copy`` + ``sync``; compute is the rest. ``overlap`` gives, in ms over the whole trace
 (all its steps), the union of each side's intervals over every stream, their intersection, and the communication
@@ -27,7 +29,8 @@ from typing import Any
 
 GEMM_MARKS = ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas")
 FO_KERNELS = ("wait_counter_kernel", "gather_step_kernel", "gather_finish_kernel", "notify_list_kernel",
-              "stamp_kernel", "fault_", "inject_spin_kernel", "moe_poison")
+              "stamp_kernel", "fault_clear_kernel", "fault_exchange_kernel", "fault_finish_kernel",
+              "fault_local_kernel", "fault_mark_kernel", "inject_spin_kernel", "moe_poison")
 COMM_CLASSES = ("nccl", "copy", "sync")
 CLASSES = ("gemm", "triton", "other", "nccl", "copy", "sync")
 
@@ -36,7 +39,7 @@ def classify(name: str, cat: str) -> str:
     """The class (one of ``CLASSES``) of a GPU event named ``name`` in trace category ``cat``."""
     low = name.lower()
     if cat == "gpu_memcpy" or low.startswith("memcpy"):
-        return "copy"
+        return "other" if "htod" in low or "dtoh" in low else "copy"  # host transfers are not communication
     if "nccl" in low:
         return "nccl"
     if any(k in name for k in FO_KERNELS):

@@ -1,25 +1,27 @@
-"""Time model of the reduce_scatter pull route (``routes/scatter_pull.py``, 2 ranks) and the verdict for a sum of
-GEMMs staged for it (``passes/sum_of_gemms.stage_pull``); ms throughout.
+"""Time model of the reduce_scatter pull route (``routes/scatter_pull.py``, 2 ranks) and the verdict for a sum of GEMMs
+staged for it (``passes/sum_of_gemms.stage_pull``); ms throughout.
 
 The route runs the protocol of the all_gather peer route, so it takes that route's fitted terms (the GEMM data's
 ``gather_peer`` section: ``fixed_ms`` the handshake, ``gemm_factor`` the split GEMMs and the pulls' share of HBM,
 ``link_efficiency`` the copy engine's share of the NVLink rate)::
 
     T_pull = max(host_floor, fixed_ms + gemm_factor * (T_half + max(T_half, B / (link_efficiency * link)))
-                             + copy(B) + copy(3 B))
+                             + copy(2 B) + copy(3 B))
     T_half = T_ref(rows, n, k) / 2        B = rows / 2 * n * itemsize
 
-``copy(B)``: the peer's half into the symmetric buffer (``cost_model.copy_ms``); ``copy(3 B)``: the add of the pulled
-half (two reads, one write). ``host_floor`` (``HOST_FLOOR_MS``; none when the call is replayed from a CUDA graph):
-measured on 2 H200s (twenty-eighth session): back to back at 4096x4096x4096 (each rank K 2048) the route ran
-0.41-0.44 ms per call, host-bound, where its GPU work is ~0.15 ms. Fitted to nothing else yet: the route's own rows
-of that run (down_proj 4096x4096x14336: 0.371 ms; the summed gradients 4096x4096x2x7168: 0.397 ms with the first
-GEMM) are what it should be checked against.
+``copy(2 B)``: the peer's half into the symmetric buffer, read and written (``cost_model.copy_ms`` counts traffic);
+``copy(3 B)``: the add of the pulled half (two reads, one write). Not counted: the reorder of a scatter over dim > 0
+with more than one leading row (copies of ``a`` and the partial sum), and the decision's error allowance (the
+concatenated form's verdict adds it). ``host_floor`` (``HOST_FLOOR_MS``; none when the call is replayed from a CUDA
+graph): measured on 2 H200s (twenty-eighth session): back to back at 4096x4096x4096 (each rank K 2048) the route ran
+0.41-0.44 ms per call, host-bound, where its GPU work is ~0.15 ms. Fitted to nothing else yet: the route's own rows of
+that run (down_proj 4096x4096x14336: 0.371 ms; the summed gradients 4096x4096x2x7168: 0.397 ms with the first GEMM) are
+what it should be checked against.
 
 A staged sum ``x_1 @ w_1 + ... + x_t @ w_t`` runs its first ``t - 1`` GEMMs unfused (``mm``, then ``addmm`` onto the
-partial sum) and the last as the fused op with the partial sum as its bias; sequentially the ``t`` GEMMs, the
-``t - 1`` adds (3 ``M x N`` each, read + write) and the reduce_scatter on the bandwidth curve. The host floor bounds
-the fused side as a whole (the unfused GEMMs' launches are cheap beside the fused call's).
+partial sum) and the last as the fused op with the partial sum as its bias; sequentially the ``t`` GEMMs, the ``t - 1``
+adds (3 ``M x N`` each, read + write) and the reduce_scatter on the bandwidth curve. The host floor bounds the fused
+side as a whole (the unfused GEMMs' launches are cheap beside the fused call's).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def pull_ms(model, rows: int, n: int, k: int, dtype: str, device_name: str | Non
     half = model.gemm.reference_ms(rows, n, k, dtype) / 2
     shard = rows // 2 * n * DTYPE_BYTES[dtype]
     pull = shard / (terms.link_efficiency * model.link_bytes_per_ms(2))
-    t = terms.fixed_ms + terms.gemm_factor * (half + max(half, pull)) + copy_ms(4 * shard, device_name)
+    t = terms.fixed_ms + terms.gemm_factor * (half + max(half, pull)) + copy_ms(5 * shard, device_name)
     return t if cuda_graphs else max(t, HOST_FLOOR_MS)
 
 

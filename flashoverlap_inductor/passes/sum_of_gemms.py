@@ -57,15 +57,18 @@ def stage(form: SumOfGemms, graph: torch.fx.Graph) -> Node:
 
 def pull_applies(form: SumOfGemms, wait: Node, settings: Any) -> tuple[int, int, list[int], str] | None:
     """``(m, n, ks, dtype)`` of a sum the pull route could take (the experiment on, a reduce_scatter over 2 ranks,
-    static sizes), else None."""
+    ``transport="peer"``, bf16 / fp16 / fp32, static sizes), else None. (On CPU tensors the CPU route runs the staged
+    op, whose bias of the output's shape it takes too.)"""
     from .matching import COLLECTIVE_OPS
 
     coll = wait.args[0]
     if "scatter_pull" not in settings.experiments or COLLECTIVE_OPS.get(coll.target) != "reduce_scatter":
         return None
-    if node_arg(coll, 2, "group_size", None) != 2:
+    if node_arg(coll, 2, "group_size", None) != 2 or settings.transport != "peer":
         return None
     y = val(form.terms[0])
+    if y.dtype not in (torch.bfloat16, torch.float16, torch.float32):  # the pull route's (routes/scatter_pull.py)
+        return None
     sizes = [*y.shape, *form.k_sizes()]
     if not all(compat.is_static_int(x) for x in sizes):
         return None

@@ -314,9 +314,12 @@ class GatherPeerRoute(symmetric.SymmetricRoute):
                         probe.mark(f"gemm_done:{j}", stream)
         finally:  # joined and poisoned whatever happened above: the copy stream never outlives the call's tensors
             rc_finish = lib.fo_gather_finish(ctypes.byref(p))
-            if rc_finish != 0 and sys.exc_info()[0] is not None:  # the call's own error propagates; this one logged
-                log.warning("flashoverlap gather_peer: fo_gather_finish after a failed call: %s",
-                            lib.fo_last_error().decode())
+            if rc_finish != 0:  # no join: the copy stream may still read a and write staging
+                a.record_stream(ws.flags.copy)
+                staging.record_stream(ws.flags.copy)
+                if sys.exc_info()[0] is not None:  # the call's own error propagates; this one logged
+                    log.warning("flashoverlap gather_peer: fo_gather_finish after a failed call: %s",
+                                lib.fo_last_error().decode())
             if probe is not None:
                 probe.mark("end", stream)
                 for r in range(geo.world):  # the memoized struct gets the flags' own events back

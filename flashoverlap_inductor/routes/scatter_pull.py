@@ -1,33 +1,35 @@
 """The copy-engine pull route of GEMM -> reduce_scatter on 2 ranks of one NVLink host: the GEMMs stay cuBLAS's.
 
-The experiment ``scatter_pull`` (off by default; 2 H200s, twenty-eighth session: see docs/results.md). The peer route
+The experiment ``scatter_pull`` (off by default; 2 H200s, twenty-eighth session: see docs/results.md) runs the calls
+whose bias has the output's shape here (the pass's pull staging of a sum of GEMMs; the peer route cannot take such a
+bias); ``scatter_pull_all`` every 2-rank reduce_scatter (for benchmarks: host-bound at small shapes). The peer route
 (``routes/peer.py``) stores GEMM 1's tiles into the peer over NVLink from its epilogue, which costs its CUTLASS GEMMs
 time that cuBLAS's GEMM does not spend (docs/design.md, "Host cost of a fused call", last paragraph), and it takes no
 row-varying addend. Here, per call (rank ``r``, peer ``p = 1 - r``; the output rows in halves, half ``h`` being rank
 ``h``'s result; ``M`` rows, ``N`` columns):
 
-- on the caller's stream: ``part = a[half p] @ b (+ bias[half p])`` (cuBLAS: ``mm`` / ``addmm``, a fresh
-  ``[M/2, N]``);
-- ``fo_gather_call`` with ``part`` as the shard: the all_gather peer route's protocol, flag page, epoch, copy stream
-  and symmetric buffers (``routes/gather_peer.py``; one call of that protocol per call of this route, in the same
-  order on every rank): the copy stream copies ``part`` into this rank's buffer, shakes hands with the peer (the
-  caller's stream waits for that), pulls the peer's part of this rank's rows into ``staging[p]`` by copy engine and
-  records ``p``'s event;
-- on the caller's stream meanwhile: ``out = a[half r] @ b (+ bias[half r])``, then, after ``p``'s event,
-  ``out += staging[p]`` (one add over ``M/2 x N``);
+- on the caller's stream: ``part = a[half p] @ b (+ bias[half p])`` (cuBLAS: ``mm`` / ``addmm``, a fresh ``[M/2, N]``);
+- ``fo_gather_call`` with ``part`` as the shard: the all_gather peer route's protocol, flag page, epoch, copy stream and
+  symmetric buffers (``routes/gather_peer.py``; one call of that protocol per call of this route, in the same order on
+  every rank): the copy stream copies ``part`` into this rank's buffer, shakes hands with the peer (the caller's stream
+  waits for that), pulls the peer's part of this rank's rows into ``staging`` (the protocol's slot ``p``; the library
+  writes no other slot, so only that one is allocated) by copy engine and records ``p``'s event;
+- on the caller's stream meanwhile: ``out = a[half r] @ b (+ bias[half r])``, then, after ``p``'s event, ``out +=
+  staging`` (one add over ``M/2 x N``);
 - ``fo_gather_finish``: the caller's stream joins the copy stream, and ``out`` is NaN while the group's fault block
   holds a fault (raised at the next call on every rank, as the gather route's).
 
 Invariants: the failure contract, the buffer reuse rule and the resynchronization are the gather route's (its
 docstring), since every wait, flag and buffer is its own; a fault raised here names ``gather_peer``. ``part``,
-``staging`` and ``a`` stay referenced until after the join. The sum order is ``own + peer`` on both ranks' halves
-(the reference ``reduce_scatter`` of the unfused op adds rank 0's then rank 1's rows: results agree to bf16
-rounding, not bit for bit).
+``staging`` and ``a`` stay referenced until after the join (and are recorded on the copy stream where the join failed).
+The sum order is ``own + peer`` on both ranks' halves (the reference ``reduce_scatter`` of the unfused op adds rank 0's
+then rank 1's rows: results agree to bf16 rounding, not bit for bit).
 
-Declines (pure): the experiment off, another collective than reduce_scatter, ``transport="nccl"``, a world size
-other than 2, rows that do not halve, a dtype other than bf16 / fp16 / fp32, no kernel library or sm90 GPU.
-``make_launch`` also declines a batched ``b`` (bmm), a bias that is neither one row ``[N]`` nor the output's full
-shape, and what the gather route's group check declines (hosts, symmetric memory).
+Declines (pure): both experiments off, any call at compile time, another collective than reduce_scatter,
+``transport="nccl"``, a world size other than 2, rows that do not halve, a dtype other than bf16 / fp16 / fp32, no
+kernel library or sm90 GPU. ``make_launch`` also declines a batched ``b`` (bmm), a bias that is neither one row ``[N]``
+nor the output's full shape, one that is not the output's shape unless ``scatter_pull_all`` is on (those calls go on to
+the peer route), and what the gather route's group check declines (hosts, symmetric memory).
 """
 
 from __future__ import annotations
@@ -49,14 +51,19 @@ from . import gather_peer, symmetric
 log = logging.getLogger("flashoverlap")
 
 NAME = "scatter_pull"
-EXPERIMENT = "scatter_pull"
+EXPERIMENT = "scatter_pull"  # calls with a bias of the output's shape (the pass's pull staging of a sum of GEMMs)
+EXPERIMENT_ALL = "scatter_pull_all"  # every 2-rank reduce_scatter (benchmarks: host-bound at small shapes)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def unsupported(call, settings: config.Settings) -> str | None:
-    """Why ``call`` cannot take this route (None: it can). Pure; depends only on what all ranks share."""
-    if EXPERIMENT not in settings.experiments:
-        return f"the experiment {EXPERIMENT!r} is off"
+    """Why ``call`` cannot take this route (None: it can). Pure; depends only on what all ranks share. At compile
+    time (``call.compile_time``) it declines: the pass predicts the calls it stages for this route with their own
+    model (``cost_model.pull``), and every other call runs where it would without the experiment."""
+    if EXPERIMENT not in settings.experiments and EXPERIMENT_ALL not in settings.experiments:
+        return f"the experiments {EXPERIMENT!r} and {EXPERIMENT_ALL!r} are off"
+    if call.compile_time:
+        return "compile time: the pass stages its calls itself (passes/sum_of_gemms.stage_pull)"
     if call.collective != "reduce_scatter":
         return f"{call.collective} is not a reduce_scatter"
     if settings.transport != "peer":
@@ -95,7 +102,7 @@ def bias_form(bias: torch.Tensor | None, y_shape: list[int]) -> str | None:
     """``None``, ``"row"`` or ``"full"`` (see ``ScatterLaunch``); ``"other"`` for any other broadcast."""
     if bias is None:
         return None
-    if bias.numel() == y_shape[-1] and bias.shape[-1] == y_shape[-1]:
+    if bias.numel() == 1 or (bias.dim() >= 1 and bias.numel() == y_shape[-1] and bias.shape[-1] == y_shape[-1]):
         return "row"
     if list(bias.shape) == list(y_shape):
         return "full"
@@ -108,6 +115,8 @@ def make_launch(call, settings: config.Settings, ctx) -> ScatterLaunch | str:
     form = bias_form(ctx.bias, ctx.y_shape)
     if form == "other":
         return f"bias: {tuple(ctx.bias.shape)} is neither one row [N] nor the output's shape {ctx.y_shape}"
+    if form != "full" and EXPERIMENT_ALL not in settings.experiments:  # the peer route is faster there
+        return "bias: not of the output's shape (the pull route takes staged sums only without scatter_pull_all)"
     why = gather_peer.group_issue(ctx.group)  # a collective, once per group: every rank gets here with this call
     if why is not None:
         return why
@@ -166,16 +175,16 @@ class ScatterPullRoute:
         a = ctx.a.reshape(2 * half, launch.k)
         bias = [None, None]
         if launch.bias == "row":
-            bias = [ctx.bias.reshape(launch.n)] * 2
+            bias = [ctx.bias.reshape(-1).expand(launch.n)] * 2
         elif launch.bias == "full":
             full = ctx.bias.reshape(2 * half, launch.n)
             bias = [full[:half], full[half:]]
         peer = 1 - rank
         part = half_gemm(a[peer * half:(peer + 1) * half], ctx.b, bias[peer]).contiguous()
-        staging = part.new_empty(2, half, launch.n)
+        staging = part.new_empty(half, launch.n)  # the pull's slot ``peer`` (the library writes no other slot)
         out = torch.empty(ctx.out_shape, dtype=part.dtype, device=device)
         p = args_for(launch, ws)  # the memoized struct: every per-call field set here (the dispatcher's lock)
-        p.a, p.staging, p.cur_stream = part.data_ptr(), staging.data_ptr(), cur
+        p.a, p.staging, p.cur_stream = part.data_ptr(), staging.data_ptr() - peer * launch.shard_bytes, cur
         p.outputs[0], p.output_numel[0] = out.data_ptr(), out.numel()
         lib = kernels.library()
         rc = lib.fo_gather_call(ctypes.byref(p))
@@ -184,12 +193,15 @@ class ScatterPullRoute:
                 own = out.view(half, launch.n)
                 half_gemm(a[rank * half:(rank + 1) * half], ctx.b, bias[rank], out=own)
                 torch.cuda.current_stream(device).wait_event(ws.flags.events[peer])
-                own.add_(staging[peer])
+                own.add_(staging)
         finally:  # joined and poisoned whatever happened above: the copy stream never outlives the call's tensors
             rc_finish = lib.fo_gather_finish(ctypes.byref(p))
-            if rc_finish != 0 and sys.exc_info()[0] is not None:
-                log.warning("flashoverlap scatter_pull: fo_gather_finish after a failed call: %s",
-                            lib.fo_last_error().decode())
+            if rc_finish != 0:  # no join: the copy stream may still read part and write staging
+                part.record_stream(ws.flags.copy)
+                staging.record_stream(ws.flags.copy)
+                if sys.exc_info()[0] is not None:
+                    log.warning("flashoverlap scatter_pull: fo_gather_finish after a failed call: %s",
+                                lib.fo_last_error().decode())
         kernels.check(rc, "fo_gather_call")
         kernels.check(rc_finish, "fo_gather_finish")
         del part, staging  # alive until here: read on the copy stream, which the finish joined
