@@ -78,3 +78,54 @@ def test_halves_sum_to_the_reduce_scatter(form):
         scatter_pull.half_gemm(a[rank][rank * half:(rank + 1) * half], b[rank], bias_rows(c[rank], rank), out=out)
         out.add_(part_from_peer)
         torch.testing.assert_close(out, full[rank * half:(rank + 1) * half])
+
+
+@pytest.mark.parametrize("form", [None, "full"])
+def test_execute_pulls_the_peers_part_into_the_right_rows(monkeypatch, form):
+    """``execute`` itself for both ranks of a simulated pair on the CPU: the library's calls faked (the pull writes the
+    peer's part for this rank's rows where the protocol's slot ``peer`` lies: ``p.staging + peer * shard_bytes``),
+    the stream wait a no-op. Each rank's result must be its half of the reduce_scatter."""
+    import ctypes
+    from types import SimpleNamespace
+
+    from flashoverlap_inductor.routes import gather_peer
+
+    gen = torch.Generator().manual_seed(5)
+    rows, k, n = 8, 16, 24  # a: [2, 4, k] per rank (3-D: halves are whole dim-0 elements)
+    a = [torch.randn(2, rows // 2, k, generator=gen) for _ in range(2)]
+    b = [torch.randn(k, n, generator=gen) for _ in range(2)]
+    c = [None if form is None else torch.randn(2, rows // 2, n, generator=gen) for _ in range(2)]
+    full = sum(x.reshape(rows, k) @ w + (0 if cc is None else cc.reshape(rows, n)) for x, w, cc in zip(a, b, c))
+    half = rows // 2
+    on = config.current().replace(experiments=frozenset({"scatter_pull", "scatter_pull_all"}))
+    monkeypatch.setattr(gather_peer, "group_issue", lambda g: None)
+    monkeypatch.setattr(scatter_pull.compat, "group_timeout_ms", lambda g: 1000.0)
+    monkeypatch.setattr(scatter_pull.compat, "current_raw_stream", lambda i: 0)
+    monkeypatch.setattr(scatter_pull, "_wait", lambda d, e: None)
+    monkeypatch.setattr(scatter_pull.symmetric, "order_after_last", lambda g, d, s: None)
+    flags = SimpleNamespace(views=[torch.zeros(4)] * 2, events=[SimpleNamespace(cuda_event=None)] * 2,
+                            epoch=torch.zeros(1), fault=SimpleNamespace(block_ptr=None, mirror_ptr=None),
+                            copy=SimpleNamespace(cuda_stream=None))
+    ws = SimpleNamespace(flags=flags, views=[torch.zeros(4)] * 2, serial=-1)
+    monkeypatch.setattr(gather_peer, "workspace", lambda *args: ws)
+    for rank in range(2):
+        peer = 1 - rank
+        sent = scatter_pull.half_gemm(a[peer].reshape(rows, k)[rank * half:(rank + 1) * half], b[peer],
+                                      None if c[peer] is None else c[peer].reshape(rows, n)[rank * half:][:half])
+
+        def gather_call(pp, rank=rank, peer=peer, sent=sent):
+            p = pp._obj
+            assert p.rank == rank and p.copy_own == 0 and p.shard_bytes == sent.numel() * sent.element_size()
+            ctypes.memmove(p.staging + peer * p.shard_bytes, sent.data_ptr(), p.shard_bytes)
+            return 0
+
+        lib = SimpleNamespace(fo_gather_call=gather_call, fo_gather_finish=lambda pp: 0)
+        monkeypatch.setattr(scatter_pull.kernels, "library", lambda lib=lib: lib)
+        call = routes.Call("reduce_scatter", rows, n, k, torch.float32, 2, rank, "cuda", None, "auto",
+                           group_name="g")
+        ctx = SimpleNamespace(a=a[rank], b=b[rank], bias=c[rank], group=None, y_shape=[2, half, n],
+                              out_shape=[1, half, n], capturing=False)
+        launch = scatter_pull.make_launch(call, on, ctx)
+        launch.args.clear()
+        out = scatter_pull.ROUTE.execute(launch, ctx)
+        torch.testing.assert_close(out.reshape(half, n), full[rank * half:(rank + 1) * half])

@@ -155,6 +155,11 @@ def half_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: 
     return torch.addmm(bias, a, b) if out is None else torch.addmm(bias, a, b, out=out)
 
 
+def _wait(device: torch.device, event) -> None:
+    """The caller's stream waits for ``event`` (the pull's)."""
+    torch.cuda.current_stream(device).wait_event(event)
+
+
 class ScatterPullRoute:
     name = NAME
     devices = ("cuda",)
@@ -192,7 +197,7 @@ class ScatterPullRoute:
             if rc == 0:  # the own half now (after the handshake), then the peer's part of it after its pull
                 own = out.view(half, launch.n)
                 half_gemm(a[rank * half:(rank + 1) * half], ctx.b, bias[rank], out=own)
-                torch.cuda.current_stream(device).wait_event(ws.flags.events[peer])
+                _wait(device, ws.flags.events[peer])
                 own.add_(staging)
         finally:  # joined and poisoned whatever happened above: the copy stream never outlives the call's tensors
             rc_finish = lib.fo_gather_finish(ctypes.byref(p))
