@@ -164,3 +164,25 @@ def cuda_gpus() -> int:
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:  # noqa: BLE001 - any failure to probe means: skip
         return 0
+
+
+def gather_library_ready() -> bool:
+    """CUDA, an sm90 GPU and a built library with the gather protocol (``fo_gather_call``): what the symmetric-memory
+    pull routes' GPU tests need (any failure to probe counts as not ready)."""
+    try:
+        import torch
+
+        from flashoverlap_inductor.native import kernels
+
+        return torch.cuda.is_available() and kernels.available() and hasattr(kernels.library(), "fo_gather_call")
+    except Exception:  # noqa: BLE001 - any failure to probe means: skip
+        return False
+
+
+def gpu0_setup() -> None:
+    """A pool's per-rank setup for ranks sharing one GPU: GPU 0 current and ``torch.ops.flashoverlap.*``
+    registered."""
+    import torch
+
+    torch.cuda.set_device(0)
+    from flashoverlap_inductor import ops  # noqa: F401

@@ -23,9 +23,7 @@ import time
 
 import pytest
 import torch
-from dist_utils import DistPool
-
-from flashoverlap_inductor.native import kernels
+from dist_utils import DistPool, gather_library_ready, gpu0_setup
 
 LONG_MS = 60000.0  # the bound of normal calls: time-sliced ranks may wait for another context's turn
 SHORT_MS = 1500.0  # the bound of the fault cases
@@ -33,27 +31,18 @@ STALL_S = 4.0  # how late the late rank comes (> SHORT_MS)
 SLACK_S = 5.0  # a timed-out call ends within its bound plus this (poison kernel, time slicing)
 
 
-def _ready() -> bool:
-    try:
-        return torch.cuda.is_available() and kernels.available() and hasattr(kernels.library(), "fo_gather_call")
-    except Exception:  # noqa: BLE001 - any failure to probe means: skip
-        return False
 
 
-pytestmark = pytest.mark.skipif(not _ready(), reason="needs a CUDA sm90 GPU and the built library")
+pytestmark = pytest.mark.skipif(not gather_library_ready(), reason="needs a CUDA sm90 GPU and the built library")
 
 
-def _setup() -> None:
-    """Each rank: the one GPU, and ``torch.ops.flashoverlap.*`` registered."""
-    torch.cuda.set_device(0)
-    from flashoverlap_inductor import ops  # noqa: F401
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
 def pool(request):
     env = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1", "FLASHOVERLAP_TRANSPORT": "peer",
            "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-    p = DistPool(request.param, env, timeout_s=300.0, backend="gloo", setup=_setup)
+    p = DistPool(request.param, env, timeout_s=300.0, backend="gloo", setup=gpu0_setup)
     yield p
     p.close()
 

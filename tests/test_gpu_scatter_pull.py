@@ -19,32 +19,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import DistPool
-
-from flashoverlap_inductor.native import kernels
+from dist_utils import DistPool, gather_library_ready, gpu0_setup
 
 LONG_MS = 60000.0
 
 
-def _ready() -> bool:
-    try:
-        return torch.cuda.is_available() and kernels.available() and hasattr(kernels.library(), "fo_gather_call")
-    except Exception:  # noqa: BLE001 - any failure to probe means: skip
-        return False
 
 
-pytestmark = pytest.mark.skipif(not _ready(), reason="needs a CUDA sm90 GPU and the built library")
+pytestmark = pytest.mark.skipif(not gather_library_ready(), reason="needs a CUDA sm90 GPU and the built library")
 
 
-def _setup() -> None:
-    torch.cuda.set_device(0)
-    from flashoverlap_inductor import ops  # noqa: F401
 
 
 @pytest.fixture(scope="module")
 def pool():
     env = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1", "FLASHOVERLAP_TRANSPORT": "peer"}
-    p = DistPool(2, env, timeout_s=300.0, backend="gloo", setup=_setup)
+    p = DistPool(2, env, timeout_s=300.0, backend="gloo", setup=gpu0_setup)
     yield p
     p.close()
 

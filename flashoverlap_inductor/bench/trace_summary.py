@@ -30,13 +30,7 @@ GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 def busy_ms(intervals: list[tuple[float, float]]) -> float:
     """The length of the union of ``(start_us, end_us)`` intervals, in ms."""
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(intervals):
-        if s >= end:
-            total, end = total + (e - s), e
-        elif e > end:
-            total, end = total + (e - end), e
-    return total / 1e3
+    return trace_overlap.length(trace_overlap.union(intervals)) / 1e3
 
 
 def summarize(path: str) -> dict[str, Any]:

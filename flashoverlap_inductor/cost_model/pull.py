@@ -35,23 +35,16 @@ from .pipeline import DTYPE_BYTES
 HOST_FLOOR_MS = 0.4
 
 
-def pull_ms(model, rows: int, n: int, k: int, dtype: str, device_name: str | None,
-            cuda_graphs: bool = False) -> float | None:
-    """``T_pull`` (module docstring) of a GEMM ``[rows, k] @ [k, n]`` then reduce_scatter on 2 ranks, or None when the
-    data has no ``gather_peer`` terms."""
+def pull_gpu_ms(model, rows: int, n: int, k: int, dtype: str, device_name: str | None) -> float | None:
+    """``T_pull`` (module docstring) without the host floor, the GPU's time alone, of a GEMM ``[rows, k] @ [k, n]`` then
+    reduce_scatter on 2 ranks; None when the data has no ``gather_peer`` terms."""
     terms = model.gemm.gather_peer
     if terms is None:
         return None
     half = model.gemm.reference_ms(rows, n, k, dtype) / 2
     shard = rows // 2 * n * DTYPE_BYTES[dtype]
     pull = shard / (terms.link_efficiency * model.link_bytes_per_ms(2))
-    t = terms.fixed_ms + terms.gemm_factor * (half + max(half, pull)) + copy_ms(5 * shard, device_name)
-    return t if cuda_graphs else max(t, HOST_FLOOR_MS)
-
-
-def pull_gpu_ms(model, rows: int, n: int, k: int, dtype: str, device_name: str | None) -> float | None:
-    """``T_pull`` without the host floor (the GPU's time alone), or None as ``pull_ms``."""
-    return pull_ms(model, rows, n, k, dtype, device_name, cuda_graphs=True)
+    return terms.fixed_ms + terms.gemm_factor * (half + max(half, pull)) + copy_ms(5 * shard, device_name)
 
 
 def sum_verdict(m: int, n: int, ks: Sequence[int], dtype: str, device_name: str | None, min_gain: float,

@@ -32,7 +32,7 @@ from torch.fx import Node
 from flashoverlap_inductor import _inductor_compat as compat
 
 from .fx_forms import node_arg, val
-from .matching import SumOfGemms
+from .matching import COLLECTIVE_OPS, SumOfGemms
 from .rewrite import _Builder
 
 aten = torch.ops.aten
@@ -59,8 +59,6 @@ def pull_applies(form: SumOfGemms, wait: Node, settings: Any) -> tuple[int, int,
     """``(m, n, ks, dtype)`` of a sum the pull route could take (the experiment on, a reduce_scatter over 2 ranks,
     ``transport="peer"``, bf16 / fp16 / fp32, static sizes), else None. (On CPU tensors the CPU route runs the staged
     op, whose bias of the output's shape it takes too.)"""
-    from .matching import COLLECTIVE_OPS
-
     coll = wait.args[0]
     if "scatter_pull" not in settings.experiments or COLLECTIVE_OPS.get(coll.target) != "reduce_scatter":
         return None
