@@ -1,7 +1,9 @@
 """The failure contract on one GPU: faults injected into the peer / ring routes (ranks as processes sharing the GPU,
 a gloo group, torch's symmetric memory) and into the NCCL route (an NCCL group of one rank), checked end to end.
 
-Per route (``--route peer --world 2``, ``--route ring --world 3``), every rank:
+Per route (``--route peer --world 2``, ``--route ring --world 3``, ``--route scatter_pull --world 2``: the
+reduce_scatter pull route under the experiment ``scatter_pull_all``, whose waits are the all_gather peer route's
+protocol), every rank:
 
 1. stall: a short wait bound (``--timeout-ms``); after a correct warm-up call, the last rank sleeps past the bound
    before its call. Every rank's output of that call must be NaN (poisoned) or correct, never a finite wrong
@@ -21,6 +23,7 @@ C`` (W and H must be 0, C must equal N). Exits 1 otherwise. Timings mean nothing
 
     python examples/device/fault_probe.py --route peer --world 2
     python examples/device/fault_probe.py --route ring --world 3
+    python examples/device/fault_probe.py --route scatter_pull --world 2
     python examples/device/fault_probe.py --nccl
     python examples/device/fault_probe.py --nccl-world 2
 """
@@ -72,6 +75,14 @@ def _op(op: str, a, b, world: int, name: str) -> torch.Tensor:
     return torch.ops.flashoverlap.gemm_reduce_scatter(a, b, None, "sum", world, name, "auto")
 
 
+def _ran(route: str) -> dict:
+    """The routes that ran so far, and ``wrong`` where the probed route never ran (the case then tested another)."""
+    from flashoverlap_inductor import routes
+
+    ran = {k: v for k, v in routes.stats.items() if k.startswith("route:")}
+    return {"routes": ran} if ran.get(f"route:{route}", 0) else {"routes": ran, "wrong": f"route {route} never ran"}
+
+
 def _expect_timeout(fn) -> str:
     from flashoverlap_inductor import errors
 
@@ -96,14 +107,15 @@ def worker(rank: int, world: int, port: int, out_dir: str, route: str, timeout_m
     stalls = rank == world - 1
     lines = []
     def settings():  # a fresh context manager per use
-        return config.patch(ring="all" if route == "ring" else "off", wait_timeout_ms=timeout_ms)
+        return config.patch(ring="all" if route == "ring" else "off", wait_timeout_ms=timeout_ms,
+                            experiments=["scatter_pull_all"] if route == "scatter_pull" else [])
 
     def record(case: str, **kw) -> None:
         line = {"case": case, "rank": rank, **kw}
         lines.append(line)
         print(json.dumps(line), flush=True)
 
-    for op in ("reduce_scatter", "all_reduce"):
+    for op in ("reduce_scatter",) if route == "scatter_pull" else ("reduce_scatter", "all_reduce"):
         try:
             with settings():  # stall, eager
                 out = _op(op, *_inputs(1, rank, device), world, name)
@@ -120,7 +132,7 @@ def worker(rank: int, world: int, port: int, out_dir: str, route: str, timeout_m
                 nxt = _verdict(_op(op, *_inputs(3, rank, device), world, name), _reference(3, world, rank, op, device))
                 torch.cuda.synchronize()
                 routes.check()
-            record(f"stall/{op}", warm=warm, stalled_call=got, error=err, next_call=nxt)
+            record(f"stall/{op}", warm=warm, stalled_call=got, error=err, next_call=nxt, **_ran(route))
             # replay: capture the shape (warmed up above), replay with the last rank stalled
             with settings():
                 a, b = _inputs(4, rank, device)
@@ -150,7 +162,7 @@ def worker(rank: int, world: int, port: int, out_dir: str, route: str, timeout_m
                 nxt = _verdict(gout, _reference(6, world, rank, op, device))
                 routes.check()
                 del graph
-            record(f"replay/{op}", stalled_call=got, error=err, next_call=nxt)
+            record(f"replay/{op}", stalled_call=got, error=err, next_call=nxt, **_ran(route))
         except Exception:  # noqa: BLE001 - reported
             record(f"{op}", error="EXCEPTION " + traceback.format_exc()[-600:])
         dist.barrier()
@@ -224,7 +236,7 @@ def summarize(out_dir: str, hangs: int) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--route", choices=("peer", "ring"), default="peer")
+    p.add_argument("--route", choices=("peer", "ring", "scatter_pull"), default="peer")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--nccl", action="store_true", help="the NCCL route's case instead (one process)")
     p.add_argument("--nccl-world", type=int, choices=(2,), help="the NCCL routes on 2 GPUs (fault_probe_nccl.py)")

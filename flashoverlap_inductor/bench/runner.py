@@ -6,7 +6,8 @@ each measured step lies between two CUDA events on the current stream, recorded 
 between steps (as a training or serving loop runs); on CPU each step starts after a barrier and is timed with
 ``time.perf_counter``. A backend's time is the median of its steps on each rank, then the max over ranks.
 
-A train step is forward + cross-entropy (fp32) on random target ids + backward + ``AdamW.step`` + ``zero_grad``,
+A train step is forward + cross-entropy (fp32) on random target ids + backward + ``AdamW.step`` + ``zero_grad``
+(under the ``-ro`` backends' CUDA graphs, forward and backward graphed, the optimizer eager, each step marked),
 on a fresh deep copy of the case's parallelized initial model with a fresh AdamW (so every backend starts from the
 same weights and the same, empty, optimizer state) and the same batches in the same order. A prefill step is a
 no-grad forward of the same ``[batch, seq]`` ids that returns the last position's logits (``logits_to_keep=1``,
@@ -127,8 +128,6 @@ def unavailable(backend: str, case: Case, env: Env) -> str | None:
     if backend in GRAPHED:
         if not env.cuda:
             return "n/a (CUDA graphs need CUDA)"
-        if case.workload != "prefill":
-            return "n/a (reduce-overhead is measured on prefill only)"
         if case.plan == "ep":
             return "n/a (the ep plan's data-dependent all_to_all splits cannot be captured in a CUDA graph)"
     if backend == "bound" and case.plan == "ep":
@@ -265,13 +264,16 @@ def build(kind: str, case: Case, template: nn.Module, data: list, env: Env, args
         model.train()
         fn = compile_for(kind, TrainLoss(model), env, args.fuse, capture, experiments)
         opt = make_optimizer(model, args.lr)
+        graphed = kind in GRAPHED
 
         def step(i: int) -> torch.Tensor:
+            if graphed:  # a new iteration of the CUDA graphs: the last step's outputs may be overwritten
+                torch.compiler.cudagraph_mark_step_begin()
             loss = fn(*data[i])
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return loss.detach()
+            return loss.detach().clone() if graphed else loss.detach()  # a graph's output is reused next step
 
         return Built(step, lambda outs: torch.stack(outs).double().cpu())
     model.eval()
