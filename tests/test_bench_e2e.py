@@ -342,3 +342,15 @@ def test_interleaved_backends_match_the_sequential_run(pool, tmp_path):
     assert inter[1]["fusion"] == seq[1]["fusion"] and inter[1]["fusion"].get("fused:reduce_scatter", 0) > 0
     assert inter[1]["runtime"].get("route:cpu", 0) == seq[1]["runtime"].get("route:cpu", 0) > 0, \
         (inter[1]["runtime"], seq[1]["runtime"])
+
+
+def test_time_budget_spent_reports_every_backend_not_started(pool, tmp_path):
+    """``--time-budget-s`` already spent when the backends come: no backend starts, on either rank (the ranks decide
+    together), every row says why, and the run ends cleanly (status 0: nothing failed)."""
+    argv = ["--preset", "tiny-llama", "--plan", "sp", "--workload", "train", "--backends", "inductor,flashoverlap",
+            *QUICK, "--time-budget-s", "0.001"]
+    res = pool.run(bench_worker, argv, str(tmp_path / "budget.json"), timeout_s=300)
+    assert [r["rc"] for r in res] == [0, 0], res[0]["stdout"]
+    rows = _rows(res[0]["json"], plan="sp", workload="train")
+    assert [(r["backend"], r["status"]) for r in rows] == [("inductor", "n/a"), ("flashoverlap", "n/a")], rows
+    assert all("time budget" in r["note"] for r in rows), rows

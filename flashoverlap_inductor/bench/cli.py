@@ -10,6 +10,7 @@ import argparse
 from flashoverlap_inductor import config
 
 from . import models, plans
+from .budget import Budget
 from .runner import FUSING
 
 BACKENDS = ("eager", "inductor", "inductor+async-tp", "flashoverlap", "flashoverlap-ro", "inductor-ro", "bound")
@@ -123,6 +124,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cuda: every rank on the same GPU(s) (local rank modulo the GPUs), over gloo: a correctness "
                         "run on one GPU; its timings mean nothing (ranks share the GPU; gloo stages collectives)")
     g.add_argument("--timeout-s", type=_positive, default=900, help="process-group timeout (s)")
+    g.add_argument("--time-budget-s", type=float, default=None, metavar="S",
+                   help="end within S seconds of the start, with the rows measured by then: backends not built in "
+                        "time show n/a, interleaved rows may hold fewer steps (whole rounds; bench/budget.py)")
     g = p.add_argument_group("output")
     g.add_argument("--json", default=None, help="write every row, the coverage and the settings here (rank 0)")
     g.add_argument("--png", default=None, help="speedup chart per model x plan x workload x backend (matplotlib)")
@@ -147,6 +151,9 @@ def resolve(args: argparse.Namespace, device: str, world: int) -> argparse.Names
         raise UsageError(f"--interleave must be >= 0, got {args.interleave}")
     if not args.lr > 0:
         raise UsageError(f"--lr must be > 0, got {args.lr}")
+    if args.time_budget_s is not None and not args.time_budget_s > 0:
+        raise UsageError(f"--time-budget-s must be > 0, got {args.time_budget_s}")
+    args.budget = Budget(args.time_budget_s)  # from here: the run's deadline
     args.seqs = {"train": args.seq or train_seqs, "prefill": args.seq or prefill_seqs}
     args.dtype = args.dtype if args.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
     overrides = {"hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers,

@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import datetime
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -141,7 +142,10 @@ def run_case(case: Case, template, env: Env, args: argparse.Namespace) -> list[d
             rows.append({**base, "backend": backend, "status": "n/a", "note": why[backend]})
         elif args.interleave:
             rows.append({**base, **ran.pop(0)})
+        elif not args.budget.allows(env, "backend"):
+            rows.append({**base, "backend": backend, "status": "n/a", "note": args.budget.skipped("this backend")})
         else:
+            started = time.monotonic()
             try:
                 rows.append({**base, **run_backend(backend, case, template, data, env, args)})
             except Exception as exc:  # noqa: BLE001 - reported in the row; the exit status becomes 1
@@ -150,6 +154,7 @@ def run_case(case: Case, template, env: Env, args: argparse.Namespace) -> list[d
                 rows.append({**base, "backend": backend, "status": "error",
                              "note": f"{type(exc).__name__}: {exc}"[:300]})
             release(env)
+            args.budget.timed("backend", time.monotonic() - started)
     for r in rows:
         if r["backend"] == "bound" and r["status"] == "ok":
             r["note"] = "; ".join(x for x in (bound.NOTE, r["note"]) if x)

@@ -9,7 +9,8 @@ one after another it lands on whichever ran last (2 H200s, qwen3-moe prefill: th
 Inductor in two runs). Each backend runs the same inputs in the same order as without ``--interleave``, so its
 values (losses, logits) are the same. Costs: every backend's model, gradients and optimizer state in memory at
 once (``peak_bytes`` is not reported: the backends share the peak), and each turn's first step starts from an idle
-host (the host runs ahead within a turn only).
+host (the host runs ahead within a turn only). Under ``--time-budget-s`` (``bench/budget.py``) a backend is built, and a
+round of turns started, only while the time left allows it.
 
 A fusing backend's row keeps its own compile report (taken after its warm-up) and the runtime counts of its own
 calls (the counters' growth over its turns added to what its warm-up counted).
@@ -18,6 +19,7 @@ calls (the counters' growth over its turns added to what its warm-up counted).
 from __future__ import annotations
 
 import contextlib
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +30,7 @@ from flashoverlap_inductor import _inductor_compat as compat
 from flashoverlap_inductor import reporting as fo
 
 from . import coverage
+from .budget import FINISH_SHARE, MEASURE_SHARE
 from .runner import FUSING, Built, Case, Env, _progress, build, finish, timed, trace, variant, warm
 
 
@@ -60,11 +63,16 @@ def _run(backends: list[str], case: Case, template: Any, data: list, env: Env, a
     torch._dynamo.reset()
     live: list[_Live] = []
     rows: dict[str, dict[str, Any]] = {}
+    budget = args.budget
     for backend in backends:
+        if not budget.allows(env, "build", MEASURE_SHARE):
+            rows[backend] = {"backend": backend, "status": "n/a", "note": budget.skipped("its build")}
+            continue
         kind, extra = variant(backend)
         capture = coverage.GraphCapture()
         fo.reset_fusion_report()
         bar = _progress(env, 1 + args.warmup, f"{case.label()} {backend} (build)")
+        started = time.monotonic()
         try:
             with fresh_cache() if args.cache == "fresh" else contextlib.nullcontext():
                 built = build(kind, case, template, data, env, args, capture,
@@ -76,12 +84,17 @@ def _run(backends: list[str], case: Case, template: Any, data: list, env: Env, a
             rows[backend] = _error(backend, exc, env)
         finally:
             bar.close()
+            budget.timed("build", time.monotonic() - started)
     first = 1 + args.warmup
     indices = list(range(first, first + args.steps))
     turns = [indices[i:i + args.interleave] for i in range(0, len(indices), args.interleave)]
     bar = _progress(env, len(indices) * len(live), f"{case.label()} interleaved, {len(live)} backends")
+    measured = 0  # steps each backend took: whole rounds only, so the losses still compare step for step
     try:
         for t, turn in enumerate(turns):
+            if t and not budget.allows(env, "round", FINISH_SHARE):
+                break
+            started = time.monotonic()
             for one in live[t % len(live):] + live[:t % len(live)] if live else []:
                 if one.backend in rows:  # failed in an earlier turn
                     continue
@@ -94,6 +107,8 @@ def _run(backends: list[str], case: Case, template: Any, data: list, env: Env, a
                 one.times += times
                 one.outs += outs
                 _add(one.runtime, before)
+            budget.timed("round", time.monotonic() - started)
+            measured += len(turn)
     finally:
         bar.close()
     for one in live:
@@ -106,7 +121,8 @@ def _run(backends: list[str], case: Case, template: Any, data: list, env: Env, a
             _add(one.runtime, before)  # the calls of the values and the trace, as runner.run_backend counts them
             rows[one.backend] = finish(one.backend, case, env, one.times, one.first_s, None, one.capture,
                                        one.compiled, one.runtime, traced, values)
-            rows[one.backend]["note"] = f"interleaved, {args.interleave} step(s) per turn"
+            rows[one.backend]["note"] = f"interleaved, {args.interleave} step(s) per turn" + (
+                f"; time budget: {measured} of {len(indices)} steps" if measured < len(indices) else "")
         except Exception as exc:  # noqa: BLE001 - reported in the row
             rows[one.backend] = _error(one.backend, exc, env)
     return [rows[b] for b in backends]

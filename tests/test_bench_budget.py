@@ -1,0 +1,115 @@
+"""``e2e --time-budget-s``: the run stops starting work it may not finish, the ranks decide together, and the rows
+measured by then are reported (``bench/budget.py``), checked with a fake clock and fake backends (no compiles)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from flashoverlap_inductor.bench import budget as budget_mod
+from flashoverlap_inductor.bench import cli, interleave
+from flashoverlap_inductor.bench.runner import Built
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Env:
+    """One rank; counts the verdict collectives."""
+
+    rank, world, cuda, quiet = 0, 1, False, True
+
+    def __init__(self) -> None:
+        self.collectives = 0
+
+    def reduce_max(self, values):
+        self.collectives += 1
+        return list(values)
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = Clock()
+    monkeypatch.setattr(budget_mod.time, "monotonic", c)  # the module's time is the stdlib's: one clock for all
+    return c
+
+
+def test_no_budget_allows_everything_without_a_collective(clock):
+    b, env = budget_mod.Budget(None), Env()
+    clock.now += 1e9
+    assert b.allows(env, "build", 0.9) and b.left() == float("inf") and env.collectives == 0
+
+
+def test_budget_keeps_the_longest_work_and_a_share(clock):
+    b, env = budget_mod.Budget(100.0), Env()
+    assert b.allows(env, "build", 0.3)  # nothing timed yet: 100 s left >= 0 + 30
+    b.timed("build", 40.0)
+    b.timed("build", 20.0)  # the longest stays
+    assert b.longest["build"] == 40.0
+    clock.now += 25.0  # 75 s left >= 40 + 30
+    assert b.allows(env, "build", 0.3)
+    clock.now += 10.0  # 65 s left < 70
+    assert not b.allows(env, "build", 0.3)
+    assert b.allows(env, "round")  # another kind, never timed
+    assert env.collectives == 4
+    assert "time budget: 100 s" in b.skipped("its build")
+
+
+def test_resolve_checks_and_creates_the_budget():
+    args = cli.build_parser().parse_args(["--preset", "tiny-llama", "--plan", "sp", "--time-budget-s", "30"])
+    assert cli.resolve(args, "cpu", 2).budget.seconds == 30.0
+    args = cli.build_parser().parse_args(["--preset", "tiny-llama", "--plan", "sp"])
+    assert cli.resolve(args, "cpu", 2).budget.seconds is None
+    args = cli.build_parser().parse_args(["--preset", "tiny-llama", "--plan", "sp", "--time-budget-s", "0"])
+    with pytest.raises(cli.UsageError, match="time-budget-s"):
+        cli.resolve(args, "cpu", 2)
+
+
+def test_interleaved_run_stops_between_builds_and_rounds(clock, monkeypatch):
+    """Builds of 20 s and steps of 5 s under a 100 s budget, 4 backends, 4 turns of 1 step: three backends are built
+    (the fourth would leave less than its build plus 30%), two whole rounds run (a third would leave less than a
+    round plus 10%), and every built row holds the same 2 steps, noted."""
+    steps_run: dict[str, list[int]] = {}
+
+    def build(kind, case, template, data, env, args, capture, experiments):
+        steps_run[kind] = []
+        return Built(lambda i, k=kind: steps_run[k].append(i), lambda outs: list(outs))
+
+    def warm(step, n_warm, env, bar):
+        clock.now += 20.0
+        return 20.0
+
+    def timed(step, indices, env, bar):
+        for i in indices:
+            step(i)
+            clock.now += 5.0
+        return [5.0] * len(indices), list(indices)
+
+    def finish(backend, case, env, times, first_s, peak, capture, compiled, runtime, traced, values):
+        return {"backend": backend, "status": "ok", "step_ms": times, "values": values, "note": ""}
+
+    for name, fn in (("build", build), ("warm", warm), ("timed", timed), ("finish", finish),
+                     ("trace", lambda *a: None)):
+        monkeypatch.setattr(interleave, name, fn)
+    args = argparse.Namespace(budget=budget_mod.Budget(100.0), warmup=0, steps=4, interleave=1, cache="keep",
+                              experiments=[])
+
+    class Case:
+        def label(self):
+            return "fake"
+
+    env = Env()
+    backends = ["inductor", "inductor-ro", "bound", "eager"]
+    rows = {r["backend"]: r for r in interleave._run(backends, Case(), None, [], env, args)}
+    assert rows["eager"]["status"] == "n/a" and "its build not started" in rows["eager"]["note"]
+    for name in backends[:3]:
+        row = rows[name]
+        assert row["status"] == "ok" and row["step_ms"] == [5.0, 5.0] and row["values"] == [1, 2], row
+        assert "time budget: 2 of 4 steps" in row["note"], row
+    assert env.collectives == 4 + 2  # a verdict per build and per round after the first, on every rank alike
