@@ -24,14 +24,17 @@
 # FO_FAULT_SPECS: the fault probes' argument lists, ';'-separated; FO_TIMELINE_ARGS: more timeline arguments (e.g.
 #   "--op reduce_scatter" or "--op all_reduce": the peer route's call timeline instead of the all_gather one, 1 PNG).
 # The MoE check alone (tests/test_gpu_moe.py, tests/test_moe_plan_kernel.py, bench_moe, moe_profile):
-#   FO_PART=B FO_SKIP="cpu coverage ops gather timeline".
+#   FO_PART=B FO_SKIP="cpu coverage ops gather push timeline".
 # FO_MOEPROF_SHAPES, FO_MOEPROF_PLANS: moe_profile's shapes and bench_moe plans (e.g. blocks+deferred+plan_triton).
 # FO_OPS_CAP_S: bench_ops' cap (default 120 s; FO_OPS_SHAPES=grid, the 16-shape grid, needs ~300); FO_OPS_ARGS: more
 #   bench_ops arguments (e.g. "--ops all_to_all").
 # FO_GATHER_ARGS: more bench_gather arguments (e.g. "--warmup-shapes 3"); FO_E2E_TRACE=1: the e2e run writes a profiler
 #   trace per case, backend and rank (rank 0's brought back as $OUT/e2e_traces.tgz) and trace_gaps.log (where each
 #   traced step's GPU idles: bench.trace_summary).
-# FO_SKIP: any of "build tests faults cpu coverage ops gather moe moeprof timeline e2e"; FO_BUDGET_S: the part's budget (default 570).
+# push (B): examples/device/push_probe.py, the gather schedule of copy-engine pushes and stream memory operations
+#   (FO_PUSH_ARGS: e.g. "--shapes 16384x6144x4096").
+# FO_SKIP: any of "build tests faults cpu coverage ops gather moe moeprof push timeline e2e"; FO_BUDGET_S: the part's
+#   budget (default 570).
 set -uo pipefail
 START=$SECONDS
 PART=${FO_PART:-A}
@@ -127,6 +130,11 @@ elif [ "$PART" = B ]; then
       >"$OUT/moe_profile.log" 2>&1
     echo "moe_profile rc=$?" | tee -a "$OUT/moe_profile.log"; grep "^==" "$OUT/moe_profile.log"
     (cd /tmp/fo_probe && tar czf "$OUT/moe_traces.tgz" moe_*.json 2>/dev/null)
+  fi
+  if [[ "$SKIP" != *" push "* ]]; then  # would copy-engine pushes and stream memory operations start the gather's GEMMs at once?
+    step "push_probe"
+    timeout "$(cap 150)" python3 "$REPO/examples/device/push_probe.py" ${FO_PUSH_ARGS:-} >"$OUT/push_probe.log" 2>&1
+    echo "push_probe rc=$?" | tee -a "$OUT/push_probe.log"; tail -9 "$OUT/push_probe.log"
   fi
   if [[ "$SKIP" != *" timeline "* ]]; then
     step "timeline"
