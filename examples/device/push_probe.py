@@ -1,6 +1,6 @@
 """Two GPUs, one process: would an all_gather -> GEMM schedule of copy-engine pushes and stream memory operations
 (no SM spent on the protocol) let each GEMM start at once and still hide the transfer? The probe behind the next
-gather protocol (docs/design.md, "The gather's start"; issue 31 item 2: 1.30x over sequential).
+gather protocol (docs/design.md, "Ops and routes", the gather peer route; issue 31 item 2: 1.30x over sequential).
 
 Today's gather peer route starts its GEMMs after a handshake: the own shard's device-to-device copy into symmetric
 memory and one-thread step kernels (which a persistent cuBLAS GEMM would starve of SMs) must finish first, 0.02-0.10
