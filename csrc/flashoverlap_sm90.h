@@ -366,6 +366,17 @@ FO_API int fo_ring_call(const fo_ring_args* args);
  * that fills every SM would otherwise hold a step kernel, hence the pulls, until its CTAs retire); the GEMMs start
  * one handshake later. Without it, the per-peer steps of 3. below. */
 #define FO_GATHER_GEMM_AFTER_HANDSHAKE 1
+/* options bit (experiment; never run on a GPU): the push schedule. buffers[p] are then every rank's receive buffers
+ * of world slots (slot j at buffers[p] + j * shard_bytes: rank j's shard; a workspace of its own, never shared with
+ * the schedules above). On copy_stream after the fork: begin and wait for every peer's done (as 1.), then copy a
+ * into slot `rank` of every peer's buffer (peer to peer, copy engine), add 1 to ready[rank] in every peer's page,
+ * and per peer j in arrival order wait until ready[j] here >= e and record shard_events[j]. cur_stream needs no
+ * handshake: the caller's GEMMs read a at once and slot j of this rank's buffer after shard_events[j] (staging is
+ * then that buffer for fo_gather_gemms). fo_gather_finish, on cur_stream, after every shard_events[j]: with
+ * copy_own, copies the slots and a into staging (the gathered rows); then adds 1 to done[rank] in every peer's page
+ * (only for a call whose begin was enqueued on this host thread), then joins and poisons as below. staging may be
+ * null without copy_own. */
+#define FO_GATHER_PUSH 2
 typedef struct {
   int32_t world, rank;
   int64_t shard_bytes;                        /* bytes of one shard ([shard_rows, K], contiguous) */
@@ -385,7 +396,7 @@ typedef struct {
   int32_t num_outputs;                        /* fo_gather_finish: outputs to poison on a fault */
   int32_t elem_bytes;                         /* 2 or 4 */
   int32_t bf16;                               /* elem_bytes 2: 1 bf16, 0 fp16 */
-  int32_t options;                            /* bit FO_GATHER_GEMM_AFTER_HANDSHAKE; other bits 0 */
+  int32_t options;                            /* bits FO_GATHER_GEMM_AFTER_HANDSHAKE, FO_GATHER_PUSH */
   void* outputs[FO_GATHER_MAX_OUTPUTS];
   int64_t output_numel[FO_GATHER_MAX_OUTPUTS];
 } fo_gather_args;

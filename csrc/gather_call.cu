@@ -109,6 +109,10 @@ __global__ void gather_finish_kernel(fo_fault* f, int* mirror, GatherOutputs o, 
 
 struct GatherEvents {
   cudaEvent_t fork = nullptr, join = nullptr, ready = nullptr;  // ready: every peer's shard is in its buffer
+  // The push schedule's call on this thread and device, from fo_gather_call to fo_gather_finish: whether its begin
+  // was enqueued (then its finish owes every peer a done), and an enqueue failure no step kernel recorded yet.
+  bool push_begun = false;
+  int push_fail_tag = 0;
 };
 
 // Per host thread and device, like ring_call.cu's events.
@@ -142,8 +146,13 @@ int check_args(fo_gather_args const& p, bool finish) {
     }
     return 0;
   }
-  if (p.shard_bytes <= 0 || p.a == nullptr || p.staging == nullptr || p.epoch == nullptr) {
-    return fail_code(2, "fo_gather_call: shard_bytes must be positive; a, staging and epoch are required");
+  bool const staging_needed = (p.options & FO_GATHER_PUSH) == 0 || p.copy_own != 0;
+  if (p.shard_bytes <= 0 || p.a == nullptr || (staging_needed && p.staging == nullptr) || p.epoch == nullptr) {
+    return fail_code(2, "fo_gather_call: shard_bytes must be positive; a, staging (but for a push without copy_own) "
+                        "and epoch are required");
+  }
+  if ((p.options & FO_GATHER_PUSH) != 0 && (p.options & FO_GATHER_GEMM_AFTER_HANDSHAKE) != 0) {
+    return fail_code(2, "fo_gather_call: FO_GATHER_PUSH excludes FO_GATHER_GEMM_AFTER_HANDSHAKE");
   }
   if (p.timeout_ns <= 0) return fail_code(2, "fo_gather_call: timeout_ns must be positive");
   for (int r = 0; r < p.world; ++r) {
@@ -171,6 +180,103 @@ int launch_step(GatherStep const& s, cudaStream_t stream) {
   return cuda_check(cudaGetLastError(), "gather step kernel");
 }
 
+// The push schedule's fo_gather_call (flashoverlap_sm90.h, FO_GATHER_PUSH): everything on the copy stream, which
+// cur_stream does not wait for, so the caller's GEMMs start at once. Its first kernel is enqueued before them on the
+// high-priority copy stream and usually finds its waits met; the pushes need no SM; the ready notification and the
+// waits for the peers' shards run when the caller's first GEMMs free an SM, which is when they are needed.
+int push_call(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur, cudaStream_t copy) {
+  int const W = p.world, r = p.rank;
+  size_t const bytes = size_t(p.shard_bytes);
+  int rc = cuda_check(cudaEventRecord(ev->fork, cur), "fork record");
+  if (rc == 0) rc = cuda_check(cudaStreamWaitEvent(copy, ev->fork, 0), "fork wait");
+  if (rc != 0) return rc;
+  // 1. begin; every peer done reading its slot of this rank's previous push (call e - 1) before it is overwritten.
+  GatherStep s = step_base(p);
+  s.begin = 1;
+  s.wait_offset = -1;
+  for (int d = 1; d < W; ++d) {
+    int const j = (r + d) % W;
+    s.wait[s.num_wait] = p.flags[r] + kDone + j;
+    s.tag[s.num_wait++] = kTagDone + j;
+  }
+  if ((rc = launch_step(s, copy)) != 0) return rc;
+  ev->push_begun = true;  // from here on every notification is issued whatever fails (as fo_gather_call's)
+  int first = 0, fail_tag = 0;
+  auto note = [&](int code, int tag) {
+    if (code != 0 && first == 0) first = code;
+    if (code != 0 && fail_tag == 0) fail_tag = tag;
+  };
+  // 2. a into slot r of every peer's buffer, the peer that takes it first (r + 1) first.
+  for (int d = 1; d < W; ++d) {
+    int const j = (r + d) % W;
+    note(cuda_check(cudaMemcpyAsync(static_cast<char*>(p.buffers[j]) + size_t(r) * bytes, p.a, bytes,
+                                    cudaMemcpyDeviceToDevice, copy), "shard push"), kTagEnqueue + d);
+  }
+  // 3. ready to every peer, after every push in stream order.
+  s = step_base(p);
+  s.fail_tag = fail_tag;
+  for (int q = 1; q < W; ++q) s.notify[s.num_notify++] = p.flags[(r + q) % W] + kReady + r;
+  if (int const krc = launch_step(s, copy); krc == 0) {
+    fail_tag = 0;
+  } else {
+    note(krc, kTagEnqueue + W);
+  }
+  // 4. per peer j in arrival order: its shard is in slot j here; the caller's GEMM of slot j waits for its event.
+  for (int d = 1; d < W; ++d) {
+    int const j = (r - d + W) % W;
+    s = step_base(p);
+    s.fail_tag = fail_tag;
+    s.wait[0] = p.flags[r] + kReady + j;
+    s.tag[0] = kTagReady + j;
+    s.num_wait = 1;
+    if (int const krc = launch_step(s, copy); krc == 0) {
+      fail_tag = 0;
+    } else {
+      note(krc, kTagEnqueue + W + d);
+    }
+    note(cuda_check(cudaEventRecord(static_cast<cudaEvent_t>(p.shard_events[j]), copy), "shard record"),
+         kTagEnqueue + W + d);
+  }
+  ev->push_fail_tag = fail_tag;  // recorded by fo_gather_finish's done notification
+  return first;
+}
+
+// The push schedule's part of fo_gather_finish, on cur_stream after the caller's GEMMs: the gathered rows (with
+// copy_own), then done to every peer; nothing for a call whose begin was not enqueued.
+int push_finish(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur) {
+  bool const began = ev->push_begun;
+  int fail_tag = ev->push_fail_tag;
+  ev->push_begun = false;
+  ev->push_fail_tag = 0;
+  if (!began) return 0;
+  int const W = p.world, r = p.rank;
+  size_t const bytes = size_t(p.shard_bytes);
+  int first = 0;
+  auto note = [&](int code, int tag) {
+    if (code != 0 && first == 0) first = code;
+    if (code != 0 && fail_tag == 0) fail_tag = tag;
+  };
+  for (int d = 1; d < W; ++d) {  // every slot landed (or its wait gave up: the call is poisoned then)
+    int const j = (r - d + W) % W;
+    note(cuda_check(cudaStreamWaitEvent(cur, static_cast<cudaEvent_t>(p.shard_events[j]), 0), "slot wait"),
+         kTagEnqueue + 3 * W);
+  }
+  if (p.copy_own != 0 && p.staging != nullptr) {
+    char* const staging = static_cast<char*>(p.staging);
+    char const* const slots = static_cast<char const*>(p.buffers[r]);
+    for (int j = 0; j < W; ++j) {
+      void const* src = j == r ? p.a : static_cast<void const*>(slots + size_t(j) * bytes);
+      note(cuda_check(cudaMemcpyAsync(staging + size_t(j) * bytes, src, bytes, cudaMemcpyDeviceToDevice, cur),
+                      "gathered copy"), kTagEnqueue + 3 * W + 1);
+    }
+  }
+  GatherStep s = step_base(p);  // done to every peer: its slot here may be written again
+  s.fail_tag = fail_tag;
+  for (int q = 1; q < W; ++q) s.notify[s.num_notify++] = p.flags[(r + q) % W] + kDone + r;
+  int const krc = launch_step(s, cur);
+  return first != 0 ? first : krc;
+}
+
 }  // namespace
 
 // fo_preload (api.cu): load this file's kernels too (lazy loading may synchronize the context under a spinning wait).
@@ -196,6 +302,7 @@ FO_API int fo_gather_call(const fo_gather_args* args) {
   if ((rc = events(ev)) != 0) return rc;
   auto cur = static_cast<cudaStream_t>(p.cur_stream);
   auto copy = static_cast<cudaStream_t>(p.copy_stream);
+  if ((p.options & FO_GATHER_PUSH) != 0) return push_call(p, ev, cur, copy);
   int const W = p.world, r = p.rank;
   size_t const bytes = size_t(p.shard_bytes);
   char* const staging = static_cast<char*>(p.staging);
@@ -306,6 +413,7 @@ FO_API int fo_gather_finish(const fo_gather_args* args) {
   if ((rc = events(ev)) != 0) return rc;
   auto cur = static_cast<cudaStream_t>(p.cur_stream);
   auto copy = static_cast<cudaStream_t>(p.copy_stream);
+  int const push_rc = (p.options & FO_GATHER_PUSH) != 0 ? push_finish(p, ev, cur) : 0;
   if ((rc = cuda_check(cudaEventRecord(ev->join, copy), "join record")) != 0) return rc;
   if ((rc = cuda_check(cudaStreamWaitEvent(cur, ev->join, 0), "join wait")) != 0) return rc;
   GatherOutputs o{};
@@ -315,7 +423,8 @@ FO_API int fo_gather_finish(const fo_gather_args* args) {
     o.numel[o.count++] = p.output_numel[k];
   }
   gather_finish_kernel<<<32, 256, 0, cur>>>(p.fault, p.mirror, o, p.elem_bytes, nan_bits(p.elem_bytes, p.bf16 != 0));
-  return cuda_check(cudaGetLastError(), "gather finish kernel");
+  rc = cuda_check(cudaGetLastError(), "gather finish kernel");
+  return push_rc != 0 ? push_rc : rc;
 }
 
 }  // extern "C"

@@ -44,7 +44,7 @@ TRANSPORTS = ("peer", "nccl")
 RING_MODES = ("off", "wide", "all")
 GEMM_GRIDS = ("tiles", "persistent")
 ROW_ORDERS = ("schedule", "gather")
-GATHER_STARTS = ("handshake", "eager")
+GATHER_STARTS = ("handshake", "eager", "push")
 DTYPES = ("bfloat16", "float16", "float32")  # the GEMM output dtypes the fused routes and the cost model know
 OPTION_PREFIX = "flashoverlap."
 # Experimental variants still under study: each name turns one on (``Settings.experiments``).
@@ -136,7 +136,8 @@ class Tuning:
     peer_kernel: str | None = None  # peer/ring routes: the _addc GEMM configuration; None: preferred
     # gather_peer route: when the caller's GEMMs start. "handshake": after every rank's shard is in its buffer (one
     # handshake, ~10-30 us), so the pulls need no SM while the GEMMs run; "eager": at once, the protocol's per-peer
-    # step kernels then wait for an SM the GEMM frees (the route's behaviour before 2026-11-26).
+    # step kernels then wait for an SM the GEMM frees (the route's behaviour before 2026-11-26); "push" (experiment,
+    # never run on a GPU): at once, each rank pushing its shard by copy engine into the peers' receive buffers.
     gather_start: str = "handshake"
 
     def __post_init__(self) -> None:

@@ -5,16 +5,18 @@ group, torch's symmetric memory under ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES
 failure contract, not speed (``examples/device/gather_probe.py`` times the per-shard GEMMs).
 
 Skipped unless CUDA, an sm90 GPU and a library with ``fo_gather_call`` are present. Every call runs on fresh random
-bf16 data and is compared with eager PyTorch on the same rank (gloo ``all_gather`` of the shards, then ``torch.mm`` /
-``addmm``) and with an fp64 reference; the gathered tensor must equal eager's bit for bit; every call must count
+bf16 data and is compared with eager PyTorch on the same rank (gloo ``all_gather`` of the shards, then ``torch.mm``
+/ ``addmm``) and with an fp64 reference; the gathered tensor must equal eager's bit for bit; every call must count
 ``route:gather_peer`` (so no check can pass on the unfused route). Covered: gather_dim 0 and 1 (contiguous and
 strided shard rows), 1 and 3 weights, bias or none, the gathered tensor returned or not, a shard buffer that grows,
 the same calls queued with no synchronization between them (the done flags guard every buffer; ``gather_start``
-"handshake" and "eager" alternating), the GEMMs in one library call equal to ``torch.mm``'s bit for bit (the
-experiment ``gather_torch_gemms`` runs the latter), a rank that comes
-late (every rank's outputs NaN, every rank raises ``FlashOverlapTimeout``, the next call is correct with no reset),
-and a rank that skips a call (the others raise within the bound, the skipper in ``routes.check()``; with no reset,
-the next call resynchronizes the group first and it and the one after are correct on every rank).
+"handshake" and "eager" alternating, and with "push" too), the GEMMs in one library call equal to ``torch.mm``'s bit
+for bit (the experiment ``gather_torch_gemms`` runs the latter), a rank that comes late (every rank's outputs NaN,
+every rank raises ``FlashOverlapTimeout``, the next call is correct with no reset), and a rank that skips a call
+(the others raise within the bound, the skipper in ``routes.check()``; with no reset, the next call resynchronizes
+the group first and it and the one after are correct on every rank). The matching and fault tests run under
+``gather_start="handshake"`` (the default) and ``"push"`` (the push schedule, an experiment: its first GPU run is
+these tests).
 """
 
 from __future__ import annotations
@@ -115,13 +117,19 @@ def _cases() -> list[tuple]:
     return out
 
 
-def match_task() -> dict[str, int]:
-    """Every case synchronized and checked, then every case queued back to back and checked after one sync."""
+STARTS = ("handshake", "push")  # the gather_start of the matching and fault tests
+
+
+def match_task(start: str) -> dict:
+    """Every case synchronized and checked under ``gather_start=start``, then every case queued back to back and
+    checked after one sync, the starts alternating (with "push": all three, so the schedules share flags in one
+    queue)."""
     from flashoverlap_inductor import config, routes
 
     routes.reset()
     cases = _cases()
-    with config.patch(wait_timeout_ms=LONG_MS):
+    mixed = ("handshake", "eager", "push") if start == "push" else ("handshake", "eager")
+    with config.patch(wait_timeout_ms=LONG_MS, gather_start=start):
         for seed, shape, gdim, ns, bias, ret in cases:
             before = routes.stats["route:gather_peer"]
             a, ws, cs = _inputs(seed, shape, ns, bias)
@@ -134,22 +142,26 @@ def match_task() -> dict[str, int]:
         queued = []
         for i, (seed, shape, gdim, ns, bias, ret) in enumerate(cases):  # both GEMM starts, mixed in one queue
             a, ws, cs = _inputs(seed + 5000, shape, ns, bias)
-            with config.patch(gather_start=("handshake", "eager")[i % 2]):
+            with config.patch(gather_start=mixed[i % len(mixed)]):
                 queued.append((a, ws, cs, gdim, ret, _op(a, ws, cs, gdim, ret)))
         torch.cuda.synchronize()
         routes.check()
         for i, (a, ws, cs, gdim, ret, outs) in enumerate(queued):
             _check(outs, a, ws, cs, gdim, ret, f"queued case {i}")
-    workspaces = sorted(ws.capacity for lst in routes.gather_peer._workspaces.values() for ws in lst)
-    return {"synced": synced, "total": routes.stats["route:gather_peer"], "workspaces": workspaces}
+    lists = {key[2:]: sorted(ws.capacity for ws in lst) for key, lst in routes.gather_peer._workspaces.items()}
+    return {"synced": synced, "total": routes.stats["route:gather_peer"], "pull": lists.get((), []),
+            "push": lists.get(("push",), [])}
 
 
-def test_gather_peer_matches_eager(pool):
-    n = len(_cases())
-    per_rank = pool.run(match_task)
+@pytest.mark.parametrize("start", STARTS)
+def test_gather_peer_matches_eager(pool, start):
+    n, world = len(_cases()), pool.world_size
+    per_rank = pool.run(match_task, start)
     for r in per_rank:
         assert r["synced"] == n and r["total"] == 2 * n, per_rank
-        assert r["workspaces"] == [1 << 20, 4 << 20], per_rank  # 1 MiB, grown once to 4 MiB, the small one reused
+        assert r["pull"] == [1 << 20, 4 << 20], per_rank  # 1 MiB, grown once to 4 MiB, the small one reused
+        # the push schedule's own list: world slots per rank (the small shards fit 1 MiB, the 4 MiB one grows it)
+        assert r["push"] == ([1 << 20, (4 << 20) * world] if start == "push" else []), per_rank
 
 
 def library_gemms_task() -> dict[str, int]:
@@ -209,7 +221,7 @@ def _expect_timeout(fn) -> str:
 CASE = ((256, 512), 0, [384, 128], True, True)  # shape, gather_dim, N, bias, return_gathered
 
 
-def late_rank_task() -> dict:
+def late_rank_task(start: str) -> dict:
     """The last rank comes STALL_S late to one call: the others' waits give up at the bound, every rank's outputs
     of that call are NaN and every rank raises; the next call resynchronizes the group (every rank raised) and is
     correct, with no reset."""
@@ -222,7 +234,7 @@ def late_rank_task() -> dict:
     shape, gdim, ns, bias, ret = CASE
     routes.reset()
     out: dict = {"late": late}
-    with config.patch(wait_timeout_ms=SHORT_MS):
+    with config.patch(wait_timeout_ms=SHORT_MS, gather_start=start):
         a, ws, cs = _inputs(1, shape, ns, bias)  # both ranks: the shape's agreement, buffers and flags exist
         _check(_op(a, ws, cs, gdim, ret), a, ws, cs, gdim, ret, "warm-up")
         routes.check()
@@ -248,8 +260,9 @@ def late_rank_task() -> dict:
     return out
 
 
-def test_gather_peer_late_rank_poisons_and_raises_everywhere(pool):
-    per_rank = pool.run(late_rank_task)
+@pytest.mark.parametrize("start", STARTS)
+def test_gather_peer_late_rank_poisons_and_raises_everywhere(pool, start):
+    per_rank = pool.run(late_rank_task, start)
     for r in per_rank:
         assert r["pending"] and r["poisoned"], per_rank
         assert r["error"].startswith("raised") and "gather_peer" in r["error"], per_rank
@@ -258,7 +271,7 @@ def test_gather_peer_late_rank_poisons_and_raises_everywhere(pool):
             assert r["elapsed_s"] < SHORT_MS / 1e3 + SLACK_S, per_rank
 
 
-def missing_rank_task() -> dict:
+def missing_rank_task(start: str) -> dict:
     """The last rank skips a call: the others' waits give up at the bound, their outputs are NaN and they raise; the
     skipper raises too, in ``routes.check()`` (their waits wrote the fault into its block). The flags are a call
     apart then (a skipped call consumes no epoch), and nobody resets: every rank's next call first resynchronizes
@@ -273,7 +286,7 @@ def missing_rank_task() -> dict:
     shape, gdim, ns, bias, ret = CASE
     routes.reset()
     out: dict = {"skips": rank == world - 1}
-    with config.patch(wait_timeout_ms=SHORT_MS):
+    with config.patch(wait_timeout_ms=SHORT_MS, gather_start=start):
         a, ws, cs = _inputs(1, shape, ns, bias)
         _check(_op(a, ws, cs, gdim, ret), a, ws, cs, gdim, ret, "warm-up")
         routes.check()
@@ -299,8 +312,9 @@ def missing_rank_task() -> dict:
     return out
 
 
-def test_gather_peer_missing_rank_times_out(pool):
-    per_rank = pool.run(missing_rank_task)
+@pytest.mark.parametrize("start", STARTS)
+def test_gather_peer_missing_rank_times_out(pool, start):
+    per_rank = pool.run(missing_rank_task, start)
     for r in per_rank:
         assert r["error"].startswith("raised") and "gather_peer" in r["error"], per_rank  # every rank raised
         assert r["marked"] and r["resyncs"] == 1 and not r["marked_after"], per_rank

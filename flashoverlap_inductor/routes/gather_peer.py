@@ -15,6 +15,15 @@ share one GPU works too, under ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``). 
 - ``fo_gather_finish``: the caller's stream joins the copy stream, and one kernel fills every output (each ``y_i``
   and, when returned, the gathered rows) with NaN while the group's fault block holds a fault.
 
+``gather_start="push"`` (an experiment, never run on a GPU; ``FO_GATHER_PUSH``): no handshake before the GEMMs and
+no copy of the own shard into symmetric memory (beside a full GEMM such a copy ends only with it). The copy stream
+begins the call, waits for every peer's done, pushes ``a`` into slot ``rank`` of every peer's receive buffer (peer
+to peer, copy engine; a workspace list of its own, ``world`` slots of ``shard_bytes`` per rank), tells every peer,
+then waits for each peer's shard in slot ``j`` here and records ``j``'s event; the caller's stream runs the local
+GEMMs at once and slot ``j``'s after ``j``'s event; ``fo_gather_finish`` copies the gathered rows out of the slots
+(when returned) and tells every peer its slot here is read, then joins and poisons. Same flags, epochs and fault
+block as above (every call adds each flag once whichever schedule it runs).
+
 Invariants (units: bytes for buffers and shards, flattened rows for the GEMMs, as ``schedule.gather``):
 
 - Memory of one (device, group): a flag page of ``FLAG_BYTES`` (zeroed once; ``ready[j]`` at int ``j`` and
@@ -77,6 +86,8 @@ FLAG_BYTES = FAULT_OFFSET + faults.BLOCK_BYTES
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 NAME = "gather_peer"
 GEMM_AFTER_HANDSHAKE = 1  # fo_gather_args.options bit FO_GATHER_GEMM_AFTER_HANDSHAKE (Tuning.gather_start)
+PUSH = 2  # fo_gather_args.options bit FO_GATHER_PUSH (gather_start="push")
+OPTIONS = {"handshake": GEMM_AFTER_HANDSHAKE, "eager": 0, "push": PUSH}  # Tuning.gather_start -> options
 
 
 class GatherArgs(ctypes.Structure):
@@ -142,9 +153,10 @@ def flags(group: dist.ProcessGroup, device: torch.device) -> GatherFlags:
 
 
 def workspace(group: dist.ProcessGroup, device: torch.device, need: int,
-              capturing: bool = False) -> GatherWorkspace | None:
+              capturing: bool = False, push: bool = False) -> GatherWorkspace | None:
     """The smallest shard buffer of (device, group) with ``need`` bytes (``symmetric.smallest_with_room``: None
-    inside a capture when none has room)."""
+    inside a capture when none has room); ``push``: from the push schedule's own list (its slots are written by the
+    peers, so no buffer serves both schedules)."""
 
     def make(capacity: int) -> GatherWorkspace:
         f = flags(group, device)
@@ -153,8 +165,8 @@ def workspace(group: dist.ProcessGroup, device: torch.device, need: int,
                  device, group.group_name)
         return GatherWorkspace(capacity, buf, hdl, views, f, symmetric.next_serial())
 
-    return symmetric.smallest_with_room(_workspaces.setdefault((device.index, group.group_name), []), need,
-                                        capturing, make)
+    key = (device.index, group.group_name) + (("push",) if push else ())
+    return symmetric.smallest_with_room(_workspaces.setdefault(key, []), need, capturing, make)
 
 
 def unsupported(call, settings: config.Settings) -> str | None:
@@ -225,7 +237,7 @@ def make_launch(call, settings: config.Settings, ctx) -> GatherLaunch | str:
             f"{len(ctx.b)} GEMM(s) N={[w.shape[-1] for w in ctx.b]}: gather_peer route, {shard_bytes} B per shard "
             "by copy engine")
     log.info("flashoverlap: launch %s", desc)
-    options = GEMM_AFTER_HANDSHAKE if settings.tuning.gather_start == "handshake" else 0
+    options = OPTIONS[settings.tuning.gather_start]
     return GatherLaunch(geo, call.rank, call.dtype, shard_bytes,
                         settings.timeout_ns(compat.group_timeout_ms(ctx.group)), desc, options,
                         gather_gemms.static_args(ctx, geo, call.rank), faults.launch_id(desc))
@@ -270,20 +282,26 @@ class GatherPeerRoute(symmetric.SymmetricRoute):
 
     def execute(self, launch: GatherLaunch, ctx) -> list[torch.Tensor] | str:
         device, geo = ctx.a.device, launch.geo
-        ws = workspace(ctx.group, device, launch.shard_bytes, ctx.capturing)
+        push = bool(launch.options & PUSH)
+        ws = workspace(ctx.group, device, launch.shard_bytes * (geo.world if push else 1), ctx.capturing, push)
         if ws is None:
             return "capture-grow: its shard buffer would have to grow inside a CUDA-graph capture"
         cur = compat.current_raw_stream(device.index)
         if not ctx.capturing:
             symmetric.order_after_last(ctx.group, device, cur)
         a = ctx.a.reshape(geo.shard_rows, geo.k).contiguous()  # read on the copy stream; alive until the join
-        staging = a.new_empty(geo.world, geo.shard_rows, geo.k)
+        # the gathered rows (pull: the pulls land here; push: copied out of the slots when returned)
+        staging = a.new_empty(geo.world, geo.shard_rows, geo.k) if not push or ctx.return_gathered else None
+        # what the GEMMs read shard j from: staging, or (push) slot j of this rank's receive buffer
+        shards = staging if not push else ws.views[launch.rank][:geo.world * launch.shard_bytes].view(a.dtype).view(
+            geo.world, geo.shard_rows, geo.k)
         outs = [a.new_empty(geo.rows, w.shape[-1]) for w in ctx.b]
         bias = [None if c is None else c.reshape(-1) for c in ctx.bias]
         # the memoized struct itself: every per-call field is set here, and the library reads it only during the
         # call (the dispatcher's lock keeps host threads out of each other's way)
         p = args_for(launch, ws)
-        p.a, p.staging, p.copy_own, p.cur_stream = a.data_ptr(), staging.data_ptr(), int(ctx.return_gathered), cur
+        p.a, p.copy_own, p.cur_stream = a.data_ptr(), int(ctx.return_gathered), cur
+        p.staging = staging.data_ptr() if staging is not None else None
         poisoned = [*outs, staging] if ctx.return_gathered else outs
         p.num_outputs = len(poisoned)
         for i, t in enumerate(poisoned):
@@ -299,7 +317,7 @@ class GatherPeerRoute(symmetric.SymmetricRoute):
         rc = lib.fo_gather_call(ctypes.byref(p))
         try:
             if rc == 0 and native is not None:  # the GEMMs in one library call (routes/gather_gemms.py)
-                gather_gemms.run(native, ctx.b, a, staging, events, outs, cur)
+                gather_gemms.run(native, ctx.b, a, shards, events, outs, cur)
             elif rc == 0:  # the GEMMs: the local shard's now, each pulled shard's after its event
                 if probe is not None:
                     probe.mark("gemm_start", stream)  # after cur's wait for the handshake, if any
@@ -307,7 +325,7 @@ class GatherPeerRoute(symmetric.SymmetricRoute):
                     x = a
                     if step:
                         stream.wait_event(events[j])
-                        x = staging[j]
+                        x = shards[j]
                     for w, c, out in zip(ctx.b, bias, outs, strict=True):
                         schedule.shard_gemm(x, w, c, schedule.shard_view(out, geo, j))
                     if probe is not None:
@@ -316,7 +334,8 @@ class GatherPeerRoute(symmetric.SymmetricRoute):
             rc_finish = lib.fo_gather_finish(ctypes.byref(p))
             if rc_finish != 0:  # no join: the copy stream may still read a and write staging
                 a.record_stream(ws.flags.copy)
-                staging.record_stream(ws.flags.copy)
+                if staging is not None:
+                    staging.record_stream(ws.flags.copy)
                 if sys.exc_info()[0] is not None:  # the call's own error propagates; this one logged
                     log.warning("flashoverlap gather_peer: fo_gather_finish after a failed call: %s",
                                 lib.fo_last_error().decode())
