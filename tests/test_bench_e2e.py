@@ -318,9 +318,26 @@ def test_backend_with_experiments_parses_and_splits():
          "flashoverlap@moe_plan_triton+moe_settle_deferred+moe_plan_triton"])
     assert same.backends == ["flashoverlap@moe_plan_triton+moe_settle_deferred"]  # one spelling, one row
     for bad in ("inductor@moe_plan_triton", "flashoverlap@no_such", "flashoverlap@", "flashoverlap@a++b",
-                "flashoverlap@moe_plan_triton+", "nothing"):
+                "flashoverlap@moe_plan_triton+", "nothing", "flashoverlap@gather_start=nope", "flashoverlap@no_such=1",
+                "inductor@gather_start=push"):
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args(["--backends", bad])
+
+
+def test_backend_with_a_setting_compiles_with_its_option(monkeypatch):
+    """``flashoverlap@scatter_pull+gather_start=push``: the experiment joins ``flashoverlap.experiments`` and the
+    setting becomes the option ``flashoverlap.gather_start`` of that row's compile."""
+    import torch
+
+    from flashoverlap_inductor.bench import cli, runner
+
+    args = cli.build_parser().parse_args(["--backends", "flashoverlap@scatter_pull+gather_start=push"])
+    kind, extra = runner.variant(args.backends[0])
+    seen = {}
+    monkeypatch.setattr(torch, "compile", lambda module, backend, options, dynamic: seen.update(options))
+    runner.compile_for(kind, torch.nn.Linear(2, 2), None, "auto", None, extra)
+    assert seen["flashoverlap.experiments"] == frozenset({"scatter_pull"}), seen
+    assert seen["flashoverlap.gather_start"] == "push" and seen["flashoverlap.fuse"] == "auto", seen
 
 
 def test_interleaved_backends_match_the_sequential_run(pool, tmp_path):

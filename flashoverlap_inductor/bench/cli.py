@@ -44,17 +44,29 @@ def _names(choices: tuple[str, ...]):
     return parse
 
 
+def _setting_ok(item: str) -> bool:
+    """Whether ``name=value`` is a flashoverlap setting and a value it accepts (``config.split_options``)."""
+    name, _, value = item.partition("=")
+    try:
+        config.split_options({config.OPTION_PREFIX + name: value})
+    except ValueError:
+        return False
+    return True
+
+
 def _backends(text: str) -> list[str]:
-    """``--backends``: names from ``BACKENDS``; a fusing one may carry ``@exp[+exp...]`` (runner.variant)."""
+    """``--backends``: names from ``BACKENDS``; a fusing one may carry ``@item[+item...]``, each an experiment or a
+    setting ``name=value`` (runner.variant)."""
     out = []
     for name in (x.strip() for x in text.split(",") if x.strip()):
         kind, at, extra = name.partition("@")
         names = extra.split("+") if at else []
-        if kind not in BACKENDS or (at and (kind not in FUSING or not all(names)
-                                            or any(x not in config.EXPERIMENTS for x in names))):
+        if kind not in BACKENDS or (at and (kind not in FUSING or not all(names) or any(
+                x not in config.EXPERIMENTS and not ("=" in x and _setting_ok(x)) for x in names))):
             raise argparse.ArgumentTypeError(
                 f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}; {' or '.join(FUSING)} may add "
-                f"'@experiment[+experiment...]' (experiments: {', '.join(config.EXPERIMENTS)})")
+                f"'@item[+item...]', each an experiment ({', '.join(config.EXPERIMENTS)}) or a setting name=value "
+                "(e.g. gather_start=push)")
         out.append(kind + ("@" + "+".join(sorted(set(names))) if names else ""))  # one spelling per row
     if not out:
         raise argparse.ArgumentTypeError(f"no backend in {text!r}")

@@ -39,8 +39,9 @@ GRAPHED = ("flashoverlap-ro", "inductor-ro")
 
 def variant(backend: str) -> tuple[str, tuple[str, ...]]:
     """``"flashoverlap@moe_plan_triton+moe_settle_deferred"`` -> ``("flashoverlap", (the two names))``: a fusing
-    backend's row with more experiments on than ``--experiments`` gives (an A/B of experiments in one run); a name
-    without ``@`` -> ``(name, ())``."""
+    backend's row with more experiments on than ``--experiments`` gives (an A/B of experiments in one run); an item
+    ``name=value`` sets that flashoverlap setting instead (``flashoverlap@gather_start=push``; ``compile_for`` tells
+    them apart); a name without ``@`` -> ``(name, ())``."""
     kind, _, extra = backend.partition("@")
     return kind, tuple(x for x in extra.split("+") if x)
 
@@ -139,7 +140,8 @@ def unavailable(backend: str, case: Case, env: Env) -> str | None:
 def compile_for(backend: str, module: nn.Module, env: Env, fuse: str, capture: coverage.GraphCapture,
                 experiments: tuple[str, ...] = ()) -> Any:
     """``module`` as ``backend`` runs it (``eager``: unchanged). ``dynamic=False``: one static graph per shape.
-    ``fuse`` and ``experiments``: flashoverlap's settings of those names (fusing backends only)."""
+    ``fuse`` and ``experiments``: flashoverlap's settings of those names (fusing backends only); an experiment
+    ``name=value`` is the setting ``name`` (the option ``flashoverlap.<name>``, checked by ``config``)."""
     if backend == "eager":
         return module
     from torch._inductor import list_mode_options
@@ -162,8 +164,10 @@ def compile_for(backend: str, module: nn.Module, env: Env, fuse: str, capture: c
         options["post_grad_custom_pre_pass"] = NoCommPass()
     if backend in FUSING:
         options["flashoverlap.fuse"] = fuse
-        if experiments:
-            options["flashoverlap.experiments"] = frozenset(experiments)
+        names = frozenset(x for x in experiments if "=" not in x)
+        if names:
+            options["flashoverlap.experiments"] = names
+        options.update(("flashoverlap." + k, v) for k, v in (x.split("=", 1) for x in experiments if "=" in x))
         return torch.compile(module, backend=flashoverlap_backend(), options=options, dynamic=False)
     return torch.compile(module, backend="inductor", options=options, dynamic=False)
 
