@@ -43,7 +43,8 @@ from flashoverlap_inductor.tune import measure as tm
 SHAPES = [(m, n, 4096) for m in (4096, 8192, 16384) for n in (6144, 28672)]
 FUSED = {"peer": {"transport": "peer", "gather_start": "handshake"},
          "peer_eager": {"transport": "peer", "gather_start": "eager"},
-         "peer_push": {"transport": "peer", "gather_start": "push"},  # the push schedule (experiment)
+         # the push schedule (experiment): a short wait bound, so a protocol fault costs seconds, not the group's
+         "peer_push": {"transport": "peer", "gather_start": "push", "wait_timeout_ms": 5000.0},
          "peer_torchmm": {"transport": "peer", "gather_start": "handshake",
                           "experiments": config.current().experiments | {"gather_torch_gemms"}},
          "nccl": {"transport": "nccl"}}
