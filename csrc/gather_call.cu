@@ -10,6 +10,10 @@
 //
 // Cross-GPU ordering as in peer_call.cu: a system-scope fence and release add after the copy in stream order, paired
 // with a bounded system-scope acquire before the reader's copy.
+//
+// The push schedule (FO_GATHER_PUSH, an experiment) turns the copies around: each rank copies its shard straight
+// into slot `rank` of every peer's receive buffer, so ready[j] means "rank j's shard is in slot j of my buffer" and
+// done[j] "rank j finished reading the slot I write in its buffer"; the flags, tags and epoch are the same.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -27,7 +31,9 @@ namespace {
 constexpr int kMaxWorld = FO_GATHER_MAX_WORLD;
 constexpr int kMaxOutputs = FO_GATHER_MAX_OUTPUTS;
 constexpr int kReady = 0;           // ready[j] at kReady + j: rank j's shard of the current call is in its buffer
-constexpr int kDone = kMaxWorld;    // done[j] at kDone + j: rank j finished reading this rank's shard
+                                    // (push: in slot j of this rank's buffer)
+constexpr int kDone = kMaxWorld;    // done[j] at kDone + j: rank j finished reading this rank's shard (push: the
+                                    // slot this rank writes in j's buffer)
 constexpr int kTagReady = 3000;     // + j: rank j's shard of this call
 constexpr int kTagDone = 3100;      // + j: rank j finished reading this rank's previous shard
 constexpr int kTagEnqueue = 3200;   // + step: a part of the call this rank could not enqueue
@@ -187,6 +193,8 @@ int launch_step(GatherStep const& s, cudaStream_t stream) {
 int push_call(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur, cudaStream_t copy) {
   int const W = p.world, r = p.rank;
   size_t const bytes = size_t(p.shard_bytes);
+  ev->push_begun = false;  // whatever an earlier call left (a finish that returned early): this call's own state
+  ev->push_fail_tag = 0;
   int rc = cuda_check(cudaEventRecord(ev->fork, cur), "fork record");
   if (rc == 0) rc = cuda_check(cudaStreamWaitEvent(copy, ev->fork, 0), "fork wait");
   if (rc != 0) return rc;

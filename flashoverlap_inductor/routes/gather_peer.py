@@ -130,7 +130,7 @@ class GatherWorkspace:
 
 
 _flags: dict[tuple[int, str], GatherFlags] = {}
-_workspaces: dict[tuple[int, str], list[GatherWorkspace]] = {}
+_workspaces: dict[tuple, list[GatherWorkspace]] = {}  # (device, group) or (device, group, "push") -> by capacity
 _groups: dict[str, str | None] = {}  # group name -> why its ranks cannot share symmetric memory (None: they can)
 
 
