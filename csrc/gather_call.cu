@@ -186,19 +186,19 @@ int launch_step(GatherStep const& s, cudaStream_t stream) {
   return cuda_check(cudaGetLastError(), "gather step kernel");
 }
 
-// The push schedule's fo_gather_call (flashoverlap_sm90.h, FO_GATHER_PUSH): everything on the copy stream, which
-// cur_stream does not wait for, so the caller's GEMMs start at once. Its first kernel is enqueued before them on the
-// high-priority copy stream and usually finds its waits met; the pushes need no SM; the ready notification and the
-// waits for the peers' shards run when the caller's first GEMMs free an SM, which is when they are needed.
+// The push schedule's fo_gather_call (flashoverlap_sm90.h, FO_GATHER_PUSH). Its first kernel runs on cur_stream,
+// before the caller's GEMMs: queued there it needs no SM that a GEMM holds, and its waits (the peers' reads of the
+// previous call) are met by then in a steady run, so it costs the GEMMs one short launch where the handshake
+// schedule's copy and handshake cost them 0.02-0.10 ms. The rest runs on the copy stream, which cur_stream does not
+// wait for: the pushes need no SM; the ready notification and the waits for the peers' shards run when the caller's
+// first GEMMs free an SM, which is when they are needed.
 int push_call(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur, cudaStream_t copy) {
   int const W = p.world, r = p.rank;
   size_t const bytes = size_t(p.shard_bytes);
   ev->push_begun = false;  // whatever an earlier call left (a finish that returned early): this call's own state
   ev->push_fail_tag = 0;
-  int rc = cuda_check(cudaEventRecord(ev->fork, cur), "fork record");
-  if (rc == 0) rc = cuda_check(cudaStreamWaitEvent(copy, ev->fork, 0), "fork wait");
-  if (rc != 0) return rc;
-  // 1. begin; every peer done reading its slot of this rank's previous push (call e - 1) before it is overwritten.
+  // 1. on cur: begin; every peer done reading its slot of this rank's previous push (call e - 1) before it is
+  // overwritten. Then the fork: the copy stream reads `a` and the new epoch after it.
   GatherStep s = step_base(p);
   s.begin = 1;
   s.wait_offset = -1;
@@ -207,15 +207,19 @@ int push_call(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur, cudaS
     s.wait[s.num_wait] = p.flags[r] + kDone + j;
     s.tag[s.num_wait++] = kTagDone + j;
   }
-  if ((rc = launch_step(s, copy)) != 0) return rc;
+  int rc = launch_step(s, cur);
+  if (rc != 0) return rc;
   ev->push_begun = true;  // from here on every notification is issued whatever fails (as fo_gather_call's)
   int first = 0, fail_tag = 0;
   auto note = [&](int code, int tag) {
     if (code != 0 && first == 0) first = code;
     if (code != 0 && fail_tag == 0) fail_tag = tag;
   };
+  int fork = cuda_check(cudaEventRecord(ev->fork, cur), "fork record");
+  if (fork == 0) fork = cuda_check(cudaStreamWaitEvent(copy, ev->fork, 0), "fork wait");
+  note(fork, kTagEnqueue);  // unforked, the pushes could read `a` before it is written: none then (poisoned call)
   // 2. a into slot r of every peer's buffer, the peer that takes it first (r + 1) first.
-  for (int d = 1; d < W; ++d) {
+  for (int d = 1; d < W && fork == 0; ++d) {
     int const j = (r + d) % W;
     note(cuda_check(cudaMemcpyAsync(static_cast<char*>(p.buffers[j]) + size_t(r) * bytes, p.a, bytes,
                                     cudaMemcpyDeviceToDevice, copy), "shard push"), kTagEnqueue + d);

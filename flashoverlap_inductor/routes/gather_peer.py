@@ -16,11 +16,12 @@ share one GPU works too, under ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``). 
   and, when returned, the gathered rows) with NaN while the group's fault block holds a fault.
 
 ``gather_start="push"`` (an experiment, never run on a GPU; ``FO_GATHER_PUSH``): no handshake before the GEMMs and
-no copy of the own shard into symmetric memory (beside a full GEMM such a copy ends only with it). The copy stream
-begins the call, waits for every peer's done, pushes ``a`` into slot ``rank`` of every peer's receive buffer (peer
-to peer, copy engine; a workspace list of its own, ``world`` slots of ``shard_bytes`` per rank), tells every peer,
-then waits for each peer's shard in slot ``j`` here and records ``j``'s event; the caller's stream runs the local
-GEMMs at once and slot ``j``'s after ``j``'s event; ``fo_gather_finish`` copies the gathered rows out of the slots
+no copy of the own shard into symmetric memory (beside a full GEMM such a copy ends only with it). One short kernel
+on the caller's stream begins the call and waits for every peer's done (met by then in a steady run); then the copy
+stream pushes ``a`` into slot ``rank`` of every peer's receive buffer (peer to peer, copy engine; a workspace list
+of its own, ``world`` slots of ``shard_bytes`` per rank), tells every peer, waits for each peer's shard in slot
+``j`` here and records ``j``'s event; the caller's stream runs the local GEMMs at once and slot ``j``'s after
+``j``'s event; ``fo_gather_finish`` copies the gathered rows out of the slots
 (when returned) and tells every peer its slot here is read, then joins and poisons. Same flags, epochs and fault
 block as above (every call adds each flag once whichever schedule it runs).
 
