@@ -370,12 +370,12 @@ FO_API int fo_ring_call(const fo_ring_args* args);
  * of world slots (slot j at buffers[p] + j * shard_bytes: rank j's shard; a workspace of its own, never shared with
  * the schedules above). On cur_stream: begin and wait for every peer's done (as 1.; one short kernel before the
  * caller's GEMMs); then on copy_stream after a fork: copy a into slot `rank` of every peer's buffer (peer to peer,
- * copy engine), add 1 to ready[rank] in every peer's page, and per peer j in arrival order wait until ready[j] here
- * >= e and record shard_events[j]. cur_stream waits for no handshake: the caller's GEMMs read a at once and slot j
- * of this rank's buffer after shard_events[j] (staging is then that buffer for fo_gather_gemms). fo_gather_finish, on cur_stream, after every shard_events[j]: with
- * copy_own, copies the slots and a into staging (the gathered rows); then adds 1 to done[rank] in every peer's page
- * (only for a call whose begin was enqueued on this host thread), then joins and poisons as below. staging may be
- * null without copy_own. */
+ * copy engine), add 1 to ready[rank] in every peer's page, per peer j in arrival order wait until ready[j] here >= e
+ * and record shard_events[j], and, with copy_own, copy every slot and a into staging (the gathered rows). cur_stream
+ * waits for no handshake: the caller's GEMMs read a at once and slot j of this rank's buffer after shard_events[j]
+ * (staging is then that buffer for fo_gather_gemms). fo_gather_finish joins first, then adds 1 to done[rank] in every
+ * peer's page on cur_stream (only for a call whose begin was enqueued on this host thread, and only after a join:
+ * every read of the slots is over), then poisons as below. staging may be null without copy_own. */
 #define FO_GATHER_PUSH 2
 typedef struct {
   int32_t world, rank;

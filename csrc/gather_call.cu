@@ -249,44 +249,36 @@ int push_call(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur, cudaS
     note(cuda_check(cudaEventRecord(static_cast<cudaEvent_t>(p.shard_events[j]), copy), "shard record"),
          kTagEnqueue + W + d);
   }
+  // 5. with copy_own, the gathered rows: every slot and a into staging, last on the copy stream (beside the caller's
+  // GEMMs; fo_gather_finish joins before it tells the peers their slots here were read).
+  if (p.copy_own != 0) {
+    char* const staging = static_cast<char*>(p.staging);
+    char const* const slots = static_cast<char const*>(p.buffers[r]);
+    for (int d = 0; d < W; ++d) {
+      int const j = (r - d + W) % W;
+      void const* src = d == 0 ? p.a : static_cast<void const*>(slots + size_t(j) * bytes);
+      note(cuda_check(cudaMemcpyAsync(staging + size_t(j) * bytes, src, bytes, cudaMemcpyDeviceToDevice, copy),
+                      "gathered copy"), kTagEnqueue + 3 * W);
+    }
+  }
   ev->push_fail_tag = fail_tag;  // recorded by fo_gather_finish's done notification
   return first;
 }
 
-// The push schedule's part of fo_gather_finish, on cur_stream after the caller's GEMMs: the gathered rows (with
-// copy_own), then done to every peer; nothing for a call whose begin was not enqueued.
+// The push schedule's part of fo_gather_finish, on cur_stream after the caller's GEMMs and the join (so after every
+// read of this rank's slots, the gathered copy's included): done to every peer, carrying an enqueue failure no step
+// kernel recorded yet; nothing for a call whose begin was not enqueued.
 int push_finish(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur) {
   bool const began = ev->push_begun;
-  int fail_tag = ev->push_fail_tag;
+  int const fail_tag = ev->push_fail_tag;
   ev->push_begun = false;
   ev->push_fail_tag = 0;
   if (!began) return 0;
   int const W = p.world, r = p.rank;
-  size_t const bytes = size_t(p.shard_bytes);
-  int first = 0;
-  auto note = [&](int code, int tag) {
-    if (code != 0 && first == 0) first = code;
-    if (code != 0 && fail_tag == 0) fail_tag = tag;
-  };
-  for (int d = 1; d < W; ++d) {  // every slot landed (or its wait gave up: the call is poisoned then)
-    int const j = (r - d + W) % W;
-    note(cuda_check(cudaStreamWaitEvent(cur, static_cast<cudaEvent_t>(p.shard_events[j]), 0), "slot wait"),
-         kTagEnqueue + 3 * W);
-  }
-  if (p.copy_own != 0 && p.staging != nullptr) {
-    char* const staging = static_cast<char*>(p.staging);
-    char const* const slots = static_cast<char const*>(p.buffers[r]);
-    for (int j = 0; j < W; ++j) {
-      void const* src = j == r ? p.a : static_cast<void const*>(slots + size_t(j) * bytes);
-      note(cuda_check(cudaMemcpyAsync(staging + size_t(j) * bytes, src, bytes, cudaMemcpyDeviceToDevice, cur),
-                      "gathered copy"), kTagEnqueue + 3 * W + 1);
-    }
-  }
   GatherStep s = step_base(p);  // done to every peer: its slot here may be written again
   s.fail_tag = fail_tag;
   for (int q = 1; q < W; ++q) s.notify[s.num_notify++] = p.flags[(r + q) % W] + kDone + r;
-  int const krc = launch_step(s, cur);
-  return first != 0 ? first : krc;
+  return launch_step(s, cur);
 }
 
 }  // namespace
@@ -425,9 +417,21 @@ FO_API int fo_gather_finish(const fo_gather_args* args) {
   if ((rc = events(ev)) != 0) return rc;
   auto cur = static_cast<cudaStream_t>(p.cur_stream);
   auto copy = static_cast<cudaStream_t>(p.copy_stream);
-  int const push_rc = (p.options & FO_GATHER_PUSH) != 0 ? push_finish(p, ev, cur) : 0;
-  if ((rc = cuda_check(cudaEventRecord(ev->join, copy), "join record")) != 0) return rc;
-  if ((rc = cuda_check(cudaStreamWaitEvent(cur, ev->join, 0), "join wait")) != 0) return rc;
+  rc = cuda_check(cudaEventRecord(ev->join, copy), "join record");
+  if (rc == 0) rc = cuda_check(cudaStreamWaitEvent(cur, ev->join, 0), "join wait");
+  if ((p.options & FO_GATHER_PUSH) != 0) {
+    // push: done to the peers only after the join (the copy stream's gathered copy read the slots). Without a join
+    // the slots may still be read: no done then, so the peers' next pushes wait out their bound (a fault, poisoned)
+    // rather than overwrite them.
+    if (rc != 0) {
+      ev->push_begun = false;
+      ev->push_fail_tag = 0;
+      return rc;
+    }
+    rc = push_finish(p, ev, cur);
+  } else if (rc != 0) {
+    return rc;
+  }
   GatherOutputs o{};
   for (int k = 0; k < p.num_outputs; ++k) {
     if (p.output_numel[k] <= 0) continue;
@@ -435,8 +439,8 @@ FO_API int fo_gather_finish(const fo_gather_args* args) {
     o.numel[o.count++] = p.output_numel[k];
   }
   gather_finish_kernel<<<32, 256, 0, cur>>>(p.fault, p.mirror, o, p.elem_bytes, nan_bits(p.elem_bytes, p.bf16 != 0));
-  rc = cuda_check(cudaGetLastError(), "gather finish kernel");
-  return push_rc != 0 ? push_rc : rc;
+  int const krc = cuda_check(cudaGetLastError(), "gather finish kernel");
+  return rc != 0 ? rc : krc;
 }
 
 }  // extern "C"

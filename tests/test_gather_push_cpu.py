@@ -2,8 +2,8 @@
 with the library faked. The fake ``fo_gather_call`` checks what the route hands the library (the push option, a
 receive buffer of ``world`` slots from the push workspace list, staging only when the gathered rows are returned)
 and plays the peers' pushes: it writes each peer's shard into slot ``j`` of this rank's buffer and this rank's shard
-into slot ``rank`` of every peer's buffer (where ``csrc/gather_call.cu`` copies it); the fake ``fo_gather_finish``
-copies the slots out as the library does under ``copy_own``. Each rank's GEMM outputs (the Python loop: fp32 takes no
+into slot ``rank`` of every peer's buffer (where ``csrc/gather_call.cu`` copies it), then copies the slots out as the
+library does under ``copy_own``. Each rank's GEMM outputs (the Python loop: fp32 takes no
 library GEMMs) must be its GEMMs over the gathered rows, and the gathered rows the all_gather's."""
 
 from __future__ import annotations
@@ -57,17 +57,13 @@ def test_push_execute_reads_every_shard_from_its_slot(monkeypatch, world, return
                 if j != rank:
                     ctypes.memmove(p.buffers[rank] + j * shard_bytes, shards[j].data_ptr(), shard_bytes)
                     ctypes.memmove(p.buffers[j] + rank * shard_bytes, p.a, shard_bytes)
-            return 0
-
-        def gather_finish(pp, rank=rank):
-            p = pp._obj
-            if p.copy_own:  # the slots and a into staging, as push_finish copies them
+            if p.copy_own:  # the slots and a into staging, as push_call's last step copies them
                 for j in range(world):
                     src = p.a if j == rank else p.buffers[rank] + j * shard_bytes
                     ctypes.memmove(p.staging + j * shard_bytes, src, shard_bytes)
             return 0
 
-        lib = SimpleNamespace(fo_gather_call=gather_call, fo_gather_finish=gather_finish)
+        lib = SimpleNamespace(fo_gather_call=gather_call, fo_gather_finish=lambda pp: 0)
         monkeypatch.setattr(gather_peer.kernels, "library", lambda lib=lib: lib)
         call = routes.Call("all_gather", world * rows, sum(ns), k, torch.float32, world, rank, "cuda", None, "auto",
                            group_name="g")

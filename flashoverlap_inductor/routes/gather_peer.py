@@ -20,10 +20,10 @@ no copy of the own shard into symmetric memory (beside a full GEMM such a copy e
 on the caller's stream begins the call and waits for every peer's done (met by then in a steady run); then the copy
 stream pushes ``a`` into slot ``rank`` of every peer's receive buffer (peer to peer, copy engine; a workspace list
 of its own, ``world`` slots of ``shard_bytes`` per rank), tells every peer, waits for each peer's shard in slot
-``j`` here and records ``j``'s event; the caller's stream runs the local GEMMs at once and slot ``j``'s after
-``j``'s event; ``fo_gather_finish`` copies the gathered rows out of the slots
-(when returned) and tells every peer its slot here is read, then joins and poisons. Same flags, epochs and fault
-block as above (every call adds each flag once whichever schedule it runs).
+``j`` here and records ``j``'s event, then (when returned) copies the gathered rows out of the slots; the caller's
+stream runs the local GEMMs at once and slot ``j``'s after ``j``'s event; ``fo_gather_finish`` joins, tells every
+peer its slot here is read, and poisons. Same flags, epochs and fault block as above (every call adds each flag once
+whichever schedule it runs).
 
 Invariants (units: bytes for buffers and shards, flattened rows for the GEMMs, as ``schedule.gather``):
 
