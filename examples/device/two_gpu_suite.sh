@@ -33,6 +33,7 @@
 #   traced step's GPU idles: bench.trace_summary).
 # push (B): examples/device/push_probe.py, the gather schedule of copy-engine pushes and stream memory operations
 #   (FO_PUSH_ARGS: e.g. "--shapes 16384x6144x4096").
+# FO_RERUN_CAP_S (B): the GPU test rerun's cap (default 120 s; tests/test_gpu_gather.py under both starts wants ~200).
 # FO_SKIP: any of "build tests faults cpu coverage ops gather moe moeprof push timeline e2e"; FO_BUDGET_S: the part's
 #   budget (default 570).
 set -uo pipefail
@@ -100,7 +101,7 @@ elif [ "$PART" = B ]; then
   CPU_PID=$!
   if [[ "$SKIP" != *" tests "* ]]; then
     step "GPU test rerun: ${FO_RERUN:-tests/test_gpu_moe.py tests/test_moe_plan_kernel.py tests/test_moe_plan_lib.py}"
-    timeout "$(cap 120)" python3 -m pytest -q -rs -p no:cacheprovider $(for f in ${FO_RERUN:-tests/test_gpu_moe.py tests/test_moe_plan_kernel.py tests/test_moe_plan_lib.py}; \
+    timeout "$(cap ${FO_RERUN_CAP_S:-120})" python3 -m pytest -q -rs -p no:cacheprovider $(for f in ${FO_RERUN:-tests/test_gpu_moe.py tests/test_moe_plan_kernel.py tests/test_moe_plan_lib.py}; \
       do echo "$REPO/$f"; done) >"$OUT/gpu_tests.log" 2>&1
     echo "gpu pytest rc=$?" | tee -a "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log"
   fi
