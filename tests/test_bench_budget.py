@@ -36,7 +36,7 @@ class Env:
 @pytest.fixture
 def clock(monkeypatch):
     c = Clock()
-    monkeypatch.setattr(budget_mod.time, "monotonic", c)  # the module's time is the stdlib's: one clock for all
+    monkeypatch.setattr(budget_mod.time, "time", c)  # the module's time is the stdlib's: one clock for all
     return c
 
 
@@ -61,9 +61,12 @@ def test_budget_keeps_the_longest_work_and_a_share(clock):
     assert "time budget: 100 s" in b.skipped("its build")
 
 
-def test_resolve_checks_and_creates_the_budget():
+def test_resolve_checks_and_creates_the_budget(clock):
     args = cli.build_parser().parse_args(["--preset", "tiny-llama", "--plan", "sp", "--time-budget-s", "30"])
-    assert cli.resolve(args, "cpu", 2).budget.seconds == 30.0
+    assert cli.resolve(args, "cpu", 2).budget.seconds == 30.0 and args.budget.start == clock.now
+    args = cli.build_parser().parse_args(["--preset", "tiny-llama", "--plan", "sp", "--time-budget-s", "30",
+                                          "--budget-start-unix", str(clock.now - 20)])
+    assert cli.resolve(args, "cpu", 2).budget.left() == 10.0  # counted from the launch, not from here
     args = cli.build_parser().parse_args(["--preset", "tiny-llama", "--plan", "sp"])
     assert cli.resolve(args, "cpu", 2).budget.seconds is None
     args = cli.build_parser().parse_args(["--preset", "tiny-llama", "--plan", "sp", "--time-budget-s", "0"])
@@ -98,7 +101,7 @@ def test_interleaved_run_stops_between_builds_and_rounds(clock, monkeypatch):
                      ("trace", lambda *a: None)):
         monkeypatch.setattr(interleave, name, fn)
     args = argparse.Namespace(budget=budget_mod.Budget(100.0), warmup=0, steps=4, interleave=1, cache="keep",
-                              experiments=[])
+                              experiments=[], trace=None)
 
     class Case:
         def label(self):

@@ -319,7 +319,8 @@ def test_backend_with_experiments_parses_and_splits():
     assert same.backends == ["flashoverlap@moe_plan_triton+moe_settle_deferred"]  # one spelling, one row
     for bad in ("inductor@moe_plan_triton", "flashoverlap@no_such", "flashoverlap@", "flashoverlap@a++b",
                 "flashoverlap@moe_plan_triton+", "nothing", "flashoverlap@gather_start=nope", "flashoverlap@no_such=1",
-                "inductor@gather_start=push"):
+                "inductor@gather_start=push", "flashoverlap@gather_start=push+gather_start=eager",
+                "flashoverlap@scatter_pull+experiments=moe_plan_triton", "flashoverlap@fuse=always"):
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args(["--backends", bad])
 
@@ -331,7 +332,9 @@ def test_backend_with_a_setting_compiles_with_its_option(monkeypatch):
 
     from flashoverlap_inductor.bench import cli, runner
 
-    args = cli.build_parser().parse_args(["--backends", "flashoverlap@scatter_pull+gather_start=push"])
+    args = cli.build_parser().parse_args(["--backends", "flashoverlap@scatter_pull+gather_start=push,"
+                                          "flashoverlap@wait_timeout_ms=5e3,flashoverlap@wait_timeout_ms=5000"])
+    assert args.backends[1:] == ["flashoverlap@wait_timeout_ms=5000.0"]  # one spelling per setting, one row
     kind, extra = runner.variant(args.backends[0])
     seen = {}
     monkeypatch.setattr(torch, "compile", lambda module, backend, options, dynamic: seen.update(options))
@@ -363,11 +366,12 @@ def test_interleaved_backends_match_the_sequential_run(pool, tmp_path):
 
 def test_time_budget_spent_reports_every_backend_not_started(pool, tmp_path):
     """``--time-budget-s`` already spent when the backends come: no backend starts, on either rank (the ranks decide
-    together), every row says why, and the run ends cleanly (status 0: nothing failed)."""
+    together), every row says why, and the run ends cleanly with status 1 (nothing was measured)."""
     argv = ["--preset", "tiny-llama", "--plan", "sp", "--workload", "train", "--backends", "inductor,flashoverlap",
             *QUICK, "--time-budget-s", "0.001"]
     res = pool.run(bench_worker, argv, str(tmp_path / "budget.json"), timeout_s=300)
-    assert [r["rc"] for r in res] == [0, 0], res[0]["stdout"]
+    assert [r["rc"] for r in res] == [1, 1], res[0]["stdout"]  # nothing measured: not a pass
+    assert "2 row(s) not run: the time budget of 0.001 s ran out" in res[0]["stdout"]
     rows = _rows(res[0]["json"], plan="sp", workload="train")
     assert [(r["backend"], r["status"]) for r in rows] == [("inductor", "n/a"), ("flashoverlap", "n/a")], rows
     assert all("time budget" in r["note"] for r in rows), rows

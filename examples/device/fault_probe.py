@@ -75,12 +75,14 @@ def _op(op: str, a, b, world: int, name: str) -> torch.Tensor:
     return torch.ops.flashoverlap.gemm_reduce_scatter(a, b, None, "sum", world, name, "auto")
 
 
-def _ran(route: str) -> dict:
-    """The routes that ran so far, and ``wrong`` where the probed route never ran (the case then tested another)."""
+def _ran(route: str, before: dict, key: str = "route") -> dict:
+    """The routes that ran since ``before`` (a copy of ``routes.stats``), and ``wrong`` where the probed route did
+    not (the case then tested another); ``key`` "captured": the calls captured into a CUDA graph."""
     from flashoverlap_inductor import routes
 
-    ran = {k: v for k, v in routes.stats.items() if k.startswith("route:")}
-    return {"routes": ran} if ran.get(f"route:{route}", 0) else {"routes": ran, "wrong": f"route {route} never ran"}
+    ran = {k: v - before.get(k, 0) for k, v in routes.stats.items()
+           if k.startswith(("route:", "captured:")) and v > before.get(k, 0)}
+    return {"routes": ran} if ran.get(f"{key}:{route}", 0) else {"routes": ran, "wrong": f"{key}:{route} never ran"}
 
 
 def _expect_timeout(fn) -> str:
@@ -117,6 +119,7 @@ def worker(rank: int, world: int, port: int, out_dir: str, route: str, timeout_m
 
     for op in ("reduce_scatter",) if route == "scatter_pull" else ("reduce_scatter", "all_reduce"):
         try:
+            before = dict(routes.stats)
             with settings():  # stall, eager
                 out = _op(op, *_inputs(1, rank, device), world, name)
                 torch.cuda.synchronize()
@@ -132,7 +135,8 @@ def worker(rank: int, world: int, port: int, out_dir: str, route: str, timeout_m
                 nxt = _verdict(_op(op, *_inputs(3, rank, device), world, name), _reference(3, world, rank, op, device))
                 torch.cuda.synchronize()
                 routes.check()
-            record(f"stall/{op}", warm=warm, stalled_call=got, error=err, next_call=nxt, **_ran(route))
+            record(f"stall/{op}", warm=warm, stalled_call=got, error=err, next_call=nxt, **_ran(route, before))
+            before = dict(routes.stats)
             # replay: capture the shape (warmed up above), replay with the last rank stalled
             with settings():
                 a, b = _inputs(4, rank, device)
@@ -162,7 +166,7 @@ def worker(rank: int, world: int, port: int, out_dir: str, route: str, timeout_m
                 nxt = _verdict(gout, _reference(6, world, rank, op, device))
                 routes.check()
                 del graph
-            record(f"replay/{op}", stalled_call=got, error=err, next_call=nxt, **_ran(route))
+            record(f"replay/{op}", stalled_call=got, error=err, next_call=nxt, **_ran(route, before, "captured"))
         except Exception:  # noqa: BLE001 - reported
             record(f"{op}", error="EXCEPTION " + traceback.format_exc()[-600:])
         dist.barrier()

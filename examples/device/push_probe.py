@@ -21,15 +21,17 @@ the 2 GPUs; ms):
 * ``push``: the schedule above; ``push_done``: when its copy ended, from the iteration's start (against ``own``: the
   copy ran beside the GEMM when it is smaller); results checked against the gathered GEMM (relative error).
 
-A wait that does not release within ``--deadline-s`` is released from the host (the flags set past every target)
-and reported as a hang; exit status 1 then. ``python examples/device/push_probe.py [--shapes 4096x6144x4096,...]``
-(M = gathered rows, both GPUs' shards; N; K).
+Every stream waits at a start gate that opens once all iterations are queued (the host's queueing is not timed).
+A wait that does not release within ``--deadline-s`` is released from the host (every flag set past every target),
+reported as a hang, and the probe exits at once with status 1.
+``python examples/device/push_probe.py [--shapes 4096x6144x4096,...]`` (M = gathered rows, both GPUs' shards; N; K).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import statistics
 import sys
 import time
@@ -65,7 +67,8 @@ class Driver:
 
 
 class Side:
-    """One GPU's tensors, streams, flags (int32: ``ready`` at 0, ``done`` at 1) and signal sources."""
+    """One GPU's tensors, streams, flags (int32: ``ready`` at 0, ``done`` at 1, the start gate at 2) and signal
+    sources."""
 
     def __init__(self, d: int, m: int, n: int, k: int, iters: int, gen: torch.Generator) -> None:
         self.d = d
@@ -80,6 +83,7 @@ class Side:
             self.values = torch.arange(iters + 2, dtype=torch.int32, device=dev)  # the copy-signal's sources
             self.cur = torch.cuda.Stream(dev)
             self.copy = torch.cuda.Stream(dev)
+            self.gate = torch.cuda.Stream(dev)  # opens the start gate once every iteration is queued
 
     def flag(self, i: int) -> int:
         return self.flags.data_ptr() + 4 * i
@@ -122,7 +126,9 @@ def push_iteration(drv: Driver, sides: list[Side], it: int, m: int, by_copy: boo
 
 
 def settle(drv: Driver, sides: list[Side], deadline_s: float) -> bool:
-    """Wait for every stream, releasing the flags from the host past ``deadline_s``; False when that was needed."""
+    """Wait for every stream; past ``deadline_s`` set every flag past every target from fresh streams (the waits
+    queued so far release) and return False: the caller then exits at once (later signals may lower a flag again, so
+    nothing more is waited for)."""
     end = time.monotonic() + deadline_s
     events = []
     for s in sides:
@@ -134,9 +140,7 @@ def settle(drv: Driver, sides: list[Side], deadline_s: float) -> bool:
             for s in sides:  # a fresh stream is not blocked behind the waits
                 with torch.cuda.device(s.d):
                     rescue = torch.cuda.Stream(s.d)
-                    check(drv.memset(s.flags.data_ptr(), 1 << 30, 2, rescue.cuda_stream), "rescue memset")
-            torch.cuda.synchronize(0)
-            torch.cuda.synchronize(1)
+                    check(drv.memset(s.flags.data_ptr(), 1 << 30, 3, rescue.cuda_stream), "rescue memset")
             return False
         time.sleep(0.001)
     return True
@@ -184,9 +188,20 @@ def probe_shape(drv: Driver, mt: int, n: int, k: int, iters: int, deadline_s: fl
         row["seq"] = max(row["seq"], timed(seq, s.d, iters))
     torch.cuda.synchronize(0)
     torch.cuda.synchronize(1)
+    for d, s in enumerate(sides):  # cuBLAS's workspace of each caller stream exists before the gate closes (no
+        with torch.cuda.device(s.d), torch.cuda.stream(s.cur):  # allocation while the streams wait)
+            torch.mm(s.x, s.w, out=s.y[d * m:(d + 1) * m])
+        torch.cuda.synchronize(s.d)
     marks: dict = {}
+    for s in sides:  # every stream waits at the gate, so the host's queueing is out of the timed iterations
+        with torch.cuda.device(s.d):
+            for st in (s.cur, s.copy):
+                check(drv.wait(st.cuda_stream, s.flag(2), 1, CU_STREAM_WAIT_VALUE_GEQ), "gate wait")
     for it in range(1, 1 + iters + 3):  # 3 warm-up iterations, then the timed ones
         push_iteration(drv, sides, it, m, by_copy, marks)
+    for s in sides:
+        with torch.cuda.device(s.d):
+            check(drv.memset(s.flag(2), 1, 1, s.gate.cuda_stream), "gate open")
     ok = settle(drv, sides, deadline_s)
     row["hang"] = not ok
     if ok:
@@ -230,17 +245,16 @@ def main() -> int:
     print(f"push_probe: {torch.cuda.get_device_name(0)} x 2, torch {torch.__version__}; peer flag write by {how}")
     cols = ("ideal", "own", "copy", "seq", "push", "push_done")
     print("shape", *cols, "x push", "x ideal", "err", sep=" | ")
-    hangs = 0
     for text in args.shapes.split(","):
         mt, n, k = (int(v) for v in text.lower().split("x"))
         row = probe_shape(drv, mt, n, k, args.iters, args.deadline_s, by_copy)
-        if row["hang"]:
-            hangs += 1
-            print(row["shape"], *(f"{row[c]:.3f}" for c in cols[:4]), "HANG (released from the host)", sep=" | ")
-            continue
+        if row["hang"]:  # the flags were set from the host; queued work may still be in flight: stop here
+            print(row["shape"], *(f"{row[c]:.3f}" for c in cols[:4]), "HANG (released from the host; stopping)",
+                  sep=" | ", flush=True)
+            os._exit(1)
         print(row["shape"], *(f"{row[c]:.3f}" for c in cols), f"{row['seq'] / row['push']:.3f}",
               f"{row['seq'] / row['ideal']:.3f}", f"{row['err']:.1e}", sep=" | ", flush=True)
-    return 1 if hangs else 0
+    return 0
 
 
 if __name__ == "__main__":

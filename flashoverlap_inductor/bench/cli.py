@@ -44,29 +44,38 @@ def _names(choices: tuple[str, ...]):
     return parse
 
 
-def _setting_ok(item: str) -> bool:
-    """Whether ``name=value`` is a flashoverlap setting and a value it accepts (``config.split_options``)."""
+RESERVED_SETTINGS = ("experiments", "fuse")  # set by --experiments / '@experiment' and --fuse, not as name=value
+
+
+def _setting(item: str) -> str | None:
+    """``name=value`` with the value as ``config`` checks it (one spelling per setting), or None where ``name`` is
+    no setting, a reserved one, or ``value`` is not accepted (``config.split_options``)."""
     name, _, value = item.partition("=")
+    if name in RESERVED_SETTINGS:
+        return None
     try:
-        config.split_options({config.OPTION_PREFIX + name: value})
+        checked = config.split_options({config.OPTION_PREFIX + name: value})[0]
     except ValueError:
-        return False
-    return True
+        return None
+    return f"{name}={checked[name]}"
 
 
 def _backends(text: str) -> list[str]:
     """``--backends``: names from ``BACKENDS``; a fusing one may carry ``@item[+item...]``, each an experiment or a
-    setting ``name=value`` (runner.variant)."""
+    setting ``name=value`` (runner.variant; a value holds neither ``,`` nor ``+``; each setting at most once)."""
     out = []
     for name in (x.strip() for x in text.split(",") if x.strip()):
         kind, at, extra = name.partition("@")
         names = extra.split("+") if at else []
-        if kind not in BACKENDS or (at and (kind not in FUSING or not all(names) or any(
-                x not in config.EXPERIMENTS and not ("=" in x and _setting_ok(x)) for x in names))):
+        items = [x if x in config.EXPERIMENTS else _setting(x) if "=" in x else None for x in names]
+        settings = [x.partition("=")[0] for x in items if x and "=" in x]
+        if kind not in BACKENDS or (at and (kind not in FUSING or None in items
+                                            or len(settings) != len(set(settings)))):
             raise argparse.ArgumentTypeError(
                 f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}; {' or '.join(FUSING)} may add "
                 f"'@item[+item...]', each an experiment ({', '.join(config.EXPERIMENTS)}) or a setting name=value "
-                "(e.g. gather_start=push)")
+                f"once (e.g. gather_start=push; not {' or '.join(RESERVED_SETTINGS)})")
+        names = items
         out.append(kind + ("@" + "+".join(sorted(set(names))) if names else ""))  # one spelling per row
     if not out:
         raise argparse.ArgumentTypeError(f"no backend in {text!r}")
@@ -118,7 +127,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backends", type=_backends, default=list(DEFAULT_BACKENDS),
                    help="comma-separated, run side by side on the same inputs and initial weights: "
                         + ", ".join(BACKENDS) + "; a fusing one with '@exp+exp' runs with those experiments on too "
-                        "(e.g. flashoverlap,flashoverlap@moe_plan_triton: an A/B in one run)")
+                        "(e.g. flashoverlap,flashoverlap@moe_plan_triton: an A/B in one run), and with "
+                        "'@name=value' with that setting (e.g. flashoverlap@gather_start=push)")
     g.add_argument("--fuse", choices=("auto", "always", "never"), default="auto",
                    help="flashoverlap's fuse setting (auto: the cost model, fitted on H200s, decides; it fuses "
                         "nothing on CPU; always: for CPU correctness runs)")
@@ -139,6 +149,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--time-budget-s", type=float, default=None, metavar="S",
                    help="end within S seconds of the start, with the rows measured by then: backends not built in "
                         "time show n/a, interleaved rows may hold fewer steps (whole rounds; bench/budget.py)")
+    g.add_argument("--budget-start-unix", type=float, default=None, metavar="T",
+                   help="--time-budget-s counts from this wall-clock time (s since the epoch; e.g. $(date +%%s) when "
+                        "the run was launched) instead of from the argument check")
     g = p.add_argument_group("output")
     g.add_argument("--json", default=None, help="write every row, the coverage and the settings here (rank 0)")
     g.add_argument("--png", default=None, help="speedup chart per model x plan x workload x backend (matplotlib)")
@@ -165,7 +178,8 @@ def resolve(args: argparse.Namespace, device: str, world: int) -> argparse.Names
         raise UsageError(f"--lr must be > 0, got {args.lr}")
     if args.time_budget_s is not None and not args.time_budget_s > 0:
         raise UsageError(f"--time-budget-s must be > 0, got {args.time_budget_s}")
-    args.budget = Budget(args.time_budget_s)  # from here: the run's deadline
+    args.budget = Budget(args.time_budget_s) if args.budget_start_unix is None else \
+        Budget(args.time_budget_s, args.budget_start_unix)  # the run's deadline
     args.seqs = {"train": args.seq or train_seqs, "prefill": args.seq or prefill_seqs}
     args.dtype = args.dtype if args.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
     overrides = {"hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers,

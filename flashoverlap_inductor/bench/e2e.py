@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import datetime
 import sys
-import time
 import traceback
 from typing import Any
 
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from . import bound, cli, coverage, output
+from .budget import FINISH_SHARE
 from .runner import FUSING, Case, Env, rel_error, release, run_backend, unavailable, variant
 
 TOLERANCE = {"bf16": 2e-2, "fp32": 1e-4}
@@ -142,10 +142,10 @@ def run_case(case: Case, template, env: Env, args: argparse.Namespace) -> list[d
             rows.append({**base, "backend": backend, "status": "n/a", "note": why[backend]})
         elif args.interleave:
             rows.append({**base, **ran.pop(0)})
-        elif not args.budget.allows(env, "backend"):
+        elif not args.budget.allows(env, "backend", FINISH_SHARE):
             rows.append({**base, "backend": backend, "status": "n/a", "note": args.budget.skipped("this backend")})
         else:
-            started = time.monotonic()
+            started = args.budget.now()
             try:
                 rows.append({**base, **run_backend(backend, case, template, data, env, args)})
             except Exception as exc:  # noqa: BLE001 - reported in the row; the exit status becomes 1
@@ -154,7 +154,7 @@ def run_case(case: Case, template, env: Env, args: argparse.Namespace) -> list[d
                 rows.append({**base, "backend": backend, "status": "error",
                              "note": f"{type(exc).__name__}: {exc}"[:300]})
             release(env)
-            args.budget.timed("backend", time.monotonic() - started)
+            args.budget.timed("backend", args.budget.now() - started)
     for r in rows:
         if r["backend"] == "bound" and r["status"] == "ok":
             r["note"] = "; ".join(x for x in (bound.NOTE, r["note"]) if x)
@@ -272,6 +272,11 @@ def _run(args: argparse.Namespace, env: Env) -> int:
             say(output.plot(rows, args.png, meta["gpu"] or "CPU (gloo): timings not meaningful"))
     bad = [r for r in rows if r["status"] in ("MISMATCH", "error")]
     say(f"e2e: {len(bad)} row(s) with a mismatch or error" if bad else "e2e: every compared row matches its reference")
+    late = [r for r in rows if r["status"] == "n/a" and "time budget" in str(r.get("note", ""))]
+    if late:
+        say(f"e2e: {len(late)} row(s) not run: the time budget of {args.time_budget_s:g} s ran out")
+    if late and not any(r["status"] in ("ok", "MISMATCH") for r in rows):
+        return 1  # nothing measured: not a pass
     return 1 if bad else 0
 
 

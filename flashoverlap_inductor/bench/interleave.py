@@ -19,7 +19,6 @@ calls (the counters' growth over its turns added to what its warm-up counted).
 from __future__ import annotations
 
 import contextlib
-import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,7 +71,7 @@ def _run(backends: list[str], case: Case, template: Any, data: list, env: Env, a
         capture = coverage.GraphCapture()
         fo.reset_fusion_report()
         bar = _progress(env, 1 + args.warmup, f"{case.label()} {backend} (build)")
-        started = time.monotonic()
+        started = budget.now()
         try:
             with fresh_cache() if args.cache == "fresh" else contextlib.nullcontext():
                 built = build(kind, case, template, data, env, args, capture,
@@ -84,7 +83,7 @@ def _run(backends: list[str], case: Case, template: Any, data: list, env: Env, a
             rows[backend] = _error(backend, exc, env)
         finally:
             bar.close()
-            budget.timed("build", time.monotonic() - started)
+            budget.timed("build", budget.now() - started)
     first = 1 + args.warmup
     indices = list(range(first, first + args.steps))
     turns = [indices[i:i + args.interleave] for i in range(0, len(indices), args.interleave)]
@@ -94,7 +93,7 @@ def _run(backends: list[str], case: Case, template: Any, data: list, env: Env, a
         for t, turn in enumerate(turns):
             if t and not budget.allows(env, "round", FINISH_SHARE):
                 break
-            started = time.monotonic()
+            started = budget.now()
             for one in live[t % len(live):] + live[:t % len(live)] if live else []:
                 if one.backend in rows:  # failed in an earlier turn
                     continue
@@ -107,7 +106,7 @@ def _run(backends: list[str], case: Case, template: Any, data: list, env: Env, a
                 one.times += times
                 one.outs += outs
                 _add(one.runtime, before)
-            budget.timed("round", time.monotonic() - started)
+            budget.timed("round", budget.now() - started)
             measured += len(turn)
     finally:
         bar.close()
@@ -117,7 +116,11 @@ def _run(backends: list[str], case: Case, template: Any, data: list, env: Env, a
         try:
             before = fo.fusion_report().runtime
             values = one.built.values(one.outs)
-            traced = trace(args, case, one.backend, env, one.built.step)
+            traced = None
+            if args.trace and budget.allows(env, "trace"):  # a verdict per backend, on every rank alike
+                started = budget.now()
+                traced = trace(args, case, one.backend, env, one.built.step)
+                budget.timed("trace", budget.now() - started)
             _add(one.runtime, before)  # the calls of the values and the trace, as runner.run_backend counts them
             rows[one.backend] = finish(one.backend, case, env, one.times, one.first_s, None, one.capture,
                                        one.compiled, one.runtime, traced, values)
