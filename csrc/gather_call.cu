@@ -181,6 +181,20 @@ GatherStep step_base(fo_gather_args const& p) {
   return s;
 }
 
+// A call's first step (both schedules): begin (deadline, call counter, epoch e), then wait until every peer's done in
+// this rank's page reaches e - 1 (the peer finished reading what this call overwrites).
+GatherStep begin_step(fo_gather_args const& p) {
+  GatherStep s = step_base(p);
+  s.begin = 1;
+  s.wait_offset = -1;
+  for (int d = 1; d < p.world; ++d) {
+    int const j = (p.rank + d) % p.world;
+    s.wait[s.num_wait] = p.flags[p.rank] + kDone + j;
+    s.tag[s.num_wait++] = kTagDone + j;
+  }
+  return s;
+}
+
 int launch_step(GatherStep const& s, cudaStream_t stream) {
   gather_step_kernel<<<1, 1, 0, stream>>>(s);
   return cuda_check(cudaGetLastError(), "gather step kernel");
@@ -199,14 +213,7 @@ int push_call(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur, cudaS
   ev->push_fail_tag = 0;
   // 1. on cur: begin; every peer done reading its slot of this rank's previous push (call e - 1) before it is
   // overwritten. Then the fork: the copy stream reads `a` and the new epoch after it.
-  GatherStep s = step_base(p);
-  s.begin = 1;
-  s.wait_offset = -1;
-  for (int d = 1; d < W; ++d) {
-    int const j = (r + d) % W;
-    s.wait[s.num_wait] = p.flags[r] + kDone + j;
-    s.tag[s.num_wait++] = kTagDone + j;
-  }
+  GatherStep s = begin_step(p);
   int rc = launch_step(s, cur);
   if (rc != 0) return rc;
   ev->push_begun = true;  // from here on every notification is issued whatever fails (as fo_gather_call's)
@@ -314,14 +321,7 @@ FO_API int fo_gather_call(const fo_gather_args* args) {
   if ((rc = cuda_check(cudaEventRecord(ev->fork, cur), "fork record")) != 0) return rc;
   if ((rc = cuda_check(cudaStreamWaitEvent(copy, ev->fork, 0), "fork wait")) != 0) return rc;
   // 1. begin; every peer done reading this rank's previous shard (call e - 1) before it is overwritten.
-  GatherStep s = step_base(p);
-  s.begin = 1;
-  s.wait_offset = -1;
-  for (int d = 1; d < W; ++d) {
-    int const j = (r + d) % W;
-    s.wait[s.num_wait] = p.flags[r] + kDone + j;
-    s.tag[s.num_wait++] = kTagDone + j;
-  }
+  GatherStep s = begin_step(p);
   if ((rc = launch_step(s, copy)) != 0) return rc;
   // From here on every notification is issued whatever fails (the peers stay in step); a part that could not be
   // enqueued is recorded (code 4) by the next step kernel, before it notifies, so no peer takes stale data for good.

@@ -38,6 +38,8 @@ import time
 
 import torch
 
+from flashoverlap_inductor.bench.timeline_peer import median_ms
+
 CU_STREAM_WAIT_VALUE_GEQ = 0x0
 CU_STREAM_WRITE_VALUE_DEFAULT = 0x0
 SHAPES = "4096x6144x4096,8192x6144x4096,16384x6144x4096,4096x28672x4096,8192x28672x4096,16384x28672x4096"
@@ -147,19 +149,12 @@ def settle(drv: Driver, sides: list[Side], deadline_s: float) -> bool:
 
 
 def timed(fn, device: int, iters: int) -> float:
-    """Median ms of ``fn()`` on ``device``'s current stream (CUDA events), after 3 warm-up calls."""
+    """Median ms of ``fn()`` on ``device``'s current stream (``timeline_peer.median_ms``: CUDA events), after 3
+    warm-up calls."""
     with torch.cuda.device(device):
         for _ in range(3):
             fn()
-        pairs = []
-        for _ in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            pairs.append((a, b))
-        torch.cuda.synchronize(device)
-        return statistics.median(a.elapsed_time(b) for a, b in pairs)
+        return median_ms(fn, iters)
 
 
 def probe_shape(drv: Driver, mt: int, n: int, k: int, iters: int, deadline_s: float, by_copy: bool) -> dict:

@@ -223,6 +223,7 @@ class GatherLaunch:
     gemms: gather_gemms.GatherGemmArgs | None = None  # the GEMMs in one library call (None: the Python loop)
     launch_id: int = 0  # ``faults.launch_id``
     args: dict[int, GatherArgs] = field(default_factory=dict)  # workspace serial -> args
+    slots: dict[int, torch.Tensor] = field(default_factory=dict)  # workspace serial -> receive_slots' view (push)
 
 
 def make_launch(call, settings: config.Settings, ctx) -> GatherLaunch | str:
@@ -273,6 +274,32 @@ def probe_events(probe, p: GatherArgs, rank: int, world: int) -> list:
     return events
 
 
+def finish(lib, p: GatherArgs, ws: GatherWorkspace, used: tuple, route: str) -> int:
+    """``fo_gather_finish`` of a call of this protocol (this route's or ``scatter_pull``'s), in its ``finally``: its
+    status. Where it could not join, the tensors the copy stream may still use (``used``; None skipped) are recorded
+    on it, and, while the call's own error propagates, this one is logged."""
+    rc = lib.fo_gather_finish(ctypes.byref(p))
+    if rc != 0:
+        for t in used:
+            if t is not None:
+                t.record_stream(ws.flags.copy)
+        if sys.exc_info()[0] is not None:
+            log.warning("flashoverlap %s: fo_gather_finish after a failed call: %s", route,
+                        lib.fo_last_error().decode())
+    return rc
+
+
+def receive_slots(launch: GatherLaunch, ws: GatherWorkspace, dtype: torch.dtype) -> torch.Tensor:
+    """The push schedule's ``[world, shard_rows, K]`` view of this rank's receive buffer in ``ws`` (slot ``j``: rank
+    ``j``'s shard), made once per workspace and kept with the launch."""
+    view = launch.slots.get(ws.serial)
+    if view is None:
+        geo = launch.geo
+        view = launch.slots[ws.serial] = ws.views[launch.rank][:geo.world * launch.shard_bytes].view(dtype).view(
+            geo.world, geo.shard_rows, geo.k)
+    return view
+
+
 class GatherPeerRoute(symmetric.SymmetricRoute):
     name = NAME
     collectives = ("all_gather",)
@@ -294,8 +321,7 @@ class GatherPeerRoute(symmetric.SymmetricRoute):
         # the gathered rows (pull: the pulls land here; push: copied out of the slots when returned)
         staging = a.new_empty(geo.world, geo.shard_rows, geo.k) if not push or ctx.return_gathered else None
         # what the GEMMs read shard j from: staging, or (push) slot j of this rank's receive buffer
-        shards = staging if not push else ws.views[launch.rank][:geo.world * launch.shard_bytes].view(a.dtype).view(
-            geo.world, geo.shard_rows, geo.k)
+        shards = receive_slots(launch, ws, a.dtype) if push else staging
         outs = [a.new_empty(geo.rows, w.shape[-1]) for w in ctx.b]
         bias = [None if c is None else c.reshape(-1) for c in ctx.bias]
         # the memoized struct itself: every per-call field is set here, and the library reads it only during the
@@ -332,14 +358,7 @@ class GatherPeerRoute(symmetric.SymmetricRoute):
                     if probe is not None:
                         probe.mark(f"gemm_done:{j}", stream)
         finally:  # joined and poisoned whatever happened above: the copy stream never outlives the call's tensors
-            rc_finish = lib.fo_gather_finish(ctypes.byref(p))
-            if rc_finish != 0:  # no join: the copy stream may still read a and write staging
-                a.record_stream(ws.flags.copy)
-                if staging is not None:
-                    staging.record_stream(ws.flags.copy)
-                if sys.exc_info()[0] is not None:  # the call's own error propagates; this one logged
-                    log.warning("flashoverlap gather_peer: fo_gather_finish after a failed call: %s",
-                                lib.fo_last_error().decode())
+            rc_finish = finish(lib, p, ws, (a, staging), NAME)
             if probe is not None:
                 probe.mark("end", stream)
                 for r in range(geo.world):  # the memoized struct gets the flags' own events back

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -200,13 +199,7 @@ class ScatterPullRoute:
                 _wait(device, ws.flags.events[peer])
                 own.add_(staging)
         finally:  # joined and poisoned whatever happened above: the copy stream never outlives the call's tensors
-            rc_finish = lib.fo_gather_finish(ctypes.byref(p))
-            if rc_finish != 0:  # no join: the copy stream may still read part and write staging
-                part.record_stream(ws.flags.copy)
-                staging.record_stream(ws.flags.copy)
-                if sys.exc_info()[0] is not None:
-                    log.warning("flashoverlap scatter_pull: fo_gather_finish after a failed call: %s",
-                                lib.fo_last_error().decode())
+            rc_finish = gather_peer.finish(lib, p, ws, (part, staging), NAME)
         kernels.check(rc, "fo_gather_call")
         kernels.check(rc_finish, "fo_gather_finish")
         del part, staging  # alive until here: read on the copy stream, which the finish joined
