@@ -366,7 +366,7 @@ FO_API int fo_ring_call(const fo_ring_args* args);
  * that fills every SM would otherwise hold a step kernel, hence the pulls, until its CTAs retire); the GEMMs start
  * one handshake later. Without it, the per-peer steps of 3. below. */
 #define FO_GATHER_GEMM_AFTER_HANDSHAKE 1
-/* options bit (experiment; never run on a GPU): the push schedule. buffers[p] are then every rank's receive buffers
+/* options bit (gather_start="push"; run on 2 H200s, not the default): the push schedule. buffers[p] are then every rank's receive buffers
  * of world slots (slot j at buffers[p] + j * shard_bytes: rank j's shard; a workspace of its own, never shared with
  * the schedules above). On cur_stream: begin and wait for every peer's done (as 1.; one short kernel before the
  * caller's GEMMs); then on copy_stream after a fork: copy a into slot `rank` of every peer's buffer (peer to peer,

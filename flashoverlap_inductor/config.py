@@ -79,7 +79,7 @@ EXPERIMENTS = {
     "moe_judge_per_graph": "with moe_settle_deferred, inside a compiled graph with fused MoE ops (forward, backward or "
                            "inference) judge a group's deferred MoE calls at the end of its next graph run instead of "
                            "at each call (the host may run a whole graph ahead; a failure raises at the end of the "
-                           "next run; never run on a GPU)",
+                           "next run; 2 H200s, qwen3-moe EP2: no faster than one call behind)",
 }
 
 
@@ -136,8 +136,9 @@ class Tuning:
     peer_kernel: str | None = None  # peer/ring routes: the _addc GEMM configuration; None: preferred
     # gather_peer route: when the caller's GEMMs start. "handshake": after every rank's shard is in its buffer (one
     # handshake, ~10-30 us), so the pulls need no SM while the GEMMs run; "eager": at once, the protocol's per-peer
-    # step kernels then wait for an SM the GEMM frees (the route's behaviour before 2026-11-26); "push" (experiment,
-    # never run on a GPU): at once, each rank pushing its shard by copy engine into the peers' receive buffers.
+    # step kernels then wait for an SM the GEMM frees (the route's behaviour before 2026-11-26); "push": at once,
+    # each rank pushing its shard by copy engine into the peers' receive buffers (2 H200s: no handshake in a lone
+    # call, 1-7% slower back to back at N 28672, end to end within the spread of "handshake"; docs/results.md).
     gather_start: str = "handshake"
 
     def __post_init__(self) -> None:
