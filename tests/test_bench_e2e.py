@@ -253,6 +253,30 @@ def test_hidden_share_from_the_bound_row():
     assert all("hidden" not in r for r in slow) and "not faster than Inductor" in slow[3]["note"]
 
 
+def test_hidden_share_spread_step_by_step():
+    """Each step's share from the same step of Inductor and the bound (max over ranks); steps where the bound was not
+    faster are left out, and a spread needs 2 steps; the table prints the lowest and highest step beside the
+    median's share."""
+    from flashoverlap_inductor.bench import output
+    from flashoverlap_inductor.bench.e2e import add_hidden
+
+    base = {"model": "m", "plan": "sp", "workload": "prefill", "seq": 8, "status": "ok", "note": ""}
+    rows = [{**base, "backend": "inductor", "ms": 10.0, "step_ms_max": [10.0, 10.4, 9.8, 10.0]},
+            {**base, "backend": "flashoverlap", "ms": 9.0, "step_ms_max": [9.0, 9.6, 8.6, 9.9]},
+            {**base, "backend": "bound", "ms": 8.0, "step_ms_max": [8.0, 8.4, 9.8, 8.0]}]
+    add_hidden(rows)
+    assert rows[1]["hidden"] == pytest.approx(0.5)
+    assert rows[1]["hidden_steps"] == pytest.approx([0.5, 0.4, 0.05])  # step 2: the bound no faster, left out
+    assert "50% (5..50)" in output.table(rows)
+    fresh = [{k: v for k, v in r.items() if not k.startswith("hidden")} for r in rows]
+    short = [{**r, "step_ms_max": r["step_ms_max"][:3]} if r["backend"] == "flashoverlap" else dict(r) for r in fresh]
+    add_hidden(short)  # step lists of different lengths: no spread
+    assert "hidden_steps" not in short[1] and "50%  " in output.table(short)
+    one = [{**r, "step_ms_max": r["step_ms_max"][1:3]} for r in fresh]
+    add_hidden(one)  # one step where the bound was faster: no spread
+    assert "hidden_steps" not in one[1]
+
+
 def test_bound_pass_removes_every_collective():
     """``bound.replace_collectives`` on a graph with each collective: none left, shapes kept."""
     import torch

@@ -178,8 +178,13 @@ def run_case(case: Case, template, env: Env, args: argparse.Namespace) -> list[d
 
 def add_hidden(rows: list[dict[str, Any]]) -> None:
     """``hidden`` (a fraction) on every timed row but Inductor's and the bound's, when both ran and the bound is
-    faster: ``(T_inductor - T_row) / (T_inductor - T_bound)``, the share of Inductor's exposed communication time the
-    row hid (1.0: as fast as a step with no communication; < 0: slower than Inductor)."""
+    faster: ``(T_inductor - T_row) / (T_inductor - T_bound)`` of the medians, the share of Inductor's exposed
+    communication time the row hid (1.0: as fast as a step with no communication; < 0: slower than Inductor).
+
+    Its spread, ``hidden_steps``: the same share step by step (step ``i`` of every backend runs the same inputs; ms
+    per step, max over ranks: ``step_ms_max``), over the steps where the bound was faster than Inductor, when at
+    least 2 were. Inductor's and the bound's own times move between steps and runs by as much as the gain, so one
+    median share can mislead; the table prints the steps' range beside it."""
     by = {r["backend"]: r for r in rows if r["status"] in ("ok", "MISMATCH") and r.get("ms")}
     ind, bnd = by.get("inductor"), by.get("bound")
     if ind is None or bnd is None:
@@ -192,6 +197,18 @@ def add_hidden(rows: list[dict[str, Any]]) -> None:
     for name, r in by.items():
         if name not in ("inductor", "bound", "eager"):
             r["hidden"] = (ind["ms"] - r["ms"]) / exposed
+            steps = step_shares(ind.get("step_ms_max"), bnd.get("step_ms_max"), r.get("step_ms_max"))
+            if steps is not None:
+                r["hidden_steps"] = steps
+
+
+def step_shares(ind: list[float] | None, bnd: list[float] | None, row: list[float] | None) -> list[float] | None:
+    """Per step ``i``: ``(ind[i] - row[i]) / (ind[i] - bnd[i])``, skipping steps where the bound was not faster;
+    None without equally long step lists or with fewer than 2 such steps."""
+    if not ind or not bnd or not row or not len(ind) == len(bnd) == len(row):
+        return None
+    shares = [(i - r) / (i - b) for i, b, r in zip(ind, bnd, row, strict=True) if i > b]
+    return shares if len(shares) >= 2 else None
 
 
 def coverage_entry(spec, plan: str, workload: str, rows: list[dict[str, Any]], world: int) -> dict[str, Any]:

@@ -91,6 +91,15 @@ def _fmt(x: Any, spec: str, none: str = "-") -> str:
     return format(x, spec)
 
 
+def hidden_cell(r: dict[str, Any]) -> str:
+    """``58%``, or with the steps' spread (``e2e.add_hidden``) ``58% (44..71)``: the lowest and highest step."""
+    if r.get("hidden") is None:
+        return "-"
+    steps = r.get("hidden_steps")
+    spread = f" ({100 * min(steps):.0f}..{100 * max(steps):.0f})" if steps else ""
+    return f"{100 * r['hidden']:.0f}%{spread}"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("model", "plan", "workload", "seq", "backend", "status", "ms/step", "tokens/s", "speedup", "hidden",
             "peak GiB", "compile s", "rel.err", "fusion / note")
@@ -100,8 +109,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         out.append((r["model"], r["plan"], r["workload"], str(r["seq"]), r["backend"], r["status"],
                     _fmt(r.get("ms"), ".3f"), _fmt(r.get("tokens_per_s"), ",.0f"),
                     _fmt(r.get("speedup"), ".3f") + ("x" if r.get("speedup") is not None else ""),
-                    _fmt(100 * r["hidden"] if r.get("hidden") is not None else None, ".0f")
-                    + ("%" if r.get("hidden") is not None else ""),
+                    hidden_cell(r),
                     _fmt(peak / 2**30 if peak is not None else None, ".2f"), _fmt(r.get("compile_s"), ".1f"),
                     _fmt(r.get("rel_err"), ".1e"),
                     "; ".join(x for x in (fusion_summary(r), r.get("note", "")) if x)))

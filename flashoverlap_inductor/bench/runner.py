@@ -337,7 +337,8 @@ def finish(backend: str, case: Case, env: Env, times: list[float], first_s: floa
     (``runtime``: a report, or a dict of counts), the trace's summary and ``_values``."""
     row: dict[str, Any] = {"backend": backend, "status": "ok", "note": ""}
     row["step_ms"] = [round(t, 4) for t in times]
-    ms, first_s = env.reduce_max([float(torch.tensor(times).median()), first_s])
+    *step_max, ms, first_s = env.reduce_max([*times, float(torch.tensor(times).median()), first_s])
+    row["step_ms_max"] = [round(t, 4) for t in step_max]  # per step, max over ranks (``e2e.add_hidden``'s spread)
     row["ms"], row["compile_s"] = ms, (first_s if backend != "eager" else None)
     row["first_call_s"] = first_s
     row["tokens_per_s"] = case.tokens / (ms / 1e3) if ms > 0 else None
