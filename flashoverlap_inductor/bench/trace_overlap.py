@@ -20,10 +20,17 @@ that ran with no compute beside it (``comm_exposed_ms``): the time a step pays f
 the GPU shows it (a spin-waiting ``sync`` kernel beside idle SMs counts as exposed; a GEMM slowed by a transfer
 beside it shows only as a longer ``gemm`` total, which ``classes`` gives per class as summed kernel time and
 count: compare it between backends of one case).
+
+Per kernel (``by_kernel``, names shortened by ``short_name``): each communication kernel's exposed time (the part of
+its interval with no compute beside it; two communication kernels exposed at once both count, so the items may sum
+to more than ``comm_exposed_ms``), and each compute kernel's summed time, the largest first: what a fused step's
+exposed communication and its extra GEMM time are made of, row against row.
 """
 
 from __future__ import annotations
 
+import bisect
+import re
 from collections import defaultdict
 from typing import Any
 
@@ -83,25 +90,77 @@ def intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> flo
     return total
 
 
-def overlap(gpu_events: list[dict[str, Any]]) -> dict[str, Any]:
-    """``{"compute_ms", "comm_ms", "both_ms", "comm_exposed_ms", "classes": {class: [count, summed ms]}}`` of a
-    trace's GPU events (dicts with ``name``, ``cat``, ``ts`` and ``dur`` in us)."""
+def short_name(name: str, width: int = 48) -> str:
+    """A kernel's name without ``void``, template and call arguments, namespaces, at most ``width`` characters
+    (``void ns::(anonymous namespace)::gather_step_kernel(Args)`` -> ``gather_step_kernel``)."""
+    head = re.sub(r"^void ", "", name.strip()).replace("(anonymous namespace)::", "")
+    while True:  # template arguments, innermost first
+        bare = re.sub(r"<[^<>]*>", "", head)
+        if bare == head:
+            break
+        head = bare
+    head = head.split("(", 1)[0].strip() or head
+    return head.rsplit("::", 1)[-1][:width]
+
+
+def covered(start: float, end: float, disjoint: list[tuple[float, float]], starts: list[float]) -> float:
+    """How much of ``[start, end)`` the sorted, disjoint intervals cover (``starts``: their starts)."""
+    i, total = max(bisect.bisect_right(starts, start) - 1, 0), 0.0
+    while i < len(disjoint) and disjoint[i][0] < end:
+        lo, hi = max(start, disjoint[i][0]), min(end, disjoint[i][1])
+        total += max(hi - lo, 0.0)
+        i += 1
+    return total
+
+
+def overlap(gpu_events: list[dict[str, Any]], top: int = 8) -> dict[str, Any]:
+    """``{"compute_ms", "comm_ms", "both_ms", "comm_exposed_ms", "classes": {class: [count, summed ms]},
+    "by_kernel": {"exposed": [[name, class, count, exposed ms]], "compute": [[name, class, count, ms]]}}`` of a
+    trace's GPU events (dicts with ``name``, ``cat``, ``ts`` and ``dur`` in us); ``by_kernel`` keeps the ``top``
+    largest of each."""
     sides: dict[str, list] = {"compute": [], "comm": []}
     classes: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    tagged = []
     for e in gpu_events:
         c = classify(e.get("name", ""), e.get("cat", ""))
         classes[c][0] += 1
         classes[c][1] += e["dur"] / 1e3
         sides["comm" if c in COMM_CLASSES else "compute"].append((e["ts"], e["ts"] + e["dur"]))
+        tagged.append((e, c))
     compute, comm = union(sides["compute"]), union(sides["comm"])
     both = intersect(compute, comm)
+    starts = [s for s, _ in compute]
+    exposed: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0])
+    work: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0])
+    for e, c in tagged:
+        key = (short_name(e.get("name", "")), c)
+        if c in COMM_CLASSES:
+            end = e["ts"] + e["dur"]
+            exposed[key][0] += 1
+            exposed[key][1] += (e["dur"] - covered(e["ts"], end, compute, starts)) / 1e3
+        else:
+            work[key][0] += 1
+            work[key][1] += e["dur"] / 1e3
+
+    def ranked(items: dict) -> list[list]:
+        rows = sorted(items.items(), key=lambda kv: -kv[1][1])[:top]
+        return [[name, c, n, round(ms, 4)] for (name, c), (n, ms) in rows]
+
     return {"compute_ms": round(length(compute) / 1e3, 4), "comm_ms": round(length(comm) / 1e3, 4),
             "both_ms": round(both / 1e3, 4), "comm_exposed_ms": round((length(comm) - both) / 1e3, 4),
-            "classes": {c: [classes[c][0], round(classes[c][1], 4)] for c in CLASSES if c in classes}}
+            "classes": {c: [classes[c][0], round(classes[c][1], 4)] for c in CLASSES if c in classes},
+            "by_kernel": {"exposed": ranked(exposed), "compute": ranked(work)}}
 
 
 def describe(o: dict[str, Any]) -> str:
-    """One line of ``overlap``'s result."""
+    """``overlap``'s result: one line, then (when ``by_kernel`` is there) one line each for the communication
+    kernels' exposed time and the compute kernels' time."""
     per = ", ".join(f"{c} {ms:.3f} ms/{n}" for c, (n, ms) in o["classes"].items())
-    return (f"compute {o['compute_ms']:.3f} ms, communication {o['comm_ms']:.3f} ms of which beside compute "
+    text = (f"compute {o['compute_ms']:.3f} ms, communication {o['comm_ms']:.3f} ms of which beside compute "
             f"{o['both_ms']:.3f}, exposed {o['comm_exposed_ms']:.3f}; kernel time by class: {per}")
+    by = o.get("by_kernel") or {}
+    if by.get("exposed"):
+        text += "\n    exposed by kernel: " + ", ".join(f"{name} {ms:.3f} ms/{n}" for name, _, n, ms in by["exposed"])
+    if by.get("compute"):
+        text += "\n    compute by kernel: " + ", ".join(f"{name} {ms:.3f} ms/{n}" for name, _, n, ms in by["compute"])
+    return text
