@@ -60,7 +60,8 @@ def plans_exact_worker() -> dict:
 
     mesh = init_device_mesh("cpu", (2,))
     out = {}
-    for name, plan in (("tiny-qwen3", "tp"), ("tiny-qwen3", "sp"), ("tiny-moe", "ep")):
+    for name, plan in (("tiny-qwen3", "tp"), ("tiny-qwen3", "sp"), ("tiny-gemma3", "tp"), ("tiny-gemma3", "sp"),
+                       ("tiny-moe", "ep")):
         spec = models.PRESETS[name].with_overrides(layers=1)
         for label in ("whole", plan):
             model = models.build(spec, torch.device("cpu"), torch.float32, 0, 64)
@@ -96,7 +97,8 @@ def test_plans_match_the_unsharded_model(pool):
     import torch
 
     for res in pool.run(plans_exact_worker):
-        for name, plan in (("tiny-qwen3", "tp"), ("tiny-qwen3", "sp"), ("tiny-moe", "ep")):
+        for name, plan in (("tiny-qwen3", "tp"), ("tiny-qwen3", "sp"), ("tiny-gemma3", "tp"), ("tiny-gemma3", "sp"),
+                           ("tiny-moe", "ep")):
             torch.testing.assert_close(res[f"{name}/{plan}"], res[f"{name}/whole"], rtol=1e-5, atol=1e-6,
                                        msg=lambda s, n=name, p=plan: f"{n} {p}: {s}")
 

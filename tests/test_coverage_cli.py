@@ -82,6 +82,15 @@ def test_sp_training_at_batch_1_fuses_every_gather_and_reduce_scatter(pool):
     assert got["near"] == 0 and got["left_gemm"] == 0, got["text"]
 
 
+def test_gemma3_sp_training_at_batch_1_fuses_as_llama_does(pool):
+    """Gemma 3's norms around each sublayer (the plan's SequenceParallel on all four) leave the same patterns."""
+    got = pool.run(preset_worker, "tiny-gemma3", "sp", "train", 1, timeout_s=400)[0]
+    assert got["fused"]["forward"] == {"flashoverlap:all_gather_gemm": 3, "flashoverlap:gemm_reduce_scatter": 2}, got
+    assert got["fused"]["backward"] == {"flashoverlap:all_gather_gemm": 2, "flashoverlap:gemm_reduce_scatter": 2}, got
+    assert got["events"] == {"forward": [], "backward": ["skip:no_gemm_consumer"]}, got
+    assert got["near"] == 0 and got["left_gemm"] == 0, got["text"]
+
+
 def test_tp_prefill_at_batch_1(pool):
     got = pool.run(preset_worker, "tiny-qwen3", "tp", "prefill", 1, timeout_s=400)[0]
     assert got["fused"]["inference"] == {"flashoverlap:gemm_all_reduce": 2}, got

@@ -88,7 +88,7 @@ cpu_side() {
     echo "cpu pytest rc=$?" >>"$OUT/cpu_tests.log"
   fi
   if [[ "$SKIP" != *" coverage "* ]]; then
-    for spec in "tiny-llama sp" "tiny-qwen3 sp" "tiny-llama tp" "tiny-moe ep" "tiny-mixtral ep"; do
+    for spec in "tiny-llama sp" "tiny-qwen3 sp" "tiny-gemma3 sp" "tiny-llama tp" "tiny-moe ep" "tiny-mixtral ep"; do
       set -- $spec
       step "coverage $spec" >>"$OUT/coverage.log"
       CUDA_VISIBLE_DEVICES= timeout 200 "${TORCHRUN[@]}" --nproc_per_node=2 -m flashoverlap_inductor.bench \

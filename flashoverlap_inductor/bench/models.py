@@ -1,10 +1,10 @@
 """Model presets for the end-to-end benchmark: HuggingFace ``transformers`` configs, random init, no downloads.
 
-A preset names the layer shapes of a published model (``llama3-8b``, ``llama3-70b``, ``qwen3-32b``, ``qwen3-moe``
-(Qwen3-30B-A3B), ``mixtral-8x7b``) or a ``tiny-*`` form of each family for CPU runs. ``--layers`` cuts depth, and
-every other shape can be overridden (``ModelSpec.with_overrides``). ``build`` makes the ``*ForCausalLM`` module with
-``AutoModelForCausalLM.from_config`` on the target device, every rank from the same seed, so all ranks start with
-identical full weights before the parallel plan shards them.
+A preset names the layer shapes of a published model (``llama3-8b``, ``llama3-70b``, ``qwen3-32b``, ``gemma3-12b``,
+``qwen3-moe`` (Qwen3-30B-A3B), ``mixtral-8x7b``) or a ``tiny-*`` form of each family for CPU runs. ``--layers`` cuts
+depth, and every other shape can be overridden (``ModelSpec.with_overrides``). ``build`` makes the ``*ForCausalLM``
+module with ``AutoModelForCausalLM.from_config`` on the target device, every rank from the same seed, so all ranks
+start with identical full weights before the parallel plan shards them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "mixtral")
+FAMILIES = ("llama", "qwen3", "gemma3", "qwen3_moe", "mixtral")
 MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 
@@ -62,7 +62,8 @@ class ModelSpec:
             ffn = self.experts * 3 * h * self.intermediate + self.experts * h
         else:
             ffn = 3 * h * self.intermediate
-        return self.layers * (attn + ffn + 2 * h) + 2 * self.vocab * h + h
+        norms = 4 * h + 2 * d if self.family == "gemma3" else 2 * h  # Gemma 3: sandwich norms, q/k norms
+        return self.layers * (attn + ffn + norms) + 2 * self.vocab * h + h
 
     def describe(self) -> str:
         moe = f", {self.experts} experts top-{self.top_k}" if self.moe else ""
@@ -79,12 +80,15 @@ PRESETS: dict[str, ModelSpec] = {s.name: s for s in (
     ModelSpec("llama3-8b", "llama", 4096, 14336, 32, 32, 8, 128256),
     ModelSpec("llama3-70b", "llama", 8192, 28672, 80, 64, 8, 128256),
     ModelSpec("qwen3-32b", "qwen3", 5120, 25600, 64, 64, 8, 151936, head_dim=128, rope_theta=1e6),
+    # Gemma 3 12B's text stack (its sliding-window and global layers, 5:1, as transformers' config gives them)
+    ModelSpec("gemma3-12b", "gemma3", 3840, 15360, 48, 16, 8, 262208, head_dim=256, rope_theta=1e6),
     # Qwen3-30B-A3B: 4 kv heads (use --kv-heads 8 for 8 ranks), 128 experts of width 768, top-8
     ModelSpec("qwen3-moe", "qwen3_moe", 2048, 768, 48, 32, 4, 151936, head_dim=128, experts=128, top_k=8,
               rope_theta=1e6),
     ModelSpec("mixtral-8x7b", "mixtral", 4096, 14336, 32, 32, 8, 32000, experts=8, top_k=2, rope_theta=1e6),
     ModelSpec("tiny-llama", "llama", 64, 128, 2, 4, 2, 256),
     ModelSpec("tiny-qwen3", "qwen3", 64, 128, 2, 4, 2, 256, head_dim=16, rope_theta=1e6),
+    ModelSpec("tiny-gemma3", "gemma3", 64, 128, 2, 4, 2, 256, head_dim=16, rope_theta=1e6),
     ModelSpec("tiny-moe", "qwen3_moe", 64, 32, 2, 4, 2, 256, head_dim=16, experts=4, top_k=2, rope_theta=1e6),
     ModelSpec("tiny-mixtral", "mixtral", 64, 64, 2, 4, 2, 256, experts=4, top_k=2, rope_theta=1e6),
 )}
@@ -102,6 +106,9 @@ def hf_config(spec: ModelSpec, max_positions: int):
         return transformers.LlamaConfig(intermediate_size=spec.intermediate, head_dim=spec.head_size, **common)
     if spec.family == "qwen3":
         return transformers.Qwen3Config(intermediate_size=spec.intermediate, head_dim=spec.head_size, **common)
+    if spec.family == "gemma3":  # GeLU MLP, a norm before and after the attention and the MLP, q/k norms
+        return transformers.Gemma3TextConfig(intermediate_size=spec.intermediate, head_dim=spec.head_size,
+                                             query_pre_attn_scalar=spec.head_size, **common)
     if spec.family == "qwen3_moe":  # every layer sparse; intermediate_size is unused by sparse layers
         return transformers.Qwen3MoeConfig(moe_intermediate_size=spec.intermediate, intermediate_size=spec.intermediate,
                                            num_experts=spec.experts, num_experts_per_tok=spec.top_k,

@@ -11,6 +11,11 @@
 * ``ep`` (MoE models): the attention as in ``sp``; every sparse-MoE block replaced by ``moe.ExpertParallelMoE``
   (experts sharded over the ranks, all_to_all dispatch and combine of this rank's sequence shard).
 
+Gemma 3's layers norm each sublayer's input and output (``pre_feedforward_layernorm`` before the MLP,
+``post_attention_layernorm`` / ``post_feedforward_layernorm`` on the attention's and the MLP's outputs before the
+residual add): under ``sp`` all four are ``SequenceParallel``, the two output norms handing plain tensors to the add;
+under ``tp`` they stay replicated.
+
 Parameters that act on this rank's heads but are replicated (Qwen3's per-head ``q_norm`` / ``k_norm``) get their
 gradient summed over the group (a parametrization, ``moe.AllReduceGrad``), else the ranks' copies would drift apart.
 
@@ -113,8 +118,13 @@ def _layer_plan(plan: str, layer: nn.Module) -> dict:
     if plan == "ep":  # the MoE block takes this rank's tokens as a plain tensor
         out["post_attention_layernorm"] = SequenceParallel(use_local_output=True)
         return out
+    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: the norms around each sublayer (module docstring)
+        out.update({"post_attention_layernorm": SequenceParallel(use_local_output=True),
+                    "pre_feedforward_layernorm": SequenceParallel(),
+                    "post_feedforward_layernorm": SequenceParallel(use_local_output=True)})
+    else:
+        out["post_attention_layernorm"] = SequenceParallel()
     out.update({
-        "post_attention_layernorm": SequenceParallel(),
         "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         "mlp.gate_proj": ColwiseParallel(),
         "mlp.up_proj": ColwiseParallel(),
