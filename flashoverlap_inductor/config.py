@@ -138,7 +138,7 @@ class Tuning:
     # handshake, ~10-30 us), so the pulls need no SM while the GEMMs run; "eager": at once, the protocol's per-peer
     # step kernels then wait for an SM the GEMM frees (the route's behaviour before 2026-11-26); "push": at once,
     # each rank pushing its shard by copy engine into the peers' receive buffers (2 H200s: no handshake in a lone
-    # call, 1-7% slower back to back at N 28672, end to end within the spread of "handshake"; docs/results.md).
+    # call, 0-7% slower back to back at N 28672, end to end within the spread of "handshake"; docs/results.md).
     gather_start: str = "handshake"
 
     def __post_init__(self) -> None:

@@ -5,9 +5,9 @@ Three AdamW steps of a Llama model under ``backend="flashoverlap"`` (``fuse="alw
 with every collective of the ``tp`` group beside a GEMM fused (the fused ops run on the 2-rank ``tp`` sub-group, not
 the world; FSDP's own collectives run outside the compiled graphs and are left alone).
 
-The same with one ``torch.compile`` of the whole FSDP-wrapped model fails in torch 2.13's Dynamo before any backend
-runs (a DTensor on the ``tp`` sub-mesh under dynamic shapes: "unhashable type: non-nested SymInt"), which is why the
-per-layer form is the one checked."""
+One ``torch.compile`` of the whole FSDP-wrapped sequence-parallel model fails in torch 2.13's Dynamo before any
+backend runs (a DTensor on the ``tp`` sub-mesh under dynamic shapes: "unhashable type: non-nested SymInt"), which is
+why the per-layer form (``dynamic=False``) is the one checked."""
 
 from __future__ import annotations
 
@@ -75,7 +75,9 @@ def pool():
 
 
 @pytest.mark.parametrize(("plan", "fused"), [
-    ("tp", {"fused:all_reduce": 7}),  # per layer: o and down forward, q/k/v + gate/up input gradients backward
+    # tp: the two layers share one compiled graph pair (2 all_reduces forward: o, down; 5 backward: the input
+    # gradients of q, k, v, gate, up); sp: two graph pairs (layer 0's input hook, likely), 2 x (2 + 2) each
+    ("tp", {"fused:all_reduce": 7}),
     ("sp", {"fused:all_gather": 8, "fused:reduce_scatter": 8}),
 ])
 def test_tp_beside_fsdp2_matches_inductor_and_fuses_on_the_tp_group(pool, plan, fused):
@@ -90,5 +92,5 @@ def test_tp_beside_fsdp2_matches_inductor_and_fuses_on_the_tp_group(pool, plan, 
         assert compiled == fused, r["flashoverlap"]
         assert r["flashoverlap"]["runtime"].get("route:cpu", 0) > 0, r["flashoverlap"]
     # rank = 2 dp + tp: the two tp ranks of a dp rank share its batch and loss; the dp ranks' batches differ
-    assert results[0]["inductor"]["losses"] == results[1]["inductor"]["losses"]
+    torch.testing.assert_close(results[0]["inductor"]["losses"], results[1]["inductor"]["losses"], rtol=1e-6, atol=0)
     assert results[0]["inductor"]["losses"] != results[2]["inductor"]["losses"]

@@ -81,28 +81,31 @@ def test_overlap_splits_communication_beside_compute_from_exposed(tmp_path):
 
 def test_exposed_communication_charged_to_its_kernels(tmp_path):
     """Each communication kernel's exposed time is its interval less the compute beside it (two such kernels at once
-    both count); compute kernels are summed by name; names lose templates, arguments and namespaces."""
+    both count); compute kernels are summed per full name, shown without templates, arguments and namespaces and
+    numbered where two full names shorten alike."""
     from flashoverlap_inductor.bench import trace_overlap
 
     x = lambda cat, name, ts, dur: {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    gemm_a, gemm_b = "void cutlass::device_kernel<Gemm<128>>(Params)", "void cutlass::device_kernel<Gemm<256>>(P)"
     events = [
-        x("kernel", "void cutlass::device_kernel<Gemm<int>>(Params)", 0, 1000),      # compute 0 - 1.0 ms
-        x("kernel", "void cutlass::device_kernel<Gemm<int>>(Params)", 3000, 500),    # compute 3.0 - 3.5
-        x("kernel", "nvjet_tst_128x256", 1200, 300),                                 # compute 1.2 - 1.5
-        x("kernel", "void fo::(anonymous namespace)::gather_step_kernel(Step)", 800, 600),  # 0.8 - 1.4: 0.2 + 0 exposed
-        x("gpu_memcpy", "Memcpy PtoP (Device -> Device)", 1400, 800),                # 1.4 - 2.2: 0.1 under nvjet
+        x("kernel", gemm_a, 0, 1000),                                                # compute 0 - 1.0 ms
+        x("kernel", gemm_a, 3000, 500),                                              # compute 3.0 - 3.5
+        x("kernel", gemm_b, 1200, 300),                                              # compute 1.2 - 1.5
+        x("kernel", "void fo::(anonymous namespace)::gather_step_kernel(Step)", 800, 600),  # 0.8 - 1.4: 0.2 exposed
+        x("gpu_memcpy", "Memcpy PtoP (Device -> Device)", 1400, 800),                # 1.4 - 2.2: 0.1 under gemm_b
         x("kernel", "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(Args)", 2000, 1200),  # 2.0 - 3.2: 1.0 exposed
     ]
     o = trace_overlap.overlap(events, top=2)
-    exposed = {name: (c, n, ms) for name, c, n, ms in o["by_kernel"]["exposed"]}
+    exposed = {name: (c, n, ms) for name, c, n, ms, _ in o["by_kernel"]["exposed"]}
     assert list(exposed) == ["ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", "Memcpy PtoP"]  # the top 2
     assert exposed["ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL"] == ("nccl", 1, 1.0)
     assert exposed["Memcpy PtoP"] == ("copy", 1, 0.7)
     full = trace_overlap.overlap(events)
-    assert ["gather_step_kernel", "sync", 1, 0.2] in full["by_kernel"]["exposed"]
-    assert full["by_kernel"]["compute"] == [["device_kernel", "gemm", 2, 1.5], ["nvjet_tst_128x256", "gemm", 1, 0.3]]
+    assert ["gather_step_kernel", "sync", 1, 0.2] in [it[:4] for it in full["by_kernel"]["exposed"]]
+    assert full["by_kernel"]["compute"] == [["device_kernel", "gemm", 2, 1.5, gemm_a],
+                                            ["device_kernel#2", "gemm", 1, 0.3, gemm_b]]
     assert full["comm_exposed_ms"] == 1.7  # the union: 1.0-1.2, 1.5-3.0 (the charged items sum to 1.9)
     text = trace_overlap.describe(full)
     assert "exposed by kernel: ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL 1.000 ms/1" in text
-    assert "compute by kernel: device_kernel 1.500 ms/2" in text
+    assert "compute by kernel: device_kernel 1.500 ms/2, device_kernel#2 0.300 ms/1" in text
     assert trace_overlap.short_name("void a::b<c::d<e>>::f(g)") == "f" and trace_overlap.short_name("k") == "k"

@@ -57,26 +57,38 @@ nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu,power.draw --format=
 nvidia-smi topo -m >>"$OUT/gpus.txt" 2>&1
 step() { echo "=== $1 ($(( SECONDS - START )) s)"; }
 # The GPUs' SM clock and power while a timed step runs (nvidia-smi every 200 ms; long GEMMs back to back can hit the
-# power limit, which moves rankings: docs/results.md), summarized per GPU at the end of the step's log.
-clocks_on() { nvidia-smi --query-gpu=index,clocks.sm,power.draw --format=csv,noheader,nounits -lms 200 \
-  >/tmp/fo_probe/clocks.csv 2>/dev/null & CLOCKS_PID=$!; }
+# power limit, which moves rankings: docs/results.md): medians over the busy samples (utilization >= 50%: not the
+# start-up, the compiles, the teardown), per GPU, appended to the step's log and printed.
+clocks_on() { nvidia-smi --query-gpu=index,utilization.gpu,clocks.sm,power.draw --format=csv,noheader,nounits \
+  -lms 200 >/tmp/fo_probe/clocks.csv 2>/dev/null & CLOCKS_PID=$!; }
 clocks_off() {  # $1: the step's log
-  kill "$CLOCKS_PID" 2>/dev/null; wait "$CLOCKS_PID" 2>/dev/null
-  python3 - /tmp/fo_probe/clocks.csv >>"$1" 2>&1 <<'PY'
+  kill "$CLOCKS_PID" 2>/dev/null; wait "$CLOCKS_PID" 2>/dev/null; CLOCKS_PID=
+  python3 - /tmp/fo_probe/clocks.csv 2>&1 <<'PY' | tee -a "$1"
 import statistics, sys
+def num(x):
+    try:
+        return float(x)
+    except ValueError:  # "[N/A]", "[Not Supported]"
+        return None
 by = {}
 for line in open(sys.argv[1]):
     f = [x.strip() for x in line.split(",")]
-    try:
-        by.setdefault(int(f[0]), []).append((float(f[1]), float(f[2])))
-    except (ValueError, IndexError):
-        continue
-for gpu, v in sorted(by.items()):
-    mhz, watts = sorted(x for x, _ in v), sorted(w for _, w in v)
-    print(f"clocks: GPU {gpu}, {len(v)} samples: SM MHz median {statistics.median(mhz):.0f} (min {mhz[0]:.0f}), "
-          f"W median {statistics.median(watts):.0f} (max {watts[-1]:.0f})")
+    if len(f) == 4 and f[0].isdigit():
+        by.setdefault(int(f[0]), []).append([num(x) for x in f[1:]])
+for gpu, rows in sorted(by.items()):
+    busy = [r for r in rows if r[0] is not None and r[0] >= 50]
+    mhz, watts = (sorted(r[i] for r in busy if r[i] is not None) for i in (1, 2))
+    text = f"clocks: GPU {gpu}, {len(busy)} of {len(rows)} samples busy"
+    if mhz:
+        text += f": SM MHz median {statistics.median(mhz):.0f} (min {mhz[0]:.0f})"
+    if watts:
+        text += f", W median {statistics.median(watts):.0f} (max {watts[-1]:.0f})"
+    print(text)
+if not by:
+    print("clocks: no samples (nvidia-smi missing or failing)")
 PY
 }
+trap '[ -n "${CLOCKS_PID:-}" ] && kill "$CLOCKS_PID" 2>/dev/null' EXIT
 # The CPU side (gloo ranks, no GPU): the pass tests and the coverage of the tiny presets under every plan at batch
 # 1, 2 and 4, under this machine's torch (2.11: its post-grad graphs differ from 2.13's). Logs: cpu_tests.log,
 # coverage.log.
@@ -131,14 +143,14 @@ elif [ "$PART" = B ]; then
     OPS_CAP=$(cap "${FO_OPS_CAP_S:-120}")
     timeout "$OPS_CAP" "${TORCHRUN[@]}" --nproc_per_node="$WORLD" "$REPO/examples/bench_ops.py" --fuse auto \
       --shapes "${FO_OPS_SHAPES:-4096x4096x4096,16384x4096x4096}" ${FO_OPS_ARGS:-} --time-budget-s $((OPS_CAP > 90 ? OPS_CAP - 30 : 60)) --json /tmp/fo_probe/bench_ops.json >"$OUT/bench_ops.log" 2>&1
-    echo "bench_ops rc=$?" | tee -a "$OUT/bench_ops.log"; clocks_off "$OUT/bench_ops.log"; tail -27 "$OUT/bench_ops.log"
+    echo "bench_ops rc=$?" | tee -a "$OUT/bench_ops.log"; tail -25 "$OUT/bench_ops.log"; clocks_off "$OUT/bench_ops.log"
   fi
   if [[ "$SKIP" != *" gather "* ]]; then
     step "bench_gather"; clocks_on
     timeout "$(cap ${FO_GATHER_CAP_S:-120})" "${TORCHRUN[@]}" --nproc_per_node="$WORLD" "$REPO/examples/bench_gather.py" \
       --shapes "${FO_GATHER_SHAPES:-4096x6144x4096,16384x4096x4096}" ${FO_GATHER_ARGS:-} --json /tmp/fo_probe/bench_gather.json >"$OUT/bench_gather.log" 2>&1
-    echo "bench_gather rc=$?" | tee -a "$OUT/bench_gather.log"; clocks_off "$OUT/bench_gather.log"
-    tail -27 "$OUT/bench_gather.log"
+    echo "bench_gather rc=$?" | tee -a "$OUT/bench_gather.log"; tail -25 "$OUT/bench_gather.log"
+    clocks_off "$OUT/bench_gather.log"
   fi
   if [[ "$SKIP" != *" moe "* ]]; then  # the MoE ops' P2P route: examples/bench_moe.py (FO_MOE_ARGS: e.g. --shapes)
     step "bench_moe"
@@ -163,7 +175,7 @@ elif [ "$PART" = B ]; then
     step "timeline"; clocks_on
     timeout "$(cap 120)" "${TORCHRUN[@]}" --nproc_per_node=2 -m flashoverlap_inductor.bench timeline \
       --shapes "${FO_TIMELINE_SHAPES:-8192x6144x4096}" --png "$OUT" ${FO_TIMELINE_ARGS:-} --json /tmp/fo_probe/timeline.json >"$OUT/timeline.log" 2>&1
-    echo "timeline rc=$?" | tee -a "$OUT/timeline.log"; clocks_off "$OUT/timeline.log"; tail -32 "$OUT/timeline.log"
+    echo "timeline rc=$?" | tee -a "$OUT/timeline.log"; tail -30 "$OUT/timeline.log"; clocks_off "$OUT/timeline.log"
   fi
 fi
 if [ "$PART" = A ] || [ "$PART" = B ]; then
@@ -181,7 +193,7 @@ if [ "$PART" = C ]; then
       --backends "${FO_E2E_BACKENDS:-inductor,inductor+async-tp,flashoverlap,bound,inductor-ro,flashoverlap-ro}" ${FO_E2E_ARGS:-} \
       ${FO_E2E_TRACE:+--trace /tmp/fo_probe/traces} --time-budget-s "$E2E_BUDGET" --budget-start-unix "$(date +%s)" \
       --quiet --json "$OUT/e2e.json" >"$OUT/e2e.log" 2>&1
-    echo "e2e rc=$?" | tee -a "$OUT/e2e.log"; clocks_off "$OUT/e2e.log"; tail -42 "$OUT/e2e.log"
+    echo "e2e rc=$?" | tee -a "$OUT/e2e.log"; tail -40 "$OUT/e2e.log"; clocks_off "$OUT/e2e.log"
     if [ -n "${FO_E2E_TRACE:-}" ]; then  # where each traced step's GPU idles, then the traces themselves
       timeout "$(cap 120)" python3 -m flashoverlap_inductor.bench.trace_summary /tmp/fo_probe/traces/*.json >"$OUT/trace_gaps.log" 2>&1
       (cd /tmp/fo_probe/traces && tar czf "$OUT/e2e_traces.tgz" ./*rank0*.json 2>/dev/null)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import math
 import sys
 import traceback
 from typing import Any
@@ -181,10 +182,12 @@ def add_hidden(rows: list[dict[str, Any]]) -> None:
     faster: ``(T_inductor - T_row) / (T_inductor - T_bound)`` of the medians, the share of Inductor's exposed
     communication time the row hid (1.0: as fast as a step with no communication; < 0: slower than Inductor).
 
-    Its spread, ``hidden_steps``: the same share step by step (step ``i`` of every backend runs the same inputs; ms
-    per step, max over ranks: ``step_ms_max``), over the steps where the bound was faster than Inductor, when at
-    least 2 were. Inductor's and the bound's own times move between steps and runs by as much as the gain, so one
-    median share can mislead; the table prints the steps' range beside it."""
+    Its spread within the run, ``hidden_steps``: step ``i``'s gain over Inductor's step ``i`` (the same inputs; ms
+    per step, max over ranks: ``step_ms_max``) as a share of the same median exposed time, one per step where both
+    are finite, when at least 2 are; the table prints their range beside the share. The denominator stays the
+    medians' (a step's own bound time would make a ratio of two noises that blows up where the bound is barely
+    faster). Between runs Inductor's and the bound's medians move too, by as much as the gain at times, which no
+    single run shows: compare runs for that."""
     by = {r["backend"]: r for r in rows if r["status"] in ("ok", "MISMATCH") and r.get("ms")}
     ind, bnd = by.get("inductor"), by.get("bound")
     if ind is None or bnd is None:
@@ -197,17 +200,18 @@ def add_hidden(rows: list[dict[str, Any]]) -> None:
     for name, r in by.items():
         if name not in ("inductor", "bound", "eager"):
             r["hidden"] = (ind["ms"] - r["ms"]) / exposed
-            steps = step_shares(ind.get("step_ms_max"), bnd.get("step_ms_max"), r.get("step_ms_max"))
+            steps = step_shares(ind.get("step_ms_max"), r.get("step_ms_max"), exposed)
             if steps is not None:
                 r["hidden_steps"] = steps
 
 
-def step_shares(ind: list[float] | None, bnd: list[float] | None, row: list[float] | None) -> list[float] | None:
-    """Per step ``i``: ``(ind[i] - row[i]) / (ind[i] - bnd[i])``, skipping steps where the bound was not faster;
-    None without equally long step lists or with fewer than 2 such steps."""
-    if not ind or not bnd or not row or not len(ind) == len(bnd) == len(row):
+def step_shares(ind: list[float] | None, row: list[float] | None, exposed_ms: float) -> list[float] | None:
+    """Per step ``i``: ``(ind[i] - row[i]) / exposed_ms`` (rounded to 4 places), skipping steps with a non-finite
+    time; None without equally long step lists, without a positive ``exposed_ms`` or with fewer than 2 steps."""
+    if not ind or not row or len(ind) != len(row) or not exposed_ms > 0:
         return None
-    shares = [(i - r) / (i - b) for i, b, r in zip(ind, bnd, row, strict=True) if i > b]
+    shares = [round((i - r) / exposed_ms, 4) for i, r in zip(ind, row, strict=True)
+              if math.isfinite(i) and math.isfinite(r)]
     return shares if len(shares) >= 2 else None
 
 

@@ -62,7 +62,8 @@ class ModelSpec:
             ffn = self.experts * 3 * h * self.intermediate + self.experts * h
         else:
             ffn = 3 * h * self.intermediate
-        norms = 4 * h + 2 * d if self.family == "gemma3" else 2 * h  # Gemma 3: sandwich norms, q/k norms
+        norms = (4 if self.family == "gemma3" else 2) * h  # Gemma 3: a norm before and after each sublayer
+        norms += 2 * d if self.family in ("qwen3", "qwen3_moe", "gemma3") else 0  # per-head q/k norms
         return self.layers * (attn + ffn + norms) + 2 * self.vocab * h + h
 
     def describe(self) -> str:

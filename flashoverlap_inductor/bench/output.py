@@ -120,8 +120,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def trace_lines(rows: list[dict[str, Any]]) -> str:
-    """Per traced row (``--trace``), rank 0's trace in one line (``trace_summary.describe``): is the step host-bound,
-    and what do the fused ops cost on the host."""
+    """Per traced row (``--trace``), rank 0's trace (``trace_summary.describe``: a line, then the GPU's): is the
+    step host-bound, and what do the fused ops cost on the host."""
     from .trace_summary import describe
 
     lines = ["traces (--trace: 2 steps each, rank 0, under the profiler; a GPU idle for much of the span means a "

@@ -16,8 +16,9 @@ Gemma 3's layers norm each sublayer's input and output (``pre_feedforward_layern
 residual add): under ``sp`` all four are ``SequenceParallel``, the two output norms handing plain tensors to the add;
 under ``tp`` they stay replicated.
 
-Parameters that act on this rank's heads but are replicated (Qwen3's per-head ``q_norm`` / ``k_norm``) get their
-gradient summed over the group (a parametrization, ``moe.AllReduceGrad``), else the ranks' copies would drift apart.
+Parameters that act on this rank's heads but are replicated (Qwen3's and Gemma 3's per-head ``q_norm`` / ``k_norm``)
+get their gradient summed over the group (a parametrization, ``moe.AllReduceGrad``), else the ranks' copies would
+drift apart.
 
 Everywhere: the embedding, the final norm and ``lm_head`` stay replicated (every rank holds them whole). Under
 ``sp`` / ``ep`` the embedding output is cut to this rank's sequence shard at the first layer's input (a local

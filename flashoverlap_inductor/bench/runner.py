@@ -332,9 +332,10 @@ def run_backend(backend: str, case: Case, template: nn.Module, data: list, env: 
 def finish(backend: str, case: Case, env: Env, times: list[float], first_s: float, peak: int | None,
            capture: coverage.GraphCapture, compiled: Any, runtime: Any, traced: str | None,
            values: torch.Tensor) -> dict[str, Any]:
-    """The row of a backend that ran: its times (ms; the median, max over ranks), compile time, ``peak`` bytes, the
-    graphs ``capture`` saw, for a fusing backend the fusion report's compile part (``compiled``) and runtime counts
-    (``runtime``: a report, or a dict of counts), the trace's summary and ``_values``."""
+    """The row of a backend that ran: its times (ms: ``step_ms`` this rank's steps, ``step_ms_max`` each step's max
+    over ranks, ``ms`` the median, max over ranks; a collective: every rank passes as many steps), compile time,
+    ``peak`` bytes, the graphs ``capture`` saw, for a fusing backend the fusion report's compile part
+    (``compiled``) and runtime counts (``runtime``), the trace's summary and ``_values``."""
     row: dict[str, Any] = {"backend": backend, "status": "ok", "note": ""}
     row["step_ms"] = [round(t, 4) for t in times]
     *step_max, ms, first_s = env.reduce_max([*times, float(torch.tensor(times).median()), first_s])

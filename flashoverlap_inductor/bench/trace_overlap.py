@@ -21,10 +21,12 @@ the GPU shows it (a spin-waiting ``sync`` kernel beside idle SMs counts as expos
 beside it shows only as a longer ``gemm`` total, which ``classes`` gives per class as summed kernel time and
 count: compare it between backends of one case).
 
-Per kernel (``by_kernel``, names shortened by ``short_name``): each communication kernel's exposed time (the part of
-its interval with no compute beside it; two communication kernels exposed at once both count, so the items may sum
-to more than ``comm_exposed_ms``), and each compute kernel's summed time, the largest first: what a fused step's
-exposed communication and its extra GEMM time are made of, row against row.
+Per kernel (``by_kernel``; one item per full kernel name, shown by ``short_name``, with ``#2``, ``#3``... where
+several full names shorten alike, e.g. the CUTLASS GEMMs of different tile shapes, all ``device_kernel``): each
+communication kernel's exposed time (the part of its interval with no compute beside it; two communication kernels
+exposed at once both count, so the items may sum to more than ``comm_exposed_ms``), and each compute kernel's summed
+time, the largest first: what a fused step's exposed communication and its extra GEMM time are made of, row against
+row (the same kernel may carry another ``#`` number in another trace: match on the time, or on ``full`` in the JSON).
 """
 
 from __future__ import annotations
@@ -115,7 +117,8 @@ def covered(start: float, end: float, disjoint: list[tuple[float, float]], start
 
 def overlap(gpu_events: list[dict[str, Any]], top: int = 8) -> dict[str, Any]:
     """``{"compute_ms", "comm_ms", "both_ms", "comm_exposed_ms", "classes": {class: [count, summed ms]},
-    "by_kernel": {"exposed": [[name, class, count, exposed ms]], "compute": [[name, class, count, ms]]}}`` of a
+    "by_kernel": {"exposed": [[name, class, count, exposed ms, full]], "compute": [[name, class, count, ms, full]]}}``
+    (``name``: the shown name, ``full``: the kernel's, cut at 300 characters) of a
     trace's GPU events (dicts with ``name``, ``cat``, ``ts`` and ``dur`` in us); ``by_kernel`` keeps the ``top``
     largest of each."""
     sides: dict[str, list] = {"compute": [], "comm": []}
@@ -133,7 +136,7 @@ def overlap(gpu_events: list[dict[str, Any]], top: int = 8) -> dict[str, Any]:
     exposed: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0])
     work: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0])
     for e, c in tagged:
-        key = (short_name(e.get("name", "")), c)
+        key = (e.get("name", ""), c)
         if c in COMM_CLASSES:
             end = e["ts"] + e["dur"]
             exposed[key][0] += 1
@@ -142,9 +145,15 @@ def overlap(gpu_events: list[dict[str, Any]], top: int = 8) -> dict[str, Any]:
             work[key][0] += 1
             work[key][1] += e["dur"] / 1e3
 
+    shown: dict[str, str] = {}  # full name -> its short name, numbered where several full names share one
+    for full in sorted({name for name, _ in (*exposed, *work)}):
+        short = short_name(full)
+        taken = sum(1 for v in shown.values() if v.split("#")[0] == short)
+        shown[full] = short if not taken else f"{short}#{taken + 1}"
+
     def ranked(items: dict) -> list[list]:
         rows = sorted(items.items(), key=lambda kv: -kv[1][1])[:top]
-        return [[name, c, n, round(ms, 4)] for (name, c), (n, ms) in rows]
+        return [[shown[name], c, n, round(ms, 4), name[:300]] for (name, c), (n, ms) in rows]
 
     return {"compute_ms": round(length(compute) / 1e3, 4), "comm_ms": round(length(comm) / 1e3, 4),
             "both_ms": round(both / 1e3, 4), "comm_exposed_ms": round((length(comm) - both) / 1e3, 4),
@@ -160,7 +169,7 @@ def describe(o: dict[str, Any]) -> str:
             f"{o['both_ms']:.3f}, exposed {o['comm_exposed_ms']:.3f}; kernel time by class: {per}")
     by = o.get("by_kernel") or {}
     if by.get("exposed"):
-        text += "\n    exposed by kernel: " + ", ".join(f"{name} {ms:.3f} ms/{n}" for name, _, n, ms in by["exposed"])
+        text += "\n    exposed by kernel: " + ", ".join(f"{it[0]} {it[3]:.3f} ms/{it[2]}" for it in by["exposed"])
     if by.get("compute"):
-        text += "\n    compute by kernel: " + ", ".join(f"{name} {ms:.3f} ms/{n}" for name, _, n, ms in by["compute"])
+        text += "\n    compute by kernel: " + ", ".join(f"{it[0]} {it[3]:.3f} ms/{it[2]}" for it in by["compute"])
     return text

@@ -55,7 +55,8 @@ def summarize(path: str) -> dict[str, Any]:
 
 
 def describe(s: dict[str, Any]) -> str:
-    """One line of ``summarize``'s result: span, GPU busy share, host time per fused op."""
+    """``summarize``'s result: a line of span, GPU busy share and host time per fused op, then
+    ``trace_overlap.describe``'s lines."""
     span, busy = s["span_ms"], s["gpu_busy_ms"]
     if span <= 0:
         return "no events"

@@ -24,8 +24,8 @@ waits for each peer's shard in slot ``j`` here and records ``j``'s event, then (
 rows out of the slots; the caller's stream runs the local GEMMs at once and slot ``j``'s after ``j``'s event;
 ``fo_gather_finish`` joins, tells every peer its slot here is read, and poisons. Same flags, epochs and fault block
 as above (every call adds each flag once whichever schedule it runs). Measured: a lone call drops the handshake
-(0.03-0.08 ms to 0.006), but back to back the op runs 1-7% slower at N 28672 (the done flag after the GEMMs couples
-the ranks' calls) and end to end the two starts trade places between runs.
+(0.03-0.08 ms to 0.006), but back to back the op runs 0-7% slower at N 28672 (perhaps as the done flag after the
+GEMMs couples the ranks' calls) and end to end the two starts trade places between runs.
 
 Invariants (units: bytes for buffers and shards, flattened rows for the GEMMs, as ``schedule.gather``):
 
