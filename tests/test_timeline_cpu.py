@@ -166,3 +166,34 @@ def test_timeline_op_option():
     assert timeline.parse_args([]).op == "all_gather"
     with pytest.raises(SystemExit):
         timeline.parse_args(["--op", "all_to_all"])
+
+
+def test_lead_calls_run_unprobed_right_before_each_probed_call(monkeypatch):
+    """``--lead N``: per probed call, N plain calls after the spin and before it (no sync between), none of them
+    probed; the warm-up first; the marks' medians come from the probed calls alone."""
+    from types import SimpleNamespace
+
+    from flashoverlap_inductor.bench import timeline, timeline_peer
+
+    log = []
+    monkeypatch.setattr(timeline_peer.dist, "barrier", lambda: log.append("barrier"))
+    monkeypatch.setattr(timeline_peer.torch.cuda, "synchronize", lambda: log.append("sync"))
+    monkeypatch.setattr(timeline_peer.measure, "spin", lambda ms: log.append("spin"))
+
+    class Probe:
+        def times(self):
+            return {"start": 0.0, "end": 2.0 + len(log) % 2}
+
+    monkeypatch.setattr(timeline_peer, "CallProbe", Probe)
+    ctx = SimpleNamespace(probe=None)
+
+    def execute():
+        log.append("probed" if ctx.probe is not None else "plain")
+        return []
+
+    args = timeline.parse_args(["--lead", "2", "--iters", "3", "--warmup", "1"])
+    marks, _ = timeline_peer.probed_calls(execute, ctx, args)
+    one = ["barrier", "sync", "spin", "plain", "plain", "probed", "sync"]
+    assert log == ["plain", *one * 3] and ctx.probe is None
+    assert marks["start"] == 0.0 and marks["end"] in (2.0, 3.0)
+    assert timeline.parse_args([]).lead == 0

@@ -19,8 +19,11 @@ between them: the same kernels, more host time) after ``--warmup`` plain ones; e
 gives the timeline of each rank. Before each probed call the GPU spins ``--spin-ms`` (default 1 ms) so the host has
 enqueued the whole call before it starts: the marks time the device alone (``--spin-ms 0``: the call as issued from
 an idle GPU, host gaps included; the first run on 2 H200s, without the spin, counted up to 0.08 ms of host enqueue
-time as "handshake"). In the same run, ``gemm`` (cuBLAS on the whole gathered tensor) and ``comm``
-(``all_gather_into_tensor``) alone give the ideal ``max(gemm, comm)``.
+time as "handshake"). ``--lead N`` queues N plain calls of the shape between the spin and each probed call, so the
+probed call runs back to back behind them (2 H200s: a lone push call showed no handshake where back-to-back ones ran
+0-7% slower than the handshake start's; this shows the difference stage by stage). In the same run, ``gemm``
+(cuBLAS on the whole gathered tensor) and ``comm`` (``all_gather_into_tensor``) alone give the ideal ``max(gemm,
+comm)``.
 
 Prints per rank the breakdown of the gap to the ideal (``bench.gantt.gather_breakdown``: handshake, the shard GEMMs'
 time beyond the GEMM alone, GEMM waits for pulls, tail) and the host time per call, draws the timelines as text and,
@@ -72,6 +75,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--spin-ms", type=float, default=1.0,
                    help="GPU spin before each probed call, so the host has enqueued the whole call before it starts "
                         "(the marks then time the device alone); 0: the call as issued (host gaps included)")
+    p.add_argument("--lead", type=int, default=0,
+                   help="plain calls of the same shape queued right before each probed call (after the spin, no "
+                        "sync between): the probed call then starts behind them, as in a back-to-back benchmark "
+                        "or a model, where a schedule's waits for the peers' previous call show")
     p.add_argument("--png", default=None, help="folder for one Gantt PNG per shape and start (or op, shape and gate)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)

@@ -68,10 +68,10 @@ def median_ms(fn, iters: int) -> float:
 
 
 def probed_calls(execute, ctx: Context, args: argparse.Namespace) -> tuple[dict[str, float], float] | str:
-    """``args.warmup`` calls, then ``args.iters`` probed calls of ``execute()`` (each after a barrier, a device sync
-    and ``args.spin_ms`` of GPU spin): the median of each probe mark (ms since ``start``) and the median host time per
-    call (ms); or the reason a call returned instead of running (the route declined it, on every rank alike). Also
-    the all_gather timeline's."""
+    """``args.warmup`` calls, then ``args.iters`` probed calls of ``execute()`` (each after a barrier, a device sync,
+    ``args.spin_ms`` of GPU spin and ``args.lead`` plain calls queued behind the spin): the
+    median of each probe mark (ms since ``start``) and the median host time per probed call (ms); or the reason a call
+    returned instead of running (the route declined it, on every rank alike). Also the all_gather timeline's."""
     for _ in range(args.warmup):
         out = execute()
         if isinstance(out, str):
@@ -80,10 +80,13 @@ def probed_calls(execute, ctx: Context, args: argparse.Namespace) -> tuple[dict[
     host: list[float] = []
     try:
         for _ in range(args.iters):
-            ctx.probe = CallProbe()
+            ctx.probe = None
             dist.barrier()
             torch.cuda.synchronize()
             measure.spin(args.spin_ms)
+            for _ in range(args.lead):  # back to back: plain calls queued behind the spin, before the probed call
+                execute()
+            ctx.probe = CallProbe()
             t0 = time.perf_counter()
             out = execute()
             host.append((time.perf_counter() - t0) * 1e3)
