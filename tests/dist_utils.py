@@ -156,6 +156,24 @@ def close_pools() -> None:
 atexit.register(close_pools)
 
 
+def adamw_losses(model, vocab: int, gen, batch: int, steps: int = 3, lr: float = 1e-2) -> list[float]:
+    """The losses of ``steps`` AdamW steps of a causal LM on random token ids and targets ``[batch, 16]`` drawn from
+    ``gen``: the training run the multi-rank tests compare between plans and backends."""
+    import torch
+    import torch.nn.functional as F
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        ids, tgt = (torch.randint(0, vocab, (batch, 16), generator=gen) for _ in range(2))
+        loss = F.cross_entropy(model(input_ids=ids).logits.flatten(0, 1), tgt.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def cuda_gpus() -> int:
     """CUDA GPUs visible to this process (0 when CUDA is missing or its probe fails): for the 2-GPU tests' skips."""
     import torch

@@ -27,7 +27,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from dist_utils import get_pool  # noqa: E402
+from dist_utils import adamw_losses, get_pool  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = ["--device", "cpu", "--layers", "1", "--seq", "16", "--steps", "2", "--warmup", "0", "--fuse", "always",
@@ -53,7 +53,6 @@ def bench_worker(argv: list[str], json_path: str) -> dict:
 def plans_exact_worker() -> dict:
     """Losses of 3 eager AdamW steps, per (preset, plan) and for the unsharded model on this rank."""
     import torch
-    import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
 
     from flashoverlap_inductor.bench import models, plans
@@ -67,16 +66,7 @@ def plans_exact_worker() -> dict:
             model = models.build(spec, torch.device("cpu"), torch.float32, 0, 64)
             if label != "whole":
                 model = plans.apply(model, spec, plan, mesh)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            gen = torch.Generator().manual_seed(1)
-            losses = []
-            for _ in range(3):
-                ids, tgt = (torch.randint(0, spec.vocab, (2, 16), generator=gen) for _ in range(2))
-                loss = F.cross_entropy(model(input_ids=ids).logits.flatten(0, 1), tgt.flatten())
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
+            losses = adamw_losses(model, spec.vocab, torch.Generator().manual_seed(1), batch=2)
             out[f"{name}/{label if label == 'whole' else plan}"] = losses
     return out
 

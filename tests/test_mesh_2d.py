@@ -12,7 +12,7 @@ why the per-layer form (``dynamic=False``) is the one checked."""
 from __future__ import annotations
 
 import pytest
-from dist_utils import get_pool
+from dist_utils import adamw_losses, get_pool
 
 # ------------------------------------------------------------------------------------------ helpers (ranks)
 
@@ -37,7 +37,6 @@ def _build(plan: str, backend: str, mesh):
 def train_worker(plan: str) -> dict:
     """Per backend: the losses of 3 AdamW steps and (flashoverlap) the pass's and the dispatcher's counts."""
     import torch
-    import torch.nn.functional as F
     from torch._inductor.utils import fresh_cache
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -50,16 +49,8 @@ def train_worker(plan: str) -> dict:
         fo.reset_fusion_report()
         with fresh_cache():
             spec, model = _build(plan, backend, mesh)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             gen = torch.Generator().manual_seed(1 + mesh["dp"].get_local_rank())  # each dp rank its own batch
-            losses = []
-            for _ in range(3):
-                ids, tgt = (torch.randint(0, spec.vocab, (1, 16), generator=gen) for _ in range(2))
-                loss = F.cross_entropy(model(input_ids=ids).logits.flatten(0, 1), tgt.flatten())
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
+            losses = adamw_losses(model, spec.vocab, gen, batch=1)
         report = fo.fusion_report()
         out[backend] = {"losses": losses, "compile": dict(report.compile), "runtime": dict(report.runtime)}
     torch._dynamo.reset()

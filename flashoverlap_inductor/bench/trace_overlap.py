@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import bisect
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 GEMM_MARKS = ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas")
@@ -146,10 +146,11 @@ def overlap(gpu_events: list[dict[str, Any]], top: int = 8) -> dict[str, Any]:
             work[key][1] += e["dur"] / 1e3
 
     shown: dict[str, str] = {}  # full name -> its short name, numbered where several full names share one
+    seen: Counter = Counter()
     for full in sorted({name for name, _ in (*exposed, *work)}):
         short = short_name(full)
-        taken = sum(1 for v in shown.values() if v.split("#")[0] == short)
-        shown[full] = short if not taken else f"{short}#{taken + 1}"
+        seen[short] += 1
+        shown[full] = short if seen[short] == 1 else f"{short}#{seen[short]}"
 
     def ranked(items: dict) -> list[list]:
         rows = sorted(items.items(), key=lambda kv: -kv[1][1])[:top]
