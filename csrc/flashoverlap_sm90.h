@@ -359,23 +359,30 @@ FO_API int fo_ring_call(const fo_ring_args* args);
  * call, eager or replayed. Returns the first error. */
 #define FO_GATHER_MAX_WORLD 8
 #define FO_GATHER_MAX_OUTPUTS 8
-#define FO_GATHER_FLAG_INTS (2 * FO_GATHER_MAX_WORLD)
+#define FO_GATHER_SLOT_SETS 2
+#define FO_GATHER_FLAG_INTS (5 * FO_GATHER_MAX_WORLD)
 /* options bit: steps 2-3 become one handshake (ready to every peer, then one kernel waits for every peer's ready),
  * after which cur_stream waits for the copy stream; then the pulls (copy engine) back to back, the own slot copy,
  * and one kernel adds done to every peer. No protocol kernel then needs an SM while the caller's GEMMs run (a GEMM
  * that fills every SM would otherwise hold a step kernel, hence the pulls, until its CTAs retire); the GEMMs start
  * one handshake later. Without it, the per-peer steps of 3. below. */
 #define FO_GATHER_GEMM_AFTER_HANDSHAKE 1
-/* options bit (gather_start="push"; run on 2 H200s, not the default): the push schedule. buffers[p] are then every rank's receive buffers
- * of world slots (slot j at buffers[p] + j * shard_bytes: rank j's shard; a workspace of its own, never shared with
- * the schedules above). On cur_stream: begin and wait for every peer's done (as 1.; one short kernel before the
- * caller's GEMMs); then on copy_stream after a fork: copy a into slot `rank` of every peer's buffer (peer to peer,
- * copy engine), add 1 to ready[rank] in every peer's page, per peer j in arrival order wait until ready[j] here >= e
- * and record shard_events[j], and, with copy_own, copy every slot and a into staging (the gathered rows). cur_stream
- * waits for no handshake: the caller's GEMMs read a at once and slot j of this rank's buffer after shard_events[j]
- * (staging is then that buffer for fo_gather_gemms). fo_gather_finish joins first, then adds 1 to done[rank] in every
- * peer's page on cur_stream (only for a call whose begin was enqueued on this host thread, and only after a join:
- * every read of the slots is over), then poisons as below. staging may be null without copy_own. */
+/* options bit (gather_start="push"; not the default): the push schedule. buffers[p] are then every rank's receive
+ * buffers of FO_GATHER_SLOT_SETS sets of world slots (slot j of set b at buffers[p] + (b * world + j) * shard_bytes:
+ * rank j's shard; a workspace of its own, never shared with the schedules above); a call uses set slot_set, which
+ * the host picks alike on every rank (alternating in eager calls, so a rank may push call e + 1 while its peers
+ * still read call e). The page also holds, per set b, done_b[j] at 2 * FO_GATHER_MAX_WORLD + b * FO_GATHER_MAX_WORLD
+ * + j (written only by rank j, once per set-b call) and this rank's own uses_b at 4 * FO_GATHER_MAX_WORLD + b (its
+ * pushes begun into set b). On cur_stream: begin only (as 1., no wait: the caller's GEMMs start at once); then on
+ * copy_stream after a fork: wait until every peer j's done_b[j] here reaches uses_b, then uses_b + 1 (tag 3100 + j;
+ * a counter, not the epoch, so the captured and the eager calls of a group may use the sets in any order alike on
+ * every rank); copy a into slot `rank` of set b of every peer's buffer (peer to peer, copy engine), add 1 to
+ * ready[rank] in every peer's page, per peer j in arrival order wait until ready[j] here >= e and record
+ * shard_events[j], and, with copy_own, copy every slot of set b and a into staging (the gathered rows). cur_stream
+ * waits for no handshake: the caller's GEMMs read a at once and slot j of set b here after shard_events[j] (staging
+ * is then that set for fo_gather_gemms). fo_gather_finish joins first, then adds 1 to done[rank] and done_b[rank] in
+ * every peer's page on cur_stream (only for a call whose begin was enqueued on this host thread, and only after a
+ * join: every read of the slots is over), then poisons as below. staging may be null without copy_own. */
 #define FO_GATHER_PUSH 2
 typedef struct {
   int32_t world, rank;
@@ -399,6 +406,8 @@ typedef struct {
   int32_t options;                            /* bits FO_GATHER_GEMM_AFTER_HANDSHAKE, FO_GATHER_PUSH */
   void* outputs[FO_GATHER_MAX_OUTPUTS];
   int64_t output_numel[FO_GATHER_MAX_OUTPUTS];
+  int32_t slot_set;                           /* FO_GATHER_PUSH: the set of slots this call writes and reads
+                                               * (0 .. FO_GATHER_SLOT_SETS - 1, the same on every rank); else 0 */
 } fo_gather_args;
 
 FO_API int fo_gather_call(const fo_gather_args* args);

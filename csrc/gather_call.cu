@@ -33,7 +33,11 @@ constexpr int kMaxOutputs = FO_GATHER_MAX_OUTPUTS;
 constexpr int kReady = 0;           // ready[j] at kReady + j: rank j's shard of the current call is in its buffer
                                     // (push: in slot j of this rank's buffer)
 constexpr int kDone = kMaxWorld;    // done[j] at kDone + j: rank j finished reading this rank's shard (push: the
-                                    // slot this rank writes in j's buffer)
+                                    // slot this rank writes in j's buffer), added once per call by every schedule
+constexpr int kSetDone = 2 * kMaxWorld;  // push: done_b[j] at kSetDone + b * kMaxWorld + j: rank j finished reading
+                                         // the slot this rank writes in set b of j's buffer (once per set-b call)
+constexpr int kSetUses = 4 * kMaxWorld;  // push: uses_b at kSetUses + b, this rank's own: its pushes begun into set b
+constexpr int kSlotSets = FO_GATHER_SLOT_SETS;
 constexpr int kTagReady = 3000;     // + j: rank j's shard of this call
 constexpr int kTagDone = 3100;      // + j: rank j finished reading this rank's previous shard
 constexpr int kTagEnqueue = 3200;   // + step: a part of the call this rank could not enqueue
@@ -49,9 +53,10 @@ struct GatherStep {
   int begin;      // the call's first kernel: deadline, call_counter, current_launch, epoch + 1
   int fail_tag;   // nonzero: this rank failed to enqueue part of the call (code 4, here and in every peer's block)
   int num_notify;
-  int* notify[kMaxWorld];
+  int* notify[2 * kMaxWorld];
   int num_wait;
   int wait_offset;
+  int* counter;   // non-null: the waits' target is *counter (not epoch + wait_offset), and *counter += 1 after them
   int const* wait[kMaxWorld];
   int tag[kMaxWorld];
 };
@@ -82,9 +87,11 @@ __global__ void gather_step_kernel(GatherStep s) {
     }
   }
   if (s.num_wait == 0) return;
-  int const target = int(unsigned(load_volatile(s.epoch)) + unsigned(s.wait_offset));
+  int const target = s.counter != nullptr ? *s.counter
+                                          : int(unsigned(load_volatile(s.epoch)) + unsigned(s.wait_offset));
   long long const deadline = wait_deadline(s.fault, s.timeout_ns);
   for (int i = 0; i < s.num_wait; ++i) bounded_wait(s.wait[i], target, deadline, s.fault, nullptr, s.tag[i]);
+  if (s.counter != nullptr) *s.counter = target + 1;  // consumed whether or not a wait gave up (as the epochs)
 }
 
 // The outputs of one call (contiguous, numel elements each), poisoned while the block holds a fault.
@@ -142,6 +149,9 @@ int check_args(fo_gather_args const& p, bool finish) {
     return fail_code(2, "fo_gather: world must be in [2, FO_GATHER_MAX_WORLD] and rank in [0, world)");
   }
   if (p.fault == nullptr || p.copy_stream == nullptr) return fail_code(2, "fo_gather: fault and copy_stream are required");
+  if (p.slot_set < 0 || p.slot_set >= kSlotSets || ((p.options & FO_GATHER_PUSH) == 0 && p.slot_set != 0)) {
+    return fail_code(2, "fo_gather: slot_set must be in [0, FO_GATHER_SLOT_SETS), and 0 without FO_GATHER_PUSH");
+  }
   if (finish) {
     if (p.num_outputs < 0 || p.num_outputs > kMaxOutputs) {
       return fail_code(2, "fo_gather_finish: num_outputs must be in [0, FO_GATHER_MAX_OUTPUTS]");
@@ -160,6 +170,7 @@ int check_args(fo_gather_args const& p, bool finish) {
   if ((p.options & FO_GATHER_PUSH) != 0 && (p.options & FO_GATHER_GEMM_AFTER_HANDSHAKE) != 0) {
     return fail_code(2, "fo_gather_call: FO_GATHER_PUSH excludes FO_GATHER_GEMM_AFTER_HANDSHAKE");
   }
+
   if (p.timeout_ns <= 0) return fail_code(2, "fo_gather_call: timeout_ns must be positive");
   for (int r = 0; r < p.world; ++r) {
     if (p.buffers[r] == nullptr || p.flags[r] == nullptr) {
@@ -200,20 +211,20 @@ int launch_step(GatherStep const& s, cudaStream_t stream) {
   return cuda_check(cudaGetLastError(), "gather step kernel");
 }
 
-// The push schedule's fo_gather_call (flashoverlap_sm90.h, FO_GATHER_PUSH). Its first kernel runs on cur_stream,
-// before the caller's GEMMs: queued there it needs no SM that a GEMM holds, and its waits (the peers' reads of the
-// previous call) are met by then in a steady run, so it costs the GEMMs one short launch where the handshake
-// schedule's copy and handshake cost them 0.02-0.10 ms. The rest runs on the copy stream, which cur_stream does not
-// wait for: the pushes need no SM; the ready notification and the waits for the peers' shards run when the caller's
-// first GEMMs free an SM, which is when they are needed.
+// The push schedule's fo_gather_call (flashoverlap_sm90.h, FO_GATHER_PUSH). Its first kernel runs on cur_stream and
+// only begins the call (no wait), so the caller's local GEMMs start at once and never wait for a peer. Everything
+// else runs on the copy stream, which cur_stream does not wait for: the wait until every peer finished reading the
+// slots this call overwrites (set slot_set, two calls back when the sets alternate, so a rank may run a call ahead
+// of its peers), the pushes (copy engine, no SM), the ready notification and the waits for the peers' shards; its
+// step kernels need an SM slot only when a GEMM's CTA retires.
 int push_call(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur, cudaStream_t copy) {
-  int const W = p.world, r = p.rank;
+  int const W = p.world, r = p.rank, b = p.slot_set;
   size_t const bytes = size_t(p.shard_bytes);
   ev->push_begun = false;  // whatever an earlier call left (a finish that returned early): this call's own state
   ev->push_fail_tag = 0;
-  // 1. on cur: begin; every peer done reading its slot of this rank's previous push (call e - 1) before it is
-  // overwritten. Then the fork: the copy stream reads `a` and the new epoch after it.
-  GatherStep s = begin_step(p);
+  // 1. on cur: begin (deadline, call counter, epoch e). Then the fork: the copy stream reads `a` and the epoch after.
+  GatherStep s = step_base(p);
+  s.begin = 1;
   int rc = launch_step(s, cur);
   if (rc != 0) return rc;
   ev->push_begun = true;  // from here on every notification is issued whatever fails (as fo_gather_call's)
@@ -225,13 +236,28 @@ int push_call(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur, cudaS
   int fork = cuda_check(cudaEventRecord(ev->fork, cur), "fork record");
   if (fork == 0) fork = cuda_check(cudaStreamWaitEvent(copy, ev->fork, 0), "fork wait");
   note(fork, kTagEnqueue);  // unforked, the pushes could read `a` before it is written: none then (poisoned call)
-  // 2. a into slot r of every peer's buffer, the peer that takes it first (r + 1) first.
-  for (int d = 1; d < W && fork == 0; ++d) {
+  // 2. on copy: every peer j done reading the slot this rank writes in set b of j's buffer (done_b[j] here reaches
+  // uses_b, this rank's pushes begun into set b so far; then uses_b + 1). Not enqueued: no push (poisoned call).
+  int guard = fork;
+  if (fork == 0) {
+    s = step_base(p);
+    s.counter = p.flags[r] + kSetUses + b;
+    for (int d = 1; d < W; ++d) {
+      int const j = (r + d) % W;
+      s.wait[s.num_wait] = p.flags[r] + kSetDone + b * kMaxWorld + j;
+      s.tag[s.num_wait++] = kTagDone + j;
+    }
+    guard = launch_step(s, copy);
+    note(guard, kTagEnqueue);
+  }
+  // 3. a into slot r of set b of every peer's buffer, the peer that takes it first (r + 1) first.
+  size_t const set_offset = size_t(b) * size_t(W) * bytes;
+  for (int d = 1; d < W && guard == 0; ++d) {
     int const j = (r + d) % W;
-    note(cuda_check(cudaMemcpyAsync(static_cast<char*>(p.buffers[j]) + size_t(r) * bytes, p.a, bytes,
+    note(cuda_check(cudaMemcpyAsync(static_cast<char*>(p.buffers[j]) + set_offset + size_t(r) * bytes, p.a, bytes,
                                     cudaMemcpyDeviceToDevice, copy), "shard push"), kTagEnqueue + d);
   }
-  // 3. ready to every peer, after every push in stream order.
+  // 4. ready to every peer, after every push in stream order.
   s = step_base(p);
   s.fail_tag = fail_tag;
   for (int q = 1; q < W; ++q) s.notify[s.num_notify++] = p.flags[(r + q) % W] + kReady + r;
@@ -240,7 +266,7 @@ int push_call(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur, cudaS
   } else {
     note(krc, kTagEnqueue + W);
   }
-  // 4. per peer j in arrival order: its shard is in slot j here; the caller's GEMM of slot j waits for its event.
+  // 5. per peer j in arrival order: its shard is in slot j here; the caller's GEMM of slot j waits for its event.
   for (int d = 1; d < W; ++d) {
     int const j = (r - d + W) % W;
     s = step_base(p);
@@ -256,11 +282,11 @@ int push_call(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur, cudaS
     note(cuda_check(cudaEventRecord(static_cast<cudaEvent_t>(p.shard_events[j]), copy), "shard record"),
          kTagEnqueue + W + d);
   }
-  // 5. with copy_own, the gathered rows: every slot and a into staging, last on the copy stream (beside the caller's
-  // GEMMs; fo_gather_finish joins before it tells the peers their slots here were read).
+  // 6. with copy_own, the gathered rows: every slot of set b and a into staging, last on the copy stream (beside
+  // the caller's GEMMs; fo_gather_finish joins before it tells the peers their slots here were read).
   if (p.copy_own != 0) {
     char* const staging = static_cast<char*>(p.staging);
-    char const* const slots = static_cast<char const*>(p.buffers[r]);
+    char const* const slots = static_cast<char const*>(p.buffers[r]) + set_offset;
     for (int d = 0; d < W; ++d) {
       int const j = (r - d + W) % W;
       void const* src = d == 0 ? p.a : static_cast<void const*>(slots + size_t(j) * bytes);
@@ -282,9 +308,13 @@ int push_finish(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur) {
   ev->push_fail_tag = 0;
   if (!began) return 0;
   int const W = p.world, r = p.rank;
-  GatherStep s = step_base(p);  // done to every peer: its slot here may be written again
+  GatherStep s = step_base(p);  // done to every peer (the call's, and set b's: its slot here may be written again)
   s.fail_tag = fail_tag;
-  for (int q = 1; q < W; ++q) s.notify[s.num_notify++] = p.flags[(r + q) % W] + kDone + r;
+  for (int q = 1; q < W; ++q) {
+    int* const page = p.flags[(r + q) % W];
+    s.notify[s.num_notify++] = page + kDone + r;
+    s.notify[s.num_notify++] = page + kSetDone + p.slot_set * kMaxWorld + r;
+  }
   return launch_step(s, cur);
 }
 

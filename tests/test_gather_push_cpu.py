@@ -1,14 +1,18 @@
 """``gather_start="push"`` of ``routes/gather_peer.py`` on the CPU: ``execute`` for every rank of a simulated group
 with the library faked. The fake ``fo_gather_call`` checks what the route hands the library (the push option, a
-receive buffer of ``world`` slots from the push workspace list, staging only when the gathered rows are returned)
-and plays the peers' pushes: it writes each peer's shard into slot ``j`` of this rank's buffer and this rank's shard
-into slot ``rank`` of every peer's buffer (where ``csrc/gather_call.cu`` copies it), then copies the slots out as the
-library does under ``copy_own``. Each rank's GEMM outputs (the Python loop: fp32 takes no
-library GEMMs) must be its GEMMs over the gathered rows, and the gathered rows the all_gather's."""
+receive buffer of ``SLOT_SETS`` sets of ``world`` slots from the push workspace list, the set alternating per call
+alike on every rank, staging only when the gathered rows are returned) and plays the peers' pushes: it writes each
+peer's shard into slot ``j`` of the call's set of this rank's buffer and this rank's shard into slot ``rank`` of the
+same set of every peer's buffer (where ``csrc/gather_call.cu`` copies it), then copies the slots out as the library
+does under ``copy_own``. Each rank's GEMM outputs (the Python loop: fp32 takes no library GEMMs) must be its GEMMs
+over the gathered rows of that call, and the gathered rows the all_gather's. Also: ``fo_gather_args`` and its
+constants as the C header declares them."""
 
 from __future__ import annotations
 
 import ctypes
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,17 +21,19 @@ import torch
 from flashoverlap_inductor import config, routes
 from flashoverlap_inductor.routes import gather_peer
 
+HEADER = Path(__file__).resolve().parents[1] / "csrc" / "flashoverlap_sm90.h"
+
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("returned", [False, True])
 def test_push_execute_reads_every_shard_from_its_slot(monkeypatch, world, returned):
     gen = torch.Generator().manual_seed(11)
     rows, k, ns = 6, 16, (24, 8)  # shard rows per rank, K, the N of two GEMMs sharing the gather
-    shards = [torch.randn(rows, k, generator=gen) for _ in range(world)]
     weights = [torch.randn(k, n, generator=gen) for n in ns]
-    gathered = torch.cat(shards)
     shard_bytes = rows * k * 4
-    buffers = [torch.zeros(world * shard_bytes, dtype=torch.uint8) for _ in range(world)]  # "symmetric" memory
+    sets = gather_peer.SLOT_SETS
+    set_bytes = world * shard_bytes
+    buffers = [torch.zeros(sets * set_bytes, dtype=torch.uint8) for _ in range(world)]  # "symmetric" memory
     settings = config.current().replace(gather_start="push")
     asked = []
 
@@ -42,46 +48,86 @@ def test_push_execute_reads_every_shard_from_its_slot(monkeypatch, world, return
     ws = SimpleNamespace(flags=flags, views=buffers, serial=-1)
     monkeypatch.setattr(gather_peer, "group_issue", lambda g: None)
     monkeypatch.setattr(gather_peer, "workspace", workspace)
+    monkeypatch.setattr(gather_peer, "_push_calls", {})
     monkeypatch.setattr(gather_peer.compat, "group_timeout_ms", lambda g: 1000.0)
     monkeypatch.setattr(gather_peer.compat, "current_raw_stream", lambda i: 0)
     monkeypatch.setattr(gather_peer.symmetric, "order_after_last", lambda g, d, s: None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(wait_event=lambda e: None))
-    for rank in range(world):
-        def gather_call(pp, rank=rank):
-            p = pp._obj
-            assert p.options == gather_peer.PUSH and p.rank == rank and p.world == world
-            assert p.shard_bytes == shard_bytes and p.copy_own == int(returned)
-            assert (p.staging is not None) == returned  # no staging unless the gathered rows are returned
-            assert [p.buffers[j] for j in range(world)] == [b.data_ptr() for b in buffers]
-            for j in range(world):  # the peers' pushes into this rank's slots, this rank's into theirs
-                if j != rank:
-                    ctypes.memmove(p.buffers[rank] + j * shard_bytes, shards[j].data_ptr(), shard_bytes)
-                    ctypes.memmove(p.buffers[j] + rank * shard_bytes, p.a, shard_bytes)
-            if p.copy_own:  # the slots and a into staging, as push_call's last step copies them
-                for j in range(world):
-                    src = p.a if j == rank else p.buffers[rank] + j * shard_bytes
-                    ctypes.memmove(p.staging + j * shard_bytes, src, shard_bytes)
-            return 0
+    launches = {}
+    for number in range(2 * sets):  # every set twice; a rank's calls alternate the sets, as its peers' do
+        shards = [torch.randn(rows, k, generator=gen) for _ in range(world)]
+        gathered = torch.cat(shards)
+        for rank in range(world):
+            def gather_call(pp, rank=rank, shards=shards, number=number):
+                p = pp._obj
+                assert p.options == gather_peer.PUSH and p.rank == rank and p.world == world
+                assert p.shard_bytes == shard_bytes and p.copy_own == int(returned)
+                assert p.slot_set == number % sets
+                assert (p.staging is not None) == returned  # no staging unless the gathered rows are returned
+                assert [p.buffers[j] for j in range(world)] == [b.data_ptr() for b in buffers]
+                base = p.slot_set * set_bytes
+                for j in range(world):  # the peers' pushes into this rank's slots, this rank's into theirs
+                    if j != rank:
+                        ctypes.memmove(p.buffers[rank] + base + j * shard_bytes, shards[j].data_ptr(), shard_bytes)
+                        ctypes.memmove(p.buffers[j] + base + rank * shard_bytes, p.a, shard_bytes)
+                if p.copy_own:  # the slots and a into staging, as push_call's last step copies them
+                    for j in range(world):
+                        src = p.a if j == rank else p.buffers[rank] + base + j * shard_bytes
+                        ctypes.memmove(p.staging + j * shard_bytes, src, shard_bytes)
+                return 0
 
-        lib = SimpleNamespace(fo_gather_call=gather_call, fo_gather_finish=lambda pp: 0)
-        monkeypatch.setattr(gather_peer.kernels, "library", lambda lib=lib: lib)
-        call = routes.Call("all_gather", world * rows, sum(ns), k, torch.float32, world, rank, "cuda", None, "auto",
-                           group_name="g")
-        ctx = SimpleNamespace(a=shards[rank], b=weights, bias=[None] * len(ns), group=None,
-                              y_shape=[world * rows, k], gather_dim=0, return_gathered=returned, capturing=False,
-                              probe=None, settings=settings)
-        launch = gather_peer.make_launch(call, settings, ctx)
-        assert launch.options == gather_peer.PUSH and launch.gemms is None  # fp32: the Python loop
-        launch.args.clear()
-        outs = gather_peer.ROUTE.execute(launch, ctx)
-        assert asked[-1] == (world * shard_bytes, True)  # world slots, from the push list
-        assert len(outs) == len(ns) + returned
-        for w, y in zip(weights, outs, strict=False):
-            torch.testing.assert_close(y, gathered @ w)
-        if returned:
-            assert torch.equal(outs[-1], gathered)
-    for j in range(world):  # every rank's shard sits in slot j of every peer's buffer
-        for r in range(world):
-            if r != j:
-                got = buffers[r][j * shard_bytes:(j + 1) * shard_bytes].view(torch.float32).view(rows, k)
-                assert torch.equal(got, shards[j])
+            lib = SimpleNamespace(fo_gather_call=gather_call, fo_gather_finish=lambda pp: 0)
+            monkeypatch.setattr(gather_peer.kernels, "library", lambda lib=lib: lib)
+            call = routes.Call("all_gather", world * rows, sum(ns), k, torch.float32, world, rank, "cuda", None,
+                               "auto", group_name="g")
+            ctx = SimpleNamespace(a=shards[rank], b=weights, bias=[None] * len(ns),
+                                  group=SimpleNamespace(group_name=f"rank{rank}"),  # each rank's own count
+                                  y_shape=[world * rows, k], gather_dim=0, return_gathered=returned,
+                                  capturing=False, probe=None, settings=settings)
+            if rank not in launches:
+                launches[rank] = gather_peer.make_launch(call, settings, ctx)
+                launches[rank].args.clear()
+            launch = launches[rank]
+            assert launch.options == gather_peer.PUSH and launch.gemms is None  # fp32: the Python loop
+            outs = gather_peer.ROUTE.execute(launch, ctx)
+            assert asked[-1] == (sets * world * shard_bytes, True)  # every set's world slots, from the push list
+            assert len(outs) == len(ns) + returned
+            for w, y in zip(weights, outs, strict=False):
+                torch.testing.assert_close(y, gathered @ w)
+            if returned:
+                assert torch.equal(outs[-1], gathered)
+        for j in range(world):  # every rank's shard sits in slot j of this call's set of every peer's buffer
+            for r in range(world):
+                if r != j:
+                    at = (number % sets) * set_bytes + j * shard_bytes
+                    got = buffers[r][at:at + shard_bytes].view(torch.float32).view(rows, k)
+                    assert torch.equal(got, shards[j])
+
+
+def test_push_set_count_restarts_with_the_flags(monkeypatch):
+    """``zero_state`` (resync: the device counters of the sets are zero again) and ``reset`` restart the host's
+    count, so every rank's next push call takes set 0."""
+    monkeypatch.setattr(gather_peer, "_push_calls", {})
+    group, device = SimpleNamespace(group_name="g"), torch.device("cuda", 0)
+    assert [gather_peer.next_slot_set(group, device) for _ in range(3)] == [0, 1, 0]
+    monkeypatch.setattr(gather_peer.GatherPeerRoute.__mro__[1], "zero_state", lambda self, key: None)
+    gather_peer.ROUTE.zero_state((0, "g"))
+    assert gather_peer.next_slot_set(group, device) == 0
+    assert gather_peer.next_slot_set(SimpleNamespace(group_name="h"), device) == 0  # per group
+
+
+def test_gather_args_match_the_c_header():
+    header = HEADER.read_text()
+    for name, value in (("MAX_WORLD", gather_peer.MAX_WORLD), ("MAX_OUTPUTS", gather_peer.MAX_OUTPUTS),
+                        ("SLOT_SETS", gather_peer.SLOT_SETS), ("PUSH", gather_peer.PUSH),
+                        ("GEMM_AFTER_HANDSHAKE", gather_peer.GEMM_AFTER_HANDSHAKE)):
+        assert f"#define FO_GATHER_{name} {value}\n" in header
+    assert f"#define FO_GATHER_FLAG_INTS ({gather_peer.FLAG_INTS // gather_peer.MAX_WORLD} * FO_GATHER_MAX_WORLD)" \
+        in header
+    # the page: ready, done, done per set, then the sets' own counters, all before the fault block
+    assert 2 * gather_peer.MAX_WORLD + (gather_peer.SLOT_SETS + 1) * gather_peer.MAX_WORLD <= gather_peer.FLAG_INTS
+    start = header.index("typedef struct {", header.index("#define FO_GATHER_PUSH"))
+    body = re.sub(r"/\*.*?\*/", "", header[start:header.index("} fo_gather_args;")], flags=re.S)
+    names = [m for decl in body[len("typedef struct {"):].split(";") if decl.strip()
+             for m in re.findall(r"\**(\w+)(?:\[\w+\])?\s*(?:,|$)", decl.strip())]
+    assert names == [f for f, _ in gather_peer.GatherArgs._fields_]

@@ -155,14 +155,17 @@ def match_task(start: str) -> dict:
 
 @pytest.mark.parametrize("start", STARTS)
 def test_gather_peer_matches_eager(pool, start):
+    from flashoverlap_inductor.routes.gather_peer import SLOT_SETS
+
     n, world = len(_cases()), pool.world_size
     per_rank = pool.run(match_task, start)
     for r in per_rank:
         assert r["synced"] == n and r["total"] == 2 * n, per_rank
         # 1 MiB, grown once to 4 MiB, the small one reused (under push, the 4 MiB case's queued call pushes too)
         assert r["pull"] == ([1 << 20, 4 << 20] if start == "handshake" else [1 << 20]), per_rank
-        # the push schedule's own list: world slots per rank (the small shards fit 1 MiB, the 4 MiB one grows it)
-        assert r["push"] == ([1 << 20, (4 << 20) * world] if start == "push" else []), per_rank
+        # the push schedule's own list: SLOT_SETS sets of world slots per rank (of the 256 KiB shard, of 4 MiB)
+        sets = SLOT_SETS * world
+        assert r["push"] == ([max(1 << 20, sets << 18), sets << 22] if start == "push" else []), per_rank
 
 
 def library_gemms_task() -> dict[str, int]:

@@ -15,17 +15,19 @@ share one GPU works too, under ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``). 
 - ``fo_gather_finish``: the caller's stream joins the copy stream, and one kernel fills every output (each ``y_i``
   and, when returned, the gathered rows) with NaN while the group's fault block holds a fault.
 
-``gather_start="push"`` (``FO_GATHER_PUSH``; run on 2 H200s, not the default: docs/results.md, thirtieth session):
-no handshake before the GEMMs and no copy of the own shard into symmetric memory (beside a full GEMM such a copy
-ends only with it). One short kernel on the caller's stream begins the call and waits for every peer's done (met by
-then in a steady run); then the copy stream pushes ``a`` into slot ``rank`` of every peer's receive buffer (peer to
-peer, copy engine; a workspace list of its own, ``world`` slots of ``shard_bytes`` per rank), tells every peer,
-waits for each peer's shard in slot ``j`` here and records ``j``'s event, then (when returned) copies the gathered
-rows out of the slots; the caller's stream runs the local GEMMs at once and slot ``j``'s after ``j``'s event;
-``fo_gather_finish`` joins, tells every peer its slot here is read, and poisons. Same flags, epochs and fault block
-as above (every call adds each flag once whichever schedule it runs). Measured: a lone call drops the handshake
-(0.03-0.08 ms to 0.006), but back to back the op runs 0-7% slower at N 28672 (perhaps as the done flag after the
-GEMMs couples the ranks' calls) and end to end the two starts trade places between runs.
+``gather_start="push"`` (``FO_GATHER_PUSH``; not the default: docs/results.md): no handshake before the GEMMs and no
+copy of the own shard into symmetric memory (beside a full GEMM such a copy ends only with it). One short kernel on
+the caller's stream begins the call (no wait), so the local GEMMs start at once; the copy stream waits until every
+peer read the slots this call overwrites, pushes ``a`` into slot ``rank`` of set ``b`` of every peer's receive buffer
+(peer to peer, copy engine; a workspace list of its own, ``SLOT_SETS`` sets of ``world`` slots of ``shard_bytes`` per
+rank), tells every peer, waits for each peer's shard in slot ``j`` of set ``b`` here and records ``j``'s event, then
+(when returned) copies the gathered rows out; the caller's stream runs slot ``j``'s GEMMs after ``j``'s event;
+``fo_gather_finish`` joins, tells every peer its slot here is read, and poisons. The set alternates per eager call
+(``slot_set``: a host count per (device, group), the same on every rank as their calls are; a captured call keeps
+the set it was captured with), so a rank pushes call ``e + 1`` while a slower peer still reads call ``e``: the
+first version waited for the peers' previous call on the caller's stream and ran 0-7% slower back to back at
+N 28672 (30th session). Same epoch, ready flags and fault block as above; per set, the done flags and the pushes
+begun are counters (``csrc/flashoverlap_sm90.h``), and every call still adds the shared done flag once.
 
 Invariants (units: bytes for buffers and shards, flattened rows for the GEMMs, as ``schedule.gather``):
 
@@ -83,7 +85,8 @@ log = logging.getLogger("flashoverlap")
 
 MAX_WORLD = 8  # FO_GATHER_MAX_WORLD (<= faults.MAX_PEERS + 1)
 MAX_OUTPUTS = 8  # FO_GATHER_MAX_OUTPUTS: the GEMMs' results and the gathered rows
-FLAG_INTS = 2 * MAX_WORLD  # FO_GATHER_FLAG_INTS
+FLAG_INTS = 5 * MAX_WORLD  # FO_GATHER_FLAG_INTS
+SLOT_SETS = 2  # FO_GATHER_SLOT_SETS: the push schedule's receive slot sets
 FAULT_OFFSET = 4 * FLAG_INTS  # bytes: the group's fo_fault block, after the flags
 FLAG_BYTES = FAULT_OFFSET + faults.BLOCK_BYTES
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -104,7 +107,7 @@ class GatherArgs(ctypes.Structure):
                 ("copy_stream", ctypes.c_void_p), ("shard_events", ctypes.c_void_p * MAX_WORLD),
                 ("num_outputs", ctypes.c_int32), ("elem_bytes", ctypes.c_int32), ("bf16", ctypes.c_int32),
                 ("options", ctypes.c_int32), ("outputs", ctypes.c_void_p * MAX_OUTPUTS),
-                ("output_numel", ctypes.c_int64 * MAX_OUTPUTS)]
+                ("output_numel", ctypes.c_int64 * MAX_OUTPUTS), ("slot_set", ctypes.c_int32)]
 
 
 @dataclass
@@ -135,6 +138,7 @@ class GatherWorkspace:
 _flags: dict[tuple[int, str], GatherFlags] = {}
 _workspaces: dict[tuple, list[GatherWorkspace]] = {}  # (device, group) or (device, group, "push") -> by capacity
 _groups: dict[str, str | None] = {}  # group name -> why its ranks cannot share symmetric memory (None: they can)
+_push_calls: dict[tuple[int, str], int] = {}  # (device, group) -> push calls issued (the next one's set: % SLOT_SETS)
 
 
 def flags(group: dist.ProcessGroup, device: torch.device) -> GatherFlags:
@@ -292,14 +296,23 @@ def finish(lib, p: GatherArgs, ws: GatherWorkspace, used: tuple, route: str) -> 
 
 
 def receive_slots(launch: GatherLaunch, ws: GatherWorkspace, dtype: torch.dtype) -> torch.Tensor:
-    """The push schedule's ``[world, shard_rows, K]`` view of this rank's receive buffer in ``ws`` (slot ``j``: rank
-    ``j``'s shard), made once per workspace and kept with the launch."""
+    """The push schedule's ``[SLOT_SETS, world, shard_rows, K]`` view of this rank's receive buffer in ``ws`` (slot
+    ``[b, j]``: rank ``j``'s shard of a set-``b`` call), made once per workspace and kept with the launch."""
     view = launch.slots.get(ws.serial)
     if view is None:
         geo = launch.geo
-        view = launch.slots[ws.serial] = ws.views[launch.rank][:geo.world * launch.shard_bytes].view(dtype).view(
-            geo.world, geo.shard_rows, geo.k)
+        view = launch.slots[ws.serial] = ws.views[launch.rank][:SLOT_SETS * geo.world * launch.shard_bytes].view(
+            dtype).view(SLOT_SETS, geo.world, geo.shard_rows, geo.k)
     return view
+
+
+def next_slot_set(group: dist.ProcessGroup, device: torch.device) -> int:
+    """The set of the group's next push call on ``device``: its push calls so far (eager and captured alike, so the
+    same on every rank) modulo ``SLOT_SETS``."""
+    key = (device.index, group.group_name)
+    n = _push_calls.get(key, 0)
+    _push_calls[key] = n + 1
+    return n % SLOT_SETS
 
 
 class GatherPeerRoute(symmetric.SymmetricRoute):
@@ -313,7 +326,8 @@ class GatherPeerRoute(symmetric.SymmetricRoute):
     def execute(self, launch: GatherLaunch, ctx) -> list[torch.Tensor] | str:
         device, geo = ctx.a.device, launch.geo
         push = bool(launch.options & PUSH)
-        ws = workspace(ctx.group, device, launch.shard_bytes * (geo.world if push else 1), ctx.capturing, push)
+        ws = workspace(ctx.group, device, launch.shard_bytes * (SLOT_SETS * geo.world if push else 1), ctx.capturing,
+                       push)
         if ws is None:
             return "capture-grow: its shard buffer would have to grow inside a CUDA-graph capture"
         cur = compat.current_raw_stream(device.index)
@@ -323,13 +337,14 @@ class GatherPeerRoute(symmetric.SymmetricRoute):
         # the gathered rows (pull: the pulls land here; push: copied out of the slots when returned)
         staging = a.new_empty(geo.world, geo.shard_rows, geo.k) if not push or ctx.return_gathered else None
         # what the GEMMs read shard j from: staging, or (push) slot j of this rank's receive buffer
-        shards = receive_slots(launch, ws, a.dtype) if push else staging
+        slot_set = next_slot_set(ctx.group, device) if push else 0
+        shards = receive_slots(launch, ws, a.dtype)[slot_set] if push else staging
         outs = [a.new_empty(geo.rows, w.shape[-1]) for w in ctx.b]
         bias = [None if c is None else c.reshape(-1) for c in ctx.bias]
         # the memoized struct itself: every per-call field is set here, and the library reads it only during the
         # call (the dispatcher's lock keeps host threads out of each other's way)
         p = args_for(launch, ws)
-        p.a, p.copy_own, p.cur_stream = a.data_ptr(), int(ctx.return_gathered), cur
+        p.a, p.copy_own, p.cur_stream, p.slot_set = a.data_ptr(), int(ctx.return_gathered), cur, slot_set
         p.staging = staging.data_ptr() if staging is not None else None
         poisoned = [*outs, staging] if ctx.return_gathered else outs
         p.num_outputs = len(poisoned)
@@ -374,9 +389,14 @@ class GatherPeerRoute(symmetric.SymmetricRoute):
     def state(self) -> tuple[dict, dict]:
         return _flags, _workspaces
 
+    def zero_state(self, key: tuple[int, str]) -> None:
+        super().zero_state(key)
+        _push_calls.pop(key, None)  # the sets' counters on the device are zero again: set 0 next, on every rank
+
     def reset(self) -> None:
         super().reset()
         _groups.clear()
+        _push_calls.clear()
 
 
 ROUTE = GatherPeerRoute()
