@@ -373,10 +373,11 @@ FO_API int fo_ring_call(const fo_ring_args* args);
  * the host picks alike on every rank (alternating in eager calls, so a rank may push call e + 1 while its peers
  * still read call e). The page also holds, per set b, done_b[j] at 2 * FO_GATHER_MAX_WORLD + b * FO_GATHER_MAX_WORLD
  * + j (written only by rank j, once per set-b call) and this rank's own uses_b at 4 * FO_GATHER_MAX_WORLD + b (its
- * pushes begun into set b). On cur_stream: begin only (as 1., no wait: the caller's GEMMs start at once); then on
- * copy_stream after a fork: wait until every peer j's done_b[j] here reaches uses_b, then uses_b + 1 (tag 3100 + j;
- * a counter, not the epoch, so the captured and the eager calls of a group may use the sets in any order alike on
- * every rank); copy a into slot `rank` of set b of every peer's buffer (peer to peer, copy engine), add 1 to
+ * pushes begun into set b). On cur_stream, one short kernel before the caller's GEMMs: begin (as 1.) and wait until
+ * every peer j's done_b[j] here reaches uses_b, then uses_b + 1 (tag 3100 + j; a counter, not the epoch, so the
+ * captured and the eager calls of a group may use the sets in any order alike on every rank; with alternating sets
+ * the peers' call e - 2, met by then); then on copy_stream after a fork: copy a into slot `rank` of set b of every
+ * peer's buffer (peer to peer, copy engine), add 1 to
  * ready[rank] in every peer's page, per peer j in arrival order wait until ready[j] here >= e and record
  * shard_events[j], and, with copy_own, copy every slot of set b and a into staging (the gathered rows). cur_stream
  * waits for no handshake: the caller's GEMMs read a at once and slot j of set b here after shard_events[j] (staging

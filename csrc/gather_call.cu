@@ -211,20 +211,29 @@ int launch_step(GatherStep const& s, cudaStream_t stream) {
   return cuda_check(cudaGetLastError(), "gather step kernel");
 }
 
-// The push schedule's fo_gather_call (flashoverlap_sm90.h, FO_GATHER_PUSH). Its first kernel runs on cur_stream and
-// only begins the call (no wait), so the caller's local GEMMs start at once and never wait for a peer. Everything
-// else runs on the copy stream, which cur_stream does not wait for: the wait until every peer finished reading the
-// slots this call overwrites (set slot_set, two calls back when the sets alternate, so a rank may run a call ahead
-// of its peers), the pushes (copy engine, no SM), the ready notification and the waits for the peers' shards; its
-// step kernels need an SM slot only when a GEMM's CTA retires.
+// The push schedule's fo_gather_call (flashoverlap_sm90.h, FO_GATHER_PUSH). Its first kernel runs on cur_stream,
+// before the caller's GEMMs: it begins the call and waits until every peer finished reading the slots this call
+// overwrites in set slot_set, which in a steady run of alternating sets is the peers' call e - 2, long over, so it
+// costs the GEMMs one short launch and never couples a rank to its peers' previous call. (On the copy stream this
+// wait would need an SM slot that a GEMM filling every SM frees only at its end, and the pushes behind it would wait
+// as long: 2 H200s, 31st session.) The rest runs on the copy stream, which cur_stream does not wait for: the pushes
+// need no SM; the ready notification and the waits for the peers' shards run when the caller's first GEMMs free an
+// SM, which is when they are needed.
 int push_call(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur, cudaStream_t copy) {
   int const W = p.world, r = p.rank, b = p.slot_set;
   size_t const bytes = size_t(p.shard_bytes);
   ev->push_begun = false;  // whatever an earlier call left (a finish that returned early): this call's own state
   ev->push_fail_tag = 0;
-  // 1. on cur: begin (deadline, call counter, epoch e). Then the fork: the copy stream reads `a` and the epoch after.
+  // 1. on cur: begin (deadline, call counter, epoch e); every peer j done reading the slot this rank writes in set b
+  // of j's buffer (done_b[j] here reaches uses_b, this rank's pushes begun into set b so far; then uses_b + 1).
   GatherStep s = step_base(p);
   s.begin = 1;
+  s.counter = p.flags[r] + kSetUses + b;
+  for (int d = 1; d < W; ++d) {
+    int const j = (r + d) % W;
+    s.wait[s.num_wait] = p.flags[r] + kSetDone + b * kMaxWorld + j;
+    s.tag[s.num_wait++] = kTagDone + j;
+  }
   int rc = launch_step(s, cur);
   if (rc != 0) return rc;
   ev->push_begun = true;  // from here on every notification is issued whatever fails (as fo_gather_call's)
@@ -233,26 +242,13 @@ int push_call(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur, cudaS
     if (code != 0 && first == 0) first = code;
     if (code != 0 && fail_tag == 0) fail_tag = tag;
   };
+  // 2. the fork: the copy stream reads `a` and the epoch after the begin.
   int fork = cuda_check(cudaEventRecord(ev->fork, cur), "fork record");
   if (fork == 0) fork = cuda_check(cudaStreamWaitEvent(copy, ev->fork, 0), "fork wait");
   note(fork, kTagEnqueue);  // unforked, the pushes could read `a` before it is written: none then (poisoned call)
-  // 2. on copy: every peer j done reading the slot this rank writes in set b of j's buffer (done_b[j] here reaches
-  // uses_b, this rank's pushes begun into set b so far; then uses_b + 1). Not enqueued: no push (poisoned call).
-  int guard = fork;
-  if (fork == 0) {
-    s = step_base(p);
-    s.counter = p.flags[r] + kSetUses + b;
-    for (int d = 1; d < W; ++d) {
-      int const j = (r + d) % W;
-      s.wait[s.num_wait] = p.flags[r] + kSetDone + b * kMaxWorld + j;
-      s.tag[s.num_wait++] = kTagDone + j;
-    }
-    guard = launch_step(s, copy);
-    note(guard, kTagEnqueue);
-  }
   // 3. a into slot r of set b of every peer's buffer, the peer that takes it first (r + 1) first.
   size_t const set_offset = size_t(b) * size_t(W) * bytes;
-  for (int d = 1; d < W && guard == 0; ++d) {
+  for (int d = 1; d < W && fork == 0; ++d) {
     int const j = (r + d) % W;
     note(cuda_check(cudaMemcpyAsync(static_cast<char*>(p.buffers[j]) + set_offset + size_t(r) * bytes, p.a, bytes,
                                     cudaMemcpyDeviceToDevice, copy), "shard push"), kTagEnqueue + d);

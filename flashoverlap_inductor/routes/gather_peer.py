@@ -17,8 +17,9 @@ share one GPU works too, under ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``). 
 
 ``gather_start="push"`` (``FO_GATHER_PUSH``; not the default: docs/results.md): no handshake before the GEMMs and no
 copy of the own shard into symmetric memory (beside a full GEMM such a copy ends only with it). One short kernel on
-the caller's stream begins the call (no wait), so the local GEMMs start at once; the copy stream waits until every
-peer read the slots this call overwrites, pushes ``a`` into slot ``rank`` of set ``b`` of every peer's receive buffer
+the caller's stream begins the call and waits until every peer read the slots this call overwrites (their call
+``e - 2`` when the sets alternate: met by then), so the local GEMMs start at once; then the copy stream (whose step
+kernels would wait for an SM behind such a GEMM) pushes ``a`` into slot ``rank`` of set ``b`` of every peer's buffer
 (peer to peer, copy engine; a workspace list of its own, ``SLOT_SETS`` sets of ``world`` slots of ``shard_bytes`` per
 rank), tells every peer, waits for each peer's shard in slot ``j`` of set ``b`` here and records ``j``'s event, then
 (when returned) copies the gathered rows out; the caller's stream runs slot ``j``'s GEMMs after ``j``'s event;
