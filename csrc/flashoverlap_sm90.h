@@ -367,8 +367,8 @@ FO_API int fo_ring_call(const fo_ring_args* args);
  * that fills every SM would otherwise hold a step kernel, hence the pulls, until its CTAs retire); the GEMMs start
  * one handshake later. Without it, the per-peer steps of 3. below. */
 #define FO_GATHER_GEMM_AFTER_HANDSHAKE 1
-/* options bit (gather_start="push"; not the default): the push schedule. buffers[p] are then every rank's receive
- * buffers of FO_GATHER_SLOT_SETS sets of world slots (slot j of set b at buffers[p] + (b * world + j) * shard_bytes:
+/* options bit (gather_start="push", the default where its buffer fits): the push schedule. buffers[p] are then
+ * every rank's receive buffers of FO_GATHER_SLOT_SETS sets of world slots (slot j of set b at buffers[p] + (b * world + j) * shard_bytes:
  * rank j's shard; a workspace of its own, never shared with the schedules above); a call uses set slot_set, which
  * the host picks alike on every rank (alternating in eager calls, so a rank may push call e + 1 while its peers
  * still read call e). The page also holds, per set b, done_b[j] at 2 * FO_GATHER_MAX_WORLD + b * FO_GATHER_MAX_WORLD

@@ -11,9 +11,9 @@
 // Cross-GPU ordering as in peer_call.cu: a system-scope fence and release add after the copy in stream order, paired
 // with a bounded system-scope acquire before the reader's copy.
 //
-// The push schedule (FO_GATHER_PUSH, an experiment) turns the copies around: each rank copies its shard straight
-// into slot `rank` of every peer's receive buffer, so ready[j] means "rank j's shard is in slot j of my buffer" and
-// done[j] "rank j finished reading the slot I write in its buffer"; the flags, tags and epoch are the same.
+// The push schedule (FO_GATHER_PUSH: gather_start="push", the default) turns the copies around: each rank copies its
+// shard straight into slot `rank` of a set of every peer's receive buffer, so ready[j] means "rank j's shard is in
+// slot j of my buffer" and done_b[j] "rank j finished reading the slot I write in set b of its buffer".
 #include <cuda_runtime.h>
 
 #include <cstdint>

@@ -113,6 +113,7 @@ RULES: dict[str, check.Rule] = {
     "ring_rounds": check.Int(1, 16),
     "peer_kernel": check.OrNone(check.Text("a GEMM configuration name"), "the preferred one", words=()),
     "gather_start": check.Choice(GATHER_STARTS),
+    "gather_push_max_mb": check.Int(0),
 }
 
 
@@ -134,12 +135,16 @@ class Tuning:
     row_order: str | None = None  # "schedule" | "gather"; None: measured default (``schedule.row_order.route``)
     ring_rounds: int = 2  # ring all_reduce: at most this many rounds (1 .. 16)
     peer_kernel: str | None = None  # peer/ring routes: the _addc GEMM configuration; None: preferred
-    # gather_peer route: when the caller's GEMMs start. "handshake": after every rank's shard is in its buffer (one
-    # handshake, ~10-30 us), so the pulls need no SM while the GEMMs run; "eager": at once, the protocol's per-peer
-    # step kernels then wait for an SM the GEMM frees (the route's behaviour before 2026-11-26); "push": at once,
-    # each rank pushing its shard by copy engine into the peers' receive buffers (2 H200s: no handshake in a lone
-    # call, 0-7% slower back to back at N 28672, end to end within the spread of "handshake"; docs/results.md).
-    gather_start: str = "handshake"
+    # gather_peer route: when the caller's GEMMs start. "push": at once, each rank pushing its shard by copy engine
+    # into the peers' receive buffers (two sets of world slots; 2 H200s, Llama-3-8B sp: faster than "handshake" in
+    # each of 4 eager e2e runs, equal under CUDA graphs; docs/results.md, 31st session); "handshake": after every
+    # rank's shard is in its buffer (one handshake, ~10-80 us), so the pulls need no SM while the GEMMs run (a
+    # receive buffer of one shard); "eager": at once, the protocol's per-peer step kernels then wait for an SM the
+    # GEMM frees (the route's behaviour before 2026-11-26).
+    gather_start: str = "push"
+    # "push" takes a call only where its receive buffer (2 x world x shard bytes per rank) is at most this many MiB;
+    # larger calls start with the handshake (a buffer of one shard). The same on every rank (shapes and settings).
+    gather_push_max_mb: int = 1024
 
     def __post_init__(self) -> None:
         _check_fields(self)  # every field in its rule's type (``RULES``)

@@ -131,3 +131,21 @@ def test_gather_args_match_the_c_header():
     names = [m for decl in body[len("typedef struct {"):].split(";") if decl.strip()
              for m in re.findall(r"\**(\w+)(?:\[\w+\])?\s*(?:,|$)", decl.strip())]
     assert names == [f for f, _ in gather_peer.GatherArgs._fields_]
+
+
+@pytest.mark.parametrize("cap_mb, start", [(None, "push"), (1, "handshake"), (0, "handshake")])
+def test_push_is_the_default_where_its_buffer_fits(monkeypatch, cap_mb, start):
+    """``gather_start`` defaults to "push"; a call whose receive buffer (``SLOT_SETS`` x world x shard bytes) would
+    pass ``gather_push_max_mb`` starts with the handshake instead (its launch says so)."""
+    monkeypatch.setattr(gather_peer, "group_issue", lambda g: None)
+    monkeypatch.setattr(gather_peer.compat, "group_timeout_ms", lambda g: 1000.0)
+    settings = config.current() if cap_mb is None else config.current().replace(gather_push_max_mb=cap_mb)
+    assert config.Settings().tuning.gather_start == "push"
+    rows, k, world = 128, 1024, 2  # 512 KiB fp32 shards: 2 MiB of receive buffer
+    call = routes.Call("all_gather", world * rows, 512, k, torch.float32, world, 0, "cuda", None, "auto",
+                       group_name="g")
+    ctx = SimpleNamespace(a=torch.zeros(rows, k), b=[torch.zeros(k, 512)], bias=[None], group=None,
+                          gather_dim=0, return_gathered=False)
+    launch = gather_peer.make_launch(call, settings, ctx)
+    assert launch.options == gather_peer.OPTIONS[start]
+    assert ("handshake start" in launch.description) == (start == "handshake")

@@ -15,20 +15,19 @@ share one GPU works too, under ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``). 
 - ``fo_gather_finish``: the caller's stream joins the copy stream, and one kernel fills every output (each ``y_i``
   and, when returned, the gathered rows) with NaN while the group's fault block holds a fault.
 
-``gather_start="push"`` (``FO_GATHER_PUSH``; not the default: docs/results.md): no handshake before the GEMMs and no
-copy of the own shard into symmetric memory (beside a full GEMM such a copy ends only with it). One short kernel on
-the caller's stream begins the call and waits until every peer read the slots this call overwrites (their call
-``e - 2`` when the sets alternate: met by then), so the local GEMMs start at once; then the copy stream (whose step
+``gather_start="push"`` (``FO_GATHER_PUSH``, the default where its buffer fits ``gather_push_max_mb``): no handshake
+and no copy of the own shard into symmetric memory (beside a full GEMM such a copy ends only with it). One short
+kernel on the caller's stream begins the call and waits until every peer read the slots this call overwrites (their
+call ``e - 2`` when the sets alternate: met by then), so the local GEMMs start at once; the copy stream (whose step
 kernels would wait for an SM behind such a GEMM) pushes ``a`` into slot ``rank`` of set ``b`` of every peer's buffer
-(peer to peer, copy engine; a workspace list of its own, ``SLOT_SETS`` sets of ``world`` slots of ``shard_bytes`` per
-rank), tells every peer, waits for each peer's shard in slot ``j`` of set ``b`` here and records ``j``'s event, then
-(when returned) copies the gathered rows out; the caller's stream runs slot ``j``'s GEMMs after ``j``'s event;
-``fo_gather_finish`` joins, tells every peer its slot here is read, and poisons. The set alternates per eager call
-(``slot_set``: a host count per (device, group), the same on every rank as their calls are; a captured call keeps
-the set it was captured with), so a rank pushes call ``e + 1`` while a slower peer still reads call ``e``: the
-first version waited for the peers' previous call on the caller's stream and ran 0-7% slower back to back at
-N 28672 (30th session). Same epoch, ready flags and fault block as above; per set, the done flags and the pushes
-begun are counters (``csrc/flashoverlap_sm90.h``), and every call still adds the shared done flag once.
+(copy engine; a workspace list of its own, ``SLOT_SETS`` sets of ``world`` slots per rank), tells every peer, waits
+for each peer's shard in slot ``j`` of set ``b`` here and records ``j``'s event, then (when returned) copies the
+gathered rows out; the caller's stream runs slot ``j``'s GEMMs after ``j``'s event; ``fo_gather_finish`` joins, tells
+every peer its slot here is read, and poisons. The set alternates per call (``slot_set``: a host count per (device,
+group), alike on every rank as their calls are; a captured call keeps its set), so a rank pushes call ``e + 1`` while
+a slower peer still reads call ``e`` (with one set, 30th session, a rank waited for its peers' previous call and ran
+0-7% slower back to back). Same epoch, ready flags and fault block as above; per set, the done flags and the pushes
+begun are counters (``csrc/flashoverlap_sm90.h``); every call still adds the shared done flag once.
 
 Invariants (units: bytes for buffers and shards, flattened rows for the GEMMs, as ``schedule.gather``):
 
@@ -245,8 +244,12 @@ def make_launch(call, settings: config.Settings, ctx) -> GatherLaunch | str:
     desc = (f"all_gather of {geo.shard_rows} x {geo.k} {call.dtype_name} shards over {call.world} ranks, then "
             f"{len(ctx.b)} GEMM(s) N={[w.shape[-1] for w in ctx.b]}: gather_peer route, {shard_bytes} B per shard "
             "by copy engine")
+    start, cap_mb = settings.tuning.gather_start, settings.tuning.gather_push_max_mb
+    if start == "push" and SLOT_SETS * call.world * shard_bytes > cap_mb << 20:
+        start = "handshake"  # alike on every rank: shapes and settings
+        desc += f"; handshake start (the push's receive buffer would pass gather_push_max_mb={cap_mb})"
     log.info("flashoverlap: launch %s", desc)
-    options = OPTIONS[settings.tuning.gather_start]
+    options = OPTIONS[start]
     return GatherLaunch(geo, call.rank, call.dtype, shard_bytes,
                         settings.timeout_ns(compat.group_timeout_ms(ctx.group)), desc, options,
                         gather_gemms.static_args(ctx, geo, call.rank), faults.launch_id(desc))
