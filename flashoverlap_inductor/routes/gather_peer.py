@@ -15,29 +15,26 @@ share one GPU works too, under ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``). 
 - ``fo_gather_finish``: the caller's stream joins the copy stream, and one kernel fills every output (each ``y_i``
   and, when returned, the gathered rows) with NaN while the group's fault block holds a fault.
 
-``gather_start="push"`` (``FO_GATHER_PUSH``, the default where its buffer fits ``gather_push_max_mb``): no handshake
-and no copy of the own shard into symmetric memory (beside a full GEMM such a copy ends only with it). One short
-kernel on the caller's stream begins the call and waits until every peer read the slots this call overwrites (their
-call ``e - 2`` when the sets alternate: met by then), so the local GEMMs start at once; the copy stream (whose step
-kernels would wait for an SM behind such a GEMM) pushes ``a`` into slot ``rank`` of set ``b`` of every peer's buffer
-(copy engine; a workspace list of its own, ``SLOT_SETS`` sets of ``world`` slots per rank), tells every peer, waits
-for each peer's shard in slot ``j`` of set ``b`` here and records ``j``'s event, then (when returned) copies the
-gathered rows out; the caller's stream runs slot ``j``'s GEMMs after ``j``'s event; ``fo_gather_finish`` joins, tells
-every peer its slot here is read, and poisons. The set alternates per call (``slot_set``: a host count per (device,
-group), alike on every rank as their calls are; a captured call keeps its set), so a rank pushes call ``e + 1`` while
-a slower peer still reads call ``e`` (with one set, 30th session, a rank waited for its peers' previous call and ran
-0-7% slower back to back). Same epoch, ready flags and fault block as above; per set, the done flags and the pushes
-begun are counters (``csrc/flashoverlap_sm90.h``); every call still adds the shared done flag once.
+``gather_start="push"`` (``FO_GATHER_PUSH``; the default where its buffer fits ``gather_push_max_mb``): no handshake
+and no copy of the own shard into symmetric memory. On the caller's stream one short kernel begins the call and waits
+until every peer read the slots it overwrites, then the local GEMMs run; the copy stream pushes ``a`` into slot
+``rank`` of set ``b`` of every peer's receive buffer (copy engine; ``SLOT_SETS`` sets of ``world`` slots per rank, a
+workspace list of its own), tells every peer, waits for each peer's shard in slot ``j`` here and records ``j``'s event
+(then, when returned, copies the gathered rows out); slot ``j``'s GEMMs follow ``j``'s event; ``fo_gather_finish``
+joins, tells every peer its slot here is read, and poisons. The set alternates per call (``slot_set``: a host count
+per (device, group), alike on every rank; a captured call keeps its set), so the first wait concerns the peers' call
+``e - 2``, long over (with one set, 30th session, it coupled the ranks: 0-7% slower back to back). Per set the done
+flags and the pushes begun are counters (``csrc/flashoverlap_sm90.h``); every call still adds the shared done once.
 
 Invariants (units: bytes for buffers and shards, flattened rows for the GEMMs, as ``schedule.gather``):
 
 - Memory of one (device, group): a flag page of ``FLAG_BYTES`` (zeroed once; ``ready[j]`` at int ``j`` and
-  ``done[j]`` at int ``MAX_WORLD + j``, each added to only by rank ``j``, once per call; the group's ``fo_fault`` block
-  at ``FAULT_OFFSET``), a device epoch (calls begun; graph-replay safe: the first kernel of a call advances it), the
-  copy stream, one event per source rank; and workspaces of ``capacity`` bytes (``symmetric.smallest_with_room``:
-  a call of ``shard_bytes = shard_rows * K * itemsize`` uses the smallest with room, never grows one inside a
-  capture), every rank's mapped here. ``staging`` ([world, shard_rows, K], the dim-0 all_gather's layout) and the
-  outputs are the call's own fresh tensors.
+  ``done[j]`` at int ``MAX_WORLD + j``, each added to only by rank ``j``, once per call; the push's per-set counters;
+  the group's ``fo_fault`` block at ``FAULT_OFFSET``), a device epoch (calls begun; graph-replay safe: the first
+  kernel of a call advances it), the copy stream, one event per source rank; and workspaces of ``capacity`` bytes
+  (``symmetric.smallest_with_room``: a call of ``shard_bytes = shard_rows * K * itemsize`` uses the smallest with
+  room, never grows one inside a capture), every rank's mapped here. ``staging`` ([world, shard_rows, K], the dim-0
+  all_gather's layout) and the outputs are the call's own fresh tensors.
 - A rank's buffer is rewritten by call ``e + 1`` only after every peer said it read call ``e``'s shard, and the
   flags count calls, not shapes, so calls of any shape share one page and buffer set; calls of a group run in
   order on its copy stream (eager calls from another caller stream first wait for the last, ``order_after_last``).
@@ -52,13 +49,13 @@ Invariants (units: bytes for buffers and shards, flattened rows for the GEMMs, a
   fault into its block too, so it raises in ``routes.check()`` as they do, and every rank's next call on the group
   first resynchronizes it (``symmetric.resync``: the flag page and the epoch zeroed in place on every rank, the
   buffers kept), with no reset. That resynchronization also drops the late records above.
-- Cost beside the GEMMs: the pulls take copy engines only; the protocol's one-thread kernels (one per peer and call)
-  run on the high-priority copy stream and need an SM slot, which a full cuBLAS grid frees at its next CTA's end.
+- Cost beside the GEMMs: copy engines only; the protocol's one-thread kernels on the high-priority copy stream need
+  an SM slot, which cuBLAS's persistent sm90 GEMMs free only at their end (so none may gate a transfer).
 
-Declines (pure; the same on every rank): another collective, ``transport="nccl"``, fewer than 2 or more than
-``MAX_WORLD`` ranks, a dtype other than bf16 / fp16 / fp32, a plan other than ``gather_nccl.PLANS``, no kernel
-library or sm90 GPU. ``make_launch`` also declines (after one collective per group) a group that spans hosts or a
-torch without symmetric memory, and a call of more than ``MAX_OUTPUTS`` outputs.
+Declines (pure; alike on every rank): another collective, ``transport="nccl"``, 1 or more than ``MAX_WORLD`` ranks, a
+dtype other than bf16 / fp16 / fp32, a plan other than ``gather_nccl.PLANS``, no library or sm90 GPU; in
+``make_launch`` (after one collective per group) a group across hosts or without symmetric memory, or more than
+``MAX_OUTPUTS`` outputs.
 """
 
 from __future__ import annotations
