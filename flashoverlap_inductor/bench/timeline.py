@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shapes", default=None,
                    help=f"MxNxK,...; all_gather: M gathered rows, N before the split (default {GATHER_SHAPES}); "
                         f"all_reduce / reduce_scatter: A [M, K] per rank, B [K, N] (default {timeline_peer.SHAPES})")
-    p.add_argument("--gather-start", "--start", dest="start", default="handshake,eager",
+    p.add_argument("--gather-start", "--start", dest="start", default="push,handshake",
                    help="all_gather: gather_start values to compare (comma-separated; under torchrun write "
                         "--gather-start: torchrun takes --start for its --start-method)")
     p.add_argument("--gate", default="epilogue",
