@@ -360,7 +360,7 @@ FO_API int fo_ring_call(const fo_ring_args* args);
 #define FO_GATHER_MAX_WORLD 8
 #define FO_GATHER_MAX_OUTPUTS 8
 #define FO_GATHER_SLOT_SETS 2
-#define FO_GATHER_FLAG_INTS (5 * FO_GATHER_MAX_WORLD)
+#define FO_GATHER_FLAG_INTS (7 * FO_GATHER_MAX_WORLD)
 /* options bit: steps 2-3 become one handshake (ready to every peer, then one kernel waits for every peer's ready),
  * after which cur_stream waits for the copy stream; then the pulls (copy engine) back to back, the own slot copy,
  * and one kernel adds done to every peer. No protocol kernel then needs an SM while the caller's GEMMs run (a GEMM
@@ -368,22 +368,25 @@ FO_API int fo_ring_call(const fo_ring_args* args);
  * one handshake later. Without it, the per-peer steps of 3. below. */
 #define FO_GATHER_GEMM_AFTER_HANDSHAKE 1
 /* options bit (gather_start="push", the default where its buffer fits): the push schedule. buffers[p] are then
- * every rank's receive buffers of FO_GATHER_SLOT_SETS sets of world slots (slot j of set b at buffers[p] + (b * world + j) * shard_bytes:
- * rank j's shard; a workspace of its own, never shared with the schedules above); a call uses set slot_set, which
- * the host picks alike on every rank (alternating in eager calls, so a rank may push call e + 1 while its peers
- * still read call e). The page also holds, per set b, done_b[j] at 2 * FO_GATHER_MAX_WORLD + b * FO_GATHER_MAX_WORLD
- * + j (written only by rank j, once per set-b call) and this rank's own uses_b at 4 * FO_GATHER_MAX_WORLD + b (its
- * pushes begun into set b). On cur_stream, one short kernel before the caller's GEMMs: begin (as 1.) and wait until
- * every peer j's done_b[j] here reaches uses_b, then uses_b + 1 (tag 3100 + j; a counter, not the epoch, so the
- * captured and the eager calls of a group may use the sets in any order alike on every rank; with alternating sets
- * the peers' call e - 2, met by then); then on copy_stream after a fork: copy a into slot `rank` of set b of every
- * peer's buffer (peer to peer, copy engine), add 1 to
- * ready[rank] in every peer's page, per peer j in arrival order wait until ready[j] here >= e and record
- * shard_events[j], and, with copy_own, copy every slot of set b and a into staging (the gathered rows). cur_stream
- * waits for no handshake: the caller's GEMMs read a at once and slot j of set b here after shard_events[j] (staging
- * is then that set for fo_gather_gemms). fo_gather_finish joins first, then adds 1 to done[rank] and done_b[rank] in
- * every peer's page on cur_stream (only for a call whose begin was enqueued on this host thread, and only after a
- * join: every read of the slots is over), then poisons as below. staging may be null without copy_own. */
+ * every rank's receive buffers of FO_GATHER_SLOT_SETS sets of world slots (slot j of set b at buffers[p] +
+ * (b * world + j) * shard_bytes: rank j's shard; a workspace of its own, never shared with the schedules above); a
+ * call uses set slot_set, which the host picks alike on every rank (alternating, so a rank may push call e + 1 while
+ * its peers still read call e). The page also holds, per set b (M = FO_GATHER_MAX_WORLD, S = FO_GATHER_SLOT_SETS):
+ * done_b[j] at 2M + bM + j and ready_b[j] at (2 + S)M + bM + j (each added to only by rank j, once per set-b call),
+ * and this rank's own counters uses_b at (2 + 2S)M + b (its pushes begun into set b) and reads_b at (2 + 2S)M + S + b
+ * (its set-b calls whose shards it waited for). Counters, not the epoch, so captured and eager calls may use the sets
+ * in any order alike on every rank; a rank on another set than its peers waits out its bound (a fault: poisoned,
+ * raised, resynchronized), never reads a stale slot. On cur_stream, one short kernel before the caller's GEMMs:
+ * begin (as 1.) and wait until every peer j's done_b[j] here reaches uses_b, then uses_b + 1 (tag 3100 + j; with
+ * alternating sets the peers' call e - 2, met by then); then on copy_stream after a fork: copy a into slot `rank` of
+ * set b of every peer's buffer (peer to peer, copy engine), add 1 to ready[rank] and ready_b[rank] in every peer's
+ * page, per peer j in arrival order wait until ready_b[j] here >= reads_b + 1 (tag 3000 + j; then reads_b + 1) and
+ * record shard_events[j], and, with copy_own, copy every slot of set b and a into staging (the gathered rows).
+ * cur_stream waits for no handshake: the caller's GEMMs read a at once and slot j of set b here after
+ * shard_events[j] (staging is then that set for fo_gather_gemms). fo_gather_finish joins first, then adds 1 to
+ * done[rank] and done_b[rank] in every peer's page on cur_stream (only for a call whose begin was enqueued on this
+ * host thread, and only after a join: every read of the slots is over), then poisons as below. staging may be null
+ * without copy_own. Every call, whichever schedule, adds ready[rank] and done[rank] once (their waits count calls). */
 #define FO_GATHER_PUSH 2
 typedef struct {
   int32_t world, rank;

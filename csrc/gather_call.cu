@@ -16,6 +16,7 @@
 // slot j of my buffer" and done_b[j] "rank j finished reading the slot I write in set b of its buffer".
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <unordered_map>
@@ -34,10 +35,15 @@ constexpr int kReady = 0;           // ready[j] at kReady + j: rank j's shard of
                                     // (push: in slot j of this rank's buffer)
 constexpr int kDone = kMaxWorld;    // done[j] at kDone + j: rank j finished reading this rank's shard (push: the
                                     // slot this rank writes in j's buffer), added once per call by every schedule
+constexpr int kSlotSets = FO_GATHER_SLOT_SETS;
 constexpr int kSetDone = 2 * kMaxWorld;  // push: done_b[j] at kSetDone + b * kMaxWorld + j: rank j finished reading
                                          // the slot this rank writes in set b of j's buffer (once per set-b call)
-constexpr int kSetUses = 4 * kMaxWorld;  // push: uses_b at kSetUses + b, this rank's own: its pushes begun into set b
-constexpr int kSlotSets = FO_GATHER_SLOT_SETS;
+constexpr int kSetReady = kSetDone + kSlotSets * kMaxWorld;  // push: ready_b[j]: rank j's pushes into set b here
+constexpr int kSetUses = kSetReady + kSlotSets * kMaxWorld;  // push: uses_b at kSetUses + b, this rank's own: its
+                                                             // pushes begun into set b
+constexpr int kSetReads = kSetUses + kSlotSets;  // push: reads_b at kSetReads + b, this rank's own: its set-b calls
+static_assert(kSetReads + kSlotSets <= FO_GATHER_FLAG_INTS, "the gather flag page holds every flag and counter");
+static_assert(sizeof(fo_gather_args) == 432 && offsetof(fo_gather_args, slot_set) == 424, "fo_gather_args layout");
 constexpr int kTagReady = 3000;     // + j: rank j's shard of this call
 constexpr int kTagDone = 3100;      // + j: rank j finished reading this rank's previous shard
 constexpr int kTagEnqueue = 3200;   // + step: a part of the call this rank could not enqueue
@@ -56,7 +62,8 @@ struct GatherStep {
   int* notify[2 * kMaxWorld];
   int num_wait;
   int wait_offset;
-  int* counter;   // non-null: the waits' target is *counter (not epoch + wait_offset), and *counter += 1 after them
+  int* counter;   // non-null: the waits' target is *counter + wait_offset (not epoch + wait_offset)
+  int advance;    // with counter: *counter += 1 after the waits (whether or not one gave up)
   int const* wait[kMaxWorld];
   int tag[kMaxWorld];
 };
@@ -87,11 +94,11 @@ __global__ void gather_step_kernel(GatherStep s) {
     }
   }
   if (s.num_wait == 0) return;
-  int const target = s.counter != nullptr ? *s.counter
-                                          : int(unsigned(load_volatile(s.epoch)) + unsigned(s.wait_offset));
+  int const base = s.counter != nullptr ? *s.counter : load_volatile(s.epoch);
+  int const target = int(unsigned(base) + unsigned(s.wait_offset));
   long long const deadline = wait_deadline(s.fault, s.timeout_ns);
   for (int i = 0; i < s.num_wait; ++i) bounded_wait(s.wait[i], target, deadline, s.fault, nullptr, s.tag[i]);
-  if (s.counter != nullptr) *s.counter = target + 1;  // consumed whether or not a wait gave up (as the epochs)
+  if (s.counter != nullptr && s.advance) *s.counter = base + 1;  // consumed whether or not a wait gave up
 }
 
 // The outputs of one call (contiguous, numel elements each), poisoned while the block holds a fault.
@@ -229,6 +236,7 @@ int push_call(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur, cudaS
   GatherStep s = step_base(p);
   s.begin = 1;
   s.counter = p.flags[r] + kSetUses + b;
+  s.advance = 1;
   for (int d = 1; d < W; ++d) {
     int const j = (r + d) % W;
     s.wait[s.num_wait] = p.flags[r] + kSetDone + b * kMaxWorld + j;
@@ -253,21 +261,31 @@ int push_call(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur, cudaS
     note(cuda_check(cudaMemcpyAsync(static_cast<char*>(p.buffers[j]) + set_offset + size_t(r) * bytes, p.a, bytes,
                                     cudaMemcpyDeviceToDevice, copy), "shard push"), kTagEnqueue + d);
   }
-  // 4. ready to every peer, after every push in stream order.
+  // 4. ready to every peer, after every push in stream order (the call's, and set b's).
   s = step_base(p);
   s.fail_tag = fail_tag;
-  for (int q = 1; q < W; ++q) s.notify[s.num_notify++] = p.flags[(r + q) % W] + kReady + r;
+  for (int q = 1; q < W; ++q) {
+    int* const page = p.flags[(r + q) % W];
+    s.notify[s.num_notify++] = page + kReady + r;
+    s.notify[s.num_notify++] = page + kSetReady + b * kMaxWorld + r;
+  }
   if (int const krc = launch_step(s, copy); krc == 0) {
     fail_tag = 0;
   } else {
     note(krc, kTagEnqueue + W);
   }
-  // 5. per peer j in arrival order: its shard is in slot j here; the caller's GEMM of slot j waits for its event.
+  // 5. per peer j in arrival order: its shard of this call is in slot j of set b here (ready_b[j] reaches reads_b + 1:
+  // j's pushes into set b counted against this rank's set-b calls, so a rank on the other set than its peers waits
+  // out its bound and the call is poisoned, never read from a stale slot; the last step counts the call); the
+  // caller's GEMM of slot j waits for its event.
   for (int d = 1; d < W; ++d) {
     int const j = (r - d + W) % W;
     s = step_base(p);
     s.fail_tag = fail_tag;
-    s.wait[0] = p.flags[r] + kReady + j;
+    s.counter = p.flags[r] + kSetReads + b;
+    s.wait_offset = 1;
+    s.advance = d == W - 1;
+    s.wait[0] = p.flags[r] + kSetReady + b * kMaxWorld + j;
     s.tag[0] = kTagReady + j;
     s.num_wait = 1;
     if (int const krc = launch_step(s, copy); krc == 0) {

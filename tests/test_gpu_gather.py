@@ -127,7 +127,9 @@ def match_task(start: str) -> dict:
 
     routes.reset()
     cases = _cases()
-    mixed = ("handshake", "eager", "push") if start == "push" else ("handshake", "eager")
+    # push: runs of push calls queued back to back (where the two slot sets matter) between the other starts
+    mixed = ("push", "push", "push", "handshake", "push", "push", "eager") if start == "push" else (
+        "handshake", "eager")
     with config.patch(wait_timeout_ms=LONG_MS, gather_start=start):
         for seed, shape, gdim, ns, bias, ret in cases:
             before = routes.stats["route:gather_peer"]
@@ -163,8 +165,8 @@ def test_gather_peer_matches_eager(pool, start):
         # 1 MiB, grown once to 4 MiB, the small one reused (under push, the 4 MiB case's queued call pushes too)
         assert r["pull"] == ([1 << 20, 4 << 20] if start == "handshake" else [1 << 20]), per_rank
         # the push schedule's own list: SLOT_SETS sets of world slots per rank (of the 256 KiB shard, of 4 MiB)
-        sets = SLOT_SETS * world
-        assert r["push"] == ([max(1 << 20, sets << 18), sets << 22] if start == "push" else []), per_rank
+        pow2 = 1 << (SLOT_SETS * world - 1).bit_length()  # workspaces are powers of two
+        assert r["push"] == ([max(1 << 20, pow2 << 18), pow2 << 22] if start == "push" else []), per_rank
 
 
 def library_gemms_task() -> dict[str, int]:

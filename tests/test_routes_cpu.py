@@ -439,3 +439,13 @@ def test_unpadded_swizzle_keeps_cutlass_from_padding_the_tile_grid():
     assert u(512, 8192, 128, 256, 1, 1, 4) == 4
     assert u(8192, 768, 128, 256, 1, 2, 4) == 2
     assert u(5120, 8192, 128, 256, 1, 1, 8) == 8 and u(4992, 8192, 128, 256, 1, 1, 8) == 1
+
+
+def test_abi_version_matches_the_library_source():
+    """``native.kernels.ABI_VERSION`` is the number ``fo_abi_version`` returns (``csrc/api.cu``): a library built
+    from other sources is refused at load, never called with structs of another layout."""
+    from flashoverlap_inductor.native import kernels
+
+    source = (HEADER.parent / "api.cu").read_text()
+    found = re.search(r"int fo_abi_version\(void\) \{ return (\d+); \}", source)
+    assert found and int(found.group(1)) == kernels.ABI_VERSION

@@ -23,8 +23,10 @@ workspace list of its own), tells every peer, waits for each peer's shard in slo
 (then, when returned, copies the gathered rows out); slot ``j``'s GEMMs follow ``j``'s event; ``fo_gather_finish``
 joins, tells every peer its slot here is read, and poisons. The set alternates per call (``slot_set``: a host count
 per (device, group), alike on every rank; a captured call keeps its set), so the first wait concerns the peers' call
-``e - 2``, long over (with one set, 30th session, it coupled the ranks: 0-7% slower back to back). Per set the done
-flags and the pushes begun are counters (``csrc/flashoverlap_sm90.h``); every call still adds the shared done once.
+``e - 2``, long over (with one set, 30th session, it coupled the ranks: 0-7% slower back to back). Per set the
+done and ready flags and this rank's pushes and reads are counters (``csrc/flashoverlap_sm90.h``), so a rank on
+another set than its peers (a call skipped after the set was counted, a graph recorded again on one rank) waits out
+its bound: a fault, never a stale slot. Every call still adds the shared ready and done flags once.
 
 Invariants (units: bytes for buffers and shards, flattened rows for the GEMMs, as ``schedule.gather``):
 
@@ -35,9 +37,9 @@ Invariants (units: bytes for buffers and shards, flattened rows for the GEMMs, a
   (``symmetric.smallest_with_room``: a call of ``shard_bytes = shard_rows * K * itemsize`` uses the smallest with
   room, never grows one inside a capture), every rank's mapped here. ``staging`` ([world, shard_rows, K], the dim-0
   all_gather's layout) and the outputs are the call's own fresh tensors.
-- A rank's buffer is rewritten by call ``e + 1`` only after every peer said it read call ``e``'s shard, and the
-  flags count calls, not shapes, so calls of any shape share one page and buffer set; calls of a group run in
-  order on its copy stream (eager calls from another caller stream first wait for the last, ``order_after_last``).
+- A buffer (push: a set's slots) is rewritten only after every peer said it read what is there; the flags count
+  calls, not shapes, so calls of any shape share one page and buffer set, and run in order on the group's copy
+  stream (eager calls from another caller stream first wait for the last, ``order_after_last``).
 - Every wait is bounded by the call's deadline (``Settings.timeout_ns``: ``wait_timeout_ms`` or the group's
   timeout). A wait that gives up records the fault in this rank's block and every peer's; the call still notifies
   every flag once and every wait consumes its epoch, so the next call is in step again (a late rank is caught up).
@@ -49,8 +51,8 @@ Invariants (units: bytes for buffers and shards, flattened rows for the GEMMs, a
   fault into its block too, so it raises in ``routes.check()`` as they do, and every rank's next call on the group
   first resynchronizes it (``symmetric.resync``: the flag page and the epoch zeroed in place on every rank, the
   buffers kept), with no reset. That resynchronization also drops the late records above.
-- Cost beside the GEMMs: copy engines only; the protocol's one-thread kernels on the high-priority copy stream need
-  an SM slot, which cuBLAS's persistent sm90 GEMMs free only at their end (so none may gate a transfer).
+- Beside the GEMMs: copy engines only; the protocol's one-thread kernels need an SM slot, which cuBLAS's persistent
+  sm90 GEMMs free only at their end (so none may gate a transfer).
 
 Declines (pure; alike on every rank): another collective, ``transport="nccl"``, 1 or more than ``MAX_WORLD`` ranks, a
 dtype other than bf16 / fp16 / fp32, a plan other than ``gather_nccl.PLANS``, no library or sm90 GPU; in
@@ -82,7 +84,7 @@ log = logging.getLogger("flashoverlap")
 
 MAX_WORLD = 8  # FO_GATHER_MAX_WORLD (<= faults.MAX_PEERS + 1)
 MAX_OUTPUTS = 8  # FO_GATHER_MAX_OUTPUTS: the GEMMs' results and the gathered rows
-FLAG_INTS = 5 * MAX_WORLD  # FO_GATHER_FLAG_INTS
+FLAG_INTS = 7 * MAX_WORLD  # FO_GATHER_FLAG_INTS
 SLOT_SETS = 2  # FO_GATHER_SLOT_SETS: the push schedule's receive slot sets
 FAULT_OFFSET = 4 * FLAG_INTS  # bytes: the group's fo_fault block, after the flags
 FLAG_BYTES = FAULT_OFFSET + faults.BLOCK_BYTES
@@ -308,8 +310,7 @@ def receive_slots(launch: GatherLaunch, ws: GatherWorkspace, dtype: torch.dtype)
 
 
 def next_slot_set(group: dist.ProcessGroup, device: torch.device) -> int:
-    """The set of the group's next push call on ``device``: its push calls so far (eager and captured alike, so the
-    same on every rank) modulo ``SLOT_SETS``."""
+    """The set of the group's next push call on ``device``: its push calls so far modulo ``SLOT_SETS``."""
     key = (device.index, group.group_name)
     n = _push_calls.get(key, 0)
     _push_calls[key] = n + 1
@@ -337,15 +338,12 @@ class GatherPeerRoute(symmetric.SymmetricRoute):
         a = ctx.a.reshape(geo.shard_rows, geo.k).contiguous()  # read on the copy stream; alive until the join
         # the gathered rows (pull: the pulls land here; push: copied out of the slots when returned)
         staging = a.new_empty(geo.world, geo.shard_rows, geo.k) if not push or ctx.return_gathered else None
-        # what the GEMMs read shard j from: staging, or (push) slot j of this rank's receive buffer
-        slot_set = next_slot_set(ctx.group, device) if push else 0
-        shards = receive_slots(launch, ws, a.dtype)[slot_set] if push else staging
         outs = [a.new_empty(geo.rows, w.shape[-1]) for w in ctx.b]
         bias = [None if c is None else c.reshape(-1) for c in ctx.bias]
         # the memoized struct itself: every per-call field is set here, and the library reads it only during the
         # call (the dispatcher's lock keeps host threads out of each other's way)
         p = args_for(launch, ws)
-        p.a, p.copy_own, p.cur_stream, p.slot_set = a.data_ptr(), int(ctx.return_gathered), cur, slot_set
+        p.a, p.copy_own, p.cur_stream = a.data_ptr(), int(ctx.return_gathered), cur
         p.staging = staging.data_ptr() if staging is not None else None
         poisoned = [*outs, staging] if ctx.return_gathered else outs
         p.num_outputs = len(poisoned)
@@ -359,6 +357,11 @@ class GatherPeerRoute(symmetric.SymmetricRoute):
         if probe is not None:  # the timeline tool's call: its own timing events for the pulls, marks on cur
             events = probe_events(probe, p, launch.rank, geo.world)
             probe.mark("start", stream)
+        # the set counted last, right before the library: nothing this rank alone may fail at comes between (a rank
+        # that still ends up on another set than its peers waits out its bound: a fault, never a stale slot)
+        slots = receive_slots(launch, ws, a.dtype) if push else None
+        p.slot_set = next_slot_set(ctx.group, device) if push else 0
+        shards = slots[p.slot_set] if push else staging  # what the GEMMs read shard j from
         rc = lib.fo_gather_call(ctypes.byref(p))
         try:
             if rc == 0 and native is not None:  # the GEMMs in one library call (routes/gather_gemms.py)

@@ -89,7 +89,9 @@ def smallest_with_room(made: list, need: int, capturing: bool, make: Callable[[i
     """The first of ``made`` (ascending ``capacity``) with at least ``need`` bytes; else, unless ``capturing``
     (None: no collective allocation inside a capture), a new one of ``make(capacity)``, a power of two of at least
     ``MIN_CAPACITY``, appended. A call shape maps to the same workspace for good (made ones only get larger), so a
-    replay on one rank and the same call run eagerly on another use the same regions."""
+    replay on one rank and the same call run eagerly on another use the same workspace (the gather's push start
+    picks a slot set inside it per call: alike on every rank that runs the same calls, and checked by its per-set
+    counters where not: ``gather_peer``)."""
     for ws in made:
         if ws.capacity >= need:
             return ws
