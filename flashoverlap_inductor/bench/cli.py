@@ -74,7 +74,7 @@ def _backends(text: str) -> list[str]:
             raise argparse.ArgumentTypeError(
                 f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}; {' or '.join(FUSING)} may add "
                 f"'@item[+item...]', each an experiment ({', '.join(config.EXPERIMENTS)}) or a setting name=value "
-                f"once (e.g. gather_start=push; not {' or '.join(RESERVED_SETTINGS)})")
+                f"once (e.g. gather_start=handshake; not {' or '.join(RESERVED_SETTINGS)})")
         names = items
         out.append(kind + ("@" + "+".join(sorted(set(names))) if names else ""))  # one spelling per row
     if not out:
@@ -128,7 +128,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated, run side by side on the same inputs and initial weights: "
                         + ", ".join(BACKENDS) + "; a fusing one with '@exp+exp' runs with those experiments on too "
                         "(e.g. flashoverlap,flashoverlap@moe_plan_triton: an A/B in one run), and with "
-                        "'@name=value' with that setting (e.g. flashoverlap@gather_start=push)")
+                        "'@name=value' with that setting (e.g. flashoverlap@gather_start=handshake)")
     g.add_argument("--fuse", choices=("auto", "always", "never"), default="auto",
                    help="flashoverlap's fuse setting (auto: the cost model, fitted on H200s, decides; it fuses "
                         "nothing on CPU; always: for CPU correctness runs)")

@@ -40,8 +40,8 @@ GRAPHED = ("flashoverlap-ro", "inductor-ro")
 def variant(backend: str) -> tuple[str, tuple[str, ...]]:
     """``"flashoverlap@moe_plan_triton+moe_settle_deferred"`` -> ``("flashoverlap", (the two names))``: a fusing
     backend's row with more experiments on than ``--experiments`` gives (an A/B of experiments in one run); an item
-    ``name=value`` sets that flashoverlap setting instead (``flashoverlap@gather_start=push``; ``compile_for`` tells
-    them apart); a name without ``@`` -> ``(name, ())``."""
+    ``name=value`` sets that flashoverlap setting instead (``flashoverlap@gather_start=handshake``; ``compile_for``
+    tells them apart); a name without ``@`` -> ``(name, ())``."""
     kind, _, extra = backend.partition("@")
     return kind, tuple(x for x in extra.split("+") if x)
 
