@@ -177,7 +177,6 @@ int check_args(fo_gather_args const& p, bool finish) {
   if ((p.options & FO_GATHER_PUSH) != 0 && (p.options & FO_GATHER_GEMM_AFTER_HANDSHAKE) != 0) {
     return fail_code(2, "fo_gather_call: FO_GATHER_PUSH excludes FO_GATHER_GEMM_AFTER_HANDSHAKE");
   }
-
   if (p.timeout_ns <= 0) return fail_code(2, "fo_gather_call: timeout_ns must be positive");
   for (int r = 0; r < p.world; ++r) {
     if (p.buffers[r] == nullptr || p.flags[r] == nullptr) {
@@ -199,19 +198,25 @@ GatherStep step_base(fo_gather_args const& p) {
   return s;
 }
 
-// A call's first step (both schedules): begin (deadline, call counter, epoch e), then wait until every peer's done in
-// this rank's page reaches e - 1 (the peer finished reading what this call overwrites).
-GatherStep begin_step(fo_gather_args const& p) {
+// A call's first step (every schedule): begin (deadline, call counter, epoch e), then wait until every peer j's done
+// flag at `first_done` + j in this rank's page says the peer finished reading what this call overwrites: the shared
+// done[j] >= e - 1 (counter null), or the push's done_b[j] >= uses_b (counter: uses_b, advanced).
+GatherStep begin_step(fo_gather_args const& p, int first_done = kDone, int* counter = nullptr) {
   GatherStep s = step_base(p);
   s.begin = 1;
-  s.wait_offset = -1;
+  s.counter = counter;
+  s.advance = counter != nullptr;
+  s.wait_offset = counter != nullptr ? 0 : -1;
   for (int d = 1; d < p.world; ++d) {
     int const j = (p.rank + d) % p.world;
-    s.wait[s.num_wait] = p.flags[p.rank] + kDone + j;
+    s.wait[s.num_wait] = p.flags[p.rank] + first_done + j;
     s.tag[s.num_wait++] = kTagDone + j;
   }
   return s;
 }
+
+// The push's per-set flag of rank j in `page`: done_b[j] (first = kSetDone) or ready_b[j] (first = kSetReady).
+int* set_flag(int* page, int first, int b, int j) { return page + first + b * kMaxWorld + j; }
 
 int launch_step(GatherStep const& s, cudaStream_t stream) {
   gather_step_kernel<<<1, 1, 0, stream>>>(s);
@@ -233,15 +238,7 @@ int push_call(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur, cudaS
   ev->push_fail_tag = 0;
   // 1. on cur: begin (deadline, call counter, epoch e); every peer j done reading the slot this rank writes in set b
   // of j's buffer (done_b[j] here reaches uses_b, this rank's pushes begun into set b so far; then uses_b + 1).
-  GatherStep s = step_base(p);
-  s.begin = 1;
-  s.counter = p.flags[r] + kSetUses + b;
-  s.advance = 1;
-  for (int d = 1; d < W; ++d) {
-    int const j = (r + d) % W;
-    s.wait[s.num_wait] = p.flags[r] + kSetDone + b * kMaxWorld + j;
-    s.tag[s.num_wait++] = kTagDone + j;
-  }
+  GatherStep s = begin_step(p, kSetDone + b * kMaxWorld, p.flags[r] + kSetUses + b);
   int rc = launch_step(s, cur);
   if (rc != 0) return rc;
   ev->push_begun = true;  // from here on every notification is issued whatever fails (as fo_gather_call's)
@@ -267,7 +264,7 @@ int push_call(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur, cudaS
   for (int q = 1; q < W; ++q) {
     int* const page = p.flags[(r + q) % W];
     s.notify[s.num_notify++] = page + kReady + r;
-    s.notify[s.num_notify++] = page + kSetReady + b * kMaxWorld + r;
+    s.notify[s.num_notify++] = set_flag(page, kSetReady, b, r);
   }
   if (int const krc = launch_step(s, copy); krc == 0) {
     fail_tag = 0;
@@ -285,7 +282,7 @@ int push_call(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur, cudaS
     s.counter = p.flags[r] + kSetReads + b;
     s.wait_offset = 1;
     s.advance = d == W - 1;
-    s.wait[0] = p.flags[r] + kSetReady + b * kMaxWorld + j;
+    s.wait[0] = set_flag(p.flags[r], kSetReady, b, j);
     s.tag[0] = kTagReady + j;
     s.num_wait = 1;
     if (int const krc = launch_step(s, copy); krc == 0) {
@@ -327,7 +324,7 @@ int push_finish(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur) {
   for (int q = 1; q < W; ++q) {
     int* const page = p.flags[(r + q) % W];
     s.notify[s.num_notify++] = page + kDone + r;
-    s.notify[s.num_notify++] = page + kSetDone + p.slot_set * kMaxWorld + r;
+    s.notify[s.num_notify++] = set_flag(page, kSetDone, p.slot_set, r);
   }
   return launch_step(s, cur);
 }

@@ -225,10 +225,11 @@ class GatherLaunch:
     timeout_ns: int
     description: str
     options: int = 0  # fo_gather_args.options
+    buffer_bytes: int = 0  # the workspace a call needs per rank: push ``SLOT_SETS * world`` shards, else one
     gemms: gather_gemms.GatherGemmArgs | None = None  # the GEMMs in one library call (None: the Python loop)
     launch_id: int = 0  # ``faults.launch_id``
     args: dict[int, GatherArgs] = field(default_factory=dict)  # workspace serial -> args
-    slots: dict[int, torch.Tensor] = field(default_factory=dict)  # workspace serial -> receive_slots' view (push)
+    slots: dict[int, tuple] = field(default_factory=dict)  # workspace serial -> receive_slots' views (push)
 
 
 def make_launch(call, settings: config.Settings, ctx) -> GatherLaunch | str:
@@ -244,13 +245,13 @@ def make_launch(call, settings: config.Settings, ctx) -> GatherLaunch | str:
             f"{len(ctx.b)} GEMM(s) N={[w.shape[-1] for w in ctx.b]}: gather_peer route, {shard_bytes} B per shard "
             "by copy engine")
     start, cap_mb = settings.tuning.gather_start, settings.tuning.gather_push_max_mb
-    if start == "push" and SLOT_SETS * call.world * shard_bytes > cap_mb << 20:
-        start = "handshake"  # alike on every rank: shapes and settings
+    buffer_bytes = SLOT_SETS * call.world * shard_bytes if start == "push" else shard_bytes
+    if start == "push" and buffer_bytes > cap_mb << 20:
+        start, buffer_bytes = "handshake", shard_bytes  # alike on every rank: shapes and settings
         desc += f"; handshake start (the push's receive buffer would pass gather_push_max_mb={cap_mb})"
     log.info("flashoverlap: launch %s", desc)
-    options = OPTIONS[start]
     return GatherLaunch(geo, call.rank, call.dtype, shard_bytes,
-                        settings.timeout_ns(compat.group_timeout_ms(ctx.group)), desc, options,
+                        settings.timeout_ns(compat.group_timeout_ms(ctx.group)), desc, OPTIONS[start], buffer_bytes,
                         gather_gemms.static_args(ctx, geo, call.rank), faults.launch_id(desc))
 
 
@@ -298,15 +299,15 @@ def finish(lib, p: GatherArgs, ws: GatherWorkspace, used: tuple, route: str) -> 
     return rc
 
 
-def receive_slots(launch: GatherLaunch, ws: GatherWorkspace, dtype: torch.dtype) -> torch.Tensor:
-    """The push schedule's ``[SLOT_SETS, world, shard_rows, K]`` view of this rank's receive buffer in ``ws`` (slot
-    ``[b, j]``: rank ``j``'s shard of a set-``b`` call), made once per workspace and kept with the launch."""
-    view = launch.slots.get(ws.serial)
-    if view is None:
+def receive_slots(launch: GatherLaunch, ws: GatherWorkspace, dtype: torch.dtype) -> tuple:
+    """The push schedule's per-set ``[world, shard_rows, K]`` views of this rank's receive buffer in ``ws`` (set
+    ``b``'s slot ``j``: rank ``j``'s shard of a set-``b`` call), made once per workspace and kept with the launch."""
+    views = launch.slots.get(ws.serial)
+    if views is None:
         geo = launch.geo
-        view = launch.slots[ws.serial] = ws.views[launch.rank][:SLOT_SETS * geo.world * launch.shard_bytes].view(
-            dtype).view(SLOT_SETS, geo.world, geo.shard_rows, geo.k)
-    return view
+        views = launch.slots[ws.serial] = tuple(ws.views[launch.rank][:launch.buffer_bytes].view(dtype).view(
+            SLOT_SETS, geo.world, geo.shard_rows, geo.k).unbind(0))
+    return views
 
 
 def next_slot_set(group: dist.ProcessGroup, device: torch.device) -> int:
@@ -328,8 +329,7 @@ class GatherPeerRoute(symmetric.SymmetricRoute):
     def execute(self, launch: GatherLaunch, ctx) -> list[torch.Tensor] | str:
         device, geo = ctx.a.device, launch.geo
         push = bool(launch.options & PUSH)
-        ws = workspace(ctx.group, device, launch.shard_bytes * (SLOT_SETS * geo.world if push else 1), ctx.capturing,
-                       push)
+        ws = workspace(ctx.group, device, launch.buffer_bytes, ctx.capturing, push)
         if ws is None:
             return "capture-grow: its shard buffer would have to grow inside a CUDA-graph capture"
         cur = compat.current_raw_stream(device.index)
