@@ -6,7 +6,9 @@ compare rows, not totals). ``--op reduce_scatter``: the same for GEMM -> reduce_
 plan ``auto``, ``[M, K/world] @ [K/world, N]`` per rank, against ``mm`` + ``reduce_scatter_tensor``).
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 examples/device/gather_host_profile.py [--shape 4096x6144x4096]
-        [--weights 3] [--calls 400] [--op all_gather|reduce_scatter]
+        [--weights 3] [--calls 400] [--op all_gather|reduce_scatter] [--gather-start push|handshake]
+
+``--gather-start``: the gather's ``gather_start`` (default: the settings' own).
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ import io
 import math
 import pstats
 import threading
+import time
+from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 
 from flashoverlap_inductor import config, routes
+from flashoverlap_inductor.native import kernels
 from flashoverlap_inductor.tune import measure as tm
 
 
@@ -33,6 +38,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=400)
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--op", choices=("all_gather", "reduce_scatter"), default="all_gather")
+    p.add_argument("--gather-start", dest="start", choices=("push", "handshake", "eager"), default=None)
     args = p.parse_args()
     torch.cuda.set_device(dist.get_node_local_rank(fallback_rank=0))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
@@ -42,12 +48,15 @@ def main() -> None:
     ws = [(torch.randn(n // world // args.weights, k, device="cuda") / math.sqrt(k)).bfloat16().t()
           for _ in range(args.weights)]
     gathered = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
-    op, key = torch.ops.flashoverlap.all_gather_gemm, config.current().replace(transport="peer").key()
+    base = config.current().replace(transport="peer")
+    if args.start is not None:
+        base = base.replace(gather_start=args.start)
+    op, key = torch.ops.flashoverlap.all_gather_gemm, base.key()
 
     def fused():
         return op(a, ws, [None] * len(ws), 0, world, name, "ring", False, key)
 
-    torch_key = config.current().replace(transport="peer", experiments=frozenset({"gather_torch_gemms"})).key()
+    torch_key = base.replace(experiments=frozenset({"gather_torch_gemms"})).key()
 
     def fused_torch_mm():
         return op(a, ws, [None] * len(ws), 0, world, name, "ring", False, torch_key)
@@ -83,17 +92,21 @@ def main() -> None:
         no_gc = tm.reduce_max([tm.host_us(fused, args.calls, batch=20, sync=dist.barrier)])[0]
     finally:
         gc.enable()
+    lib_us = library_calls_us(fused, args.calls)
     prof = cProfile.Profile()
     prof.enable()
     tm.host_us(fused, args.calls, batch=20, sync=dist.barrier)
     prof.disable()
     if rank == 0:
-        print(f"{torch.cuda.get_device_name()} x {world}, op {args.op}, shape {args.shape}, {args.weights} weights, "
+        print(f"{torch.cuda.get_device_name()} x {world}, op {args.op}, start {args.start}, shape {args.shape}, "
+              f"{args.weights} weights, "
               f"route {took}: "
               f"host per call fused {hosts[0]:.1f} us, fused with torch.mm GEMMs {hosts[1]:.1f} us, unfused "
               f"{hosts[2]:.1f} us (max over ranks; library GEMMs {routes.stats['gather:library_gemms']} calls); "
               f"fused with the garbage collector off {no_gc:.1f} us; Python threads: "
               f"{sorted(t.name for t in threading.enumerate())}")
+        print("library calls, host us per fused call (rank 0): "
+              + ", ".join(f"{name} {us:.1f}" for name, us in sorted(lib_us.items(), key=lambda kv: -kv[1])))
         calls = args.calls + 20  # host_us's warm-up calls are profiled too
         for order in ("tottime", "cumulative"):
             stats = pstats.Stats(prof, stream=io.StringIO())
@@ -104,6 +117,42 @@ def main() -> None:
                 print(f"{tt / calls * 1e6:9.1f} own {ct / calls * 1e6:9.1f} incl {nc / calls:6.2f}/call  "
                       f"{file.split('site-packages/')[-1].split('flashoverlap_inductor/')[-1]}:{line} {fn}")
     dist.destroy_process_group()
+
+
+class _TimedLibrary:
+    """The loaded library with every ``fo_*`` call's host time summed by name (ctypes calls are invisible to
+    ``cProfile``: their time lands in the caller's own time)."""
+
+    def __init__(self, lib, totals: dict) -> None:
+        self._lib, self._totals = lib, totals
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._lib, name)
+        if not name.startswith("fo_"):
+            return fn
+        totals = self._totals
+
+        def timed(*a):
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*a)
+            finally:
+                totals[name] += time.perf_counter_ns() - t0
+        return timed
+
+
+def library_calls_us(fn, calls: int) -> dict[str, float]:
+    """Host us per call of ``fn`` inside each library entry point (``kernels.library`` wrapped for ``calls`` calls,
+    the GPU kept busy by ``tm.host_us``)."""
+    totals: dict[str, int] = defaultdict(int)
+    real = kernels.library
+    wrapped = _TimedLibrary(real(), totals)
+    kernels.library = lambda: wrapped
+    try:
+        tm.host_us(fn, calls, batch=20, sync=dist.barrier)
+    finally:
+        kernels.library = real
+    return {name: ns / 1e3 / (calls + 20) for name, ns in totals.items()}
 
 
 if __name__ == "__main__":
