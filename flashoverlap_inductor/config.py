@@ -44,7 +44,7 @@ TRANSPORTS = ("peer", "nccl")
 RING_MODES = ("off", "wide", "all")
 GEMM_GRIDS = ("tiles", "persistent")
 ROW_ORDERS = ("schedule", "gather")
-GATHER_STARTS = ("handshake", "eager", "push")
+GATHER_STARTS = ("auto", "handshake", "eager", "push")
 DTYPES = ("bfloat16", "float16", "float32")  # the GEMM output dtypes the fused routes and the cost model know
 OPTION_PREFIX = "flashoverlap."
 # Experimental variants still under study: each name turns one on (``Settings.experiments``).
@@ -140,10 +140,12 @@ class Tuning:
     # each of 4 eager e2e runs, equal under CUDA graphs; docs/results.md, 31st session); "handshake": after every
     # rank's shard is in its buffer (one handshake, ~10-80 us), so the pulls need no SM while the GEMMs run (a
     # receive buffer of one shard); "eager": at once, the protocol's per-peer step kernels then wait for an SM the
-    # GEMM frees (the route's behaviour before 2026-11-26).
-    gather_start: str = "push"
-    # "push" takes a call only where its receive buffer (2 x world x shard bytes per rank) is at most this many MiB;
-    # larger calls start with the handshake (a buffer of one shard). The same on every rank (shapes and settings).
+    # GEMM frees (the route's behaviour before 2026-11-26); "auto": "push" on 2 ranks, "handshake" on more (4 H200s:
+    # push 1.03x over sequential against the handshake's 1.41x, its peers told only after all its pushes; 32nd
+    # session). The choice depends on the world size, shapes and settings only: the same on every rank.
+    gather_start: str = "auto"
+    # "push" (chosen or by "auto") takes a call only where its receive buffer (2 x world x shard bytes per rank) is at
+    # most this many MiB; larger calls start with the handshake (a buffer of one shard).
     gather_push_max_mb: int = 1024
 
     def __post_init__(self) -> None:

@@ -133,19 +133,28 @@ def test_gather_args_match_the_c_header():
     assert names == [f for f, _ in gather_peer.GatherArgs._fields_]
 
 
-@pytest.mark.parametrize("cap_mb, start", [(None, "push"), (1, "handshake"), (0, "handshake")])
-def test_push_is_the_default_where_its_buffer_fits(monkeypatch, cap_mb, start):
-    """``gather_start`` defaults to "push"; a call whose receive buffer (``SLOT_SETS`` x world x shard bytes) would
-    pass ``gather_push_max_mb`` starts with the handshake instead (its launch says so)."""
+@pytest.mark.parametrize("setting, world, cap_mb, start", [
+    ("auto", 2, None, "push"), ("auto", 2, 1, "handshake"), ("auto", 2, 0, "handshake"),
+    ("auto", 3, None, "handshake"), ("auto", 4, None, "handshake"), ("push", 4, None, "push"),
+    ("push", 4, 2, "handshake"), ("handshake", 2, None, "handshake"), ("eager", 4, None, "eager")])
+def test_the_start_each_call_takes(monkeypatch, setting, world, cap_mb, start):
+    """``gather_start`` defaults to "auto": "push" on 2 ranks, "handshake" on more (``PUSH_AUTO_MAX_WORLD``); a push
+    call whose receive buffer (``SLOT_SETS`` x world x shard bytes) would pass ``gather_push_max_mb`` starts with
+    the handshake instead; a start set by name is kept otherwise. The launch says why where it changed."""
     monkeypatch.setattr(gather_peer, "group_issue", lambda g: None)
     monkeypatch.setattr(gather_peer.compat, "group_timeout_ms", lambda g: 1000.0)
-    settings = config.current() if cap_mb is None else config.current().replace(gather_push_max_mb=cap_mb)
-    assert config.Settings().tuning.gather_start == "push"
-    rows, k, world = 128, 1024, 2  # 512 KiB fp32 shards: 2 MiB of receive buffer
+    assert config.Settings().tuning.gather_start == "auto" and gather_peer.PUSH_AUTO_MAX_WORLD == 2
+    settings = config.current().replace(gather_start=setting)
+    if cap_mb is not None:
+        settings = settings.replace(gather_push_max_mb=cap_mb)
+    rows, k = 128, 1024  # 512 KiB fp32 shards: 2 x world x 512 KiB of receive buffer (2 MiB on 2 ranks, 4 on 4)
     call = routes.Call("all_gather", world * rows, 512, k, torch.float32, world, 0, "cuda", None, "auto",
                        group_name="g")
     ctx = SimpleNamespace(a=torch.zeros(rows, k), b=[torch.zeros(k, 512)], bias=[None], group=None,
                           gather_dim=0, return_gathered=False)
     launch = gather_peer.make_launch(call, settings, ctx)
     assert launch.options == gather_peer.OPTIONS[start]
-    assert ("handshake start" in launch.description) == (start == "handshake")
+    shard = rows * k * 4
+    assert launch.buffer_bytes == (gather_peer.SLOT_SETS * world * shard if start == "push" else shard)
+    changed = start != setting and not (setting == "auto" and start == "push")
+    assert ("handshake start" in launch.description) == changed

@@ -149,5 +149,5 @@ def test_scatter_pull_matches_reference(pool):
     for r in pool.run(match_task):
         assert r["synced"] == n and r["total"] == 2 * n and r["gathers"] == (n + 1) // 2, r
         # the pull protocol's list: grown once past 1 MiB, the small one reused after; the gathers between the pull
-        # calls take the push start (the default), whose list of their own has room for their small shards in 1 MiB
+        # calls take the push start (the default on 2 ranks), whose own list has room for their small shards in 1 MiB
         assert r["workspaces"] == {(): [1 << 20, 2 << 20], ("push",): [1 << 20]}, r

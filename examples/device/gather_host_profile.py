@@ -93,6 +93,7 @@ def main() -> None:
     finally:
         gc.enable()
     lib_us = library_calls_us(fused, args.calls)
+    stage_us = stages_us(fused, args.calls)
     prof = cProfile.Profile()
     prof.enable()
     tm.host_us(fused, args.calls, batch=20, sync=dist.barrier)
@@ -107,6 +108,8 @@ def main() -> None:
               f"{sorted(t.name for t in threading.enumerate())}")
         print("library calls, host us per fused call (rank 0): "
               + ", ".join(f"{name} {us:.1f}" for name, us in sorted(lib_us.items(), key=lambda kv: -kv[1])))
+        print("stages, host us per fused call, each without the stages inside it (rank 0, no profiler): "
+              + ", ".join(f"{name} {us:.1f}" for name, us in stage_us.items()))
         calls = args.calls + 20  # host_us's warm-up calls are profiled too
         for order in ("tottime", "cumulative"):
             stats = pstats.Stats(prof, stream=io.StringIO())
@@ -152,6 +155,44 @@ def library_calls_us(fn, calls: int) -> dict[str, float]:
         tm.host_us(fn, calls, batch=20, sync=dist.barrier)
     finally:
         kernels.library = real
+    return {name: ns / 1e3 / (calls + 20) for name, ns in totals.items()}
+
+
+def stages_us(fn, calls: int) -> dict[str, float]:
+    """Host us per call of ``fn`` in each stage of a fused call, without the stages nested in it and without a
+    profiler: ``op`` (the call as the caller sees it: the dispatcher and ``ops``' own checks), ``dispatch``
+    (``routes.dispatch``: the settings), ``_dispatch`` (the memo, locks, faults), ``execute`` (the route),
+    ``gemms`` (``gather_gemms.run``), ``finish`` (``gather_peer.finish``); each found by wrapping it for ``calls``
+    calls (the wrappers' own cost, ~0.3 us each, lands in the enclosing stage)."""
+    from flashoverlap_inductor.routes import gather_gemms, gather_peer
+
+    totals: dict[str, int] = defaultdict(int)
+    stack: list[list[int]] = []  # per open stage: [start ns, ns spent in stages nested in it]
+
+    def timed(name, real):
+        def wrapper(*a, **kw):
+            stack.append([time.perf_counter_ns(), 0])
+            try:
+                return real(*a, **kw)
+            finally:
+                start, inner = stack.pop()
+                took = time.perf_counter_ns() - start
+                totals[name] += took - inner
+                if stack:
+                    stack[-1][1] += took
+        return wrapper
+
+    patches = [(routes, "dispatch"), (routes, "_dispatch"), (gather_peer.GatherPeerRoute, "execute"),
+               (gather_gemms, "run"), (gather_peer, "finish")]
+    saved = [(obj, name, obj.__dict__[name]) for obj, name in patches]
+    for obj, name, real in saved:
+        setattr(obj, name, timed(name if name != "run" else "gemms", real))
+    op = timed("op", fn)
+    try:
+        tm.host_us(op, calls, batch=20, sync=dist.barrier)
+    finally:
+        for obj, name, real in saved:
+            setattr(obj, name, real)
     return {name: ns / 1e3 / (calls + 20) for name, ns in totals.items()}
 
 

@@ -15,7 +15,8 @@ share one GPU works too, under ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``). 
 - ``fo_gather_finish``: the caller's stream joins the copy stream, and one kernel fills every output (each ``y_i``
   and, when returned, the gathered rows) with NaN while the group's fault block holds a fault.
 
-``gather_start="push"`` (``FO_GATHER_PUSH``; the default where its buffer fits ``gather_push_max_mb``): no handshake
+``gather_start="push"`` (``FO_GATHER_PUSH``; the default, ``"auto"``, on 2 ranks where its buffer fits
+``gather_push_max_mb``; ``resolve_start``): no handshake
 and no copy of the own shard into symmetric memory. On the caller's stream one short kernel begins the call and waits
 until every peer read the slots it overwrites, then the local GEMMs run; the copy stream pushes ``a`` into slot
 ``rank`` of set ``b`` of every peer's receive buffer (copy engine; ``SLOT_SETS`` sets of ``world`` slots per rank, a
@@ -92,7 +93,12 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 NAME = "gather_peer"
 GEMM_AFTER_HANDSHAKE = 1  # fo_gather_args.options bit FO_GATHER_GEMM_AFTER_HANDSHAKE (Tuning.gather_start)
 PUSH = 2  # fo_gather_args.options bit FO_GATHER_PUSH (gather_start="push")
-OPTIONS = {"handshake": GEMM_AFTER_HANDSHAKE, "eager": 0, "push": PUSH}  # Tuning.gather_start -> options
+OPTIONS = {"handshake": GEMM_AFTER_HANDSHAKE, "eager": 0, "push": PUSH}  # a resolved gather_start -> options
+# gather_start="auto": push on at most this many ranks. Its pushes go out one after another on the copy stream and
+# tell the peers once, after the last (a per-peer notification kernel would need an SM that the caller's GEMM holds),
+# so on 4 ranks each peer's GEMM waited for every push: 4 H200s, bench_gather geomean 1.03x against the handshake's
+# 1.41x (32nd session); on 2 ranks there is one push.
+PUSH_AUTO_MAX_WORLD = 2
 
 
 class GatherArgs(ctypes.Structure):
@@ -232,6 +238,24 @@ class GatherLaunch:
     slots: dict[int, tuple] = field(default_factory=dict)  # workspace serial -> receive_slots' views (push)
 
 
+def resolve_start(tuning: config.Tuning, world: int, shard_bytes: int, desc: str) -> tuple[str, str]:
+    """The start a call of ``world`` ranks and ``shard_bytes`` per shard takes under ``tuning`` (``gather_start``,
+    ``gather_push_max_mb``), and ``desc`` with why where it is not the one set: "auto" is "push" on at most
+    ``PUSH_AUTO_MAX_WORLD`` ranks, else "handshake"; "push" whose receive buffer (``SLOT_SETS`` x world x shard
+    bytes) would pass ``gather_push_max_mb`` is "handshake". Depends on world, shapes and settings only: alike on
+    every rank."""
+    start = tuning.gather_start
+    if start == "auto":
+        if world > PUSH_AUTO_MAX_WORLD:
+            return "handshake", desc + f"; handshake start (auto: push only on up to {PUSH_AUTO_MAX_WORLD} ranks)"
+        start = "push"
+    cap_mb = tuning.gather_push_max_mb
+    if start == "push" and SLOT_SETS * world * shard_bytes > cap_mb << 20:
+        why = f"the push's receive buffer would pass gather_push_max_mb={cap_mb}"
+        return "handshake", f"{desc}; handshake start ({why})"
+    return start, desc
+
+
 def make_launch(call, settings: config.Settings, ctx) -> GatherLaunch | str:
     why = group_issue(ctx.group)  # a collective, once per group: every rank gets here with the same call
     if why is not None:
@@ -244,11 +268,8 @@ def make_launch(call, settings: config.Settings, ctx) -> GatherLaunch | str:
     desc = (f"all_gather of {geo.shard_rows} x {geo.k} {call.dtype_name} shards over {call.world} ranks, then "
             f"{len(ctx.b)} GEMM(s) N={[w.shape[-1] for w in ctx.b]}: gather_peer route, {shard_bytes} B per shard "
             "by copy engine")
-    start, cap_mb = settings.tuning.gather_start, settings.tuning.gather_push_max_mb
+    start, desc = resolve_start(settings.tuning, call.world, shard_bytes, desc)
     buffer_bytes = SLOT_SETS * call.world * shard_bytes if start == "push" else shard_bytes
-    if start == "push" and buffer_bytes > cap_mb << 20:
-        start, buffer_bytes = "handshake", shard_bytes  # alike on every rank: shapes and settings
-        desc += f"; handshake start (the push's receive buffer would pass gather_push_max_mb={cap_mb})"
     log.info("flashoverlap: launch %s", desc)
     return GatherLaunch(geo, call.rank, call.dtype, shard_bytes,
                         settings.timeout_ns(compat.group_timeout_ms(ctx.group)), desc, OPTIONS[start], buffer_bytes,
