@@ -15,19 +15,16 @@ share one GPU works too, under ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``). 
 - ``fo_gather_finish``: the caller's stream joins the copy stream, and one kernel fills every output (each ``y_i``
   and, when returned, the gathered rows) with NaN while the group's fault block holds a fault.
 
-``gather_start="push"`` (``FO_GATHER_PUSH``; the default, ``"auto"``, on 2 ranks where its buffer fits
-``gather_push_max_mb``; ``resolve_start``): no handshake
-and no copy of the own shard into symmetric memory. On the caller's stream one short kernel begins the call and waits
-until every peer read the slots it overwrites, then the local GEMMs run; the copy stream pushes ``a`` into slot
-``rank`` of set ``b`` of every peer's receive buffer (copy engine; ``SLOT_SETS`` sets of ``world`` slots per rank, a
-workspace list of its own), tells every peer, waits for each peer's shard in slot ``j`` here and records ``j``'s event
-(then, when returned, copies the gathered rows out); slot ``j``'s GEMMs follow ``j``'s event; ``fo_gather_finish``
-joins, tells every peer its slot here is read, and poisons. The set alternates per call (``slot_set``: a host count
-per (device, group), alike on every rank; a captured call keeps its set), so the first wait concerns the peers' call
-``e - 2``, long over (with one set, 30th session, it coupled the ranks: 0-7% slower back to back). Per set the
-done and ready flags and this rank's pushes and reads are counters (``csrc/flashoverlap_sm90.h``), so a rank on
-another set than its peers (a call skipped after the set was counted, a graph recorded again on one rank) waits out
-its bound: a fault, never a stale slot. Every call still adds the shared ready and done flags once.
+``gather_start="push"`` (``FO_GATHER_PUSH``; what the default ``"auto"`` takes on 2 ranks, ``resolve_start``): no
+handshake and no copy of the own shard into symmetric memory. On the caller's stream one short kernel begins the
+call and waits until every peer read the slots it overwrites, then the local GEMMs run; the copy stream pushes ``a``
+into slot ``rank`` of set ``b`` of every peer's receive buffer (``SLOT_SETS`` sets of ``world`` slots, a workspace
+list of its own), tells every peer once, after the last push, waits for each peer's shard in slot ``j`` here and
+records ``j``'s event; slot ``j``'s GEMMs follow it; ``fo_gather_finish`` joins, tells every peer its slot here is
+read, and poisons. The set alternates per call (``next_slot_set``: alike on every rank; a captured call keeps its
+set), so the first wait concerns the peers' call ``e - 2``; per set the flags and this rank's pushes and reads are
+counters, so a rank on another set than its peers waits out its bound: a fault, never a stale slot
+(``docs/design.md`` gives the measurements behind each choice).
 
 Invariants (units: bytes for buffers and shards, flattened rows for the GEMMs, as ``schedule.gather``):
 
@@ -94,10 +91,8 @@ NAME = "gather_peer"
 GEMM_AFTER_HANDSHAKE = 1  # fo_gather_args.options bit FO_GATHER_GEMM_AFTER_HANDSHAKE (Tuning.gather_start)
 PUSH = 2  # fo_gather_args.options bit FO_GATHER_PUSH (gather_start="push")
 OPTIONS = {"handshake": GEMM_AFTER_HANDSHAKE, "eager": 0, "push": PUSH}  # a resolved gather_start -> options
-# gather_start="auto": push on at most this many ranks. Its pushes go out one after another on the copy stream and
-# tell the peers once, after the last (a per-peer notification kernel would need an SM that the caller's GEMM holds),
-# so on 4 ranks each peer's GEMM waited for every push: 4 H200s, bench_gather geomean 1.03x against the handshake's
-# 1.41x (32nd session); on 2 ranks there is one push.
+# gather_start="auto": push on at most this many ranks (its peers are told after its last push, so each peer GEMM
+# waits for every push: 4 H200s, 1.03x over sequential against the handshake's 1.41x; docs/design.md)
 PUSH_AUTO_MAX_WORLD = 2
 
 
