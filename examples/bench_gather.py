@@ -8,7 +8,7 @@ variants timed interleaved in one run (``tune_measure.Timer``: CUDA events, warm
 * ``peer``: the op on the copy-engine route (``transport="peer"``, the default on one host) with its GEMMs after
   the handshake (``gather_start="handshake"``); ``peer_eager``: the same with ``gather_start="eager"`` (the GEMMs
   at once, the protocol's step kernels waiting for a free SM); ``peer_push``: ``gather_start="push"`` (the GEMMs at
-  once, every shard pushed by copy engine into the peers' receive buffers: the route's default); ``peer_torchmm``:
+  once, every shard pushed by copy engine into the peers' receive buffers: the default on 2 ranks); ``peer_torchmm``:
   ``peer`` with its GEMMs as one ``torch.mm`` per shard and weight from Python (the experiment
   ``gather_torch_gemms``; ``peer`` issues them in one library call, ``routes/gather_gemms.py``); ``nccl``: the op
   on the NCCL ring route (``transport="nccl"``);
@@ -43,7 +43,7 @@ from flashoverlap_inductor.tune import measure as tm
 SHAPES = [(m, n, 4096) for m in (4096, 8192, 16384) for n in (6144, 28672)]
 FUSED = {"peer": {"transport": "peer", "gather_start": "handshake"},
          "peer_eager": {"transport": "peer", "gather_start": "eager"},
-         # the push schedule (the default start): a short wait bound, so a protocol fault costs seconds, not the group's
+         # the push schedule (the default on 2 ranks): a short wait bound, so a fault costs seconds, not the group's
          "peer_push": {"transport": "peer", "gather_start": "push", "wait_timeout_ms": 5000.0},
          "peer_torchmm": {"transport": "peer", "gather_start": "handshake",
                           "experiments": config.current().experiments | {"gather_torch_gemms"}},

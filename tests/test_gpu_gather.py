@@ -15,7 +15,7 @@ for bit (the experiment ``gather_torch_gemms`` runs the latter), a rank that com
 every rank raises ``FlashOverlapTimeout``, the next call is correct with no reset), and a rank that skips a call
 (the others raise within the bound, the skipper in ``routes.check()``; with no reset, the next call resynchronizes
 the group first and it and the one after are correct on every rank). The matching and fault tests run under
-``gather_start="push"`` (the default: two receive slot sets used alternately) and ``"handshake"``.
+``gather_start="push"`` (the default on 2 ranks: two receive slot sets used alternately) and ``"handshake"``.
 """
 
 from __future__ import annotations

@@ -39,7 +39,8 @@
 set -uo pipefail
 START=$SECONDS
 PART=${FO_PART:-A}
-WORLD=${FO_WORLD:-2}  # ranks (one per GPU) of the benchmarks and the e2e run; the timeline stays at 2 (peer route)
+WORLD=${FO_WORLD:-2}  # ranks (one per GPU) of the benchmarks and the e2e run; the timeline's: FO_TIMELINE_WORLD (2;
+# its all_gather timeline takes any count, the peer route's --op reduce_scatter / all_reduce 2 only)
 SKIP=" ${FO_SKIP:-} "
 OUT=${OUT:-/tmp/fo_out}; mkdir -p "$OUT" /tmp/fo_probe
 if [ "$PART" = A ] && [[ "$SKIP" != *" build "* ]] || [ ! -f build/libflashoverlap_sm90.so ]; then
@@ -173,7 +174,7 @@ elif [ "$PART" = B ]; then
   fi
   if [[ "$SKIP" != *" timeline "* ]]; then
     step "timeline"; clocks_on
-    timeout "$(cap 120)" "${TORCHRUN[@]}" --nproc_per_node=2 -m flashoverlap_inductor.bench timeline \
+    timeout "$(cap 120)" "${TORCHRUN[@]}" --nproc_per_node="${FO_TIMELINE_WORLD:-2}" -m flashoverlap_inductor.bench timeline \
       --shapes "${FO_TIMELINE_SHAPES:-8192x6144x4096}" --png "$OUT" ${FO_TIMELINE_ARGS:-} --json /tmp/fo_probe/timeline.json >"$OUT/timeline.log" 2>&1
     echo "timeline rc=$?" | tee -a "$OUT/timeline.log"; tail -30 "$OUT/timeline.log"; clocks_off "$OUT/timeline.log"
   fi

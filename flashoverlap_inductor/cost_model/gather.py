@@ -13,9 +13,9 @@ still moves shards (``route="nccl"``; the peer route's copy engine takes no SMs:
 
 The peer route, where the GPU's data file has a ``gather_peer`` section (``PeerTerms``: ``gemm_factor``, ``fixed_ms``,
 ``link_efficiency``), is modelled as it runs under ``gather_start="handshake"`` (``routes.gather_peer``; its terms
-were fitted there: under the default "push", which starts the GEMMs without the handshake, the model overstates the
-fused time by about ``fixed_ms``, so it errs towards declining): one handshake (``fixed_ms``), then the local
-shard's GEMMs at once while the copy engine pulls the peers' shards back to back, shard ``s`` landing at
+were fitted there: under "push" (the default on 2 ranks), which starts the GEMMs without the handshake, the model
+overstates the fused time by about ``fixed_ms``, so it errs towards declining): one handshake (``fixed_ms``), then
+the local shard's GEMMs at once while the copy engine pulls the peers' shards back to back, shard ``s`` landing at
 ``s * shard_bytes / (link_efficiency * link)`` after the handshake (``link``: the NVLink rate of
 ``CostModel.link_bytes_per_ms``); each shard's GEMMs after it landed and the previous shard's are done. A shard's
 GEMMs take ``1 / world`` of the whole gathered GEMMs' reference time (not the wave model at the shard's rows, whose
