@@ -11,7 +11,7 @@
 // Cross-GPU ordering as in peer_call.cu: a system-scope fence and release add after the copy in stream order, paired
 // with a bounded system-scope acquire before the reader's copy.
 //
-// The push schedule (FO_GATHER_PUSH: gather_start="push", the default) turns the copies around: each rank copies its
+// The push schedule (FO_GATHER_PUSH: gather_start="push", "auto"'s choice on 2 ranks) turns the copies around: each rank copies its
 // shard straight into slot `rank` of a set of every peer's receive buffer, so ready[j] means "rank j's shard is in
 // slot j of my buffer" and done_b[j] "rank j finished reading the slot I write in set b of its buffer".
 #include <cuda_runtime.h>
@@ -42,7 +42,12 @@ constexpr int kSetReady = kSetDone + kSlotSets * kMaxWorld;  // push: ready_b[j]
 constexpr int kSetUses = kSetReady + kSlotSets * kMaxWorld;  // push: uses_b at kSetUses + b, this rank's own: its
                                                              // pushes begun into set b
 constexpr int kSetReads = kSetUses + kSlotSets;  // push: reads_b at kSetReads + b, this rank's own: its set-b calls
-static_assert(kSetReads + kSlotSets <= FO_GATHER_FLAG_INTS, "the gather flag page holds every flag and counter");
+constexpr int kSetEpoch = kSetReads + kSlotSets;  // push on 3+ ranks: at kSetEpoch + b, this rank's epoch as its last
+                                                  // set-b call began (what ready[rank] in a peer's page reads once
+                                                  // that call's shard is there; copied, never added)
+constexpr int kCopyNotifyMinWorld = 3;  // push: from this many ranks on, each peer is told by copy engine right after
+                                        // its push (on 2 ranks: one push, told by a step kernel)
+static_assert(kSetEpoch + kSlotSets <= FO_GATHER_FLAG_INTS, "the gather flag page holds every flag and counter");
 static_assert(sizeof(fo_gather_args) == 432 && offsetof(fo_gather_args, slot_set) == 424, "fo_gather_args layout");
 constexpr int kTagReady = 3000;     // + j: rank j's shard of this call
 constexpr int kTagDone = 3100;      // + j: rank j finished reading this rank's previous shard
@@ -64,6 +69,7 @@ struct GatherStep {
   int wait_offset;
   int* counter;   // non-null: the waits' target is *counter + wait_offset (not epoch + wait_offset)
   int advance;    // with counter: *counter += 1 after the waits (whether or not one gave up)
+  int* snapshot;  // with begin, non-null: *snapshot = the new epoch (the push's per-set epoch on 3+ ranks)
   int const* wait[kMaxWorld];
   int tag[kMaxWorld];
 };
@@ -84,6 +90,7 @@ __global__ void gather_step_kernel(GatherStep s) {
     s.fault->call_counter += 1;
     s.fault->current_launch = s.launch_id;
     *s.epoch += 1;
+    if (s.snapshot != nullptr) *s.snapshot = *s.epoch;
     __threadfence();
   }
   if (s.fail_tag != 0) record_enqueue_failure(s.fault, s.fail_tag);
@@ -229,8 +236,10 @@ int launch_step(GatherStep const& s, cudaStream_t stream) {
 // costs the GEMMs one short launch and never couples a rank to its peers' previous call. (On the copy stream this
 // wait would need an SM slot that a GEMM filling every SM frees only at its end, and the pushes behind it would wait
 // as long: 2 H200s, 31st session.) The rest runs on the copy stream, which cur_stream does not wait for: the pushes
-// need no SM; the ready notification and the waits for the peers' shards run when the caller's first GEMMs free an
-// SM, which is when they are needed.
+// need no SM; the waits for the peers' shards (and, on 2 ranks, the ready notification) run when the caller's first
+// GEMMs free an SM, which is when they are needed. On 3+ ranks one notification after the last push held every
+// peer's GEMM for all the pushes (4 H200s, 32nd session: 1.03x over sequential against the handshake start's 1.41x),
+// so there each peer is told by copy engine right after its own push (not yet run on a GPU).
 int push_call(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur, cudaStream_t copy) {
   int const W = p.world, r = p.rank, b = p.slot_set;
   size_t const bytes = size_t(p.shard_bytes);
@@ -238,7 +247,9 @@ int push_call(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur, cudaS
   ev->push_fail_tag = 0;
   // 1. on cur: begin (deadline, call counter, epoch e); every peer j done reading the slot this rank writes in set b
   // of j's buffer (done_b[j] here reaches uses_b, this rank's pushes begun into set b so far; then uses_b + 1).
+  bool const by_copy = W >= kCopyNotifyMinWorld;
   GatherStep s = begin_step(p, kSetDone + b * kMaxWorld, p.flags[r] + kSetUses + b);
+  if (by_copy) s.snapshot = p.flags[r] + kSetEpoch + b;
   int rc = launch_step(s, cur);
   if (rc != 0) return rc;
   ev->push_begun = true;  // from here on every notification is issued whatever fails (as fo_gather_call's)
@@ -251,25 +262,47 @@ int push_call(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur, cudaS
   int fork = cuda_check(cudaEventRecord(ev->fork, cur), "fork record");
   if (fork == 0) fork = cuda_check(cudaStreamWaitEvent(copy, ev->fork, 0), "fork wait");
   note(fork, kTagEnqueue);  // unforked, the pushes could read `a` before it is written: none then (poisoned call)
-  // 3. a into slot r of set b of every peer's buffer, the peer that takes it first (r + 1) first.
+  // 3. a into slot r of set b of every peer's buffer, the peer that takes it first (r + 1) first. On 3+ ranks each
+  // peer is told right after its push, by copy engine (a step kernel there would wait for an SM the caller's GEMM
+  // holds, and every push behind it with it): two 4-byte copies of this rank's own values into the peer's page,
+  // its epoch snapshot of set b into ready[r] and uses_b into ready_b[r], which are what the adds of step 4 would
+  // leave there (rank r alone writes them, once per call; the next write of either source waits, in the begin of
+  // set b's next call, for every peer's done, so for these copies). Stream order puts each after its push. A peer
+  // whose push or copy could not be enqueued, or any after an enqueue failure, is told in step 4 instead, after
+  // the failure is recorded.
   size_t const set_offset = size_t(b) * size_t(W) * bytes;
-  for (int d = 1; d < W && fork == 0; ++d) {
+  int* const own = p.flags[r];
+  int* const sources[2] = {own + kSetEpoch + b, own + kSetUses + b};
+  GatherStep tell = step_base(p);
+  for (int d = 1; d < W; ++d) {
     int const j = (r + d) % W;
-    note(cuda_check(cudaMemcpyAsync(static_cast<char*>(p.buffers[j]) + set_offset + size_t(r) * bytes, p.a, bytes,
-                                    cudaMemcpyDeviceToDevice, copy), "shard push"), kTagEnqueue + d);
+    int* const flags_of_j[2] = {p.flags[j] + kReady + r, set_flag(p.flags[j], kSetReady, b, r)};
+    int pushed = fork;
+    if (fork == 0) {
+      pushed = cuda_check(cudaMemcpyAsync(static_cast<char*>(p.buffers[j]) + set_offset + size_t(r) * bytes, p.a,
+                                          bytes, cudaMemcpyDeviceToDevice, copy), "shard push");
+      note(pushed, kTagEnqueue + d);
+    }
+    for (int f = 0; f < 2; ++f) {
+      bool told = false;
+      if (by_copy && pushed == 0 && fail_tag == 0) {
+        int const crc = cuda_check(cudaMemcpyAsync(flags_of_j[f], sources[f], sizeof(int), cudaMemcpyDeviceToDevice,
+                                                   copy), "ready copy");
+        note(crc, kTagEnqueue + d);
+        told = crc == 0;
+      }
+      if (!told) tell.notify[tell.num_notify++] = flags_of_j[f];
+    }
   }
-  // 4. ready to every peer, after every push in stream order (the call's, and set b's).
-  s = step_base(p);
-  s.fail_tag = fail_tag;
-  for (int q = 1; q < W; ++q) {
-    int* const page = p.flags[(r + q) % W];
-    s.notify[s.num_notify++] = page + kReady + r;
-    s.notify[s.num_notify++] = set_flag(page, kSetReady, b, r);
-  }
-  if (int const krc = launch_step(s, copy); krc == 0) {
-    fail_tag = 0;
-  } else {
-    note(krc, kTagEnqueue + W);
+  // 4. ready to every peer not told by copy (on 2 ranks: every peer), after every push in stream order, recording
+  // an enqueue failure first.
+  tell.fail_tag = fail_tag;
+  if (tell.num_notify > 0 || fail_tag != 0) {
+    if (int const krc = launch_step(tell, copy); krc == 0) {
+      fail_tag = 0;
+    } else {
+      note(krc, kTagEnqueue + W);
+    }
   }
   // 5. per peer j in arrival order: its shard of this call is in slot j of set b here (ready_b[j] reaches reads_b + 1:
   // j's pushes into set b counted against this rank's set-b calls, so a rank on the other set than its peers waits

@@ -118,10 +118,11 @@ def test_gather_args_match_the_c_header():
         assert f"#define FO_GATHER_{name} {value}\n" in header
     assert f"#define FO_GATHER_FLAG_INTS ({gather_peer.FLAG_INTS // gather_peer.MAX_WORLD} * FO_GATHER_MAX_WORLD)" \
         in header
-    # the page: ready, done, then done and ready per set, then the sets' own counters (pushes, reads), all before
-    # the fault block; the C side asserts its layout and fo_gather_args's size and slot_set's offset
+    # the page: ready, done, then done and ready per set, then the sets' own counters (pushes, reads) and epoch
+    # snapshots (3+ ranks), all before the fault block; the C side asserts its layout and fo_gather_args's size and
+    # slot_set's offset
     sets, most = gather_peer.SLOT_SETS, gather_peer.MAX_WORLD
-    assert (2 + 2 * sets) * most + 2 * sets <= gather_peer.FLAG_INTS
+    assert (2 + 2 * sets) * most + 3 * sets <= gather_peer.FLAG_INTS
     source = (HEADER.parent / "gather_call.cu").read_text()
     size = re.search(r"sizeof\(fo_gather_args\) == (\d+) && offsetof\(fo_gather_args, slot_set\) == (\d+)", source)
     assert size and (ctypes.sizeof(gather_peer.GatherArgs), gather_peer.GatherArgs.slot_set.offset) == (
