@@ -339,7 +339,8 @@ FO_API int fo_ring_call(const fo_ring_args* args);
  * calls below, each pulled shard's after its shard_events[j]).
  * Memory of one (device, group): every rank's gather flag page (FO_GATHER_FLAG_INTS ints, zeroed once; flags[p] is
  * rank p's mapped here): ready[j] at index j and done[j] at FO_GATHER_MAX_WORLD + j, both written only by rank j
- * (one system-scope release add per call each); and every rank's symmetric buffer (buffers[p], at least
+ * (one system-scope release add per call each; under FO_GATHER_COPY_NOTIFY ready[j] may instead get a copy-engine
+ * write of the value that add would leave); and every rank's symmetric buffer (buffers[p], at least
  * shard_bytes). epoch: a device int of this rank, the number of calls begun (graph-replay safe).
  * fo_gather_call, call e = *epoch + 1, everything on copy_stream after a fork from cur_stream:
  *   1. begin (deadline = now + timeout_ns, fault->call_counter + 1, current_launch, *epoch = e); wait until every
@@ -372,25 +373,34 @@ FO_API int fo_ring_call(const fo_ring_args* args);
  * (b * world + j) * shard_bytes: rank j's shard; a workspace of its own, never shared with the schedules above); a
  * call uses set slot_set, which the host picks alike on every rank (alternating, so a rank may push call e + 1 while
  * its peers still read call e). The page also holds, per set b (M = FO_GATHER_MAX_WORLD, S = FO_GATHER_SLOT_SETS):
- * done_b[j] at 2M + bM + j and ready_b[j] at (2 + S)M + bM + j (each added to only by rank j, once per set-b call),
+ * done_b[j] at 2M + bM + j and ready_b[j] at (2 + S)M + bM + j (each written only by rank j, once per set-b call),
  * and this rank's own counters uses_b at (2 + 2S)M + b (its pushes begun into set b) and reads_b at (2 + 2S)M + S + b
- * (its set-b calls whose shards it waited for), and, on 3+ ranks, its epoch as its last set-b call began at
- * (2 + 2S)M + 2S + b. Counters, not the epoch, so captured and eager calls may use the sets
+ * (its set-b calls whose shards it waited for), and, under FO_GATHER_COPY_NOTIFY, its epoch as its last set-b call
+ * began at (2 + 2S)M + 2S + b. Counters, not the epoch, so captured and eager calls may use the sets
  * in any order alike on every rank; a rank on another set than its peers waits out its bound (a fault: poisoned,
  * raised, resynchronized), never reads a stale slot. On cur_stream, one short kernel before the caller's GEMMs:
  * begin (as 1.) and wait until every peer j's done_b[j] here reaches uses_b, then uses_b + 1 (tag 3100 + j; with
  * alternating sets the peers' call e - 2, met by then); then on copy_stream after a fork: copy a into slot `rank` of
- * set b of every peer's buffer (peer to peer, copy engine), tell every peer (2 ranks: add 1 to ready[rank] and
- * ready_b[rank] in its page after the push; 3+ ranks: right after its push, copy the epoch snapshot and uses_b into
- * them by copy engine, the values the adds would leave, no SM needed; a peer whose copies could not be enqueued is
- * told by the add), per peer j in arrival order wait until ready_b[j] here >= reads_b + 1 (tag 3000 + j; then reads_b + 1) and
+ * set b of every peer's buffer (peer to peer, copy engine), add 1 to ready[rank] and ready_b[rank] in every peer's
+ * page after the last push (under FO_GATHER_COPY_NOTIFY below: per peer, right after its push), per peer j in arrival order wait until ready_b[j] here >= reads_b + 1 (tag 3000 + j; then reads_b + 1) and
  * record shard_events[j], and, with copy_own, copy every slot of set b and a into staging (the gathered rows).
  * cur_stream waits for no handshake: the caller's GEMMs read a at once and slot j of set b here after
  * shard_events[j] (staging is then that set for fo_gather_gemms). fo_gather_finish joins first, then adds 1 to
  * done[rank] and done_b[rank] in every peer's page on cur_stream (only for a call whose begin was enqueued on this
  * host thread, and only after a join: every read of the slots is over), then poisons as below. staging may be null
- * without copy_own. Every call, whichever schedule, adds ready[rank] and done[rank] once (their waits count calls). */
+ * without copy_own. Every call, whichever schedule, notifies ready[rank] and done[rank] once (their waits count
+ * calls). */
 #define FO_GATHER_PUSH 2
+/* options bit, with FO_GATHER_PUSH on 3+ ranks (the experiment gather_copy_notify; never run on a GPU): each peer is
+ * told right after its push, by two 4-byte copy-engine copies of this rank's own values into its page, the epoch
+ * snapshot of set b into ready[rank] and uses_b into ready_b[rank]: the values the adds would leave (one writer per
+ * flag; the writes of a rank land in call order, as fo_gather_finish joins the copy stream before the next call
+ * begins), and no step kernel, which would wait for an SM the caller's GEMM holds, sits behind the pushes. A peer
+ * whose push or copy could not be enqueued, and every peer after an enqueue failure, is told by the add after the
+ * failure is recorded; peers told by copy before it learn of the failure at a later call (no wrong value). Whether a
+ * copy-engine write after a copy-engine copy on one stream orders the data before the flag for a peer's
+ * system-scope acquire is not documented: to be checked on GPUs before the bit is relied on. */
+#define FO_GATHER_COPY_NOTIFY 4
 typedef struct {
   int32_t world, rank;
   int64_t shard_bytes;                        /* bytes of one shard ([shard_rows, K], contiguous) */

@@ -9,7 +9,8 @@
 // buffers serves every call.
 //
 // Cross-GPU ordering as in peer_call.cu: a system-scope fence and release add after the copy in stream order, paired
-// with a bounded system-scope acquire before the reader's copy.
+// with a bounded system-scope acquire before the reader's copy (FO_GATHER_COPY_NOTIFY, an experiment: a copy-engine
+// write of the flag after the copy instead).
 //
 // The push schedule (FO_GATHER_PUSH: gather_start="push", "auto"'s choice on 2 ranks) turns the copies around: each rank copies its
 // shard straight into slot `rank` of a set of every peer's receive buffer, so ready[j] means "rank j's shard is in
@@ -42,11 +43,10 @@ constexpr int kSetReady = kSetDone + kSlotSets * kMaxWorld;  // push: ready_b[j]
 constexpr int kSetUses = kSetReady + kSlotSets * kMaxWorld;  // push: uses_b at kSetUses + b, this rank's own: its
                                                              // pushes begun into set b
 constexpr int kSetReads = kSetUses + kSlotSets;  // push: reads_b at kSetReads + b, this rank's own: its set-b calls
-constexpr int kSetEpoch = kSetReads + kSlotSets;  // push on 3+ ranks: at kSetEpoch + b, this rank's epoch as its last
-                                                  // set-b call began (what ready[rank] in a peer's page reads once
-                                                  // that call's shard is there; copied, never added)
-constexpr int kCopyNotifyMinWorld = 3;  // push: from this many ranks on, each peer is told by copy engine right after
-                                        // its push (on 2 ranks: one push, told by a step kernel)
+constexpr int kSetEpoch = kSetReads + kSlotSets;  // FO_GATHER_COPY_NOTIFY: at kSetEpoch + b, this rank's epoch as
+                                                  // its last set-b call began (what ready[rank] in a peer's page
+                                                  // reads once that call's shard is there; copied, never added)
+constexpr int kCopyNotifyMinWorld = 3;  // FO_GATHER_COPY_NOTIFY acts from this many ranks on (2: one push anyway)
 static_assert(kSetEpoch + kSlotSets <= FO_GATHER_FLAG_INTS, "the gather flag page holds every flag and counter");
 static_assert(sizeof(fo_gather_args) == 432 && offsetof(fo_gather_args, slot_set) == 424, "fo_gather_args layout");
 constexpr int kTagReady = 3000;     // + j: rank j's shard of this call
@@ -69,7 +69,7 @@ struct GatherStep {
   int wait_offset;
   int* counter;   // non-null: the waits' target is *counter + wait_offset (not epoch + wait_offset)
   int advance;    // with counter: *counter += 1 after the waits (whether or not one gave up)
-  int* snapshot;  // with begin, non-null: *snapshot = the new epoch (the push's per-set epoch on 3+ ranks)
+  int* snapshot;  // with begin, non-null: *snapshot = the new epoch (FO_GATHER_COPY_NOTIFY's per-set epoch)
   int const* wait[kMaxWorld];
   int tag[kMaxWorld];
 };
@@ -184,6 +184,9 @@ int check_args(fo_gather_args const& p, bool finish) {
   if ((p.options & FO_GATHER_PUSH) != 0 && (p.options & FO_GATHER_GEMM_AFTER_HANDSHAKE) != 0) {
     return fail_code(2, "fo_gather_call: FO_GATHER_PUSH excludes FO_GATHER_GEMM_AFTER_HANDSHAKE");
   }
+  if ((p.options & FO_GATHER_COPY_NOTIFY) != 0 && (p.options & FO_GATHER_PUSH) == 0) {
+    return fail_code(2, "fo_gather_call: FO_GATHER_COPY_NOTIFY needs FO_GATHER_PUSH");
+  }
   if (p.timeout_ns <= 0) return fail_code(2, "fo_gather_call: timeout_ns must be positive");
   for (int r = 0; r < p.world; ++r) {
     if (p.buffers[r] == nullptr || p.flags[r] == nullptr) {
@@ -236,10 +239,10 @@ int launch_step(GatherStep const& s, cudaStream_t stream) {
 // costs the GEMMs one short launch and never couples a rank to its peers' previous call. (On the copy stream this
 // wait would need an SM slot that a GEMM filling every SM frees only at its end, and the pushes behind it would wait
 // as long: 2 H200s, 31st session.) The rest runs on the copy stream, which cur_stream does not wait for: the pushes
-// need no SM; the waits for the peers' shards (and, on 2 ranks, the ready notification) run when the caller's first
-// GEMMs free an SM, which is when they are needed. On 3+ ranks one notification after the last push held every
-// peer's GEMM for all the pushes (4 H200s, 32nd session: 1.03x over sequential against the handshake start's 1.41x),
-// so there each peer is told by copy engine right after its own push (not yet run on a GPU).
+// need no SM; the ready notification and the waits for the peers' shards run when the caller's first GEMMs free an
+// SM, which is when they are needed. On 3+ ranks one notification after the last push holds every peer's GEMM for
+// all the pushes (4 H200s, 32nd session: 1.03x over sequential against the handshake start's 1.41x), which
+// FO_GATHER_COPY_NOTIFY (an experiment, not yet run on a GPU) replaces by a copy-engine write per peer.
 int push_call(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur, cudaStream_t copy) {
   int const W = p.world, r = p.rank, b = p.slot_set;
   size_t const bytes = size_t(p.shard_bytes);
@@ -247,7 +250,7 @@ int push_call(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur, cudaS
   ev->push_fail_tag = 0;
   // 1. on cur: begin (deadline, call counter, epoch e); every peer j done reading the slot this rank writes in set b
   // of j's buffer (done_b[j] here reaches uses_b, this rank's pushes begun into set b so far; then uses_b + 1).
-  bool const by_copy = W >= kCopyNotifyMinWorld;
+  bool const by_copy = (p.options & FO_GATHER_COPY_NOTIFY) != 0 && W >= kCopyNotifyMinWorld;
   GatherStep s = begin_step(p, kSetDone + b * kMaxWorld, p.flags[r] + kSetUses + b);
   if (by_copy) s.snapshot = p.flags[r] + kSetEpoch + b;
   int rc = launch_step(s, cur);
@@ -262,14 +265,14 @@ int push_call(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur, cudaS
   int fork = cuda_check(cudaEventRecord(ev->fork, cur), "fork record");
   if (fork == 0) fork = cuda_check(cudaStreamWaitEvent(copy, ev->fork, 0), "fork wait");
   note(fork, kTagEnqueue);  // unforked, the pushes could read `a` before it is written: none then (poisoned call)
-  // 3. a into slot r of set b of every peer's buffer, the peer that takes it first (r + 1) first. On 3+ ranks each
-  // peer is told right after its push, by copy engine (a step kernel there would wait for an SM the caller's GEMM
-  // holds, and every push behind it with it): two 4-byte copies of this rank's own values into the peer's page,
-  // its epoch snapshot of set b into ready[r] and uses_b into ready_b[r], which are what the adds of step 4 would
-  // leave there (rank r alone writes them, once per call; the next write of either source waits, in the begin of
-  // set b's next call, for every peer's done, so for these copies). Stream order puts each after its push. A peer
-  // whose push or copy could not be enqueued, or any after an enqueue failure, is told in step 4 instead, after
-  // the failure is recorded.
+  // 3. a into slot r of set b of every peer's buffer, the peer that takes it first (r + 1) first. Under
+  // FO_GATHER_COPY_NOTIFY on 3+ ranks each peer is told right after its push, by copy engine (a step kernel there
+  // would wait for an SM the caller's GEMM holds, and every push behind it with it): two 4-byte copies of this rank's
+  // own values into the peer's page, its epoch snapshot of set b into ready[r] and uses_b into ready_b[r], which are
+  // what the adds of step 4 would leave there (rank r alone writes them, once per call). The sources stay until the
+  // copies ran: fo_gather_finish makes cur_stream join this copy stream before the next call's begin rewrites them.
+  // Stream order puts each after its push. A peer whose push or copy could not be enqueued, or any after an enqueue
+  // failure, is told in step 4 instead, after the failure is recorded.
   size_t const set_offset = size_t(b) * size_t(W) * bytes;
   int* const own = p.flags[r];
   int* const sources[2] = {own + kSetEpoch + b, own + kSetUses + b};

@@ -114,7 +114,8 @@ def test_gather_args_match_the_c_header():
     header = HEADER.read_text()
     for name, value in (("MAX_WORLD", gather_peer.MAX_WORLD), ("MAX_OUTPUTS", gather_peer.MAX_OUTPUTS),
                         ("SLOT_SETS", gather_peer.SLOT_SETS), ("PUSH", gather_peer.PUSH),
-                        ("GEMM_AFTER_HANDSHAKE", gather_peer.GEMM_AFTER_HANDSHAKE)):
+                        ("GEMM_AFTER_HANDSHAKE", gather_peer.GEMM_AFTER_HANDSHAKE),
+                        ("COPY_NOTIFY", gather_peer.COPY_NOTIFY)):
         assert f"#define FO_GATHER_{name} {value}\n" in header
     assert f"#define FO_GATHER_FLAG_INTS ({gather_peer.FLAG_INTS // gather_peer.MAX_WORLD} * FO_GATHER_MAX_WORLD)" \
         in header
@@ -124,6 +125,10 @@ def test_gather_args_match_the_c_header():
     sets, most = gather_peer.SLOT_SETS, gather_peer.MAX_WORLD
     assert (2 + 2 * sets) * most + 3 * sets <= gather_peer.FLAG_INTS
     source = (HEADER.parent / "gather_call.cu").read_text()
+    chain = ["kSetDone = 2 * kMaxWorld;", "kSetReady = kSetDone + kSlotSets * kMaxWorld;",
+             "kSetUses = kSetReady + kSlotSets * kMaxWorld;", "kSetReads = kSetUses + kSlotSets;",
+             "kSetEpoch = kSetReads + kSlotSets;", "static_assert(kSetEpoch + kSlotSets <= FO_GATHER_FLAG_INTS"]
+    assert all(f in source for f in chain), [f for f in chain if f not in source]
     size = re.search(r"sizeof\(fo_gather_args\) == (\d+) && offsetof\(fo_gather_args, slot_set\) == (\d+)", source)
     assert size and (ctypes.sizeof(gather_peer.GatherArgs), gather_peer.GatherArgs.slot_set.offset) == (
         int(size.group(1)), int(size.group(2)))
@@ -132,6 +137,27 @@ def test_gather_args_match_the_c_header():
     names = [m for decl in body[len("typedef struct {"):].split(";") if decl.strip()
              for m in re.findall(r"\**(\w+)(?:\[\w+\])?\s*(?:,|$)", decl.strip())]
     assert names == [f for f, _ in gather_peer.GatherArgs._fields_]
+
+
+@pytest.mark.parametrize("start, world, on, expect", [
+    ("push", 3, True, True), ("push", 4, True, True), ("push", 2, True, False), ("push", 4, False, False),
+    ("auto", 4, True, False), ("handshake", 4, True, False)])
+def test_copy_notify_is_an_opt_in_of_push_on_three_or_more_ranks(monkeypatch, start, world, on, expect):
+    """``FO_GATHER_COPY_NOTIFY`` (never run on a GPU) is set only for a push call of 3+ ranks under the experiment
+    ``gather_copy_notify``; "auto" on 3+ ranks takes the handshake start, so never it."""
+    monkeypatch.setattr(gather_peer, "group_issue", lambda g: None)
+    monkeypatch.setattr(gather_peer.compat, "group_timeout_ms", lambda g: 1000.0)
+    settings = config.current().replace(gather_start=start)
+    if on:
+        settings = settings.replace(experiments=frozenset({gather_peer.COPY_NOTIFY_EXPERIMENT}))
+    rows, k = 64, 256
+    call = routes.Call("all_gather", world * rows, 128, k, torch.float32, world, 0, "cuda", None, "auto",
+                       group_name="g")
+    ctx = SimpleNamespace(a=torch.zeros(rows, k), b=[torch.zeros(k, 128)], bias=[None], group=None,
+                          gather_dim=0, return_gathered=False)
+    launch = gather_peer.make_launch(call, settings, ctx)
+    assert bool(launch.options & gather_peer.COPY_NOTIFY) == expect
+    assert ("told by copy engine" in launch.description) == expect
 
 
 @pytest.mark.parametrize("setting, world, cap_mb, start", [

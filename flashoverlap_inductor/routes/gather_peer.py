@@ -19,8 +19,8 @@ share one GPU works too, under ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``). 
 handshake and no copy of the own shard into symmetric memory. On the caller's stream one short kernel begins the
 call and waits until every peer read the slots it overwrites, then the local GEMMs run; the copy stream pushes ``a``
 into slot ``rank`` of set ``b`` of every peer's receive buffer (``SLOT_SETS`` sets of ``world`` slots, a workspace
-list of its own), tells every peer (2 ranks: after the push; 3+ ranks: each right after its push, by copy engine;
-never run on a GPU), waits for each peer's shard in slot ``j`` here and
+list of its own), tells every peer after the last push (the experiment ``gather_copy_notify``: on 3+ ranks each
+right after its push, by copy engine; never run on a GPU), waits for each peer's shard in slot ``j`` here and
 records ``j``'s event; slot ``j``'s GEMMs follow it; ``fo_gather_finish`` joins, tells every peer its slot here is
 read, and poisons. The set alternates per call (``next_slot_set``: alike on every rank; a captured call keeps its
 set), so the first wait concerns the peers' call ``e - 2``; per set the flags and this rank's pushes and reads are
@@ -91,9 +91,11 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 NAME = "gather_peer"
 GEMM_AFTER_HANDSHAKE = 1  # fo_gather_args.options bit FO_GATHER_GEMM_AFTER_HANDSHAKE (Tuning.gather_start)
 PUSH = 2  # fo_gather_args.options bit FO_GATHER_PUSH (gather_start="push")
+COPY_NOTIFY = 4  # options bit FO_GATHER_COPY_NOTIFY (push on 3+ ranks under the experiment gather_copy_notify)
+COPY_NOTIFY_EXPERIMENT = "gather_copy_notify"
 OPTIONS = {"handshake": GEMM_AFTER_HANDSHAKE, "eager": 0, "push": PUSH}  # a resolved gather_start -> options
 # gather_start="auto": push on at most this many ranks (4 H200s, peers told after the last push: 1.03x over
-# sequential against the handshake's 1.41x; the per-peer notification since has not run on a GPU; docs/design.md)
+# sequential against the handshake's 1.41x; docs/design.md)
 PUSH_AUTO_MAX_WORLD = 2
 
 
@@ -266,9 +268,13 @@ def make_launch(call, settings: config.Settings, ctx) -> GatherLaunch | str:
             "by copy engine")
     start, desc = resolve_start(settings.tuning, call.world, shard_bytes, desc)
     buffer_bytes = SLOT_SETS * call.world * shard_bytes if start == "push" else shard_bytes
+    options = OPTIONS[start]
+    if start == "push" and call.world > 2 and COPY_NOTIFY_EXPERIMENT in settings.experiments:
+        options |= COPY_NOTIFY
+        desc += "; each peer told by copy engine after its push (experiment gather_copy_notify)"
     log.info("flashoverlap: launch %s", desc)
     return GatherLaunch(geo, call.rank, call.dtype, shard_bytes,
-                        settings.timeout_ns(compat.group_timeout_ms(ctx.group)), desc, OPTIONS[start], buffer_bytes,
+                        settings.timeout_ns(compat.group_timeout_ms(ctx.group)), desc, options, buffer_bytes,
                         gather_gemms.static_args(ctx, geo, call.rank), faults.launch_id(desc))
 
 
