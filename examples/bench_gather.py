@@ -8,7 +8,9 @@ variants timed interleaved in one run (``tune_measure.Timer``: CUDA events, warm
 * ``peer``: the op on the copy-engine route (``transport="peer"``, the default on one host) with its GEMMs after
   the handshake (``gather_start="handshake"``); ``peer_eager``: the same with ``gather_start="eager"`` (the GEMMs
   at once, the protocol's step kernels waiting for a free SM); ``peer_push``: ``gather_start="push"`` (the GEMMs at
-  once, every shard pushed by copy engine into the peers' receive buffers: the default on 2 ranks); ``peer_torchmm``:
+  once, every shard pushed by copy engine into the peers' receive buffers: the default on 2 ranks);
+  ``peer_push_copy`` (3+ ranks): the same under the experiment ``gather_copy_notify`` (each peer told by copy engine
+  right after its push); ``peer_torchmm``:
   ``peer`` with its GEMMs as one ``torch.mm`` per shard and weight from Python (the experiment
   ``gather_torch_gemms``; ``peer`` issues them in one library call, ``routes/gather_gemms.py``); ``nccl``: the op
   on the NCCL ring route (``transport="nccl"``);
@@ -45,6 +47,9 @@ FUSED = {"peer": {"transport": "peer", "gather_start": "handshake"},
          "peer_eager": {"transport": "peer", "gather_start": "eager"},
          # the push schedule (the default on 2 ranks): a short wait bound, so a fault costs seconds, not the group's
          "peer_push": {"transport": "peer", "gather_start": "push", "wait_timeout_ms": 5000.0},
+         # push under the experiment gather_copy_notify (3+ ranks only: on 2 it is peer_push)
+         "peer_push_copy": {"transport": "peer", "gather_start": "push", "wait_timeout_ms": 5000.0,
+                            "experiments": config.current().experiments | {"gather_copy_notify"}},
          "peer_torchmm": {"transport": "peer", "gather_start": "handshake",
                           "experiments": config.current().experiments | {"gather_torch_gemms"}},
          "nccl": {"transport": "nccl"}}
@@ -108,7 +113,8 @@ def bench_shape(m: int, n: int, k: int, world: int, timer: tm.Timer) -> dict:
         return lambda: op(a, [b], [None], 0, world, name, "ring", False, key)[0]
 
     variants = {"gemm": lambda: gathered @ b, "comm": lambda: dist.all_gather_into_tensor(gathered, a),
-                "seq": seq, **{v: fused(**changes) for v, changes in FUSED.items()}}
+                "seq": seq, **{v: fused(**changes) for v, changes in FUSED.items()
+                               if v != "peer_push_copy" or world > 2}}
     tp_fn, tp_why = asynctp(a, b, name)
     if tp_fn is not None:
         variants["asynctp"] = tp_fn
@@ -169,12 +175,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"all_gather -> GEMM, {world} x {torch.cuda.get_device_name()}, bf16; ms (median, max over ranks); "
               "speedup = seq / variant")
         print("M_total x N x K | gemm | comm | " + " | ".join(cols) + " | " + " | ".join(f"x {c}" for c in cols[1:])
-              + " | err peer | err nccl")
+              + " | err peer | err push | err push_copy | err nccl")
         for r in rows:
             ms = " | ".join(f"{r.get(f'{c}_ms', math.nan):.3f}" for c in cols)
             sp = " | ".join(f"{r.get(f'speedup_{c}', math.nan):.3f}" for c in cols[1:])
             print(f"{r['m']}x{r['n']}x{r['k']} | {r['gemm_ms']:.3f} | {r['comm_ms']:.3f} | {ms} | {sp} | "
-                  f"{r.get('relerr_peer', math.nan):.1e} | {r.get('relerr_nccl', math.nan):.1e}"
+                  f"{r.get('relerr_peer', math.nan):.1e} | {r.get('relerr_peer_push', math.nan):.1e} | "
+                  f"{r.get('relerr_peer_push_copy', math.nan):.1e} | {r.get('relerr_nccl', math.nan):.1e}"
                   + (f"  errors: {r['errors']}" if r["errors"] else "")
                   + (f"  host-bound: {host_bound(r)}" if r["host_bound"] else ""))
         geo = {c: math.exp(sum(math.log(r[f"speedup_{c}"]) for r in rows) / len(rows))

@@ -15,7 +15,9 @@ for bit (the experiment ``gather_torch_gemms`` runs the latter), a rank that com
 every rank raises ``FlashOverlapTimeout``, the next call is correct with no reset), and a rank that skips a call
 (the others raise within the bound, the skipper in ``routes.check()``; with no reset, the next call resynchronizes
 the group first and it and the one after are correct on every rank). The matching and fault tests run under
-``gather_start="push"`` (the default on 2 ranks: two receive slot sets used alternately) and ``"handshake"``.
+``gather_start="push"`` (the default on 2 ranks: two receive slot sets used alternately), ``"handshake"``, and push
+under the experiment ``gather_copy_notify`` (on the world-4 pool each peer is told by copy engine; queued among
+plain push calls).
 """
 
 from __future__ import annotations
@@ -116,7 +118,21 @@ def _cases() -> list[tuple]:
     return out
 
 
-STARTS = ("handshake", "push")  # the gather_start of the matching and fault tests
+# the gather_start of the matching and fault tests; "push+copy": push under the experiment gather_copy_notify (on 3+
+# ranks each peer told by copy engine right after its push)
+STARTS = ("handshake", "push", "push+copy")
+COPY_NOTIFY = "gather_copy_notify"
+
+
+def _start(token: str) -> dict:
+    """The settings of a start token of ``STARTS`` (or "eager") for ``config.patch``."""
+    from flashoverlap_inductor import config
+
+    if not token.startswith("push"):
+        return {"gather_start": token}
+    have = config.current().experiments
+    return {"gather_start": "push",
+            "experiments": have | {COPY_NOTIFY} if token == "push+copy" else have - {COPY_NOTIFY}}
 
 
 def match_task(start: str) -> dict:
@@ -127,10 +143,13 @@ def match_task(start: str) -> dict:
 
     routes.reset()
     cases = _cases()
-    # push: runs of push calls queued back to back (where the two slot sets matter) between the other starts
-    mixed = ("push", "push", "push", "handshake", "push", "push", "eager") if start == "push" else (
-        "handshake", "eager")
-    with config.patch(wait_timeout_ms=LONG_MS, gather_start=start):
+    # push: runs of push calls queued back to back (where the two slot sets matter) between the other starts; with
+    # the copy-engine notification, also plain push calls between (the peers' ready flags then get copied values and
+    # adds in one queue)
+    mixed = {"push": ("push", "push", "push", "handshake", "push", "push", "eager"),
+             "push+copy": ("push+copy", "push+copy", "push+copy", "handshake", "push+copy", "push", "eager")}.get(
+        start, ("handshake", "eager"))
+    with config.patch(wait_timeout_ms=LONG_MS, **_start(start)):
         for seed, shape, gdim, ns, bias, ret in cases:
             before = routes.stats["route:gather_peer"]
             a, ws, cs = _inputs(seed, shape, ns, bias)
@@ -143,7 +162,7 @@ def match_task(start: str) -> dict:
         queued = []
         for i, (seed, shape, gdim, ns, bias, ret) in enumerate(cases):  # both GEMM starts, mixed in one queue
             a, ws, cs = _inputs(seed + 5000, shape, ns, bias)
-            with config.patch(gather_start=mixed[i % len(mixed)]):
+            with config.patch(**_start(mixed[i % len(mixed)])):
                 queued.append((a, ws, cs, gdim, ret, _op(a, ws, cs, gdim, ret)))
         torch.cuda.synchronize()
         routes.check()
@@ -166,7 +185,7 @@ def test_gather_peer_matches_eager(pool, start):
         assert r["pull"] == ([1 << 20, 4 << 20] if start == "handshake" else [1 << 20]), per_rank
         # the push schedule's own list: SLOT_SETS sets of world slots per rank (of the 256 KiB shard, of 4 MiB)
         pow2 = 1 << (SLOT_SETS * world - 1).bit_length()  # workspaces are powers of two
-        assert r["push"] == ([max(1 << 20, pow2 << 18), pow2 << 22] if start == "push" else []), per_rank
+        assert r["push"] == ([max(1 << 20, pow2 << 18), pow2 << 22] if start.startswith("push") else []), per_rank
 
 
 def library_gemms_task() -> dict[str, int]:
@@ -239,7 +258,7 @@ def late_rank_task(start: str) -> dict:
     shape, gdim, ns, bias, ret = CASE
     routes.reset()
     out: dict = {"late": late}
-    with config.patch(wait_timeout_ms=SHORT_MS, gather_start=start):
+    with config.patch(wait_timeout_ms=SHORT_MS, **_start(start)):
         a, ws, cs = _inputs(1, shape, ns, bias)  # both ranks: the shape's agreement, buffers and flags exist
         _check(_op(a, ws, cs, gdim, ret), a, ws, cs, gdim, ret, "warm-up")
         routes.check()
@@ -291,7 +310,7 @@ def missing_rank_task(start: str) -> dict:
     shape, gdim, ns, bias, ret = CASE
     routes.reset()
     out: dict = {"skips": rank == world - 1}
-    with config.patch(wait_timeout_ms=SHORT_MS, gather_start=start):
+    with config.patch(wait_timeout_ms=SHORT_MS, **_start(start)):
         a, ws, cs = _inputs(1, shape, ns, bias)
         _check(_op(a, ws, cs, gdim, ret), a, ws, cs, gdim, ret, "warm-up")
         routes.check()

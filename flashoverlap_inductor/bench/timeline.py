@@ -67,6 +67,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gather-start", "--start", dest="start", default="push,handshake",
                    help="all_gather: gather_start values to compare (comma-separated; under torchrun write "
                         "--gather-start: torchrun takes --start for its --start-method)")
+    p.add_argument("--experiments", default="",
+                   help="all_gather: experiments on for every probed call (comma-separated, e.g. gather_copy_notify)")
     p.add_argument("--gate", default="epilogue",
                    help="all_reduce / reduce_scatter: GEMM 2's wait for the peer's GEMM 1 to compare (comma-separated):"
                         " epilogue (the route's, before each tile's C load), kernel (a wait kernel between the GEMMs)")
@@ -94,7 +96,9 @@ def probe_shape(m: int, n: int, k: int, start: str, args: argparse.Namespace) ->
     a = torch.randn(m // world, k, device="cuda", dtype=torch.bfloat16)
     b = (torch.randn(n // world, k, device="cuda") / math.sqrt(k)).bfloat16().t()
     gathered = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
-    settings = config.current().replace(gather_start=start, transport="peer")
+    extra = frozenset(x for x in args.experiments.split(",") if x)
+    settings = config.current().replace(gather_start=start, transport="peer",
+                                        experiments=config.current().experiments | extra)
     call, _, _ = routes.make_call("all_gather", a, [b], [None], group, "ring", None, None, [m, k], True)
     why = gather_peer.unsupported(call, settings)
     ctx = Context(a=a, b=[b], bias=[None], group=group, y_shape=[m, k], out_shape=[m, k], plan="ring",
