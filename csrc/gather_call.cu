@@ -12,9 +12,10 @@
 // with a bounded system-scope acquire before the reader's copy (FO_GATHER_COPY_NOTIFY, an experiment: a copy-engine
 // write of the flag after the copy instead).
 //
-// The push schedule (FO_GATHER_PUSH: gather_start="push", "auto"'s choice on 2 ranks) turns the copies around: each rank copies its
-// shard straight into slot `rank` of a set of every peer's receive buffer, so ready[j] means "rank j's shard is in
-// slot j of my buffer" and done_b[j] "rank j finished reading the slot I write in set b of its buffer".
+// The push schedule (FO_GATHER_PUSH: gather_start="push", "auto"'s choice on 2 ranks) turns the copies around:
+// each rank copies its shard straight into slot `rank` of a set of every peer's receive buffer, so ready[j] means
+// "rank j's shard is in slot j of my buffer" and done_b[j] "rank j finished reading the slot I write in set b of its
+// buffer".
 #include <cuda_runtime.h>
 
 #include <cstddef>

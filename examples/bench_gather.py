@@ -53,6 +53,7 @@ FUSED = {"peer": {"transport": "peer", "gather_start": "handshake"},
          "peer_torchmm": {"transport": "peer", "gather_start": "handshake",
                           "experiments": config.current().experiments | {"gather_torch_gemms"}},
          "nccl": {"transport": "nccl"}}
+MIN_WORLD = {"peer_push_copy": 3}  # fused variants that differ from another only from this many ranks on
 COLUMNS = (*FUSED, "asynctp")
 HOST_BOUND = 0.9  # a variant whose host time per call reaches this share of its median is host-bound there
 
@@ -113,8 +114,7 @@ def bench_shape(m: int, n: int, k: int, world: int, timer: tm.Timer) -> dict:
         return lambda: op(a, [b], [None], 0, world, name, "ring", False, key)[0]
 
     variants = {"gemm": lambda: gathered @ b, "comm": lambda: dist.all_gather_into_tensor(gathered, a),
-                "seq": seq, **{v: fused(**changes) for v, changes in FUSED.items()
-                               if v != "peer_push_copy" or world > 2}}
+                "seq": seq, **{v: fused(**changes) for v, changes in FUSED.items() if world >= MIN_WORLD.get(v, 2)}}
     tp_fn, tp_why = asynctp(a, b, name)
     if tp_fn is not None:
         variants["asynctp"] = tp_fn

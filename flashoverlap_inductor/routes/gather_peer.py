@@ -93,6 +93,7 @@ GEMM_AFTER_HANDSHAKE = 1  # fo_gather_args.options bit FO_GATHER_GEMM_AFTER_HAND
 PUSH = 2  # fo_gather_args.options bit FO_GATHER_PUSH (gather_start="push")
 COPY_NOTIFY = 4  # options bit FO_GATHER_COPY_NOTIFY (push on 3+ ranks under the experiment gather_copy_notify)
 COPY_NOTIFY_EXPERIMENT = "gather_copy_notify"
+COPY_NOTIFY_MIN_WORLD = 3  # kCopyNotifyMinWorld of csrc/gather_call.cu: the bit acts from this many ranks on
 OPTIONS = {"handshake": GEMM_AFTER_HANDSHAKE, "eager": 0, "push": PUSH}  # a resolved gather_start -> options
 # gather_start="auto": push on at most this many ranks (4 H200s, peers told after the last push: 1.03x over
 # sequential against the handshake's 1.41x; docs/design.md)
@@ -236,22 +237,25 @@ class GatherLaunch:
     slots: dict[int, tuple] = field(default_factory=dict)  # workspace serial -> receive_slots' views (push)
 
 
-def resolve_start(tuning: config.Tuning, world: int, shard_bytes: int, desc: str) -> tuple[str, str]:
-    """The start a call of ``world`` ranks and ``shard_bytes`` per shard takes under ``tuning`` (``gather_start``,
-    ``gather_push_max_mb``), and ``desc`` with why where it is not the one set: "auto" is "push" on at most
-    ``PUSH_AUTO_MAX_WORLD`` ranks, else "handshake"; "push" whose receive buffer (``SLOT_SETS`` x world x shard
-    bytes) would pass ``gather_push_max_mb`` is "handshake". Depends on world, shapes and settings only: alike on
-    every rank."""
-    start = tuning.gather_start
-    if start == "auto":
-        if world > PUSH_AUTO_MAX_WORLD:
-            return "handshake", desc + f"; handshake start (auto: push only on up to {PUSH_AUTO_MAX_WORLD} ranks)"
-        start = "push"
-    cap_mb = tuning.gather_push_max_mb
-    if start == "push" and SLOT_SETS * world * shard_bytes > cap_mb << 20:
-        why = f"the push's receive buffer would pass gather_push_max_mb={cap_mb}"
-        return "handshake", f"{desc}; handshake start ({why})"
-    return start, desc
+def resolve_start(settings: config.Settings, world: int, shard_bytes: int, desc: str) -> tuple[int, int, str]:
+    """A call's ``fo_gather_args.options``, workspace bytes per rank (push: ``SLOT_SETS`` x world shards, else one)
+    and ``desc`` with why where the start is not the one set. "auto": push on at most ``PUSH_AUTO_MAX_WORLD`` ranks;
+    a push whose buffer would pass ``gather_push_max_mb``: handshake; ``COPY_NOTIFY`` for a push of
+    ``COPY_NOTIFY_MIN_WORLD``+ ranks under its experiment. World, shapes and settings only: alike on every rank."""
+    tuning = settings.tuning
+    start, push_bytes = tuning.gather_start, SLOT_SETS * world * shard_bytes
+    if start == "auto" and world > PUSH_AUTO_MAX_WORLD:
+        return OPTIONS["handshake"], shard_bytes, \
+            f"{desc}; handshake start (auto: push only on up to {PUSH_AUTO_MAX_WORLD} ranks)"
+    if start != "push" and start != "auto":
+        return OPTIONS[start], shard_bytes, desc
+    if push_bytes > tuning.gather_push_max_mb << 20:
+        why = f"the push's receive buffer would pass gather_push_max_mb={tuning.gather_push_max_mb}"
+        return OPTIONS["handshake"], shard_bytes, f"{desc}; handshake start ({why})"
+    if world >= COPY_NOTIFY_MIN_WORLD and COPY_NOTIFY_EXPERIMENT in settings.experiments:
+        return PUSH | COPY_NOTIFY, push_bytes, \
+            f"{desc}; each peer told by copy engine after its push (experiment {COPY_NOTIFY_EXPERIMENT})"
+    return PUSH, push_bytes, desc
 
 
 def make_launch(call, settings: config.Settings, ctx) -> GatherLaunch | str:
@@ -266,12 +270,7 @@ def make_launch(call, settings: config.Settings, ctx) -> GatherLaunch | str:
     desc = (f"all_gather of {geo.shard_rows} x {geo.k} {call.dtype_name} shards over {call.world} ranks, then "
             f"{len(ctx.b)} GEMM(s) N={[w.shape[-1] for w in ctx.b]}: gather_peer route, {shard_bytes} B per shard "
             "by copy engine")
-    start, desc = resolve_start(settings.tuning, call.world, shard_bytes, desc)
-    buffer_bytes = SLOT_SETS * call.world * shard_bytes if start == "push" else shard_bytes
-    options = OPTIONS[start]
-    if start == "push" and call.world > 2 and COPY_NOTIFY_EXPERIMENT in settings.experiments:
-        options |= COPY_NOTIFY
-        desc += "; each peer told by copy engine after its push (experiment gather_copy_notify)"
+    options, buffer_bytes, desc = resolve_start(settings, call.world, shard_bytes, desc)
     log.info("flashoverlap: launch %s", desc)
     return GatherLaunch(geo, call.rank, call.dtype, shard_bytes,
                         settings.timeout_ns(compat.group_timeout_ms(ctx.group)), desc, options, buffer_bytes,
