@@ -384,8 +384,8 @@ FO_API int fo_ring_call(const fo_ring_args* args);
  * to peer, copy engine), add 1 to ready[rank] and ready_b[rank] in every peer's page after the last push (under
  * FO_GATHER_COPY_NOTIFY below: per peer, right after its push), per peer j in arrival order wait until ready_b[j]
  * here >= reads_b + 1 (tag 3000 + j; then reads_b + 1) and record shard_events[j], and, with copy_own, copy every
- * slot of set b and a into staging (the gathered rows). cur_stream waits for no handshake: the caller's GEMMs read a at once
- * and slot j of set b here after shard_events[j] (staging is then that set for fo_gather_gemms). fo_gather_finish
+ * slot of set b and a into staging (the gathered rows). cur_stream waits for no handshake: the caller's GEMMs read a
+ * at once and slot j of set b here after shard_events[j] (staging is then that set for fo_gather_gemms). fo_gather_finish
  * joins first, then adds 1 to done[rank] and done_b[rank] in every peer's page on cur_stream (only for a call whose
  * begin was enqueued on this host thread, and only after a join: every read of the slots is over), then poisons as
  * below. staging may be null without copy_own. Every call, whichever schedule, notifies ready[rank] and done[rank]
