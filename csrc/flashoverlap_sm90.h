@@ -370,9 +370,9 @@ FO_API int fo_ring_call(const fo_ring_args* args);
 #define FO_GATHER_GEMM_AFTER_HANDSHAKE 1
 /* options bit (gather_start="push"; what "auto" takes on 2 ranks where its buffer fits): the push schedule. buffers[p]
  * are then every rank's receive buffers of FO_GATHER_SLOT_SETS sets of world slots (slot j of set b at buffers[p] +
- * (b * world + j) * shard_bytes: rank j's shard; a workspace of its own, never shared with the schedules above); a call
- * uses set slot_set, which the host picks alike on every rank (alternating, so a rank may push call e + 1 while its
- * peers still read call e). The page also holds, per set b (M = FO_GATHER_MAX_WORLD, S = FO_GATHER_SLOT_SETS):
+ * (b * world + j) * shard_bytes: rank j's shard; a workspace of its own, never shared with the schedules above); a
+ * call uses set slot_set, which the host picks alike on every rank (alternating, so a rank may push call e + 1 while
+ * its peers still read call e). The page also holds, per set b (M = FO_GATHER_MAX_WORLD, S = FO_GATHER_SLOT_SETS):
  * done_b[j] at 2M + bM + j and ready_b[j] at (2 + S)M + bM + j (each written only by rank j, once per set-b call), and
  * this rank's own counters uses_b at (2 + 2S)M + b (its pushes begun into set b) and reads_b at (2 + 2S)M + S + b (its
  * set-b calls whose shards it waited for), and, under FO_GATHER_COPY_NOTIFY, its epoch as its last set-b call began at
@@ -382,10 +382,10 @@ FO_API int fo_ring_call(const fo_ring_args* args);
  * every peer j's done_b[j] here reaches uses_b, then uses_b + 1 (tag 3100 + j; with alternating sets the peers' call
  * e - 2, met by then); then on copy_stream after a fork: copy a into slot `rank` of set b of every peer's buffer (peer
  * to peer, copy engine), add 1 to ready[rank] and ready_b[rank] in every peer's page after the last push (under
- * FO_GATHER_COPY_NOTIFY below: per peer, right after its push), per peer j in arrival order wait until ready_b[j]
- * here >= reads_b + 1 (tag 3000 + j; then reads_b + 1) and record shard_events[j], and, with copy_own, copy every
- * slot of set b and a into staging (the gathered rows). cur_stream waits for no handshake: the caller's GEMMs read a
- * at once and slot j of set b here after shard_events[j] (staging is then that set for fo_gather_gemms). fo_gather_finish
+ * FO_GATHER_COPY_NOTIFY below: per peer, right after its push), per peer j in arrival order wait until ready_b[j] here
+ * >= reads_b + 1 (tag 3000 + j; then reads_b + 1) and record shard_events[j], and, with copy_own, copy every slot of
+ * set b and a into staging (the gathered rows). cur_stream waits for no handshake: the caller's GEMMs read a at once
+ * and slot j of set b here after shard_events[j] (staging is then that set for fo_gather_gemms). fo_gather_finish
  * joins first, then adds 1 to done[rank] and done_b[rank] in every peer's page on cur_stream (only for a call whose
  * begin was enqueued on this host thread, and only after a join: every read of the slots is over), then poisons as
  * below. staging may be null without copy_own. Every call, whichever schedule, notifies ready[rank] and done[rank]
