@@ -243,7 +243,34 @@ def test_hidden_share_from_the_bound_row():
     slow = [{k: v for k, v in r.items() if k != "hidden"} for r in rows]
     slow[3]["ms"] = 11.0
     add_hidden(slow)  # a bound no faster than Inductor: no share
-    assert all("hidden" not in r for r in slow) and "not faster than Inductor" in slow[3]["note"]
+    assert all("hidden" not in r for r in slow) and "not faster than inductor" in slow[3]["note"]
+
+
+def test_hidden_share_of_graphed_rows_like_for_like():
+    """A ``-ro`` row's share is measured against ``inductor-ro`` and ``bound-ro`` where both ran (the graphs' own
+    host-time saving is not hidden communication), an eager row's against ``inductor`` and ``bound``; without the
+    graphed pair a ``-ro`` row falls back to the eager pair (``inductor-ro`` then gets a share too)."""
+    from flashoverlap_inductor.bench import output
+    from flashoverlap_inductor.bench.e2e import add_hidden
+
+    base = {"model": "m", "plan": "sp", "workload": "prefill", "seq": 8, "status": "ok", "note": ""}
+    rows = [{**base, "backend": "inductor", "ms": 22.0}, {**base, "backend": "flashoverlap", "ms": 21.0},
+            {**base, "backend": "bound", "ms": 18.0}, {**base, "backend": "inductor-ro", "ms": 21.0},
+            {**base, "backend": "flashoverlap-ro@scatter_pull_all", "ms": 19.0},
+            {**base, "backend": "bound-ro", "ms": 17.0}]
+    add_hidden(rows)
+    by = {r["backend"]: r for r in rows}
+    assert by["flashoverlap"]["hidden"] == pytest.approx(0.25) and by["flashoverlap"]["hidden_vs"] == "inductor"
+    assert by["flashoverlap-ro@scatter_pull_all"]["hidden"] == pytest.approx(0.5)  # (21 - 19) / (21 - 17)
+    assert by["flashoverlap-ro@scatter_pull_all"]["hidden_vs"] == "inductor-ro"
+    assert all("hidden" not in by[b] for b in ("inductor", "bound", "inductor-ro", "bound-ro"))
+    assert by["bound-ro"]["speedup"] == pytest.approx(21 / 17) and " 50%" in output.table(rows)
+    eager_pair = [{k: v for k, v in r.items() if not k.startswith("hidden") and k != "speedup"}
+                  for r in rows if r["backend"] != "bound-ro"]
+    add_hidden(eager_pair)
+    by = {r["backend"]: r for r in eager_pair}
+    assert by["flashoverlap-ro@scatter_pull_all"]["hidden"] == pytest.approx(0.75)  # (22 - 19) / (22 - 18)
+    assert by["inductor-ro"]["hidden"] == pytest.approx(0.25)
 
 
 def test_hidden_share_spread_step_by_step():

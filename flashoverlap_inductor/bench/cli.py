@@ -13,7 +13,8 @@ from . import models, plans
 from .budget import Budget
 from .runner import FUSING
 
-BACKENDS = ("eager", "inductor", "inductor+async-tp", "flashoverlap", "flashoverlap-ro", "inductor-ro", "bound")
+BACKENDS = ("eager", "inductor", "inductor+async-tp", "flashoverlap", "flashoverlap-ro", "inductor-ro", "bound",
+            "bound-ro")
 DEFAULT_BACKENDS = ("eager", "inductor", "inductor+async-tp", "flashoverlap", "flashoverlap-ro", "bound")
 WORKLOADS = ("train", "prefill")
 # per device: (train seqs, prefill seqs, batch, steps, warmup)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from . import bound, cli, coverage, output
 from .budget import FINISH_SHARE
-from .runner import FUSING, Case, Env, rel_error, release, run_backend, unavailable, variant
+from .runner import BOUNDS, FUSING, GRAPHED, Case, Env, rel_error, release, run_backend, unavailable, variant
 
 TOLERANCE = {"bf16": 2e-2, "fp32": 1e-4}
 # eager rounds every intermediate to bf16 where Inductor keeps a fused kernel's intermediates in fp32: on random-init
@@ -157,10 +157,10 @@ def run_case(case: Case, template, env: Env, args: argparse.Namespace) -> list[d
             release(env)
             args.budget.timed("backend", args.budget.now() - started)
     for r in rows:
-        if r["backend"] == "bound" and r["status"] == "ok":
+        if r["backend"] in BOUNDS and r["status"] == "ok":
             r["note"] = "; ".join(x for x in (bound.NOTE, r["note"]) if x)
             r["values"] = r.pop("_values").flatten()[:8].tolist()
-    ran = [r for r in rows if r["status"] == "ok" and r["backend"] != "bound"]
+    ran = [r for r in rows if r["status"] == "ok" and r["backend"] not in BOUNDS]
     ref = next((r for r in ran if r["backend"] == "inductor"), ran[0] if ran else None)
     errors = env.reduce_max([rel_error(r["_values"], ref["_values"], case.workload) for r in ran]) if ref else []
     for r, err in zip(ran, errors):
@@ -178,31 +178,41 @@ def run_case(case: Case, template, env: Env, args: argparse.Namespace) -> list[d
 
 
 def add_hidden(rows: list[dict[str, Any]]) -> None:
-    """``hidden`` (a fraction) on every timed row but Inductor's and the bound's, when both ran and the bound is
-    faster: ``(T_inductor - T_row) / (T_inductor - T_bound)`` of the medians, the share of Inductor's exposed
-    communication time the row hid (1.0: as fast as a step with no communication; < 0: slower than Inductor).
+    """``hidden`` (a fraction) on every timed row but the baselines' and the bounds', when its baseline and its
+    bound ran and the bound is faster: ``(T_base - T_row) / (T_base - T_bound)`` of the medians, the share of the
+    baseline's exposed communication time the row hid (1.0: as fast as a step with no communication; < 0: slower
+    than the baseline). A row under CUDA graphs (``-ro``) is measured against ``inductor-ro`` and ``bound-ro`` where
+    both ran (like for like: the graphs' own saving of host time is not counted as hidden communication), else, as
+    every other row, against ``inductor`` and ``bound``; ``hidden_vs`` names the pair.
 
-    Its spread within the run, ``hidden_steps``: step ``i``'s gain over Inductor's step ``i`` (the same inputs; ms
-    per step, max over ranks: ``step_ms_max``) as a share of the same median exposed time, one per step where both
-    are finite, when at least 2 are; the table prints their range beside the share. The denominator stays the
+    Its spread within the run, ``hidden_steps``: step ``i``'s gain over the baseline's step ``i`` (the same inputs;
+    ms per step, max over ranks: ``step_ms_max``) as a share of the same median exposed time, one per step where
+    both are finite, when at least 2 are; the table prints their range beside the share. The denominator stays the
     medians' (a step's own bound time would make a ratio of two noises that blows up where the bound is barely
-    faster). Between runs Inductor's and the bound's medians move too, by as much as the gain at times, which no
-    single run shows: compare runs for that."""
+    faster). Between runs the baseline's and the bound's medians move too, by as much as the gain at times, which
+    no single run shows: compare runs for that."""
     by = {r["backend"]: r for r in rows if r["status"] in ("ok", "MISMATCH") and r.get("ms")}
-    ind, bnd = by.get("inductor"), by.get("bound")
-    if ind is None or bnd is None:
-        return
-    exposed = ind["ms"] - bnd["ms"]
-    bnd["speedup"] = ind["ms"] / bnd["ms"]
-    if exposed <= 0:
-        bnd["note"] += f"; not faster than Inductor (by {-exposed:.3f} ms): no hidden share"
-        return
+    exposed_by = {}  # (baseline, bound) -> the baseline's exposed ms, for each pair that ran with a faster bound
+    for base, bnd_name in (("inductor", "bound"), ("inductor-ro", "bound-ro")):
+        ind, bnd = by.get(base), by.get(bnd_name)
+        if ind is None or bnd is None:
+            continue
+        exposed = ind["ms"] - bnd["ms"]
+        bnd["speedup"] = ind["ms"] / bnd["ms"]
+        if exposed <= 0:
+            bnd["note"] += f"; not faster than {base} (by {-exposed:.3f} ms): no hidden share"
+            continue
+        exposed_by[(base, bnd_name)] = exposed
     for name, r in by.items():
-        if name not in ("inductor", "bound", "eager"):
-            r["hidden"] = (ind["ms"] - r["ms"]) / exposed
-            steps = step_shares(ind.get("step_ms_max"), r.get("step_ms_max"), exposed)
-            if steps is not None:
-                r["hidden_steps"] = steps
+        graphed = variant(name)[0] in GRAPHED and ("inductor-ro", "bound-ro") in exposed_by
+        pair = ("inductor-ro", "bound-ro") if graphed else ("inductor", "bound")
+        if name in (*pair, "eager") or name in BOUNDS or pair not in exposed_by:
+            continue
+        ind, exposed = by[pair[0]], exposed_by[pair]
+        r["hidden"], r["hidden_vs"] = (ind["ms"] - r["ms"]) / exposed, pair[0]
+        steps = step_shares(ind.get("step_ms_max"), r.get("step_ms_max"), exposed)
+        if steps is not None:
+            r["hidden_steps"] = steps
 
 
 def step_shares(ind: list[float] | None, row: list[float] | None, exposed_ms: float) -> list[float] | None:

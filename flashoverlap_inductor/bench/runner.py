@@ -34,7 +34,8 @@ from .models import ModelSpec
 from .progress import Progress
 
 FUSING = ("flashoverlap", "flashoverlap-ro")
-GRAPHED = ("flashoverlap-ro", "inductor-ro")
+GRAPHED = ("flashoverlap-ro", "inductor-ro", "bound-ro")
+BOUNDS = ("bound", "bound-ro")  # the steps with every collective replaced by a local op (bench/bound.py)
 
 
 def variant(backend: str) -> tuple[str, tuple[str, ...]]:
@@ -131,7 +132,7 @@ def unavailable(backend: str, case: Case, env: Env) -> str | None:
             return "n/a (CUDA graphs need CUDA)"
         if case.plan == "ep":
             return "n/a (the ep plan's data-dependent all_to_all splits cannot be captured in a CUDA graph)"
-    if backend == "bound" and case.plan == "ep":
+    if backend in BOUNDS and case.plan == "ep":
         return ("n/a (the ep plan's dispatch reads split sizes on the host between graphs: without the count "
                 "exchange the ranks' eager all_to_alls would disagree)")
     return None
@@ -158,7 +159,7 @@ def compile_for(backend: str, module: nn.Module, env: Env, fuse: str, capture: c
                 warnings.simplefilter("ignore")  # deprecated (and unnecessary) on newer torch
                 enable_symm_mem_for_group(env.group_name)
             env.symm_mem.add(env.group_name)
-    if backend == "bound":
+    if backend in BOUNDS:
         from .bound import NoCommPass
 
         options["post_grad_custom_pre_pass"] = NoCommPass()
