@@ -45,6 +45,7 @@ RING_MODES = ("off", "wide", "all")
 GEMM_GRIDS = ("tiles", "persistent")
 ROW_ORDERS = ("schedule", "gather")
 GATHER_STARTS = ("auto", "handshake", "eager", "push")
+SCATTER_ROUTES = ("auto", "pull", "peer")
 DTYPES = ("bfloat16", "float16", "float32")  # the GEMM output dtypes the fused routes and the cost model know
 OPTION_PREFIX = "flashoverlap."
 # Experimental variants still under study: each name turns one on (``Settings.experiments``).
@@ -76,10 +77,7 @@ EXPERIMENTS = {
                     "route where its cost model (cost_model/pull.py) says it pays: the first terms unfused, the last "
                     "fused with their sum as its bias, which the pull route runs (routes/scatter_pull.py: cuBLAS "
                     "halves, the peer's half pulled by copy engine, one add; 2 H200s: 1.11-1.14x over sequential "
-                    "where the concatenated form ran 0.71-0.87x; not yet run end to end)",
-    "scatter_pull_all": "with or without scatter_pull, run every 2-rank GEMM -> reduce_scatter on the pull route "
-                        "ahead of the peer and ring routes (for benchmarks: host-bound at small shapes, 0.41-0.44 "
-                        "ms per call at 4096x4096 with K 2048 per rank on 2 H200s; the cost model does not know it)",
+                    "where the concatenated form ran 0.71-0.87x; end to end no faster: 29th session)",
     "moe_judge_per_graph": "with moe_settle_deferred, inside a compiled graph with fused MoE ops (forward, backward or "
                            "inference) judge a group's deferred MoE calls at the end of its next graph run instead of "
                            "at each call (the host may run a whole graph ahead; a failure raises at the end of the "
@@ -118,6 +116,7 @@ RULES: dict[str, check.Rule] = {
     "peer_kernel": check.OrNone(check.Text("a GEMM configuration name"), "the preferred one", words=()),
     "gather_start": check.Choice(GATHER_STARTS),
     "gather_push_max_mb": check.Int(0),
+    "scatter_route": check.Choice(SCATTER_ROUTES),
 }
 
 
@@ -151,6 +150,13 @@ class Tuning:
     # "push" (chosen or by "auto") takes a call only where its receive buffer (2 x world x shard bytes per rank) is at
     # most this many MiB; larger calls start with the handshake (a buffer of one shard).
     gather_push_max_mb: int = 1024
+    # GEMM -> reduce_scatter over 2 ranks of one NVLink host: "pull" the pull route (routes/scatter_pull.py: cuBLAS
+    # GEMMs of the two halves, the peer's half pulled by copy engine and added), "peer" the peer route (CUTLASS GEMMs,
+    # the reduction in GEMM 2's epilogue); "auto": the pull route unless its model predicts it more than
+    # ``cost_model.pull.TOLERANCE`` slower than the peer route's (2 H200s, 27 Nov: the pull route 0.93-1.03x of the
+    # peer route's time on 23 shapes; Llama-3-8B sp train 0.7-1.5 ms per step faster). A function of the shapes,
+    # settings and cost data only: the same on every rank.
+    scatter_route: str = "auto"
 
     def __post_init__(self) -> None:
         _check_fields(self)  # every field in its rule's type (``RULES``)
@@ -212,6 +218,7 @@ ENV = {
     "FLASHOVERLAP_TRANSPORT": "transport",
     "FLASHOVERLAP_RING": "ring",
     "FLASHOVERLAP_RING_ROUNDS": "ring_rounds",
+    "FLASHOVERLAP_SCATTER_ROUTE": "scatter_route",
     "FLASHOVERLAP_LIB": "library",
 }
 def _canonical(obj: Any) -> Any:

@@ -256,20 +256,20 @@ def test_hidden_share_of_graphed_rows_like_for_like():
     base = {"model": "m", "plan": "sp", "workload": "prefill", "seq": 8, "status": "ok", "note": ""}
     rows = [{**base, "backend": "inductor", "ms": 22.0}, {**base, "backend": "flashoverlap", "ms": 21.0},
             {**base, "backend": "bound", "ms": 18.0}, {**base, "backend": "inductor-ro", "ms": 21.0},
-            {**base, "backend": "flashoverlap-ro@scatter_pull_all", "ms": 19.0},
+            {**base, "backend": "flashoverlap-ro@scatter_route=pull", "ms": 19.0},
             {**base, "backend": "bound-ro", "ms": 17.0}]
     add_hidden(rows)
     by = {r["backend"]: r for r in rows}
     assert by["flashoverlap"]["hidden"] == pytest.approx(0.25) and by["flashoverlap"]["hidden_vs"] == "inductor"
-    assert by["flashoverlap-ro@scatter_pull_all"]["hidden"] == pytest.approx(0.5)  # (21 - 19) / (21 - 17)
-    assert by["flashoverlap-ro@scatter_pull_all"]["hidden_vs"] == "inductor-ro"
+    assert by["flashoverlap-ro@scatter_route=pull"]["hidden"] == pytest.approx(0.5)  # (21 - 19) / (21 - 17)
+    assert by["flashoverlap-ro@scatter_route=pull"]["hidden_vs"] == "inductor-ro"
     assert all("hidden" not in by[b] for b in ("inductor", "bound", "inductor-ro", "bound-ro"))
     assert by["bound-ro"]["speedup"] == pytest.approx(21 / 17) and " 50%" in output.table(rows)
     eager_pair = [{k: v for k, v in r.items() if not k.startswith("hidden") and k != "speedup"}
                   for r in rows if r["backend"] != "bound-ro"]
     add_hidden(eager_pair)
     by = {r["backend"]: r for r in eager_pair}
-    assert by["flashoverlap-ro@scatter_pull_all"]["hidden"] == pytest.approx(0.75)  # (22 - 19) / (22 - 18)
+    assert by["flashoverlap-ro@scatter_route=pull"]["hidden"] == pytest.approx(0.75)  # (22 - 19) / (22 - 18)
     assert by["inductor-ro"]["hidden"] == pytest.approx(0.25)
 
 

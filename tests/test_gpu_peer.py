@@ -49,7 +49,8 @@ pytestmark = pytest.mark.skipif(not _peer_ready(), reason="needs >= 2 sm90 GPUs 
 @pytest.fixture(scope="module")
 def pool():
     env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "FLASHOVERLAP_TRANSPORT": "peer", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
-           "TORCHINDUCTOR_AUTOGRAD_CACHE": "0", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+           "TORCHINDUCTOR_AUTOGRAD_CACHE": "0", "TORCHINDUCTOR_COMPILE_THREADS": "1",
+           "FLASHOVERLAP_SCATTER_ROUTE": "peer"}  # reduce_scatter on the peer route (auto: mostly the pull route)
     p = DistPool(WORLD, env, timeout_s=150.0, backend="nccl", setup=_route_ops)
     yield p
     p.close()

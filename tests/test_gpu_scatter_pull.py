@@ -6,7 +6,7 @@ not speed (``examples/device/scatter_pull_bench.py`` times it on 2 GPUs).
 Skipped unless CUDA, an sm90 GPU and the library are present. Every call runs on fresh random bf16 data and is
 compared with an fp64 reference of the reduce_scatter of every rank's ``a @ b (+ bias)`` and with eager PyTorch's
 bf16 result (gloo all_gather of every rank's ``mm`` / ``addmm``, summed); every call must count
-``route:scatter_pull`` (experiments ``scatter_pull`` and ``scatter_pull_all``). Covered: 2-D and 3-D ``a``, no bias, a
+``route:scatter_pull`` (experiment ``scatter_pull``, ``scatter_route="pull"``). Covered: 2-D and 3-D ``a``, no bias, a
 bias row ``[N]`` and a bias of the output's shape (the summed-gradient form), a shard buffer that grows, the same calls
 queued with no synchronization between them, interleaved with fused all_gather calls (per-rank data, every rank's rows
 checked) that share the protocol's flags and buffers; under ``scatter_pull`` alone, a call without bias goes on to the
@@ -42,7 +42,7 @@ def pool():
 # (a's shape on each rank, N); the rows of y (dim 0) halve between the 2 ranks; the last one's half is 2 MiB of bf16
 # (the shared shard buffer grows past its first 1 MiB), then a small shape again
 SHAPES = [((256, 128), 384), ((4, 64, 256), 128), ((1024, 512), 1024), ((2048, 256), 1024), ((256, 128), 384)]
-BOTH = frozenset({"scatter_pull", "scatter_pull_all"})
+BOTH = frozenset({"scatter_pull"})  # with scatter_route="pull": every call on the pull route
 BIASES = [None, "row", "full"]
 
 
@@ -95,7 +95,7 @@ def match_task() -> dict[str, int]:
 
     routes.reset()
     cases = [(10 * si + bi, shape, n, bias) for si, (shape, n) in enumerate(SHAPES) for bi, bias in enumerate(BIASES)]
-    with config.patch(wait_timeout_ms=LONG_MS, experiments=BOTH):
+    with config.patch(wait_timeout_ms=LONG_MS, experiments=BOTH, scatter_route="pull"):
         for seed, shape, n, bias in cases:
             before = routes.stats["route:scatter_pull"]
             a, w, c = _inputs(seed, shape, n, bias)

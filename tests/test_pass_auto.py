@@ -33,10 +33,10 @@ class FakeDecide:
         self.fuse, self.error, self.calls = fuse, error, []
 
     def __call__(self, collective, m, n, k, dtype, world_size, *, device_name=None, input_split_sizes=None,
-                 peer=False, ring_rounds=0, cuda_graphs=False, settings=None):
+                 peer=False, ring_rounds=0, pull=False, cuda_graphs=False, settings=None):
         self.calls.append(dict(collective=collective, m=m, n=n, k=k, dtype=dtype, world_size=world_size,
                                device_name=device_name, input_split_sizes=input_split_sizes, peer=peer,
-                               ring_rounds=ring_rounds, cuda_graphs=cuda_graphs))
+                               ring_rounds=ring_rounds, cuda_graphs=cuda_graphs, pull=pull))
         if self.error is not None:
             raise self.error
         self.plan = uniform_plan(m, n, 64, 32, 2)
@@ -84,7 +84,8 @@ class TestAutoDecision(FakePGTestCase):
         self.assertEqual(dict(counters), {"fused:all_reduce": 1})
         self.assertEqual(self.decide.calls, [dict(collective="all_reduce", m=512, n=32, k=16, dtype="float32",
                                                   world_size=2, device_name=None, input_split_sizes=None,
-                                                  peer=False, ring_rounds=0, cuda_graphs=False)])  # CPU: never the peer route
+                                                  peer=False, ring_rounds=0, cuda_graphs=False,
+                                                  pull=False)])  # CPU: never the peer or pull route
         (op,) = gm.graph.find_nodes(op="call_function", target=torch.ops.flashoverlap.gemm_all_reduce.default)
         self.assertEqual(op.args[-2], self.decide.plan.to_str())
         self.assertEqual(op.args[-1], config.current().replace(fuse="auto").key())  # the settings it runs under

@@ -20,28 +20,60 @@ def _call(collective="reduce_scatter", rows=256, world=2, dtype=torch.bfloat16, 
 ON = config.current().replace(experiments=frozenset({"scatter_pull"}))
 
 
-def test_declines_until_the_experiment_is_on(monkeypatch):
+def test_which_calls_it_takes(monkeypatch):
+    """Pure declines; ``scatter_route``: "peer" none (but the experiment's staged sums), "pull" every 2-rank call,
+    "auto" where the cost model prefers it (not under ring="all"); the same at compile time."""
     monkeypatch.setattr(kernels, "available", lambda: True)
-    assert "experiments" in scatter_pull.unsupported(_call(), config.current())
-    assert scatter_pull.unsupported(_call(), ON) is None
-    assert scatter_pull.unsupported(_call(), config.current().replace(experiments=frozenset({"scatter_pull_all"}))) \
-        is None
-    assert "compile time" in scatter_pull.unsupported(_call(compile_time=True), ON)
-    assert "all_reduce" in scatter_pull.unsupported(_call("all_reduce"), ON)
-    assert "world size 3" in scatter_pull.unsupported(_call(world=3), ON)
-    assert "halves" in scatter_pull.unsupported(_call(rows=255), ON)
-    assert "dtype" in scatter_pull.unsupported(_call(dtype=torch.int8), ON)
-    assert "nccl" in scatter_pull.unsupported(_call(), ON.replace(transport="nccl"))
+    pull, peer = config.current().replace(scatter_route="pull"), config.current().replace(scatter_route="peer")
+    assert "'peer'" in scatter_pull.unsupported(_call(), peer)
+    assert scatter_pull.unsupported(_call(), peer.replace(experiments=frozenset({"scatter_pull"}))) is None
+    assert scatter_pull.unsupported(_call(), pull) is None
+    assert scatter_pull.unsupported(_call(compile_time=True), pull) is None  # the pass predicts the route that runs
+    for settings in (pull, ON):
+        assert "all_reduce" in scatter_pull.unsupported(_call("all_reduce"), settings)
+        assert "world size 3" in scatter_pull.unsupported(_call(world=3), settings)
+        assert "halves" in scatter_pull.unsupported(_call(rows=255), settings)
+        assert "dtype" in scatter_pull.unsupported(_call(dtype=torch.int8), settings)
+        assert "nccl" in scatter_pull.unsupported(_call(), settings.replace(transport="nccl"))
+    auto = config.current()
+    assert auto.tuning.scatter_route == "auto"
+    from flashoverlap_inductor.cost_model import pull as pull_model
+
+    monkeypatch.setattr(pull_model, "prefers_pull", lambda *args: False)
+    assert "predicts the peer route faster" in scatter_pull.unsupported(_call(), auto)
+    assert scatter_pull.unsupported(_call(), ON) is None  # the experiment's staged sums still come here
+    assert not scatter_pull.takes_plain(_call(), ON)  # ... but a plain call of that shape goes on (make_launch)
+    monkeypatch.setattr(pull_model, "prefers_pull", lambda *args: True)
+    assert scatter_pull.unsupported(_call(), auto) is None and scatter_pull.takes_plain(_call(), auto)
+    assert "predicts" in scatter_pull.unsupported(_call(), auto.replace(ring="all"))  # the ring asked for
     monkeypatch.setattr(kernels, "available", lambda: False)
-    assert "library" in scatter_pull.unsupported(_call(), ON)
+    assert "library" in scatter_pull.unsupported(_call(), pull)
 
 
-def test_the_registry_prefers_it_only_under_the_experiment(monkeypatch):
+def test_auto_prefers_it_where_its_model_is_within_the_tolerance():
+    """H200 data: the pull route at the shapes it measured faster on (down_proj and o_proj of Llama-3-8B TP2 at 4096
+    rows), not where the peer route's model is clearly faster; False without data for the dtype."""
+    from flashoverlap_inductor.cost_model import pull, registry
+
+    for rows, n, k in ((4096, 4096, 7168), (4096, 4096, 2048), (8192, 8192, 7168)):
+        assert pull.prefers_pull(rows, n, k, "bfloat16", "NVIDIA H200")
+    model, _ = registry.model_for("NVIDIA H200")
+    gpu = pull.pull_gpu_ms(model, 4096, 4096, 7168, "bfloat16", None)
+    peer = model.peer_ms("reduce_scatter", 4096, 4096, 7168, "bfloat16", 2, host_bound=False)
+    assert gpu <= (1 + pull.TOLERANCE) * peer
+    assert not pull.prefers_pull(4096, 4096, 7168, "int8", "NVIDIA H200")
+    floor = model.gemm.scatter_pull.host_floor_ms
+    assert pull.pull_ms(model, 256, 256, 256, "bfloat16", None) == floor
+    assert pull.pull_ms(model, 256, 256, 256, "bfloat16", None, host_bound=False) < floor
+
+
+def test_the_registry_puts_it_first(monkeypatch):
     monkeypatch.setattr(kernels, "available", lambda: True)
     assert routes.REGISTRY[0] is scatter_pull.ROUTE
     assert routes.select(_call(), ON).name == "scatter_pull"
-    assert routes.select(_call(), config.current()).name != "scatter_pull"
-    assert routes.select(_call(compile_time=True), ON).name == "peer"  # the pass predicts what runs without it
+    assert routes.select(_call(), config.current().replace(scatter_route="peer")).name != "scatter_pull"
+    assert routes.select(_call(compile_time=True), config.current().replace(scatter_route="pull")).name == \
+        "scatter_pull"
     assert routes.select(_call(device="cpu"), ON).name == "cpu"
 
 
@@ -97,7 +129,7 @@ def test_execute_pulls_the_peers_part_into_the_right_rows(monkeypatch, form):
     c = [None if form is None else torch.randn(2, rows // 2, n, generator=gen) for _ in range(2)]
     full = sum(x.reshape(rows, k) @ w + (0 if cc is None else cc.reshape(rows, n)) for x, w, cc in zip(a, b, c))
     half = rows // 2
-    on = config.current().replace(experiments=frozenset({"scatter_pull", "scatter_pull_all"}))
+    on = config.current().replace(experiments=frozenset({"scatter_pull"}), scatter_route="pull")
     monkeypatch.setattr(gather_peer, "group_issue", lambda g: None)
     monkeypatch.setattr(scatter_pull.compat, "group_timeout_ms", lambda g: 1000.0)
     monkeypatch.setattr(scatter_pull.compat, "current_raw_stream", lambda i: 0)

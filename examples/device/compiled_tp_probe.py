@@ -36,7 +36,7 @@ def _mlp(x, w1, w2, collective: str, world: int, group_name: str):
 def _worker(rank: int, args: argparse.Namespace, port: int, errors) -> None:
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES="1",
-                          TORCHINDUCTOR_FX_GRAPH_CACHE="0")
+                          TORCHINDUCTOR_FX_GRAPH_CACHE="0", FLASHOVERLAP_SCATTER_ROUTE="peer")  # the peer route
         import torch.distributed as dist
 
         from flashoverlap_inductor import passes, routes

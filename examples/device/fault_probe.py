@@ -2,7 +2,7 @@
 a gloo group, torch's symmetric memory) and into the NCCL route (an NCCL group of one rank), checked end to end.
 
 Per route (``--route peer --world 2``, ``--route ring --world 3``, ``--route scatter_pull --world 2``: the
-reduce_scatter pull route under the experiment ``scatter_pull_all``, whose waits are the all_gather peer route's
+reduce_scatter pull route under ``scatter_route="pull"``, whose waits are the all_gather peer route's
 protocol), every rank:
 
 1. stall: a short wait bound (``--timeout-ms``); after a correct warm-up call, the last rank sleeps past the bound
@@ -110,7 +110,7 @@ def worker(rank: int, world: int, port: int, out_dir: str, route: str, timeout_m
     lines = []
     def settings():  # a fresh context manager per use
         return config.patch(ring="all" if route == "ring" else "off", wait_timeout_ms=timeout_ms,
-                            experiments=["scatter_pull_all"] if route == "scatter_pull" else [])
+                            scatter_route="pull" if route == "scatter_pull" else "peer")
 
     def record(case: str, **kw) -> None:
         line = {"case": case, "rank": rank, **kw}

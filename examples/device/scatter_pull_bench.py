@@ -1,4 +1,4 @@
-"""GEMM -> reduce_scatter on 2 GPUs: the pull route (experiment ``scatter_pull_all``) against the peer route, cuBLAS
+"""GEMM -> reduce_scatter on 2 GPUs: the pull route (``scatter_route="pull"``) against the peer route, cuBLAS
 then NCCL, and the ideal ``max(T_gemm, T_comm)``, interleaved in one run (``tune.measure.Timer``: CUDA events, warm-up,
 medians, max over ranks); and the sum of two GEMMs (a backward's summed input gradients: ``x1 @ w1 + x2 @ w2`` then
 reduce_scatter) as Inductor runs it (``mm``, ``mm``, ``add``, NCCL), as the pass fuses it today (one GEMM over the
@@ -21,8 +21,6 @@ import torch.distributed as dist
 
 from flashoverlap_inductor import config, routes
 from flashoverlap_inductor.tune import measure as tm
-
-PULL = frozenset({"scatter_pull_all"})  # every 2-rank call on the pull route (the plain shapes have no bias)
 
 
 def shapes_of(text: str) -> list[tuple[int, int, int]]:
@@ -54,8 +52,8 @@ def main() -> None:
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     rank, world, name = dist.get_rank(), dist.get_world_size(), dist.group.WORLD.group_name
     op = torch.ops.flashoverlap.gemm_reduce_scatter
-    peer_key = config.current().replace(transport="peer").key()
-    pull_key = config.current().replace(transport="peer", experiments=PULL).key()
+    peer_key = config.current().replace(transport="peer", scatter_route="peer").key()
+    pull_key = config.current().replace(transport="peer", scatter_route="pull").key()
     timer = tm.Timer(rounds=5, target_ms=10.0, min_iters=2, max_iters=40, spin_ms=0.3)
     lines = []
     for m, n, k in shapes_of(args.shapes):

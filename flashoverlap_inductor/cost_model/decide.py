@@ -14,7 +14,8 @@ when ``fuse`` is False (fuse mode "always" uses it).
 
 ``peer=True`` says the call will take the peer route (``flashoverlap_inductor.routes.select`` picks it): where the
 data has a peer model for it (``peer.py``), ``fused`` is that model's time and the verdict needs no groups
-(``route`` "peer"); the plan is still the NCCL route's, for a call that falls back to it at run time.
+(``route`` "peer"); the plan is still the NCCL route's, for a call that falls back to it at run time. ``pull=True``
+likewise for the reduce_scatter pull route (``pull.py``; route "pull").
 ``ring_rounds=R`` > 0 says the call will take the ring route in ``R`` rounds (``routes.select`` picks it,
 ``routes.ring.rounds``) and works the same way with the data's ring model (``ring.py``; ``route`` "ring").
 
@@ -54,13 +55,13 @@ class Decision:
     predicted_fused_ms: float
     predicted_seq_ms: float
     reason: str  # human-readable
-    route: str = "nccl"  # the fused path predicted_fused_ms is for: "nccl" (wave groups + NCCL), "peer" or "ring"
+    route: str = "nccl"  # the fused path predicted_fused_ms is for: "nccl" (wave groups + NCCL), "peer", "ring", "pull"
     error_allowance: float = 0.0  # gain.model_error's fraction the verdict added to min_gain_fraction
 
 
 def decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int, *,
            device_name: str | None = None, input_split_sizes: Sequence[int] | None = None,
-           peer: bool = False, ring_rounds: int = 0, cuda_graphs: bool = False,
+           peer: bool = False, ring_rounds: int = 0, pull: bool = False, cuda_graphs: bool = False,
            settings: config.Settings | None = None) -> Decision:
     """Decide fusion of ``[m, k] @ [k, n]`` followed by ``collective`` over ``world_size`` ranks, under
     ``settings`` (the caller's: the pass's or the fused call's; None: ``config.current()``, for direct callers).
@@ -68,8 +69,9 @@ def decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int,
     ``dtype``: torch dtype name without prefix ("bfloat16"). ``device_name``: ``torch.cuda.get_device_name()``
     (None = the default GPU, "NVIDIA H200"). ``input_split_sizes``: all_to_all's per-destination rows of this
     rank (None = even splits; ignored for the other collectives). ``peer``: the call takes the peer route;
-    ``ring_rounds``: the rounds it takes the ring in (0: not the ring; see the module docstring). ``cuda_graphs``:
-    the call is replayed from a CUDA graph (the peer and ring routes' host floors do not apply; if the graph is not
+    ``ring_rounds``: the rounds it takes the ring in (0: not the ring; see the module docstring); ``pull``: the call
+    takes the reduce_scatter pull route (``pull.py``; route "pull"). ``cuda_graphs``: the call is replayed from a CUDA
+    graph (the peer, ring and pull routes' host floors do not apply; if the graph is not
     made after all, the call runs eagerly and may be host-bound). Raises ``ValueError`` only for an unknown
     collective or non-positive sizes (and ``ConfigError`` for malformed data files).
     """
@@ -84,7 +86,7 @@ def decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int,
     s = settings or config.current()
     return _decide(collective, m, n, k, dtype, world_size, device_name, splits, registry.data_dir(s),
                    float(s.min_gain_fraction), int(s.min_rows), int(s.all_to_all_default_groups),
-                   bool(peer), int(ring_rounds), bool(cuda_graphs))
+                   bool(peer), int(ring_rounds), bool(pull), bool(cuda_graphs))
 
 
 def _ratio(fused: float, seq: float) -> str:
@@ -94,7 +96,7 @@ def _ratio(fused: float, seq: float) -> str:
 @functools.lru_cache(maxsize=4096)
 def _decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int, device_name: str | None,
             splits: tuple[int, ...] | None, directory: Path, min_gain: float, min_rows: int,
-            a2a_groups: int, peer: bool, ring_rounds: int, cuda_graphs: bool) -> Decision:
+            a2a_groups: int, peer: bool, ring_rounds: int, pull: bool, cuda_graphs: bool) -> Decision:
     tile_m, tile_n = DEFAULT_TILE
     single = GroupPlan(m, n, tile_m, tile_n, (0, m))
     model, how = registry.model_for(device_name, directory)
@@ -118,7 +120,7 @@ def _decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int
     tuned = None if splits is not None else registry.tuned_plan(device_name, model.gemm.sm_count, world_size,
                                                                  collective, dtype, m, n, k, directory)
     plan, source = _choose_plan(model, tuned, collective, m, n, k, dtype, world_size, chunks, splits, a2a_groups)
-    route = "ring" if ring_rounds > 0 else "peer" if peer else None
+    route = "ring" if ring_rounds > 0 else "pull" if pull else "peer" if peer else None
     if route == "ring" and rounds_for(collective, m, world_size, ring_rounds) != ring_rounds:
         data_note += (f" [ring_rounds={ring_rounds} does not cut {m} rows into pieces of the ring: predicting the NCCL "
                       "route]")
@@ -127,6 +129,10 @@ def _decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int
         route_fused = model.ring_ms(collective, m, n, k, dtype, world_size, ring_rounds, host_bound=not cuda_graphs)
     elif route == "peer":
         route_fused = model.peer_ms(collective, m, n, k, dtype, world_size, host_bound=not cuda_graphs)
+    elif route == "pull" and collective == "reduce_scatter" and world_size == 2 and model.gemm.scatter_pull:
+        terms = model.gemm.scatter_pull  # pull.py's T_pull
+        route_fused = terms.gpu_ms(model.gemm, m, n, k, dtype, copy_ms(m * n * DTYPE_BYTES[dtype], device_name))
+        route_fused = max(route_fused, terms.host_floor_ms) if not cuda_graphs else route_fused
     else:
         route_fused = None
     if route_fused is not None:

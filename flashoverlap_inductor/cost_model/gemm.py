@@ -30,7 +30,7 @@ from typing import Any
 from flashoverlap_inductor.schedule.plan import tiles_per_group
 
 from .moe_terms import MoeTerms
-from .peer import PeerModel, PeerTerms
+from .peer import PeerModel, PeerTerms, PullTerms
 from .ring import RingModel
 from .schema import validate_gemm
 
@@ -56,6 +56,7 @@ class GemmModel:
     peer: PeerModel | None = None  # the peer route's time model (cost_model/peer.py), where the data file has one
     ring: RingModel | None = None  # the ring route's (cost_model/ring.py), likewise
     gather_peer: PeerTerms | None = None  # the all_gather peer route's terms (cost_model/gather.py), likewise
+    scatter_pull: PullTerms | None = None  # the reduce_scatter pull route's terms (cost_model/pull.py), likewise
     moe: Mapping[str, MoeTerms] | None = None  # the MoE ops' terms per op (cost_model/moe.py), likewise
     # the sequential baseline's collective ends this fraction of the GEMM time later than GEMM + collective alone,
     # per world size and collective (data file section "sequential"; 0 where absent)
@@ -90,6 +91,9 @@ class GemmModel:
                 float(doc["gather_peer"]["gemm_factor"]), float(doc["gather_peer"]["fixed_ms"]),
                 float(doc["gather_peer"].get("host_floor_ms", 0.0)),
                 float(doc["gather_peer"].get("link_efficiency", 1.0))),
+            scatter_pull=None if "scatter_pull" not in doc else PullTerms(
+                *(float(doc["scatter_pull"][key]) for key in ("gemm_factor", "fixed_ms", "add_factor")),
+                float(doc["scatter_pull"].get("host_floor_ms", 0.0))),
             moe=None if "moe" not in doc else {
                 op: MoeTerms(float(t["factor"]), float(t["host_floor_ms"]), float(t["moves_bytes_per_ms"]),
                              float(t["unfused_bytes_per_ms"]), float(t.get("model_error", 0.0)))

@@ -52,6 +52,22 @@ class PeerTerms:
 
 
 @dataclass(frozen=True)
+class PullTerms:
+    """The reduce_scatter pull route's numbers (``pull.py``; the data file's ``scatter_pull`` section)."""
+
+    gemm_factor: float  # times the full GEMM's reference time: the two cuBLAS halves beside the pull
+    fixed_ms: float  # the handshake, the flags and the launches' gaps
+    add_factor: float  # times copy(rows * n * itemsize): the add of the pulled half and the pull's share of HBM
+    host_floor_ms: float = 0.0  # back-to-back eager calls cannot go faster (CUDA graphs: none)
+
+    def gpu_ms(self, gemm: GemmTimes, rows: int, n: int, k: int, dtype: str, copy_output_ms: float) -> float:
+        """The route's GPU time (ms) of ``[rows, k] @ [k, n]`` then reduce_scatter on 2 ranks; ``copy_output_ms``: the
+        time to move ``rows * n * itemsize`` bytes through device memory (``cost_model.copy_ms``)."""
+        gemm_ms = gemm.reference_ms(rows, n, k, dtype)
+        return self.fixed_ms + self.gemm_factor * gemm_ms + self.add_factor * copy_output_ms
+
+
+@dataclass(frozen=True)
 class PeerModel:
     """The ``peer`` section of a GEMM data file: terms per collective, for ``world_size`` ranks only."""
 

@@ -1,27 +1,25 @@
-"""Time model of the reduce_scatter pull route (``routes/scatter_pull.py``, 2 ranks) and the verdict for a sum of GEMMs
-staged for it (``passes/sum_of_gemms.stage_pull``); ms throughout.
+"""Time model of the reduce_scatter pull route (``routes/scatter_pull.py``, 2 ranks), the route choice between it and
+the peer route (``prefers_pull``), and the verdict for a sum of GEMMs staged for it
+(``passes/sum_of_gemms.stage_pull``); ms throughout.
 
-The route runs the protocol of the all_gather peer route, so it takes that route's fitted terms (the GEMM data's
-``gather_peer`` section: ``fixed_ms`` the handshake, ``gemm_factor`` the split GEMMs and the pulls' share of HBM,
-``link_efficiency`` the copy engine's share of the NVLink rate)::
+The route runs both halves' GEMMs by cuBLAS at full rate, the peer's half first, pulls the peer's partial of its own
+rows by copy engine while its own half runs, then adds it. Its terms come from the GPU data file's ``scatter_pull``
+section (``peer.PullTerms``)::
 
-    T_pull = max(host_floor, fixed_ms + gemm_factor * (T_half + max(T_half, B / (link_efficiency * link)))
-                             + copy(2 B) + copy(3 B))
-    T_half = T_ref(rows, n, k) / 2        B = rows / 2 * n * itemsize
+    T_pull = max(host_floor_ms, fixed_ms + gemm_factor * T_ref(rows, n, k) + add_factor * copy(rows * n * itemsize))
 
-``copy(2 B)``: the peer's half into the symmetric buffer, read and written (``cost_model.copy_ms`` counts traffic);
-``copy(3 B)``: the add of the pulled half (two reads, one write). Not counted: the reorder of a scatter over dim > 0
-with more than one leading row (copies of ``a`` and the partial sum), and the decision's error allowance (the
-concatenated form's verdict adds it). ``host_floor`` (``HOST_FLOOR_MS``; none when the call is replayed from a CUDA
-graph): measured on 2 H200s (twenty-eighth session): back to back at 4096x4096x4096 (each rank K 2048) the route ran
-0.41-0.44 ms per call, host-bound, where its GPU work is ~0.15 ms. Fitted to nothing else yet: the route's own rows of
-that run (down_proj 4096x4096x14336: 0.371 ms; the summed gradients 4096x4096x2x7168: 0.397 ms with the first GEMM) are
-what it should be checked against.
+``T_ref`` is the whole GEMM's reference time (``GemmModel.reference_ms``), ``copy`` the time to move that many bytes
+through device memory (``cost_model.copy_ms``): the add of the pulled half reads two halves and writes one (1.5x the
+output's bytes), and the pull's own HBM traffic slows the GEMM beside it; ``add_factor`` holds both. On 2 H200s (the
+fit's note) the terms predict 23 measured rows within 1.5% on average (7% at worst, 16384x8192x14336). ``host_floor``
+does not apply when the call is replayed from a CUDA graph.
 
-A staged sum ``x_1 @ w_1 + ... + x_t @ w_t`` runs its first ``t - 1`` GEMMs unfused (``mm``, then ``addmm`` onto the
-partial sum) and the last as the fused op with the partial sum as its bias; sequentially the ``t`` GEMMs, the ``t - 1``
-adds (3 ``M x N`` each, read + write) and the reduce_scatter on the bandwidth curve. The host floor bounds the fused
-side as a whole (the unfused GEMMs' launches are cheap beside the fused call's).
+``prefers_pull``: the route choice of ``scatter_route="auto"`` (``config.Tuning``). The pull route takes a call unless
+its GPU time is predicted more than ``TOLERANCE`` above the peer route's (``peer.py``); host floors play no part, so
+the choice is the same eager and under CUDA graphs, at compile time and at run time. The peer model errs by up to
+-10% at small K (4096 rows, K 2048 per rank: predicted 0.141 ms, measured 0.157, where the pull route ran 0.148), so a
+margin of that order keeps the choice from following its error; where the pull route measured slower (16384 x 8192
+rows at K 8192-14336 per rank: 1.8-2.5%) it is within the margin, a known cost of the rule.
 """
 
 from __future__ import annotations
@@ -32,19 +30,38 @@ from . import gain, registry
 from .decide import copy_ms
 from .pipeline import DTYPE_BYTES
 
-HOST_FLOOR_MS = 0.4
+TOLERANCE = 0.05  # the pull route's predicted GPU time may exceed the peer route's by this fraction (prefers_pull)
 
 
 def pull_gpu_ms(model, rows: int, n: int, k: int, dtype: str, device_name: str | None) -> float | None:
-    """``T_pull`` (module docstring) without the host floor, the GPU's time alone, of a GEMM ``[rows, k] @ [k, n]`` then
-    reduce_scatter on 2 ranks; None when the data has no ``gather_peer`` terms."""
-    terms = model.gemm.gather_peer
+    """``T_pull`` (module docstring) without the host floor, the GPU's time alone, of a GEMM ``[rows, k] @ [k, n]``
+    then reduce_scatter on 2 ranks; None when the data has no ``scatter_pull`` terms."""
+    terms = model.gemm.scatter_pull
     if terms is None:
         return None
-    half = model.gemm.reference_ms(rows, n, k, dtype) / 2
-    shard = rows // 2 * n * DTYPE_BYTES[dtype]
-    pull = shard / (terms.link_efficiency * model.link_bytes_per_ms(2))
-    return terms.fixed_ms + terms.gemm_factor * (half + max(half, pull)) + copy_ms(5 * shard, device_name)
+    return terms.gpu_ms(model.gemm, rows, n, k, dtype, copy_ms(rows * n * DTYPE_BYTES[dtype], device_name))
+
+
+def pull_ms(model, rows: int, n: int, k: int, dtype: str, device_name: str | None,
+            host_bound: bool = True) -> float | None:
+    """``T_pull`` with its host floor (``host_bound=False``: replayed from a CUDA graph, none); None as
+    ``pull_gpu_ms``."""
+    gpu = pull_gpu_ms(model, rows, n, k, dtype, device_name)
+    if gpu is None:
+        return None
+    return max(gpu, model.gemm.scatter_pull.host_floor_ms) if host_bound else gpu
+
+
+def prefers_pull(rows: int, n: int, k: int, dtype: str, device_name: str | None, directory=None) -> bool:
+    """Whether ``scatter_route="auto"`` puts a GEMM ``[rows, k] @ [k, n]`` -> reduce_scatter over 2 ranks on the pull
+    route (module docstring): its GPU time within ``TOLERANCE`` of the peer route's. False where the data lacks
+    either model or the dtype. Pure: a function of its arguments and the data folder's files."""
+    model, _ = registry.model_for(device_name, directory)
+    if dtype not in DTYPE_BYTES or not model.gemm.supports(dtype):
+        return False
+    pull = pull_gpu_ms(model, rows, n, k, dtype, device_name)
+    peer = model.peer_ms("reduce_scatter", rows, n, k, dtype, 2, host_bound=False)
+    return pull is not None and peer is not None and pull <= (1 + TOLERANCE) * peer
 
 
 def sum_verdict(m: int, n: int, ks: Sequence[int], dtype: str, device_name: str | None, min_gain: float,
@@ -62,11 +79,11 @@ def sum_verdict(m: int, n: int, ks: Sequence[int], dtype: str, device_name: str 
     first = sum(gemms[:-1]) + copy_ms((len(ks) - 2) * m * n * item, device_name)  # each addmm also reads C
     fused_last = pull_gpu_ms(model, m, n, ks[-1], dtype, device_name)
     if fused_last is None:
-        return False, nan, nan, f"declined: the data has no gather_peer terms for the pull route{note}"
+        return False, nan, nan, f"declined: the data has no scatter_pull terms for the pull route{note}"
     comm = model.curve.comm_ms("reduce_scatter", 2, m * n * item)
     seq = sum(gemms) + copy_ms(3 * (len(ks) - 1) * m * n * item, device_name) + comm
     fused = first + fused_last  # the unfused GEMMs' host time is small: the fused call's floor bounds the whole
-    fused = fused if cuda_graphs else max(fused, HOST_FLOOR_MS)
+    fused = fused if cuda_graphs else max(fused, model.gemm.scatter_pull.host_floor_ms)
     fuse = gain.pays(fused, seq, min_gain)
     return fuse, fused, seq, (f"pull route: predicted {fused:.3f} ms fused ({len(ks) - 1} GEMM(s) unfused, the last "
                               f"fused with their sum as its bias) vs {seq:.3f} ms sequential ({seq / fused:.3f}x; "

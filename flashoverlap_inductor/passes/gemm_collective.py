@@ -395,7 +395,8 @@ def _shape_args(view: Node) -> list | None:
 def _route_of(collective: str, rows: int, n: int, k: int, dtype: str, world: int, y: torch.Tensor,
               settings: config.Settings) -> dict[str, Any]:
     """``decide``'s route arguments from the route registry (``routes.select``, the same choice the runtime makes):
-    the peer route, or the ring in how many rounds, so the cost model predicts the route that runs. A capture takes
+    the peer route, the ring in how many rounds, or the reduce_scatter pull route, so the cost model predicts the
+    route that runs. A capture takes
     the route where the call shape ran before the capture, as torch.compile's warm-up runs it."""
     from flashoverlap_inductor import routes
     from flashoverlap_inductor.routes import ring
@@ -404,4 +405,5 @@ def _route_of(collective: str, rows: int, n: int, k: int, dtype: str, world: int
                        compile_time=True)
     route = routes.select(call, settings) if y.device.type == "cuda" else None
     name = route.name if route is not None else ""
-    return {"peer": name == "peer", "ring_rounds": ring.rounds(call, settings) if name == "ring" else 0}
+    return {"peer": name == "peer", "ring_rounds": ring.rounds(call, settings) if name == "ring" else 0,
+            "pull": name == "scatter_pull"}

@@ -1,12 +1,17 @@
 """The copy-engine pull route of GEMM -> reduce_scatter on 2 ranks of one NVLink host: the GEMMs stay cuBLAS's.
 
-The experiment ``scatter_pull`` (off by default; 2 H200s, twenty-eighth session: see docs/results.md) runs the calls
-whose bias has the output's shape here (the pass's pull staging of a sum of GEMMs; the peer route cannot take such a
-bias); ``scatter_pull_all`` every 2-rank reduce_scatter (for benchmarks: host-bound at small shapes). The peer route
-(``routes/peer.py``) stores GEMM 1's tiles into the peer over NVLink from its epilogue, which costs its CUTLASS GEMMs
-time that cuBLAS's GEMM does not spend (docs/design.md, "Host cost of a fused call", last paragraph), and it takes no
-row-varying addend. Here, per call (rank ``r``, peer ``p = 1 - r``; the output rows in halves, half ``h`` being rank
-``h``'s result; ``M`` rows, ``N`` columns):
+Which calls it takes (``config.Tuning.scatter_route``): under ``"auto"`` (the default) every 2-rank reduce_scatter whose
+predicted GPU time is within ``cost_model.pull.TOLERANCE`` of the peer route's (``cost_model.pull.prefers_pull``; not
+with ``ring="all"``, which asks for the ring route; 2 H200s, 27 Nov: 0.93-1.03x of the peer route's time on 23 shapes,
+Llama-3-8B sp train 0.7-1.5 ms per step faster: docs/results.md), the rest going on to the peer route; ``"pull"`` every
+one, ``"peer"`` none. Under the experiment ``scatter_pull`` it also takes the calls whose bias has the output's shape
+(the pass's pull staging of a sum of GEMMs; the peer route cannot take such a bias), whatever ``scatter_route`` says.
+The peer route (``routes/peer.py``) stores GEMM 1's tiles into the peer over NVLink from its epilogue, which costs its
+CUTLASS GEMMs time that cuBLAS's GEMM does not spend (docs/design.md, "Host cost of a fused call", last paragraph), and
+it takes no row-varying addend.
+
+Here, per call (rank ``r``, peer ``p = 1 - r``; the output rows in halves, half ``h`` being rank ``h``'s result; ``M``
+rows, ``N`` columns):
 
 - on the caller's stream: ``part = a[half p] @ b (+ bias[half p])`` (cuBLAS: ``mm`` / ``addmm``, a fresh ``[M/2, N]``);
 - ``fo_gather_call`` with ``part`` as the shard: the all_gather peer route's protocol, flag page, epoch, copy stream and
@@ -25,11 +30,13 @@ docstring), since every wait, flag and buffer is its own; a fault raised here na
 The sum order is ``own + peer`` on both ranks' halves (the reference ``reduce_scatter`` of the unfused op adds rank 0's
 then rank 1's rows: results agree to bf16 rounding, not bit for bit).
 
-Declines (pure): both experiments off, any call at compile time, another collective than reduce_scatter,
-``transport="nccl"``, a world size other than 2, rows that do not halve, a dtype other than bf16 / fp16 / fp32, no
-kernel library or sm90 GPU. ``make_launch`` also declines a batched ``b`` (bmm), a bias that is neither one row ``[N]``
-nor the output's full shape, one that is not the output's shape unless ``scatter_pull_all`` is on (those calls go on to
-the peer route), and what the gather route's group check declines (hosts, symmetric memory).
+Declines (pure): another collective than reduce_scatter, ``transport="nccl"``, a world size other than 2, rows that
+do not halve, a dtype other than bf16 / fp16 / fp32, no kernel library or sm90 GPU, and a call that neither
+``scatter_route`` nor the experiment gives it. At compile time the same rule holds, so the pass predicts the route that
+runs (``cost_model.pull``), and the calls the pass stages are predicted by their own verdict. ``make_launch`` also
+declines a batched ``b`` (bmm), a bias that is neither one row ``[N]`` nor the output's full shape, a bias of neither
+form when ``scatter_route`` does not give the call this route (a call the experiment alone brought here), and what
+the gather route's group check declines (hosts, symmetric memory).
 """
 
 from __future__ import annotations
@@ -51,18 +58,15 @@ log = logging.getLogger("flashoverlap")
 
 NAME = "scatter_pull"
 EXPERIMENT = "scatter_pull"  # calls with a bias of the output's shape (the pass's pull staging of a sum of GEMMs)
-EXPERIMENT_ALL = "scatter_pull_all"  # every 2-rank reduce_scatter (benchmarks: host-bound at small shapes)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def unsupported(call, settings: config.Settings) -> str | None:
-    """Why ``call`` cannot take this route (None: it can). Pure; depends only on what all ranks share. At compile
-    time (``call.compile_time``) it declines: the pass predicts the calls it stages for this route with their own
-    model (``cost_model.pull``), and every other call runs where it would without the experiment."""
-    if EXPERIMENT not in settings.experiments and EXPERIMENT_ALL not in settings.experiments:
-        return f"the experiments {EXPERIMENT!r} and {EXPERIMENT_ALL!r} are off"
-    if call.compile_time:
-        return "compile time: the pass stages its calls itself (passes/sum_of_gemms.stage_pull)"
+    """Why ``call`` cannot take this route (None: it can). Pure; depends only on what all ranks share (the shapes,
+    the settings, the cost data), and the same at compile time as at run time."""
+    staged = EXPERIMENT in settings.experiments
+    if settings.tuning.scatter_route == "peer" and not staged:
+        return "scatter_route is 'peer'"
     if call.collective != "reduce_scatter":
         return f"{call.collective} is not a reduce_scatter"
     if settings.transport != "peer":
@@ -75,7 +79,29 @@ def unsupported(call, settings: config.Settings) -> str | None:
         return f"dtype: {call.dtype} (bf16, fp16 or fp32)"
     if not kernels.available():  # never raises
         return "library: the kernel library or an sm90 GPU is missing"
+    if not staged and not takes_plain(call, settings):
+        return "the cost model predicts the peer route faster (scatter_route 'auto')"
     return None
+
+
+def takes_plain(call, settings: config.Settings) -> bool:
+    """Whether ``scatter_route`` gives this route ``call`` whatever its bias (``"pull"``, or ``"auto"`` where
+    ``cost_model.pull.prefers_pull``); else only a staged sum's bias of the output's shape brings it here."""
+    route = settings.tuning.scatter_route
+    if route != "auto":
+        return route == "pull"
+    if settings.ring == "all":  # the user asked for the ring route on 2 ranks
+        return False
+    from flashoverlap_inductor.cost_model import pull, registry
+
+    dtype = str(call.dtype).removeprefix("torch.")
+    return pull.prefers_pull(call.rows, call.n, call.k, dtype, device_name(call), registry.data_dir(settings))
+
+
+def device_name(call) -> str | None:
+    """The GPU model the cost data is looked up for: this process's current CUDA device's (the ranks agree on it:
+    ``routes.agree``), None without CUDA (the data's default GPU)."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
 @dataclass
@@ -114,8 +140,8 @@ def make_launch(call, settings: config.Settings, ctx) -> ScatterLaunch | str:
     form = bias_form(ctx.bias, ctx.y_shape)
     if form == "other":
         return f"bias: {tuple(ctx.bias.shape)} is neither one row [N] nor the output's shape {ctx.y_shape}"
-    if form != "full" and EXPERIMENT_ALL not in settings.experiments:  # the peer route is faster there
-        return "bias: not of the output's shape (the pull route takes staged sums only without scatter_pull_all)"
+    if form != "full" and not takes_plain(call, settings):  # the experiment alone brought it here
+        return "bias: not of the output's shape (scatter_route does not give this call the pull route)"
     why = gather_peer.group_issue(ctx.group)  # a collective, once per group: every rank gets here with this call
     if why is not None:
         return why
