@@ -68,8 +68,9 @@ EXPERIMENTS = {
                             "a failure raises one call later)",
     "gather_copy_notify": "on 3 or more ranks, let the all_gather push start (gather_start=\"push\") tell each peer "
                           "right after its push by two 4-byte copy-engine writes of the values its ready flags would "
-                          "reach, instead of one notification kernel after the last push (FO_GATHER_COPY_NOTIFY; "
-                          "never run on a GPU: the copy engine's ordering of the flag after the data is unchecked)",
+                          "reach, instead of one notification kernel after the last push (FO_GATHER_COPY_NOTIFY; 4 "
+                          "H200s, 33rd session: correct, and no faster, 1.085x over sequential against push's 1.100x: "
+                          "the waits for the peers' shards queue behind the pushes on the one copy stream)",
     "gather_torch_gemms": "run the all_gather peer route's GEMMs as one torch.mm per shard and weight from Python "
                           "(the route before 2026-11-27) instead of one library call into torch's cuBLAS "
                           "(routes/gather_gemms.py)",
