@@ -391,7 +391,7 @@ FO_API int fo_ring_call(const fo_ring_args* args);
  * below. staging may be null without copy_own. Every call, whichever schedule, notifies ready[rank] and done[rank]
  * once (their waits count calls). */
 #define FO_GATHER_PUSH 2
-/* options bit, with FO_GATHER_PUSH on 3+ ranks (the experiment gather_copy_notify; never run on a GPU): each peer is
+/* options bit, with FO_GATHER_PUSH on 3+ ranks (the experiment gather_copy_notify; 4 H200s: correct, no faster): each peer is
  * told right after its push, by two 4-byte copy-engine copies of this rank's own values into its page, the epoch
  * snapshot of set b into ready[rank] and uses_b into ready_b[rank]: the values the adds would leave (one writer per
  * flag; the writes of a rank land in call order, as fo_gather_finish joins the copy stream before the next call

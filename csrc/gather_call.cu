@@ -243,7 +243,8 @@ int launch_step(GatherStep const& s, cudaStream_t stream) {
 // need no SM; the ready notification and the waits for the peers' shards run when the caller's first GEMMs free an
 // SM, which is when they are needed. On 3+ ranks one notification after the last push holds every peer's GEMM for
 // all the pushes (4 H200s, 32nd session: 1.03x over sequential against the handshake start's 1.41x), which
-// FO_GATHER_COPY_NOTIFY (an experiment, not yet run on a GPU) replaces by a copy-engine write per peer.
+// FO_GATHER_COPY_NOTIFY replaces by a copy-engine write per peer; it was no faster (33rd session: 1.085x against
+// 1.100x), as step 5's waits queue behind every push on this one stream anyway.
 int push_call(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur, cudaStream_t copy) {
   int const W = p.world, r = p.rank, b = p.slot_set;
   size_t const bytes = size_t(p.shard_bytes);
