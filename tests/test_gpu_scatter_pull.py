@@ -1,18 +1,18 @@
 """GPU tests of the GEMM -> reduce_scatter pull route (``routes.scatter_pull``, the experiment ``scatter_pull``: cuBLAS
 halves, the peer's half pulled by copy engine through the all_gather peer route's protocol, one add) with 2 ranks
-sharing one GPU (a gloo group, ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``): correctness and the shared protocol,
-not speed (``examples/device/scatter_pull_bench.py`` times it on 2 GPUs).
+sharing one GPU (a gloo group, ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``): correctness and the shared protocol, not
+speed (``examples/device/scatter_pull_bench.py`` times it on 2 GPUs).
 
-Skipped unless CUDA, an sm90 GPU and the library are present. Every call runs on fresh random bf16 data and is
-compared with an fp64 reference of the reduce_scatter of every rank's ``a @ b (+ bias)`` and with eager PyTorch's
-bf16 result (gloo all_gather of every rank's ``mm`` / ``addmm``, summed); every call must count
-``route:scatter_pull`` (experiment ``scatter_pull``, ``scatter_route="pull"``). Covered: 2-D and 3-D ``a``, no bias, a
-bias row ``[N]`` and a bias of the output's shape (the summed-gradient form), a shard buffer that grows, the same calls
-queued with no synchronization between them, interleaved with fused all_gather calls (per-rank data, every rank's rows
-checked) that share the protocol's flags and buffers; under ``scatter_pull`` alone, a call without bias goes on to the
-peer route and one with a bias of the output's shape takes this one. Not covered here: the late and skipping ranks
-(the protocol's, tested by ``tests/test_gpu_gather.py``). This form has not run on a GPU yet (written after the
-twenty-eighth session's run of the first form, which passed).
+Skipped unless CUDA, an sm90 GPU and the library are present. Every call runs on fresh random bf16 data and is compared
+with an fp64 reference of the reduce_scatter of every rank's ``a @ b (+ bias)`` and with eager PyTorch's bf16 result
+(gloo all_gather of every rank's ``mm`` / ``addmm``, summed); every call must count ``route:scatter_pull`` (experiment
+``scatter_pull``, ``scatter_route="pull"``). Covered: 2-D and 3-D ``a``, no bias, a bias row ``[N]`` and a bias of the
+output's shape (the summed-gradient form), a shard buffer that grows, the same calls queued with no synchronization
+between them, interleaved with fused all_gather calls (per-rank data, every rank's rows checked) that share the
+protocol's flags and buffers; under ``scatter_pull`` with ``scatter_route="peer"``, a call without bias goes on to the
+peer route and one with a bias of the output's shape takes this one. Not covered here: the late and skipping ranks (the
+protocol's, tested by ``tests/test_gpu_gather.py``). Passed on 2 H200s in the 33rd session before ``scatter_route``
+replaced the experiment ``scatter_pull_all`` (not run since).
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def match_task() -> dict[str, int]:
             want = torch.mm(want_rows, wt).float()
             assert bool(torch.isfinite(y).all())
             assert ((y.float() - want).norm() / want.norm()).item() < 1e-2, "gather between pull calls: GEMM differs"
-    with config.patch(wait_timeout_ms=LONG_MS, experiments=frozenset({"scatter_pull"})):  # staged sums only
+    with config.patch(wait_timeout_ms=LONG_MS, experiments=frozenset({"scatter_pull"}), scatter_route="peer"):
         a, w, c = _inputs(9000, *SHAPES[0], None)
         before = dict(routes.stats)
         _check(_op(a, w, c), a, w, c, "no bias, scatter_pull alone")

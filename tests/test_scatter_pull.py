@@ -38,11 +38,21 @@ def test_which_calls_it_takes(monkeypatch):
     auto = config.current()
     assert auto.tuning.scatter_route == "auto"
     from flashoverlap_inductor.cost_model import pull as pull_model
+    from flashoverlap_inductor.routes import peer as peer_route
 
     monkeypatch.setattr(pull_model, "prefers_pull", lambda *args: False)
+    assert scatter_pull.takes_plain(_call(), auto)  # the peer route cannot take it here (no kernels): nothing to weigh
+    monkeypatch.setattr(peer_route.ROUTE, "unsupported", lambda call, settings: None)
     assert "predicts the peer route faster" in scatter_pull.unsupported(_call(), auto)
     assert scatter_pull.unsupported(_call(), ON) is None  # the experiment's staged sums still come here
     assert not scatter_pull.takes_plain(_call(), ON)  # ... but a plain call of that shape goes on (make_launch)
+    assert "predicts" in scatter_pull.unsupported(_call(compile_time=True), ON)  # the pass predicts where it runs
+
+    def broken(*args):
+        raise ValueError("a broken data file")
+
+    monkeypatch.setattr(pull_model, "prefers_pull", broken)
+    assert not scatter_pull.takes_plain(_call(), auto)  # a cost-model failure: the peer route, no error
     monkeypatch.setattr(pull_model, "prefers_pull", lambda *args: True)
     assert scatter_pull.unsupported(_call(), auto) is None and scatter_pull.takes_plain(_call(), auto)
     assert "predicts" in scatter_pull.unsupported(_call(), auto.replace(ring="all"))  # the ring asked for

@@ -88,12 +88,11 @@ def main() -> None:
         from flashoverlap_inductor.native import kernels
 
         kernels.gemm_cache_enable(False)
-    if args.ring:
-        from flashoverlap_inductor import config
+    from flashoverlap_inductor import config
 
-        with config.patch(ring="all", wait_timeout_ms=60000.0):
-            return run(args)
-    return run(args)
+    with config.patch(ring="all" if args.ring else "off", scatter_route="peer",  # not the default pull route
+                      **({"wait_timeout_ms": 60000.0} if args.ring else {})):
+        return run(args)
 
 
 def run(args: argparse.Namespace) -> None:

@@ -73,7 +73,8 @@ def _settings(route: str, rounds: int):
     (time-sliced GPUs: a flag may wait for another context's turn)."""
     from flashoverlap_inductor import config
 
-    return config.patch(ring="all" if route == "ring" else "off", ring_rounds=rounds, wait_timeout_ms=60000.0)
+    return config.patch(ring="all" if route == "ring" else "off", ring_rounds=rounds, wait_timeout_ms=60000.0,
+                        scatter_route="peer")  # reduce_scatter on the peer route, not the default pull route
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

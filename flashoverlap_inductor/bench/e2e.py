@@ -182,8 +182,9 @@ def add_hidden(rows: list[dict[str, Any]]) -> None:
     bound ran and the bound is faster: ``(T_base - T_row) / (T_base - T_bound)`` of the medians, the share of the
     baseline's exposed communication time the row hid (1.0: as fast as a step with no communication; < 0: slower
     than the baseline). A row under CUDA graphs (``-ro``) is measured against ``inductor-ro`` and ``bound-ro`` where
-    both ran (like for like: the graphs' own saving of host time is not counted as hidden communication), else, as
-    every other row, against ``inductor`` and ``bound``; ``hidden_vs`` names the pair.
+    both ran (like for like: the graphs' own saving of host time is not counted as hidden communication; none if
+    that bound is no faster), else, as every other row, against ``inductor`` and ``bound``; ``hidden_vs`` names the
+    pair. A bound's ``speedup`` is over ``inductor`` (the table's reference) where it ran.
 
     Its spread within the run, ``hidden_steps``: step ``i``'s gain over the baseline's step ``i`` (the same inputs;
     ms per step, max over ranks: ``step_ms_max``) as a share of the same median exposed time, one per step where
@@ -192,23 +193,21 @@ def add_hidden(rows: list[dict[str, Any]]) -> None:
     faster). Between runs the baseline's and the bound's medians move too, by as much as the gain at times, which
     no single run shows: compare runs for that."""
     by = {r["backend"]: r for r in rows if r["status"] in ("ok", "MISMATCH") and r.get("ms")}
-    exposed_by = {}  # (baseline, bound) -> the baseline's exposed ms, for each pair that ran with a faster bound
+    ran = {}  # (baseline, bound) -> the baseline's exposed ms (<= 0: the bound no faster) for each pair that ran
     for base, bnd_name in (("inductor", "bound"), ("inductor-ro", "bound-ro")):
         ind, bnd = by.get(base), by.get(bnd_name)
         if ind is None or bnd is None:
             continue
-        exposed = ind["ms"] - bnd["ms"]
-        bnd["speedup"] = ind["ms"] / bnd["ms"]
+        ran[(base, bnd_name)] = exposed = ind["ms"] - bnd["ms"]
+        bnd["speedup"] = by.get("inductor", ind)["ms"] / bnd["ms"]  # over the table's reference, as every row's
         if exposed <= 0:
             bnd["note"] += f"; not faster than {base} (by {-exposed:.3f} ms): no hidden share"
-            continue
-        exposed_by[(base, bnd_name)] = exposed
     for name, r in by.items():
-        graphed = variant(name)[0] in GRAPHED and ("inductor-ro", "bound-ro") in exposed_by
+        graphed = variant(name)[0] in GRAPHED and ("inductor-ro", "bound-ro") in ran
         pair = ("inductor-ro", "bound-ro") if graphed else ("inductor", "bound")
-        if name in (*pair, "eager") or name in BOUNDS or pair not in exposed_by:
+        if name in (*pair, "eager") or name in BOUNDS or not ran.get(pair, 0) > 0:
             continue
-        ind, exposed = by[pair[0]], exposed_by[pair]
+        ind, exposed = by[pair[0]], ran[pair]
         r["hidden"], r["hidden_vs"] = (ind["ms"] - r["ms"]) / exposed, pair[0]
         steps = step_shares(ind.get("step_ms_max"), r.get("step_ms_max"), exposed)
         if steps is not None:

@@ -402,7 +402,7 @@ def _route_of(collective: str, rows: int, n: int, k: int, dtype: str, world: int
     from flashoverlap_inductor.routes import ring
 
     call = routes.Call(collective, rows, n, k, getattr(torch, dtype), world, device=y.device.type,
-                       compile_time=True)
+                       compile_time=True, device_index=y.device.index)
     route = routes.select(call, settings) if y.device.type == "cuda" else None
     name = route.name if route is not None else ""
     return {"peer": name == "peer", "ring_rounds": ring.rounds(call, settings) if name == "ring" else 0,

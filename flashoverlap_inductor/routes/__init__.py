@@ -137,7 +137,7 @@ def make_call(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Ten
                 issue = ("degenerate", "no rows")
     call = Call(collective, rows, n, k, a.dtype, world, rank, "cuda" if cuda else "cpu", layout, plan,
                 send_rows, recv_rows,
-                getattr(group, "group_name", str(id(group))), issue)
+                getattr(group, "group_name", str(id(group))), issue, device_index=a.device.index if cuda else None)
     return call, opnd, out_shape
 
 

@@ -42,6 +42,7 @@ class Call:
     group_name: str = ""
     operand_issue: tuple[str, str] | None = None
     compile_time: bool = False  # asked by the pass: the library's state, not the operands, decides
+    device_index: int | None = None  # the CUDA device's index (None: the current one), for its GPU model's cost data
 
     @property
     def dtype_name(self) -> str:
