@@ -19,7 +19,9 @@ its GPU time is predicted more than ``TOLERANCE`` above the peer route's (``peer
 the choice is the same eager and under CUDA graphs, at compile time and at run time. The peer model errs by up to
 -10% at small K (4096 rows, K 2048 per rank: predicted 0.141 ms, measured 0.157, where the pull route ran 0.148), so a
 margin of that order keeps the choice from following its error; where the pull route measured slower (16384 x 8192
-rows at K 8192-14336 per rank: 1.8-2.5%) it is within the margin, a known cost of the rule.
+rows at K 8192-14336 per rank: 1.8-2.5%) it is within the margin, a known cost of the rule. Only H200 data has the
+terms; other GPUs take them through the registry's family or default match (unmeasured there: on an H100's copy rate
+some small-K shapes go to the peer route).
 """
 
 from __future__ import annotations
