@@ -56,6 +56,8 @@ def test_which_calls_it_takes(monkeypatch):
     monkeypatch.setattr(pull_model, "prefers_pull", lambda *args: True)
     assert scatter_pull.unsupported(_call(), auto) is None and scatter_pull.takes_plain(_call(), auto)
     assert "predicts" in scatter_pull.unsupported(_call(), auto.replace(ring="all"))  # the ring asked for
+    assert not scatter_pull.takes_plain(_call(dtype=torch.float16), auto)  # auto: bf16, the dtype it was measured in
+    assert scatter_pull.takes_plain(_call(dtype=torch.float16), pull)
     monkeypatch.setattr(kernels, "available", lambda: False)
     assert "library" in scatter_pull.unsupported(_call(), pull)
 

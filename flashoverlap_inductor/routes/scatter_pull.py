@@ -87,14 +87,16 @@ def unsupported(call, settings: config.Settings) -> str | None:
 
 
 def takes_plain(call, settings: config.Settings) -> bool:
-    """Whether ``scatter_route`` gives this route ``call`` whatever its bias (``"pull"``, or ``"auto"`` where the peer
-    route cannot take the call or ``cost_model.pull.prefers_pull``); else only a staged sum's bias of the output's
-    shape brings it here. A cost-model failure answers False (the peer route, as before this route was a default),
-    logged once: the same on every rank, and never an error of the call."""
+    """Whether ``scatter_route`` gives this route ``call`` whatever its bias (``"pull"``, or ``"auto"`` for bf16 where
+    the peer route cannot take the call or ``cost_model.pull.prefers_pull``); else only a staged sum's bias of the
+    output's shape brings it here. A cost-model failure answers False (the peer route, as before this route was a
+    default), logged once: the same on every rank, and never an error of the call."""
     route = settings.tuning.scatter_route
     if route != "auto":
         return route == "pull"
     if settings.ring == "all":  # the user asked for the ring route on 2 ranks
+        return False
+    if call.dtype != torch.bfloat16:  # the dtype it was measured in (and fitted to); fp16 stays where it ran before
         return False
     from flashoverlap_inductor.cost_model import pull, registry
 
