@@ -151,7 +151,7 @@ def variant_settings(spec: str) -> dict[str, Any]:
     """The ``config.patch`` arguments of a fused variant ``spec`` (``check_variant``):
 
     * grid ``persistent|tiles``: ``gemm_grid``; mode ``direct``: ``transport="nccl"`` (the NCCL route), ``peer``:
-      ``transport="peer"`` (2 ranks: the peer route; other calls the NCCL route);
+      ``transport="peer"`` (2 ranks: the peer route, ``scatter_route="peer"``; other calls the NCCL route);
     * kernel ``[<_addc configuration>][@<swizzle>]``: ``peer_kernel`` (peer only; GEMM 2's / the ring steps'
       configuration) and ``swizzle``;
     * ctas ``<max>`` or ``<min>-<max>`` (NCCL route): the caller builds the call on
@@ -162,7 +162,8 @@ def variant_settings(spec: str) -> dict[str, Any]:
     grid, mode, kernel, _, rows = check_variant(spec)
     config_name, _, swizzle = kernel.partition("@")
     peer = mode == "peer"
-    out: dict[str, Any] = {"gemm_grid": grid, "transport": "peer" if peer else "nccl", "ring": "off"}
+    out: dict[str, Any] = {"gemm_grid": grid, "transport": "peer" if peer else "nccl", "ring": "off",
+                           "scatter_route": "peer"}  # a variant times the peer route's kernels, not the pull route
     if config_name:
         out["peer_kernel"] = config_name
     if swizzle:

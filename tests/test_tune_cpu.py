@@ -627,6 +627,7 @@ def simulated_gpu(force_groups: int | None = None):
     from flashoverlap_inductor import cost_model
     from flashoverlap_inductor.native import nccl_direct
     from flashoverlap_inductor.routes import nccl as nccl_route
+    from flashoverlap_inductor.routes import scatter_pull
     from flashoverlap_inductor.runtime import streams
 
     res = streams.DeviceResources(0, GPU, 132, _FakeStream(), torch.zeros(4, 16, dtype=torch.int32),
@@ -659,7 +660,9 @@ def simulated_gpu(force_groups: int | None = None):
                 (kernels, "configs", lambda add_c=0: [] if add_c else list(SIM_INFOS)),  # no peer route
                 (kernels, "ready", lambda *a: None), (routes, "_on_cuda", lambda a: True),
                 (nccl_direct, "communicator", lambda group, device: types.SimpleNamespace(comm=0)),
-                (nccl_direct, "bind_library", lambda comm: True), (nccl_route, "is_nccl_group", lambda group: True)]
+                (nccl_direct, "bind_library", lambda comm: True), (nccl_route, "is_nccl_group", lambda group: True),
+                # no pull route either: it needs symmetric memory, which CPU tensors lack
+                (scatter_pull.ROUTE, "unsupported", lambda call, settings: "simulated: no symmetric memory")]
     if force_groups:
         patches.append((cost_model, "decide", decide))
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]

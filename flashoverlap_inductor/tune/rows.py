@@ -20,7 +20,10 @@ BENCH_RING_ROUNDS = (1, 2, 4)  # the benchmark's ``ringR`` rows flags (examples/
 
 
 def route_of_launch(launch: str) -> str:
-    """"ring", "peer" or "nccl" from a launch description (``RingLaunch`` / ``PeerLaunch`` / NCCL-route launches)."""
+    """"ring", "peer", "pull" or "nccl" from a launch description (``RingLaunch`` / ``PeerLaunch`` /
+    ``ScatterLaunch`` / NCCL-route launches)."""
+    if "scatter_pull route" in launch:
+        return "pull"
     return "ring" if "ring route" in launch else "peer" if "peer route" in launch else "nccl"
 
 
