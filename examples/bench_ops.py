@@ -76,17 +76,13 @@ ROUTING = "registry"  # the ops dispatch through the route registry (``routes.di
 def route_args(op: str, m: int, n: int, k: int, world: int) -> dict[str, Any]:
     """``decide``'s route arguments from the route registry (``routes.select``, as the pass asks it): whether the call
     takes the peer route, the ring in how many rounds, or the reduce_scatter pull route, under the current settings."""
-    none = {"peer": False, "ring_rounds": 0, "pull": False}
     if DEVICE != "cuda":
-        return none
-    settings = config.current()
+        return dict(routes.NO_ROUTE_ARGS)
     call = routes.Call(op, m, n, k, torch.bfloat16, world, device=DEVICE, compile_time=True)
     try:
-        name = routes.select(call, settings).name
+        return routes.cost_args(call, config.current())
     except Exception:  # noqa: BLE001 - no route: the runtime runs it unfused; predict the NCCL route
-        return none
-    return {"peer": name == "peer", "ring_rounds": routes.ring.rounds(call, settings) if name == "ring" else 0,
-            "pull": name == "scatter_pull"}
+        return dict(routes.NO_ROUTE_ARGS)
 
 
 # NCCL groups whose config limits their CTAs (``--fused-max-ctas``, a variant's ctas field), as a user would configure

@@ -91,7 +91,7 @@ def main() -> None:
     from flashoverlap_inductor import config
 
     with config.patch(ring="all" if args.ring else "off", scatter_route="peer",  # not the default pull route
-                      **({"wait_timeout_ms": 60000.0} if args.ring else {})):
+                      wait_timeout_ms=60000.0 if args.ring else None):
         return run(args)
 
 

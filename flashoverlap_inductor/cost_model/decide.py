@@ -130,9 +130,9 @@ def _decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int
     elif route == "peer":
         route_fused = model.peer_ms(collective, m, n, k, dtype, world_size, host_bound=not cuda_graphs)
     elif route == "pull" and collective == "reduce_scatter" and world_size == 2 and model.gemm.scatter_pull:
-        terms = model.gemm.scatter_pull  # pull.py's T_pull
-        route_fused = terms.gpu_ms(model.gemm, m, n, k, dtype, copy_ms(m * n * DTYPE_BYTES[dtype], device_name))
-        route_fused = max(route_fused, terms.host_floor_ms) if not cuda_graphs else route_fused
+        route_fused = model.gemm.scatter_pull.predict_ms(model.gemm, m, n, k, dtype,  # pull.py's T_pull
+                                                         copy_ms(m * n * DTYPE_BYTES[dtype], device_name),
+                                                         host_bound=not cuda_graphs)
     else:
         route_fused = None
     if route_fused is not None:

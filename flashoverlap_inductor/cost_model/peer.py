@@ -60,11 +60,13 @@ class PullTerms:
     add_factor: float  # times copy(rows * n * itemsize): the add of the pulled half and the pull's share of HBM
     host_floor_ms: float = 0.0  # back-to-back eager calls cannot go faster (CUDA graphs: none)
 
-    def gpu_ms(self, gemm: GemmTimes, rows: int, n: int, k: int, dtype: str, copy_output_ms: float) -> float:
-        """The route's GPU time (ms) of ``[rows, k] @ [k, n]`` then reduce_scatter on 2 ranks; ``copy_output_ms``: the
-        time to move ``rows * n * itemsize`` bytes through device memory (``cost_model.copy_ms``)."""
-        gemm_ms = gemm.reference_ms(rows, n, k, dtype)
-        return self.fixed_ms + self.gemm_factor * gemm_ms + self.add_factor * copy_output_ms
+    def predict_ms(self, gemm: GemmTimes, rows: int, n: int, k: int, dtype: str, copy_output_ms: float,
+                   host_bound: bool = True) -> float:
+        """``T_pull`` (``pull.py``) in ms of ``[rows, k] @ [k, n]`` then reduce_scatter on 2 ranks; ``copy_output_ms``:
+        the time to move ``rows * n * itemsize`` bytes through device memory (``cost_model.copy_ms``).
+        ``host_bound=False``: replayed from a CUDA graph (no ``host_floor_ms``), the GPU's time alone."""
+        gpu = self.fixed_ms + self.gemm_factor * gemm.reference_ms(rows, n, k, dtype) + self.add_factor * copy_output_ms
+        return max(gpu, self.host_floor_ms) if host_bound else gpu
 
 
 @dataclass(frozen=True)

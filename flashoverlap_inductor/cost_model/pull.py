@@ -35,23 +35,20 @@ from .pipeline import DTYPE_BYTES
 TOLERANCE = 0.05  # the pull route's predicted GPU time may exceed the peer route's by this fraction (prefers_pull)
 
 
-def pull_gpu_ms(model, rows: int, n: int, k: int, dtype: str, device_name: str | None) -> float | None:
-    """``T_pull`` (module docstring) without the host floor, the GPU's time alone, of a GEMM ``[rows, k] @ [k, n]``
-    then reduce_scatter on 2 ranks; None when the data has no ``scatter_pull`` terms."""
+def pull_ms(model, rows: int, n: int, k: int, dtype: str, device_name: str | None,
+            host_bound: bool = True) -> float | None:
+    """``T_pull`` (module docstring) of a GEMM ``[rows, k] @ [k, n]`` then reduce_scatter on 2 ranks, with its host
+    floor (``host_bound=False``: replayed from a CUDA graph, none); None when the data has no ``scatter_pull`` terms."""
     terms = model.gemm.scatter_pull
     if terms is None:
         return None
-    return terms.gpu_ms(model.gemm, rows, n, k, dtype, copy_ms(rows * n * DTYPE_BYTES[dtype], device_name))
+    return terms.predict_ms(model.gemm, rows, n, k, dtype, copy_ms(rows * n * DTYPE_BYTES[dtype], device_name),
+                            host_bound)
 
 
-def pull_ms(model, rows: int, n: int, k: int, dtype: str, device_name: str | None,
-            host_bound: bool = True) -> float | None:
-    """``T_pull`` with its host floor (``host_bound=False``: replayed from a CUDA graph, none); None as
-    ``pull_gpu_ms``."""
-    gpu = pull_gpu_ms(model, rows, n, k, dtype, device_name)
-    if gpu is None:
-        return None
-    return max(gpu, model.gemm.scatter_pull.host_floor_ms) if host_bound else gpu
+def pull_gpu_ms(model, rows: int, n: int, k: int, dtype: str, device_name: str | None) -> float | None:
+    """``pull_ms`` without the host floor: the GPU's time alone."""
+    return pull_ms(model, rows, n, k, dtype, device_name, host_bound=False)
 
 
 def prefers_pull(rows: int, n: int, k: int, dtype: str, device_name: str | None, directory=None) -> bool:

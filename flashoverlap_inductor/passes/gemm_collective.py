@@ -399,11 +399,9 @@ def _route_of(collective: str, rows: int, n: int, k: int, dtype: str, world: int
     route that runs. A capture takes
     the route where the call shape ran before the capture, as torch.compile's warm-up runs it."""
     from flashoverlap_inductor import routes
-    from flashoverlap_inductor.routes import ring
 
+    if y.device.type != "cuda":
+        return dict(routes.NO_ROUTE_ARGS)
     call = routes.Call(collective, rows, n, k, getattr(torch, dtype), world, device=y.device.type,
                        compile_time=True, device_index=y.device.index)
-    route = routes.select(call, settings) if y.device.type == "cuda" else None
-    name = route.name if route is not None else ""
-    return {"peer": name == "peer", "ring_rounds": ring.rounds(call, settings) if name == "ring" else 0,
-            "pull": name == "scatter_pull"}
+    return routes.cost_args(call, settings)

@@ -47,8 +47,8 @@ from ..schedule import steps as schedule
 from . import agree, cpu, gather_nccl, gather_peer, moe_deferred, nccl, peer, ring, scatter_pull, symmetric, unfused
 from .base import Call, Context, Route, forget_notes, note, stats
 
-__all__ = ["REGISTRY", "Call", "Context", "Route", "candidates", "check", "dispatch", "make_call", "note", "reset",
-           "resync_marked", "select", "stats"]
+__all__ = ["NO_ROUTE_ARGS", "REGISTRY", "Call", "Context", "Route", "candidates", "check", "cost_args", "dispatch",
+           "make_call", "note", "reset", "resync_marked", "select", "stats"]
 
 log = logging.getLogger("flashoverlap")
 
@@ -102,6 +102,18 @@ def select(call: Call, settings: config.Settings) -> Route:
     if not found:
         raise RuntimeError(f"flashoverlap: no route takes {call}")
     return found[0]
+
+
+NO_ROUTE_ARGS = {"peer": False, "ring_rounds": 0, "pull": False}  # ``cost_args`` of a call on no route of its own
+
+
+def cost_args(call: Call, settings: config.Settings) -> dict[str, Any]:
+    """``cost_model.decide``'s route arguments for the route ``select`` gives ``call``: the peer route, the ring in
+    how many rounds, or the reduce_scatter pull route (else the NCCL route: ``NO_ROUTE_ARGS``), so a prediction is of
+    the route that runs. Raises as ``select`` where no route takes the call."""
+    name = select(call, settings).name
+    return {"peer": name == "peer", "ring_rounds": ring.rounds(call, settings) if name == "ring" else 0,
+            "pull": name == "scatter_pull"}
 
 
 def make_call(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup,

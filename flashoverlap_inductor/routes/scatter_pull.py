@@ -52,7 +52,9 @@ from flashoverlap_inductor.native import kernels
 from flashoverlap_inductor.runtime import faults
 
 from .. import _inductor_compat as compat
-from . import gather_peer, symmetric
+from ..cost_model import pull, registry
+from . import gather_peer, peer, symmetric
+from .base import note
 
 log = logging.getLogger("flashoverlap")
 
@@ -98,23 +100,15 @@ def takes_plain(call, settings: config.Settings) -> bool:
         return False
     if call.dtype != torch.bfloat16:  # the dtype it was measured in (and fitted to); fp16 stays where it ran before
         return False
-    from flashoverlap_inductor.cost_model import pull, registry
-
-    from . import peer
-
     if peer.ROUTE.unsupported(call, settings) is not None:  # no peer route to compare with (e.g. fp16)
         return True
     dtype = str(call.dtype).removeprefix("torch.")
     try:
         return pull.prefers_pull(call.rows, call.n, call.k, dtype, device_name(call), registry.data_dir(settings))
     except Exception as exc:  # noqa: BLE001 - a cost-model bug must not break the op
-        if not _warned:
-            _warned.append(repr(exc))
-            log.warning("flashoverlap: the pull route's cost model failed (%r): reduce_scatter on the peer route", exc)
+        note(f"pull_model_failed:{type(exc).__name__}", logging.WARNING,
+             "flashoverlap: the pull route's cost model failed (%r): reduce_scatter on the peer route", exc)
         return False
-
-
-_warned: list[str] = []
 
 
 def device_name(call) -> str | None:
