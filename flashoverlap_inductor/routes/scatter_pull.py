@@ -1,11 +1,13 @@
 """The copy-engine pull route of GEMM -> reduce_scatter on 2 ranks of one NVLink host: the GEMMs stay cuBLAS's.
 
 Which calls it takes (``config.Tuning.scatter_route``): under ``"auto"`` (the default) every 2-rank reduce_scatter whose
-predicted GPU time is within ``cost_model.pull.TOLERANCE`` of the peer route's (``cost_model.pull.prefers_pull``; not
-with ``ring="all"``, which asks for the ring route; 2 H200s, 27 Nov: 0.93-1.03x of the peer route's time on 23 shapes,
-Llama-3-8B sp train 0.7-1.5 ms per step faster: docs/results.md), the rest going on to the peer route; ``"pull"`` every
-one, ``"peer"`` none. Under the experiment ``scatter_pull`` it also takes the calls whose bias has the output's shape
-(the pass's pull staging of a sum of GEMMs; the peer route cannot take such a bias), whatever ``scatter_route`` says.
+predicted time, host floor included, is within ``cost_model.pull.TOLERANCE`` of the peer route's
+(``cost_model.pull.prefers_pull``; not with ``ring="all"``, which asks for the ring route; 2 H200s, 27 Nov: 0.93-1.03x
+of the peer route's GPU time on 23 shapes, Llama-3-8B sp train 0.7-1.5 ms per step faster; its host time, ~0.32 ms
+per eager call, keeps small outputs on the peer route: docs/results.md), the rest going on to the peer route;
+``"pull"`` every one, ``"peer"`` none. Under the experiment ``scatter_pull`` it also takes the calls whose bias has
+the output's shape (the pass's pull staging of a sum of GEMMs; the peer route cannot take such a bias), whatever
+``scatter_route`` says.
 The peer route (``routes/peer.py``) stores GEMM 1's tiles into the peer over NVLink from its epilogue, which costs its
 CUTLASS GEMMs time that cuBLAS's GEMM does not spend (docs/design.md, "Host cost of a fused call", last paragraph), and
 it takes no row-varying addend.
