@@ -74,6 +74,10 @@ EXPERIMENTS = {
     "gather_torch_gemms": "run the all_gather peer route's GEMMs as one torch.mm per shard and weight from Python "
                           "(the route before 2026-11-27) instead of one library call into torch's cuBLAS "
                           "(routes/gather_gemms.py)",
+    "scatter_push": "let the reduce_scatter pull route push the peer's half by copy engine straight from the GEMM's "
+                    "output into the peer's receive slot (the all_gather push schedule, FO_GATHER_PUSH, where its "
+                    "buffer fits gather_push_max_mb) instead of copying it into this rank's symmetric buffer and "
+                    "shaking hands before the own half's GEMM (routes/scatter_pull.py; never run on a GPU)",
     "scatter_pull": "stage a sum of GEMMs feeding a reduce_scatter over 2 ranks of one NVLink host for the pull "
                     "route where its cost model (cost_model/pull.py) says it pays: the first terms unfused, the last "
                     "fused with their sum as its bias, which the pull route runs (routes/scatter_pull.py: cuBLAS "

@@ -11,8 +11,9 @@ output's shape (the summed-gradient form), a shard buffer that grows, the same c
 between them, interleaved with fused all_gather calls (per-rank data, every rank's rows checked) that share the
 protocol's flags and buffers; under ``scatter_pull`` with ``scatter_route="peer"``, a call without bias goes on to the
 peer route and one with a bias of the output's shape takes this one. Not covered here: the late and skipping ranks (the
-protocol's, tested by ``tests/test_gpu_gather.py``). Passed on 2 H200s in the 33rd session before ``scatter_route``
-replaced the experiment ``scatter_pull_all`` (not run since).
+protocol's, tested by ``tests/test_gpu_gather.py``). The same calls under the experiment ``scatter_push`` (the push
+schedule) in ``test_scatter_push_matches_reference``, never run on a GPU yet. The rest passed on 2 H200s (34th
+session).
 """
 
 from __future__ import annotations
@@ -90,12 +91,13 @@ def _check(out, a, w, c, what: str) -> None:
     assert err < 1.5e-2 and err <= 2 * eager_err + 2e-3, (what, err, eager_err)
 
 
-def match_task() -> dict[str, int]:
+def match_task(push: bool = False) -> dict[str, int]:
     from flashoverlap_inductor import config, routes
 
     routes.reset()
     cases = [(10 * si + bi, shape, n, bias) for si, (shape, n) in enumerate(SHAPES) for bi, bias in enumerate(BIASES)]
-    with config.patch(wait_timeout_ms=LONG_MS, experiments=BOTH, scatter_route="pull"):
+    names = BOTH | {"scatter_push"} if push else BOTH
+    with config.patch(wait_timeout_ms=LONG_MS, experiments=names, scatter_route="pull"):
         for seed, shape, n, bias in cases:
             before = routes.stats["route:scatter_pull"]
             a, w, c = _inputs(seed, shape, n, bias)
@@ -151,3 +153,14 @@ def test_scatter_pull_matches_reference(pool):
         # the pull protocol's list: grown once past 1 MiB, the small one reused after; the gathers between the pull
         # calls take the push start (the default on 2 ranks), whose own list has room for their small shards in 1 MiB
         assert r["workspaces"] == {(): [1 << 20, 2 << 20], ("push",): [1 << 20]}, r
+
+
+def test_scatter_push_matches_reference(pool):
+    """The same calls under the experiment ``scatter_push``: the peer's part pushed into this rank's receive slots
+    (the push schedule's sets alternating across the pull calls and the gathers between them)."""
+    n = len(SHAPES) * len(BIASES)
+    for r in pool.run(match_task, True):
+        assert r["synced"] == n and r["total"] == 2 * n and r["gathers"] == (n + 1) // 2, r
+        # the handshake list holds only the last block's call (scatter_pull alone, no push); the push list grew to
+        # hold 2 sets x 2 slots of the largest half (2 MiB)
+        assert r["workspaces"][()] == [1 << 20] and max(r["workspaces"][("push",)]) >= 8 << 20, r

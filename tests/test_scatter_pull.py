@@ -131,11 +131,14 @@ def test_halves_sum_to_the_reduce_scatter(form):
         torch.testing.assert_close(out, full[rank * half:(rank + 1) * half])
 
 
+@pytest.mark.parametrize("push", [False, True])
 @pytest.mark.parametrize("form", [None, "full"])
-def test_execute_pulls_the_peers_part_into_the_right_rows(monkeypatch, form):
+def test_execute_pulls_the_peers_part_into_the_right_rows(monkeypatch, form, push):
     """``execute`` itself for both ranks of a simulated pair on the CPU: the library's calls faked (the pull writes the
-    peer's part for this rank's rows where the protocol's slot ``peer`` lies: ``p.staging + peer * shard_bytes``),
-    the stream wait a no-op. Each rank's result must be its half of the reduce_scatter."""
+    peer's part for this rank's rows where the protocol's slot ``peer`` lies: ``p.staging + peer * shard_bytes``;
+    under ``scatter_push`` the peer's push lands in slot ``peer`` of the call's set in this rank's receive buffer, two
+    calls per rank alternating the sets), the stream wait a no-op. Each rank's result must be its half of the
+    reduce_scatter."""
     import ctypes
     from types import SimpleNamespace
 
@@ -148,8 +151,10 @@ def test_execute_pulls_the_peers_part_into_the_right_rows(monkeypatch, form):
     c = [None if form is None else torch.randn(2, rows // 2, n, generator=gen) for _ in range(2)]
     full = sum(x.reshape(rows, k) @ w + (0 if cc is None else cc.reshape(rows, n)) for x, w, cc in zip(a, b, c))
     half = rows // 2
-    on = config.current().replace(experiments=frozenset({"scatter_pull"}), scatter_route="pull")
+    names = {"scatter_pull", "scatter_push"} if push else {"scatter_pull"}
+    on = config.current().replace(experiments=frozenset(names), scatter_route="pull")
     monkeypatch.setattr(gather_peer, "group_issue", lambda g: None)
+    monkeypatch.setattr(gather_peer, "_push_calls", {})
     monkeypatch.setattr(scatter_pull.compat, "group_timeout_ms", lambda g: 1000.0)
     monkeypatch.setattr(scatter_pull.compat, "current_raw_stream", lambda i: 0)
     monkeypatch.setattr(scatter_pull, "_wait", lambda d, e: None)
@@ -157,26 +162,42 @@ def test_execute_pulls_the_peers_part_into_the_right_rows(monkeypatch, form):
     flags = SimpleNamespace(views=[torch.zeros(4)] * 2, events=[SimpleNamespace(cuda_event=None)] * 2,
                             epoch=torch.zeros(1), fault=SimpleNamespace(block_ptr=None, mirror_ptr=None),
                             copy=SimpleNamespace(cuda_stream=None))
-    ws = SimpleNamespace(flags=flags, views=[torch.zeros(4)] * 2, serial=-1)
-    monkeypatch.setattr(gather_peer, "workspace", lambda *args: ws)
+    shard_bytes = half * n * 4
+    calls = {0: 0, 1: 0}  # push calls per simulated rank
+    receive = [torch.full((gather_peer.SLOT_SETS * 2 * shard_bytes,), 255, dtype=torch.uint8) for _ in range(2)]
     for rank in range(2):
         peer = 1 - rank
+        ws = SimpleNamespace(flags=flags, views=receive if push else [torch.zeros(4)] * 2, serial=-1)
+        monkeypatch.setattr(gather_peer, "workspace", lambda *args, ws=ws: ws)
         sent = scatter_pull.half_gemm(a[peer].reshape(rows, k)[rank * half:(rank + 1) * half], b[peer],
                                       None if c[peer] is None else c[peer].reshape(rows, n)[rank * half:][:half])
 
         def gather_call(pp, rank=rank, peer=peer, sent=sent):
             p = pp._obj
             assert p.rank == rank and p.copy_own == 0 and p.shard_bytes == sent.numel() * sent.element_size()
-            ctypes.memmove(p.staging + peer * p.shard_bytes, sent.data_ptr(), p.shard_bytes)
+            assert bool(p.options & gather_peer.PUSH) == push
+            if push:  # the peer's push: slot ``peer`` of set ``slot_set`` in this rank's buffer
+                assert p.staging is None and p.slot_set == calls[rank] % gather_peer.SLOT_SETS
+                calls[rank] += 1
+                where = receive[rank].data_ptr() + (p.slot_set * 2 + peer) * p.shard_bytes
+                ctypes.memmove(where, sent.data_ptr(), p.shard_bytes)
+                other = ((1 - p.slot_set) * 2 + peer) * p.shard_bytes  # the other set's slot: NaN (0xff bytes)
+                receive[rank][other:other + p.shard_bytes] = 255
+            else:
+                ctypes.memmove(p.staging + peer * p.shard_bytes, sent.data_ptr(), p.shard_bytes)
             return 0
 
         lib = SimpleNamespace(fo_gather_call=gather_call, fo_gather_finish=lambda pp: 0)
         monkeypatch.setattr(scatter_pull.kernels, "library", lambda lib=lib: lib)
         call = routes.Call("reduce_scatter", rows, n, k, torch.float32, 2, rank, "cuda", None, "auto",
                            group_name="g")
-        ctx = SimpleNamespace(a=a[rank], b=b[rank], bias=c[rank], group=None, y_shape=[2, half, n],
+        group = SimpleNamespace(group_name=f"g{rank}")  # each simulated rank its own push-call counter
+        ctx = SimpleNamespace(a=a[rank], b=b[rank], bias=c[rank], group=group, y_shape=[2, half, n],
                               out_shape=[1, half, n], capturing=False)
         launch = scatter_pull.make_launch(call, on, ctx)
+        assert launch.buffer_bytes == (receive[0].numel() if push else shard_bytes)
         launch.args.clear()
-        out = scatter_pull.ROUTE.execute(launch, ctx)
-        torch.testing.assert_close(out.reshape(half, n), full[rank * half:(rank + 1) * half])
+        for _ in range(3 if push else 1):  # push: sets 0, 1, then 0 again
+            out = scatter_pull.ROUTE.execute(launch, ctx)
+            torch.testing.assert_close(out.reshape(half, n), full[rank * half:(rank + 1) * half])
+    assert calls == ({0: 3, 1: 3} if push else {0: 0, 1: 0})

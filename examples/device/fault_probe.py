@@ -24,6 +24,7 @@ C`` (W and H must be 0, C must equal N). Exits 1 otherwise. Timings mean nothing
     python examples/device/fault_probe.py --route peer --world 2
     python examples/device/fault_probe.py --route ring --world 3
     python examples/device/fault_probe.py --route scatter_pull --world 2
+    python examples/device/fault_probe.py --route scatter_pull --world 2 --experiments scatter_push
     python examples/device/fault_probe.py --nccl
     python examples/device/fault_probe.py --nccl-world 2
 """
@@ -95,7 +96,8 @@ def _expect_timeout(fn) -> str:
     return "NO ERROR"
 
 
-def worker(rank: int, world: int, port: int, out_dir: str, route: str, timeout_ms: float, stall_s: float) -> None:
+def worker(rank: int, world: int, port: int, out_dir: str, route: str, timeout_ms: float, stall_s: float,
+           experiments: tuple[str, ...] = ()) -> None:
     os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     import torch.distributed as dist
 
@@ -110,7 +112,8 @@ def worker(rank: int, world: int, port: int, out_dir: str, route: str, timeout_m
     lines = []
     def settings():  # a fresh context manager per use
         return config.patch(ring="all" if route == "ring" else "off", wait_timeout_ms=timeout_ms,
-                            scatter_route="pull" if route == "scatter_pull" else "peer")
+                            scatter_route="pull" if route == "scatter_pull" else "peer",
+                            experiments=frozenset(experiments))
 
     def record(case: str, **kw) -> None:
         line = {"case": case, "rank": rank, **kw}
@@ -241,6 +244,8 @@ def summarize(out_dir: str, hangs: int) -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--route", choices=("peer", "ring", "scatter_pull"), default="peer")
+    p.add_argument("--experiments", default="", help="comma-separated experiments the probed calls run under (e.g. "
+                   "scatter_push with --route scatter_pull: its push schedule)")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--nccl", action="store_true", help="the NCCL route's case instead (one process)")
     p.add_argument("--nccl-world", type=int, choices=(2,), help="the NCCL routes on 2 GPUs (fault_probe_nccl.py)")
@@ -264,7 +269,8 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.spawn(worker, args=(args.world, port, args.out, args.route, args.timeout_ms, args.stall_s),
+    experiments = tuple(x for x in args.experiments.split(",") if x)
+    ctx = mp.spawn(worker, args=(args.world, port, args.out, args.route, args.timeout_ms, args.stall_s, experiments),
                    nprocs=args.world, join=False)
     end, hangs = time.monotonic() + args.limit_s, 0
     try:

@@ -1,7 +1,8 @@
-"""GEMM -> reduce_scatter on 2 GPUs: the pull route (``scatter_route="pull"``) against the peer route, cuBLAS
-then NCCL, and the ideal ``max(T_gemm, T_comm)``, interleaved in one run (``tune.measure.Timer``: CUDA events, warm-up,
-medians, max over ranks); and the sum of two GEMMs (a backward's summed input gradients: ``x1 @ w1 + x2 @ w2`` then
-reduce_scatter) as Inductor runs it (``mm``, ``mm``, ``add``, NCCL), as the pass fuses it today (one GEMM over the
+"""GEMM -> reduce_scatter on 2 GPUs: the pull route (``scatter_route="pull"``; ``push``: the same under the
+experiment ``scatter_push``, its push schedule) against the peer route, cuBLAS then NCCL, and the ideal
+``max(T_gemm, T_comm)``, interleaved in one run (``tune.measure.Timer``: CUDA events, warm-up, medians, max over
+ranks); and the sum of two GEMMs (a backward's summed input gradients: ``x1 @ w1 + x2 @ w2`` then reduce_scatter) as
+Inductor runs it (``mm``, ``mm``, ``add``, NCCL), as the pass fuses it today (one GEMM over the
 concatenated K, the cats included) and on the pull route (``t = x1 @ w1``, then the fused op with ``t`` as its bias).
 Every variant's result is checked against the sequential one (relative error) and its route is printed.
 
@@ -54,6 +55,8 @@ def main() -> None:
     op = torch.ops.flashoverlap.gemm_reduce_scatter
     peer_key = config.current().replace(transport="peer", scatter_route="peer").key()
     pull_key = config.current().replace(transport="peer", scatter_route="pull").key()
+    push_key = config.current().replace(transport="peer", scatter_route="pull",
+                                        experiments=frozenset({"scatter_push"})).key()
     timer = tm.Timer(rounds=5, target_ms=10.0, min_iters=2, max_iters=40, spin_ms=0.3)
     lines = []
     for m, n, k in shapes_of(args.shapes):
@@ -70,7 +73,8 @@ def main() -> None:
         variants = {"seq": seq, "gemm": lambda x=x, w=w: x @ w,
                     "comm": lambda y=y, out=out: dist.reduce_scatter_tensor(out, y),
                     "peer": lambda x=x, w=w: op(x, w, None, "sum", world, name, "auto", peer_key),
-                    "pull": lambda x=x, w=w: op(x, w, None, "sum", world, name, "auto", pull_key)}
+                    "pull": lambda x=x, w=w: op(x, w, None, "sum", world, name, "auto", pull_key),
+                    "push": lambda x=x, w=w: op(x, w, None, "sum", world, name, "auto", push_key)}
         row = run_row(variants, "seq", timer)
         ideal = max(row["gemm"]["ms"], row["comm"]["ms"])
         lines.append((f"{m}x{n}x{k}", row, ideal))
@@ -88,12 +92,12 @@ def main() -> None:
         def peer_cat(x1=x1, x2=x2, w1=w1, w2=w2):
             return op(torch.cat([x1, x2], 1), torch.cat([w1, w2], 0), None, "sum", world, name, "auto", peer_key)
 
-        def pull_sum(x1=x1, x2=x2, w1=w1, w2=w2):
-            return op(x2, w2, torch.mm(x1, w1), "sum", world, name, "auto", pull_key)
+        def pull_sum(x1=x1, x2=x2, w1=w1, w2=w2, key=pull_key):
+            return op(x2, w2, torch.mm(x1, w1), "sum", world, name, "auto", key)
 
         variants = {"seq": seq_sum, "gemm": lambda x1=x1, x2=x2, w1=w1, w2=w2: torch.mm(x1, w1) + torch.mm(x2, w2),
                     "comm": lambda y=y, out=out: dist.reduce_scatter_tensor(out, y),
-                    "peer": peer_cat, "pull": pull_sum}
+                    "peer": peer_cat, "pull": pull_sum, "push": lambda: pull_sum(key=push_key)}
         row = run_row(variants, "seq", timer)
         ideal = max(row["gemm"]["ms"], row["comm"]["ms"])
         lines.append((f"sum {m}x{n}x{k}", row, ideal))
@@ -101,18 +105,19 @@ def main() -> None:
         print(f"{torch.cuda.get_device_name()} x {world}; ms (median, max over ranks); x = seq / variant; "
               "sum rows: peer = one GEMM over the concatenated K (cats included), pull = mm then the op with it as "
               "bias")
-        print(f"{'shape':24} {'gemm':>7} {'comm':>7} {'seq':>7} {'peer':>7} {'pull':>7} {'ideal':>7} "
-              f"{'x peer':>7} {'x pull':>7} {'x ideal':>7}  routes / errors")
-        ratios = {"peer": [], "pull": []}
+        fused = ("peer", "pull", "push")
+        print(f"{'shape':24} {'gemm':>7} {'comm':>7} {'seq':>7} " + " ".join(f"{v:>7}" for v in fused)
+              + f" {'ideal':>7} " + " ".join(f"{'x ' + v:>7}" for v in fused) + f" {'x ideal':>7}  routes / errors")
+        ratios = {v: [] for v in fused}
         for label, row, ideal in lines:
             s = row["seq"]["ms"]
-            for v in ratios:
+            for v in fused:
                 ratios[v].append(s / row[v]["ms"])
-            print(f"{label:24} {row['gemm']['ms']:7.3f} {row['comm']['ms']:7.3f} {s:7.3f} {row['peer']['ms']:7.3f} "
-                  f"{row['pull']['ms']:7.3f} {ideal:7.3f} {s / row['peer']['ms']:7.3f} {s / row['pull']['ms']:7.3f} "
-                  f"{s / ideal:7.3f}  peer {row['peer']['route']} err {row['peer']['err']:.1e}; pull "
-                  f"{row['pull']['route']} err {row['pull']['err']:.1e}")
-        print(f"geomean x peer {tm.geomean(ratios['peer']):.3f}, x pull {tm.geomean(ratios['pull']):.3f}")
+            print(f"{label:24} {row['gemm']['ms']:7.3f} {row['comm']['ms']:7.3f} {s:7.3f} "
+                  + " ".join(f"{row[v]['ms']:7.3f}" for v in fused) + f" {ideal:7.3f} "
+                  + " ".join(f"{s / row[v]['ms']:7.3f}" for v in fused) + f" {s / ideal:7.3f}  "
+                  + "; ".join(f"{v} {row[v]['route']} err {row[v]['err']:.1e}" for v in fused))
+        print("geomean " + ", ".join(f"x {v} {tm.geomean(ratios[v]):.3f}" for v in fused))
     dist.destroy_process_group()
 
 

@@ -26,6 +26,15 @@ rows, ``N`` columns):
 - ``fo_gather_finish``: the caller's stream joins the copy stream, and ``out`` is NaN while the group's fault block
   holds a fault (raised at the next call on every rank, as the gather route's).
 
+Under the experiment ``scatter_push`` (where ``SLOT_SETS`` x 2 shards fit ``gather_push_max_mb``) the call takes the
+gather protocol's push schedule instead (``FO_GATHER_PUSH``): the copy stream pushes ``part`` itself into slot
+``rank`` of the call's slot set in the peer's receive buffer, and this rank adds the peer's part from its own slot
+``p`` of that set; no copy into this rank's buffer and no handshake come before the own half's GEMM (on 2 H200s the
+handshake schedule spends ~12 us at 4096 x 4096 and ~0.1 ms at 16384 x 8192 there with the SMs idle). The
+notification and the wait for the peer's part run on the copy stream when the own GEMM frees an SM, which is when
+the add needs them. The slot sets alternate per push call of the group (``gather_peer.next_slot_set``, shared with
+the gather route's push calls), so a slot is rewritten only after the peer finished reading it two calls before.
+
 Invariants: the failure contract, the buffer reuse rule and the resynchronization are the gather route's (its
 docstring), since every wait, flag and buffer is its own; a fault raised here names ``gather_peer``. ``part``,
 ``staging`` and ``a`` stay referenced until after the join (and are recorded on the copy stream where the join failed).
@@ -62,6 +71,7 @@ log = logging.getLogger("flashoverlap")
 
 NAME = "scatter_pull"
 EXPERIMENT = "scatter_pull"  # calls with a bias of the output's shape (the pass's pull staging of a sum of GEMMs)
+PUSH_EXPERIMENT = "scatter_push"  # the push schedule (module docstring)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -125,8 +135,10 @@ def device_name(call) -> str | None:
 @dataclass
 class ScatterLaunch:
     """One call shape: halves of ``half_rows`` rows of ``n`` columns, the shard bytes, the bias form (``None``,
-    ``"row"``: one ``[N]`` row for every row, ``"full"``: the output's own shape), the wait bound and, per gather
-    workspace it ran with, the protocol's argument struct."""
+    ``"row"``: one ``[N]`` row for every row, ``"full"``: the output's own shape), the wait bound, the protocol's
+    options (``gather_peer.GEMM_AFTER_HANDSHAKE`` or ``PUSH``) and workspace bytes per rank (one shard; push:
+    ``SLOT_SETS`` x 2), and per gather workspace it ran with, the protocol's argument struct (and push: the receive
+    slots' views)."""
 
     rank: int
     half_rows: int
@@ -138,7 +150,10 @@ class ScatterLaunch:
     timeout_ns: int
     description: str
     launch_id: int = 0
+    options: int = gather_peer.GEMM_AFTER_HANDSHAKE
+    buffer_bytes: int = 0
     args: dict[int, gather_peer.GatherArgs] = field(default_factory=dict)  # workspace serial -> args
+    slots: dict[int, torch.Tensor] = field(default_factory=dict)  # push: workspace serial -> [sets, 2, half, n]
 
 
 def bias_form(bias: torch.Tensor | None, y_shape: list[int]) -> str | None:
@@ -167,9 +182,18 @@ def make_launch(call, settings: config.Settings, ctx) -> ScatterLaunch | str:
     shard_bytes = half * call.n * call.dtype.itemsize
     desc = (f"GEMM {call.rows}x{call.n}x{call.k} {call.dtype_name} then reduce_scatter over 2 ranks: scatter_pull "
             f"route (cuBLAS halves, {shard_bytes} B pulled by copy engine, bias {form})")
+    options, buffer_bytes = gather_peer.GEMM_AFTER_HANDSHAKE, shard_bytes
+    if PUSH_EXPERIMENT in settings.experiments:
+        push_bytes = gather_peer.SLOT_SETS * 2 * shard_bytes
+        if push_bytes <= settings.tuning.gather_push_max_mb << 20:
+            options, buffer_bytes = gather_peer.PUSH, push_bytes
+            desc += f"; pushed into the peer's receive slot (experiment {PUSH_EXPERIMENT})"
+        else:
+            desc += "; handshake (the push's receive buffer would pass gather_push_max_mb)"
     log.info("flashoverlap: launch %s", desc)
     return ScatterLaunch(call.rank, half, call.n, call.k, call.dtype, form, shard_bytes,
-                         settings.timeout_ns(compat.group_timeout_ms(ctx.group)), desc, faults.launch_id(desc))
+                         settings.timeout_ns(compat.group_timeout_ms(ctx.group)), desc, faults.launch_id(desc),
+                         options, buffer_bytes)
 
 
 def args_for(launch: ScatterLaunch, ws: gather_peer.GatherWorkspace) -> gather_peer.GatherArgs:
@@ -185,9 +209,19 @@ def args_for(launch: ScatterLaunch, ws: gather_peer.GatherWorkspace) -> gather_p
         p.epoch, p.launch_id, p.timeout_ns = f.epoch.data_ptr(), launch.launch_id, launch.timeout_ns
         p.fault, p.mirror, p.copy_stream = f.fault.block_ptr, f.fault.mirror_ptr, f.copy.cuda_stream
         p.elem_bytes, p.bf16 = launch.dtype.itemsize, int(launch.dtype == torch.bfloat16)
-        p.options, p.copy_own, p.num_outputs = gather_peer.GEMM_AFTER_HANDSHAKE, 0, 1
+        p.options, p.copy_own, p.num_outputs = launch.options, 0, 1
         launch.args[ws.serial] = p
     return p
+
+
+def received_slot(launch: ScatterLaunch, ws: gather_peer.GatherWorkspace, slot_set: int, peer: int) -> torch.Tensor:
+    """Push: the ``[half_rows, n]`` view of slot ``peer`` of set ``slot_set`` in this rank's receive buffer, where the
+    peer's part of this rank's rows lands (the views made once per workspace and kept with the launch)."""
+    views = launch.slots.get(ws.serial)
+    if views is None:
+        views = launch.slots[ws.serial] = ws.views[launch.rank][:launch.buffer_bytes].view(launch.dtype).view(
+            gather_peer.SLOT_SETS, 2, launch.half_rows, launch.n)
+    return views[slot_set, peer]
 
 
 def half_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None
@@ -214,7 +248,8 @@ class ScatterPullRoute:
 
     def execute(self, launch: ScatterLaunch, ctx) -> torch.Tensor | str:
         device, half, rank = ctx.a.device, launch.half_rows, launch.rank
-        ws = gather_peer.workspace(ctx.group, device, launch.shard_bytes, ctx.capturing)
+        push = bool(launch.options & gather_peer.PUSH)
+        ws = gather_peer.workspace(ctx.group, device, launch.buffer_bytes, ctx.capturing, push)
         if ws is None:
             return "capture-grow: its shard buffer would have to grow inside a CUDA-graph capture"
         cur = compat.current_raw_stream(device.index)
@@ -229,19 +264,25 @@ class ScatterPullRoute:
             bias = [full[:half], full[half:]]
         peer = 1 - rank
         part = half_gemm(a[peer * half:(peer + 1) * half], ctx.b, bias[peer]).contiguous()
-        staging = part.new_empty(half, launch.n)  # the pull's slot ``peer`` (the library writes no other slot)
+        # the pull's slot ``peer`` (the library writes no other slot); push: the peer writes this rank's slot
+        staging = None if push else part.new_empty(half, launch.n)
         out = torch.empty(ctx.out_shape, dtype=part.dtype, device=device)
         p = args_for(launch, ws)  # the memoized struct: every per-call field set here (the dispatcher's lock)
-        p.a, p.staging, p.cur_stream = part.data_ptr(), staging.data_ptr() - peer * launch.shard_bytes, cur
+        p.a, p.cur_stream = part.data_ptr(), cur
+        p.staging = None if push else staging.data_ptr() - peer * launch.shard_bytes
         p.outputs[0], p.output_numel[0] = out.data_ptr(), out.numel()
         lib = kernels.library()
+        received = staging
+        if push:  # the set counted last, right before the library (as the gather route's push calls)
+            p.slot_set = gather_peer.next_slot_set(ctx.group, device)
+            received = received_slot(launch, ws, p.slot_set, peer)
         rc = lib.fo_gather_call(ctypes.byref(p))
         try:
-            if rc == 0:  # the own half now (after the handshake), then the peer's part of it after its pull
+            if rc == 0:  # the own half now (after the handshake, if any), then the peer's part of it once arrived
                 own = out.view(half, launch.n)
                 half_gemm(a[rank * half:(rank + 1) * half], ctx.b, bias[rank], out=own)
                 _wait(device, ws.flags.events[peer])
-                own.add_(staging)
+                own.add_(received)
         finally:  # joined and poisoned whatever happened above: the copy stream never outlives the call's tensors
             rc_finish = gather_peer.finish(lib, p, ws, (part, staging), NAME)
         kernels.check(rc, "fo_gather_call")
