@@ -96,6 +96,36 @@ def test_the_registry_puts_it_first(monkeypatch):
     assert routes.select(_call(device="cpu"), ON).name == "cpu"
 
 
+def test_push_schedule_only_where_its_buffer_fits(monkeypatch):
+    """Under ``scatter_push`` the launch takes the push schedule (``SLOT_SETS`` x 2 shards per rank) unless that buffer
+    would pass ``gather_push_max_mb``, then the handshake (one shard), saying so; the tuning rows tell the push
+    schedule's launches from the pull's."""
+    from types import SimpleNamespace
+
+    from flashoverlap_inductor.routes import gather_peer
+    from flashoverlap_inductor.tune import rows
+
+    monkeypatch.setattr(gather_peer, "group_issue", lambda g: None)
+    monkeypatch.setattr(scatter_pull.compat, "group_timeout_ms", lambda g: 1000.0)
+    rows_, n, k = 4096, 4096, 512  # halves of 2048 x 4096 bf16: 16 MiB shards, a 64 MiB push buffer
+    call = routes.Call("reduce_scatter", rows_, n, k, torch.bfloat16, 2, 0, "cuda", None, "auto", group_name="g")
+    ctx = SimpleNamespace(b=torch.zeros(k, n), bias=None, y_shape=[rows_, n], group=None)
+    base = config.current().replace(scatter_route="pull")
+    shard = 2048 * n * 2
+    plain = scatter_pull.make_launch(call, base, ctx)
+    assert plain.options == gather_peer.GEMM_AFTER_HANDSHAKE and plain.buffer_bytes == shard
+    assert rows.route_of_launch(plain.description) == "pull"
+    push = base.replace(experiments=frozenset({"scatter_push"}))
+    launch = scatter_pull.make_launch(call, push, ctx)
+    assert launch.options == gather_peer.PUSH and launch.buffer_bytes == gather_peer.SLOT_SETS * 2 * shard
+    assert rows.route_of_launch(launch.description) == "push"
+    for cap in (0, 63):
+        fallback = scatter_pull.make_launch(call, push.replace(gather_push_max_mb=cap), ctx)
+        assert fallback.options == gather_peer.GEMM_AFTER_HANDSHAKE and fallback.buffer_bytes == shard
+        assert "handshake schedule" in fallback.description and rows.route_of_launch(fallback.description) == "pull"
+    assert scatter_pull.make_launch(call, push.replace(gather_push_max_mb=64), ctx).options == gather_peer.PUSH
+
+
 def test_bias_forms():
     y = [4, 64, 128]
     assert scatter_pull.bias_form(None, y) is None

@@ -78,12 +78,14 @@ def _op(op: str, a, b, world: int, name: str) -> torch.Tensor:
 
 def _ran(route: str, before: dict, key: str = "route") -> dict:
     """The routes that ran since ``before`` (a copy of ``routes.stats``), and ``wrong`` where the probed route did
-    not (the case then tested another); ``key`` "captured": the calls captured into a CUDA graph."""
+    not (the case then tested another); ``key`` "captured": the calls captured into a CUDA graph. ``launch``: the
+    last fused call's launch description (which schedule ran, e.g. the pull route's push under ``scatter_push``)."""
     from flashoverlap_inductor import routes
 
     ran = {k: v - before.get(k, 0) for k, v in routes.stats.items()
            if k.startswith(("route:", "captured:")) and v > before.get(k, 0)}
-    return {"routes": ran} if ran.get(f"{key}:{route}", 0) else {"routes": ran, "wrong": f"{key}:{route} never ran"}
+    out = {"routes": ran, "launch": getattr(routes.last_launch, "description", "")[-90:]}
+    return out if ran.get(f"{key}:{route}", 0) else {**out, "wrong": f"{key}:{route} never ran"}
 
 
 def _expect_timeout(fn) -> str:

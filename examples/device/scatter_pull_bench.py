@@ -37,6 +37,8 @@ def run_row(variants: dict, ref_name: str, timer: tm.Timer) -> dict:
         got = fn()
         torch.cuda.synchronize()
         ran = [k for k, c in routes.stats.items() if k.startswith("route:") and c > before.get(k, 0)]
+        if "pushed by copy engine" in getattr(routes.last_launch, "description", ""):
+            ran.append("push schedule")  # the push column must say so: else it fell back to the handshake
         err = ((got.float() - want).norm() / want.norm()).item() if got is not None and got.shape == want.shape else 0.0
         row[v] = {"route": ",".join(ran) or "-", "err": tm.reduce_max([err])[0]}
     for v, t in timer.measure(variants).items():

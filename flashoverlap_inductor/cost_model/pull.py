@@ -37,7 +37,8 @@ from . import gain, registry
 from .decide import copy_ms
 from .pipeline import DTYPE_BYTES
 
-TOLERANCE = 0.05  # the pull route's predicted GPU time may exceed the peer route's by this fraction (prefers_pull)
+TOLERANCE = 0.05  # the pull route's predicted time may exceed the peer route's by this fraction, host floors
+# included (prefers_pull)
 
 
 def pull_ms(model, rows: int, n: int, k: int, dtype: str, device_name: str | None,

@@ -104,7 +104,9 @@ def takes_plain(call, settings: config.Settings) -> bool:
     """Whether ``scatter_route`` gives this route ``call`` whatever its bias (``"pull"``, or ``"auto"`` for bf16 where
     the peer route cannot take the call or ``cost_model.pull.prefers_pull``); else only a staged sum's bias of the
     output's shape brings it here. A cost-model failure answers False (the peer route, as before this route was a
-    default), logged once: the same on every rank, and never an error of the call."""
+    default), logged once: the same on every rank, and never an error of the call. At run time the peer route also
+    declines a B whose strides none of its kernels reads, which compile time cannot see: such a call runs here,
+    whatever the models say, where the pass predicted the peer route (both fused: the same collectives run)."""
     route = settings.tuning.scatter_route
     if route != "auto":
         return route == "pull"
@@ -180,16 +182,17 @@ def make_launch(call, settings: config.Settings, ctx) -> ScatterLaunch | str:
         return why
     half = call.rows // 2
     shard_bytes = half * call.n * call.dtype.itemsize
-    desc = (f"GEMM {call.rows}x{call.n}x{call.k} {call.dtype_name} then reduce_scatter over 2 ranks: scatter_pull "
-            f"route (cuBLAS halves, {shard_bytes} B pulled by copy engine, bias {form})")
-    options, buffer_bytes = gather_peer.GEMM_AFTER_HANDSHAKE, shard_bytes
+    options, buffer_bytes, moved = gather_peer.GEMM_AFTER_HANDSHAKE, shard_bytes, "pulled by copy engine"
+    note_ = ""
     if PUSH_EXPERIMENT in settings.experiments:
         push_bytes = gather_peer.SLOT_SETS * 2 * shard_bytes
         if push_bytes <= settings.tuning.gather_push_max_mb << 20:
             options, buffer_bytes = gather_peer.PUSH, push_bytes
-            desc += f"; pushed into the peer's receive slot (experiment {PUSH_EXPERIMENT})"
+            moved = f"pushed by copy engine into the peer's receive slot (experiment {PUSH_EXPERIMENT})"
         else:
-            desc += "; handshake (the push's receive buffer would pass gather_push_max_mb)"
+            note_ = "; handshake schedule (the push's receive buffer would pass gather_push_max_mb)"
+    desc = (f"GEMM {call.rows}x{call.n}x{call.k} {call.dtype_name} then reduce_scatter over 2 ranks: scatter_pull "
+            f"route (cuBLAS halves, {shard_bytes} B {moved}, bias {form}){note_}")
     log.info("flashoverlap: launch %s", desc)
     return ScatterLaunch(call.rank, half, call.n, call.k, call.dtype, form, shard_bytes,
                          settings.timeout_ns(compat.group_timeout_ms(ctx.group)), desc, faults.launch_id(desc),
@@ -214,14 +217,14 @@ def args_for(launch: ScatterLaunch, ws: gather_peer.GatherWorkspace) -> gather_p
     return p
 
 
-def received_slot(launch: ScatterLaunch, ws: gather_peer.GatherWorkspace, slot_set: int, peer: int) -> torch.Tensor:
-    """Push: the ``[half_rows, n]`` view of slot ``peer`` of set ``slot_set`` in this rank's receive buffer, where the
-    peer's part of this rank's rows lands (the views made once per workspace and kept with the launch)."""
+def receive_buffer(launch: ScatterLaunch, ws: gather_peer.GatherWorkspace) -> torch.Tensor:
+    """Push: this rank's receive buffer as ``[SLOT_SETS, 2, half_rows, n]``; ``[b, j]`` is where rank ``j``'s part of
+    this rank's rows lands in a set-``b`` call (the view made once per workspace and kept with the launch)."""
     views = launch.slots.get(ws.serial)
     if views is None:
         views = launch.slots[ws.serial] = ws.views[launch.rank][:launch.buffer_bytes].view(launch.dtype).view(
             gather_peer.SLOT_SETS, 2, launch.half_rows, launch.n)
-    return views[slot_set, peer]
+    return views
 
 
 def half_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None
@@ -274,8 +277,9 @@ class ScatterPullRoute:
         lib = kernels.library()
         received = staging
         if push:  # the set counted last, right before the library (as the gather route's push calls)
+            slots = receive_buffer(launch, ws)
             p.slot_set = gather_peer.next_slot_set(ctx.group, device)
-            received = received_slot(launch, ws, p.slot_set, peer)
+            received = slots[p.slot_set, peer]
         rc = lib.fo_gather_call(ctypes.byref(p))
         try:
             if rc == 0:  # the own half now (after the handshake, if any), then the peer's part of it once arrived

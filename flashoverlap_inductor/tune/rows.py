@@ -20,10 +20,10 @@ BENCH_RING_ROUNDS = (1, 2, 4)  # the benchmark's ``ringR`` rows flags (examples/
 
 
 def route_of_launch(launch: str) -> str:
-    """"ring", "peer", "pull" or "nccl" from a launch description (``RingLaunch`` / ``PeerLaunch`` /
-    ``ScatterLaunch`` / NCCL-route launches)."""
+    """"ring", "peer", "pull", "push" (the pull route on the push schedule, experiment ``scatter_push``) or "nccl"
+    from a launch description (``RingLaunch`` / ``PeerLaunch`` / ``ScatterLaunch`` / NCCL-route launches)."""
     if "scatter_pull route" in launch:
-        return "pull"
+        return "push" if "pushed by copy engine" in launch else "pull"
     return "ring" if "ring route" in launch else "peer" if "peer route" in launch else "nccl"
 
 
