@@ -24,7 +24,7 @@
 # FO_FAULT_SPECS: the fault probes' argument lists, ';'-separated; FO_TIMELINE_ARGS: more timeline arguments (e.g.
 #   "--op reduce_scatter" or "--op all_reduce": the peer route's call timeline instead of the all_gather one, 1 PNG).
 # The MoE check alone (tests/test_gpu_moe.py, tests/test_moe_plan_kernel.py, bench_moe, moe_profile):
-#   FO_PART=B FO_SKIP="cpu coverage ops gather push timeline".
+#   FO_PART=B FO_SKIP="cpu coverage ops gather scatter push timeline".
 # FO_MOEPROF_SHAPES, FO_MOEPROF_PLANS: moe_profile's shapes and bench_moe plans (e.g. blocks+deferred+plan_triton).
 # FO_OPS_CAP_S: bench_ops' cap (default 120 s; FO_OPS_SHAPES=grid, the 16-shape grid, needs ~300); FO_OPS_ARGS: more
 #   bench_ops arguments (e.g. "--ops all_to_all").
@@ -34,8 +34,11 @@
 # push (B): examples/device/push_probe.py, the gather schedule of copy-engine pushes and stream memory operations
 #   (FO_PUSH_ARGS: e.g. "--shapes 16384x6144x4096").
 # FO_RERUN_CAP_S (B): the GPU test rerun's cap (default 120 s; tests/test_gpu_gather.py under both starts wants ~200).
-# FO_SKIP: any of "build tests faults cpu coverage ops gather moe moeprof push timeline e2e"; FO_BUDGET_S: the part's
-#   budget (default 570).
+# scatter (B): examples/device/scatter_pull_bench.py, the pull route (handshake and, under the experiment
+#   scatter_push, push schedules) against the peer route and sequential (FO_SCATTER_SHAPES: M x N x K with K the
+#   whole reduction; FO_SCATTER_SUM_SHAPES; FO_SCATTER_CAP_S, default 150); $OUT/scatter.log.
+# FO_SKIP: any of "build tests faults cpu coverage ops gather scatter moe moeprof push timeline e2e"; FO_BUDGET_S: the
+#   part's budget (default 570).
 set -uo pipefail
 START=$SECONDS
 PART=${FO_PART:-A}
@@ -152,6 +155,13 @@ elif [ "$PART" = B ]; then
       --shapes "${FO_GATHER_SHAPES:-4096x6144x4096,16384x4096x4096}" ${FO_GATHER_ARGS:-} --json /tmp/fo_probe/bench_gather.json >"$OUT/bench_gather.log" 2>&1
     echo "bench_gather rc=$?" | tee -a "$OUT/bench_gather.log"; tail -25 "$OUT/bench_gather.log"
     clocks_off "$OUT/bench_gather.log"
+  fi
+  if [[ "$SKIP" != *" scatter "* ]]; then  # reduce_scatter on 2 GPUs: the pull route's schedules against the peer route
+    step "scatter_pull_bench"; clocks_on
+    timeout "$(cap ${FO_SCATTER_CAP_S:-150})" "${TORCHRUN[@]}" --nproc_per_node=2 "$REPO/examples/device/scatter_pull_bench.py" \
+      --shapes "${FO_SCATTER_SHAPES:-4096x4096x8192,4096x4096x14336,8192x8192x14336,16384x8192x14336,16384x4096x8192}" \
+      --sum-shapes "${FO_SCATTER_SUM_SHAPES:-8192x4096x14336}" >"$OUT/scatter.log" 2>&1
+    echo "scatter_pull_bench rc=$?" | tee -a "$OUT/scatter.log"; tail -9 "$OUT/scatter.log"; clocks_off "$OUT/scatter.log"
   fi
   if [[ "$SKIP" != *" moe "* ]]; then  # the MoE ops' P2P route: examples/bench_moe.py (FO_MOE_ARGS: e.g. --shapes)
     step "bench_moe"
