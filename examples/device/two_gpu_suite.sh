@@ -118,7 +118,7 @@ if [ "$PART" = A ]; then
   CPU_PID=$!
   if [[ "$SKIP" != *" tests "* ]]; then
     step "GPU tests"
-    TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 timeout "$(cap 270)" python3 -m pytest -q -rs -p no:cacheprovider \
+    TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 timeout "$(cap 300)" python3 -m pytest -q -rs -p no:cacheprovider \
       --durations=8 "$REPO"/tests/test_gpu_*.py >"$OUT/gpu_tests.log" 2>&1
     echo "gpu pytest rc=$?" | tee -a "$OUT/gpu_tests.log"
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -12
