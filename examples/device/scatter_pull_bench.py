@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from flashoverlap_inductor import config, routes
 from flashoverlap_inductor.tune import measure as tm
+from flashoverlap_inductor.tune.rows import route_of_launch
 
 
 def shapes_of(text: str) -> list[tuple[int, int, int]]:
@@ -37,7 +38,7 @@ def run_row(variants: dict, ref_name: str, timer: tm.Timer) -> dict:
         got = fn()
         torch.cuda.synchronize()
         ran = [k for k, c in routes.stats.items() if k.startswith("route:") and c > before.get(k, 0)]
-        if "pushed by copy engine" in getattr(routes.last_launch, "description", ""):
+        if route_of_launch(getattr(routes.last_launch, "description", "")) == "push":
             ran.append("push schedule")  # the push column must say so: else it fell back to the handshake
         err = ((got.float() - want).norm() / want.norm()).item() if got is not None and got.shape == want.shape else 0.0
         row[v] = {"route": ",".join(ran) or "-", "err": tm.reduce_max([err])[0]}

@@ -188,6 +188,7 @@ def make_launch(call, settings: config.Settings, ctx) -> ScatterLaunch | str:
         push_bytes = gather_peer.SLOT_SETS * 2 * shard_bytes
         if push_bytes <= settings.tuning.gather_push_max_mb << 20:
             options, buffer_bytes = gather_peer.PUSH, push_bytes
+            # tune.rows.route_of_launch tells this schedule's launches by "pushed by copy engine"
             moved = f"pushed by copy engine into the peer's receive slot (experiment {PUSH_EXPERIMENT})"
         else:
             note_ = "; handshake schedule (the push's receive buffer would pass gather_push_max_mb)"
@@ -267,19 +268,19 @@ class ScatterPullRoute:
             bias = [full[:half], full[half:]]
         peer = 1 - rank
         part = half_gemm(a[peer * half:(peer + 1) * half], ctx.b, bias[peer]).contiguous()
-        # the pull's slot ``peer`` (the library writes no other slot); push: the peer writes this rank's slot
-        staging = None if push else part.new_empty(half, launch.n)
         out = torch.empty(ctx.out_shape, dtype=part.dtype, device=device)
         p = args_for(launch, ws)  # the memoized struct: every per-call field set here (the dispatcher's lock)
         p.a, p.cur_stream = part.data_ptr(), cur
-        p.staging = None if push else staging.data_ptr() - peer * launch.shard_bytes
         p.outputs[0], p.output_numel[0] = out.data_ptr(), out.numel()
         lib = kernels.library()
-        received = staging
-        if push:  # the set counted last, right before the library (as the gather route's push calls)
-            slots = receive_buffer(launch, ws)
-            p.slot_set = gather_peer.next_slot_set(ctx.group, device)
+        staging = None
+        if push:  # the peer writes this rank's slot; the set counted last, right before the library (as the gather
+            slots = receive_buffer(launch, ws)  # route's push calls)
+            p.staging, p.slot_set = None, gather_peer.next_slot_set(ctx.group, device)
             received = slots[p.slot_set, peer]
+        else:  # the pull's slot ``peer`` (the library writes no other slot)
+            staging = received = part.new_empty(half, launch.n)
+            p.staging = staging.data_ptr() - peer * launch.shard_bytes
         rc = lib.fo_gather_call(ctypes.byref(p))
         try:
             if rc == 0:  # the own half now (after the handshake, if any), then the peer's part of it once arrived
