@@ -370,7 +370,9 @@ FO_API int fo_ring_call(const fo_ring_args* args);
 #define FO_GATHER_GEMM_AFTER_HANDSHAKE 1
 /* options bit (gather_start="push"; what "auto" takes on 2 ranks where its buffer fits): the push schedule. buffers[p]
  * are then every rank's receive buffers of FO_GATHER_SLOT_SETS sets of world slots (slot j of set b at buffers[p] +
- * (b * world + j) * shard_bytes: rank j's shard; a workspace of its own, never shared with the schedules above); a
+ * b * set_bytes + j * shard_bytes: rank j's shard; a workspace of its own, never shared with the schedules above;
+ * set_bytes is fixed per workspace, whatever the call's shard size, so calls of other sizes on the other set never
+ * overwrite a slot that a set's waits do not guard); a
  * call uses set slot_set, which the host picks alike on every rank (alternating, so a rank may push call e + 1 while
  * its peers still read call e). The page also holds, per set b (M = FO_GATHER_MAX_WORLD, S = FO_GATHER_SLOT_SETS):
  * done_b[j] at 2M + bM + j and ready_b[j] at (2 + S)M + bM + j (each written only by rank j, once per set-b call), and
@@ -425,6 +427,9 @@ typedef struct {
   int64_t output_numel[FO_GATHER_MAX_OUTPUTS];
   int32_t slot_set;                           /* FO_GATHER_PUSH: the set of slots this call writes and reads
                                                * (0 .. FO_GATHER_SLOT_SETS - 1, the same on every rank); else 0 */
+  int64_t set_bytes;                          /* FO_GATHER_PUSH: bytes from one slot set to the next in every
+                                               * receive buffer, >= world * shard_bytes; the same on every rank and
+                                               * for every call on one workspace (its capacity / SLOT_SETS) */
 } fo_gather_args;
 
 FO_API int fo_gather_call(const fo_gather_args* args);

@@ -49,7 +49,8 @@ constexpr int kSetEpoch = kSetReads + kSlotSets;  // FO_GATHER_COPY_NOTIFY: at k
                                                   // reads once that call's shard is there; copied, never added)
 constexpr int kCopyNotifyMinWorld = 3;  // FO_GATHER_COPY_NOTIFY acts from this many ranks on (2: one push anyway)
 static_assert(kSetEpoch + kSlotSets <= FO_GATHER_FLAG_INTS, "the gather flag page holds every flag and counter");
-static_assert(sizeof(fo_gather_args) == 432 && offsetof(fo_gather_args, slot_set) == 424, "fo_gather_args layout");
+static_assert(sizeof(fo_gather_args) == 440 && offsetof(fo_gather_args, slot_set) == 424, "fo_gather_args layout");
+static_assert(offsetof(fo_gather_args, set_bytes) == 432, "fo_gather_args layout");
 constexpr int kTagReady = 3000;     // + j: rank j's shard of this call
 constexpr int kTagDone = 3100;      // + j: rank j finished reading this rank's previous shard
 constexpr int kTagEnqueue = 3200;   // + step: a part of the call this rank could not enqueue
@@ -182,6 +183,9 @@ int check_args(fo_gather_args const& p, bool finish) {
     return fail_code(2, "fo_gather_call: shard_bytes must be positive; a, staging (but for a push without copy_own) "
                         "and epoch are required");
   }
+  if ((p.options & FO_GATHER_PUSH) != 0 && p.set_bytes < int64_t(p.world) * p.shard_bytes) {
+    return fail_code(2, "fo_gather_call: FO_GATHER_PUSH needs set_bytes >= world * shard_bytes");
+  }
   if ((p.options & FO_GATHER_PUSH) != 0 && (p.options & FO_GATHER_GEMM_AFTER_HANDSHAKE) != 0) {
     return fail_code(2, "fo_gather_call: FO_GATHER_PUSH excludes FO_GATHER_GEMM_AFTER_HANDSHAKE");
   }
@@ -275,7 +279,7 @@ int push_call(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur, cudaS
   // copies ran: fo_gather_finish makes cur_stream join this copy stream before the next call's begin rewrites them.
   // Stream order puts each after its push. A peer whose push or copy could not be enqueued, or any after an enqueue
   // failure, is told in step 4 instead, after the failure is recorded.
-  size_t const set_offset = size_t(b) * size_t(W) * bytes;
+  size_t const set_offset = size_t(b) * size_t(p.set_bytes);  // fixed per workspace: sets never overlap
   int* const own = p.flags[r];
   int* const sources[2] = {own + kSetEpoch + b, own + kSetUses + b};
   GatherStep tell = step_base(p);

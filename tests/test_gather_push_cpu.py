@@ -32,7 +32,7 @@ def test_push_execute_reads_every_shard_from_its_slot(monkeypatch, world, return
     weights = [torch.randn(k, n, generator=gen) for n in ns]
     shard_bytes = rows * k * 4
     sets = gather_peer.SLOT_SETS
-    set_bytes = world * shard_bytes
+    set_bytes = world * shard_bytes + 64  # room to spare: the sets lie set_bytes apart, not world shards apart
     buffers = [torch.zeros(sets * set_bytes, dtype=torch.uint8) for _ in range(world)]  # "symmetric" memory
     settings = config.current().replace(gather_start="push")
     asked = []
@@ -45,7 +45,7 @@ def test_push_execute_reads_every_shard_from_its_slot(monkeypatch, world, return
                             events=[SimpleNamespace(cuda_event=None) for _ in range(world)],
                             epoch=torch.zeros(1), fault=SimpleNamespace(block_ptr=None, mirror_ptr=None),
                             copy=SimpleNamespace(cuda_stream=None))
-    ws = SimpleNamespace(flags=flags, views=buffers, serial=-1)
+    ws = SimpleNamespace(flags=flags, views=buffers, serial=-1, capacity=sets * set_bytes)
     monkeypatch.setattr(gather_peer, "group_issue", lambda g: None)
     monkeypatch.setattr(gather_peer, "workspace", workspace)
     monkeypatch.setattr(gather_peer, "_push_calls", {})
@@ -65,7 +65,8 @@ def test_push_execute_reads_every_shard_from_its_slot(monkeypatch, world, return
                 assert p.slot_set == number % sets
                 assert (p.staging is not None) == returned  # no staging unless the gathered rows are returned
                 assert [p.buffers[j] for j in range(world)] == [b.data_ptr() for b in buffers]
-                base = p.slot_set * set_bytes
+                assert p.set_bytes == set_bytes
+                base = p.slot_set * p.set_bytes
                 for j in range(world):  # the peers' pushes into this rank's slots, this rank's into theirs
                     if j != rank:
                         ctypes.memmove(p.buffers[rank] + base + j * shard_bytes, shards[j].data_ptr(), shard_bytes)
@@ -96,6 +97,39 @@ def test_push_execute_reads_every_shard_from_its_slot(monkeypatch, world, return
                 torch.testing.assert_close(y, gathered @ w)
             if returned:
                 assert torch.equal(outs[-1], gathered)
+
+
+def test_push_sets_never_overlap_across_call_sizes():
+    """Calls of any shard size on one push workspace: every byte a set-``b`` call's slots take (the library's
+    ``buffers + b * set_bytes + [0, world * shard_bytes)``, and the views the GEMMs and adds read) lies in set ``b``'s
+    fixed range, so the waits of one set guard everything its calls write (a set-1 push of a small call once
+    overwrote the rows of a queued larger set-0 call: offsets then scaled with the shard size)."""
+    from flashoverlap_inductor.routes import scatter_pull
+
+    capacity, world = 1 << 20, 2
+    buf = torch.zeros(capacity, dtype=torch.uint8)
+    ws = SimpleNamespace(capacity=capacity, views=[buf, buf], serial=-1,
+                         flags=SimpleNamespace(views=[buf, buf], events=[SimpleNamespace(cuda_event=None)] * 2,
+                                               epoch=torch.zeros(1), copy=SimpleNamespace(cuda_stream=None),
+                                               fault=SimpleNamespace(block_ptr=None, mirror_ptr=None)))
+    base, step = buf.data_ptr(), capacity // gather_peer.SLOT_SETS
+    for rows in (128, 48, 320, 8):  # shard rows of K 384 in bf16: 96, 36, 240 (a full set) and 6 KiB shards
+        shard_bytes = rows * 384 * 2
+        geo = SimpleNamespace(world=world, shard_rows=rows, k=384)
+        launch = gather_peer.GatherLaunch(geo, 0, torch.bfloat16, shard_bytes, 1, "", gather_peer.PUSH,
+                                          gather_peer.SLOT_SETS * world * shard_bytes)
+        scatter = scatter_pull.ScatterLaunch(0, rows, 384, 64, torch.bfloat16, None, shard_bytes, 1, "",
+                                             options=gather_peer.PUSH, buffer_bytes=launch.buffer_bytes)
+        p = gather_peer.args_for(launch, ws)
+        views = [gather_peer.receive_slots(launch, ws, torch.bfloat16),
+                 scatter_pull.receive_buffer(scatter, ws)]
+        assert scatter_pull.args_for(scatter, ws).set_bytes == p.set_bytes == step
+        for b in range(gather_peer.SLOT_SETS):
+            lo, hi = p.buffers[0] + b * p.set_bytes, p.buffers[0] + b * p.set_bytes + world * shard_bytes
+            assert base + b * step <= lo and hi <= base + (b + 1) * step, (rows, b)
+            for v in views:
+                t = v[b]
+                assert (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) == (lo, hi), (rows, b)
 
 
 def test_push_set_count_restarts_with_the_flags(monkeypatch):

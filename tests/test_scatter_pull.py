@@ -194,10 +194,12 @@ def test_execute_pulls_the_peers_part_into_the_right_rows(monkeypatch, form, pus
                             copy=SimpleNamespace(cuda_stream=None))
     shard_bytes = half * n * 4
     calls = {0: 0, 1: 0}  # push calls per simulated rank
-    receive = [torch.full((gather_peer.SLOT_SETS * 2 * shard_bytes,), 255, dtype=torch.uint8) for _ in range(2)]
+    # the workspace has room to spare: the sets lie capacity / SLOT_SETS apart, not two shards apart
+    receive = [torch.full((gather_peer.SLOT_SETS * (2 * shard_bytes + 64),), 255, dtype=torch.uint8) for _ in range(2)]
     for rank in range(2):
         peer = 1 - rank
-        ws = SimpleNamespace(flags=flags, views=receive if push else [torch.zeros(4)] * 2, serial=-1)
+        ws = SimpleNamespace(flags=flags, views=receive if push else [torch.zeros(4)] * 2, serial=-1,
+                             capacity=receive[0].numel())
         monkeypatch.setattr(gather_peer, "workspace", lambda *args, ws=ws: ws)
         sent = scatter_pull.half_gemm(a[peer].reshape(rows, k)[rank * half:(rank + 1) * half], b[peer],
                                       None if c[peer] is None else c[peer].reshape(rows, n)[rank * half:][:half])
@@ -209,9 +211,10 @@ def test_execute_pulls_the_peers_part_into_the_right_rows(monkeypatch, form, pus
             if push:  # the peer's push: slot ``peer`` of set ``slot_set`` in this rank's buffer
                 assert p.staging is None and p.slot_set == calls[rank] % gather_peer.SLOT_SETS
                 calls[rank] += 1
-                where = receive[rank].data_ptr() + (p.slot_set * 2 + peer) * p.shard_bytes
+                assert p.set_bytes == receive[rank].numel() // gather_peer.SLOT_SETS
+                where = receive[rank].data_ptr() + p.slot_set * p.set_bytes + peer * p.shard_bytes
                 ctypes.memmove(where, sent.data_ptr(), p.shard_bytes)
-                other = ((1 - p.slot_set) * 2 + peer) * p.shard_bytes  # the other set's slot: NaN (0xff bytes)
+                other = (1 - p.slot_set) * p.set_bytes + peer * p.shard_bytes  # the other set's slot: NaN (0xff)
                 receive[rank][other:other + p.shard_bytes] = 255
             else:
                 ctypes.memmove(p.staging + peer * p.shard_bytes, sent.data_ptr(), p.shard_bytes)
@@ -225,7 +228,7 @@ def test_execute_pulls_the_peers_part_into_the_right_rows(monkeypatch, form, pus
         ctx = SimpleNamespace(a=a[rank], b=b[rank], bias=c[rank], group=group, y_shape=[2, half, n],
                               out_shape=[1, half, n], capturing=False)
         launch = scatter_pull.make_launch(call, on, ctx)
-        assert launch.buffer_bytes == (receive[0].numel() if push else shard_bytes)
+        assert launch.buffer_bytes == (gather_peer.SLOT_SETS * 2 * shard_bytes if push else shard_bytes)
         launch.args.clear()
         for _ in range(3 if push else 1):  # push: sets 0, 1, then 0 again
             out = scatter_pull.ROUTE.execute(launch, ctx)

@@ -38,7 +38,10 @@ Invariants (units: bytes for buffers and shards, flattened rows for the GEMMs, a
   all_gather's layout) and the outputs are the call's own fresh tensors.
 - A buffer (push: a set's slots) is rewritten only after every peer said it read what is there; the flags count
   calls, not shapes, so calls of any shape share one page and buffer set, and run in order on the group's copy
-  stream (eager calls from another caller stream first wait for the last, ``order_after_last``).
+  stream. Push: set ``b`` of a workspace is its fixed byte range ``[b, b + 1) * set_bytes(ws)`` whatever a call's
+  shard size, so a set's waits guard every byte a call of that set writes (with offsets by shard size, a large
+  set-0 call's slots overlapped a small set-1 call's: a queued set-1 push overwrote rows a set-0 call had yet to
+  read, 2 H100s, 35th session) (eager calls from another caller stream first wait for the last, ``order_after_last``).
 - Every wait is bounded by the call's deadline (``Settings.timeout_ns``: ``wait_timeout_ms`` or the group's
   timeout). A wait that gives up records the fault in this rank's block and every peer's; the call still notifies
   every flag once and every wait consumes its epoch, so the next call is in step again (a late rank is caught up).
@@ -111,7 +114,8 @@ class GatherArgs(ctypes.Structure):
                 ("copy_stream", ctypes.c_void_p), ("shard_events", ctypes.c_void_p * MAX_WORLD),
                 ("num_outputs", ctypes.c_int32), ("elem_bytes", ctypes.c_int32), ("bf16", ctypes.c_int32),
                 ("options", ctypes.c_int32), ("outputs", ctypes.c_void_p * MAX_OUTPUTS),
-                ("output_numel", ctypes.c_int64 * MAX_OUTPUTS), ("slot_set", ctypes.c_int32)]
+                ("output_numel", ctypes.c_int64 * MAX_OUTPUTS), ("slot_set", ctypes.c_int32),
+                ("set_bytes", ctypes.c_int64)]
 
 
 @dataclass
@@ -137,6 +141,13 @@ class GatherWorkspace:
     views: list[torch.Tensor]
     flags: GatherFlags
     serial: int = 0  # ``symmetric.next_serial()``: the key of the argument structs made for it
+
+
+def set_bytes(ws: GatherWorkspace) -> int:
+    """Bytes from one push slot set to the next in ``ws`` (``fo_gather_args.set_bytes``): its capacity split evenly,
+    the same on every rank and for every call shape (a push call needs ``SLOT_SETS * world * shard_bytes`` of room,
+    so its ``world`` slots fit in one set)."""
+    return ws.capacity // SLOT_SETS
 
 
 _flags: dict[tuple[int, str], GatherFlags] = {}
@@ -291,7 +302,7 @@ def args_for(launch: GatherLaunch, ws: GatherWorkspace) -> GatherArgs:
         p.epoch, p.launch_id, p.timeout_ns = f.epoch.data_ptr(), launch.launch_id, launch.timeout_ns
         p.fault, p.mirror, p.copy_stream = f.fault.block_ptr, f.fault.mirror_ptr, f.copy.cuda_stream
         p.elem_bytes, p.bf16 = launch.dtype.itemsize, int(launch.dtype == torch.bfloat16)
-        p.options = launch.options
+        p.options, p.set_bytes = launch.options, set_bytes(ws)
         launch.args[ws.serial] = p
     return p
 
@@ -326,9 +337,9 @@ def receive_slots(launch: GatherLaunch, ws: GatherWorkspace, dtype: torch.dtype)
     ``b``'s slot ``j``: rank ``j``'s shard of a set-``b`` call), made once per workspace and kept with the launch."""
     views = launch.slots.get(ws.serial)
     if views is None:
-        geo = launch.geo
-        views = launch.slots[ws.serial] = tuple(ws.views[launch.rank][:launch.buffer_bytes].view(dtype).view(
-            SLOT_SETS, geo.world, geo.shard_rows, geo.k).unbind(0))
+        geo, step, size = launch.geo, set_bytes(ws), launch.buffer_bytes // SLOT_SETS
+        views = launch.slots[ws.serial] = tuple(ws.views[launch.rank][b * step:b * step + size].view(dtype).view(
+            geo.world, geo.shard_rows, geo.k) for b in range(SLOT_SETS))
     return views
 
 

@@ -155,7 +155,7 @@ class ScatterLaunch:
     options: int = gather_peer.GEMM_AFTER_HANDSHAKE
     buffer_bytes: int = 0
     args: dict[int, gather_peer.GatherArgs] = field(default_factory=dict)  # workspace serial -> args
-    slots: dict[int, torch.Tensor] = field(default_factory=dict)  # push: workspace serial -> [sets, 2, half, n]
+    slots: dict[int, tuple] = field(default_factory=dict)  # push: workspace serial -> per set [2, half, n]
 
 
 def bias_form(bias: torch.Tensor | None, y_shape: list[int]) -> str | None:
@@ -214,17 +214,21 @@ def args_for(launch: ScatterLaunch, ws: gather_peer.GatherWorkspace) -> gather_p
         p.fault, p.mirror, p.copy_stream = f.fault.block_ptr, f.fault.mirror_ptr, f.copy.cuda_stream
         p.elem_bytes, p.bf16 = launch.dtype.itemsize, int(launch.dtype == torch.bfloat16)
         p.options, p.copy_own, p.num_outputs = launch.options, 0, 1
+        p.set_bytes = gather_peer.set_bytes(ws)
         launch.args[ws.serial] = p
     return p
 
 
-def receive_buffer(launch: ScatterLaunch, ws: gather_peer.GatherWorkspace) -> torch.Tensor:
-    """Push: this rank's receive buffer as ``[SLOT_SETS, 2, half_rows, n]``; ``[b, j]`` is where rank ``j``'s part of
-    this rank's rows lands in a set-``b`` call (the view made once per workspace and kept with the launch)."""
+def receive_buffer(launch: ScatterLaunch, ws: gather_peer.GatherWorkspace) -> tuple:
+    """Push: this rank's receive slots, one ``[2, half_rows, n]`` view per set (at ``gather_peer.set_bytes`` apart);
+    ``[b][j]`` is where rank ``j``'s part of this rank's rows lands in a set-``b`` call (made once per workspace and
+    kept with the launch)."""
     views = launch.slots.get(ws.serial)
     if views is None:
-        views = launch.slots[ws.serial] = ws.views[launch.rank][:launch.buffer_bytes].view(launch.dtype).view(
-            gather_peer.SLOT_SETS, 2, launch.half_rows, launch.n)
+        step, size = gather_peer.set_bytes(ws), 2 * launch.shard_bytes
+        views = launch.slots[ws.serial] = tuple(ws.views[launch.rank][b * step:b * step + size].view(launch.dtype)
+                                                .view(2, launch.half_rows, launch.n)
+                                                for b in range(gather_peer.SLOT_SETS))
     return views
 
 
@@ -277,7 +281,7 @@ class ScatterPullRoute:
         if push:  # the peer writes this rank's slot; the set counted last, right before the library (as the gather
             slots = receive_buffer(launch, ws)  # route's push calls)
             p.staging, p.slot_set = None, gather_peer.next_slot_set(ctx.group, device)
-            received = slots[p.slot_set, peer]
+            received = slots[p.slot_set][peer]
         else:  # the pull's slot ``peer`` (the library writes no other slot)
             staging = received = part.new_empty(half, launch.n)
             p.staging = staging.data_ptr() - peer * launch.shard_bytes
