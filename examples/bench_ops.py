@@ -4,6 +4,7 @@
         [--ops all_reduce,reduce_scatter,all_to_all] [--shapes grid|MxNxK,...] [--rounds 5] [--target-ms 8]
         [--fuse always|auto] [--sm-reserve N] [--time-budget-s 420] [--call op|runtime] [--graphs]
         [--fused-variants tiles/direct,persistent/direct//@8,tiles/direct/c//8,tiles/peer////ring2,...]
+        [--experiments scatter_push,...]
 
 Per shape (A [M,K] and B = W.t() with W [N,K] a Linear weight; bf16, fresh random data per rank) and per op, all
 variants are timed side by side in one interleaved run (``flashoverlap_inductor.tune.measure.Timer``: CUDA events
@@ -443,6 +444,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "tiles/direct//@8,tiles/direct////gather,tiles/peer////ring2")
     p.add_argument("--graphs", action="store_true",
                    help="also time the sequential graph and the fused op replayed from CUDA graphs")
+    p.add_argument("--experiments", default="",
+                   help="flashoverlap's experiments setting for the whole run, comma-separated (e.g. scatter_push: "
+                        "the reduce_scatter pull route on the push schedule)")
     p.add_argument("--time-budget-s", type=float, default=420.0, help="no new shape starts after this")
     p.add_argument("--json", default=None)
     p.add_argument("--png", default=None)
@@ -457,6 +461,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.ops) - set(OPS)
     if unknown:
         p.error(f"unknown ops {sorted(unknown)}")
+    args.experiments = frozenset(x for x in args.experiments.split(",") if x)
+    if args.experiments - set(config.EXPERIMENTS):
+        p.error(f"--experiments: unknown {sorted(args.experiments - set(config.EXPERIMENTS))}; known: "
+                f"{', '.join(config.EXPERIMENTS)}")
     return args
 
 
@@ -467,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
         changes["sm_reserve"] = args.sm_reserve
     if args.gemm_grid:
         changes["gemm_grid"] = args.gemm_grid
+    if args.experiments:
+        changes["experiments"] = args.experiments
     with config.patch(**changes):  # the whole run (the fused variants patch on top)
         return _main(args)
 

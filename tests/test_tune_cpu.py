@@ -287,6 +287,15 @@ def bench():
     return module
 
 
+def test_bench_experiments_argument(bench):
+    """``--experiments`` names the run's experiments (checked against ``config.EXPERIMENTS``: a typo stops the run)."""
+    assert bench.parse_args(["--experiments", "scatter_pull,scatter_push"]).experiments == frozenset(
+        {"scatter_pull", "scatter_push"})
+    assert bench.parse_args([]).experiments == frozenset()
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--experiments", "scatter_psuh"])
+
+
 def _row(bench, op, m, seq, fused, gemm, comm, asynctp=math.nan, auto_fuse=True, pred=None, rel=1e-3):
     row = {"op": op, "m": m, "n": 8192, "k": 8192, "world": 4, "gemm_ms": gemm, "comm_ms": comm, "seq_ms": seq,
            "chunked": {"2": seq * 0.99}, "chunked_ms": seq * 0.99, "asynctp_ms": asynctp, "fused_ms": fused,
