@@ -161,14 +161,32 @@ def test_halves_sum_to_the_reduce_scatter(form):
         torch.testing.assert_close(out, full[rank * half:(rank + 1) * half])
 
 
+class _Probe:
+    """The timeline tool's probe, faked: the names marked (``mark`` and ``events_for``) in order."""
+
+    def __init__(self):
+        self.names = []
+
+    def mark(self, name, stream, lane="compute"):
+        self.names.append(name)
+
+    def events_for(self, names, lane):
+        from types import SimpleNamespace
+
+        self.names += names
+        return [SimpleNamespace(cuda_event=1000 + i) for i, _ in enumerate(names)]  # "pointers" 1000 + rank
+
+
+@pytest.mark.parametrize("probed", [False, True])
 @pytest.mark.parametrize("push", [False, True])
 @pytest.mark.parametrize("form", [None, "full"])
-def test_execute_pulls_the_peers_part_into_the_right_rows(monkeypatch, form, push):
+def test_execute_pulls_the_peers_part_into_the_right_rows(monkeypatch, form, push, probed):
     """``execute`` itself for both ranks of a simulated pair on the CPU: the library's calls faked (the pull writes the
     peer's part for this rank's rows where the protocol's slot ``peer`` lies: ``p.staging + peer * shard_bytes``;
     under ``scatter_push`` the peer's push lands in slot ``peer`` of the call's set in this rank's receive buffer, two
     calls per rank alternating the sets), the stream wait a no-op. Each rank's result must be its half of the
-    reduce_scatter."""
+    reduce_scatter. ``probed``: the timeline tool's probe on every call: its marks in order, the library given the
+    probe's arrival event, and the memoized struct given the flags' events back after the call."""
     import ctypes
     from types import SimpleNamespace
 
@@ -188,6 +206,7 @@ def test_execute_pulls_the_peers_part_into_the_right_rows(monkeypatch, form, pus
     monkeypatch.setattr(scatter_pull.compat, "group_timeout_ms", lambda g: 1000.0)
     monkeypatch.setattr(scatter_pull.compat, "current_raw_stream", lambda i: 0)
     monkeypatch.setattr(scatter_pull, "_wait", lambda d, e: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)  # the probe's marks' stream
     monkeypatch.setattr(scatter_pull.symmetric, "order_after_last", lambda g, d, s: None)
     flags = SimpleNamespace(views=[torch.zeros(4)] * 2, events=[SimpleNamespace(cuda_event=None)] * 2,
                             epoch=torch.zeros(1), fault=SimpleNamespace(block_ptr=None, mirror_ptr=None),
@@ -206,6 +225,7 @@ def test_execute_pulls_the_peers_part_into_the_right_rows(monkeypatch, form, pus
 
         def gather_call(pp, rank=rank, peer=peer, sent=sent):
             p = pp._obj
+            assert p.shard_events[peer] == (1000 + peer if probed else None)  # the probe's arrival event
             assert p.rank == rank and p.copy_own == 0 and p.shard_bytes == sent.numel() * sent.element_size()
             assert bool(p.options & gather_peer.PUSH) == push
             if push:  # the peer's push: slot ``peer`` of set ``slot_set`` in this rank's buffer
@@ -226,11 +246,16 @@ def test_execute_pulls_the_peers_part_into_the_right_rows(monkeypatch, form, pus
                            group_name="g")
         group = SimpleNamespace(group_name=f"g{rank}")  # each simulated rank its own push-call counter
         ctx = SimpleNamespace(a=a[rank], b=b[rank], bias=c[rank], group=group, y_shape=[2, half, n],
-                              out_shape=[1, half, n], capturing=False)
+                              out_shape=[1, half, n], capturing=False, probe=None)
         launch = scatter_pull.make_launch(call, on, ctx)
         assert launch.buffer_bytes == (gather_peer.SLOT_SETS * 2 * shard_bytes if push else shard_bytes)
         launch.args.clear()
         for _ in range(3 if push else 1):  # push: sets 0, 1, then 0 again
+            ctx.probe = _Probe() if probed else None
             out = scatter_pull.ROUTE.execute(launch, ctx)
             torch.testing.assert_close(out.reshape(half, n), full[rank * half:(rank + 1) * half])
+            if probed:
+                assert ctx.probe.names == ["start", "part", "pull:0", "pull:1", "own_start", "own", "arrived",
+                                           "add", "end"]
+                assert list(launch.args[-1].shard_events) == [None] * gather_peer.MAX_WORLD  # the flags' again
     assert calls == ({0: 3, 1: 3} if push else {0: 0, 1: 0})

@@ -197,3 +197,70 @@ def test_lead_calls_run_unprobed_right_before_each_probed_call(monkeypatch):
     assert log == ["plain", *one * 3] and ctx.probe is None
     assert marks["start"] == 0.0 and marks["end"] in (2.0, 3.0)
     assert timeline.parse_args([]).lead == 0
+
+
+def _pull_marks(rng: random.Random, peer: int) -> dict[str, float]:
+    """Synthetic marks of one pull-route call (ms since start), in the order the route records them."""
+    t = {"start": 0.0}
+    now = t["part"] = rng.uniform(0.05, 1.0)
+    now = t["own_start"] = now + rng.uniform(0.0, 0.05)
+    t[f"pull:{peer}"] = now + rng.uniform(0.01, 1.5)  # the copy stream: any time after the protocol began
+    now = t["own"] = now + rng.uniform(0.05, 1.0)
+    now = t["arrived"] = max(now, t[f"pull:{peer}"]) + rng.uniform(0.0, 0.005)
+    now = t["add"] = now + rng.uniform(0.005, 0.05)
+    t["end"] = now + rng.uniform(0.0, 0.02)
+    return t
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_pull_breakdown_adds_up(seed):
+    rng = random.Random(seed)
+    peer = seed % 2
+    t = _pull_marks(rng, peer)
+    half_ms = rng.uniform(0.05, 1.0)
+    gemm_ms = 2 * half_ms * rng.uniform(0.9, 1.0)
+    comm_ms = gemm_ms * rng.uniform(0.1, 0.9)  # the GEMM is the longer side: the identity holds exactly
+    out, lanes = gantt.pull_breakdown(t, peer, gemm_ms, half_ms, comm_ms)
+    assert out["total"] == pytest.approx(t["end"]) and out["ideal"] == pytest.approx(gemm_ms)
+    parts = ("split", "peer_extra", "handshake", "own_extra", "wait", "add", "tail")
+    assert out["gap"] == pytest.approx(sum(out[p] for p in parts))
+    assert out["gemm_peer"] == pytest.approx(half_ms + out["peer_extra"])
+    assert out["gemm_own"] == pytest.approx(half_ms + out["own_extra"])
+    assert out["wait"] >= 0 and out["landed"] == t[f"pull:{peer}"]
+    compute = lanes["compute"]
+    assert [gantt.kind(label) for label, _, _ in compute] == ["gemm", "handshake", "gemm", "wait", "add", "tail"]
+    assert compute[0][1] == 0.0 and compute[-1][2] == pytest.approx(t["end"])
+    for (_, _, end), (_, start, _) in zip(compute, compute[1:]):  # contiguous, in time order
+        assert start == pytest.approx(end)
+    (label, start, end), = lanes["copy"]
+    assert label == f"pull:{peer}" and start <= end == t[f"pull:{peer}"]
+
+
+def test_pull_report_text_and_png(tmp_path):
+    from flashoverlap_inductor.bench import timeline, timeline_pull
+
+    rows = []
+    for schedule in ("handshake", "push"):
+        per_rank = []
+        for rank in range(2):
+            t = _pull_marks(random.Random(rank), 1 - rank)
+            out, lanes = gantt.pull_breakdown(t, 1 - rank, 1.0, 0.5, 0.4)
+            out.update(gemm=1.0, half=0.5, comm=0.4, seq=1.4, hidden=(1.4 - out["total"]) / 0.4, host_ms=0.2)
+            per_rank.append({"op": "reduce_scatter_pull", "m": 4096, "n": 4096, "k": 8192, "schedule": schedule,
+                             "rank": rank, "how": f"pull {schedule}", "breakdown": out, "lanes": lanes})
+        rows.append(per_rank)
+    rows.append([{"op": "reduce_scatter_pull", "m": 6, "n": 8, "k": 8, "schedule": "push", "rank": r,
+                  "declined": "the pull route runs on 2 ranks"} for r in range(2)])
+    lines = timeline_pull.format_report(rows).splitlines()
+    assert lines[0] == timeline_pull.HEADER
+    assert lines[1] == "== reduce_scatter_pull 4096x4096x8192 schedule=handshake: pull handshake"
+    assert lines[2].split(" | ")[1:] == list(timeline_pull.COLS)
+    assert lines[-1] == "== reduce_scatter_pull 6x8x8 schedule=push: declined: the pull route runs on 2 ranks"
+    gantt_lines = [ln for ln in lines if ln.startswith("rank ")]
+    assert "+" in gantt_lines[0] and "G" in gantt_lines[0] and "p" in gantt_lines[1]
+    timeline_pull.report(rows, str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "timeline_pull_4096x4096x8192_handshake.png", "timeline_pull_4096x4096x8192_push.png"]
+    args = timeline.parse_args(["--op", "reduce_scatter_pull"])
+    assert args.scatter_schedule == "handshake,push" and set(args.scatter_schedule.split(",")) == set(
+        timeline_pull.SCHEDULES)

@@ -22,7 +22,8 @@
 # FO_WORLD: GPUs of bench_ops / bench_gather / bench_moe / e2e (default 2; 4 on an nvidia-h200-x4 or h100-x4).
 # FO_E2E_PRESET, FO_E2E_LAYERS: the e2e model (default llama3-8b, 8 layers; e.g. qwen3-moe 4 with FO_E2E_PLAN=ep).
 # FO_FAULT_SPECS: the fault probes' argument lists, ';'-separated; FO_TIMELINE_ARGS: more timeline arguments (e.g.
-#   "--op reduce_scatter" or "--op all_reduce": the peer route's call timeline instead of the all_gather one, 1 PNG).
+#   "--op reduce_scatter" or "--op all_reduce": the peer route's call timeline instead of the all_gather one, 1 PNG;
+#   "--op reduce_scatter_pull --lead 2" with FO_TIMELINE_SHAPES=4096x4096x8192: the pull route's, handshake and push).
 # The MoE check alone (tests/test_gpu_moe.py, tests/test_moe_plan_kernel.py, bench_moe, moe_profile):
 #   FO_PART=B FO_SKIP="cpu coverage ops gather scatter push timeline".
 # FO_MOEPROF_SHAPES, FO_MOEPROF_PLANS: moe_profile's shapes and bench_moe plans (e.g. blocks+deferred+plan_triton).

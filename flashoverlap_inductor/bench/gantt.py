@@ -17,9 +17,9 @@ Timeline = Mapping[int, Mapping[str, Sequence[Bar]]]
 
 COLOURS = {"handshake": (150, 150, 150), "gemm": (52, 101, 164), "pull": (237, 125, 49), "wait": (220, 220, 220),
            "tail": (200, 60, 60), "comm": (237, 125, 49), "host": (120, 180, 90), "exchange": (140, 90, 170),
-           "copy": (230, 190, 40)}
+           "copy": (230, 190, 40), "add": (90, 170, 170)}
 CHARS = {"handshake": "h", "gemm": "G", "pull": "p", "wait": ".", "tail": "t", "comm": "c", "host": "H",
-         "exchange": "x", "copy": "y"}
+         "exchange": "x", "copy": "y", "add": "+"}
 
 
 def kind(label: str) -> str:
@@ -162,4 +162,35 @@ def peer_breakdown(t: Mapping[str, float], gemm_ms: float, half_ms: float, comm_
     out = {"total": end, "ideal": ideal, "gap": end - ideal, "gemm1": g1, "wait": notify - g1, "gemm2": g2 - notify,
            "gemm1_extra": g1 - half_ms, "gemm2_extra": g2 - notify - half_ms, "split": 2 * half_ms - gemm_ms,
            "exchange": exch - g2, "copy": copy - exch, "tail": end - copy}
+    return out, lanes
+
+
+def pull_breakdown(t: Mapping[str, float], peer: int, gemm_ms: float, half_ms: float, comm_ms: float
+                   ) -> tuple[dict[str, float], dict[str, list[Bar]]]:
+    """The gap of one reduce_scatter pull-route call (``routes.scatter_pull``, two ranks) to the ideal ``max(gemm_ms,
+    comm_ms)`` and its bars, from the probe's marks ``t`` (ms since ``start``, on one rank): ``part`` (the peer's half
+    GEMM done), ``own_start`` (after the protocol's kernels on the caller's stream: the handshake's, or push's begin),
+    ``own`` (the own half's GEMM done), ``arrived`` (the caller's stream past its wait for the peer's part),
+    ``add``, ``end``; ``pull:<peer>``: the peer's part landed here (the library's event on the copy stream).
+    ``half_ms``: cuBLAS on half the rows alone; ``gemm_ms`` on all of them; ``comm_ms``: NCCL alone.
+
+    Returns (breakdown, lanes). Breakdown (ms): ``total``; ``ideal``; ``gemm_peer`` / ``gemm_own`` (each half's GEMM)
+    and ``peer_extra`` / ``own_extra`` (each beyond ``half_ms``: the copy engine's HBM traffic beside it); ``split`` = 2
+    ``half_ms`` - ``gemm_ms``; ``handshake`` (the protocol's kernels before the own GEMM); ``wait`` (the own GEMM's end
+    to the part's arrival); ``add``; ``tail`` (the join, the done notification, the fault check); ``landed`` (the
+    part's arrival after the start); ``gap`` = total - ideal; when the GEMM is the longer side, ``gap`` = split +
+    peer_extra + handshake + own_extra + wait + add + tail exactly. Lanes: ``compute`` (cur, contiguous) and ``copy``
+    (the part's transfer, from the handshake's end, or its landing if earlier)."""
+    part, own_start, own, arrived, add, end = (t[name] for name in ("part", "own_start", "own", "arrived", "add",
+                                                                     "end"))
+    land = t[f"pull:{peer}"]
+    lanes: dict[str, list[Bar]] = {
+        "compute": [("gemm:peer", 0.0, part), ("handshake", part, own_start), ("gemm:own", own_start, own),
+                    ("wait:part", own, arrived), ("add", arrived, add), ("tail", add, end)],
+        "copy": [(f"pull:{peer}", min(own_start, land), land)]}
+    ideal = max(gemm_ms, comm_ms)
+    out = {"total": end, "ideal": ideal, "gap": end - ideal, "gemm_peer": part, "gemm_own": own - own_start,
+           "peer_extra": part - half_ms, "own_extra": own - own_start - half_ms, "split": 2 * half_ms - gemm_ms,
+           "handshake": own_start - part, "wait": arrived - own, "add": add - arrived, "tail": end - add,
+           "landed": land}
     return out, lanes

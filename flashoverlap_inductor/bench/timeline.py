@@ -3,12 +3,16 @@
     torchrun --nproc_per_node=2 -m flashoverlap_inductor.bench timeline [--shapes 4096x6144x4096] [--png DIR]
     torchrun --nproc_per_node=2 -m flashoverlap_inductor.bench timeline --op reduce_scatter \\
         [--shapes 4096x8192x8192] [--gate epilogue,kernel] [--png DIR] [--json FILE]
+    torchrun --nproc_per_node=2 -m flashoverlap_inductor.bench timeline --op reduce_scatter_pull \\
+        [--scatter-schedule handshake,push] [--lead 2] [--png DIR]
     FO_PART=B FO_TIMELINE_ARGS="--op reduce_scatter" bash examples/device/two_gpu_suite.sh   # (its timeline step)
 
 ``--op all_gather`` (the default): all_gather -> GEMM on the gather_peer route, below. ``--op all_reduce`` /
 ``--op reduce_scatter`` (a comma-separated list runs each): GEMM -> collective on the peer route of 2 ranks
 (``bench.timeline_peer``: GEMM 1, the wait or gate, GEMM 2 beyond a GEMM of its rows alone, the flag exchange, the
-copy and the tail against the ideal, ms).
+copy and the tail against the ideal, ms). ``--op reduce_scatter_pull``: the reduce_scatter pull route of 2 ranks, the
+default 2-rank route for most bf16 shapes (``bench.timeline_pull``: each half's GEMM, the protocol's kernels, the
+wait for the peer's part, the add and the tail against the ideal, under its handshake and push schedules).
 
 all_gather: under ``torchrun --nproc_per_node=W`` (NCCL, one GPU per rank, one host). Per shape (``M x N x K``: M
 gathered rows, N before the split over ranks, as ``examples/bench_gather.py``) and GEMM start (``gather_start``),
@@ -48,11 +52,11 @@ from flashoverlap_inductor.routes import gather_peer
 from flashoverlap_inductor.routes.base import Context
 from flashoverlap_inductor.schedule import gather as gather_schedule
 
-from . import gantt, timeline_peer
+from . import gantt, timeline_peer, timeline_pull
 from .timeline_peer import median_ms, probed_calls
 
 GATHER_SHAPES = "4096x6144x4096,16384x28672x4096"  # the default --shapes of all_gather
-OPS = ("all_gather", *timeline_peer.OPS)
+OPS = ("all_gather", *timeline_peer.OPS, *timeline_pull.OPS)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -60,7 +64,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--op", default="all_gather",
                    help="all_gather (all_gather -> GEMM, gather_peer route), all_reduce or reduce_scatter (GEMM -> "
-                        "collective, peer route, 2 ranks); comma-separated: each in turn")
+                        "collective, peer route, 2 ranks), reduce_scatter_pull (the pull route, 2 ranks); "
+                        "comma-separated: each in turn")
     p.add_argument("--shapes", default=None,
                    help=f"MxNxK,...; all_gather: M gathered rows, N before the split (default {GATHER_SHAPES}); "
                         f"all_reduce / reduce_scatter: A [M, K] per rank, B [K, N] (default {timeline_peer.SHAPES})")
@@ -72,6 +77,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gate", default="epilogue",
                    help="all_reduce / reduce_scatter: GEMM 2's wait for the peer's GEMM 1 to compare (comma-separated):"
                         " epilogue (the route's, before each tile's C load), kernel (a wait kernel between the GEMMs)")
+    p.add_argument("--scatter-schedule", default="handshake,push",
+                   help="reduce_scatter_pull: the pull route's schedules to compare (comma-separated: handshake, "
+                        "push = the experiment scatter_push)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--spin-ms", type=float, default=1.0,
@@ -147,8 +155,11 @@ def run(argv: list[str] | None = None) -> int:
     if dist.get_world_size() < 2:
         print("timeline: run under torchrun with >= 2 ranks", file=sys.stderr)
         return 2
-    rows, peer_rows = [], []
+    rows, peer_rows, pull_rows = [], [], []
     for op in args.op.split(","):
+        if op in timeline_pull.OPS:
+            pull_rows += timeline_pull.collect(args.shapes, args)
+            continue
         if op != "all_gather":
             peer_rows += timeline_peer.collect(op, args.shapes, args)
             continue
@@ -166,9 +177,11 @@ def run(argv: list[str] | None = None) -> int:
             report(rows, args.png)
         if peer_rows:
             timeline_peer.report(peer_rows, args.png)
+        if pull_rows:
+            timeline_pull.report(pull_rows, args.png)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
-                           "peer_rows": peer_rows}, f, indent=1)
+                           "peer_rows": peer_rows, "pull_rows": pull_rows}, f, indent=1)
     dist.destroy_process_group()
     return 0

@@ -270,7 +270,10 @@ class ScatterPullRoute:
         elif launch.bias == "full":
             full = ctx.bias.reshape(2 * half, launch.n)
             bias = [full[:half], full[half:]]
-        peer = 1 - rank
+        peer, probe = 1 - rank, ctx.probe
+        stream = torch.cuda.current_stream(device) if probe is not None else None
+        if probe is not None:  # the timeline tool's call (bench.timeline_pull): marks on cur, the arrival's event
+            probe.mark("start", stream)
         part = half_gemm(a[peer * half:(peer + 1) * half], ctx.b, bias[peer]).contiguous()
         out = torch.empty(ctx.out_shape, dtype=part.dtype, device=device)
         p = args_for(launch, ws)  # the memoized struct: every per-call field set here (the dispatcher's lock)
@@ -285,15 +288,31 @@ class ScatterPullRoute:
         else:  # the pull's slot ``peer`` (the library writes no other slot)
             staging = received = part.new_empty(half, launch.n)
             p.staging = staging.data_ptr() - peer * launch.shard_bytes
+        events = ws.flags.events
+        if probe is not None:
+            probe.mark("part", stream)  # the peer's half computed
+            events = gather_peer.probe_events(probe, p, rank, 2)  # "pull:<peer>": its part landed here
         rc = lib.fo_gather_call(ctypes.byref(p))
         try:
             if rc == 0:  # the own half now (after the handshake, if any), then the peer's part of it once arrived
                 own = out.view(half, launch.n)
+                if probe is not None:
+                    probe.mark("own_start", stream)  # after the protocol's kernels on cur (handshake; push: begin)
                 half_gemm(a[rank * half:(rank + 1) * half], ctx.b, bias[rank], out=own)
-                _wait(device, ws.flags.events[peer])
+                if probe is not None:
+                    probe.mark("own", stream)
+                _wait(device, events[peer])
+                if probe is not None:
+                    probe.mark("arrived", stream)
                 own.add_(received)
+                if probe is not None:
+                    probe.mark("add", stream)
         finally:  # joined and poisoned whatever happened above: the copy stream never outlives the call's tensors
             rc_finish = gather_peer.finish(lib, p, ws, (part, staging), NAME)
+            if probe is not None:
+                probe.mark("end", stream)
+                for r in range(2):  # the memoized struct gets the flags' own events back
+                    p.shard_events[r] = ws.flags.events[r].cuda_event if r != rank else None
         kernels.check(rc, "fo_gather_call")
         kernels.check(rc_finish, "fo_gather_finish")
         del part, staging  # alive until here: read on the copy stream, which the finish joined

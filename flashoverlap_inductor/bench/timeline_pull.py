@@ -1,0 +1,129 @@
+"""``python -m flashoverlap_inductor.bench timeline --op reduce_scatter_pull``: where the time of one fused GEMM ->
+reduce_scatter call on the pull route goes (``routes.scatter_pull``, 2 ranks, one GPU each, NVLink).
+
+    torchrun --nproc_per_node=2 -m flashoverlap_inductor.bench timeline --op reduce_scatter_pull \\
+        --shapes 4096x4096x8192,16384x8192x14336 [--scatter-schedule handshake,push] [--lead 2] [--png DIR]
+
+Per shape (``M x N x K``: A ``[M, K]`` per rank, B = W.t() with W ``[N, K]``, bf16, as ``examples/bench_ops.py``)
+and schedule (``--scatter-schedule``: ``handshake``, the route's default, the peer's half copied into the rank's
+symmetric buffer and pulled by the peer after a handshake; ``push``, the experiment ``scatter_push``: pushed by copy
+engine into the peer's receive slot), the route (``make_launch``, then ``execute``, no dispatcher) runs ``--iters``
+probed calls (``runtime.probe.CallProbe``; the marks of ``gantt.pull_breakdown`` on the caller's stream and the
+library's event of the part's landing on the copy stream) after ``--warmup`` plain ones, each behind a ``--spin-ms``
+GPU spin and ``--lead`` plain calls (``timeline_peer.probed_calls``). In the same run: ``gemm`` (cuBLAS at the full M
+rows), ``half`` (at M / 2), ``comm`` (NCCL ``reduce_scatter_tensor`` into ``[M / 2, N]``) and ``seq`` (the GEMM then
+the collective), so the ideal ``max(gemm, comm)`` and ``hidden`` = (seq - total) / comm.
+
+Prints per rank the breakdown of the gap to the ideal, the host time per call, the text Gantt and, with ``--png
+DIR``, one PNG per shape and schedule. Ranks' clocks are not aligned beyond the barrier and the spin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import torch.distributed as dist
+
+from flashoverlap_inductor import config, routes
+from flashoverlap_inductor.routes import scatter_pull
+from flashoverlap_inductor.routes.base import Context
+from flashoverlap_inductor.runtime import streams
+
+from . import gantt
+from .timeline_peer import median_ms, probed_calls
+
+OPS = ("reduce_scatter_pull",)
+SHAPES = "4096x4096x8192,16384x8192x14336"  # o_proj-like and down_proj-like (the pull route's default shapes)
+# the experiments on for each schedule (with scatter_route="pull": every call on the pull route)
+SCHEDULES = {"handshake": frozenset({"scatter_pull"}),
+             "push": frozenset({"scatter_pull", scatter_pull.PUSH_EXPERIMENT})}
+COLS = ("total", "ideal", "gap", "split", "peer_extra", "handshake", "own_extra", "wait", "add", "tail", "landed",
+        "gemm", "half", "comm", "seq", "hidden", "host_ms")
+HEADER = ("pull route call timeline, ms (medians of probed calls); gap = total - ideal = split + peer_extra + "
+          "handshake + own_extra + wait + add + tail when the GEMM is the longer side; split = 2 half - gemm; "
+          "landed: the peer's part here; hidden = (seq - total) / comm")
+
+
+def probe_shape(m: int, n: int, k: int, schedule: str, args: argparse.Namespace) -> dict:
+    """This rank's breakdown and lanes of the pull route at ``m x n x k`` under ``schedule`` (a dict; with
+    ``declined`` instead when the route does not take the call: alike on every rank)."""
+    group, rank = dist.group.WORLD, dist.get_rank()
+    head = {"op": "reduce_scatter_pull", "m": m, "n": n, "k": k, "schedule": schedule, "rank": rank}
+    if schedule not in SCHEDULES:
+        return {**head, "declined": f"--scatter-schedule {schedule!r}: one of {', '.join(SCHEDULES)}"}
+    if dist.get_world_size() != 2:
+        return {**head, "declined": "the pull route runs on 2 ranks"}
+    torch.manual_seed(1000 + rank)
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = (torch.randn(n, k, device="cuda") / math.sqrt(k)).bfloat16().t()
+    now = config.current()
+    settings = now.replace(transport="peer", ring="off", scatter_route="pull",
+                           experiments=now.experiments | SCHEDULES[schedule])
+    with config.using(settings):
+        call, opnd, out_shape = routes.make_call("reduce_scatter", a, b, None, group, "auto", None, None, [m, n], True)
+        why = scatter_pull.unsupported(call, settings)
+        ctx = Context(a=a, b=b, bias=None, group=group, y_shape=[m, n], out_shape=out_shape, plan="auto",
+                      settings=settings, opnd=opnd, res=streams.resources(torch.cuda.current_device()))
+        launch = why or scatter_pull.make_launch(call, settings, ctx)
+        if isinstance(launch, str):
+            return {**head, "declined": launch}
+        probed = probed_calls(lambda: scatter_pull.ROUTE.execute(launch, ctx), ctx, args)
+        if isinstance(probed, str):
+            return {**head, "declined": probed}
+        t, host_ms = probed
+        routes.check()  # a wait that gave up raises here, on both ranks
+    full = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    part = torch.empty(m // 2, n, device="cuda", dtype=torch.bfloat16)
+    gemm_ms = median_ms(lambda: torch.mm(a, b, out=full), args.iters)
+    half_ms = median_ms(lambda: torch.mm(a[:m // 2], b), args.iters)
+    comm_ms = median_ms(lambda: dist.reduce_scatter_tensor(part, full), args.iters)
+    seq_ms = median_ms(lambda: (torch.mm(a, b, out=full), dist.reduce_scatter_tensor(part, full)), args.iters)
+    breakdown, lanes = gantt.pull_breakdown(t, 1 - rank, gemm_ms, half_ms, comm_ms)
+    breakdown.update(gemm=gemm_ms, half=half_ms, comm=comm_ms, seq=seq_ms, host_ms=host_ms,
+                     hidden=(seq_ms - breakdown["total"]) / comm_ms if comm_ms > 0 else math.nan)
+    return {**head, "how": launch.description, "breakdown": breakdown, "lanes": lanes}
+
+
+def title(head: dict) -> str:
+    return f"{head['op']} {head['m']}x{head['n']}x{head['k']} schedule={head['schedule']}"
+
+
+def format_report(rows: list[list[dict]]) -> str:
+    """The text report of every (shape, schedule): per rank the breakdown's ``COLS`` (ms; ``hidden`` a fraction), then
+    the text Gantt of every rank; a declined one in one line. Pure."""
+    lines = [HEADER]
+    for per_rank in rows:
+        declined = [r for r in per_rank if "declined" in r]
+        if declined:
+            lines.append(f"== {title(per_rank[0])}: declined: {declined[0]['declined']}")
+            continue
+        lines += [f"== {title(per_rank[0])}: {per_rank[0]['how']}", "   rank | " + " | ".join(COLS)]
+        lines += [f"   {r['rank']:>4} | " + " | ".join(f"{r['breakdown'][c]:.3f}" for c in COLS) for r in per_rank]
+        lines.append(gantt.text({r["rank"]: r["lanes"] for r in per_rank}))
+    return "\n".join(lines)
+
+
+def report(rows: list[list[dict]], png_dir: str | None) -> None:
+    """Rank 0: ``format_report`` and, with ``png_dir``, one Gantt PNG per shape and schedule."""
+    print(format_report(rows))
+    for per_rank in rows:
+        if png_dir and not any("declined" in r for r in per_rank):
+            h = per_rank[0]
+            path = f"{png_dir}/timeline_pull_{h['m']}x{h['n']}x{h['k']}_{h['schedule']}.png"
+            gantt.png({r["rank"]: r["lanes"] for r in per_rank}, path)
+            print(f"   wrote {path}")
+
+
+def collect(shapes: str | None, args: argparse.Namespace) -> list[list[dict]]:
+    """Every rank's result per shape and schedule (a collective: every rank calls it alike)."""
+    rows = []
+    for item in (shapes or SHAPES).split(","):
+        m, n, k = (int(x) for x in item.lower().split("x"))
+        for schedule in args.scatter_schedule.split(","):
+            mine = probe_shape(m, n, k, schedule, args)
+            got: list = [None] * dist.get_world_size()
+            dist.all_gather_object(got, mine)
+            rows.append(got)
+    return rows
