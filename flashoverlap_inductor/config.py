@@ -77,7 +77,8 @@ EXPERIMENTS = {
     "scatter_push": "let the reduce_scatter pull route push the peer's half by copy engine straight from the GEMM's "
                     "output into the peer's receive slot (the all_gather push schedule, FO_GATHER_PUSH, where its "
                     "buffer fits gather_push_max_mb) instead of copying it into this rank's symmetric buffer and "
-                    "shaking hands before the own half's GEMM (routes/scatter_pull.py; never run on a GPU)",
+                    "shaking hands before the own half's GEMM (routes/scatter_pull.py; correct on 2 H100s, ahead "
+                    "of the handshake on 5 of 6 shapes in two runs, not yet run on the op grid)",
     "scatter_pull": "stage a sum of GEMMs feeding a reduce_scatter over 2 ranks of one NVLink host for the pull "
                     "route where its cost model (cost_model/pull.py) says it pays: the first terms unfused, the last "
                     "fused with their sum as its bias, which the pull route runs (routes/scatter_pull.py: cuBLAS "

@@ -177,8 +177,8 @@ def test_gather_args_match_the_c_header():
     ("push", 3, True, True), ("push", 4, True, True), ("push", 2, True, False), ("push", 4, False, False),
     ("auto", 4, True, False), ("handshake", 4, True, False)])
 def test_copy_notify_is_an_opt_in_of_push_on_three_or_more_ranks(monkeypatch, start, world, on, expect):
-    """``FO_GATHER_COPY_NOTIFY`` (never run on a GPU) is set only for a push call of 3+ ranks under the experiment
-    ``gather_copy_notify``; "auto" on 3+ ranks takes the handshake start, so never it."""
+    """``FO_GATHER_COPY_NOTIFY`` (correct on 4 H200s, no faster: 33rd session) is set only for a push call of 3+
+    ranks under the experiment ``gather_copy_notify``; "auto" on 3+ ranks takes the handshake start, so never it."""
     monkeypatch.setattr(gather_peer, "group_issue", lambda g: None)
     monkeypatch.setattr(gather_peer.compat, "group_timeout_ms", lambda g: 1000.0)
     settings = config.current().replace(gather_start=start)

@@ -12,8 +12,9 @@ between them, interleaved with fused all_gather calls (per-rank data, every rank
 protocol's flags and buffers; under ``scatter_pull`` with ``scatter_route="peer"``, a call without bias goes on to the
 peer route and one with a bias of the output's shape takes this one. Not covered here: the late and skipping ranks (the
 protocol's, tested by ``tests/test_gpu_gather.py``). The same calls under the experiment ``scatter_push`` (the push
-schedule) in ``test_scatter_push_matches_reference``, never run on a GPU yet. The rest passed on 2 H200s (34th
-session).
+schedule) in ``test_scatter_push_matches_reference``: its first run (2 H100s, 35th session) found queued calls of
+different shard sizes overlapping in the receive buffer (fixed: slot sets at fixed offsets); it and the rest passed
+there after the fix.
 """
 
 from __future__ import annotations
