@@ -180,7 +180,9 @@ def pull_breakdown(t: Mapping[str, float], peer: int, gemm_ms: float, half_ms: f
     to the part's arrival); ``add``; ``tail`` (the join, the done notification, the fault check); ``landed`` (the
     part's arrival after the start); ``gap`` = total - ideal; when the GEMM is the longer side, ``gap`` = split +
     peer_extra + handshake + own_extra + wait + add + tail exactly. Lanes: ``compute`` (cur, contiguous) and ``copy``
-    (the part's transfer, from the handshake's end, or its landing if earlier)."""
+    (the part's transfer, from the handshake's end, or its landing if earlier). Push schedule: the library records
+    the landing after its wait kernel on the copy stream, which needs a free SM (the own GEMM's end at the earliest),
+    so ``landed`` may show the arrival late and part of ``wait`` be that kernel's scheduling, not the transfer."""
     part, own_start, own, arrived, add, end = (t[name] for name in ("part", "own_start", "own", "arrived", "add",
                                                                      "end"))
     land = t[f"pull:{peer}"]

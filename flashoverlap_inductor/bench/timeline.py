@@ -68,7 +68,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "comma-separated: each in turn")
     p.add_argument("--shapes", default=None,
                    help=f"MxNxK,...; all_gather: M gathered rows, N before the split (default {GATHER_SHAPES}); "
-                        f"all_reduce / reduce_scatter: A [M, K] per rank, B [K, N] (default {timeline_peer.SHAPES})")
+                        f"all_reduce / reduce_scatter: A [M, K] per rank, B [K, N] (default {timeline_peer.SHAPES}); "
+                        f"reduce_scatter_pull: the same (default {timeline_pull.SHAPES})")
     p.add_argument("--gather-start", "--start", dest="start", default="push,handshake",
                    help="all_gather: gather_start values to compare (comma-separated; under torchrun write "
                         "--gather-start: torchrun takes --start for its --start-method)")

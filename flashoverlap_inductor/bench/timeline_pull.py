@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap_inductor import config, routes
-from flashoverlap_inductor.routes import scatter_pull
+from flashoverlap_inductor.routes import gather_peer, scatter_pull
 from flashoverlap_inductor.routes.base import Context
 from flashoverlap_inductor.runtime import streams
 
@@ -59,8 +59,8 @@ def probe_shape(m: int, n: int, k: int, schedule: str, args: argparse.Namespace)
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = (torch.randn(n, k, device="cuda") / math.sqrt(k)).bfloat16().t()
     now = config.current()
-    settings = now.replace(transport="peer", ring="off", scatter_route="pull",
-                           experiments=now.experiments | SCHEDULES[schedule])
+    settings = now.replace(transport="peer", ring="off", scatter_route="pull",  # the schedule's experiments alone
+                           experiments=(now.experiments - SCHEDULES["push"]) | SCHEDULES[schedule])
     with config.using(settings):
         call, opnd, out_shape = routes.make_call("reduce_scatter", a, b, None, group, "auto", None, None, [m, n], True)
         why = scatter_pull.unsupported(call, settings)
@@ -69,6 +69,8 @@ def probe_shape(m: int, n: int, k: int, schedule: str, args: argparse.Namespace)
         launch = why or scatter_pull.make_launch(call, settings, ctx)
         if isinstance(launch, str):
             return {**head, "declined": launch}
+        if bool(launch.options & gather_peer.PUSH) != (schedule == "push"):  # e.g. past gather_push_max_mb
+            return {**head, "declined": f"ran another schedule: {launch.description}"}
         probed = probed_calls(lambda: scatter_pull.ROUTE.execute(launch, ctx), ctx, args)
         if isinstance(probed, str):
             return {**head, "declined": probed}

@@ -38,10 +38,10 @@ Invariants (units: bytes for buffers and shards, flattened rows for the GEMMs, a
   all_gather's layout) and the outputs are the call's own fresh tensors.
 - A buffer (push: a set's slots) is rewritten only after every peer said it read what is there; the flags count
   calls, not shapes, so calls of any shape share one page and buffer set, and run in order on the group's copy
-  stream. Push: set ``b`` of a workspace is its fixed byte range ``[b, b + 1) * set_bytes(ws)`` whatever a call's
-  shard size, so a set's waits guard every byte a call of that set writes (with offsets by shard size, a large
-  set-0 call's slots overlapped a small set-1 call's: a queued set-1 push overwrote rows a set-0 call had yet to
-  read, 2 H100s, 35th session) (eager calls from another caller stream first wait for the last, ``order_after_last``).
+  stream (eager calls from another caller stream first wait for the last, ``order_after_last``). Push: set ``b`` of
+  a workspace is its fixed byte range ``[b, b + 1) * set_bytes(ws)`` whatever a call's shard size, so a set's waits
+  guard every byte a call of that set writes (with offsets by shard size, a large set-0 call's slots overlapped a
+  small set-1 call's: a queued set-1 push overwrote rows a set-0 call had yet to read, 2 H100s, 35th session).
 - Every wait is bounded by the call's deadline (``Settings.timeout_ns``: ``wait_timeout_ms`` or the group's
   timeout). A wait that gives up records the fault in this rank's block and every peer's; the call still notifies
   every flag once and every wait consumes its epoch, so the next call is in step again (a late rank is caught up).

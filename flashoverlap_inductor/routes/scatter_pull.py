@@ -310,9 +310,9 @@ class ScatterPullRoute:
         finally:  # joined and poisoned whatever happened above: the copy stream never outlives the call's tensors
             rc_finish = gather_peer.finish(lib, p, ws, (part, staging), NAME)
             if probe is not None:
-                probe.mark("end", stream)
                 for r in range(2):  # the memoized struct gets the flags' own events back
                     p.shard_events[r] = ws.flags.events[r].cuda_event if r != rank else None
+                probe.mark("end", stream)
         kernels.check(rc, "fo_gather_call")
         kernels.check(rc_finish, "fo_gather_finish")
         del part, staging  # alive until here: read on the copy stream, which the finish joined
