@@ -16,16 +16,16 @@ share one GPU works too, under ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``). 
   and, when returned, the gathered rows) with NaN while the group's fault block holds a fault.
 
 ``gather_start="push"`` (``FO_GATHER_PUSH``; what the default ``"auto"`` takes on 2 ranks, ``resolve_start``): no
-handshake and no copy of the own shard into symmetric memory. On the caller's stream one short kernel begins the
-call and waits until every peer read the slots it overwrites, then the local GEMMs run; the copy stream pushes ``a``
-into slot ``rank`` of set ``b`` of every peer's receive buffer (``SLOT_SETS`` sets of ``world`` slots, set ``b`` at
-``b * set_bytes(ws)`` whatever the shard size, a workspace list of its own), tells every peer after the last push (the experiment ``gather_copy_notify``: on 3+ ranks each
-right after its push, by copy engine; 4 H200s: correct, no faster), waits for each peer's shard in slot ``j`` here and
-records ``j``'s event; slot ``j``'s GEMMs follow it; ``fo_gather_finish`` joins, tells every peer its slot here is
-read, and poisons. The set alternates per call (``next_slot_set``: alike on every rank; a captured call keeps its
-set), so the first wait concerns the peers' call ``e - 2``; per set the flags and this rank's pushes and reads are
-counters, so a rank on another set than its peers waits out its bound: a fault, never a stale slot
-(``docs/design.md`` gives the measurements behind each choice).
+handshake and no copy of the own shard into symmetric memory. On the caller's stream one short kernel begins the call
+and waits until every peer read the slots it overwrites, then the local GEMMs run; the copy stream pushes ``a`` into
+slot ``rank`` of set ``b`` of every peer's receive buffer (``SLOT_SETS`` sets of ``world`` slots, set ``b`` at
+``b * set_bytes(ws)`` whatever the shard size, a workspace list of its own), tells every peer after the last push (the
+experiment ``gather_copy_notify``: on 3+ ranks each right after its push, by copy engine; 4 H200s: correct, no
+faster), waits for each peer's shard in slot ``j`` here and records ``j``'s event; slot ``j``'s GEMMs follow it;
+``fo_gather_finish`` joins, tells every peer its slot here is read, and poisons. The set alternates per call
+(``next_slot_set``: alike on every rank; a captured call keeps its set), so the first wait concerns the peers' call
+``e - 2``; per set the flags and this rank's pushes and reads are counters, so a rank on another set than its peers
+waits out its bound: a fault, never a stale slot (``docs/design.md`` gives the measurements behind each choice).
 
 Invariants (units: bytes for buffers and shards, flattened rows for the GEMMs, as ``schedule.gather``):
 
