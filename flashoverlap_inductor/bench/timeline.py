@@ -164,13 +164,8 @@ def run(argv: list[str] | None = None) -> int:
         if op != "all_gather":
             peer_rows += timeline_peer.collect(op, args.shapes, args)
             continue
-        for item in (args.shapes or GATHER_SHAPES).split(","):
-            m, n, k = (int(x) for x in item.lower().split("x"))
-            for start in args.start.split(","):
-                mine = probe_shape(m, n, k, start, args)
-                got: list = [None] * dist.get_world_size()
-                dist.all_gather_object(got, mine)
-                rows.append(got)
+        rows += timeline_peer.sweep(args.shapes or GATHER_SHAPES, args.start.split(","),
+                                    lambda m, n, k, start: probe_shape(m, n, k, start, args))
     if dist.get_rank() == 0:
         if args.png:
             os.makedirs(args.png, exist_ok=True)

@@ -30,6 +30,7 @@ import argparse
 import math
 import statistics
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -148,19 +149,46 @@ def title(head: dict) -> str:
     return f"{head['op']} {head['m']}x{head['n']}x{head['k']} gate={head['gate']}"
 
 
-def format_report(rows: list[list[dict]]) -> str:
-    """The text report of every (op, shape, gate): per rank the breakdown's ``COLS`` (ms; ``hidden`` a fraction),
-    then the text Gantt of every rank; a declined one in one line. Pure."""
-    lines = [HEADER]
+def format_rows(rows: list[list[dict]], header: str, cols: Sequence[str], title_of: Callable[[dict], str]) -> str:
+    """The text report of every row (one result per rank): per rank the breakdown's ``cols`` (ms; ``hidden`` a
+    fraction), then the text Gantt of every rank; a declined one in one line. Pure; also the pull route's."""
+    lines = [header]
     for per_rank in rows:
         declined = [r for r in per_rank if "declined" in r]
         if declined:
-            lines.append(f"== {title(per_rank[0])}: declined: {declined[0]['declined']}")
+            lines.append(f"== {title_of(per_rank[0])}: declined: {declined[0]['declined']}")
             continue
-        lines += [f"== {title(per_rank[0])}: {per_rank[0]['how']}", "   rank | " + " | ".join(COLS)]
-        lines += [f"   {r['rank']:>4} | " + " | ".join(f"{r['breakdown'][c]:.3f}" for c in COLS) for r in per_rank]
+        lines += [f"== {title_of(per_rank[0])}: {per_rank[0]['how']}", "   rank | " + " | ".join(cols)]
+        lines += [f"   {r['rank']:>4} | " + " | ".join(f"{r['breakdown'][c]:.3f}" for c in cols) for r in per_rank]
         lines.append(gantt.text({r["rank"]: r["lanes"] for r in per_rank}))
     return "\n".join(lines)
+
+
+def write_pngs(rows: list[list[dict]], png_dir: str | None, path_of: Callable[[str, dict], str]) -> None:
+    """With ``png_dir``, one Gantt PNG per row that ran on every rank (at ``path_of(png_dir, row's head)``)."""
+    for per_rank in rows:
+        if png_dir and not any("declined" in r for r in per_rank):
+            path = path_of(png_dir, per_rank[0])
+            gantt.png({r["rank"]: r["lanes"] for r in per_rank}, path)
+            print(f"   wrote {path}")
+
+
+def sweep(shapes: str, variants: Sequence[str], probe: Callable[[int, int, int, str], dict]) -> list[list[dict]]:
+    """``probe(m, n, k, variant)`` per shape (``MxNxK,...``) and variant, every rank's result gathered per row (a
+    collective: every rank calls it alike); also the all_gather and pull routes' timelines'."""
+    rows = []
+    for item in shapes.split(","):
+        m, n, k = (int(x) for x in item.lower().split("x"))
+        for variant in variants:
+            got: list = [None] * dist.get_world_size()
+            dist.all_gather_object(got, probe(m, n, k, variant))
+            rows.append(got)
+    return rows
+
+
+def format_report(rows: list[list[dict]]) -> str:
+    """The text report of every (op, shape, gate) (``format_rows``). Pure."""
+    return format_rows(rows, HEADER, COLS, title)
 
 
 def png_path(png_dir: str, head: dict) -> str:
@@ -170,21 +198,9 @@ def png_path(png_dir: str, head: dict) -> str:
 def report(rows: list[list[dict]], png_dir: str | None) -> None:
     """Rank 0: ``format_report`` and, with ``png_dir``, one Gantt PNG per op, shape and gate."""
     print(format_report(rows))
-    for per_rank in rows:
-        if png_dir and not any("declined" in r for r in per_rank):
-            path = png_path(png_dir, per_rank[0])
-            gantt.png({r["rank"]: r["lanes"] for r in per_rank}, path)
-            print(f"   wrote {path}")
+    write_pngs(rows, png_dir, png_path)
 
 
 def collect(op: str, shapes: str | None, args: argparse.Namespace) -> list[list[dict]]:
     """Every rank's result per shape and gate of ``op`` (a collective: every rank calls it alike)."""
-    rows = []
-    for item in (shapes or SHAPES).split(","):
-        m, n, k = (int(x) for x in item.lower().split("x"))
-        for gate in args.gate.split(","):
-            mine = probe_shape(op, m, n, k, gate, args)
-            got: list = [None] * dist.get_world_size()
-            dist.all_gather_object(got, mine)
-            rows.append(got)
-    return rows
+    return sweep(shapes or SHAPES, args.gate.split(","), lambda m, n, k, gate: probe_shape(op, m, n, k, gate, args))

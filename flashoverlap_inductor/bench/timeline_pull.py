@@ -32,7 +32,7 @@ from flashoverlap_inductor.routes.base import Context
 from flashoverlap_inductor.runtime import streams
 
 from . import gantt
-from .timeline_peer import median_ms, probed_calls
+from .timeline_peer import format_rows, median_ms, probed_calls, sweep, write_pngs
 
 OPS = ("reduce_scatter_pull",)
 SHAPES = "4096x4096x8192,16384x8192x14336"  # o_proj-like and down_proj-like (the pull route's default shapes)
@@ -93,39 +93,21 @@ def title(head: dict) -> str:
 
 
 def format_report(rows: list[list[dict]]) -> str:
-    """The text report of every (shape, schedule): per rank the breakdown's ``COLS`` (ms; ``hidden`` a fraction), then
-    the text Gantt of every rank; a declined one in one line. Pure."""
-    lines = [HEADER]
-    for per_rank in rows:
-        declined = [r for r in per_rank if "declined" in r]
-        if declined:
-            lines.append(f"== {title(per_rank[0])}: declined: {declined[0]['declined']}")
-            continue
-        lines += [f"== {title(per_rank[0])}: {per_rank[0]['how']}", "   rank | " + " | ".join(COLS)]
-        lines += [f"   {r['rank']:>4} | " + " | ".join(f"{r['breakdown'][c]:.3f}" for c in COLS) for r in per_rank]
-        lines.append(gantt.text({r["rank"]: r["lanes"] for r in per_rank}))
-    return "\n".join(lines)
+    """The text report of every (shape, schedule) (``timeline_peer.format_rows``). Pure."""
+    return format_rows(rows, HEADER, COLS, title)
+
+
+def png_path(png_dir: str, head: dict) -> str:
+    return f"{png_dir}/timeline_pull_{head['m']}x{head['n']}x{head['k']}_{head['schedule']}.png"
 
 
 def report(rows: list[list[dict]], png_dir: str | None) -> None:
     """Rank 0: ``format_report`` and, with ``png_dir``, one Gantt PNG per shape and schedule."""
     print(format_report(rows))
-    for per_rank in rows:
-        if png_dir and not any("declined" in r for r in per_rank):
-            h = per_rank[0]
-            path = f"{png_dir}/timeline_pull_{h['m']}x{h['n']}x{h['k']}_{h['schedule']}.png"
-            gantt.png({r["rank"]: r["lanes"] for r in per_rank}, path)
-            print(f"   wrote {path}")
+    write_pngs(rows, png_dir, png_path)
 
 
 def collect(shapes: str | None, args: argparse.Namespace) -> list[list[dict]]:
     """Every rank's result per shape and schedule (a collective: every rank calls it alike)."""
-    rows = []
-    for item in (shapes or SHAPES).split(","):
-        m, n, k = (int(x) for x in item.lower().split("x"))
-        for schedule in args.scatter_schedule.split(","):
-            mine = probe_shape(m, n, k, schedule, args)
-            got: list = [None] * dist.get_world_size()
-            dist.all_gather_object(got, mine)
-            rows.append(got)
-    return rows
+    return sweep(shapes or SHAPES, args.scatter_schedule.split(","),
+                 lambda m, n, k, schedule: probe_shape(m, n, k, schedule, args))
