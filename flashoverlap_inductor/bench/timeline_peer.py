@@ -31,6 +31,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -101,10 +102,22 @@ def probed_calls(execute, ctx: Context, args: argparse.Namespace) -> tuple[dict[
     return {name: statistics.median(v) for name, v in marks.items()}, statistics.median(host)
 
 
+def launch_for(route, op: str, a: torch.Tensor, b: torch.Tensor, settings: config.Settings) -> tuple[Any, Context]:
+    """``route``'s launch (its module's ``make_launch``; or why it declines, from ``unsupported`` first) of the GEMM
+    ``a @ b`` then ``op`` over the default group, no bias, under ``settings`` (inside ``config.using(settings)``),
+    and the call's context: no dispatcher. Also the pull route's timeline's."""
+    group, (m, n) = dist.group.WORLD, (a.shape[0], b.shape[1])
+    call, opnd, out_shape = routes.make_call(op, a, b, None, group, "auto", None, None, [m, n], True)
+    ctx = Context(a=a, b=b, bias=None, group=group, y_shape=[m, n], out_shape=out_shape, plan="auto",
+                  settings=settings, opnd=opnd, res=streams.resources(torch.cuda.current_device()))
+    why = route.unsupported(call, settings)
+    return why or route.make_launch(call, settings, ctx), ctx
+
+
 def probe_shape(op: str, m: int, n: int, k: int, gate: str, args: argparse.Namespace) -> dict:
     """This rank's breakdown and lanes of the peer route's ``op`` at ``m x n x k`` with ``gate`` (a dict; with
     ``declined`` instead when the route does not take the call)."""
-    group, rank = dist.group.WORLD, dist.get_rank()
+    rank = dist.get_rank()
     head = {"op": op, "m": m, "n": n, "k": k, "gate": gate, "rank": rank}
     if gate not in GATES:
         return {**head, "declined": f"--gate {gate!r}: one of {', '.join(GATES)}"}
@@ -113,11 +126,7 @@ def probe_shape(op: str, m: int, n: int, k: int, gate: str, args: argparse.Names
     b = (torch.randn(n, k, device="cuda") / math.sqrt(k)).bfloat16().t()
     settings = config.current().replace(transport="peer", ring="off")
     with config.using(settings):
-        call, opnd, out_shape = routes.make_call(op, a, b, None, group, "auto", None, None, [m, n], True)
-        why = peer.unsupported(call, settings)
-        ctx = Context(a=a, b=b, bias=None, group=group, y_shape=[m, n], out_shape=out_shape, plan="auto",
-                      settings=settings, opnd=opnd, res=streams.resources(torch.cuda.current_device()))
-        launch = why or peer.make_launch(call, settings, ctx)
+        launch, ctx = launch_for(peer, op, a, b, settings)
         if isinstance(launch, str):
             return {**head, "declined": launch}
         launch.template.gate_in_kernel = int(gate == "epilogue")  # before the first call: its args copy the template

@@ -28,11 +28,9 @@ import torch.distributed as dist
 
 from flashoverlap_inductor import config, routes
 from flashoverlap_inductor.routes import gather_peer, scatter_pull
-from flashoverlap_inductor.routes.base import Context
-from flashoverlap_inductor.runtime import streams
 
 from . import gantt
-from .timeline_peer import format_rows, median_ms, probed_calls, sweep, write_pngs
+from .timeline_peer import format_rows, launch_for, median_ms, probed_calls, sweep, write_pngs
 
 OPS = ("reduce_scatter_pull",)
 SHAPES = "4096x4096x8192,16384x8192x14336"  # o_proj-like and down_proj-like (the pull route's default shapes)
@@ -49,7 +47,7 @@ HEADER = ("pull route call timeline, ms (medians of probed calls); gap = total -
 def probe_shape(m: int, n: int, k: int, schedule: str, args: argparse.Namespace) -> dict:
     """This rank's breakdown and lanes of the pull route at ``m x n x k`` under ``schedule`` (a dict; with
     ``declined`` instead when the route does not take the call: alike on every rank)."""
-    group, rank = dist.group.WORLD, dist.get_rank()
+    rank = dist.get_rank()
     head = {"op": "reduce_scatter_pull", "m": m, "n": n, "k": k, "schedule": schedule, "rank": rank}
     if schedule not in SCHEDULES:
         return {**head, "declined": f"--scatter-schedule {schedule!r}: one of {', '.join(SCHEDULES)}"}
@@ -62,11 +60,7 @@ def probe_shape(m: int, n: int, k: int, schedule: str, args: argparse.Namespace)
     settings = now.replace(transport="peer", ring="off", scatter_route="pull",  # the schedule's experiments alone
                            experiments=(now.experiments - SCHEDULES["push"]) | SCHEDULES[schedule])
     with config.using(settings):
-        call, opnd, out_shape = routes.make_call("reduce_scatter", a, b, None, group, "auto", None, None, [m, n], True)
-        why = scatter_pull.unsupported(call, settings)
-        ctx = Context(a=a, b=b, bias=None, group=group, y_shape=[m, n], out_shape=out_shape, plan="auto",
-                      settings=settings, opnd=opnd, res=streams.resources(torch.cuda.current_device()))
-        launch = why or scatter_pull.make_launch(call, settings, ctx)
+        launch, ctx = launch_for(scatter_pull, "reduce_scatter", a, b, settings)
         if isinstance(launch, str):
             return {**head, "declined": launch}
         if bool(launch.options & gather_peer.PUSH) != (schedule == "push"):  # e.g. past gather_push_max_mb
