@@ -114,6 +114,25 @@ def launch_for(route, op: str, a: torch.Tensor, b: torch.Tensor, settings: confi
     return why or route.make_launch(call, settings, ctx), ctx
 
 
+def baselines(op: str, a: torch.Tensor, b: torch.Tensor, iters: int) -> dict[str, float]:
+    """The same run's references, ms medians: ``gemm`` (cuBLAS on all of ``a``'s rows), ``half`` (on half of them:
+    one of a two-rank route's GEMMs alone), ``comm`` (NCCL's ``op`` alone on ``[M, N]``: all_reduce in place,
+    reduce_scatter into ``[M / world, N]``) and ``seq`` (the GEMM then the collective). Also the pull route's."""
+    m, n = a.shape[0], b.shape[1]
+    full = torch.empty(m, n, device=a.device, dtype=a.dtype)
+    part = torch.empty(m // dist.get_world_size(), n, device=a.device, dtype=a.dtype)
+
+    def comm() -> None:
+        if op == "all_reduce":
+            dist.all_reduce(full)
+        else:
+            dist.reduce_scatter_tensor(part, full)
+
+    return {"gemm": median_ms(lambda: torch.mm(a, b, out=full), iters),
+            "half": median_ms(lambda: torch.mm(a[:m // 2], b), iters), "comm": median_ms(comm, iters),
+            "seq": median_ms(lambda: (torch.mm(a, b, out=full), comm()), iters)}
+
+
 def probe_shape(op: str, m: int, n: int, k: int, gate: str, args: argparse.Namespace) -> dict:
     """This rank's breakdown and lanes of the peer route's ``op`` at ``m x n x k`` with ``gate`` (a dict; with
     ``declined`` instead when the route does not take the call)."""
@@ -135,22 +154,10 @@ def probe_shape(op: str, m: int, n: int, k: int, gate: str, args: argparse.Names
             return {**head, "declined": probed}
         t, host_ms = probed
         routes.check()  # a wait that gave up raises here, on both ranks
-    full = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    part = torch.empty(m // dist.get_world_size(), n, device="cuda", dtype=torch.bfloat16)
-
-    def comm() -> None:
-        if op == "all_reduce":
-            dist.all_reduce(full)
-        else:
-            dist.reduce_scatter_tensor(part, full)
-
-    gemm_ms = median_ms(lambda: torch.mm(a, b, out=full), args.iters)
-    half_ms = median_ms(lambda: torch.mm(a[:m // 2], b), args.iters)
-    comm_ms = median_ms(comm, args.iters)
-    seq_ms = median_ms(lambda: (torch.mm(a, b, out=full), comm()), args.iters)
-    breakdown, lanes = gantt.peer_breakdown(t, gemm_ms, half_ms, comm_ms)
-    breakdown.update(gemm=gemm_ms, half=half_ms, comm=comm_ms, seq=seq_ms, host_ms=host_ms,
-                     hidden=(seq_ms - breakdown["total"]) / comm_ms if comm_ms > 0 else math.nan)
+    base = baselines(op, a, b, args.iters)
+    breakdown, lanes = gantt.peer_breakdown(t, base["gemm"], base["half"], base["comm"])
+    breakdown.update(base, host_ms=host_ms,
+                     hidden=(base["seq"] - breakdown["total"]) / base["comm"] if base["comm"] > 0 else math.nan)
     return {**head, "how": launch.description, "breakdown": breakdown, "lanes": lanes}
 
 

@@ -30,7 +30,7 @@ from flashoverlap_inductor import config, routes
 from flashoverlap_inductor.routes import gather_peer, scatter_pull
 
 from . import gantt
-from .timeline_peer import format_rows, launch_for, median_ms, probed_calls, sweep, write_pngs
+from .timeline_peer import baselines, format_rows, launch_for, probed_calls, sweep, write_pngs
 
 OPS = ("reduce_scatter_pull",)
 SHAPES = "4096x4096x8192,16384x8192x14336"  # o_proj-like and down_proj-like (the pull route's default shapes)
@@ -70,15 +70,10 @@ def probe_shape(m: int, n: int, k: int, schedule: str, args: argparse.Namespace)
             return {**head, "declined": probed}
         t, host_ms = probed
         routes.check()  # a wait that gave up raises here, on both ranks
-    full = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    part = torch.empty(m // 2, n, device="cuda", dtype=torch.bfloat16)
-    gemm_ms = median_ms(lambda: torch.mm(a, b, out=full), args.iters)
-    half_ms = median_ms(lambda: torch.mm(a[:m // 2], b), args.iters)
-    comm_ms = median_ms(lambda: dist.reduce_scatter_tensor(part, full), args.iters)
-    seq_ms = median_ms(lambda: (torch.mm(a, b, out=full), dist.reduce_scatter_tensor(part, full)), args.iters)
-    breakdown, lanes = gantt.pull_breakdown(t, 1 - rank, gemm_ms, half_ms, comm_ms)
-    breakdown.update(gemm=gemm_ms, half=half_ms, comm=comm_ms, seq=seq_ms, host_ms=host_ms,
-                     hidden=(seq_ms - breakdown["total"]) / comm_ms if comm_ms > 0 else math.nan)
+    base = baselines("reduce_scatter", a, b, args.iters)
+    breakdown, lanes = gantt.pull_breakdown(t, 1 - rank, base["gemm"], base["half"], base["comm"])
+    breakdown.update(base, host_ms=host_ms,
+                     hidden=(base["seq"] - breakdown["total"]) / base["comm"] if base["comm"] > 0 else math.nan)
     return {**head, "how": launch.description, "breakdown": breakdown, "lanes": lanes}
 
 
