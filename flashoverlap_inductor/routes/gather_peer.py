@@ -40,8 +40,7 @@ Invariants (units: bytes for buffers and shards, flattened rows for the GEMMs, a
   calls, not shapes, so calls of any shape share one page and buffer set, and run in order on the group's copy
   stream (eager calls from another caller stream first wait for the last, ``order_after_last``). Push: set ``b`` of
   a workspace is its fixed byte range ``[b, b + 1) * set_bytes(ws)`` whatever a call's shard size, so a set's waits
-  guard every byte a call of that set writes (with offsets by shard size, a large set-0 call's slots overlapped a
-  small set-1 call's: a queued set-1 push overwrote rows a set-0 call had yet to read, 2 H100s, 35th session).
+  guard every byte a call of that set writes (docs/design.md: offsets by shard size let calls of two sizes overlap).
 - Every wait is bounded by the call's deadline (``Settings.timeout_ns``: ``wait_timeout_ms`` or the group's
   timeout). A wait that gives up records the fault in this rank's block and every peer's; the call still notifies
   every flag once and every wait consumes its epoch, so the next call is in step again (a late rank is caught up).
@@ -67,6 +66,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import logging
+import math
 import socket
 import sys
 from dataclasses import dataclass, field
@@ -248,6 +248,12 @@ class GatherLaunch:
     slots: dict[int, tuple] = field(default_factory=dict)  # workspace serial -> receive_slots' views (push)
 
 
+def push_fits(settings: config.Settings, world: int, shard_bytes: int) -> bool:
+    """Whether a push call's receive buffer (``SLOT_SETS`` sets of ``world`` shards) fits ``gather_push_max_mb``
+    (the all_gather route's push start and the pull route's push schedule alike)."""
+    return SLOT_SETS * world * shard_bytes <= settings.tuning.gather_push_max_mb << 20
+
+
 def resolve_start(settings: config.Settings, world: int, shard_bytes: int, desc: str) -> tuple[int, int, str]:
     """A call's ``fo_gather_args.options``, workspace bytes per rank (push: ``SLOT_SETS`` x world shards, else one)
     and ``desc`` with why where the start is not the one set. "auto": push on at most ``PUSH_AUTO_MAX_WORLD`` ranks;
@@ -260,7 +266,7 @@ def resolve_start(settings: config.Settings, world: int, shard_bytes: int, desc:
             f"{desc}; handshake start (auto: push only on up to {PUSH_AUTO_MAX_WORLD} ranks)"
     if start != "push" and start != "auto":
         return OPTIONS[start], shard_bytes, desc
-    if push_bytes > tuning.gather_push_max_mb << 20:
+    if not push_fits(settings, world, shard_bytes):
         why = f"the push's receive buffer would pass gather_push_max_mb={tuning.gather_push_max_mb}"
         return OPTIONS["handshake"], shard_bytes, f"{desc}; handshake start ({why})"
     if world >= COPY_NOTIFY_MIN_WORLD and COPY_NOTIFY_EXPERIMENT in settings.experiments:
@@ -288,32 +294,45 @@ def make_launch(call, settings: config.Settings, ctx) -> GatherLaunch | str:
                         gather_gemms.static_args(ctx, geo, call.rank), faults.launch_id(desc))
 
 
+def new_args(ws: GatherWorkspace, world: int, rank: int, shard_bytes: int, dtype: torch.dtype, launch_id: int,
+             timeout_ns: int, options: int) -> GatherArgs:
+    """The protocol's struct for calls of one shape on ``ws`` (this route's and ``scatter_pull``'s): the workspace's,
+    the flags' and the streams' pointers, the push sets' stride (``set_bytes``), the bound; every per-call field
+    (``a``, ``staging``, ``cur_stream``, the outputs, ``slot_set``, ``copy_own``) is the caller's to set."""
+    f = ws.flags
+    p = GatherArgs()
+    p.world, p.rank, p.shard_bytes = world, rank, shard_bytes
+    for r in range(world):
+        p.buffers[r], p.flags[r] = ws.views[r].data_ptr(), f.views[r].data_ptr()
+    put_events(p, f.events, rank, world)
+    p.epoch, p.launch_id, p.timeout_ns = f.epoch.data_ptr(), launch_id, timeout_ns
+    p.fault, p.mirror, p.copy_stream = f.fault.block_ptr, f.fault.mirror_ptr, f.copy.cuda_stream
+    p.elem_bytes, p.bf16 = dtype.itemsize, int(dtype == torch.bfloat16)
+    p.options, p.set_bytes = options, set_bytes(ws)
+    return p
+
+
+def put_events(p: GatherArgs, events: list, rank: int, world: int) -> None:
+    """``events[j]``'s CUDA event as peer ``j``'s in ``p`` (recorded by the library when ``j``'s shard is here):
+    the flags' own, or a probed call's timing events and after it the flags' again."""
+    for r in range(world):
+        p.shard_events[r] = events[r].cuda_event if r != rank else None
+
+
 def args_for(launch: GatherLaunch, ws: GatherWorkspace) -> GatherArgs:
-    """The launch's args with the workspace's, the flags' and the streams' pointers (memoized per workspace: a call
-    shape maps to one workspace for good)."""
+    """The launch's args (``new_args``), memoized per workspace: a call shape maps to one workspace for good."""
     p = launch.args.get(ws.serial)
     if p is None:
-        f, world = ws.flags, launch.geo.world
-        p = GatherArgs()
-        p.world, p.rank, p.shard_bytes = world, launch.rank, launch.shard_bytes
-        for r in range(world):
-            p.buffers[r], p.flags[r] = ws.views[r].data_ptr(), f.views[r].data_ptr()
-            p.shard_events[r] = f.events[r].cuda_event if r != launch.rank else None
-        p.epoch, p.launch_id, p.timeout_ns = f.epoch.data_ptr(), launch.launch_id, launch.timeout_ns
-        p.fault, p.mirror, p.copy_stream = f.fault.block_ptr, f.fault.mirror_ptr, f.copy.cuda_stream
-        p.elem_bytes, p.bf16 = launch.dtype.itemsize, int(launch.dtype == torch.bfloat16)
-        p.options, p.set_bytes = launch.options, set_bytes(ws)
-        launch.args[ws.serial] = p
+        p = launch.args[ws.serial] = new_args(ws, launch.geo.world, launch.rank, launch.shard_bytes, launch.dtype,
+                                              launch.launch_id, launch.timeout_ns, launch.options)
     return p
 
 
 def probe_events(probe, p: GatherArgs, rank: int, world: int) -> list:
     """Timing events of ``probe`` for this call's pulls (``pull:<j>``, recorded by the library on the copy stream),
     put into the call's struct in place of the flags' own (``execute`` puts those back)."""
-    names = [f"pull:{j}" for j in range(world)]
-    events = probe.events_for(names, "copy")
-    for r in range(world):
-        p.shard_events[r] = events[r].cuda_event if r != rank else None
+    events = probe.events_for([f"pull:{j}" for j in range(world)], "copy")
+    put_events(p, events, rank, world)
     return events
 
 
@@ -332,14 +351,20 @@ def finish(lib, p: GatherArgs, ws: GatherWorkspace, used: tuple, route: str) -> 
     return rc
 
 
+def slot_views(ws: GatherWorkspace, rank: int, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple:
+    """Push: this rank's receive slots in ``ws``, one view of ``shape`` per set (set ``b`` at ``b * set_bytes(ws)``,
+    the library's layout; ``shape`` covers the set's ``world`` slots)."""
+    step, size = set_bytes(ws), math.prod(shape) * dtype.itemsize
+    return tuple(ws.views[rank][b * step:b * step + size].view(dtype).view(shape) for b in range(SLOT_SETS))
+
+
 def receive_slots(launch: GatherLaunch, ws: GatherWorkspace, dtype: torch.dtype) -> tuple:
     """The push schedule's per-set ``[world, shard_rows, K]`` views of this rank's receive buffer in ``ws`` (set
     ``b``'s slot ``j``: rank ``j``'s shard of a set-``b`` call), made once per workspace and kept with the launch."""
     views = launch.slots.get(ws.serial)
     if views is None:
-        geo, step, size = launch.geo, set_bytes(ws), launch.buffer_bytes // SLOT_SETS
-        views = launch.slots[ws.serial] = tuple(ws.views[launch.rank][b * step:b * step + size].view(dtype).view(
-            geo.world, geo.shard_rows, geo.k) for b in range(SLOT_SETS))
+        geo = launch.geo
+        views = launch.slots[ws.serial] = slot_views(ws, launch.rank, dtype, (geo.world, geo.shard_rows, geo.k))
     return views
 
 
@@ -415,8 +440,7 @@ class GatherPeerRoute(symmetric.SymmetricRoute):
             rc_finish = finish(lib, p, ws, (a, staging), NAME)
             if probe is not None:
                 probe.mark("end", stream)
-                for r in range(geo.world):  # the memoized struct gets the flags' own events back
-                    p.shard_events[r] = ws.flags.events[r].cuda_event if r != launch.rank else None
+                put_events(p, ws.flags.events, launch.rank, geo.world)  # the memoized struct: the flags' again
         kernels.check(rc, "fo_gather_call")
         kernels.check(rc_finish, "fo_gather_finish")
         if not ctx.return_gathered:

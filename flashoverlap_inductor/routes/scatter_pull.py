@@ -185,9 +185,8 @@ def make_launch(call, settings: config.Settings, ctx) -> ScatterLaunch | str:
     options, buffer_bytes, moved = gather_peer.GEMM_AFTER_HANDSHAKE, shard_bytes, "pulled by copy engine"
     note_ = ""
     if PUSH_EXPERIMENT in settings.experiments:
-        push_bytes = gather_peer.SLOT_SETS * 2 * shard_bytes
-        if push_bytes <= settings.tuning.gather_push_max_mb << 20:
-            options, buffer_bytes = gather_peer.PUSH, push_bytes
+        if gather_peer.push_fits(settings, 2, shard_bytes):
+            options, buffer_bytes = gather_peer.PUSH, gather_peer.SLOT_SETS * 2 * shard_bytes
             # tune.rows.route_of_launch tells this schedule's launches by "pushed by copy engine"
             moved = f"pushed by copy engine into the peer's receive slot (experiment {PUSH_EXPERIMENT})"
         else:
@@ -201,21 +200,12 @@ def make_launch(call, settings: config.Settings, ctx) -> ScatterLaunch | str:
 
 
 def args_for(launch: ScatterLaunch, ws: gather_peer.GatherWorkspace) -> gather_peer.GatherArgs:
-    """The protocol's struct with the workspace's, the flags' and the streams' pointers (memoized per workspace)."""
+    """The protocol's struct (``gather_peer.new_args``: 2 ranks, one output, no own copy), memoized per workspace."""
     p = launch.args.get(ws.serial)
     if p is None:
-        f = ws.flags
-        p = gather_peer.GatherArgs()
-        p.world, p.rank, p.shard_bytes = 2, launch.rank, launch.shard_bytes
-        for r in range(2):
-            p.buffers[r], p.flags[r] = ws.views[r].data_ptr(), f.views[r].data_ptr()
-            p.shard_events[r] = f.events[r].cuda_event if r != launch.rank else None
-        p.epoch, p.launch_id, p.timeout_ns = f.epoch.data_ptr(), launch.launch_id, launch.timeout_ns
-        p.fault, p.mirror, p.copy_stream = f.fault.block_ptr, f.fault.mirror_ptr, f.copy.cuda_stream
-        p.elem_bytes, p.bf16 = launch.dtype.itemsize, int(launch.dtype == torch.bfloat16)
-        p.options, p.copy_own, p.num_outputs = launch.options, 0, 1
-        p.set_bytes = gather_peer.set_bytes(ws)
-        launch.args[ws.serial] = p
+        p = launch.args[ws.serial] = gather_peer.new_args(ws, 2, launch.rank, launch.shard_bytes, launch.dtype,
+                                                          launch.launch_id, launch.timeout_ns, launch.options)
+        p.copy_own, p.num_outputs = 0, 1
     return p
 
 
@@ -225,10 +215,8 @@ def receive_buffer(launch: ScatterLaunch, ws: gather_peer.GatherWorkspace) -> tu
     kept with the launch)."""
     views = launch.slots.get(ws.serial)
     if views is None:
-        step, size = gather_peer.set_bytes(ws), 2 * launch.shard_bytes
-        views = launch.slots[ws.serial] = tuple(ws.views[launch.rank][b * step:b * step + size].view(launch.dtype)
-                                                .view(2, launch.half_rows, launch.n)
-                                                for b in range(gather_peer.SLOT_SETS))
+        views = launch.slots[ws.serial] = gather_peer.slot_views(ws, launch.rank, launch.dtype,
+                                                                 (2, launch.half_rows, launch.n))
     return views
 
 
@@ -310,8 +298,7 @@ class ScatterPullRoute:
         finally:  # joined and poisoned whatever happened above: the copy stream never outlives the call's tensors
             rc_finish = gather_peer.finish(lib, p, ws, (part, staging), NAME)
             if probe is not None:
-                for r in range(2):  # the memoized struct gets the flags' own events back
-                    p.shard_events[r] = ws.flags.events[r].cuda_event if r != rank else None
+                gather_peer.put_events(p, ws.flags.events, rank, 2)  # the memoized struct: the flags' again
                 probe.mark("end", stream)
         kernels.check(rc, "fo_gather_call")
         kernels.check(rc_finish, "fo_gather_finish")
