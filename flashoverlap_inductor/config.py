@@ -46,6 +46,7 @@ GEMM_GRIDS = ("tiles", "persistent")
 ROW_ORDERS = ("schedule", "gather")
 GATHER_STARTS = ("auto", "handshake", "eager", "push")
 SCATTER_ROUTES = ("auto", "pull", "peer")
+SCATTER_STARTS = ("push", "handshake")
 DTYPES = ("bfloat16", "float16", "float32")  # the GEMM output dtypes the fused routes and the cost model know
 OPTION_PREFIX = "flashoverlap."
 # Experimental variants still under study: each name turns one on (``Settings.experiments``).
@@ -74,11 +75,6 @@ EXPERIMENTS = {
     "gather_torch_gemms": "run the all_gather peer route's GEMMs as one torch.mm per shard and weight from Python "
                           "(the route before 2026-11-27) instead of one library call into torch's cuBLAS "
                           "(routes/gather_gemms.py)",
-    "scatter_push": "let the reduce_scatter pull route push the peer's half by copy engine straight from the GEMM's "
-                    "output into the peer's receive slot (the all_gather push schedule, FO_GATHER_PUSH, where its "
-                    "buffer fits gather_push_max_mb) instead of copying it into this rank's symmetric buffer and "
-                    "shaking hands before the own half's GEMM (routes/scatter_pull.py; correct on 2 H100s, ahead "
-                    "of the handshake on 5 of 6 shapes in two runs, not yet run on the op grid)",
     "scatter_pull": "stage a sum of GEMMs feeding a reduce_scatter over 2 ranks of one NVLink host for the pull "
                     "route where its cost model (cost_model/pull.py) says it pays: the first terms unfused, the last "
                     "fused with their sum as its bias, which the pull route runs (routes/scatter_pull.py: cuBLAS "
@@ -123,6 +119,7 @@ RULES: dict[str, check.Rule] = {
     "gather_start": check.Choice(GATHER_STARTS),
     "gather_push_max_mb": check.Int(0),
     "scatter_route": check.Choice(SCATTER_ROUTES),
+    "scatter_start": check.Choice(SCATTER_STARTS),
 }
 
 
@@ -164,6 +161,13 @@ class Tuning:
     # ~0.32 ms of host time per eager call keeps small outputs on the peer route). A function of the shapes, settings
     # and cost data only: the same on every rank.
     scatter_route: str = "auto"
+    # The pull route's schedule (routes/scatter_pull.py), when the own half's GEMM starts. "push" (the default where
+    # its receive buffer, 2 x 2 halves per rank, fits gather_push_max_mb; else the handshake): at once, the peer's
+    # half pushed by copy engine into the peer's receive slot (2 H200s, 36th session: 16-shape grid 1.158x over
+    # sequential against the handshake's 1.126x in the same run, ahead on 13 of 15 fused shapes); "handshake": after
+    # the peer's half is copied into this rank's buffer and both ranks shook hands (a buffer of one half). The same
+    # on every rank.
+    scatter_start: str = "push"
 
     def __post_init__(self) -> None:
         _check_fields(self)  # every field in its rule's type (``RULES``)

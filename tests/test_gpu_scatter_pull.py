@@ -11,10 +11,10 @@ output's shape (the summed-gradient form), a shard buffer that grows, the same c
 between them, interleaved with fused all_gather calls (per-rank data, every rank's rows checked) that share the
 protocol's flags and buffers; under ``scatter_pull`` with ``scatter_route="peer"``, a call without bias goes on to the
 peer route and one with a bias of the output's shape takes this one. Not covered here: the late and skipping ranks (the
-protocol's, tested by ``tests/test_gpu_gather.py``). The same calls under the experiment ``scatter_push`` (the push
-schedule) in ``test_scatter_push_matches_reference``: its first run (2 H100s, 35th session) found queued calls of
-different shard sizes overlapping in the receive buffer (fixed: slot sets at fixed offsets); it and the rest passed
-there after the fix.
+protocol's, tested by ``tests/test_gpu_gather.py``). Each schedule (the setting ``scatter_start``) runs them:
+``test_scatter_pull_matches_reference`` the handshake, ``test_scatter_push_matches_reference`` the push (the
+default), whose first run (2 H100s, 35th session) found queued calls of different shard sizes overlapping in the
+receive buffer (fixed: slot sets at fixed offsets); both passed there after the fix.
 """
 
 from __future__ import annotations
@@ -97,8 +97,8 @@ def match_task(push: bool = False) -> dict[str, int]:
 
     routes.reset()
     cases = [(10 * si + bi, shape, n, bias) for si, (shape, n) in enumerate(SHAPES) for bi, bias in enumerate(BIASES)]
-    names = BOTH | {"scatter_push"} if push else BOTH
-    with config.patch(wait_timeout_ms=LONG_MS, experiments=names, scatter_route="pull"):
+    start = "push" if push else "handshake"
+    with config.patch(wait_timeout_ms=LONG_MS, experiments=BOTH, scatter_route="pull", scatter_start=start):
         for seed, shape, n, bias in cases:
             before = routes.stats["route:scatter_pull"]
             a, w, c = _inputs(seed, shape, n, bias)
@@ -131,7 +131,8 @@ def match_task(push: bool = False) -> dict[str, int]:
             want = torch.mm(want_rows, wt).float()
             assert bool(torch.isfinite(y).all())
             assert ((y.float() - want).norm() / want.norm()).item() < 1e-2, "gather between pull calls: GEMM differs"
-    with config.patch(wait_timeout_ms=LONG_MS, experiments=frozenset({"scatter_pull"}), scatter_route="peer"):
+    with config.patch(wait_timeout_ms=LONG_MS, experiments=frozenset({"scatter_pull"}), scatter_route="peer",
+                      scatter_start=start):
         a, w, c = _inputs(9000, *SHAPES[0], None)
         before = dict(routes.stats)
         _check(_op(a, w, c), a, w, c, "no bias, scatter_pull alone")
@@ -157,11 +158,11 @@ def test_scatter_pull_matches_reference(pool):
 
 
 def test_scatter_push_matches_reference(pool):
-    """The same calls under the experiment ``scatter_push``: the peer's part pushed into this rank's receive slots
-    (the push schedule's sets alternating across the pull calls and the gathers between them)."""
+    """The same calls under ``scatter_start="push"`` (the default): the peer's part pushed into this rank's receive
+    slots (the push schedule's sets alternating across the pull calls and the gathers between them)."""
     n = len(SHAPES) * len(BIASES)
     for r in pool.run(match_task, True):
         assert r["synced"] == n and r["total"] == 2 * n and r["gathers"] == (n + 1) // 2, r
-        # the handshake list holds only the last block's call (scatter_pull alone, no push); the push list grew to
-        # hold 2 sets x 2 slots of each larger half (1 and 2 MiB), the gathers' small shards fitting its first 1 MiB
-        assert r["workspaces"] == {(): [1 << 20], ("push",): [1 << 20, 4 << 20, 8 << 20]}, r
+        # no handshake list at all; the push list grew to hold 2 sets x 2 slots of each larger half (1 and 2 MiB),
+        # the gathers' small shards and the last block's call fitting its first 1 MiB
+        assert r["workspaces"] == {("push",): [1 << 20, 4 << 20, 8 << 20]}, r

@@ -262,5 +262,5 @@ def test_pull_report_text_and_png(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "timeline_pull_4096x4096x8192_handshake.png", "timeline_pull_4096x4096x8192_push.png"]
     args = timeline.parse_args(["--op", "reduce_scatter_pull"])
-    assert args.scatter_schedule == "handshake,push" and set(args.scatter_schedule.split(",")) == set(
+    assert args.scatter_schedule == "push,handshake" and set(args.scatter_schedule.split(",")) == set(
         timeline_pull.SCHEDULES)

@@ -289,11 +289,11 @@ def bench():
 
 def test_bench_experiments_argument(bench):
     """``--experiments`` names the run's experiments (checked against ``config.EXPERIMENTS``: a typo stops the run)."""
-    assert bench.parse_args(["--experiments", "scatter_pull,scatter_push"]).experiments == frozenset(
-        {"scatter_pull", "scatter_push"})
+    assert bench.parse_args(["--experiments", "scatter_pull,gather_torch_gemms"]).experiments == frozenset(
+        {"scatter_pull", "gather_torch_gemms"})
     assert bench.parse_args([]).experiments == frozenset()
     with pytest.raises(SystemExit):
-        bench.parse_args(["--experiments", "scatter_psuh"])
+        bench.parse_args(["--experiments", "scatter_pul"])
 
 
 def _row(bench, op, m, seq, fused, gemm, comm, asynctp=math.nan, auto_fuse=True, pred=None, rel=1e-3):

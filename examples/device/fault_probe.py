@@ -23,8 +23,7 @@ C`` (W and H must be 0, C must equal N). Exits 1 otherwise. Timings mean nothing
 
     python examples/device/fault_probe.py --route peer --world 2
     python examples/device/fault_probe.py --route ring --world 3
-    python examples/device/fault_probe.py --route scatter_pull --world 2
-    python examples/device/fault_probe.py --route scatter_pull --world 2 --experiments scatter_push
+    python examples/device/fault_probe.py --route scatter_pull --world 2 [--scatter-start handshake]
     python examples/device/fault_probe.py --nccl
     python examples/device/fault_probe.py --nccl-world 2
 """
@@ -79,7 +78,7 @@ def _op(op: str, a, b, world: int, name: str) -> torch.Tensor:
 def _ran(route: str, before: dict, key: str = "route") -> dict:
     """The routes that ran since ``before`` (a copy of ``routes.stats``), and ``wrong`` where the probed route did
     not (the case then tested another); ``key`` "captured": the calls captured into a CUDA graph. ``launch``: the
-    last fused call's launch description (which schedule ran, e.g. the pull route's push under ``scatter_push``)."""
+    last fused call's launch description (which schedule ran, e.g. the pull route's push or handshake)."""
     from flashoverlap_inductor import routes
 
     ran = {k: v - before.get(k, 0) for k, v in routes.stats.items()
@@ -99,7 +98,7 @@ def _expect_timeout(fn) -> str:
 
 
 def worker(rank: int, world: int, port: int, out_dir: str, route: str, timeout_ms: float, stall_s: float,
-           experiments: tuple[str, ...] = ()) -> None:
+           experiments: tuple[str, ...] = (), scatter_start: str = "push") -> None:
     os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     import torch.distributed as dist
 
@@ -115,7 +114,7 @@ def worker(rank: int, world: int, port: int, out_dir: str, route: str, timeout_m
     def settings():  # a fresh context manager per use
         return config.patch(ring="all" if route == "ring" else "off", wait_timeout_ms=timeout_ms,
                             scatter_route="pull" if route == "scatter_pull" else "peer",
-                            experiments=frozenset(experiments))
+                            scatter_start=scatter_start, experiments=frozenset(experiments))
 
     def record(case: str, **kw) -> None:
         line = {"case": case, "rank": rank, **kw}
@@ -246,8 +245,9 @@ def summarize(out_dir: str, hangs: int) -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--route", choices=("peer", "ring", "scatter_pull"), default="peer")
-    p.add_argument("--experiments", default="", help="comma-separated experiments the probed calls run under (e.g. "
-                   "scatter_push with --route scatter_pull: its push schedule)")
+    p.add_argument("--experiments", default="", help="comma-separated experiments the probed calls run under")
+    p.add_argument("--scatter-start", choices=("push", "handshake"), default="push",
+                   help="--route scatter_pull: the route's schedule (the setting scatter_start)")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--nccl", action="store_true", help="the NCCL route's case instead (one process)")
     p.add_argument("--nccl-world", type=int, choices=(2,), help="the NCCL routes on 2 GPUs (fault_probe_nccl.py)")
@@ -272,8 +272,8 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     experiments = tuple(x for x in args.experiments.split(",") if x)
-    ctx = mp.spawn(worker, args=(args.world, port, args.out, args.route, args.timeout_ms, args.stall_s, experiments),
-                   nprocs=args.world, join=False)
+    ctx = mp.spawn(worker, args=(args.world, port, args.out, args.route, args.timeout_ms, args.stall_s, experiments,
+                                 args.scatter_start), nprocs=args.world, join=False)
     end, hangs = time.monotonic() + args.limit_s, 0
     try:
         while not ctx.join(timeout=1.0):

@@ -1,10 +1,10 @@
-"""GEMM -> reduce_scatter on 2 GPUs: the pull route (``scatter_route="pull"``; ``push``: the same under the
-experiment ``scatter_push``, its push schedule) against the peer route, cuBLAS then NCCL, and the ideal
-``max(T_gemm, T_comm)``, interleaved in one run (``tune.measure.Timer``: CUDA events, warm-up, medians, max over
-ranks); and the sum of two GEMMs (a backward's summed input gradients: ``x1 @ w1 + x2 @ w2`` then reduce_scatter) as
-Inductor runs it (``mm``, ``mm``, ``add``, NCCL), as the pass fuses it today (one GEMM over the
-concatenated K, the cats included) and on the pull route (``t = x1 @ w1``, then the fused op with ``t`` as its bias).
-Every variant's result is checked against the sequential one (relative error) and its route is printed.
+"""GEMM -> reduce_scatter on 2 GPUs: the pull route (``scatter_route="pull"``) on its two schedules (``pull``:
+``scatter_start="handshake"``; ``push``: ``scatter_start="push"``, the default) against the peer route, cuBLAS then
+NCCL, and the ideal ``max(T_gemm, T_comm)``, interleaved in one run (``tune.measure.Timer``: CUDA events, warm-up,
+medians, max over ranks); and the sum of two GEMMs (a backward's summed input gradients: ``x1 @ w1 + x2 @ w2``
+then reduce_scatter) as Inductor runs it (``mm``, ``mm``, ``add``, NCCL), as the pass fuses it today (one GEMM over
+the concatenated K, the cats included) and on the pull route (``t = x1 @ w1``, then the fused op with ``t`` as its
+bias). Every variant's result is checked against the sequential one (relative error) and its route is printed.
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 examples/device/scatter_pull_bench.py \\
         [--shapes 4096x4096x4096,4096x4096x14336] [--sum-shapes 4096x4096x14336]
@@ -57,9 +57,8 @@ def main() -> None:
     rank, world, name = dist.get_rank(), dist.get_world_size(), dist.group.WORLD.group_name
     op = torch.ops.flashoverlap.gemm_reduce_scatter
     peer_key = config.current().replace(transport="peer", scatter_route="peer").key()
-    pull_key = config.current().replace(transport="peer", scatter_route="pull").key()
-    push_key = config.current().replace(transport="peer", scatter_route="pull",
-                                        experiments=frozenset({"scatter_push"})).key()
+    pull_key = config.current().replace(transport="peer", scatter_route="pull", scatter_start="handshake").key()
+    push_key = config.current().replace(transport="peer", scatter_route="pull", scatter_start="push").key()
     timer = tm.Timer(rounds=5, target_ms=10.0, min_iters=2, max_iters=40, spin_ms=0.3)
     lines = []
     for m, n, k in shapes_of(args.shapes):

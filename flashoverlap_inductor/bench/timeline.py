@@ -4,7 +4,7 @@
     torchrun --nproc_per_node=2 -m flashoverlap_inductor.bench timeline --op reduce_scatter \\
         [--shapes 4096x8192x8192] [--gate epilogue,kernel] [--png DIR] [--json FILE]
     torchrun --nproc_per_node=2 -m flashoverlap_inductor.bench timeline --op reduce_scatter_pull \\
-        [--scatter-schedule handshake,push] [--lead 2] [--png DIR]
+        [--scatter-schedule push,handshake] [--lead 2] [--png DIR]
     FO_PART=B FO_TIMELINE_ARGS="--op reduce_scatter" bash examples/device/two_gpu_suite.sh   # (its timeline step)
 
 ``--op all_gather`` (the default): all_gather -> GEMM on the gather_peer route, below. ``--op all_reduce`` /
@@ -78,9 +78,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gate", default="epilogue",
                    help="all_reduce / reduce_scatter: GEMM 2's wait for the peer's GEMM 1 to compare (comma-separated):"
                         " epilogue (the route's, before each tile's C load), kernel (a wait kernel between the GEMMs)")
-    p.add_argument("--scatter-schedule", default="handshake,push",
-                   help="reduce_scatter_pull: the pull route's schedules to compare (comma-separated: handshake, "
-                        "push = the experiment scatter_push)")
+    p.add_argument("--scatter-schedule", default="push,handshake",
+                   help="reduce_scatter_pull: the pull route's schedules to compare (comma-separated values of the "
+                        "setting scatter_start: push, the default, or handshake)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--spin-ms", type=float, default=1.0,
@@ -90,6 +90,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="plain calls of the same shape queued right before each probed call (after the spin, no "
                         "sync between): the probed call then starts behind them, as in a back-to-back benchmark "
                         "or a model, where a schedule's waits for the peers' previous call show")
+    p.add_argument("--host-gap-us", type=float, default=0.0,
+                   help="host busy-wait before each lead and probed call (us): with --spin-ms 0, a host-paced caller "
+                        "whose GPU waits for it, as in a host-bound eager step")
+    p.add_argument("--skew-us", type=float, default=0.0,
+                   help="rank 1's extra host wait before each call (us): one rank's host behind the other's")
     p.add_argument("--png", default=None, help="folder for one Gantt PNG per shape and start (or op, shape and gate)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)

@@ -73,13 +73,18 @@ def probed_calls(execute, ctx: Context, args: argparse.Namespace) -> tuple[dict[
     """``args.warmup`` calls, then ``args.iters`` probed calls of ``execute()`` (each after a barrier, a device sync,
     ``args.spin_ms`` of GPU spin and ``args.lead`` plain calls queued behind the spin): the
     median of each probe mark (ms since ``start``) and the median host time per probed call (ms); or the reason a call
-    returned instead of running (the route declined it, on every rank alike). Also the all_gather timeline's."""
+    returned instead of running (the route declined it, on every rank alike). Also the all_gather timeline's.
+    ``args.host_gap_us`` (and on rank 1 ``args.skew_us`` more) of host busy-wait before each lead and probed call
+    emulates a host-paced caller (with ``--spin-ms 0``: the GPU waits for the host, as in a host-bound eager step)."""
     for _ in range(args.warmup):
         out = execute()
         if isinstance(out, str):
             return out
     marks: dict[str, list[float]] = {}
     host: list[float] = []
+    gap_us, skew_us = getattr(args, "host_gap_us", 0.0), getattr(args, "skew_us", 0.0)
+    if skew_us and dist.is_initialized() and dist.get_rank() == 1:
+        gap_us += skew_us
     try:
         for _ in range(args.iters):
             ctx.probe = None
@@ -87,7 +92,9 @@ def probed_calls(execute, ctx: Context, args: argparse.Namespace) -> tuple[dict[
             torch.cuda.synchronize()
             measure.spin(args.spin_ms)
             for _ in range(args.lead):  # back to back: plain calls queued behind the spin, before the probed call
+                host_gap(gap_us)
                 execute()
+            host_gap(gap_us)
             ctx.probe = CallProbe()
             t0 = time.perf_counter()
             out = execute()
@@ -100,6 +107,14 @@ def probed_calls(execute, ctx: Context, args: argparse.Namespace) -> tuple[dict[
     finally:
         ctx.probe = None
     return {name: statistics.median(v) for name, v in marks.items()}, statistics.median(host)
+
+
+def host_gap(us: float) -> None:
+    """Busy-waits ``us`` microseconds on the host (a caller's Python between calls; 0: returns at once)."""
+    if us > 0:
+        until = time.perf_counter() + us * 1e-6
+        while time.perf_counter() < until:
+            pass
 
 
 def launch_for(route, op: str, a: torch.Tensor, b: torch.Tensor, settings: config.Settings) -> tuple[Any, Context]:

@@ -2,12 +2,12 @@
 reduce_scatter call on the pull route goes (``routes.scatter_pull``, 2 ranks, one GPU each, NVLink).
 
     torchrun --nproc_per_node=2 -m flashoverlap_inductor.bench timeline --op reduce_scatter_pull \\
-        --shapes 4096x4096x8192,16384x8192x14336 [--scatter-schedule handshake,push] [--lead 2] [--png DIR]
+        --shapes 4096x4096x8192,16384x8192x14336 [--scatter-schedule push,handshake] [--lead 2] [--png DIR]
 
 Per shape (``M x N x K``: A ``[M, K]`` per rank, B = W.t() with W ``[N, K]``, bf16, as ``examples/bench_ops.py``)
-and schedule (``--scatter-schedule``: ``handshake``, the route's default, the peer's half copied into the rank's
-symmetric buffer and pulled by the peer after a handshake; ``push``, the experiment ``scatter_push``: pushed by copy
-engine into the peer's receive slot), the route (``make_launch``, then ``execute``, no dispatcher) runs ``--iters``
+and schedule (``--scatter-schedule``, the setting ``scatter_start``: ``push``, the route's default, the peer's half
+pushed by copy engine into the peer's receive slot; ``handshake``: copied into the rank's symmetric buffer and pulled
+by the peer after a handshake), the route (``make_launch``, then ``execute``, no dispatcher) runs ``--iters``
 probed calls (``runtime.probe.CallProbe``; the marks of ``gantt.pull_breakdown`` on the caller's stream and the
 library's event of the part's landing on the copy stream) after ``--warmup`` plain ones, each behind a ``--spin-ms``
 GPU spin and ``--lead`` plain calls (``timeline_peer.probed_calls``). In the same run: ``gemm`` (cuBLAS at the full M
@@ -34,9 +34,7 @@ from .timeline_peer import baselines, format_rows, launch_for, probed_calls, swe
 
 OPS = ("reduce_scatter_pull",)
 SHAPES = "4096x4096x8192,16384x8192x14336"  # o_proj-like and down_proj-like (the pull route's default shapes)
-# the experiments on for each schedule (with scatter_route="pull": every call on the pull route)
-SCHEDULES = {"handshake": frozenset({"scatter_pull"}),
-             "push": frozenset({"scatter_pull", scatter_pull.PUSH_EXPERIMENT})}
+SCHEDULES = config.SCATTER_STARTS  # the values of scatter_start this timeline compares
 COLS = ("total", "ideal", "gap", "split", "peer_extra", "handshake", "own_extra", "wait", "add", "tail", "landed",
         "gemm", "half", "comm", "seq", "hidden", "host_ms")
 HEADER = ("pull route call timeline, ms (medians of probed calls); gap = total - ideal = split + peer_extra + "
@@ -57,8 +55,7 @@ def probe_shape(m: int, n: int, k: int, schedule: str, args: argparse.Namespace)
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = (torch.randn(n, k, device="cuda") / math.sqrt(k)).bfloat16().t()
     now = config.current()
-    settings = now.replace(transport="peer", ring="off", scatter_route="pull",  # the schedule's experiments alone
-                           experiments=(now.experiments - SCHEDULES["push"]) | SCHEDULES[schedule])
+    settings = now.replace(transport="peer", ring="off", scatter_route="pull", scatter_start=schedule)
     with config.using(settings):
         launch, ctx = launch_for(scatter_pull, "reduce_scatter", a, b, settings)
         if isinstance(launch, str):

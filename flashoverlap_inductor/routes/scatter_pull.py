@@ -12,28 +12,29 @@ The peer route (``routes/peer.py``) stores GEMM 1's tiles into the peer over NVL
 CUTLASS GEMMs time that cuBLAS's GEMM does not spend (docs/design.md, "Host cost of a fused call", last paragraph), and
 it takes no row-varying addend.
 
-Here, per call (rank ``r``, peer ``p = 1 - r``; the output rows in halves, half ``h`` being rank ``h``'s result; ``M``
-rows, ``N`` columns):
+Per call (rank ``r``, peer ``p = 1 - r``; the output rows in halves, half ``h`` being rank ``h``'s result; ``M`` rows,
+``N`` columns), under ``scatter_start="push"`` (the default, where ``SLOT_SETS`` x 2 halves fit ``gather_push_max_mb``):
 
 - on the caller's stream: ``part = a[half p] @ b (+ bias[half p])`` (cuBLAS: ``mm`` / ``addmm``, a fresh ``[M/2, N]``);
-- ``fo_gather_call`` with ``part`` as the shard: the all_gather peer route's protocol, flag page, epoch, copy stream and
-  symmetric buffers (``routes/gather_peer.py``; one call of that protocol per call of this route, in the same order on
-  every rank): the copy stream copies ``part`` into this rank's buffer, shakes hands with the peer (the caller's stream
-  waits for that), pulls the peer's part of this rank's rows into ``staging`` (the protocol's slot ``p``; the library
-  writes no other slot, so only that one is allocated) by copy engine and records ``p``'s event;
-- on the caller's stream meanwhile: ``out = a[half r] @ b (+ bias[half r])``, then, after ``p``'s event, ``out +=
-  staging`` (one add over ``M/2 x N``);
+- ``fo_gather_call`` with ``part`` as the shard and the all_gather peer route's push schedule (``FO_GATHER_PUSH``;
+  its protocol, flag page, epoch, copy stream and symmetric buffers: ``routes/gather_peer.py``; one call of that
+  protocol per call of this route, in the same order on every rank): the copy stream pushes ``part`` into slot
+  ``rank`` of the call's slot set in the peer's receive buffer, and tells the peer; the caller's stream waits only
+  for the protocol's begin (the peer's reads of that set, two calls back, done);
+- on the caller's stream meanwhile: ``out = a[half r] @ b (+ bias[half r])``, then, after the event of the peer's
+  part landing in this rank's slot ``p`` of that set, ``out += slot`` (one add over ``M/2 x N``);
 - ``fo_gather_finish``: the caller's stream joins the copy stream, and ``out`` is NaN while the group's fault block
   holds a fault (raised at the next call on every rank, as the gather route's).
 
-Under the experiment ``scatter_push`` (where ``SLOT_SETS`` x 2 shards fit ``gather_push_max_mb``) the call takes the
-gather protocol's push schedule instead (``FO_GATHER_PUSH``): the copy stream pushes ``part`` itself into slot
-``rank`` of the call's slot set in the peer's receive buffer, and this rank adds the peer's part from its own slot
-``p`` of that set; no copy into this rank's buffer and no handshake come before the own half's GEMM (on 2 H200s the
-handshake schedule spends ~12 us at 4096 x 4096 and ~0.1 ms at 16384 x 8192 there with the SMs idle). The
-notification and the wait for the peer's part run on the copy stream when the own GEMM frees an SM, which is when
+The notification and the wait for the peer's part run on the copy stream when the own GEMM frees an SM, which is when
 the add needs them. The slot sets alternate per push call of the group (``gather_peer.next_slot_set``, shared with
 the gather route's push calls), so a slot is rewritten only after the peer finished reading it two calls before.
+Under ``scatter_start="handshake"`` (and where the push's buffer would pass ``gather_push_max_mb``) the copy stream
+copies ``part`` into this rank's symmetric buffer and shakes hands with the peer (the caller's stream waits for that)
+before the own half's GEMM, then pulls the peer's part into ``staging`` by copy engine (the protocol's slot ``p``;
+the library writes no other slot, so only that one is allocated): a buffer of one half, ~12 us at 4096 x 4096 and
+~0.1 ms at 16384 x 8192 with the SMs idle (2 H200s). On the 16-shape grid (2 H200s, 36th session) push ran 1.158x
+over sequential against the handshake's 1.126x in the same run.
 
 Invariants: the failure contract, the buffer reuse rule and the resynchronization are the gather route's (its
 docstring), since every wait, flag and buffer is its own; a fault raised here names ``gather_peer``. ``part``,
@@ -71,7 +72,6 @@ log = logging.getLogger("flashoverlap")
 
 NAME = "scatter_pull"
 EXPERIMENT = "scatter_pull"  # calls with a bias of the output's shape (the pass's pull staging of a sum of GEMMs)
-PUSH_EXPERIMENT = "scatter_push"  # the push schedule (module docstring)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -184,11 +184,11 @@ def make_launch(call, settings: config.Settings, ctx) -> ScatterLaunch | str:
     shard_bytes = half * call.n * call.dtype.itemsize
     options, buffer_bytes, moved = gather_peer.GEMM_AFTER_HANDSHAKE, shard_bytes, "pulled by copy engine"
     note_ = ""
-    if PUSH_EXPERIMENT in settings.experiments:
+    if settings.tuning.scatter_start == "push":
         if gather_peer.push_fits(settings, 2, shard_bytes):
             options, buffer_bytes = gather_peer.PUSH, gather_peer.SLOT_SETS * 2 * shard_bytes
             # tune.rows.route_of_launch tells this schedule's launches by "pushed by copy engine"
-            moved = f"pushed by copy engine into the peer's receive slot (experiment {PUSH_EXPERIMENT})"
+            moved = "pushed by copy engine into the peer's receive slot"
         else:
             note_ = "; handshake schedule (the push's receive buffer would pass gather_push_max_mb)"
     desc = (f"GEMM {call.rows}x{call.n}x{call.k} {call.dtype_name} then reduce_scatter over 2 ranks: scatter_pull "

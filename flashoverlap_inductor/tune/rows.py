@@ -20,7 +20,7 @@ BENCH_RING_ROUNDS = (1, 2, 4)  # the benchmark's ``ringR`` rows flags (examples/
 
 
 def route_of_launch(launch: str) -> str:
-    """"ring", "peer", "pull", "push" (the pull route on the push schedule, experiment ``scatter_push``) or "nccl"
+    """"ring", "peer", "pull", "push" (the pull route on the push schedule, ``scatter_start="push"``) or "nccl"
     from a launch description (``RingLaunch`` / ``PeerLaunch`` / ``ScatterLaunch`` / NCCL-route launches)."""
     if "scatter_pull route" in launch:
         return "push" if "pushed by copy engine" in launch else "pull"
