@@ -161,13 +161,14 @@ class Tuning:
     # ~0.32 ms of host time per eager call keeps small outputs on the peer route). A function of the shapes, settings
     # and cost data only: the same on every rank.
     scatter_route: str = "auto"
-    # The pull route's schedule (routes/scatter_pull.py), when the own half's GEMM starts. "push" (the default where
+    # The pull route's schedule (routes/scatter_pull.py), when the own half's GEMM starts. "handshake": after the
+    # peer's half is copied into this rank's buffer and both ranks shook hands (a buffer of one half); "push" (where
     # its receive buffer, 2 x 2 halves per rank, fits gather_push_max_mb; else the handshake): at once, the peer's
-    # half pushed by copy engine into the peer's receive slot (2 H200s, 36th session: 16-shape grid 1.158x over
-    # sequential against the handshake's 1.126x in the same run, ahead on 13 of 15 fused shapes); "handshake": after
-    # the peer's half is copied into this rank's buffer and both ranks shook hands (a buffer of one half). The same
-    # on every rank.
-    scatter_start: str = "push"
+    # half pushed by copy engine into the peer's receive slot. 2 H200s, 36th session: push ahead on the 16-shape op
+    # grid (1.158x over sequential against 1.126x in the same run, 13 of 15 fused shapes) but behind end to end in
+    # eager mode (Llama-3-8B sp prefill 1.057x against 1.093x, train 1.003x against 1.009x), where the host paces
+    # the calls, so the handshake stays the default. The same on every rank.
+    scatter_start: str = "handshake"
 
     def __post_init__(self) -> None:
         _check_fields(self)  # every field in its rule's type (``RULES``)

@@ -97,9 +97,9 @@ def test_the_registry_puts_it_first(monkeypatch):
 
 
 def test_push_schedule_only_where_its_buffer_fits(monkeypatch):
-    """Under ``scatter_start="push"`` (the default) the launch takes the push schedule (``SLOT_SETS`` x 2 shards per
+    """Under ``scatter_start="push"`` the launch takes the push schedule (``SLOT_SETS`` x 2 shards per
     rank) unless that buffer would pass ``gather_push_max_mb``, then the handshake (one shard), saying so; under
-    ``"handshake"`` the handshake; the tuning rows tell the push schedule's launches from the pull's."""
+    ``"handshake"`` (the default) the handshake; the tuning rows tell the push schedule's launches from the pull's."""
     from types import SimpleNamespace
 
     from flashoverlap_inductor.routes import gather_peer
@@ -111,12 +111,12 @@ def test_push_schedule_only_where_its_buffer_fits(monkeypatch):
     call = routes.Call("reduce_scatter", rows_, n, k, torch.bfloat16, 2, 0, "cuda", None, "auto", group_name="g")
     ctx = SimpleNamespace(b=torch.zeros(k, n), bias=None, y_shape=[rows_, n], group=None)
     base = config.current().replace(scatter_route="pull")
-    assert base.tuning.scatter_start == "push"
+    assert base.tuning.scatter_start == "handshake"
     shard = 2048 * n * 2
-    plain = scatter_pull.make_launch(call, base.replace(scatter_start="handshake"), ctx)
+    plain = scatter_pull.make_launch(call, base, ctx)
     assert plain.options == gather_peer.GEMM_AFTER_HANDSHAKE and plain.buffer_bytes == shard
     assert rows.route_of_launch(plain.description) == "pull"
-    push = base
+    push = base.replace(scatter_start="push")
     launch = scatter_pull.make_launch(call, push, ctx)
     assert launch.options == gather_peer.PUSH and launch.buffer_bytes == gather_peer.SLOT_SETS * 2 * shard
     assert rows.route_of_launch(launch.description) == "push"
@@ -184,9 +184,9 @@ class _Probe:
 def test_execute_pulls_the_peers_part_into_the_right_rows(monkeypatch, form, push, probed):
     """``execute`` itself for both ranks of a simulated pair on the CPU: the library's calls faked (the pull writes the
     peer's part for this rank's rows where the protocol's slot ``peer`` lies: ``p.staging + peer * shard_bytes``;
-    under ``scatter_start="push"`` the peer's push lands in slot ``peer`` of the call's set in this rank's receive buffer, two
-    calls per rank alternating the sets), the stream wait a no-op. Each rank's result must be its half of the
-    reduce_scatter. ``probed``: the timeline tool's probe on every call: its marks in order, the library given the
+    under ``scatter_start="push"`` the peer's push lands in slot ``peer`` of the call's set in this rank's receive
+    buffer, two calls per rank alternating the sets), the stream wait a no-op. Each rank's result must be its half of
+    the reduce_scatter. ``probed``: the timeline tool's probe on every call: its marks in order, the library given the
     probe's arrival event, and the memoized struct given the flags' events back after the call."""
     import ctypes
     from types import SimpleNamespace

@@ -23,7 +23,7 @@ C`` (W and H must be 0, C must equal N). Exits 1 otherwise. Timings mean nothing
 
     python examples/device/fault_probe.py --route peer --world 2
     python examples/device/fault_probe.py --route ring --world 3
-    python examples/device/fault_probe.py --route scatter_pull --world 2 [--scatter-start handshake]
+    python examples/device/fault_probe.py --route scatter_pull --world 2 [--scatter-start push]
     python examples/device/fault_probe.py --nccl
     python examples/device/fault_probe.py --nccl-world 2
 """
@@ -98,7 +98,7 @@ def _expect_timeout(fn) -> str:
 
 
 def worker(rank: int, world: int, port: int, out_dir: str, route: str, timeout_ms: float, stall_s: float,
-           experiments: tuple[str, ...] = (), scatter_start: str = "push") -> None:
+           experiments: tuple[str, ...] = (), scatter_start: str = "handshake") -> None:
     os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     import torch.distributed as dist
 
@@ -246,7 +246,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--route", choices=("peer", "ring", "scatter_pull"), default="peer")
     p.add_argument("--experiments", default="", help="comma-separated experiments the probed calls run under")
-    p.add_argument("--scatter-start", choices=("push", "handshake"), default="push",
+    p.add_argument("--scatter-start", choices=("push", "handshake"), default="handshake",
                    help="--route scatter_pull: the route's schedule (the setting scatter_start)")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--nccl", action="store_true", help="the NCCL route's case instead (one process)")
