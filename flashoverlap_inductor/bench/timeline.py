@@ -25,7 +25,9 @@ enqueued the whole call before it starts: the marks time the device alone (``--s
 an idle GPU, host gaps included; the first run on 2 H200s, without the spin, counted up to 0.08 ms of host enqueue
 time as "handshake"). ``--lead N`` queues N plain calls of the shape between the spin and each probed call, so the
 probed call runs back to back behind them (2 H200s: a lone push call showed no handshake where back-to-back ones ran
-0-7% slower than the handshake start's; this shows the difference stage by stage). In the same run, ``gemm``
+0-7% slower than the handshake start's; this shows the difference stage by stage). ``--host-gap-us G`` busy-waits
+G us on the host before each lead and probed call (``--skew-us S``: S more on rank 1), which with ``--spin-ms 0``
+emulates a host-paced caller and a late rank (every op). In the same run, ``gemm``
 (cuBLAS on the whole gathered tensor) and ``comm`` (``all_gather_into_tensor``) alone give the ideal ``max(gemm,
 comm)``.
 
