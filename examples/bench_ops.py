@@ -4,7 +4,7 @@
         [--ops all_reduce,reduce_scatter,all_to_all] [--shapes grid|MxNxK,...] [--rounds 5] [--target-ms 8]
         [--fuse always|auto] [--sm-reserve N] [--time-budget-s 420] [--call op|runtime] [--graphs]
         [--fused-variants tiles/direct,persistent/direct//@8,tiles/direct/c//8,tiles/peer////ring2,...]
-        [--experiments scatter_pull,...]
+        [--experiments NAME,...] [--scatter-start handshake|push]
 
 Per shape (A [M,K] and B = W.t() with W [N,K] a Linear weight; bf16, fresh random data per rank) and per op, all
 variants are timed side by side in one interleaved run (``flashoverlap_inductor.tune.measure.Timer``: CUDA events
@@ -445,8 +445,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--graphs", action="store_true",
                    help="also time the sequential graph and the fused op replayed from CUDA graphs")
     p.add_argument("--experiments", default="",
-                   help="flashoverlap's experiments setting for the whole run, comma-separated (e.g. scatter_pull: "
-                        "a bias of the output's shape on the reduce_scatter pull route)")
+                   help="flashoverlap's experiments setting for the whole run, comma-separated names of "
+                        "config.EXPERIMENTS")
+    p.add_argument("--scatter-start", choices=config.SCATTER_STARTS, default=None,
+                   help="the reduce_scatter pull route's schedule for the whole run (the setting scatter_start; "
+                        "default: the setting's, the handshake)")
     p.add_argument("--time-budget-s", type=float, default=420.0, help="no new shape starts after this")
     p.add_argument("--json", default=None)
     p.add_argument("--png", default=None)
@@ -477,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
         changes["gemm_grid"] = args.gemm_grid
     if args.experiments:
         changes["experiments"] = args.experiments
+    if args.scatter_start:
+        changes["scatter_start"] = args.scatter_start
     with config.patch(**changes):  # the whole run (the fused variants patch on top)
         return _main(args)
 

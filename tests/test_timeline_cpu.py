@@ -199,6 +199,37 @@ def test_lead_calls_run_unprobed_right_before_each_probed_call(monkeypatch):
     assert timeline.parse_args([]).lead == 0
 
 
+def test_host_gap_before_each_lead_and_probed_call(monkeypatch):
+    """``--host-gap-us G --skew-us S``: G us of host wait before each lead and probed call, G + S on rank 1 only (none
+    before the warm-up); negative values are refused; ``host_gap`` itself waits at least that long."""
+    import time
+    from types import SimpleNamespace
+
+    from flashoverlap_inductor.bench import timeline, timeline_peer
+
+    for rank, want in ((0, 150.0), (1, 270.0)):
+        log = []
+        monkeypatch.setattr(timeline_peer.dist, "barrier", lambda: None)
+        monkeypatch.setattr(timeline_peer.dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(timeline_peer.dist, "get_rank", lambda rank=rank: rank)
+        monkeypatch.setattr(timeline_peer.torch.cuda, "synchronize", lambda: None)
+        monkeypatch.setattr(timeline_peer.measure, "spin", lambda ms: None)
+        monkeypatch.setattr(timeline_peer, "host_gap", lambda us, log=log: log.append(us))
+        monkeypatch.setattr(timeline_peer, "CallProbe", lambda: SimpleNamespace(times=lambda: {"start": 0.0}))
+        ctx = SimpleNamespace(probe=None)
+        args = timeline.parse_args(["--lead", "2", "--iters", "2", "--warmup", "1", "--host-gap-us", "150",
+                                    "--skew-us", "120"])
+        timeline_peer.probed_calls(lambda: [], ctx, args)
+        assert log == [want] * 6, (rank, log)
+    for bad in (["--host-gap-us", "-1"], ["--skew-us", "-5"]):
+        with pytest.raises(SystemExit):
+            timeline.parse_args(bad)
+    monkeypatch.undo()
+    t0 = time.perf_counter()
+    timeline_peer.host_gap(2000.0)
+    assert time.perf_counter() - t0 >= 2e-3
+
+
 def _pull_marks(rng: random.Random, peer: int) -> dict[str, float]:
     """Synthetic marks of one pull-route call (ms since start), in the order the route records them."""
     t = {"start": 0.0}

@@ -288,10 +288,15 @@ def bench():
 
 
 def test_bench_experiments_argument(bench):
-    """``--experiments`` names the run's experiments (checked against ``config.EXPERIMENTS``: a typo stops the run)."""
+    """``--experiments`` names the run's experiments (checked against ``config.EXPERIMENTS``: a typo stops the run);
+    ``--scatter-start`` the pull route's schedule (one of ``config.SCATTER_STARTS``)."""
     assert bench.parse_args(["--experiments", "scatter_pull,gather_torch_gemms"]).experiments == frozenset(
         {"scatter_pull", "gather_torch_gemms"})
     assert bench.parse_args([]).experiments == frozenset()
+    assert bench.parse_args(["--scatter-start", "push"]).scatter_start == "push"
+    assert bench.parse_args([]).scatter_start is None
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--scatter-start", "pull"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--experiments", "scatter_pul"])
 

@@ -35,8 +35,8 @@
 # push (B): examples/device/push_probe.py, the gather schedule of copy-engine pushes and stream memory operations
 #   (FO_PUSH_ARGS: e.g. "--shapes 16384x6144x4096").
 # FO_RERUN_CAP_S (B): the GPU test rerun's cap (default 120 s; tests/test_gpu_gather.py under both starts wants ~200).
-# scatter (B): examples/device/scatter_pull_bench.py, the pull route (handshake and, under the experiment
-#   scatter_push, push schedules) against the peer route and sequential (FO_SCATTER_SHAPES: M x N x K with K the
+# scatter (B): examples/device/scatter_pull_bench.py, the pull route (its two schedules, the setting
+#   scatter_start: handshake and push) against the peer route and sequential (FO_SCATTER_SHAPES: M x N x K with K the
 #   whole reduction; FO_SCATTER_SUM_SHAPES; FO_SCATTER_CAP_S, default 150); $OUT/scatter.log.
 # FO_SKIP: any of "build tests faults cpu coverage ops gather scatter moe moeprof push timeline e2e"; FO_BUDGET_S: the
 #   part's budget (default 570).

@@ -21,15 +21,14 @@ after the handshake, at each pull's landing on the copy stream, after each shard
 calls issue their GEMMs as ``torch.mm`` calls, not in one library call as the route does, since the marks sit
 between them: the same kernels, more host time) after ``--warmup`` plain ones; every mark's median over the calls
 gives the timeline of each rank. Before each probed call the GPU spins ``--spin-ms`` (default 1 ms) so the host has
-enqueued the whole call before it starts: the marks time the device alone (``--spin-ms 0``: the call as issued from
-an idle GPU, host gaps included; the first run on 2 H200s, without the spin, counted up to 0.08 ms of host enqueue
-time as "handshake"). ``--lead N`` queues N plain calls of the shape between the spin and each probed call, so the
-probed call runs back to back behind them (2 H200s: a lone push call showed no handshake where back-to-back ones ran
-0-7% slower than the handshake start's; this shows the difference stage by stage). ``--host-gap-us G`` busy-waits
-G us on the host before each lead and probed call (``--skew-us S``: S more on rank 1), which with ``--spin-ms 0``
-emulates a host-paced caller and a late rank (every op). In the same run, ``gemm``
-(cuBLAS on the whole gathered tensor) and ``comm`` (``all_gather_into_tensor``) alone give the ideal ``max(gemm,
-comm)``.
+enqueued the whole call before it starts: the marks time the device alone (``--spin-ms 0``: the call as issued from an
+idle GPU, host gaps included; the first run on 2 H200s, without the spin, counted up to 0.08 ms of host enqueue time as
+"handshake"). ``--lead N`` queues N plain calls of the shape between the spin and each probed call, so the probed call
+runs back to back behind them (2 H200s: a lone push call showed no handshake where back-to-back ones ran 0-7% slower
+than the handshake start's; this shows the difference stage by stage). ``--host-gap-us G`` busy-waits G us on the host
+before each lead and probed call (``--skew-us S``: S more per call on rank 1, a slower host), which with ``--spin-ms 0``
+emulates a host-paced caller and a late rank (every op). In the same run, ``gemm`` (cuBLAS on the whole gathered tensor)
+and ``comm`` (``all_gather_into_tensor``) alone give the ideal ``max(gemm, comm)``.
 
 Prints per rank the breakdown of the gap to the ideal (``bench.gantt.gather_breakdown``: handshake, the shard GEMMs'
 time beyond the GEMM alone, GEMM waits for pulls, tail) and the host time per call, draws the timelines as text and,
@@ -96,10 +95,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="host busy-wait before each lead and probed call (us): with --spin-ms 0, a host-paced caller "
                         "whose GPU waits for it, as in a host-bound eager step")
     p.add_argument("--skew-us", type=float, default=0.0,
-                   help="rank 1's extra host wait before each call (us): one rank's host behind the other's")
+                   help="rank 1's extra host wait before each lead and probed call (us): a slower host, (lead + 1) x "
+                        "skew behind by the probed call")
     p.add_argument("--png", default=None, help="folder for one Gantt PNG per shape and start (or op, shape and gate)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.host_gap_us < 0 or args.skew_us < 0:
+        p.error("--host-gap-us and --skew-us are waits: >= 0")
     bad = [op for op in args.op.split(",") if op not in OPS]
     if bad:
         p.error(f"--op {','.join(bad)}: one of {', '.join(OPS)}")

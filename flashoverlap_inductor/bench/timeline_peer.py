@@ -74,8 +74,9 @@ def probed_calls(execute, ctx: Context, args: argparse.Namespace) -> tuple[dict[
     ``args.spin_ms`` of GPU spin and ``args.lead`` plain calls queued behind the spin): the
     median of each probe mark (ms since ``start``) and the median host time per probed call (ms); or the reason a call
     returned instead of running (the route declined it, on every rank alike). Also the all_gather timeline's.
-    ``args.host_gap_us`` (and on rank 1 ``args.skew_us`` more) of host busy-wait before each lead and probed call
-    emulates a host-paced caller (with ``--spin-ms 0``: the GPU waits for the host, as in a host-bound eager step)."""
+    ``args.host_gap_us`` (and on rank 1 ``args.skew_us`` more: a slower host, ``(lead + 1) x skew_us`` behind by the
+    probed call) of host busy-wait before each lead and probed call emulates a host-paced caller (with ``--spin-ms 0``:
+    the GPU waits for the host, as in a host-bound eager step)."""
     for _ in range(args.warmup):
         out = execute()
         if isinstance(out, str):
