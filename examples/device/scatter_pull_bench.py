@@ -4,7 +4,8 @@ NCCL, and the ideal ``max(T_gemm, T_comm)``, interleaved in one run (``tune.meas
 medians, max over ranks); and the sum of two GEMMs (a backward's summed input gradients: ``x1 @ w1 + x2 @ w2``
 then reduce_scatter) as Inductor runs it (``mm``, ``mm``, ``add``, NCCL), as the pass fuses it today (one GEMM over
 the concatenated K, the cats included) and on the pull route (``t = x1 @ w1``, then the fused op with ``t`` as its
-bias). Every variant's result is checked against the sequential one (relative error) and its route is printed.
+bias). Every variant's result is checked against the sequential one (relative error); its route and, for the fused
+ones, the host ms per call are printed (HOST-BOUND where that reaches 90% of its median).
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 examples/device/scatter_pull_bench.py \\
         [--shapes 4096x4096x4096,4096x4096x14336] [--sum-shapes 4096x4096x14336]
@@ -29,8 +30,14 @@ def shapes_of(text: str) -> list[tuple[int, int, int]]:
     return [tuple(int(x) for x in s.split("x")) for s in text.split(",") if s]
 
 
+FUSED = ("peer", "pull", "push")
+HOST_BOUND = 0.9  # a fused variant whose host time per call reaches this share of its median is host-bound there
+
+
 def run_row(variants: dict, ref_name: str, timer: tm.Timer) -> dict:
-    """Each variant's route, error against ``ref_name``'s result and median ms (interleaved)."""
+    """Each variant's route, error against ``ref_name``'s result and median ms (interleaved); each fused variant's
+    host ms per call (``tm.host_us``, the GPU kept busy; max over ranks), and ``host_bound`` where it reaches
+    ``HOST_BOUND`` of the median (the GPU then waits for the host: push's slow small rows, 36th session)."""
     want = variants[ref_name]().float()
     row = {}
     for v, fn in variants.items():
@@ -44,6 +51,10 @@ def run_row(variants: dict, ref_name: str, timer: tm.Timer) -> dict:
         row[v] = {"route": ",".join(ran) or "-", "err": tm.reduce_max([err])[0]}
     for v, t in timer.measure(variants).items():
         row[v]["ms"] = t.ms
+    hosts = tm.reduce_max([tm.host_us(variants[v], 20, batch=10, sync=dist.barrier) / 1e3 for v in FUSED])
+    for v, h in zip(FUSED, hosts, strict=True):
+        row[v]["host"] = h
+        row[v]["host_bound"] = h >= HOST_BOUND * row[v]["ms"]
     return row
 
 
@@ -107,7 +118,7 @@ def main() -> None:
         print(f"{torch.cuda.get_device_name()} x {world}; ms (median, max over ranks); x = seq / variant; "
               "sum rows: peer = one GEMM over the concatenated K (cats included), pull = mm then the op with it as "
               "bias")
-        fused = ("peer", "pull", "push")
+        fused = FUSED
         print(f"{'shape':24} {'gemm':>7} {'comm':>7} {'seq':>7} " + " ".join(f"{v:>7}" for v in fused)
               + f" {'ideal':>7} " + " ".join(f"{'x ' + v:>7}" for v in fused) + f" {'x ideal':>7}  routes / errors")
         ratios = {v: [] for v in fused}
@@ -118,7 +129,8 @@ def main() -> None:
             print(f"{label:24} {row['gemm']['ms']:7.3f} {row['comm']['ms']:7.3f} {s:7.3f} "
                   + " ".join(f"{row[v]['ms']:7.3f}" for v in fused) + f" {ideal:7.3f} "
                   + " ".join(f"{s / row[v]['ms']:7.3f}" for v in fused) + f" {s / ideal:7.3f}  "
-                  + "; ".join(f"{v} {row[v]['route']} err {row[v]['err']:.1e}" for v in fused))
+                  + "; ".join(f"{v} {row[v]['route']} err {row[v]['err']:.1e} host {row[v]['host']:.3f} ms"
+                              + (" HOST-BOUND" if row[v]["host_bound"] else "") for v in fused))
         print("geomean " + ", ".join(f"x {v} {tm.geomean(ratios[v]):.3f}" for v in fused))
     dist.destroy_process_group()
 
