@@ -149,6 +149,14 @@ def baselines(op: str, a: torch.Tensor, b: torch.Tensor, iters: int) -> dict[str
             "seq": median_ms(lambda: (torch.mm(a, b, out=full), comm()), iters)}
 
 
+def with_baselines(breakdown: dict[str, float], base: dict[str, float], host_ms: float) -> dict[str, float]:
+    """``breakdown`` (a route's, ms, with its ``total``) with the same run's ``baselines``, the host ms per call and
+    ``hidden`` = (seq - total) / comm (NaN without communication time); also the pull route's."""
+    comm = base["comm"]
+    breakdown.update(base, host_ms=host_ms, hidden=(base["seq"] - breakdown["total"]) / comm if comm > 0 else math.nan)
+    return breakdown
+
+
 def probe_shape(op: str, m: int, n: int, k: int, gate: str, args: argparse.Namespace) -> dict:
     """This rank's breakdown and lanes of the peer route's ``op`` at ``m x n x k`` with ``gate`` (a dict; with
     ``declined`` instead when the route does not take the call)."""
@@ -172,9 +180,7 @@ def probe_shape(op: str, m: int, n: int, k: int, gate: str, args: argparse.Names
         routes.check()  # a wait that gave up raises here, on both ranks
     base = baselines(op, a, b, args.iters)
     breakdown, lanes = gantt.peer_breakdown(t, base["gemm"], base["half"], base["comm"])
-    breakdown.update(base, host_ms=host_ms,
-                     hidden=(base["seq"] - breakdown["total"]) / base["comm"] if base["comm"] > 0 else math.nan)
-    return {**head, "how": launch.description, "breakdown": breakdown, "lanes": lanes}
+    return {**head, "how": launch.description, "breakdown": with_baselines(breakdown, base, host_ms), "lanes": lanes}
 
 
 def title(head: dict) -> str:

@@ -30,7 +30,7 @@ from flashoverlap_inductor import config, routes
 from flashoverlap_inductor.routes import gather_peer, scatter_pull
 
 from . import gantt
-from .timeline_peer import baselines, format_rows, launch_for, probed_calls, sweep, write_pngs
+from .timeline_peer import baselines, format_rows, launch_for, probed_calls, sweep, with_baselines, write_pngs
 
 OPS = ("reduce_scatter_pull",)
 SHAPES = "4096x4096x8192,16384x8192x14336"  # o_proj-like and down_proj-like (the pull route's default shapes)
@@ -69,9 +69,7 @@ def probe_shape(m: int, n: int, k: int, schedule: str, args: argparse.Namespace)
         routes.check()  # a wait that gave up raises here, on both ranks
     base = baselines("reduce_scatter", a, b, args.iters)
     breakdown, lanes = gantt.pull_breakdown(t, 1 - rank, base["gemm"], base["half"], base["comm"])
-    breakdown.update(base, host_ms=host_ms,
-                     hidden=(base["seq"] - breakdown["total"]) / base["comm"] if base["comm"] > 0 else math.nan)
-    return {**head, "how": launch.description, "breakdown": breakdown, "lanes": lanes}
+    return {**head, "how": launch.description, "breakdown": with_baselines(breakdown, base, host_ms), "lanes": lanes}
 
 
 def title(head: dict) -> str:

@@ -248,10 +248,15 @@ class GatherLaunch:
     slots: dict[int, tuple] = field(default_factory=dict)  # workspace serial -> receive_slots' views (push)
 
 
+def push_bytes(world: int, shard_bytes: int) -> int:
+    """A push call's receive buffer per rank, bytes: ``SLOT_SETS`` sets of ``world`` shards (the all_gather route's
+    push start and the pull route's push schedule alike)."""
+    return SLOT_SETS * world * shard_bytes
+
+
 def push_fits(settings: config.Settings, world: int, shard_bytes: int) -> bool:
-    """Whether a push call's receive buffer (``SLOT_SETS`` sets of ``world`` shards) fits ``gather_push_max_mb``
-    (the all_gather route's push start and the pull route's push schedule alike)."""
-    return SLOT_SETS * world * shard_bytes <= settings.tuning.gather_push_max_mb << 20
+    """Whether a push call's receive buffer (``push_bytes``) fits ``gather_push_max_mb``."""
+    return push_bytes(world, shard_bytes) <= settings.tuning.gather_push_max_mb << 20
 
 
 def resolve_start(settings: config.Settings, world: int, shard_bytes: int, desc: str) -> tuple[int, int, str]:
@@ -260,7 +265,7 @@ def resolve_start(settings: config.Settings, world: int, shard_bytes: int, desc:
     a push whose buffer would pass ``gather_push_max_mb``: handshake; ``COPY_NOTIFY`` for a push of
     ``COPY_NOTIFY_MIN_WORLD``+ ranks under its experiment. World, shapes and settings only: alike on every rank."""
     tuning = settings.tuning
-    start, push_bytes = tuning.gather_start, SLOT_SETS * world * shard_bytes
+    start, buffer_bytes = tuning.gather_start, push_bytes(world, shard_bytes)
     if start == "auto" and world > PUSH_AUTO_MAX_WORLD:
         return OPTIONS["handshake"], shard_bytes, \
             f"{desc}; handshake start (auto: push only on up to {PUSH_AUTO_MAX_WORLD} ranks)"
@@ -270,9 +275,9 @@ def resolve_start(settings: config.Settings, world: int, shard_bytes: int, desc:
         why = f"the push's receive buffer would pass gather_push_max_mb={tuning.gather_push_max_mb}"
         return OPTIONS["handshake"], shard_bytes, f"{desc}; handshake start ({why})"
     if world >= COPY_NOTIFY_MIN_WORLD and COPY_NOTIFY_EXPERIMENT in settings.experiments:
-        return PUSH | COPY_NOTIFY, push_bytes, \
+        return PUSH | COPY_NOTIFY, buffer_bytes, \
             f"{desc}; each peer told by copy engine after its push (experiment {COPY_NOTIFY_EXPERIMENT})"
-    return PUSH, push_bytes, desc
+    return PUSH, buffer_bytes, desc
 
 
 def make_launch(call, settings: config.Settings, ctx) -> GatherLaunch | str:

@@ -187,7 +187,7 @@ def make_launch(call, settings: config.Settings, ctx) -> ScatterLaunch | str:
     note_ = ""
     if settings.tuning.scatter_start == "push":
         if gather_peer.push_fits(settings, 2, shard_bytes):
-            options, buffer_bytes = gather_peer.PUSH, gather_peer.SLOT_SETS * 2 * shard_bytes
+            options, buffer_bytes = gather_peer.PUSH, gather_peer.push_bytes(2, shard_bytes)
             # tune.rows.route_of_launch tells this schedule's launches by "pushed by copy engine"
             moved = "pushed by copy engine into the peer's receive slot"
         else:
