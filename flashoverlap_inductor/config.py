@@ -141,18 +141,17 @@ class Tuning:
     row_order: str | None = None  # "schedule" | "gather"; None: measured default (``schedule.row_order.route``)
     ring_rounds: int = 2  # ring all_reduce: at most this many rounds (1 .. 16)
     peer_kernel: str | None = None  # peer/ring routes: the _addc GEMM configuration; None: preferred
-    # gather_peer route: when the caller's GEMMs start. "handshake": after every rank's shard is in its buffer (one
-    # handshake, ~10-80 us), so the pulls need no SM while the GEMMs run (a receive buffer of one shard); "push": at
-    # once, each rank pushing its shard by copy engine into the peers' receive buffers (two sets of world slots);
+    # gather_peer route: when the caller's GEMMs start. "push": at once, each rank pushing its shard by copy engine
+    # into the peers' receive buffers (two sets of world slots); "handshake": after every rank's shard is in its
+    # buffer (one handshake, ~10-80 us), so the pulls need no SM while the GEMMs run (a receive buffer of one shard);
     # "eager": at once, the protocol's per-peer step kernels then wait for an SM the GEMM frees (the route before
     # 2026-11-26); "auto": "push" on 2 ranks, "handshake" on more (4 H200s: push 1.03x over sequential against the
-    # handshake's 1.41x, its peers told only after all its pushes; 32nd session). 2 H200s: push was ahead in the
-    # 31st session's 4 eager Llama-3-8B sp runs; since then the handshake was ahead on every bench_gather run (6
-    # shapes: 1.239 / 1.250 / 1.203 / 1.374 against push's 1.201 / 1.090 / 1.107 / 1.149, 32nd and 36th sessions)
-    # and end to end (sp train 1.007x against 0.997x, 32nd; sp prefill 1.115x against 1.085x, 37th), so it is the
-    # default. Lone calls are faster with push (0.164 against 0.173 ms at 4096x6144x4096): push loses where calls
-    # queue back to back. The choice depends on the world size, shapes and settings only: the same on every rank.
-    gather_start: str = "handshake"
+    # handshake's 1.41x, its peers told only after all its pushes; 32nd session). 2 H200s, Llama-3-8B sp, steady-state
+    # steps (37th session, each turn's first step left out): push ahead in prefill (1.066x / 1.096x over Inductor
+    # against 1.038x / 1.036x) and level or ahead in training (1.041x / 1.031x against 1.028x / 1.031x); the op
+    # bench (bench_gather, queued calls) favours the handshake (1.203x against 1.107x, 36th). The choice depends on
+    # the world size, shapes and settings only: the same on every rank.
+    gather_start: str = "auto"
     # "push" (chosen or by "auto") takes a call only where its receive buffer (2 x world x shard bytes per rank) is at
     # most this many MiB; larger calls start with the handshake (a buffer of one shard).
     gather_push_max_mb: int = 1024

@@ -74,10 +74,9 @@ def test_resolve_checks_and_creates_the_budget(clock):
         cli.resolve(args, "cpu", 2)
 
 
-def test_interleaved_run_stops_between_builds_and_rounds(clock, monkeypatch):
-    """Builds of 20 s and steps of 5 s under a 100 s budget, 4 backends, 4 turns of 1 step: three backends are built
-    (the fourth would leave less than its build plus 30%), two whole rounds run (a third would leave less than a
-    round plus 10%), and every built row holds the same 2 steps, noted."""
+def _fake_run(clock, monkeypatch, backends, budget_s, steps, per_turn, turn_lead):
+    """``interleave._run`` over fake backends (builds of 20 s, steps of 5 s on ``clock``): the rows by backend, the
+    inputs each backend's step ran, the env."""
     steps_run: dict[str, list[int]] = {}
 
     def build(kind, case, template, data, env, args, capture, experiments):
@@ -92,7 +91,7 @@ def test_interleaved_run_stops_between_builds_and_rounds(clock, monkeypatch):
         for i in indices:
             step(i)
             clock.now += 5.0
-        return [5.0] * len(indices), list(indices)
+        return [5.0 + 0.1 * n for n in range(len(indices))], list(indices)
 
     def finish(backend, case, env, times, first_s, peak, capture, compiled, runtime, traced, values):
         return {"backend": backend, "status": "ok", "step_ms": times, "values": values, "note": ""}
@@ -100,19 +99,49 @@ def test_interleaved_run_stops_between_builds_and_rounds(clock, monkeypatch):
     for name, fn in (("build", build), ("warm", warm), ("timed", timed), ("finish", finish),
                      ("trace", lambda *a: None)):
         monkeypatch.setattr(interleave, name, fn)
-    args = argparse.Namespace(budget=budget_mod.Budget(100.0), warmup=0, steps=4, interleave=1, cache="keep",
-                              experiments=[], trace=None)
+    args = argparse.Namespace(budget=budget_mod.Budget(budget_s), warmup=0, steps=steps, interleave=per_turn,
+                              cache="keep", experiments=[], trace=None, turn_lead=turn_lead)
 
     class Case:
         def label(self):
             return "fake"
 
     env = Env()
-    backends = ["inductor", "inductor-ro", "bound", "eager"]
     rows = {r["backend"]: r for r in interleave._run(backends, Case(), None, [], env, args)}
+    return rows, steps_run, env
+
+
+def test_interleaved_run_stops_between_builds_and_rounds(clock, monkeypatch):
+    """Builds of 20 s and steps of 5 s under a 100 s budget, 4 backends, 4 turns of 1 step: three backends are built
+    (the fourth would leave less than its build plus 30%), two whole rounds run (a third would leave less than a
+    round plus 10%), and every built row holds the same 2 steps, noted."""
+    backends = ["inductor", "inductor-ro", "bound", "eager"]
+    rows, _, env = _fake_run(clock, monkeypatch, backends, 100.0, 4, 1, 0)
     assert rows["eager"]["status"] == "n/a" and "its build not started" in rows["eager"]["note"]
     for name in backends[:3]:
         row = rows[name]
         assert row["status"] == "ok" and row["step_ms"] == [5.0, 5.0] and row["values"] == [1, 2], row
         assert "time budget: 2 of 4 steps" in row["note"], row
     assert env.collectives == 4 + 2  # a verdict per build and per round after the first, on every rank alike
+
+
+def test_each_turn_starts_with_unmeasured_lead_steps(clock, monkeypatch):
+    """``--turn-lead 1`` with turns of 2 steps: each turn first runs its first input once more, untimed, then the 2
+    measured steps; a row's times and values are those of the measured steps only (4 of 6 steps run), the same
+    inputs for every backend, and the note says so."""
+    rows, steps_run, _ = _fake_run(clock, monkeypatch, ["inductor", "bound"], None, 4, 2, 1)
+    for name in ("inductor", "bound"):
+        assert steps_run[name] == [1, 1, 2, 3, 3, 4], steps_run
+        row = rows[name]
+        assert row["values"] == [1, 2, 3, 4] and row["step_ms"] == pytest.approx([5.1, 5.2] * 2), row
+        assert "2 step(s) per turn after 1 unmeasured" in row["note"], row
+
+
+@pytest.mark.parametrize("extra, lead", [([], 0), (["--interleave", "2"], 1), (["--interleave", "2", "--turn-lead",
+                                                                                  "0"], 0)])
+def test_turn_lead_defaults_to_one_under_interleave(extra, lead):
+    args = cli.build_parser().parse_args(["--preset", "tiny-llama", "--plan", "sp", *extra])
+    assert cli.resolve(args, "cpu", 2).turn_lead == lead
+    args = cli.build_parser().parse_args(["--preset", "tiny-llama", "--plan", "sp", "--turn-lead", "1"])
+    with pytest.raises(cli.UsageError, match="turn-lead"):
+        cli.resolve(args, "cpu", 2)

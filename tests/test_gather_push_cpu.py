@@ -199,13 +199,12 @@ def test_copy_notify_is_an_opt_in_of_push_on_three_or_more_ranks(monkeypatch, st
     ("auto", 3, None, "handshake"), ("auto", 4, None, "handshake"), ("push", 4, None, "push"),
     ("push", 4, 2, "handshake"), ("handshake", 2, None, "handshake"), ("eager", 4, None, "eager")])
 def test_the_start_each_call_takes(monkeypatch, setting, world, cap_mb, start):
-    """``gather_start`` defaults to "handshake"; "auto" takes "push" on 2 ranks, "handshake" on more
-    (``PUSH_AUTO_MAX_WORLD``); a push
+    """``gather_start`` defaults to "auto": "push" on 2 ranks, "handshake" on more (``PUSH_AUTO_MAX_WORLD``); a push
     call whose receive buffer (``SLOT_SETS`` x world x shard bytes) would pass ``gather_push_max_mb`` starts with
     the handshake instead; a start set by name is kept otherwise. The launch says why where it changed."""
     monkeypatch.setattr(gather_peer, "group_issue", lambda g: None)
     monkeypatch.setattr(gather_peer.compat, "group_timeout_ms", lambda g: 1000.0)
-    assert config.Settings().tuning.gather_start == "handshake" and gather_peer.PUSH_AUTO_MAX_WORLD == 2
+    assert config.Settings().tuning.gather_start == "auto" and gather_peer.PUSH_AUTO_MAX_WORLD == 2
     settings = config.current().replace(gather_start=setting)
     if cap_mb is not None:
         settings = settings.replace(gather_push_max_mb=cap_mb)

@@ -117,8 +117,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--interleave", type=int, default=0, metavar="N",
                    help="build and warm every backend first, then take the measured steps in turns of N steps per "
                         "backend, the order rotating (bench/interleave.py: a drift during the run touches every "
-                        "backend alike; every backend's model in memory at once; each turn starts from an idle host: "
-                        "N >= 3 for host-bound rows); 0: one backend after another")
+                        "backend alike; every backend's model in memory at once); 0: one backend after another")
+    g.add_argument("--turn-lead", type=int, default=None, metavar="L",
+                   help="--interleave: unmeasured steps at the start of each turn (the turn's first inputs again), "
+                        "so the rows time the steady state, not the step after a switch of model (default 1 under "
+                        "--interleave; 0 keeps the values of a run without --interleave)")
     g.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (train)")
     g.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the token ids")
     g.add_argument("--expert-gemm", choices=("auto", "loop", "grouped"), default="auto",
@@ -175,6 +178,9 @@ def resolve(args: argparse.Namespace, device: str, world: int) -> argparse.Names
         raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
     if args.interleave < 0:
         raise UsageError(f"--interleave must be >= 0, got {args.interleave}")
+    args.turn_lead = (1 if args.interleave else 0) if args.turn_lead is None else args.turn_lead
+    if args.turn_lead < 0 or (args.turn_lead and not args.interleave):
+        raise UsageError(f"--turn-lead must be >= 0 and needs --interleave, got {args.turn_lead}")
     if not args.lr > 0:
         raise UsageError(f"--lr must be > 0, got {args.lr}")
     if args.time_budget_s is not None and not args.time_budget_s > 0:

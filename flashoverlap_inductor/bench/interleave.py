@@ -7,9 +7,19 @@ around each step, no sync between the steps of a turn), the backends' order rota
 of the host or the GPU during the run (clocks, the allocator, a neighbour) then touches every backend alike, where
 one after another it lands on whichever ran last (2 H200s, qwen3-moe prefill: the same row read 0.79x and 0.47x of
 Inductor in two runs). Each backend runs the same inputs in the same order as without ``--interleave``, so its
-values (losses, logits) are the same. Costs: every backend's model, gradients and optimizer state in memory at
-once (``peak_bytes`` is not reported: the backends share the peak), and each turn's first step starts from an idle
-host (the host runs ahead within a turn only). Under ``--time-budget-s`` (``bench/budget.py``) a backend is built, and a
+values (losses, logits) are the same, unless ``--turn-lead``.
+
+A turn's first step, right after another backend ran, is slower than the rest: it starts from an idle host (the host
+runs ahead within a turn only) after another model used the GPU and the allocator (2 H200s, Llama-3-8B sp, 37th
+session: +4-5 ms on an 18 ms prefill step, +6-10 ms on a 100 ms train step, every backend, the bound too). A user
+running one model never pays it, yet with turns of 2 steps it is half the samples and moves each row's median by
+the spread between rows. So each turn begins with ``--turn-lead L`` unmeasured steps (default 1 under
+``--interleave``; its inputs: the turn's first ``L``, again), then its ``N`` measured ones: the rows time the steady
+state. The lead steps are the same for every backend, so rows still compare value for value; with ``L`` > 0 a train
+row takes more optimizer steps than without ``--interleave`` (``--turn-lead 0``: exactly the same values).
+
+Costs: every backend's model, gradients and optimizer state in memory at once (``peak_bytes`` is not reported:
+the backends share the peak). Under ``--time-budget-s`` (``bench/budget.py``) a backend is built, and a
 round of turns started, only while the time left allows it.
 
 A fusing backend's row keeps its own compile report (taken after its warm-up) and the runtime counts of its own
@@ -87,7 +97,9 @@ def _run(backends: list[str], case: Case, template: Any, data: list, env: Env, a
     first = 1 + args.warmup
     indices = list(range(first, first + args.steps))
     turns = [indices[i:i + args.interleave] for i in range(0, len(indices), args.interleave)]
-    bar = _progress(env, len(indices) * len(live), f"{case.label()} interleaved, {len(live)} backends")
+    lead = args.turn_lead  # unmeasured steps at the start of each turn (module docstring)
+    bar = _progress(env, (len(indices) + lead * len(turns)) * len(live),
+                    f"{case.label()} interleaved, {len(live)} backends")
     measured = 0  # steps each backend took: whole rounds only, so the losses still compare step for step
     try:
         for t, turn in enumerate(turns):
@@ -99,7 +111,8 @@ def _run(backends: list[str], case: Case, template: Any, data: list, env: Env, a
                     continue
                 before = fo.fusion_report().runtime
                 try:
-                    times, outs = timed(one.built.step, turn, env, bar)
+                    times, outs = timed(one.built.step, [turn[i % len(turn)] for i in range(lead)] + turn, env, bar)
+                    times, outs = times[lead:], outs[lead:]
                 except Exception as exc:  # noqa: BLE001 - reported in the row
                     rows[one.backend] = _error(one.backend, exc, env)
                     continue
@@ -124,7 +137,7 @@ def _run(backends: list[str], case: Case, template: Any, data: list, env: Env, a
             _add(one.runtime, before)  # the calls of the values and the trace, as runner.run_backend counts them
             rows[one.backend] = finish(one.backend, case, env, one.times, one.first_s, None, one.capture,
                                        one.compiled, one.runtime, traced, values)
-            rows[one.backend]["note"] = f"interleaved, {args.interleave} step(s) per turn" + (
+            rows[one.backend]["note"] = f"interleaved, {args.interleave} step(s) per turn after {lead} unmeasured" + (
                 f"; time budget: {measured} of {len(indices)} steps" if measured < len(indices) else "")
         except Exception as exc:  # noqa: BLE001 - reported in the row
             rows[one.backend] = _error(one.backend, exc, env)

@@ -15,7 +15,7 @@ share one GPU works too, under ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``). 
 - ``fo_gather_finish``: the caller's stream joins the copy stream, and one kernel fills every output (each ``y_i``
   and, when returned, the gathered rows) with NaN while the group's fault block holds a fault.
 
-``gather_start="push"`` (``FO_GATHER_PUSH``; what ``"auto"`` takes on 2 ranks, ``resolve_start``): no
+``gather_start="push"`` (``FO_GATHER_PUSH``; what the default ``"auto"`` takes on 2 ranks, ``resolve_start``): no
 handshake and no copy of the own shard into symmetric memory. On the caller's stream one short kernel begins the call
 and waits until every peer read the slots it overwrites, then the local GEMMs run; the copy stream pushes ``a`` into
 slot ``rank`` of set ``b`` of every peer's receive buffer (``SLOT_SETS`` sets of ``world`` slots, set ``b`` at
