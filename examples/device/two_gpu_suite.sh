@@ -201,7 +201,7 @@ if [ "$PART" = C ]; then
     E2E_CAP=$(cap 540)  # the run ends itself before the kill (25 s, or 40% of a short cap), counting from its launch
     E2E_BUDGET=$((E2E_CAP > 60 ? E2E_CAP - 25 : E2E_CAP * 6 / 10))
     timeout "$E2E_CAP" "${TORCHRUN[@]}" --nproc_per_node="$WORLD" -m flashoverlap_inductor.bench e2e --preset "${FO_E2E_PRESET:-llama3-8b}" \
-      --layers "${FO_E2E_LAYERS:-8}" --plan "${FO_E2E_PLAN:-sp}" --workload "${FO_E2E_WORKLOAD:-train,prefill}" --seq "${FO_E2E_SEQ:-4096}" --batch 1 --steps 5 --warmup 2 \
+      --layers "${FO_E2E_LAYERS:-8}" --plan "${FO_E2E_PLAN:-sp}" --workload "${FO_E2E_WORKLOAD:-train,prefill}" --seq "${FO_E2E_SEQ:-4096}" --batch 1 --steps 12 --warmup 2 \
       --backends "${FO_E2E_BACKENDS:-inductor,inductor+async-tp,flashoverlap,bound,inductor-ro,flashoverlap-ro}" ${FO_E2E_ARGS:-} \
       ${FO_E2E_TRACE:+--trace /tmp/fo_probe/traces} --time-budget-s "$E2E_BUDGET" --budget-start-unix "$(date +%s)" \
       --quiet --json "$OUT/e2e.json" >"$OUT/e2e.log" 2>&1

@@ -37,6 +37,7 @@ def meta(args: Any, env: Any) -> dict[str, Any]:
             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if env.cuda else None,
             "fused_library": lib, "fuse": args.fuse, "cache": args.cache, "batch": args.batch, "steps": args.steps,
             "warmup": args.warmup, "lr": args.lr, "seed": args.seed, "backends": args.backends,
+            "interleave": getattr(args, "interleave", 0), "turn_lead": getattr(args, "turn_lead", 0),
             "time_budget_s": getattr(args, "time_budget_s", None),
             "timing": "CUDA events per step, median, max over ranks" if env.cuda else
                       "perf_counter per step after a barrier, median, max over ranks",
