@@ -167,9 +167,11 @@ class Tuning:
     # peer's half is copied into this rank's buffer and both ranks shook hands (a buffer of one half); "push" (where
     # its receive buffer, 2 x 2 halves per rank, fits gather_push_max_mb; else the handshake): at once, the peer's
     # half pushed by copy engine into the peer's receive slot. 2 H200s, 36th session: push ahead on the 16-shape op
-    # grid (1.158x over sequential against 1.126x in the same run, 13 of 15 fused shapes) but behind end to end in
-    # eager mode (Llama-3-8B sp prefill 1.057x against 1.093x, train 1.003x against 1.009x), where the host paces
-    # the calls, so the handshake stays the default. The same on every rank.
+    # grid (1.158x over sequential against 1.126x in the same run, 13 of 15 fused shapes) and, 37th, its own bench
+    # (1.226x against 1.182x); end to end the 36th session's eager medians put it behind (Llama-3-8B sp prefill
+    # 1.057x against 1.093x, train 1.003x against 1.009x), but those included each turn's slow first step
+    # (docs/e2e.md, --turn-lead); in the steady state train puts it 0.3% ahead (37th), prefill is not yet measured,
+    # so the handshake stays the default until it is. The same on every rank.
     scatter_start: str = "handshake"
 
     def __post_init__(self) -> None:
