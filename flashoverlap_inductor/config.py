@@ -148,7 +148,7 @@ class Tuning:
     # 2026-11-26); "auto": "push" on 2 ranks, "handshake" on more (4 H200s: push 1.03x over sequential against the
     # handshake's 1.41x, its peers told only after all its pushes; 32nd session). 2 H200s, Llama-3-8B sp, steady-state
     # steps (37th session, each turn's first step left out): push ahead in prefill (1.066x / 1.096x over Inductor
-    # against 1.038x / 1.036x) and level or ahead in training (1.041x / 1.031x against 1.028x / 1.031x); the op
+    # against 1.039x / 1.036x) and level or ahead in training (1.041x / 1.031x against 1.027x / 1.030x); the op
     # bench (bench_gather, queued calls) favours the handshake (1.203x against 1.107x, 36th). The choice depends on
     # the world size, shapes and settings only: the same on every rank.
     gather_start: str = "auto"

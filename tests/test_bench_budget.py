@@ -137,6 +137,14 @@ def test_each_turn_starts_with_unmeasured_lead_steps(clock, monkeypatch):
         assert "2 step(s) per turn after 1 unmeasured" in row["note"], row
 
 
+def test_a_lead_longer_than_its_turn_cycles_through_the_turn(clock, monkeypatch):
+    """Steps 5 in turns of 2 with 3 lead steps: the lead cycles through each turn's own inputs, the short last turn
+    included; only the 5 measured steps are a row's."""
+    rows, steps_run, _ = _fake_run(clock, monkeypatch, ["inductor"], None, 5, 2, 3)
+    assert steps_run["inductor"] == [1, 2, 1, 1, 2, 3, 4, 3, 3, 4, 5, 5, 5, 5], steps_run
+    assert rows["inductor"]["values"] == [1, 2, 3, 4, 5], rows
+
+
 @pytest.mark.parametrize("extra, lead", [([], 0), (["--interleave", "2"], 1), (["--interleave", "2", "--turn-lead",
                                                                                   "0"], 0)])
 def test_turn_lead_defaults_to_one_under_interleave(extra, lead):

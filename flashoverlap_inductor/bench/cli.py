@@ -179,8 +179,10 @@ def resolve(args: argparse.Namespace, device: str, world: int) -> argparse.Names
     if args.interleave < 0:
         raise UsageError(f"--interleave must be >= 0, got {args.interleave}")
     args.turn_lead = (1 if args.interleave else 0) if args.turn_lead is None else args.turn_lead
-    if args.turn_lead < 0 or (args.turn_lead and not args.interleave):
-        raise UsageError(f"--turn-lead must be >= 0 and needs --interleave, got {args.turn_lead}")
+    if args.turn_lead < 0:
+        raise UsageError(f"--turn-lead must be >= 0, got {args.turn_lead}")
+    if args.turn_lead and not args.interleave:
+        raise UsageError(f"--turn-lead {args.turn_lead} needs --interleave (it leads each turn)")
     if not args.lr > 0:
         raise UsageError(f"--lr must be > 0, got {args.lr}")
     if args.time_budget_s is not None and not args.time_budget_s > 0:

@@ -14,16 +14,18 @@ runs ahead within a turn only) after another model used the GPU and the allocato
 session: +4-5 ms on an 18 ms prefill step, +6-10 ms on a 100 ms train step, every backend, the bound too). A user
 running one model never pays it, yet with turns of 2 steps it is half the samples and moves each row's median by
 the spread between rows. So each turn begins with ``--turn-lead L`` unmeasured steps (default 1 under
-``--interleave``; its inputs: the turn's first ``L``, again), then its ``N`` measured ones: the rows time the steady
-state. The lead steps are the same for every backend, so rows still compare value for value; with ``L`` > 0 a train
-row takes more optimizer steps than without ``--interleave`` (``--turn-lead 0``: exactly the same values).
+``--interleave``; its inputs: the turn's own inputs again from its first, cycling where ``L`` exceeds the turn),
+then its ``N`` measured ones: the rows time the steady state. The lead steps are the same for every backend, so rows
+still compare value for value; with ``L`` > 0 a train row takes (N + L) / N times the optimizer steps of a run
+without ``--interleave``, its turn's first inputs trained on twice, so its losses drift further from Inductor's
+(``--turn-lead 0``: exactly the same values).
 
 Costs: every backend's model, gradients and optimizer state in memory at once (``peak_bytes`` is not reported:
 the backends share the peak). Under ``--time-budget-s`` (``bench/budget.py``) a backend is built, and a
 round of turns started, only while the time left allows it.
 
 A fusing backend's row keeps its own compile report (taken after its warm-up) and the runtime counts of its own
-calls (the counters' growth over its turns added to what its warm-up counted).
+calls (the counters' growth over its turns, lead steps included, added to what its warm-up counted).
 """
 
 from __future__ import annotations
@@ -137,7 +139,8 @@ def _run(backends: list[str], case: Case, template: Any, data: list, env: Env, a
             _add(one.runtime, before)  # the calls of the values and the trace, as runner.run_backend counts them
             rows[one.backend] = finish(one.backend, case, env, one.times, one.first_s, None, one.capture,
                                        one.compiled, one.runtime, traced, values)
-            rows[one.backend]["note"] = f"interleaved, {args.interleave} step(s) per turn after {lead} unmeasured" + (
+            rows[one.backend]["note"] = f"interleaved, {args.interleave} step(s) per turn" + (
+                f" after {lead} unmeasured" if lead else "") + (
                 f"; time budget: {measured} of {len(indices)} steps" if measured < len(indices) else "")
         except Exception as exc:  # noqa: BLE001 - reported in the row
             rows[one.backend] = _error(one.backend, exc, env)

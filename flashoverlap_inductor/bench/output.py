@@ -52,7 +52,10 @@ def meta(args: Any, env: Any) -> dict[str, Any]:
 def header(m: dict[str, Any], args: Any) -> str:
     lines = [f"e2e: {m['world']} rank(s) on {m['gpu'] or 'CPU (gloo)'}, {m['dtype']}, torch {m['torch']}, "
              f"transformers {m['transformers']}; fuse={m['fuse']}, cache={m['cache']}; batch {m['batch']}, "
-             f"{m['warmup']} warm-up + {m['steps']} measured steps; {m['timing']}"]
+             f"{m['warmup']} warm-up + {m['steps']} measured steps"
+             + (f" in turns of {m['interleave']}, each after {m['turn_lead']} unmeasured"
+                if m.get("interleave") else "")
+             + f"; {m['timing']}"]
     lines += [f"  model: {d}" for d in m["models"]]
     lines.append(f"  {m['replicated']}; tokens/s counts the whole group's tokens (batch x seq per step)")
     if m.get("shared_gpu"):
