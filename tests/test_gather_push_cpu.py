@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from flashoverlap_inductor import config, routes
-from flashoverlap_inductor.routes import gather_peer
+from flashoverlap_inductor.routes import gather_peer, gather_start
 
 HEADER = Path(__file__).resolve().parents[1] / "csrc" / "flashoverlap_sm90.h"
 
@@ -31,7 +31,7 @@ def test_push_execute_reads_every_shard_from_its_slot(monkeypatch, world, return
     rows, k, ns = 6, 16, (24, 8)  # shard rows per rank, K, the N of two GEMMs sharing the gather
     weights = [torch.randn(k, n, generator=gen) for n in ns]
     shard_bytes = rows * k * 4
-    sets = gather_peer.SLOT_SETS
+    sets = gather_start.SLOT_SETS
     set_bytes = world * shard_bytes + 64  # room to spare: the sets lie set_bytes apart, not world shards apart
     buffers = [torch.zeros(sets * set_bytes, dtype=torch.uint8) for _ in range(world)]  # "symmetric" memory
     settings = config.current().replace(gather_start="push")
@@ -60,7 +60,7 @@ def test_push_execute_reads_every_shard_from_its_slot(monkeypatch, world, return
         for rank in range(world):
             def gather_call(pp, rank=rank, shards=shards, number=number):
                 p = pp._obj
-                assert p.options == gather_peer.PUSH and p.rank == rank and p.world == world
+                assert p.options == gather_start.PUSH and p.rank == rank and p.world == world
                 assert p.shard_bytes == shard_bytes and p.copy_own == int(returned)
                 assert p.slot_set == number % sets
                 assert (p.staging is not None) == returned  # no staging unless the gathered rows are returned
@@ -89,7 +89,7 @@ def test_push_execute_reads_every_shard_from_its_slot(monkeypatch, world, return
                 launches[rank] = gather_peer.make_launch(call, settings, ctx)
                 launches[rank].args.clear()
             launch = launches[rank]
-            assert launch.options == gather_peer.PUSH and launch.gemms is None  # fp32: the Python loop
+            assert launch.options == gather_start.PUSH and launch.gemms is None  # fp32: the Python loop
             outs = gather_peer.ROUTE.execute(launch, ctx)
             assert asked[-1] == (sets * world * shard_bytes, True)  # every set's world slots, from the push list
             assert len(outs) == len(ns) + returned
@@ -112,19 +112,19 @@ def test_push_sets_never_overlap_across_call_sizes():
                          flags=SimpleNamespace(views=[buf, buf], events=[SimpleNamespace(cuda_event=None)] * 2,
                                                epoch=torch.zeros(1), copy=SimpleNamespace(cuda_stream=None),
                                                fault=SimpleNamespace(block_ptr=None, mirror_ptr=None)))
-    base, step = buf.data_ptr(), capacity // gather_peer.SLOT_SETS
+    base, step = buf.data_ptr(), capacity // gather_start.SLOT_SETS
     for rows in (128, 48, 320, 8):  # shard rows of K 384 in bf16: 96, 36, 240 (a full set) and 6 KiB shards
         shard_bytes = rows * 384 * 2
         geo = SimpleNamespace(world=world, shard_rows=rows, k=384)
-        launch = gather_peer.GatherLaunch(geo, 0, torch.bfloat16, shard_bytes, 1, "", gather_peer.PUSH,
-                                          gather_peer.SLOT_SETS * world * shard_bytes)
+        launch = gather_peer.GatherLaunch(geo, 0, torch.bfloat16, shard_bytes, 1, "", gather_start.PUSH,
+                                          gather_start.SLOT_SETS * world * shard_bytes)
         scatter = scatter_pull.ScatterLaunch(0, rows, 384, 64, torch.bfloat16, None, shard_bytes, 1, "",
-                                             options=gather_peer.PUSH, buffer_bytes=launch.buffer_bytes)
+                                             options=gather_start.PUSH, buffer_bytes=launch.buffer_bytes)
         p = gather_peer.args_for(launch, ws)
         views = [gather_peer.receive_slots(launch, ws, torch.bfloat16),
                  scatter_pull.receive_buffer(scatter, ws)]
         assert scatter_pull.args_for(scatter, ws).set_bytes == p.set_bytes == step
-        for b in range(gather_peer.SLOT_SETS):
+        for b in range(gather_start.SLOT_SETS):
             lo, hi = p.buffers[0] + b * p.set_bytes, p.buffers[0] + b * p.set_bytes + world * shard_bytes
             assert base + b * step <= lo and hi <= base + (b + 1) * step, (rows, b)
             for v in views:
@@ -147,16 +147,16 @@ def test_push_set_count_restarts_with_the_flags(monkeypatch):
 def test_gather_args_match_the_c_header():
     header = HEADER.read_text()
     for name, value in (("MAX_WORLD", gather_peer.MAX_WORLD), ("MAX_OUTPUTS", gather_peer.MAX_OUTPUTS),
-                        ("SLOT_SETS", gather_peer.SLOT_SETS), ("PUSH", gather_peer.PUSH),
-                        ("GEMM_AFTER_HANDSHAKE", gather_peer.GEMM_AFTER_HANDSHAKE),
-                        ("COPY_NOTIFY", gather_peer.COPY_NOTIFY)):
+                        ("SLOT_SETS", gather_start.SLOT_SETS), ("PUSH", gather_start.PUSH),
+                        ("GEMM_AFTER_HANDSHAKE", gather_start.GEMM_AFTER_HANDSHAKE),
+                        ("COPY_NOTIFY", gather_start.COPY_NOTIFY)):
         assert f"#define FO_GATHER_{name} {value}\n" in header
     assert f"#define FO_GATHER_FLAG_INTS ({gather_peer.FLAG_INTS // gather_peer.MAX_WORLD} * FO_GATHER_MAX_WORLD)" \
         in header
     # the page: ready, done, then done and ready per set, then the sets' own counters (pushes, reads) and epoch
     # snapshots (3+ ranks), all before the fault block; the C side asserts its layout and fo_gather_args's size and
     # slot_set's offset
-    sets, most = gather_peer.SLOT_SETS, gather_peer.MAX_WORLD
+    sets, most = gather_start.SLOT_SETS, gather_peer.MAX_WORLD
     assert (2 + 2 * sets) * most + 3 * sets <= gather_peer.FLAG_INTS
     source = (HEADER.parent / "gather_call.cu").read_text()
     chain = ["kSetDone = 2 * kMaxWorld;", "kSetReady = kSetDone + kSlotSets * kMaxWorld;",
@@ -183,14 +183,14 @@ def test_copy_notify_is_an_opt_in_of_push_on_three_or_more_ranks(monkeypatch, st
     monkeypatch.setattr(gather_peer.compat, "group_timeout_ms", lambda g: 1000.0)
     settings = config.current().replace(gather_start=start)
     if on:
-        settings = settings.replace(experiments=frozenset({gather_peer.COPY_NOTIFY_EXPERIMENT}))
+        settings = settings.replace(experiments=frozenset({gather_start.COPY_NOTIFY_EXPERIMENT}))
     rows, k = 64, 256
     call = routes.Call("all_gather", world * rows, 128, k, torch.float32, world, 0, "cuda", None, "auto",
                        group_name="g")
     ctx = SimpleNamespace(a=torch.zeros(rows, k), b=[torch.zeros(k, 128)], bias=[None], group=None,
                           gather_dim=0, return_gathered=False)
     launch = gather_peer.make_launch(call, settings, ctx)
-    assert bool(launch.options & gather_peer.COPY_NOTIFY) == expect
+    assert bool(launch.options & gather_start.COPY_NOTIFY) == expect
     assert ("told by copy engine" in launch.description) == expect
 
 
@@ -204,7 +204,7 @@ def test_the_start_each_call_takes(monkeypatch, setting, world, cap_mb, start):
     the handshake instead; a start set by name is kept otherwise. The launch says why where it changed."""
     monkeypatch.setattr(gather_peer, "group_issue", lambda g: None)
     monkeypatch.setattr(gather_peer.compat, "group_timeout_ms", lambda g: 1000.0)
-    assert config.Settings().tuning.gather_start == "auto" and gather_peer.PUSH_AUTO_MAX_WORLD == 2
+    assert config.Settings().tuning.gather_start == "auto" and gather_start.PUSH_AUTO_MAX_WORLD == 2
     settings = config.current().replace(gather_start=setting)
     if cap_mb is not None:
         settings = settings.replace(gather_push_max_mb=cap_mb)
@@ -214,8 +214,8 @@ def test_the_start_each_call_takes(monkeypatch, setting, world, cap_mb, start):
     ctx = SimpleNamespace(a=torch.zeros(rows, k), b=[torch.zeros(k, 512)], bias=[None], group=None,
                           gather_dim=0, return_gathered=False)
     launch = gather_peer.make_launch(call, settings, ctx)
-    assert launch.options == gather_peer.OPTIONS[start]
+    assert launch.options == gather_start.OPTIONS[start]
     shard = rows * k * 4
-    assert launch.buffer_bytes == (gather_peer.SLOT_SETS * world * shard if start == "push" else shard)
+    assert launch.buffer_bytes == (gather_start.SLOT_SETS * world * shard if start == "push" else shard)
     changed = start != setting and not (setting == "auto" and start == "push")
     assert ("handshake start" in launch.description) == changed

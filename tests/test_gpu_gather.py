@@ -175,7 +175,7 @@ def match_task(start: str) -> dict:
 
 @pytest.mark.parametrize("start", STARTS)
 def test_gather_peer_matches_eager(pool, start):
-    from flashoverlap_inductor.routes.gather_peer import SLOT_SETS
+    from flashoverlap_inductor.routes.gather_start import SLOT_SETS
 
     n, world = len(_cases()), pool.world_size
     per_rank = pool.run(match_task, start)

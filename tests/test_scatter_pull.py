@@ -102,7 +102,7 @@ def test_push_schedule_only_where_its_buffer_fits(monkeypatch):
     ``"handshake"`` (the default) the handshake; the tuning rows tell the push schedule's launches from the pull's."""
     from types import SimpleNamespace
 
-    from flashoverlap_inductor.routes import gather_peer
+    from flashoverlap_inductor.routes import gather_peer, gather_start
     from flashoverlap_inductor.tune import rows
 
     monkeypatch.setattr(gather_peer, "group_issue", lambda g: None)
@@ -114,17 +114,17 @@ def test_push_schedule_only_where_its_buffer_fits(monkeypatch):
     assert base.tuning.scatter_start == "handshake"
     shard = 2048 * n * 2
     plain = scatter_pull.make_launch(call, base, ctx)
-    assert plain.options == gather_peer.GEMM_AFTER_HANDSHAKE and plain.buffer_bytes == shard
+    assert plain.options == gather_start.GEMM_AFTER_HANDSHAKE and plain.buffer_bytes == shard
     assert rows.route_of_launch(plain.description) == "pull"
     push = base.replace(scatter_start="push")
     launch = scatter_pull.make_launch(call, push, ctx)
-    assert launch.options == gather_peer.PUSH and launch.buffer_bytes == gather_peer.SLOT_SETS * 2 * shard
+    assert launch.options == gather_start.PUSH and launch.buffer_bytes == gather_start.SLOT_SETS * 2 * shard
     assert rows.route_of_launch(launch.description) == "push"
     for cap in (0, 63):
         fallback = scatter_pull.make_launch(call, push.replace(gather_push_max_mb=cap), ctx)
-        assert fallback.options == gather_peer.GEMM_AFTER_HANDSHAKE and fallback.buffer_bytes == shard
+        assert fallback.options == gather_start.GEMM_AFTER_HANDSHAKE and fallback.buffer_bytes == shard
         assert "handshake schedule" in fallback.description and rows.route_of_launch(fallback.description) == "pull"
-    assert scatter_pull.make_launch(call, push.replace(gather_push_max_mb=64), ctx).options == gather_peer.PUSH
+    assert scatter_pull.make_launch(call, push.replace(gather_push_max_mb=64), ctx).options == gather_start.PUSH
 
 
 def test_bias_forms():
@@ -191,7 +191,7 @@ def test_execute_pulls_the_peers_part_into_the_right_rows(monkeypatch, form, pus
     import ctypes
     from types import SimpleNamespace
 
-    from flashoverlap_inductor.routes import gather_peer
+    from flashoverlap_inductor.routes import gather_peer, gather_start
 
     gen = torch.Generator().manual_seed(5)
     rows, k, n = 8, 16, 24  # a: [2, 4, k] per rank (3-D: halves are whole dim-0 elements)
@@ -215,7 +215,7 @@ def test_execute_pulls_the_peers_part_into_the_right_rows(monkeypatch, form, pus
     shard_bytes = half * n * 4
     calls = {0: 0, 1: 0}  # push calls per simulated rank
     # the workspace has room to spare: the sets lie capacity / SLOT_SETS apart, not two shards apart
-    receive = [torch.full((gather_peer.SLOT_SETS * (2 * shard_bytes + 64),), 255, dtype=torch.uint8) for _ in range(2)]
+    receive = [torch.full((gather_start.SLOT_SETS * (2 * shard_bytes + 64),), 255, dtype=torch.uint8) for _ in range(2)]
     for rank in range(2):
         peer = 1 - rank
         ws = SimpleNamespace(flags=flags, views=receive if push else [torch.zeros(4)] * 2, serial=-1,
@@ -228,11 +228,11 @@ def test_execute_pulls_the_peers_part_into_the_right_rows(monkeypatch, form, pus
             p = pp._obj
             assert p.shard_events[peer] == (1000 + peer if probed else None)  # the probe's arrival event
             assert p.rank == rank and p.copy_own == 0 and p.shard_bytes == sent.numel() * sent.element_size()
-            assert bool(p.options & gather_peer.PUSH) == push
+            assert bool(p.options & gather_start.PUSH) == push
             if push:  # the peer's push: slot ``peer`` of set ``slot_set`` in this rank's buffer
-                assert p.staging is None and p.slot_set == calls[rank] % gather_peer.SLOT_SETS
+                assert p.staging is None and p.slot_set == calls[rank] % gather_start.SLOT_SETS
                 calls[rank] += 1
-                assert p.set_bytes == receive[rank].numel() // gather_peer.SLOT_SETS
+                assert p.set_bytes == receive[rank].numel() // gather_start.SLOT_SETS
                 where = receive[rank].data_ptr() + p.slot_set * p.set_bytes + peer * p.shard_bytes
                 ctypes.memmove(where, sent.data_ptr(), p.shard_bytes)
                 other = (1 - p.slot_set) * p.set_bytes + peer * p.shard_bytes  # the other set's slot: NaN (0xff)
@@ -249,7 +249,7 @@ def test_execute_pulls_the_peers_part_into_the_right_rows(monkeypatch, form, pus
         ctx = SimpleNamespace(a=a[rank], b=b[rank], bias=c[rank], group=group, y_shape=[2, half, n],
                               out_shape=[1, half, n], capturing=False, probe=None)
         launch = scatter_pull.make_launch(call, on, ctx)
-        assert launch.buffer_bytes == (gather_peer.SLOT_SETS * 2 * shard_bytes if push else shard_bytes)
+        assert launch.buffer_bytes == (gather_start.SLOT_SETS * 2 * shard_bytes if push else shard_bytes)
         launch.args.clear()
         for _ in range(3 if push else 1):  # push: sets 0, 1, then 0 again
             ctx.probe = _Probe() if probed else None

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from flashoverlap_inductor import config, routes
-from flashoverlap_inductor.routes import gather_peer, scatter_pull
+from flashoverlap_inductor.routes import gather_start, scatter_pull
 
 from . import gantt
 from .timeline_peer import baselines, format_rows, launch_for, probed_calls, sweep, with_baselines, write_pngs
@@ -60,7 +60,7 @@ def probe_shape(m: int, n: int, k: int, schedule: str, args: argparse.Namespace)
         launch, ctx = launch_for(scatter_pull, "reduce_scatter", a, b, settings)
         if isinstance(launch, str):
             return {**head, "declined": launch}
-        if bool(launch.options & gather_peer.PUSH) != (schedule == "push"):  # e.g. past gather_push_max_mb
+        if bool(launch.options & gather_start.PUSH) != (schedule == "push"):  # e.g. past gather_push_max_mb
             return {**head, "declined": f"ran another schedule: {launch.description}"}
         probed = probed_calls(lambda: scatter_pull.ROUTE.execute(launch, ctx), ctx, args)
         if isinstance(probed, str):

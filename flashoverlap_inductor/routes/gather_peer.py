@@ -15,17 +15,18 @@ share one GPU works too, under ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``). 
 - ``fo_gather_finish``: the caller's stream joins the copy stream, and one kernel fills every output (each ``y_i``
   and, when returned, the gathered rows) with NaN while the group's fault block holds a fault.
 
-``gather_start="push"`` (``FO_GATHER_PUSH``; what the default ``"auto"`` takes on 2 ranks, ``resolve_start``): no
-handshake and no copy of the own shard into symmetric memory. On the caller's stream one short kernel begins the call
-and waits until every peer read the slots it overwrites, then the local GEMMs run; the copy stream pushes ``a`` into
-slot ``rank`` of set ``b`` of every peer's receive buffer (``SLOT_SETS`` sets of ``world`` slots, set ``b`` at
-``b * set_bytes(ws)`` whatever the shard size, a workspace list of its own), tells every peer after the last push (the
-experiment ``gather_copy_notify``: on 3+ ranks each right after its push, by copy engine; 4 H200s: correct, no
-faster), waits for each peer's shard in slot ``j`` here and records ``j``'s event; slot ``j``'s GEMMs follow it;
-``fo_gather_finish`` joins, tells every peer its slot here is read, and poisons. The set alternates per call
-(``next_slot_set``: alike on every rank; a captured call keeps its set), so the first wait concerns the peers' call
-``e - 2``; per set the flags and this rank's pushes and reads are counters, so a rank on another set than its peers
-waits out its bound: a fault, never a stale slot (``docs/design.md`` gives the measurements behind each choice).
+``gather_start="push"`` (``FO_GATHER_PUSH``; what the default ``"auto"`` takes on 2 ranks: the choice per call and the
+push's buffer size are ``routes/gather_start.py``'s, shared with the pull route): no handshake and no copy of the own
+shard into symmetric memory. On the caller's stream one short kernel begins the call and waits until every peer read the
+slots it overwrites, then the local GEMMs run; the copy stream pushes ``a`` into slot ``rank`` of set ``b`` of every
+peer's receive buffer (``SLOT_SETS`` sets of ``world`` slots, set ``b`` at ``b * set_bytes(ws)`` whatever the shard
+size, a workspace list of its own), tells every peer after the last push (the experiment ``gather_copy_notify``: on 3+
+ranks each right after its push, by copy engine; 4 H200s: correct, no faster), waits for each peer's shard in slot ``j``
+here and records ``j``'s event; slot ``j``'s GEMMs follow it; ``fo_gather_finish`` joins, tells every peer its slot here
+is read, and poisons. The set alternates per call (``next_slot_set``: alike on every rank; a captured call keeps its
+set), so the first wait concerns the peers' call ``e - 2``; per set the flags and this rank's pushes and reads are
+counters, so a rank on another set than its peers waits out its bound: a fault, never a stale slot (``docs/design.md``
+gives the measurements behind each choice).
 
 Invariants (units: bytes for buffers and shards, flattened rows for the GEMMs, as ``schedule.gather``):
 
@@ -81,26 +82,17 @@ from flashoverlap_inductor.runtime import faults, streams
 from .. import _inductor_compat as compat
 from ..schedule import gather as schedule
 from . import gather_gemms, gather_nccl, symmetric
+from .gather_start import PUSH, SLOT_SETS, resolve_start
 
 log = logging.getLogger("flashoverlap")
 
 MAX_WORLD = 8  # FO_GATHER_MAX_WORLD (<= faults.MAX_PEERS + 1)
 MAX_OUTPUTS = 8  # FO_GATHER_MAX_OUTPUTS: the GEMMs' results and the gathered rows
 FLAG_INTS = 7 * MAX_WORLD  # FO_GATHER_FLAG_INTS
-SLOT_SETS = 2  # FO_GATHER_SLOT_SETS: the push schedule's receive slot sets
 FAULT_OFFSET = 4 * FLAG_INTS  # bytes: the group's fo_fault block, after the flags
 FLAG_BYTES = FAULT_OFFSET + faults.BLOCK_BYTES
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 NAME = "gather_peer"
-GEMM_AFTER_HANDSHAKE = 1  # fo_gather_args.options bit FO_GATHER_GEMM_AFTER_HANDSHAKE (Tuning.gather_start)
-PUSH = 2  # fo_gather_args.options bit FO_GATHER_PUSH (gather_start="push")
-COPY_NOTIFY = 4  # options bit FO_GATHER_COPY_NOTIFY (push on 3+ ranks under the experiment gather_copy_notify)
-COPY_NOTIFY_EXPERIMENT = "gather_copy_notify"
-COPY_NOTIFY_MIN_WORLD = 3  # kCopyNotifyMinWorld of csrc/gather_call.cu: the bit acts from this many ranks on
-OPTIONS = {"handshake": GEMM_AFTER_HANDSHAKE, "eager": 0, "push": PUSH}  # a resolved gather_start -> options
-# gather_start="auto": push on at most this many ranks (4 H200s, peers told after the last push: 1.03x over
-# sequential against the handshake's 1.41x; docs/design.md)
-PUSH_AUTO_MAX_WORLD = 2
 
 
 class GatherArgs(ctypes.Structure):
@@ -246,38 +238,6 @@ class GatherLaunch:
     launch_id: int = 0  # ``faults.launch_id``
     args: dict[int, GatherArgs] = field(default_factory=dict)  # workspace serial -> args
     slots: dict[int, tuple] = field(default_factory=dict)  # workspace serial -> receive_slots' views (push)
-
-
-def push_bytes(world: int, shard_bytes: int) -> int:
-    """A push call's receive buffer per rank, bytes: ``SLOT_SETS`` sets of ``world`` shards (the all_gather route's
-    push start and the pull route's push schedule alike)."""
-    return SLOT_SETS * world * shard_bytes
-
-
-def push_fits(settings: config.Settings, world: int, shard_bytes: int) -> bool:
-    """Whether a push call's receive buffer (``push_bytes``) fits ``gather_push_max_mb``."""
-    return push_bytes(world, shard_bytes) <= settings.tuning.gather_push_max_mb << 20
-
-
-def resolve_start(settings: config.Settings, world: int, shard_bytes: int, desc: str) -> tuple[int, int, str]:
-    """A call's ``fo_gather_args.options``, workspace bytes per rank (push: ``SLOT_SETS`` x world shards, else one)
-    and ``desc`` with why where the start is not the one set. "auto": push on at most ``PUSH_AUTO_MAX_WORLD`` ranks;
-    a push whose buffer would pass ``gather_push_max_mb``: handshake; ``COPY_NOTIFY`` for a push of
-    ``COPY_NOTIFY_MIN_WORLD``+ ranks under its experiment. World, shapes and settings only: alike on every rank."""
-    tuning = settings.tuning
-    start, buffer_bytes = tuning.gather_start, push_bytes(world, shard_bytes)
-    if start == "auto" and world > PUSH_AUTO_MAX_WORLD:
-        return OPTIONS["handshake"], shard_bytes, \
-            f"{desc}; handshake start (auto: push only on up to {PUSH_AUTO_MAX_WORLD} ranks)"
-    if start != "push" and start != "auto":
-        return OPTIONS[start], shard_bytes, desc
-    if not push_fits(settings, world, shard_bytes):
-        why = f"the push's receive buffer would pass gather_push_max_mb={tuning.gather_push_max_mb}"
-        return OPTIONS["handshake"], shard_bytes, f"{desc}; handshake start ({why})"
-    if world >= COPY_NOTIFY_MIN_WORLD and COPY_NOTIFY_EXPERIMENT in settings.experiments:
-        return PUSH | COPY_NOTIFY, buffer_bytes, \
-            f"{desc}; each peer told by copy engine after its push (experiment {COPY_NOTIFY_EXPERIMENT})"
-    return PUSH, buffer_bytes, desc
 
 
 def make_launch(call, settings: config.Settings, ctx) -> GatherLaunch | str:

@@ -66,7 +66,7 @@ from flashoverlap_inductor.runtime import faults
 
 from .. import _inductor_compat as compat
 from ..cost_model import pull, registry
-from . import gather_peer, peer, symmetric
+from . import gather_peer, gather_start, peer, symmetric
 from .base import note
 
 log = logging.getLogger("flashoverlap")
@@ -139,7 +139,7 @@ def device_name(call) -> str | None:
 class ScatterLaunch:
     """One call shape: halves of ``half_rows`` rows of ``n`` columns, the shard bytes, the bias form (``None``,
     ``"row"``: one ``[N]`` row for every row, ``"full"``: the output's own shape), the wait bound, the protocol's
-    options (``gather_peer.GEMM_AFTER_HANDSHAKE`` or ``PUSH``) and workspace bytes per rank (one shard; push:
+    options (``gather_start.GEMM_AFTER_HANDSHAKE`` or ``PUSH``) and workspace bytes per rank (one shard; push:
     ``SLOT_SETS`` x 2), and per gather workspace it ran with, the protocol's argument struct (and push: the receive
     slots' views)."""
 
@@ -153,7 +153,7 @@ class ScatterLaunch:
     timeout_ns: int
     description: str
     launch_id: int = 0
-    options: int = gather_peer.GEMM_AFTER_HANDSHAKE
+    options: int = gather_start.GEMM_AFTER_HANDSHAKE
     buffer_bytes: int = 0
     args: dict[int, gather_peer.GatherArgs] = field(default_factory=dict)  # workspace serial -> args
     slots: dict[int, tuple] = field(default_factory=dict)  # push: workspace serial -> per set [2, half, n]
@@ -183,11 +183,11 @@ def make_launch(call, settings: config.Settings, ctx) -> ScatterLaunch | str:
         return why
     half = call.rows // 2
     shard_bytes = half * call.n * call.dtype.itemsize
-    options, buffer_bytes, moved = gather_peer.GEMM_AFTER_HANDSHAKE, shard_bytes, "pulled by copy engine"
+    options, buffer_bytes, moved = gather_start.GEMM_AFTER_HANDSHAKE, shard_bytes, "pulled by copy engine"
     note_ = ""
     if settings.tuning.scatter_start == "push":
-        if gather_peer.push_fits(settings, 2, shard_bytes):
-            options, buffer_bytes = gather_peer.PUSH, gather_peer.push_bytes(2, shard_bytes)
+        if gather_start.push_fits(settings, 2, shard_bytes):
+            options, buffer_bytes = gather_start.PUSH, gather_start.push_bytes(2, shard_bytes)
             # tune.rows.route_of_launch tells this schedule's launches by "pushed by copy engine"
             moved = "pushed by copy engine into the peer's receive slot"
         else:
@@ -245,7 +245,7 @@ class ScatterPullRoute:
 
     def execute(self, launch: ScatterLaunch, ctx) -> torch.Tensor | str:
         device, half, rank = ctx.a.device, launch.half_rows, launch.rank
-        push = bool(launch.options & gather_peer.PUSH)
+        push = bool(launch.options & gather_start.PUSH)
         ws = gather_peer.workspace(ctx.group, device, launch.buffer_bytes, ctx.capturing, push)
         if ws is None:
             return "capture-grow: its shard buffer would have to grow inside a CUDA-graph capture"
