@@ -118,20 +118,19 @@ def main() -> None:
         print(f"{torch.cuda.get_device_name()} x {world}; ms (median, max over ranks); x = seq / variant; "
               "sum rows: peer = one GEMM over the concatenated K (cats included), pull = mm then the op with it as "
               "bias")
-        fused = FUSED
-        print(f"{'shape':24} {'gemm':>7} {'comm':>7} {'seq':>7} " + " ".join(f"{v:>7}" for v in fused)
-              + f" {'ideal':>7} " + " ".join(f"{'x ' + v:>7}" for v in fused) + f" {'x ideal':>7}  routes / errors")
-        ratios = {v: [] for v in fused}
+        print(f"{'shape':24} {'gemm':>7} {'comm':>7} {'seq':>7} " + " ".join(f"{v:>7}" for v in FUSED)
+              + f" {'ideal':>7} " + " ".join(f"{'x ' + v:>7}" for v in FUSED) + f" {'x ideal':>7}  routes / errors")
+        ratios = {v: [] for v in FUSED}
         for label, row, ideal in lines:
             s = row["seq"]["ms"]
-            for v in fused:
+            for v in FUSED:
                 ratios[v].append(s / row[v]["ms"])
             print(f"{label:24} {row['gemm']['ms']:7.3f} {row['comm']['ms']:7.3f} {s:7.3f} "
-                  + " ".join(f"{row[v]['ms']:7.3f}" for v in fused) + f" {ideal:7.3f} "
-                  + " ".join(f"{s / row[v]['ms']:7.3f}" for v in fused) + f" {s / ideal:7.3f}  "
+                  + " ".join(f"{row[v]['ms']:7.3f}" for v in FUSED) + f" {ideal:7.3f} "
+                  + " ".join(f"{s / row[v]['ms']:7.3f}" for v in FUSED) + f" {s / ideal:7.3f}  "
                   + "; ".join(f"{v} {row[v]['route']} err {row[v]['err']:.1e} host {row[v]['host']:.3f} ms"
-                              + (" HOST-BOUND" if row[v]["host_bound"] else "") for v in fused))
-        print("geomean " + ", ".join(f"x {v} {tm.geomean(ratios[v]):.3f}" for v in fused))
+                              + (" HOST-BOUND" if row[v]["host_bound"] else "") for v in FUSED))
+        print("geomean " + ", ".join(f"x {v} {tm.geomean(ratios[v]):.3f}" for v in FUSED))
     dist.destroy_process_group()
 
 

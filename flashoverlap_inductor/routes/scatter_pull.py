@@ -33,9 +33,10 @@ Under ``scatter_start="handshake"`` (the default; also where the push's buffer w
 copy stream copies ``part`` into this rank's symmetric buffer and shakes hands with the peer (the caller's stream waits
 for that) before the own half's GEMM, then pulls the peer's part into ``staging`` by copy engine (the protocol's slot
 ``p``; the library writes no other slot, so only that one is allocated): a buffer of one half, ~12 us at 4096 x 4096 and
-~0.1 ms at 16384 x 8192 with the SMs idle (2 H200s). On 2 H200s (36th session) push ran the 16-shape op grid 1.158x over
-sequential against the handshake's 1.126x, but eager Llama-3-8B sp steps slower (prefill 1.057x against 1.093x over
-Inductor; the bench's host-paced small calls showed the same: 4096 x 4096 x 8192 0.45-0.56 ms against 0.23).
+~0.1 ms at 16384 x 8192 with the SMs idle (2 H200s). On 2 H200s push ran the 16-shape op grid 1.158x over sequential
+against the handshake's 1.126x (36th session) and ``scatter_pull_bench`` 1.226x against 1.182x (37th); end to end it
+was 0.3% ahead in steady-state Llama-3-8B sp training (37th), its prefill not yet measured in the steady state (the
+36th session's slower prefill counted each interleaved turn's slow first step: ``bench/interleave.py``).
 
 Invariants: the failure contract, the buffer reuse rule and the resynchronization are the gather route's (its
 docstring), since every wait, flag and buffer is its own; a fault raised here names ``gather_peer``. ``part``,
