@@ -163,16 +163,15 @@ class Tuning:
     # ~0.32 ms of host time per eager call keeps small outputs on the peer route). A function of the shapes, settings
     # and cost data only: the same on every rank.
     scatter_route: str = "auto"
-    # The pull route's schedule (routes/scatter_pull.py), when the own half's GEMM starts. "handshake": after the
-    # peer's half is copied into this rank's buffer and both ranks shook hands (a buffer of one half); "push" (where
-    # its receive buffer, 2 x 2 halves per rank, fits gather_push_max_mb; else the handshake): at once, the peer's
-    # half pushed by copy engine into the peer's receive slot. 2 H200s, 36th session: push ahead on the 16-shape op
-    # grid (1.158x over sequential against 1.126x in the same run, 13 of 15 fused shapes) and, 37th, its own bench
-    # (1.226x against 1.182x); end to end the 36th session's eager medians put it behind (Llama-3-8B sp prefill
-    # 1.057x against 1.093x, train 1.003x against 1.009x), but those included each turn's slow first step
-    # (docs/e2e.md, --turn-lead); in the steady state train puts it 0.3% ahead (37th), prefill is not yet measured,
-    # so the handshake stays the default until it is. The same on every rank.
-    scatter_start: str = "handshake"
+    # The pull route's schedule (routes/scatter_pull.py), when the own half's GEMM starts. "push" (where its receive
+    # buffer, 2 x 2 halves per rank, fits gather_push_max_mb; else the handshake): at once, the peer's half pushed by
+    # copy engine into the peer's receive slot; "handshake": after the peer's half is copied into this rank's buffer
+    # and both ranks shook hands (a buffer of one half). 2 H200s: push ahead on the 16-shape op grid (36th session:
+    # 1.158x over sequential against 1.126x), its own bench (37th: 1.226x against 1.182x) and the steady-state
+    # Llama-3-8B sp steps (38th, prefill 1.115x over Inductor and 67% hidden against 1.058x and 36%; 37th, train 0.3%
+    # ahead); the 36th session's eager medians that put it behind counted each interleaved turn's slow first step
+    # (docs/e2e.md, --turn-lead). The same on every rank.
+    scatter_start: str = "push"
 
     def __post_init__(self) -> None:
         _check_fields(self)  # every field in its rule's type (``RULES``)

@@ -110,8 +110,8 @@ def test_push_schedule_only_where_its_buffer_fits(monkeypatch):
     rows_, n, k = 4096, 4096, 512  # halves of 2048 x 4096 bf16: 16 MiB shards, a 64 MiB push buffer
     call = routes.Call("reduce_scatter", rows_, n, k, torch.bfloat16, 2, 0, "cuda", None, "auto", group_name="g")
     ctx = SimpleNamespace(b=torch.zeros(k, n), bias=None, y_shape=[rows_, n], group=None)
-    base = config.current().replace(scatter_route="pull")
-    assert base.tuning.scatter_start == "handshake"
+    assert config.current().tuning.scatter_start == "push"  # the default
+    base = config.current().replace(scatter_route="pull", scatter_start="handshake")
     shard = 2048 * n * 2
     plain = scatter_pull.make_launch(call, base, ctx)
     assert plain.options == gather_start.GEMM_AFTER_HANDSHAKE and plain.buffer_bytes == shard

@@ -1,5 +1,5 @@
 """GEMM -> reduce_scatter on 2 GPUs: the pull route (``scatter_route="pull"``) on its two schedules (``pull``:
-``scatter_start="handshake"``, the default; ``push``: ``scatter_start="push"``) against the peer route, cuBLAS then
+``scatter_start="handshake"``; ``push``: ``scatter_start="push"``, the default) against the peer route, cuBLAS then
 NCCL, and the ideal ``max(T_gemm, T_comm)``, interleaved in one run (``tune.measure.Timer``: CUDA events, warm-up,
 medians, max over ranks); and the sum of two GEMMs (a backward's summed input gradients: ``x1 @ w1 + x2 @ w2``
 then reduce_scatter) as Inductor runs it (``mm``, ``mm``, ``add``, NCCL), as the pass fuses it today (one GEMM over

@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         " epilogue (the route's, before each tile's C load), kernel (a wait kernel between the GEMMs)")
     p.add_argument("--scatter-schedule", default="push,handshake",
                    help="reduce_scatter_pull: the pull route's schedules to compare (comma-separated values of the "
-                        "setting scatter_start: handshake, the default, or push)")
+                        "setting scatter_start: push, the default, or handshake)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--spin-ms", type=float, default=1.0,

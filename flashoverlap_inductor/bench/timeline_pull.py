@@ -5,9 +5,9 @@ reduce_scatter call on the pull route goes (``routes.scatter_pull``, 2 ranks, on
         --shapes 4096x4096x8192,16384x8192x14336 [--scatter-schedule push,handshake] [--lead 2] [--png DIR]
 
 Per shape (``M x N x K``: A ``[M, K]`` per rank, B = W.t() with W ``[N, K]``, bf16, as ``examples/bench_ops.py``)
-and schedule (``--scatter-schedule``, the setting ``scatter_start``: ``handshake``, the route's default, the peer's
-half copied into the rank's symmetric buffer and pulled by the peer after a handshake; ``push``: pushed by copy engine
-into the peer's receive slot), the route (``make_launch``, then ``execute``, no dispatcher) runs ``--iters``
+and schedule (``--scatter-schedule``, the setting ``scatter_start``: ``handshake``, the peer's half copied into the
+rank's symmetric buffer and pulled by the peer after a handshake; ``push``, the default: pushed by copy engine into
+the peer's receive slot), the route (``make_launch``, then ``execute``, no dispatcher) runs ``--iters``
 probed calls (``runtime.probe.CallProbe``; the marks of ``gantt.pull_breakdown`` on the caller's stream and the
 library's event of the part's landing on the copy stream) after ``--warmup`` plain ones, each behind a ``--spin-ms``
 GPU spin and ``--lead`` plain calls (``timeline_peer.probed_calls``). In the same run: ``gemm`` (cuBLAS at the full M

@@ -13,7 +13,7 @@ CUTLASS GEMMs time that cuBLAS's GEMM does not spend (docs/design.md, "Host cost
 it takes no row-varying addend.
 
 Per call (rank ``r``, peer ``p = 1 - r``; the output rows in halves, half ``h`` being rank ``h``'s result; ``M`` rows,
-``N`` columns), under ``scatter_start="push"`` (where ``SLOT_SETS`` x 2 halves fit ``gather_push_max_mb``):
+``N`` columns), under ``scatter_start="push"`` (the default, where ``SLOT_SETS`` x 2 halves fit ``gather_push_max_mb``):
 
 - on the caller's stream: ``part = a[half p] @ b (+ bias[half p])`` (cuBLAS: ``mm`` / ``addmm``, a fresh ``[M/2, N]``);
 - ``fo_gather_call`` with ``part`` as the shard and the all_gather peer route's push schedule (``FO_GATHER_PUSH``;
@@ -29,14 +29,15 @@ Per call (rank ``r``, peer ``p = 1 - r``; the output rows in halves, half ``h`` 
 The notification and the wait for the peer's part run on the copy stream when the own GEMM frees an SM, which is when
 the add needs them. The slot sets alternate per push call of the group (``gather_peer.next_slot_set``, shared with
 the gather route's push calls), so a slot is rewritten only after the peer finished reading it two calls before.
-Under ``scatter_start="handshake"`` (the default; also where the push's buffer would pass ``gather_push_max_mb``) the
+Under ``scatter_start="handshake"`` (also where the push's buffer would pass ``gather_push_max_mb``) the
 copy stream copies ``part`` into this rank's symmetric buffer and shakes hands with the peer (the caller's stream waits
 for that) before the own half's GEMM, then pulls the peer's part into ``staging`` by copy engine (the protocol's slot
 ``p``; the library writes no other slot, so only that one is allocated): a buffer of one half, ~12 us at 4096 x 4096 and
 ~0.1 ms at 16384 x 8192 with the SMs idle (2 H200s). On 2 H200s push ran the 16-shape op grid 1.158x over sequential
-against the handshake's 1.126x (36th session) and ``scatter_pull_bench`` 1.226x against 1.182x (37th); end to end it
-was 0.3% ahead in steady-state Llama-3-8B sp training (37th), its prefill not yet measured in the steady state (the
-36th session's slower prefill counted each interleaved turn's slow first step: ``bench/interleave.py``).
+against the handshake's 1.126x (36th session) and ``scatter_pull_bench`` 1.226x against 1.182x (37th); end to end,
+in the steady state, Llama-3-8B sp prefill 1.115x over Inductor against 1.058x (67% of the communication hidden
+against 36%, 38th) and training 0.3% ahead (37th); the 36th session's eager medians that put it behind counted each
+interleaved turn's slow first step (``bench/interleave.py``).
 
 Invariants: the failure contract, the buffer reuse rule and the resynchronization are the gather route's (its
 docstring), since every wait, flag and buffer is its own; a fault raised here names ``gather_peer``. ``part``,
