@@ -61,24 +61,29 @@ def flashoverlap_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
 
     with GraphWatch("cached", inner=False):  # reports graphs the AOTAutograd cache serves whole
         compiled = compat.compile_fx(gm, example_inputs, config_patches=patches,
-                                     around_graph=lambda kind: _Watched(kind), after_graph=_agree_first)
+                                     around_graph=lambda kind: _Watched(kind, fo_pass), after_graph=_agree_first)
     return checked(compiled)
 
 
 class _Watched:
-    """Around one graph's ``compile_fx_inner``: its report (``GraphWatch``) and the manifest it recorded."""
+    """Around one graph's ``compile_fx_inner``: its report (``GraphWatch``), the manifest it recorded, and the
+    graph's kind on the pass (``FlashOverlapPass.graph_kind``, restored after: AOTAutograd compiles the backward
+    later, possibly inside another compilation)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, fo_pass: Any) -> None:
         from .passes import manifest
         from .passes.report import GraphWatch
 
         self.watch, self.before = GraphWatch(kind, inner=True), manifest.snapshot()
+        self.kind, self.fo_pass, self.outer = kind, fo_pass, None
 
     def __enter__(self) -> _Watched:
+        self.outer, self.fo_pass.graph_kind = self.fo_pass.graph_kind, self.kind
         self.watch.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self.fo_pass.graph_kind = self.outer
         self.watch.__exit__(*exc)
 
 

@@ -47,6 +47,7 @@ ROW_ORDERS = ("schedule", "gather")
 GATHER_STARTS = ("auto", "handshake", "eager", "push")
 SCATTER_ROUTES = ("auto", "pull", "peer")
 SCATTER_STARTS = ("push", "handshake")
+HOST_FLOORS = ("auto", "on", "off")
 DTYPES = ("bfloat16", "float16", "float32")  # the GEMM output dtypes the fused routes and the cost model know
 OPTION_PREFIX = "flashoverlap."
 # Experimental variants still under study: each name turns one on (``Settings.experiments``).
@@ -107,6 +108,7 @@ RULES: dict[str, check.Rule] = {
                                     "the process group's own timeout", words=("none", "group", "")),
     "config_dir": check.OrNone(check.Path("when a data file is read"), "the package's configs/", words=()),
     "transport": check.Choice(TRANSPORTS),
+    "host_floors": check.Choice(HOST_FLOORS),
     "ring": check.Choice(RING_MODES),
     "library": check.OrNone(check.Path("when the library is loaded"), "build/libflashoverlap_sm90.so", words=()),
     "experiments": check.Names(tuple(EXPERIMENTS), kind=frozenset),
@@ -198,6 +200,13 @@ class Settings:
     transport: str = "peer"  # "peer": peer / ring routes where they apply; "nccl": always the NCCL route
     ring: str = "off"  # "off" | "wide" (groups of 3-8 ranks) | "all" (2-rank groups too, instead of the peer route)
     library: str | None = None  # the CUDA kernel library; None: build/libflashoverlap_sm90.so
+    # Whether the cost model counts a fused call's host time (``host_floor_ms`` of the peer, ring and pull routes: back
+    # to back, an eager call takes at least that long) in its fuse verdicts and the reduce_scatter route choice. "on":
+    # always; "off": never (the GPU's time alone, as for calls replayed from a CUDA graph); "auto": the pass turns it
+    # off in the graphs of a training step (a forward with a backward, and the backward: the host issues them ahead of
+    # a GPU that runs them about 3x longer, so a call's host time hides behind earlier GPU work) and on in inference
+    # graphs and for eager calls. Resolved per graph from the graph's kind alone: the same on every rank.
+    host_floors: str = "auto"
     tuning: Tuning = field(default_factory=Tuning)
     experiments: frozenset[str] = frozenset()
 
@@ -211,6 +220,11 @@ class Settings:
     def key(self) -> str:
         """A canonical string of every field: the pass's cache key and the fused ops' ``settings`` argument."""
         return self._key  # type: ignore[attr-defined]
+
+    def counts_host(self) -> bool:
+        """Whether verdicts under these settings count a fused call's host floor (``host_floors`` not "off"; a call
+        outside a compiled graph, "auto", does)."""
+        return self.host_floors != "off"
 
     def timeout_ns(self, group_timeout_ms: float | None = None) -> int:
         """The bound of a call's waits in ns: ``wait_timeout_ms``, else the group's timeout (``group_timeout_ms``),

@@ -135,6 +135,60 @@ class TestBackendOptions(FakePGTestCase):
         self.assertIsNone(chained.uuid())  # a plain function: Inductor must bypass the FX graph cache
 
 
+class TestHostFloors(FakePGTestCase):
+    """``host_floors="auto"`` resolved per graph from its kind (``graph_settings``): off in a training step's
+    forward and backward, on in inference graphs; the fused ops of a graph carry the resolved setting."""
+
+    def test_graph_settings(self):
+        from flashoverlap_inductor.passes.gemm_collective import graph_settings
+
+        auto = config.current()
+        self.assertEqual(auto.host_floors, "auto")
+        self.assertTrue(auto.counts_host())  # an eager call outside any graph counts its host time
+        got = {kind: graph_settings(auto, kind).host_floors for kind in ("forward", "backward", "inference", None)}
+        self.assertEqual(got, {"forward": "off", "backward": "off", "inference": "on", None: "on"})
+        for fixed in ("on", "off"):
+            settings = auto.replace(host_floors=fixed)
+            self.assertIs(graph_settings(settings, "backward"), settings)
+            self.assertIs(graph_settings(settings, "inference"), settings)
+        self.assertFalse(auto.replace(host_floors="off").counts_host())
+
+    def _kinds_seen(self, requires_grad: bool, options: dict | None = None) -> list[tuple[str, str]]:
+        """Compile and run ``x @ w`` (then backward where ``w`` requires grad) with the real backend; the
+        (graph kind, host_floors) each graph was rewritten under."""
+        seen = []
+        original = FlashOverlapPass.run
+
+        def run(self_, graph):
+            seen.append(self_.settings.host_floors)
+            return original(self_, graph)
+
+        w = torch.randn(16, 32, requires_grad=requires_grad)
+        fn = torch.compile(lambda x, w: (x @ w).relu(), backend="flashoverlap", options=options)
+        with mock.patch.object(FlashOverlapPass, "run", run):
+            out = fn(torch.randn(8, 16), w)
+            if requires_grad:
+                out.sum().backward()
+        return seen
+
+    def test_training_graphs_leave_host_floors_out(self):
+        self.assertEqual(self._kinds_seen(True), ["off", "off"])  # forward, then the backward
+
+    def test_inference_graphs_count_them(self):
+        self.assertEqual(self._kinds_seen(False), ["on"])
+
+    def test_an_explicit_setting_holds_in_every_graph(self):
+        self.assertEqual(self._kinds_seen(True, {"flashoverlap.host_floors": "on"}), ["on", "on"])
+
+    def test_the_route_choice_follows_it(self):
+        """Llama-3-8B sp's o_proj reduce_scatter (4096 x 4096, K 2048 per rank; 2 H200s' data): the peer route
+        where the pull route's host floor counts, the pull route (cuBLAS GEMMs) where it does not."""
+        from flashoverlap_inductor.cost_model import pull
+
+        self.assertFalse(pull.prefers_pull(4096, 4096, 2048, "bfloat16", "NVIDIA H200"))
+        self.assertTrue(pull.prefers_pull(4096, 4096, 2048, "bfloat16", "NVIDIA H200", host_floors=False))
+
+
 class TestUuid(TestCase):
     def test_uuid_tracks_settings(self):
         always = FlashOverlapPass({"fuse": "always"})

@@ -34,6 +34,15 @@ from .matching import Fusion, GemmCollectiveMatch, find_matches, find_sum, match
 from .report import log, record_deferred, record_fused, record_skip
 
 aten = torch.ops.aten
+TRAINING_KINDS = ("forward", "backward")  # the graphs of a training step (an inference graph: "inference")
+
+
+def graph_settings(settings: config.Settings, kind: str | None) -> config.Settings:
+    """The settings a graph of ``kind`` is rewritten under: ``host_floors="auto"`` becomes "off" in the graphs of a
+    training step and "on" elsewhere (``config.Settings.host_floors``); other settings are returned as they are."""
+    if settings.host_floors != "auto":
+        return settings
+    return settings.replace(host_floors="off" if kind in TRAINING_KINDS else "on")
 
 
 class FlashOverlapPass(compat.CustomGraphPass):
@@ -42,19 +51,26 @@ class FlashOverlapPass(compat.CustomGraphPass):
     ``settings`` is the ``config.Settings`` captured when the backend is called (a dict: changes to
     ``config.current()``); the pass uses only these, also for the backward graph that is compiled later, hands
     them to every fused op it emits (``Settings.key()``) and hashes them whole into ``uuid()``, so the FX graph
-    cache never serves a graph compiled under other settings.
+    cache never serves a graph compiled under other settings. ``graph_kind`` ("forward", "backward", "inference" or
+    None: unknown) is the kind of the graph being compiled, set by the backend around each graph's compilation; a
+    graph is rewritten under ``graph_settings(settings, graph_kind)`` (``host_floors="auto"`` resolved), which its
+    fused ops carry. Inductor's FX graph cache keys the graph's kind (``is_backward``, ``is_inference``) besides
+    ``uuid()``.
     """
 
     def __init__(self, settings: config.Settings | dict[str, Any] | None = None) -> None:
         if not isinstance(settings, config.Settings):
             settings = config.current().replace(**(settings or {}))
         self.settings: config.Settings = settings
+        self.graph_kind: str | None = None
 
     # ------------------------------------------------------------------------------------------------ driver
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        with config.using(self.settings):  # the cost model reads the settings captured at compile time
-            self.run(graph)
+        settings = graph_settings(self.settings, self.graph_kind)
+        local = self if settings is self.settings else FlashOverlapPass(settings)
+        with config.using(settings):  # the cost model reads the settings captured at compile time
+            local.run(graph)
         manifest.record(manifest.graph_manifest(graph))  # what the ranks agree on before its first run
 
     def run(self, graph: torch.fx.Graph) -> int:
@@ -135,7 +151,7 @@ class FlashOverlapPass(compat.CustomGraphPass):
             m, n, ks, dtype = shape
             try:
                 form.pull_verdict = pull.sum_verdict(m, n, ks, dtype, gpu_name(val(form.terms[0])),
-                                                     self.settings.min_gain_fraction, compat.cudagraphs_enabled(),
+                                                     self.settings.min_gain_fraction, self.without_host(),
                                                      cost_model.registry.data_dir(self.settings))
             except Exception as exc:  # a bug costs the pull staging, never the compilation: the cats' form
                 log.warning("flashoverlap: %s: the pull route's cost model failed (%r); staged as one GEMM",
@@ -148,6 +164,11 @@ class FlashOverlapPass(compat.CustomGraphPass):
 
     def uuid(self) -> str:
         return cache_key.uuid_for(self.settings)
+
+    def without_host(self) -> bool:
+        """Whether this graph's verdicts leave the fused calls' host floors out: its calls are replayed from a CUDA
+        graph, or its settings say so (``host_floors``)."""
+        return compat.cudagraphs_enabled() or not self.settings.counts_host()
 
     # ------------------------------------------------------------------------------------------------ check
 
@@ -314,7 +335,7 @@ class FlashOverlapPass(compat.CustomGraphPass):
                                          input_split_sizes=[int(x) for x in splits] if splits else None,
                                          **_route_of(f.match.collective, rows, int(f.n), int(f.k), f.dtype,
                                                      f.group_size, y, self.settings),
-                                         cuda_graphs=compat.cudagraphs_enabled(), settings=self.settings)
+                                         cuda_graphs=self.without_host(), settings=self.settings)
         except Exception as exc:
             if mode == "auto":
                 return _skip("cost_model_error", "%s: cost model failed: %r", desc, exc, level=logging.WARNING)

@@ -121,7 +121,8 @@ def takes_plain(call, settings: config.Settings) -> bool:
         return True
     dtype = str(call.dtype).removeprefix("torch.")
     try:
-        return pull.prefers_pull(call.rows, call.n, call.k, dtype, device_name(call), registry.data_dir(settings))
+        return pull.prefers_pull(call.rows, call.n, call.k, dtype, device_name(call), registry.data_dir(settings),
+                                 settings.counts_host())
     except Exception as exc:  # noqa: BLE001 - a cost-model bug must not break the op
         note(f"pull_model_failed:{type(exc).__name__}", logging.WARNING,
              "flashoverlap: the pull route's cost model failed (%r): reduce_scatter on the peer route", exc)
