@@ -202,11 +202,12 @@ class Settings:
     library: str | None = None  # the CUDA kernel library; None: build/libflashoverlap_sm90.so
     # Whether the cost model counts a fused call's host time (``host_floor_ms`` of the peer, ring and pull routes: back
     # to back, an eager call takes at least that long) in its fuse verdicts and the reduce_scatter route choice. "on":
-    # always; "off": never (the GPU's time alone, as for calls replayed from a CUDA graph); "auto": the pass turns it
-    # off in the graphs of a training step (a forward with a backward, and the backward: the host issues them ahead of
-    # a GPU that runs them about 3x longer, so a call's host time hides behind earlier GPU work) and on in inference
-    # graphs and for eager calls. Resolved per graph from the graph's kind alone: the same on every rank.
-    host_floors: str = "auto"
+    # always; "off": never (the GPU's time alone, as for calls replayed from a CUDA graph); "auto": off in the graphs
+    # of a training step (a forward with a backward, and the backward), on in inference graphs and eager calls,
+    # resolved per graph from its kind alone (the same on every rank). 2 H200s, Llama-3-8B sp (38th session): "off"
+    # put every reduce_scatter on the pull route and lost prefill (0.968x of Inductor against 1.055x: host-bound);
+    # in training "auto" ran level with "on" (99.64 against 99.74 ms per step, within the spread), so "on" stays.
+    host_floors: str = "on"
     tuning: Tuning = field(default_factory=Tuning)
     experiments: frozenset[str] = frozenset()
 

@@ -142,8 +142,8 @@ class TestHostFloors(FakePGTestCase):
     def test_graph_settings(self):
         from flashoverlap_inductor.passes.gemm_collective import graph_settings
 
-        auto = config.current()
-        self.assertEqual(auto.host_floors, "auto")
+        self.assertEqual(config.current().host_floors, "on")  # the default
+        auto = config.current().replace(host_floors="auto")
         self.assertTrue(auto.counts_host())  # an eager call outside any graph counts its host time
         got = {kind: graph_settings(auto, kind).host_floors for kind in ("forward", "backward", "inference", None)}
         self.assertEqual(got, {"forward": "off", "backward": "off", "inference": "on", None: "on"})
@@ -172,13 +172,15 @@ class TestHostFloors(FakePGTestCase):
         return seen
 
     def test_training_graphs_leave_host_floors_out(self):
-        self.assertEqual(self._kinds_seen(True), ["off", "off"])  # forward, then the backward
+        auto = {"flashoverlap.host_floors": "auto"}
+        self.assertEqual(self._kinds_seen(True, auto), ["off", "off"])  # forward, then the backward
 
     def test_inference_graphs_count_them(self):
-        self.assertEqual(self._kinds_seen(False), ["on"])
+        self.assertEqual(self._kinds_seen(False, {"flashoverlap.host_floors": "auto"}), ["on"])
 
     def test_an_explicit_setting_holds_in_every_graph(self):
-        self.assertEqual(self._kinds_seen(True, {"flashoverlap.host_floors": "on"}), ["on", "on"])
+        self.assertEqual(self._kinds_seen(True), ["on", "on"])  # the default
+        self.assertEqual(self._kinds_seen(True, {"flashoverlap.host_floors": "off"}), ["off", "off"])
 
     def test_the_route_choice_follows_it(self):
         """Llama-3-8B sp's o_proj reduce_scatter (4096 x 4096, K 2048 per rank; 2 H200s' data): the peer route
