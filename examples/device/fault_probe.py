@@ -98,7 +98,7 @@ def _expect_timeout(fn) -> str:
 
 
 def worker(rank: int, world: int, port: int, out_dir: str, route: str, timeout_ms: float, stall_s: float,
-           experiments: tuple[str, ...] = (), scatter_start: str = "handshake") -> None:
+           experiments: tuple[str, ...] = (), scatter_start: str | None = None) -> None:
     os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     import torch.distributed as dist
 
@@ -111,10 +111,12 @@ def worker(rank: int, world: int, port: int, out_dir: str, route: str, timeout_m
     name = dist.group.WORLD.group_name
     stalls = rank == world - 1
     lines = []
+    start = {} if scatter_start is None else {"scatter_start": scatter_start}  # None: the settings' default
+
     def settings():  # a fresh context manager per use
         return config.patch(ring="all" if route == "ring" else "off", wait_timeout_ms=timeout_ms,
                             scatter_route="pull" if route == "scatter_pull" else "peer",
-                            scatter_start=scatter_start, experiments=frozenset(experiments))
+                            experiments=frozenset(experiments), **start)
 
     def record(case: str, **kw) -> None:
         line = {"case": case, "rank": rank, **kw}
@@ -246,8 +248,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--route", choices=("peer", "ring", "scatter_pull"), default="peer")
     p.add_argument("--experiments", default="", help="comma-separated experiments the probed calls run under")
-    p.add_argument("--scatter-start", choices=("push", "handshake"), default="handshake",
-                   help="--route scatter_pull: the route's schedule (the setting scatter_start)")
+    p.add_argument("--scatter-start", choices=("push", "handshake"), default=None,
+                   help="--route scatter_pull: the route's schedule (the setting scatter_start; default: the "
+                        "settings')")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--nccl", action="store_true", help="the NCCL route's case instead (one process)")
     p.add_argument("--nccl-world", type=int, choices=(2,), help="the NCCL routes on 2 GPUs (fault_probe_nccl.py)")
