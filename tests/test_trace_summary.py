@@ -109,3 +109,34 @@ def test_exposed_communication_charged_to_its_kernels(tmp_path):
     assert "exposed by kernel: ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL 1.000 ms/1" in text
     assert "compute by kernel: device_kernel 1.500 ms/2, device_kernel#2 0.300 ms/1" in text
     assert trace_overlap.short_name("void a::b<c::d<e>>::f(g)") == "f" and trace_overlap.short_name("k") == "k"
+
+
+def _rank_trace(tmp_path, rank: int, base_ns: int, events: list[tuple[str, str, float, float]]) -> str:
+    """A trace of rank ``rank``: ``(name, cat, ts_us, dur_us)`` events, ``ts`` relative to ``base_ns``."""
+    path = tmp_path / f"case_train_rank{rank}.json"
+    path.write_text(json.dumps({"baseTimeNanoseconds": base_ns, "traceEvents": [
+        {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur} for name, cat, ts, dur in events]}))
+    return str(path)
+
+
+def test_skew_charges_a_collective_s_wait_to_the_rank_that_came_last(tmp_path):
+    """On one clock (each trace's base + ts), the i-th kernel of a name is one step on every rank: rank 0's
+    all_reduce started 100 us before rank 1's and waited for it; the gather step waited the other way (30 us);
+    a peer copy is never waiting; a name whose counts differ between ranks is left out and named."""
+    from flashoverlap_inductor.bench import trace_skew
+
+    ar, step = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "gather_step_kernel"
+    r0 = _rank_trace(tmp_path, 0, 1_000_000_000, [
+        (ar, "kernel", 0.0, 150.0), (step, "kernel", 500.0, 20.0), ("Memcpy PtoP (Device -> Device)", "gpu_memcpy",
+        600.0, 50.0), ("ncclDevKernel_AllGather_RING_LL", "kernel", 700.0, 10.0), ("sm90_gemm", "kernel", 0.0, 900.0)])
+    r1 = _rank_trace(tmp_path, 1, 1_000_002_000, [  # its base 2 us later: its ts are 2 us smaller for one instant
+        (ar, "kernel", 98.0, 50.0), (step, "kernel", 468.0, 60.0), ("Memcpy PtoP (Device -> Device)", "gpu_memcpy",
+        580.0, 80.0)])
+    assert trace_skew.rank_groups([r1, r0, str(tmp_path / "other_rank0.json")]) == {str(tmp_path / "case_train"):
+                                                                                     [r0, r1]}
+    s = trace_skew.skew([r0, r1])
+    assert s["matched"] == 3 and s["unmatched"] == ["ncclDevKernel_AllGather_RING_LL"]
+    assert s["waited_ms"] == [0.1, 0.03] and s["late_ms"] == [0.03, 0.1]
+    assert s["by_kernel"][0] == ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", [0.1, 0.0])
+    text = trace_skew.describe(s)
+    assert "rank 0 waited 0.100 ms" in text and "others waited 0.100 ms for it" in text, text

@@ -30,8 +30,8 @@
 # FO_OPS_CAP_S: bench_ops' cap (default 120 s; FO_OPS_SHAPES=grid, the 16-shape grid, needs ~300); FO_OPS_ARGS: more
 #   bench_ops arguments (e.g. "--ops all_to_all").
 # FO_GATHER_ARGS: more bench_gather arguments (e.g. "--warmup-shapes 3"); FO_E2E_TRACE=1: the e2e run writes a profiler
-#   trace per case, backend and rank (rank 0's brought back as $OUT/e2e_traces.tgz) and trace_gaps.log (where each
-#   traced step's GPU idles: bench.trace_summary).
+#   trace per case, backend and rank (every rank's brought back as $OUT/e2e_traces.tgz, ~0.4 MB per trace) and
+#   trace_gaps.log (where each traced step's GPU idles, and which rank its collectives waited for: bench.trace_summary).
 # push (B): examples/device/push_probe.py, the gather schedule of copy-engine pushes and stream memory operations
 #   (FO_PUSH_ARGS: e.g. "--shapes 16384x6144x4096").
 # FO_RERUN_CAP_S (B): the GPU test rerun's cap (default 120 s; tests/test_gpu_gather.py under both starts wants ~200).
@@ -215,7 +215,7 @@ if [ "$PART" = C ]; then
     echo "e2e rc=$?" | tee -a "$OUT/e2e.log"; tail -40 "$OUT/e2e.log"; clocks_off "$OUT/e2e.log"
     if [ -n "${FO_E2E_TRACE:-}" ]; then  # where each traced step's GPU idles, then the traces themselves
       timeout "$(cap 120)" python3 -m flashoverlap_inductor.bench.trace_summary /tmp/fo_probe/traces/*.json >"$OUT/trace_gaps.log" 2>&1
-      (cd /tmp/fo_probe/traces && tar czf "$OUT/e2e_traces.tgz" ./*rank0*.json 2>/dev/null)
+      (cd /tmp/fo_probe/traces && tar czf "$OUT/e2e_traces.tgz" ./*.json 2>/dev/null)
     fi
   fi
 fi

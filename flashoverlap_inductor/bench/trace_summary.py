@@ -12,7 +12,9 @@ busy share overstates the GPU's useful work.
 
 It also lists where the GPU idled (``idle_gaps``): each gap of >= 20 us charged to what the host was doing when it
 began (the innermost CPU op and CUDA runtime call), the largest totals first, and how much of the communication ran
-beside compute (``trace_overlap``: exposed communication, kernel time per class).
+beside compute (``trace_overlap``: exposed communication, kernel time per class); and, for each case whose traces of
+every rank are given (``<case>_rank<r>.json``), how long each rank's communication waited for a later rank
+(``trace_skew``): exposed communication that is really another rank arriving late.
 """
 
 from __future__ import annotations
@@ -103,7 +105,11 @@ def idle_gaps(path: str, min_us: float = 20.0, top: int = 12) -> list[tuple[str,
 
 
 if __name__ == "__main__":
+    from . import trace_skew
+
     for p in sys.argv[1:]:
         print(f"{p}: {describe(summarize(p))}")
         for what, n, ms in idle_gaps(p):
             print(f"  GPU idle {ms:.3f} ms in {n} gap(s) while the host ran {what}")
+    for case, group in trace_skew.rank_groups(sys.argv[1:]).items():
+        print(f"{case}: {trace_skew.describe(trace_skew.skew(group))}")
