@@ -76,6 +76,9 @@ EXPERIMENTS = {
     "gather_torch_gemms": "run the all_gather peer route's GEMMs as one torch.mm per shard and weight from Python "
                           "(the route before 2026-11-27) instead of one library call into torch's cuBLAS "
                           "(routes/gather_gemms.py)",
+    "tp_sequence": "in inference graphs, turn each all_reduce of a GEMM's output that row-wise ops read (residual "
+                   "add, RMSNorm) into a reduce_scatter, those ops onto this rank's rows and an all_gather before "
+                   "the next GEMMs, which the pass then fuses (passes/tp_sequence.py; CPU-tested only)",
     "scatter_pull": "stage a sum of GEMMs feeding a reduce_scatter over 2 ranks of one NVLink host for the pull "
                     "route where its cost model (cost_model/pull.py) says it pays: the first terms unfused, the last "
                     "fused with their sum as its bias, which the pull route runs (routes/scatter_pull.py: cuBLAS "

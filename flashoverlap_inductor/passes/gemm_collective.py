@@ -28,7 +28,7 @@ import flashoverlap_inductor.ops  # noqa: F401  (registers torch.ops.flashoverla
 from flashoverlap_inductor import _inductor_compat as compat
 from flashoverlap_inductor import config
 
-from . import all_gather, cache_key, combine, dispatch, manifest, rewrite, sum_of_gemms
+from . import all_gather, cache_key, combine, dispatch, manifest, rewrite, sum_of_gemms, tp_sequence
 from .fx_forms import gpu_name, known_eq, known_true, node_arg, val
 from .matching import Fusion, GemmCollectiveMatch, find_matches, find_sum, match_at_wait
 from .report import log, record_deferred, record_fused, record_skip
@@ -70,6 +70,8 @@ class FlashOverlapPass(compat.CustomGraphPass):
         settings = graph_settings(self.settings, self.graph_kind)
         local = self if settings is self.settings else FlashOverlapPass(settings)
         with config.using(settings):  # the cost model reads the settings captured at compile time
+            if settings.fuse != "never":  # first: its reduce_scatters and all_gathers are the main pass's to fuse
+                tp_sequence.shard_all_reduces(graph, settings.experiments, self.graph_kind)
             local.run(graph)
         manifest.record(manifest.graph_manifest(graph))  # what the ranks agree on before its first run
 

@@ -1,0 +1,234 @@
+"""Sequence parallelism made from a tensor-parallel graph's all_reduces (the experiment ``tp_sequence``).
+
+In a tensor-parallel decoder the row-parallel GEMMs (o_proj, down_proj) end in an all_reduce whose result only
+row-wise ops read before the next GEMMs: the residual add, the RMSNorm (a mean over the last dim, casts, products
+with a weight of one row). Here each such all_reduce becomes a reduce_scatter over the rows (the product of every
+dim but the last), the row-wise ops run on this rank's rows, and one all_gather per sharded value brings the rows
+back wherever anything else reads them (the next GEMMs, a slice, the graph's output) -- the rewrite of vLLM's
+sequence-parallelism pass, so that the main pass then fuses GEMM -> reduce_scatter and all_gather -> GEMMs. An
+all_reduce is a reduce_scatter plus an all_gather, so the bytes moved stay the same; the row-wise ops do 1/world of
+their work; a full-row tensor that a sharded op also reads (the residual stream entering the first sharded add) is
+sliced to this rank's rows.
+
+Only in inference graphs (``FlashOverlapPass.graph_kind == "inference"``): a training forward's saved activations
+keep their full shapes for the backward compiled apart from it. Only sum all_reduces of a GEMM's output (through
+views) with a static row count that the group size divides. Rank ``r`` holds rows ``[r * M / world, (r + 1) * M /
+world)``, the layout of ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` on dim 0, so the graph embeds its
+rank (read at compile time from the group), as a graph of DTensor's local shards does. Invariants: every node
+outside the sharded region reads a tensor of the shape and value it read before; the new collectives are issued in
+graph order, the same on every rank. Never run on a GPU yet (CPU, gloo: ``tests/test_tp_sequence.py``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.fx import Node
+
+from flashoverlap_inductor import _inductor_compat as compat
+
+from .fx_forms import val
+from .matching import GEMM_OPS, VIEW_OPS
+from .report import log
+from .rewrite import _Builder
+
+aten = torch.ops.aten
+EXPERIMENT = "tp_sequence"
+ROW_REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default)
+
+
+def shard_all_reduces(graph: torch.fx.Graph, experiments: frozenset[str], kind: str | None) -> int:
+    """Rewrite every qualifying all_reduce of ``graph`` (module docstring); the number rewritten."""
+    if EXPERIMENT not in experiments or kind != "inference":
+        return 0
+    done, taken = 0, set()
+    for wait in list(graph.find_nodes(op="call_function", target=compat.c10d.wait_tensor.default)):
+        if wait in taken or not _is_all_reduce(wait):
+            continue
+        why = _unsupported(wait.args[0], wait)
+        if why:
+            log.info("flashoverlap: tp_sequence: all_reduce %s left as it is: %s", wait.args[0].name, why)
+            continue
+        region = _Region(graph, wait)
+        region.rewrite()
+        taken |= region.seeds
+        done += len(region.seeds)
+    if done:
+        graph.lint()
+    return done
+
+
+def _is_all_reduce(wait: Node) -> bool:
+    coll = wait.args[0] if wait.args else None
+    return isinstance(coll, Node) and coll.target is compat.c10d.all_reduce.default and coll.args[1] == "sum"
+
+
+def _unsupported(coll: Node, wait: Node) -> str | None:
+    x = coll.args[0]
+    while isinstance(x, Node) and x.target in VIEW_OPS:
+        x = x.args[0]
+    if not isinstance(x, Node) or x.target not in GEMM_OPS:
+        return "no GEMM behind it"
+    full = val(wait)
+    world = compat.group_size(coll.args[2])
+    if full is None or full.dim() < 2 or not all(compat.is_static_int(s) for s in full.shape):
+        return "not a static tensor of rows"
+    if world is None or world < 2 or math.prod(full.shape[:-1]) % world:
+        return f"{math.prod(full.shape[:-1])} rows do not split over {world} ranks"
+    return None
+
+
+class _Region:
+    """The values made sharded from one all_reduce: ``shard[full node] = node of this rank's rows`` (2-D,
+    ``[M / world, C]``), and the all_gathers that give them back in full (one per shard node)."""
+
+    def __init__(self, graph: torch.fx.Graph, wait: Node) -> None:
+        coll = wait.args[0]
+        self.graph, self.wait = graph, wait
+        self.group = coll.args[2]
+        self.world = compat.group_size(self.group)
+        self.rank = compat.resolve_group(self.group).rank()
+        full = val(wait)
+        self.lead = tuple(int(s) for s in full.shape[:-1])
+        self.rows = math.prod(self.lead)
+        self.share = self.rows // self.world
+        self.build = _Builder(graph, coll)
+        self.shard: dict[Node, Node] = {}
+        self.gathered: dict[Node, Node] = {}
+        self.seeds: set[Node] = set()  # the all_reduces' waits made reduce_scatters (this one, and those a sharded
+        # op reads beside a shard: the next layer's, whose sum then joins the same sharded residual stream)
+        self.pending: list[Node] = []
+
+    def _seed(self, wait: Node) -> None:
+        """``wait``'s all_reduce as a reduce_scatter of the rows (made before the all_reduce); its readers queued."""
+        coll, c10d = wait.args[0], compat.c10d
+        with self.graph.inserting_before(coll):
+            x = self.build.call(aten.reshape.default, (coll.args[0], [self.rows, val(wait).shape[-1]]))
+            rs = self.build.call(c10d.reduce_scatter_tensor.default, (x, "sum", self.world, self.group))
+            self.shard[wait] = self.build.call(c10d.wait_tensor.default, (rs,))
+        self.seeds.add(wait)
+        self.pending.extend(u for u in wait.users if u in self.order)
+
+    def rewrite(self) -> None:
+        self.order = {n: i for i, n in enumerate(self.graph.nodes)}  # the originals (each node made here reads a shard)
+        self._seed(self.wait)
+        seen: set[Node] = set()
+        while self.pending:
+            self.pending = sorted(set(self.pending), key=self.order.__getitem__)
+            node = self.pending.pop(0)
+            if node in seen or node in self.shard:
+                continue
+            seen.add(node)
+            if self._propagate(node):
+                self.pending.extend(u for u in node.users if u in self.order)
+            else:
+                self._read_full(node)
+        colls = [wait.args[0] for wait in self.seeds]
+        for node in sorted(self.shard, key=self.order.__getitem__, reverse=True):  # the full originals no one reads
+            if not node.users:
+                self.graph.erase_node(node)
+        for coll in colls:
+            if not coll.users:
+                self.graph.erase_node(coll)
+
+    # ---------------------------------------------------------------------------------------------- propagate
+
+    def _joins(self, a: Node) -> bool:
+        """Whether ``a`` is another all_reduce's wait that this region can take as a reduce_scatter: a sum over the
+        same group of a GEMM's rows of the same leading shape."""
+        return a.op == "call_function" and a.target is compat.c10d.wait_tensor.default and _is_all_reduce(a) and \
+            a.args[0].args[2] == self.group and _unsupported(a.args[0], a) is None and self._row_shape(val(a))
+
+    def _own_rows(self, node: Node) -> bool:
+        """``node`` is ``slice(x, 0, rank * share, (rank + 1) * share)`` of a flattened ``x`` sharded here."""
+        x, dim, start, end = (list(node.args) + [0, None, None])[:4]
+        start = self.rank * self.share if start is None else start
+        step = node.args[4] if len(node.args) > 4 else 1
+        return x in self.shard and dim == 0 and step == 1 and tuple(val(x).shape[:-1]) == (self.rows,) and \
+            start == self.rank * self.share and end == start + self.share
+
+    def _row_shape(self, t: torch.Tensor) -> bool:
+        return t.dim() >= 1 and tuple(int(s) for s in t.shape[:-1]) == self.lead
+
+    def _propagate(self, node: Node) -> bool:
+        """Make ``node``'s sharded twin where it is row-wise in its sharded inputs (True), else False."""
+        if node.op != "call_function" or len(node.kwargs) > 0 and node.target not in ROW_REDUCTIONS:
+            return False
+        out = val(node)
+        if node.target is aten.slice.Tensor and self._own_rows(node):  # an earlier region's slice of this rank's
+            self.shard[node] = self.shard[node.args[0]]  # rows of a value sharded here: the shard itself
+            node.replace_all_uses_with(self.shard[node])
+            return True
+        if not isinstance(out, torch.Tensor) or not self._row_shape(out):
+            if node.target in VIEW_OPS and isinstance(out, torch.Tensor) and tuple(out.shape) == (self.rows,
+                                                                                              out.shape[-1]):
+                src = node.args[0]  # a flattening view: the shard is already 2-D
+                if src in self.shard and int(out.shape[-1]) == int(val(src).shape[-1]):
+                    self.shard[node] = self.shard[src]
+                    return True
+            return False
+        if node.target in VIEW_OPS:
+            src = node.args[0]
+            if src in self.shard and int(out.shape[-1]) == int(val(src).shape[-1]):
+                self.shard[node] = self.shard[src]  # the same rows, another grouping of the leading dims
+                return True
+            return False
+        if node.target in ROW_REDUCTIONS:
+            dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+            keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+            last = val(node.args[0]).dim() - 1
+            if not keep or list(dims) not in ([-1], [last]) or node.args[0] not in self.shard or \
+                    node.kwargs.get("dtype") is not None:
+                return False
+            with self.graph.inserting_before(node):
+                self.shard[node] = self.build.call(node.target, (self.shard[node.args[0]], [-1], True))
+            return True
+        if not isinstance(node.target, torch._ops.OpOverload) or torch.Tag.pointwise not in node.target.tags:
+            return False
+        args, made = [], len(self.build.created)
+        with self.graph.inserting_before(node):
+            for a in node.args:
+                if not isinstance(a, Node):
+                    args.append(a)
+                    continue
+                if a not in self.shard and self._joins(a):
+                    self._seed(a)
+                if a in self.shard:
+                    args.append(self.shard[a])
+                    continue
+                t = val(a)
+                if isinstance(t, torch.Tensor) and (t.numel() == 1 or all(int(s) == 1 for s in t.shape[:-1])):
+                    # broadcast along the rows (a scalar, a weight of one row)
+                    args.append(a if t.dim() <= 1 else self.build.call(aten.reshape.default, (a, [int(t.shape[-1])])))
+                elif isinstance(t, torch.Tensor) and self._row_shape(t):  # a full-row tensor: this rank's rows of it
+                    flat = self.build.call(aten.reshape.default, (a, [self.rows, int(t.shape[-1])]))
+                    start = self.rank * self.share
+                    args.append(self.build.call(aten.slice.Tensor, (flat, 0, start, start + self.share)))
+                else:  # read in full: what was made for this node goes again
+                    for n in reversed(self.build.created[made:]):
+                        self.graph.erase_node(n)
+                    del self.build.created[made:]
+                    return False
+            self.shard[node] = self.build.call(node.target, tuple(args))
+        return True
+
+    # ---------------------------------------------------------------------------------------------- gather
+
+    def _read_full(self, node: Node) -> None:
+        """``node`` reads sharded values in full: each through the all_gather of its shard (one per shard node,
+        made before its first reader), viewed back to the value's own shape."""
+        for a in list(node.all_input_nodes):
+            if a not in self.shard:
+                continue
+            s = self.shard[a]
+            if s not in self.gathered:
+                with self.graph.inserting_after(s):
+                    ag = self.build.call(compat.c10d.all_gather_into_tensor.default, (s, self.world, self.group))
+                with self.graph.inserting_after(ag):
+                    self.gathered[s] = self.build.call(compat.c10d.wait_tensor.default, (ag,))
+            full, shape = self.gathered[s], list(val(a).shape)
+            if list(val(full).shape) != shape:
+                with self.graph.inserting_before(node):
+                    full = self.build.call(aten.reshape.default, (full, shape))
+            node.replace_input_with(a, full)

@@ -1,0 +1,128 @@
+"""The experiment ``tp_sequence`` (``passes/tp_sequence.py``): a tensor-parallel inference graph's all_reduces become
+reduce_scatters, the residual adds and RMSNorms run on this rank's rows, all_gathers feed the next GEMMs, and the
+main pass fuses both; on a real 2-rank gloo world against eager (fresh random data, fp32), and the cases it leaves
+alone (training graphs, rows the group does not divide, the experiment off) on the fake process group."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from dist_utils import get_pool
+from pass_harness import FakePGTestCase
+from torch import nn
+
+from flashoverlap_inductor import config
+
+FP32 = {"rtol": 1e-4, "atol": 1e-5}
+ON = {"flashoverlap.experiments": ["tp_sequence"]}
+
+
+class Block(nn.Module):
+    """Pre-norm decoder-like layer, tensor-parallel by hand: this rank's column shard of ``up``, row shard of
+    ``down`` (whose partial sums the all_reduce adds), the residual stream replicated."""
+
+    def __init__(self, dim: int = 32, local_hidden: int = 24) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(dim, eps=1e-6)
+        self.up = nn.Linear(dim, local_hidden, bias=False)
+        self.down = nn.Linear(local_hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + funcol.all_reduce(self.down(torch.nn.functional.silu(self.up(self.norm(x)))), "sum",
+                                     dist.group.WORLD)
+
+
+class Stack(nn.Module):
+    def __init__(self, layers: int = 3, dim: int = 32) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.final = nn.RMSNorm(dim, eps=1e-6)
+        self.head = nn.Linear(dim, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.final(x)[:, -1])  # the last position only, as a prefill's logits
+
+
+def _worker(batch: int, seq: int) -> tuple[dict, dict]:
+    from torch._inductor.utils import fresh_cache
+
+    from flashoverlap_inductor.passes import counters, reset_counters
+
+    torch.manual_seed(7 + dist.get_rank())  # each rank its own shards of the weights
+    model = Stack()
+    torch.manual_seed(11)  # the input replicated
+    x = torch.randn(batch, seq, 32)
+    with torch.no_grad():
+        ref = model(x) + 0
+        got = {}
+        for name, options in (("plain", {}), ("tp_sequence", ON)):
+            torch._dynamo.reset()
+            reset_counters()
+            with fresh_cache():
+                out = torch.compile(model, backend="flashoverlap", options={"flashoverlap.fuse": "always",
+                                                                             **options})(x)
+            torch.testing.assert_close(out, ref, **FP32)
+            got[name] = dict(counters)
+    return got["plain"], got["tp_sequence"]
+
+
+def test_inference_all_reduces_become_fused_reduce_scatters_and_gathers():
+    """3 layers, batch 2, seq 8 (16 rows over 2 ranks): every all_reduce a reduce_scatter fused with its GEMM; the
+    all_gathers before layers 2 and 3 fused with their ``up`` GEMMs; the final norm's gather (a slice reads it) left
+    unfused; outputs equal to eager on both ranks."""
+    for plain, seq in get_pool(2).run(_worker, 2, 8):
+        assert plain.get("fused:all_reduce") == 3 and "fused:reduce_scatter" not in plain, plain
+        assert seq.get("fused:reduce_scatter") == 3 and "fused:all_reduce" not in seq, seq
+        assert seq.get("fused:all_gather") == 2, seq
+
+
+class TestLeftAlone(FakePGTestCase):
+    """On the fake process group (2 ranks): where the rewrite does not apply, the all_reduce stays."""
+
+    def _graph_ops(self, fn, *args, options=ON) -> set[str]:
+        graphs, _ = self.capture(fn, *args, options=options)
+        return {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+
+    def _fn(self):
+        g = dist.group.WORLD
+        w1, w2, res = torch.randn(32, 16), torch.randn(16, 32), torch.randn(16, 32)
+
+        def fn(x):
+            h = res + funcol.all_reduce(torch.relu(x @ w1) @ w2, "sum", g)
+            return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)) @ w1
+
+        return fn
+
+    def test_rewritten_where_it_applies(self):
+        with torch.no_grad():
+            ops = self._graph_ops(self._fn(), torch.randn(16, 32))
+        self.assertIn("flashoverlap.gemm_reduce_scatter.default", ops)
+        self.assertIn("flashoverlap.all_gather_gemm.default", ops)
+        self.assertNotIn("flashoverlap.gemm_all_reduce.default", ops)
+
+    def test_rows_the_group_does_not_divide(self):
+        g = dist.group.WORLD
+        w1, w2, res = torch.randn(32, 16), torch.randn(16, 32), torch.randn(15, 32)
+        fn = lambda x: (res + funcol.all_reduce(torch.relu(x @ w1) @ w2, "sum", g)).pow(2)  # noqa: E731
+        with torch.no_grad():
+            ops = self._graph_ops(fn, torch.randn(15, 32))
+        self.assertIn("flashoverlap.gemm_all_reduce.default", ops)
+
+    def test_experiment_off(self):
+        with torch.no_grad():
+            ops = self._graph_ops(self._fn(), torch.randn(16, 32), options={})
+        self.assertIn("flashoverlap.gemm_all_reduce.default", ops)
+        self.assertNotIn("flashoverlap.gemm_reduce_scatter.default", ops)
+
+    def test_a_training_forward_keeps_its_all_reduce(self):
+        x = torch.randn(16, 32, requires_grad=True)
+        ops = self._graph_ops(self._fn(), x)  # grad enabled, an input that requires it: a training forward
+        self.assertIn("flashoverlap.gemm_all_reduce.default", ops)
+        self.assertNotIn("flashoverlap.gemm_reduce_scatter.default", ops)
+
+
+def test_the_experiment_is_known():
+    assert "tp_sequence" in config.EXPERIMENTS
