@@ -111,6 +111,14 @@ class TestLeftAlone(FakePGTestCase):
             ops = self._graph_ops(fn, torch.randn(15, 32))
         self.assertIn("flashoverlap.gemm_all_reduce.default", ops)
 
+    def test_few_rows_under_auto(self):
+        """16 rows < min_rows (256) under ``fuse="auto"``: neither half would be fused, so the all_reduce stays."""
+        with torch.no_grad():
+            graphs, _ = self.capture(self._fn(), torch.randn(16, 32), options=ON, fuse="auto")
+        ops = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+        self.assertIn("_c10d_functional.all_reduce.default", ops)
+        self.assertNotIn("_c10d_functional.reduce_scatter_tensor.default", ops)
+
     def test_experiment_off(self):
         with torch.no_grad():
             ops = self._graph_ops(self._fn(), torch.randn(16, 32), options={})

@@ -71,7 +71,7 @@ class FlashOverlapPass(compat.CustomGraphPass):
         local = self if settings is self.settings else FlashOverlapPass(settings)
         with config.using(settings):  # the cost model reads the settings captured at compile time
             if settings.fuse != "never":  # first: its reduce_scatters and all_gathers are the main pass's to fuse
-                tp_sequence.shard_all_reduces(graph, settings.experiments, self.graph_kind)
+                tp_sequence.shard_all_reduces(graph, settings, self.graph_kind)
             local.run(graph)
         manifest.record(manifest.graph_manifest(graph))  # what the ranks agree on before its first run
 

@@ -27,6 +27,7 @@ import torch
 from torch.fx import Node
 
 from flashoverlap_inductor import _inductor_compat as compat
+from flashoverlap_inductor import config
 
 from .fx_forms import val
 from .matching import GEMM_OPS, VIEW_OPS
@@ -38,15 +39,18 @@ EXPERIMENT = "tp_sequence"
 ROW_REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default)
 
 
-def shard_all_reduces(graph: torch.fx.Graph, experiments: frozenset[str], kind: str | None) -> int:
-    """Rewrite every qualifying all_reduce of ``graph`` (module docstring); the number rewritten."""
-    if EXPERIMENT not in experiments or kind != "inference":
+def shard_all_reduces(graph: torch.fx.Graph, settings: config.Settings, kind: str | None) -> int:
+    """Rewrite every qualifying all_reduce of ``graph`` (module docstring) under ``settings`` (the graph's); the
+    number rewritten. Under ``fuse="auto"`` an all_reduce of fewer than ``min_rows`` rows stays: the pass would fuse
+    neither half, and two collectives would take the place of one (a decode step's few rows)."""
+    if EXPERIMENT not in settings.experiments or kind != "inference":
         return 0
+    min_rows = settings.min_rows if settings.fuse == "auto" else 0
     done, taken = 0, set()
     for wait in list(graph.find_nodes(op="call_function", target=compat.c10d.wait_tensor.default)):
         if wait in taken or not _is_all_reduce(wait):
             continue
-        why = _unsupported(wait.args[0], wait)
+        why = _unsupported(wait.args[0], wait, min_rows)
         if why:
             log.info("flashoverlap: tp_sequence: all_reduce %s left as it is: %s", wait.args[0].name, why)
             continue
@@ -64,7 +68,7 @@ def _is_all_reduce(wait: Node) -> bool:
     return isinstance(coll, Node) and coll.target is compat.c10d.all_reduce.default and coll.args[1] == "sum"
 
 
-def _unsupported(coll: Node, wait: Node) -> str | None:
+def _unsupported(coll: Node, wait: Node, min_rows: int = 0) -> str | None:
     x = coll.args[0]
     while isinstance(x, Node) and x.target in VIEW_OPS:
         x = x.args[0]
@@ -74,8 +78,11 @@ def _unsupported(coll: Node, wait: Node) -> str | None:
     world = compat.group_size(coll.args[2])
     if full is None or full.dim() < 2 or not all(compat.is_static_int(s) for s in full.shape):
         return "not a static tensor of rows"
-    if world is None or world < 2 or math.prod(full.shape[:-1]) % world:
-        return f"{math.prod(full.shape[:-1])} rows do not split over {world} ranks"
+    rows = math.prod(full.shape[:-1])
+    if world is None or world < 2 or rows % world:
+        return f"{rows} rows do not split over {world} ranks"
+    if rows < min_rows:
+        return f"{rows} rows < config.min_rows={min_rows}"
     return None
 
 
