@@ -132,5 +132,18 @@ class TestLeftAlone(FakePGTestCase):
         self.assertNotIn("flashoverlap.gemm_reduce_scatter.default", ops)
 
 
+def test_the_cache_key_names_the_rank_under_the_experiment(monkeypatch):
+    """The ranks of one host share the FX graph cache and their input graphs are alike: under the experiment the
+    pass's uuid carries the rank (its graphs slice the rank's rows), without it not."""
+    from flashoverlap_inductor.passes import cache_key
+
+    on = config.current().replace(experiments=frozenset({"tp_sequence"}))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    for rank in (0, 3):
+        monkeypatch.setattr(dist, "get_rank", lambda group=None, r=rank: r)
+        assert cache_key.rank_part(on) == f"|rank:{rank}"
+        assert cache_key.rank_part(config.current()) == ""
+
+
 def test_the_experiment_is_known():
     assert "tp_sequence" in config.EXPERIMENTS

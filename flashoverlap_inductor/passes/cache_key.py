@@ -19,15 +19,30 @@ from flashoverlap_inductor import config
 
 def uuid_for(settings: config.Settings) -> str:
     """The pass's ``uuid()`` under ``settings``: a digest of ``source_files`` plus the settings' key, the GPUs,
-    the library's configurations and the process groups' sizes."""
+    the library's configurations and the process groups' sizes; and this rank where the pass writes it into the
+    graph (``rank_part``)."""
     from flashoverlap_inductor.native import kernels
 
     try:  # the library's configurations decide which route the cost model predicts (``_route_of``)
         lib = ",".join(c.name for level in (0, 1, 2, 3) for c in kernels.configs(add_c=level))
     except Exception:  # noqa: BLE001 - no library: the NCCL-free unfused route everywhere
         lib = ""
-    extra = f"{settings.key()}|{device_names()}|{lib}|{compat.process_group_layout()}"
+    extra = f"{settings.key()}|{device_names()}|{lib}|{compat.process_group_layout()}{rank_part(settings)}"
     return compat.hash_files(source_files(settings), extra=extra)
+
+
+def rank_part(settings: config.Settings) -> str:
+    """``|rank:<r>`` (the global rank) where the graphs the pass emits depend on the rank, else "". Under the
+    experiment ``tp_sequence`` a graph slices this rank's rows (``passes/tp_sequence.py``) out of an input graph that
+    is the same on every rank, and the ranks of one host share Inductor's FX graph cache: without the rank in the
+    key, one rank would load another's graph and compute with its rows."""
+    import torch.distributed as dist
+
+    from .tp_sequence import EXPERIMENT
+
+    if EXPERIMENT not in settings.experiments or not (dist.is_available() and dist.is_initialized()):
+        return ""
+    return f"|rank:{dist.get_rank()}"
 
 
 def device_names() -> str:

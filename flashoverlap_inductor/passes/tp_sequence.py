@@ -14,7 +14,8 @@ Only in inference graphs (``FlashOverlapPass.graph_kind == "inference"``): a tra
 keep their full shapes for the backward compiled apart from it. Only sum all_reduces of a GEMM's output (through
 views) with a static row count that the group size divides. Rank ``r`` holds rows ``[r * M / world, (r + 1) * M /
 world)``, the layout of ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` on dim 0, so the graph embeds its
-rank (read at compile time from the group), as a graph of DTensor's local shards does. Invariants: every node
+rank (read at compile time from the group), as a graph of DTensor's local shards does; the pass's cache key then
+names the rank (``cache_key.rank_part``: the ranks of a host share the FX graph cache). Invariants: every node
 outside the sharded region reads a tensor of the shape and value it read before; the new collectives are issued in
 graph order, the same on every rank. Never run on a GPU yet (CPU, gloo: ``tests/test_tp_sequence.py``).
 """
