@@ -192,7 +192,7 @@ class _Region:
             with self.graph.inserting_before(node):
                 self.shard[node] = self.build.call(node.target, (self.shard[node.args[0]], [-1], True))
             return True
-        if not isinstance(node.target, torch._ops.OpOverload) or torch.Tag.pointwise not in node.target.tags:
+        if torch.Tag.pointwise not in getattr(node.target, "tags", ()):  # an ATen / prims op tagged pointwise
             return False
         args, made = [], len(self.build.created)
         with self.graph.inserting_before(node):
