@@ -283,7 +283,8 @@ def bench_shape(m: int, n: int, k: int, args: argparse.Namespace, ctx: dict[str,
     variants: dict[str, Any] = {"gemm": lambda: torch.mm(a, b, out=c)}
     info: dict[str, dict[str, Any]] = {}
     for op in args.ops:
-        d = decide(op, m, n, k, "bfloat16", world, device_name=gpu, **route_args(op, m, n, k, world))
+        d = decide(op, m, n, k, "bfloat16", world, device_name=gpu, **route_args(op, m, n, k, world),
+                   cuda_graphs=not config.current().counts_host())
         info[op] = {"decision": d, "plan": d.plan.to_str()}
         coll_out = out_a2a if op == "all_to_all" else out_rs
         variants[f"{op}:comm"] = collective_into(op, src, coll_out)
@@ -449,7 +450,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "config.EXPERIMENTS")
     p.add_argument("--scatter-start", choices=config.SCATTER_STARTS, default=None,
                    help="the reduce_scatter pull route's schedule for the whole run (the setting scatter_start; "
-                        "default: the setting's, the handshake)")
+                        "default: the setting's, push)")
     p.add_argument("--time-budget-s", type=float, default=420.0, help="no new shape starts after this")
     p.add_argument("--json", default=None)
     p.add_argument("--png", default=None)

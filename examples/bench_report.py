@@ -76,6 +76,7 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
     row["efficiency"] = tm.overlap_efficiency(seq, row["fused_ms"], row["ideal_ms"])
     # An error only where the prediction is of the route that ran (``launch`` says "peer route" / "ring route").
     ran = route_of_launch(row.get("launch", ""))
+    ran = "pull" if ran == "push" else ran  # one model prices both pull-route schedules (cost_model/pull.py)
     same_route = row.get("fused_path") and row.get("pred_route", "nccl") == ran
     row["err_fused"] = tm.rel_error(row.get("pred_fused_ms"), row["fused_ms"]) if same_route else math.nan
     row["err_seq"] = tm.rel_error(row.get("pred_seq_ms"), seq)

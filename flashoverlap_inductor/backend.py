@@ -68,7 +68,9 @@ def flashoverlap_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
 class _Watched:
     """Around one graph's ``compile_fx_inner``: its report (``GraphWatch``), the manifest it recorded, and the
     graph's kind on the pass (``FlashOverlapPass.graph_kind``, restored after: AOTAutograd compiles the backward
-    later, possibly inside another compilation)."""
+    later, possibly inside another compilation). Compiled autograd hands its backward to the backend as an inference
+    graph: there ``host_floors="auto"`` counts the floors and ``tp_sequence`` may rewrite it (gradients sum over the
+    same rows)."""
 
     def __init__(self, kind: str, fo_pass: Any) -> None:
         from .passes import manifest
@@ -78,8 +80,8 @@ class _Watched:
         self.kind, self.fo_pass, self.outer = kind, fo_pass, None
 
     def __enter__(self) -> _Watched:
-        self.outer, self.fo_pass.graph_kind = self.fo_pass.graph_kind, self.kind
         self.watch.__enter__()
+        self.outer, self.fo_pass.graph_kind = self.fo_pass.graph_kind, self.kind  # after: nothing left to raise
         return self
 
     def __exit__(self, *exc: Any) -> None:

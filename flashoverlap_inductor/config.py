@@ -163,7 +163,8 @@ class Tuning:
     # GEMM -> reduce_scatter over 2 ranks of one NVLink host: "pull" the pull route (routes/scatter_pull.py: cuBLAS
     # GEMMs of the two halves, the peer's half pulled by copy engine and added), "peer" the peer route (CUTLASS GEMMs,
     # the reduction in GEMM 2's epilogue); "auto": for bf16, the pull route unless its model predicts it more than
-    # ``cost_model.pull.TOLERANCE`` slower than the peer route's, host floors included (2 H200s, 27 Nov: the pull
+    # ``cost_model.pull.TOLERANCE`` slower than the peer route's, host floors included (unless ``host_floors`` leaves
+    # them out) (2 H200s, 27 Nov: the pull
     # route 0.93-1.03x of the peer route's GPU time on 23 shapes; Llama-3-8B sp train 0.7-1.5 ms per step faster; its
     # ~0.32 ms of host time per eager call keeps small outputs on the peer route). A function of the shapes, settings
     # and cost data only: the same on every rank.

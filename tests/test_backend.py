@@ -153,9 +153,9 @@ class TestHostFloors(FakePGTestCase):
             self.assertIs(graph_settings(settings, "inference"), settings)
         self.assertFalse(auto.replace(host_floors="off").counts_host())
 
-    def _kinds_seen(self, requires_grad: bool, options: dict | None = None) -> list[tuple[str, str]]:
+    def _kinds_seen(self, requires_grad: bool, options: dict | None = None) -> list[str]:
         """Compile and run ``x @ w`` (then backward where ``w`` requires grad) with the real backend; the
-        (graph kind, host_floors) each graph was rewritten under."""
+        ``host_floors`` each graph was rewritten under, in compilation order."""
         seen = []
         original = FlashOverlapPass.run
 

@@ -12,8 +12,8 @@ between them, interleaved with fused all_gather calls (per-rank data, every rank
 protocol's flags and buffers; under ``scatter_pull`` with ``scatter_route="peer"``, a call without bias goes on to the
 peer route and one with a bias of the output's shape takes this one. Not covered here: the late and skipping ranks (the
 protocol's, tested by ``tests/test_gpu_gather.py``). Each schedule (the setting ``scatter_start``) runs them:
-``test_scatter_pull_matches_reference`` the handshake (the default), ``test_scatter_push_matches_reference`` the
-push, whose first run (2 H100s, 35th session) found queued calls of different shard sizes overlapping in the
+``test_scatter_pull_matches_reference`` the handshake, ``test_scatter_push_matches_reference`` the push (the
+default), whose first run (2 H100s, 35th session) found queued calls of different shard sizes overlapping in the
 receive buffer (fixed: slot sets at fixed offsets); both passed there after the fix.
 """
 

@@ -99,7 +99,7 @@ def test_the_registry_puts_it_first(monkeypatch):
 def test_push_schedule_only_where_its_buffer_fits(monkeypatch):
     """Under ``scatter_start="push"`` the launch takes the push schedule (``SLOT_SETS`` x 2 shards per
     rank) unless that buffer would pass ``gather_push_max_mb``, then the handshake (one shard), saying so; under
-    ``"handshake"`` (the default) the handshake; the tuning rows tell the push schedule's launches from the pull's."""
+    ``"handshake"`` the handshake; the tuning rows tell the push schedule's launches from the pull's."""
     from types import SimpleNamespace
 
     from flashoverlap_inductor.routes import gather_peer, gather_start

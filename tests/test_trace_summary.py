@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from flashoverlap_inductor.bench import trace_summary
 
 
@@ -135,8 +137,12 @@ def test_skew_charges_a_collective_s_wait_to_the_rank_that_came_last(tmp_path):
     assert trace_skew.rank_groups([r1, r0, str(tmp_path / "other_rank0.json")]) == {str(tmp_path / "case_train"):
                                                                                      [r0, r1]}
     s = trace_skew.skew([r0, r1])
-    assert s["matched"] == 3 and s["unmatched"] == ["ncclDevKernel_AllGather_RING_LL"]
+    assert s["matched"] == 2 and s["unmatched"] == ["ncclDevKernel_AllGather_RING_LL"]  # the copy: no step
     assert s["waited_ms"] == [0.1, 0.03] and s["late_ms"] == [0.03, 0.1]
     assert s["by_kernel"][0] == ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", [0.1, 0.0])
     text = trace_skew.describe(s)
     assert "rank 0 waited 0.100 ms" in text and "others waited 0.100 ms for it" in text, text
+    bare = tmp_path / "bare_rank0.json"
+    bare.write_text(json.dumps({"traceEvents": []}))
+    with pytest.raises(ValueError, match="baseTimeNanoseconds"):  # no clock to set it beside another rank's
+        trace_skew.skew([str(bare), r1])

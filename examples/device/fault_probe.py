@@ -23,7 +23,7 @@ C`` (W and H must be 0, C must equal N). Exits 1 otherwise. Timings mean nothing
 
     python examples/device/fault_probe.py --route peer --world 2
     python examples/device/fault_probe.py --route ring --world 3
-    python examples/device/fault_probe.py --route scatter_pull --world 2 [--scatter-start push]
+    python examples/device/fault_probe.py --route scatter_pull --world 2 [--scatter-start handshake]
     python examples/device/fault_probe.py --nccl
     python examples/device/fault_probe.py --nccl-world 2
 """

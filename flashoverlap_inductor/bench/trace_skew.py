@@ -7,9 +7,10 @@ up as exposed communication on the *other* ranks. This module separates the two.
 (``baseTimeNanoseconds`` + ``ts``: Kineto's absolute time; the ranks of one host share it). Per full kernel name of
 the communication classes (``trace_overlap.COMM_CLASSES``: NCCL kernels, our protocol kernels, peer copies), the
 i-th such kernel of every rank is taken to be one collective step (every rank issues its collectives in one order);
-names whose counts differ between ranks are left out and named (``unmatched``). For each matched step, the latest
-start among the ranks is when the last rank came; each other rank's kernel time before that instant is waiting,
-charged to that last rank (a copy's own time is never waiting, so copies are matched but charged nothing).
+names whose counts differ between ranks are left out and named (``unmatched``); copies are left out too (a copy's
+own time is never waiting, and local copies are no steps between ranks). For each matched step, the latest start
+among the ranks is when the last rank came; each other rank's kernel time before that instant is waiting, charged
+to that last rank. The traces' windows must cover the same steps (the e2e harness syncs the ranks around them).
 
 Result (ms over the traced steps): ``waited_ms[r]`` (rank r's GPU waited for later ranks), ``late_ms[r]`` (the other
 ranks' GPUs waited for rank r), ``by_kernel`` (waiting per short kernel name and rank, the largest first), the
@@ -31,36 +32,42 @@ GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 RANK_SUFFIX = re.compile(r"_rank(\d+)(\.json)$")
 
 
-def comm_kernels(path: str) -> dict[str, list[tuple[float, float]]]:
-    """The communication events of the trace at ``path`` by full name: ``(start_us, end_us)`` on the traces' shared
-    clock (``baseTimeNanoseconds`` / 1000 + ``ts``), in start order; and ``"copy"`` events under their names too."""
+def comm_kernels(path: str) -> tuple[int, dict[str, list[tuple[float, float]]]]:
+    """``(base_ns, kernels)`` of the trace at ``path``: its ``baseTimeNanoseconds`` (the clock its ``ts`` count from;
+    ValueError where it has none: its times could not be set beside another rank's) and its communication events
+    by full name, ``(start_us, end_us)`` in its own ``ts``, in start order (copies included)."""
     with open(path) as f:
         doc = json.load(f)
-    base = float(doc.get("baseTimeNanoseconds", 0)) / 1e3
+    if "baseTimeNanoseconds" not in doc:
+        raise ValueError(f"{path}: no baseTimeNanoseconds, so its times cannot be set beside another trace's")
     out: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for e in doc.get("traceEvents", []):
         if e.get("ph") == "X" and "dur" in e and e.get("cat") in GPU_CATEGORIES and \
                 trace_overlap.classify(e.get("name", ""), e["cat"]) in trace_overlap.COMM_CLASSES:
-            start = base + float(e["ts"])
-            out[e["name"]].append((start, start + float(e["dur"])))
+            out[e["name"]].append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
     for spans in out.values():
         spans.sort()
-    return dict(out)
+    return int(doc["baseTimeNanoseconds"]), dict(out)
 
 
 def skew(paths: list[str], top: int = 6) -> dict[str, Any]:
     """The waiting of the ranks whose traces are ``paths`` (index = position in ``paths``; module docstring)."""
     ranks = len(paths)
-    per = [comm_kernels(p) for p in paths]
+    loaded = [comm_kernels(p) for p in paths]
+    first = min(base for base, _ in loaded)  # the bases' differences in integer ns first: us-exact at 1e15 us
+    per = [{name: [(s + (base - first) / 1e3, e + (base - first) / 1e3) for s, e in spans]
+            for name, spans in kernels.items()} for base, kernels in loaded]
     waited, late = [0.0] * ranks, [0.0] * ranks
     by_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0] * ranks)
     matched, unmatched = 0, []
     for name in sorted(set().union(*per)):
         lists = [k.get(name, []) for k in per]
         if len({len(x) for x in lists}) != 1:
-            unmatched.append(trace_overlap.short_name(name))
+            unmatched.append(name)
             continue
         copy = trace_overlap.classify(name, "kernel") == "copy"
+        if copy:  # a copy's own time is never waiting (and local copies are not steps between ranks)
+            continue
         for i in range(len(lists[0])):
             matched += 1
             starts = [x[i][0] for x in lists]
@@ -74,7 +81,8 @@ def skew(paths: list[str], top: int = 6) -> dict[str, Any]:
     ranked = sorted(by_kernel.items(), key=lambda kv: -sum(kv[1]))[:top]
     return {"ranks": ranks, "matched": matched, "waited_ms": [round(x, 4) for x in waited],
             "late_ms": [round(x, 4) for x in late],
-            "by_kernel": [(k, [round(x, 4) for x in v]) for k, v in ranked if sum(v) > 0], "unmatched": unmatched}
+            "by_kernel": [(k, [round(x, 4) for x in v]) for k, v in ranked if sum(v) > 0],
+            "unmatched": sorted({trace_overlap.short_name(n) for n in unmatched})}
 
 
 def describe(s: dict[str, Any]) -> str:

@@ -70,10 +70,11 @@ def decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int,
     (None = the default GPU, "NVIDIA H200"). ``input_split_sizes``: all_to_all's per-destination rows of this
     rank (None = even splits; ignored for the other collectives). ``peer``: the call takes the peer route;
     ``ring_rounds``: the rounds it takes the ring in (0: not the ring; see the module docstring); ``pull``: the call
-    takes the reduce_scatter pull route (``pull.py``; route "pull"). ``cuda_graphs``: the call is replayed from a CUDA
-    graph (the peer, ring and pull routes' host floors do not apply; if the graph is not
-    made after all, the call runs eagerly and may be host-bound). Raises ``ValueError`` only for an unknown
-    collective or non-positive sizes (and ``ConfigError`` for malformed data files).
+    takes the reduce_scatter pull route (``pull.py``; route "pull"). ``cuda_graphs``: the peer, ring and pull routes'
+    host floors do not apply: the call is replayed from a CUDA graph (if the graph is not made after all, the call
+    runs eagerly and may be host-bound), or the settings leave the floors out (``config.Settings.host_floors``).
+    Raises ``ValueError`` only for an unknown collective or non-positive sizes (and ``ConfigError`` for malformed
+    data files).
     """
     if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
