@@ -23,12 +23,13 @@ pytest.importorskip("transformers")
 from dist_utils import get_pool  # noqa: E402
 
 
-def preset_worker(preset: str, plan: str, workload: str, batch: int) -> dict:
-    """``model_coverage`` of a one-layer preset under ``plan`` at ``batch`` (seq 16) on this rank."""
+def preset_worker(preset: str, plan: str, workload: str, batch: int, experiments: tuple[str, ...] = ()) -> dict:
+    """``model_coverage`` of a one-layer preset under ``plan`` at ``batch`` (seq 16) on this rank, under
+    ``experiments``."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from flashoverlap_inductor import model_coverage
+    from flashoverlap_inductor import config, model_coverage
     from flashoverlap_inductor.bench import models, plans
     from flashoverlap_inductor.bench.runner import Prefill, TrainLoss
 
@@ -37,7 +38,8 @@ def preset_worker(preset: str, plan: str, workload: str, batch: int) -> dict:
     model = plans.apply(models.build(spec, torch.device("cpu"), torch.float32, 0, 16), spec, plan,
                         init_device_mesh("cpu", (2,)))
     ids = torch.randint(0, spec.vocab, (batch, 16), generator=torch.Generator().manual_seed(batch))
-    with torch._dynamo.config.patch(capture_scalar_outputs=spec.moe), torch.set_grad_enabled(workload == "train"):
+    with torch._dynamo.config.patch(capture_scalar_outputs=spec.moe), torch.set_grad_enabled(workload == "train"), \
+            config.patch(experiments=frozenset(experiments)):
         cov = model_coverage(TrainLoss(model), ids, ids) if workload == "train" else model_coverage(Prefill(model), ids)
     events = {kind: sorted(c for c in ev if c.startswith(("skip:", "near_miss:"))) for kind, ev in cov.events.items()}
     return {"fused": {k: g["fused"] for k, g in cov.graphs.items()}, "events": events,
@@ -90,6 +92,16 @@ def test_tp_prefill_at_batch_1(pool):
     assert got["near"] == 0 and got["left_gemm"] == 0, got["text"]
 
 
+def test_tp_prefill_under_tp_sequence(pool):
+    """The experiment makes the SP plan's fusions out of the TP plan's graph: both all_reduces reduce_scatters, the
+    MLP's gate/up fed by a fused all_gather (the attention's q/k/v read the embedding's norm, never sharded; the
+    final norm's gather is read through the last position's slice)."""
+    got = pool.run(preset_worker, "tiny-qwen3", "tp", "prefill", 1, ("tp_sequence",), timeout_s=400)[0]
+    assert got["fused"]["inference"] == {"flashoverlap:all_gather_gemm": 1, "flashoverlap:gemm_reduce_scatter": 2}, got
+    assert got["events"] == {"inference": ["skip:row_subset"]}, got
+    assert got["near"] == 0 and got["left_gemm"] == 0, got["text"]
+
+
 def test_ep_prefill_at_batch_1_fuses_the_attention_and_the_moe_combine_and_dispatch(pool):
     got = pool.run(preset_worker, "tiny-moe", "ep", "prefill", 1, timeout_s=400)[0]
     assert got["fused"]["inference"] == {"flashoverlap:all_gather_gemm": 1, "flashoverlap:gemm_reduce_scatter": 1,
@@ -105,3 +117,11 @@ def test_cli_on_a_users_own_model(pool):
     assert rc == 0, text
     assert "fused ops flashoverlap:gemm_all_reduce 1" in text, text
     assert "0 near miss(es), 0 collective(s) left beside a GEMM" in text, text
+
+
+def test_cli_experiments_reach_the_options():
+    from flashoverlap_inductor.bench import cli_coverage
+
+    args = cli_coverage.build_parser().parse_args(["--preset", "tiny-llama", "--experiments", "tp_sequence"])
+    assert cli_coverage._options(args) == {"flashoverlap.experiments": ["tp_sequence"]}
+    assert cli_coverage._options(cli_coverage.build_parser().parse_args(["--preset", "tiny-llama"])) == {}

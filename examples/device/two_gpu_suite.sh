@@ -112,11 +112,13 @@ cpu_side() {
     echo "cpu pytest rc=$?" >>"$OUT/cpu_tests.log"
   fi
   if [[ "$SKIP" != *" coverage "* ]]; then
-    for spec in "tiny-llama sp" "tiny-qwen3 sp" "tiny-gemma3 sp" "tiny-llama tp" "tiny-moe ep" "tiny-mixtral ep"; do
+    for spec in "tiny-llama sp" "tiny-qwen3 sp" "tiny-gemma3 sp" "tiny-llama tp" "tiny-moe ep" "tiny-mixtral ep" \
+        "tiny-llama tp tp_sequence" "tiny-gemma3 tp tp_sequence"; do  # a third word: --experiments
       set -- $spec
       step "coverage $spec" >>"$OUT/coverage.log"
       CUDA_VISIBLE_DEVICES= timeout 200 "${TORCHRUN[@]}" --nproc_per_node=2 -m flashoverlap_inductor.bench \
-        coverage --device cpu --preset "$1" --plan "$2" --batch 1,2,4 --seq 16 >>"$OUT/coverage.log" 2>&1
+        coverage --device cpu --preset "$1" --plan "$2" --batch 1,2,4 --seq 16 ${3:+--experiments "$3"} \
+        >>"$OUT/coverage.log" 2>&1
       echo "coverage $spec rc=$?" >>"$OUT/coverage.log"
     done
   fi

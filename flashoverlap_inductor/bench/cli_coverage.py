@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--fuse", choices=("auto", "always"), default=None,
                    help="the pass's mode (default: always on CPU, the settings' own on GPUs)")
+    p.add_argument("--experiments", default="", help="comma-separated names of config.EXPERIMENTS the pass runs "
+                   "under (e.g. tp_sequence)")
     p.add_argument("--strict", action="store_true", help="exit 1 when any collective is a near miss")
     p.add_argument("--json", help="write every case's coverage here (rank 0)")
     return p
@@ -95,7 +97,11 @@ def model_case(args: argparse.Namespace, mesh: Any) -> list[Coverage]:
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
-    return {"flashoverlap.fuse": args.fuse} if args.fuse else {}
+    options: dict[str, Any] = {"flashoverlap.fuse": args.fuse} if args.fuse else {}
+    names = [x for x in args.experiments.split(",") if x]
+    if names:
+        options["flashoverlap.experiments"] = names
+    return options
 
 
 def run(argv: list[str] | None = None) -> int:
