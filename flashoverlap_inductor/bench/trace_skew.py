@@ -27,8 +27,8 @@ from collections import defaultdict
 from typing import Any
 
 from . import trace_overlap
+from .trace_summary import GPU_CATEGORIES
 
-GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 RANK_SUFFIX = re.compile(r"_rank(\d+)(\.json)$")
 
 

@@ -103,10 +103,7 @@ def match_at_wait(wait: Node) -> GemmCollectiveMatch | None:
             _no_match(coll, x, "its input is a cat that is not funcol's split/cat form of a reduce_scatter")
             return None
         x = scatter.source
-    views: list[Node] = []
-    while isinstance(x, Node) and x.target in VIEW_OPS:
-        views.append(x)
-        x = x.args[0]
+    x, views = behind_views(x)
     if not isinstance(x, Node) or x.target not in GEMM_OPS:
         if find_sum(wait) is not None:  # the pass stages it as one GEMM (``run``)
             log.debug("flashoverlap: %s: a sum of GEMMs, staged as one", coll.name)
@@ -119,6 +116,15 @@ def match_at_wait(wait: Node) -> GemmCollectiveMatch | None:
         return None
     views.reverse()
     return GemmCollectiveMatch(collective, x, views, coll, wait, scatter, args)
+
+
+def behind_views(x: Any) -> tuple[Any, list[Node]]:
+    """``x`` past the chain of views (``VIEW_OPS``) it is, and those views, nearest first."""
+    views: list[Node] = []
+    while isinstance(x, Node) and x.target in VIEW_OPS:
+        views.append(x)
+        x = x.args[0]
+    return x, views
 
 
 NEAR_MISS_HOPS = 3  # how far behind a collective's input a GEMM still makes a near miss (nodes)

@@ -31,7 +31,7 @@ from flashoverlap_inductor import _inductor_compat as compat
 from flashoverlap_inductor import config
 
 from .fx_forms import val
-from .matching import GEMM_OPS, VIEW_OPS
+from .matching import GEMM_OPS, VIEW_OPS, behind_views
 from .report import log
 from .rewrite import _Builder
 
@@ -70,9 +70,7 @@ def _is_all_reduce(wait: Node) -> bool:
 
 
 def _unsupported(coll: Node, wait: Node, min_rows: int = 0) -> str | None:
-    x = coll.args[0]
-    while isinstance(x, Node) and x.target in VIEW_OPS:
-        x = x.args[0]
+    x, _ = behind_views(coll.args[0])
     if not isinstance(x, Node) or x.target not in GEMM_OPS:
         return "no GEMM behind it"
     full = val(wait)
@@ -168,19 +166,16 @@ class _Region:
             self.shard[node] = self.shard[node.args[0]]  # rows of a value sharded here: the shard itself
             node.replace_all_uses_with(self.shard[node])
             return True
-        if not isinstance(out, torch.Tensor) or not self._row_shape(out):
-            if node.target in VIEW_OPS and isinstance(out, torch.Tensor) and tuple(out.shape) == (self.rows,
-                                                                                              out.shape[-1]):
-                src = node.args[0]  # a flattening view: the shard is already 2-D
-                if src in self.shard and int(out.shape[-1]) == int(val(src).shape[-1]):
-                    self.shard[node] = self.shard[src]
-                    return True
+        if not isinstance(out, torch.Tensor):
             return False
-        if node.target in VIEW_OPS:
+        if node.target in VIEW_OPS:  # the same rows, flattened ([rows, C], as the 2-D shard) or regrouped: the shard
             src = node.args[0]
-            if src in self.shard and int(out.shape[-1]) == int(val(src).shape[-1]):
-                self.shard[node] = self.shard[src]  # the same rows, another grouping of the leading dims
+            rows_kept = self._row_shape(out) or tuple(out.shape[:-1]) == (self.rows,)
+            if rows_kept and src in self.shard and int(out.shape[-1]) == int(val(src).shape[-1]):
+                self.shard[node] = self.shard[src]
                 return True
+            return False
+        if not self._row_shape(out):
             return False
         if node.target in ROW_REDUCTIONS:
             dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
