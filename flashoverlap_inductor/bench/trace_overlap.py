@@ -41,6 +41,7 @@ FO_KERNELS = ("wait_counter_kernel", "gather_step_kernel", "gather_finish_kernel
               "stamp_kernel", "fault_clear_kernel", "fault_exchange_kernel", "fault_finish_kernel",
               "fault_local_kernel", "fault_mark_kernel", "inject_spin_kernel", "moe_poison")
 COMM_CLASSES = ("nccl", "copy", "sync")
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # the trace categories of GPU events
 CLASSES = ("gemm", "triton", "other", "nccl", "copy", "sync")
 
 

@@ -27,7 +27,6 @@ from collections import defaultdict
 from typing import Any
 
 from . import trace_overlap
-from .trace_summary import GPU_CATEGORIES
 
 RANK_SUFFIX = re.compile(r"_rank(\d+)(\.json)$")
 
@@ -42,7 +41,7 @@ def comm_kernels(path: str) -> tuple[int, dict[str, list[tuple[float, float]]]]:
         raise ValueError(f"{path}: no baseTimeNanoseconds, so its times cannot be set beside another trace's")
     out: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for e in doc.get("traceEvents", []):
-        if e.get("ph") == "X" and "dur" in e and e.get("cat") in GPU_CATEGORIES and \
+        if e.get("ph") == "X" and "dur" in e and e.get("cat") in trace_overlap.GPU_CATEGORIES and \
                 trace_overlap.classify(e.get("name", ""), e["cat"]) in trace_overlap.COMM_CLASSES:
             out[e["name"]].append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
     for spans in out.values():

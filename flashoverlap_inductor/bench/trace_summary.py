@@ -27,8 +27,6 @@ from typing import Any
 
 from . import trace_overlap
 
-GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
-
 
 def busy_ms(intervals: list[tuple[float, float]]) -> float:
     """The length of the union of ``(start_us, end_us)`` intervals, in ms."""
@@ -44,7 +42,7 @@ def summarize(path: str) -> dict[str, Any]:
     if not events:
         return {"span_ms": 0.0, "gpu_busy_ms": 0.0, "fused": {}}
     span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e3
-    gpu = [e for e in events if e.get("cat") in GPU_CATEGORIES]
+    gpu = [e for e in events if e.get("cat") in trace_overlap.GPU_CATEGORIES]
     busy = busy_ms([(e["ts"], e["ts"] + e["dur"]) for e in gpu])
     fused: dict[str, list] = defaultdict(lambda: [0, 0.0])
     for e in events:
@@ -76,7 +74,7 @@ def idle_gaps(path: str, min_us: float = 20.0, top: int = 12) -> list[tuple[str,
     with open(path) as f:
         events = [e for e in json.load(f).get("traceEvents", [])
                   if e.get("ph") == "X" and "dur" in e and e.get("cat") != "Trace"]
-    gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in GPU_CATEGORIES)
+    gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in trace_overlap.GPU_CATEGORIES)
     gaps, end = [], None
     for s, e in gpu:
         if end is not None and s - end >= min_us:
