@@ -23,9 +23,9 @@ pytest.importorskip("transformers")
 from dist_utils import get_pool  # noqa: E402
 
 
-def preset_worker(preset: str, plan: str, workload: str, batch: int, experiments: tuple[str, ...] = ()) -> dict:
+def preset_worker(preset: str, plan: str, workload: str, batch: int, settings: dict | None = None) -> dict:
     """``model_coverage`` of a one-layer preset under ``plan`` at ``batch`` (seq 16) on this rank, under
-    ``experiments``."""
+    ``settings`` (``config.patch`` names)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -39,7 +39,7 @@ def preset_worker(preset: str, plan: str, workload: str, batch: int, experiments
                         init_device_mesh("cpu", (2,)))
     ids = torch.randint(0, spec.vocab, (batch, 16), generator=torch.Generator().manual_seed(batch))
     with torch._dynamo.config.patch(capture_scalar_outputs=spec.moe), torch.set_grad_enabled(workload == "train"), \
-            config.patch(experiments=frozenset(experiments)):
+            config.patch(**(settings or {})):
         cov = model_coverage(TrainLoss(model), ids, ids) if workload == "train" else model_coverage(Prefill(model), ids)
     events = {kind: sorted(c for c in ev if c.startswith(("skip:", "near_miss:"))) for kind, ev in cov.events.items()}
     return {"fused": {k: g["fused"] for k, g in cov.graphs.items()}, "events": events,
@@ -86,17 +86,17 @@ def test_sp_training_at_batch_1_fuses_every_gather_and_reduce_scatter(pool, pres
     assert got["near"] == 0 and got["left_gemm"] == 0, got["text"]
 
 
-def test_tp_prefill_at_batch_1(pool):
-    got = pool.run(preset_worker, "tiny-qwen3", "tp", "prefill", 1, timeout_s=400)[0]
+def test_tp_prefill_at_batch_1_without_tp_sequence(pool):
+    got = pool.run(preset_worker, "tiny-qwen3", "tp", "prefill", 1, {"tp_sequence": "off"}, timeout_s=400)[0]
     assert got["fused"]["inference"] == {"flashoverlap:gemm_all_reduce": 2}, got
     assert got["near"] == 0 and got["left_gemm"] == 0, got["text"]
 
 
 def test_tp_prefill_under_tp_sequence(pool):
-    """The experiment makes the SP plan's fusions out of the TP plan's graph: both all_reduces reduce_scatters, the
-    MLP's gate/up fed by a fused all_gather (the attention's q/k/v read the embedding's norm, never sharded; the
-    final norm's gather is read through the last position's slice)."""
-    got = pool.run(preset_worker, "tiny-qwen3", "tp", "prefill", 1, ("tp_sequence",), timeout_s=400)[0]
+    """The setting ``tp_sequence`` (on by default) makes the SP plan's fusions out of the TP plan's graph: both
+    all_reduces reduce_scatters, the MLP's gate/up fed by a fused all_gather (the attention's q/k/v read the embedding's
+    norm, never sharded; the final norm's gather is read through the last position's slice)."""
+    got = pool.run(preset_worker, "tiny-qwen3", "tp", "prefill", 1, timeout_s=400)[0]
     assert got["fused"]["inference"] == {"flashoverlap:all_gather_gemm": 1, "flashoverlap:gemm_reduce_scatter": 2}, got
     assert got["events"] == {"inference": ["skip:row_subset"]}, got
     assert got["near"] == 0 and got["left_gemm"] == 0, got["text"]
@@ -122,6 +122,8 @@ def test_cli_on_a_users_own_model(pool):
 def test_cli_experiments_reach_the_options():
     from flashoverlap_inductor.bench import cli_coverage
 
-    args = cli_coverage.build_parser().parse_args(["--preset", "tiny-llama", "--experiments", "tp_sequence"])
-    assert cli_coverage._options(args) == {"flashoverlap.experiments": ["tp_sequence"]}
+    args = cli_coverage.build_parser().parse_args(["--preset", "tiny-llama", "--experiments",
+                                                   "scatter_pull,tp_sequence=off"])
+    assert cli_coverage._options(args) == {"flashoverlap.experiments": ["scatter_pull"],
+                                           "flashoverlap.tp_sequence": "off"}
     assert cli_coverage._options(cli_coverage.build_parser().parse_args(["--preset", "tiny-llama"])) == {}

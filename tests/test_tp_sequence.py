@@ -1,10 +1,11 @@
-"""The experiment ``tp_sequence`` (``passes/tp_sequence.py``): a tensor-parallel inference graph's all_reduces become
-reduce_scatters, the residual adds and RMSNorms run on this rank's rows, all_gathers feed the next GEMMs, and the
-main pass fuses both; on a real 2-rank gloo world against eager (fresh random data, fp32), and the cases it leaves
-alone (training graphs, rows the group does not divide, the experiment off) on the fake process group."""
+"""The setting ``tp_sequence`` (``passes/tp_sequence.py``, on by default): a tensor-parallel inference graph's
+all_reduces become reduce_scatters, the residual adds and RMSNorms run on this rank's rows, all_gathers feed the next
+GEMMs, and the main pass fuses both; on a real 2-rank gloo world against eager (fresh random data, fp32), and the cases
+it leaves alone (training graphs, rows the group does not divide, the setting off) on the fake process group."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -15,7 +16,8 @@ from torch import nn
 from flashoverlap_inductor import config
 
 FP32 = {"rtol": 1e-4, "atol": 1e-5}
-ON = {"flashoverlap.experiments": ["tp_sequence"]}
+ON = {"flashoverlap.tp_sequence": "auto"}  # the default, named
+OFF = {"flashoverlap.tp_sequence": "off"}
 
 
 class Block(nn.Module):
@@ -58,7 +60,7 @@ def _worker(batch: int, seq: int) -> tuple[dict, dict]:
     with torch.no_grad():
         ref = model(x) + 0
         got = {}
-        for name, options in (("plain", {}), ("tp_sequence", ON)):
+        for name, options in (("plain", OFF), ("tp_sequence", ON)):
             torch._dynamo.reset()
             reset_counters()
             with fresh_cache():
@@ -119,9 +121,28 @@ class TestLeftAlone(FakePGTestCase):
         self.assertIn("_c10d_functional.all_reduce.default", ops)
         self.assertNotIn("_c10d_functional.reduce_scatter_tensor.default", ops)
 
-    def test_experiment_off(self):
+    def test_nothing_row_wise_reads_it(self):
+        """An all_reduce that goes straight out of the graph (or into a GEMM) stays: nothing to shard."""
+        g = dist.group.WORLD
+        w1, w2 = torch.randn(32, 16), torch.randn(16, 32)
         with torch.no_grad():
-            ops = self._graph_ops(self._fn(), torch.randn(16, 32), options={})
+            ops = self._graph_ops(lambda x: funcol.all_reduce(torch.relu(x @ w1) @ w2, "sum", g), torch.randn(16, 32))
+        self.assertIn("flashoverlap.gemm_all_reduce.default", ops)
+        self.assertNotIn("flashoverlap.gemm_reduce_scatter.default", ops)
+
+    def test_few_rows_under_on(self):
+        """``tp_sequence="on"``: no ``min_rows`` guard; the reduce_scatter and all_gather then stay unfused on CPU."""
+        with torch.no_grad():
+            graphs, _ = self.capture(self._fn(), torch.randn(16, 32), options={"flashoverlap.tp_sequence": "on"},
+                                     fuse="auto")
+        ops = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+        self.assertNotIn("_c10d_functional.all_reduce.default", ops)
+        self.assertIn("_c10d_functional.reduce_scatter_tensor.default", ops)
+        self.assertIn("_c10d_functional.all_gather_into_tensor.default", ops)
+
+    def test_setting_off(self):
+        with torch.no_grad():
+            ops = self._graph_ops(self._fn(), torch.randn(16, 32), options=OFF)
         self.assertIn("flashoverlap.gemm_all_reduce.default", ops)
         self.assertNotIn("flashoverlap.gemm_reduce_scatter.default", ops)
 
@@ -132,18 +153,31 @@ class TestLeftAlone(FakePGTestCase):
         self.assertNotIn("flashoverlap.gemm_reduce_scatter.default", ops)
 
 
-def test_the_cache_key_names_the_rank_under_the_experiment(monkeypatch):
-    """The ranks of one host share the FX graph cache and their input graphs are alike: under the experiment the
-    pass's uuid carries the rank (its graphs slice the rank's rows), without it not."""
+def test_the_cache_key_names_the_rank_under_the_setting(monkeypatch):
+    """The ranks of one host share the FX graph cache and their input graphs are alike: under the setting the
+    pass's uuid carries the rank (its graphs slice the rank's rows), with it off or nothing fused not."""
     from flashoverlap_inductor.passes import cache_key
 
-    on = config.current().replace(experiments=frozenset({"tp_sequence"}))
+    on = config.current().replace(tp_sequence="on")
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     for rank in (0, 3):
         monkeypatch.setattr(dist, "get_rank", lambda group=None, r=rank: r)
         assert cache_key.rank_part(on) == f"|rank:{rank}"
-        assert cache_key.rank_part(config.current()) == ""
+        assert cache_key.rank_part(config.current()) == f"|rank:{rank}"  # "auto", the default
+        assert cache_key.rank_part(on.replace(tp_sequence="off")) == ""
+        assert cache_key.rank_part(on.replace(fuse="never")) == ""
 
 
-def test_the_experiment_is_known():
-    assert "tp_sequence" in config.EXPERIMENTS
+def test_the_setting_is_checked():
+    assert config.current().tp_sequence == "auto"
+    with pytest.raises(ValueError, match="tp_sequence"):
+        config.current().replace(tp_sequence="yes")
+
+
+def test_on_rewrites_few_rows_under_auto_fuse():
+    """``"on"`` leaves out the ``min_rows`` guard of ``"auto"``."""
+    from flashoverlap_inductor.passes import tp_sequence
+
+    base = config.current().replace(fuse="auto")
+    assert tp_sequence.rewrites(base) and tp_sequence.rewrites(base.replace(tp_sequence="on"))
+    assert not tp_sequence.rewrites(base.replace(tp_sequence="off"))

@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fuse", choices=("auto", "always"), default=None,
                    help="the pass's mode (default: always on CPU, the settings' own on GPUs)")
     p.add_argument("--experiments", default="", help="comma-separated names of config.EXPERIMENTS the pass runs "
-                   "under (e.g. tp_sequence)")
+                   "under, or settings name=value (e.g. tp_sequence=off)")
     p.add_argument("--strict", action="store_true", help="exit 1 when any collective is a near miss")
     p.add_argument("--json", help="write every case's coverage here (rank 0)")
     return p
@@ -98,9 +98,11 @@ def model_case(args: argparse.Namespace, mesh: Any) -> list[Coverage]:
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {"flashoverlap.fuse": args.fuse} if args.fuse else {}
-    names = [x for x in args.experiments.split(",") if x]
+    items = [x for x in args.experiments.split(",") if x]
+    names = [x for x in items if "=" not in x]
     if names:
         options["flashoverlap.experiments"] = names
+    options.update(("flashoverlap." + k, v) for k, v in (x.split("=", 1) for x in items if "=" in x))
     return options
 
 

@@ -32,15 +32,15 @@ def uuid_for(settings: config.Settings) -> str:
 
 
 def rank_part(settings: config.Settings) -> str:
-    """``|rank:<r>`` (the global rank) where the graphs the pass emits depend on the rank, else "". Under the
-    experiment ``tp_sequence`` a graph slices this rank's rows (``passes/tp_sequence.py``) out of an input graph that
-    is the same on every rank, and the ranks of one host share Inductor's FX graph cache: without the rank in the
-    key, one rank would load another's graph and compute with its rows."""
+    """``|rank:<r>`` (the global rank) where the graphs the pass emits may depend on the rank, else "". Under the
+    setting ``tp_sequence`` (not "off") an inference graph slices this rank's rows (``passes/tp_sequence.py``) out of an
+    input graph that is the same on every rank, and the ranks of one host share Inductor's FX graph cache: without the
+    rank in the key, one rank would load another's graph and compute with its rows."""
     import torch.distributed as dist
 
-    from .tp_sequence import EXPERIMENT
+    from .tp_sequence import rewrites
 
-    if EXPERIMENT not in settings.experiments or not (dist.is_available() and dist.is_initialized()):
+    if not rewrites(settings) or not (dist.is_available() and dist.is_initialized()):
         return ""
     return f"|rank:{dist.get_rank()}"
 
