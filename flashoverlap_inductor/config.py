@@ -212,13 +212,15 @@ class Settings:
     # in training "auto" ran level with "on" (99.64 against 99.74 ms per step, within the spread), so "on" stays.
     host_floors: str = "on"
     # Sequence parallelism made from a tensor-parallel inference graph's all_reduces (passes/tp_sequence.py): each
-    # sum all_reduce of a GEMM's output that only row-wise ops (residual add, RMSNorm) read becomes a reduce_scatter,
+    # sum all_reduce of a GEMM's output that row-wise ops (residual add, RMSNorm) read becomes a reduce_scatter,
     # those ops run on this rank's rows and an all_gather feeds the next GEMMs, which the pass then fuses. "auto":
     # in inference graphs, but under fuse="auto" not an all_reduce of fewer than ``min_rows`` rows (a decode step's);
     # "on": every such all_reduce of an inference graph; "off": never. Training graphs are never rewritten. 2 H200s,
-    # Llama-3-8B tp prefill, 8 layers, seq 4096 (39th session): 1.074x over Inductor and 57% of the communication
-    # hidden, against 1.034x and 27% with the all_reduces fused as they are. Depends on the graph alone: the same on
-    # every rank.
+    # Llama-3-8B tp prefill, 8 layers, seq 4096 (39th session): 1.073-1.074x over Inductor, 57-62% of the
+    # communication hidden, against 1.025-1.034x and 22-27% with the all_reduces fused as they are, on two hosts;
+    # under CUDA graphs 1.110x over graphed Inductor (82%) against 1.058x (45%); 0.991x against 1.026x on a
+    # host-paced machine (15 more fused calls' host time per step). Depends on the graph alone: the same on every
+    # rank.
     tp_sequence: str = "auto"
     tuning: Tuning = field(default_factory=Tuning)
     experiments: frozenset[str] = frozenset()

@@ -113,7 +113,7 @@ cpu_side() {
   fi
   if [[ "$SKIP" != *" coverage "* ]]; then
     for spec in "tiny-llama sp" "tiny-qwen3 sp" "tiny-gemma3 sp" "tiny-llama tp" "tiny-moe ep" "tiny-mixtral ep" \
-        "tiny-llama tp tp_sequence" "tiny-gemma3 tp tp_sequence"; do  # a third word: --experiments
+        "tiny-gemma3 tp" "tiny-llama tp tp_sequence=off"; do  # a third word: --experiments (or name=value)
       set -- $spec
       step "coverage $spec" >>"$OUT/coverage.log"
       CUDA_VISIBLE_DEVICES= timeout 200 "${TORCHRUN[@]}" --nproc_per_node=2 -m flashoverlap_inductor.bench \
