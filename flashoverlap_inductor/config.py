@@ -214,7 +214,8 @@ class Settings:
     # Sequence parallelism made from a tensor-parallel inference graph's all_reduces (passes/tp_sequence.py): each
     # sum all_reduce of a GEMM's output that row-wise ops (residual add, RMSNorm) read becomes a reduce_scatter,
     # those ops run on this rank's rows and an all_gather feeds the next GEMMs, which the pass then fuses. "auto":
-    # in inference graphs, but under fuse="auto" not an all_reduce of fewer than ``min_rows`` rows (a decode step's);
+    # in inference graphs, but under fuse="auto" not an all_reduce of fewer than ``min_rows`` rows (a decode step's)
+    # nor one off the GPU (the pass would fuse neither half);
     # "on": every such all_reduce of an inference graph; "off": never. Training graphs are never rewritten. 2 H200s,
     # Llama-3-8B tp prefill, 8 layers, seq 4096 (39th session): 1.073-1.074x over Inductor, 57-62% of the
     # communication hidden, against 1.025-1.034x and 22-27% with the all_reduces fused as they are, on two hosts;

@@ -115,8 +115,18 @@ class TestLeftAlone(FakePGTestCase):
 
     def test_few_rows_under_auto(self):
         """16 rows < min_rows (256) under ``fuse="auto"``: neither half would be fused, so the all_reduce stays."""
+        self._left_under_auto(torch.randn(16, 32))
+
+    def test_cpu_rows_under_auto(self):
+        """512 rows on CPU under ``fuse="auto"``: the cost model fuses nothing there, so the all_reduce stays."""
+        g = dist.group.WORLD
+        w1, w2, res = torch.randn(32, 16), torch.randn(16, 32), torch.randn(512, 32)
+        fn = lambda x: (res + funcol.all_reduce(torch.relu(x @ w1) @ w2, "sum", g)).pow(2)  # noqa: E731
+        self._left_under_auto(torch.randn(512, 32), fn)
+
+    def _left_under_auto(self, x, fn=None):
         with torch.no_grad():
-            graphs, _ = self.capture(self._fn(), torch.randn(16, 32), options=ON, fuse="auto")
+            graphs, _ = self.capture(fn or self._fn(), x, options=ON, fuse="auto")
         ops = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
         self.assertIn("_c10d_functional.all_reduce.default", ops)
         self.assertNotIn("_c10d_functional.reduce_scatter_tensor.default", ops)
@@ -181,3 +191,5 @@ def test_on_rewrites_few_rows_under_auto_fuse():
     base = config.current().replace(fuse="auto")
     assert tp_sequence.rewrites(base) and tp_sequence.rewrites(base.replace(tp_sequence="on"))
     assert not tp_sequence.rewrites(base.replace(tp_sequence="off"))
+    assert not tp_sequence.rewrites(base.replace(fuse="never"))
+    assert not tp_sequence.rewrites(base.replace(collectives=("all_reduce", "reduce_scatter")))

@@ -43,16 +43,17 @@ ROW_REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default)
 def shard_all_reduces(graph: torch.fx.Graph, settings: config.Settings, kind: str | None) -> int:
     """Rewrite every qualifying all_reduce of ``graph`` (module docstring) under ``settings`` (the graph's); the
     number rewritten. Under ``tp_sequence="auto"`` and ``fuse="auto"`` an all_reduce of fewer than ``min_rows`` rows
-    stays: the pass would fuse neither half, and two collectives would take the place of one (a decode step's few
-    rows)."""
+    (a decode step's) or off the GPU stays: the pass would fuse neither half, and two collectives would take the
+    place of one."""
     if not rewrites(settings) or kind != "inference":
         return 0
-    min_rows = settings.min_rows if settings.fuse == "auto" and settings.tp_sequence == "auto" else 0
+    guarded = settings.fuse == "auto" and settings.tp_sequence == "auto"
+    min_rows = settings.min_rows if guarded else 0
     done, taken = 0, set()
     for wait in list(graph.find_nodes(op="call_function", target=compat.c10d.wait_tensor.default)):
         if wait in taken or not _is_all_reduce(wait):
             continue
-        why = _unsupported(wait.args[0], wait, min_rows)
+        why = _unsupported(wait.args[0], wait, min_rows, gpu_only=guarded)
         if why:
             log.info("flashoverlap: tp_sequence: all_reduce %s left as it is: %s", wait.args[0].name, why)
             continue
@@ -66,8 +67,10 @@ def shard_all_reduces(graph: torch.fx.Graph, settings: config.Settings, kind: st
 
 
 def rewrites(settings: config.Settings) -> bool:
-    """Whether graphs compiled under ``settings`` may be rewritten here (then they depend on the rank)."""
-    return settings.tp_sequence != "off" and settings.fuse != "never"
+    """Whether graphs compiled under ``settings`` may be rewritten here (then they depend on the rank): not under
+    ``tp_sequence="off"`` or ``fuse="never"``, nor where ``collectives`` leaves out either half."""
+    halves = {"reduce_scatter", "all_gather"} <= set(settings.collectives)
+    return settings.tp_sequence != "off" and settings.fuse != "never" and halves
 
 
 def _is_all_reduce(wait: Node) -> bool:
@@ -75,7 +78,7 @@ def _is_all_reduce(wait: Node) -> bool:
     return isinstance(coll, Node) and coll.target is compat.c10d.all_reduce.default and coll.args[1] == "sum"
 
 
-def _unsupported(coll: Node, wait: Node, min_rows: int = 0) -> str | None:
+def _unsupported(coll: Node, wait: Node, min_rows: int = 0, gpu_only: bool = False) -> str | None:
     x, _ = behind_views(coll.args[0])
     if not isinstance(x, Node) or x.target not in GEMM_OPS:
         return "no GEMM behind it"
@@ -88,6 +91,8 @@ def _unsupported(coll: Node, wait: Node, min_rows: int = 0) -> str | None:
         return f"{rows} rows do not split over {world} ranks"
     if rows < min_rows:
         return f"{rows} rows < config.min_rows={min_rows}"
+    if gpu_only and full.device.type != "cuda":
+        return f"on {full.device.type}, where fuse='auto' fuses neither half"
     if not _row_wise_reader(wait):
         return "no row-wise op reads it (a reduce_scatter and an all_gather would only take its place)"
     return None
