@@ -169,7 +169,10 @@ def test_cli_under_torchrun_writes_json_and_png(tmp_path):
     data = json.loads(out_json.read_text())
     assert data["meta"]["world"] == 2 and data["meta"]["device"] == "cpu" and data["failed"] == 0
     fo = _rows(data, backend="flashoverlap")[0]
-    assert fo["status"] == "ok" and fo["fusion"].get("fused:all_reduce", 0) == 2, fo
+    # tp prefill, 1 layer, under tp_sequence (the default): o's and down's all_reduces fused reduce_scatters, the
+    # MLP's gate/up fed by a fused all_gather (lm_head's, read through the last position's slice, left)
+    assert fo["status"] == "ok" and "fused:all_reduce" not in fo["fusion"], fo
+    assert fo["fusion"].get("fused:reduce_scatter", 0) == 2 and fo["fusion"].get("fused:all_gather", 0) == 1, fo
     assert fo["reference"] == "eager" and fo["rel_err"] <= 1e-4
     for backend in ("inductor+async-tp", "flashoverlap-ro"):
         assert backend not in proc.stdout  # not selected
@@ -177,9 +180,9 @@ def test_cli_under_torchrun_writes_json_and_png(tmp_path):
     traces = sorted(p.name for p in (tmp_path / "traces").glob("*.json"))  # --trace: a Chrome trace per rank
     assert traces == [f"tiny-llama_tp_prefill_s16_{b}_rank{r}.json" for b in ("eager", "flashoverlap")
                       for r in (0, 1)], traces
-    summary = fo["trace"]  # rank 0's trace summarized: its fused all_reduces' host time, 2 steps x 2 calls
-    assert summary["span_ms"] > 0 and summary["gpu_busy_ms"] == 0 and summary["fused"]["gemm_all_reduce"][0] == 4
-    assert "tiny-llama tp prefill 16 flashoverlap: span" in proc.stdout and "gemm_all_reduce 4 x" in proc.stdout
+    summary = fo["trace"]  # rank 0's trace summarized: its fused reduce_scatters' host time, 2 steps x 2 calls
+    assert summary["span_ms"] > 0 and summary["gpu_busy_ms"] == 0 and summary["fused"]["gemm_reduce_scatter"][0] == 4
+    assert "tiny-llama tp prefill 16 flashoverlap: span" in proc.stdout and "gemm_reduce_scatter 4 x" in proc.stdout
     if importlib.util.find_spec("matplotlib") is not None:
         assert out_png.stat().st_size > 1000
     else:

@@ -108,7 +108,7 @@ class TestLeftAlone(FakePGTestCase):
     def test_rows_the_group_does_not_divide(self):
         g = dist.group.WORLD
         w1, w2, res = torch.randn(32, 16), torch.randn(16, 32), torch.randn(15, 32)
-        fn = lambda x: (res + funcol.all_reduce(torch.relu(x @ w1) @ w2, "sum", g)).pow(2)  # noqa: E731
+        fn = lambda x: (res + funcol.all_reduce(torch.relu(x @ w1) @ w2, "sum", g)).pow(2) @ w1  # noqa: E731
         with torch.no_grad():
             ops = self._graph_ops(fn, torch.randn(15, 32))
         self.assertIn("flashoverlap.gemm_all_reduce.default", ops)
@@ -121,7 +121,7 @@ class TestLeftAlone(FakePGTestCase):
         """512 rows on CPU under ``fuse="auto"``: the cost model fuses nothing there, so the all_reduce stays."""
         g = dist.group.WORLD
         w1, w2, res = torch.randn(32, 16), torch.randn(16, 32), torch.randn(512, 32)
-        fn = lambda x: (res + funcol.all_reduce(torch.relu(x @ w1) @ w2, "sum", g)).pow(2)  # noqa: E731
+        fn = lambda x: (res + funcol.all_reduce(torch.relu(x @ w1) @ w2, "sum", g)).pow(2) @ w2.t()  # noqa: E731
         self._left_under_auto(torch.randn(512, 32), fn)
 
     def _left_under_auto(self, x, fn=None):
@@ -131,14 +131,19 @@ class TestLeftAlone(FakePGTestCase):
         self.assertIn("_c10d_functional.all_reduce.default", ops)
         self.assertNotIn("_c10d_functional.reduce_scatter_tensor.default", ops)
 
-    def test_nothing_row_wise_reads_it(self):
-        """An all_reduce that goes straight out of the graph (or into a GEMM) stays: nothing to shard."""
+    def test_no_gemm_after_row_wise_ops(self):
+        """An all_reduce that goes out of the graph, through row-wise ops or not, or straight into a GEMM stays:
+        no all_gather -> GEMMs would come of it."""
         g = dist.group.WORLD
         w1, w2 = torch.randn(32, 16), torch.randn(16, 32)
-        with torch.no_grad():
-            ops = self._graph_ops(lambda x: funcol.all_reduce(torch.relu(x @ w1) @ w2, "sum", g), torch.randn(16, 32))
-        self.assertIn("flashoverlap.gemm_all_reduce.default", ops)
-        self.assertNotIn("flashoverlap.gemm_reduce_scatter.default", ops)
+        cases = {"out": lambda x: funcol.all_reduce(torch.relu(x @ w1) @ w2, "sum", g),
+                 "row-wise, out": lambda x: torch.relu(funcol.all_reduce(torch.relu(x @ w1) @ w2, "sum", g)) + 1.0,
+                 "GEMM": lambda x: funcol.all_reduce(torch.relu(x @ w1) @ w2, "sum", g) @ w1}
+        for name, fn in cases.items():
+            with self.subTest(name), torch.no_grad():
+                ops = self._graph_ops(fn, torch.randn(16, 32))
+                self.assertIn("flashoverlap.gemm_all_reduce.default", ops)
+                self.assertNotIn("flashoverlap.gemm_reduce_scatter.default", ops)
 
     def test_few_rows_under_on(self):
         """``tp_sequence="on"``: no ``min_rows`` guard; the reduce_scatter and all_gather then stay unfused on CPU."""

@@ -38,6 +38,7 @@ from .rewrite import _Builder
 
 aten = torch.ops.aten
 ROW_REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default)
+PICKS = (aten.slice.Tensor, aten.select.int, aten.squeeze.dim, aten.unsqueeze.default)  # some of the rows, reshaped
 
 
 def shard_all_reduces(graph: torch.fx.Graph, settings: config.Settings, kind: str | None) -> int:
@@ -93,20 +94,30 @@ def _unsupported(coll: Node, wait: Node, min_rows: int = 0, gpu_only: bool = Fal
         return f"{rows} rows < config.min_rows={min_rows}"
     if gpu_only and full.device.type != "cuda":
         return f"on {full.device.type}, where fuse='auto' fuses neither half"
-    if not _row_wise_reader(wait):
-        return "no row-wise op reads it (a reduce_scatter and an all_gather would only take its place)"
+    if not _gemm_after_row_wise_ops(wait):
+        return "no GEMM after row-wise ops reads it (a reduce_scatter and an all_gather would only take its place)"
     return None
 
 
-def _row_wise_reader(node: Node) -> bool:
-    """Whether a pointwise op or a row reduction reads ``node`` (through views): the work the rewrite shards."""
-    for user in node.users:
-        if user.op != "call_function":
+def _gemm_after_row_wise_ops(wait: Node, limit: int = 256) -> bool:
+    """Whether a GEMM reads what row-wise ops made of ``wait`` (a pointwise op or a row reduction on the way, views
+    and slices besides): the next layer's q/k/v or gate/up after the residual add and the norm, whose all_gather
+    the pass then fuses. Walks at most ``limit`` nodes."""
+    seen: set[Node] = set()
+    todo = [(u, False) for u in wait.users]
+    while todo and len(seen) < limit:
+        node, row_wise = todo.pop()
+        if node in seen or node.op != "call_function":
             continue
-        if user.target in VIEW_OPS and _row_wise_reader(user):
-            return True
-        if user.target in ROW_REDUCTIONS or torch.Tag.pointwise in getattr(user.target, "tags", ()):
-            return True
+        seen.add(node)
+        if node.target in GEMM_OPS:
+            if row_wise:
+                return True
+            continue
+        if node.target in VIEW_OPS or node.target in PICKS:
+            todo.extend((u, row_wise) for u in node.users)
+        elif node.target in ROW_REDUCTIONS or torch.Tag.pointwise in getattr(node.target, "tags", ()):
+            todo.extend((u, True) for u in node.users)
     return False
 
 
