@@ -217,8 +217,8 @@ class Settings:
     # in inference graphs, but under fuse="auto" not an all_reduce of fewer than ``min_rows`` rows (a decode step's)
     # nor one off the GPU (the pass would fuse neither half);
     # "on": every such all_reduce of an inference graph; "off": never. Training graphs are never rewritten. 2 H200s,
-    # Llama-3-8B tp prefill, 8 layers, seq 4096 (39th session): 1.073-1.074x over Inductor, 57-62% of the
-    # communication hidden, against 1.025-1.034x and 22-27% with the all_reduces fused as they are, on two hosts;
+    # Llama-3-8B tp prefill, 8 layers, seq 4096 (39th session): 1.060-1.074x over Inductor, 57-62% of the
+    # communication hidden, against 1.025-1.034x and 22-27% with the all_reduces fused as they are, on three hosts;
     # under CUDA graphs 1.110x over graphed Inductor (82%) against 1.058x (45%); 0.991x against 1.026x on a
     # host-paced machine (15 more fused calls' host time per step). Depends on the graph alone: the same on every
     # rank.
