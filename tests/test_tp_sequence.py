@@ -79,6 +79,7 @@ def test_inference_all_reduces_become_fused_reduce_scatters_and_gathers():
         assert plain.get("fused:all_reduce") == 3 and "fused:reduce_scatter" not in plain, plain
         assert seq.get("fused:reduce_scatter") == 3 and "fused:all_reduce" not in seq, seq
         assert seq.get("fused:all_gather") == 2, seq
+        assert seq.get("rewrite:tp_sequence") == 3 and "rewrite:tp_sequence" not in plain, seq
 
 
 class TestLeftAlone(FakePGTestCase):

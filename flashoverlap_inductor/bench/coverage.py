@@ -137,7 +137,7 @@ def merge(graphs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, int]]]:
 
 
 def report_events(report: Any) -> dict[str, dict[str, list[str]]]:
-    """The fusion report's events per graph kind: ``{kind: {counter: [detail, ...]}}`` (``fused:``,
+    """The fusion report's events per graph kind: ``{kind: {counter: [detail, ...]}}`` (``rewrite:``, ``fused:``,
     ``per_call:``, ``skip:``, ``near_miss:``)."""
     out: dict[str, dict[str, list[str]]] = {}
     for g in report.graphs:
@@ -161,7 +161,7 @@ def coverage_lines(entry: dict[str, Any]) -> list[str]:
             lines.append("    no collectives")
         events = entry["events"].get(kind, {})
         for counter in sorted(events):
-            if counter.startswith(("skip:", "near_miss:")):
+            if counter.startswith(("rewrite:", "skip:", "near_miss:")):
                 detail = events[counter][0]
                 lines.append(f"    {counter} x{len(events[counter])}: {detail[:150]}")
     for note in entry.get("notes", []):

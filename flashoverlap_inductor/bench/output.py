@@ -73,12 +73,14 @@ def header(m: dict[str, Any], args: Any) -> str:
 
 
 def fusion_summary(row: dict[str, Any]) -> str:
-    """``fused AR 4 RS 2; skip cost_model 3; near add 2`` from a fusing row's compile counters."""
+    """``rewrite tp_sequence 4; fused AR 4 RS 2; skip cost_model 3; near add 2`` from a fusing row's compile
+    counters (a rewrite: the collectives a graph rewrite replaced before the fusions)."""
     c = row.get("fusion")
     if c is None:
         return ""
     parts = []
-    for prefix, label in (("fused:", "fused"), ("per_call:", "per-call"), ("skip:", "skip"), ("near_miss:", "near")):
+    for prefix, label in (("rewrite:", "rewrite"), ("fused:", "fused"), ("per_call:", "per-call"), ("skip:", "skip"),
+                          ("near_miss:", "near")):
         got = {k[len(prefix):]: n for k, n in c.items() if k.startswith(prefix)}
         if got:
             parts.append(label + " " + " ".join(f"{SHORT.get(k, k)} {n}" for k, n in sorted(got.items())))

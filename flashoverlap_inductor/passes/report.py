@@ -7,7 +7,8 @@ Every event of the pass goes through ``record`` (``record_fused`` / ``record_def
    stays the live object): ``fused:<collective>`` per rewrite decided at compile time, ``per_call:<collective>``
    per rewrite whose plan is decided at each call (symbolic sizes: the call may still run unfused; the run-time
    counters say what ran), ``skip:<slug>`` per match left alone (``SKIP_REASONS``), ``near_miss:<op>`` per
-   collective fed by a GEMM through an op the pass does not see through;
+   collective fed by a GEMM through an op the pass does not see through; ``rewrite:<name>`` per collective a
+   graph rewrite before the fusions replaced (``tp_sequence``: an all_reduce made reduce_scatter + all_gather);
 2. Inductor's ``counters["inductor"]``, under ``flashoverlap|<counter>|<detail>``. Inductor stores what a
    compilation added there with the compiled graph and adds it again on every FX-graph or AOTAutograd cache hit,
    so a graph served from a cache reports what the pass did when it was compiled;
@@ -115,6 +116,11 @@ def record_deferred(collective: str, msg: str, *args: object) -> None:
     record(f"per_call:{collective}", logging.INFO, msg, *args)
 
 
+def record_rewrite(name: str, msg: str, *args: object) -> None:
+    """A collective that the graph rewrite ``name`` replaced before the fusions (e.g. ``tp_sequence``)."""
+    record(f"rewrite:{name}", logging.INFO, msg, *args)
+
+
 def record_skip(slug: str, msg: str, *args: object, level: int = logging.INFO, exc_info: bool = False) -> None:
     """Count ``skip:<slug>`` and log ``msg`` (``slug`` must be one of ``SKIP_REASONS``)."""
     if slug not in SKIP_REASONS:
@@ -146,8 +152,8 @@ class GraphReport:
 
     def summary(self) -> str:
         parts = []
-        for prefix, label in (("fused:", "fused"), ("per_call:", "fused, decided per call"), ("skip:", "skipped"),
-                              ("near_miss:", "near misses")):
+        for prefix, label in (("rewrite:", "rewritten first"), ("fused:", "fused"), ("per_call:", "fused, decided "
+                              "per call"), ("skip:", "skipped"), ("near_miss:", "near misses")):
             c = self.count(prefix)
             if c:
                 parts.append(f"{label} {sum(c.values())} ({', '.join(f'{k} {n}' for k, n in sorted(c.items()))})")

@@ -33,11 +33,12 @@ from flashoverlap_inductor import config
 
 from .fx_forms import val
 from .matching import GEMM_OPS, VIEW_OPS, behind_views
-from .report import log
+from .report import log, record_rewrite
 from .rewrite import _Builder
 
 aten = torch.ops.aten
 ROW_REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default)
+EVENT = "tp_sequence"  # the report's ``rewrite:tp_sequence``: one per all_reduce rewritten
 PICKS = (aten.slice.Tensor, aten.select.int, aten.squeeze.dim, aten.unsqueeze.default)  # some of the rows, reshaped
 
 
@@ -60,6 +61,9 @@ def shard_all_reduces(graph: torch.fx.Graph, settings: config.Settings, kind: st
             continue
         region = _Region(graph, wait)
         region.rewrite()
+        for name in region.seed_names:
+            record_rewrite(EVENT, "%s, a sum all_reduce of %d rows over %d ranks -> reduce_scatter, the row-wise ops "
+                           "on this rank's rows, all_gather before the next GEMMs", name, region.rows, region.world)
         taken |= region.seeds
         done += len(region.seeds)
     if done:
@@ -141,6 +145,7 @@ class _Region:
         self.seeds: set[Node] = set()  # the all_reduces' waits made reduce_scatters (this one, and those a sharded
         # op reads beside a shard: the next layer's, whose sum then joins the same sharded residual stream)
         self.pending: list[Node] = []
+        self.seed_names: list[str] = []
 
     def _seed(self, wait: Node) -> None:
         """``wait``'s all_reduce as a reduce_scatter of the rows (made before the all_reduce); its readers queued."""
@@ -150,6 +155,7 @@ class _Region:
             rs = self.build.call(c10d.reduce_scatter_tensor.default, (x, "sum", self.world, self.group))
             self.shard[wait] = self.build.call(c10d.wait_tensor.default, (rs,))
         self.seeds.add(wait)
+        self.seed_names.append(coll.name)  # the report's names (erased nodes lose their args)
         self.pending.extend(u for u in wait.users if u in self.order)
 
     def rewrite(self) -> None:
