@@ -27,6 +27,7 @@ __all__ = [
     "inductor_config",
     "cudagraphs_enabled",
     "hash_files",
+    "process_group_ranks",
     "list_mode_options",
     "reset_cudagraph_trees",
     "detect_fake_mode",
@@ -158,6 +159,21 @@ def process_group_layout() -> str:
         import torch.distributed as dist
 
         return f"world:{dist.get_world_size()}" if dist.is_available() and dist.is_initialized() else ""
+
+
+def process_group_ranks() -> str:
+    """This process's rank in each of its process groups by name ("" without distributed): what a graph that embeds
+    its rank within a group depends on (the global rank alone does not say it where groups' members differ)."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return ""
+        names = getattr(c10d._world, "pg_names", {})
+        return ",".join(sorted(f"{name}:{pg.rank()}" for pg, name in names.items()))
+    except Exception:  # noqa: BLE001 - private API: the global rank alone then
+        return ""
 
 
 def inductor_config() -> Any:

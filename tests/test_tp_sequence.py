@@ -5,6 +5,8 @@ it leaves alone (training graphs, rows the group does not divide, the setting of
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -115,8 +117,12 @@ class TestLeftAlone(FakePGTestCase):
         self.assertIn("flashoverlap.gemm_all_reduce.default", ops)
 
     def test_few_rows_under_auto(self):
-        """16 rows < min_rows (256) under ``fuse="auto"``: neither half would be fused, so the all_reduce stays."""
-        self._left_under_auto(torch.randn(16, 32))
+        """16 rows < min_rows (256) under ``fuse="auto"``: neither half would be fused, so the all_reduce stays (the
+        rows decide before the device does)."""
+        with self.assertLogs("flashoverlap", "INFO") as logs:
+            self._left_under_auto(torch.randn(16, 32))
+        reason = "left as it is: 16 rows < config.min_rows=256"
+        self.assertTrue(any(reason in line for line in logs.output), logs.output)
 
     def test_cpu_rows_under_auto(self):
         """512 rows on CPU under ``fuse="auto"``: the cost model fuses nothing there, so the all_reduce stays."""
@@ -156,6 +162,47 @@ class TestLeftAlone(FakePGTestCase):
         self.assertIn("_c10d_functional.reduce_scatter_tensor.default", ops)
         self.assertIn("_c10d_functional.all_gather_into_tensor.default", ops)
 
+    def test_a_users_slice_of_this_ranks_rows_is_no_shard(self):
+        """``h[0:8]`` of 16 rows is rank 0's rows by its numbers only: both ranks gather it alike (the same
+        collectives on every rank), and only the pass's own slices count as a shard."""
+        g = dist.group.WORLD
+        w1, w2, res = torch.randn(32, 16), torch.randn(16, 32), torch.randn(16, 32)
+
+        def fn(x):
+            h = res + funcol.all_reduce(torch.relu(x @ w1) @ w2, "sum", g)
+            return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)) @ w1, h[0:8] * 2
+
+        from flashoverlap_inductor.passes import tp_sequence
+
+        init, per_rank = tp_sequence._Region.__init__, []
+        for rank in (0, 1):  # the fake group is rank 0's: the region takes the rank it is given
+            def as_rank(region, graph, wait, rank=rank):
+                init(region, graph, wait)
+                region.rank = rank
+
+            with mock.patch.object(tp_sequence._Region, "__init__", as_rank), torch.no_grad():
+                graphs, _ = self.capture(fn, torch.randn(16, 32), options=ON)
+            per_rank.append([str(n.target) for gm in graphs for n in gm.graph.nodes
+                             if "all_gather" in str(n.target) or "reduce_scatter" in str(n.target)])
+        self.assertEqual(per_rank[0], per_rank[1])
+        self.assertIn("_c10d_functional.all_gather_into_tensor.default", per_rank[0])
+
+    def test_a_pointwise_op_read_in_full_seeds_nothing(self):
+        """``addcmul(h, b, z)`` with ``z`` of fewer rows: the op stays (read in full), and the all_reduce ``b`` it
+        would have joined is neither left half-made nor used before it is defined (the graph lints)."""
+        g = dist.group.WORLD
+        w1, w2, res, z = torch.randn(32, 16), torch.randn(16, 32), torch.randn(2, 8, 32), torch.randn(8, 32)
+
+        def fn(x):
+            h = res + funcol.all_reduce(torch.relu(x @ w1) @ w2, "sum", g)
+            b = funcol.all_reduce(torch.relu(x @ w1) @ w2, "sum", g)
+            return (torch.addcmul(h, b, z) * 2) @ w1
+
+        with torch.no_grad():
+            graphs, _ = self.capture(fn, torch.randn(2, 8, 32), options=ON)
+        for gm in graphs:
+            gm.graph.lint()
+
     def test_setting_off(self):
         with torch.no_grad():
             ops = self._graph_ops(self._fn(), torch.randn(16, 32), options=OFF)
@@ -178,8 +225,8 @@ def test_the_cache_key_names_the_rank_under_the_setting(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     for rank in (0, 3):
         monkeypatch.setattr(dist, "get_rank", lambda group=None, r=rank: r)
-        assert cache_key.rank_part(on) == f"|rank:{rank}"
-        assert cache_key.rank_part(config.current()) == f"|rank:{rank}"  # "auto", the default
+        assert cache_key.rank_part(on).startswith(f"|rank:{rank}|group_ranks:")
+        assert cache_key.rank_part(config.current()) == cache_key.rank_part(on)  # "auto", the default
         assert cache_key.rank_part(on.replace(tp_sequence="off")) == ""
         assert cache_key.rank_part(on.replace(fuse="never")) == ""
 
@@ -190,8 +237,9 @@ def test_the_setting_is_checked():
         config.current().replace(tp_sequence="yes")
 
 
-def test_on_rewrites_few_rows_under_auto_fuse():
-    """``"on"`` leaves out the ``min_rows`` guard of ``"auto"``."""
+def test_which_settings_rewrite():
+    """``rewrites``: "auto" and "on" do, "off", ``fuse="never"`` and ``collectives`` without either half do not (the
+    ``min_rows`` guard of "auto" alone: ``TestLeftAlone.test_few_rows_under_on``)."""
     from flashoverlap_inductor.passes import tp_sequence
 
     base = config.current().replace(fuse="auto")

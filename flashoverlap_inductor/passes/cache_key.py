@@ -35,14 +35,15 @@ def rank_part(settings: config.Settings) -> str:
     """``|rank:<r>`` (the global rank) where the graphs the pass emits may depend on the rank, else "". Under the
     setting ``tp_sequence`` (not "off") an inference graph slices this rank's rows (``passes/tp_sequence.py``) out of an
     input graph that is the same on every rank, and the ranks of one host share Inductor's FX graph cache: without the
-    rank in the key, one rank would load another's graph and compute with its rows."""
+    rank in the key, one rank would load another's graph and compute with its rows. The graph embeds its rank within
+    the group, so the key names this process's rank in each group too (two runs whose groups have other members)."""
     import torch.distributed as dist
 
     from .tp_sequence import rewrites
 
     if not rewrites(settings) or not (dist.is_available() and dist.is_initialized()):
         return ""
-    return f"|rank:{dist.get_rank()}"
+    return f"|rank:{dist.get_rank()}|group_ranks:{compat.process_group_ranks()}"
 
 
 def device_names() -> str:

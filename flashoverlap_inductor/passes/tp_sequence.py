@@ -23,6 +23,7 @@ Llama-3-8B tp prefill ran it correct and faster (1.074x over Inductor against 1.
 
 from __future__ import annotations
 
+import collections
 import math
 
 import torch
@@ -38,6 +39,7 @@ from .rewrite import _Builder
 
 aten = torch.ops.aten
 ROW_REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default)
+ROWS_TAG = "flashoverlap_tp_rows"  # node.meta key of the slices of this rank's rows the rewrite made
 EVENT = "tp_sequence"  # the report's ``rewrite:tp_sequence``: one per all_reduce rewritten
 PICKS = (aten.slice.Tensor, aten.select.int, aten.squeeze.dim, aten.unsqueeze.default)  # some of the rows, reshaped
 
@@ -108,9 +110,9 @@ def _gemm_after_row_wise_ops(wait: Node, limit: int = 256) -> bool:
     and slices besides): the next layer's q/k/v or gate/up after the residual add and the norm, whose all_gather
     the pass then fuses. Walks at most ``limit`` nodes."""
     seen: set[Node] = set()
-    todo = [(u, False) for u in wait.users]
-    while todo and len(seen) < limit:
-        node, row_wise = todo.pop()
+    todo = collections.deque((u, False) for u in wait.users)  # breadth first: the nearby norm -> GEMM before the
+    while todo and len(seen) < limit:  # residual stream's later layers
+        node, row_wise = todo.popleft()
         if node in seen or node.op != "call_function":
             continue
         seen.add(node)
@@ -189,7 +191,11 @@ class _Region:
             a.args[0].args[2] == self.group and _unsupported(a.args[0], a) is None and self._row_shape(val(a))
 
     def _own_rows(self, node: Node) -> bool:
-        """``node`` is ``slice(x, 0, rank * share, (rank + 1) * share)`` of a flattened ``x`` sharded here."""
+        """``node`` is ``slice(x, 0, rank * share, (rank + 1) * share)`` of a flattened ``x`` sharded here, made by
+        this pass (tagged ``ROWS_TAG``: a slice of the user's whose bounds happen to be this rank's rows is no shard,
+        or one rank would take it for its shard and another gather it)."""
+        if node.meta.get(ROWS_TAG) != self._rows_tag():
+            return False
         x, dim, start, end = (list(node.args) + [0, None, None])[:4]
         start = self.rank * self.share if start is None else start
         step = node.args[4] if len(node.args) > 4 else 1
@@ -231,32 +237,48 @@ class _Region:
             return True
         if torch.Tag.pointwise not in getattr(node.target, "tags", ()):  # an ATen / prims op tagged pointwise
             return False
-        args, made = [], len(self.build.created)
+        kinds = [self._arg_kind(a) for a in node.args]
+        if "full" in kinds:  # read in full: the node stays (its sharded inputs gathered), nothing made or seeded
+            return False
+        args = []
         with self.graph.inserting_before(node):
-            for a in node.args:
-                if not isinstance(a, Node):
-                    args.append(a)
-                    continue
-                if a not in self.shard and self._joins(a):
+            for a, kind in zip(node.args, kinds):
+                if kind == "join" and a not in self.shard:  # (an argument twice: seeded once)
                     self._seed(a)
-                if a in self.shard:
+                if kind in ("shard", "join"):
                     args.append(self.shard[a])
-                    continue
-                t = val(a)
-                if isinstance(t, torch.Tensor) and (t.numel() == 1 or all(int(s) == 1 for s in t.shape[:-1])):
-                    # broadcast along the rows (a scalar, a weight of one row)
-                    args.append(a if t.dim() <= 1 else self.build.call(aten.reshape.default, (a, [int(t.shape[-1])])))
-                elif isinstance(t, torch.Tensor) and self._row_shape(t):  # a full-row tensor: this rank's rows of it
-                    flat = self.build.call(aten.reshape.default, (a, [self.rows, int(t.shape[-1])]))
+                elif kind == "broadcast" and val(a).dim() > 1:  # a weight of one row: as a 1-D row
+                    args.append(self.build.call(aten.reshape.default, (a, [int(val(a).shape[-1])])))
+                elif kind == "rows":  # a full-row tensor: this rank's rows of it
+                    flat = self.build.call(aten.reshape.default, (a, [self.rows, int(val(a).shape[-1])]))
                     start = self.rank * self.share
                     args.append(self.build.call(aten.slice.Tensor, (flat, 0, start, start + self.share)))
-                else:  # read in full: what was made for this node goes again
-                    for n in reversed(self.build.created[made:]):
-                        self.graph.erase_node(n)
-                    del self.build.created[made:]
-                    return False
+                    args[-1].meta[ROWS_TAG] = self._rows_tag()
+                else:  # not a node, a scalar or a 1-D row
+                    args.append(a)
             self.shard[node] = self.build.call(node.target, tuple(args))
         return True
+
+    def _arg_kind(self, a: object) -> str:
+        """How a pointwise op's argument ``a`` reads: "shard" (sharded here), "join" (another all_reduce this region
+        takes: seeded once the op is known to propagate), "broadcast" (a scalar or one row), "rows" (a full-row
+        tensor: sliced), "full" (read in full: the op cannot run on the shard), or "const" (not a node)."""
+        if not isinstance(a, Node):
+            return "const"
+        if a in self.shard:
+            return "shard"
+        if self._joins(a):
+            return "join"
+        t = val(a)
+        if isinstance(t, torch.Tensor) and (t.numel() == 1 or all(int(s) == 1 for s in t.shape[:-1])):
+            return "broadcast"
+        if isinstance(t, torch.Tensor) and self._row_shape(t):
+            return "rows"
+        return "full"
+
+    def _rows_tag(self) -> tuple:
+        """What a slice of this rank's rows made here carries (``ROWS_TAG``): only such a slice is ``_own_rows``."""
+        return (str(self.group), self.rank, self.share, self.rows)
 
     # ---------------------------------------------------------------------------------------------- gather
 
