@@ -301,6 +301,23 @@ def test_hidden_share_spread_step_by_step():
     assert "hidden_steps" not in one[1]
 
 
+def test_host_time_per_step_names_host_paced_rows():
+    """``output.host_lines``: per case, each row's host ms beside its step ms; a row whose host needs >= 90% of its
+    step is named host-paced; rows without host times (CPU, errors) are left out."""
+    from flashoverlap_inductor.bench import output
+
+    base = {"model": "m", "plan": "tp", "workload": "prefill", "seq": 8, "status": "ok"}
+    rows = [{**base, "backend": "inductor", "ms": 10.0, "host_ms": 6.0},
+            {**base, "backend": "flashoverlap", "ms": 9.5, "host_ms": 9.2},
+            {**base, "backend": "bound", "ms": 8.0},
+            {**base, "workload": "train", "backend": "inductor", "ms": 50.0, "host_ms": 20.0}]
+    lines = output.host_lines(rows)
+    assert len(lines) == 2 and lines[0].startswith("m tp prefill 8: ") and lines[1].startswith("m tp train 8: ")
+    assert "inductor 6.000 / 10.000;" in lines[0] and lines[0].endswith("flashoverlap 9.200 / 9.500 host-paced")
+    assert "bound" not in lines[0] and "host-paced" not in lines[1]
+    assert output.host_lines([{**base, "backend": "x", "ms": 1.0}]) == []
+
+
 def test_bound_pass_removes_every_collective():
     """``bound.replace_collectives`` on a graph with each collective: none left, shapes kept."""
     import torch

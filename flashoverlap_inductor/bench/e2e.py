@@ -290,6 +290,8 @@ def _run(args: argparse.Namespace, env: Env) -> int:
     with fresh_cache() if args.cache == "shared" else contextlib.nullcontext():
         rows, entries = _cases(args, env)
     say(output.table(rows))
+    for line in output.host_lines(rows):
+        say(line)
     if args.trace:
         say(output.trace_lines(rows))
     if args.coverage == "on":

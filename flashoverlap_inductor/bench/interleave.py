@@ -56,6 +56,7 @@ class _Live:
     compiled: Any  # its fusion report after the warm-up (fusing backends), else None
     runtime: dict[str, int]
     times: list[float] = field(default_factory=list)
+    host: list[float] = field(default_factory=list)  # each measured step's host time (ms; CUDA)
     outs: list[Any] = field(default_factory=list)
 
 
@@ -113,8 +114,11 @@ def _run(backends: list[str], case: Case, template: Any, data: list, env: Env, a
                     continue
                 before = fo.fusion_report().runtime
                 try:
-                    times, outs = timed(one.built.step, [turn[i % len(turn)] for i in range(lead)] + turn, env, bar)
+                    host: list[float] = []
+                    times, outs = timed(one.built.step, [turn[i % len(turn)] for i in range(lead)] + turn, env, bar,
+                                        host)
                     times, outs = times[lead:], outs[lead:]
+                    one.host += host[lead:]
                 except Exception as exc:  # noqa: BLE001 - reported in the row
                     rows[one.backend] = _error(one.backend, exc, env)
                     continue
@@ -138,7 +142,7 @@ def _run(backends: list[str], case: Case, template: Any, data: list, env: Env, a
                 budget.timed("trace", budget.now() - started)
             _add(one.runtime, before)  # the calls of the values and the trace, as runner.run_backend counts them
             rows[one.backend] = finish(one.backend, case, env, one.times, one.first_s, None, one.capture,
-                                       one.compiled, one.runtime, traced, values)
+                                       one.compiled, one.runtime, traced, values, one.host)
             rows[one.backend]["note"] = f"interleaved, {args.interleave} step(s) per turn" + (
                 f" after {lead} unmeasured" if lead else "") + (
                 f"; time budget: {measured} of {len(indices)} steps" if measured < len(indices) else "")

@@ -125,6 +125,25 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+HOST_PACED = 0.9  # a row whose host time per step is at least this share of its step time: host-paced
+
+
+def host_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Per case, each timed CUDA row's host time per step (``host_ms``: the median time its host took to issue a
+    step, max over ranks) beside its step time, rows at ``HOST_PACED`` or more of it named: there the GPU waits for
+    the host (a slower host, or more host work per step, moves the step; CUDA graphs, the -ro backends, take it
+    away)."""
+    cases: dict[tuple, list[str]] = {}
+    for r in rows:
+        if r.get("host_ms") is None or not r.get("ms"):
+            continue
+        paced = " host-paced" if r["host_ms"] >= HOST_PACED * r["ms"] else ""
+        key = (r.get("model"), r.get("plan"), r.get("workload"), r.get("seq"))
+        cases.setdefault(key, []).append(f"{r['backend']} {r['host_ms']:.3f} / {r['ms']:.3f}{paced}")
+    return [f"{' '.join(map(str, key))}: host ms per step / step ms (median, max over ranks): {'; '.join(cells)}"
+            for key, cells in cases.items()]
+
+
 def trace_lines(rows: list[dict[str, Any]]) -> str:
     """Per traced row (``--trace``), rank 0's trace (``trace_summary.describe``: a line, then the GPU's): is the
     step host-bound, and what do the fused ops cost on the host."""

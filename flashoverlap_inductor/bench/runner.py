@@ -226,9 +226,11 @@ def warm(step, n_warm: int, env: Env, bar: Progress) -> float:
     return first_s
 
 
-def timed(step, indices: list[int], env: Env, bar: Progress) -> tuple[list[float], list[Any]]:
+def timed(step, indices: list[int], env: Env, bar: Progress,
+          host: list[float] | None = None) -> tuple[list[float], list[Any]]:
     """(per-step ms, outputs) of the steps on inputs ``indices``, after a sync and a barrier; see the module
-    docstring."""
+    docstring. On CUDA each step's host time (ms from the call to its return, no sync: the time the host took to
+    issue it, unless it waited for the GPU) is appended to ``host`` where given."""
     env.sync()
     dist.barrier()
     outs, times, events = [], [], []
@@ -236,7 +238,10 @@ def timed(step, indices: list[int], env: Env, bar: Progress) -> tuple[list[float
         if env.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t = time.perf_counter()
             outs.append(step(i))
+            if host is not None:
+                host.append((time.perf_counter() - t) * 1e3)
             end.record()
             events.append((start, end))
         else:
@@ -320,26 +325,31 @@ def run_backend(backend: str, case: Case, template: nn.Module, data: list, env: 
             built = build(kind, case, template, data, env, args, capture,
                           tuple(dict.fromkeys((*args.experiments, *extra))))
             first_s = warm(built.step, n_warm, env, bar)
-            times, outs = timed(built.step, list(range(1 + n_warm, 1 + n_warm + n_steps)), env, bar)
+            host: list[float] = []
+            times, outs = timed(built.step, list(range(1 + n_warm, 1 + n_warm + n_steps)), env, bar, host)
             values = built.values(outs)
             traced = trace(args, case, backend, env, built.step)
     finally:
         bar.close()
     peak = int(env.reduce_max([torch.cuda.max_memory_allocated(env.device)])[0]) if env.cuda else None
     runtime = fo.fusion_report() if kind in FUSING else None
-    return finish(backend, case, env, times, first_s, peak, capture, runtime, runtime, traced, values)
+    return finish(backend, case, env, times, first_s, peak, capture, runtime, runtime, traced, values, host)
 
 
 def finish(backend: str, case: Case, env: Env, times: list[float], first_s: float, peak: int | None,
            capture: coverage.GraphCapture, compiled: Any, runtime: Any, traced: str | None,
-           values: torch.Tensor) -> dict[str, Any]:
+           values: torch.Tensor, host: list[float] | None = None) -> dict[str, Any]:
     """The row of a backend that ran: its times (ms: ``step_ms`` this rank's steps, ``step_ms_max`` each step's max
     over ranks, ``ms`` the median, max over ranks; a collective: every rank passes as many steps), compile time,
     ``peak`` bytes, the graphs ``capture`` saw, for a fusing backend the fusion report's compile part
-    (``compiled``) and runtime counts (``runtime``), the trace's summary and ``_values``."""
+    (``compiled``) and runtime counts (``runtime``), the trace's summary and ``_values``. ``host`` (CUDA: each
+    step's host time, ``timed``) gives ``host_ms``, the median, max over ranks (every rank passes one or none)."""
     row: dict[str, Any] = {"backend": backend, "status": "ok", "note": ""}
     row["step_ms"] = [round(t, 4) for t in times]
-    *step_max, ms, first_s = env.reduce_max([*times, float(torch.tensor(times).median()), first_s])
+    host_median = [float(torch.tensor(host).median())] if host else []
+    *step_max, ms, first_s = env.reduce_max([*host_median, *times, float(torch.tensor(times).median()), first_s])
+    if host_median:
+        row["host_ms"], step_max = step_max[0], step_max[1:]
     row["step_ms_max"] = [round(t, 4) for t in step_max]  # per step, max over ranks (``e2e.add_hidden``'s spread)
     row["ms"], row["compile_s"] = ms, (first_s if backend != "eager" else None)
     row["first_call_s"] = first_s
