@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 class FusionReport:
     """A snapshot. ``graphs``: one ``passes.report.GraphReport`` per compiled graph, oldest first. ``compile``:
     the compile-time counters summed over them (``fused:<collective>``, ``per_call:<collective>``,
-    ``skip:<reason>``, ``near_miss:<op>``). ``runtime``: the run-time counters (see the module docstring)."""
+    ``skip:<reason>``, ``near_miss:<op>``, ``rewrite:tp_sequence``). ``runtime``: the run-time counters (see the
+    module docstring)."""
 
     graphs: list = field(default_factory=list)
     compile: dict[str, int] = field(default_factory=dict)

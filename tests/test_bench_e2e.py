@@ -318,6 +318,48 @@ def test_host_time_per_step_names_host_paced_rows():
     assert output.host_lines([{**base, "backend": "x", "ms": 1.0}]) == []
 
 
+def test_timed_takes_one_host_time_per_call_and_finish_its_median(monkeypatch):
+    """``runner.timed`` on a (stubbed) CUDA env: the host time of step ``host_at`` only (the one issued behind the
+    lead steps), each step's CUDA-event time; ``finish``: ``host_ms`` the median of those, the step times intact."""
+    import types
+
+    import torch
+
+    from flashoverlap_inductor.bench import runner
+
+    clock = iter(range(0, 10_000, 5))  # perf_counter: +5 s per read
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = len(recorded)
+            recorded.append(self)
+
+        def elapsed_time(self, end):
+            return float(end.t - self.t) * 10
+
+    recorded: list = []
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(runner.dist, "barrier", lambda *a: None)
+    monkeypatch.setattr(runner.time, "perf_counter", lambda: next(clock))
+    env = runner.Env(rank=0, world=1, device=torch.device("cuda", 0), dtype=torch.bfloat16, mesh=None,
+                     group_name="0")
+    bar = types.SimpleNamespace(update=lambda *a: None)
+    host: list[float] = []
+    times, outs = runner.timed(lambda i: i * 2, [3, 4, 5], env, bar, host, host_at=1)
+    assert outs == [6, 8, 10] and times == [10.0, 10.0, 10.0]
+    assert host == [5000.0]  # one read pair, of the second step: 5 s
+    case = types.SimpleNamespace(tokens=100)
+    capture = types.SimpleNamespace(graphs=[])
+    row = runner.finish("inductor", case, env, [2.0, 3.0, 4.0], 1.0, None, capture, None, None, None, None,
+                        [7.0, 5.0, 6.0])
+    assert row["host_ms"] == 6.0 and row["step_ms_max"] == [2.0, 3.0, 4.0] and row["ms"] == 3.0
+    assert "host_ms" not in runner.finish("inductor", case, env, [2.0], 1.0, None, capture, None, None, None, None)
+
+
 def test_bound_pass_removes_every_collective():
     """``bound.replace_collectives`` on a graph with each collective: none left, shapes kept."""
     import torch

@@ -202,6 +202,11 @@ class TestLeftAlone(FakePGTestCase):
             graphs, _ = self.capture(fn, torch.randn(2, 8, 32), options=ON)
         for gm in graphs:
             gm.graph.lint()
+        ops = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+        self.assertIn("aten.addcmul.default", ops)  # read in full, its sharded inputs gathered
+        self.assertNotIn("flashoverlap.gemm_all_reduce.default", ops)  # b's all_reduce a region of its own
+        self.assertEqual(ops.count("flashoverlap.gemm_reduce_scatter.default"),
+                         ops.count("_c10d_functional.all_gather_into_tensor.default"))
 
     def test_setting_off(self):
         with torch.no_grad():
@@ -229,6 +234,22 @@ def test_the_cache_key_names_the_rank_under_the_setting(monkeypatch):
         assert cache_key.rank_part(config.current()) == cache_key.rank_part(on)  # "auto", the default
         assert cache_key.rank_part(on.replace(tp_sequence="off")) == ""
         assert cache_key.rank_part(on.replace(fuse="never")) == ""
+
+
+class TestGroupRanks(FakePGTestCase):
+    def test_the_cache_key_names_this_rank_in_each_group(self):
+        """``compat.process_group_ranks``: this process's rank in each group by name, in the key beside the global
+        rank (a graph embeds its rank within the group)."""
+        from flashoverlap_inductor import _inductor_compat as compat
+        from flashoverlap_inductor.passes import cache_key
+
+        sub = dist.new_group([0, 1])
+        ranks = dict(item.split(":") for item in compat.process_group_ranks().split(","))
+        self.assertEqual(ranks[dist.group.WORLD.group_name], "0")
+        self.assertEqual(ranks[sub.group_name], "0")
+        key = cache_key.rank_part(config.current())
+        self.assertEqual(key, f"|rank:0|group_ranks:{compat.process_group_ranks()}")
+        dist.destroy_process_group(sub)
 
 
 def test_the_setting_is_checked():

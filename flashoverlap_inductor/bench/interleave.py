@@ -56,7 +56,7 @@ class _Live:
     compiled: Any  # its fusion report after the warm-up (fusing backends), else None
     runtime: dict[str, int]
     times: list[float] = field(default_factory=list)
-    host: list[float] = field(default_factory=list)  # each measured step's host time (ms; CUDA)
+    host: list[float] = field(default_factory=list)  # each turn's first measured step's host time (ms; CUDA)
     outs: list[Any] = field(default_factory=list)
 
 
@@ -116,9 +116,9 @@ def _run(backends: list[str], case: Case, template: Any, data: list, env: Env, a
                 try:
                     host: list[float] = []
                     times, outs = timed(one.built.step, [turn[i % len(turn)] for i in range(lead)] + turn, env, bar,
-                                        host)
+                                        host, host_at=lead)
                     times, outs = times[lead:], outs[lead:]
-                    one.host += host[lead:]
+                    one.host += host  # the turn's first measured step: behind its lead steps only
                 except Exception as exc:  # noqa: BLE001 - reported in the row
                     rows[one.backend] = _error(one.backend, exc, env)
                     continue

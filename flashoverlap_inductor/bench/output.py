@@ -130,9 +130,9 @@ HOST_PACED = 0.9  # a row whose host time per step is at least this share of its
 
 def host_lines(rows: list[dict[str, Any]]) -> list[str]:
     """Per case, each timed CUDA row's host time per step (``host_ms``: the median time its host took to issue a
-    step, max over ranks) beside its step time, rows at ``HOST_PACED`` or more of it named: there the GPU waits for
-    the host (a slower host, or more host work per step, moves the step; CUDA graphs, the -ro backends, take it
-    away)."""
+    step onto a launch queue holding at most the turn's lead steps, each turn's first measured step; max over ranks)
+    beside its step time, rows at ``HOST_PACED`` or more of it named: there the GPU waits for the host (a slower
+    host, or more host work per step, moves the step; CUDA graphs, the -ro backends, take it away)."""
     cases: dict[tuple, list[str]] = {}
     for r in rows:
         if r.get("host_ms") is None or not r.get("ms"):

@@ -226,11 +226,12 @@ def warm(step, n_warm: int, env: Env, bar: Progress) -> float:
     return first_s
 
 
-def timed(step, indices: list[int], env: Env, bar: Progress,
-          host: list[float] | None = None) -> tuple[list[float], list[Any]]:
+def timed(step, indices: list[int], env: Env, bar: Progress, host: list[float] | None = None,
+          host_at: int = 0) -> tuple[list[float], list[Any]]:
     """(per-step ms, outputs) of the steps on inputs ``indices``, after a sync and a barrier; see the module
-    docstring. On CUDA each step's host time (ms from the call to its return, no sync: the time the host took to
-    issue it, unless it waited for the GPU) is appended to ``host`` where given."""
+    docstring. On CUDA the host time of step ``host_at`` (ms from the call to its return, no sync) is appended to
+    ``host`` where given: issued onto the empty queue the sync left, or behind ``host_at`` queued steps, it is what
+    the host takes to issue a step (later steps may wait for a full launch queue)."""
     env.sync()
     dist.barrier()
     outs, times, events = [], [], []
@@ -240,7 +241,7 @@ def timed(step, indices: list[int], env: Env, bar: Progress,
             start.record()
             t = time.perf_counter()
             outs.append(step(i))
-            if host is not None:
+            if host is not None and len(events) == host_at:
                 host.append((time.perf_counter() - t) * 1e3)
             end.record()
             events.append((start, end))
@@ -342,8 +343,9 @@ def finish(backend: str, case: Case, env: Env, times: list[float], first_s: floa
     """The row of a backend that ran: its times (ms: ``step_ms`` this rank's steps, ``step_ms_max`` each step's max
     over ranks, ``ms`` the median, max over ranks; a collective: every rank passes as many steps), compile time,
     ``peak`` bytes, the graphs ``capture`` saw, for a fusing backend the fusion report's compile part
-    (``compiled``) and runtime counts (``runtime``), the trace's summary and ``_values``. ``host`` (CUDA: each
-    step's host time, ``timed``) gives ``host_ms``, the median, max over ranks (every rank passes one or none)."""
+    (``compiled``) and runtime counts (``runtime``), the trace's summary and ``_values``. ``host`` (CUDA: the host
+    time of one step per ``timed`` call) gives ``host_ms``, the median, max over ranks (every rank passes as
+    many, or none)."""
     row: dict[str, Any] = {"backend": backend, "status": "ok", "note": ""}
     row["step_ms"] = [round(t, 4) for t in times]
     host_median = [float(torch.tensor(host).median())] if host else []
