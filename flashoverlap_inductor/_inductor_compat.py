@@ -144,36 +144,36 @@ def register_log_name(name: str) -> None:
         register_log(name, name)
 
 
+def _named_groups() -> list[tuple[str, Any]] | None:
+    """(name, group) of each of this process's process groups ([] without distributed; None where torch's private
+    registry cannot be read)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return []
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        return sorted(((name, pg) for pg, name in getattr(c10d._world, "pg_names", {}).items()), key=lambda x: x[0])
+    except Exception:  # noqa: BLE001 - private API
+        return None
+
+
 def process_group_layout() -> str:
     """The sizes of this process's process groups by name ("" without distributed): group names repeat between
     runs of different world sizes ("0" is the default group), so a compiled graph's cache key needs the sizes."""
-    try:
-        import torch.distributed as dist
-        from torch.distributed import distributed_c10d as c10d
+    import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()):
-            return ""
-        names = getattr(c10d._world, "pg_names", {})
-        return ",".join(sorted(f"{name}:{pg.size()}" for pg, name in names.items()))
-    except Exception:  # noqa: BLE001 - private API: the world size alone then
-        import torch.distributed as dist
-
-        return f"world:{dist.get_world_size()}" if dist.is_available() and dist.is_initialized() else ""
+    groups = _named_groups()
+    if groups is None:  # the world size alone then
+        return f"world:{dist.get_world_size()}"
+    return ",".join(f"{name}:{pg.size()}" for name, pg in groups)
 
 
 def process_group_ranks() -> str:
     """This process's rank in each of its process groups by name ("" without distributed): what a graph that embeds
     its rank within a group depends on (the global rank alone does not say it where groups' members differ)."""
-    try:
-        import torch.distributed as dist
-        from torch.distributed import distributed_c10d as c10d
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return ""
-        names = getattr(c10d._world, "pg_names", {})
-        return ",".join(sorted(f"{name}:{pg.rank()}" for pg, name in names.items()))
-    except Exception:  # noqa: BLE001 - private API: the global rank alone then
-        return ""
+    return ",".join(f"{name}:{pg.rank()}" for name, pg in _named_groups() or [])
 
 
 def inductor_config() -> Any:
