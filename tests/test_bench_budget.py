@@ -87,13 +87,13 @@ def _fake_run(clock, monkeypatch, backends, budget_s, steps, per_turn, turn_lead
         clock.now += 20.0
         return 20.0
 
-    def timed(step, indices, env, bar):
+    def timed(step, indices, env, bar, host=None, host_at=0):
         for i in indices:
             step(i)
             clock.now += 5.0
         return [5.0 + 0.1 * n for n in range(len(indices))], list(indices)
 
-    def finish(backend, case, env, times, first_s, peak, capture, compiled, runtime, traced, values):
+    def finish(backend, case, env, times, first_s, peak, capture, compiled, runtime, traced, values, host=None):
         return {"backend": backend, "status": "ok", "step_ms": times, "values": values, "note": ""}
 
     for name, fn in (("build", build), ("warm", warm), ("timed", timed), ("finish", finish),
