@@ -97,13 +97,13 @@ def model_case(args: argparse.Namespace, mesh: Any) -> list[Coverage]:
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
+    from .runner import split_experiments
+
     options: dict[str, Any] = {"flashoverlap.fuse": args.fuse} if args.fuse else {}
-    items = [x for x in args.experiments.split(",") if x]
-    names = [x for x in items if "=" not in x]
+    names, settings = split_experiments(x for x in args.experiments.split(",") if x)
     if names:
         options["flashoverlap.experiments"] = names
-    options.update(("flashoverlap." + k, v) for k, v in (x.split("=", 1) for x in items if "=" in x))
-    return options
+    return {**options, **settings}
 
 
 def run(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ import copy
 import gc
 import time
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,12 +166,20 @@ def compile_for(backend: str, module: nn.Module, env: Env, fuse: str, capture: c
         options["post_grad_custom_pre_pass"] = NoCommPass()
     if backend in FUSING:
         options["flashoverlap.fuse"] = fuse
-        names = frozenset(x for x in experiments if "=" not in x)
+        names, settings = split_experiments(experiments)
         if names:
-            options["flashoverlap.experiments"] = names
-        options.update(("flashoverlap." + k, v) for k, v in (x.split("=", 1) for x in experiments if "=" in x))
+            options["flashoverlap.experiments"] = frozenset(names)
+        options.update(settings)
         return torch.compile(module, backend=flashoverlap_backend(), options=options, dynamic=False)
     return torch.compile(module, backend="inductor", options=options, dynamic=False)
+
+
+def split_experiments(items: Iterable[str]) -> tuple[list[str], dict[str, str]]:
+    """``items`` as (experiment names, in order; flashoverlap options ``flashoverlap.<name>`` of the items that are a
+    setting ``name=value``, checked by ``config`` when compiled)."""
+    items = list(items)
+    names = list(dict.fromkeys(x for x in items if "=" not in x))
+    return names, {"flashoverlap." + k: v for k, v in (x.split("=", 1) for x in items if "=" in x)}
 
 
 def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:

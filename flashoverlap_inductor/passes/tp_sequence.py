@@ -63,9 +63,6 @@ def shard_all_reduces(graph: torch.fx.Graph, settings: config.Settings, kind: st
             continue
         region = _Region(graph, wait)
         region.rewrite()
-        for name in region.seed_names:
-            record_rewrite(EVENT, "%s, a sum all_reduce of %d rows over %d ranks -> reduce_scatter, the row-wise ops "
-                           "on this rank's rows, all_gather before the next GEMMs", name, region.rows, region.world)
         taken |= region.seeds
         done += len(region.seeds)
     if done:
@@ -122,9 +119,14 @@ def _gemm_after_row_wise_ops(wait: Node, limit: int = 256) -> bool:
             continue
         if node.target in VIEW_OPS or node.target in PICKS:
             todo.extend((u, row_wise) for u in node.users)
-        elif node.target in ROW_REDUCTIONS or torch.Tag.pointwise in getattr(node.target, "tags", ()):
+        elif node.target in ROW_REDUCTIONS or _pointwise(node.target):
             todo.extend((u, True) for u in node.users)
     return False
+
+
+def _pointwise(target: object) -> bool:
+    """An ATen / prims op tagged pointwise."""
+    return torch.Tag.pointwise in getattr(target, "tags", ())
 
 
 class _Region:
@@ -147,7 +149,6 @@ class _Region:
         self.seeds: set[Node] = set()  # the all_reduces' waits made reduce_scatters (this one, and those a sharded
         # op reads beside a shard: the next layer's, whose sum then joins the same sharded residual stream)
         self.pending: list[Node] = []
-        self.seed_names: list[str] = []
 
     def _seed(self, wait: Node) -> None:
         """``wait``'s all_reduce as a reduce_scatter of the rows (made before the all_reduce); its readers queued."""
@@ -157,7 +158,8 @@ class _Region:
             rs = self.build.call(c10d.reduce_scatter_tensor.default, (x, "sum", self.world, self.group))
             self.shard[wait] = self.build.call(c10d.wait_tensor.default, (rs,))
         self.seeds.add(wait)
-        self.seed_names.append(coll.name)  # the report's names (erased nodes lose their args)
+        record_rewrite(EVENT, "%s, a sum all_reduce of %d rows over %d ranks -> reduce_scatter, the row-wise ops on "
+                       "this rank's rows, all_gather before the next GEMMs", coll.name, self.rows, self.world)
         self.pending.extend(u for u in wait.users if u in self.order)
 
     def rewrite(self) -> None:
@@ -192,15 +194,10 @@ class _Region:
 
     def _own_rows(self, node: Node) -> bool:
         """``node`` is ``slice(x, 0, rank * share, (rank + 1) * share)`` of a flattened ``x`` sharded here, made by
-        this pass (tagged ``ROWS_TAG``: a slice of the user's whose bounds happen to be this rank's rows is no shard,
-        or one rank would take it for its shard and another gather it)."""
-        if node.meta.get(ROWS_TAG) != self._rows_tag():
-            return False
-        x, dim, start, end = (list(node.args) + [0, None, None])[:4]
-        start = self.rank * self.share if start is None else start
-        step = node.args[4] if len(node.args) > 4 else 1
-        return x in self.shard and dim == 0 and step == 1 and tuple(val(x).shape[:-1]) == (self.rows,) and \
-            start == self.rank * self.share and end == start + self.share
+        this pass: the tag (``ROWS_TAG``) names the group, rank, share and rows its bounds came from (a slice of the
+        user's whose bounds happen to be this rank's rows is no shard, or one rank would take it for its shard and
+        another gather it)."""
+        return node.meta.get(ROWS_TAG) == self._rows_tag() and node.args[0] in self.shard
 
     def _row_shape(self, t: torch.Tensor) -> bool:
         return t.dim() >= 1 and tuple(int(s) for s in t.shape[:-1]) == self.lead
@@ -235,7 +232,7 @@ class _Region:
             with self.graph.inserting_before(node):
                 self.shard[node] = self.build.call(node.target, (self.shard[node.args[0]], [-1], True))
             return True
-        if torch.Tag.pointwise not in getattr(node.target, "tags", ()):  # an ATen / prims op tagged pointwise
+        if not _pointwise(node.target):
             return False
         kinds = [self._arg_kind(a) for a in node.args]
         if "full" in kinds:  # read in full: the node stays (its sharded inputs gathered), nothing made or seeded
