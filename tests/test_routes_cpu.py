@@ -44,8 +44,11 @@ def _call(collective="all_reduce", rows=4096, world=2, dtype=BF16, layout="nk", 
 def test_select_takes_the_first_route_that_takes_the_call(library):
     s = config.Settings()
     assert routes.select(_call(), s).name == "peer"
-    big = routes.Call("reduce_scatter", 8192, 8192, 7168, BF16, 2, 0, "cuda", "nk")
-    assert routes.select(big, s).name == "scatter_pull"  # auto: its model within the tolerance
+    big = routes.Call("reduce_scatter", 16384, 8192, 7168, BF16, 2, 0, "cuda", "nk")
+    assert routes.select(big, s).name == "scatter_pull"  # auto: its GPU + host cost within the tolerance
+    mid = routes.Call("reduce_scatter", 8192, 8192, 7168, BF16, 2, 0, "cuda", "nk")
+    assert routes.select(mid, s).name == "peer"  # its GPU edge smaller than the host time it adds
+    assert routes.select(mid, s.replace(host_floors="off")).name == "scatter_pull"  # GPU times alone
     assert routes.select(_call("reduce_scatter"), s).name == "peer"  # auto: the pull route's host floor is longer
     assert routes.select(_call("reduce_scatter"), s.replace(scatter_route="peer")).name == "peer"
     assert routes.select(_call("reduce_scatter", world=4), s).name == "nccl"  # the pull route is for 2 ranks
@@ -84,8 +87,10 @@ def test_the_pass_predicts_the_route_the_registry_selects(library):
     assert gemm_collective._route_of(*args, 2, torch.empty(4, 4), s) == none
     assert gemm_collective._route_of(*args, 4, y_cuda, s) == none
     assert gemm_collective._route_of(*args, 4, y_cuda, s.replace(ring="wide")) == {**none, "ring_rounds": 2}
-    rs = ("reduce_scatter", 8192, 8192, 7168, "bfloat16", 2, y_cuda)
+    rs = ("reduce_scatter", 16384, 8192, 7168, "bfloat16", 2, y_cuda)
     assert gemm_collective._route_of(*rs, s) == {**none, "pull": True}  # auto: the pull route's model within reach
+    mid = ("reduce_scatter", 8192, 8192, 7168, "bfloat16", 2, y_cuda)
+    assert gemm_collective._route_of(*mid, s) == {**none, "peer": True}  # auto: the host time it adds
     assert gemm_collective._route_of(*rs, s.replace(scatter_route="peer")) == {**none, "peer": True}
     small = ("reduce_scatter", *args[1:], 2, y_cuda)
     assert gemm_collective._route_of(*small, s) == {**none, "peer": True}  # auto: the pull route's host floor

@@ -7,8 +7,10 @@ plan ``auto``, ``[M, K/world] @ [K/world, N]`` per rank, against ``mm`` + ``redu
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 examples/device/gather_host_profile.py [--shape 4096x6144x4096]
         [--weights 3] [--calls 400] [--op all_gather|reduce_scatter] [--gather-start push|handshake]
+        [--scatter-route auto|peer|pull]
 
-``--gather-start``: the gather's ``gather_start`` (default: the settings' own).
+``--gather-start``: the gather's ``gather_start``; ``--scatter-route``: the reduce_scatter's ``scatter_route``
+(default: the settings' own).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--op", choices=("all_gather", "reduce_scatter"), default="all_gather")
     p.add_argument("--gather-start", dest="start", choices=("push", "handshake", "eager"), default=None)
+    p.add_argument("--scatter-route", choices=("auto", "peer", "pull"), default=None)
     args = p.parse_args()
     torch.cuda.set_device(dist.get_node_local_rank(fallback_rank=0))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
@@ -51,6 +54,8 @@ def main() -> None:
     base = config.current().replace(transport="peer")
     if args.start is not None:
         base = base.replace(gather_start=args.start)
+    if args.scatter_route is not None:
+        base = base.replace(scatter_route=args.scatter_route)
     op, key = torch.ops.flashoverlap.all_gather_gemm, base.key()
 
     def fused():
@@ -164,7 +169,7 @@ def stages_us(fn, calls: int) -> dict[str, float]:
     (``routes.dispatch``: the settings), ``_dispatch`` (the memo, locks, faults), ``execute`` (the route),
     ``gemms`` (``gather_gemms.run``), ``finish`` (``gather_peer.finish``); each found by wrapping it for ``calls``
     calls (the wrappers' own cost, ~0.3 us each, lands in the enclosing stage)."""
-    from flashoverlap_inductor.routes import gather_gemms, gather_peer
+    from flashoverlap_inductor.routes import gather_gemms, gather_peer, scatter_pull
 
     totals: dict[str, int] = defaultdict(int)
     stack: list[list[int]] = []  # per open stage: [start ns, ns spent in stages nested in it]
@@ -183,7 +188,7 @@ def stages_us(fn, calls: int) -> dict[str, float]:
         return wrapper
 
     patches = [(routes, "dispatch"), (routes, "_dispatch"), (gather_peer.GatherPeerRoute, "execute"),
-               (gather_gemms, "run"), (gather_peer, "finish")]
+               (scatter_pull.ScatterPullRoute, "execute"), (gather_gemms, "run"), (gather_peer, "finish")]
     saved = [(obj, name, obj.__dict__[name]) for obj, name in patches]
     for obj, name, real in saved:
         setattr(obj, name, timed(name if name != "run" else "gemms", real))

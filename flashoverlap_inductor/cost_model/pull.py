@@ -18,19 +18,26 @@ route). ``host_floor`` does not apply when the call is replayed from a CUDA grap
 out (``host_floors``).
 
 ``prefers_pull``: the route choice of ``scatter_route="auto"`` (``config.Tuning``). The pull route takes a call unless
-its time is predicted more than ``TOLERANCE`` above the peer route's (``peer.py``), each with its host floor: the pull
-route runs the gather route's protocol and three launches from Python, and eagerly, back to back, it measured 0.32 ms
-where the GPU needed 0.24 (4096 x 4096, K 4096 per rank: 1.14x of sequential, against the peer route's floor of 0.15
-ms). The floors enter unless the settings leave them out (``host_floors``: "off", or "auto" in the graphs of a
-training step, whose fused ops carry that setting), whether or not a CUDA graph replays the call, which neither the
-run time nor every compile knows: so the choice is the same eager and under CUDA graphs, at compile time and at run
-time, and a graph loses at most the pull route's GPU edge at small outputs (o_proj of Llama-3-8B TP2, 4096 x 4096, K
-2048 per rank: 0.148 ms against the peer route's 0.157). The peer model errs by up to -10% at small K (4096 rows, K
-2048 per rank: predicted 0.141 ms, measured 0.157), so a margin of that order keeps the choice from following its
-error; where the pull route measured slower (16384 x 8192 rows at K 8192-14336 per rank: 1.8-2.5%, both models erring
-towards the pull route there by 3-7%) it is within the margin, a known cost of the rule. Only H200 data has the terms;
-other GPUs take them through the registry's family or default match (unmeasured there: on an H100's copy rate some
-small-K shapes go to the peer route).
+its cost is predicted more than ``TOLERANCE`` above the peer route's. Where the host floors count (``host_floors``:
+"on", or "auto" outside a training step's graphs, whose fused ops carry that setting) a route's cost is its GPU time
+**plus** its host floor: in a step the host paces, each call's host time adds to the step; where the GPU paces it,
+its GPU time does; the sum ranks the routes without knowing which, so the pull route must save more GPU time than the
+host time it adds. It runs the gather route's protocol and three launches from Python: eagerly, back to back, it
+measured 0.32 ms where the GPU needed 0.24 (4096 x 4096, K 4096 per rank, against the peer route's floor of 0.15 ms),
+and its host time per call, 0.33 ms against the peer route's 0.11 (the stage timer of
+``examples/device/gather_host_profile.py``, 4096 x 4096 at K 7168 per rank, 2 H200s, 40th session), made Llama-3-8B
+TP prefill host-paced: 19.565 ms per step with the 8 down_proj reduce_scatters on it, 17.109 on the peer route, on
+one host. Under the sum the pull route keeps the largest outputs (GPU times of ~2.8 ms and more at 16384 x 8192, where
+its 2.5-5% GPU edge exceeds the floors' difference). The rule was ``max(GPU, floor)`` per route until then, which
+counts a call's host time only where that call alone is host-bound and so put every down_proj on the pull route.
+Without the floors (a CUDA graph's replay has none, but neither the run time nor every compile knows whether one
+replays the call: the choice is the same eager and under CUDA graphs, at compile time and at run time) the GPU times
+alone decide. The peer model errs by up to -10% at small K (4096 rows, K 2048 per rank: predicted 0.141 ms, measured
+0.157), so a margin of that order keeps the choice from following its error; where the pull route measured slower
+(16384 x 8192 rows at K 8192-14336 per rank: 1.8-2.5%, both models erring towards the pull route there by 3-7%) it
+is within the margin, a known cost of the rule. Only H200 data has the terms; other GPUs take them through the
+registry's family or default match (unmeasured there: on an H100's copy rate some small-K shapes go to the peer
+route).
 """
 
 from __future__ import annotations
@@ -41,8 +48,7 @@ from . import gain, registry
 from .decide import copy_ms
 from .pipeline import DTYPE_BYTES
 
-TOLERANCE = 0.05  # the pull route's predicted time may exceed the peer route's by this fraction, host floors
-# included unless the settings leave them out (prefers_pull)
+TOLERANCE = 0.05  # the pull route's predicted cost may exceed the peer route's by this fraction (prefers_pull)
 
 
 def pull_ms(model, rows: int, n: int, k: int, dtype: str, device_name: str | None,
@@ -64,15 +70,20 @@ def pull_gpu_ms(model, rows: int, n: int, k: int, dtype: str, device_name: str |
 def prefers_pull(rows: int, n: int, k: int, dtype: str, device_name: str | None, directory=None,
                  host_floors: bool = True) -> bool:
     """Whether ``scatter_route="auto"`` puts a GEMM ``[rows, k] @ [k, n]`` -> reduce_scatter over 2 ranks on the pull
-    route (module docstring): its time, host floor included (``host_floors``: the settings' ``counts_host()``), within
-    ``TOLERANCE`` of the peer route's. False where the data lacks either model or the dtype. Pure: a function of its
-    arguments and the data folder's files."""
+    route (module docstring): its GPU time, plus its host floor where the floors count (``host_floors``: the
+    settings' ``counts_host()``), within ``TOLERANCE`` of the peer route's. False where the data lacks either model or
+    the dtype. Pure: a function of its arguments and the data folder's files."""
     model, _ = registry.model_for(device_name, directory)
     if dtype not in DTYPE_BYTES or not model.gemm.supports(dtype):
         return False
-    pull = pull_ms(model, rows, n, k, dtype, device_name, host_bound=host_floors)
-    peer = model.peer_ms("reduce_scatter", rows, n, k, dtype, 2, host_bound=host_floors)
-    return pull is not None and peer is not None and pull <= (1 + TOLERANCE) * peer
+    pull = pull_gpu_ms(model, rows, n, k, dtype, device_name)
+    peer = model.peer_ms("reduce_scatter", rows, n, k, dtype, 2, host_bound=False)
+    if pull is None or peer is None:
+        return False
+    if host_floors:  # ms of host per eager call, added: the module docstring
+        pull += model.gemm.scatter_pull.host_floor_ms
+        peer += model.gemm.peer.terms["reduce_scatter"].host_floor_ms
+    return pull <= (1 + TOLERANCE) * peer
 
 
 def sum_verdict(m: int, n: int, ks: Sequence[int], dtype: str, device_name: str | None, min_gain: float,

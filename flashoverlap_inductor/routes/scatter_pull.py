@@ -1,11 +1,12 @@
 """The copy-engine pull route of GEMM -> reduce_scatter on 2 ranks of one NVLink host: the GEMMs stay cuBLAS's.
 
 Which calls it takes (``config.Tuning.scatter_route``): under ``"auto"`` (the default) every 2-rank reduce_scatter whose
-predicted time, host floor included (unless ``host_floors`` leaves it out), is within ``cost_model.pull.TOLERANCE`` of
-the peer route's
+predicted cost, its GPU time plus its host floor (unless ``host_floors`` leaves it out), is within
+``cost_model.pull.TOLERANCE`` of the peer route's
 (``cost_model.pull.prefers_pull``; not with ``ring="all"``, which asks for the ring route; 2 H200s, 27 Nov: 0.93-1.03x
-of the peer route's GPU time on 23 shapes, Llama-3-8B sp train 0.7-1.5 ms per step faster; its host time, ~0.32 ms
-per eager call, keeps small outputs on the peer route: docs/results.md), the rest going on to the peer route;
+of the peer route's GPU time on 23 shapes; its host time, ~0.33 ms per eager call against the peer route's ~0.11,
+keeps all but the largest outputs on the peer route where the floors count: docs/results.md), the rest going on to
+the peer route;
 ``"pull"`` every one, ``"peer"`` none. Under the experiment ``scatter_pull`` it also takes the calls whose bias has
 the output's shape (the pass's pull staging of a sum of GEMMs; the peer route cannot take such a bias), whatever
 ``scatter_route`` says.
