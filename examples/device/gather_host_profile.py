@@ -7,10 +7,13 @@ plan ``auto``, ``[M, K/world] @ [K/world, N]`` per rank, against ``mm`` + ``redu
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 examples/device/gather_host_profile.py [--shape 4096x6144x4096]
         [--weights 3] [--calls 400] [--op all_gather|reduce_scatter] [--gather-start push|handshake]
-        [--scatter-route auto|peer|pull]
+        [--scatter-route auto|peer|pull] [--graph-call] [--lines]
 
 ``--gather-start``: the gather's ``gather_start``; ``--scatter-route``: the reduce_scatter's ``scatter_route``
-(default: the settings' own).
+(default: the settings' own). ``--graph-call``: call the ops as a compiled graph does (the ``.default`` overload,
+gradients off) rather than through the op packet with gradients on. ``--lines``: host us per call spent on each line
+of the per-call path's functions (``sys.settrace`` line events in those functions only; the tracer's own cost, a
+few us per line, inflates every line alike: compare lines, not totals).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import gc
 import io
 import math
 import pstats
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -42,6 +46,8 @@ def main() -> None:
     p.add_argument("--op", choices=("all_gather", "reduce_scatter"), default="all_gather")
     p.add_argument("--gather-start", dest="start", choices=("push", "handshake", "eager"), default=None)
     p.add_argument("--scatter-route", choices=("auto", "peer", "pull"), default=None)
+    p.add_argument("--graph-call", action="store_true")
+    p.add_argument("--lines", action="store_true")
     args = p.parse_args()
     torch.cuda.set_device(dist.get_node_local_rank(fallback_rank=0))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
@@ -57,6 +63,9 @@ def main() -> None:
     if args.scatter_route is not None:
         base = base.replace(scatter_route=args.scatter_route)
     op, key = torch.ops.flashoverlap.all_gather_gemm, base.key()
+    if args.graph_call:
+        op = op.default
+        torch.set_grad_enabled(False)
 
     def fused():
         return op(a, ws, [None] * len(ws), 0, world, name, "ring", False, key)
@@ -74,6 +83,7 @@ def main() -> None:
         x = torch.randn(m, k // world, device="cuda", dtype=torch.bfloat16)
         w = (torch.randn(n, k // world, device="cuda") / math.sqrt(k)).bfloat16().t()
         rs_op = torch.ops.flashoverlap.gemm_reduce_scatter
+        rs_op = rs_op.default if args.graph_call else rs_op
         scattered = torch.empty(m // world, n, device="cuda", dtype=torch.bfloat16)
 
         def fused():
@@ -99,6 +109,7 @@ def main() -> None:
         gc.enable()
     lib_us = library_calls_us(fused, args.calls)
     stage_us = stages_us(fused, args.calls)
+    line_us = lines_us(fused, args.calls) if args.lines else {}
     prof = cProfile.Profile()
     prof.enable()
     tm.host_us(fused, args.calls, batch=20, sync=dist.barrier)
@@ -115,6 +126,11 @@ def main() -> None:
               + ", ".join(f"{name} {us:.1f}" for name, us in sorted(lib_us.items(), key=lambda kv: -kv[1])))
         print("stages, host us per fused call, each without the stages inside it (rank 0, no profiler): "
               + ", ".join(f"{name} {us:.1f}" for name, us in stage_us.items()))
+        if line_us:
+            print("--- lines: host us per fused call on each line (rank 0, line tracer on; >= 2 us)")
+            for (file, line), us in sorted(line_us.items(), key=lambda kv: -kv[1]):
+                if us >= 2.0:
+                    print(f"{us:9.1f}  {file}:{line}")
         calls = args.calls + 20  # host_us's warm-up calls are profiled too
         for order in ("tottime", "cumulative"):
             stats = pstats.Stats(prof, stream=io.StringIO())
@@ -199,6 +215,42 @@ def stages_us(fn, calls: int) -> dict[str, float]:
         for obj, name, real in saved:
             setattr(obj, name, real)
     return {name: ns / 1e3 / (calls + 20) for name, ns in totals.items()}
+
+
+def lines_us(fn, calls: int) -> dict[tuple[str, int], float]:
+    """Host us per call of ``fn`` on each line of the per-call path's functions (the op's implementation, the
+    dispatcher, the routes' ``execute``, the library GEMMs' ``run``, the finish): from one line event to the next in
+    the same frame (a line's time includes what it calls outside those functions)."""
+    from flashoverlap_inductor import ops
+    from flashoverlap_inductor.routes import gather_gemms, gather_peer, scatter_pull, symmetric
+
+    codes = {f.__code__ for f in (ops._all_gather_gemm, ops._gemm_reduce_scatter, routes.dispatch, routes._dispatch,
+                                  gather_peer.GatherPeerRoute.execute, scatter_pull.ScatterPullRoute.execute,
+                                  symmetric.SymmetricRoute.execute, gather_gemms.run, gather_peer.finish)}
+    totals: dict[tuple[str, int], int] = defaultdict(int)
+
+    def local(frame, event, _arg):
+        now = time.perf_counter_ns()
+        last = local.last.get(id(frame))
+        if last is not None:
+            totals[(frame.f_code.co_filename.split("flashoverlap_inductor/")[-1], last[0])] += now - last[1]
+        if event == "return":
+            local.last.pop(id(frame), None)
+        else:
+            local.last[id(frame)] = (frame.f_lineno, time.perf_counter_ns())
+        return local
+
+    local.last = {}
+
+    def tracer(frame, event, _arg):
+        return local if event == "call" and frame.f_code in codes else None
+
+    sys.settrace(tracer)
+    try:
+        tm.host_us(fn, calls, batch=20, sync=dist.barrier)
+    finally:
+        sys.settrace(None)
+    return {key: ns / 1e3 / (calls + 20) for key, ns in totals.items()}
 
 
 if __name__ == "__main__":
