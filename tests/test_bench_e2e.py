@@ -316,6 +316,12 @@ def test_host_time_per_step_names_host_paced_rows():
     assert "inductor 6.000 / 10.000;" in lines[0] and lines[0].endswith("flashoverlap 9.200 / 9.500 host-paced")
     assert "bound" not in lines[0] and "host-paced" not in lines[1]
     assert output.host_lines([{**base, "backend": "x", "ms": 1.0}]) == []
+    train = {**base, "workload": "train"}
+    waits = output.host_lines([{**train, "backend": "inductor", "ms": 100.0, "host_ms": 101.0},
+                               {**train, "backend": "bound", "ms": 95.0, "host_ms": 95.1}])
+    assert waits[0].endswith("host time does not tell the rows' pacing apart)")
+    assert "bound 95.100 / 95.000 host-paced" in waits[0]
+    assert "does not tell" not in lines[0]
 
 
 def test_timed_takes_one_host_time_per_call_and_finish_its_median(monkeypatch):
