@@ -439,7 +439,12 @@ FO_API int fo_gather_finish(const fo_gather_args* args);
  * through the cuBLAS bound by fo_cublas_bind (the one torch loaded: dlopen with RTLD_NOLOAD) on `handle` (torch's,
  * bound to cur_stream), issued as torch.mm issues them. Shard j in arrival order (rank, rank - 1, ...): after its
  * pull event (not the local shard, read from `a`), per weight w: outputs[w][j * rows : (j + 1) * rows] = shard @ w.
- * Contiguous shards only ([rows, K] each; staging as fo_gather_args's), no bias; bf16 / fp16. */
+ * Contiguous shards only ([rows, K] each; staging as fo_gather_args's), no bias; bf16 / fp16.
+ * With `workspace` (and the cuBLASLt torch loaded bound by fo_cublaslt_bind): each GEMM is one cublasLtMatmul on the
+ * handle cast to cuBLASLt's, with the descriptors and the heuristic's first algorithm for its shape made once per
+ * (device, shape, workspace_bytes) and kept (the same product, compute and scale type as cublasGemmEx's; about half
+ * its host time per GEMM); a shape the heuristic has no algorithm for stays on cublasGemmEx. The workspace is the
+ * caller's, used in stream order on cur_stream only. */
 typedef struct {
   int32_t world, rank;
   int64_t rows, k;                               /* a shard's rows (>= 2) and K (>= 2) */
@@ -455,10 +460,17 @@ typedef struct {
   const void* weights[FO_GATHER_MAX_OUTPUTS];
   int64_t n[FO_GATHER_MAX_OUTPUTS];              /* each weight's N (>= 2) */
   void* outputs[FO_GATHER_MAX_OUTPUTS];          /* each [world * rows, N], contiguous */
+  void* workspace;                               /* null: cublasGemmEx; else cuBLASLt with this workspace */
+  int64_t workspace_bytes;                       /* the workspace's size (a heuristic preference: part of the key) */
 } fo_gather_gemm_args;
 
 FO_API int fo_cublas_bind(const char* path);
+FO_API int fo_cublaslt_bind(const char* path);
 FO_API int fo_gather_gemms(const fo_gather_gemm_args* args);
+/* fo_gather_run: one call of the gather protocol in one host call: fo_gather_call, then (where it succeeded and
+ * `gemms` is not null) fo_gather_gemms, then always fo_gather_finish, whose status goes to *finish_rc. Returns the
+ * first failure of the first two (0: both succeeded); where the finish failed too, fo_last_error names both. */
+FO_API int fo_gather_run(const fo_gather_args* call, const fo_gather_gemm_args* gemms, int32_t* finish_rc);
 
 /* The MoE whole-block path's routing plan (flashoverlap_inductor/routes/moe_plan_kernel.py; csrc/moe_plan.cu): on
  * `stream`, zero work[0, work_len) (int64), then two kernels fill idx (int64 [rows]: each index entry mod rows), inv

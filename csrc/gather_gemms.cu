@@ -10,10 +10,21 @@
 // k = K, w, ld_w, x, K, out, N), compute type CUDA_R_32F with fp32 alpha/beta, CUBLAS_GEMM_DEFAULT_TENSOR_OP, the
 // math mode set before and reset after; op_w = T for a Linear weight W.t() (W [N, K] contiguous, ld K), N for a
 // row-major [K, N] weight (ld N).
+//
+// With a workspace (fo_gather_gemm_args.workspace) and cuBLASLt bound (fo_cublaslt_bind: the libcublasLt torch
+// loaded), each GEMM is one cublasLtMatmul of the same product (A = w with op_w, B = x, D = out; compute type
+// CUBLAS_COMPUTE_32F, scale type fp32) on torch's handle cast to cuBLASLt's (cuBLAS's handle is one), with its
+// descriptors and the heuristic's first algorithm made once per (device, element type, op_w, N, rows, K, workspace
+// bytes) and kept for the process: cublasGemmEx runs that heuristic on every call. fo_gather_run puts the protocol's
+// two calls around the GEMMs, so a call of the route is one host call.
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 
+#include <array>
+#include <map>
+#include <mutex>
 #include <string>
+#include <tuple>
 
 #include "flashoverlap_sm90.h"
 #include "route_util.hpp"
@@ -43,6 +54,118 @@ Cublas& cublas() {
   return c;
 }
 
+// cuBLASLt's C ABI (cublasLt.h, CUDA 11.4 and later), declared here as cuBLAS's above.
+using LtDesc = void*;  // cublasLtMatmulDesc_t, cublasLtMatrixLayout_t, cublasLtMatmulPreference_t
+struct LtAlgo {
+  uint64_t data[8];  // cublasLtMatmulAlgo_t
+};
+struct LtHeuristic {  // cublasLtMatmulHeuristicResult_t
+  LtAlgo algo;
+  size_t workspace_size;
+  int state;
+  float waves;
+  int reserved[4];
+};
+using LtDescCreateFn = CublasStatus (*)(LtDesc* desc, int compute_type, int scale_type);
+using LtDescSetFn = CublasStatus (*)(LtDesc desc, int attr, void const* buf, size_t size);
+using LtLayoutCreateFn = CublasStatus (*)(LtDesc* layout, int type, uint64_t rows, uint64_t cols, int64_t ld);
+using LtPrefCreateFn = CublasStatus (*)(LtDesc* pref);
+using LtHeuristicFn = CublasStatus (*)(void* handle, LtDesc op, LtDesc a, LtDesc b, LtDesc c, LtDesc d, LtDesc pref,
+                                       int requested, LtHeuristic* results, int* returned);
+using LtMatmulFn = CublasStatus (*)(void* handle, LtDesc op, void const* alpha, void const* a, LtDesc a_desc,
+                                    void const* b, LtDesc b_desc, void const* beta, void const* c, LtDesc c_desc,
+                                    void* d, LtDesc d_desc, LtAlgo const* algo, void* workspace,
+                                    size_t workspace_bytes, cudaStream_t stream);
+using LtDestroyFn = CublasStatus (*)(LtDesc);
+constexpr int kCompute32F = 68;        // CUBLAS_COMPUTE_32F
+constexpr int kDescTransA = 3;         // CUBLASLT_MATMUL_DESC_TRANSA
+constexpr int kDescTransB = 4;         // CUBLASLT_MATMUL_DESC_TRANSB
+constexpr int kPrefMaxWorkspace = 1;   // CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES
+
+struct CublasLt {
+  LtDescCreateFn desc_create = nullptr;
+  LtDescSetFn desc_set = nullptr;
+  LtLayoutCreateFn layout_create = nullptr;
+  LtPrefCreateFn pref_create = nullptr;
+  LtDescSetFn pref_set = nullptr;
+  LtHeuristicFn heuristic = nullptr;
+  LtMatmulFn matmul = nullptr;
+  LtDestroyFn desc_destroy = nullptr, layout_destroy = nullptr, pref_destroy = nullptr;
+};
+
+CublasLt& cublas_lt() {
+  static CublasLt c;
+  return c;
+}
+
+int rc_device(int* device) {
+  cudaError_t const e = cudaGetDevice(device);
+  return e == cudaSuccess ? 0 : fail_code(100 + int(e), std::string("fo_gather_gemms: cudaGetDevice: ") +
+                                                           cudaGetErrorString(e));
+}
+
+// One GEMM shape's cuBLASLt plan, made once and kept (never destroyed: a handful per model). usable false: the
+// heuristic found no algorithm within the workspace, and the shape stays on cublasGemmEx.
+struct LtPlan {
+  bool usable = false;
+  LtDesc op = nullptr, a = nullptr, b = nullptr, d = nullptr;
+  LtAlgo algo{};
+};
+// (device, element type, op_w, N, rows, K, workspace bytes)
+using LtKey = std::tuple<int, int, int, int64_t, int64_t, int64_t, int64_t>;
+
+std::mutex lt_mutex;
+std::map<LtKey, LtPlan>& lt_plans() {
+  static std::map<LtKey, LtPlan> plans;
+  return plans;
+}
+
+// The plan of one shape (made on first use: the descriptors, then the heuristic's first algorithm). A descriptor
+// that cannot be made is an error (0 returned with *plan set, else a fail_code); no algorithm is a plan not usable.
+int lt_plan(void* handle, LtKey const& key, LtPlan const** plan) {
+  std::lock_guard<std::mutex> lock(lt_mutex);
+  auto& plans = lt_plans();
+  auto it = plans.find(key);
+  if (it != plans.end()) {
+    *plan = &it->second;
+    return 0;
+  }
+  CublasLt const& lt = cublas_lt();
+  auto const [device, type, op_w, n, rows, k, ws_bytes] = key;
+  (void)device;
+  LtPlan made;
+  int const op_b = kOpN;
+  uint64_t const wsb = uint64_t(ws_bytes);
+  LtDesc pref = nullptr;
+  int st = lt.desc_create(&made.op, kCompute32F, kR32F);
+  if (st == 0) st = lt.desc_set(made.op, kDescTransA, &op_w, sizeof(op_w));
+  if (st == 0) st = lt.desc_set(made.op, kDescTransB, &op_b, sizeof(op_b));
+  // A = w as stored: [K, N] column-major (ld K) under op T, else [N, K] (ld N); B = x: [K, rows] (ld K); D: [N, rows]
+  if (st == 0) st = op_w == kOpT ? lt.layout_create(&made.a, type, uint64_t(k), uint64_t(n), k)
+                                 : lt.layout_create(&made.a, type, uint64_t(n), uint64_t(k), n);
+  if (st == 0) st = lt.layout_create(&made.b, type, uint64_t(k), uint64_t(rows), k);
+  if (st == 0) st = lt.layout_create(&made.d, type, uint64_t(n), uint64_t(rows), n);
+  if (st == 0) st = lt.pref_create(&pref);
+  if (st == 0) st = lt.pref_set(pref, kPrefMaxWorkspace, &wsb, sizeof(wsb));
+  LtHeuristic found{};
+  int returned = 0;
+  if (st == 0) {
+    CublasStatus const h = lt.heuristic(handle, made.op, made.a, made.b, made.d, made.d, pref, 1, &found, &returned);
+    made.usable = h == 0 && returned > 0 && found.state == 0 && found.workspace_size <= wsb;
+    made.algo = found.algo;
+  }
+  if (pref != nullptr) lt.pref_destroy(pref);
+  if (st != 0) {
+    if (made.op != nullptr) lt.desc_destroy(made.op);
+    for (LtDesc l : {made.a, made.b, made.d}) {
+      if (l != nullptr) lt.layout_destroy(l);
+    }
+    return fail_code(9, "fo_gather_gemms: a cuBLASLt descriptor failed with status " + std::to_string(st));
+  }
+  *plan = &(plans[key] = made);  // std::map: the element's address stays valid as others are added
+  return 0;
+}
+
 }  // namespace
 }  // namespace flashoverlap
 
@@ -63,6 +186,28 @@ FO_API int fo_cublas_bind(const char* path) {
   return 0;
 }
 
+FO_API int fo_cublaslt_bind(const char* path) {
+  void* h = dlopen(path, RTLD_NOW | RTLD_NOLOAD);  // only the cuBLASLt already loaded (torch's cuBLAS's)
+  if (h == nullptr) return fail_code(8, std::string("fo_cublaslt_bind: ") + path + " is not loaded in this process");
+  CublasLt c;
+  c.desc_create = reinterpret_cast<LtDescCreateFn>(dlsym(h, "cublasLtMatmulDescCreate"));
+  c.desc_set = reinterpret_cast<LtDescSetFn>(dlsym(h, "cublasLtMatmulDescSetAttribute"));
+  c.layout_create = reinterpret_cast<LtLayoutCreateFn>(dlsym(h, "cublasLtMatrixLayoutCreate"));
+  c.pref_create = reinterpret_cast<LtPrefCreateFn>(dlsym(h, "cublasLtMatmulPreferenceCreate"));
+  c.pref_set = reinterpret_cast<LtDescSetFn>(dlsym(h, "cublasLtMatmulPreferenceSetAttribute"));
+  c.heuristic = reinterpret_cast<LtHeuristicFn>(dlsym(h, "cublasLtMatmulAlgoGetHeuristic"));
+  c.matmul = reinterpret_cast<LtMatmulFn>(dlsym(h, "cublasLtMatmul"));
+  c.desc_destroy = reinterpret_cast<LtDestroyFn>(dlsym(h, "cublasLtMatmulDescDestroy"));
+  c.layout_destroy = reinterpret_cast<LtDestroyFn>(dlsym(h, "cublasLtMatrixLayoutDestroy"));
+  c.pref_destroy = reinterpret_cast<LtDestroyFn>(dlsym(h, "cublasLtMatmulPreferenceDestroy"));
+  if (!c.desc_create || !c.desc_set || !c.layout_create || !c.pref_create || !c.pref_set || !c.heuristic ||
+      !c.matmul || !c.desc_destroy || !c.layout_destroy || !c.pref_destroy) {
+    return fail_code(8, std::string("fo_cublaslt_bind: ") + path + " lacks a cublasLt matmul function");
+  }
+  cublas_lt() = c;
+  return 0;
+}
+
 FO_API int fo_gather_gemms(const fo_gather_gemm_args* args) {
   if (args == nullptr) return fail_code(2, "fo_gather_gemms: args is null");
   fo_gather_gemm_args const& p = *args;
@@ -78,6 +223,15 @@ FO_API int fo_gather_gemms(const fo_gather_gemm_args* args) {
     if (p.weights[w] == nullptr || p.outputs[w] == nullptr || p.n[w] < 2) {
       return fail_code(2, "fo_gather_gemms: every weight needs its pointer, its output and N >= 2");
     }
+  }
+  bool const use_lt = p.workspace != nullptr;
+  if (use_lt && (cublas_lt().matmul == nullptr || p.workspace_bytes < 0)) {
+    return fail_code(8, "fo_gather_gemms: a workspace but cuBLASLt is not bound (fo_cublaslt_bind), or its size < 0");
+  }
+  int device = 0;
+  if (use_lt) {
+    int const e = rc_device(&device);
+    if (e != 0) return e;
   }
   auto cur = static_cast<cudaStream_t>(p.cur_stream);
   int64_t const elem = 2;
@@ -96,9 +250,26 @@ FO_API int fo_gather_gemms(const fo_gather_gemm_args* args) {
     for (int w = 0; w < p.num_weights; ++w) {
       int64_t const n = p.n[w];
       char* out = static_cast<char*>(p.outputs[w]) + int64_t(j) * p.rows * n * elem;
+      int const op_w = p.weight_transposed[w] ? kOpT : kOpN;
+      if (use_lt) {
+        LtPlan const* plan = nullptr;
+        LtKey const key{device, p.elem_type, op_w, n, p.rows, p.k, p.workspace_bytes};
+        if ((rc = lt_plan(p.handle, key, &plan)) != 0) break;
+        if (plan->usable) {
+          CublasLt const& lt = cublas_lt();
+          CublasStatus const st = lt.matmul(p.handle, plan->op, &alpha, p.weights[w], plan->a, x, plan->b, &beta,
+                                            out, plan->d, out, plan->d, &plan->algo, p.workspace,
+                                            size_t(p.workspace_bytes), cur);
+          if (st != 0) {
+            rc = fail_code(9, "fo_gather_gemms: cublasLtMatmul failed with status " + std::to_string(st));
+            break;
+          }
+          continue;
+        }
+      }
       CublasStatus st = c.set_math_mode(p.handle, p.math_mode);
       if (st == 0) {
-        st = c.gemm_ex(p.handle, p.weight_transposed[w] ? kOpT : kOpN, kOpN, int(n), int(p.rows), int(p.k), &alpha,
+        st = c.gemm_ex(p.handle, op_w, kOpN, int(n), int(p.rows), int(p.k), &alpha,
                        p.weights[w], p.elem_type, int(p.weight_transposed[w] ? p.k : n), x, p.elem_type, int(p.k),
                        &beta, out, p.elem_type, int(n), kR32F, kDefaultTensorOp);
       }
@@ -108,6 +279,20 @@ FO_API int fo_gather_gemms(const fo_gather_gemm_args* args) {
         break;
       }
     }
+  }
+  return rc;
+}
+
+FO_API int fo_gather_run(const fo_gather_args* call, const fo_gather_gemm_args* gemms, int32_t* finish_rc) {
+  if (call == nullptr || finish_rc == nullptr) return fail_code(2, "fo_gather_run: call or finish_rc is null");
+  int rc = fo_gather_call(call);
+  if (rc == 0 && gemms != nullptr) rc = fo_gather_gemms(gemms);
+  std::string const first = rc != 0 ? std::string(fo_last_error()) : std::string();
+  *finish_rc = fo_gather_finish(call);  // always: the caller's stream joins the copy stream, the outputs poisoned
+  if (rc != 0 && *finish_rc != 0) {
+    fail_code(rc, first + "; then fo_gather_finish: " + fo_last_error());
+  } else if (rc != 0) {
+    fail_code(rc, first);
   }
   return rc;
 }

@@ -77,6 +77,9 @@ EXPERIMENTS = {
     "gather_torch_gemms": "run the all_gather peer route's GEMMs as one torch.mm per shard and weight from Python "
                           "(the route before 2026-11-27) instead of one library call into torch's cuBLAS "
                           "(routes/gather_gemms.py)",
+    "gather_gemm_ex": "issue the all_gather peer route's library GEMMs through cublasGemmEx, as before "
+                      "2026-11-28, instead of cublasLtMatmul with descriptors and an algorithm kept per shape "
+                      "(routes/gather_gemms.py; cublasGemmEx runs cuBLAS's heuristic on every call)",
     "scatter_pull": "stage a sum of GEMMs feeding a reduce_scatter over 2 ranks of one NVLink host for the pull "
                     "route where its cost model (cost_model/pull.py) says it pays: the first terms unfused, the last "
                     "fused with their sum as its bias, which the pull route runs (routes/scatter_pull.py: cuBLAS "

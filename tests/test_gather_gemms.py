@@ -80,7 +80,7 @@ def test_usable_follows_torch_settings(monkeypatch):
     assert not gather_gemms.usable(bf16, none, None)
 
 
-def test_mapped_cublas_reads_proc_maps_lines():
+def test_mapped_libraries_reads_proc_maps_lines():
     lines = [
         "7f00-7f10 r-xp 00000000 08:01 123 /venv/nvidia/cublas/lib/libcublas.so.13\n",
         "7f10-7f20 r--p 00010000 08:01 123 /venv/nvidia/cublas/lib/libcublas.so.13\n",
@@ -88,8 +88,10 @@ def test_mapped_cublas_reads_proc_maps_lines():
         "7f30-7f40 rw-p 00000000 00:00 0 \n",
         "7f40-7f50 r-xp 00000000 08:01 125 /tmp/old/libcublas.so.12 (deleted)\n",
     ]
-    assert gather_gemms.mapped_cublas(lines) == ["/tmp/old/libcublas.so.12", "/venv/nvidia/cublas/lib/libcublas.so.13"]
-    assert gather_gemms.mapped_cublas(lines[:4]) == ["/venv/nvidia/cublas/lib/libcublas.so.13"]
+    assert gather_gemms.mapped_libraries(lines, "libcublas.so") == ["/tmp/old/libcublas.so.12",
+                                                                    "/venv/nvidia/cublas/lib/libcublas.so.13"]
+    assert gather_gemms.mapped_libraries(lines[:4], "libcublas.so") == ["/venv/nvidia/cublas/lib/libcublas.so.13"]
+    assert gather_gemms.mapped_libraries(lines, "libcublasLt.so") == ["/venv/nvidia/cublas/lib/libcublasLt.so.13"]
 
 
 def test_struct_matches_the_c_header_sizes():
@@ -98,4 +100,6 @@ def test_struct_matches_the_c_header_sizes():
     S = gather_gemms.GatherGemmArgs
     assert S.rows.offset == 8 and S.k.offset == 16 and S.a.offset == 24
     assert S.shard_events.size == 8 * gather_gemms.MAX_WORLD
-    assert S.outputs.offset + S.outputs.size == ctypes.sizeof(S)
+    assert S.workspace.offset == S.outputs.offset + S.outputs.size  # then the workspace pointer and its int64 size
+    assert S.workspace_bytes.offset == S.workspace.offset + 8
+    assert S.workspace_bytes.offset + 8 == ctypes.sizeof(S)

@@ -189,38 +189,52 @@ def test_gather_peer_matches_eager(pool, start):
 
 
 def library_gemms_task() -> dict[str, int]:
-    """Every case without bias twice on fresh data: the GEMMs in one library call (``routes.gather_gemms``, where the
-    case's shards are contiguous) and under the experiment ``gather_torch_gemms`` (one ``torch.mm`` per shard and
-    weight): the results must be equal bit for bit, and the library call must have run exactly where it applies."""
+    """Every case without bias three times on fresh data: the GEMMs in one library call (``routes.gather_gemms``,
+    where the case's shards are contiguous: cuBLASLt with its plan kept per shape), the same through
+    ``cublasGemmEx`` (the experiment ``gather_gemm_ex``) and under the experiment ``gather_torch_gemms`` (one
+    ``torch.mm`` per shard and weight). ``cublasGemmEx``'s results must equal ``torch.mm``'s bit for bit; cuBLASLt's
+    must pass the fp64 check (``_check``) and are counted where they are equal bit for bit too (the heuristic's
+    first algorithm is cuBLAS's own choice unless the workspaces differ); the library call must have run exactly where
+    it applies, through cuBLASLt unless under ``gather_gemm_ex``."""
     from flashoverlap_inductor import config, routes
     from flashoverlap_inductor.schedule import gather as schedule
 
     routes.reset()
-    took = skipped = 0
+    took = skipped = lt_equal = lt_differ = 0
     with config.patch(wait_timeout_ms=LONG_MS):
         for seed, shape, gdim, ns, bias, ret in _cases():
             if bias:
                 continue
             a, ws, cs = _inputs(seed + 7000, shape, ns, bias)
-            before = routes.stats["gather:library_gemms"]
-            lib_outs = _op(a, ws, cs, gdim, ret)
+            before = routes.stats["gather:library_gemms"], routes.stats["gather:cublaslt"]
+            lt_outs = _op(a, ws, cs, gdim, ret)
+            lt_ran = routes.stats["gather:cublaslt"] - before[1]
+            with config.patch(experiments=frozenset({"gather_gemm_ex"})):
+                ex_outs = _op(a, ws, cs, gdim, ret)
             with config.patch(experiments=frozenset({"gather_torch_gemms"})):
                 torch_outs = _op(a, ws, cs, gdim, ret)
             torch.cuda.synchronize()
             routes.check()
             contiguous = schedule.geometry(list(a.shape), gdim, 2).contiguous_shards
-            ran = routes.stats["gather:library_gemms"] - before
-            assert ran == int(contiguous), (shape, gdim, ran)
-            took, skipped = took + ran, skipped + (1 - ran)
-            for i, (x, y) in enumerate(zip(lib_outs, torch_outs, strict=True)):
-                assert torch.equal(x, y), (shape, gdim, ns, i, "the library's GEMMs differ from torch.mm's")
-            _check(lib_outs, a, ws, cs, gdim, ret, f"library GEMMs {shape} dim {gdim} N={ns}")
-    return {"took": took, "skipped": skipped}
+            ran = routes.stats["gather:library_gemms"] - before[0]
+            assert ran == 2 * int(contiguous) and lt_ran == int(contiguous), (shape, gdim, ran, lt_ran)
+            took, skipped = took + ran // 2, skipped + (1 - ran // 2)
+            for i, (x, y) in enumerate(zip(ex_outs, torch_outs, strict=True)):
+                assert torch.equal(x, y), (shape, gdim, ns, i, "cublasGemmEx's results differ from torch.mm's")
+            _check(lt_outs, a, ws, cs, gdim, ret, f"library GEMMs {shape} dim {gdim} N={ns}")
+            _check(ex_outs, a, ws, cs, gdim, ret, f"library GEMMs (cublasGemmEx) {shape} dim {gdim} N={ns}")
+            if contiguous:
+                same = all(torch.equal(x, y) for x, y in zip(lt_outs, torch_outs, strict=True))
+                lt_equal, lt_differ = lt_equal + int(same), lt_differ + int(not same)
+    print(f"cuBLASLt plans: {lt_equal} cases equal to torch.mm bit for bit, {lt_differ} within the fp64 check only",
+          flush=True)
+    return {"took": took, "skipped": skipped, "lt_equal": lt_equal, "lt_differ": lt_differ}
 
 
 def test_gather_library_gemms_equal_torch_mm(pool):
     per_rank = pool.run(library_gemms_task)
     assert all(r["took"] > 0 and r["skipped"] > 0 for r in per_rank), per_rank
+    print(f"cuBLASLt against torch.mm per rank: {per_rank}")
 
 
 def _pending() -> bool:

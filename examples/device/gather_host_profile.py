@@ -7,13 +7,16 @@ plan ``auto``, ``[M, K/world] @ [K/world, N]`` per rank, against ``mm`` + ``redu
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 examples/device/gather_host_profile.py [--shape 4096x6144x4096]
         [--weights 3] [--calls 400] [--op all_gather|reduce_scatter] [--gather-start push|handshake]
-        [--scatter-route auto|peer|pull] [--graph-call] [--lines]
+        [--scatter-route auto|peer|pull] [--graph-call] [--lines] [--rounds 5]
 
 ``--gather-start``: the gather's ``gather_start``; ``--scatter-route``: the reduce_scatter's ``scatter_route``
 (default: the settings' own). ``--graph-call``: call the ops as a compiled graph does (the ``.default`` overload,
 gradients off) rather than through the op packet with gradients on. ``--lines``: host us per call spent on each line
 of the per-call path's functions (``sys.settrace`` line events in those functions only; the tracer's own cost, a
-few us per line, inflates every line alike: compare lines, not totals).
+few us per line, inflates every line alike: compare lines, not totals). The variants timed first, interleaved in
+``--rounds`` rounds (medians): the fused op as configured, its library GEMMs through ``cublasGemmEx`` (the
+experiment ``gather_gemm_ex``), its GEMMs as ``torch.mm`` from Python (``gather_torch_gemms``), the unfused ops, and
+the fused op with Python's garbage collector off.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import gc
 import io
 import math
 import pstats
+import statistics
 import sys
 import threading
 import time
@@ -48,6 +52,7 @@ def main() -> None:
     p.add_argument("--scatter-route", choices=("auto", "peer", "pull"), default=None)
     p.add_argument("--graph-call", action="store_true")
     p.add_argument("--lines", action="store_true")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of every variant (medians reported)")
     args = p.parse_args()
     torch.cuda.set_device(dist.get_node_local_rank(fallback_rank=0))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
@@ -100,13 +105,32 @@ def main() -> None:
     fused()
     torch.cuda.synchronize()
     took = sorted(k for k, c in routes.stats.items() if k.startswith("route:") and c > before.get(k, 0))
-    hosts = tm.reduce_max([tm.host_us(fn, args.calls, batch=20, sync=dist.barrier)
-                           for fn in (fused, fused_torch_mm, unfused)])
-    gc.disable()  # is part of a call's host time Python's garbage collector? (the same calls, collector off)
-    try:
-        no_gc = tm.reduce_max([tm.host_us(fused, args.calls, batch=20, sync=dist.barrier)])[0]
-    finally:
-        gc.enable()
+    gemm_ex_key = base.replace(experiments=frozenset({"gather_gemm_ex"})).key()
+
+    def fused_gemm_ex():  # the library's GEMMs through cublasGemmEx (all_gather; the same call for reduce_scatter)
+        return op(a, ws, [None] * len(ws), 0, world, name, "ring", False, gemm_ex_key) if args.op == "all_gather" \
+            else fused()
+
+    def no_gc(fn):  # is part of a call's host time Python's garbage collector? (the same calls, collector off)
+        def measured(calls, **kw):
+            gc.disable()
+            try:
+                return tm.host_us(fn, calls, **kw)
+            finally:
+                gc.enable()
+        return measured
+
+    variants = {"fused": fused, "fused, GEMMs by cublasGemmEx": fused_gemm_ex,
+                "fused, torch.mm GEMMs": fused_torch_mm, "unfused": unfused}
+    timers = {name: (lambda calls, fn=fn, **kw: tm.host_us(fn, calls, **kw)) for name, fn in variants.items()}
+    timers["fused, garbage collector off"] = no_gc(fused)
+    per_round = max(40, args.calls // args.rounds)
+    rounds: dict[str, list[float]] = defaultdict(list)
+    for r in range(args.rounds):  # the variants interleaved, in a rotated order per round
+        names = list(timers)
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            rounds[name].append(timers[name](per_round, batch=20, sync=dist.barrier))
+    medians = tm.reduce_max([statistics.median(rounds[name]) for name in timers])
     lib_us = library_calls_us(fused, args.calls)
     stage_us = stages_us(fused, args.calls)
     line_us = lines_us(fused, args.calls) if args.lines else {}
@@ -116,12 +140,11 @@ def main() -> None:
     prof.disable()
     if rank == 0:
         print(f"{torch.cuda.get_device_name()} x {world}, op {args.op}, start {args.start}, shape {args.shape}, "
-              f"{args.weights} weights, "
-              f"route {took}: "
-              f"host per call fused {hosts[0]:.1f} us, fused with torch.mm GEMMs {hosts[1]:.1f} us, unfused "
-              f"{hosts[2]:.1f} us (max over ranks; library GEMMs {routes.stats['gather:library_gemms']} calls); "
-              f"fused with the garbage collector off {no_gc:.1f} us; Python threads: "
+              f"{args.weights} weights, route {took}; library GEMMs {routes.stats['gather:library_gemms']} calls, "
+              f"through cuBLASLt {routes.stats['gather:cublaslt']}; Python threads: "
               f"{sorted(t.name for t in threading.enumerate())}")
+        print(f"host us per call (median of {args.rounds} interleaved rounds of {per_round} calls, max over ranks): "
+              + ", ".join(f"{name} {us:.1f}" for name, us in zip(timers, medians, strict=True)))
         print("library calls, host us per fused call (rank 0): "
               + ", ".join(f"{name} {us:.1f}" for name, us in sorted(lib_us.items(), key=lambda kv: -kv[1])))
         print("stages, host us per fused call, each without the stages inside it (rank 0, no profiler): "
@@ -183,7 +206,8 @@ def stages_us(fn, calls: int) -> dict[str, float]:
     """Host us per call of ``fn`` in each stage of a fused call, without the stages nested in it and without a
     profiler: ``op`` (the call as the caller sees it: the dispatcher and ``ops``' own checks), ``dispatch``
     (``routes.dispatch``: the settings), ``_dispatch`` (the memo, locks, faults), ``execute`` (the route),
-    ``gemms`` (``gather_gemms.run``), ``finish`` (``gather_peer.finish``); each found by wrapping it for ``calls``
+    ``library`` (``gather_gemms.run_call``: the protocol's call, the GEMMs and the finish in one library call),
+    ``finish`` (``gather_peer.finish``: the Python loop's); each found by wrapping it for ``calls``
     calls (the wrappers' own cost, ~0.3 us each, lands in the enclosing stage)."""
     from flashoverlap_inductor.routes import gather_gemms, gather_peer, scatter_pull
 
@@ -204,10 +228,10 @@ def stages_us(fn, calls: int) -> dict[str, float]:
         return wrapper
 
     patches = [(routes, "dispatch"), (routes, "_dispatch"), (gather_peer.GatherPeerRoute, "execute"),
-               (scatter_pull.ScatterPullRoute, "execute"), (gather_gemms, "run"), (gather_peer, "finish")]
+               (scatter_pull.ScatterPullRoute, "execute"), (gather_gemms, "run_call"), (gather_peer, "finish")]
     saved = [(obj, name, obj.__dict__[name]) for obj, name in patches]
     for obj, name, real in saved:
-        setattr(obj, name, timed(name if name != "run" else "gemms", real))
+        setattr(obj, name, timed(name if name != "run_call" else "library", real))
     op = timed("op", fn)
     try:
         tm.host_us(op, calls, batch=20, sync=dist.barrier)
@@ -219,14 +243,15 @@ def stages_us(fn, calls: int) -> dict[str, float]:
 
 def lines_us(fn, calls: int) -> dict[tuple[str, int], float]:
     """Host us per call of ``fn`` on each line of the per-call path's functions (the op's implementation, the
-    dispatcher, the routes' ``execute``, the library GEMMs' ``run``, the finish): from one line event to the next in
-    the same frame (a line's time includes what it calls outside those functions)."""
+    dispatcher, the routes' ``execute``, the library call's ``run_call`` and ``fill``, the finish): from one line
+    event to the next in the same frame (a line's time includes what it calls outside those functions)."""
     from flashoverlap_inductor import ops
     from flashoverlap_inductor.routes import gather_gemms, gather_peer, scatter_pull, symmetric
 
     codes = {f.__code__ for f in (ops._all_gather_gemm, ops._gemm_reduce_scatter, routes.dispatch, routes._dispatch,
                                   gather_peer.GatherPeerRoute.execute, scatter_pull.ScatterPullRoute.execute,
-                                  symmetric.SymmetricRoute.execute, gather_gemms.run, gather_peer.finish)}
+                                  symmetric.SymmetricRoute.execute, gather_gemms.run_call, gather_gemms.fill,
+                                  gather_peer.finish)}
     totals: dict[tuple[str, int], int] = defaultdict(int)
 
     def local(frame, event, _arg):

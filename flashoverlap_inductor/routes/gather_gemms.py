@@ -15,6 +15,16 @@ algorithms), bf16's reduced-precision reduction allowed (torch's default, math m
 ``gather_torch_gemms``. Everywhere else the Python loop (``schedule.gather.shard_gemm``), which is also the reference
 semantics. The library also takes fp16 and row-major ``[K, N]`` weights; neither has run on a GPU, so neither is
 taken.
+
+Outside CUDA-graph captures, where the cuBLASLt torch loaded is bound too (``bind``), each GEMM is one
+``cublasLtMatmul`` with the shape's descriptors and heuristic algorithm made once in the library and kept, on a
+persistent workspace of ``WORKSPACE_BYTES`` per device (``workspace``; the route's calls on a device run in stream
+order, ``symmetric.order_after_last``): ``cublasGemmEx`` runs that heuristic on every call. The same product in the
+same compute and scale type; ``tests/test_gpu_gather.py`` compares it with ``torch.mm`` (bit for bit where the
+heuristic picks cuBLAS's algorithm, else within bf16's rounding). The experiment ``gather_gemm_ex`` keeps
+``cublasGemmEx``. Inside a capture ``cublasGemmEx`` always (a replay's host time is nil; no workspace shared with
+eager calls). With the GEMMs in the library, the call is one library call: ``fo_gather_run`` (the protocol's call,
+the GEMMs, the finish; ``run_call``).
 """
 
 from __future__ import annotations
@@ -28,19 +38,23 @@ import torch
 
 from flashoverlap_inductor import _inductor_compat as compat
 from flashoverlap_inductor.native import kernels
+from flashoverlap_inductor.runtime import streams
 
 from .base import stats
 
 log = logging.getLogger("flashoverlap")
 
 EXPERIMENT = "gather_torch_gemms"
+GEMM_EX_EXPERIMENT = "gather_gemm_ex"
+WORKSPACE_BYTES = 32 << 20  # cuBLASLt's workspace per device (cuBLAS's own on Hopper: 32 MiB)
 MAX_WORLD = 8  # FO_GATHER_MAX_WORLD (gather_peer.MAX_WORLD; not imported: gather_peer imports this module)
 MAX_WEIGHTS = 8  # FO_GATHER_MAX_OUTPUTS
 # cudaDataType_t of the dtypes taken: bf16 only, the one run on a GPU (the library also takes fp16, 2: never run)
 ELEM_TYPES = {torch.bfloat16: 14}
 _REDUCTION_ALLOWED = {torch.bfloat16: "allow_bf16_reduced_precision_reduction"}
 INT_MAX = 2 ** 31 - 1  # cuBLAS's int sizes
-_bound: list[bool] = []  # [whether fo_cublas_bind succeeded], once per process
+_bound: list[bool] = []  # [whether fo_cublas_bind succeeded, whether fo_cublaslt_bind did], once per process
+_workspaces: dict[int, torch.Tensor] = {}  # device index -> cuBLASLt's workspace (uint8 [WORKSPACE_BYTES])
 _bind_lock = threading.Lock()
 
 
@@ -53,40 +67,66 @@ class GatherGemmArgs(ctypes.Structure):
                 ("handle", ctypes.c_void_p), ("elem_type", ctypes.c_int32), ("math_mode", ctypes.c_int32),
                 ("num_weights", ctypes.c_int32), ("weight_transposed", ctypes.c_int32 * MAX_WEIGHTS),
                 ("weights", ctypes.c_void_p * MAX_WEIGHTS), ("n", ctypes.c_int64 * MAX_WEIGHTS),
-                ("outputs", ctypes.c_void_p * MAX_WEIGHTS)]
+                ("outputs", ctypes.c_void_p * MAX_WEIGHTS), ("workspace", ctypes.c_void_p),
+                ("workspace_bytes", ctypes.c_int64)]
 
 
 def bind() -> bool:
     """Whether the library can call cuBLAS: ``fo_cublas_bind`` with the cuBLAS torch loaded (from
     ``/proc/self/maps`` after torch's handle exists), once per process; declined (logged once) where no cuBLAS or
-    more than one is mapped (another might not be the one torch's handle belongs to)."""
+    more than one is mapped (another might not be the one torch's handle belongs to). The cuBLASLt beside it is bound
+    the same way (``lt_bound``); without it the GEMMs run through ``cublasGemmEx``."""
     with _bind_lock:
         if not _bound:
-            torch.cuda.current_blas_handle()  # torch loads cuBLAS lazily
+            torch.cuda.current_blas_handle()  # torch loads cuBLAS (and with it cuBLASLt) lazily
             try:
                 with open("/proc/self/maps") as maps:
-                    paths = mapped_cublas(maps)
+                    lines = maps.readlines()
             except OSError:
-                paths = []
+                lines = []
+            paths, lt_paths = mapped_libraries(lines, "libcublas.so"), mapped_libraries(lines, "libcublasLt.so")
             lib = kernels.library()
             ok = len(paths) == 1 and lib.fo_cublas_bind(paths[0].encode()) == 0
             if not ok:
                 log.info("flashoverlap: the gather route's GEMMs stay torch.mm calls: %s",
                          lib.fo_last_error().decode() if len(paths) == 1 else
                          f"{len(paths)} cuBLAS libraries mapped in this process ({paths})")
-            _bound.append(ok)
+            lt = ok and len(lt_paths) == 1 and lib.fo_cublaslt_bind(lt_paths[0].encode()) == 0
+            if ok and not lt:
+                log.info("flashoverlap: the gather route's GEMMs run through cublasGemmEx: %s",
+                         lib.fo_last_error().decode() if len(lt_paths) == 1 else
+                         f"{len(lt_paths)} cuBLASLt libraries mapped in this process ({lt_paths})")
+            _bound.extend((ok, lt))
     return _bound[0]
 
 
-def mapped_cublas(maps: Iterable[str]) -> list[str]:
-    """The distinct cuBLAS libraries (``libcublas.so*``, not cuBLASLt) among ``/proc/self/maps`` lines (the path is
-    the sixth field; a deleted file's ``(deleted)`` mark is a seventh), sorted."""
+def lt_bound() -> bool:
+    """Whether ``bind`` bound cuBLASLt too (False before ``bind`` ran)."""
+    return len(_bound) > 1 and _bound[1]
+
+
+def mapped_libraries(maps: Iterable[str], prefix: str) -> list[str]:
+    """The distinct libraries whose file name starts with ``prefix`` (``libcublas.so``: cuBLAS, not cuBLASLt;
+    ``libcublasLt.so``) among ``/proc/self/maps`` lines (the path is the sixth field; a deleted file's
+    ``(deleted)`` mark is a seventh), sorted."""
     paths = set()
     for line in maps:
         fields = line.split()
-        if len(fields) >= 6 and fields[5].rsplit("/", 1)[-1].startswith("libcublas.so"):
+        if len(fields) >= 6 and fields[5].rsplit("/", 1)[-1].startswith(prefix):
             paths.add(fields[5])
     return sorted(paths)
+
+
+def workspace(device: torch.device, experiments: frozenset[str], capturing: bool) -> torch.Tensor | None:
+    """cuBLASLt's workspace on ``device`` (made once, outside any graph pool), or None where the GEMMs take
+    ``cublasGemmEx``: inside a capture, under the experiment ``gather_gemm_ex``, or without cuBLASLt bound."""
+    if capturing or GEMM_EX_EXPERIMENT in experiments or not lt_bound():
+        return None
+    ws = _workspaces.get(device.index)
+    if ws is None:
+        ws = _workspaces[device.index] = streams.persistent(  # outside any CUDA-graph pool
+            device.index, lambda: torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device))
+    return ws
 
 
 def _tunable_on() -> bool:
@@ -133,16 +173,28 @@ def usable(dtype: torch.dtype, experiments: frozenset[str], probe) -> bool:
             and not getattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", False) and bind())
 
 
-def run(p: GatherGemmArgs, weights: list[torch.Tensor], a: torch.Tensor, staging: torch.Tensor, events: list,
-        outs: list[torch.Tensor], cur: int) -> None:
-    """The GEMMs of a call (``fo_gather_gemms``) on the caller's stream ``cur`` (raw), after ``fo_gather_call``,
-    counted ``gather:library_gemms``; raises ``KernelLibraryError`` where the library or cuBLAS refused (the caller
-    still joins and poisons)."""
-    p.a, p.staging, p.cur_stream = a.data_ptr(), staging.data_ptr(), cur
-    p.handle = torch.cuda.current_blas_handle()  # torch's, bound to cur with its workspace (as torch.mm gets it)
+def fill(p: GatherGemmArgs, weights: list[torch.Tensor], a: torch.Tensor, events: list, outs: list[torch.Tensor],
+         cur: int, ws: torch.Tensor | None) -> None:
+    """Every per-call field of ``p`` but ``staging`` (the shards' tensor, known once the call's slot set is): the
+    pointers, torch's cuBLAS handle of this thread bound to ``cur`` (as ``torch.mm`` gets it), the pull events, the
+    workspace (None: ``cublasGemmEx``)."""
+    p.a, p.cur_stream = a.data_ptr(), cur
+    p.handle = torch.cuda.current_blas_handle()
     for r in range(p.world):
         p.shard_events[r] = events[r].cuda_event if r != p.rank else None
     for i, (w, out) in enumerate(zip(weights, outs, strict=True)):
         p.weights[i], p.outputs[i] = w.data_ptr(), out.data_ptr()
-    kernels.check(kernels.library().fo_gather_gemms(ctypes.byref(p)), "fo_gather_gemms")
+    p.workspace, p.workspace_bytes = (None, 0) if ws is None else (ws.data_ptr(), ws.numel())
+
+
+def run_call(lib, call: ctypes.Structure, p: GatherGemmArgs, shards: torch.Tensor) -> tuple[int, int]:
+    """One call of the gather protocol with its GEMMs (``fo_gather_run``): ``call``'s and ``p``'s fields all set but
+    ``p.staging`` (set here from ``shards``); returns (the call's or the GEMMs' status, the finish's status), counted
+    ``gather:library_gemms`` (and ``gather:cublaslt`` where the GEMMs had a workspace)."""
+    p.staging = shards.data_ptr()
+    finish_rc = ctypes.c_int32(0)
+    rc = lib.fo_gather_run(ctypes.byref(call), ctypes.byref(p), ctypes.byref(finish_rc))
     stats["gather:library_gemms"] += 1
+    if p.workspace:
+        stats["gather:cublaslt"] += 1
+    return rc, finish_rc.value

@@ -11,7 +11,8 @@ share one GPU works too, under ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``). 
   (``cudaMemcpyAsync``: the copy engine, no SM) and record ``j``'s event; tell ``j`` its buffer is read;
 - on the caller's stream, meanwhile: the local shard's GEMMs (cuBLAS, ``schedule.gather.shard_gemm`` into
   ``shard_view``), then each pulled shard's after its event; where ``gather_gemms`` takes the call, all of them in
-  one library call (``fo_gather_gemms``: torch's cuBLAS, handle and arguments, the same results);
+  the library (torch's cuBLAS and handle, cuBLASLt with plans kept per shape outside captures), and the call with
+  its GEMMs and its finish is one library call (``fo_gather_run``);
 - ``fo_gather_finish``: the caller's stream joins the copy stream, and one kernel fills every output (each ``y_i``
   and, when returned, the gathered rows) with NaN while the group's fault block holds a fault.
 
@@ -307,13 +308,19 @@ def finish(lib, p: GatherArgs, ws: GatherWorkspace, used: tuple, route: str) -> 
     on it, and, while the call's own error propagates, this one is logged."""
     rc = lib.fo_gather_finish(ctypes.byref(p))
     if rc != 0:
-        for t in used:
-            if t is not None:
-                t.record_stream(ws.flags.copy)
+        unjoined(ws, used)
         if sys.exc_info()[0] is not None:
             log.warning("flashoverlap %s: fo_gather_finish after a failed call: %s", route,
                         lib.fo_last_error().decode())
     return rc
+
+
+def unjoined(ws: GatherWorkspace, used: tuple) -> None:
+    """After a finish that could not join: ``used``'s tensors (None skipped) recorded on the copy stream, which may
+    still read or write them."""
+    for t in used:
+        if t is not None:
+            t.record_stream(ws.flags.copy)
 
 
 def slot_views(ws: GatherWorkspace, rank: int, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple:
@@ -377,6 +384,9 @@ class GatherPeerRoute(symmetric.SymmetricRoute):
         native = launch.gemms if launch.gemms is not None and gather_gemms.usable(
             a.dtype, ctx.settings.experiments, probe) else None
         stream = torch.cuda.current_stream(device) if native is None else None
+        if native is not None:  # the call, its GEMMs and its finish in one library call (routes/gather_gemms.py)
+            gather_gemms.fill(native, ctx.b, a, events, outs, cur,
+                              gather_gemms.workspace(device, ctx.settings.experiments, ctx.capturing))
         if probe is not None:  # the timeline tool's call: its own timing events for the pulls, marks on cur
             events = probe_events(probe, p, launch.rank, geo.world)
             probe.mark("start", stream)
@@ -385,28 +395,31 @@ class GatherPeerRoute(symmetric.SymmetricRoute):
         slots = receive_slots(launch, ws, a.dtype) if push else None
         p.slot_set = next_slot_set(ctx.group, device) if push else 0
         shards = slots[p.slot_set] if push else staging  # what the GEMMs read shard j from
-        rc = lib.fo_gather_call(ctypes.byref(p))
-        try:
-            if rc == 0 and native is not None:  # the GEMMs in one library call (routes/gather_gemms.py)
-                gather_gemms.run(native, ctx.b, a, shards, events, outs, cur)
-            elif rc == 0:  # the GEMMs: the local shard's now, each pulled shard's after its event
-                if probe is not None:
-                    probe.mark("gemm_start", stream)  # after cur's wait for the handshake, if any
-                for step, j in enumerate(schedule.arrival_order(launch.rank, geo.world)):
-                    x = a
-                    if step:
-                        stream.wait_event(events[j])
-                        x = shards[j]
-                    for w, c, out in zip(ctx.b, bias, outs, strict=True):
-                        schedule.shard_gemm(x, w, c, schedule.shard_view(out, geo, j))
+        if native is not None:
+            rc, rc_finish = gather_gemms.run_call(lib, p, native, shards)
+            if rc_finish != 0:
+                unjoined(ws, (a, staging))
+        else:
+            rc = lib.fo_gather_call(ctypes.byref(p))
+            try:
+                if rc == 0:  # the GEMMs: the local shard's now, each pulled shard's after its event
                     if probe is not None:
-                        probe.mark(f"gemm_done:{j}", stream)
-        finally:  # joined and poisoned whatever happened above: the copy stream never outlives the call's tensors
-            rc_finish = finish(lib, p, ws, (a, staging), NAME)
-            if probe is not None:
-                probe.mark("end", stream)
-                put_events(p, ws.flags.events, launch.rank, geo.world)  # the memoized struct: the flags' again
-        kernels.check(rc, "fo_gather_call")
+                        probe.mark("gemm_start", stream)  # after cur's wait for the handshake, if any
+                    for step, j in enumerate(schedule.arrival_order(launch.rank, geo.world)):
+                        x = a
+                        if step:
+                            stream.wait_event(events[j])
+                            x = shards[j]
+                        for w, c, out in zip(ctx.b, bias, outs, strict=True):
+                            schedule.shard_gemm(x, w, c, schedule.shard_view(out, geo, j))
+                        if probe is not None:
+                            probe.mark(f"gemm_done:{j}", stream)
+            finally:  # joined and poisoned whatever happened above: the copy stream never outlives the call's tensors
+                rc_finish = finish(lib, p, ws, (a, staging), NAME)
+                if probe is not None:
+                    probe.mark("end", stream)
+                    put_events(p, ws.flags.events, launch.rank, geo.world)  # the memoized struct: the flags' again
+        kernels.check(rc, "fo_gather_call" if native is None else "fo_gather_run")
         kernels.check(rc_finish, "fo_gather_finish")
         if not ctx.return_gathered:
             return outs
