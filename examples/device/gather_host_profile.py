@@ -127,10 +127,10 @@ def main() -> None:
     per_round = max(40, args.calls // args.rounds)
     rounds: dict[str, list[float]] = defaultdict(list)
     for r in range(args.rounds):  # the variants interleaved, in a rotated order per round
-        names = list(timers)
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            rounds[name].append(timers[name](per_round, batch=20, sync=dist.barrier))
-    medians = tm.reduce_max([statistics.median(rounds[name]) for name in timers])
+        order = list(timers)  # (not ``name``: the group's name, which the variants read)
+        for variant in order[r % len(order):] + order[:r % len(order)]:
+            rounds[variant].append(timers[variant](per_round, batch=20, sync=dist.barrier))
+    medians = tm.reduce_max([statistics.median(rounds[variant]) for variant in timers])
     lib_us = library_calls_us(fused, args.calls)
     stage_us = stages_us(fused, args.calls)
     line_us = lines_us(fused, args.calls) if args.lines else {}
@@ -144,7 +144,7 @@ def main() -> None:
               f"through cuBLASLt {routes.stats['gather:cublaslt']}; Python threads: "
               f"{sorted(t.name for t in threading.enumerate())}")
         print(f"host us per call (median of {args.rounds} interleaved rounds of {per_round} calls, max over ranks): "
-              + ", ".join(f"{name} {us:.1f}" for name, us in zip(timers, medians, strict=True)))
+              + ", ".join(f"{variant} {us:.1f}" for variant, us in zip(timers, medians, strict=True)))
         print("library calls, host us per fused call (rank 0): "
               + ", ".join(f"{name} {us:.1f}" for name, us in sorted(lib_us.items(), key=lambda kv: -kv[1])))
         print("stages, host us per fused call, each without the stages inside it (rank 0, no profiler): "
