@@ -257,9 +257,11 @@ def _expect_timeout(fn) -> str:
 
 
 CASE = ((256, 512), 0, [384, 128], True, True)  # shape, gather_dim, N, bias, return_gathered
+LIB_CASE = ((256, 512), 0, [384, 128], False, True)  # no bias: the call and its GEMMs in one library call
+FAULT_CASES = {"python GEMMs": CASE, "one library call": LIB_CASE}
 
 
-def late_rank_task(start: str) -> dict:
+def late_rank_task(start: str, case: tuple = CASE) -> dict:
     """The last rank comes STALL_S late to one call: the others' waits give up at the bound, every rank's outputs
     of that call are NaN and every rank raises; the next call resynchronizes the group (every rank raised) and is
     correct, with no reset."""
@@ -269,7 +271,7 @@ def late_rank_task(start: str) -> dict:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     late = rank == world - 1
-    shape, gdim, ns, bias, ret = CASE
+    shape, gdim, ns, bias, ret = case
     routes.reset()
     out: dict = {"late": late}
     with config.patch(wait_timeout_ms=SHORT_MS, **_start(start)):
@@ -295,13 +297,16 @@ def late_rank_task(start: str) -> dict:
         routes.check()
     out["after"] = routes.stats["route:gather_peer"]
     out["resyncs"] = routes.stats["resync"]
+    out["library"] = routes.stats["gather:library_gemms"]
     return out
 
 
+@pytest.mark.parametrize("case", FAULT_CASES)
 @pytest.mark.parametrize("start", STARTS)
-def test_gather_peer_late_rank_poisons_and_raises_everywhere(pool, start):
-    per_rank = pool.run(late_rank_task, start)
+def test_gather_peer_late_rank_poisons_and_raises_everywhere(pool, start, case):
+    per_rank = pool.run(late_rank_task, start, FAULT_CASES[case])
     for r in per_rank:
+        assert r["library"] == (r["after"] if FAULT_CASES[case] is LIB_CASE else 0), per_rank
         assert r["pending"] and r["poisoned"], per_rank
         assert r["error"].startswith("raised") and "gather_peer" in r["error"], per_rank
         assert r["routed"] == 2 and r["after"] == 3 and r["resyncs"] == 1, per_rank
@@ -309,7 +314,7 @@ def test_gather_peer_late_rank_poisons_and_raises_everywhere(pool, start):
             assert r["elapsed_s"] < SHORT_MS / 1e3 + SLACK_S, per_rank
 
 
-def missing_rank_task(start: str) -> dict:
+def missing_rank_task(start: str, case: tuple = CASE) -> dict:
     """The last rank skips a call: the others' waits give up at the bound, their outputs are NaN and they raise; the
     skipper raises too, in ``routes.check()`` (their waits wrote the fault into its block). The flags are a call
     apart then (a skipped call consumes no epoch), and nobody resets: every rank's next call first resynchronizes
@@ -321,7 +326,7 @@ def missing_rank_task(start: str) -> dict:
     from flashoverlap_inductor.runtime import faults
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    shape, gdim, ns, bias, ret = CASE
+    shape, gdim, ns, bias, ret = case
     routes.reset()
     out: dict = {"skips": rank == world - 1}
     with config.patch(wait_timeout_ms=SHORT_MS, **_start(start)):
@@ -347,13 +352,16 @@ def missing_rank_task(start: str) -> dict:
     out["after"] = routes.stats["route:gather_peer"]
     out["resyncs"] = routes.stats["resync"]
     out["marked_after"] = bool(faults.marked())
+    out["library"] = routes.stats["gather:library_gemms"]
     return out
 
 
+@pytest.mark.parametrize("case", FAULT_CASES)
 @pytest.mark.parametrize("start", STARTS)
-def test_gather_peer_missing_rank_times_out(pool, start):
-    per_rank = pool.run(missing_rank_task, start)
+def test_gather_peer_missing_rank_times_out(pool, start, case):
+    per_rank = pool.run(missing_rank_task, start, FAULT_CASES[case])
     for r in per_rank:
+        assert r["library"] == (r["after"] if FAULT_CASES[case] is LIB_CASE else 0), per_rank
         assert r["error"].startswith("raised") and "gather_peer" in r["error"], per_rank  # every rank raised
         assert r["marked"] and r["resyncs"] == 1 and not r["marked_after"], per_rank
         assert r["after"] == (3 if r["skips"] else 4), per_rank  # both calls after the fault took the route
