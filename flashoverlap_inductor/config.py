@@ -213,6 +213,8 @@ class Settings:
     # resolved per graph from its kind alone (the same on every rank). 2 H200s, Llama-3-8B sp (38th session): "off"
     # put every reduce_scatter on the pull route and lost prefill (0.968x of Inductor against 1.055x: host-bound);
     # in training "auto" ran level with "on" (99.64 against 99.74 ms per step, within the spread), so "on" stays.
+    # A graph that Inductor replays as a CUDA graph (mode="reduce-overhead") leaves the floors out whatever this says
+    # (passes/gemm_collective.graph_settings): no call of it is issued from the host one by one.
     host_floors: str = "on"
     # Sequence parallelism made from a tensor-parallel inference graph's all_reduces (passes/tp_sequence.py): each
     # sum all_reduce of a GEMM's output that row-wise ops (residual add, RMSNorm) read becomes a reduce_scatter,

@@ -152,6 +152,11 @@ class TestHostFloors(FakePGTestCase):
             self.assertIs(graph_settings(settings, "backward"), settings)
             self.assertIs(graph_settings(settings, "inference"), settings)
         self.assertFalse(auto.replace(host_floors="off").counts_host())
+        for fixed in ("auto", "on"):  # a graph replayed from a CUDA graph: the floors out, whatever the setting
+            for kind in ("forward", "backward", "inference", None):
+                self.assertEqual(graph_settings(auto.replace(host_floors=fixed), kind, True).host_floors, "off")
+        off = auto.replace(host_floors="off")
+        self.assertIs(graph_settings(off, "inference", True), off)
 
     def _kinds_seen(self, requires_grad: bool, options: dict | None = None) -> list[str]:
         """Compile and run ``x @ w`` (then backward where ``w`` requires grad) with the real backend; the
@@ -181,6 +186,12 @@ class TestHostFloors(FakePGTestCase):
     def test_an_explicit_setting_holds_in_every_graph(self):
         self.assertEqual(self._kinds_seen(True), ["on", "on"])  # the default
         self.assertEqual(self._kinds_seen(True, {"flashoverlap.host_floors": "off"}), ["off", "off"])
+
+    def test_graphs_replayed_by_cuda_graphs_leave_them_out(self):
+        """Under Inductor's CUDA graphs (``mode="reduce-overhead"``'s ``triton.cudagraphs``) every graph is rewritten
+        with the floors out, an explicit "on" (the default) too: its ops' route choice weighs GPU time alone."""
+        self.assertEqual(self._kinds_seen(False, {"triton.cudagraphs": True}), ["off"])
+        self.assertEqual(self._kinds_seen(True, {"triton.cudagraphs": True}), ["off", "off"])
 
     def test_the_route_choice_follows_it(self):
         """Llama-3-8B sp's o_proj reduce_scatter (4096 x 4096, K 2048 per rank; 2 H200s' data): the peer route

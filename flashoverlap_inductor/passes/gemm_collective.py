@@ -37,9 +37,14 @@ aten = torch.ops.aten
 TRAINING_KINDS = ("forward", "backward")  # the graphs of a training step (an inference graph: "inference")
 
 
-def graph_settings(settings: config.Settings, kind: str | None) -> config.Settings:
+def graph_settings(settings: config.Settings, kind: str | None, cudagraphs: bool = False) -> config.Settings:
     """The settings a graph of ``kind`` is rewritten under: ``host_floors="auto"`` becomes "off" in the graphs of a
-    training step and "on" elsewhere (``config.Settings.host_floors``); other settings are returned as they are."""
+    training step and "on" elsewhere (``config.Settings.host_floors``); in a graph Inductor replays as a CUDA graph
+    (``cudagraphs``: its ``triton.cudagraphs``, e.g. ``mode="reduce-overhead"``) every floor is left out ("off"),
+    so the fused ops' own choices (the reduce_scatter route) weigh GPU time alone, as the pass's verdicts there do
+    (``FlashOverlapPass.without_host``); other settings are returned as they are."""
+    if cudagraphs and settings.host_floors != "off":
+        return settings.replace(host_floors="off")
     if settings.host_floors != "auto":
         return settings
     return settings.replace(host_floors="off" if kind in TRAINING_KINDS else "on")
@@ -53,7 +58,7 @@ class FlashOverlapPass(compat.CustomGraphPass):
     them to every fused op it emits (``Settings.key()``) and hashes them whole into ``uuid()``, so the FX graph
     cache never serves a graph compiled under other settings. ``graph_kind`` ("forward", "backward", "inference" or
     None: unknown) is the kind of the graph being compiled, set by the backend around each graph's compilation; a
-    graph is rewritten under ``graph_settings(settings, graph_kind)`` (``host_floors="auto"`` resolved), which its
+    graph is rewritten under ``graph_settings(settings, graph_kind, ...)`` (``host_floors`` resolved), which its
     fused ops carry. Inductor's FX graph cache keys the graph's kind (``is_backward``, ``is_inference``) besides
     ``uuid()``.
     """
@@ -67,7 +72,7 @@ class FlashOverlapPass(compat.CustomGraphPass):
     # ------------------------------------------------------------------------------------------------ driver
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        settings = graph_settings(self.settings, self.graph_kind)
+        settings = graph_settings(self.settings, self.graph_kind, compat.cudagraphs_enabled())
         local = self if settings is self.settings else FlashOverlapPass(settings)
         with config.using(settings):  # the cost model reads the settings captured at compile time
             if settings.fuse != "never":  # first: its reduce_scatters and all_gathers are the main pass's to fuse
