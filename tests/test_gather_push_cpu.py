@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from flashoverlap_inductor import config, routes
-from flashoverlap_inductor.routes import gather_peer, gather_start
+from flashoverlap_inductor.routes import gather_peer, gather_protocol, gather_start
 
 HEADER = Path(__file__).resolve().parents[1] / "csrc" / "flashoverlap_sm90.h"
 
@@ -146,31 +146,31 @@ def test_push_set_count_restarts_with_the_flags(monkeypatch):
 
 def test_gather_args_match_the_c_header():
     header = HEADER.read_text()
-    for name, value in (("MAX_WORLD", gather_peer.MAX_WORLD), ("MAX_OUTPUTS", gather_peer.MAX_OUTPUTS),
+    for name, value in (("MAX_WORLD", gather_protocol.MAX_WORLD), ("MAX_OUTPUTS", gather_protocol.MAX_OUTPUTS),
                         ("SLOT_SETS", gather_start.SLOT_SETS), ("PUSH", gather_start.PUSH),
                         ("GEMM_AFTER_HANDSHAKE", gather_start.GEMM_AFTER_HANDSHAKE),
                         ("COPY_NOTIFY", gather_start.COPY_NOTIFY)):
         assert f"#define FO_GATHER_{name} {value}\n" in header
-    assert f"#define FO_GATHER_FLAG_INTS ({gather_peer.FLAG_INTS // gather_peer.MAX_WORLD} * FO_GATHER_MAX_WORLD)" \
-        in header
+    per_rank = gather_protocol.FLAG_INTS // gather_protocol.MAX_WORLD
+    assert f"#define FO_GATHER_FLAG_INTS ({per_rank} * FO_GATHER_MAX_WORLD)" in header
     # the page: ready, done, then done and ready per set, then the sets' own counters (pushes, reads) and epoch
     # snapshots (3+ ranks), all before the fault block; the C side asserts its layout and fo_gather_args's size and
     # slot_set's offset
-    sets, most = gather_start.SLOT_SETS, gather_peer.MAX_WORLD
-    assert (2 + 2 * sets) * most + 3 * sets <= gather_peer.FLAG_INTS
+    sets, most = gather_start.SLOT_SETS, gather_protocol.MAX_WORLD
+    assert (2 + 2 * sets) * most + 3 * sets <= gather_protocol.FLAG_INTS
     source = (HEADER.parent / "gather_call.cu").read_text()
     chain = ["kSetDone = 2 * kMaxWorld;", "kSetReady = kSetDone + kSlotSets * kMaxWorld;",
              "kSetUses = kSetReady + kSlotSets * kMaxWorld;", "kSetReads = kSetUses + kSlotSets;",
              "kSetEpoch = kSetReads + kSlotSets;", "static_assert(kSetEpoch + kSlotSets <= FO_GATHER_FLAG_INTS"]
     assert all(f in source for f in chain), [f for f in chain if f not in source]
     size = re.search(r"sizeof\(fo_gather_args\) == (\d+) && offsetof\(fo_gather_args, slot_set\) == (\d+)", source)
-    assert size and (ctypes.sizeof(gather_peer.GatherArgs), gather_peer.GatherArgs.slot_set.offset) == (
+    assert size and (ctypes.sizeof(gather_protocol.GatherArgs), gather_protocol.GatherArgs.slot_set.offset) == (
         int(size.group(1)), int(size.group(2)))
     start = header.index("typedef struct {", header.index("#define FO_GATHER_PUSH"))
     body = re.sub(r"/\*.*?\*/", "", header[start:header.index("} fo_gather_args;")], flags=re.S)
     names = [m for decl in body[len("typedef struct {"):].split(";") if decl.strip()
              for m in re.findall(r"\**(\w+)(?:\[\w+\])?\s*(?:,|$)", decl.strip())]
-    assert names == [f for f, _ in gather_peer.GatherArgs._fields_]
+    assert names == [f for f, _ in gather_protocol.GatherArgs._fields_]
 
 
 @pytest.mark.parametrize("start, world, on, expect", [

@@ -195,7 +195,7 @@ def test_execute_pulls_the_peers_part_into_the_right_rows(monkeypatch, form, pus
     import ctypes
     from types import SimpleNamespace
 
-    from flashoverlap_inductor.routes import gather_peer, gather_start
+    from flashoverlap_inductor.routes import gather_peer, gather_protocol, gather_start
 
     gen = torch.Generator().manual_seed(5)
     rows, k, n = 8, 16, 24  # a: [2, 4, k] per rank (3-D: halves are whole dim-0 elements)
@@ -262,5 +262,5 @@ def test_execute_pulls_the_peers_part_into_the_right_rows(monkeypatch, form, pus
             if probed:
                 assert ctx.probe.names == ["start", "part", "pull:0", "pull:1", "own_start", "own", "arrived",
                                            "add", "end"]
-                assert list(launch.args[-1].shard_events) == [None] * gather_peer.MAX_WORLD  # the flags' again
+                assert list(launch.args[-1].shard_events) == [None] * gather_protocol.MAX_WORLD  # the flags' again
     assert calls == ({0: 3, 1: 3} if push else {0: 0, 1: 0})

@@ -207,9 +207,9 @@ def stages_us(fn, calls: int) -> dict[str, float]:
     profiler: ``op`` (the call as the caller sees it: the dispatcher and ``ops``' own checks), ``dispatch``
     (``routes.dispatch``: the settings), ``_dispatch`` (the memo, locks, faults), ``execute`` (the route),
     ``library`` (``gather_gemms.run_call``: the protocol's call, the GEMMs and the finish in one library call),
-    ``finish`` (``gather_peer.finish``: the Python loop's); each found by wrapping it for ``calls``
+    ``finish`` (``gather_protocol.finish``: the Python loop's); each found by wrapping it for ``calls``
     calls (the wrappers' own cost, ~0.3 us each, lands in the enclosing stage)."""
-    from flashoverlap_inductor.routes import gather_gemms, gather_peer, scatter_pull
+    from flashoverlap_inductor.routes import gather_gemms, gather_peer, gather_protocol, scatter_pull
 
     totals: dict[str, int] = defaultdict(int)
     stack: list[list[int]] = []  # per open stage: [start ns, ns spent in stages nested in it]
@@ -228,7 +228,8 @@ def stages_us(fn, calls: int) -> dict[str, float]:
         return wrapper
 
     patches = [(routes, "dispatch"), (routes, "_dispatch"), (gather_peer.GatherPeerRoute, "execute"),
-               (scatter_pull.ScatterPullRoute, "execute"), (gather_gemms, "run_call"), (gather_peer, "finish")]
+               (scatter_pull.ScatterPullRoute, "execute"), (gather_gemms, "run_call"), (gather_peer, "finish"),
+               (gather_protocol, "finish")]  # the gather route's name for it and the pull route's
     saved = [(obj, name, obj.__dict__[name]) for obj, name in patches]
     for obj, name, real in saved:
         setattr(obj, name, timed(name if name != "run_call" else "library", real))

@@ -41,14 +41,14 @@ from flashoverlap_inductor.native import kernels
 from flashoverlap_inductor.runtime import streams
 
 from .base import stats
+from .gather_protocol import MAX_OUTPUTS, MAX_WORLD
 
 log = logging.getLogger("flashoverlap")
 
 EXPERIMENT = "gather_torch_gemms"
 GEMM_EX_EXPERIMENT = "gather_gemm_ex"
 WORKSPACE_BYTES = 32 << 20  # cuBLASLt's workspace per device (cuBLAS's own on Hopper: 32 MiB)
-MAX_WORLD = 8  # FO_GATHER_MAX_WORLD (gather_peer.MAX_WORLD; not imported: gather_peer imports this module)
-MAX_WEIGHTS = 8  # FO_GATHER_MAX_OUTPUTS
+MAX_WEIGHTS = MAX_OUTPUTS  # FO_GATHER_MAX_OUTPUTS: the GEMMs' outputs
 # cudaDataType_t of the dtypes taken: bf16 only, the one run on a GPU (the library also takes fp16, 2: never run)
 ELEM_TYPES = {torch.bfloat16: 14}
 _REDUCTION_ALLOWED = {torch.bfloat16: "allow_bf16_reduced_precision_reduction"}

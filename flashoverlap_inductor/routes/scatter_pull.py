@@ -70,7 +70,7 @@ from flashoverlap_inductor.runtime import faults
 
 from .. import _inductor_compat as compat
 from ..cost_model import pull, registry
-from . import gather_peer, gather_start, peer, symmetric
+from . import gather_peer, gather_protocol, gather_start, peer, symmetric
 from .base import note
 
 log = logging.getLogger("flashoverlap")
@@ -160,7 +160,7 @@ class ScatterLaunch:
     launch_id: int = 0
     options: int = gather_start.GEMM_AFTER_HANDSHAKE
     buffer_bytes: int = 0
-    args: dict[int, gather_peer.GatherArgs] = field(default_factory=dict)  # workspace serial -> args
+    args: dict[int, gather_protocol.GatherArgs] = field(default_factory=dict)  # workspace serial -> args
     slots: dict[int, tuple] = field(default_factory=dict)  # push: workspace serial -> per set [2, half, n]
 
 
@@ -205,23 +205,24 @@ def make_launch(call, settings: config.Settings, ctx) -> ScatterLaunch | str:
                          options, buffer_bytes)
 
 
-def args_for(launch: ScatterLaunch, ws: gather_peer.GatherWorkspace) -> gather_peer.GatherArgs:
-    """The protocol's struct (``gather_peer.new_args``: 2 ranks, one output, no own copy), memoized per workspace."""
+def args_for(launch: ScatterLaunch, ws: gather_protocol.GatherWorkspace) -> gather_protocol.GatherArgs:
+    """The protocol's struct (``gather_protocol.new_args``: 2 ranks, one output, no own copy), memoized per
+    workspace."""
     p = launch.args.get(ws.serial)
     if p is None:
-        p = launch.args[ws.serial] = gather_peer.new_args(ws, 2, launch.rank, launch.shard_bytes, launch.dtype,
+        p = launch.args[ws.serial] = gather_protocol.new_args(ws, 2, launch.rank, launch.shard_bytes, launch.dtype,
                                                           launch.launch_id, launch.timeout_ns, launch.options)
         p.copy_own, p.num_outputs = 0, 1
     return p
 
 
-def receive_buffer(launch: ScatterLaunch, ws: gather_peer.GatherWorkspace) -> tuple:
-    """Push: this rank's receive slots, one ``[2, half_rows, n]`` view per set (at ``gather_peer.set_bytes`` apart);
+def receive_buffer(launch: ScatterLaunch, ws: gather_protocol.GatherWorkspace) -> tuple:
+    """Push: this rank's receive slots, one ``[2, half_rows, n]`` view per set (at ``gather_protocol.set_bytes`` apart);
     ``[b][j]`` is where rank ``j``'s part of this rank's rows lands in a set-``b`` call (made once per workspace and
     kept with the launch)."""
     views = launch.slots.get(ws.serial)
     if views is None:
-        views = launch.slots[ws.serial] = gather_peer.slot_views(ws, launch.rank, launch.dtype,
+        views = launch.slots[ws.serial] = gather_protocol.slot_views(ws, launch.rank, launch.dtype,
                                                                  (2, launch.half_rows, launch.n))
     return views
 
@@ -285,7 +286,7 @@ class ScatterPullRoute:
         events = ws.flags.events
         if probe is not None:
             probe.mark("part", stream)  # the peer's half computed
-            events = gather_peer.probe_events(probe, p, rank, 2)  # "pull:<peer>": its part landed here
+            events = gather_protocol.probe_events(probe, p, rank, 2)  # "pull:<peer>": its part landed here
         rc = lib.fo_gather_call(ctypes.byref(p))
         try:
             if rc == 0:  # the own half now (after the handshake, if any), then the peer's part of it once arrived
@@ -302,9 +303,9 @@ class ScatterPullRoute:
                 if probe is not None:
                     probe.mark("add", stream)
         finally:  # joined and poisoned whatever happened above: the copy stream never outlives the call's tensors
-            rc_finish = gather_peer.finish(lib, p, ws, (part, staging), NAME)
+            rc_finish = gather_protocol.finish(lib, p, ws, (part, staging), NAME)
             if probe is not None:
-                gather_peer.put_events(p, ws.flags.events, rank, 2)  # the memoized struct: the flags' again
+                gather_protocol.put_events(p, ws.flags.events, rank, 2)  # the memoized struct: the flags' again
                 probe.mark("end", stream)
         kernels.check(rc, "fo_gather_call")
         kernels.check(rc_finish, "fo_gather_finish")
