@@ -443,8 +443,8 @@ FO_API int fo_gather_finish(const fo_gather_args* args);
  * With `workspace` (and the cuBLASLt torch loaded bound by fo_cublaslt_bind): each GEMM is one cublasLtMatmul on the
  * handle cast to cuBLASLt's, with the descriptors and the heuristic's first algorithm for its shape made once per
  * (device, shape, workspace_bytes) and kept (the same product, compute and scale type as cublasGemmEx's; about half
- * its host time per GEMM); a shape the heuristic has no algorithm for stays on cublasGemmEx. The workspace is the
- * caller's, used in stream order on cur_stream only. */
+ * its host time per GEMM); a shape the heuristic has no algorithm for, or a GEMM with an operand off a 256-byte
+ * boundary, takes cublasGemmEx. The workspace is the caller's, used in stream order on cur_stream only. */
 typedef struct {
   int32_t world, rank;
   int64_t rows, k;                               /* a shard's rows (>= 2) and K (>= 2) */

@@ -15,12 +15,13 @@
 // loaded), each GEMM is one cublasLtMatmul of the same product (A = w with op_w, B = x, D = out; compute type
 // CUBLAS_COMPUTE_32F, scale type fp32) on torch's handle cast to cuBLASLt's (cuBLAS's handle is one), with its
 // descriptors and the heuristic's first algorithm made once per (device, element type, op_w, N, rows, K, workspace
-// bytes) and kept for the process: cublasGemmEx runs that heuristic on every call. fo_gather_run puts the protocol's
-// two calls around the GEMMs, so a call of the route is one host call.
+// bytes) and kept for the process: cublasGemmEx runs that heuristic on every call. A GEMM with an operand off a
+// 256-byte boundary (the heuristic's assumption) takes cublasGemmEx. fo_gather_run puts the protocol's two calls
+// around the GEMMs, so a call of the route is one host call.
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 
-#include <array>
+#include <cstdint>
 #include <map>
 #include <mutex>
 #include <string>
@@ -103,6 +104,10 @@ int rc_device(int* device) {
   return e == cudaSuccess ? 0 : fail_code(100 + int(e), std::string("fo_gather_gemms: cudaGetDevice: ") +
                                                            cudaGetErrorString(e));
 }
+
+// Whether p lies on a 256-byte boundary: what the heuristic assumes of every operand unless told otherwise
+// (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES default 256), so a plan runs only on operands that are.
+bool aligned256(void const* p) { return (reinterpret_cast<uintptr_t>(p) & 255u) == 0; }
 
 // One GEMM shape's cuBLASLt plan, made once and kept (never destroyed: a handful per model). usable false: the
 // heuristic found no algorithm within the workspace, and the shape stays on cublasGemmEx.
@@ -251,7 +256,7 @@ FO_API int fo_gather_gemms(const fo_gather_gemm_args* args) {
       int64_t const n = p.n[w];
       char* out = static_cast<char*>(p.outputs[w]) + int64_t(j) * p.rows * n * elem;
       int const op_w = p.weight_transposed[w] ? kOpT : kOpN;
-      if (use_lt) {
+      if (use_lt && aligned256(p.weights[w]) && aligned256(x) && aligned256(out)) {  // else cublasGemmEx
         LtPlan const* plan = nullptr;
         LtKey const key{device, p.elem_type, op_w, n, p.rows, p.k, p.workspace_bytes};
         if ((rc = lt_plan(p.handle, key, &plan)) != 0) break;

@@ -21,7 +21,8 @@ Outside CUDA-graph captures, where the cuBLASLt torch loaded is bound too (``bin
 persistent workspace of ``WORKSPACE_BYTES`` per device (``workspace``; the route's calls on a device run in stream
 order, ``symmetric.order_after_last``): ``cublasGemmEx`` runs that heuristic on every call. The same product in the
 same compute and scale type; ``tests/test_gpu_gather.py`` compares it with ``torch.mm`` (bit for bit where the
-heuristic picks cuBLAS's algorithm, else within bf16's rounding). The experiment ``gather_gemm_ex`` keeps
+heuristic picks cuBLAS's algorithm, else within bf16's rounding); a GEMM with an operand off a 256-byte boundary (the
+heuristic's assumption) takes ``cublasGemmEx`` inside the library. The experiment ``gather_gemm_ex`` keeps
 ``cublasGemmEx``. Inside a capture ``cublasGemmEx`` always (a replay's host time is nil; no workspace shared with
 eager calls). With the GEMMs in the library, the call is one library call: ``fo_gather_run`` (the protocol's call,
 the GEMMs, the finish; ``run_call``).
