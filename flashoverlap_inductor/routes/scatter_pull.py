@@ -211,7 +211,7 @@ def args_for(launch: ScatterLaunch, ws: gather_protocol.GatherWorkspace) -> gath
     p = launch.args.get(ws.serial)
     if p is None:
         p = launch.args[ws.serial] = gather_protocol.new_args(ws, 2, launch.rank, launch.shard_bytes, launch.dtype,
-                                                          launch.launch_id, launch.timeout_ns, launch.options)
+                                                              launch.launch_id, launch.timeout_ns, launch.options)
         p.copy_own, p.num_outputs = 0, 1
     return p
 
@@ -223,7 +223,7 @@ def receive_buffer(launch: ScatterLaunch, ws: gather_protocol.GatherWorkspace) -
     views = launch.slots.get(ws.serial)
     if views is None:
         views = launch.slots[ws.serial] = gather_protocol.slot_views(ws, launch.rank, launch.dtype,
-                                                                 (2, launch.half_rows, launch.n))
+                                                                     (2, launch.half_rows, launch.n))
     return views
 
 
