@@ -88,7 +88,6 @@ from .gather_protocol import (
     MAX_WORLD,
     GatherArgs,
     GatherFlags,
-    GatherWorkspace,
     finish,
     new_args,
     probe_events,
@@ -105,7 +104,8 @@ NAME = "gather_peer"
 
 
 _flags: dict[tuple[int, str], GatherFlags] = {}
-_workspaces: dict[tuple, list[GatherWorkspace]] = {}  # (device, group) or (device, group, "push") -> by capacity
+# (device, group) or (device, group, "push") -> the shard buffers by capacity
+_workspaces: dict[tuple, list[symmetric.SymmetricBuffer]] = {}
 _groups: dict[str, str | None] = {}  # group name -> why its ranks cannot share symmetric memory (None: they can)
 _push_calls: dict[tuple[int, str], int] = {}  # (device, group) -> push calls issued (the next one's set: % SLOT_SETS)
 
@@ -129,17 +129,17 @@ def flags(group: dist.ProcessGroup, device: torch.device) -> GatherFlags:
 
 
 def workspace(group: dist.ProcessGroup, device: torch.device, need: int,
-              capturing: bool = False, push: bool = False) -> GatherWorkspace | None:
+              capturing: bool = False, push: bool = False) -> symmetric.SymmetricBuffer | None:
     """The smallest shard buffer of (device, group) with ``need`` bytes (``symmetric.smallest_with_room``: None
     inside a capture when none has room); ``push``: from the push schedule's own list (its slots are written by the
     peers, so no buffer serves both schedules)."""
 
-    def make(capacity: int) -> GatherWorkspace:
+    def make(capacity: int) -> symmetric.SymmetricBuffer:
         f = flags(group, device)
         buf, hdl, views = symmetric.symmetric(capacity, group, device, False, list(range(group.size())))
         log.info("flashoverlap gather_peer: symmetric shard buffer of %d MiB on %s, group %s", capacity >> 20,
                  device, group.group_name)
-        return GatherWorkspace(capacity, buf, hdl, views, f, symmetric.next_serial())
+        return symmetric.SymmetricBuffer(capacity, buf, hdl, views, f, symmetric.next_serial())
 
     key = (device.index, group.group_name) + (("push",) if push else ())
     return symmetric.smallest_with_room(_workspaces.setdefault(key, []), need, capturing, make)
@@ -221,7 +221,7 @@ def make_launch(call, settings: config.Settings, ctx) -> GatherLaunch | str:
                         gather_gemms.static_args(ctx, geo, call.rank), faults.launch_id(desc))
 
 
-def args_for(launch: GatherLaunch, ws: GatherWorkspace) -> GatherArgs:
+def args_for(launch: GatherLaunch, ws: symmetric.SymmetricBuffer) -> GatherArgs:
     """The launch's args (``new_args``), memoized per workspace: a call shape maps to one workspace for good."""
     p = launch.args.get(ws.serial)
     if p is None:
@@ -230,7 +230,7 @@ def args_for(launch: GatherLaunch, ws: GatherWorkspace) -> GatherArgs:
     return p
 
 
-def receive_slots(launch: GatherLaunch, ws: GatherWorkspace, dtype: torch.dtype) -> tuple:
+def receive_slots(launch: GatherLaunch, ws: symmetric.SymmetricBuffer, dtype: torch.dtype) -> tuple:
     """The push schedule's per-set ``[world, shard_rows, K]`` views of this rank's receive buffer in ``ws`` (set
     ``b``'s slot ``j``: rank ``j``'s shard of a set-``b`` call), made once per workspace and kept with the launch."""
     views = launch.slots.get(ws.serial)

@@ -21,6 +21,7 @@ import torch
 from flashoverlap_inductor.runtime import faults
 
 from .gather_start import SLOT_SETS
+from .symmetric import SymmetricBuffer
 
 log = logging.getLogger("flashoverlap")
 
@@ -59,26 +60,14 @@ class GatherFlags:
     fault: faults.FaultDomain  # the group's fault block (in ``buf``), which the peers' waits also write
 
 
-@dataclass
-class GatherWorkspace:
-    """A symmetric shard buffer of ``capacity`` bytes per rank, every rank's mapped here."""
-
-    capacity: int
-    buf: torch.Tensor
-    hdl: object
-    views: list[torch.Tensor]
-    flags: GatherFlags
-    serial: int = 0  # ``symmetric.next_serial()``: the key of the argument structs made for it
-
-
-def set_bytes(ws: GatherWorkspace) -> int:
+def set_bytes(ws: SymmetricBuffer) -> int:
     """Bytes from one push slot set to the next in ``ws`` (``fo_gather_args.set_bytes``): its capacity split evenly,
     the same on every rank and for every call shape (a push call needs ``SLOT_SETS * world * shard_bytes`` of room,
     so its ``world`` slots fit in one set)."""
     return ws.capacity // SLOT_SETS
 
 
-def new_args(ws: GatherWorkspace, world: int, rank: int, shard_bytes: int, dtype: torch.dtype, launch_id: int,
+def new_args(ws: SymmetricBuffer, world: int, rank: int, shard_bytes: int, dtype: torch.dtype, launch_id: int,
              timeout_ns: int, options: int) -> GatherArgs:
     """The protocol's struct for calls of one shape on ``ws`` (this route's and ``scatter_pull``'s): the workspace's,
     the flags' and the streams' pointers, the push sets' stride (``set_bytes``), the bound; every per-call field
@@ -111,7 +100,7 @@ def probe_events(probe, p: GatherArgs, rank: int, world: int) -> list:
     return events
 
 
-def finish(lib, p: GatherArgs, ws: GatherWorkspace, used: tuple, route: str) -> int:
+def finish(lib, p: GatherArgs, ws: SymmetricBuffer, used: tuple, route: str) -> int:
     """``fo_gather_finish`` of a call of this protocol (this route's or ``scatter_pull``'s), in its ``finally``: its
     status. Where it could not join, the tensors the copy stream may still use (``used``; None skipped) are recorded
     on it, and, while the call's own error propagates, this one is logged."""
@@ -124,7 +113,7 @@ def finish(lib, p: GatherArgs, ws: GatherWorkspace, used: tuple, route: str) -> 
     return rc
 
 
-def unjoined(ws: GatherWorkspace, used: tuple) -> None:
+def unjoined(ws: SymmetricBuffer, used: tuple) -> None:
     """After a finish that could not join: ``used``'s tensors (None skipped) recorded on the copy stream, which may
     still read or write them."""
     for t in used:
@@ -132,7 +121,7 @@ def unjoined(ws: GatherWorkspace, used: tuple) -> None:
             t.record_stream(ws.flags.copy)
 
 
-def slot_views(ws: GatherWorkspace, rank: int, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple:
+def slot_views(ws: SymmetricBuffer, rank: int, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple:
     """Push: this rank's receive slots in ``ws``, one view of ``shape`` per set (set ``b`` at ``b * set_bytes(ws)``,
     the library's layout; ``shape`` covers the set's ``world`` slots)."""
     step, size = set_bytes(ws), math.prod(shape) * dtype.itemsize

@@ -96,20 +96,8 @@ class RingFlags:
     fault: faults.FaultDomain  # the group's fault block (in ``buf``), which the other ranks' waits also write
 
 
-@dataclass
-class RingWorkspace:
-    """A symmetric workspace of ``capacity`` bytes per rank, every rank's mapped here."""
-
-    capacity: int
-    buf: torch.Tensor
-    hdl: object
-    views: list[torch.Tensor]
-    flags: RingFlags
-    serial: int = 0  # ``symmetric.next_serial()``: the key of the argument structs made for it
-
-
 _flags: dict[tuple[int, str], RingFlags] = {}
-_workspaces: dict[tuple[int, str], list[RingWorkspace]] = {}
+_workspaces: dict[tuple[int, str], list[symmetric.SymmetricBuffer]] = {}
 
 
 def flags(group: dist.ProcessGroup, device: torch.device) -> RingFlags:
@@ -129,16 +117,16 @@ def flags(group: dist.ProcessGroup, device: torch.device) -> RingFlags:
 
 
 def workspace(group: dist.ProcessGroup, device: torch.device, need: int,
-              capturing: bool = False) -> RingWorkspace | None:
+              capturing: bool = False) -> symmetric.SymmetricBuffer | None:
     """The smallest ring workspace of (device, group) with ``need`` bytes (``symmetric.smallest_with_room``: None
     inside a capture when none has room)."""
 
-    def make(capacity: int) -> RingWorkspace:
+    def make(capacity: int) -> symmetric.SymmetricBuffer:
         f = flags(group, device)
         buf, hdl, views = symmetric.symmetric(capacity, group, device, False, list(range(group.size())))
         log.info("flashoverlap ring: symmetric workspace of %d MiB on %s, group %s", capacity >> 20, device,
                  group.group_name)
-        return RingWorkspace(capacity, buf, hdl, views, f, symmetric.next_serial())
+        return symmetric.SymmetricBuffer(capacity, buf, hdl, views, f, symmetric.next_serial())
 
     return symmetric.smallest_with_room(_workspaces.setdefault((device.index, group.group_name), []), need,
                                         capturing, make)
@@ -260,7 +248,7 @@ def make_launch(call, settings: config.Settings, ctx) -> RingLaunch | str:
     return RingLaunch(call.collective, choice, rows, nrounds, world, need, gemm_ws, desc, t)
 
 
-def args_for(launch: RingLaunch, ws: RingWorkspace) -> RingArgs:
+def args_for(launch: RingLaunch, ws: symmetric.SymmetricBuffer) -> RingArgs:
     """The launch's args with the workspace's and flags' pointers and the pull streams (memoized per workspace)."""
     p = launch.args.get(ws.serial)
     if p is None:
@@ -284,10 +272,10 @@ class RingRoute(symmetric.SymmetricRoute):
     unsupported = staticmethod(unsupported)
     make_launch = staticmethod(make_launch)
 
-    def workspace_for(self, launch: RingLaunch, ctx) -> RingWorkspace | None:
+    def workspace_for(self, launch: RingLaunch, ctx) -> symmetric.SymmetricBuffer | None:
         return workspace(ctx.group, ctx.a.device, launch.need, ctx.capturing)
 
-    def args_for(self, launch: RingLaunch, ws: RingWorkspace, res, slot: int) -> RingArgs:
+    def args_for(self, launch: RingLaunch, ws: symmetric.SymmetricBuffer, res, slot: int) -> RingArgs:
         return args_for(launch, ws)
 
     def state(self) -> tuple[dict, dict]:

@@ -205,7 +205,7 @@ def make_launch(call, settings: config.Settings, ctx) -> ScatterLaunch | str:
                          options, buffer_bytes)
 
 
-def args_for(launch: ScatterLaunch, ws: gather_protocol.GatherWorkspace) -> gather_protocol.GatherArgs:
+def args_for(launch: ScatterLaunch, ws: symmetric.SymmetricBuffer) -> gather_protocol.GatherArgs:
     """The protocol's struct (``gather_protocol.new_args``: 2 ranks, one output, no own copy), memoized per
     workspace."""
     p = launch.args.get(ws.serial)
@@ -216,7 +216,7 @@ def args_for(launch: ScatterLaunch, ws: gather_protocol.GatherWorkspace) -> gath
     return p
 
 
-def receive_buffer(launch: ScatterLaunch, ws: gather_protocol.GatherWorkspace) -> tuple:
+def receive_buffer(launch: ScatterLaunch, ws: symmetric.SymmetricBuffer) -> tuple:
     """Push: this rank's receive slots, one ``[2, half_rows, n]`` view per set (at ``gather_protocol.set_bytes`` apart);
     ``[b][j]`` is where rank ``j``'s part of this rank's rows lands in a set-``b`` call (made once per workspace and
     kept with the launch)."""

@@ -31,6 +31,7 @@ import ctypes
 import datetime
 import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -180,6 +181,19 @@ def barrier(store: Any, key: str, world: int, timeout_s: float, group_name: str)
                 "The next call on the group tries again.") from None
     store.add(key, 1)  # the barrier had completed with this rank: its last rank sets ``go`` now
     store.wait([go], datetime.timedelta(seconds=timeout_s))
+
+
+@dataclass
+class SymmetricBuffer:
+    """A symmetric buffer of ``capacity`` bytes per rank, every rank's mapped here (the ring route's workspace, the
+    gather protocol's shard buffers), beside its route's flag page of the same (device, group)."""
+
+    capacity: int
+    buf: torch.Tensor
+    hdl: object
+    views: list[torch.Tensor]  # every rank's buffer mapped here (keeps the mappings alive)
+    flags: Any  # the route's flag page (``ring.RingFlags``, ``gather_protocol.GatherFlags``)
+    serial: int = 0  # ``next_serial()``: the key of the argument structs made for it
 
 
 class SymmetricRoute:
