@@ -240,8 +240,8 @@ using namespace flashoverlap;
 extern "C" {
 
 FO_API int fo_nccl_bind(const char* path) {
-  void* h = dlopen(path, RTLD_NOW | RTLD_NOLOAD);  // only a library already loaded: never a second NCCL
-  if (h == nullptr) return fail_code(8, std::string("fo_nccl_bind: ") + path + " is not loaded in this process");
+  void* h = loaded_library("fo_nccl_bind", path);
+  if (h == nullptr) return 8;
   Nccl n;
   n.all_reduce = reinterpret_cast<AllReduceFn>(dlsym(h, "ncclAllReduce"));
   n.reduce_scatter = reinterpret_cast<ReduceScatterFn>(dlsym(h, "ncclReduceScatter"));

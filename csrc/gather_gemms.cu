@@ -179,8 +179,8 @@ using namespace flashoverlap;
 extern "C" {
 
 FO_API int fo_cublas_bind(const char* path) {
-  void* h = dlopen(path, RTLD_NOW | RTLD_NOLOAD);  // only the cuBLAS already loaded (torch's): never a second one
-  if (h == nullptr) return fail_code(8, std::string("fo_cublas_bind: ") + path + " is not loaded in this process");
+  void* h = loaded_library("fo_cublas_bind", path);
+  if (h == nullptr) return 8;
   Cublas c;
   c.gemm_ex = reinterpret_cast<GemmExFn>(dlsym(h, "cublasGemmEx"));
   c.set_math_mode = reinterpret_cast<SetMathModeFn>(dlsym(h, "cublasSetMathMode"));
@@ -192,8 +192,8 @@ FO_API int fo_cublas_bind(const char* path) {
 }
 
 FO_API int fo_cublaslt_bind(const char* path) {
-  void* h = dlopen(path, RTLD_NOW | RTLD_NOLOAD);  // only the cuBLASLt already loaded (torch's cuBLAS's)
-  if (h == nullptr) return fail_code(8, std::string("fo_cublaslt_bind: ") + path + " is not loaded in this process");
+  void* h = loaded_library("fo_cublaslt_bind", path);
+  if (h == nullptr) return 8;
   CublasLt c;
   c.desc_create = reinterpret_cast<LtDescCreateFn>(dlsym(h, "cublasLtMatmulDescCreate"));
   c.desc_set = reinterpret_cast<LtDescSetFn>(dlsym(h, "cublasLtMatmulDescSetAttribute"));

@@ -1,9 +1,11 @@
 // Host helpers shared by the routes that run a fused op as several GEMM steps (peer_call.cu: two ranks;
-// ring_call.cu: a ring of any size): CUDA error mapping, a row-range copy, and the GemmCall of one step.
+// ring_call.cu: a ring of any size): CUDA error mapping, a row-range copy, and the GemmCall of one step; and the
+// binding of a library the process loaded (fused_call.cu: NCCL; gather_gemms.cu: cuBLAS, cuBLASLt).
 // Not part of the C ABI; included by those translation units only (the GEMM units do not depend on it).
 #pragma once
 
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 
 #include <cstdint>
 #include <string>
@@ -60,6 +62,14 @@ inline unsigned nan_bits(int elem_bytes, bool bf16) {
 
 inline int cuda_check(cudaError_t e, char const* what) {
   return e == cudaSuccess ? 0 : fail_code(100 + int(e), std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// The library at `path` if this process loaded it already (dlopen with RTLD_NOLOAD: never a second copy of torch's
+// NCCL, cuBLAS or cuBLASLt); null after recording "<who>: <path> is not loaded in this process" (code 8).
+inline void* loaded_library(char const* who, char const* path) {
+  void* h = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+  if (h == nullptr) fail_code(8, std::string(who) + ": " + path + " is not loaded in this process");
+  return h;
 }
 
 // Rows [r0, r1) of a [*, n] matrix at src (row stride src_ld) to dst (row stride dst_ld), on `stream`: one 1-D
