@@ -94,9 +94,6 @@ def main() -> None:
         def fused():
             return rs_op(x, w, None, "sum", world, name, "auto", key)
 
-        def fused_torch_mm():  # no second variant for this op: the same call again
-            return fused()
-
         def unfused():
             dist.reduce_scatter_tensor(scattered, x @ w)
             return scattered
@@ -107,9 +104,8 @@ def main() -> None:
     took = sorted(k for k, c in routes.stats.items() if k.startswith("route:") and c > before.get(k, 0))
     gemm_ex_key = base.replace(experiments=frozenset({"gather_gemm_ex"})).key()
 
-    def fused_gemm_ex():  # the library's GEMMs through cublasGemmEx (all_gather; the same call for reduce_scatter)
-        return op(a, ws, [None] * len(ws), 0, world, name, "ring", False, gemm_ex_key) if args.op == "all_gather" \
-            else fused()
+    def fused_gemm_ex():  # the library's GEMMs through cublasGemmEx
+        return op(a, ws, [None] * len(ws), 0, world, name, "ring", False, gemm_ex_key)
 
     def no_gc(fn):  # is part of a call's host time Python's garbage collector? (the same calls, collector off)
         def measured(calls, **kw):
@@ -122,6 +118,8 @@ def main() -> None:
 
     variants = {"fused": fused, "fused, GEMMs by cublasGemmEx": fused_gemm_ex,
                 "fused, torch.mm GEMMs": fused_torch_mm, "unfused": unfused}
+    if args.op == "reduce_scatter":  # its GEMMs have no library or torch.mm variant
+        del variants["fused, GEMMs by cublasGemmEx"], variants["fused, torch.mm GEMMs"]
     timers = {name: (lambda calls, fn=fn, **kw: tm.host_us(fn, calls, **kw)) for name, fn in variants.items()}
     timers["fused, garbage collector off"] = no_gc(fused)
     per_round = max(40, args.calls // args.rounds)
