@@ -361,7 +361,7 @@ FO_API int fo_ring_call(const fo_ring_args* args);
 #define FO_GATHER_MAX_WORLD 8
 #define FO_GATHER_MAX_OUTPUTS 8
 #define FO_GATHER_SLOT_SETS 2
-#define FO_GATHER_FLAG_INTS (7 * FO_GATHER_MAX_WORLD)
+#define FO_GATHER_FLAG_INTS (9 * FO_GATHER_MAX_WORLD)
 /* options bit: steps 2-3 become one handshake (ready to every peer, then one kernel waits for every peer's ready),
  * after which cur_stream waits for the copy stream; then the pulls (copy engine) back to back, the own slot copy,
  * and one kernel adds done to every peer. No protocol kernel then needs an SM while the caller's GEMMs run (a GEMM
@@ -471,6 +471,45 @@ FO_API int fo_gather_gemms(const fo_gather_gemm_args* args);
  * `gemms` is not null) fo_gather_gemms, then always fo_gather_finish, whose status goes to *finish_rc. Returns the
  * first failure of the first two (0: both succeeded); where the finish failed too, fo_last_error names both. */
 FO_API int fo_gather_run(const fo_gather_args* call, const fo_gather_gemm_args* gemms, int32_t* finish_rc);
+
+/* fo_scatter_run (csrc/scatter_run.cu; Python: routes/scatter_pull.py): GEMM -> reduce_scatter on 2 ranks of one
+ * NVLink host as one host call, on the gather protocol's push workspace, flags and copy stream (`call`: options
+ * FO_GATHER_PUSH, world 2, `a` = `part`, shard_bytes = half_rows * n * elem bytes, outputs[0] = `out` for the
+ * poison; staging, copy_own and shard_events unused). Rank r, peer p = 1 - r, the output rows in halves (half h is
+ * rank h's result), each half cut into `pieces` row ranges alike on both ranks (piece i: rows [i * half_rows /
+ * pieces, (i + 1) * half_rows / pieces)):
+ *   1. on cur_stream, one kernel: begin the call (as fo_gather_call), add 1 to ready[r] in p's page (every call
+ *      does once), write this call's piece values src[i] = sent + i + 1 (sent += pieces), and wait until p's
+ *      done_b[p] here reaches uses_b (p finished reading the slot set b this call overwrites; then uses_b + 1);
+ *   2. per piece i: part rows of piece i = a[p's half, piece i] @ w (cuBLAS, on cur_stream); then on the copy
+ *      stream after it: those rows into slot r of set b in p's receive buffer (copy engine), then src[i] into
+ *      piece_ready[r] in p's page (a 4-byte copy-engine write: no SM, so no GEMM delays it);
+ *   3. per piece i on cur_stream: one kernel waits until piece_ready[p] here reaches recv + 1 (then recv + 1; tag
+ *      3000 + p; bounded by the call's deadline), then out rows of piece i = a[r's half, piece i] @ w + the
+ *      received rows of piece i (one cublasLtMatmul with C = the slot, beta 1; cublasGemmEx after a copy into out
+ *      where an operand is off a 256-byte boundary or no plan exists);
+ *   4. always fo_gather_finish(call) (join, done and done_b to p, poison), its status in *finish_rc.
+ * Flags (this rank's page, after the push counters): piece_ready[j] at (2 + 2S)M + 3S + j (written only by rank j,
+ * absolute: the pieces j pushed here so far), sent and recv at (3 + 2S)M + 3S and + 1 (this rank's own), src[0 ..
+ * FO_SCATTER_MAX_PIECES) after them. Both ranks cut alike (pieces, half_rows: shape and settings), so each wait
+ * pairs with one write; a rank out of step waits out its bound: a fault (poisoned, raised, resynchronized). */
+#define FO_SCATTER_MAX_PIECES 8
+typedef struct {
+  int64_t half_rows, n, k;                       /* each half's rows (>= pieces), N (>= 2), K (>= 2) */
+  int32_t pieces;                                /* 1 .. FO_SCATTER_MAX_PIECES */
+  int32_t weight_transposed;                     /* 1: W.t() of a contiguous [N, K]; 0: contiguous [K, N] */
+  const void* a;                                 /* [2 * half_rows, K] contiguous */
+  const void* weight;
+  void* part;                                    /* [half_rows, N] contiguous, local: the peer's half (pushed) */
+  void* out;                                     /* [half_rows, N] contiguous: this rank's result */
+  void* handle;                                  /* cublasHandle_t, its stream cur_stream */
+  int32_t elem_type;                             /* cudaDataType_t: 14 bf16, 2 fp16 */
+  int32_t math_mode;                             /* cublasMath_t for cublasGemmEx (reset to the default after) */
+  void* workspace;                               /* cuBLASLt's (null: cublasGemmEx for every GEMM) */
+  int64_t workspace_bytes;
+} fo_scatter_gemm_args;
+
+FO_API int fo_scatter_run(const fo_gather_args* call, const fo_scatter_gemm_args* gemm, int32_t* finish_rc);
 
 /* The MoE whole-block path's routing plan (flashoverlap_inductor/routes/moe_plan_kernel.py; csrc/moe_plan.cu): on
  * `stream`, zero work[0, work_len) (int64), then two kernels fill idx (int64 [rows]: each index entry mod rows), inv

@@ -24,6 +24,7 @@
 #include <unordered_map>
 
 #include "device_wait.hpp"
+#include "gather_protocol.hpp"
 #include "flashoverlap_sm90.h"
 #include "route_util.hpp"
 
@@ -31,50 +32,7 @@ namespace flashoverlap {
 
 namespace {
 
-constexpr int kMaxWorld = FO_GATHER_MAX_WORLD;
-constexpr int kMaxOutputs = FO_GATHER_MAX_OUTPUTS;
-constexpr int kReady = 0;           // ready[j] at kReady + j: rank j's shard of the current call is in its buffer
-                                    // (push: in slot j of this rank's buffer)
-constexpr int kDone = kMaxWorld;    // done[j] at kDone + j: rank j finished reading this rank's shard (push: the
-                                    // slot this rank writes in j's buffer), added once per call by every schedule
-constexpr int kSlotSets = FO_GATHER_SLOT_SETS;
-constexpr int kSetDone = 2 * kMaxWorld;  // push: done_b[j] at kSetDone + b * kMaxWorld + j: rank j finished reading
-                                         // the slot this rank writes in set b of j's buffer (once per set-b call)
-constexpr int kSetReady = kSetDone + kSlotSets * kMaxWorld;  // push: ready_b[j]: rank j's pushes into set b here
-constexpr int kSetUses = kSetReady + kSlotSets * kMaxWorld;  // push: uses_b at kSetUses + b, this rank's own: its
-                                                             // pushes begun into set b
-constexpr int kSetReads = kSetUses + kSlotSets;  // push: reads_b at kSetReads + b, this rank's own: its set-b calls
-constexpr int kSetEpoch = kSetReads + kSlotSets;  // FO_GATHER_COPY_NOTIFY: at kSetEpoch + b, this rank's epoch as
-                                                  // its last set-b call began (what ready[rank] in a peer's page
-                                                  // reads once that call's shard is there; copied, never added)
-constexpr int kCopyNotifyMinWorld = 3;  // FO_GATHER_COPY_NOTIFY acts from this many ranks on (2: one push anyway)
-static_assert(kSetEpoch + kSlotSets <= FO_GATHER_FLAG_INTS, "the gather flag page holds every flag and counter");
-static_assert(sizeof(fo_gather_args) == 440 && offsetof(fo_gather_args, slot_set) == 424, "fo_gather_args layout");
-static_assert(offsetof(fo_gather_args, set_bytes) == 432, "fo_gather_args layout");
-constexpr int kTagReady = 3000;     // + j: rank j's shard of this call
-constexpr int kTagDone = 3100;      // + j: rank j finished reading this rank's previous shard
-constexpr int kTagEnqueue = 3200;   // + step: a part of the call this rank could not enqueue
-
-// One kernel of the protocol (one thread): optionally begin the call, optionally record an enqueue failure, add 1
-// to each flag of `notify`, then wait for each flag of `wait` to reach epoch + wait_offset (every wait bounded by
-// the call's deadline; a timeout is recorded in this rank's block and every peer's, and the next wait goes on).
-struct GatherStep {
-  fo_fault* fault;
-  int* epoch;
-  long long timeout_ns;
-  int launch_id;
-  int begin;      // the call's first kernel: deadline, call_counter, current_launch, epoch + 1
-  int fail_tag;   // nonzero: this rank failed to enqueue part of the call (code 4, here and in every peer's block)
-  int num_notify;
-  int* notify[2 * kMaxWorld];
-  int num_wait;
-  int wait_offset;
-  int* counter;   // non-null: the waits' target is *counter + wait_offset (not epoch + wait_offset)
-  int advance;    // with counter: *counter += 1 after the waits (whether or not one gave up)
-  int* snapshot;  // with begin, non-null: *snapshot = the new epoch (FO_GATHER_COPY_NOTIFY's per-set epoch)
-  int const* wait[kMaxWorld];
-  int tag[kMaxWorld];
-};
+using namespace gp;
 
 __device__ __forceinline__ void record_enqueue_failure(fo_fault* f, int tag) {
   int const origin = f->rank;
@@ -93,6 +51,11 @@ __global__ void gather_step_kernel(GatherStep s) {
     s.fault->current_launch = s.launch_id;
     *s.epoch += 1;
     if (s.snapshot != nullptr) *s.snapshot = *s.epoch;
+    if (s.pieces > 0) {  // fo_scatter_run: this call's piece values, read by the copy engine after cur's GEMMs
+      int const sent = *s.piece_sent;
+      for (int i = 0; i < s.pieces; ++i) s.piece_src[i] = sent + i + 1;
+      *s.piece_sent = sent + s.pieces;
+    }
     __threadfence();
   }
   if (s.fail_tag != 0) record_enqueue_failure(s.fault, s.fail_tag);
@@ -136,16 +99,9 @@ __global__ void gather_finish_kernel(fo_fault* f, int* mirror, GatherOutputs o, 
   }
 }
 
-struct GatherEvents {
-  cudaEvent_t fork = nullptr, join = nullptr, ready = nullptr;  // ready: every peer's shard is in its buffer
-  // The push schedule's call on this thread and device, from fo_gather_call to fo_gather_finish: whether its begin
-  // was enqueued (then its finish owes every peer a done), and an enqueue failure no step kernel recorded yet.
-  bool push_begun = false;
-  int push_fail_tag = 0;
-};
+}  // namespace
 
-// Per host thread and device, like ring_call.cu's events.
-int events(GatherEvents*& out) {
+int gp::events(GatherEvents*& out) {
   thread_local std::unordered_map<int, GatherEvents> table;
   int device = 0;
   int rc = cuda_check(cudaGetDevice(&device), "cudaGetDevice");
@@ -155,10 +111,29 @@ int events(GatherEvents*& out) {
     for (cudaEvent_t* e : {&ev.fork, &ev.join, &ev.ready}) {
       if ((rc = cuda_check(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreate")) != 0) return rc;
     }
+    for (cudaEvent_t& e : ev.piece) {
+      if ((rc = cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate")) != 0) return rc;
+    }
   }
   out = &ev;
   return 0;
 }
+
+gp::GatherStep gp::step_base(fo_gather_args const& p) {
+  GatherStep s{};
+  s.fault = p.fault;
+  s.epoch = p.epoch;
+  s.timeout_ns = (long long)p.timeout_ns;
+  s.launch_id = p.launch_id;
+  return s;
+}
+
+int gp::launch_step(GatherStep const& s, cudaStream_t stream) {
+  gather_step_kernel<<<1, 1, 0, stream>>>(s);
+  return cuda_check(cudaGetLastError(), "gather step kernel");
+}
+
+namespace {
 
 int check_args(fo_gather_args const& p, bool finish) {
   if (p.world < 2 || p.world > kMaxWorld || p.rank < 0 || p.rank >= p.world) {
@@ -204,15 +179,6 @@ int check_args(fo_gather_args const& p, bool finish) {
   return 0;
 }
 
-GatherStep step_base(fo_gather_args const& p) {
-  GatherStep s{};
-  s.fault = p.fault;
-  s.epoch = p.epoch;
-  s.timeout_ns = (long long)p.timeout_ns;
-  s.launch_id = p.launch_id;
-  return s;
-}
-
 // A call's first step (every schedule): begin (deadline, call counter, epoch e), then wait until every peer j's done
 // flag at `first_done` + j in this rank's page says the peer finished reading what this call overwrites: the shared
 // done[j] >= e - 1 (counter null), or the push's done_b[j] >= uses_b (counter: uses_b, advanced).
@@ -228,14 +194,6 @@ GatherStep begin_step(fo_gather_args const& p, int first_done = kDone, int* coun
     s.tag[s.num_wait++] = kTagDone + j;
   }
   return s;
-}
-
-// The push's per-set flag of rank j in `page`: done_b[j] (first = kSetDone) or ready_b[j] (first = kSetReady).
-int* set_flag(int* page, int first, int b, int j) { return page + first + b * kMaxWorld + j; }
-
-int launch_step(GatherStep const& s, cudaStream_t stream) {
-  gather_step_kernel<<<1, 1, 0, stream>>>(s);
-  return cuda_check(cudaGetLastError(), "gather step kernel");
 }
 
 // The push schedule's fo_gather_call (flashoverlap_sm90.h, FO_GATHER_PUSH). Its first kernel runs on cur_stream,

@@ -28,9 +28,11 @@
 #include <tuple>
 
 #include "flashoverlap_sm90.h"
+#include "gather_protocol.hpp"
 #include "route_util.hpp"
 
 namespace flashoverlap {
+using gp::GemmRows;
 namespace {
 
 // cuBLAS's C ABI, declared here (the library is torch's, found at run time; no cuBLAS header or link is needed).
@@ -172,6 +174,43 @@ int lt_plan(void* handle, LtKey const& key, LtPlan const** plan) {
 }
 
 }  // namespace
+
+int gp::gemm_rows(GemmRows const& g, cudaStream_t cur) {
+  float const alpha = 1.0f, beta = g.c != nullptr ? 1.0f : 0.0f;
+  int const op_w = g.weight_transposed ? kOpT : kOpN;
+  if (g.workspace != nullptr && aligned256(g.weight) && aligned256(g.x) && aligned256(g.out) &&
+      (g.c == nullptr || aligned256(g.c))) {  // else cublasGemmEx
+    LtPlan const* plan = nullptr;
+    LtKey const key{g.device, g.elem_type, op_w, g.n, g.rows, g.k, g.workspace_bytes};
+    if (int const rc = lt_plan(g.handle, key, &plan); rc != 0) return rc;
+    if (plan->usable) {  // C (the addend) laid out as D
+      CublasStatus const st = cublas_lt().matmul(g.handle, plan->op, &alpha, g.weight, plan->a, g.x, plan->b, &beta,
+                                                 g.c != nullptr ? g.c : g.out, plan->d, g.out, plan->d, &plan->algo,
+                                                 g.workspace, size_t(g.workspace_bytes), cur);
+      return st == 0 ? 0 : fail_code(9, "cublasLtMatmul failed with status " + std::to_string(st));
+    }
+  }
+  if (g.c != nullptr) {  // cublasGemmEx adds into its output: the addend first
+    int const rc = cuda_check(cudaMemcpyAsync(g.out, g.c, size_t(g.rows) * size_t(g.n) * 2, cudaMemcpyDeviceToDevice,
+                                               cur), "addend copy");
+    if (rc != 0) return rc;
+  }
+  Cublas const& c = cublas();
+  CublasStatus st = c.set_math_mode(g.handle, g.math_mode);
+  if (st == 0) {
+    st = c.gemm_ex(g.handle, op_w, kOpN, int(g.n), int(g.rows), int(g.k), &alpha, g.weight, g.elem_type,
+                   int(g.weight_transposed ? g.k : g.n), g.x, g.elem_type, int(g.k), &beta, g.out, g.elem_type,
+                   int(g.n), kR32F, kDefaultTensorOp);
+  }
+  CublasStatus const reset = c.set_math_mode(g.handle, kDefaultMath);
+  if (st != 0 || reset != 0) {
+    return fail_code(9, "cublasGemmEx failed with status " + std::to_string(st != 0 ? st : reset));
+  }
+  return 0;
+}
+
+bool gp::gemms_bound(bool lt) { return lt ? cublas_lt().matmul != nullptr : cublas().gemm_ex != nullptr; }
+
 }  // namespace flashoverlap
 
 using namespace flashoverlap;
@@ -240,7 +279,6 @@ FO_API int fo_gather_gemms(const fo_gather_gemm_args* args) {
   }
   auto cur = static_cast<cudaStream_t>(p.cur_stream);
   int64_t const elem = 2;
-  float const alpha = 1.0f, beta = 0.0f;
   int rc = 0;
   for (int s = 0; s < p.world && rc == 0; ++s) {
     int const j = ((p.rank - s) % p.world + p.world) % p.world;
@@ -252,37 +290,10 @@ FO_API int fo_gather_gemms(const fo_gather_gemm_args* args) {
         break;
       }
     }
-    for (int w = 0; w < p.num_weights; ++w) {
-      int64_t const n = p.n[w];
-      char* out = static_cast<char*>(p.outputs[w]) + int64_t(j) * p.rows * n * elem;
-      int const op_w = p.weight_transposed[w] ? kOpT : kOpN;
-      if (use_lt && aligned256(p.weights[w]) && aligned256(x) && aligned256(out)) {  // else cublasGemmEx
-        LtPlan const* plan = nullptr;
-        LtKey const key{device, p.elem_type, op_w, n, p.rows, p.k, p.workspace_bytes};
-        if ((rc = lt_plan(p.handle, key, &plan)) != 0) break;
-        if (plan->usable) {
-          CublasLt const& lt = cublas_lt();
-          CublasStatus const st = lt.matmul(p.handle, plan->op, &alpha, p.weights[w], plan->a, x, plan->b, &beta,
-                                            out, plan->d, out, plan->d, &plan->algo, p.workspace,
-                                            size_t(p.workspace_bytes), cur);
-          if (st != 0) {
-            rc = fail_code(9, "fo_gather_gemms: cublasLtMatmul failed with status " + std::to_string(st));
-            break;
-          }
-          continue;
-        }
-      }
-      CublasStatus st = c.set_math_mode(p.handle, p.math_mode);
-      if (st == 0) {
-        st = c.gemm_ex(p.handle, op_w, kOpN, int(n), int(p.rows), int(p.k), &alpha,
-                       p.weights[w], p.elem_type, int(p.weight_transposed[w] ? p.k : n), x, p.elem_type, int(p.k),
-                       &beta, out, p.elem_type, int(n), kR32F, kDefaultTensorOp);
-      }
-      CublasStatus const reset = c.set_math_mode(p.handle, kDefaultMath);
-      if (st != 0 || reset != 0) {
-        rc = fail_code(9, "fo_gather_gemms: cublasGemmEx failed with status " + std::to_string(st != 0 ? st : reset));
-        break;
-      }
+    for (int w = 0; w < p.num_weights && rc == 0; ++w) {
+      char* out = static_cast<char*>(p.outputs[w]) + int64_t(j) * p.rows * p.n[w] * elem;
+      rc = gp::gemm_rows(GemmRows{p.handle, p.elem_type, p.math_mode, p.weight_transposed[w], p.weights[w], p.n[w],
+                                  p.k, x, p.rows, nullptr, out, p.workspace, p.workspace_bytes, device}, cur);
     }
   }
   return rc;

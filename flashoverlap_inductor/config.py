@@ -127,6 +127,7 @@ RULES: dict[str, check.Rule] = {
     "gather_push_max_mb": check.Int(0),
     "scatter_route": check.Choice(SCATTER_ROUTES),
     "scatter_start": check.Choice(SCATTER_STARTS),
+    "scatter_pieces": check.Int(0, 8),
 }
 
 
@@ -180,6 +181,11 @@ class Tuning:
     # ahead); the 36th session's eager medians that put it behind counted each interleaved turn's slow first step
     # (docs/e2e.md, --turn-lead). The same on every rank.
     scatter_start: str = "push"
+    # The pull route's push schedule as one library call (``fo_scatter_run``, bf16 calls without bias): the peer's
+    # half in this many row pieces, each pushed while the next computes, and the own half's pieces adding the
+    # received rows in their GEMMs (cuBLASLt, C = the receive slot) instead of one add after them; 0: the route's
+    # Python path (two cuBLAS halves and an add), also its reference semantics. The same on every rank.
+    scatter_pieces: int = 2
 
     def __post_init__(self) -> None:
         _check_fields(self)  # every field in its rule's type (``RULES``)

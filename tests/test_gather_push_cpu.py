@@ -157,11 +157,14 @@ def test_gather_args_match_the_c_header():
     # snapshots (3+ ranks), all before the fault block; the C side asserts its layout and fo_gather_args's size and
     # slot_set's offset
     sets, most = gather_start.SLOT_SETS, gather_protocol.MAX_WORLD
-    assert (2 + 2 * sets) * most + 3 * sets <= gather_protocol.FLAG_INTS
-    source = (HEADER.parent / "gather_call.cu").read_text()
+    assert (3 + 2 * sets) * most + 3 * sets + 2 + gather_protocol.MAX_PIECES <= gather_protocol.FLAG_INTS
+    assert f"#define FO_SCATTER_MAX_PIECES {gather_protocol.MAX_PIECES}\n" in header
+    source = (HEADER.parent / "gather_protocol.hpp").read_text()
     chain = ["kSetDone = 2 * kMaxWorld;", "kSetReady = kSetDone + kSlotSets * kMaxWorld;",
              "kSetUses = kSetReady + kSlotSets * kMaxWorld;", "kSetReads = kSetUses + kSlotSets;",
-             "kSetEpoch = kSetReads + kSlotSets;", "static_assert(kSetEpoch + kSlotSets <= FO_GATHER_FLAG_INTS"]
+             "kSetEpoch = kSetReads + kSlotSets;", "kPieceReady = kSetEpoch + kSlotSets;",
+             "kPieceSent = kPieceReady + kMaxWorld;", "kPieceRecv = kPieceSent + 1;", "kPieceSrc = kPieceRecv + 1;",
+             "static_assert(kPieceSrc + kMaxPieces <= FO_GATHER_FLAG_INTS"]
     assert all(f in source for f in chain), [f for f in chain if f not in source]
     size = re.search(r"sizeof\(fo_gather_args\) == (\d+) && offsetof\(fo_gather_args, slot_set\) == (\d+)", source)
     assert size and (ctypes.sizeof(gather_protocol.GatherArgs), gather_protocol.GatherArgs.slot_set.offset) == (

@@ -92,13 +92,15 @@ def _check(out, a, w, c, what: str) -> None:
     assert err < 1.5e-2 and err <= 2 * eager_err + 2e-3, (what, err, eager_err)
 
 
-def match_task(push: bool = False) -> dict[str, int]:
+def match_task(push: bool = False, pieces: int = 2) -> dict[str, int]:
     from flashoverlap_inductor import config, routes
 
     routes.reset()
     cases = [(10 * si + bi, shape, n, bias) for si, (shape, n) in enumerate(SHAPES) for bi, bias in enumerate(BIASES)]
     start = "push" if push else "handshake"
-    with config.patch(wait_timeout_ms=LONG_MS, experiments=BOTH, scatter_route="pull", scatter_start=start):
+    library_before = routes.stats["scatter:library"]
+    with config.patch(wait_timeout_ms=LONG_MS, experiments=BOTH, scatter_route="pull", scatter_start=start,
+                      scatter_pieces=pieces):
         for seed, shape, n, bias in cases:
             before = routes.stats["route:scatter_pull"]
             a, w, c = _inputs(seed, shape, n, bias)
@@ -132,7 +134,7 @@ def match_task(push: bool = False) -> dict[str, int]:
             assert bool(torch.isfinite(y).all())
             assert ((y.float() - want).norm() / want.norm()).item() < 1e-2, "gather between pull calls: GEMM differs"
     with config.patch(wait_timeout_ms=LONG_MS, experiments=frozenset({"scatter_pull"}), scatter_route="peer",
-                      scatter_start=start):
+                      scatter_start=start, scatter_pieces=pieces):
         a, w, c = _inputs(9000, *SHAPES[0], None)
         before = dict(routes.stats)
         _check(_op(a, w, c), a, w, c, "no bias, scatter_pull alone")
@@ -143,6 +145,7 @@ def match_task(push: bool = False) -> dict[str, int]:
         took = {k: routes.stats[k] - before.get(k, 0) for k in ("route:scatter_pull", "route:peer")}
         assert took == {"route:scatter_pull": 1, "route:peer": 1}, took
     return {"synced": synced, "total": routes.stats["route:scatter_pull"] - 1,
+            "library": routes.stats["scatter:library"] - library_before,
             "gathers": routes.stats["route:gather_peer"],
             "workspaces": {key[2:]: sorted(ws.capacity for ws in lst)
                            for key, lst in routes.gather_peer._workspaces.items()}}
@@ -166,3 +169,15 @@ def test_scatter_push_matches_reference(pool):
         # no handshake list at all; the push list grew to hold 2 sets x 2 slots of each larger half (1 and 2 MiB),
         # the gathers' small shards and the last block's call fitting its first 1 MiB
         assert r["workspaces"] == {("push",): [1 << 20, 4 << 20, 8 << 20]}, r
+        assert r["library"] == 2 * len(SHAPES), r  # the calls without bias: one fo_scatter_run each (2 pieces)
+
+
+@pytest.mark.parametrize("pieces", [0, 1, 3, 8])
+def test_scatter_push_pieces_match_reference(pool, pieces):
+    """The push schedule with the peer's half in other numbers of pieces (``fo_scatter_run``; 3 leaves piece rows
+    off cuBLASLt's 256-byte boundary: ``cublasGemmEx`` after copying the received rows into the output; 8 the
+    most), and ``scatter_pieces=0``: the Python path for every call (two halves and an add)."""
+    n = len(SHAPES) * len(BIASES)
+    for r in pool.run(match_task, True, pieces):
+        assert r["synced"] == n and r["total"] == 2 * n, r
+        assert r["library"] == (2 * len(SHAPES) if pieces else 0), r

@@ -1,5 +1,6 @@
 """GEMM -> reduce_scatter on 2 GPUs: the pull route (``scatter_route="pull"``) on its two schedules (``pull``:
-``scatter_start="handshake"``; ``push``: ``scatter_start="push"``, the default) against the peer route, cuBLAS then
+``scatter_start="handshake"``; ``push<P>``: ``scatter_start="push"``, the default, with ``scatter_pieces=P``: 0 the
+Python path, else one ``fo_scatter_run`` of P pieces; ``--pieces``) against the peer route, cuBLAS then
 NCCL, and the ideal ``max(T_gemm, T_comm)``, interleaved in one run (``tune.measure.Timer``: CUDA events, warm-up,
 medians, max over ranks); and the sum of two GEMMs (a backward's summed input gradients: ``x1 @ w1 + x2 @ w2``
 then reduce_scatter) as Inductor runs it (``mm``, ``mm``, ``add``, NCCL), as the pass fuses it today (one GEMM over
@@ -8,7 +9,7 @@ bias). Every variant's result is checked against the sequential one (relative er
 ones, the host ms per call are printed (HOST-BOUND where that reaches 90% of its median).
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 examples/device/scatter_pull_bench.py \\
-        [--shapes 4096x4096x4096,4096x4096x14336] [--sum-shapes 4096x4096x14336]
+        [--shapes 4096x4096x4096,4096x4096x14336] [--sum-shapes 4096x4096x14336] [--pieces 0,2,4]
 
 Shapes are M x N x K with K the whole reduction (each rank holds K/2; a sum shape's two terms K/4 each per rank).
 """
@@ -30,7 +31,7 @@ def shapes_of(text: str) -> list[tuple[int, int, int]]:
     return [tuple(int(x) for x in s.split("x")) for s in text.split(",") if s]
 
 
-FUSED = ("peer", "pull", "push")
+FUSED = ["peer", "pull", "push0", "push2"]  # set by --pieces
 HOST_BOUND = 0.9  # a fused variant whose host time per call reaches this share of its median is host-bound there
 
 
@@ -62,14 +63,18 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="4096x4096x4096,4096x4096x14336,8192x4096x14336,16384x4096x4096")
     p.add_argument("--sum-shapes", default="4096x4096x14336,8192x4096x14336")
+    p.add_argument("--pieces", default="0,2,4", help="scatter_pieces values, one push variant each")
     args = p.parse_args()
+    pieces = [int(v) for v in args.pieces.split(",") if v]
+    FUSED[:] = ["peer", "pull"] + [f"push{v}" for v in pieces]
     torch.cuda.set_device(dist.get_node_local_rank(fallback_rank=0))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     rank, world, name = dist.get_rank(), dist.get_world_size(), dist.group.WORLD.group_name
     op = torch.ops.flashoverlap.gemm_reduce_scatter
     peer_key = config.current().replace(transport="peer", scatter_route="peer").key()
     pull_key = config.current().replace(transport="peer", scatter_route="pull", scatter_start="handshake").key()
-    push_key = config.current().replace(transport="peer", scatter_route="pull", scatter_start="push").key()
+    push_keys = {f"push{v}": config.current().replace(transport="peer", scatter_route="pull", scatter_start="push",
+                                                      scatter_pieces=v).key() for v in pieces}
     timer = tm.Timer(rounds=5, target_ms=10.0, min_iters=2, max_iters=40, spin_ms=0.3)
     lines = []
     for m, n, k in shapes_of(args.shapes):
@@ -86,8 +91,9 @@ def main() -> None:
         variants = {"seq": seq, "gemm": lambda x=x, w=w: x @ w,
                     "comm": lambda y=y, out=out: dist.reduce_scatter_tensor(out, y),
                     "peer": lambda x=x, w=w: op(x, w, None, "sum", world, name, "auto", peer_key),
-                    "pull": lambda x=x, w=w: op(x, w, None, "sum", world, name, "auto", pull_key),
-                    "push": lambda x=x, w=w: op(x, w, None, "sum", world, name, "auto", push_key)}
+                    "pull": lambda x=x, w=w: op(x, w, None, "sum", world, name, "auto", pull_key)}
+        for v, key in push_keys.items():
+            variants[v] = lambda x=x, w=w, key=key: op(x, w, None, "sum", world, name, "auto", key)
         row = run_row(variants, "seq", timer)
         ideal = max(row["gemm"]["ms"], row["comm"]["ms"])
         lines.append((f"{m}x{n}x{k}", row, ideal))
@@ -110,7 +116,9 @@ def main() -> None:
 
         variants = {"seq": seq_sum, "gemm": lambda x1=x1, x2=x2, w1=w1, w2=w2: torch.mm(x1, w1) + torch.mm(x2, w2),
                     "comm": lambda y=y, out=out: dist.reduce_scatter_tensor(out, y),
-                    "peer": peer_cat, "pull": pull_sum, "push": lambda: pull_sum(key=push_key)}
+                    "peer": peer_cat, "pull": pull_sum}
+        for v, key in push_keys.items():  # a bias: the Python path whatever the pieces
+            variants[v] = lambda key=key: pull_sum(key=key)
         row = run_row(variants, "seq", timer)
         ideal = max(row["gemm"]["ms"], row["comm"]["ms"])
         lines.append((f"sum {m}x{n}x{k}", row, ideal))

@@ -27,7 +27,8 @@ log = logging.getLogger("flashoverlap")
 
 MAX_WORLD = 8  # FO_GATHER_MAX_WORLD (<= faults.MAX_PEERS + 1)
 MAX_OUTPUTS = 8  # FO_GATHER_MAX_OUTPUTS: the GEMMs' results and the gathered rows
-FLAG_INTS = 7 * MAX_WORLD  # FO_GATHER_FLAG_INTS
+FLAG_INTS = 9 * MAX_WORLD  # FO_GATHER_FLAG_INTS (the push counters, then fo_scatter_run's pieces)
+MAX_PIECES = 8  # FO_SCATTER_MAX_PIECES
 FAULT_OFFSET = 4 * FLAG_INTS  # bytes: the group's fo_fault block, after the flags
 FLAG_BYTES = FAULT_OFFSET + faults.BLOCK_BYTES
 

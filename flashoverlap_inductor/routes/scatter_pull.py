@@ -70,8 +70,8 @@ from flashoverlap_inductor.runtime import faults
 
 from .. import _inductor_compat as compat
 from ..cost_model import pull, registry
-from . import gather_peer, gather_protocol, gather_start, peer, symmetric
-from .base import note
+from . import gather_gemms, gather_peer, gather_protocol, gather_start, peer, symmetric
+from .base import note, stats
 
 log = logging.getLogger("flashoverlap")
 
@@ -140,6 +140,38 @@ def device_name(call) -> str | None:
     return torch.cuda.get_device_name(index if index is not None else torch.cuda.current_device())
 
 
+class ScatterGemmArgs(ctypes.Structure):
+    """``fo_scatter_gemm_args`` of ``csrc/flashoverlap_sm90.h`` (rows, N, K in elements; pointers as ints)."""
+
+    _fields_ = [("half_rows", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("pieces", ctypes.c_int32), ("weight_transposed", ctypes.c_int32), ("a", ctypes.c_void_p),
+                ("weight", ctypes.c_void_p), ("part", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                ("handle", ctypes.c_void_p), ("elem_type", ctypes.c_int32), ("math_mode", ctypes.c_int32),
+                ("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_int64)]
+
+
+def library_args(call, settings: config.Settings, ctx, options: int, half: int) -> ScatterGemmArgs | None:
+    """The shape part of ``fo_scatter_run``'s GEMM struct, or None where the call keeps the Python path: the push
+    schedule, ``scatter_pieces`` > 0 and at most the half's rows, bf16 (the dtype run on GPUs), no bias, a weight
+    that is a Linear's ``W.t()`` or a contiguous ``[K, N]``, sizes in cuBLAS's ints. Shapes, strides and settings
+    only (the ranks agree); the per-call conditions are ``gather_gemms.usable``'s and a contiguous ``a``."""
+    pieces, b = settings.tuning.scatter_pieces, ctx.b
+    if (not options & gather_start.PUSH or pieces < 1 or half < pieces or ctx.bias is not None
+            or call.dtype not in gather_gemms.ELEM_TYPES or b.dim() != 2 or b.dtype != call.dtype
+            or max(2 * half, call.n, call.k) > gather_gemms.INT_MAX or min(call.n, call.k) < 2):
+        return None
+    if b.stride() == (1, call.k):
+        transposed = 1
+    elif b.stride() == (call.n, 1):
+        transposed = 0
+    else:
+        return None
+    g = ScatterGemmArgs()
+    g.half_rows, g.n, g.k, g.pieces, g.weight_transposed = half, call.n, call.k, pieces, transposed
+    g.elem_type, g.math_mode = gather_gemms.ELEM_TYPES[call.dtype], 0
+    return g
+
+
 @dataclass
 class ScatterLaunch:
     """One call shape: halves of ``half_rows`` rows of ``n`` columns, the shard bytes, the bias form (``None``,
@@ -162,6 +194,7 @@ class ScatterLaunch:
     buffer_bytes: int = 0
     args: dict[int, gather_protocol.GatherArgs] = field(default_factory=dict)  # workspace serial -> args
     slots: dict[int, tuple] = field(default_factory=dict)  # push: workspace serial -> per set [2, half, n]
+    gemm: ScatterGemmArgs | None = None  # the call's shape in fo_scatter_run's terms (None: the Python path)
 
 
 def bias_form(bias: torch.Tensor | None, y_shape: list[int]) -> str | None:
@@ -199,10 +232,13 @@ def make_launch(call, settings: config.Settings, ctx) -> ScatterLaunch | str:
             note_ = "; handshake schedule (the push's receive buffer would pass gather_push_max_mb)"
     desc = (f"GEMM {call.rows}x{call.n}x{call.k} {call.dtype_name} then reduce_scatter over 2 ranks: scatter_pull "
             f"route (cuBLAS halves, {shard_bytes} B {moved}, bias {form}){note_}")
+    gemm = library_args(call, settings, ctx, options, half)
+    if gemm is not None:
+        desc += f"; one library call, {gemm.pieces} pieces"
     log.info("flashoverlap: launch %s", desc)
     return ScatterLaunch(call.rank, half, call.n, call.k, call.dtype, form, shard_bytes,
                          settings.timeout_ns(compat.group_timeout_ms(ctx.group)), desc, faults.launch_id(desc),
-                         options, buffer_bytes)
+                         options, buffer_bytes, gemm=gemm)
 
 
 def args_for(launch: ScatterLaunch, ws: symmetric.SymmetricBuffer) -> gather_protocol.GatherArgs:
@@ -240,6 +276,34 @@ def _wait(device: torch.device, event) -> None:
     torch.cuda.current_stream(device).wait_event(event)
 
 
+def run_library(launch: ScatterLaunch, ctx, ws: symmetric.SymmetricBuffer, cur: int) -> torch.Tensor:
+    """One call as ``fo_scatter_run`` (``csrc/scatter_run.cu``): the peer's half in ``launch.gemm.pieces`` pieces
+    pushed as each is computed, the own half's pieces adding the received rows in their GEMMs, the finish (join,
+    done, poison) in the same host call. ``part`` and ``a`` stay referenced until after the join (recorded on the copy
+    stream where it failed). Counts ``scatter:library``."""
+    device, half = ctx.a.device, launch.half_rows
+    part = torch.empty(half, launch.n, dtype=launch.dtype, device=device)
+    out = torch.empty(ctx.out_shape, dtype=launch.dtype, device=device)
+    p = args_for(launch, ws)  # the memoized structs: every per-call field set here (the dispatcher's lock)
+    p.a, p.cur_stream, p.staging = part.data_ptr(), cur, None
+    p.outputs[0], p.output_numel[0] = out.data_ptr(), out.numel()
+    p.slot_set = gather_peer.next_slot_set(ctx.group, device)
+    g = launch.gemm
+    g.a, g.weight, g.part, g.out = ctx.a.data_ptr(), ctx.b.data_ptr(), part.data_ptr(), out.data_ptr()
+    g.handle = torch.cuda.current_blas_handle()
+    lt = gather_gemms.workspace(device, ctx.settings.experiments, ctx.capturing)
+    g.workspace, g.workspace_bytes = (None, 0) if lt is None else (lt.data_ptr(), lt.numel())
+    lib, finish_rc = kernels.library(), ctypes.c_int32(0)
+    rc = lib.fo_scatter_run(ctypes.byref(p), ctypes.byref(g), ctypes.byref(finish_rc))
+    if finish_rc.value != 0:
+        gather_protocol.unjoined(ws, (part, ctx.a))
+    stats["scatter:library"] += 1
+    kernels.check(rc, "fo_scatter_run")
+    kernels.check(finish_rc.value, "fo_gather_finish")
+    del part
+    return out
+
+
 class ScatterPullRoute:
     name = NAME
     devices = ("cuda",)
@@ -265,6 +329,9 @@ class ScatterPullRoute:
         elif launch.bias == "full":
             full = ctx.bias.reshape(2 * half, launch.n)
             bias = [full[:half], full[half:]]
+        if (launch.gemm is not None and ctx.a.is_contiguous()
+                and gather_gemms.usable(launch.dtype, ctx.settings.experiments, ctx.probe)):
+            return run_library(launch, ctx, ws, cur)
         peer, probe = 1 - rank, ctx.probe
         stream = torch.cuda.current_stream(device) if probe is not None else None
         if probe is not None:  # the timeline tool's call (bench.timeline_pull): marks on cur, the arrival's event

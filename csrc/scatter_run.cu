@@ -1,0 +1,176 @@
+// fo_scatter_run: the copy-engine pull route of GEMM -> reduce_scatter on 2 ranks (routes/scatter_pull.py) as one
+// host call, its peer's half cut into pieces so the push of each piece runs beside the next piece's GEMM, and the
+// received rows added by the own half's GEMMs (cuBLASLt, C = the receive slot, beta 1) instead of one add after them.
+// flashoverlap_sm90.h states the schedule and the flags; the flags, buffers, copy stream and finish are the gather
+// protocol's (gather_call.cu), so its failure contract holds: every wait is a bounded step kernel, a timeout or an
+// enqueue failure is recorded in both ranks' fault blocks, and fo_gather_finish poisons every output while one is.
+//
+// Why this order (2 H200s, 41st session, scatter_pull's Python path): the add over the own half (3 x half x N x 2
+// bytes of HBM traffic, ~0.1 ms at 16384 x 8192) and a push that the own half's first GEMM could not start before
+// were most of the route's gap to the GEMM alone. Here the own half's piece i waits only for the peer's piece i,
+// pushed while the peer computed its pieces i + 1 ...; only the notification is per piece, and it is a copy-engine
+// write (a step kernel on the copy stream would wait for an SM the caller's GEMM holds).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "flashoverlap_sm90.h"
+#include "gather_protocol.hpp"
+#include "route_util.hpp"
+
+namespace flashoverlap {
+namespace {
+
+using namespace gp;
+
+int check(fo_gather_args const& p, fo_scatter_gemm_args const& g) {
+  if (p.world != 2 || p.rank < 0 || p.rank > 1 || (p.options & FO_GATHER_PUSH) == 0 ||
+      (p.options & FO_GATHER_COPY_NOTIFY) != 0 || p.slot_set < 0 || p.slot_set >= kSlotSets) {
+    return fail_code(2, "fo_scatter_run: 2 ranks, options FO_GATHER_PUSH alone, slot_set in [0, SLOT_SETS)");
+  }
+  if (p.fault == nullptr || p.copy_stream == nullptr || p.epoch == nullptr || p.timeout_ns <= 0 ||
+      p.buffers[0] == nullptr || p.buffers[1] == nullptr || p.flags[0] == nullptr || p.flags[1] == nullptr) {
+    return fail_code(2, "fo_scatter_run: fault, copy_stream, epoch, every buffer and flag page, timeout_ns > 0");
+  }
+  if (g.pieces < 1 || g.pieces > kMaxPieces || g.half_rows < g.pieces || g.n < 2 || g.k < 2 || g.a == nullptr ||
+      g.weight == nullptr || g.part == nullptr || g.out == nullptr || g.handle == nullptr ||
+      (g.elem_type != 14 && g.elem_type != 2) || g.workspace_bytes < 0) {
+    return fail_code(2, "fo_scatter_run: bad arguments (pieces in [1, FO_SCATTER_MAX_PIECES] and <= half_rows, "
+                        "N >= 2, K >= 2, a, weight, part, out, handle, a bf16 or fp16 element type)");
+  }
+  int64_t const bytes = g.half_rows * g.n * 2;
+  if (p.shard_bytes != bytes || p.a != g.part || p.set_bytes < 2 * bytes || p.elem_bytes != 2) {
+    return fail_code(2, "fo_scatter_run: call.a must be part, call.shard_bytes half_rows * N * 2, set_bytes >= 2 "
+                        "shards, elem_bytes 2");
+  }
+  if (!gemms_bound(false) || (g.workspace != nullptr && !gemms_bound(true))) {
+    return fail_code(8, "fo_scatter_run: cuBLAS (or, with a workspace, cuBLASLt) is not bound");
+  }
+  return 0;
+}
+
+// The schedule's steps 1-3 (flashoverlap_sm90.h). Returns the first failure; once the begin is enqueued, every
+// piece's push and notification is still issued where it can be (the peer's waits then end in time), and an enqueue
+// failure goes to ev->push_fail_tag, which fo_gather_finish records in both ranks' blocks with its done.
+int run(fo_gather_args const& p, fo_scatter_gemm_args const& g, GatherEvents* ev, int device) {
+  int const r = p.rank, peer = 1 - r, b = p.slot_set, pieces = g.pieces;
+  auto cur = static_cast<cudaStream_t>(p.cur_stream);
+  auto copy = static_cast<cudaStream_t>(p.copy_stream);
+  int* const own = p.flags[r];
+  ev->push_begun = false;
+  ev->push_fail_tag = 0;
+  // 1. begin, ready[r] to the peer, this call's piece values, the set's reuse guard
+  GatherStep s = step_base(p);
+  s.begin = 1;
+  s.pieces = pieces;
+  s.piece_sent = own + kPieceSent;
+  s.piece_src = own + kPieceSrc;
+  s.notify[s.num_notify++] = p.flags[peer] + kReady + r;
+  s.counter = own + kSetUses + b;
+  s.advance = 1;
+  s.wait[0] = set_flag(own, kSetDone, b, peer);
+  s.tag[0] = kTagDone + peer;
+  s.num_wait = 1;
+  int rc = launch_step(s, cur);
+  if (rc != 0) return rc;
+  ev->push_begun = true;
+  int first = 0;
+  auto note = [&](int code, int tag) {
+    if (code != 0 && first == 0) first = code;
+    if (code != 0 && ev->push_fail_tag == 0) ev->push_fail_tag = tag;
+  };
+  int64_t const row_bytes = g.n * 2;
+  char const* const a = static_cast<char const*>(g.a);
+  char* const part = static_cast<char*>(g.part);
+  char* const out = static_cast<char*>(g.out);
+  char* const slot_here = static_cast<char*>(p.buffers[r]) + size_t(b) * size_t(p.set_bytes) +
+                          size_t(peer) * size_t(p.shard_bytes);  // the peer's part of this rank's rows lands here
+  char* const slot_there = static_cast<char*>(p.buffers[peer]) + size_t(b) * size_t(p.set_bytes) +
+                           size_t(r) * size_t(p.shard_bytes);
+  auto rows_of = [&](int i) { return g.half_rows * i / pieces; };
+  auto gemm = [&](int half, int i, void const* c, char* dst) {
+    int64_t const r0 = rows_of(i), rows = rows_of(i + 1) - r0;
+    return gemm_rows(GemmRows{g.handle, g.elem_type, g.math_mode, g.weight_transposed, g.weight, g.n, g.k,
+                              a + (int64_t(half) * g.half_rows + r0) * g.k * 2, rows, c, dst + r0 * row_bytes,
+                              g.workspace, g.workspace_bytes, device}, cur);
+  };
+  // A failure is recorded in both ranks' blocks by a step kernel on cur before any later notification is ordered
+  // after it, so the peer, whose waits then end, poisons its output; where that cannot be ordered, no notification:
+  // the peer's wait runs out its bound (a fault recorded there too).
+  bool recorded = false;
+  auto record_failure = [&]() {
+    if (first == 0 || recorded) return;
+    GatherStep f = step_base(p);
+    f.fail_tag = ev->push_fail_tag;
+    if (launch_step(f, cur) == 0) {
+      recorded = true;
+      ev->push_fail_tag = 0;
+    }
+  };
+  // 2. the peer's half, piece by piece, each pushed once computed, then its value into the peer's piece_ready[r]
+  for (int i = 0; i < pieces; ++i) {
+    int64_t const off = rows_of(i) * row_bytes, bytes = (rows_of(i + 1) - rows_of(i)) * row_bytes;
+    if (first == 0) note(gemm(peer, i, nullptr, part), kTagEnqueue + 1);
+    record_failure();
+    int e = cuda_check(cudaEventRecord(ev->piece[i], cur), "piece record");
+    if (e == 0) e = cuda_check(cudaStreamWaitEvent(copy, ev->piece[i], 0), "piece wait");
+    if (e != 0) {  // the copy stream is not ordered after cur's work: neither push nor notify
+      note(e, kTagEnqueue + 2);
+      continue;
+    }
+    if (first == 0) {
+      note(cuda_check(cudaMemcpyAsync(slot_there + off, part + off, size_t(bytes), cudaMemcpyDeviceToDevice, copy),
+                      "piece push"), kTagEnqueue + 3);
+    }
+    if (first == 0 || recorded) {
+      note(cuda_check(cudaMemcpyAsync(p.flags[peer] + kPieceReady + r, own + kPieceSrc + i, sizeof(int),
+                                      cudaMemcpyDeviceToDevice, copy), "piece notify"), kTagEnqueue + 4);
+    }
+  }
+  // 3. the own half, piece by piece, after the peer's piece of it: out = a[r's half] @ w + slot. Every wait is
+  // launched whatever failed (each consumes one of the peer's notifications: the counters stay in step).
+  for (int i = 0; i < pieces; ++i) {
+    GatherStep w = step_base(p);
+    w.counter = own + kPieceRecv;
+    w.wait_offset = 1;
+    w.advance = 1;
+    w.wait[0] = own + kPieceReady + peer;
+    w.tag[0] = kTagReady + peer;
+    w.num_wait = 1;
+    note(launch_step(w, cur), kTagEnqueue + 5);
+    if (first == 0) note(gemm(r, i, slot_here + rows_of(i) * row_bytes, out), kTagEnqueue + 6);
+  }
+  return first;
+}
+
+}  // namespace
+}  // namespace flashoverlap
+
+using namespace flashoverlap;
+
+extern "C" {
+
+FO_API int fo_scatter_run(const fo_gather_args* call, const fo_scatter_gemm_args* gemm, int32_t* finish_rc) {
+  if (call == nullptr || gemm == nullptr || finish_rc == nullptr) {
+    return fail_code(2, "fo_scatter_run: call, gemm or finish_rc is null");
+  }
+  *finish_rc = 0;
+  int rc = check(*call, *gemm);
+  if (rc != 0) return rc;  // nothing enqueued: no finish owed
+  GatherEvents* ev = nullptr;
+  int device = 0;
+  if ((rc = events(ev)) == 0) rc = cuda_check(cudaGetDevice(&device), "cudaGetDevice");
+  if (rc != 0) return rc;
+  rc = run(*call, *gemm, ev, device);
+  std::string const first = rc != 0 ? std::string(fo_last_error()) : std::string();
+  *finish_rc = fo_gather_finish(call);  // always: join, done to the peer, poison
+  if (rc != 0 && *finish_rc != 0) {
+    fail_code(rc, first + "; then fo_gather_finish: " + fo_last_error());
+  } else if (rc != 0) {
+    fail_code(rc, first);
+  }
+  return rc;
+}
+
+}  // extern "C"
