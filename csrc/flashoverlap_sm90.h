@@ -487,7 +487,9 @@ FO_API int fo_gather_run(const fo_gather_args* call, const fo_gather_gemm_args* 
  *   3. per piece i on cur_stream: one kernel waits until piece_ready[p] here reaches recv + 1 (then recv + 1; tag
  *      3000 + p; bounded by the call's deadline), then out rows of piece i = a[r's half, piece i] @ w + the
  *      received rows of piece i (one cublasLtMatmul with C = the slot, beta 1; cublasGemmEx after a copy into out
- *      where an operand is off a 256-byte boundary or no plan exists);
+ *      where an operand is off a 256-byte boundary or no plan exists); with pieces = 1 instead: out = a[r's half] @ w
+ *      at once (beside the push), the wait, then out += the slot (one add kernel, fp32 sums rounded once: torch's
+ *      add_);
  *   4. always fo_gather_finish(call) (join, done and done_b to p, poison), its status in *finish_rc.
  * Flags (this rank's page, after the push counters): piece_ready[j] at (2 + 2S)M + 3S + j (written only by rank j,
  * absolute: the pieces j pushed here so far), sent and recv at (3 + 2S)M + 3S and + 1 (this rank's own), src[0 ..

@@ -10,6 +10,8 @@
 // were most of the route's gap to the GEMM alone. Here the own half's piece i waits only for the peer's piece i,
 // pushed while the peer computed its pieces i + 1 ...; only the notification is per piece, and it is a copy-engine
 // write (a step kernel on the copy stream would wait for an SM the caller's GEMM holds).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -23,6 +25,48 @@ namespace flashoverlap {
 namespace {
 
 using namespace gp;
+
+// out[i] += in[i] over `count` 2-byte elements (bf16 or fp16), each sum in fp32 rounded once to the nearest even,
+// as torch's add_ rounds it (so pieces = 1 gives the route's Python path's result bit for bit); 8 elements per
+// 16-byte access where both pointers lie on 16 bytes, else one by one.
+__device__ __forceinline__ float2 to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+__device__ __forceinline__ float2 to_float2(__half2 v) { return __half22float2(v); }
+__device__ __forceinline__ void from_float2(float2 v, __nv_bfloat162* out) { *out = __float22bfloat162_rn(v); }
+__device__ __forceinline__ void from_float2(float2 v, __half2* out) { *out = __float22half2_rn(v); }
+
+template <class T, class T2>
+__global__ void add_rows_kernel(T* out, T const* in, int64_t count, int vec) {
+  int64_t const stride = int64_t(gridDim.x) * blockDim.x;
+  int64_t const first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  int64_t const vecs = vec ? count / 8 : 0;
+  for (int64_t v = first; v < vecs; v += stride) {
+    uint4 x = reinterpret_cast<uint4 const*>(out)[v];
+    uint4 const y = reinterpret_cast<uint4 const*>(in)[v];
+    T2* px = reinterpret_cast<T2*>(&x);
+    T2 const* py = reinterpret_cast<T2 const*>(&y);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float2 const u = to_float2(px[j]), w = to_float2(py[j]);
+      from_float2(make_float2(u.x + w.x, u.y + w.y), &px[j]);
+    }
+    reinterpret_cast<uint4*>(out)[v] = x;
+  }
+  for (int64_t e = vecs * 8 + first; e < count; e += stride) out[e] = T(float(out[e]) + float(in[e]));
+}
+
+int add_rows(void* out, void const* in, int64_t count, bool bf16, cudaStream_t stream) {
+  int const vec = ((reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(in)) & 15u) == 0;
+  int64_t const work = vec ? count / 8 + 1 : count;
+  int const blocks = int(work / 256 + 1 < 1056 ? work / 256 + 1 : 1056);
+  if (bf16) {
+    add_rows_kernel<__nv_bfloat16, __nv_bfloat162><<<blocks, 256, 0, stream>>>(
+        static_cast<__nv_bfloat16*>(out), static_cast<__nv_bfloat16 const*>(in), count, vec);
+  } else {
+    add_rows_kernel<__half, __half2><<<blocks, 256, 0, stream>>>(static_cast<__half*>(out),
+                                                                 static_cast<__half const*>(in), count, vec);
+  }
+  return cuda_check(cudaGetLastError(), "add kernel");
+}
 
 int check(fo_gather_args const& p, fo_scatter_gemm_args const& g) {
   if (p.world != 2 || p.rank < 0 || p.rank > 1 || (p.options & FO_GATHER_PUSH) == 0 ||
@@ -128,8 +172,12 @@ int run(fo_gather_args const& p, fo_scatter_gemm_args const& g, GatherEvents* ev
                                       cudaMemcpyDeviceToDevice, copy), "piece notify"), kTagEnqueue + 4);
     }
   }
-  // 3. the own half, piece by piece, after the peer's piece of it: out = a[r's half] @ w + slot. Every wait is
-  // launched whatever failed (each consumes one of the peer's notifications: the counters stay in step).
+  // 3. pieces = 1: the own half at once (beside the push), then after the peer's part: out += slot (one add).
+  // More pieces: the own half piece by piece, after the peer's piece of it: out = a[r's half] @ w + slot. Every wait
+  // is launched whatever failed (each consumes one of the peer's notifications: the counters stay in step).
+  if (pieces == 1) {
+    if (first == 0) note(gemm(r, 0, nullptr, out), kTagEnqueue + 6);
+  }
   for (int i = 0; i < pieces; ++i) {
     GatherStep w = step_base(p);
     w.counter = own + kPieceRecv;
@@ -139,7 +187,12 @@ int run(fo_gather_args const& p, fo_scatter_gemm_args const& g, GatherEvents* ev
     w.tag[0] = kTagReady + peer;
     w.num_wait = 1;
     note(launch_step(w, cur), kTagEnqueue + 5);
-    if (first == 0) note(gemm(r, i, slot_here + rows_of(i) * row_bytes, out), kTagEnqueue + 6);
+    if (first != 0) continue;
+    if (pieces == 1) {
+      note(add_rows(out, slot_here, g.half_rows * g.n, g.elem_type == 14, cur), kTagEnqueue + 7);
+    } else {
+      note(gemm(r, i, slot_here + rows_of(i) * row_bytes, out), kTagEnqueue + 6);
+    }
   }
   return first;
 }

@@ -181,11 +181,13 @@ class Tuning:
     # ahead); the 36th session's eager medians that put it behind counted each interleaved turn's slow first step
     # (docs/e2e.md, --turn-lead). The same on every rank.
     scatter_start: str = "push"
-    # The pull route's push schedule as one library call (``fo_scatter_run``, bf16 calls without bias): the peer's
-    # half in this many row pieces, each pushed while the next computes, and the own half's pieces adding the
-    # received rows in their GEMMs (cuBLASLt, C = the receive slot) instead of one add after them; 0: the route's
-    # Python path (two cuBLAS halves and an add), also its reference semantics. The same on every rank.
-    scatter_pieces: int = 2
+    # The pull route's push schedule as one library call (``fo_scatter_run``, bf16 calls without bias). 1: the
+    # Python path's schedule (two cuBLAS halves, one add) in that call; 2-8: the peer's half in this many row pieces,
+    # each pushed while the next computes, the own half's pieces adding the received rows in their GEMMs (cuBLASLt,
+    # C = the receive slot) instead of the add (2 H200s, 42nd session: level with the add on the GPU at 2 pieces, the
+    # GEMMs' extra tails eating the add's time; slower at 3-4); 0: the route's Python path, also its reference
+    # semantics. The same on every rank.
+    scatter_pieces: int = 1
 
     def __post_init__(self) -> None:
         _check_fields(self)  # every field in its rule's type (``RULES``)

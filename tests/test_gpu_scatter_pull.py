@@ -92,7 +92,7 @@ def _check(out, a, w, c, what: str) -> None:
     assert err < 1.5e-2 and err <= 2 * eager_err + 2e-3, (what, err, eager_err)
 
 
-def match_task(push: bool = False, pieces: int = 2) -> dict[str, int]:
+def match_task(push: bool = False, pieces: int = 1) -> dict[str, int]:
     from flashoverlap_inductor import config, routes
 
     routes.reset()
@@ -169,15 +169,41 @@ def test_scatter_push_matches_reference(pool):
         # no handshake list at all; the push list grew to hold 2 sets x 2 slots of each larger half (1 and 2 MiB),
         # the gathers' small shards and the last block's call fitting its first 1 MiB
         assert r["workspaces"] == {("push",): [1 << 20, 4 << 20, 8 << 20]}, r
-        assert r["library"] == 2 * len(SHAPES), r  # the calls without bias: one fo_scatter_run each (2 pieces)
+        assert r["library"] == 2 * len(SHAPES), r  # the calls without bias: one fo_scatter_run each (1 piece: the add)
 
 
-@pytest.mark.parametrize("pieces", [0, 1, 3, 8])
+@pytest.mark.parametrize("pieces", [0, 2, 3, 8])
 def test_scatter_push_pieces_match_reference(pool, pieces):
-    """The push schedule with the peer's half in other numbers of pieces (``fo_scatter_run``; 3 leaves piece rows
-    off cuBLASLt's 256-byte boundary: ``cublasGemmEx`` after copying the received rows into the output; 8 the
-    most), and ``scatter_pieces=0``: the Python path for every call (two halves and an add)."""
+    """The push schedule with the peer's half in pieces (``fo_scatter_run``, the received rows added by the own
+    GEMMs; 3 leaves piece rows off cuBLASLt's 256-byte boundary: ``cublasGemmEx`` after copying the received rows
+    into the output; 8 the most), and ``scatter_pieces=0``: the Python path for every call (two halves and an
+    add)."""
     n = len(SHAPES) * len(BIASES)
     for r in pool.run(match_task, True, pieces):
         assert r["synced"] == n and r["total"] == 2 * n, r
         assert r["library"] == (2 * len(SHAPES) if pieces else 0), r
+
+
+def same_bits_task() -> list[bool]:
+    """Per shape (no bias, push schedule): the one-library-call path with one piece (``fo_scatter_run``'s add) and
+    the Python path (``scatter_pieces=0``) on the same data: the same bits (both add in fp32 and round once)."""
+    from flashoverlap_inductor import config, routes
+
+    routes.reset()
+    same = []
+    for si, (shape, n) in enumerate(SHAPES):
+        a, w, _ = _inputs(400 + si, shape, n, None)
+        outs = []
+        for pieces in (1, 0):
+            with config.patch(wait_timeout_ms=LONG_MS, scatter_route="pull", scatter_start="push",
+                              scatter_pieces=pieces):
+                outs.append(_op(a, w, None))
+        torch.cuda.synchronize()
+        routes.check()
+        same.append(torch.equal(outs[0], outs[1]))
+    return same
+
+
+def test_one_piece_is_the_python_path_bit_for_bit(pool):
+    for r in pool.run(same_bits_task):
+        assert r == [True] * len(SHAPES), r
