@@ -2,10 +2,11 @@
 the library faked: for both ranks of a simulated pair (push schedule, bf16, the Linear weight ``W.t()`` or a
 contiguous ``[K, N]``), the route must hand the library the protocol's struct (``a`` = the part buffer, the push
 option, the slot sets alternating) and the GEMM struct with every field set (the halves, the pieces, the weight's
-layout, ``a``, ``part``, ``out``, the cuBLAS handle, the workspace where cuBLASLt is bound and not inside a capture),
-and return what the library wrote. The fake computes this rank's half of the reduce_scatter in fp32. Calls with a
-bias, another dtype, ``scatter_pieces=0`` or more pieces than rows keep the Python path. A failed call raises with the
-library's message; a finish that could not join records the call's tensors on the copy stream."""
+layout, ``a``, ``part``, ``out``, the cuBLAS handle, the workspace where cuBLASLt is bound), and return what the
+library wrote; inside a CUDA-graph capture the Python path runs instead. The fake computes this rank's half of the
+reduce_scatter in fp32. Calls with a bias, another dtype, ``scatter_pieces=0`` or more pieces than rows keep the
+Python path. A failed call raises with the library's message; a finish that could not join records the call's
+tensors on the copy stream."""
 
 from __future__ import annotations
 
@@ -50,10 +51,10 @@ def _launch(rank, a, w, settings, bias=None, capturing=False, dtype=torch.bfloat
     return scatter_pull.make_launch(call, settings, ctx), ctx
 
 
-@pytest.mark.parametrize("lt, capturing, expect_ws", [(True, False, True), (True, True, False), (False, False, False)])
+@pytest.mark.parametrize("lt, expect_ws", [(True, True), (False, False)])
 @pytest.mark.parametrize("layout", ["linear", "row_major"])
 @pytest.mark.parametrize("pieces", [1, 2, 3])
-def test_one_library_call_per_reduce_scatter(monkeypatch, lt, capturing, expect_ws, layout, pieces):
+def test_one_library_call_per_reduce_scatter(monkeypatch, lt, expect_ws, layout, pieces):
     lt_ws = _setup(monkeypatch, lt)
     gen = torch.Generator().manual_seed(7)
     a = [torch.randn(ROWS, K, generator=gen).bfloat16() for _ in range(2)]
@@ -65,7 +66,7 @@ def test_one_library_call_per_reduce_scatter(monkeypatch, lt, capturing, expect_
     settings = config.current().replace(scatter_route="pull", scatter_start="push", scatter_pieces=pieces)
     half = ROWS // 2
     for rank in range(2):
-        launch, ctx = _launch(rank, a[rank], w[rank], settings, capturing=capturing)
+        launch, ctx = _launch(rank, a[rank], w[rank], settings)
         assert launch.gemm is not None and launch.options == gather_start.PUSH
         assert f"one library call, {pieces} pieces" in launch.description
         seen = []
@@ -131,3 +132,22 @@ def test_failures_raise_and_unjoined_tensors_stay_recorded(monkeypatch, rc, fini
     assert len(recorded) == int(finish != 0)
     if recorded:
         assert recorded[0][1] is a
+
+
+def test_captured_calls_take_the_python_path(monkeypatch):
+    _setup(monkeypatch, True)
+    a, w = torch.zeros(ROWS, K).bfloat16(), torch.zeros(N, K).bfloat16().t()
+    launch, ctx = _launch(0, a, w, config.current().replace(scatter_route="pull", scatter_start="push"),
+                          capturing=True)
+    python_path = []
+
+    def half_gemm(*args, **kw):
+        python_path.append(1)
+        raise RuntimeError("the Python path")
+
+    monkeypatch.setattr(scatter_pull, "half_gemm", half_gemm)
+    lib = SimpleNamespace(fo_scatter_run=lambda *args: pytest.fail("the library call inside a capture"))
+    monkeypatch.setattr(scatter_pull.kernels, "library", lambda lib=lib: lib)
+    with pytest.raises(RuntimeError, match="the Python path"):
+        scatter_pull.ROUTE.execute(launch, ctx)
+    assert python_path == [1]
