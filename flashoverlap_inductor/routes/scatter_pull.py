@@ -41,6 +41,11 @@ in the steady state, Llama-3-8B sp prefill 1.115x over Inductor against 1.058x (
 against 36%, 38th) and training 0.3% ahead (37th); the 36th session's eager medians that put it behind counted each
 interleaved turn's slow first step (``bench/interleave.py``).
 
+Eager bf16 calls without bias on the push schedule (``library_args``) run as one library call instead,
+``fo_scatter_run`` (``run_library``; ``scatter_pieces``, default 1: this schedule, its GEMMs by cuBLASLt, the wait a
+bounded kernel on the caller's stream, one add; 2 H200s, 42nd session: bit for bit as the Python path, 0.77x its
+host time per call); 2-8 pieces add the received rows as the own GEMMs' addend instead (no faster: docs/design.md).
+
 Invariants: the failure contract, the buffer reuse rule and the resynchronization are the gather route's (its
 docstring), since every wait, flag and buffer is its own; a fault raised here names ``gather_peer``. ``part``,
 ``staging`` and ``a`` stay referenced until after the join (and are recorded on the copy stream where the join failed).
