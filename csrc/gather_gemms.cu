@@ -211,6 +211,17 @@ int gp::gemm_rows(GemmRows const& g, cudaStream_t cur) {
 
 bool gp::gemms_bound(bool lt) { return lt ? cublas_lt().matmul != nullptr : cublas().gemm_ex != nullptr; }
 
+int gp::finish_after(fo_gather_args const* call, int rc, int32_t* finish_rc) {
+  std::string const first = rc != 0 ? std::string(fo_last_error()) : std::string();
+  *finish_rc = fo_gather_finish(call);  // always: the caller's stream joins the copy stream, the outputs poisoned
+  if (rc != 0 && *finish_rc != 0) {
+    fail_code(rc, first + "; then fo_gather_finish: " + fo_last_error());
+  } else if (rc != 0) {
+    fail_code(rc, first);
+  }
+  return rc;
+}
+
 }  // namespace flashoverlap
 
 using namespace flashoverlap;
@@ -303,14 +314,7 @@ FO_API int fo_gather_run(const fo_gather_args* call, const fo_gather_gemm_args* 
   if (call == nullptr || finish_rc == nullptr) return fail_code(2, "fo_gather_run: call or finish_rc is null");
   int rc = fo_gather_call(call);
   if (rc == 0 && gemms != nullptr) rc = fo_gather_gemms(gemms);
-  std::string const first = rc != 0 ? std::string(fo_last_error()) : std::string();
-  *finish_rc = fo_gather_finish(call);  // always: the caller's stream joins the copy stream, the outputs poisoned
-  if (rc != 0 && *finish_rc != 0) {
-    fail_code(rc, first + "; then fo_gather_finish: " + fo_last_error());
-  } else if (rc != 0) {
-    fail_code(rc, first);
-  }
-  return rc;
+  return gp::finish_after(call, rc, finish_rc);
 }
 
 }  // extern "C"

@@ -107,5 +107,8 @@ struct GemmRows {
 };
 int gemm_rows(GemmRows const& g, cudaStream_t cur);
 bool gemms_bound(bool lt);  // fo_cublas_bind ran (lt: fo_cublaslt_bind)
+// fo_gather_finish(call) after a call's body returned rc, its status into *finish_rc; returns rc, with
+// fo_last_error naming the body's failure and the finish's when both failed.
+int finish_after(fo_gather_args const* call, int rc, int32_t* finish_rc);
 
 }  // namespace flashoverlap::gp

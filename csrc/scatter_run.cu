@@ -15,7 +15,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <string>
 
 #include "flashoverlap_sm90.h"
 #include "gather_protocol.hpp"
@@ -215,15 +214,7 @@ FO_API int fo_scatter_run(const fo_gather_args* call, const fo_scatter_gemm_args
   int device = 0;
   if ((rc = events(ev)) == 0) rc = cuda_check(cudaGetDevice(&device), "cudaGetDevice");
   if (rc != 0) return rc;
-  rc = run(*call, *gemm, ev, device);
-  std::string const first = rc != 0 ? std::string(fo_last_error()) : std::string();
-  *finish_rc = fo_gather_finish(call);  // always: join, done to the peer, poison
-  if (rc != 0 && *finish_rc != 0) {
-    fail_code(rc, first + "; then fo_gather_finish: " + fo_last_error());
-  } else if (rc != 0) {
-    fail_code(rc, first);
-  }
-  return rc;
+  return finish_after(call, run(*call, *gemm, ev, device), finish_rc);  // always: join, done to the peer, poison
 }
 
 }  // extern "C"
