@@ -175,9 +175,9 @@ def test_scatter_push_matches_reference(pool):
 @pytest.mark.parametrize("pieces", [0, 2, 3, 8])
 def test_scatter_push_pieces_match_reference(pool, pieces):
     """The push schedule with the peer's half in pieces (``fo_scatter_run``, the received rows added by the own
-    GEMMs; 3 leaves piece rows off cuBLASLt's 256-byte boundary: ``cublasGemmEx`` after copying the received rows
-    into the output; 8 the most), and ``scatter_pieces=0``: the Python path for every call (two halves and an
-    add)."""
+    GEMMs; 3 cuts uneven rows; 8 the most), and ``scatter_pieces=0``: the Python path for every call (two halves
+    and an add). Every operand of these shapes lies on 256 bytes: the library's ``cublasGemmEx`` fallback (after
+    copying the received rows into the output) is not reached here."""
     n = len(SHAPES) * len(BIASES)
     for r in pool.run(match_task, True, pieces):
         assert r["synced"] == n and r["total"] == 2 * n, r
