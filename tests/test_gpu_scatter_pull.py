@@ -176,8 +176,8 @@ def test_scatter_push_matches_reference(pool):
 def test_scatter_push_pieces_match_reference(pool, pieces):
     """The push schedule with the peer's half in pieces (``fo_scatter_run``, the received rows added by the own
     GEMMs; 3 cuts uneven rows; 8 the most), and ``scatter_pieces=0``: the Python path for every call (two halves
-    and an add). Every operand of these shapes lies on 256 bytes: the library's ``cublasGemmEx`` fallback (after
-    copying the received rows into the output) is not reached here."""
+    and an add). Every operand of these shapes lies on 256 bytes: the library's ``cublasGemmEx`` fallback is
+    ``test_unaligned_pieces_take_the_gemm_ex_fallback``'s."""
     n = len(SHAPES) * len(BIASES)
     for r in pool.run(match_task, True, pieces):
         assert r["synced"] == n and r["total"] == 2 * n, r
@@ -228,6 +228,6 @@ def unaligned_task() -> int:
 
 
 def test_unaligned_pieces_take_the_gemm_ex_fallback(pool):
-    """Not yet run on a GPU (written after the 42nd session's device time)."""
+    """2 H200s, 42nd session: passed (the fallback's first run)."""
     for r in pool.run(unaligned_task):
         assert r == 2, r
