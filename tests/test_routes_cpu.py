@@ -46,7 +46,7 @@ def test_select_takes_the_first_route_that_takes_the_call(library):
     assert routes.select(_call(), s).name == "peer"
     big = routes.Call("reduce_scatter", 16384, 8192, 7168, BF16, 2, 0, "cuda", "nk")
     assert routes.select(big, s).name == "scatter_pull"  # auto: its GPU + host cost within the tolerance
-    mid = routes.Call("reduce_scatter", 8192, 8192, 7168, BF16, 2, 0, "cuda", "nk")
+    mid = routes.Call("reduce_scatter", 4096, 4096, 7168, BF16, 2, 0, "cuda", "nk")
     assert routes.select(mid, s).name == "peer"  # its GPU edge smaller than the host time it adds
     assert routes.select(mid, s.replace(host_floors="off")).name == "scatter_pull"  # GPU times alone
     assert routes.select(_call("reduce_scatter"), s).name == "peer"  # auto: the pull route's host floor is longer
@@ -89,7 +89,7 @@ def test_the_pass_predicts_the_route_the_registry_selects(library):
     assert gemm_collective._route_of(*args, 4, y_cuda, s.replace(ring="wide")) == {**none, "ring_rounds": 2}
     rs = ("reduce_scatter", 16384, 8192, 7168, "bfloat16", 2, y_cuda)
     assert gemm_collective._route_of(*rs, s) == {**none, "pull": True}  # auto: the pull route's model within reach
-    mid = ("reduce_scatter", 8192, 8192, 7168, "bfloat16", 2, y_cuda)
+    mid = ("reduce_scatter", 4096, 4096, 7168, "bfloat16", 2, y_cuda)
     assert gemm_collective._route_of(*mid, s) == {**none, "peer": True}  # auto: the host time it adds
     assert gemm_collective._route_of(*rs, s.replace(scatter_route="peer")) == {**none, "peer": True}
     small = ("reduce_scatter", *args[1:], 2, y_cuda)
