@@ -155,7 +155,7 @@ class TestSumOfGemms(FakePGTestCase):
         """The cost model of the pull staging (H200 data) against the twenty-eighth session's bench on 2 H200s: the GPU
         time of the route at down_proj (4096 and 8192 rows, N 4096, K 7168 per rank: 0.371 / 0.729 ms measured) and
         the summed pair at 8192 rows (2 x K 3584 per rank: 0.753 ms fused, 0.858 sequential) within 5%; at 4096 rows
-        the pair (0.397 measured) too (the host floor, 0.32 ms, holds only smaller calls). The Llama-3-8B gate/up input
+        the pair (0.397 measured) too (the host floor, 0.25 ms, holds only smaller calls). The Llama-3-8B gate/up input
         gradient (2 x K 7168) pays; a tiny sum stays below the host floor (left to the concatenated form)."""
         from flashoverlap_inductor.cost_model import pull, registry
 
