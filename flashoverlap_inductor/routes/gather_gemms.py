@@ -138,12 +138,15 @@ def _tunable_on() -> bool:
         return False
 
 
-def _weight_layout(w: torch.Tensor, k: int) -> int | None:
-    """1 for a Linear's ``W.t()`` ([K, N], strides (1, K)), else None (the library also takes a row-major [K, N]
-    as 0: never run on a GPU, so not taken)."""
+def weight_layout(w: torch.Tensor, k: int, row_major: bool = False) -> int | None:
+    """1 for a Linear's ``W.t()`` ([K, N], strides (1, K)); with ``row_major``, 0 for a contiguous [K, N] (the
+    scatter route's library call, run on GPUs; the gather route's GEMMs also take it, never run there, so it passes
+    False); else None."""
     if w.dim() != 2 or w.shape[0] != k:
         return None
-    return 1 if w.stride() == (1, k) else None
+    if w.stride() == (1, k):
+        return 1
+    return 0 if row_major and w.stride() == (w.shape[1], 1) else None
 
 
 def static_args(ctx, geo, rank: int) -> GatherGemmArgs | None:
@@ -154,7 +157,7 @@ def static_args(ctx, geo, rank: int) -> GatherGemmArgs | None:
             or not 0 < len(ctx.b) <= MAX_WEIGHTS or not 2 <= geo.shard_rows <= INT_MAX or not 2 <= geo.k <= INT_MAX
             or geo.world > MAX_WORLD or any(not 2 <= w.shape[-1] <= INT_MAX or w.dtype != dtype for w in ctx.b)):
         return None
-    layouts = [_weight_layout(w, geo.k) for w in ctx.b]
+    layouts = [weight_layout(w, geo.k) for w in ctx.b]
     if None in layouts:
         return None
     p = GatherGemmArgs()

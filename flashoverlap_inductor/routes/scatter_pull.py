@@ -168,11 +168,8 @@ def library_args(call, settings: config.Settings, ctx, options: int, half: int) 
             or call.dtype not in gather_gemms.ELEM_TYPES or b.dim() != 2 or b.dtype != call.dtype
             or max(2 * half, call.n, call.k) > gather_gemms.INT_MAX or min(call.n, call.k) < 2):
         return None
-    if b.stride() == (1, call.k):
-        transposed = 1
-    elif b.stride() == (call.n, 1):
-        transposed = 0
-    else:
+    transposed = gather_gemms.weight_layout(b, call.k, row_major=True)
+    if transposed is None:
         return None
     g = ScatterGemmArgs()
     g.half_rows, g.n, g.k, g.pieces, g.weight_transposed = half, call.n, call.k, pieces, transposed
