@@ -111,8 +111,11 @@ int gp::events(GatherEvents*& out) {
     for (cudaEvent_t* e : {&ev.fork, &ev.join, &ev.ready}) {
       if ((rc = cuda_check(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreate")) != 0) return rc;
     }
-    for (cudaEvent_t& e : ev.piece) {
-      if ((rc = cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate")) != 0) return rc;
+    for (cudaEvent_t* list : {ev.piece, ev.pushed}) {
+      for (int i = 0; i < kMaxPieces; ++i) {
+        rc = cuda_check(cudaEventCreateWithFlags(&list[i], cudaEventDisableTiming), "cudaEventCreate");
+        if (rc != 0) return rc;
+      }
     }
   }
   out = &ev;

@@ -71,6 +71,7 @@ struct GatherStep {
 struct GatherEvents {
   cudaEvent_t fork = nullptr, join = nullptr, ready = nullptr;  // ready: every peer's shard is in its buffer
   cudaEvent_t piece[kMaxPieces] = {};  // fo_scatter_run: piece i of the part computed (cur), before its push (copy)
+  cudaEvent_t pushed[kMaxPieces] = {};  // its all_reduce: piece i pushed (copy), before the add that rewrites it (cur)
   // The push schedule's call on this thread and device, from fo_gather_call to fo_gather_finish: whether its begin
   // was enqueued (then its finish owes every peer a done), and an enqueue failure no step kernel recorded yet.
   bool push_begun = false;

@@ -4,6 +4,8 @@
 // flashoverlap_sm90.h states the schedule and the flags; the flags, buffers, copy stream and finish are the gather
 // protocol's (gather_call.cu), so its failure contract holds: every wait is a bounded step kernel, a timeout or an
 // enqueue failure is recorded in both ranks' fault blocks, and fo_gather_finish poisons every output while one is.
+// With all_reduce = 1 the same call runs GEMM -> all_reduce (routes/reduce_pull.py): each rank's whole partial
+// pushed piece by piece into the peer's set, each piece added once both ranks' partials of it are in place.
 //
 // Why this order (2 H200s, 41st session, scatter_pull's Python path): the add over the own half (3 x half x N x 2
 // bytes of HBM traffic, ~0.1 ms at 16384 x 8192) and a push that the own half's first GEMM could not start before
@@ -76,16 +78,20 @@ int check(fo_gather_args const& p, fo_scatter_gemm_args const& g) {
       p.buffers[0] == nullptr || p.buffers[1] == nullptr || p.flags[0] == nullptr || p.flags[1] == nullptr) {
     return fail_code(2, "fo_scatter_run: fault, copy_stream, epoch, every buffer and flag page, timeout_ns > 0");
   }
-  if (g.pieces < 1 || g.pieces > kMaxPieces || g.half_rows < g.pieces || g.n < 2 || g.k < 2 || g.a == nullptr ||
-      g.weight == nullptr || g.part == nullptr || g.out == nullptr || g.handle == nullptr ||
-      (g.elem_type != 14 && g.elem_type != 2) || g.workspace_bytes < 0) {
-    return fail_code(2, "fo_scatter_run: bad arguments (pieces in [1, FO_SCATTER_MAX_PIECES] and <= half_rows, "
-                        "N >= 2, K >= 2, a, weight, part, out, handle, a bf16 or fp16 element type)");
+  bool const ar = g.all_reduce != 0;
+  int64_t const rows = ar ? 2 * g.half_rows : g.half_rows;  // the rows cut into pieces
+  if (g.pieces < 1 || g.pieces > kMaxPieces || g.half_rows < 1 || rows < g.pieces || g.n < 2 || g.k < 2 ||
+      g.a == nullptr || g.weight == nullptr || (!ar && g.part == nullptr) || g.out == nullptr ||
+      g.handle == nullptr || (g.elem_type != 14 && g.elem_type != 2) || g.workspace_bytes < 0 ||
+      (g.all_reduce != 0 && g.all_reduce != 1)) {
+    return fail_code(2, "fo_scatter_run: bad arguments (pieces in [1, FO_SCATTER_MAX_PIECES] and <= the rows cut, "
+                        "N >= 2, K >= 2, a, weight, part (reduce_scatter), out, handle, a bf16 or fp16 element "
+                        "type, all_reduce 0 or 1)");
   }
   int64_t const bytes = g.half_rows * g.n * 2;
-  if (p.shard_bytes != bytes || p.a != g.part || p.set_bytes < 2 * bytes || p.elem_bytes != 2) {
-    return fail_code(2, "fo_scatter_run: call.a must be part, call.shard_bytes half_rows * N * 2, set_bytes >= 2 "
-                        "shards, elem_bytes 2");
+  if (p.shard_bytes != bytes || p.a != (ar ? g.out : g.part) || p.set_bytes < 2 * bytes || p.elem_bytes != 2) {
+    return fail_code(2, "fo_scatter_run: call.a must be part (all_reduce: out), call.shard_bytes half_rows * N * 2, "
+                        "set_bytes >= 2 shards, elem_bytes 2");
   }
   if (!gemms_bound(false) || (g.workspace != nullptr && !gemms_bound(true))) {
     return fail_code(8, "fo_scatter_run: cuBLAS (or, with a workspace, cuBLASLt) is not bound");
@@ -93,17 +99,72 @@ int check(fo_gather_args const& p, fo_scatter_gemm_args const& g) {
   return 0;
 }
 
-// The schedule's steps 1-3 (flashoverlap_sm90.h). Returns the first failure; once the begin is enqueued, every
-// piece's push and notification is still issued where it can be (the peer's waits then end in time), and an enqueue
-// failure goes to ev->push_fail_tag, which fo_gather_finish records in both ranks' blocks with its done.
-int run(fo_gather_args const& p, fo_scatter_gemm_args const& g, GatherEvents* ev, int device) {
-  int const r = p.rank, peer = 1 - r, b = p.slot_set, pieces = g.pieces;
-  auto cur = static_cast<cudaStream_t>(p.cur_stream);
-  auto copy = static_cast<cudaStream_t>(p.copy_stream);
+// One call's failure bookkeeping. Once the begin is enqueued, every piece's push and notification is still issued
+// where it can be (the peer's waits then end in time), and an enqueue failure goes to ev->push_fail_tag, which
+// fo_gather_finish records in both ranks' blocks with its done.
+struct Progress {
+  fo_gather_args const& p;
+  GatherEvents* ev;
+  cudaStream_t cur, copy;
+  int first = 0;          // the first failure (0: none)
+  bool recorded = false;  // a step kernel on cur recorded it in both ranks' blocks
+
+  void note(int code, int tag) {
+    if (code != 0 && first == 0) first = code;
+    if (code != 0 && ev->push_fail_tag == 0) ev->push_fail_tag = tag;
+  }
+  // A failure is recorded in both ranks' blocks by a step kernel on cur before any later notification is ordered
+  // after it, so the peer, whose waits then end, poisons its output; where that cannot be ordered, no notification:
+  // the peer's wait runs out its bound (a fault recorded there too).
+  void record_failure() {
+    if (first == 0 || recorded) return;
+    GatherStep f = step_base(p);
+    f.fail_tag = ev->push_fail_tag;
+    if (launch_step(f, cur) == 0) {
+      recorded = true;
+      ev->push_fail_tag = 0;
+    }
+  }
+  // After rows [off, off + bytes) of `src` (written on cur): on the copy stream, those bytes to `dst` in the peer's
+  // buffer, `pushed` recorded after them (where given), then this call's value of piece i into the peer's
+  // piece_ready[r]. Without a copy stream ordered after cur: neither push nor notification.
+  void push_piece(int i, char const* src, char* dst, int64_t bytes, cudaEvent_t pushed) {
+    int const r = p.rank, peer = 1 - r;
+    int e = cuda_check(cudaEventRecord(ev->piece[i], cur), "piece record");
+    if (e == 0) e = cuda_check(cudaStreamWaitEvent(copy, ev->piece[i], 0), "piece wait");
+    if (e != 0) {
+      note(e, kTagEnqueue + 2);
+      return;
+    }
+    if (first == 0) {
+      note(cuda_check(cudaMemcpyAsync(dst, src, size_t(bytes), cudaMemcpyDeviceToDevice, copy), "piece push"),
+           kTagEnqueue + 3);
+    }
+    if (pushed != nullptr) note(cuda_check(cudaEventRecord(pushed, copy), "pushed record"), kTagEnqueue + 8);
+    if (first == 0 || recorded) {
+      note(cuda_check(cudaMemcpyAsync(p.flags[peer] + kPieceReady + r, p.flags[r] + kPieceSrc + i, sizeof(int),
+                                      cudaMemcpyDeviceToDevice, copy), "piece notify"), kTagEnqueue + 4);
+    }
+  }
+  // On cur, one kernel: wait until the peer's piece_ready here reaches recv + 1, then recv + 1. Launched whatever
+  // failed (each consumes one of the peer's notifications: the counters stay in step).
+  void wait_piece() {
+    int* const own = p.flags[p.rank];
+    GatherStep w = step_base(p);
+    w.counter = own + kPieceRecv;
+    w.wait_offset = 1;
+    w.advance = 1;
+    w.wait[0] = own + kPieceReady + 1 - p.rank;
+    w.tag[0] = kTagReady + 1 - p.rank;
+    w.num_wait = 1;
+    note(launch_step(w, cur), kTagEnqueue + 5);
+  }
+};
+
+// Step 1 (flashoverlap_sm90.h): begin, ready[r] to the peer, this call's piece values, the set's reuse guard.
+int begin(fo_gather_args const& p, int pieces, cudaStream_t cur) {
+  int const r = p.rank, peer = 1 - r, b = p.slot_set;
   int* const own = p.flags[r];
-  ev->push_begun = false;
-  ev->push_fail_tag = 0;
-  // 1. begin, ready[r] to the peer, this call's piece values, the set's reuse guard
   GatherStep s = step_base(p);
   s.begin = 1;
   s.pieces = pieces;
@@ -115,14 +176,15 @@ int run(fo_gather_args const& p, fo_scatter_gemm_args const& g, GatherEvents* ev
   s.wait[0] = set_flag(own, kSetDone, b, peer);
   s.tag[0] = kTagDone + peer;
   s.num_wait = 1;
-  int rc = launch_step(s, cur);
-  if (rc != 0) return rc;
-  ev->push_begun = true;
-  int first = 0;
-  auto note = [&](int code, int tag) {
-    if (code != 0 && first == 0) first = code;
-    if (code != 0 && ev->push_fail_tag == 0) ev->push_fail_tag = tag;
-  };
+  return launch_step(s, cur);
+}
+
+// The reduce_scatter's steps 2-3: the peer's half piece by piece, each pushed once computed; then pieces = 1: the own
+// half at once (beside the push), the wait, one add; more pieces: the own half piece by piece, each after the peer's
+// piece of it, out = a[r's half] @ w + slot.
+void reduce_scatter(Progress& c, fo_scatter_gemm_args const& g, int device) {
+  fo_gather_args const& p = c.p;
+  int const r = p.rank, peer = 1 - r, b = p.slot_set, pieces = g.pieces;
   int64_t const row_bytes = g.n * 2;
   char const* const a = static_cast<char const*>(g.a);
   char* const part = static_cast<char*>(g.part);
@@ -132,68 +194,79 @@ int run(fo_gather_args const& p, fo_scatter_gemm_args const& g, GatherEvents* ev
   char* const slot_there = static_cast<char*>(p.buffers[peer]) + size_t(b) * size_t(p.set_bytes) +
                            size_t(r) * size_t(p.shard_bytes);
   auto rows_of = [&](int i) { return g.half_rows * i / pieces; };
-  auto gemm = [&](int half, int i, void const* c, char* dst) {
+  auto gemm = [&](int half, int i, void const* cc, char* dst) {
     int64_t const r0 = rows_of(i), rows = rows_of(i + 1) - r0;
     return gemm_rows(GemmRows{g.handle, g.elem_type, g.math_mode, g.weight_transposed, g.weight, g.n, g.k,
-                              a + (int64_t(half) * g.half_rows + r0) * g.k * 2, rows, c, dst + r0 * row_bytes,
-                              g.workspace, g.workspace_bytes, device}, cur);
+                              a + (int64_t(half) * g.half_rows + r0) * g.k * 2, rows, cc, dst + r0 * row_bytes,
+                              g.workspace, g.workspace_bytes, device}, c.cur);
   };
-  // A failure is recorded in both ranks' blocks by a step kernel on cur before any later notification is ordered
-  // after it, so the peer, whose waits then end, poisons its output; where that cannot be ordered, no notification:
-  // the peer's wait runs out its bound (a fault recorded there too).
-  bool recorded = false;
-  auto record_failure = [&]() {
-    if (first == 0 || recorded) return;
-    GatherStep f = step_base(p);
-    f.fail_tag = ev->push_fail_tag;
-    if (launch_step(f, cur) == 0) {
-      recorded = true;
-      ev->push_fail_tag = 0;
-    }
-  };
-  // 2. the peer's half, piece by piece, each pushed once computed, then its value into the peer's piece_ready[r]
   for (int i = 0; i < pieces; ++i) {
     int64_t const off = rows_of(i) * row_bytes, bytes = (rows_of(i + 1) - rows_of(i)) * row_bytes;
-    if (first == 0) note(gemm(peer, i, nullptr, part), kTagEnqueue + 1);
-    record_failure();
-    int e = cuda_check(cudaEventRecord(ev->piece[i], cur), "piece record");
-    if (e == 0) e = cuda_check(cudaStreamWaitEvent(copy, ev->piece[i], 0), "piece wait");
-    if (e != 0) {  // the copy stream is not ordered after cur's work: neither push nor notify
-      note(e, kTagEnqueue + 2);
-      continue;
-    }
-    if (first == 0) {
-      note(cuda_check(cudaMemcpyAsync(slot_there + off, part + off, size_t(bytes), cudaMemcpyDeviceToDevice, copy),
-                      "piece push"), kTagEnqueue + 3);
-    }
-    if (first == 0 || recorded) {
-      note(cuda_check(cudaMemcpyAsync(p.flags[peer] + kPieceReady + r, own + kPieceSrc + i, sizeof(int),
-                                      cudaMemcpyDeviceToDevice, copy), "piece notify"), kTagEnqueue + 4);
-    }
+    if (c.first == 0) c.note(gemm(peer, i, nullptr, part), kTagEnqueue + 1);
+    c.record_failure();
+    c.push_piece(i, part + off, slot_there + off, bytes, nullptr);
   }
-  // 3. pieces = 1: the own half at once (beside the push), then after the peer's part: out += slot (one add).
-  // More pieces: the own half piece by piece, after the peer's piece of it: out = a[r's half] @ w + slot. Every wait
-  // is launched whatever failed (each consumes one of the peer's notifications: the counters stay in step).
-  if (pieces == 1) {
-    if (first == 0) note(gemm(r, 0, nullptr, out), kTagEnqueue + 6);
-  }
+  if (pieces == 1 && c.first == 0) c.note(gemm(r, 0, nullptr, out), kTagEnqueue + 6);
   for (int i = 0; i < pieces; ++i) {
-    GatherStep w = step_base(p);
-    w.counter = own + kPieceRecv;
-    w.wait_offset = 1;
-    w.advance = 1;
-    w.wait[0] = own + kPieceReady + peer;
-    w.tag[0] = kTagReady + peer;
-    w.num_wait = 1;
-    note(launch_step(w, cur), kTagEnqueue + 5);
-    if (first != 0) continue;
+    c.wait_piece();
+    if (c.first != 0) continue;
     if (pieces == 1) {
-      note(add_rows(out, slot_here, g.half_rows * g.n, g.elem_type == 14, cur), kTagEnqueue + 7);
+      c.note(add_rows(out, slot_here, g.half_rows * g.n, g.elem_type == 14, c.cur), kTagEnqueue + 7);
     } else {
-      note(gemm(r, i, slot_here + rows_of(i) * row_bytes, out), kTagEnqueue + 6);
+      c.note(gemm(r, i, slot_here + rows_of(i) * row_bytes, out), kTagEnqueue + 6);
     }
   }
-  return first;
+}
+
+// The all_reduce's steps (flashoverlap_sm90.h, all_reduce = 1): piece i's partial into out and pushed whole into the
+// same rows of the peer's set b; piece i's add issued after piece i + 1's GEMM, so cur waits neither for the push
+// (the next GEMM's length, ~4x the push's at 4 pieces) nor for the peer's piece. The add rewrites rows the push reads,
+// hence its wait for the `pushed` event.
+void all_reduce(Progress& c, fo_scatter_gemm_args const& g, int device) {
+  fo_gather_args const& p = c.p;
+  int const r = p.rank, peer = 1 - r, b = p.slot_set, pieces = g.pieces;
+  int64_t const rows = 2 * g.half_rows, row_bytes = g.n * 2;
+  char const* const a = static_cast<char const*>(g.a);
+  char* const out = static_cast<char*>(g.out);
+  char* const region_here = static_cast<char*>(p.buffers[r]) + size_t(b) * size_t(p.set_bytes);
+  char* const region_there = static_cast<char*>(p.buffers[peer]) + size_t(b) * size_t(p.set_bytes);
+  auto rows_of = [&](int i) { return rows * i / pieces; };
+  auto add = [&](int i) {
+    c.wait_piece();
+    c.note(cuda_check(cudaStreamWaitEvent(c.cur, c.ev->pushed[i], 0), "pushed wait"), kTagEnqueue + 9);
+    if (c.first != 0) return;
+    int64_t const off = rows_of(i) * row_bytes;
+    c.note(add_rows(out + off, region_here + off, (rows_of(i + 1) - rows_of(i)) * g.n, g.elem_type == 14, c.cur),
+           kTagEnqueue + 7);
+  };
+  for (int i = 0; i < pieces; ++i) {
+    int64_t const r0 = rows_of(i), n_rows = rows_of(i + 1) - r0, off = r0 * row_bytes;
+    if (c.first == 0) {
+      c.note(gemm_rows(GemmRows{g.handle, g.elem_type, g.math_mode, g.weight_transposed, g.weight, g.n, g.k,
+                                a + r0 * g.k * 2, n_rows, nullptr, out + off, g.workspace, g.workspace_bytes,
+                                device}, c.cur), kTagEnqueue + 1);
+    }
+    c.record_failure();
+    c.push_piece(i, out + off, region_there + off, n_rows * row_bytes, c.ev->pushed[i]);
+    if (i > 0) add(i - 1);
+  }
+  add(pieces - 1);
+}
+
+int run(fo_gather_args const& p, fo_scatter_gemm_args const& g, GatherEvents* ev, int device) {
+  auto cur = static_cast<cudaStream_t>(p.cur_stream);
+  ev->push_begun = false;
+  ev->push_fail_tag = 0;
+  int const rc = begin(p, g.pieces, cur);
+  if (rc != 0) return rc;
+  ev->push_begun = true;
+  Progress c{p, ev, cur, static_cast<cudaStream_t>(p.copy_stream)};
+  if (g.all_reduce != 0) {
+    all_reduce(c, g, device);
+  } else {
+    reduce_scatter(c, g, device);
+  }
+  return c.first;
 }
 
 }  // namespace

@@ -128,6 +128,7 @@ RULES: dict[str, check.Rule] = {
     "scatter_route": check.Choice(SCATTER_ROUTES),
     "scatter_start": check.Choice(SCATTER_STARTS),
     "scatter_pieces": check.Int(0, 8),
+    "all_reduce_pieces": check.Int(0, 8),
 }
 
 
@@ -188,6 +189,11 @@ class Tuning:
     # GEMMs' extra tails eating the add's time; slower at 3-4); 0: the route's Python path, also its reference
     # semantics. The same on every rank.
     scatter_pieces: int = 1
+    # GEMM -> all_reduce over 2 ranks of one NVLink host (bf16, no bias): 1-8 the pull route (routes/reduce_pull.py:
+    # cuBLAS GEMMs in this many row pieces, each rank's partial pushed by copy engine into the peer's receive slot
+    # piece by piece, one add per piece); 0: the peer route (CUTLASS GEMMs, the sum in GEMM 2's epilogue). The same
+    # on every rank.
+    all_reduce_pieces: int = 0
 
     def __post_init__(self) -> None:
         _check_fields(self)  # every field in its rule's type (``RULES``)

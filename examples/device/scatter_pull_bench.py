@@ -11,6 +11,10 @@ ones, the host ms per call are printed (HOST-BOUND where that reaches 90% of its
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 examples/device/scatter_pull_bench.py \\
         [--shapes 4096x4096x4096,4096x4096x14336] [--sum-shapes 4096x4096x14336] [--pieces 0,2,4]
 
+``--op all_reduce``: GEMM -> all_reduce instead, the peer route against the all_reduce pull route
+(``routes/reduce_pull.py``) at each ``--pieces`` value P > 0 (``all_reduce_pieces=P``: variant ``pull<P>``), cuBLAS
+then NCCL and the ideal; no sum shapes.
+
 Shapes are M x N x K with K the whole reduction (each rank holds K/2; a sum shape's two terms K/4 each per rank).
 """
 
@@ -59,16 +63,73 @@ def run_row(variants: dict, ref_name: str, timer: tm.Timer) -> dict:
     return row
 
 
+def print_table(lines: list, note: str) -> None:
+    """Rank 0: one row per shape (``lines``: label, row, ideal), each fused variant's ms and x over sequential, the
+    routes and errors, and the geomeans."""
+    if dist.get_rank() != 0:
+        return
+    print(f"{torch.cuda.get_device_name()} x {dist.get_world_size()}; ms (median, max over ranks); x = seq / "
+          f"variant; {note}")
+    print(f"{'shape':24} {'gemm':>7} {'comm':>7} {'seq':>7} " + " ".join(f"{v:>7}" for v in FUSED)
+          + f" {'ideal':>7} " + " ".join(f"{'x ' + v:>7}" for v in FUSED) + f" {'x ideal':>7}  routes / errors")
+    ratios = {v: [] for v in FUSED}
+    for label, row, ideal in lines:
+        s = row["seq"]["ms"]
+        for v in FUSED:
+            ratios[v].append(s / row[v]["ms"])
+        print(f"{label:24} {row['gemm']['ms']:7.3f} {row['comm']['ms']:7.3f} {s:7.3f} "
+              + " ".join(f"{row[v]['ms']:7.3f}" for v in FUSED) + f" {ideal:7.3f} "
+              + " ".join(f"{s / row[v]['ms']:7.3f}" for v in FUSED) + f" {s / ideal:7.3f}  "
+              + "; ".join(f"{v} {row[v]['route']} err {row[v]['err']:.1e} host {row[v]['host']:.3f} ms"
+                          + (" HOST-BOUND" if row[v]["host_bound"] else "") for v in FUSED))
+    print("geomean " + ", ".join(f"x {v} {tm.geomean(ratios[v]):.3f}" for v in FUSED))
+
+
+def all_reduce_rows(shapes: list[tuple[int, int, int]], pieces: list[int]) -> None:
+    """``--op all_reduce``: per shape, sequential (cuBLAS then NCCL), the GEMM and the all_reduce alone, the peer route
+    and the pull route at each piece count, interleaved; then the table."""
+    FUSED[:] = ["peer"] + [f"pull{v}" for v in pieces]
+    rank, world, name = dist.get_rank(), dist.get_world_size(), dist.group.WORLD.group_name
+    op = torch.ops.flashoverlap.gemm_all_reduce
+    keys = {"peer": config.current().replace(transport="peer", all_reduce_pieces=0).key()}
+    keys.update({f"pull{v}": config.current().replace(transport="peer", all_reduce_pieces=v).key() for v in pieces})
+    timer = tm.Timer(rounds=5, target_ms=10.0, min_iters=2, max_iters=40, spin_ms=0.3)
+    lines = []
+    for m, n, k in shapes:
+        torch.manual_seed(100 + rank)
+        x = torch.randn(m, k // world, device="cuda").bfloat16()
+        w = (torch.randn(n, k // world, device="cuda") / math.sqrt(k)).bfloat16().t()
+        y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+
+        def seq(x=x, w=w):
+            out = x @ w
+            dist.all_reduce(out)
+            return out
+
+        variants = {"seq": seq, "gemm": lambda x=x, w=w: x @ w, "comm": lambda y=y: dist.all_reduce(y)}
+        for v, key in keys.items():
+            variants[v] = lambda x=x, w=w, key=key: op(x, w, None, "sum", name, "auto", key)
+        row = run_row(variants, "seq", timer)
+        lines.append((f"{m}x{n}x{k}", row, max(row["gemm"]["ms"], row["comm"]["ms"])))
+    print_table(lines, "GEMM -> all_reduce: peer = the peer route, pull<P> = the pull route in P pieces")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="4096x4096x4096,4096x4096x14336,8192x4096x14336,16384x4096x4096")
     p.add_argument("--sum-shapes", default="4096x4096x14336,8192x4096x14336")
-    p.add_argument("--pieces", default="0,2,4", help="scatter_pieces values, one push variant each")
+    p.add_argument("--pieces", default="0,2,4", help="scatter_pieces values, one push variant each (all_reduce: "
+                   "all_reduce_pieces values > 0, one pull variant each)")
+    p.add_argument("--op", default="reduce_scatter", choices=("reduce_scatter", "all_reduce"))
     args = p.parse_args()
     pieces = [int(v) for v in args.pieces.split(",") if v]
     FUSED[:] = ["peer", "pull"] + [f"push{v}" for v in pieces]
     torch.cuda.set_device(dist.get_node_local_rank(fallback_rank=0))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    if args.op == "all_reduce":
+        all_reduce_rows(shapes_of(args.shapes), [v for v in pieces if v > 0])
+        dist.destroy_process_group()
+        return
     rank, world, name = dist.get_rank(), dist.get_world_size(), dist.group.WORLD.group_name
     op = torch.ops.flashoverlap.gemm_reduce_scatter
     peer_key = config.current().replace(transport="peer", scatter_route="peer").key()
@@ -122,23 +183,8 @@ def main() -> None:
         row = run_row(variants, "seq", timer)
         ideal = max(row["gemm"]["ms"], row["comm"]["ms"])
         lines.append((f"sum {m}x{n}x{k}", row, ideal))
-    if rank == 0:
-        print(f"{torch.cuda.get_device_name()} x {world}; ms (median, max over ranks); x = seq / variant; "
-              "sum rows: peer = one GEMM over the concatenated K (cats included), pull = mm then the op with it as "
-              "bias")
-        print(f"{'shape':24} {'gemm':>7} {'comm':>7} {'seq':>7} " + " ".join(f"{v:>7}" for v in FUSED)
-              + f" {'ideal':>7} " + " ".join(f"{'x ' + v:>7}" for v in FUSED) + f" {'x ideal':>7}  routes / errors")
-        ratios = {v: [] for v in FUSED}
-        for label, row, ideal in lines:
-            s = row["seq"]["ms"]
-            for v in FUSED:
-                ratios[v].append(s / row[v]["ms"])
-            print(f"{label:24} {row['gemm']['ms']:7.3f} {row['comm']['ms']:7.3f} {s:7.3f} "
-                  + " ".join(f"{row[v]['ms']:7.3f}" for v in FUSED) + f" {ideal:7.3f} "
-                  + " ".join(f"{s / row[v]['ms']:7.3f}" for v in FUSED) + f" {s / ideal:7.3f}  "
-                  + "; ".join(f"{v} {row[v]['route']} err {row[v]['err']:.1e} host {row[v]['host']:.3f} ms"
-                              + (" HOST-BOUND" if row[v]["host_bound"] else "") for v in FUSED))
-        print("geomean " + ", ".join(f"x {v} {tm.geomean(ratios[v]):.3f}" for v in FUSED))
+    print_table(lines, "sum rows: peer = one GEMM over the concatenated K (cats included), pull = mm then the op "
+                "with it as bias")
     dist.destroy_process_group()
 
 

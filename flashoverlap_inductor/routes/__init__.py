@@ -44,7 +44,20 @@ from flashoverlap_inductor.runtime import faults, kernel_select, streams
 
 from .. import _inductor_compat as compat
 from ..schedule import steps as schedule
-from . import agree, cpu, gather_nccl, gather_peer, moe_deferred, nccl, peer, ring, scatter_pull, symmetric, unfused
+from . import (
+    agree,
+    cpu,
+    gather_nccl,
+    gather_peer,
+    moe_deferred,
+    nccl,
+    peer,
+    reduce_pull,
+    ring,
+    scatter_pull,
+    symmetric,
+    unfused,
+)
 from .base import Call, Context, Route, forget_notes, note, stats
 
 __all__ = ["NO_ROUTE_ARGS", "REGISTRY", "Call", "Context", "Route", "candidates", "check", "cost_args", "dispatch",
@@ -54,8 +67,8 @@ log = logging.getLogger("flashoverlap")
 
 
 # In order of preference: the first route whose ``unsupported`` is None takes a call.
-REGISTRY: list[Route] = [scatter_pull.ROUTE, ring.ROUTE, peer.ROUTE, nccl.ROUTE, gather_peer.ROUTE, gather_nccl.ROUTE,
-                         unfused.ROUTE, cpu.ROUTE]
+REGISTRY: list[Route] = [scatter_pull.ROUTE, reduce_pull.ROUTE, ring.ROUTE, peer.ROUTE, nccl.ROUTE, gather_peer.ROUTE,
+                         gather_nccl.ROUTE, unfused.ROUTE, cpu.ROUTE]
 last_launch: Any = None
 MAX_ENTRIES = 512
 _memo: collections.OrderedDict[tuple, _Entry] = collections.OrderedDict()  # LRU order
@@ -113,7 +126,7 @@ def cost_args(call: Call, settings: config.Settings) -> dict[str, Any]:
     the route that runs. Raises as ``select`` where no route takes the call."""
     name = select(call, settings).name
     return {"peer": name == "peer", "ring_rounds": ring.rounds(call, settings) if name == "ring" else 0,
-            "pull": name == "scatter_pull"}
+            "pull": name in ("scatter_pull", "reduce_pull")}
 
 
 def make_call(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup,

@@ -146,13 +146,14 @@ def device_name(call) -> str | None:
 
 
 class ScatterGemmArgs(ctypes.Structure):
-    """``fo_scatter_gemm_args`` of ``csrc/flashoverlap_sm90.h`` (rows, N, K in elements; pointers as ints)."""
+    """``fo_scatter_gemm_args`` of ``csrc/flashoverlap_sm90.h`` (rows, N, K in elements; pointers as ints;
+    ``all_reduce`` 1: the all_reduce pull route's call, ``routes/reduce_pull.py``)."""
 
     _fields_ = [("half_rows", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
                 ("pieces", ctypes.c_int32), ("weight_transposed", ctypes.c_int32), ("a", ctypes.c_void_p),
                 ("weight", ctypes.c_void_p), ("part", ctypes.c_void_p), ("out", ctypes.c_void_p),
                 ("handle", ctypes.c_void_p), ("elem_type", ctypes.c_int32), ("math_mode", ctypes.c_int32),
-                ("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_int64)]
+                ("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_int64), ("all_reduce", ctypes.c_int32)]
 
 
 def library_args(call, settings: config.Settings, ctx, options: int, half: int) -> ScatterGemmArgs | None:

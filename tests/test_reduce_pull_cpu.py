@@ -1,0 +1,164 @@
+"""The all_reduce pull route (``routes/reduce_pull.py``, ``all_reduce_pieces`` > 0) on the CPU, with the library faked.
+
+Which calls it takes (pure: the same at compile time, so the pass predicts it): 2-rank bf16 all_reduces once
+``all_reduce_pieces`` > 0, never by default; the registry then prefers it to the peer route. ``make_launch`` declines
+a bias, a batched or strided weight and a receive buffer past ``gather_push_max_mb``. For both ranks of a simulated
+pair, ``execute`` must hand ``fo_scatter_run`` the protocol's struct (``a`` = the output, the push option, the slot
+sets alternating, the output for the poison) and the GEMM struct with ``all_reduce = 1`` and every field set (the
+halves, the pieces, the weight's layout, ``a``, no ``part``, ``out``, the cuBLAS handle, the workspace), and return
+what the library wrote (the fake writes the fp32 all_reduce of both ranks' GEMMs). A failed call raises with the
+library's message; a finish that could not join records the call's tensors on the copy stream; torch's matmul
+settings forbidding the library's GEMMs decline the call."""
+
+from __future__ import annotations
+
+import ctypes
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flashoverlap_inductor import config, routes
+from flashoverlap_inductor.native import kernels
+from flashoverlap_inductor.routes import gather_gemms, gather_peer, gather_start, reduce_pull
+
+ROWS, K, N = 8, 16, 24
+
+
+def _setup(monkeypatch):
+    monkeypatch.setattr(gather_peer, "group_issue", lambda g: None)
+    monkeypatch.setattr(gather_peer, "_push_calls", {})
+    monkeypatch.setattr(reduce_pull.compat, "group_timeout_ms", lambda g: 1000.0)
+    monkeypatch.setattr(reduce_pull.compat, "current_raw_stream", lambda i: 77)
+    monkeypatch.setattr(reduce_pull.symmetric, "order_after_last", lambda g, d, s: None)
+    monkeypatch.setattr(gather_gemms, "usable", lambda dtype, experiments, probe: True)
+    monkeypatch.setattr(torch.cuda, "current_blas_handle", lambda: 4242)
+    monkeypatch.setattr(gather_gemms, "_bound", [True, True])
+    lt_ws = torch.zeros(64, dtype=torch.uint8)
+    monkeypatch.setattr(gather_gemms, "_workspaces", {None: lt_ws})  # a CPU tensor's device index is None
+    flags = SimpleNamespace(views=[torch.zeros(4) for _ in range(2)],
+                            events=[SimpleNamespace(cuda_event=100 + r) for r in range(2)],
+                            epoch=torch.zeros(1), fault=SimpleNamespace(block_ptr=None, mirror_ptr=None),
+                            copy=SimpleNamespace(cuda_stream=None))
+    receive = [torch.zeros(gather_start.SLOT_SETS * ROWS * N * 2, dtype=torch.uint8) for _ in range(2)]
+    ws = SimpleNamespace(flags=flags, views=receive, serial=-1, capacity=receive[0].numel())
+    monkeypatch.setattr(gather_peer, "workspace", lambda *args, **kw: ws)
+    monkeypatch.setattr(reduce_pull.kernels, "available", lambda: True)
+    return lt_ws
+
+
+def _call(rank=0, dtype=torch.bfloat16, rows=ROWS, world=2, collective="all_reduce", compile_time=False):
+    return routes.Call(collective, rows, N, K, dtype, world, rank, "cuda", None, "auto", group_name="g",
+                       compile_time=compile_time)
+
+
+def _launch(rank, a, w, settings, bias=None):
+    ctx = SimpleNamespace(a=a, b=w, bias=bias, group=SimpleNamespace(group_name="g"), y_shape=[ROWS, N],
+                          out_shape=[ROWS, N], capturing=False, probe=None, settings=settings)
+    return reduce_pull.make_launch(_call(rank), settings, ctx), ctx
+
+
+def test_which_calls_it_takes(monkeypatch):
+    monkeypatch.setattr(reduce_pull.kernels, "available", lambda: True)
+    on = config.current().replace(all_reduce_pieces=4, transport="peer")
+    assert config.current().tuning.all_reduce_pieces == 0  # off by default
+    assert reduce_pull.unsupported(_call(), config.current().replace(transport="peer")) == "all_reduce_pieces is 0"
+    assert reduce_pull.unsupported(_call(), on) is None
+    assert reduce_pull.unsupported(_call(compile_time=True), on) is None
+    assert "reduce_scatter" in reduce_pull.unsupported(_call(collective="reduce_scatter"), on)
+    assert "world size 4" in reduce_pull.unsupported(_call(world=4), on)
+    assert "rows" in reduce_pull.unsupported(_call(rows=7), on)
+    assert "rows" in reduce_pull.unsupported(_call(rows=2), on)  # fewer rows than pieces
+    assert "dtype" in reduce_pull.unsupported(_call(dtype=torch.float16), on)
+    assert "nccl" in reduce_pull.unsupported(_call(), on.replace(transport="nccl"))
+    assert routes.select(_call(), on).name == "reduce_pull"
+    assert routes.cost_args(_call(compile_time=True), on)["pull"] is True
+    monkeypatch.setattr(reduce_pull.kernels, "available", lambda: False)
+    assert "library" in reduce_pull.unsupported(_call(), on)
+    with pytest.raises(Exception, match="all_reduce_pieces"):
+        on.replace(all_reduce_pieces=9)
+
+
+def test_make_launch_declines(monkeypatch):
+    _setup(monkeypatch)
+    a, w = torch.zeros(ROWS, K).bfloat16(), torch.zeros(N, K).bfloat16().t()
+    on = config.current().replace(all_reduce_pieces=2)
+    assert isinstance(_launch(0, a, w, on)[0], reduce_pull.ReduceLaunch)
+    assert _launch(0, a, w, on, bias=torch.zeros(N).bfloat16())[0].startswith("bias")
+    assert _launch(0, a, torch.zeros(K, 2 * N).bfloat16()[:, :N], on)[0].startswith("weight")
+    assert _launch(0, a, torch.zeros(2, K, N).bfloat16(), on)[0].startswith("bmm")
+    monkeypatch.setattr(gather_start, "push_fits", lambda settings, world, shard: False)
+    assert _launch(0, a, w, on)[0].startswith("buffer")
+
+
+@pytest.mark.parametrize("layout", ["linear", "row_major"])
+@pytest.mark.parametrize("pieces", [1, 3, 8])
+def test_one_library_call_per_all_reduce(monkeypatch, layout, pieces):
+    lt_ws = _setup(monkeypatch)
+    gen = torch.Generator().manual_seed(11)
+    a = [torch.randn(ROWS, K, generator=gen).bfloat16() for _ in range(2)]
+    if layout == "linear":
+        w = [torch.randn(N, K, generator=gen).bfloat16().t() for _ in range(2)]
+    else:
+        w = [torch.randn(K, N, generator=gen).bfloat16() for _ in range(2)]
+    full = sum(x.float() @ y.float() for x, y in zip(a, w, strict=True)).bfloat16()
+    settings = config.current().replace(all_reduce_pieces=pieces)
+    for rank in range(2):
+        launch, ctx = _launch(rank, a[rank], w[rank], settings)
+        assert f"in {pieces} pieces" in launch.description
+        assert launch.buffer_bytes == gather_start.SLOT_SETS * ROWS * N * 2  # two sets of the whole output
+        seen = []
+
+        def run(pcall, pgemm, finish_rc, rank=rank, seen=seen):
+            c, g = pcall._obj, pgemm._obj
+            assert c.a == g.out and c.options == gather_start.PUSH and c.staging is None and c.cur_stream == 77
+            assert c.shard_bytes == ROWS // 2 * N * 2 and c.world == 2 and c.rank == rank
+            assert c.slot_set == len(seen) % gather_start.SLOT_SETS and c.num_outputs == 1
+            assert c.outputs[0] == g.out and c.output_numel[0] == ROWS * N
+            assert (g.half_rows, g.n, g.k, g.pieces, g.all_reduce) == (ROWS // 2, N, K, pieces, 1)
+            assert g.weight_transposed == int(layout == "linear") and g.weight == w[rank].data_ptr()
+            assert g.a == a[rank].data_ptr() and g.part is None and g.handle == 4242 and g.elem_type == 14
+            assert g.workspace == lt_ws.data_ptr() and g.workspace_bytes == lt_ws.numel()
+            ctypes.memmove(g.out, full.data_ptr(), full.numel() * 2)
+            finish_rc._obj.value = 0
+            seen.append(1)
+            return 0
+
+        lib = SimpleNamespace(fo_scatter_run=run, fo_last_error=lambda: b"")
+        monkeypatch.setattr(reduce_pull.kernels, "library", lambda lib=lib: lib)
+        before = routes.stats["reduce:library"]
+        for _ in range(2):  # two calls: the slot sets alternate
+            assert torch.equal(reduce_pull.ROUTE.execute(launch, ctx), full)
+        assert seen == [1, 1] and routes.stats["reduce:library"] == before + 2
+
+
+@pytest.mark.parametrize("rc, finish", [(7, 0), (0, 5), (9, 5)])
+def test_failures_raise_and_unjoined_tensors_stay_recorded(monkeypatch, rc, finish):
+    _setup(monkeypatch)
+    a, w = torch.zeros(ROWS, K).bfloat16(), torch.zeros(N, K).bfloat16().t()
+    launch, ctx = _launch(0, a, w, config.current().replace(all_reduce_pieces=2))
+    recorded = []
+    monkeypatch.setattr(reduce_pull.gather_protocol, "unjoined", lambda ws, used: recorded.append(used))
+
+    def run(pcall, pgemm, finish_rc):
+        finish_rc._obj.value = finish
+        return rc
+
+    lib = SimpleNamespace(fo_scatter_run=run, fo_last_error=lambda: b"the library's reason")
+    monkeypatch.setattr(reduce_pull.kernels, "library", lambda lib=lib: lib)
+    with pytest.raises(kernels.KernelLibraryError, match="the library's reason") as got:
+        reduce_pull.ROUTE.execute(launch, ctx)
+    assert ("fo_scatter_run" if rc else "fo_gather_finish") in str(got.value)
+    assert len(recorded) == int(finish != 0)
+    if recorded:
+        assert recorded[0][0].data_ptr() == a.data_ptr()
+
+
+def test_matmul_settings_that_forbid_the_library_decline(monkeypatch):
+    _setup(monkeypatch)
+    a, w = torch.zeros(ROWS, K).bfloat16(), torch.zeros(N, K).bfloat16().t()
+    launch, ctx = _launch(0, a, w, config.current().replace(all_reduce_pieces=2))
+    monkeypatch.setattr(gather_gemms, "usable", lambda dtype, experiments, probe: False)
+    lib = SimpleNamespace(fo_scatter_run=lambda *args: pytest.fail("the library call"))
+    monkeypatch.setattr(reduce_pull.kernels, "library", lambda lib=lib: lib)
+    assert reduce_pull.ROUTE.execute(launch, ctx).startswith("matmul settings")
