@@ -502,14 +502,7 @@ FO_API int fo_gather_run(const fo_gather_args* call, const fo_gather_gemm_args* 
  * those rows into the same rows of set b in p's buffer, then src[i] into piece_ready[r] in p's page; and once piece
  * i + 1 is issued (piece i: after the last), on cur_stream: wait for the copy stream's push of piece i (an event) and
  * for piece_ready[p] to reach recv + 1 (a bounded kernel), then out rows of piece i += the received rows (the add
- * kernel: fp32 sums rounded once, the same bits on both ranks). Step 4 as above.
- * all_reduce = 2 (reduce then gather; 2 .. FO_SCATTER_MAX_PIECES / 2 pieces per half; slot 0 of set b: the peer's
- * raw partial of this rank's half, slot 1: the peer's summed half): step 1 with 2 x pieces values; per piece i of
- * p's half: out rows = a rows @ w, pushed raw into slot 0 of p's set, then notification i + 1; per piece j of r's
- * half: a kernel waits until piece_ready[p] reaches recv + j + 1, out rows = a rows @ w + slot 0's rows (the GEMM's
- * addend), pushed into slot 1 of p's set, notification pieces + j + 1; once piece j + 1 is issued (j: after the
- * last), a kernel waits for recv + pieces + j + 1 (the last adds 2 x pieces to recv), then the copy stream copies
- * slot 1's rows of piece j into out's rows of p's half (after the raw push of those rows, on the same stream). */
+ * kernel: fp32 sums rounded once, the same bits on both ranks). Step 4 as above. */
 #define FO_SCATTER_MAX_PIECES 8
 typedef struct {
   int64_t half_rows, n, k;                       /* each half's rows (>= pieces), N (>= 2), K (>= 2) */
@@ -524,7 +517,7 @@ typedef struct {
   int32_t math_mode;                             /* cublasMath_t for cublasGemmEx (reset to the default after) */
   void* workspace;                               /* cuBLASLt's (null: cublasGemmEx for every GEMM) */
   int64_t workspace_bytes;
-  int32_t all_reduce;                            /* 1, 2: GEMM -> all_reduce (below); 0: reduce_scatter */
+  int32_t all_reduce;                            /* 1: GEMM -> all_reduce (below); 0: reduce_scatter */
 } fo_scatter_gemm_args;
 
 FO_API int fo_scatter_run(const fo_gather_args* call, const fo_scatter_gemm_args* gemm, int32_t* finish_rc);

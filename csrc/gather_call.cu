@@ -70,7 +70,7 @@ __global__ void gather_step_kernel(GatherStep s) {
   int const target = int(unsigned(base) + unsigned(s.wait_offset));
   long long const deadline = wait_deadline(s.fault, s.timeout_ns);
   for (int i = 0; i < s.num_wait; ++i) bounded_wait(s.wait[i], target, deadline, s.fault, nullptr, s.tag[i]);
-  if (s.counter != nullptr && s.advance) *s.counter = base + s.advance;  // consumed whether or not a wait gave up
+  if (s.counter != nullptr && s.advance) *s.counter = base + 1;  // consumed whether or not a wait gave up
 }
 
 // The outputs of one call (contiguous, numel elements each), poisoned while the block holds a fault.

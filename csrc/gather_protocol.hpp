@@ -59,7 +59,7 @@ struct GatherStep {
   int num_wait;
   int wait_offset;
   int* counter;   // non-null: the waits' target is *counter + wait_offset (not epoch + wait_offset)
-  int advance;    // with counter: *counter += advance after the waits (whether or not one gave up)
+  int advance;    // with counter: *counter += 1 after the waits (whether or not one gave up)
   int* snapshot;  // with begin, non-null: *snapshot = the new epoch (FO_GATHER_COPY_NOTIFY's per-set epoch)
   int pieces;     // with begin, > 0 (fo_scatter_run): piece_src[i] = *piece_sent + i + 1, then *piece_sent += pieces
   int* piece_sent;
@@ -71,9 +71,7 @@ struct GatherStep {
 struct GatherEvents {
   cudaEvent_t fork = nullptr, join = nullptr, ready = nullptr;  // ready: every peer's shard is in its buffer
   cudaEvent_t piece[kMaxPieces] = {};  // fo_scatter_run: piece i of the part computed (cur), before its push (copy)
-  // its all_reduce: piece i pushed (copy), before the add that rewrites it (cur); reduce-then-gather: the peer's
-  // summed piece i arrived (cur), before its copy into the output (copy)
-  cudaEvent_t pushed[kMaxPieces] = {};
+  cudaEvent_t pushed[kMaxPieces] = {};  // its all_reduce: piece i pushed (copy), before the add that rewrites it (cur)
   // The push schedule's call on this thread and device, from fo_gather_call to fo_gather_finish: whether its begin
   // was enqueued (then its finish owes every peer a done), and an enqueue failure no step kernel recorded yet.
   bool push_begun = false;

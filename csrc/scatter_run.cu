@@ -79,14 +79,14 @@ int check(fo_gather_args const& p, fo_scatter_gemm_args const& g) {
     return fail_code(2, "fo_scatter_run: fault, copy_stream, epoch, every buffer and flag page, timeout_ns > 0");
   }
   bool const ar = g.all_reduce != 0;
-  int64_t const rows = g.all_reduce == 1 ? 2 * g.half_rows : g.half_rows;  // the rows cut into pieces
+  int64_t const rows = ar ? 2 * g.half_rows : g.half_rows;  // the rows cut into pieces
   if (g.pieces < 1 || g.pieces > kMaxPieces || g.half_rows < 1 || rows < g.pieces || g.n < 2 || g.k < 2 ||
       g.a == nullptr || g.weight == nullptr || (!ar && g.part == nullptr) || g.out == nullptr ||
       g.handle == nullptr || (g.elem_type != 14 && g.elem_type != 2) || g.workspace_bytes < 0 ||
-      g.all_reduce < 0 || g.all_reduce > 2 || (g.all_reduce == 2 && (g.pieces < 2 || 2 * g.pieces > kMaxPieces))) {
+      (g.all_reduce != 0 && g.all_reduce != 1)) {
     return fail_code(2, "fo_scatter_run: bad arguments (pieces in [1, FO_SCATTER_MAX_PIECES] and <= the rows cut, "
                         "N >= 2, K >= 2, a, weight, part (reduce_scatter), out, handle, a bf16 or fp16 element "
-                        "type, all_reduce 0, 1 or 2: 2 takes 2 .. FO_SCATTER_MAX_PIECES / 2 pieces per half)");
+                        "type, all_reduce 0 or 1)");
   }
   int64_t const bytes = g.half_rows * g.n * 2;
   if (p.shard_bytes != bytes || p.a != (ar ? g.out : g.part) || p.set_bytes < 2 * bytes || p.elem_bytes != 2) {
@@ -146,15 +146,14 @@ struct Progress {
                                       cudaMemcpyDeviceToDevice, copy), "piece notify"), kTagEnqueue + 4);
     }
   }
-  // On cur, one kernel: wait until the peer's piece_ready here reaches recv + `nth` (its nth notification of this
-  // call), then recv += `advance` (default: waits in the order of the notifications, one each). Launched whatever
-  // failed (the counters stay in step).
-  void wait_piece(int nth = 1, int advance = 1) {
+  // On cur, one kernel: wait until the peer's piece_ready here reaches recv + 1, then recv + 1. Launched whatever
+  // failed (each consumes one of the peer's notifications: the counters stay in step).
+  void wait_piece() {
     int* const own = p.flags[p.rank];
     GatherStep w = step_base(p);
     w.counter = own + kPieceRecv;
-    w.wait_offset = nth;
-    w.advance = advance;
+    w.wait_offset = 1;
+    w.advance = 1;
     w.wait[0] = own + kPieceReady + 1 - p.rank;
     w.tag[0] = kTagReady + 1 - p.rank;
     w.num_wait = 1;
@@ -254,70 +253,15 @@ void all_reduce(Progress& c, fo_scatter_gemm_args const& g, int device) {
   add(pieces - 1);
 }
 
-// The all_reduce's reduce-then-gather steps (all_reduce = 2): the peer's half first, piece by piece, its partial
-// pushed raw into slot 0 of the peer's set; then the own half piece by piece, each after the peer's raw partial of
-// it, with that partial as the GEMM's addend (the sum, no add kernel), pushed into slot 1 of the peer's set; each of
-// the peer's summed pieces, once arrived, copied by copy engine from slot 1 here into the output's peer half (which
-// held this rank's raw partial, pushed before the copy on the same stream). Notifications 1..P are the raw pieces,
-// P+1..2P the summed ones; the waits name theirs (recv + n) and the last advances recv by 2P.
-void reduce_gather(Progress& c, fo_scatter_gemm_args const& g, int device) {
-  fo_gather_args const& p = c.p;
-  int const r = p.rank, peer = 1 - r, b = p.slot_set, pieces = g.pieces;
-  int64_t const row_bytes = g.n * 2, half_bytes = g.half_rows * row_bytes;
-  char const* const a = static_cast<char const*>(g.a);
-  char* const out = static_cast<char*>(g.out);
-  char* const here = static_cast<char*>(p.buffers[r]) + size_t(b) * size_t(p.set_bytes);
-  char* const there = static_cast<char*>(p.buffers[peer]) + size_t(b) * size_t(p.set_bytes);
-  auto rows_of = [&](int i) { return g.half_rows * i / pieces; };
-  auto gemm = [&](int half, int i, void const* cc) {
-    int64_t const r0 = rows_of(i), rows = rows_of(i + 1) - r0, at = int64_t(half) * g.half_rows + r0;
-    return gemm_rows(GemmRows{g.handle, g.elem_type, g.math_mode, g.weight_transposed, g.weight, g.n, g.k,
-                              a + at * g.k * 2, rows, cc, out + at * row_bytes, g.workspace, g.workspace_bytes,
-                              device}, c.cur);
-  };
-  auto bytes_of = [&](int i) { return (rows_of(i + 1) - rows_of(i)) * row_bytes; };
-  char* const peer_half = out + peer * half_bytes;
-  char* const own_half = out + r * half_bytes;
-  for (int i = 0; i < pieces; ++i) {  // the peer's half: raw partials into slot 0 there
-    int64_t const off = rows_of(i) * row_bytes;
-    if (c.first == 0) c.note(gemm(peer, i, nullptr), kTagEnqueue + 1);
-    c.record_failure();
-    c.push_piece(i, peer_half + off, there + off, bytes_of(i), nullptr);
-  }
-  auto gather = [&](int j) {  // the peer's summed piece j: slot 1 here -> the output's peer half
-    c.wait_piece(pieces + j + 1, j == pieces - 1 ? 2 * pieces : 0);
-    if (c.first != 0) return;
-    int64_t const off = rows_of(j) * row_bytes;
-    int e = cuda_check(cudaEventRecord(c.ev->pushed[j], c.cur), "gathered record");
-    if (e == 0) e = cuda_check(cudaStreamWaitEvent(c.copy, c.ev->pushed[j], 0), "gathered wait");
-    if (e == 0) {
-      e = cuda_check(cudaMemcpyAsync(peer_half + off, here + half_bytes + off, size_t(bytes_of(j)),
-                                     cudaMemcpyDeviceToDevice, c.copy), "gathered copy");
-    }
-    c.note(e, kTagEnqueue + 9);
-  };
-  for (int j = 0; j < pieces; ++j) {  // the own half: summed in the GEMMs, pushed into slot 1 there
-    int64_t const off = rows_of(j) * row_bytes;
-    c.wait_piece(j + 1, 0);
-    if (c.first == 0) c.note(gemm(r, j, here + off), kTagEnqueue + 6);
-    c.record_failure();
-    c.push_piece(pieces + j, own_half + off, there + half_bytes + off, bytes_of(j), nullptr);
-    if (j > 0) gather(j - 1);
-  }
-  gather(pieces - 1);
-}
-
 int run(fo_gather_args const& p, fo_scatter_gemm_args const& g, GatherEvents* ev, int device) {
   auto cur = static_cast<cudaStream_t>(p.cur_stream);
   ev->push_begun = false;
   ev->push_fail_tag = 0;
-  int const rc = begin(p, g.all_reduce == 2 ? 2 * g.pieces : g.pieces, cur);
+  int const rc = begin(p, g.pieces, cur);
   if (rc != 0) return rc;
   ev->push_begun = true;
   Progress c{p, ev, cur, static_cast<cudaStream_t>(p.copy_stream)};
-  if (g.all_reduce == 2) {
-    reduce_gather(c, g, device);
-  } else if (g.all_reduce == 1) {
+  if (g.all_reduce != 0) {
     all_reduce(c, g, device);
   } else {
     reduce_scatter(c, g, device);

@@ -89,10 +89,6 @@ EXPERIMENTS = {
                            "inference) judge a group's deferred MoE calls at the end of its next graph run instead of "
                            "at each call (the host may run a whole graph ahead; a failure raises at the end of the "
                            "next run; 2 H200s, qwen3-moe EP2: no faster than one call behind)",
-    "reduce_gather": "run the all_reduce pull route (all_reduce_pieces 2-4) as a reduce_scatter then an all_gather: "
-                     "the peer's half first, its raw partials pushed; the own half's pieces adding the peer's raw "
-                     "partials in their GEMMs (no add kernel), pushed summed; the peer's summed pieces copied into "
-                     "the output by copy engine (routes/reduce_pull.py)",
 }
 
 

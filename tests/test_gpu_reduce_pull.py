@@ -67,16 +67,14 @@ def _check(out, a, w, what: str) -> None:
     assert all(torch.equal(o, outs[0]) for o in outs), (what, "the ranks' results differ")
 
 
-def match_task(pieces: int, gathered: bool = False) -> dict[str, int]:
+def match_task(pieces: int) -> dict[str, int]:
     from flashoverlap_inductor import config, routes
 
     routes.reset()
     g = torch.distributed.group.WORLD
     op = torch.ops.flashoverlap.gemm_all_reduce
     library_before = routes.stats["reduce:library"]
-    experiments = frozenset({"reduce_gather"} if gathered else ())
-    with config.patch(wait_timeout_ms=LONG_MS, all_reduce_pieces=pieces, scatter_route="pull",
-                      experiments=experiments):
+    with config.patch(wait_timeout_ms=LONG_MS, all_reduce_pieces=pieces, scatter_route="pull"):
         for seed, (shape, n) in enumerate(SHAPES):
             before = routes.stats["route:reduce_pull"]
             a, w = _inputs(seed, shape, n)
@@ -109,12 +107,10 @@ def match_task(pieces: int, gathered: bool = False) -> dict[str, int]:
             "scatter": routes.stats["route:scatter_pull"]}
 
 
-@pytest.mark.parametrize("pieces, gathered", [(1, False), (3, False), (8, False), (2, True), (3, True), (4, True)])
-def test_reduce_pull_matches_reference(pool, pieces, gathered):
-    """``gathered``: the experiment ``reduce_gather`` (the library's reduce-then-gather schedule, 2-4 pieces per
-    half; 3 cuts uneven rows)."""
+@pytest.mark.parametrize("pieces", [1, 3, 8])
+def test_reduce_pull_matches_reference(pool, pieces):
     n = len(SHAPES)
-    for r in pool.run(match_task, pieces, gathered):
+    for r in pool.run(match_task, pieces):
         assert r["synced"] == n and r["total"] == 2 * n and r["library"] == 2 * n, r
         assert r["scatter"] == (n + 1) // 2, r
 

@@ -92,11 +92,8 @@ def test_make_launch_declines(monkeypatch):
 
 
 @pytest.mark.parametrize("layout", ["linear", "row_major"])
-@pytest.mark.parametrize("pieces, gathered, mode", [(1, False, 1), (3, False, 1), (8, False, 1), (2, True, 2),
-                                                    (4, True, 2), (1, True, 1), (8, True, 1)])
-def test_one_library_call_per_all_reduce(monkeypatch, layout, pieces, gathered, mode):
-    """``mode``: the library's ``all_reduce`` field: 2 (reduce then gather) under the experiment at 2-4 pieces per
-    half (and at most the half's rows), else 1 (the partials exchanged)."""
+@pytest.mark.parametrize("pieces", [1, 3, 8])
+def test_one_library_call_per_all_reduce(monkeypatch, layout, pieces):
     lt_ws = _setup(monkeypatch)
     gen = torch.Generator().manual_seed(11)
     a = [torch.randn(ROWS, K, generator=gen).bfloat16() for _ in range(2)]
@@ -105,12 +102,10 @@ def test_one_library_call_per_all_reduce(monkeypatch, layout, pieces, gathered, 
     else:
         w = [torch.randn(K, N, generator=gen).bfloat16() for _ in range(2)]
     full = sum(x.float() @ y.float() for x, y in zip(a, w, strict=True)).bfloat16()
-    settings = config.current().replace(all_reduce_pieces=pieces,
-                                        experiments=frozenset({"reduce_gather"} if gathered else ()))
+    settings = config.current().replace(all_reduce_pieces=pieces)
     for rank in range(2):
         launch, ctx = _launch(rank, a[rank], w[rank], settings)
         assert f"in {pieces} pieces" in launch.description
-        assert ("own half summed in its GEMMs" in launch.description) == (mode == 2)
         assert launch.buffer_bytes == gather_start.SLOT_SETS * ROWS * N * 2  # two sets of the whole output
         seen = []
 
@@ -120,7 +115,7 @@ def test_one_library_call_per_all_reduce(monkeypatch, layout, pieces, gathered, 
             assert c.shard_bytes == ROWS // 2 * N * 2 and c.world == 2 and c.rank == rank
             assert c.slot_set == len(seen) % gather_start.SLOT_SETS and c.num_outputs == 1
             assert c.outputs[0] == g.out and c.output_numel[0] == ROWS * N
-            assert (g.half_rows, g.n, g.k, g.pieces, g.all_reduce) == (ROWS // 2, N, K, pieces, mode)
+            assert (g.half_rows, g.n, g.k, g.pieces, g.all_reduce) == (ROWS // 2, N, K, pieces, 1)
             assert g.weight_transposed == int(layout == "linear") and g.weight == w[rank].data_ptr()
             assert g.a == a[rank].data_ptr() and g.part is None and g.handle == 4242 and g.elem_type == 14
             assert g.workspace == lt_ws.data_ptr() and g.workspace_bytes == lt_ws.numel()

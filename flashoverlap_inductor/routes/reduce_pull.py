@@ -54,8 +54,6 @@ from .scatter_pull import ScatterGemmArgs
 log = logging.getLogger("flashoverlap")
 
 NAME = "reduce_pull"
-REDUCE_GATHER = "reduce_gather"  # the experiment: fo_scatter_run's all_reduce = 2 (GATHERED) instead of 1
-EXCHANGED, GATHERED = 1, 2  # fo_scatter_gemm_args.all_reduce: partials exchanged and added; reduce then gather
 
 
 def unsupported(call, settings: config.Settings) -> str | None:
@@ -119,15 +117,10 @@ def make_launch(call, settings: config.Settings, ctx) -> ReduceLaunch | str:
     g = ScatterGemmArgs()
     g.half_rows, g.n, g.k, g.pieces, g.weight_transposed = half, call.n, call.k, settings.tuning.all_reduce_pieces, \
         transposed
-    gathered = REDUCE_GATHER in settings.experiments and 2 <= g.pieces <= gather_protocol.MAX_PIECES // 2 \
-        and half >= g.pieces
-    g.elem_type, g.math_mode = gather_gemms.ELEM_TYPES[call.dtype], 0
-    g.all_reduce = GATHERED if gathered else EXCHANGED
-    how = (f"{g.pieces} pieces per half, the peer's half pushed raw, the own half summed in its GEMMs and pushed"
-           if gathered else f"{g.pieces} pieces, each partial pushed by copy engine into the peer's receive slot, "
-           "one add per piece")
+    g.elem_type, g.math_mode, g.all_reduce = gather_gemms.ELEM_TYPES[call.dtype], 0, 1
     desc = (f"GEMM {call.rows}x{call.n}x{call.k} {call.dtype_name} then all_reduce over 2 ranks: reduce_pull route "
-            f"(cuBLAS in {how}; one library call)")
+            f"(cuBLAS in {g.pieces} pieces, each partial pushed by copy engine into the peer's receive slot, one add "
+            "per piece; one library call)")
     log.info("flashoverlap: launch %s", desc)
     return ReduceLaunch(call.rank, call.rows, call.n, call.k, call.dtype, shard_bytes,
                         gather_start.push_bytes(2, shard_bytes),
