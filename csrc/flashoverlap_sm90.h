@@ -496,7 +496,7 @@ FO_API int fo_gather_run(const fo_gather_args* call, const fo_gather_gemm_args* 
  * FO_SCATTER_MAX_PIECES) after them. Both ranks cut alike (pieces, half_rows: shape and settings), so each wait
  * pairs with one write; a rank out of step waits out its bound: a fault (poisoned, raised, resynchronized).
  * all_reduce = 1 (the pull route's all_reduce, routes/reduce_pull.py): `out` is the whole [2 * half_rows, N] result,
- * `part` unused, call.a = out; the 2 * half_rows rows cut into `pieces` ranges alike on both ranks; this rank's
+ * `part` unused, call.a = out; the 2 * half_rows rows cut into `pieces` ranges alike on both ranks (`cuts`); this rank's
  * receive region is all of set b in its buffer (2 shards: the peer's whole partial). Step 1 as above; then per piece
  * i on cur_stream: out rows of piece i = a rows of piece i @ w (this rank's partial); on the copy stream after it,
  * those rows into the same rows of set b in p's buffer, then src[i] into piece_ready[r] in p's page; and once piece
@@ -518,6 +518,8 @@ typedef struct {
   void* workspace;                               /* cuBLASLt's (null: cublasGemmEx for every GEMM) */
   int64_t workspace_bytes;
   int32_t all_reduce;                            /* 1: GEMM -> all_reduce (below); 0: reduce_scatter */
+  int64_t cuts[FO_SCATTER_MAX_PIECES + 1];       /* all_reduce: piece i's rows [cuts[i], cuts[i + 1]), cuts[0] = 0 <
+                                                    ... < cuts[pieces] = 2 * half_rows; all zero: even pieces */
 } fo_scatter_gemm_args;
 
 FO_API int fo_scatter_run(const fo_gather_args* call, const fo_scatter_gemm_args* gemm, int32_t* finish_rc);

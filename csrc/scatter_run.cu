@@ -88,6 +88,11 @@ int check(fo_gather_args const& p, fo_scatter_gemm_args const& g) {
                         "N >= 2, K >= 2, a, weight, part (reduce_scatter), out, handle, a bf16 or fp16 element "
                         "type, all_reduce 0 or 1)");
   }
+  if (ar && g.cuts[g.pieces] != 0) {  // given cuts: 0 < ... < every row
+    bool ok = g.cuts[0] == 0 && g.cuts[g.pieces] == rows;
+    for (int i = 0; i < g.pieces; ++i) ok = ok && g.cuts[i] < g.cuts[i + 1];
+    if (!ok) return fail_code(2, "fo_scatter_run: cuts must rise from 0 to 2 * half_rows over the pieces");
+  }
   int64_t const bytes = g.half_rows * g.n * 2;
   if (p.shard_bytes != bytes || p.a != (ar ? g.out : g.part) || p.set_bytes < 2 * bytes || p.elem_bytes != 2) {
     return fail_code(2, "fo_scatter_run: call.a must be part (all_reduce: out), call.shard_bytes half_rows * N * 2, "
@@ -230,7 +235,8 @@ void all_reduce(Progress& c, fo_scatter_gemm_args const& g, int device) {
   char* const out = static_cast<char*>(g.out);
   char* const region_here = static_cast<char*>(p.buffers[r]) + size_t(b) * size_t(p.set_bytes);
   char* const region_there = static_cast<char*>(p.buffers[peer]) + size_t(b) * size_t(p.set_bytes);
-  auto rows_of = [&](int i) { return rows * i / pieces; };
+  bool const cut = g.cuts[pieces] != 0;
+  auto rows_of = [&](int i) { return cut ? g.cuts[i] : rows * i / pieces; };
   auto add = [&](int i) {
     c.wait_piece();
     c.note(cuda_check(cudaStreamWaitEvent(c.cur, c.ev->pushed[i], 0), "pushed wait"), kTagEnqueue + 9);

@@ -89,6 +89,8 @@ EXPERIMENTS = {
                            "inference) judge a group's deferred MoE calls at the end of its next graph run instead of "
                            "at each call (the host may run a whole graph ahead; a failure raises at the end of the "
                            "next run; 2 H200s, qwen3-moe EP2: no faster than one call behind)",
+    "reduce_even_pieces": "cut the all_reduce pull route's rows into pieces of equal rows (its first schedule) "
+                          "instead of pieces shrinking so the last push is short (routes/reduce_pull.py)",
 }
 
 

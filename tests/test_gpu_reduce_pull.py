@@ -7,9 +7,10 @@ route's protocol, one add per piece) with 2 ranks sharing one GPU (a gloo group,
 Skipped unless CUDA, an sm90 GPU and the library are present. Every call runs on fresh random bf16 data and is compared
 with an fp64 reference of the sum of every rank's ``a @ b`` and with eager PyTorch's bf16 result (every rank's ``mm``,
 summed); both ranks must hold the same bits; every call must count ``route:reduce_pull``. Covered: 2-D and 3-D ``a``,
-1, 3 (uneven row cuts) and 8 pieces, rows of 272 bytes (N 136: pieces off a 256-byte boundary take the library's
-``cublasGemmEx`` fallback), a receive buffer that grows, and the same calls queued with no synchronization between
-them, interleaved with reduce_scatters on the pull route that share the protocol's flags and slot sets.
+1, 3 and 8 pieces (even cuts, cuts off 64 rows, and pieces shrinking towards the last), rows of 272 bytes (N 136:
+pieces off a 256-byte boundary take the library's ``cublasGemmEx`` fallback), a receive buffer that grows, and the
+same calls queued with no synchronization between them, interleaved with reduce_scatters on the pull route that share
+the protocol's flags and slot sets.
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ def pool():
     p.close()
 
 
-# (a's shape on each rank, N): the last but one's output is 4 MiB of bf16 (the receive buffer grows)
+# (a's shape on each rank, N): the fifth's output is 4 MiB of bf16 (the receive buffer grows); the sixth (64 MiB of
+# output, K 4096) is cut into shrinking pieces at 2 pieces and more (cost_model.pull.piece_cuts), the rest evenly
 SHAPES = [((256, 128), 384), ((4, 64, 256), 128), ((256, 128), 136), ((1024, 512), 1024), ((2048, 256), 1024),
-          ((256, 128), 384)]
+          ((8192, 4096), 4096), ((256, 128), 384)]
+UNEVEN = 5
 
 
 def _inputs(seed: int, shape, n: int):
@@ -69,6 +72,7 @@ def _check(out, a, w, what: str) -> None:
 
 def match_task(pieces: int) -> dict[str, int]:
     from flashoverlap_inductor import config, routes
+    from flashoverlap_inductor.routes import reduce_pull
 
     routes.reset()
     g = torch.distributed.group.WORLD
@@ -82,6 +86,11 @@ def match_task(pieces: int) -> dict[str, int]:
             torch.cuda.synchronize()
             routes.check()
             assert routes.stats["route:reduce_pull"] == before + 1, (shape, dict(routes.stats))
+            if seed == UNEVEN and pieces > 1:  # the launch names its cuts: uneven ones
+                call = routes.Call("all_reduce", shape[0], n, shape[1], torch.bfloat16, 2, g.rank())
+                cuts = reduce_pull.cuts_for(call, config.current())
+                assert f"rows {cuts}" in routes.last_launch.description, routes.last_launch.description
+                assert len({b - a for a, b in zip(cuts, cuts[1:], strict=False)}) > 1, cuts
             _check(out, a, w, f"{shape} N={n} pieces={pieces}")
         synced = routes.stats["route:reduce_pull"]
         queued, scattered = [], []

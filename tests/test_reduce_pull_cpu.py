@@ -13,12 +13,14 @@ settings forbidding the library's GEMMs decline the call."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from flashoverlap_inductor import config, routes
+from flashoverlap_inductor.cost_model import pull
 from flashoverlap_inductor.native import kernels
 from flashoverlap_inductor.routes import gather_gemms, gather_peer, gather_start, reduce_pull
 
@@ -119,6 +121,7 @@ def test_one_library_call_per_all_reduce(monkeypatch, layout, pieces):
             assert g.weight_transposed == int(layout == "linear") and g.weight == w[rank].data_ptr()
             assert g.a == a[rank].data_ptr() and g.part is None and g.handle == 4242 and g.elem_type == 14
             assert g.workspace == lt_ws.data_ptr() and g.workspace_bytes == lt_ws.numel()
+            assert list(g.cuts)[:pieces + 1] == reduce_pull.cuts_for(_call(rank), settings)
             ctypes.memmove(g.out, full.data_ptr(), full.numel() * 2)
             finish_rc._obj.value = 0
             seen.append(1)
@@ -162,3 +165,31 @@ def test_matmul_settings_that_forbid_the_library_decline(monkeypatch):
     lib = SimpleNamespace(fo_scatter_run=lambda *args: pytest.fail("the library call"))
     monkeypatch.setattr(reduce_pull.kernels, "library", lambda lib=lib: lib)
     assert reduce_pull.ROUTE.execute(launch, ctx).startswith("matmul settings")
+
+
+def test_piece_cuts_shrink_where_the_gemm_outlasts_the_pushes():
+    """Compute-bound (the pushes far shorter than the GEMM): pieces halving, on 64 rows, the last the smallest;
+    push-bound: even pieces; pieces below ``min_rows`` (one wave of tiles) are avoided, else even pieces."""
+    rows, n = 16384, 8192
+    push_ms = rows * n * 2 / pull.PUSH_BYTES_PER_MS
+    cuts = pull.piece_cuts(rows, n, 10 * push_ms, 4, 528)
+    sizes = [b - a for a, b in zip(cuts, cuts[1:], strict=False)]
+    assert cuts[0] == 0 and cuts[-1] == rows and all(c % pull.CUT_ALIGN == 0 for c in cuts)
+    assert sizes == sorted(sizes, reverse=True) and sizes[-1] < rows // 8, sizes
+    assert abs(sizes[0] / sizes[1] - 2) < 0.1  # q = 0.5
+    assert pull.piece_cuts(rows, n, push_ms, 4) == [0, 4096, 8192, 12288, 16384]  # q = 1: even
+    assert pull.piece_cuts(2048, n, 10 * push_ms, 4, 528) == [0, 512, 1024, 1536, 2048]  # no cut fills a wave
+    tight = pull.piece_cuts(rows, n, 10 * push_ms, 4, 3000)
+    assert min(b - a for a, b in zip(tight, tight[1:], strict=False)) >= 3000 and tight != cuts  # q raised
+
+
+def test_the_cuts_follow_the_h200_gemm_model():
+    """Both ranks cut alike from the shape and the data (``cuts_for``); an 8192 x 4096 output at K 4096 per rank
+    (the GPU test's uneven shape) shrinks, the experiment ``reduce_even_pieces`` keeps pieces even."""
+    on = config.current().replace(all_reduce_pieces=3)
+    call = routes.Call("all_reduce", 8192, 4096, 4096, torch.bfloat16, 2, 0, "cuda", None, "auto")
+    cuts = reduce_pull.cuts_for(call, on)
+    assert cuts[0] == 0 and cuts[-1] == 8192 and cuts != [0, 2730, 5461, 8192], cuts
+    assert cuts == reduce_pull.cuts_for(dataclasses.replace(call, rank=1), on)
+    even = on.replace(experiments=frozenset({reduce_pull.EVEN_PIECES}))
+    assert reduce_pull.cuts_for(call, even) == [0, 2730, 5461, 8192]

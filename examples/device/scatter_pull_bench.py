@@ -12,8 +12,8 @@ ones, the host ms per call are printed (HOST-BOUND where that reaches 90% of its
         [--shapes 4096x4096x4096,4096x4096x14336] [--sum-shapes 4096x4096x14336] [--pieces 0,2,4]
 
 ``--op all_reduce``: GEMM -> all_reduce instead, the peer route against the all_reduce pull route
-(``routes/reduce_pull.py``) at each ``--pieces`` value P > 0 (``all_reduce_pieces=P``: variant ``pull<P>``), cuBLAS
-then NCCL and the ideal; no sum shapes.
+(``routes/reduce_pull.py``) at each ``--pieces`` value P > 0 (``all_reduce_pieces=P``: variant ``pull<P>``; ``eP``:
+variant ``even<P>``, the experiment ``reduce_even_pieces``), cuBLAS then NCCL and the ideal; no sum shapes.
 
 Shapes are M x N x K with K the whole reduction (each rank holds K/2; a sum shape's two terms K/4 each per rank).
 """
@@ -85,14 +85,18 @@ def print_table(lines: list, note: str) -> None:
     print("geomean " + ", ".join(f"x {v} {tm.geomean(ratios[v]):.3f}" for v in FUSED))
 
 
-def all_reduce_rows(shapes: list[tuple[int, int, int]], pieces: list[int]) -> None:
+def all_reduce_rows(shapes: list[tuple[int, int, int]], pieces: list[str]) -> None:
     """``--op all_reduce``: per shape, sequential (cuBLAS then NCCL), the GEMM and the all_reduce alone, the peer route
-    and the pull route at each piece count, interleaved; then the table."""
-    FUSED[:] = ["peer"] + [f"pull{v}" for v in pieces]
+    and the pull route at each piece count (``P``: variant ``pull<P>``, its pieces shrinking towards the last; ``eP``:
+    ``even<P>``, the experiment ``reduce_even_pieces``), interleaved; then the table."""
+    FUSED[:] = ["peer"] + [f"even{v[1:]}" if v.startswith("e") else f"pull{v}" for v in pieces]
     rank, world, name = dist.get_rank(), dist.get_world_size(), dist.group.WORLD.group_name
     op = torch.ops.flashoverlap.gemm_all_reduce
-    keys = {"peer": config.current().replace(transport="peer", all_reduce_pieces=0).key()}
-    keys.update({f"pull{v}": config.current().replace(transport="peer", all_reduce_pieces=v).key() for v in pieces})
+    base = config.current().replace(transport="peer")
+    keys = {"peer": base.replace(all_reduce_pieces=0).key()}
+    for v, label in zip(pieces, FUSED[1:], strict=True):
+        even = frozenset({"reduce_even_pieces"} if v.startswith("e") else ())
+        keys[label] = base.replace(all_reduce_pieces=int(v.removeprefix("e")), experiments=even).key()
     timer = tm.Timer(rounds=5, target_ms=10.0, min_iters=2, max_iters=40, spin_ms=0.3)
     lines = []
     for m, n, k in shapes:
@@ -111,7 +115,8 @@ def all_reduce_rows(shapes: list[tuple[int, int, int]], pieces: list[int]) -> No
             variants[v] = lambda x=x, w=w, key=key: op(x, w, None, "sum", name, "auto", key)
         row = run_row(variants, "seq", timer)
         lines.append((f"{m}x{n}x{k}", row, max(row["gemm"]["ms"], row["comm"]["ms"])))
-    print_table(lines, "GEMM -> all_reduce: peer = the peer route, pull<P> = the pull route in P pieces")
+    print_table(lines, "GEMM -> all_reduce: peer = the peer route, pull<P> = the pull route in P pieces shrinking "
+                "towards the last, even<P> = in P even pieces")
 
 
 def main() -> None:
@@ -122,14 +127,14 @@ def main() -> None:
                    "all_reduce_pieces values > 0, one pull variant each)")
     p.add_argument("--op", default="reduce_scatter", choices=("reduce_scatter", "all_reduce"))
     args = p.parse_args()
-    pieces = [int(v) for v in args.pieces.split(",") if v]
-    FUSED[:] = ["peer", "pull"] + [f"push{v}" for v in pieces]
     torch.cuda.set_device(dist.get_node_local_rank(fallback_rank=0))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     if args.op == "all_reduce":
-        all_reduce_rows(shapes_of(args.shapes), [v for v in pieces if v > 0])
+        all_reduce_rows(shapes_of(args.shapes), [v for v in args.pieces.split(",") if v and v != "0"])
         dist.destroy_process_group()
         return
+    pieces = [int(v) for v in args.pieces.split(",") if v]
+    FUSED[:] = ["peer", "pull"] + [f"push{v}" for v in pieces]
     rank, world, name = dist.get_rank(), dist.get_world_size(), dist.group.WORLD.group_name
     op = torch.ops.flashoverlap.gemm_reduce_scatter
     peer_key = config.current().replace(transport="peer", scatter_route="peer").key()

@@ -135,6 +135,10 @@ class GemmModel:
         """The sequential baseline's GEMM (cuBLAS on all SMs, as fitted), in ms."""
         return self.gemm_ms(m, n, k, dtype, self.tile[0], self.tile[1], self.sm_count)
 
+    def wave_rows(self, n: int) -> int:
+        """Rows whose ``[rows, n]`` output fills one wave of tiles (one per SM): a GEMM of fewer leaves SMs idle."""
+        return -(-self.sm_count * self.tile[0] * self.tile[1] // max(n, 1))
+
     def seq_skew_fraction(self, collective: str, world_size: int) -> float:
         """The sequential baseline's extra time after its GEMM, as a fraction of the GEMM time (0 without data):
         its collective cannot end before the rank whose GEMM ends last, so it ends later than the GEMM and the

@@ -49,6 +49,34 @@ from .decide import copy_ms
 from .pipeline import DTYPE_BYTES
 
 TOLERANCE = 0.05  # the pull route's predicted cost may exceed the peer route's by this fraction (prefers_pull)
+# bytes per ms one copy engine pushes to the peer over NVLink beside a GEMM (2 H200s, 43rd session: the all_reduce
+# pull route in one piece at 16384 x 8192, K 14336 per rank, took 0.93 ms past its GEMM for 256 MiB pushed and an
+# add of ~0.22 ms: ~0.36 GB per ms)
+PUSH_BYTES_PER_MS = 3.6e8
+CUT_ALIGN = 64  # rows: piece cuts on multiples of this (an even N keeps every piece's rows on 256 bytes)
+CUT_MARGIN = 1.25  # a piece's push must end within this fraction of the next piece's GEMM
+
+
+def piece_cuts(rows: int, n: int, gemm_ms: float, pieces: int, min_rows: int = 0, itemsize: int = 2) -> list[int]:
+    """The all_reduce pull route's piece boundaries (``routes/reduce_pull.py``): ``pieces + 1`` rows from 0 to
+    ``rows``, the pieces shrinking by a ratio ``q`` so the last push (the call's tail after its last GEMM) is short,
+    while each piece's push still ends within the next piece's GEMM: ``q = push / GEMM`` time per row times
+    ``CUT_MARGIN``, kept in [0.5, 1], and raised (by 0.05) until every piece has ``min_rows`` (a GEMM of fewer rows
+    leaves SMs idle: one wave of tiles, ``GemmModel.wave_rows``). ``gemm_ms``: the whole GEMM's. Cuts on
+    ``CUT_ALIGN`` rows; even pieces where that cannot hold. Pure: the same on every rank."""
+    push_ms = rows * n * itemsize / PUSH_BYTES_PER_MS
+    q = min(1.0, max(0.5, CUT_MARGIN * push_ms / gemm_ms)) if gemm_ms > 0 else 1.0
+    while q < 1.0:
+        weights = [q ** i for i in range(pieces)]
+        total, acc, cuts = sum(weights), 0.0, [0]
+        for w in weights[:-1]:
+            acc += w
+            cuts.append(round(rows * acc / total / CUT_ALIGN) * CUT_ALIGN)
+        cuts.append(rows)
+        if all(b - a >= max(min_rows, 1) for a, b in zip(cuts, cuts[1:], strict=False)):
+            return cuts
+        q = min(1.0, q + 0.05)
+    return [rows * i // pieces for i in range(pieces + 1)]
 
 
 def pull_ms(model, rows: int, n: int, k: int, dtype: str, device_name: str | None,

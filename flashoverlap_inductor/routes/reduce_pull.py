@@ -47,13 +47,15 @@ from flashoverlap_inductor.native import kernels
 from flashoverlap_inductor.runtime import faults
 
 from .. import _inductor_compat as compat
-from . import gather_gemms, gather_peer, gather_protocol, gather_start, symmetric
+from ..cost_model import pull, registry
+from . import gather_gemms, gather_peer, gather_protocol, gather_start, scatter_pull, symmetric
 from .base import stats
 from .scatter_pull import ScatterGemmArgs
 
 log = logging.getLogger("flashoverlap")
 
 NAME = "reduce_pull"
+EVEN_PIECES = "reduce_even_pieces"  # the experiment: pieces of equal rows (the first schedule, for comparison)
 
 
 def unsupported(call, settings: config.Settings) -> str | None:
@@ -118,13 +120,28 @@ def make_launch(call, settings: config.Settings, ctx) -> ReduceLaunch | str:
     g.half_rows, g.n, g.k, g.pieces, g.weight_transposed = half, call.n, call.k, settings.tuning.all_reduce_pieces, \
         transposed
     g.elem_type, g.math_mode, g.all_reduce = gather_gemms.ELEM_TYPES[call.dtype], 0, 1
+    cuts = cuts_for(call, settings)
+    for i, c in enumerate(cuts):
+        g.cuts[i] = c
     desc = (f"GEMM {call.rows}x{call.n}x{call.k} {call.dtype_name} then all_reduce over 2 ranks: reduce_pull route "
-            f"(cuBLAS in {g.pieces} pieces, each partial pushed by copy engine into the peer's receive slot, one add "
-            "per piece; one library call)")
+            f"(cuBLAS in {g.pieces} pieces, rows {cuts}, each partial pushed by copy engine into the peer's receive "
+            "slot, one add per piece; one library call)")
     log.info("flashoverlap: launch %s", desc)
     return ReduceLaunch(call.rank, call.rows, call.n, call.k, call.dtype, shard_bytes,
                         gather_start.push_bytes(2, shard_bytes),
                         settings.timeout_ns(compat.group_timeout_ms(ctx.group)), desc, g, faults.launch_id(desc))
+
+
+def cuts_for(call, settings: config.Settings) -> list[int]:
+    """The pieces' rows (``cost_model.pull.piece_cuts`` from the GEMM's modelled time; even under the experiment
+    ``EVEN_PIECES``); shapes, settings and cost data only, so both ranks cut alike."""
+    pieces = settings.tuning.all_reduce_pieces
+    if EVEN_PIECES in settings.experiments:
+        return [call.rows * i // pieces for i in range(pieces + 1)]
+    model, _ = registry.model_for(scatter_pull.device_name(call), registry.data_dir(settings))
+    dtype = str(call.dtype).removeprefix("torch.")
+    return pull.piece_cuts(call.rows, call.n, model.gemm.reference_ms(call.rows, call.n, call.k, dtype), pieces,
+                           model.gemm.wave_rows(call.n), call.dtype.itemsize)
 
 
 def args_for(launch: ReduceLaunch, ws: symmetric.SymmetricBuffer) -> gather_protocol.GatherArgs:

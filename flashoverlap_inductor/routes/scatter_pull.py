@@ -153,7 +153,8 @@ class ScatterGemmArgs(ctypes.Structure):
                 ("pieces", ctypes.c_int32), ("weight_transposed", ctypes.c_int32), ("a", ctypes.c_void_p),
                 ("weight", ctypes.c_void_p), ("part", ctypes.c_void_p), ("out", ctypes.c_void_p),
                 ("handle", ctypes.c_void_p), ("elem_type", ctypes.c_int32), ("math_mode", ctypes.c_int32),
-                ("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_int64), ("all_reduce", ctypes.c_int32)]
+                ("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_int64), ("all_reduce", ctypes.c_int32),
+                ("cuts", ctypes.c_int64 * (gather_protocol.MAX_PIECES + 1))]
 
 
 def library_args(call, settings: config.Settings, ctx, options: int, half: int) -> ScatterGemmArgs | None:
