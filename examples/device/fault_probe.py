@@ -3,7 +3,7 @@ a gloo group, torch's symmetric memory) and into the NCCL route (an NCCL group o
 
 Per route (``--route peer --world 2``, ``--route ring --world 3``, ``--route scatter_pull --world 2``: the
 reduce_scatter pull route under ``scatter_route="pull"``, whose waits are the all_gather peer route's
-protocol), every rank:
+protocol; ``--route reduce_pull --world 2``: the all_reduce pull route, ``all_reduce_pieces=4``), every rank:
 
 1. stall: a short wait bound (``--timeout-ms``); after a correct warm-up call, the last rank sleeps past the bound
    before its call. Every rank's output of that call must be NaN (poisoned) or correct, never a finite wrong
@@ -24,6 +24,7 @@ C`` (W and H must be 0, C must equal N). Exits 1 otherwise. Timings mean nothing
     python examples/device/fault_probe.py --route peer --world 2
     python examples/device/fault_probe.py --route ring --world 3
     python examples/device/fault_probe.py --route scatter_pull --world 2 [--scatter-start handshake]
+    python examples/device/fault_probe.py --route reduce_pull --world 2
     python examples/device/fault_probe.py --nccl
     python examples/device/fault_probe.py --nccl-world 2
 """
@@ -116,6 +117,7 @@ def worker(rank: int, world: int, port: int, out_dir: str, route: str, timeout_m
     def settings():  # a fresh context manager per use
         return config.patch(ring="all" if route == "ring" else "off", wait_timeout_ms=timeout_ms,
                             scatter_route="pull" if route == "scatter_pull" else "peer",
+                            all_reduce_pieces=4 if route == "reduce_pull" else 0,
                             experiments=frozenset(experiments), **start)
 
     def record(case: str, **kw) -> None:
@@ -123,7 +125,9 @@ def worker(rank: int, world: int, port: int, out_dir: str, route: str, timeout_m
         lines.append(line)
         print(json.dumps(line), flush=True)
 
-    for op in ("reduce_scatter",) if route == "scatter_pull" else ("reduce_scatter", "all_reduce"):
+    ops = {"scatter_pull": ("reduce_scatter",), "reduce_pull": ("all_reduce",)}.get(route, ("reduce_scatter",
+                                                                                          "all_reduce"))
+    for op in ops:
         try:
             before = dict(routes.stats)
             with settings():  # stall, eager
@@ -246,7 +250,7 @@ def summarize(out_dir: str, hangs: int) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--route", choices=("peer", "ring", "scatter_pull"), default="peer")
+    p.add_argument("--route", choices=("peer", "ring", "scatter_pull", "reduce_pull"), default="peer")
     p.add_argument("--experiments", default="", help="comma-separated experiments the probed calls run under")
     p.add_argument("--scatter-start", choices=("push", "handshake"), default=None,
                    help="--route scatter_pull: the route's schedule (the setting scatter_start; default: the "
