@@ -130,7 +130,8 @@ RULES: dict[str, check.Rule] = {
     "scatter_route": check.Choice(SCATTER_ROUTES),
     "scatter_start": check.Choice(SCATTER_STARTS),
     "scatter_pieces": check.Int(0, 8),
-    "all_reduce_pieces": check.Int(0, 8),
+    "all_reduce_route": check.Choice(SCATTER_ROUTES),
+    "all_reduce_pieces": check.Int(1, 8),
 }
 
 
@@ -191,11 +192,17 @@ class Tuning:
     # GEMMs' extra tails eating the add's time; slower at 3-4); 0: the route's Python path, also its reference
     # semantics. The same on every rank.
     scatter_pieces: int = 1
-    # GEMM -> all_reduce over 2 ranks of one NVLink host (bf16, no bias): 1-8 the pull route (routes/reduce_pull.py:
-    # cuBLAS GEMMs in this many row pieces, each rank's partial pushed by copy engine into the peer's receive slot
-    # piece by piece, one add per piece); 0: the peer route (CUTLASS GEMMs, the sum in GEMM 2's epilogue). The same
-    # on every rank.
-    all_reduce_pieces: int = 0
+    # GEMM -> all_reduce over 2 ranks of one NVLink host (bf16, no bias): "pull" the pull route (routes/reduce_pull.py:
+    # cuBLAS GEMMs in all_reduce_pieces row pieces, each rank's partial pushed by copy engine into the peer's receive
+    # slot piece by piece, one add per piece), "peer" the peer route (CUTLASS GEMMs, the sum in GEMM 2's epilogue);
+    # "auto": the pull route where its model predicts it within cost_model.pull.TOLERANCE of the peer route's, host
+    # floors included where they count, as scatter_route (2 H200s, 43rd session: at 4 pieces 1.163x over sequential
+    # against the peer route's 1.136x on 8 shapes, ahead on 7; ~0.36 ms of host per eager call against ~0.16). The
+    # same on every rank.
+    all_reduce_route: str = "auto"
+    # The all_reduce pull route's pieces (1-8), shrinking towards the last (cost_model.pull.piece_cuts): 2 H200s, 43rd
+    # session, geomeans over 8 shapes: 3 pieces 1.157x, 4 1.163x, 6 1.090x; even pieces at 4: 1.125x.
+    all_reduce_pieces: int = 4
 
     def __post_init__(self) -> None:
         _check_fields(self)  # every field in its rule's type (``RULES``)
@@ -285,6 +292,7 @@ ENV = {
     "FLASHOVERLAP_RING": "ring",
     "FLASHOVERLAP_RING_ROUNDS": "ring_rounds",
     "FLASHOVERLAP_SCATTER_ROUTE": "scatter_route",
+    "FLASHOVERLAP_ALL_REDUCE_ROUTE": "all_reduce_route",
     "FLASHOVERLAP_LIB": "library",
 }
 def _canonical(obj: Any) -> Any:

@@ -1,4 +1,4 @@
-"""GPU tests of the GEMM -> all_reduce pull route (``routes.reduce_pull``, ``all_reduce_pieces`` > 0: one
+"""GPU tests of the GEMM -> all_reduce pull route (``routes.reduce_pull``, ``all_reduce_route="pull"``: one
 ``fo_scatter_run`` per call, cuBLAS pieces, each rank's partial pushed by copy engine through the all_gather peer
 route's protocol, one add per piece) with 2 ranks sharing one GPU (a gloo group,
 ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``): correctness and the shared protocol, not speed
@@ -78,7 +78,8 @@ def match_task(pieces: int) -> dict[str, int]:
     g = torch.distributed.group.WORLD
     op = torch.ops.flashoverlap.gemm_all_reduce
     library_before = routes.stats["reduce:library"]
-    with config.patch(wait_timeout_ms=LONG_MS, all_reduce_pieces=pieces, scatter_route="pull"):
+    with config.patch(wait_timeout_ms=LONG_MS, all_reduce_route="pull", all_reduce_pieces=pieces,
+                      scatter_route="pull"):
         for seed, (shape, n) in enumerate(SHAPES):
             before = routes.stats["route:reduce_pull"]
             a, w = _inputs(seed, shape, n)
@@ -86,7 +87,7 @@ def match_task(pieces: int) -> dict[str, int]:
             torch.cuda.synchronize()
             routes.check()
             assert routes.stats["route:reduce_pull"] == before + 1, (shape, dict(routes.stats))
-            if seed == UNEVEN and pieces > 1:  # the launch names its cuts: uneven ones
+            if seed == UNEVEN and pieces == 3:  # the launch names its cuts: uneven ones (8: even, a wave each)
                 call = routes.Call("all_reduce", shape[0], n, shape[1], torch.bfloat16, 2, g.rank())
                 cuts = reduce_pull.cuts_for(call, config.current())
                 assert f"rows {cuts}" in routes.last_launch.description, routes.last_launch.description
@@ -125,17 +126,17 @@ def test_reduce_pull_matches_reference(pool, pieces):
 
 
 def off_task() -> list[str]:
-    """``all_reduce_pieces=0`` (the default) and a call with a bias: not this route."""
+    """``all_reduce_route="peer"`` and a call with a bias (under ``"pull"``): not this route."""
     from flashoverlap_inductor import config, routes
 
     routes.reset()
     g = torch.distributed.group.WORLD
     ran = []
-    for pieces, bias in ((0, False), (2, True)):
-        a, w = _inputs(3000 + pieces, (256, 128), 384)
+    for route, bias in (("peer", False), ("pull", True)):
+        a, w = _inputs(3000 + int(bias), (256, 128), 384)
         c = torch.zeros(384, device="cuda", dtype=torch.bfloat16) if bias else None
         before = dict(routes.stats)
-        with config.patch(wait_timeout_ms=LONG_MS, all_reduce_pieces=pieces):
+        with config.patch(wait_timeout_ms=LONG_MS, all_reduce_route=route):
             torch.ops.flashoverlap.gemm_all_reduce(a, w, c, "sum", g.group_name, "auto")
         torch.cuda.synchronize()
         routes.check()

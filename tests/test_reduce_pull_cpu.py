@@ -1,14 +1,16 @@
-"""The all_reduce pull route (``routes/reduce_pull.py``, ``all_reduce_pieces`` > 0) on the CPU, with the library faked.
+"""The all_reduce pull route (``routes/reduce_pull.py``) on the CPU, with the library faked.
 
-Which calls it takes (pure: the same at compile time, so the pass predicts it): 2-rank bf16 all_reduces once
-``all_reduce_pieces`` > 0, never by default; the registry then prefers it to the peer route. ``make_launch`` declines
-a bias, a batched or strided weight and a receive buffer past ``gather_push_max_mb``. For both ranks of a simulated
-pair, ``execute`` must hand ``fo_scatter_run`` the protocol's struct (``a`` = the output, the push option, the slot
-sets alternating, the output for the poison) and the GEMM struct with ``all_reduce = 1`` and every field set (the
-halves, the pieces, the weight's layout, ``a``, no ``part``, ``out``, the cuBLAS handle, the workspace), and return
-what the library wrote (the fake writes the fp32 all_reduce of both ranks' GEMMs). A failed call raises with the
-library's message; a finish that could not join records the call's tensors on the copy stream; torch's matmul
-settings forbidding the library's GEMMs decline the call."""
+Which calls it takes (pure: the same at compile time, so the pass predicts it): under ``all_reduce_route="pull"``
+every 2-rank bf16 all_reduce with at least as many rows as pieces, under ``"peer"`` none, under ``"auto"`` (the
+default) where ``cost_model.pull.prefers_pull`` says so for all_reduce (host floors counted where the settings count
+them: only the largest GEMMs eagerly; nearly every shape without them); the registry then prefers it to the peer
+route. ``make_launch`` declines a bias, a batched or strided weight and a receive buffer past ``gather_push_max_mb``.
+For both ranks of a simulated pair, ``execute`` must hand ``fo_scatter_run`` the protocol's struct (``a`` = the
+output, the push option, the slot sets alternating, the output for the poison) and the GEMM struct with ``all_reduce
+= 1`` and every field set (the halves, the pieces and their cuts, the weight's layout, ``a``, no ``part``, ``out``,
+the cuBLAS handle, the workspace), and return what the library wrote (the fake writes the fp32 all_reduce of both
+ranks' GEMMs). A failed call raises with the library's message; a finish that could not join records the call's
+tensors on the copy stream; torch's matmul settings forbidding the library's GEMMs decline the call."""
 
 from __future__ import annotations
 
@@ -62,9 +64,9 @@ def _launch(rank, a, w, settings, bias=None):
 
 def test_which_calls_it_takes(monkeypatch):
     monkeypatch.setattr(reduce_pull.kernels, "available", lambda: True)
-    on = config.current().replace(all_reduce_pieces=4, transport="peer")
-    assert config.current().tuning.all_reduce_pieces == 0  # off by default
-    assert reduce_pull.unsupported(_call(), config.current().replace(transport="peer")) == "all_reduce_pieces is 0"
+    on = config.current().replace(all_reduce_route="pull", transport="peer")
+    assert config.current().tuning.all_reduce_route == "auto" and config.current().tuning.all_reduce_pieces == 4
+    assert reduce_pull.unsupported(_call(), on.replace(all_reduce_route="peer")) == "all_reduce_route is 'peer'"
     assert reduce_pull.unsupported(_call(), on) is None
     assert reduce_pull.unsupported(_call(compile_time=True), on) is None
     assert "reduce_scatter" in reduce_pull.unsupported(_call(collective="reduce_scatter"), on)
@@ -77,14 +79,34 @@ def test_which_calls_it_takes(monkeypatch):
     assert routes.cost_args(_call(compile_time=True), on)["pull"] is True
     monkeypatch.setattr(reduce_pull.kernels, "available", lambda: False)
     assert "library" in reduce_pull.unsupported(_call(), on)
-    with pytest.raises(Exception, match="all_reduce_pieces"):
-        on.replace(all_reduce_pieces=9)
+    for bad in (0, 9):
+        with pytest.raises(Exception, match="all_reduce_pieces"):
+            on.replace(all_reduce_pieces=bad)
+
+
+def test_auto_weighs_the_host_floors(monkeypatch):
+    """``"auto"`` on H200 data: eagerly (host floors counted) a small output stays on the peer route and the largest
+    GEMM takes this one; without the floors (CUDA-graph replays: ``host_floors="off"``) both take it. With no peer
+    route to compare with, this one; with ``ring="all"``, never."""
+    monkeypatch.setattr(reduce_pull.kernels, "available", lambda: True)
+    monkeypatch.setattr(reduce_pull.peer.ROUTE, "unsupported", lambda call, settings: None)
+    monkeypatch.setattr(reduce_pull.scatter_pull, "device_name", lambda call: "NVIDIA H200")
+    auto = config.current().replace(transport="peer")
+    small = routes.Call("all_reduce", 4096, 4096, 4096, torch.bfloat16, 2, 0, "cuda")
+    large = routes.Call("all_reduce", 16384, 8192, 14336, torch.bfloat16, 2, 0, "cuda")
+    assert "peer route faster" in reduce_pull.unsupported(small, auto)
+    assert reduce_pull.unsupported(large, auto) is None
+    graphs = auto.replace(host_floors="off")
+    assert reduce_pull.unsupported(small, graphs) is None and reduce_pull.unsupported(large, graphs) is None
+    assert reduce_pull.unsupported(large, auto.replace(ring="all")) is not None
+    monkeypatch.setattr(reduce_pull.peer.ROUTE, "unsupported", lambda call, settings: "no peer route")
+    assert reduce_pull.unsupported(small, auto) is None
 
 
 def test_make_launch_declines(monkeypatch):
     _setup(monkeypatch)
     a, w = torch.zeros(ROWS, K).bfloat16(), torch.zeros(N, K).bfloat16().t()
-    on = config.current().replace(all_reduce_pieces=2)
+    on = config.current().replace(all_reduce_route="pull", all_reduce_pieces=2)
     assert isinstance(_launch(0, a, w, on)[0], reduce_pull.ReduceLaunch)
     assert _launch(0, a, w, on, bias=torch.zeros(N).bfloat16())[0].startswith("bias")
     assert _launch(0, a, torch.zeros(K, 2 * N).bfloat16()[:, :N], on)[0].startswith("weight")
@@ -104,7 +126,7 @@ def test_one_library_call_per_all_reduce(monkeypatch, layout, pieces):
     else:
         w = [torch.randn(K, N, generator=gen).bfloat16() for _ in range(2)]
     full = sum(x.float() @ y.float() for x, y in zip(a, w, strict=True)).bfloat16()
-    settings = config.current().replace(all_reduce_pieces=pieces)
+    settings = config.current().replace(all_reduce_route="pull", all_reduce_pieces=pieces)
     for rank in range(2):
         launch, ctx = _launch(rank, a[rank], w[rank], settings)
         assert f"in {pieces} pieces" in launch.description
@@ -139,7 +161,7 @@ def test_one_library_call_per_all_reduce(monkeypatch, layout, pieces):
 def test_failures_raise_and_unjoined_tensors_stay_recorded(monkeypatch, rc, finish):
     _setup(monkeypatch)
     a, w = torch.zeros(ROWS, K).bfloat16(), torch.zeros(N, K).bfloat16().t()
-    launch, ctx = _launch(0, a, w, config.current().replace(all_reduce_pieces=2))
+    launch, ctx = _launch(0, a, w, config.current().replace(all_reduce_route="pull", all_reduce_pieces=2))
     recorded = []
     monkeypatch.setattr(reduce_pull.gather_protocol, "unjoined", lambda ws, used: recorded.append(used))
 
@@ -160,7 +182,7 @@ def test_failures_raise_and_unjoined_tensors_stay_recorded(monkeypatch, rc, fini
 def test_matmul_settings_that_forbid_the_library_decline(monkeypatch):
     _setup(monkeypatch)
     a, w = torch.zeros(ROWS, K).bfloat16(), torch.zeros(N, K).bfloat16().t()
-    launch, ctx = _launch(0, a, w, config.current().replace(all_reduce_pieces=2))
+    launch, ctx = _launch(0, a, w, config.current().replace(all_reduce_route="pull", all_reduce_pieces=2))
     monkeypatch.setattr(gather_gemms, "usable", lambda dtype, experiments, probe: False)
     lib = SimpleNamespace(fo_scatter_run=lambda *args: pytest.fail("the library call"))
     monkeypatch.setattr(reduce_pull.kernels, "library", lambda lib=lib: lib)
@@ -186,7 +208,7 @@ def test_piece_cuts_shrink_where_the_gemm_outlasts_the_pushes():
 def test_the_cuts_follow_the_h200_gemm_model():
     """Both ranks cut alike from the shape and the data (``cuts_for``); an 8192 x 4096 output at K 4096 per rank
     (the GPU test's uneven shape) shrinks, the experiment ``reduce_even_pieces`` keeps pieces even."""
-    on = config.current().replace(all_reduce_pieces=3)
+    on = config.current().replace(all_reduce_route="pull", all_reduce_pieces=3)
     call = routes.Call("all_reduce", 8192, 4096, 4096, torch.bfloat16, 2, 0, "cuda", None, "auto")
     cuts = reduce_pull.cuts_for(call, on)
     assert cuts[0] == 0 and cuts[-1] == 8192 and cuts != [0, 2730, 5461, 8192], cuts

@@ -3,7 +3,7 @@ a gloo group, torch's symmetric memory) and into the NCCL route (an NCCL group o
 
 Per route (``--route peer --world 2``, ``--route ring --world 3``, ``--route scatter_pull --world 2``: the
 reduce_scatter pull route under ``scatter_route="pull"``, whose waits are the all_gather peer route's
-protocol; ``--route reduce_pull --world 2``: the all_reduce pull route, ``all_reduce_pieces=4``), every rank:
+protocol; ``--route reduce_pull --world 2``: the all_reduce pull route under ``all_reduce_route="pull"``), every rank:
 
 1. stall: a short wait bound (``--timeout-ms``); after a correct warm-up call, the last rank sleeps past the bound
    before its call. Every rank's output of that call must be NaN (poisoned) or correct, never a finite wrong
@@ -117,7 +117,7 @@ def worker(rank: int, world: int, port: int, out_dir: str, route: str, timeout_m
     def settings():  # a fresh context manager per use
         return config.patch(ring="all" if route == "ring" else "off", wait_timeout_ms=timeout_ms,
                             scatter_route="pull" if route == "scatter_pull" else "peer",
-                            all_reduce_pieces=4 if route == "reduce_pull" else 0,
+                            all_reduce_route="pull" if route == "reduce_pull" else "peer",
                             experiments=frozenset(experiments), **start)
 
     def record(case: str, **kw) -> None:

@@ -12,7 +12,8 @@ ones, the host ms per call are printed (HOST-BOUND where that reaches 90% of its
         [--shapes 4096x4096x4096,4096x4096x14336] [--sum-shapes 4096x4096x14336] [--pieces 0,2,4]
 
 ``--op all_reduce``: GEMM -> all_reduce instead, the peer route against the all_reduce pull route
-(``routes/reduce_pull.py``) at each ``--pieces`` value P > 0 (``all_reduce_pieces=P``: variant ``pull<P>``; ``eP``:
+(``routes/reduce_pull.py``, ``all_reduce_route="pull"``) at each ``--pieces`` value P > 0 (``all_reduce_pieces=P``:
+variant ``pull<P>``; ``eP``:
 variant ``even<P>``, the experiment ``reduce_even_pieces``), cuBLAS then NCCL and the ideal; no sum shapes.
 
 Shapes are M x N x K with K the whole reduction (each rank holds K/2; a sum shape's two terms K/4 each per rank).
@@ -93,10 +94,11 @@ def all_reduce_rows(shapes: list[tuple[int, int, int]], pieces: list[str]) -> No
     rank, world, name = dist.get_rank(), dist.get_world_size(), dist.group.WORLD.group_name
     op = torch.ops.flashoverlap.gemm_all_reduce
     base = config.current().replace(transport="peer")
-    keys = {"peer": base.replace(all_reduce_pieces=0).key()}
+    keys = {"peer": base.replace(all_reduce_route="peer").key()}
     for v, label in zip(pieces, FUSED[1:], strict=True):
         even = frozenset({"reduce_even_pieces"} if v.startswith("e") else ())
-        keys[label] = base.replace(all_reduce_pieces=int(v.removeprefix("e")), experiments=even).key()
+        keys[label] = base.replace(all_reduce_route="pull", all_reduce_pieces=int(v.removeprefix("e")),
+                                   experiments=even).key()
     timer = tm.Timer(rounds=5, target_ms=10.0, min_iters=2, max_iters=40, spin_ms=0.3)
     lines = []
     for m, n, k in shapes:
@@ -124,7 +126,7 @@ def main() -> None:
     p.add_argument("--shapes", default="4096x4096x4096,4096x4096x14336,8192x4096x14336,16384x4096x4096")
     p.add_argument("--sum-shapes", default="4096x4096x14336,8192x4096x14336")
     p.add_argument("--pieces", default="0,2,4", help="scatter_pieces values, one push variant each (all_reduce: "
-                   "all_reduce_pieces values > 0, one pull variant each)")
+                   "all_reduce_pieces values, one pull variant each; eP: P even pieces)")
     p.add_argument("--op", default="reduce_scatter", choices=("reduce_scatter", "all_reduce"))
     args = p.parse_args()
     torch.cuda.set_device(dist.get_node_local_rank(fallback_rank=0))

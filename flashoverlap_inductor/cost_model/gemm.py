@@ -57,6 +57,7 @@ class GemmModel:
     ring: RingModel | None = None  # the ring route's (cost_model/ring.py), likewise
     gather_peer: PeerTerms | None = None  # the all_gather peer route's terms (cost_model/gather.py), likewise
     scatter_pull: PullTerms | None = None  # the reduce_scatter pull route's terms (cost_model/pull.py), likewise
+    all_reduce_pull: PullTerms | None = None  # the all_reduce pull route's (cost_model/pull.py), likewise
     moe: Mapping[str, MoeTerms] | None = None  # the MoE ops' terms per op (cost_model/moe.py), likewise
     # the sequential baseline's collective ends this fraction of the GEMM time later than GEMM + collective alone,
     # per world size and collective (data file section "sequential"; 0 where absent)
@@ -91,9 +92,8 @@ class GemmModel:
                 float(doc["gather_peer"]["gemm_factor"]), float(doc["gather_peer"]["fixed_ms"]),
                 float(doc["gather_peer"].get("host_floor_ms", 0.0)),
                 float(doc["gather_peer"].get("link_efficiency", 1.0))),
-            scatter_pull=None if "scatter_pull" not in doc else PullTerms(
-                *(float(doc["scatter_pull"][key]) for key in ("gemm_factor", "fixed_ms", "add_factor")),
-                float(doc["scatter_pull"].get("host_floor_ms", 0.0))),
+            scatter_pull=PullTerms.from_json(doc.get("scatter_pull")),
+            all_reduce_pull=PullTerms.from_json(doc.get("all_reduce_pull")),
             moe=None if "moe" not in doc else {
                 op: MoeTerms(float(t["factor"]), float(t["host_floor_ms"]), float(t["moves_bytes_per_ms"]),
                              float(t["unfused_bytes_per_ms"]), float(t.get("model_error", 0.0)))

@@ -53,12 +53,21 @@ class PeerTerms:
 
 @dataclass(frozen=True)
 class PullTerms:
-    """The reduce_scatter pull route's numbers (``pull.py``; the data file's ``scatter_pull`` section)."""
+    """A pull route's numbers (``pull.py``; the data file's ``scatter_pull`` section for reduce_scatter, its
+    ``all_reduce_pull`` section for all_reduce)."""
 
-    gemm_factor: float  # times the full GEMM's reference time: the two cuBLAS halves beside the pull
+    gemm_factor: float  # times the full GEMM's reference time: the cuBLAS GEMMs beside the copy engine's moves
     fixed_ms: float  # the handshake, the flags and the launches' gaps
-    add_factor: float  # times copy(rows * n * itemsize): the add of the pulled half and the pull's share of HBM
+    add_factor: float  # times copy(rows * n * itemsize): the adds and the moves' share of HBM (and the tail)
     host_floor_ms: float = 0.0  # back-to-back eager calls cannot go faster (CUDA graphs: none)
+
+    @staticmethod
+    def from_json(section: dict | None) -> PullTerms | None:
+        """The terms of a validated section (None: no section)."""
+        if section is None:
+            return None
+        return PullTerms(*(float(section[key]) for key in ("gemm_factor", "fixed_ms", "add_factor")),
+                         float(section.get("host_floor_ms", 0.0)))
 
     def predict_ms(self, gemm: GemmTimes, rows: int, n: int, k: int, dtype: str, copy_output_ms: float,
                    host_bound: bool = True) -> float:

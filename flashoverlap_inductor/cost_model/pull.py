@@ -1,6 +1,8 @@
 """Time model of the reduce_scatter pull route (``routes/scatter_pull.py``, 2 ranks), the route choice between it and
 the peer route (``prefers_pull``), and the verdict for a sum of GEMMs staged for it
-(``passes/sum_of_gemms.stage_pull``); ms throughout.
+(``passes/sum_of_gemms.stage_pull``); ms throughout. The all_reduce pull route (``routes/reduce_pull.py``) has the
+same form of terms (the data file's ``all_reduce_pull`` section: its GEMMs in pieces, each partial pushed, one add
+per piece) and the same choice (``all_reduce_route="auto"``), and its pieces' rows come from ``piece_cuts``.
 
 The route runs both halves' GEMMs by cuBLAS at full rate, the peer's half first, pulls the peer's partial of its own
 rows by copy engine while its own half runs, then adds it. Its terms come from the GPU data file's ``scatter_pull``
@@ -79,38 +81,46 @@ def piece_cuts(rows: int, n: int, gemm_ms: float, pieces: int, min_rows: int = 0
     return [rows * i // pieces for i in range(pieces + 1)]
 
 
+def terms_for(model, collective: str):
+    """The pull route's terms for ``collective`` in ``model``'s data (``scatter_pull``: reduce_scatter,
+    ``all_reduce_pull``: all_reduce), or None."""
+    return {"reduce_scatter": model.gemm.scatter_pull, "all_reduce": model.gemm.all_reduce_pull}.get(collective)
+
+
 def pull_ms(model, rows: int, n: int, k: int, dtype: str, device_name: str | None,
-            host_bound: bool = True) -> float | None:
-    """``T_pull`` (module docstring) of a GEMM ``[rows, k] @ [k, n]`` then reduce_scatter on 2 ranks, with its host
-    floor (``host_bound=False``: replayed from a CUDA graph, none); None when the data has no ``scatter_pull`` terms."""
-    terms = model.gemm.scatter_pull
+            host_bound: bool = True, collective: str = "reduce_scatter") -> float | None:
+    """``T_pull`` (module docstring) of a GEMM ``[rows, k] @ [k, n]`` then ``collective`` on 2 ranks, with its host
+    floor (``host_bound=False``: replayed from a CUDA graph, none); None when the data has no terms for it."""
+    terms = terms_for(model, collective)
     if terms is None:
         return None
     return terms.predict_ms(model.gemm, rows, n, k, dtype, copy_ms(rows * n * DTYPE_BYTES[dtype], device_name),
                             host_bound)
 
 
-def pull_gpu_ms(model, rows: int, n: int, k: int, dtype: str, device_name: str | None) -> float | None:
+def pull_gpu_ms(model, rows: int, n: int, k: int, dtype: str, device_name: str | None,
+                collective: str = "reduce_scatter") -> float | None:
     """``pull_ms`` without the host floor: the GPU's time alone."""
-    return pull_ms(model, rows, n, k, dtype, device_name, host_bound=False)
+    return pull_ms(model, rows, n, k, dtype, device_name, host_bound=False, collective=collective)
 
 
 def prefers_pull(rows: int, n: int, k: int, dtype: str, device_name: str | None, directory=None,
-                 host_floors: bool = True) -> bool:
-    """Whether ``scatter_route="auto"`` puts a GEMM ``[rows, k] @ [k, n]`` -> reduce_scatter over 2 ranks on the pull
-    route (module docstring): its GPU time, plus its host floor where the floors count (``host_floors``: the
-    settings' ``counts_host()``), within ``TOLERANCE`` of the peer route's. False where the data lacks either model or
-    the dtype. Pure: a function of its arguments and the data folder's files."""
+                 host_floors: bool = True, collective: str = "reduce_scatter") -> bool:
+    """Whether ``scatter_route="auto"`` (``all_reduce_route="auto"`` for all_reduce) puts a GEMM ``[rows, k] @ [k,
+    n]`` -> ``collective`` over 2 ranks on its pull route (module docstring): its GPU time, plus its host floor where
+    the floors count (``host_floors``: the settings' ``counts_host()``), within ``TOLERANCE`` of the peer route's.
+    False where the data lacks either model or the dtype. Pure: a function of its arguments and the data folder's
+    files."""
     model, _ = registry.model_for(device_name, directory)
     if dtype not in DTYPE_BYTES or not model.gemm.supports(dtype):
         return False
-    pull = pull_gpu_ms(model, rows, n, k, dtype, device_name)
-    peer = model.peer_ms("reduce_scatter", rows, n, k, dtype, 2, host_bound=False)
+    pull = pull_gpu_ms(model, rows, n, k, dtype, device_name, collective)
+    peer = model.peer_ms(collective, rows, n, k, dtype, 2, host_bound=False)
     if pull is None or peer is None:
         return False
     if host_floors:  # ms of host per eager call, added: the module docstring
-        pull += model.gemm.scatter_pull.host_floor_ms
-        peer += model.gemm.peer.terms["reduce_scatter"].host_floor_ms
+        pull += terms_for(model, collective).host_floor_ms
+        peer += model.gemm.peer.terms[collective].host_floor_ms
     return pull <= (1 + TOLERANCE) * peer
 
 

@@ -35,7 +35,8 @@ Three kinds of document live in the config directory (``configs/`` of the packag
   peer route's terms, ``{"gemm_factor": > 0, "fixed_ms": >= 0, "link_efficiency": (0, 1], "fit": {...}, "note":
   "..."}`` (``gather.py``). ``scatter_pull`` (optional): the reduce_scatter pull route's terms, ``{"gemm_factor": > 0,
   "fixed_ms": >= 0, "add_factor": >= 0, "host_floor_ms": >= 0 (optional), "fit": {...}, "note": "..."}``
-  (``pull.py``). ``moe`` (optional): the MoE ops' terms, ``{"dispatch" | "combine": {"factor": > 0,
+  (``pull.py``); ``all_reduce_pull`` (optional): the all_reduce pull route's, in the same form. ``moe`` (optional):
+  the MoE ops' terms, ``{"dispatch" | "combine": {"factor": > 0,
   "host_floor_ms": >= 0, "moves_bytes_per_ms": > 0, "unfused_bytes_per_ms": > 0, "model_error": [0, 0.5)}, "fit":
   {...}, "note": "..."}`` (``moe.py``).
 
@@ -232,16 +233,16 @@ def validate_gemm(doc: Any, where: str) -> dict[str, Any]:
         if not isinstance(section, dict):
             raise _fail(where, "gather_peer", "expected a JSON object")
         _validate_terms(section, where, "gather_peer")
-    if "scatter_pull" in doc:
-        section = doc["scatter_pull"]
+    for name in ("scatter_pull", "all_reduce_pull"):
+        if name not in doc:
+            continue
+        section = doc[name]
         if not isinstance(section, dict):
-            raise _fail(where, "scatter_pull", "expected a JSON object")
-        _positive(_require(section, "gemm_factor", (int, float), where, "scatter_pull"), where,
-                  "scatter_pull.gemm_factor")
+            raise _fail(where, name, "expected a JSON object")
+        _positive(_require(section, "gemm_factor", (int, float), where, name), where, f"{name}.gemm_factor")
         for key in ("fixed_ms", "add_factor"):
-            _positive(_require(section, key, (int, float), where, "scatter_pull"), where, f"scatter_pull.{key}",
-                      allow_zero=True)
-        _positive(section.get("host_floor_ms", 0.0), where, "scatter_pull.host_floor_ms", allow_zero=True)
+            _positive(_require(section, key, (int, float), where, name), where, f"{name}.{key}", allow_zero=True)
+        _positive(section.get("host_floor_ms", 0.0), where, f"{name}.host_floor_ms", allow_zero=True)
     if "moe" in doc:
         _validate_moe(doc["moe"], where)
     rows = doc.get("anchor_rows", [])

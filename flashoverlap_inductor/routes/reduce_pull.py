@@ -1,7 +1,10 @@
 """The copy-engine pull route of GEMM -> all_reduce on 2 ranks of one NVLink host: the GEMMs stay cuBLAS's.
 
-Which calls it takes (``config.Tuning.all_reduce_pieces``): 0 (the default) none, so the all_reduces stay on the peer
-route; 1-8 every 2-rank bf16 all_reduce without bias, its rows cut into that many pieces.
+Which calls it takes (``config.Tuning.all_reduce_route``): under ``"auto"`` (the default) the 2-rank bf16 all_reduces
+whose predicted cost, GPU time plus host floor where the floors count, is within ``cost_model.pull.TOLERANCE`` of the
+peer route's (``prefers``, as ``scatter_route`` for the reduce_scatter pull route), ``"pull"`` every one, ``"peer"``
+none; the rows cut into ``all_reduce_pieces`` pieces (default 4) that shrink towards the last
+(``cost_model.pull.piece_cuts``: the last push, the call's tail, short; each push within the next piece's GEMM).
 The peer route (``routes/peer.py``) sums in GEMM 2's epilogue, whose CUTLASS GEMMs ran 6-20% below cuBLAS's rate on
 the 2-H200 grid (docs/results.md, 42nd session: 4096 x 8192 x 14336 fused 1.474 ms against cuBLAS's 1.249 and 0.275
 of all_reduce); this route keeps cuBLAS's rate and moves the partials by copy engine, which takes no SM.
@@ -48,8 +51,8 @@ from flashoverlap_inductor.runtime import faults
 
 from .. import _inductor_compat as compat
 from ..cost_model import pull, registry
-from . import gather_gemms, gather_peer, gather_protocol, gather_start, scatter_pull, symmetric
-from .base import stats
+from . import gather_gemms, gather_peer, gather_protocol, gather_start, peer, scatter_pull, symmetric
+from .base import note, stats
 from .scatter_pull import ScatterGemmArgs
 
 log = logging.getLogger("flashoverlap")
@@ -60,9 +63,9 @@ EVEN_PIECES = "reduce_even_pieces"  # the experiment: pieces of equal rows (the 
 
 def unsupported(call, settings: config.Settings) -> str | None:
     """Why ``call`` cannot take this route (None: it can). Pure, and the same at compile time as at run time."""
-    pieces = settings.tuning.all_reduce_pieces
-    if pieces == 0:
-        return "all_reduce_pieces is 0"
+    pieces, route = settings.tuning.all_reduce_pieces, settings.tuning.all_reduce_route
+    if route == "peer":
+        return "all_reduce_route is 'peer'"
     if call.collective != "all_reduce":
         return f"{call.collective} is not an all_reduce"
     if settings.transport != "peer":
@@ -75,7 +78,27 @@ def unsupported(call, settings: config.Settings) -> str | None:
         return f"dtype: {call.dtype} (bf16)"
     if not kernels.available():  # never raises
         return "library: the kernel library or an sm90 GPU is missing"
+    if route == "auto" and not prefers(call, settings):
+        return "the cost model predicts the peer route faster (all_reduce_route 'auto')"
     return None
+
+
+def prefers(call, settings: config.Settings) -> bool:
+    """``all_reduce_route="auto"``: not with ``ring="all"`` (the ring route asked for); where the peer route cannot
+    take the call, this one does; else ``cost_model.pull.prefers_pull`` (host floors where ``counts_host()``). A
+    cost-model failure answers False (the peer route), logged once: the same on every rank, never the call's error."""
+    if settings.ring == "all":
+        return False
+    if peer.ROUTE.unsupported(call, settings) is not None:
+        return True
+    dtype = str(call.dtype).removeprefix("torch.")
+    try:
+        return pull.prefers_pull(call.rows, call.n, call.k, dtype, scatter_pull.device_name(call),
+                                 registry.data_dir(settings), settings.counts_host(), "all_reduce")
+    except Exception as exc:  # noqa: BLE001 - a cost-model bug must not break the op
+        note(f"pull_model_failed:{type(exc).__name__}", logging.WARNING,
+             "flashoverlap: the all_reduce pull route's cost model failed (%r): all_reduce on the peer route", exc)
+        return False
 
 
 @dataclass
