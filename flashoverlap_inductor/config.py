@@ -192,14 +192,16 @@ class Tuning:
     # GEMMs' extra tails eating the add's time; slower at 3-4); 0: the route's Python path, also its reference
     # semantics. The same on every rank.
     scatter_pieces: int = 1
-    # GEMM -> all_reduce over 2 ranks of one NVLink host (bf16, no bias): "pull" the pull route (routes/reduce_pull.py:
-    # cuBLAS GEMMs in all_reduce_pieces row pieces, each rank's partial pushed by copy engine into the peer's receive
-    # slot piece by piece, one add per piece), "peer" the peer route (CUTLASS GEMMs, the sum in GEMM 2's epilogue);
-    # "auto": the pull route where its model predicts it within cost_model.pull.TOLERANCE of the peer route's, host
-    # floors included where they count, as scatter_route (2 H200s, 43rd session: at 4 pieces 1.163x over sequential
-    # against the peer route's 1.136x on 8 shapes, ahead on 7; ~0.36 ms of host per eager call against ~0.16). The
-    # same on every rank.
-    all_reduce_route: str = "auto"
+    # GEMM -> all_reduce over 2 ranks of one NVLink host (bf16, no bias): "peer" (the default) the peer route (CUTLASS
+    # GEMMs, the sum in GEMM 2's epilogue); "pull" the pull route (routes/reduce_pull.py: cuBLAS GEMMs in
+    # all_reduce_pieces row pieces, each rank's partial pushed by copy engine into the peer's receive slot piece by
+    # piece, one add per piece); "auto": the pull route where its model predicts it within cost_model.pull.TOLERANCE
+    # of the peer route's, host floors included where they count, as scatter_route. 2 H200s, 43rd session: at 4
+    # pieces 1.163x over sequential against the peer route's 1.136x in scatter_pull_bench (8 shapes, one run), but
+    # level on bench_ops' grid (1.153x against 1.152x), behind under CUDA graphs (1.146x against 1.159x) and in
+    # Llama-3-8B TP training (eager 1.005x against 1.013x over Inductor, host-paced: ~0.36 ms of host per call against
+    # ~0.16; graphed 0.999x against 1.009x), hence not the default. The same on every rank.
+    all_reduce_route: str = "peer"
     # The all_reduce pull route's pieces (1-8), shrinking towards the last (cost_model.pull.piece_cuts): 2 H200s, 43rd
     # session, geomeans over 8 shapes: 3 pieces 1.157x, 4 1.163x, 6 1.090x; even pieces at 4: 1.125x.
     all_reduce_pieces: int = 4

@@ -1,8 +1,8 @@
 """The all_reduce pull route (``routes/reduce_pull.py``) on the CPU, with the library faked.
 
 Which calls it takes (pure: the same at compile time, so the pass predicts it): under ``all_reduce_route="pull"``
-every 2-rank bf16 all_reduce with at least as many rows as pieces, under ``"peer"`` none, under ``"auto"`` (the
-default) where ``cost_model.pull.prefers_pull`` says so for all_reduce (host floors counted where the settings count
+every 2-rank bf16 all_reduce with at least as many rows as pieces, under ``"peer"`` (the default) none, under
+``"auto"`` where ``cost_model.pull.prefers_pull`` says so for all_reduce (host floors counted where the settings count
 them: only the largest GEMMs eagerly; nearly every shape without them); the registry then prefers it to the peer
 route. ``make_launch`` declines a bias, a batched or strided weight and a receive buffer past ``gather_push_max_mb``.
 For both ranks of a simulated pair, ``execute`` must hand ``fo_scatter_run`` the protocol's struct (``a`` = the
@@ -65,7 +65,7 @@ def _launch(rank, a, w, settings, bias=None):
 def test_which_calls_it_takes(monkeypatch):
     monkeypatch.setattr(reduce_pull.kernels, "available", lambda: True)
     on = config.current().replace(all_reduce_route="pull", transport="peer")
-    assert config.current().tuning.all_reduce_route == "auto" and config.current().tuning.all_reduce_pieces == 4
+    assert config.current().tuning.all_reduce_route == "peer" and config.current().tuning.all_reduce_pieces == 4
     assert reduce_pull.unsupported(_call(), on.replace(all_reduce_route="peer")) == "all_reduce_route is 'peer'"
     assert reduce_pull.unsupported(_call(), on) is None
     assert reduce_pull.unsupported(_call(compile_time=True), on) is None
@@ -91,7 +91,7 @@ def test_auto_weighs_the_host_floors(monkeypatch):
     monkeypatch.setattr(reduce_pull.kernels, "available", lambda: True)
     monkeypatch.setattr(reduce_pull.peer.ROUTE, "unsupported", lambda call, settings: None)
     monkeypatch.setattr(reduce_pull.scatter_pull, "device_name", lambda call: "NVIDIA H200")
-    auto = config.current().replace(transport="peer")
+    auto = config.current().replace(transport="peer", all_reduce_route="auto")
     small = routes.Call("all_reduce", 4096, 4096, 4096, torch.bfloat16, 2, 0, "cuda")
     large = routes.Call("all_reduce", 16384, 8192, 14336, torch.bfloat16, 2, 0, "cuda")
     assert "peer route faster" in reduce_pull.unsupported(small, auto)

@@ -130,8 +130,9 @@ def _decide(collective: str, m: int, n: int, k: int, dtype: str, world_size: int
         route_fused = model.ring_ms(collective, m, n, k, dtype, world_size, ring_rounds, host_bound=not cuda_graphs)
     elif route == "peer":
         route_fused = model.peer_ms(collective, m, n, k, dtype, world_size, host_bound=not cuda_graphs)
-    elif route == "pull" and world_size == 2 and _pull().terms_for(model, collective) is not None:
-        route_fused = _pull().pull_ms(model, m, n, k, dtype, device_name, not cuda_graphs, collective)
+    elif route == "pull" and world_size == 2 and model.gemm.pull_terms(collective) is not None:
+        route_fused = model.gemm.pull_terms(collective).predict_ms(  # pull.py's T_pull
+            model.gemm, m, n, k, dtype, copy_ms(m * n * DTYPE_BYTES[dtype], device_name), host_bound=not cuda_graphs)
     else:
         route_fused = None
     if route_fused is not None:
@@ -213,13 +214,6 @@ def copy_ms(nbytes: int, device_name: str | None = None) -> float:
 
 
 _warned: set[str] = set()
-
-
-def _pull():
-    """``cost_model.pull`` (which imports this module's ``copy_ms``), imported when first asked."""
-    from . import pull
-
-    return pull
 
 
 @functools.lru_cache(maxsize=4096)

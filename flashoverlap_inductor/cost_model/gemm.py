@@ -135,6 +135,11 @@ class GemmModel:
         """The sequential baseline's GEMM (cuBLAS on all SMs, as fitted), in ms."""
         return self.gemm_ms(m, n, k, dtype, self.tile[0], self.tile[1], self.sm_count)
 
+    def pull_terms(self, collective: str) -> PullTerms | None:
+        """The pull route's terms for ``collective`` (``scatter_pull``: reduce_scatter, ``all_reduce_pull``:
+        all_reduce), or None."""
+        return {"reduce_scatter": self.scatter_pull, "all_reduce": self.all_reduce_pull}.get(collective)
+
     def wave_rows(self, n: int) -> int:
         """Rows whose ``[rows, n]`` output fills one wave of tiles (one per SM): a GEMM of fewer leaves SMs idle."""
         return -(-self.sm_count * self.tile[0] * self.tile[1] // max(n, 1))

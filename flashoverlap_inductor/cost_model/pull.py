@@ -81,17 +81,11 @@ def piece_cuts(rows: int, n: int, gemm_ms: float, pieces: int, min_rows: int = 0
     return [rows * i // pieces for i in range(pieces + 1)]
 
 
-def terms_for(model, collective: str):
-    """The pull route's terms for ``collective`` in ``model``'s data (``scatter_pull``: reduce_scatter,
-    ``all_reduce_pull``: all_reduce), or None."""
-    return {"reduce_scatter": model.gemm.scatter_pull, "all_reduce": model.gemm.all_reduce_pull}.get(collective)
-
-
 def pull_ms(model, rows: int, n: int, k: int, dtype: str, device_name: str | None,
             host_bound: bool = True, collective: str = "reduce_scatter") -> float | None:
     """``T_pull`` (module docstring) of a GEMM ``[rows, k] @ [k, n]`` then ``collective`` on 2 ranks, with its host
     floor (``host_bound=False``: replayed from a CUDA graph, none); None when the data has no terms for it."""
-    terms = terms_for(model, collective)
+    terms = model.gemm.pull_terms(collective)
     if terms is None:
         return None
     return terms.predict_ms(model.gemm, rows, n, k, dtype, copy_ms(rows * n * DTYPE_BYTES[dtype], device_name),
@@ -119,7 +113,7 @@ def prefers_pull(rows: int, n: int, k: int, dtype: str, device_name: str | None,
     if pull is None or peer is None:
         return False
     if host_floors:  # ms of host per eager call, added: the module docstring
-        pull += terms_for(model, collective).host_floor_ms
+        pull += model.gemm.pull_terms(collective).host_floor_ms
         peer += model.gemm.peer.terms[collective].host_floor_ms
     return pull <= (1 + TOLERANCE) * peer
 

@@ -1,10 +1,13 @@
 """The copy-engine pull route of GEMM -> all_reduce on 2 ranks of one NVLink host: the GEMMs stay cuBLAS's.
 
-Which calls it takes (``config.Tuning.all_reduce_route``): under ``"auto"`` (the default) the 2-rank bf16 all_reduces
-whose predicted cost, GPU time plus host floor where the floors count, is within ``cost_model.pull.TOLERANCE`` of the
-peer route's (``prefers``, as ``scatter_route`` for the reduce_scatter pull route), ``"pull"`` every one, ``"peer"``
-none; the rows cut into ``all_reduce_pieces`` pieces (default 4) that shrink towards the last
+Which calls it takes (``config.Tuning.all_reduce_route``): under ``"peer"`` (the default) none; under ``"pull"`` every
+2-rank bf16 all_reduce; under ``"auto"`` those whose predicted cost, GPU time plus host floor where the floors count,
+is within ``cost_model.pull.TOLERANCE`` of the peer route's (``prefers``, as ``scatter_route`` for the reduce_scatter
+pull route); the rows cut into ``all_reduce_pieces`` pieces (default 4) that shrink towards the last
 (``cost_model.pull.piece_cuts``: the last push, the call's tail, short; each push within the next piece's GEMM).
+Measured on 2 H200s (43rd session, docs/results.md): ahead of the peer route in its own bench (1.163x over sequential
+against 1.136x), level on the op grid, behind under CUDA graphs and in TP training (its ~0.36 ms of host per call);
+so not the default.
 The peer route (``routes/peer.py``) sums in GEMM 2's epilogue, whose CUTLASS GEMMs ran 6-20% below cuBLAS's rate on
 the 2-H200 grid (docs/results.md, 42nd session: 4096 x 8192 x 14336 fused 1.474 ms against cuBLAS's 1.249 and 0.275
 of all_reduce); this route keeps cuBLAS's rate and moves the partials by copy engine, which takes no SM.
