@@ -25,6 +25,7 @@ from flashoverlap_inductor import config, routes
 from flashoverlap_inductor.cost_model import pull
 from flashoverlap_inductor.native import kernels
 from flashoverlap_inductor.routes import gather_gemms, gather_peer, gather_start, reduce_pull
+from flashoverlap_inductor.tune import rows
 
 ROWS, K, N = 8, 16, 24
 
@@ -107,7 +108,8 @@ def test_make_launch_declines(monkeypatch):
     _setup(monkeypatch)
     a, w = torch.zeros(ROWS, K).bfloat16(), torch.zeros(N, K).bfloat16().t()
     on = config.current().replace(all_reduce_route="pull", all_reduce_pieces=2)
-    assert isinstance(_launch(0, a, w, on)[0], reduce_pull.ReduceLaunch)
+    launch = _launch(0, a, w, on)[0]
+    assert isinstance(launch, reduce_pull.ReduceLaunch) and rows.route_of_launch(launch.description) == "pull"
     assert _launch(0, a, w, on, bias=torch.zeros(N).bfloat16())[0].startswith("bias")
     assert _launch(0, a, torch.zeros(K, 2 * N).bfloat16()[:, :N], on)[0].startswith("weight")
     assert _launch(0, a, torch.zeros(2, K, N).bfloat16(), on)[0].startswith("bmm")

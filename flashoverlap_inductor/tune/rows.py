@@ -21,7 +21,10 @@ BENCH_RING_ROUNDS = (1, 2, 4)  # the benchmark's ``ringR`` rows flags (examples/
 
 def route_of_launch(launch: str) -> str:
     """"ring", "peer", "pull", "push" (the pull route on the push schedule, ``scatter_start="push"``) or "nccl"
-    from a launch description (``RingLaunch`` / ``PeerLaunch`` / ``ScatterLaunch`` / NCCL-route launches)."""
+    from a launch description (``RingLaunch`` / ``PeerLaunch`` / ``ScatterLaunch`` / NCCL-route launches); the
+    all_reduce pull route's (``ReduceLaunch``) is "pull"."""
+    if "reduce_pull route" in launch:
+        return "pull"
     if "scatter_pull route" in launch:
         return "push" if "pushed by copy engine" in launch else "pull"
     return "ring" if "ring route" in launch else "peer" if "peer route" in launch else "nccl"
