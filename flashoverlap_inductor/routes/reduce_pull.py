@@ -42,7 +42,6 @@ weight neither a Linear's ``W.t()`` nor a contiguous ``[K, N]``, sizes past cuBL
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from dataclasses import dataclass, field
 
@@ -55,7 +54,7 @@ from flashoverlap_inductor.runtime import faults
 from .. import _inductor_compat as compat
 from ..cost_model import pull, registry
 from . import gather_gemms, gather_peer, gather_protocol, gather_start, peer, scatter_pull, symmetric
-from .base import note, stats
+from .base import note
 from .scatter_pull import ScatterGemmArgs
 
 log = logging.getLogger("flashoverlap")
@@ -208,16 +207,7 @@ class ReducePullRoute:
         p.slot_set = gather_peer.next_slot_set(ctx.group, device)
         g = launch.gemm
         g.a, g.weight, g.part, g.out = a.data_ptr(), ctx.b.data_ptr(), None, out.data_ptr()
-        g.handle = torch.cuda.current_blas_handle()
-        lt = gather_gemms.workspace(device, ctx.settings.experiments, ctx.capturing)
-        g.workspace, g.workspace_bytes = (None, 0) if lt is None else (lt.data_ptr(), lt.numel())
-        lib, finish_rc = kernels.library(), ctypes.c_int32(0)
-        rc = lib.fo_scatter_run(ctypes.byref(p), ctypes.byref(g), ctypes.byref(finish_rc))
-        if finish_rc.value != 0:
-            gather_protocol.unjoined(ws, (a, out))
-        stats["reduce:library"] += 1
-        kernels.check(rc, "fo_scatter_run")
-        kernels.check(finish_rc.value, "fo_gather_finish")
+        scatter_pull.call_library(p, g, ws, ctx, (a, out), "reduce:library")
         return out
 
     def reset(self) -> None:

@@ -297,18 +297,27 @@ def run_library(launch: ScatterLaunch, ctx, ws: symmetric.SymmetricBuffer, cur: 
     p.slot_set = gather_peer.next_slot_set(ctx.group, device)
     g = launch.gemm
     g.a, g.weight, g.part, g.out = ctx.a.data_ptr(), ctx.b.data_ptr(), part.data_ptr(), out.data_ptr()
+    call_library(p, g, ws, ctx, (part, ctx.a), "scatter:library")
+    del part
+    return out
+
+
+def call_library(p: gather_protocol.GatherArgs, g: ScatterGemmArgs, ws: symmetric.SymmetricBuffer, ctx, used: tuple,
+                 stat: str) -> None:
+    """``fo_scatter_run(p, g)`` once every pointer of both structs is set but the cuBLAS handle and workspace (set
+    here: torch's handle of this thread, cuBLASLt's workspace outside captures); counts ``stat``; raises the call's
+    or the finish's failure, ``used``'s tensors recorded on the copy stream where the finish could not join (this
+    route's and the all_reduce pull route's, ``routes/reduce_pull.py``)."""
     g.handle = torch.cuda.current_blas_handle()
-    lt = gather_gemms.workspace(device, ctx.settings.experiments, ctx.capturing)
+    lt = gather_gemms.workspace(ctx.a.device, ctx.settings.experiments, ctx.capturing)
     g.workspace, g.workspace_bytes = (None, 0) if lt is None else (lt.data_ptr(), lt.numel())
     lib, finish_rc = kernels.library(), ctypes.c_int32(0)
     rc = lib.fo_scatter_run(ctypes.byref(p), ctypes.byref(g), ctypes.byref(finish_rc))
     if finish_rc.value != 0:
-        gather_protocol.unjoined(ws, (part, ctx.a))
-    stats["scatter:library"] += 1
+        gather_protocol.unjoined(ws, used)
+    stats[stat] += 1
     kernels.check(rc, "fo_scatter_run")
     kernels.check(finish_rc.value, "fo_gather_finish")
-    del part
-    return out
 
 
 class ScatterPullRoute:
