@@ -20,36 +20,21 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_scatter_run_cpu import ROWS, K, N
+from test_scatter_run_cpu import _setup as scatter_setup
 
 from flashoverlap_inductor import config, routes
 from flashoverlap_inductor.cost_model import pull
 from flashoverlap_inductor.native import kernels
-from flashoverlap_inductor.routes import gather_gemms, gather_peer, gather_start, reduce_pull
+from flashoverlap_inductor.routes import gather_gemms, gather_start, reduce_pull
 from flashoverlap_inductor.tune import rows
-
-ROWS, K, N = 8, 16, 24
 
 
 def _setup(monkeypatch):
-    monkeypatch.setattr(gather_peer, "group_issue", lambda g: None)
-    monkeypatch.setattr(gather_peer, "_push_calls", {})
-    monkeypatch.setattr(reduce_pull.compat, "group_timeout_ms", lambda g: 1000.0)
-    monkeypatch.setattr(reduce_pull.compat, "current_raw_stream", lambda i: 77)
-    monkeypatch.setattr(reduce_pull.symmetric, "order_after_last", lambda g, d, s: None)
-    monkeypatch.setattr(gather_gemms, "usable", lambda dtype, experiments, probe: True)
-    monkeypatch.setattr(torch.cuda, "current_blas_handle", lambda: 4242)
-    monkeypatch.setattr(gather_gemms, "_bound", [True, True])
-    lt_ws = torch.zeros(64, dtype=torch.uint8)
-    monkeypatch.setattr(gather_gemms, "_workspaces", {None: lt_ws})  # a CPU tensor's device index is None
-    flags = SimpleNamespace(views=[torch.zeros(4) for _ in range(2)],
-                            events=[SimpleNamespace(cuda_event=100 + r) for r in range(2)],
-                            epoch=torch.zeros(1), fault=SimpleNamespace(block_ptr=None, mirror_ptr=None),
-                            copy=SimpleNamespace(cuda_stream=None))
-    receive = [torch.zeros(gather_start.SLOT_SETS * ROWS * N * 2, dtype=torch.uint8) for _ in range(2)]
-    ws = SimpleNamespace(flags=flags, views=receive, serial=-1, capacity=receive[0].numel())
-    monkeypatch.setattr(gather_peer, "workspace", lambda *args, **kw: ws)
+    """``test_scatter_run_cpu``'s fakes (the group check, streams, cuBLAS bound with cuBLASLt, the push workspace of
+    ``ROWS`` x ``N`` outputs), and the library available; returns cuBLASLt's workspace."""
     monkeypatch.setattr(reduce_pull.kernels, "available", lambda: True)
-    return lt_ws
+    return scatter_setup(monkeypatch, True)
 
 
 def _call(rank=0, dtype=torch.bfloat16, rows=ROWS, world=2, collective="all_reduce", compile_time=False):
