@@ -493,25 +493,28 @@ FO_API int fo_gather_run(const fo_gather_args* call, const fo_gather_gemm_args* 
  *   4. always fo_gather_finish(call) (join, done and done_b to p, poison), its status in *finish_rc.
  * Flags (this rank's page, after the push counters): piece_ready[j] at (2 + 2S)M + 3S + j (written only by rank j,
  * absolute: the pieces j pushed here so far), sent and recv at (3 + 2S)M + 3S and + 1 (this rank's own), src[0 ..
- * FO_SCATTER_MAX_PIECES) after them. Both ranks cut alike (pieces, half_rows: shape and settings), so each wait
- * pairs with one write; a rank out of step waits out its bound: a fault (poisoned, raised, resynchronized).
+ * FO_SCATTER_MAX_PIECES) after them. Both ranks cut alike (pieces, half_rows, cuts: from the shape, the settings and
+ * the cost data, which the ranks agree on), so each wait pairs with one write; a rank out of step waits out its bound:
+ * a fault (poisoned, raised, resynchronized).
  * all_reduce = 1 (the pull route's all_reduce, routes/reduce_pull.py): `out` is the whole [2 * half_rows, N] result,
- * `part` unused, call.a = out; the 2 * half_rows rows cut into `pieces` ranges alike on both ranks (`cuts`); this rank's
- * receive region is all of set b in its buffer (2 shards: the peer's whole partial). Step 1 as above; then per piece
- * i on cur_stream: out rows of piece i = a rows of piece i @ w (this rank's partial); on the copy stream after it,
- * those rows into the same rows of set b in p's buffer, then src[i] into piece_ready[r] in p's page; and once piece
+ * `part` unused, call.a = out; the 2 * half_rows rows cut into `pieces` ranges alike on both ranks (`cuts`); this
+ * rank's receive region is all of set b in its buffer (2 shards: the peer's whole partial). Step 1 as above; then per
+ * piece i on cur_stream: out rows of piece i = a rows of piece i @ w (this rank's partial); on the copy stream after
+ * it, those rows into the same rows of set b in p's buffer, then src[i] into piece_ready[r] in p's page; and once piece
  * i + 1 is issued (piece i: after the last), on cur_stream: wait for the copy stream's push of piece i (an event) and
  * for piece_ready[p] to reach recv + 1 (a bounded kernel), then out rows of piece i += the received rows (the add
  * kernel: fp32 sums rounded once, the same bits on both ranks). Step 4 as above. */
 #define FO_SCATTER_MAX_PIECES 8
 typedef struct {
-  int64_t half_rows, n, k;                       /* each half's rows (>= pieces), N (>= 2), K (>= 2) */
+  int64_t half_rows, n, k;                       /* each half's rows (>= pieces; all_reduce: 2 x half_rows >=
+                                                    pieces), N (>= 2), K (>= 2) */
   int32_t pieces;                                /* 1 .. FO_SCATTER_MAX_PIECES */
   int32_t weight_transposed;                     /* 1: W.t() of a contiguous [N, K]; 0: contiguous [K, N] */
   const void* a;                                 /* [2 * half_rows, K] contiguous */
   const void* weight;
   void* part;                                    /* [half_rows, N] contiguous, local: the peer's half (pushed) */
-  void* out;                                     /* [half_rows, N] contiguous: this rank's result */
+  void* out;                                     /* [half_rows, N] contiguous: this rank's result (all_reduce:
+                                                    [2 * half_rows, N]) */
   void* handle;                                  /* cublasHandle_t, its stream cur_stream */
   int32_t elem_type;                             /* cudaDataType_t: 14 bf16, 2 fp16 */
   int32_t math_mode;                             /* cublasMath_t for cublasGemmEx (reset to the default after) */

@@ -198,7 +198,19 @@ def test_the_cuts_follow_the_h200_gemm_model():
     on = config.current().replace(all_reduce_route="pull", all_reduce_pieces=3)
     call = routes.Call("all_reduce", 8192, 4096, 4096, torch.bfloat16, 2, 0, "cuda", None, "auto")
     cuts = reduce_pull.cuts_for(call, on)
-    assert cuts[0] == 0 and cuts[-1] == 8192 and cuts != [0, 2730, 5461, 8192], cuts
+    sizes = [b - a for a, b in zip(cuts, cuts[1:], strict=False)]
+    assert cuts[0] == 0 and cuts[-1] == 8192 and sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1] + 64
     assert cuts == reduce_pull.cuts_for(dataclasses.replace(call, rank=1), on)
     even = on.replace(experiments=frozenset({reduce_pull.EVEN_PIECES}))
     assert reduce_pull.cuts_for(call, even) == [0, 2730, 5461, 8192]
+
+
+def test_a_failing_cost_model_cuts_evenly(monkeypatch):
+    """The cuts' cost model raising: even pieces (the same on every rank), never the call's error."""
+    def broken(*args, **kw):
+        raise RuntimeError("no data")
+
+    monkeypatch.setattr(reduce_pull.registry, "model_for", broken)
+    call = routes.Call("all_reduce", 8192, 4096, 4096, torch.bfloat16, 2, 0, "cuda", None, "auto")
+    on = config.current().replace(all_reduce_route="pull", all_reduce_pieces=4)
+    assert reduce_pull.cuts_for(call, on) == [0, 2048, 4096, 6144, 8192]

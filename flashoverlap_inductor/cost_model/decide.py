@@ -15,7 +15,7 @@ when ``fuse`` is False (fuse mode "always" uses it).
 ``peer=True`` says the call will take the peer route (``flashoverlap_inductor.routes.select`` picks it): where the
 data has a peer model for it (``peer.py``), ``fused`` is that model's time and the verdict needs no groups
 (``route`` "peer"); the plan is still the NCCL route's, for a call that falls back to it at run time. ``pull=True``
-likewise for the reduce_scatter pull route (``pull.py``; route "pull").
+likewise for the pull routes of reduce_scatter and all_reduce on 2 ranks (``pull.py``; route "pull").
 ``ring_rounds=R`` > 0 says the call will take the ring route in ``R`` rounds (``routes.select`` picks it,
 ``routes.ring.rounds``) and works the same way with the data's ring model (``ring.py``; ``route`` "ring").
 

@@ -71,7 +71,8 @@ class PullTerms:
 
     def predict_ms(self, gemm: GemmTimes, rows: int, n: int, k: int, dtype: str, copy_output_ms: float,
                    host_bound: bool = True) -> float:
-        """``T_pull`` (``pull.py``) in ms of ``[rows, k] @ [k, n]`` then reduce_scatter on 2 ranks; ``copy_output_ms``:
+        """``T_pull`` (``pull.py``) in ms of ``[rows, k] @ [k, n]`` then the terms' collective on 2 ranks;
+        ``copy_output_ms``:
         the time to move ``rows * n * itemsize`` bytes through device memory (``cost_model.copy_ms``).
         ``host_bound=False``: replayed from a CUDA graph (no ``host_floor_ms``), the GPU's time alone."""
         gpu = self.fixed_ms + self.gemm_factor * gemm.reference_ms(rows, n, k, dtype) + self.add_factor * copy_output_ms

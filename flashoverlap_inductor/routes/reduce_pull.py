@@ -29,10 +29,12 @@ N`` elements of HBM. The tail after the last GEMM: the last piece's push (``M x 
 Invariants: the protocol's (``routes/gather_peer.py``): every wait bounded, a fault recorded in both ranks' blocks and
 raised at the next call on every rank, the slot sets alternating per push call of the group
 (``gather_peer.next_slot_set``, shared with the gather and reduce_scatter pull routes). ``a`` stays referenced until
-after the join. Every rank takes the same route: ``unsupported`` and ``make_launch`` read the shapes, strides and
-settings only; ``execute`` declines (to the peer route) only where torch's matmul settings forbid the library's
-cuBLAS GEMMs (``gather_gemms.usable``), process-wide settings that the ranks of one job share, as the reduce_scatter
-pull route assumes (a rank that differed would time out its waits: a fault on both ranks, never a wrong result).
+after the join. Every rank takes the same route: ``unsupported`` and ``make_launch`` read the shapes, strides,
+settings and cost data only; ``execute`` declines (to the next candidate route) where the receive buffer would have
+to grow inside a CUDA-graph capture (the call history's, the same on every rank) and where torch's matmul settings
+forbid the library's cuBLAS GEMMs (``gather_gemms.usable``): process-wide settings that the ranks of one job share,
+as the reduce_scatter pull route assumes (a rank that differed would time out its waits: a fault on both ranks,
+never a wrong result).
 
 Declines (pure): another collective, ``transport="nccl"``, a world size other than 2, odd rows, another dtype than
 bf16, fewer rows than pieces, no kernel library or sm90 GPU. ``make_launch`` also declines a batched ``b``, a bias, a
@@ -159,14 +161,21 @@ def make_launch(call, settings: config.Settings, ctx) -> ReduceLaunch | str:
 
 def cuts_for(call, settings: config.Settings) -> list[int]:
     """The pieces' rows (``cost_model.pull.piece_cuts`` from the GEMM's modelled time; even under the experiment
-    ``EVEN_PIECES``); shapes, settings and cost data only, so both ranks cut alike."""
+    ``EVEN_PIECES``, or where the cost model fails, logged once); shapes, settings and cost data only, which the
+    ranks agree on (``routes.agree``), so both ranks cut alike."""
     pieces = settings.tuning.all_reduce_pieces
+    even = [call.rows * i // pieces for i in range(pieces + 1)]
     if EVEN_PIECES in settings.experiments:
-        return [call.rows * i // pieces for i in range(pieces + 1)]
-    model, _ = registry.model_for(scatter_pull.device_name(call), registry.data_dir(settings))
-    dtype = str(call.dtype).removeprefix("torch.")
-    return pull.piece_cuts(call.rows, call.n, model.gemm.reference_ms(call.rows, call.n, call.k, dtype), pieces,
-                           model.gemm.wave_rows(call.n), call.dtype.itemsize)
+        return even
+    try:
+        model, _ = registry.model_for(scatter_pull.device_name(call), registry.data_dir(settings))
+        dtype = str(call.dtype).removeprefix("torch.")
+        return pull.piece_cuts(call.rows, call.n, model.gemm.reference_ms(call.rows, call.n, call.k, dtype), pieces,
+                               model.gemm.wave_rows(call.n), call.dtype.itemsize)
+    except Exception as exc:  # noqa: BLE001 - a cost-model bug must not break the op
+        note(f"pull_cuts_failed:{type(exc).__name__}", logging.WARNING,
+             "flashoverlap: the all_reduce pull route's piece cuts failed (%r): even pieces", exc)
+        return even
 
 
 def args_for(launch: ReduceLaunch, ws: symmetric.SymmetricBuffer) -> gather_protocol.GatherArgs:
