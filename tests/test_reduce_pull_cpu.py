@@ -75,7 +75,7 @@ def test_auto_weighs_the_host_floors(monkeypatch):
     GEMM takes this one; without the floors (CUDA-graph replays: ``host_floors="off"``) both take it. With no peer
     route to compare with, this one; with ``ring="all"``, never."""
     monkeypatch.setattr(reduce_pull.kernels, "available", lambda: True)
-    monkeypatch.setattr(reduce_pull.peer.ROUTE, "unsupported", lambda call, settings: None)
+    monkeypatch.setattr(reduce_pull.scatter_pull.peer.ROUTE, "unsupported", lambda call, settings: None)
     monkeypatch.setattr(reduce_pull.scatter_pull, "device_name", lambda call: "NVIDIA H200")
     auto = config.current().replace(transport="peer", all_reduce_route="auto")
     small = routes.Call("all_reduce", 4096, 4096, 4096, torch.bfloat16, 2, 0, "cuda")
@@ -85,7 +85,7 @@ def test_auto_weighs_the_host_floors(monkeypatch):
     graphs = auto.replace(host_floors="off")
     assert reduce_pull.unsupported(small, graphs) is None and reduce_pull.unsupported(large, graphs) is None
     assert reduce_pull.unsupported(large, auto.replace(ring="all")) is not None
-    monkeypatch.setattr(reduce_pull.peer.ROUTE, "unsupported", lambda call, settings: "no peer route")
+    monkeypatch.setattr(reduce_pull.scatter_pull.peer.ROUTE, "unsupported", lambda call, settings: "no peer route")
     assert reduce_pull.unsupported(small, auto) is None
 
 

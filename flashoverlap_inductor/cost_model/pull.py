@@ -78,6 +78,11 @@ def piece_cuts(rows: int, n: int, gemm_ms: float, pieces: int, min_rows: int = 0
         if all(b - a >= max(min_rows, 1) for a, b in zip(cuts, cuts[1:], strict=False)):
             return cuts
         q = min(1.0, q + 0.05)
+    return even_cuts(rows, pieces)
+
+
+def even_cuts(rows: int, pieces: int) -> list[int]:
+    """``pieces + 1`` rows from 0 to ``rows`` cutting them into pieces of equal rows (within one)."""
     return [rows * i // pieces for i in range(pieces + 1)]
 
 

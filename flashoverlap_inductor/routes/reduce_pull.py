@@ -55,7 +55,7 @@ from flashoverlap_inductor.runtime import faults
 
 from .. import _inductor_compat as compat
 from ..cost_model import pull, registry
-from . import gather_gemms, gather_peer, gather_protocol, gather_start, peer, scatter_pull, symmetric
+from . import gather_gemms, gather_peer, gather_protocol, gather_start, scatter_pull, symmetric
 from .base import note
 from .scatter_pull import ScatterGemmArgs
 
@@ -82,27 +82,9 @@ def unsupported(call, settings: config.Settings) -> str | None:
         return f"dtype: {call.dtype} (bf16)"
     if not kernels.available():  # never raises
         return "library: the kernel library or an sm90 GPU is missing"
-    if route == "auto" and not prefers(call, settings):
+    if route == "auto" and not scatter_pull.model_prefers_pull(call, settings):
         return "the cost model predicts the peer route faster (all_reduce_route 'auto')"
     return None
-
-
-def prefers(call, settings: config.Settings) -> bool:
-    """``all_reduce_route="auto"``: not with ``ring="all"`` (the ring route asked for); where the peer route cannot
-    take the call, this one does; else ``cost_model.pull.prefers_pull`` (host floors where ``counts_host()``). A
-    cost-model failure answers False (the peer route), logged once: the same on every rank, never the call's error."""
-    if settings.ring == "all":
-        return False
-    if peer.ROUTE.unsupported(call, settings) is not None:
-        return True
-    dtype = str(call.dtype).removeprefix("torch.")
-    try:
-        return pull.prefers_pull(call.rows, call.n, call.k, dtype, scatter_pull.device_name(call),
-                                 registry.data_dir(settings), settings.counts_host(), "all_reduce")
-    except Exception as exc:  # noqa: BLE001 - a cost-model bug must not break the op
-        note(f"pull_model_failed:{type(exc).__name__}", logging.WARNING,
-             "flashoverlap: the all_reduce pull route's cost model failed (%r): all_reduce on the peer route", exc)
-        return False
 
 
 @dataclass
@@ -122,6 +104,7 @@ class ReduceLaunch:
     description: str
     gemm: ScatterGemmArgs
     launch_id: int = 0
+    options: int = gather_start.PUSH  # the protocol's options: the push schedule (``scatter_pull.args_for``)
     args: dict[int, gather_protocol.GatherArgs] = field(default_factory=dict)  # workspace serial -> args
 
 
@@ -164,7 +147,7 @@ def cuts_for(call, settings: config.Settings) -> list[int]:
     ``EVEN_PIECES``, or where the cost model fails, logged once); shapes, settings and cost data only, which the
     ranks agree on (``routes.agree``), so both ranks cut alike."""
     pieces = settings.tuning.all_reduce_pieces
-    even = [call.rows * i // pieces for i in range(pieces + 1)]
+    even = pull.even_cuts(call.rows, pieces)
     if EVEN_PIECES in settings.experiments:
         return even
     try:
@@ -176,16 +159,6 @@ def cuts_for(call, settings: config.Settings) -> list[int]:
         note(f"pull_cuts_failed:{type(exc).__name__}", logging.WARNING,
              "flashoverlap: the all_reduce pull route's piece cuts failed (%r): even pieces", exc)
         return even
-
-
-def args_for(launch: ReduceLaunch, ws: symmetric.SymmetricBuffer) -> gather_protocol.GatherArgs:
-    """The protocol's struct (2 ranks, the push schedule, one output, no own copy), memoized per workspace."""
-    p = launch.args.get(ws.serial)
-    if p is None:
-        p = launch.args[ws.serial] = gather_protocol.new_args(ws, 2, launch.rank, launch.shard_bytes, launch.dtype,
-                                                              launch.launch_id, launch.timeout_ns, gather_start.PUSH)
-        p.copy_own, p.num_outputs, p.staging = 0, 1, None
-    return p
 
 
 class ReducePullRoute:
@@ -210,8 +183,8 @@ class ReducePullRoute:
             symmetric.order_after_last(ctx.group, device, cur)
         a = ctx.a.reshape(launch.rows, launch.k).contiguous()
         out = torch.empty(ctx.out_shape, dtype=launch.dtype, device=device)
-        p = args_for(launch, ws)  # the memoized structs: every per-call field set here (the dispatcher's lock)
-        p.a, p.cur_stream = out.data_ptr(), cur
+        p = scatter_pull.args_for(launch, ws)  # memoized: every per-call field set here (the dispatcher's lock)
+        p.a, p.cur_stream, p.staging = out.data_ptr(), cur, None
         p.outputs[0], p.output_numel[0] = out.data_ptr(), out.numel()
         p.slot_set = gather_peer.next_slot_set(ctx.group, device)
         g = launch.gemm

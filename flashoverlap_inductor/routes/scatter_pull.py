@@ -120,19 +120,28 @@ def takes_plain(call, settings: config.Settings) -> bool:
     route = settings.tuning.scatter_route
     if route != "auto":
         return route == "pull"
-    if settings.ring == "all":  # the user asked for the ring route on 2 ranks
-        return False
     if call.dtype != torch.bfloat16:  # the dtype it was measured in (and fitted to); fp16 stays where it ran before
         return False
-    if peer.ROUTE.unsupported(call, settings) is not None:  # no peer route to compare with (e.g. fp16)
+    return model_prefers_pull(call, settings)
+
+
+def model_prefers_pull(call, settings: config.Settings) -> bool:
+    """The ``"auto"`` rule of both pull routes (this one's ``scatter_route``, the all_reduce pull route's
+    ``all_reduce_route``) after their own declines: not with ``ring="all"`` (the user asked for the ring route on 2
+    ranks); where the peer route cannot take the call (no peer route to compare with), the pull route; else
+    ``cost_model.pull.prefers_pull`` for the call's collective (host floors where ``counts_host()``). A cost-model
+    failure answers False (the peer route), logged once: the same on every rank, never the call's error."""
+    if settings.ring == "all":
+        return False
+    if peer.ROUTE.unsupported(call, settings) is not None:
         return True
     dtype = str(call.dtype).removeprefix("torch.")
     try:
         return pull.prefers_pull(call.rows, call.n, call.k, dtype, device_name(call), registry.data_dir(settings),
-                                 settings.counts_host())
+                                 settings.counts_host(), call.collective)
     except Exception as exc:  # noqa: BLE001 - a cost-model bug must not break the op
         note(f"pull_model_failed:{type(exc).__name__}", logging.WARNING,
-             "flashoverlap: the pull route's cost model failed (%r): reduce_scatter on the peer route", exc)
+             "flashoverlap: the pull route's cost model failed (%r): %s on the peer route", exc, call.collective)
         return False
 
 
@@ -248,9 +257,10 @@ def make_launch(call, settings: config.Settings, ctx) -> ScatterLaunch | str:
                          options, buffer_bytes, gemm=gemm)
 
 
-def args_for(launch: ScatterLaunch, ws: symmetric.SymmetricBuffer) -> gather_protocol.GatherArgs:
+def args_for(launch, ws: symmetric.SymmetricBuffer) -> gather_protocol.GatherArgs:
     """The protocol's struct (``gather_protocol.new_args``: 2 ranks, one output, no own copy), memoized per
-    workspace."""
+    workspace; ``launch``: this route's ``ScatterLaunch`` or the all_reduce pull route's ``ReduceLaunch`` (both
+    carry rank, shard_bytes, dtype, launch_id, timeout_ns, options and the ``args`` memo)."""
     p = launch.args.get(ws.serial)
     if p is None:
         p = launch.args[ws.serial] = gather_protocol.new_args(ws, 2, launch.rank, launch.shard_bytes, launch.dtype,
