@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from flashoverlap_inductor import _inductor_compat as compat
 from flashoverlap_inductor import backend, config, errors, routes
-from flashoverlap_inductor.routes import symmetric
+from flashoverlap_inductor.routes import gather_peer, symmetric
 from flashoverlap_inductor.runtime import faults, streams
 
 PAGE, OFFSET = 256, 128  # a stand-in flag page and its fault block's offset (bytes)
@@ -70,6 +70,21 @@ def test_raising_a_symmetric_fault_marks_its_group():
     assert int(dom.block.view(torch.int32)[0]) == 0 and int(dom.mirror[0]) == 0  # cleared
     faults.resynced(0, "g")
     assert not faults.resync_due(0, "g")
+
+
+def test_a_shared_protocol_fault_names_every_route_on_it():
+    """The copy-engine protocol's flag page serves the all_gather and both pull routes: a timeout names them all
+    and its wait without naming one collective (a pull route's all_reduce once read "(all_gather)")."""
+    dom = _domain("gather_peer", "g")
+    dom.label = gather_peer.FAULT_LABEL
+    _record(dom, 1, mirror=True)
+    with pytest.raises(errors.FlashOverlapTimeout) as info:
+        faults.raise_pending(0)
+    text = str(info.value)
+    assert "gather_peer / scatter_pull / reduce_pull route" in text and "rank 5's rows of this call" in text
+    assert "all_gather" not in text
+    faults.forget("gather_peer")  # the route's reset still finds its domain by the route's name
+    assert ("gather_peer", 0, "g") not in faults._domains
 
 
 def test_an_nccl_route_fault_marks_nothing():

@@ -56,7 +56,8 @@ def variants(k: int, n: int, counts: torch.Tensor, pieces: tuple[int, ...]) -> d
     wt = w.transpose(-2, -1)
     perm = torch.randperm(rows, device="cuda")
     y = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
-    v = {"one": lambda: torch._grouped_mm(x, wt, offs=offs_of(per_expert))}
+    offs = offs_of(per_expert)  # every variant's offsets made before timing (a host-to-device copy per call stalls)
+    v = {"one": lambda: torch._grouped_mm(x, wt, offs=offs)}
     blocks, start = [], 0
     for s in range(SOURCES):
         r = int(counts[s].sum())

@@ -101,6 +101,8 @@ log = logging.getLogger("flashoverlap")
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 NAME = "gather_peer"
+# What a timeout on a group's flag page names: the routes that share its protocol
+FAULT_LABEL = "gather_peer / scatter_pull / reduce_pull"
 
 
 _flags: dict[tuple[int, str], GatherFlags] = {}
@@ -122,7 +124,7 @@ def flags(group: dist.ProcessGroup, device: torch.device) -> GatherFlags:
         for ev in events:  # created now (torch makes an event at its first record); the library re-records them
             ev.record(torch.cuda.current_stream(device))
         dom = symmetric.fault_domain(NAME, group, device, buf, FAULT_OFFSET,
-                                     [v.data_ptr() for r, v in enumerate(views) if r != rank])
+                                     [v.data_ptr() for r, v in enumerate(views) if r != rank], FAULT_LABEL)
         f = _flags[key] = GatherFlags(buf, hdl, views, epoch, torch.cuda.Stream(device=device, priority=-100),
                                       events, dom)
     return f

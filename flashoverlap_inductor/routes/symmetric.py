@@ -76,12 +76,13 @@ def symmetric(nbytes: int, group: dist.ProcessGroup, device: torch.device, zero:
 
 
 def fault_domain(route: str, group: dist.ProcessGroup, device: torch.device, page: torch.Tensor, offset: int,
-                 peer_pages: list[int]) -> faults.FaultDomain:
+                 peer_pages: list[int], label: str = "") -> faults.FaultDomain:
     """The group's fault block: ``offset`` bytes into its symmetric flag ``page``; every peer's at the same offset of
-    its page (``peer_pages``: their addresses mapped here), which a timed-out wait of this rank also writes."""
+    its page (``peer_pages``: their addresses mapped here), which a timed-out wait of this rank also writes.
+    ``label``: the routes a fault names (default ``route``; a page several routes share names them all)."""
     dom = faults.domain((route, device.index, group.group_name), lambda: faults.FaultDomain(
         device.index, route, group.group_name, page[offset:offset + faults.BLOCK_BYTES], faults.new_mirror(),
-        resync=True))
+        resync=True, label=label))
     dom.setup(group.rank(), [base + offset for base in peer_pages])
     return dom
 

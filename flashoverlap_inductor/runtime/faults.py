@@ -69,7 +69,8 @@ def launch_id(description: str) -> int:
 
 
 def describe_wait(tag: int) -> str:
-    """The wait a tag names (the tags of csrc/peer_call.cu, ring_call.cu, gather_call.cu and fused_call.cu)."""
+    """The wait a tag names (the tags of csrc/peer_call.cu, ring_call.cu, gather_call.cu and fused_call.cu; the
+    copy-engine protocol's, 3000-3299, serve the all_gather and both pull routes alike)."""
     if 1000 <= tag < 1100:
         return "the peer's GEMM 1 (its partial of this rank's rows)"
     if 1100 <= tag < 1200:
@@ -83,11 +84,11 @@ def describe_wait(tag: int) -> str:
     if tag == 2800:
         return "the other ranks' end-of-call barrier"
     if 3000 <= tag < 3100:
-        return f"rank {tag - 3000}'s shard of this call (all_gather)"
+        return f"rank {tag - 3000}'s rows of this call (the copy-engine protocol's ready flag)"
     if 3100 <= tag < 3200:
-        return f"rank {tag - 3100} finished reading this rank's previous shard (all_gather)"
+        return f"rank {tag - 3100} finished reading this rank's previous rows (the copy-engine protocol)"
     if 3200 <= tag < 3300:
-        return f"a part of the all_gather call this rank could not enqueue (step {tag - 3200})"
+        return f"a part of the call this rank could not enqueue (copy-engine protocol step {tag - 3200})"
     if tag < 0:
         return "another rank (the fault exchange)"
     return f"the GEMM's tiles of wave group {tag}"
@@ -105,6 +106,7 @@ class FaultDomain:
     peers: list[int] = field(default_factory=list)
     resync: bool = False  # a symmetric-memory domain: raising its fault marks (device, group) to resynchronize
     rank: int = 0  # this rank in the group (``setup``)
+    label: str = ""  # the routes a fault names (default ``route``; a flag page several routes share names them all)
 
     def __post_init__(self) -> None:  # addresses read on every call: taken once
         self.block_ptr: int = self.block.data_ptr()
@@ -172,19 +174,20 @@ class FaultDomain:
             _resync.add((self.device, self.group))
         who = CODES.get(code, "a wait").format(origin=origin)
         shape = _launches.get(launch, "a call whose shape is no longer known")
+        route = self.label or self.route
         if code == 4:
-            raise errors.PeerFailure(f"flashoverlap: {who} ({self.route} route, group {self.group}, cuda:{self.device},"
+            raise errors.PeerFailure(f"flashoverlap: {who} ({route} route, group {self.group}, cuda:{self.device},"
                                      f" rank {rank}): {shape}. Its outputs were poisoned (NaN). {AFTER[self.resync]}")
         if code == 5:
             raise errors.FlashOverlapTimeout(
-                f"flashoverlap: {who} did not finish within the host watchdog's bound on the {self.route} route, "
+                f"flashoverlap: {who} did not finish within the host watchdog's bound on the {route} route, "
                 f"group {self.group} (cuda:{self.device}, this is rank {rank}), during {shape}: a peer never made "
                 "its matching NCCL call (it failed or refused it). Its outputs were poisoned (NaN); the process "
                 "group was aborted so that no kernel waits forever, and is unusable now (NCCL's rule): create a "
                 "new group.")
         detail = "" if code == 3 else f" for {describe_wait(tag)} (saw {seen}, waited for {target})"
         raise errors.FlashOverlapTimeout(
-            f"flashoverlap: {who} timed out{detail} on the {self.route} route, group {self.group} (cuda:{self.device}, "
+            f"flashoverlap: {who} timed out{detail} on the {route} route, group {self.group} (cuda:{self.device}, "
             f"this is rank {rank}), during {shape}. Rank {origin} gave up waiting (for a rank that stalled, failed "
             "or skipped the call). Every rank of the group "
             "raises this; the outputs of the calls it concerned were poisoned (NaN), never returned with stale data. "
