@@ -10,7 +10,10 @@ GPU, at the ``bench_moe`` presets (received rows = tokens x top-k, from 2 source
 * ``by_source``: one per source block (each block's rows in expert order: today's fused dispatch / combine);
 * ``by_expert<P>``: P calls, each over 1/P of the experts (all their rows);
 * ``perm``: the unfused path's permutation (``rows[perm]``, [rows, K]); ``ymove``: the fused dispatch's move of the
-  GEMM's output into expert order ([rows, N]).
+  GEMM's output into expert order ([rows, N]);
+* where the library loads: ``lib_one``, the library's grouped GEMM with device offsets (``native/grouped.py``) over
+  every expert, and ``lib_expert<P>``, P calls of it over 1/P of the experts each, all into one output (checked
+  against ``torch._grouped_mm`` first).
 
 Each for the gate/up GEMM (K hidden, N 2 x inter) and the down GEMM (K inter, N hidden). Timing: ``--reps``
 repetitions, the variants in a fresh random order each, each ``--iters`` back-to-back calls between CUDA events,
@@ -26,6 +29,8 @@ import random
 import statistics
 
 import torch
+
+from flashoverlap_inductor.native import grouped, kernels
 
 PRESETS = {"qwen3": {"hidden": 2048, "inter": 768, "experts": 64, "top_k": 8},
            "mixtral": {"hidden": 4096, "inter": 14336, "experts": 4, "top_k": 2}}
@@ -46,7 +51,7 @@ def offs_of(counts: torch.Tensor) -> torch.Tensor:
     return counts.cumsum(0).to(torch.int32).cuda()
 
 
-def variants(k: int, n: int, counts: torch.Tensor, pieces: tuple[int, ...]) -> dict:
+def variants(k: int, n: int, counts: torch.Tensor, pieces: tuple[int, ...], lib: bool) -> dict:
     """The timed calls of one GEMM (rows [R, k] @ per-expert [k, n]); ``counts`` [SOURCES, E]."""
     experts = counts.shape[1]
     per_expert = counts.sum(0)
@@ -74,6 +79,16 @@ def variants(k: int, n: int, counts: torch.Tensor, pieces: tuple[int, ...]) -> d
         v[f"by_expert{p}"] = lambda parts=parts: [torch._grouped_mm(xp, wp, offs=op) for xp, wp, op in parts]
     v["perm"] = lambda: x[perm]
     v["ymove"] = lambda: y[perm]
+    if lib:  # the library's grouped GEMM (native/grouped.py): every piece into one output, offsets on the device
+        out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+        v["lib_one"] = lambda: grouped.grouped_mm(x, w, offs, out=out)
+        for p in pieces:
+            cuts = [experts * i // p for i in range(p + 1)]
+            v[f"lib_expert{p}"] = lambda cuts=cuts: [grouped.grouped_mm(x, w, offs, out=out, experts=(lo, hi))
+                                                     for lo, hi in zip(cuts, cuts[1:])]
+        got, want = grouped.grouped_mm(x, w, offs, out=out), torch._grouped_mm(x, wt, offs=offs)
+        err = float((got.float() - want.float()).norm() / want.float().norm())
+        assert err < 4 * torch.finfo(torch.bfloat16).eps, f"library grouped GEMM differs from torch's: {err}"
     return v
 
 
@@ -107,8 +122,10 @@ def main() -> None:
     ap.add_argument("--pieces", default="2,4")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--no-library", action="store_true", help="leave out the library's grouped GEMM (lib_* columns)")
     args = ap.parse_args()
     pieces = tuple(int(p) for p in args.pieces.split(","))
+    lib = kernels.available() and not args.no_library
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; ms per call, medians of {args.reps}")
     cols = None
     for item in args.shapes.split(","):
@@ -116,12 +133,14 @@ def main() -> None:
         s = PRESETS[preset]
         counts = counts_of(s["experts"], s["top_k"], int(tokens), torch.Generator().manual_seed(int(tokens)))
         for gemm, (k, n) in (("gate_up", (s["hidden"], 2 * s["inter"])), ("down", (s["inter"], s["hidden"]))):
-            t = time_all(variants(k, n, counts, pieces), args.reps, args.iters)
+            t = time_all(variants(k, n, counts, pieces, lib), args.reps, args.iters)
             if cols is None:
                 cols = list(t)
                 print("preset | tokens/rank | rows | gemm | " + " | ".join(cols) + " | by_source/one | "
-                      + " | ".join(f"by_expert{p}/one" for p in pieces))
-            ratios = [t["by_source"] / t["one"]] + [t[f"by_expert{p}"] / t["one"] for p in pieces]
+                      + " | ".join(f"by_expert{p}/one" for p in pieces)
+                      + (" | lib_one/one | " + " | ".join(f"lib_expert{p}/one" for p in pieces) if lib else ""))
+            ratios = [t["by_source"] / t["one"]] + [t[f"by_expert{p}"] / t["one"] for p in pieces] \
+                + ([t["lib_one"] / t["one"]] + [t[f"lib_expert{p}"] / t["one"] for p in pieces] if lib else [])
             print(f"{preset} | {tokens} | {int(counts.sum())} | {gemm} | "
                   + " | ".join(f"{t[c]:.4f}" for c in cols) + " | " + " | ".join(f"{r:.3f}" for r in ratios),
                   flush=True)

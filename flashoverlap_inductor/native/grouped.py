@@ -1,0 +1,102 @@
+"""``grouped_mm``: the experts' grouped GEMM of a MoE layer as one library call whose row offsets stay on the device
+(``fo_grouped_gemm``, ``csrc/grouped_gemm.cu``).
+
+For each expert ``e`` of a range, the rows ``[offs[e - 1], offs[e])`` of ``a`` (``offs[-1]`` read as 0) times the
+expert's Linear weight ``w[e]`` ([n, k]) land in the same rows of ``out``; other rows of ``out`` are not written.
+Over every expert that is ``torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)``; what it adds is the range and the
+given output: a caller can run the experts in pieces (``experts=(0, E // 2)``, then ``(E // 2, E)``) on rows that
+lie anywhere in one buffer and collect every piece's results, in expert order, in one tensor, with no host read of
+the offsets and no copy (``torch._grouped_mm`` returns a fresh tensor per call). That is the MoE dispatch's cut by
+expert: measured on one H200 (``examples/device/moe_gemm_probe.py``; docs/results.md, forty-fourth session), cutting
+the grouped GEMM by source block as the fused dispatch does today costs 15-70% more GEMM time at Qwen3-MoE shapes
+(2 ranks, 1024-8192 tokens per rank), cutting it by expert halves 2-16%.
+
+Offsets out of order or past the rows are clamped (each expert's rows run from the largest offset before it to the
+largest up to it, at most the rows: an expert gets fewer rows, never another's or rows outside ``a`` or ``out``).
+bf16 only; ``n``, ``k`` and the row strides multiples of 8; the weights' rows contiguous. One workspace per (device,
+stream), grown as needed: calls on one stream run in order, so they may share it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import kernels
+
+
+class GroupedGemmArgs(ctypes.Structure):
+    """``fo_grouped_gemm_args`` of ``csrc/flashoverlap_sm90.h``."""
+
+    _fields_ = [("a", ctypes.c_void_p), ("w", ctypes.c_void_p), ("d", ctypes.c_void_p), ("offs", ctypes.c_void_p),
+                ("rows", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("lda", ctypes.c_int64),
+                ("ldd", ctypes.c_int64), ("w_stride", ctypes.c_int64), ("experts", ctypes.c_int32),
+                ("first", ctypes.c_int32), ("last", ctypes.c_int32), ("offs_bytes", ctypes.c_int32),
+                ("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_int64), ("device", ctypes.c_int32),
+                ("reserved", ctypes.c_int32), ("stream", ctypes.c_void_p)]
+
+
+_workspaces: dict[tuple[int, int], torch.Tensor] = {}  # (device, stream) -> its workspace (uint8, grown)
+
+
+def _check(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out: torch.Tensor | None) -> None:
+    """Clear errors for what the kernel cannot take (before any device work)."""
+    if a.dim() != 2 or w.dim() != 3 or offs.dim() != 1:
+        raise ValueError(f"grouped_mm: need a [rows, k], w [experts, n, k] and offs [experts], got "
+                         f"{tuple(a.shape)}, {tuple(w.shape)} and {tuple(offs.shape)}")
+    if a.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        raise ValueError(f"grouped_mm: bfloat16 only, got {a.dtype} and {w.dtype}")
+    if offs.dtype not in (torch.int32, torch.int64) or offs.shape[0] != w.shape[0]:
+        raise ValueError(f"grouped_mm: offs must be int32 or int64 with one entry per expert ({w.shape[0]}), got "
+                         f"{offs.dtype} {tuple(offs.shape)}")
+    if a.shape[1] != w.shape[2]:
+        raise ValueError(f"grouped_mm: a has k={a.shape[1]}, the weights k={w.shape[2]}")
+    n, k = w.shape[1], w.shape[2]
+    if n % 8 or k % 8 or a.stride(1) != 1 or a.stride(0) % 8 or w.stride(2) != 1 or w.stride(1) != k \
+            or w.stride(0) % 8:
+        raise ValueError("grouped_mm: n and k must be multiples of 8, a's rows and each weight contiguous with "
+                         "16-byte row strides")
+    if out is not None and (out.shape != (a.shape[0], n) or out.dtype != a.dtype or out.device != a.device
+                            or out.stride(1) != 1 or out.stride(0) % 8):
+        raise ValueError(f"grouped_mm: out must be a bfloat16 [{a.shape[0]}, {n}] tensor on a's device with "
+                         "contiguous 16-byte-aligned rows")
+    if not offs.is_contiguous():
+        raise ValueError("grouped_mm: offs must be contiguous")
+    if not (a.is_cuda and w.device == a.device and offs.device == a.device):
+        raise ValueError("grouped_mm: a, w and offs must be CUDA tensors on one device")
+
+
+def grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, out: torch.Tensor | None = None,
+               experts: tuple[int, int] | None = None) -> torch.Tensor:
+    """``out`` rows of each expert in ``experts`` (``(first, last)``, default every expert) = ``a``'s rows of it @
+    ``w[e].T`` (module docstring), on the current stream; returns ``out`` (new and uninitialized outside those rows
+    when None)."""
+    _check(a, w, offs, out)
+    first, last = experts if experts is not None else (0, int(w.shape[0]))
+    if not 0 <= first < last <= w.shape[0]:
+        raise ValueError(f"grouped_mm: experts must be (first, last) with 0 <= first < last <= {w.shape[0]}, got "
+                         f"{experts}")
+    rows, n = int(a.shape[0]), int(w.shape[1])
+    if out is None:
+        out = a.new_empty(rows, n)
+    if rows == 0:
+        return out
+    for t in (a, w, out):
+        if t.data_ptr() % 16:
+            raise ValueError("grouped_mm: a, w and out must start on 16 bytes")
+    device = a.device.index
+    stream = torch.cuda.current_stream(a.device).cuda_stream
+    args = GroupedGemmArgs(a.data_ptr(), w.data_ptr(), out.data_ptr(), offs.data_ptr(), rows, n, int(w.shape[2]),
+                           int(a.stride(0)), int(out.stride(0)), int(w.stride(0)), int(w.shape[0]), first, last,
+                           offs.element_size(), None, 0, device, 0, stream)
+    lib = kernels.ready(device)
+    need = ctypes.c_int64(0)
+    kernels.check(lib.fo_grouped_gemm_workspace(ctypes.byref(args), ctypes.byref(need)), "fo_grouped_gemm_workspace")
+    key = (device, stream)
+    ws = _workspaces.get(key)
+    if ws is None or ws.numel() < need.value:
+        ws = _workspaces[key] = torch.empty(max(need.value, 1 << 16), dtype=torch.uint8, device=a.device)
+    args.workspace, args.workspace_bytes = ws.data_ptr(), ws.numel()
+    kernels.check(lib.fo_grouped_gemm(ctypes.byref(args)), "fo_grouped_gemm")
+    return out

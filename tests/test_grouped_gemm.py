@@ -1,0 +1,165 @@
+"""``native/grouped.py`` (``fo_grouped_gemm``, ``csrc/grouped_gemm.cu``: the experts' grouped GEMM with device
+offsets): the ctypes mirror against the C header field by field, the clear errors for what the kernel cannot take
+(CPU); on an sm90 GPU with the library, fresh random bf16 data against an fp64 oracle (a bf16-fit normwise
+tolerance) and against ``torch._grouped_mm``: empty experts, rows not a multiple of the tile, padded row strides,
+int32 and int64 offsets, the experts cut into pieces that write one pre-poisoned (NaN) output (rows of no expert in
+range keep the poison: the kernel writes exactly its rows), offsets out of order or past the rows (clamped, never out
+of bounds), and a call after a refused one.
+
+    python3 -m pytest -q tests/test_grouped_gemm.py
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashoverlap_inductor.native import grouped, kernels
+
+HEADER = Path(__file__).resolve().parent.parent / "csrc" / "flashoverlap_sm90.h"
+TOL = 4 * torch.finfo(torch.bfloat16).eps  # normwise relative error of a bf16 GEMM output against fp64
+sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                          reason="the library's kernels need an sm90 GPU")
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+def test_the_ctypes_mirror_matches_the_c_layout(tmp_path):
+    struct, c_name = grouped.GroupedGemmArgs, "fo_grouped_gemm_args"
+    fields = [f for f, _ in struct._fields_]
+    prints = "".join(f'printf("{f} %zu\\n", offsetof({c_name}, {f}));' for f in fields)
+    src = tmp_path / "layout.c"
+    src.write_text(f'#include <stddef.h>\n#include <stdio.h>\n#include "{HEADER}"\n'
+                   f'int main(void) {{ {prints} printf("sizeof %zu\\n", sizeof({c_name})); return 0; }}\n')
+    exe = tmp_path / "layout"
+    subprocess.run(["cc", "-std=c11", str(src), "-o", str(exe)], check=True, capture_output=True)
+    got = dict(line.split() for line in subprocess.run([str(exe)], check=True, capture_output=True,
+                                                       text=True).stdout.splitlines())
+    assert {f: int(got[f]) for f in fields} == {f: getattr(struct, f).offset for f in fields}
+    assert int(got["sizeof"]) == ctypes.sizeof(struct)
+    source = (HEADER.parent / "grouped_gemm.cu").read_text()  # the size nvcc asserts
+    assert f"sizeof({c_name}) == {ctypes.sizeof(struct)}" in source
+
+
+@pytest.mark.parametrize("a,w,offs,match", [
+    ((8, 16), (2, 8, 16), torch.tensor([4, 8]), "CUDA tensors"),  # checked last: the CPU reaches it
+    ((8, 16), (2, 8, 24), torch.tensor([4, 8]), "k=16"),
+    ((8, 16), (3, 8, 16), torch.tensor([4, 8]), "one entry per expert"),
+    ((8, 12), (2, 8, 12), torch.tensor([4, 8]), "multiples of 8"),
+])
+def test_bad_input_gets_a_clear_error_before_any_device_work(a, w, offs, match):
+    x, wt = torch.zeros(*a, dtype=torch.bfloat16), torch.zeros(*w, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        grouped.grouped_mm(x, wt, offs)
+    with pytest.raises(ValueError, match="bfloat16 only"):
+        grouped.grouped_mm(x.float(), wt.float(), offs)
+
+
+# ----------------------------------------------------------------------------------------------- on an sm90 GPU
+
+
+def _library():
+    if not kernels.available():  # on an sm90 GPU the library must be built: these cases must not vanish
+        pytest.fail("the library does not load on this sm90 GPU: build it (python -m flashoverlap_inductor.build)")
+
+
+def _case(seed: int, rows_per: list[int], n: int, k: int, pad: int = 0, offs_dtype=torch.int32):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rows = sum(rows_per)
+    a = torch.randn(rows, k + pad, device="cuda", generator=g).bfloat16()[:, :k]
+    w = (torch.randn(len(rows_per), n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
+    offs = torch.tensor(rows_per, device="cuda").cumsum(0).to(offs_dtype)
+    return a, w, offs
+
+
+def _oracle(a, w, offs, experts=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp64 results and a mask of the rows the experts in range own."""
+    ends = [0]
+    for v in offs.tolist():  # running maxima, at most the rows (the kernel's clamp)
+        ends.append(max(ends[-1], int(v)))
+    ends = [min(e, a.shape[0]) for e in ends]
+    first, last = experts or (0, w.shape[0])
+    want = torch.zeros(a.shape[0], w.shape[1], dtype=torch.float64, device=a.device)
+    mask = torch.zeros(a.shape[0], dtype=torch.bool, device=a.device)
+    for e in range(first, last):
+        lo, hi = ends[e], ends[e + 1]
+        want[lo:hi] = a[lo:hi].double() @ w[e].double().t()
+        mask[lo:hi] = True
+    return want, mask
+
+
+def _relerr(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).norm() / want.norm().clamp_min(1e-30))
+
+
+@sm90
+@pytest.mark.parametrize("rows_per,n,k,pad,offs_dtype", [
+    ([256, 0, 131, 77, 1, 300, 0, 512], 1536, 2048, 0, torch.int32),   # Qwen3-MoE's gate/up, empty experts
+    ([97, 200, 3, 128], 2048, 768, 8, torch.int64),                    # its down, padded rows, int64 offsets
+    ([1000, 24], 4096, 1024, 0, torch.int32),                          # few experts, many rows
+])
+def test_against_fp64_and_torch_grouped_mm(rows_per, n, k, pad, offs_dtype):
+    _library()
+    a, w, offs = _case(len(rows_per) * 31 + n, rows_per, n, k, pad, offs_dtype)
+    out = torch.full((a.shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    got = grouped.grouped_mm(a, w, offs, out=out)
+    torch.cuda.synchronize()
+    want, mask = _oracle(a, w, offs)
+    assert got.data_ptr() == out.data_ptr() and bool(mask.all())
+    assert _relerr(got, want) < TOL
+    ref = torch._grouped_mm(a.contiguous(), w.transpose(-2, -1), offs=offs.to(torch.int32))
+    assert _relerr(got, ref.double()) < TOL  # both bf16 outputs of fp32 sums
+
+
+@sm90
+@pytest.mark.parametrize("pieces", [2, 3, 8])
+def test_expert_pieces_fill_one_output_and_touch_nothing_else(pieces):
+    """Experts cut into pieces, each a call into one NaN-filled output: after all pieces every row equals the
+    oracle; after the first piece only its rows are written (the rest still NaN)."""
+    _library()
+    rows_per = [64, 0, 200, 17, 130, 5, 0, 256]
+    a, w, offs = _case(pieces, rows_per, 768, 512)
+    out = torch.full((a.shape[0], 768), float("nan"), device="cuda", dtype=torch.bfloat16)
+    cuts = [len(rows_per) * i // pieces for i in range(pieces + 1)]
+    for j, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
+        grouped.grouped_mm(a, w, offs, out=out, experts=(lo, hi))
+        if j == 0:
+            torch.cuda.synchronize()
+            want, mask = _oracle(a, w, offs, (lo, hi))
+            assert bool(out[~mask].isnan().all()) and not bool(out[mask].isnan().any())
+            assert _relerr(out[mask], want[mask]) < TOL
+    want, _ = _oracle(a, w, offs)
+    assert _relerr(out, want) < TOL
+
+
+@sm90
+def test_offsets_out_of_order_or_past_the_rows_are_clamped():
+    """Bad offsets give fewer rows, never another expert's or rows outside a or out (the clamped oracle's rows; the
+    rest untouched): a step back (expert 1 empty, expert 2 from row 150), an end past the rows."""
+    _library()
+    a, w, _ = _case(7, [100, 100, 100, 100], 1024, 256)
+    offs = torch.tensor([150, 120, 600, 380], device="cuda", dtype=torch.int32)  # a step back, past the rows
+    out = torch.full((a.shape[0], 1024), float("nan"), device="cuda", dtype=torch.bfloat16)
+    grouped.grouped_mm(a, w, offs, out=out)
+    torch.cuda.synchronize()
+    want, mask = _oracle(a, w, offs)
+    assert bool(out[~mask].isnan().all())
+    assert _relerr(out[mask], want[mask]) < TOL
+
+
+@sm90
+def test_a_refused_call_raises_clearly_and_the_next_call_works():
+    _library()
+    a, w, offs = _case(3, [64, 64], 512, 256)
+    with pytest.raises(ValueError, match="experts must be"):
+        grouped.grouped_mm(a, w, offs, experts=(1, 1))
+    with pytest.raises(ValueError, match="16 bytes"):
+        grouped.grouped_mm(a.view(-1)[1:1 + a.numel() - 256].view(-1, 256)[:127], w,
+                           torch.tensor([64, 127], device="cuda", dtype=torch.int32))
+    got = grouped.grouped_mm(a, w, offs)
+    want, _ = _oracle(a, w, offs)
+    assert _relerr(got, want) < TOL
