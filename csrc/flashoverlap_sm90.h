@@ -594,7 +594,8 @@ FO_API int fo_moe_move_rows(const fo_moe_move_args* args);
 /* The experts' grouped GEMM with device offsets (csrc/grouped_gemm.cu): on `stream`, for each expert e in [first,
  * last), D rows [s_e, t_e) = A rows [s_e, t_e) @ W_e^T, W_e = w + e * w_stride ([n, k], k contiguous), s_e / t_e the
  * running maxima of 0 and offs[0 .. e-1] / offs[0 .. e] (offs[e-1] / offs[e] for good offsets), both at most rows.
- * bf16 in and out, fp32 accumulation; other
+ * With `range` (two int32 on the device, read by the kernels) only the experts of [first, last) within [range[0],
+ * range[1]) get rows: a piece whose expert bounds the device computed. bf16 in and out, fp32 accumulation; other
  * rows of D are not written. n, k, lda, ldd, w_stride multiples of 8; a, w, d 16-byte aligned; `workspace` (128-byte
  * aligned) of at least fo_grouped_gemm_workspace's bytes for the same arguments, not shared by calls in flight. */
 typedef struct {
@@ -602,6 +603,7 @@ typedef struct {
   const void* w;                    /* experts x [n, k] bf16, w_stride apart */
   void* d;                          /* [rows, ldd] bf16 */
   const void* offs;                 /* experts int32 / int64 cumulative row offsets (offs_bytes 4 / 8) */
+  const int32_t* range;             /* null, or on the device [lo, hi): experts outside it get no rows */
   int64_t rows, n, k, lda, ldd, w_stride;
   int32_t experts, first, last, offs_bytes;
   void* workspace;

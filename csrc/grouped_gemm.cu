@@ -4,7 +4,9 @@
 // maxima: good offsets are non-decreasing, so these are offs[e - 1] and offs[e]), both at most rows: bad offsets give
 // experts fewer rows, never overlapping ones or rows outside A or D. No host read, so a
 // caller can cut the experts into pieces ([0, E/2), then [E/2, E)) whose rows lie anywhere in one buffer and whose
-// results land in one output, in expert order, with no copy (torch._grouped_mm returns a fresh tensor per call).
+// results land in one output, in expert order, with no copy (torch._grouped_mm returns a fresh tensor per call);
+// with `range` the piece's expert bounds are read on the device too (the MoE dispatch's cut by expert computes them
+// from the routing, routes/moe_expert_cut.py).
 //
 // One CUTLASS sm90 ptr-array grouped kernel (cooperative, 128x256x64 tiles, a 1x2 cluster multicasting A along N,
 // bf16 in and out, fp32 accumulation), persistent over the SMs; its per-group problem shapes, pointers and strides
@@ -29,7 +31,7 @@
 #include "route_util.hpp"
 
 // The ctypes mirror's layout (native/kernels.py; tests/test_grouped_gemm_cpu.py compares every field's offset).
-static_assert(sizeof(fo_grouped_gemm_args) == 128 && offsetof(fo_grouped_gemm_args, stream) == 120,
+static_assert(sizeof(fo_grouped_gemm_args) == 136 && offsetof(fo_grouped_gemm_args, stream) == 128,
               "fo_grouped_gemm_args layout");
 
 namespace {
@@ -109,6 +111,7 @@ __global__ void fill_groups(fo_grouped_gemm_args a, char* ws, Layout l) {
   }
   start = start > rows ? rows : start;
   end = end > rows ? rows : end;
+  if (a.range != nullptr && (e < a.range[0] || e >= a.range[1])) end = start;  // outside the device's piece
   reinterpret_cast<Shape3*>(ws + l.shapes)[g] = Shape3{int(end - start), int(a.n), int(a.k)};
   reinterpret_cast<Element const**>(ws + l.a)[g] = static_cast<Element const*>(a.a) + start * a.lda;
   reinterpret_cast<Element const**>(ws + l.b)[g] = static_cast<Element const*>(a.w) + e * a.w_stride;

@@ -46,7 +46,6 @@ def test_the_ctypes_mirror_matches_the_c_layout(tmp_path):
 
 
 @pytest.mark.parametrize("a,w,offs,match", [
-    ((8, 16), (2, 8, 16), torch.tensor([4, 8]), "CUDA tensors"),  # checked last: the CPU reaches it
     ((8, 16), (2, 8, 24), torch.tensor([4, 8]), "k=16"),
     ((8, 16), (3, 8, 16), torch.tensor([4, 8]), "one entry per expert"),
     ((8, 12), (2, 8, 12), torch.tensor([4, 8]), "multiples of 8"),
@@ -57,6 +56,22 @@ def test_bad_input_gets_a_clear_error_before_any_device_work(a, w, offs, match):
         grouped.grouped_mm(x, wt, offs)
     with pytest.raises(ValueError, match="bfloat16 only"):
         grouped.grouped_mm(x.float(), wt.float(), offs)
+
+
+def test_the_cpu_runs_the_reference_semantics():
+    """On the CPU ``grouped_mm`` is ``reference``: torch's grouped GEMM's rows of the experts in range (host bounds
+    and device-style ``within`` alike), other rows of ``out`` untouched; each expert's rows bit for bit as torch's."""
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(40, 16, generator=g).bfloat16()
+    w = torch.randn(4, 8, 16, generator=g).bfloat16()
+    offs = torch.tensor([10, 10, 25, 40], dtype=torch.int32)
+    full = torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
+    out = torch.full((40, 8), float("nan")).bfloat16()
+    grouped.grouped_mm(a, w, offs, out=out, within=torch.tensor([1, 3], dtype=torch.int32))
+    assert torch.equal(out[10:25], full[10:25]) and bool(out[:10].isnan().all()) and bool(out[25:].isnan().all())
+    grouped.grouped_mm(a, w, offs, out=out, experts=(3, 4))
+    grouped.grouped_mm(a, w, offs, out=out, experts=(0, 1))
+    assert torch.equal(out, full)
 
 
 # ----------------------------------------------------------------------------------------------- on an sm90 GPU
@@ -132,6 +147,25 @@ def test_expert_pieces_fill_one_output_and_touch_nothing_else(pieces):
             want, mask = _oracle(a, w, offs, (lo, hi))
             assert bool(out[~mask].isnan().all()) and not bool(out[mask].isnan().any())
             assert _relerr(out[mask], want[mask]) < TOL
+    want, _ = _oracle(a, w, offs)
+    assert _relerr(out, want) < TOL
+
+
+@sm90
+def test_device_side_piece_bounds_fill_one_output():
+    """``within`` (the bounds the MoE dispatch's cut computes on the device): each piece over every expert, only the
+    ones within its bounds written (an empty piece included), together every row."""
+    _library()
+    rows_per = [64, 0, 200, 17, 130, 5, 0, 256]
+    a, w, offs = _case(11, rows_per, 768, 512, 0, torch.int64)
+    out = torch.full((a.shape[0], 768), float("nan"), device="cuda", dtype=torch.bfloat16)
+    bounds = torch.tensor([0, 3, 3, 5, 8], device="cuda", dtype=torch.int32)
+    for q in range(4):
+        grouped.grouped_mm(a, w, offs, out=out, within=bounds[q:q + 2])
+        if q == 0:
+            torch.cuda.synchronize()
+            want, mask = _oracle(a, w, offs, (0, 3))
+            assert bool(out[~mask].isnan().all()) and _relerr(out[mask], want[mask]) < TOL
     want, _ = _oracle(a, w, offs)
     assert _relerr(out, want) < TOL
 

@@ -13,7 +13,8 @@ GPU, at the ``bench_moe`` presets (received rows = tokens x top-k, from 2 source
   GEMM's output into expert order ([rows, N]);
 * where the library loads: ``lib_one``, the library's grouped GEMM with device offsets (``native/grouped.py``) over
   every expert, and ``lib_expert<P>``, P calls of it over 1/P of the experts each, all into one output (checked
-  against ``torch._grouped_mm`` first).
+  against ``torch._grouped_mm`` first); ``lib_within2``: the 2 pieces' bounds on the device instead (each call over
+  every expert, those outside its bounds empty: the MoE dispatch's cut by expert).
 
 Each for the gate/up GEMM (K hidden, N 2 x inter) and the down GEMM (K inter, N hidden). Timing: ``--reps``
 repetitions, the variants in a fresh random order each, each ``--iters`` back-to-back calls between CUDA events,
@@ -86,6 +87,8 @@ def variants(k: int, n: int, counts: torch.Tensor, pieces: tuple[int, ...], lib:
             cuts = [experts * i // p for i in range(p + 1)]
             v[f"lib_expert{p}"] = lambda cuts=cuts: [grouped.grouped_mm(x, w, offs, out=out, experts=(lo, hi))
                                                      for lo, hi in zip(cuts, cuts[1:])]
+        bounds = torch.tensor([experts * i // 2 for i in range(3)], device="cuda", dtype=torch.int32)
+        v["lib_within2"] = lambda: [grouped.grouped_mm(x, w, offs, out=out, within=bounds[q:q + 2]) for q in range(2)]
         got, want = grouped.grouped_mm(x, w, offs, out=out), torch._grouped_mm(x, wt, offs=offs)
         err = float((got.float() - want.float()).norm() / want.float().norm())
         assert err < 4 * torch.finfo(torch.bfloat16).eps, f"library grouped GEMM differs from torch's: {err}"

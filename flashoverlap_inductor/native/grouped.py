@@ -30,11 +30,11 @@ class GroupedGemmArgs(ctypes.Structure):
     """``fo_grouped_gemm_args`` of ``csrc/flashoverlap_sm90.h``."""
 
     _fields_ = [("a", ctypes.c_void_p), ("w", ctypes.c_void_p), ("d", ctypes.c_void_p), ("offs", ctypes.c_void_p),
-                ("rows", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("lda", ctypes.c_int64),
-                ("ldd", ctypes.c_int64), ("w_stride", ctypes.c_int64), ("experts", ctypes.c_int32),
-                ("first", ctypes.c_int32), ("last", ctypes.c_int32), ("offs_bytes", ctypes.c_int32),
-                ("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_int64), ("device", ctypes.c_int32),
-                ("reserved", ctypes.c_int32), ("stream", ctypes.c_void_p)]
+                ("range", ctypes.c_void_p)] \
+        + [(name, ctypes.c_int64) for name in ("rows", "n", "k", "lda", "ldd", "w_stride")] \
+        + [(name, ctypes.c_int32) for name in ("experts", "first", "last", "offs_bytes")] \
+        + [("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_int64), ("device", ctypes.c_int32),
+           ("reserved", ctypes.c_int32), ("stream", ctypes.c_void_p)]
 
 
 _workspaces: dict[tuple[int, int], torch.Tensor] = {}  # (device, stream) -> its workspace (uint8, grown)
@@ -63,16 +63,24 @@ def _check(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out: torch.Tens
                          "contiguous 16-byte-aligned rows")
     if not offs.is_contiguous():
         raise ValueError("grouped_mm: offs must be contiguous")
-    if not (a.is_cuda and w.device == a.device and offs.device == a.device):
-        raise ValueError("grouped_mm: a, w and offs must be CUDA tensors on one device")
+    if not (w.device == a.device and offs.device == a.device):
+        raise ValueError("grouped_mm: a, w and offs must be on one device")
 
 
 def grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, out: torch.Tensor | None = None,
-               experts: tuple[int, int] | None = None) -> torch.Tensor:
+               experts: tuple[int, int] | None = None, within: torch.Tensor | None = None) -> torch.Tensor:
     """``out`` rows of each expert in ``experts`` (``(first, last)``, default every expert) = ``a``'s rows of it @
     ``w[e].T`` (module docstring), on the current stream; returns ``out`` (new and uninitialized outside those rows
-    when None)."""
+    when None). ``within``: two int32 on ``a``'s device, ``[lo, hi)``: only the experts in it too (read by the
+    kernels, never by the host). The operands' checks hold on every device; on the CPU the work is ``reference``'s."""
     _check(a, w, offs, out)
+    if a.device.type == "cpu":
+        return reference(a, w, offs, out=out, experts=experts, within=within)
+    if not a.is_cuda:
+        raise ValueError(f"grouped_mm: CUDA or CPU tensors, got {a.device}")
+    if within is not None and (within.dtype != torch.int32 or within.numel() != 2 or not within.is_contiguous()
+                               or within.device != a.device):
+        raise ValueError("grouped_mm: within must be two contiguous int32 on a's device")
     first, last = experts if experts is not None else (0, int(w.shape[0]))
     if not 0 <= first < last <= w.shape[0]:
         raise ValueError(f"grouped_mm: experts must be (first, last) with 0 <= first < last <= {w.shape[0]}, got "
@@ -87,7 +95,8 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, out: tor
             raise ValueError("grouped_mm: a, w and out must start on 16 bytes")
     device = a.device.index
     stream = torch.cuda.current_stream(a.device).cuda_stream
-    args = GroupedGemmArgs(a.data_ptr(), w.data_ptr(), out.data_ptr(), offs.data_ptr(), rows, n, int(w.shape[2]),
+    args = GroupedGemmArgs(a.data_ptr(), w.data_ptr(), out.data_ptr(), offs.data_ptr(),
+                           None if within is None else within.data_ptr(), rows, n, int(w.shape[2]),
                            int(a.stride(0)), int(out.stride(0)), int(w.stride(0)), int(w.shape[0]), first, last,
                            offs.element_size(), None, 0, device, 0, stream)
     lib = kernels.ready(device)
@@ -99,4 +108,34 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, out: tor
         ws = _workspaces[key] = torch.empty(max(need.value, 1 << 16), dtype=torch.uint8, device=a.device)
     args.workspace, args.workspace_bytes = ws.data_ptr(), ws.numel()
     kernels.check(lib.fo_grouped_gemm(ctypes.byref(args)), "fo_grouped_gemm")
+    return out
+
+
+def rows_of(offs: list[int], rows: int) -> list[tuple[int, int]]:
+    """Each expert's rows ``(start, end)`` as the kernel takes them: running maxima of the offsets, at most ``rows``."""
+    out, end = [], 0
+    for v in offs:
+        start, end = end, max(end, int(v))
+        out.append((min(start, rows), min(end, rows)))
+    return out
+
+
+def reference(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, out: torch.Tensor | None = None,
+              experts: tuple[int, int] | None = None, within: torch.Tensor | None = None) -> torch.Tensor:
+    """``grouped_mm``'s semantics with torch ops (host reads of ``offs`` and ``within``; any dtype or device): every
+    expert's rows by ``torch._grouped_mm`` over the whole of ``a`` (so each row rounds as in the unfused graph's one
+    call), then the rows of the experts in range copied into ``out``. The CPU's path and the tests' oracle."""
+    first, last = experts if experts is not None else (0, int(w.shape[0]))
+    if within is not None:
+        lo, hi = (int(v) for v in within.tolist())
+        first, last = max(first, lo), min(last, hi)
+    rows = int(a.shape[0])
+    if out is None:
+        out = a.new_empty(rows, int(w.shape[1]))
+    spans = rows_of(offs.tolist(), rows)[first:last] if last > first else []
+    if not any(e > s for s, e in spans):
+        return out
+    full = torch._grouped_mm(a, w.transpose(-2, -1), offs=offs.to(torch.int32))
+    for s, e in spans:
+        out[s:e] = full[s:e]
     return out

@@ -14,7 +14,8 @@ past ``sum(sizes)`` are in no loop piece.
 
 Routes. **p2p** (``run_p2p``; geometry in ``schedule/combine.py``, shared pieces in ``routes/moe_p2p.py``): the
 receive buffer is cut into units (block i: the rows from rank i; ``plan`` ``"blocks:c=N"`` cuts each block into N
-chunks). ``x`` needs no compute, so the rank first issues every ring step's batch (step ``s = 1 .. W - 1``: send block
+chunks; ``"experts:c=N"`` too, and cuts the experts into N pieces where ``routes/moe_expert_cut.py`` takes the
+call). ``x`` needs no compute, so the rank first issues every ring step's batch (step ``s = 1 .. W - 1``: send block
 ``(r + s) % W`` of ``x``, receive block ``(r - s) % W``, one ``batch_isend_irecv`` per chunk, the same order on every
 rank); then copies its own block locally and runs its GEMMs; then per step waits for that step's transfers only and
 runs the GEMMs of the unit that landed: its rows of ``p`` gathered from the receive buffer (``index`` restricted to
@@ -44,8 +45,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..schedule.combine import chunk_sizes, group_ends, offsets, parse_plan, plan_units
-from . import moe_fast, moe_p2p
+from ..schedule.combine import chunk_sizes, cuts_by_expert, group_ends, offsets, parse_plan, plan_units
+from . import moe_expert_cut, moe_fast, moe_p2p
 from .cpu import _wait_all
 
 
@@ -181,6 +182,8 @@ def run_p2p(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes: 
     chunks = parse_plan(plan, "dispatch")
     what = f"a fused all_to_all dispatch of {list(x.shape)} rows (plan {plan!r})"
     redo = lambda: reference(x, index, b, sizes, offs, outs, ins, group)  # noqa: E731
+    if offs is not None and cuts_by_expert(plan) and moe_expert_cut.eligible(x, b, int(index.shape[0]), sum(outs)):
+        return moe_expert_cut.run_dispatch(x, index, b, offs, outs, ins, group, chunks, what, redo, deferred)
     if offs is not None and moe_fast.eligible(True, x.dtype, chunks, int(index.shape[0]), sum(outs)):
         return moe_fast.run_dispatch(x, index, b, offs, outs, ins, group, what, redo, deferred)
     sent = moe_p2p.issue_dispatch(x, outs, ins, chunks, group)

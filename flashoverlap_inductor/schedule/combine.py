@@ -33,15 +33,26 @@ from dataclasses import dataclass
 import torch
 
 MAX_CHUNKS = 16
-PLANS = ("blocks", "auto", "blocks:c=N")  # N in 1 .. MAX_CHUNKS; "auto" is "blocks" (no GPU measurement yet)
-_CHUNKED = re.compile(r"blocks:c=(\d+)")
+# N in 1 .. MAX_CHUNKS; "auto" is "blocks" (no GPU measurement yet). "experts" / "experts:c=N": the dispatch's experts
+# cut into 2 / N pieces, each peer's block in as many chunks (routes/moe_expert_cut.py); the combine has no expert
+# cut and sends its blocks in those chunks.
+PLANS = ("blocks", "auto", "blocks:c=N", "experts", "experts:c=N")
+_CHUNKED = re.compile(r"(?:blocks|experts):c=(\d+)")
+
+
+def cuts_by_expert(plan: str) -> bool:
+    """Whether ``plan`` (valid: ``parse_plan``) asks the dispatch to cut its experts into pieces."""
+    return plan.startswith("experts")
 
 
 def parse_plan(plan: str, what: str) -> int:
-    """The chunks per block of a plan string: ``"blocks"`` and ``"auto"`` 1, ``"blocks:c=N"`` N (1 <= N <=
-    ``MAX_CHUNKS``). Raises ``ValueError`` for anything else (``what`` names the op in the message)."""
+    """The chunks per block of a plan string: ``"blocks"`` and ``"auto"`` 1, ``"experts"`` 2, ``"blocks:c=N"`` and
+    ``"experts:c=N"`` N (1 <= N <= ``MAX_CHUNKS``). Raises ``ValueError`` for anything else (``what`` names the op in
+    the message)."""
     if plan in ("blocks", "auto"):
         return 1
+    if plan == "experts":
+        return 2
     m = _CHUNKED.fullmatch(plan)
     if m is None or not 1 <= int(m.group(1)) <= MAX_CHUNKS:
         raise ValueError(f"flashoverlap: unknown {what} plan {plan!r} (expected one of {PLANS}, N in 1 .. "

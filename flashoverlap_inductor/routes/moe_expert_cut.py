@@ -1,0 +1,145 @@
+"""The MoE dispatch cut by expert (plan ``"experts"`` / ``"experts:c=N"``: N pieces, 2 by default), on the P2P route.
+
+Why: the whole-block path (``moe_fast``) runs the experts' grouped GEMM once per source block (its own rows at once,
+each peer's as they land), so every expert's weight is read once per block and every expert's rows fill a last,
+partial tile per block. Measured on one H200 (``examples/device/moe_gemm_probe.py``; docs/results.md, forty-fourth
+session), at Qwen3-MoE shapes on 2 ranks that costs 15-70% more GEMM time than one grouped GEMM (1024-8192 tokens
+per rank), and the fused dispatch then moves the GEMM's results into expert order too. Cut by expert, each piece is
+one grouped GEMM over a range of experts with all of their rows (every source's), so each weight is read once:
+the library's grouped GEMM (``native.grouped``) over 2 expert pieces ran 0.91-1.12x of torch's one uncut call there.
+
+Schedule, every rank (W ranks, N pieces):
+
+1. every peer's block requested in N chunks (``moe_p2p.issue_dispatch``: the transfers of plan ``"blocks:c=N"``, so
+   a rank that cannot take this path runs the general path with the same transfers and settle, and they pair up);
+2. the plan (``moe_fast.BlockPlan``: each buffer row's expert row ``inv``, each block's expert offsets, the settle's
+   routing facts; no host read), the own block's rows moved into expert order at once (``p[inv[r]] = x[r]``);
+3. the pieces' expert bounds on the device (``piece_bounds``): piece q covers experts ``[e_q, e_{q+1})``, where
+   ``e_{q+1}`` is the fewest experts whose rows lie, in every block, within that block's first q + 1 chunks (the own
+   block: all of them) and ``e_N = E``;
+4. per piece q: every peer's chunk q waited for (on CUDA the stream waits, not the host) and moved into ``p``, then
+   each GEMM term's grouped GEMM of ``p``'s rows of the piece's experts into the same rows of ``y_t`` (expert order:
+   no move of the results). The first piece waits for the first chunks' transfer; the later transfers run beside
+   the earlier pieces' GEMMs.
+
+The outputs are the op's (``p = recv[index]``, ``y_t = grouped_mm(p, b_t, offs)``), the premise and its settle the
+whole-block path's (``moe_fast``: where any rank's premise fails every rank redoes the call unfused). On the CPU the
+GEMMs are ``native.grouped.reference`` (each row as the unfused graph's ``torch._grouped_mm`` rounds it: bit for bit
+with the reference, which the gloo tests check). Taken (``eligible``) where the whole-block path would be, with
+every term's weights each expert's Linear weight with contiguous rows (``grouped._check``'s layout) and, on CUDA,
+the library loading. Never run on two GPUs yet (forty-fourth session: one GPU lent); the grouped GEMM's device-side
+piece bounds ran on one H200 (``tests/test_grouped_gemm.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from ..native import grouped, kernels
+from ..schedule.combine import ring_steps
+from . import moe_fast, moe_p2p, moe_plan_lib
+from .base import stats
+from .cpu import _wait_all
+
+
+def _weight_fits(w: torch.Tensor) -> bool:
+    """``w`` (a term's ``[E, K, N]`` operand of ``torch._grouped_mm``) is each expert's Linear weight ``[N, K]`` with
+    contiguous rows, as the library reads it."""
+    lw = w.transpose(-2, -1)
+    n, k = int(lw.shape[1]), int(lw.shape[2])
+    return lw.dim() == 3 and lw.stride(2) == 1 and lw.stride(1) == k and lw.stride(0) % 8 == 0 and not n % 8 \
+        and not k % 8
+
+
+@functools.cache
+def _library(device_index: int) -> bool:
+    if not kernels.available():
+        return False
+    kernels.ready(device_index)  # loaded before any transfer is in flight
+    return True
+
+
+def eligible(x: torch.Tensor, b: list[torch.Tensor], index_rows: int, buffer_rows: int) -> bool:
+    """Whether a call takes this path (module docstring); per rank, like ``moe_fast.eligible``."""
+    if not (moe_fast.eligible(True, x.dtype, 1, index_rows, buffer_rows) and all(_weight_fits(w) for w in b)
+            and x.shape[1] % 8 == 0):
+        return False
+    if x.device.type == "cpu":
+        return True
+    return x.is_cuda and x.device.index == torch.cuda.current_device() and _library(x.device.index)
+
+
+def piece_bounds(plan: moe_fast.BlockPlan, cuts: list[list[int]], device: torch.device) -> torch.Tensor:
+    """The pieces' expert bounds ``[0, e_1, ..., e_{N-1}, E]`` (int32, N + 1 entries, on ``device``; step 3 of the
+    module docstring). ``cuts[j][q]``: block j's rows in its first q + 1 chunks (the own block's: all of them)."""
+    experts = plan.experts
+    host = torch.tensor(cuts, dtype=torch.int64)
+    ends, = moe_p2p.upload([torch.cat([host.reshape(-1), torch.tensor([0, experts])])], device)
+    cut = ends[:-2].view(host.shape)
+    table = plan.table[:, :experts].to(torch.int64)  # [blocks, E]: each block's cumulative expert ends
+    done = (table.unsqueeze(1) <= cut.unsqueeze(2)).sum(2)  # [blocks, N]: experts complete by each chunk
+    return torch.cat([ends[-2:-1], done.amin(0)[:-1], ends[-1:]]).to(torch.int32)
+
+
+def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], offs: torch.Tensor, outs: list[int],
+                 ins: list[int], group: dist.ProcessGroup, pieces: int, what: str, reference,
+                 deferred: bool = False) -> list[torch.Tensor]:
+    """The dispatch cut by expert into ``pieces`` (module docstring); returns ``[p, y_1, ...]``."""
+    world, rank = group.size(), group.rank()
+    moves_lib = moe_plan_lib.usable(x)
+    sent = moe_p2p.issue_dispatch(x, outs, ins, pieces, group)  # unit j * pieces + q: chunk q of block j
+    x, recv, send_off, recv_off, failure = sent.x, sent.recv, sent.send_off, sent.recv_off, sent.failure
+    weights = [w.transpose(-2, -1) for w in b]  # each expert's Linear weight [N, K]
+    plan, result, bounds = None, None, None
+
+    def move(u: int, rows: torch.Tensor) -> None:
+        """Unit u's buffer rows ``rows`` into ``p`` (expert order)."""
+        if not rows.shape[0]:
+            return
+        inv = plan.inv[recv_off[u]:recv_off[u + 1]]
+        if not (moves_lib and moe_plan_lib.should_move(inv, [(result[0], rows)])
+                and moe_plan_lib.move_rows(inv, [(result[0], rows)])):
+            moe_p2p.copy_rows(result[0], inv, rows)
+
+    try:
+        if failure is None:
+            if ins[rank] != outs[rank]:
+                raise ValueError(f"flashoverlap: the dispatch sends {ins[rank]} rows to its own rank and receives "
+                                 f"{outs[rank]} from it (input_split_sizes {list(ins)}, output {list(outs)})")
+            plan = moe_fast.BlockPlan(index.to(x.device), offs, list(outs))
+            rows = recv_off[-1]
+            result = [x.new_empty(rows, x.shape[1]), *(x.new_empty(rows, int(w.shape[1])) for w in weights)]
+            for q in range(pieces):  # the own block: its rows as they lie in x
+                u = rank * pieces + q
+                move(u, x[send_off[u]:send_off[u + 1]])
+            cuts = [[outs[j] if j == rank else recv_off[j * pieces + q + 1] - recv_off[j * pieces]
+                     for q in range(pieces)] for j in range(world)]
+            bounds = piece_bounds(plan, cuts, x.device)
+    except BaseException as exc:  # noqa: BLE001 - the transfers are still waited for
+        failure = failure or exc
+    landing = dict(sent.landing)
+    for q in range(pieces):
+        for _dst, src in ring_steps(world, rank):
+            u = src * pieces + q
+            failure = _wait_all(landing.get(u, []), failure)
+            if failure is None:
+                try:
+                    move(u, recv[recv_off[u]:recv_off[u + 1]])
+                except BaseException as exc:  # noqa: BLE001 - as above
+                    failure = exc
+        if failure is None and result[0].shape[0]:
+            try:
+                for t, w in enumerate(weights):
+                    grouped.grouped_mm(result[0], w, offs, out=result[1 + t], within=bounds[q:q + 2])
+            except BaseException as exc:  # noqa: BLE001 - as above
+                failure = exc
+    facts = None if plan is None else plan.facts
+    if moe_p2p.end_call(failure, facts, result or [], what, x.device, group, deferred):
+        del recv, result, plan, sent  # the redo's memory
+        return moe_p2p.redo("dispatch", reference)
+    stats["dispatch:experts"] += 1
+    del sent
+    return result
