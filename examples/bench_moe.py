@@ -14,7 +14,8 @@ rounds, max over ranks):
   ``all_to_all_single``, the index, ``_grouped_mm``); ``gemm``: its compute alone; ``comm``: its ``all_to_all_single``
   alone; ``ideal``: max(gemm, comm);
 * ``fused[<plan>]``: the op under each ``--plans`` entry (default ``blocks``: the whole-block path,
-  ``routes/moe_fast.py``; ``blocks:c=2``: the general path); the route and path it took (``moe_p2p/whole-block``,
+  ``routes/moe_fast.py``; ``blocks:c=2``: the general path; ``experts``: the dispatch cut by expert,
+  ``routes/moe_expert_cut.py``); the route and path it took (``moe_p2p/whole-block``, ``moe_p2p/expert-cut``,
   ``moe_p2p/general``, ``moe_p2p/redo``) and its relative error against ``seq`` (worst rank) are reported.
 
 The cost model's verdict for the shape (``cost_model.moe.decide_moe``: ``auto`` fuse or not, ``pred x`` its
@@ -59,6 +60,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--target-ms", type=float, default=20.0)
     p.add_argument("--json", default=None)
+    p.add_argument("--one-gpu", action="store_true",
+                   help="allow one rank on one GPU (torchrun --nproc_per_node=1): every row local, no transfer; the "
+                        "ops' own GPU and host work and their results on the hardware, not an overlap figure")
     return p.parse_args(argv)
 
 
@@ -177,7 +181,7 @@ def bench(op: str, preset: str, tokens: int, plans: list[str], timer: tm.Timer, 
     for p in plans:
         v = f"fused[{p}]"
         before = routes.stats["route:moe_p2p"]
-        paths = {k: routes.stats[f"{op}:{k}"] for k in ("fast", "redo")}
+        paths = {k: routes.stats[f"{op}:{k}"] for k in ("fast", "redo", "experts")}
         try:
             got = variants[v]()
             torch.cuda.synchronize()
@@ -187,6 +191,7 @@ def bench(op: str, preset: str, tokens: int, plans: list[str], timer: tm.Timer, 
             del variants[v]
             continue
         path = "whole-block" if routes.stats[f"{op}:fast"] > paths["fast"] else \
+            "expert-cut" if routes.stats[f"{op}:experts"] > paths["experts"] else \
             "redo" if routes.stats[f"{op}:redo"] > paths["redo"] else "general"
         row[f"route_{v}"] = f"moe_p2p/{path}" if routes.stats["route:moe_p2p"] > before else "unfused"
     for v, t in timer.measure(variants).items():
@@ -233,7 +238,8 @@ def _print(rows: list[dict], plans: list[str], world: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus < 2 or not dist.is_torchelastic_launched():
+    need = 1 if args.one_gpu else 2
+    if gpus < need or not dist.is_torchelastic_launched():
         print(f"bench_moe: needs 2 CUDA GPUs of one host and torchrun (found {gpus} GPU(s), "
               f"{'under' if dist.is_torchelastic_launched() else 'not under'} torchrun); run:\n"
               "  NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 examples/bench_moe.py", file=sys.stderr)
@@ -242,8 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("nccl", device_id=dev)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world < 2:
-        print("bench_moe: run with --nproc_per_node=2 (one rank per GPU)", file=sys.stderr)
+    if world < need:
+        print("bench_moe: run with --nproc_per_node=2 (one rank per GPU), or 1 with --one-gpu", file=sys.stderr)
         dist.destroy_process_group()
         return 2
     plans = [p for p in args.plans.split(",") if p]
