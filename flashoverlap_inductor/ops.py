@@ -35,8 +35,8 @@ or no rows with even splits) returns its empty result here, before any route: no
 ``plan`` is a ``GroupPlan.to_str()`` or ``"auto"`` (a memoized cost-model plan per call shape; ``schedule.steps``);
 for the MoE combine and dispatch ``"blocks"`` (one transfer per peer and ring step, ``schedule.combine``),
 ``"blocks:c=N"`` (each peer's block in N chunks, 1 <= N <= 16), ``"experts:c=N"`` (``"experts"``: N = 2; the
-dispatch's experts in N pieces, each GEMM'd once all its rows arrived: ``routes/moe_expert_cut.py``; the combine sends
-its blocks in N chunks) or ``"auto"`` (for now ``"blocks"``).
+dispatch's experts in N pieces, each GEMM'd once all its rows arrived: ``routes/moe_expert_cut.py``; for the combine
+``"blocks"``) or ``"auto"`` (for now ``"blocks"``).
 ``settings`` is a ``config.Settings.key()`` string (the pass passes the settings it compiled under; "" = the
 process's current settings). Which implementation runs is decided by the route registry (``routes.dispatch``).
 """

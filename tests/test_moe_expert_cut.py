@@ -3,7 +3,8 @@ gloo ranks: taken where the whole-block path would be, equal to the unfused refe
 rows round as the graph's one ``torch._grouped_mm`` rounds them; every output pre-filled with NaN by
 ``torch.use_deterministic_algorithms``, so a row a piece forgets poisons the comparison); empty blocks and 3 ranks; a
 rank on the general path (same transfers: plan ``"blocks:c=N"``'s) interoperates; a rank whose premise fails makes
-every rank redo the call; the pieces' expert bounds from the routing (``piece_bounds``).
+every rank redo the call; the pieces' expert bounds from the routing (``piece_bounds``); the combine under an expert
+plan sends whole blocks (its whole-block path).
 
     python3 -m pytest -q tests/test_moe_expert_cut.py
 """
@@ -41,6 +42,18 @@ def cut_worker(kinds_by_rank: list[str], forms: list[str], seeds: list[int], pla
             for x, y in zip(got, want, strict=True):
                 assert x.shape == y.shape and torch.equal(x, y), where
     return {k: routes.stats[f"dispatch:{k}"] - v for k, v in before.items()}
+
+
+def combine_worker(plan: str) -> int:
+    """The combine under an expert plan: whole blocks (no expert cut there), the reference's result bit for bit;
+    returns how many calls took the whole-block path."""
+    torch.use_deterministic_algorithms(True)
+    g, before = dist.group.WORLD, routes.stats["combine:fast"]
+    for seed in (1, 2):
+        c = tm._case("combine", "grouped", "moe", seed)
+        got, want = tm._call("combine", c, plan), tm._reference("combine", c)
+        assert torch.equal(got[0], want[0]), seed
+    return routes.stats["combine:fast"] - before
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +109,7 @@ def test_piece_bounds_take_the_experts_complete_in_every_block():
     assert bounds.tolist() == [0, 2, 3] and bounds.dtype == torch.int32
     bounds = moe_expert_cut.piece_bounds(plan, [[7, 7, 7], [2, 5, 9]], torch.device("cpu"))
     assert bounds.tolist() == [0, 0, 2, 3]  # the first chunk holds no whole expert: an empty first piece
+
+
+def test_the_combine_sends_whole_blocks_under_an_expert_plan(pool):
+    assert pool.run(combine_worker, "experts:c=3") == [2, 2]

@@ -26,7 +26,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import bench_moe as bm  # noqa: E402
 
 from flashoverlap_inductor import config  # noqa: E402
-from flashoverlap_inductor.routes import agree, moe_deferred, moe_fast, moe_nccl, moe_p2p, moe_plan_kernel  # noqa: E402
+from flashoverlap_inductor.native import grouped  # noqa: E402
+from flashoverlap_inductor.routes import (  # noqa: E402
+    agree,
+    moe_deferred,
+    moe_expert_cut,
+    moe_fast,
+    moe_nccl,
+    moe_p2p,
+    moe_plan_kernel,
+    moe_plan_lib,
+)
 from flashoverlap_inductor.runtime import triton_launch  # noqa: E402
 
 # (module, attribute): the steps of a fused call timed by --sections (inclusive: a step's time holds its callees')
@@ -34,7 +44,9 @@ SECTIONS = [(moe_p2p, "run_call"), (agree, "check_once"), (moe_p2p, "issue_dispa
             (moe_nccl, "transfer"), (moe_plan_kernel, "build"), (moe_p2p, "copy_rows"), (torch, "_grouped_mm"),
             (moe_fast, "_block_gemm"), (moe_p2p, "end_call"), (moe_deferred, "settle_later"),
             (moe_nccl, "gather_status"), (moe_deferred, "poison_if_bad"), (moe_deferred, "raise_pending"),
-            (moe_p2p, "settle"), (moe_plan_kernel, "_launch"), (triton_launch.Launcher, "__call__")]
+            (moe_p2p, "settle"), (moe_plan_kernel, "_launch"), (triton_launch.Launcher, "__call__"),
+            (moe_expert_cut, "run_dispatch"), (moe_expert_cut, "piece_bounds"), (grouped, "grouped_mm"),
+            (moe_plan_lib, "move_rows"), (moe_p2p, "upload"), (moe_fast, "BlockPlan")]
 
 
 def _name(owner) -> str:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..schedule.combine import chunk_sizes, group_ends, offsets, parse_plan, plan_units, ring_steps
+from ..schedule.combine import chunk_sizes, cuts_by_expert, group_ends, offsets, parse_plan, plan_units, ring_steps
 from . import moe_fast, moe_p2p
 from .cpu import _poison, _wait_all
 
@@ -157,6 +157,8 @@ def run_p2p(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | N
     the host, or without a host read when ``deferred``: ``moe_deferred``)."""
     world, rank = group.size(), group.rank()
     chunks = parse_plan(plan, "combine")
+    if cuts_by_expert(plan):  # no expert cut here: whole blocks (the same on every rank, each sees the same plan)
+        chunks = 1
     n, like = int(b[0].shape[-1]), a[0]
     what = f"a fused all_to_all combine of {list(a[0].shape)} rows (plan {plan!r})"
     redo = lambda: reference(a, b, offs, index, accumulate, outs, ins, group)  # noqa: E731

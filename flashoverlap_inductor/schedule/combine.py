@@ -35,7 +35,7 @@ import torch
 MAX_CHUNKS = 16
 # N in 1 .. MAX_CHUNKS; "auto" is "blocks" (no GPU measurement yet). "experts" / "experts:c=N": the dispatch's experts
 # cut into 2 / N pieces, each peer's block in as many chunks (routes/moe_expert_cut.py); the combine has no expert
-# cut and sends its blocks in those chunks.
+# cut and sends whole blocks under them (its "blocks").
 PLANS = ("blocks", "auto", "blocks:c=N", "experts", "experts:c=N")
 _CHUNKED = re.compile(r"(?:blocks|experts):c=(\d+)")
 
