@@ -533,8 +533,11 @@ FO_API int fo_scatter_run(const fo_gather_args* call, const fo_scatter_gemm_args
  * vector, FO_MOE_SETTLE_LEN int64 fields FAIL ROWS IDX_MAX IDX_MIN OFFS_STEP UNNAMED OFFS_LAST KEY_STEP) and table
  * (int32 [blocks, table_cols]: block j's cumulative expert offsets clamped to its rows; columns past experts 0).
  * count, facts, inv and hits lie inside work. ends: block j's end row (ends[blocks - 1] == rows; unused entries
- * rows). */
+ * rows). With pieces > 0 the judge also writes bounds[0 .. pieces] (routes/moe_expert_cut.py): bounds[0] = 0,
+ * bounds[pieces] = experts, bounds[q + 1] = the fewest experts whose rows in every block end within cuts[q][j] (the
+ * table's entries at most the cut), at least bounds[q]. */
 #define FO_MOE_MAX_BLOCKS 8
+#define FO_MOE_MAX_PIECES 8
 #define FO_MOE_MAX_EXPERTS 1024
 #define FO_MOE_SETTLE_LEN 8
 #define FO_MOE_POISON_SLOTS 4
@@ -551,6 +554,9 @@ typedef struct {
   int64_t* idx;
   int32_t* table;
   int32_t table_cols;               /* >= experts */
+  int32_t pieces;                   /* 0: no piece bounds; else in [1, FO_MOE_MAX_PIECES] */
+  int64_t cuts[FO_MOE_MAX_PIECES][FO_MOE_MAX_BLOCKS];  /* cuts[q][j], q < pieces - 1: block j's rows in chunks 0..q */
+  int32_t* bounds;                  /* pieces + 1 int32 (pieces > 0): the expert pieces' bounds, written by the judge */
   void* stream;
 } fo_moe_plan_args;
 FO_API int fo_moe_plan(const fo_moe_plan_args* args);

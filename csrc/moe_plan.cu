@@ -23,7 +23,7 @@
 #include "route_util.hpp"
 
 // The ctypes mirrors' layout (routes/moe_plan_lib.py; tests/test_moe_plan_lib.py compares every field's offset).
-static_assert(sizeof(fo_moe_plan_args) == 184 && offsetof(fo_moe_plan_args, stream) == 176, "fo_moe_plan_args layout");
+static_assert(sizeof(fo_moe_plan_args) == 704 && offsetof(fo_moe_plan_args, stream) == 696, "fo_moe_plan_args layout");
 static_assert(sizeof(fo_moe_poison_args) == 136 && offsetof(fo_moe_poison_args, stream) == 128,
               "fo_moe_poison_args layout");
 static_assert(sizeof(fo_moe_move_args) == 216 && offsetof(fo_moe_move_args, stream) == 208, "fo_moe_move_args layout");
@@ -130,6 +130,24 @@ __global__ void moe_plan_judge(fo_moe_plan_args a) {
       a.table[(long long)j * a.table_cols + e] = e < a.experts ? (int)min(cum, size) : 0;
     }
   }
+  if (a.pieces > 0) {  // the expert pieces' bounds from the table just written (block 0's threads, synchronized)
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int lo = 0;
+      a.bounds[0] = 0;
+      for (int q = 0; q + 1 < a.pieces; ++q) {
+        int fewest = a.experts;
+        for (int j = 0; j < a.blocks; ++j) {
+          int done = 0;
+          for (int e = 0; e < a.experts; ++e) done += a.table[(long long)j * a.table_cols + e] <= a.cuts[q][j];
+          fewest = min(fewest, done);
+        }
+        lo = max(lo, fewest);
+        a.bounds[q + 1] = lo;
+      }
+      a.bounds[a.pieces] = a.experts;
+    }
+  }
   if (threadIdx.x == 0) {  // the scalar facts (kernel 1 is complete; the other blocks touch UNNAMED, KEY_STEP only)
     long long step0 = kShift;
     for (int e = 0; e < a.experts; ++e) step0 = min(step0, s_offs[e] - (e ? s_offs[e - 1] : 0LL));
@@ -230,6 +248,8 @@ FO_API int fo_moe_plan(const fo_moe_plan_args* args) {
   if ((a.index_bytes != 4 && a.index_bytes != 8) || (a.offs_bytes != 4 && a.offs_bytes != 8))
     return fail_code(2, "fo_moe_plan: index_bytes and offs_bytes must be 4 or 8");
   if (a.table_cols < a.experts) return fail_code(2, "fo_moe_plan: table_cols must be at least experts");
+  if (a.pieces < 0 || a.pieces > FO_MOE_MAX_PIECES || (a.pieces > 0 && a.bounds == nullptr))
+    return fail_code(2, "fo_moe_plan: pieces must be in [0, 8], with bounds given when positive");
   for (int j = 0; j < FO_MOE_MAX_BLOCKS; ++j) {  // block_of reads all 8: non-decreasing, rows from the last block on
     int64_t const prev = j ? a.ends[j - 1] : 0;
     bool const ok = j >= a.blocks - 1 ? a.ends[j] == a.rows : (a.ends[j] >= prev && a.ends[j] <= a.rows);

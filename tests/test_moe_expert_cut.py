@@ -19,7 +19,7 @@ import torch.distributed as dist
 from dist_utils import get_pool
 
 from flashoverlap_inductor import routes
-from flashoverlap_inductor.routes import moe_expert_cut, moe_fast
+from flashoverlap_inductor.routes import moe_fast
 from flashoverlap_inductor.schedule.combine import cuts_by_expert, parse_plan
 
 COUNTERS = ("experts", "fast", "redo")
@@ -48,7 +48,7 @@ def combine_worker(plan: str) -> int:
     """The combine under an expert plan: whole blocks (no expert cut there), the reference's result bit for bit;
     returns how many calls took the whole-block path."""
     torch.use_deterministic_algorithms(True)
-    g, before = dist.group.WORLD, routes.stats["combine:fast"]
+    before = routes.stats["combine:fast"]
     for seed in (1, 2):
         c = tm._case("combine", "grouped", "moe", seed)
         got, want = tm._call("combine", c, plan), tm._reference("combine", c)
@@ -101,14 +101,16 @@ def test_a_rank_outside_the_premise_makes_every_rank_redo(pool, how):
 def test_piece_bounds_take_the_experts_complete_in_every_block():
     """3 experts, 2 blocks (block 0 the own one, block 1 cut into 2 chunks of 5 and 4 rows): block 1's expert ends
     are 3, 3, 9, so after its first chunk experts 0 and 1 are complete there; block 0 is local (all complete)."""
-    index = torch.arange(16)
-    offs = torch.tensor([5, 5, 16], dtype=torch.int32)  # expert 0: block 0's rows 0-1 and block 1's 0-2; ...
-    plan = moe_fast.BlockPlan(index, offs, [7, 9])
-    plan.table = torch.tensor([[2, 2, 7, 0], [3, 3, 9, 0]], dtype=torch.int32)  # the routing this test states
-    bounds = moe_expert_cut.piece_bounds(plan, [[7, 7], [5, 9]], torch.device("cpu"))
+    table = torch.tensor([[2, 2, 7, 0], [3, 3, 9, 0]], dtype=torch.int32)  # the routing this test states
+    bounds = moe_fast.pieces_with_torch(table, [[7, 7], [5, 9]], 3, torch.device("cpu"))
     assert bounds.tolist() == [0, 2, 3] and bounds.dtype == torch.int32
-    bounds = moe_expert_cut.piece_bounds(plan, [[7, 7, 7], [2, 5, 9]], torch.device("cpu"))
+    bounds = moe_fast.pieces_with_torch(table, [[7, 7, 7], [2, 5, 9]], 3, torch.device("cpu"))
     assert bounds.tolist() == [0, 0, 2, 3]  # the first chunk holds no whole expert: an empty first piece
+    # a plan built with cuts carries them (here: torch's plan of a real routing, the own block all local)
+    index, offs = torch.arange(16), torch.tensor([5, 5, 16], dtype=torch.int32)
+    plan = moe_fast.BlockPlan(index, offs, [7, 9], [[7, 7], [5, 9]])
+    assert plan.pieces.tolist() == moe_fast.pieces_with_torch(plan.table, [[7, 7], [5, 9]], 3,
+                                                              torch.device("cpu")).tolist()
 
 
 def test_the_combine_sends_whole_blocks_under_an_expert_plan(pool):

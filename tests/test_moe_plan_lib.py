@@ -45,6 +45,7 @@ def test_the_ctypes_mirrors_match_the_c_layout(tmp_path, struct, c_name):
 def test_the_header_limits_are_the_modules():
     text = HEADER.read_text()
     assert f"#define FO_MOE_MAX_BLOCKS {moe_plan_lib.MAX_BLOCKS}\n" in text
+    assert f"#define FO_MOE_MAX_PIECES {moe_plan_lib.MAX_PIECES}\n" in text
     assert f"#define FO_MOE_POISON_SLOTS {moe_plan_lib.POISON_SLOTS}\n" in text
     assert f"#define FO_MOE_MOVE_SLOTS {moe_plan_lib.MOVE_SLOTS}\n" in text
     assert f"#define FO_MOE_MAX_EXPERTS {moe_plan_kernel.MAX_EXPERTS}\n" in text
@@ -76,7 +77,8 @@ def test_the_dispatchers_take_the_library_where_it_should_be_used(monkeypatch):
     (stand-ins here: no GPU), and nothing else."""
     calls = []
     monkeypatch.setattr(moe_plan_lib, "should_plan", lambda *a: True)
-    monkeypatch.setattr(moe_plan_lib, "plan", lambda index, offs, bounds: calls.append(("plan", bounds)) or "built")
+    monkeypatch.setattr(moe_plan_lib, "plan", lambda index, offs, bounds, cuts=None: calls.append(("plan", bounds))
+                        or "built")
     monkeypatch.setattr(moe_plan_lib, "should_poison", lambda outs, world: True)
     monkeypatch.setattr(moe_plan_lib, "poison", lambda outs, vectors, world: calls.append(("poison", len(outs))))
     index, offs = torch.arange(8), torch.tensor([4, 8], dtype=torch.int32)
@@ -144,3 +146,28 @@ def test_move_rows_is_index_copy_bit_for_bit(dtype, cols, pad, moves, word):
                            want.view(torch.int16 if want.element_size() == 2 else torch.int32))
         if pad:  # the padding columns kept their NaN
             assert torch.isnan(dst._base[:, cols:].float()).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the library's kernels need an sm90 GPU")
+@pytest.mark.parametrize("blocks,experts,pieces", [(2, 64, 2), (3, 5, 4), (2, 3, 1)])
+def test_the_plans_piece_bounds_are_torchs(blocks, experts, pieces):
+    """``fo_moe_plan`` with cuts writes the expert pieces' bounds as ``moe_fast.pieces_with_torch`` computes them from
+    the same table: random routings in the MoE form (every block expert-sorted), chunks of random sizes."""
+    from flashoverlap_inductor.native import kernels
+    from flashoverlap_inductor.routes import moe_fast
+
+    if not kernels.available():
+        pytest.fail("the library does not load on this sm90 GPU: build it (python -m flashoverlap_inductor.build)")
+    g = torch.Generator().manual_seed(blocks * 100 + experts + pieces)
+    per = torch.randint(0, 40, (blocks, experts), generator=g)  # rows of (block, expert)
+    sizes = per.sum(1).tolist()
+    expert_of_row = torch.arange(experts).repeat(blocks).repeat_interleave(per.flatten())
+    index = expert_of_row.argsort(stable=True).cuda()
+    offs = per.sum(0).cumsum(0).to(torch.int32).cuda()
+    cuts = [sorted(torch.randint(0, n + 1, (pieces,), generator=g).tolist()[:-1]) + [n] for n in sizes]
+    with config.patch(experiments=set()):
+        built = moe_plan_lib.plan(index, offs, [0, *torch.tensor(sizes).cumsum(0).tolist()], cuts)
+    assert built is not None and len(built) == 5
+    want = moe_fast.pieces_with_torch(built[2], cuts, experts, index.device)
+    assert built[4].tolist() == want.tolist(), (built[4].tolist(), want.tolist(), cuts)

@@ -38,6 +38,7 @@ class GroupedGemmArgs(ctypes.Structure):
 
 
 _workspaces: dict[tuple[int, int], torch.Tensor] = {}  # (device, stream) -> its workspace (uint8, grown)
+_needs: dict[tuple[int, int], int] = {}  # (device, groups) -> fo_grouped_gemm_workspace's bytes (the SMs' and groups')
 
 
 def _check(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out: torch.Tensor | None) -> None:
@@ -100,12 +101,15 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, out: tor
                            int(a.stride(0)), int(out.stride(0)), int(w.stride(0)), int(w.shape[0]), first, last,
                            offs.element_size(), None, 0, device, 0, stream)
     lib = kernels.ready(device)
-    need = ctypes.c_int64(0)
-    kernels.check(lib.fo_grouped_gemm_workspace(ctypes.byref(args), ctypes.byref(need)), "fo_grouped_gemm_workspace")
+    need = _needs.get((device, last - first))
+    if need is None:
+        got = ctypes.c_int64(0)
+        kernels.check(lib.fo_grouped_gemm_workspace(ctypes.byref(args), ctypes.byref(got)), "fo_grouped_gemm_workspace")
+        need = _needs[(device, last - first)] = got.value
     key = (device, stream)
     ws = _workspaces.get(key)
-    if ws is None or ws.numel() < need.value:
-        ws = _workspaces[key] = torch.empty(max(need.value, 1 << 16), dtype=torch.uint8, device=a.device)
+    if ws is None or ws.numel() < need:
+        ws = _workspaces[key] = torch.empty(max(need, 1 << 16), dtype=torch.uint8, device=a.device)
     args.workspace, args.workspace_bytes = ws.data_ptr(), ws.numel()
     kernels.check(lib.fo_grouped_gemm(ctypes.byref(args)), "fo_grouped_gemm")
     return out

@@ -14,9 +14,10 @@ Schedule, every rank (W ranks, N pieces):
    a rank that cannot take this path runs the general path with the same transfers and settle, and they pair up);
 2. the plan (``moe_fast.BlockPlan``: each buffer row's expert row ``inv``, each block's expert offsets, the settle's
    routing facts; no host read), the own block's rows moved into expert order at once (``p[inv[r]] = x[r]``);
-3. the pieces' expert bounds on the device (``piece_bounds``): piece q covers experts ``[e_q, e_{q+1})``, where
-   ``e_{q+1}`` is the fewest experts whose rows lie, in every block, within that block's first q + 1 chunks (the own
-   block: all of them) and ``e_N = E``;
+3. the pieces' expert bounds on the device (``BlockPlan.pieces``: the plan's library call writes them, else
+   ``moe_fast.pieces_with_torch``): piece q covers experts ``[e_q, e_{q+1})``, where ``e_{q+1}`` is the fewest experts
+   whose rows lie, in every block, within that block's first q + 1 chunks (the own block: all of them), and
+   ``e_N = E``;
 4. per piece q: every peer's chunk q waited for (on CUDA the stream waits, not the host) and moved into ``p``, then
    each GEMM term's grouped GEMM of ``p``'s rows of the piece's experts into the same rows of ``y_t`` (expert order:
    no move of the results). The first piece waits for the first chunks' transfer; the later transfers run beside
@@ -72,18 +73,6 @@ def eligible(x: torch.Tensor, b: list[torch.Tensor], index_rows: int, buffer_row
     return x.is_cuda and x.device.index == torch.cuda.current_device() and _library(x.device.index)
 
 
-def piece_bounds(plan: moe_fast.BlockPlan, cuts: list[list[int]], device: torch.device) -> torch.Tensor:
-    """The pieces' expert bounds ``[0, e_1, ..., e_{N-1}, E]`` (int32, N + 1 entries, on ``device``; step 3 of the
-    module docstring). ``cuts[j][q]``: block j's rows in its first q + 1 chunks (the own block's: all of them)."""
-    experts = plan.experts
-    host = torch.tensor(cuts, dtype=torch.int64)
-    ends, = moe_p2p.upload([torch.cat([host.reshape(-1), torch.tensor([0, experts])])], device)
-    cut = ends[:-2].view(host.shape)
-    table = plan.table[:, :experts].to(torch.int64)  # [blocks, E]: each block's cumulative expert ends
-    done = (table.unsqueeze(1) <= cut.unsqueeze(2)).sum(2)  # [blocks, N]: experts complete by each chunk
-    return torch.cat([ends[-2:-1], done.amin(0)[:-1], ends[-1:]]).to(torch.int32)
-
-
 def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], offs: torch.Tensor, outs: list[int],
                  ins: list[int], group: dist.ProcessGroup, pieces: int, what: str, reference,
                  deferred: bool = False) -> list[torch.Tensor]:
@@ -109,15 +98,15 @@ def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], of
             if ins[rank] != outs[rank]:
                 raise ValueError(f"flashoverlap: the dispatch sends {ins[rank]} rows to its own rank and receives "
                                  f"{outs[rank]} from it (input_split_sizes {list(ins)}, output {list(outs)})")
-            plan = moe_fast.BlockPlan(index.to(x.device), offs, list(outs))
+            cuts = [[outs[j] if j == rank else recv_off[j * pieces + q + 1] - recv_off[j * pieces]
+                     for q in range(pieces)] for j in range(world)]
+            plan = moe_fast.BlockPlan(index.to(x.device), offs, list(outs), cuts)  # its pieces: step 3
             rows = recv_off[-1]
             result = [x.new_empty(rows, x.shape[1]), *(x.new_empty(rows, int(w.shape[1])) for w in weights)]
             for q in range(pieces):  # the own block: its rows as they lie in x
                 u = rank * pieces + q
                 move(u, x[send_off[u]:send_off[u + 1]])
-            cuts = [[outs[j] if j == rank else recv_off[j * pieces + q + 1] - recv_off[j * pieces]
-                     for q in range(pieces)] for j in range(world)]
-            bounds = piece_bounds(plan, cuts, x.device)
+            bounds = plan.pieces
     except BaseException as exc:  # noqa: BLE001 - the transfers are still waited for
         failure = failure or exc
     landing = dict(sent.landing)

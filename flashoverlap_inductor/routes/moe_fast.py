@@ -65,16 +65,34 @@ class BlockPlan:
     ``moe_plan_kernel.should_use`` says so (CUDA), else by
     ``plan_with_torch``: the same tensors (the table where the data are good and the premise holds)."""
 
-    def __init__(self, index: torch.Tensor, offs: torch.Tensor, sizes: list[int]) -> None:
+    def __init__(self, index: torch.Tensor, offs: torch.Tensor, sizes: list[int],
+                 cuts: list[list[int]] | None = None) -> None:
         experts, bounds = int(offs.shape[0]), offsets(sizes)
-        built = moe_plan_kernel.build(index, offs, bounds) if moe_plan_kernel.should_use(index, offs, len(sizes)) \
-            else None
-        self.idx, self.inv, self.table, self.facts = built or plan_with_torch(index, offs, bounds)
+        built = moe_plan_kernel.build(index, offs, bounds, cuts) \
+            if moe_plan_kernel.should_use(index, offs, len(sizes)) else None
+        built = built or plan_with_torch(index, offs, bounds)
+        self.idx, self.inv, self.table, self.facts = built[:4]
         self.experts, self.bounds = experts, bounds
+        # the expert pieces' bounds where ``cuts`` asked (routes/moe_expert_cut.py): the library's, else torch's
+        self.pieces = None if cuts is None else built[4] if len(built) > 4 else \
+            pieces_with_torch(self.table, cuts, experts, index.device)
 
     def offs(self, j: int) -> torch.Tensor:
         """Block j's cumulative expert offsets (int32, E entries, a 16-byte-aligned view)."""
         return self.table[j, :self.experts]
+
+
+def pieces_with_torch(table: torch.Tensor, cuts: list[list[int]], experts: int,
+                      device: torch.device) -> torch.Tensor:
+    """The expert pieces' bounds ``[0, e_1, ..., e_{N-1}, E]`` (int32, N + 1) from ``BlockPlan.table``: ``e_{q+1}`` the
+    fewest experts whose rows in every block j end within ``cuts[j][q]`` (block j's rows in its first q + 1 chunks),
+    at least ``e_q`` (``fo_moe_plan``'s, with torch ops: the CPU's and the Triton path's)."""
+    host = torch.tensor(cuts, dtype=torch.int64)
+    ends, = moe_p2p.upload([torch.cat([host.reshape(-1), torch.tensor([0, experts])])], device)
+    cut = ends[:-2].view(host.shape)
+    done = (table[:, :experts].to(torch.int64).unsqueeze(1) <= cut.unsqueeze(2)).sum(2)  # [blocks, N]
+    inner = done.amin(0)[:-1].cummax(0).values  # at least the previous bound
+    return torch.cat([ends[-2:-1], inner, ends[-1:]]).to(torch.int32)
 
 
 def plan_with_torch(index: torch.Tensor, offs: torch.Tensor, bounds: list[int]) -> tuple[torch.Tensor, ...]:

@@ -80,17 +80,19 @@ def fits(index: torch.Tensor, offs: torch.Tensor, blocks: int) -> bool:
             and index.is_contiguous() and offs.is_contiguous())
 
 
-def build(index: torch.Tensor, offs: torch.Tensor, bounds: list[int]) -> tuple[torch.Tensor, ...] | None:
+def build(index: torch.Tensor, offs: torch.Tensor, bounds: list[int],
+          cuts: list[list[int]] | None = None) -> tuple[torch.Tensor, ...] | None:
     """``(idx, inv, table, facts)`` of ``BlockPlan`` for ``index`` (rows = ``bounds[-1]``), ``offs`` (E int32 or
     int64) and the blocks' row bounds (``bounds[0] == 0``, ``len(bounds) - 1`` blocks); ``should_use`` holds. One
     library call (``moe_plan_lib``; not under the experiment ``moe_plan_triton``), else (and where the library
     refused the call) two Triton launches and one zeroed workspace; no host read. None where Triton fails to compile
     or launch them (logged once; ``should_use`` is False after it): the caller builds the plan with torch ops (the
-    same plan, so ranks may differ here without changing any collective)."""
+    same plan, so ranks may differ here without changing any collective). ``cuts``: the library also writes the
+    expert pieces' bounds (``moe_plan_lib.plan``'s fifth entry); the Triton kernels do not (four entries)."""
     if bounds[0] != 0 or bounds[-1] != int(index.shape[0]):
         raise ValueError(f"flashoverlap: the blocks' bounds {bounds} do not cover the index's {index.shape[0]} rows")
     if fits(index, offs, len(bounds) - 1) and moe_plan_lib.should_plan(index, offs):
-        built = moe_plan_lib.plan(index, offs, bounds)
+        built = moe_plan_lib.plan(index, offs, bounds, cuts)
         if built is not None:
             return built
     return run_or_fall_back(lambda: _launch(index, offs, bounds), "the MoE routing plan's")

@@ -33,6 +33,7 @@ from .base import note, stats
 
 OPT_OUT = "moe_plan_triton"  # the experiment that keeps these steps in Triton launches and torch ops
 MAX_BLOCKS = 8  # FO_MOE_MAX_BLOCKS
+MAX_PIECES = 8  # FO_MOE_MAX_PIECES
 POISON_SLOTS = 4  # FO_MOE_POISON_SLOTS
 MOVE_SLOTS = 4  # FO_MOE_MOVE_SLOTS
 # the settle vector's layout the kernels assume (FO_MOE_SETTLE_LEN fields in this order)
@@ -51,7 +52,9 @@ class PlanArgs(ctypes.Structure):
                 ("blocks", ctypes.c_int32), ("ends", ctypes.c_int64 * MAX_BLOCKS), ("work", ctypes.c_void_p),
                 ("work_len", ctypes.c_int64), ("count", ctypes.c_void_p), ("facts", ctypes.c_void_p),
                 ("inv", ctypes.c_void_p), ("hits", ctypes.c_void_p), ("idx", ctypes.c_void_p),
-                ("table", ctypes.c_void_p), ("table_cols", ctypes.c_int32), ("stream", ctypes.c_void_p)]
+                ("table", ctypes.c_void_p), ("table_cols", ctypes.c_int32), ("pieces", ctypes.c_int32),
+                ("cuts", (ctypes.c_int64 * MAX_BLOCKS) * MAX_PIECES), ("bounds", ctypes.c_void_p),
+                ("stream", ctypes.c_void_p)]
 
 
 class PoisonArgs(ctypes.Structure):
@@ -105,10 +108,13 @@ def should_plan(index: torch.Tensor, offs: torch.Tensor) -> bool:
             and index.device.index == torch.cuda.current_device() and _library_on(index.device.index))
 
 
-def plan(index: torch.Tensor, offs: torch.Tensor, bounds: list[int]) -> tuple[torch.Tensor, ...]:
+def plan(index: torch.Tensor, offs: torch.Tensor, bounds: list[int],
+         cuts: list[list[int]] | None = None) -> tuple[torch.Tensor, ...]:
     """``(idx, inv, table, facts)`` of ``moe_fast.BlockPlan`` (``moe_plan_kernel.build``'s contract) in one library
-    call on the current stream: the workspace zeroed there, then two kernels. None where the library refused the
-    call (``_called``): the caller takes the Triton kernels."""
+    call on the current stream: the workspace zeroed there, then two kernels. With ``cuts`` (``cuts[j][q]``: block
+    j's rows in its first q + 1 chunks, 1 to ``MAX_PIECES`` pieces) also the expert pieces' bounds (int32, pieces + 1:
+    ``moe_fast.pieces_with_torch``'s), a fifth entry. None where the library refused the call (``_called``): the
+    caller takes the Triton kernels."""
     rows, experts, blocks = int(index.shape[0]), int(offs.shape[0]), len(bounds) - 1
     padded = rows + (rows & 1)  # facts, inv and hits each from a 16-byte boundary
     counted = blocks * experts + (blocks * experts) % 2
@@ -129,11 +135,20 @@ def plan(index: torch.Tensor, offs: torch.Tensor, bounds: list[int]) -> tuple[to
     a.count, a.facts = base, base + 8 * counted
     a.inv, a.hits = base + 8 * head, base + 8 * (head + padded)
     a.idx, a.table, a.table_cols = idx.data_ptr(), table.data_ptr(), table_cols
+    pieces = None
+    if cuts is not None:
+        a.pieces = len(cuts[0])
+        for j, row in enumerate(cuts):
+            for q, cut in enumerate(row[:-1]):
+                a.cuts[q][j] = cut
+        pieces = torch.empty(a.pieces + 1, dtype=torch.int32, device=dev)
+        a.bounds = pieces.data_ptr()
     a.stream = torch.cuda.current_stream(dev).cuda_stream
     if not _called(kernels.ready(dev).fo_moe_plan(ctypes.byref(a)), "fo_moe_plan"):
         return None
     stats["moe:plan_lib"] += 1
-    return idx, work[head:head + rows], table, work[counted:head]
+    built = idx, work[head:head + rows], table, work[counted:head]
+    return built if pieces is None else (*built, pieces)
 
 
 def _called(rc: int, what: str) -> bool:
