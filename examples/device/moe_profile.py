@@ -45,7 +45,7 @@ SECTIONS = [(moe_p2p, "run_call"), (agree, "check_once"), (moe_p2p, "issue_dispa
             (moe_fast, "_block_gemm"), (moe_p2p, "end_call"), (moe_deferred, "settle_later"),
             (moe_nccl, "gather_status"), (moe_deferred, "poison_if_bad"), (moe_deferred, "raise_pending"),
             (moe_p2p, "settle"), (moe_plan_kernel, "_launch"), (triton_launch.Launcher, "__call__"),
-            (moe_expert_cut, "run_dispatch"), (moe_expert_cut, "piece_bounds"), (grouped, "grouped_mm"),
+            (moe_expert_cut, "run_dispatch"), (moe_fast, "pieces_with_torch"), (grouped, "grouped_mm"),
             (moe_plan_lib, "move_rows"), (moe_p2p, "upload"), (moe_fast, "BlockPlan")]
 
 
