@@ -66,6 +66,11 @@ EXPERIMENTS = {
                        "instead of the library's CUDA kernels (csrc/moe_plan.cu: one ctypes call each; 2 H200s: "
                        "dispatch 1.10-1.20x and combine 1.08-1.22x faster at qwen3 shapes than with this "
                        "experiment)",
+    "moe_dispatch_by_expert": "give the fused MoE dispatches the plan \"experts\" (routes/moe_expert_cut.py): the "
+                              "experts cut into 2 pieces, each one grouped GEMM of the library's over every source's "
+                              "rows (one H200, 44th session: 2 pieces 0.91-1.12x of torch's uncut grouped GEMM where "
+                              "cutting by source block costs 1.15-1.76x) instead of one per source block; not yet "
+                              "run on 2 GPUs",
     "moe_judge_two_behind": "with moe_settle_deferred, judge a deferred MoE call's status at the end of the call "
                             "after next instead of the next one (the host may run two MoE calls ahead of the GPU; "
                             "a failure raises one call later)",

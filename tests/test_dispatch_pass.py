@@ -66,14 +66,19 @@ def _paying_data(tmp_path) -> str:
     path.write_text(json.dumps(doc))
     return str(out)
 
-def _block_vs_eager(ref: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> dict:
+def _block_vs_eager(ref: nn.Module, x: torch.Tensor, dy: torch.Tensor, experiments: frozenset = frozenset()) -> dict:
     """Compiled (fuse "always") vs eager output, input and parameter gradients (bf16); the dispatch ops' lines of the
-    post-grad graphs, forward then backward."""
+    post-grad graphs, forward then backward; ``experts``: calls the expert cut took."""
     from test_combine_pass import BF16
+
+    from flashoverlap_inductor import routes
 
     got, lines = copy.deepcopy(ref), []
     options = {"flashoverlap.fuse": "always", "post_grad_custom_post_pass": lambda g: lines.extend(
         line.strip() for line in g.python_code("self").src.splitlines() if f"flashoverlap.{OP}" in line)}
+    if experiments:
+        options["flashoverlap.experiments"] = experiments
+    before = routes.stats["dispatch:experts"]
     with _DispatchRun() as run:
         compiled = torch.compile(got, backend="flashoverlap", options=options)
         x_ref, x_got = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -82,10 +87,10 @@ def _block_vs_eager(ref: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> dict:
         out_got.backward(dy)
         _compare(ref, got, out_ref.detach(), out_got.detach(), BF16)
         torch.testing.assert_close(x_got.grad.float(), x_ref.grad.float(), **BF16)
-        return {**run.report(), "ops": lines}
+        return {**run.report(), "ops": lines, "experts": routes.stats["dispatch:experts"] - before}
 
 
-def grouped_block_worker() -> dict:
+def grouped_block_worker(experiments: frozenset = frozenset()) -> dict:
     from flashoverlap_inductor.bench import models, moe
 
     spec = models.PRESETS["tiny-moe"].with_overrides(layers=1)
@@ -93,7 +98,7 @@ def grouped_block_worker() -> dict:
     ref = moe.ExpertParallelMoE(block, dist.group.WORLD, "grouped").to(torch.bfloat16)
     gen = torch.Generator().manual_seed(13 + dist.get_rank())
     x, dy = (torch.randn(2, 8, spec.hidden, generator=gen).to(torch.bfloat16) for _ in range(2))
-    return _block_vs_eager(ref, x, dy)
+    return _block_vs_eager(ref, x, dy, experiments)
 
 
 def titan_worker() -> dict:
@@ -195,6 +200,15 @@ def test_grouped_mm_block_in_bf16(pool):
         assert got["pass"].get("fused:all_to_all_dispatch") == 2 and got["calls"] == 2, got
         forward, backward = (_terms(line) for line in got["ops"])
         assert forward["terms"] == backward["terms"] == 1 and forward["offs"] != "None", got["ops"]
+
+
+def test_the_expert_cut_experiment_gives_the_dispatches_its_plan(pool):
+    """Under ``moe_dispatch_by_expert`` the pass gives every dispatch the plan "experts"; the forward's takes the
+    expert cut on both ranks, the backward's (the down weights as they are, not Linear-shaped for the library) runs
+    as "blocks" on both; everything matches eager."""
+    for got in pool.run(grouped_block_worker, frozenset({"moe_dispatch_by_expert"}), timeout_s=400):
+        assert got["pass"].get("fused:all_to_all_dispatch") == 2 and got["calls"] == 2, got
+        assert all("'experts'" in line for line in got["ops"]) and got["experts"] == 1, got
 
 
 def test_torchtitan_style_expert_parallel_block(pool):

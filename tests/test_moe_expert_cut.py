@@ -56,6 +56,20 @@ def combine_worker(plan: str) -> int:
     return routes.stats["combine:fast"] - before
 
 
+def kn_weights_worker() -> dict[str, int]:
+    """Weights as ``[E, K, N]`` contiguous (not each expert's Linear weight: the backward's form): every rank runs the
+    plan as "blocks" (the whole-block path, whole blocks), bit for bit as the reference."""
+    torch.use_deterministic_algorithms(True)
+    g = dist.group.WORLD
+    before = {k: routes.stats[f"dispatch:{k}"] for k in COUNTERS}
+    for seed in (1, 2):
+        c = tm._case("dispatch", "grouped", "moe", seed)
+        c["b"] = [w.contiguous() for w in c["b"]]
+        got, want = td._call(c, g, "experts"), td._reference(c, g)
+        assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True)), seed
+    return {k: routes.stats[f"dispatch:{k}"] - v for k, v in before.items()}
+
+
 @pytest.fixture(scope="module")
 def pool():
     return get_pool(2)
@@ -115,3 +129,7 @@ def test_piece_bounds_take_the_experts_complete_in_every_block():
 
 def test_the_combine_sends_whole_blocks_under_an_expert_plan(pool):
     assert pool.run(combine_worker, "experts:c=3") == [2, 2]
+
+
+def test_weights_the_cut_cannot_take_run_the_plan_as_blocks_on_every_rank(pool):
+    assert pool.run(kn_weights_worker) == [{"experts": 0, "fast": 2, "redo": 0}] * 2

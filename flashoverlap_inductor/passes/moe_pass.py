@@ -30,6 +30,7 @@ from .fx_forms import gpu_name, node_arg, val
 from .report import record_skip
 
 PLAN = "blocks"  # per peer rank: its block of every expert's rows (``schedule.combine``)
+EXPERT_PLAN = "experts"  # the dispatch's experts in 2 pieces (experiment moe_dispatch_by_expert; moe_expert_cut)
 
 
 def skip(slug: str, msg: str, *args: Any, level: int = logging.INFO) -> None:
@@ -69,8 +70,8 @@ def decide(op: str, desc: str, settings: config.Settings, problem: Callable[[], 
     """The plan of a checked MoE ``op`` ("combine" / "dispatch"), or None after recording ``<op>_auto``: ``always``
     fuses every match; ``auto`` declines every match (module docstring), its message giving the cost model's
     prediction for ``problem()`` (asked only here, never under ``always``) or why there is none."""
-    if settings.fuse != "auto":
-        return PLAN
+    if settings.fuse != "auto":  # the same settings on every rank: the same plan
+        return EXPERT_PLAN if op == "dispatch" and "moe_dispatch_by_expert" in settings.experiments else PLAN
     try:
         found = problem()
         if isinstance(found, str):

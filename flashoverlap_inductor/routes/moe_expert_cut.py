@@ -63,14 +63,22 @@ def _library(device_index: int) -> bool:
     return True
 
 
-def eligible(x: torch.Tensor, b: list[torch.Tensor], index_rows: int, buffer_rows: int) -> bool:
-    """Whether a call takes this path (module docstring); per rank, like ``moe_fast.eligible``."""
-    if not (moe_fast.eligible(True, x.dtype, 1, index_rows, buffer_rows) and all(_weight_fits(w) for w in b)
-            and x.shape[1] % 8 == 0):
+def takes(x: torch.Tensor, b: list[torch.Tensor]) -> bool:
+    """Whether the cut can take calls of these operands at all: bf16 rows of a multiple of 8 columns, every term's
+    weights the library's layout, on the CPU or the current CUDA device with the library loading. The same on every
+    rank (the graph's operands, the build); where it fails every rank runs the plan as ``"blocks"`` (whole blocks, one
+    chunk each): the backward's dispatch, whose weights are not Linear-shaped, does."""
+    if not (moe_p2p.grouped_kernel(x.dtype) and x.shape[1] % 8 == 0 and all(_weight_fits(w) for w in b)):
         return False
     if x.device.type == "cpu":
         return True
     return x.is_cuda and x.device.index == torch.cuda.current_device() and _library(x.device.index)
+
+
+def eligible(x: torch.Tensor, b: list[torch.Tensor], index_rows: int, buffer_rows: int) -> bool:
+    """Whether a call ``takes`` allows runs this path (module docstring): the whole-block premise's host part, per
+    rank like ``moe_fast.eligible``; a rank outside it runs the general path on the same chunked transfers."""
+    return takes(x, b) and moe_fast.eligible(True, x.dtype, 1, index_rows, buffer_rows)
 
 
 def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], offs: torch.Tensor, outs: list[int],
