@@ -11,6 +11,8 @@
 //   judge (one thread per buffer row r): UNNAMED += (hits[r] == 0); KEY_STEP = min(KEY_STEP, key(r + 1) - key(r))
 //     with key(r) = group(inv[r]) + block(r) * (experts + 1); block 0 also writes the table (per block a cumulative
 //     sum over the experts, each at most the block's rows; padding columns 0) and the scalar facts.
+//     With pieces > 0 block 0 then writes the dispatch's expert pieces' bounds from the table (routes/moe_expert_cut.py):
+//     bounds[q + 1] = max(bounds[q], min over blocks j of #experts e with table[j][e] <= cuts[q][j]), bounds[pieces] = E.
 // group(pos): how many offsets are at most pos (searchsorted-right on sorted offsets); block(pos): how many block
 // ends are at most pos. Both kernels keep the offsets in shared memory (experts <= FO_MOE_MAX_EXPERTS).
 #include <cuda_runtime.h>

@@ -8,7 +8,7 @@ given output: a caller can run the experts in pieces (``experts=(0, E // 2)``, t
 lie anywhere in one buffer and collect every piece's results, in expert order, in one tensor, with no host read of
 the offsets and no copy (``torch._grouped_mm`` returns a fresh tensor per call). That is the MoE dispatch's cut by
 expert: measured on one H200 (``examples/device/moe_gemm_probe.py``; docs/results.md, forty-fourth session), cutting
-the grouped GEMM by source block as the fused dispatch does today costs 15-70% more GEMM time at Qwen3-MoE shapes
+the grouped GEMM by source block as the fused dispatch does today costs 15-76% more GEMM time at Qwen3-MoE shapes
 (2 ranks, 1024-8192 tokens per rank), cutting it by expert halves 2-16%.
 
 Offsets out of order or past the rows are clamped (each expert's rows run from the largest offset before it to the

@@ -3,7 +3,7 @@
 Why: the whole-block path (``moe_fast``) runs the experts' grouped GEMM once per source block (its own rows at once,
 each peer's as they land), so every expert's weight is read once per block and every expert's rows fill a last,
 partial tile per block. Measured on one H200 (``examples/device/moe_gemm_probe.py``; docs/results.md, forty-fourth
-session), at Qwen3-MoE shapes on 2 ranks that costs 15-70% more GEMM time than one grouped GEMM (1024-8192 tokens
+session), at Qwen3-MoE shapes on 2 ranks that costs 15-76% more GEMM time than one grouped GEMM (1024-8192 tokens
 per rank), and the fused dispatch then moves the GEMM's results into expert order too. Cut by expert, each piece is
 one grouped GEMM over a range of experts with all of their rows (every source's), so each weight is read once:
 the library's grouped GEMM (``native.grouped``) over 2 expert pieces ran 0.91-1.12x of torch's one uncut call there.
