@@ -11,38 +11,20 @@ of bounds), and a call after a refused one.
 
 from __future__ import annotations
 
-import ctypes
-import shutil
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
+from c_layout import assert_mirrors_header, needs_cc
 
 from flashoverlap_inductor.native import grouped, kernels
 
-HEADER = Path(__file__).resolve().parent.parent / "csrc" / "flashoverlap_sm90.h"
 TOL = 4 * torch.finfo(torch.bfloat16).eps  # normwise relative error of a bf16 GEMM output against fp64
 sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                           reason="the library's kernels need an sm90 GPU")
 
 
-@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+@needs_cc
 def test_the_ctypes_mirror_matches_the_c_layout(tmp_path):
-    struct, c_name = grouped.GroupedGemmArgs, "fo_grouped_gemm_args"
-    fields = [f for f, _ in struct._fields_]
-    prints = "".join(f'printf("{f} %zu\\n", offsetof({c_name}, {f}));' for f in fields)
-    src = tmp_path / "layout.c"
-    src.write_text(f'#include <stddef.h>\n#include <stdio.h>\n#include "{HEADER}"\n'
-                   f'int main(void) {{ {prints} printf("sizeof %zu\\n", sizeof({c_name})); return 0; }}\n')
-    exe = tmp_path / "layout"
-    subprocess.run(["cc", "-std=c11", str(src), "-o", str(exe)], check=True, capture_output=True)
-    got = dict(line.split() for line in subprocess.run([str(exe)], check=True, capture_output=True,
-                                                       text=True).stdout.splitlines())
-    assert {f: int(got[f]) for f in fields} == {f: getattr(struct, f).offset for f in fields}
-    assert int(got["sizeof"]) == ctypes.sizeof(struct)
-    source = (HEADER.parent / "grouped_gemm.cu").read_text()  # the size nvcc asserts
-    assert f"sizeof({c_name}) == {ctypes.sizeof(struct)}" in source
+    assert_mirrors_header(grouped.GroupedGemmArgs, "fo_grouped_gemm_args", "grouped_gemm.cu", tmp_path)
 
 
 @pytest.mark.parametrize("a,w,offs,match", [

@@ -8,38 +8,20 @@ kernels assume, and which implementation the dispatchers take. The kernels' resu
 
 from __future__ import annotations
 
-import ctypes
-import shutil
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
+from c_layout import HEADER, assert_mirrors_header, needs_cc
 
 from flashoverlap_inductor import config
 from flashoverlap_inductor.routes import moe_deferred, moe_plan_kernel, moe_plan_lib
 
-HEADER = Path(__file__).resolve().parent.parent / "csrc" / "flashoverlap_sm90.h"
 
-
-@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+@needs_cc
 @pytest.mark.parametrize("struct,c_name", [(moe_plan_lib.PlanArgs, "fo_moe_plan_args"),
                                            (moe_plan_lib.PoisonArgs, "fo_moe_poison_args"),
                                            (moe_plan_lib.MoveArgs, "fo_moe_move_args")])
 def test_the_ctypes_mirrors_match_the_c_layout(tmp_path, struct, c_name):
-    fields = [f for f, _ in struct._fields_]
-    prints = "".join(f'printf("{f} %zu\\n", offsetof({c_name}, {f}));' for f in fields)
-    src = tmp_path / "layout.c"
-    src.write_text(f'#include <stddef.h>\n#include <stdio.h>\n#include "{HEADER}"\n'
-                   f'int main(void) {{ {prints} printf("sizeof %zu\\n", sizeof({c_name})); return 0; }}\n')
-    exe = tmp_path / "layout"
-    subprocess.run(["cc", "-std=c11", str(src), "-o", str(exe)], check=True, capture_output=True)
-    got = dict(line.split() for line in subprocess.run([str(exe)], check=True, capture_output=True,
-                                                       text=True).stdout.splitlines())
-    assert {f: int(got[f]) for f in fields} == {f: getattr(struct, f).offset for f in fields}
-    assert int(got["sizeof"]) == ctypes.sizeof(struct)
-    source = (HEADER.parent / "moe_plan.cu").read_text()  # the sizes nvcc asserts
-    assert f"sizeof({c_name}) == {ctypes.sizeof(struct)}" in source
+    assert_mirrors_header(struct, c_name, "moe_plan.cu", tmp_path)
 
 
 def test_the_header_limits_are_the_modules():
