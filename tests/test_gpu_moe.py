@@ -1,7 +1,8 @@
 """The MoE ops' P2P route on NCCL (``routes/combine.py``, ``routes/moe_dispatch.py``), 2 GPUs, one rank per GPU:
 the combine (``flashoverlap::gemm_unpermute_all_to_all``) and the dispatch (``flashoverlap::all_to_all_permute_gemm``)
 in bf16 on random uneven splits (some pairs empty), loop and grouped forms (one and two ``torch._grouped_mm`` terms),
-the MoE permutation and a random one, plans ``blocks`` and ``blocks:c=2``: against an fp64 oracle (the same
+the MoE permutation and a random one, plans ``blocks``, ``blocks:c=2``, ``experts`` and ``experts:c=3`` (the dispatch
+cut by expert, ``routes/moe_expert_cut.py``): against an fp64 oracle (the same
 semantics in float64, its all_to_all on NCCL too) with a bf16-fit tolerance, and against the unfused bf16 reference
 (the grouped forms in fp16 and fp32 too, which run one mm per expert run and term instead of ``torch._grouped_mm``);
 ``p`` bit-exact (it is moved, not computed). Outputs pre-poisoned (the caching allocator hands out blocks of a freed
@@ -554,7 +555,8 @@ def skipped_call_worker(timeout_ms: int) -> str:
 
 @two_gpus
 def test_both_ops_match_fp64_and_the_reference_on_uneven_splits(pool):
-    got = pool.run(ops_worker, ["loop", "grouped", "grouped2"], ["moe", "perm"], ["blocks", "blocks:c=2"], [1, 2])
+    got = pool.run(ops_worker, ["loop", "grouped", "grouped2"], ["moe", "perm"],
+                   ["blocks", "blocks:c=2", "experts", "experts:c=3"], [1, 2])
     assert got == [[], []]
 
 
