@@ -598,7 +598,8 @@ typedef struct {
 FO_API int fo_moe_move_rows(const fo_moe_move_args* args);
 
 /* The experts' grouped GEMM with device offsets (csrc/grouped_gemm.cu): on `stream`, for each expert e in [first,
- * last), D rows [s_e, t_e) = A rows [s_e, t_e) @ W_e^T, W_e = w + e * w_stride ([n, k], k contiguous), s_e / t_e the
+ * last), D rows [s_e, t_e) = A rows [s_e, t_e) @ W_e^T, W_e = w + e * w_stride ([n, k]: k contiguous, or with
+ * b_layout 1 n contiguous, i.e. a [k, n] matrix), s_e / t_e the
  * running maxima of 0 and offs[0 .. e-1] / offs[0 .. e] (offs[e-1] / offs[e] for good offsets), both at most rows.
  * With `range` (two int32 on the device, read by the kernels) only the experts of [first, last) within [range[0],
  * range[1]) get rows: a piece whose expert bounds the device computed. bf16 in and out, fp32 accumulation; other
@@ -606,7 +607,7 @@ FO_API int fo_moe_move_rows(const fo_moe_move_args* args);
  * aligned) of at least fo_grouped_gemm_workspace's bytes for the same arguments, not shared by calls in flight. */
 typedef struct {
   const void* a;                    /* [rows, lda] bf16 */
-  const void* w;                    /* experts x [n, k] bf16, w_stride apart */
+  const void* w;                    /* experts x [n, k] (b_layout 0) or [k, n] (1) bf16, w_stride apart */
   void* d;                          /* [rows, ldd] bf16 */
   const void* offs;                 /* experts int32 / int64 cumulative row offsets (offs_bytes 4 / 8) */
   const int32_t* range;             /* null, or on the device [lo, hi): experts outside it get no rows */
@@ -614,7 +615,8 @@ typedef struct {
   int32_t experts, first, last, offs_bytes;
   void* workspace;
   int64_t workspace_bytes;
-  int32_t device, reserved;
+  int32_t device;
+  int32_t b_layout;                 /* 0: w holds [n, k] per expert (k contiguous); 1: [k, n] (n contiguous) */
   void* stream;
 } fo_grouped_gemm_args;
 FO_API int fo_grouped_gemm_workspace(const fo_grouped_gemm_args* args, int64_t* bytes);

@@ -8,15 +8,16 @@
 // with `range` the piece's expert bounds are read on the device too (the MoE dispatch's cut by expert computes them
 // from the routing, routes/moe_expert_cut.py).
 //
-// One CUTLASS sm90 ptr-array grouped kernel (cooperative, 128x256x64 tiles, a 1x2 cluster multicasting A along N,
-// bf16 in and out, fp32 accumulation), persistent over the SMs; its per-group problem shapes, pointers and strides
+// One CUTLASS sm90 ptr-array grouped kernel per B layout (cooperative, 128x256x64 tiles, a 1x2 cluster multicasting
+// A along N, bf16 in and out, fp32 accumulation), persistent over the SMs; its per-group problem shapes, pointers and strides
 // are written on the stream by a small kernel from `offs` into the caller's workspace (fo_grouped_gemm_workspace
 // says how large), so the host knows only the piece's expert range. B is each expert's Linear weight ([N, K], K
-// contiguous), `w_stride` elements apart.
+// contiguous; b_layout 0) or a [K, N] matrix (N contiguous; b_layout 1), `w_stride` elements apart.
 #include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -30,7 +31,7 @@
 #include "flashoverlap_sm90.h"
 #include "route_util.hpp"
 
-// The ctypes mirror's layout (native/kernels.py; tests/test_grouped_gemm_cpu.py compares every field's offset).
+// The ctypes mirror's layout (native/grouped.py; tests/test_grouped_gemm.py compares every field's offset).
 static_assert(sizeof(fo_grouped_gemm_args) == 136 && offsetof(fo_grouped_gemm_args, stream) == 128,
               "fo_grouped_gemm_args layout");
 
@@ -46,28 +47,12 @@ using cute::Shape;
 using Element = cutlass::bfloat16_t;
 using Accumulator = float;
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
+using Shape3 = typename ProblemShape::UnderlyingProblemShape;
 using LayoutA = cutlass::layout::RowMajor;
-using LayoutB = cutlass::layout::ColumnMajor;  // B(k, n) at n * K + k: a Linear weight [N, K]
 using LayoutD = cutlass::layout::RowMajor;
 constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;  // 8 elements: TMA's 16 bytes
 using TileShape = Shape<_128, _256, _64>;
 using ClusterShape = Shape<_1, _2, _1>;
-
-using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-    cutlass::epilogue::collective::EpilogueTileAuto, Accumulator, Accumulator, void, LayoutD*, kAlign, Element,
-    LayoutD*, kAlign, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
-using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlign, Element, LayoutB*, kAlign,
-    Accumulator, TileShape, ClusterShape,
-    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-    cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
-using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
-using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-using StrideA = typename Kernel::InternalStrideA;
-using StrideB = typename Kernel::InternalStrideB;
-using StrideD = typename Kernel::InternalStrideD;
-using Shape3 = typename ProblemShape::UnderlyingProblemShape;
 
 // The per-group arrays at the workspace's start, each 128-byte aligned; CUTLASS's own workspace after them.
 struct Layout {
@@ -76,27 +61,87 @@ struct Layout {
 
 constexpr size_t round_up(size_t x) { return (x + 127) / 128 * 128; }
 
-Layout layout_for(int groups, size_t cutlass_bytes) {
-  Layout l{};
-  size_t at = 0;
-  l.shapes = at; at += round_up(sizeof(Shape3) * groups);
-  l.a = at; at += round_up(sizeof(void*) * groups);
-  l.b = at; at += round_up(sizeof(void*) * groups);
-  l.d = at; at += round_up(sizeof(void*) * groups);
-  l.sa = at; at += round_up(sizeof(StrideA) * groups);
-  l.sb = at; at += round_up(sizeof(StrideB) * groups);
-  l.sd = at; at += round_up(sizeof(StrideD) * groups);
-  l.cutlass = at; at += round_up(cutlass_bytes);
-  l.total = at;
-  return l;
-}
-
 __device__ __forceinline__ long long load_off(void const* p, int bytes, long long i) {
   return bytes == 4 ? (long long)static_cast<int const*>(p)[i] : static_cast<long long const*>(p)[i];
 }
 
-// One thread per group g = e - first: its problem shape, pointers and strides (O(e) reads of offs: e < 2^31 groups
-// of a few hundred experts at most in practice).
+// One B layout's kernel types, assembled at namespace scope (the CollectiveBuilders do not instantiate inside a class
+// template under nvcc's host compiler): LayoutB ColumnMajor reads B(k, n) at n * K + k (each expert's Linear weight
+// [N, K], b_layout 0), RowMajor at k * N + n (a [K, N] matrix, N contiguous: the backward's down projection as
+// stored, b_layout 1).
+#define FO_GROUPED_KERNEL(NS, LAYOUT_B)                                                                               \
+  namespace NS {                                                                                                     \
+  using LayoutB = LAYOUT_B;                                                                                          \
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<                                        \
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,                                  \
+      cutlass::epilogue::collective::EpilogueTileAuto, Accumulator, Accumulator, void, LayoutD*, kAlign, Element,    \
+      LayoutD*, kAlign, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;                     \
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<                                            \
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlign, Element, LayoutB*, kAlign,     \
+      Accumulator, TileShape, ClusterShape,                                                                          \
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>, \
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;                                     \
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;                             \
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;                                                  \
+  }
+
+FO_GROUPED_KERNEL(by_linear, cutlass::layout::ColumnMajor)
+FO_GROUPED_KERNEL(by_rows, cutlass::layout::RowMajor)
+#undef FO_GROUPED_KERNEL
+
+// A kernel's workspace layout, arguments and B stride; Gemm one of the two above.
+template <class GemmT, bool RowMajorB>
+struct Grouped {
+  using Gemm = GemmT;
+  using StrideA = typename Gemm::GemmKernel::InternalStrideA;
+  using StrideB = typename Gemm::GemmKernel::InternalStrideB;
+  using StrideD = typename Gemm::GemmKernel::InternalStrideD;
+  static constexpr bool kRowMajorB = RowMajorB;
+
+  static Layout layout_for(int groups, size_t cutlass_bytes) {
+    Layout l{};
+    size_t at = 0;
+    l.shapes = at; at += round_up(sizeof(Shape3) * groups);
+    l.a = at; at += round_up(sizeof(void*) * groups);
+    l.b = at; at += round_up(sizeof(void*) * groups);
+    l.d = at; at += round_up(sizeof(void*) * groups);
+    l.sa = at; at += round_up(sizeof(StrideA) * groups);
+    l.sb = at; at += round_up(sizeof(StrideB) * groups);
+    l.sd = at; at += round_up(sizeof(StrideD) * groups);
+    l.cutlass = at; at += round_up(cutlass_bytes);
+    l.total = at;
+    return l;
+  }
+
+  static typename Gemm::Arguments arguments(fo_grouped_gemm_args const& a, char* ws, Layout const& l, int sm_count) {
+    typename Gemm::Arguments args{};
+    args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+    args.problem_shape = {a.last - a.first, reinterpret_cast<Shape3*>(ws + l.shapes), nullptr};
+    args.mainloop = {reinterpret_cast<Element const**>(ws + l.a), reinterpret_cast<StrideA*>(ws + l.sa),
+                     reinterpret_cast<Element const**>(ws + l.b), reinterpret_cast<StrideB*>(ws + l.sb)};
+    args.epilogue.ptr_C = nullptr;
+    args.epilogue.dC = nullptr;
+    args.epilogue.ptr_D = reinterpret_cast<Element**>(ws + l.d);
+    args.epilogue.dD = reinterpret_cast<StrideD*>(ws + l.sd);
+    args.epilogue.thread.alpha = 1.0f;
+    args.epilogue.thread.beta = 0.0f;
+    args.hw_info.device_id = a.device;
+    args.hw_info.sm_count = sm_count;
+    return args;
+  }
+
+  static Layout layout(fo_grouped_gemm_args const& a, int sm_count) {
+    Layout bare = layout_for(a.last - a.first, 0);
+    return layout_for(a.last - a.first, Gemm::get_workspace_size(arguments(a, nullptr, bare, sm_count)));
+  }
+};
+
+using ByLinear = Grouped<by_linear::Gemm, false>;
+using ByRows = Grouped<by_rows::Gemm, true>;
+
+// One thread per group g = e - first: its problem shape, pointers and strides (O(e) reads of offs: a few hundred
+// experts at most in practice).
+template <class G>
 __global__ void fill_groups(fo_grouped_gemm_args a, char* ws, Layout l) {
   int g = blockIdx.x * blockDim.x + threadIdx.x;
   int groups = a.last - a.first;
@@ -116,32 +161,19 @@ __global__ void fill_groups(fo_grouped_gemm_args a, char* ws, Layout l) {
   reinterpret_cast<Element const**>(ws + l.a)[g] = static_cast<Element const*>(a.a) + start * a.lda;
   reinterpret_cast<Element const**>(ws + l.b)[g] = static_cast<Element const*>(a.w) + e * a.w_stride;
   reinterpret_cast<Element**>(ws + l.d)[g] = static_cast<Element*>(a.d) + start * a.ldd;
-  StrideA sa{};
+  typename G::StrideA sa{};
   cute::get<0>(sa) = a.lda;
-  StrideB sb{};
-  cute::get<0>(sb) = a.k;
-  StrideD sd{};
+  typename G::StrideB sb{};
+  if constexpr (G::kRowMajorB) {
+    cute::get<1>(sb) = a.n;  // (n, k) at k * N + n
+  } else {
+    cute::get<0>(sb) = a.k;  // (n, k) at n * K + k
+  }
+  typename G::StrideD sd{};
   cute::get<0>(sd) = a.ldd;
-  reinterpret_cast<StrideA*>(ws + l.sa)[g] = sa;
-  reinterpret_cast<StrideB*>(ws + l.sb)[g] = sb;
-  reinterpret_cast<StrideD*>(ws + l.sd)[g] = sd;
-}
-
-typename Gemm::Arguments arguments(fo_grouped_gemm_args const& a, char* ws, Layout const& l, int sm_count) {
-  typename Gemm::Arguments args{};
-  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape = {a.last - a.first, reinterpret_cast<Shape3*>(ws + l.shapes), nullptr};
-  args.mainloop = {reinterpret_cast<Element const**>(ws + l.a), reinterpret_cast<StrideA*>(ws + l.sa),
-                   reinterpret_cast<Element const**>(ws + l.b), reinterpret_cast<StrideB*>(ws + l.sb)};
-  args.epilogue.ptr_C = nullptr;
-  args.epilogue.dC = nullptr;
-  args.epilogue.ptr_D = reinterpret_cast<Element**>(ws + l.d);
-  args.epilogue.dD = reinterpret_cast<StrideD*>(ws + l.sd);
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = 0.0f;
-  args.hw_info.device_id = a.device;
-  args.hw_info.sm_count = sm_count;
-  return args;
+  reinterpret_cast<typename G::StrideA*>(ws + l.sa)[g] = sa;
+  reinterpret_cast<typename G::StrideB*>(ws + l.sb)[g] = sb;
+  reinterpret_cast<typename G::StrideD*>(ws + l.sd)[g] = sd;
 }
 
 int sm_count_of(int device) {
@@ -151,9 +183,25 @@ int sm_count_of(int device) {
   return counts[device];
 }
 
-size_t cutlass_workspace(fo_grouped_gemm_args const& a, int sm_count) {
-  Layout l = layout_for(a.last - a.first, 0);
-  return Gemm::get_workspace_size(arguments(a, nullptr, l, sm_count));
+template <class G>
+int run(fo_grouped_gemm_args const& a, int sms) {
+  using flashoverlap::fail_code;
+  Layout l = G::layout(a, sms);
+  if (a.workspace_bytes < static_cast<int64_t>(l.total) || reinterpret_cast<uintptr_t>(a.workspace) % 128)
+    return fail_code(2, "fo_grouped_gemm: the workspace must start on 128 bytes and hold fo_grouped_gemm_workspace's "
+                        "bytes");
+  auto stream = static_cast<cudaStream_t>(a.stream);
+  char* ws = static_cast<char*>(a.workspace);
+  int groups = a.last - a.first;
+  fill_groups<G><<<(groups + 127) / 128, 128, 0, stream>>>(a, ws, l);
+  if (int rc = flashoverlap::cuda_check(cudaGetLastError(), "fo_grouped_gemm: fill_groups")) return rc;
+  typename G::Gemm gemm;
+  typename G::Gemm::Arguments gargs = G::arguments(a, ws, l, sms);
+  if (gemm.can_implement(gargs) != cutlass::Status::kSuccess) return fail_code(2, "fo_grouped_gemm: CUTLASS refused");
+  if (gemm.initialize(gargs, ws + l.cutlass, stream) != cutlass::Status::kSuccess)
+    return fail_code(3, "fo_grouped_gemm: CUTLASS initialize failed");
+  if (gemm.run(stream) != cutlass::Status::kSuccess) return fail_code(3, "fo_grouped_gemm: CUTLASS run failed");
+  return flashoverlap::cuda_check(cudaGetLastError(), "fo_grouped_gemm");
 }
 
 }  // namespace
@@ -161,11 +209,12 @@ size_t cutlass_workspace(fo_grouped_gemm_args const& a, int sm_count) {
 extern "C" {
 
 FO_API int fo_grouped_gemm_workspace(const fo_grouped_gemm_args* a, int64_t* bytes) {
-  if (a == nullptr || bytes == nullptr || a->last <= a->first)
-    return flashoverlap::fail_code(2, "fo_grouped_gemm_workspace: needs arguments with first < last and an output");
+  if (a == nullptr || bytes == nullptr || a->last <= a->first || (a->b_layout != 0 && a->b_layout != 1))
+    return flashoverlap::fail_code(2, "fo_grouped_gemm_workspace: needs arguments with first < last, b_layout 0 or 1 "
+                                      "and an output");
   int sms = sm_count_of(a->device);
   if (!sms) return flashoverlap::fail_code(2, "fo_grouped_gemm_workspace: no such device");
-  *bytes = static_cast<int64_t>(layout_for(a->last - a->first, cutlass_workspace(*a, sms)).total);
+  *bytes = static_cast<int64_t>((a->b_layout ? ByRows::layout(*a, sms) : ByLinear::layout(*a, sms)).total);
   return 0;
 }
 
@@ -182,26 +231,12 @@ FO_API int fo_grouped_gemm(const fo_grouped_gemm_args* args) {
     return fail_code(2, "fo_grouped_gemm: N, K, the row strides and the expert stride must be multiples of 8 "
                         "(16 bytes) and hold a row / a weight");
   if (a.offs_bytes != 4 && a.offs_bytes != 8) return fail_code(2, "fo_grouped_gemm: offs_bytes must be 4 or 8");
+  if (a.b_layout != 0 && a.b_layout != 1) return fail_code(2, "fo_grouped_gemm: b_layout must be 0 or 1");
   if ((reinterpret_cast<uintptr_t>(a.a) | reinterpret_cast<uintptr_t>(a.w) | reinterpret_cast<uintptr_t>(a.d)) % 16)
     return fail_code(2, "fo_grouped_gemm: A, W and D must start on 16 bytes");
   int sms = sm_count_of(a.device);
   if (!sms) return fail_code(2, "fo_grouped_gemm: no such device");
-  Layout l = layout_for(a.last - a.first, cutlass_workspace(a, sms));
-  if (a.workspace_bytes < static_cast<int64_t>(l.total) || reinterpret_cast<uintptr_t>(a.workspace) % 128)
-    return fail_code(2, "fo_grouped_gemm: the workspace must start on 128 bytes and hold fo_grouped_gemm_workspace's "
-                        "bytes");
-  auto stream = static_cast<cudaStream_t>(a.stream);
-  char* ws = static_cast<char*>(a.workspace);
-  int groups = a.last - a.first;
-  fill_groups<<<(groups + 127) / 128, 128, 0, stream>>>(a, ws, l);
-  if (int rc = flashoverlap::cuda_check(cudaGetLastError(), "fo_grouped_gemm: fill_groups")) return rc;
-  Gemm gemm;
-  typename Gemm::Arguments gargs = arguments(a, ws, l, sms);
-  if (gemm.can_implement(gargs) != cutlass::Status::kSuccess) return fail_code(2, "fo_grouped_gemm: CUTLASS refused");
-  if (gemm.initialize(gargs, ws + l.cutlass, stream) != cutlass::Status::kSuccess)
-    return fail_code(3, "fo_grouped_gemm: CUTLASS initialize failed");
-  if (gemm.run(stream) != cutlass::Status::kSuccess) return fail_code(3, "fo_grouped_gemm: CUTLASS run failed");
-  return flashoverlap::cuda_check(cudaGetLastError(), "fo_grouped_gemm");
+  return a.b_layout ? run<ByRows>(a, sms) : run<ByLinear>(a, sms);
 }
 
 }  // extern "C"

@@ -203,12 +203,12 @@ def test_grouped_mm_block_in_bf16(pool):
 
 
 def test_the_expert_cut_experiment_gives_the_dispatches_its_plan(pool):
-    """Under ``moe_dispatch_by_expert`` the pass gives every dispatch the plan "experts"; the forward's takes the
-    expert cut on both ranks, the backward's (the down weights as they are, not Linear-shaped for the library) runs
-    as "blocks" on both; everything matches eager."""
+    """Under ``moe_dispatch_by_expert`` the pass gives every dispatch the plan "experts"; the forward's (gate/up
+    Linear weights) and the backward's (the down projection as stored: the library's other B layout) take the cut on
+    both ranks; everything matches eager."""
     for got in pool.run(grouped_block_worker, frozenset({"moe_dispatch_by_expert"}), timeout_s=400):
         assert got["pass"].get("fused:all_to_all_dispatch") == 2 and got["calls"] == 2, got
-        assert all("'experts'" in line for line in got["ops"]) and got["experts"] == 1, got
+        assert all("'experts'" in line for line in got["ops"]) and got["experts"] == 2, got
 
 
 def test_torchtitan_style_expert_parallel_block(pool):

@@ -40,6 +40,14 @@ def test_bad_input_gets_a_clear_error_before_any_device_work(a, w, offs, match):
         grouped.grouped_mm(x.float(), wt.float(), offs)
 
 
+def test_the_weight_layouts():
+    w = torch.zeros(4, 24, 16)
+    assert grouped.b_layout_of(w) == 0  # Linear weights [n, k]
+    assert grouped.b_layout_of(torch.zeros(4, 16, 24).transpose(-2, -1)) == 1  # [k, n] stored, n contiguous
+    assert grouped.b_layout_of(torch.zeros(4, 24, 24)[..., :16]) is None  # padded rows
+    assert grouped.b_layout_of(w[0]) is None
+
+
 def test_the_cpu_runs_the_reference_semantics():
     """On the CPU ``grouped_mm`` is ``reference``: torch's grouped GEMM's rows of the experts in range (host bounds
     and device-style ``within`` alike), other rows of ``out`` untouched; each expert's rows bit for bit as torch's."""
@@ -110,6 +118,26 @@ def test_against_fp64_and_torch_grouped_mm(rows_per, n, k, pad, offs_dtype):
     assert _relerr(got, want) < TOL
     ref = torch._grouped_mm(a.contiguous(), w.transpose(-2, -1), offs=offs.to(torch.int32))
     assert _relerr(got, ref.double()) < TOL  # both bf16 outputs of fp32 sums
+
+
+@sm90
+@pytest.mark.parametrize("rows_per,n,k", [([97, 200, 3, 128], 768, 2048),
+                                          ([0, 300, 64, 1, 256, 0, 77, 512], 2048, 768)])
+def test_weights_stored_transposed(rows_per, n, k):
+    """``b_layout`` 1 (each expert's weight stored ``[k, n]``, n contiguous: the backward dispatch's down projection)
+    against fp64 and ``torch._grouped_mm`` on the same operand, into a NaN-filled output."""
+    _library()
+    a, _, offs = _case(n + k, rows_per, n, k)
+    g = torch.Generator(device="cuda").manual_seed(n)
+    w = (torch.randn(len(rows_per), k, n, device="cuda", generator=g) / k ** 0.5).bfloat16().transpose(-2, -1)
+    assert grouped.b_layout_of(w) == 1
+    out = torch.full((a.shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    grouped.grouped_mm(a, w, offs, out=out)
+    torch.cuda.synchronize()
+    want, mask = _oracle(a, w, offs)
+    assert _relerr(out[mask], want[mask]) < TOL and bool(out[~mask].isnan().all())
+    ref = torch._grouped_mm(a.contiguous(), w.transpose(-2, -1), offs=offs)
+    assert _relerr(out[mask], ref[mask].double()) < TOL
 
 
 @sm90

@@ -56,15 +56,19 @@ def combine_worker(plan: str) -> int:
     return routes.stats["combine:fast"] - before
 
 
-def kn_weights_worker() -> dict[str, int]:
-    """Weights as ``[E, K, N]`` contiguous (not each expert's Linear weight: the backward's form): every rank runs the
-    plan as "blocks" (the whole-block path, whole blocks), bit for bit as the reference."""
+def layout_worker(layout: str) -> dict[str, int]:
+    """Weights as ``[E, K, N]`` contiguous (``"kn"``: the backward's form, the library's ``b_layout`` 1) or with
+    padded rows (``"padded"``: no layout of the library's, so every rank runs the plan as "blocks", the whole-block
+    path), bit for bit as the reference either way."""
     torch.use_deterministic_algorithms(True)
     g = dist.group.WORLD
     before = {k: routes.stats[f"dispatch:{k}"] for k in COUNTERS}
     for seed in (1, 2):
         c = tm._case("dispatch", "grouped", "moe", seed)
-        c["b"] = [w.contiguous() for w in c["b"]]
+        if layout == "kn":
+            c["b"] = [w.contiguous() for w in c["b"]]
+        else:
+            c["b"] = [torch.cat([w, w[..., :8]], -1)[..., :w.shape[-1]] for w in c["b"]]
         got, want = td._call(c, g, "experts"), td._reference(c, g)
         assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True)), seed
     return {k: routes.stats[f"dispatch:{k}"] - v for k, v in before.items()}
@@ -131,5 +135,6 @@ def test_the_combine_sends_whole_blocks_under_an_expert_plan(pool):
     assert pool.run(combine_worker, "experts:c=3") == [2, 2]
 
 
-def test_weights_the_cut_cannot_take_run_the_plan_as_blocks_on_every_rank(pool):
-    assert pool.run(kn_weights_worker) == [{"experts": 0, "fast": 2, "redo": 0}] * 2
+def test_the_backwards_weight_layout_is_cut_and_others_run_the_plan_as_blocks_on_every_rank(pool):
+    assert pool.run(layout_worker, "kn") == [{"experts": 2, "fast": 0, "redo": 0}] * 2
+    assert pool.run(layout_worker, "padded") == [{"experts": 0, "fast": 2, "redo": 0}] * 2

@@ -11,9 +11,11 @@ expert: measured on one H200 (``examples/device/moe_gemm_probe.py``; docs/result
 the grouped GEMM by source block as the fused dispatch does today costs 15-76% more GEMM time at Qwen3-MoE shapes
 (2 ranks, 1024-8192 tokens per rank), cutting it by expert halves 2-16%.
 
+The weights are each expert's Linear weight ``[n, k]`` (k contiguous) or that matrix stored transposed (n contiguous:
+the MoE backward's dispatch multiplies by the down projection as stored); one kernel per layout.
 Offsets out of order or past the rows are clamped (each expert's rows run from the largest offset before it to the
 largest up to it, at most the rows: an expert gets fewer rows, never another's or rows outside ``a`` or ``out``).
-bf16 only; ``n``, ``k`` and the row strides multiples of 8; the weights' rows contiguous. One workspace per (device,
+bf16 only; ``n``, ``k`` and the row strides multiples of 8. One workspace per (device,
 stream), grown as needed: calls on one stream run in order, so they may share it.
 """
 
@@ -34,11 +36,27 @@ class GroupedGemmArgs(ctypes.Structure):
         + [(name, ctypes.c_int64) for name in ("rows", "n", "k", "lda", "ldd", "w_stride")] \
         + [(name, ctypes.c_int32) for name in ("experts", "first", "last", "offs_bytes")] \
         + [("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_int64), ("device", ctypes.c_int32),
-           ("reserved", ctypes.c_int32), ("stream", ctypes.c_void_p)]
+           ("b_layout", ctypes.c_int32), ("stream", ctypes.c_void_p)]
 
 
 _workspaces: dict[tuple[int, int], torch.Tensor] = {}  # (device, stream) -> its workspace (uint8, grown)
 _needs: dict[tuple[int, int], int] = {}  # (device, groups) -> fo_grouped_gemm_workspace's bytes (the SMs' and groups')
+
+
+def b_layout_of(w: torch.Tensor) -> int | None:
+    """The kernel's ``b_layout`` for weights ``w`` ([E, n, k]): 0 where each expert's ``[n, k]`` has k contiguous (a
+    Linear weight), 1 where n is (its transpose stored: ``[k, n]`` row-major), None for anything else (the experts
+    16-byte aligned apart and not overlapping)."""
+    if w.dim() != 3:
+        return None
+    n, k = int(w.shape[1]), int(w.shape[2])
+    if w.stride(0) % 8 or w.stride(0) < n * k:
+        return None
+    if w.stride(2) == 1 and w.stride(1) == k:
+        return 0
+    if w.stride(1) == 1 and w.stride(2) == n:
+        return 1
+    return None
 
 
 def _check(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out: torch.Tensor | None) -> None:
@@ -54,10 +72,9 @@ def _check(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out: torch.Tens
     if a.shape[1] != w.shape[2]:
         raise ValueError(f"grouped_mm: a has k={a.shape[1]}, the weights k={w.shape[2]}")
     n, k = w.shape[1], w.shape[2]
-    if n % 8 or k % 8 or a.stride(1) != 1 or a.stride(0) % 8 or w.stride(2) != 1 or w.stride(1) != k \
-            or w.stride(0) % 8:
-        raise ValueError("grouped_mm: n and k must be multiples of 8, a's rows and each weight contiguous with "
-                         "16-byte row strides")
+    if n % 8 or k % 8 or a.stride(1) != 1 or a.stride(0) % 8 or b_layout_of(w) is None:
+        raise ValueError("grouped_mm: n and k must be multiples of 8, a's rows contiguous with a 16-byte row stride, "
+                         "each expert's weight [n, k] with k or n contiguous (a Linear weight or its transpose)")
     if out is not None and (out.shape != (a.shape[0], n) or out.dtype != a.dtype or out.device != a.device
                             or out.stride(1) != 1 or out.stride(0) % 8):
         raise ValueError(f"grouped_mm: out must be a bfloat16 [{a.shape[0]}, {n}] tensor on a's device with "
@@ -99,7 +116,7 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, out: tor
     args = GroupedGemmArgs(a.data_ptr(), w.data_ptr(), out.data_ptr(), offs.data_ptr(),
                            None if within is None else within.data_ptr(), rows, n, int(w.shape[2]),
                            int(a.stride(0)), int(out.stride(0)), int(w.stride(0)), int(w.shape[0]), first, last,
-                           offs.element_size(), None, 0, device, 0, stream)
+                           offs.element_size(), None, 0, device, b_layout_of(w), stream)
     lib = kernels.ready(device)
     need = _needs.get((device, last - first))
     if need is None:

@@ -27,9 +27,10 @@ The outputs are the op's (``p = recv[index]``, ``y_t = grouped_mm(p, b_t, offs)`
 whole-block path's (``moe_fast``: where any rank's premise fails every rank redoes the call unfused). On the CPU the
 GEMMs are ``native.grouped.reference`` (each row as the unfused graph's ``torch._grouped_mm`` rounds it: bit for bit
 with the reference, which the gloo tests check). Taken (``eligible``) where the whole-block path would be, with
-every term's weights each expert's Linear weight with contiguous rows (``grouped._check``'s layout) and, on CUDA,
-the library loading. Never run on two GPUs yet (forty-fourth session: one GPU lent); the grouped GEMM's device-side
-piece bounds ran on one H200 (``tests/test_grouped_gemm.py``).
+every term's weights in a layout the library reads (``grouped.b_layout_of``) and, on CUDA, the library loading.
+Never run on two GPUs yet (forty-fourth session: one GPU lent); on one H200 through the op at one rank (results
+equal to the unfused op's) and the grouped GEMM's device-side piece bounds (``tests/test_grouped_gemm.py``); the
+backward's weight layout (``b_layout`` 1) only compiled, never run on a GPU.
 """
 
 from __future__ import annotations
@@ -47,12 +48,12 @@ from .cpu import _wait_all
 
 
 def _weight_fits(w: torch.Tensor) -> bool:
-    """``w`` (a term's ``[E, K, N]`` operand of ``torch._grouped_mm``) is each expert's Linear weight ``[N, K]`` with
-    contiguous rows, as the library reads it."""
+    """``w`` (a term's ``[E, K, N]`` operand of ``torch._grouped_mm``) is laid out as the library reads it
+    (``grouped.b_layout_of`` of its ``[E, N, K]`` transpose: K or N contiguous), N and K multiples of 8."""
+    if w.dim() != 3:
+        return False
     lw = w.transpose(-2, -1)
-    n, k = int(lw.shape[1]), int(lw.shape[2])
-    return lw.dim() == 3 and lw.stride(2) == 1 and lw.stride(1) == k and lw.stride(0) % 8 == 0 and not n % 8 \
-        and not k % 8
+    return grouped.b_layout_of(lw) is not None and not lw.shape[1] % 8 and not lw.shape[2] % 8
 
 
 @functools.cache
@@ -65,9 +66,9 @@ def _library(device_index: int) -> bool:
 
 def takes(x: torch.Tensor, b: list[torch.Tensor]) -> bool:
     """Whether the cut can take calls of these operands at all: bf16 rows of a multiple of 8 columns, every term's
-    weights the library's layout, on the CPU or the current CUDA device with the library loading. The same on every
-    rank (the graph's operands, the build); where it fails every rank runs the plan as ``"blocks"`` (whole blocks, one
-    chunk each): the backward's dispatch, whose weights are not Linear-shaped, does."""
+    weights a layout of the library's (the forward's Linear weights, the backward's down projection as stored), on
+    the CPU or the current CUDA device with the library loading. The same on every rank (the graph's operands, the
+    build); where it fails every rank runs the plan as ``"blocks"`` (whole blocks, one chunk each)."""
     if not (moe_p2p.grouped_kernel(x.dtype) and x.shape[1] % 8 == 0 and all(_weight_fits(w) for w in b)):
         return False
     if x.device.type == "cpu":
