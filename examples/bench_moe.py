@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     need = 1 if args.one_gpu else 2
     if gpus < need or not dist.is_torchelastic_launched():
-        print(f"bench_moe: needs 2 CUDA GPUs of one host and torchrun (found {gpus} GPU(s), "
+        print(f"bench_moe: needs {need} CUDA GPU(s) of one host and torchrun (found {gpus} GPU(s), "
               f"{'under' if dist.is_torchelastic_launched() else 'not under'} torchrun); run:\n"
               "  NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 examples/bench_moe.py", file=sys.stderr)
         return 2

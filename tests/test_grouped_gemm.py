@@ -11,6 +11,8 @@ of bounds), and a call after a refused one.
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 from c_layout import assert_mirrors_header, needs_cc
@@ -181,24 +183,36 @@ def test_device_side_piece_bounds_fill_one_output():
 
 
 @sm90
-def test_offsets_out_of_order_or_past_the_rows_are_clamped():
-    """Bad offsets give fewer rows, never another expert's or rows outside a or out (the clamped oracle's rows; the
-    rest untouched): a step back (expert 1 empty, expert 2 from row 150), an end past the rows."""
+@pytest.mark.parametrize("bad", [[150, 120, 380, 360], [150, 120, 600, 380]])
+def test_offsets_out_of_order_or_past_the_rows_are_clamped(bad):
+    """Bad offsets give fewer rows, never another expert's or rows outside a or out: a step back (expert 1 empty,
+    expert 2 from row 150), the last rows in no expert, or an end past the rows; ``out`` lies inside a NaN buffer
+    whose rows around it must stay NaN, and its rows of no expert too; the rest is the clamped oracle's."""
     _library()
     a, w, _ = _case(7, [100, 100, 100, 100], 1024, 256)
-    offs = torch.tensor([150, 120, 600, 380], device="cuda", dtype=torch.int32)  # a step back, past the rows
-    out = torch.full((a.shape[0], 1024), float("nan"), device="cuda", dtype=torch.bfloat16)
+    offs = torch.tensor(bad, device="cuda", dtype=torch.int32)
+    big = torch.full((a.shape[0] + 64, 1024), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = big[32:32 + a.shape[0]]
     grouped.grouped_mm(a, w, offs, out=out)
     torch.cuda.synchronize()
     want, mask = _oracle(a, w, offs)
-    assert bool(out[~mask].isnan().all())
-    assert _relerr(out[mask], want[mask]) < TOL
+    assert bool(big[:32].isnan().all()) and bool(big[-32:].isnan().all())
+    assert bool(out[~mask].isnan().all()) and _relerr(out[mask], want[mask]) < TOL
+    assert int(mask.sum()) == min(max(bad), a.shape[0])
 
 
 @sm90
 def test_a_refused_call_raises_clearly_and_the_next_call_works():
+    """Python's refusals (before any library call) and the library's own (a b_layout it does not know: code 2 and
+    its message), then a good call is exact."""
     _library()
     a, w, offs = _case(3, [64, 64], 512, 256)
+    out, ws = torch.empty(128, 512, device="cuda", dtype=torch.bfloat16), torch.empty(1 << 20, device="cuda")
+    args = grouped.GroupedGemmArgs(a.data_ptr(), w.data_ptr(), out.data_ptr(), offs.data_ptr(), None, 128, 512, 256,
+                                   256, 512, 512 * 256, 2, 0, 2, 4, ws.data_ptr(), ws.numel() * 4, 0, 7, 0)
+    lib = kernels.ready(0)
+    assert lib.fo_grouped_gemm(ctypes.byref(args)) == 2
+    assert b"b_layout" in lib.fo_last_error()
     with pytest.raises(ValueError, match="experts must be"):
         grouped.grouped_mm(a, w, offs, experts=(1, 1))
     with pytest.raises(ValueError, match="16 bytes"):

@@ -3,7 +3,8 @@ gloo ranks: taken where the whole-block path would be, equal to the unfused refe
 rows round as the graph's one ``torch._grouped_mm`` rounds them; every output pre-filled with NaN by
 ``torch.use_deterministic_algorithms``, so a row a piece forgets poisons the comparison); empty blocks and 3 ranks; a
 rank on the general path (same transfers: plan ``"blocks:c=N"``'s) interoperates; a rank whose premise fails makes
-every rank redo the call; the pieces' expert bounds from the routing (``piece_bounds``); the combine under an expert
+every rank redo the call; the pieces' expert bounds from the routing (``moe_fast.pieces_with_torch``, ``BlockPlan``'s
+``pieces``); the combine under an expert
 plan sends whole blocks (its whole-block path).
 
     python3 -m pytest -q tests/test_moe_expert_cut.py
@@ -124,11 +125,12 @@ def test_piece_bounds_take_the_experts_complete_in_every_block():
     assert bounds.tolist() == [0, 2, 3] and bounds.dtype == torch.int32
     bounds = moe_fast.pieces_with_torch(table, [[7, 7, 7], [2, 5, 9]], 3, torch.device("cpu"))
     assert bounds.tolist() == [0, 0, 2, 3]  # the first chunk holds no whole expert: an empty first piece
-    # a plan built with cuts carries them (here: torch's plan of a real routing, the own block all local)
+    # a plan built with cuts carries them: a real routing (expert rows 0-4 expert 0, 5-15 expert 2; blocks of 7 and 9
+    # rows: tables [5, 5, 7] and [0, 0, 9]), block 1 cut after 5 rows: experts 0 and 1 complete everywhere
     index, offs = torch.arange(16), torch.tensor([5, 5, 16], dtype=torch.int32)
     plan = moe_fast.BlockPlan(index, offs, [7, 9], [[7, 7], [5, 9]])
-    assert plan.pieces.tolist() == moe_fast.pieces_with_torch(plan.table, [[7, 7], [5, 9]], 3,
-                                                              torch.device("cpu")).tolist()
+    assert plan.table[:, :3].tolist() == [[5, 5, 7], [0, 0, 9]] and plan.pieces.tolist() == [0, 2, 3]
+    assert moe_fast.BlockPlan(index, offs, [7, 9]).pieces is None
 
 
 def test_the_combine_sends_whole_blocks_under_an_expert_plan(pool):

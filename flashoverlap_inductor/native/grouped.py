@@ -112,6 +112,9 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, out: tor
         if t.data_ptr() % 16:
             raise ValueError("grouped_mm: a, w and out must start on 16 bytes")
     device = a.device.index
+    if device != torch.cuda.current_device():  # the library launches on the current device
+        with torch.cuda.device(device):
+            return grouped_mm(a, w, offs, out=out, experts=experts, within=within)
     stream = torch.cuda.current_stream(a.device).cuda_stream
     args = GroupedGemmArgs(a.data_ptr(), w.data_ptr(), out.data_ptr(), offs.data_ptr(),
                            None if within is None else within.data_ptr(), rows, n, int(w.shape[2]),
@@ -153,10 +156,12 @@ def reference(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, out: torc
     rows = int(a.shape[0])
     if out is None:
         out = a.new_empty(rows, int(w.shape[1]))
-    spans = rows_of(offs.tolist(), rows)[first:last] if last > first else []
+    every = rows_of(offs.tolist(), rows)
+    spans = every[first:last] if last > first else []
     if not any(e > s for s, e in spans):
         return out
-    full = torch._grouped_mm(a, w.transpose(-2, -1), offs=offs.to(torch.int32))
+    clamped = torch.tensor([e for _, e in every], dtype=torch.int32, device=offs.device)  # offs where they are good
+    full = torch._grouped_mm(a, w.transpose(-2, -1), offs=clamped)
     for s, e in spans:
         out[s:e] = full[s:e]
     return out

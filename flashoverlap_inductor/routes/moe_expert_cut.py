@@ -64,22 +64,25 @@ def _library(device_index: int) -> bool:
     return True
 
 
-def takes(x: torch.Tensor, b: list[torch.Tensor]) -> bool:
+def takes(x: torch.Tensor, b: list[torch.Tensor], offs: torch.Tensor) -> bool:
     """Whether the cut can take calls of these operands at all: bf16 rows of a multiple of 8 columns, every term's
-    weights a layout of the library's (the forward's Linear weights, the backward's down projection as stored), on
-    the CPU or the current CUDA device with the library loading. The same on every rank (the graph's operands, the
-    build); where it fails every rank runs the plan as ``"blocks"`` (whole blocks, one chunk each)."""
-    if not (moe_p2p.grouped_kernel(x.dtype) and x.shape[1] % 8 == 0 and all(_weight_fits(w) for w in b)):
+    weights a layout of the library's (the forward's Linear weights, the backward's down projection as stored) on
+    16 bytes, contiguous offsets, on the CPU or a CUDA device. It reads only the graph's operands' dtypes, shapes and
+    layouts, the same on every rank by construction; where it fails every rank runs the plan as ``"blocks"`` (whole
+    blocks, one chunk each). Per-rank conditions (the library loading, the whole-block premise) are ``eligible``'s: a
+    rank outside them runs the general path on the same chunked transfers."""
+    return (moe_p2p.grouped_kernel(x.dtype) and x.shape[1] % 8 == 0 and offs.is_contiguous()
+            and x.device.type in ("cpu", "cuda") and all(_weight_fits(w) and w.data_ptr() % 16 == 0 for w in b))
+
+
+def eligible(x: torch.Tensor, b: list[torch.Tensor], offs: torch.Tensor, index_rows: int, buffer_rows: int) -> bool:
+    """Whether this rank runs a call ``takes`` allows on this path (module docstring): the library loading on the
+    current CUDA device (or the CPU) and the whole-block premise's host part, per rank like ``moe_fast.eligible``."""
+    if not (takes(x, b, offs) and moe_fast.eligible(True, x.dtype, 1, index_rows, buffer_rows)):
         return False
     if x.device.type == "cpu":
         return True
-    return x.is_cuda and x.device.index == torch.cuda.current_device() and _library(x.device.index)
-
-
-def eligible(x: torch.Tensor, b: list[torch.Tensor], index_rows: int, buffer_rows: int) -> bool:
-    """Whether a call ``takes`` allows runs this path (module docstring): the whole-block premise's host part, per
-    rank like ``moe_fast.eligible``; a rank outside it runs the general path on the same chunked transfers."""
-    return takes(x, b) and moe_fast.eligible(True, x.dtype, 1, index_rows, buffer_rows)
+    return x.device.index == torch.cuda.current_device() and _library(x.device.index)
 
 
 def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], offs: torch.Tensor, outs: list[int],

@@ -63,7 +63,10 @@ class BlockPlan:
     rows; ``facts``: the settle's vector of routing facts (``moe_p2p.SETTLE_LEN`` int64; verdicts on the host,
     ``moe_p2p.verdicts``). Built by the library (``moe_plan_lib``) or two Triton kernels where
     ``moe_plan_kernel.should_use`` says so (CUDA), else by
-    ``plan_with_torch``: the same tensors (the table where the data are good and the premise holds)."""
+    ``plan_with_torch``: the same tensors (the table where the data are good and the premise holds). ``cuts``
+    (``cuts[j][q]``: block j's rows in its first q + 1 chunks; the dispatch cut by expert, ``moe_expert_cut``):
+    ``pieces`` holds the expert pieces' bounds (int32, pieces + 1; the library's plan call writes them, else
+    ``pieces_with_torch``), else None."""
 
     def __init__(self, index: torch.Tensor, offs: torch.Tensor, sizes: list[int],
                  cuts: list[list[int]] | None = None) -> None:

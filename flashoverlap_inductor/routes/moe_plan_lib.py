@@ -112,9 +112,9 @@ def plan(index: torch.Tensor, offs: torch.Tensor, bounds: list[int],
          cuts: list[list[int]] | None = None) -> tuple[torch.Tensor, ...]:
     """``(idx, inv, table, facts)`` of ``moe_fast.BlockPlan`` (``moe_plan_kernel.build``'s contract) in one library
     call on the current stream: the workspace zeroed there, then two kernels. With ``cuts`` (``cuts[j][q]``: block
-    j's rows in its first q + 1 chunks, 1 to ``MAX_PIECES`` pieces) also the expert pieces' bounds (int32, pieces + 1:
-    ``moe_fast.pieces_with_torch``'s), a fifth entry. None where the library refused the call (``_called``): the
-    caller takes the Triton kernels."""
+    j's rows in its first q + 1 chunks) of 1 to ``MAX_PIECES`` pieces also the expert pieces' bounds (int32, pieces +
+    1: ``moe_fast.pieces_with_torch``'s), a fifth entry; of more pieces, none (the caller computes them). None where
+    the library refused the call (``_called``): the caller takes the Triton kernels."""
     rows, experts, blocks = int(index.shape[0]), int(offs.shape[0]), len(bounds) - 1
     padded = rows + (rows & 1)  # facts, inv and hits each from a 16-byte boundary
     counted = blocks * experts + (blocks * experts) % 2
@@ -136,7 +136,7 @@ def plan(index: torch.Tensor, offs: torch.Tensor, bounds: list[int],
     a.inv, a.hits = base + 8 * head, base + 8 * (head + padded)
     a.idx, a.table, a.table_cols = idx.data_ptr(), table.data_ptr(), table_cols
     pieces = None
-    if cuts is not None:
+    if cuts is not None and len(cuts[0]) <= MAX_PIECES:  # more pieces: BlockPlan takes torch's bounds
         a.pieces = len(cuts[0])
         for j, row in enumerate(cuts):
             for q, cut in enumerate(row[:-1]):
