@@ -59,8 +59,8 @@ def b_layout_of(w: torch.Tensor) -> int | None:
     return None
 
 
-def _check(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out: torch.Tensor | None) -> None:
-    """Clear errors for what the kernel cannot take (before any device work)."""
+def _check(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out: torch.Tensor | None) -> int:
+    """Clear errors for what the kernel cannot take (before any device work); returns the weights' ``b_layout``."""
     if a.dim() != 2 or w.dim() != 3 or offs.dim() != 1:
         raise ValueError(f"grouped_mm: need a [rows, k], w [experts, n, k] and offs [experts], got "
                          f"{tuple(a.shape)}, {tuple(w.shape)} and {tuple(offs.shape)}")
@@ -72,7 +72,8 @@ def _check(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out: torch.Tens
     if a.shape[1] != w.shape[2]:
         raise ValueError(f"grouped_mm: a has k={a.shape[1]}, the weights k={w.shape[2]}")
     n, k = w.shape[1], w.shape[2]
-    if n % 8 or k % 8 or a.stride(1) != 1 or a.stride(0) % 8 or b_layout_of(w) is None:
+    layout = b_layout_of(w)
+    if n % 8 or k % 8 or a.stride(1) != 1 or a.stride(0) % 8 or layout is None:
         raise ValueError("grouped_mm: n and k must be multiples of 8, a's rows contiguous with a 16-byte row stride, "
                          "each expert's weight [n, k] with k or n contiguous (a Linear weight or its transpose)")
     if out is not None and (out.shape != (a.shape[0], n) or out.dtype != a.dtype or out.device != a.device
@@ -83,6 +84,7 @@ def _check(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out: torch.Tens
         raise ValueError("grouped_mm: offs must be contiguous")
     if not (w.device == a.device and offs.device == a.device):
         raise ValueError("grouped_mm: a, w and offs must be on one device")
+    return layout
 
 
 def grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, out: torch.Tensor | None = None,
@@ -91,7 +93,7 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, out: tor
     ``w[e].T`` (module docstring), on the current stream; returns ``out`` (new and uninitialized outside those rows
     when None). ``within``: two int32 on ``a``'s device, ``[lo, hi)``: only the experts in it too (read by the
     kernels, never by the host). The operands' checks hold on every device; on the CPU the work is ``reference``'s."""
-    _check(a, w, offs, out)
+    layout = _check(a, w, offs, out)
     if a.device.type == "cpu":
         return reference(a, w, offs, out=out, experts=experts, within=within)
     if not a.is_cuda:
@@ -119,7 +121,7 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, out: tor
     args = GroupedGemmArgs(a.data_ptr(), w.data_ptr(), out.data_ptr(), offs.data_ptr(),
                            None if within is None else within.data_ptr(), rows, n, int(w.shape[2]),
                            int(a.stride(0)), int(out.stride(0)), int(w.stride(0)), int(w.shape[0]), first, last,
-                           offs.element_size(), None, 0, device, b_layout_of(w), stream)
+                           offs.element_size(), None, 0, device, layout, stream)
     lib = kernels.ready(device)
     need = _needs.get((device, last - first))
     if need is None:

@@ -185,7 +185,7 @@ def run_p2p(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes: 
     if offs is not None and cuts_by_expert(plan):
         if not moe_expert_cut.takes(x, b, offs):
             chunks = 1  # the same on every rank: the plan runs as "blocks"
-        elif moe_expert_cut.eligible(x, b, offs, int(index.shape[0]), sum(outs)):
+        elif moe_expert_cut.eligible(x, int(index.shape[0]), sum(outs)):
             return moe_expert_cut.run_dispatch(x, index, b, offs, outs, ins, group, chunks, what, redo, deferred)
     if offs is not None and moe_fast.eligible(True, x.dtype, chunks, int(index.shape[0]), sum(outs)):
         return moe_fast.run_dispatch(x, index, b, offs, outs, ins, group, what, redo, deferred)

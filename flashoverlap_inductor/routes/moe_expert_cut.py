@@ -35,12 +35,10 @@ backward's weight layout (``b_layout`` 1) only compiled, never run on a GPU.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 
-from ..native import grouped, kernels
+from ..native import grouped
 from ..schedule.combine import ring_steps
 from . import moe_fast, moe_p2p, moe_plan_lib
 from .base import stats
@@ -56,14 +54,6 @@ def _weight_fits(w: torch.Tensor) -> bool:
     return grouped.b_layout_of(lw) is not None and not lw.shape[1] % 8 and not lw.shape[2] % 8
 
 
-@functools.cache
-def _library(device_index: int) -> bool:
-    if not kernels.available():
-        return False
-    kernels.ready(device_index)  # loaded before any transfer is in flight
-    return True
-
-
 def takes(x: torch.Tensor, b: list[torch.Tensor], offs: torch.Tensor) -> bool:
     """Whether the cut can take calls of these operands at all: bf16 rows of a multiple of 8 columns, every term's
     weights a layout of the library's (the forward's Linear weights, the backward's down projection as stored) on
@@ -75,14 +65,15 @@ def takes(x: torch.Tensor, b: list[torch.Tensor], offs: torch.Tensor) -> bool:
             and x.device.type in ("cpu", "cuda") and all(_weight_fits(w) and w.data_ptr() % 16 == 0 for w in b))
 
 
-def eligible(x: torch.Tensor, b: list[torch.Tensor], offs: torch.Tensor, index_rows: int, buffer_rows: int) -> bool:
-    """Whether this rank runs a call ``takes`` allows on this path (module docstring): the library loading on the
-    current CUDA device (or the CPU) and the whole-block premise's host part, per rank like ``moe_fast.eligible``."""
-    if not (takes(x, b, offs) and moe_fast.eligible(True, x.dtype, 1, index_rows, buffer_rows)):
+def eligible(x: torch.Tensor, index_rows: int, buffer_rows: int) -> bool:
+    """Whether this rank runs a call that ``takes`` allows (asked first, once) on this path (module docstring): the
+    library loading on the current CUDA device (or the CPU) and the whole-block premise's host part, per rank like
+    ``moe_fast.eligible``."""
+    if not moe_fast.eligible(True, x.dtype, 1, index_rows, buffer_rows):
         return False
     if x.device.type == "cpu":
         return True
-    return x.device.index == torch.cuda.current_device() and _library(x.device.index)
+    return x.device.index == torch.cuda.current_device() and moe_plan_lib.library_on(x.device.index)
 
 
 def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], offs: torch.Tensor, outs: list[int],

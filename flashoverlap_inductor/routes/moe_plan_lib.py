@@ -86,7 +86,7 @@ def on() -> bool:
 
 
 @functools.cache
-def _library_on(device_index: int) -> bool:
+def library_on(device_index: int) -> bool:
     """Whether the library loads on this process's sm90 GPU (``kernels.available``), asked once per device; its
     kernels are loaded then (``kernels.ready``), not beside a call's NCCL transfers in flight."""
     if not kernels.available():
@@ -98,14 +98,14 @@ def _library_on(device_index: int) -> bool:
 def usable(like: torch.Tensor) -> bool:
     """Whether the library can take a call on ``like``'s device (``on``, a CUDA tensor of the current device, the
     library loading there): the dispatch then readies a block's moves for one call (``should_move`` decides)."""
-    return on() and like.is_cuda and like.device.index == torch.cuda.current_device() and _library_on(like.device.index)
+    return on() and like.is_cuda and like.device.index == torch.cuda.current_device() and library_on(like.device.index)
 
 
 def should_plan(index: torch.Tensor, offs: torch.Tensor) -> bool:
     """Whether ``moe_plan_kernel.build`` takes ``plan`` for a call within the kernels' limits
     (``moe_plan_kernel.fits``, checked there; module docstring)."""
     return (on() and index.is_cuda and offs.device == index.device
-            and index.device.index == torch.cuda.current_device() and _library_on(index.device.index))
+            and index.device.index == torch.cuda.current_device() and library_on(index.device.index))
 
 
 def plan(index: torch.Tensor, offs: torch.Tensor, bounds: list[int],
@@ -171,7 +171,7 @@ def should_poison(outputs: list[torch.Tensor], world: int) -> bool:
     return (on() and 1 <= world <= 8 and bool(outputs)
             and all(o.is_cuda and o.is_contiguous() and o.dtype in _NAN_BITS and o.device == outputs[0].device
                     for o in outputs)
-            and outputs[0].device.index == torch.cuda.current_device() and _library_on(outputs[0].device.index))
+            and outputs[0].device.index == torch.cuda.current_device() and library_on(outputs[0].device.index))
 
 
 def poison(outputs: list[torch.Tensor], vectors: torch.Tensor, world: int) -> list[torch.Tensor]:
