@@ -3,7 +3,8 @@ gloo ranks: taken where the whole-block path would be, equal to the unfused refe
 rows round as the graph's one ``torch._grouped_mm`` rounds them; every output pre-filled with NaN by
 ``torch.use_deterministic_algorithms``, so a row a piece forgets poisons the comparison); empty blocks and 3 ranks; a
 rank on the general path (same transfers: plan ``"blocks:c=N"``'s) interoperates; a rank whose premise fails makes
-every rank redo the call; the pieces' expert bounds from the routing (``moe_fast.pieces_with_torch``, ``BlockPlan``'s
+every rank redo the call; a GEMM fault in a piece raises on every rank and the next call is exact; the pieces' expert
+bounds from the routing (``moe_fast.pieces_with_torch``, ``BlockPlan``'s
 ``pieces``); the combine under an expert
 plan sends whole blocks (its whole-block path).
 
@@ -75,6 +76,38 @@ def layout_worker(layout: str) -> dict[str, int]:
     return {k: routes.stats[f"dispatch:{k}"] - v for k, v in before.items()}
 
 
+def fault_worker(bad_rank: int) -> tuple[str, str]:
+    """A piece's grouped GEMM raises on ``bad_rank`` in the middle of a cut call (its second GEMM of four): every rank
+    raises (its own error, ``PeerFailure`` on the others), no rank returns a tensor; the next call is exact."""
+    from unittest import mock
+
+    from flashoverlap_inductor import errors
+    from flashoverlap_inductor.native import grouped
+
+    torch.use_deterministic_algorithms(True)
+    g = dist.group.WORLD
+    c = tm._case("dispatch", "grouped2", "moe", 9)
+    real, seen = grouped.grouped_mm, []
+
+    def flaky(*args, **kwargs):
+        seen.append(1)
+        if dist.get_rank() == bad_rank and len(seen) == 2:
+            raise RuntimeError("injected GEMM fault")
+        return real(*args, **kwargs)
+
+    with mock.patch.object(grouped, "grouped_mm", flaky):
+        try:
+            td._call(c, g, "experts")
+            first = "no error"
+        except errors.PeerFailure as exc:
+            first = f"PeerFailure: {exc}"
+        except RuntimeError as exc:
+            first = f"RuntimeError: {exc}"
+    got, want = td._call(c, g, "experts"), td._reference(c, g)
+    assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+    return first, "next call exact"
+
+
 @pytest.fixture(scope="module")
 def pool():
     return get_pool(2)
@@ -140,3 +173,10 @@ def test_the_combine_sends_whole_blocks_under_an_expert_plan(pool):
 def test_the_backwards_weight_layout_is_cut_and_others_run_the_plan_as_blocks_on_every_rank(pool):
     assert pool.run(layout_worker, "kn") == [{"experts": 2, "fast": 0, "redo": 0}] * 2
     assert pool.run(layout_worker, "padded") == [{"experts": 0, "fast": 2, "redo": 0}] * 2
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_fault_in_a_piece_raises_on_every_rank_and_the_next_call_is_exact(pool, bad_rank):
+    for rank, (first, after) in enumerate(pool.run(fault_worker, bad_rank)):
+        assert first.startswith("RuntimeError: injected" if rank == bad_rank else "PeerFailure"), (rank, first)
+        assert after == "next call exact"
