@@ -3,10 +3,9 @@ gloo ranks: taken where the whole-block path would be, equal to the unfused refe
 rows round as the graph's one ``torch._grouped_mm`` rounds them; every output pre-filled with NaN by
 ``torch.use_deterministic_algorithms``, so a row a piece forgets poisons the comparison); empty blocks and 3 ranks; a
 rank on the general path (same transfers: plan ``"blocks:c=N"``'s) interoperates; a rank whose premise fails makes
-every rank redo the call; a GEMM fault in a piece raises on every rank and the next call is exact; the pieces' expert
-bounds from the routing (``moe_fast.pieces_with_torch``, ``BlockPlan``'s
-``pieces``); the combine under an expert
-plan sends whole blocks (its whole-block path).
+every rank redo the call; a GEMM fault in a piece raises on every rank and the next call is exact; the pieces'
+expert bounds from the routing (``moe_fast.pieces_with_torch``, ``BlockPlan``'s ``pieces``); the combine under an
+expert plan sends whole blocks (its whole-block path).
 
     python3 -m pytest -q tests/test_moe_expert_cut.py
 """
