@@ -622,6 +622,35 @@ typedef struct {
 FO_API int fo_grouped_gemm_workspace(const fo_grouped_gemm_args* args, int64_t* bytes);
 FO_API int fo_grouped_gemm(const fo_grouped_gemm_args* args);
 
+/* The MoE dispatch cut by expert after its transfers were issued, in one call (csrc/moe_dispatch_cut.cu; Python:
+ * routes/moe_cut_lib.py, routes/moe_expert_cut.py), on `stream`: fo_moe_plan (plan.pieces == pieces > 0, plan.bounds
+ * given: the expert pieces' bounds), the own block's units moved into p, then per piece q: for each peer block j of
+ * order[0 .. plan.blocks - 2] the stream waits for landed[u] (u = j * pieces + q; a cudaEvent_t, null: nothing to
+ * wait for) and unit u moves into p; then each term t's grouped GEMM over p's rows of the piece's experts
+ * (gemm[t] with range = plan.bounds + q, first 0, last experts) into gemm[t].d. Unit u's buffer rows are
+ * [recv_off[u], recv_off[u + 1]) (plan.inv of them: their rows of p); its rows lie in recv at recv_off[u] (peers)
+ * or in x at x_off[q] (the own block j == rank). A move is p row inv[r] = the unit's row r (row_bytes each, the
+ * widest of 16 / 8 / 4 / 2-byte words dividing the row, the strides and the addresses). Everything is checked
+ * before the first launch: a refusal (rc 2) enqueues nothing. */
+#define FO_MOE_MAX_UNITS (FO_MOE_MAX_BLOCKS * FO_MOE_MAX_PIECES)
+#define FO_MOE_MAX_TERMS 4
+typedef struct {
+  fo_moe_plan_args plan;
+  int32_t rank, pieces;             /* rank < plan.blocks; pieces == plan.pieces */
+  int32_t terms, reserved;          /* terms in [1, FO_MOE_MAX_TERMS] */
+  const void* x;                    /* the own block's rows, x_stride bytes apart */
+  const void* recv;                 /* the receive buffer, recv_stride bytes apart */
+  void* p;                          /* plan.rows rows, p_stride bytes apart */
+  int64_t x_stride, recv_stride, p_stride, row_bytes;
+  int64_t x_off[FO_MOE_MAX_PIECES];           /* the own block's unit q starts at x row x_off[q] */
+  int64_t recv_off[FO_MOE_MAX_UNITS + 1];     /* units' buffer rows, blocks * pieces + 1 entries */
+  void* landed[FO_MOE_MAX_UNITS];             /* cudaEvent_t per unit, or null */
+  int32_t order[FO_MOE_MAX_BLOCKS];           /* the peer blocks in the order their units are moved */
+  fo_grouped_gemm_args gemm[FO_MOE_MAX_TERMS];  /* a == p; range, first, last and stream are set here */
+  void* stream;
+} fo_moe_dispatch_args;
+FO_API int fo_moe_dispatch_cut(const fo_moe_dispatch_args* args);
+
 #ifdef __cplusplus
 }
 #endif

@@ -206,22 +206,11 @@ int run(fo_grouped_gemm_args const& a, int sms) {
 
 }  // namespace
 
-extern "C" {
+namespace flashoverlap {
 
-FO_API int fo_grouped_gemm_workspace(const fo_grouped_gemm_args* a, int64_t* bytes) {
-  if (a == nullptr || bytes == nullptr || a->last <= a->first || (a->b_layout != 0 && a->b_layout != 1))
-    return flashoverlap::fail_code(2, "fo_grouped_gemm_workspace: needs arguments with first < last, b_layout 0 or 1 "
-                                      "and an output");
-  int sms = sm_count_of(a->device);
-  if (!sms) return flashoverlap::fail_code(2, "fo_grouped_gemm_workspace: no such device");
-  *bytes = static_cast<int64_t>((a->b_layout ? ByRows::layout(*a, sms) : ByLinear::layout(*a, sms)).total);
-  return 0;
-}
-
-FO_API int fo_grouped_gemm(const fo_grouped_gemm_args* args) {
-  using flashoverlap::fail_code;
-  if (args == nullptr) return fail_code(2, "fo_grouped_gemm: null arguments");
-  fo_grouped_gemm_args const& a = *args;
+// fo_grouped_gemm's refusals (rc 2, before any launch), the workspace's size included; moe_dispatch_cut.cu checks
+// its terms with it before its first launch.
+int grouped_gemm_check(fo_grouped_gemm_args const& a) {
   if (!a.a || !a.w || !a.d || !a.offs || !a.workspace) return fail_code(2, "fo_grouped_gemm: a null pointer");
   if (a.first < 0 || a.last <= a.first || a.last > a.experts)
     return fail_code(2, "fo_grouped_gemm: need 0 <= first < last <= experts");
@@ -236,6 +225,32 @@ FO_API int fo_grouped_gemm(const fo_grouped_gemm_args* args) {
     return fail_code(2, "fo_grouped_gemm: A, W and D must start on 16 bytes");
   int sms = sm_count_of(a.device);
   if (!sms) return fail_code(2, "fo_grouped_gemm: no such device");
+  size_t need = (a.b_layout ? ByRows::layout(a, sms) : ByLinear::layout(a, sms)).total;
+  if (a.workspace_bytes < static_cast<int64_t>(need) || reinterpret_cast<uintptr_t>(a.workspace) % 128)
+    return fail_code(2, "fo_grouped_gemm: the workspace must start on 128 bytes and hold fo_grouped_gemm_workspace's "
+                        "bytes");
+  return 0;
+}
+
+}  // namespace flashoverlap
+
+extern "C" {
+
+FO_API int fo_grouped_gemm_workspace(const fo_grouped_gemm_args* a, int64_t* bytes) {
+  if (a == nullptr || bytes == nullptr || a->last <= a->first || (a->b_layout != 0 && a->b_layout != 1))
+    return flashoverlap::fail_code(2, "fo_grouped_gemm_workspace: needs arguments with first < last, b_layout 0 or 1 "
+                                      "and an output");
+  int sms = sm_count_of(a->device);
+  if (!sms) return flashoverlap::fail_code(2, "fo_grouped_gemm_workspace: no such device");
+  *bytes = static_cast<int64_t>((a->b_layout ? ByRows::layout(*a, sms) : ByLinear::layout(*a, sms)).total);
+  return 0;
+}
+
+FO_API int fo_grouped_gemm(const fo_grouped_gemm_args* args) {
+  if (args == nullptr) return flashoverlap::fail_code(2, "fo_grouped_gemm: null arguments");
+  fo_grouped_gemm_args const& a = *args;
+  if (int rc = flashoverlap::grouped_gemm_check(a)) return rc;
+  int sms = sm_count_of(a.device);
   return a.b_layout ? run<ByRows>(a, sms) : run<ByLinear>(a, sms);
 }
 

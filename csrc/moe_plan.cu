@@ -236,14 +236,8 @@ int moe_plan_preload() {
   return 0;
 }
 
-}  // namespace flashoverlap
-
-using flashoverlap::cuda_fail;
-using flashoverlap::fail_code;
-
-FO_API int fo_moe_plan(const fo_moe_plan_args* args) {
-  if (args == nullptr) return fail_code(2, "fo_moe_plan: null arguments");
-  fo_moe_plan_args const& a = *args;
+// fo_moe_plan's refusals (rc 2, before any launch); moe_dispatch_cut.cu checks its plan with it first.
+int moe_plan_check(fo_moe_plan_args const& a) {
   if (a.rows <= 0 || a.rows >= (1LL << 31)) return fail_code(2, "fo_moe_plan: rows must be in [1, 2^31)");
   if (a.experts < 1 || a.experts > FO_MOE_MAX_EXPERTS) return fail_code(2, "fo_moe_plan: experts out of range");
   if (a.blocks < 1 || a.blocks > FO_MOE_MAX_BLOCKS) return fail_code(2, "fo_moe_plan: blocks out of range");
@@ -259,6 +253,18 @@ FO_API int fo_moe_plan(const fo_moe_plan_args* args) {
   }
   if (!a.index || !a.offs || !a.work || !a.idx || !a.table || !a.count || !a.facts || !a.inv || !a.hits)
     return fail_code(2, "fo_moe_plan: a null pointer");
+  return 0;
+}
+
+}  // namespace flashoverlap
+
+using flashoverlap::cuda_fail;
+using flashoverlap::fail_code;
+
+FO_API int fo_moe_plan(const fo_moe_plan_args* args) {
+  if (args == nullptr) return fail_code(2, "fo_moe_plan: null arguments");
+  fo_moe_plan_args const& a = *args;
+  if (int rc = flashoverlap::moe_plan_check(a)) return rc;
   auto stream = static_cast<cudaStream_t>(a.stream);
   if (cudaError_t e = cudaMemsetAsync(a.work, 0, (size_t)a.work_len * sizeof(long long), stream); e != cudaSuccess)
     return cuda_fail("fo_moe_plan: zeroing the workspace", e);

@@ -5,7 +5,7 @@ and with ``--sections N`` the host time of each step of a fused call (inclusive,
 back-to-back calls, no profiler: ``SECTIONS`` wrapped in timers; rank 0).
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 examples/device/moe_profile.py [--shapes qwen3:4096]
-        [--plans blocks,blocks+deferred] [--trace DIR] [--cprofile 20] [--sections 50]
+        [--plans blocks,blocks+deferred] [--trace DIR] [--cprofile 20] [--sections 50] [--steps-too]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from flashoverlap_inductor import config  # noqa: E402
 from flashoverlap_inductor.native import grouped  # noqa: E402
 from flashoverlap_inductor.routes import (  # noqa: E402
     agree,
+    moe_cut_lib,
     moe_deferred,
     moe_expert_cut,
     moe_fast,
@@ -46,7 +47,19 @@ SECTIONS = [(moe_p2p, "run_call"), (agree, "check_once"), (moe_p2p, "issue_dispa
             (moe_nccl, "gather_status"), (moe_deferred, "poison_if_bad"), (moe_deferred, "raise_pending"),
             (moe_p2p, "settle"), (moe_plan_kernel, "_launch"), (triton_launch.Launcher, "__call__"),
             (moe_expert_cut, "run_dispatch"), (moe_fast, "pieces_with_torch"), (grouped, "grouped_mm"),
-            (moe_plan_lib, "move_rows"), (moe_p2p, "upload"), (moe_fast, "BlockPlan")]
+            (moe_plan_lib, "move_rows"), (moe_p2p, "upload"), (moe_fast, "BlockPlan"), (moe_cut_lib, "run")]
+
+
+def python_steps(f):
+    """``f`` with the dispatch cut by expert on its Python steps (``moe_cut_lib``'s one call off), for comparison."""
+    def run():
+        saved = moe_cut_lib._refused[:]
+        moe_cut_lib._refused[:] = ["moe_profile: the Python steps"]
+        try:
+            return f()
+        finally:
+            moe_cut_lib._refused[:] = saved
+    return run
 
 
 def _name(owner) -> str:
@@ -92,6 +105,8 @@ def main() -> None:
     p.add_argument("--sections", type=int, default=0, help="back-to-back calls of each fused variant with its steps "
                    "timed (rank 0 prints)")
     p.add_argument("--trace", default=None)
+    p.add_argument("--steps-too", action="store_true", help="also time the dispatch cut by expert on its Python "
+                   "steps (the one library call of routes/moe_cut_lib.py off)")
     args = p.parse_args()
     torch.cuda.set_device(dist.get_node_local_rank(fallback_rank=0))
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -105,6 +120,9 @@ def main() -> None:
                 plans = args.plans.split(",")
                 variants, seq = bm._variants(op, shape, r, plans, dev)
                 timed = [("seq", seq), *((plan, variants[f"fused[{plan}]"]) for plan in plans)]
+                if args.steps_too and op == "dispatch":  # the cut's Python steps beside its one library call
+                    timed += [(f"{plan}/steps", python_steps(variants[f"fused[{plan}]"])) for plan in plans
+                              if plan.startswith("experts")]
                 for name, f in timed:
                     for _ in range(5):
                         f()

@@ -110,31 +110,41 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, out: tor
         out = a.new_empty(rows, n)
     if rows == 0:
         return out
-    for t in (a, w, out):
-        if t.data_ptr() % 16:
-            raise ValueError("grouped_mm: a, w and out must start on 16 bytes")
     device = a.device.index
     if device != torch.cuda.current_device():  # the library launches on the current device
         with torch.cuda.device(device):
             return grouped_mm(a, w, offs, out=out, experts=experts, within=within)
+    args = call_args(a, w, offs, out, layout, first, last, within)
+    kernels.check(kernels.ready(device).fo_grouped_gemm(ctypes.byref(args)), "fo_grouped_gemm")
+    return out
+
+
+def call_args(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, layout: int, first: int,
+              last: int, within: torch.Tensor | None = None) -> GroupedGemmArgs:
+    """``fo_grouped_gemm``'s arguments for operands ``_check`` accepted (``layout``: its answer), on the current CUDA
+    device and stream, with this stream's workspace (grown to the call's need); a, w and out on 16 bytes (raised
+    otherwise). ``routes/moe_cut_lib.py`` hands them to ``fo_moe_dispatch_cut``, which sets the range per piece."""
+    for t in (a, w, out):
+        if t.data_ptr() % 16:
+            raise ValueError("grouped_mm: a, w and out must start on 16 bytes")
+    device = a.device.index
     stream = torch.cuda.current_stream(a.device).cuda_stream
     args = GroupedGemmArgs(a.data_ptr(), w.data_ptr(), out.data_ptr(), offs.data_ptr(),
-                           None if within is None else within.data_ptr(), rows, n, int(w.shape[2]),
-                           int(a.stride(0)), int(out.stride(0)), int(w.stride(0)), int(w.shape[0]), first, last,
-                           offs.element_size(), None, 0, device, layout, stream)
-    lib = kernels.ready(device)
+                           None if within is None else within.data_ptr(), int(a.shape[0]), int(w.shape[1]),
+                           int(w.shape[2]), int(a.stride(0)), int(out.stride(0)), int(w.stride(0)), int(w.shape[0]),
+                           first, last, offs.element_size(), None, 0, device, layout, stream)
     need = _needs.get((device, last - first))
     if need is None:
         got = ctypes.c_int64(0)
-        kernels.check(lib.fo_grouped_gemm_workspace(ctypes.byref(args), ctypes.byref(got)), "fo_grouped_gemm_workspace")
+        kernels.check(kernels.ready(device).fo_grouped_gemm_workspace(ctypes.byref(args), ctypes.byref(got)),
+                      "fo_grouped_gemm_workspace")
         need = _needs[(device, last - first)] = got.value
     key = (device, stream)
     ws = _workspaces.get(key)
     if ws is None or ws.numel() < need:
         ws = _workspaces[key] = torch.empty(max(need, 1 << 16), dtype=torch.uint8, device=a.device)
     args.workspace, args.workspace_bytes = ws.data_ptr(), ws.numel()
-    kernels.check(lib.fo_grouped_gemm(ctypes.byref(args)), "fo_grouped_gemm")
-    return out
+    return args
 
 
 def rows_of(offs: list[int], rows: int) -> list[tuple[int, int]]:

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from ..native import grouped
 from ..schedule.combine import ring_steps
-from . import moe_fast, moe_p2p, moe_plan_lib
+from . import moe_cut_lib, moe_fast, moe_p2p, moe_plan_lib
 from .base import stats
 from .cpu import _wait_all
 
@@ -85,7 +85,7 @@ def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], of
     sent = moe_p2p.issue_dispatch(x, outs, ins, pieces, group)  # unit j * pieces + q: chunk q of block j
     x, recv, send_off, recv_off, failure = sent.x, sent.recv, sent.send_off, sent.recv_off, sent.failure
     weights = [w.transpose(-2, -1) for w in b]  # each expert's Linear weight [N, K]
-    plan, result, bounds = None, None, None
+    plan, result, bounds, facts = None, None, None, None
 
     def move(u: int, rows: torch.Tensor) -> None:
         """Unit u's buffer rows ``rows`` into ``p`` (expert order)."""
@@ -103,32 +103,39 @@ def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], of
                                  f"{outs[rank]} from it (input_split_sizes {list(ins)}, output {list(outs)})")
             cuts = [[outs[j] if j == rank else recv_off[j * pieces + q + 1] - recv_off[j * pieces]
                      for q in range(pieces)] for j in range(world)]
-            plan = moe_fast.BlockPlan(index.to(x.device), offs, list(outs), cuts)  # its pieces: step 3
             rows = recv_off[-1]
             result = [x.new_empty(rows, x.shape[1]), *(x.new_empty(rows, int(w.shape[1])) for w in weights)]
-            for q in range(pieces):  # the own block: its rows as they lie in x
-                u = rank * pieces + q
-                move(u, x[send_off[u]:send_off[u + 1]])
-            bounds = plan.pieces
+            if moves_lib and rows and moe_cut_lib.should_run(x, index, offs, world, pieces, len(weights),
+                                                             sent.landing):
+                facts = moe_cut_lib.run(x, recv, index, offs, list(outs), cuts, list(zip(weights, result[1:],
+                                                                                         strict=True)),
+                                        result[0], send_off, recv_off, sent.landing,
+                                        [src for _dst, src in ring_steps(world, rank)], rank, pieces)
+            if facts is None:  # the Python steps (module docstring)
+                plan = moe_fast.BlockPlan(index.to(x.device), offs, list(outs), cuts)  # its pieces: step 3
+                facts = plan.facts
+                for q in range(pieces):  # the own block: its rows as they lie in x
+                    u = rank * pieces + q
+                    move(u, x[send_off[u]:send_off[u + 1]])
+                bounds = plan.pieces
     except BaseException as exc:  # noqa: BLE001 - the transfers are still waited for
         failure = failure or exc
     landing = dict(sent.landing)
     for q in range(pieces):
         for _dst, src in ring_steps(world, rank):
             u = src * pieces + q
-            failure = _wait_all(landing.get(u, []), failure)
-            if failure is None:
+            failure = _wait_all(landing.get(u, []), failure)  # after the library call: its stream waited already
+            if failure is None and plan is not None:
                 try:
                     move(u, recv[recv_off[u]:recv_off[u + 1]])
                 except BaseException as exc:  # noqa: BLE001 - as above
                     failure = exc
-        if failure is None and result[0].shape[0]:
+        if failure is None and plan is not None and result[0].shape[0]:
             try:
                 for t, w in enumerate(weights):
                     grouped.grouped_mm(result[0], w, offs, out=result[1 + t], within=bounds[q:q + 2])
             except BaseException as exc:  # noqa: BLE001 - as above
                 failure = exc
-    facts = None if plan is None else plan.facts
     if moe_p2p.end_call(failure, facts, result or [], what, x.device, group, deferred):
         del recv, result, plan, sent  # the redo's memory
         return moe_p2p.redo("dispatch", reference)

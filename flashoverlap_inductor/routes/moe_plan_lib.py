@@ -109,12 +109,23 @@ def should_plan(index: torch.Tensor, offs: torch.Tensor) -> bool:
 
 
 def plan(index: torch.Tensor, offs: torch.Tensor, bounds: list[int],
-         cuts: list[list[int]] | None = None) -> tuple[torch.Tensor, ...]:
+         cuts: list[list[int]] | None = None) -> tuple[torch.Tensor, ...] | None:
     """``(idx, inv, table, facts)`` of ``moe_fast.BlockPlan`` (``moe_plan_kernel.build``'s contract) in one library
     call on the current stream: the workspace zeroed there, then two kernels. With ``cuts`` (``cuts[j][q]``: block
     j's rows in its first q + 1 chunks) of 1 to ``MAX_PIECES`` pieces also the expert pieces' bounds (int32, pieces +
     1: ``moe_fast.pieces_with_torch``'s), a fifth entry; of more pieces, none (the caller computes them). None where
     the library refused the call (``_called``): the caller takes the Triton kernels."""
+    a, built = plan_args(index, offs, bounds, cuts)
+    if not _called(kernels.ready(index.device).fo_moe_plan(ctypes.byref(a)), "fo_moe_plan"):
+        return None
+    stats["moe:plan_lib"] += 1
+    return built
+
+
+def plan_args(index: torch.Tensor, offs: torch.Tensor, bounds: list[int],
+              cuts: list[list[int]] | None = None) -> tuple[PlanArgs, tuple[torch.Tensor, ...]]:
+    """``fo_moe_plan``'s arguments for ``plan`` (on the current stream) and the tensors it fills: ``(idx, inv,
+    table, facts)``, plus the pieces' bounds where ``cuts`` has 1 to ``MAX_PIECES`` pieces."""
     rows, experts, blocks = int(index.shape[0]), int(offs.shape[0]), len(bounds) - 1
     padded = rows + (rows & 1)  # facts, inv and hits each from a 16-byte boundary
     counted = blocks * experts + (blocks * experts) % 2
@@ -129,13 +140,12 @@ def plan(index: torch.Tensor, offs: torch.Tensor, bounds: list[int],
     a.index, a.offs, a.index_bytes, a.offs_bytes = index.data_ptr(), offs.data_ptr(), index.element_size(), \
         offs.element_size()
     a.rows, a.experts, a.blocks = rows, experts, blocks
-    for j in range(MAX_BLOCKS):
-        a.ends[j] = bounds[j + 1] if j < blocks else rows
+    a.ends[:] = [bounds[j + 1] if j < blocks else rows for j in range(MAX_BLOCKS)]
     a.work, a.work_len = base, work.numel()
     a.count, a.facts = base, base + 8 * counted
     a.inv, a.hits = base + 8 * head, base + 8 * (head + padded)
     a.idx, a.table, a.table_cols = idx.data_ptr(), table.data_ptr(), table_cols
-    pieces = None
+    built = idx, work[head:head + rows], table, work[counted:head]
     if cuts is not None and len(cuts[0]) <= MAX_PIECES:  # more pieces: BlockPlan takes torch's bounds
         a.pieces = len(cuts[0])
         for j, row in enumerate(cuts):
@@ -143,12 +153,9 @@ def plan(index: torch.Tensor, offs: torch.Tensor, bounds: list[int],
                 a.cuts[q][j] = cut
         pieces = torch.empty(a.pieces + 1, dtype=torch.int32, device=dev)
         a.bounds = pieces.data_ptr()
+        built = (*built, pieces)
     a.stream = torch.cuda.current_stream(dev).cuda_stream
-    if not _called(kernels.ready(dev).fo_moe_plan(ctypes.byref(a)), "fo_moe_plan"):
-        return None
-    stats["moe:plan_lib"] += 1
-    built = idx, work[head:head + rows], table, work[counted:head]
-    return built if pieces is None else (*built, pieces)
+    return a, built
 
 
 def _called(rc: int, what: str) -> bool:
