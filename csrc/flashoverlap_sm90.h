@@ -629,9 +629,9 @@ FO_API int fo_grouped_gemm(const fo_grouped_gemm_args* args);
  * wait for) and unit u moves into p; then each term t's grouped GEMM over p's rows of the piece's experts
  * (gemm[t] with range = plan.bounds + q, first 0, last experts) into gemm[t].d. Unit u's buffer rows are
  * [recv_off[u], recv_off[u + 1]) (plan.inv of them: their rows of p); its rows lie in recv at recv_off[u] (peers)
- * or in x at x_off[q] (the own block j == rank). A move is p row inv[r] = the unit's row r (row_bytes each, the
- * widest of 16 / 8 / 4 / 2-byte words dividing the row, the strides and the addresses). Everything is checked
- * before the first launch: a refusal (rc 2) enqueues nothing. */
+ * or in x at x_off[q] (the own block j == rank: its chunks one after another, moved in one launch). A move is p row
+ * inv[r] = the unit's row r (row_bytes each, the widest of 16 / 8 / 4 / 2-byte words dividing the row, the strides
+ * and the addresses). Everything is checked before the first launch: a refusal (rc 2) enqueues nothing. */
 #define FO_MOE_MAX_UNITS (FO_MOE_MAX_BLOCKS * FO_MOE_MAX_PIECES)
 #define FO_MOE_MAX_TERMS 4
 typedef struct {

@@ -2,7 +2,7 @@
 // in flashoverlap_sm90.h; Python: routes/moe_cut_lib.py). It composes this library's own steps on one stream,
 //
 //   fo_moe_plan (the routing plan and the expert pieces' bounds)
-//   the own block's units moved into p (fo_moe_move_rows, one launch per unit)
+//   the own block's units moved into p (fo_moe_move_rows, one launch)
 //   per piece q: per peer block in `order`: a stream wait for the unit's landing event, its move into p;
 //                then one fo_grouped_gemm per term over p's rows of the piece's experts (range = bounds + q)
 //
@@ -65,7 +65,11 @@ int check(fo_moe_dispatch_args const& a) {
     if (a.recv_off[u + 1] < a.recv_off[u]) return fail_code(2, "fo_moe_dispatch_cut: recv_off must not decrease");
     if ((u + 1) % a.pieces == 0 && a.recv_off[u + 1] != a.plan.ends[u / a.pieces])
       return fail_code(2, "fo_moe_dispatch_cut: a block's units must end where plan.ends says");
-    if (u / a.pieces == a.rank && a.x_off[u % a.pieces] < 0) return fail_code(2, "fo_moe_dispatch_cut: bad x_off");
+    if (u / a.pieces == a.rank) {  // the own chunks one after another in x, as in the buffer
+      int const q = u % a.pieces;
+      if (a.x_off[q] < 0 || (q && a.x_off[q] != a.x_off[q - 1] + a.recv_off[u] - a.recv_off[u - 1]))
+        return fail_code(2, "fo_moe_dispatch_cut: the own block's chunks must lie one after another in x");
+    }
     int64_t stride = 0;
     char const* src = unit_rows(a, u, &stride);
     if (!word_of(a.row_bytes, stride, a.p_stride, src, a.p))
@@ -87,12 +91,14 @@ int check(fo_moe_dispatch_args const& a) {
   return 0;
 }
 
-int move_unit(fo_moe_dispatch_args const& a, int u, cudaStream_t stream) {
+// Units u .. last - 1 (consecutive buffer rows whose source rows are consecutive too: one unit, or the own block's)
+// moved into p in one launch.
+int move_units(fo_moe_dispatch_args const& a, int u, int last, cudaStream_t stream) {
   fo_moe_move_args m{};
   int64_t stride = 0;
   m.src[0] = unit_rows(a, u, &stride);
   m.inv = a.plan.inv + a.recv_off[u];
-  m.rows = a.recv_off[u + 1] - a.recv_off[u], m.dst_rows = a.plan.rows, m.moves = 1;
+  m.rows = a.recv_off[last] - a.recv_off[u], m.dst_rows = a.plan.rows, m.moves = 1;
   m.dst[0] = a.p, m.row_bytes[0] = a.row_bytes, m.src_stride[0] = stride, m.dst_stride[0] = a.p_stride;
   m.word_bytes[0] = word_of(a.row_bytes, stride, a.p_stride, m.src[0], a.p);
   m.stream = stream;
@@ -110,9 +116,8 @@ FO_API int fo_moe_dispatch_cut(const fo_moe_dispatch_args* args) {
   fo_moe_plan_args plan = a.plan;
   plan.stream = a.stream;
   if (int rc = fo_moe_plan(&plan)) return rc;
-  for (int q = 0; q < a.pieces; ++q) {  // the own block at once: its rows lie in x
-    if (int rc = flashoverlap::move_unit(a, a.rank * a.pieces + q, stream)) return rc;
-  }
+  int const own = a.rank * a.pieces;  // the own block at once (its chunks lie one after another in x)
+  if (int rc = flashoverlap::move_units(a, own, own + a.pieces, stream)) return rc;
   for (int q = 0; q < a.pieces; ++q) {
     for (int i = 0; i + 1 < a.plan.blocks; ++i) {
       int const u = a.order[i] * a.pieces + q;
@@ -120,7 +125,7 @@ FO_API int fo_moe_dispatch_cut(const fo_moe_dispatch_args* args) {
         if (cudaError_t e = cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(a.landed[u]), 0); e != cudaSuccess)
           return flashoverlap::fail_code(100 + int(e), "fo_moe_dispatch_cut: waiting for a unit's transfer");
       }
-      if (int rc = flashoverlap::move_unit(a, u, stream)) return rc;
+      if (int rc = flashoverlap::move_units(a, u, u + 1, stream)) return rc;
     }
     for (int t = 0; t < a.terms; ++t) {
       fo_grouped_gemm_args g = a.gemm[t];

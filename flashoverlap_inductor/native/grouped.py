@@ -25,6 +25,7 @@ import ctypes
 
 import torch
 
+from .. import _inductor_compat as compat
 from . import kernels
 
 
@@ -120,15 +121,16 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, out: tor
 
 
 def call_args(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, layout: int, first: int,
-              last: int, within: torch.Tensor | None = None) -> GroupedGemmArgs:
+              last: int, within: torch.Tensor | None = None, stream: int | None = None) -> GroupedGemmArgs:
     """``fo_grouped_gemm``'s arguments for operands ``_check`` accepted (``layout``: its answer), on the current CUDA
     device and stream, with this stream's workspace (grown to the call's need); a, w and out on 16 bytes (raised
-    otherwise). ``routes/moe_cut_lib.py`` hands them to ``fo_moe_dispatch_cut``, which sets the range per piece."""
+    otherwise). ``routes/moe_cut_lib.py`` hands them to ``fo_moe_dispatch_cut``, which sets the range per piece.
+    ``stream``: the current stream's handle where the caller has it."""
     for t in (a, w, out):
         if t.data_ptr() % 16:
             raise ValueError("grouped_mm: a, w and out must start on 16 bytes")
     device = a.device.index
-    stream = torch.cuda.current_stream(a.device).cuda_stream
+    stream = compat.current_raw_stream(device) if stream is None else stream
     args = GroupedGemmArgs(a.data_ptr(), w.data_ptr(), out.data_ptr(), offs.data_ptr(),
                            None if within is None else within.data_ptr(), int(a.shape[0]), int(w.shape[1]),
                            int(w.shape[2]), int(a.stride(0)), int(out.stride(0)), int(w.stride(0)), int(w.shape[0]),

@@ -64,7 +64,7 @@ def run(x: torch.Tensor, recv: torch.Tensor, index: torch.Tensor, offs: torch.Te
     bounds = [0]
     for rows in block_rows:
         bounds.append(bounds[-1] + rows)
-    plan_args, built = moe_plan_lib.plan_args(index, offs, bounds, cuts)
+    plan_args, (facts,) = moe_plan_lib.plan_args(index, offs, bounds, cuts, views=False)
     a = DispatchArgs()
     a.plan = plan_args
     a.rank, a.pieces, a.terms = rank, pieces, len(terms)
@@ -80,7 +80,8 @@ def run(x: torch.Tensor, recv: torch.Tensor, index: torch.Tensor, offs: torch.Te
             a.landed[u] = works[-1].done.cuda_event  # the unit's last step: NCCL runs a stream's steps in order
     a.order[:len(order)] = order
     for t, (w, y) in enumerate(terms):
-        a.gemm[t] = grouped.call_args(p, w, offs, y, grouped.b_layout_of(w), 0, int(w.shape[0]))
+        a.gemm[t] = grouped.call_args(p, w, offs, y, grouped.b_layout_of(w), 0, int(w.shape[0]),
+                                      stream=plan_args.stream)
     a.stream = plan_args.stream
     rc = kernels.ready(x.device).fo_moe_dispatch_cut(ctypes.byref(a))
     if rc != 0:
@@ -92,4 +93,4 @@ def run(x: torch.Tensor, recv: torch.Tensor, index: torch.Tensor, offs: torch.Te
              "dispatch cut by expert runs its Python steps from now on", message)
         return None
     stats["moe:cut_lib"] += 1
-    return built[3]
+    return facts

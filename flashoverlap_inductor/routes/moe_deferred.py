@@ -58,6 +58,8 @@ HELD_BEFORE_DEFERRING = moe_settle.HELD_BEFORE_DEFERRING
 _pending: dict[str, list[Pending]] = {}  # group -> deferred calls not judged on the host yet, oldest first
 _marks: dict[str, Pending | None] = {}  # PER_GRAPH group -> its newest pending call at the end of the last graph run
 _run = threading.local()  # depth: graph runs entered and not left; groups: those with a call in the run (this thread)
+MAX_FREE_MIRRORS = 8  # pinned status mirrors (and their events) kept per size for later calls
+_free_mirrors: dict[tuple[int, int], list[tuple[torch.Tensor, torch.cuda.Event]]] = {}  # (device, numel) -> free
 
 
 @dataclass
@@ -68,6 +70,7 @@ class Pending:
     done: torch.cuda.Event | None
     what: str
     group: dist.ProcessGroup
+    device: int = -1  # the CUDA device of ``done`` (a pinned mirror's), else -1
 
 
 def defers(group: dist.ProcessGroup, experiments: frozenset[str]) -> bool:
@@ -94,15 +97,33 @@ def settle_later(failure: BaseException | None, facts: torch.Tensor | None, outp
         host, done = every, None
         if device.type == "cuda":
             try:  # a pinned mirror and an event: read with no sync; else the device copy, read with one
-                host, done = torch.empty(every.shape, dtype=every.dtype, pin_memory=True), torch.cuda.Event()
-                host.copy_(every, non_blocking=True)
-                done.record()
+                host, done = _mirror(every)
             except Exception:  # noqa: BLE001 - no pinned memory: the plain read below works too
                 host, done = every, None
-        _pending.setdefault(group.group_name, []).append(Pending(host, done, what, group))
+        _pending.setdefault(group.group_name, []).append(Pending(host, done, what, group,
+                                                                 -1 if done is None else device.index))
     _raise_unless_exchanged(failure, lost, what, group)
     poison_if_bad(outputs, every, world)
     stats["moe:deferred"] += 1
+
+
+def _mirror(every: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+    """``every`` copied, without a sync, into a pinned host mirror and an event recorded after the copy: a free pair
+    of an earlier call's (``_recycle``: its copy was complete when it was judged), else a new one."""
+    free = _free_mirrors.get((every.device.index, every.numel()))
+    host, done = free.pop() if free else (torch.empty(every.shape, dtype=every.dtype, pin_memory=True),
+                                          torch.cuda.Event())
+    host.copy_(every, non_blocking=True)
+    done.record()
+    return host, done
+
+
+def _recycle(p: Pending) -> None:
+    """Keep a judged call's pinned mirror and event for a later call (at most ``MAX_FREE_MIRRORS`` per size)."""
+    if p.done is not None and p.device >= 0:
+        free = _free_mirrors.setdefault((p.device, p.vectors.numel()), [])
+        if len(free) < MAX_FREE_MIRRORS:
+            free.append((p.vectors, p.done))
 
 
 def bad(vectors: torch.Tensor, world: int) -> torch.Tensor:
@@ -239,6 +260,7 @@ def raise_pending(group: dist.ProcessGroup | None = None, sync: bool = False, li
                                                 "exchange (the cause below); its outputs may not have been "
                                                 "poisoned (a status never arrived): discard them") from cause
             vectors = p.vectors.tolist()
+            _recycle(p)  # its copy is complete (waited for or queried above) and read
             _judge([vectors[r * moe_settle.SETTLE_LEN:(r + 1) * moe_settle.SETTLE_LEN] for r in range(p.group.size())],
                    p)
 

@@ -26,6 +26,7 @@ import logging
 
 import torch
 
+from .. import _inductor_compat as compat
 from .. import config
 from ..native import kernels
 from . import moe_settle
@@ -122,39 +123,44 @@ def plan(index: torch.Tensor, offs: torch.Tensor, bounds: list[int],
     return built
 
 
-def plan_args(index: torch.Tensor, offs: torch.Tensor, bounds: list[int],
-              cuts: list[list[int]] | None = None) -> tuple[PlanArgs, tuple[torch.Tensor, ...]]:
-    """``fo_moe_plan``'s arguments for ``plan`` (on the current stream) and the tensors it fills: ``(idx, inv,
-    table, facts)``, plus the pieces' bounds where ``cuts`` has 1 to ``MAX_PIECES`` pieces."""
+def plan_args(index: torch.Tensor, offs: torch.Tensor, bounds: list[int], cuts: list[list[int]] | None = None,
+              views: bool = True) -> tuple[PlanArgs, tuple[torch.Tensor, ...]]:
+    """``fo_moe_plan``'s arguments for ``plan`` (on the current stream) and the tensors it fills, all in one
+    allocation: ``(idx, inv, table, facts)``, plus the pieces' bounds where ``cuts`` has 1 to ``MAX_PIECES`` pieces;
+    with ``views`` False only ``(facts,)`` (``moe_cut_lib``: the rest stays on the device, read by the library)."""
     rows, experts, blocks = int(index.shape[0]), int(offs.shape[0]), len(bounds) - 1
-    padded = rows + (rows & 1)  # facts, inv and hits each from a 16-byte boundary
+    padded = rows + (rows & 1)  # facts, inv, hits, idx and table each from a 16-byte boundary
     counted = blocks * experts + (blocks * experts) % 2
     head = counted + moe_settle.SETTLE_LEN
-    dev = index.device
-    work = torch.empty(head + 2 * padded, dtype=torch.int64, device=dev)
-    idx = torch.empty(rows, dtype=torch.int64, device=dev)
+    work_len = head + 2 * padded
     table_cols = -(-experts // 4) * 4
-    table = torch.empty(blocks, table_cols, dtype=torch.int32, device=dev)
-    base = work.data_ptr()
+    table_words = blocks * table_cols // 2  # int32 pairs; table_cols is a multiple of 4
+    pieces = len(cuts[0]) if cuts is not None and len(cuts[0]) <= MAX_PIECES else 0  # more: BlockPlan's torch bounds
+    at_table = work_len + padded
+    at_bounds = at_table + table_words
+    buf = torch.empty(at_bounds + (pieces + 2) // 2, dtype=torch.int64, device=index.device)
+    base = buf.data_ptr()
     a = PlanArgs()
     a.index, a.offs, a.index_bytes, a.offs_bytes = index.data_ptr(), offs.data_ptr(), index.element_size(), \
         offs.element_size()
     a.rows, a.experts, a.blocks = rows, experts, blocks
     a.ends[:] = [bounds[j + 1] if j < blocks else rows for j in range(MAX_BLOCKS)]
-    a.work, a.work_len = base, work.numel()
+    a.work, a.work_len = base, work_len
     a.count, a.facts = base, base + 8 * counted
     a.inv, a.hits = base + 8 * head, base + 8 * (head + padded)
-    a.idx, a.table, a.table_cols = idx.data_ptr(), table.data_ptr(), table_cols
-    built = idx, work[head:head + rows], table, work[counted:head]
-    if cuts is not None and len(cuts[0]) <= MAX_PIECES:  # more pieces: BlockPlan takes torch's bounds
-        a.pieces = len(cuts[0])
+    a.idx, a.table, a.table_cols = base + 8 * work_len, base + 8 * at_table, table_cols
+    if pieces:
+        a.pieces, a.bounds = pieces, base + 8 * at_bounds
         for j, row in enumerate(cuts):
             for q, cut in enumerate(row[:-1]):
                 a.cuts[q][j] = cut
-        pieces = torch.empty(a.pieces + 1, dtype=torch.int32, device=dev)
-        a.bounds = pieces.data_ptr()
-        built = (*built, pieces)
-    a.stream = torch.cuda.current_stream(dev).cuda_stream
+    a.stream = compat.current_raw_stream(index.device.index)
+    if not views:
+        return a, (buf[counted:head],)
+    built = (buf[work_len:work_len + rows], buf[head:head + rows],
+             buf[at_table:at_bounds].view(torch.int32).view(blocks, table_cols), buf[counted:head])
+    if pieces:
+        built = (*built, buf[at_bounds:].view(torch.int32)[:pieces + 1])
     return a, built
 
 
@@ -194,7 +200,7 @@ def poison(outputs: list[torch.Tensor], vectors: torch.Tensor, world: int) -> li
         for k, out in enumerate(part):
             a.out[k], a.numel[k], a.elem_bytes[k] = out.data_ptr(), out.numel(), out.element_size()
             a.nan_bits[k] = _NAN_BITS[out.dtype]
-        a.stream = torch.cuda.current_stream(dev).cuda_stream
+        a.stream = compat.current_raw_stream(dev.index)
         if not _called(lib.fo_moe_poison(ctypes.byref(a)), "fo_moe_poison"):
             return outputs[first:]
         stats["moe:poison_lib"] += 1
@@ -234,7 +240,7 @@ def move_rows(inv: torch.Tensor, moves: list[tuple[torch.Tensor, torch.Tensor]])
         a.src[k], a.dst[k] = src.data_ptr(), dst.data_ptr()
         a.row_bytes[k], a.src_stride[k], a.dst_stride[k] = row, s_stride, d_stride
         a.word_bytes[k] = _word(row, s_stride, d_stride, src.data_ptr(), dst.data_ptr())
-    a.stream = torch.cuda.current_stream(inv.device).cuda_stream
+    a.stream = compat.current_raw_stream(inv.device.index)
     if not _called(kernels.ready(inv.device).fo_moe_move_rows(ctypes.byref(a)), "fo_moe_move_rows"):
         return False
     stats["moe:move_lib"] += 1
