@@ -4,7 +4,7 @@
 // (moe_fast.plan_with_torch): one ctypes call each, in place of a Triton launch (~40-80 us of host time per launch
 // on the 2-GPU hosts, measured) and a torch fill.
 //
-// fo_moe_plan: one cudaMemsetAsync of the workspace, then
+// fo_moe_plan: one kernel zeroing the workspace, then
 //   scatter (one thread per expert row i): idx[i] = index[i] mod rows (Python's sign rule; entries clamped to
 //     +-(2^62 - 1) first), inv[idx] = max(inv[idx], i), hits[idx] += 1, count[block of idx][group of i] += 1 for a
 //     group < experts, the index's extremes as maxima of (raw + 2^62) and (2^62 - raw) (warp-reduced);
@@ -73,6 +73,12 @@ __device__ __forceinline__ long long warp_max(long long v) {
 __device__ __forceinline__ long long warp_min(long long v) {
   for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_down_sync(0xffffffffu, v, o));
   return v;
+}
+
+// The workspace zeroed (a kernel: cudaMemsetAsync held the host 26-40 us per call on the H200 hosts, a launch 7-13).
+__global__ void moe_plan_zero(long long* work, long long len) {
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < len; i += (long long)gridDim.x * blockDim.x)
+    work[i] = 0;
 }
 
 __global__ void moe_plan_scatter(fo_moe_plan_args a) {
@@ -229,7 +235,8 @@ int cuda_fail(char const* what, cudaError_t e) {
 // fo_preload (api.cu): load this file's kernels too.
 int moe_plan_preload() {
   cudaFuncAttributes attr{};
-  for (void const* k : {reinterpret_cast<void const*>(moe_plan_scatter), reinterpret_cast<void const*>(moe_plan_judge),
+  for (void const* k : {reinterpret_cast<void const*>(moe_plan_zero), reinterpret_cast<void const*>(moe_plan_scatter),
+                        reinterpret_cast<void const*>(moe_plan_judge),
                         reinterpret_cast<void const*>(moe_poison), reinterpret_cast<void const*>(moe_move_rows)}) {
     if (cudaError_t e = cudaFuncGetAttributes(&attr, k); e != cudaSuccess) return cuda_fail("fo_preload (moe)", e);
   }
@@ -266,8 +273,9 @@ FO_API int fo_moe_plan(const fo_moe_plan_args* args) {
   fo_moe_plan_args const& a = *args;
   if (int rc = flashoverlap::moe_plan_check(a)) return rc;
   auto stream = static_cast<cudaStream_t>(a.stream);
-  if (cudaError_t e = cudaMemsetAsync(a.work, 0, (size_t)a.work_len * sizeof(long long), stream); e != cudaSuccess)
-    return cuda_fail("fo_moe_plan: zeroing the workspace", e);
+  long long const zero_blocks = (a.work_len + flashoverlap::kThreads - 1) / flashoverlap::kThreads;
+  flashoverlap::moe_plan_zero<<<(unsigned)(zero_blocks > 1024 ? 1024 : zero_blocks), flashoverlap::kThreads, 0,
+                                stream>>>(reinterpret_cast<long long*>(a.work), a.work_len);
   unsigned const grid = (unsigned)((a.rows + flashoverlap::kThreads - 1) / flashoverlap::kThreads);
   size_t const shared = (size_t)a.experts * sizeof(long long);
   flashoverlap::moe_plan_scatter<<<grid, flashoverlap::kThreads, shared, stream>>>(a);
