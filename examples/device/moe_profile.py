@@ -29,8 +29,10 @@ from flashoverlap_inductor import config  # noqa: E402
 from flashoverlap_inductor.native import grouped  # noqa: E402
 from flashoverlap_inductor.routes import (  # noqa: E402
     agree,
+    combine,
     moe_cut_lib,
     moe_deferred,
+    moe_dispatch,
     moe_expert_cut,
     moe_fast,
     moe_nccl,
@@ -48,6 +50,13 @@ SECTIONS = [(moe_p2p, "run_call"), (agree, "check_once"), (moe_p2p, "issue_dispa
             (moe_p2p, "settle"), (moe_plan_kernel, "_launch"), (triton_launch.Launcher, "__call__"),
             (moe_expert_cut, "run_dispatch"), (moe_fast, "pieces_with_torch"), (grouped, "grouped_mm"),
             (moe_plan_lib, "move_rows"), (moe_p2p, "upload"), (moe_fast, "BlockPlan"), (moe_cut_lib, "run")]
+# with --fine, the small steps too (what the Python around the library calls costs)
+FINE = [(moe_dispatch, "run_p2p"), (moe_dispatch, "dispatch"), (combine, "run_p2p"), (combine, "dispatch"),
+        (moe_p2p, "unsupported"), (moe_expert_cut, "takes"), (moe_expert_cut, "eligible"), (moe_plan_lib, "usable"),
+        (moe_cut_lib, "should_run"), (moe_plan_lib, "plan_args"), (grouped, "call_args"),
+        (moe_plan_lib, "should_poison"), (moe_plan_lib, "poison"), (moe_deferred, "_mirror"), (config, "from_key"),
+        (moe_p2p, "count_route"), (moe_fast, "run_combine"), (moe_fast, "run_dispatch"), (moe_deferred, "defers"),
+        (moe_deferred, "enter_call"), (moe_p2p, "lock"), (moe_fast, "_block_gemm")]
 
 
 def python_steps(f):
@@ -66,11 +75,12 @@ def _name(owner) -> str:
     return owner.__name__.rsplit(".", 1)[-1]
 
 
-def timed_sections(calls: int, f) -> tuple[float, dict[str, tuple[float, int]]]:
-    """Host ms per call of ``calls`` back-to-back calls of ``f``, and per ``SECTIONS`` entry (us per call, entries
-    per call), with each entry wrapped in a timer for the calls' duration."""
-    spent: dict[str, list[float]] = {f"{_name(m)}.{a}": [0.0, 0] for m, a in SECTIONS}
-    saved = [(m, a, getattr(m, a)) for m, a in SECTIONS]
+def timed_sections(calls: int, f, fine: bool = False) -> tuple[float, dict[str, tuple[float, int]]]:
+    """Host ms per call of ``calls`` back-to-back calls of ``f``, and per ``SECTIONS`` entry (and ``FINE``'s where
+    ``fine``; us per call, entries per call), with each entry wrapped in a timer for the calls' duration."""
+    sections = SECTIONS + (FINE if fine else [])
+    spent: dict[str, list[float]] = {f"{_name(m)}.{a}": [0.0, 0] for m, a in sections}
+    saved = [(m, a, getattr(m, a)) for m, a in sections]
 
     def timer(name, fn):
         def wrapped(*args, **kw):
@@ -105,6 +115,7 @@ def main() -> None:
     p.add_argument("--sections", type=int, default=0, help="back-to-back calls of each fused variant with its steps "
                    "timed (rank 0 prints)")
     p.add_argument("--trace", default=None)
+    p.add_argument("--fine", action="store_true", help="with --sections: the small steps too (FINE)")
     p.add_argument("--steps-too", action="store_true", help="also time the dispatch cut by expert on its Python "
                    "steps (the one library call of routes/moe_cut_lib.py off)")
     args = p.parse_args()
@@ -144,7 +155,7 @@ def main() -> None:
                     if args.sections and name != "seq":
                         dist.barrier()
                         direct = triton_launch.counts["direct"]
-                        host_ms, steps = timed_sections(args.sections, f)
+                        host_ms, steps = timed_sections(args.sections, f, args.fine)
                         if rank == 0:
                             print(f"-- steps of {op} {preset}:{tokens} {name}: host {host_ms:.3f} ms per call back to "
                                   f"back, {(triton_launch.counts['direct'] - direct) / args.sections:.1f} direct "
