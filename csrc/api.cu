@@ -177,7 +177,7 @@ using namespace flashoverlap;
 
 extern "C" {
 
-FO_API int fo_abi_version(void) { return 21; }
+FO_API int fo_abi_version(void) { return 22; }
 
 FO_API int fo_preload(void) {
   cudaFuncAttributes attr{};

@@ -564,9 +564,12 @@ FO_API int fo_moe_plan(const fo_moe_plan_args* args);
 /* The deferred MoE settle's poison (routes/moe_deferred.py): on `stream`, outputs 0..outputs-1 (numel[k] elements of
  * elem_bytes[k] each, contiguous) filled with nan_bits[k] where any of the world vectors (FO_MOE_SETTLE_LEN int64
  * each, rank order) is bad: a failure (FAIL != 0: UNSENT included), an index out of range, offsets that decrease or
- * do not end at the rows, unnamed rows, a key step below 0. Nothing is written when every vector is good. */
+ * do not end at the rows, unnamed rows, a key step below 0. Nothing is written when every vector is good. With
+ * `mirror` (page-locked host memory the device can address, world * FO_MOE_SETTLE_LEN int64; refused otherwise)
+ * the kernel also copies the vectors there, good or bad: the host reads them after an event recorded behind it. */
 typedef struct {
   const int64_t* every;
+  int64_t* mirror;                  /* null, or a page-locked host copy of every, written by the kernel */
   int32_t world;                    /* in [1, 8] */
   int32_t outputs;                  /* in [1, FO_MOE_POISON_SLOTS] */
   void* out[FO_MOE_POISON_SLOTS];

@@ -26,7 +26,7 @@
 
 // The ctypes mirrors' layout (routes/moe_plan_lib.py; tests/test_moe_plan_lib.py compares every field's offset).
 static_assert(sizeof(fo_moe_plan_args) == 704 && offsetof(fo_moe_plan_args, stream) == 696, "fo_moe_plan_args layout");
-static_assert(sizeof(fo_moe_poison_args) == 136 && offsetof(fo_moe_poison_args, stream) == 128,
+static_assert(sizeof(fo_moe_poison_args) == 144 && offsetof(fo_moe_poison_args, stream) == 136,
               "fo_moe_poison_args layout");
 static_assert(sizeof(fo_moe_move_args) == 216 && offsetof(fo_moe_move_args, stream) == 208, "fo_moe_move_args layout");
 
@@ -183,6 +183,9 @@ __device__ bool any_bad(long long const* every, int world) {
 
 __global__ void moe_poison(fo_moe_poison_args a) {
   __shared__ int s_bad;
+  if (a.mirror != nullptr && blockIdx.x == 0 && blockIdx.y == 0) {  // the vectors to the host, good or bad
+    for (int i = threadIdx.x; i < a.world * FO_MOE_SETTLE_LEN; i += blockDim.x) ll(a.mirror)[i] = ll(a.every)[i];
+  }
   if (threadIdx.x == 0) s_bad = any_bad(ll(a.every), a.world);
   __syncthreads();
   if (!s_bad) return;
@@ -297,9 +300,19 @@ FO_API int fo_moe_poison(const fo_moe_poison_args* args) {
     if (a.numel[k] < 0 || (a.numel[k] > 0 && a.out[k] == nullptr)) return fail_code(2, "fo_moe_poison: bad output");
     most = a.numel[k] > most ? a.numel[k] : most;
   }
+  fo_moe_poison_args k = a;
+  if (a.mirror != nullptr) {  // the device's address of the page-locked mirror (the same one under UVA)
+    cudaPointerAttributes attr{};
+    if (cudaPointerGetAttributes(&attr, a.mirror) != cudaSuccess || attr.type != cudaMemoryTypeHost ||
+        attr.devicePointer == nullptr) {
+      cudaGetLastError();  // a refused query leaves no sticky error
+      return fail_code(2, "fo_moe_poison: mirror must be page-locked host memory the device can address");
+    }
+    k.mirror = static_cast<int64_t*>(attr.devicePointer);
+  }
   long long const blocks = (most + flashoverlap::kThreads - 1) / flashoverlap::kThreads;
   dim3 const grid((unsigned)(blocks < 1 ? 1 : (blocks > 4096 ? 4096 : blocks)), (unsigned)a.outputs);
-  flashoverlap::moe_poison<<<grid, flashoverlap::kThreads, 0, static_cast<cudaStream_t>(a.stream)>>>(a);
+  flashoverlap::moe_poison<<<grid, flashoverlap::kThreads, 0, static_cast<cudaStream_t>(a.stream)>>>(k);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_fail("fo_moe_poison", e);
   return 0;
 }

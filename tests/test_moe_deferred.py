@@ -17,7 +17,7 @@ from dist_utils import get_pool
 from test_moe_fast import _call, _case, _mutate, _reference, _same
 
 from flashoverlap_inductor import config, errors, routes
-from flashoverlap_inductor.routes import moe_deferred, moe_fast, moe_settle
+from flashoverlap_inductor.routes import moe_deferred, moe_fast, moe_plan_lib, moe_settle
 
 
 def _nan(outs: list[torch.Tensor]) -> bool:
@@ -340,3 +340,54 @@ def test_a_judged_calls_pinned_mirror_and_event_serve_a_later_call(monkeypatch):
     assert again.tolist() == list(range(100, 116))
     other, _ = moe_deferred._mirror(torch.zeros(8, dtype=torch.int64, device="cuda"))  # another size: a new one
     assert other is not host
+
+
+class OneRank(RankZeroOfTwo):
+    """A stand-in group of one rank (no status exchange), named ``name``."""
+
+    def size(self) -> int:
+        return 1
+
+
+def _vectors(world: int, bad_rank: int | None, rows: int = 40) -> torch.Tensor:
+    """``world`` settle vectors of a good call of ``rows`` rows, rank ``bad_rank``'s with unnamed rows."""
+    good = [0] * moe_settle.SETTLE_LEN
+    good[moe_settle.ROWS], good[moe_settle.IDX_MAX], good[moe_settle.OFFS_LAST] = rows, rows - 1, rows
+    every = torch.tensor([good] * world, dtype=torch.int64)
+    if bad_rank is not None:
+        every[bad_rank, moe_settle.UNNAMED] = 3
+    return every.reshape(-1).cuda()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not moe_plan_lib.library_on(0),
+                    reason="needs a CUDA device and the built library")
+@pytest.mark.parametrize("bad_rank", [None, 0, 1])
+def test_the_poison_kernel_mirrors_the_vectors_to_the_host_good_or_bad(bad_rank):
+    every = _vectors(2, bad_rank)
+    outs = [torch.ones(5, 7, device="cuda", dtype=torch.bfloat16), torch.ones(300, device="cuda")]
+    mirror = torch.full((every.numel(),), -7, dtype=torch.int64, pin_memory=True)
+    assert moe_deferred.poison_if_bad(outs, every, 2, mirror)
+    torch.cuda.synchronize()
+    assert mirror.tolist() == every.tolist()
+    assert all(bool(o.isnan().all()) == (bad_rank is not None) for o in outs)
+    assert all(bool((o == 1).all()) for o in outs) or bad_rank is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not moe_plan_lib.library_on(0),
+                    reason="needs a CUDA device and the built library")
+def test_a_deferred_calls_status_reaches_the_host_through_the_kernels_mirror(monkeypatch):
+    """``settle_later`` on one rank: a good call judged silently, a bad one poisoned on the device and raised a call
+    later from the status the poison kernel wrote to the pinned mirror (no copy issued)."""
+    monkeypatch.setattr(moe_deferred, "_free_mirrors", {})
+    group = OneRank("one-rank-mirror")
+    copies = []
+    real_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, *a, **k: copies.append(1) or real_copy(self, *a, **k))
+    good, bad_out = torch.ones(4, 8, device="cuda"), torch.ones(4, 8, device="cuda")
+    moe_deferred.settle_later(None, _vectors(1, None), [good], "a good call", good.device, group)
+    moe_deferred.raise_pending(group, sync=True)
+    moe_deferred.settle_later(None, _vectors(1, 0), [bad_out], "a bad call", bad_out.device, group)
+    with pytest.raises(errors.PoisonedResult, match="a bad call"):
+        moe_deferred.raise_pending(group, sync=True)
+    assert not copies and bool((good == 1).all()) and bool(bad_out.isnan().all())
+    assert moe_deferred.pending(group) == 0

@@ -62,7 +62,8 @@ def test_the_dispatchers_take_the_library_where_it_should_be_used(monkeypatch):
     monkeypatch.setattr(moe_plan_lib, "plan", lambda index, offs, bounds, cuts=None: calls.append(("plan", bounds))
                         or "built")
     monkeypatch.setattr(moe_plan_lib, "should_poison", lambda outs, world: True)
-    monkeypatch.setattr(moe_plan_lib, "poison", lambda outs, vectors, world: calls.append(("poison", len(outs))))
+    monkeypatch.setattr(moe_plan_lib, "poison", lambda outs, vectors, world, mirror=None:
+                        calls.append(("poison", len(outs))) or [])
     index, offs = torch.arange(8), torch.tensor([4, 8], dtype=torch.int32)
     assert moe_plan_kernel.should_use(index, offs, 2)
     assert moe_plan_kernel.build(index, offs, [0, 3, 8]) == "built"

@@ -30,7 +30,7 @@ from flashoverlap_inductor import config, errors
 # 14: fo_gather_args.slot_set; 15: the options bit FO_GATHER_COPY_NOTIFY; 16: fo_gather_args.set_bytes;
 # 17: fo_cublaslt_bind, fo_gather_run, fo_gather_gemm_args.workspace; 18: fo_scatter_run, FO_GATHER_FLAG_INTS 9 x 8;
 # 19: fo_scatter_gemm_args.all_reduce and .cuts (the all_reduce pull route)
-ABI_VERSION = 21
+ABI_VERSION = 22
 LIB_ENV = "FLASHOVERLAP_LIB"
 DEFAULT_LIB = Path(__file__).resolve().parents[2] / "build" / "libflashoverlap_sm90.so"
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}

@@ -100,22 +100,25 @@ def settle_later(failure: BaseException | None, facts: torch.Tensor | None, outp
                 host, done = _mirror(every)
             except Exception:  # noqa: BLE001 - no pinned memory: the plain read below works too
                 host, done = every, None
-        _pending.setdefault(group.group_name, []).append(Pending(host, done, what, group,
-                                                                 -1 if done is None else device.index))
+        mirrored = False
+        try:  # the outputs poisoned first (a failing rank's too: never returned), the vectors mirrored by the kernel
+            mirrored = poison_if_bad(outputs, every, world, host if done is not None else None)
+        finally:  # whatever the poison did, the status reaches the host behind the event before any rank raises
+            if done is not None:
+                if not mirrored:
+                    host.copy_(every, non_blocking=True)
+                done.record()
+            _pending.setdefault(group.group_name, []).append(Pending(host, done, what, group,
+                                                                     -1 if done is None else device.index))
     _raise_unless_exchanged(failure, lost, what, group)
-    poison_if_bad(outputs, every, world)
     stats["moe:deferred"] += 1
 
 
 def _mirror(every: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
-    """``every`` copied, without a sync, into a pinned host mirror and an event recorded after the copy: a free pair
+    """A pinned host mirror for ``every`` and an event (the caller fills the one and records the other): a free pair
     of an earlier call's (``_recycle``: its copy was complete when it was judged), else a new one."""
     free = _free_mirrors.get((every.device.index, every.numel()))
-    host, done = free.pop() if free else (torch.empty(every.shape, dtype=every.dtype, pin_memory=True),
-                                          torch.cuda.Event())
-    host.copy_(every, non_blocking=True)
-    done.record()
-    return host, done
+    return free.pop() if free else (torch.empty(every.shape, dtype=every.dtype, pin_memory=True), torch.cuda.Event())
 
 
 def _recycle(p: Pending) -> None:
@@ -136,14 +139,19 @@ def bad(vectors: torch.Tensor, world: int) -> torch.Tensor:
             | (v[:, moe_settle.UNNAMED] > 0) | (v[:, moe_settle.KEY_STEP] < 0)).any()
 
 
-def poison_if_bad(outputs: list[torch.Tensor], vectors: torch.Tensor, world: int) -> None:
+def poison_if_bad(outputs: list[torch.Tensor], vectors: torch.Tensor, world: int,
+                  mirror: torch.Tensor | None = None) -> bool:
     """Every tensor of ``outputs`` filled with NaN where ``bad(vectors)``, on the device (no host read): on CUDA one
     library call (``moe_plan_lib``; not under the experiment ``moe_plan_triton``) or one Triton launch per
     ``POISON_SLOTS`` contiguous outputs that writes nothing when every vector is good
-    (``moe_plan_triton.poison_if_bad``), else ``bad`` and a masked fill per output."""
+    (``moe_plan_triton.poison_if_bad``), else ``bad`` and a masked fill per output. Returns whether the library's
+    kernel also copied ``vectors`` into ``mirror`` (pinned host memory; the caller copies them otherwise)."""
     rest = [out for out in outputs if out.numel()]
+    mirrored = False
     if moe_plan_lib.should_poison(rest, world):
-        rest = moe_plan_lib.poison(rest, vectors, world)
+        before = len(rest)
+        rest = moe_plan_lib.poison(rest, vectors, world, mirror)
+        mirrored = mirror is not None and len(rest) < before  # the first launch ran: it wrote the mirror
     kernel = _poison_kernel() if rest and all(o.is_cuda and o.is_contiguous() for o in rest) and world <= 8 else None
     while rest and kernel is not None and moe_plan_kernel.run_or_fall_back(
             lambda part=rest[:POISON_SLOTS]: poison_with_kernel(kernel, part, vectors, world),
@@ -153,6 +161,7 @@ def poison_if_bad(outputs: list[torch.Tensor], vectors: torch.Tensor, world: int
         verdict = bad(vectors, world)
         for out in rest:
             out.masked_fill_(verdict, float("nan"))
+    return mirrored
 
 
 POISON_SLOTS = moe_plan_lib.POISON_SLOTS  # outputs per launch of moe_plan_triton.poison_if_bad (as the library's)

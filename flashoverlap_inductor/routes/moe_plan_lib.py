@@ -61,7 +61,8 @@ class PlanArgs(ctypes.Structure):
 class PoisonArgs(ctypes.Structure):
     """``fo_moe_poison_args`` of ``csrc/flashoverlap_sm90.h``."""
 
-    _fields_ = [("every", ctypes.c_void_p), ("world", ctypes.c_int32), ("outputs", ctypes.c_int32),
+    _fields_ = [("every", ctypes.c_void_p), ("mirror", ctypes.c_void_p), ("world", ctypes.c_int32),
+                ("outputs", ctypes.c_int32),
                 ("out", ctypes.c_void_p * POISON_SLOTS), ("numel", ctypes.c_int64 * POISON_SLOTS),
                 ("elem_bytes", ctypes.c_int32 * POISON_SLOTS), ("nan_bits", ctypes.c_uint64 * POISON_SLOTS),
                 ("stream", ctypes.c_void_p)]
@@ -187,16 +188,20 @@ def should_poison(outputs: list[torch.Tensor], world: int) -> bool:
             and outputs[0].device.index == torch.cuda.current_device() and library_on(outputs[0].device.index))
 
 
-def poison(outputs: list[torch.Tensor], vectors: torch.Tensor, world: int) -> list[torch.Tensor]:
+def poison(outputs: list[torch.Tensor], vectors: torch.Tensor, world: int,
+           mirror: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Every tensor of ``outputs`` NaN where any of the ``world`` settle vectors in ``vectors`` (int64, contiguous,
-    on the outputs' device) is bad; one library call per ``POISON_SLOTS`` outputs, on the current stream. Returns
-    the outputs left unpoisoned (from the first the library refused: ``_called``; none normally)."""
+    on the outputs' device) is bad; one library call per ``POISON_SLOTS`` outputs, on the current stream; the first
+    also copies ``vectors`` into ``mirror`` where given (pinned host memory, as many int64). Returns the outputs left
+    unpoisoned (from the first the library refused: ``_called``; none normally)."""
     dev = outputs[0].device
     lib = kernels.ready(dev)
     for first in range(0, len(outputs), POISON_SLOTS):
         part = outputs[first:first + POISON_SLOTS]
         a = PoisonArgs()
         a.every, a.world, a.outputs = vectors.data_ptr(), world, len(part)
+        if first == 0 and mirror is not None:
+            a.mirror = mirror.data_ptr()
         for k, out in enumerate(part):
             a.out[k], a.numel[k], a.elem_bytes[k] = out.data_ptr(), out.numel(), out.element_size()
             a.nan_bits[k] = _NAN_BITS[out.dtype]
