@@ -326,16 +326,21 @@ def test_a_compiled_moe_model_runs_its_forward_and_backward_as_graph_runs(pool):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (pinned mirrors)")
 def test_a_judged_calls_pinned_mirror_and_event_serve_a_later_call(monkeypatch):
-    """A deferred call's status goes to the host through a pinned mirror and an event (``moe_deferred._mirror``);
-    once judged (``raise_pending``), both are kept for a later call of the same size, which reads its own values."""
+    """A deferred call's status goes to the host through a pinned mirror and an event (``moe_deferred._mirror``; the
+    caller fills the one and records the other); once judged (``raise_pending``), both are kept for a later call of
+    the same size, which reads its own values."""
     monkeypatch.setattr(moe_deferred, "_free_mirrors", {})
     every = torch.arange(16, dtype=torch.int64, device="cuda")
     host, done = moe_deferred._mirror(every)
+    host.copy_(every, non_blocking=True)
+    done.record()
     done.synchronize()
     assert host.is_pinned() and host.tolist() == list(range(16))
     moe_deferred._recycle(moe_deferred.Pending(host, done, "a call", None, every.device.index))
     again, done_again = moe_deferred._mirror(every + 100)
     assert again is host and done_again is done
+    again.copy_(every + 100, non_blocking=True)
+    done_again.record()
     done_again.synchronize()
     assert again.tolist() == list(range(100, 116))
     other, _ = moe_deferred._mirror(torch.zeros(8, dtype=torch.int64, device="cuda"))  # another size: a new one
