@@ -634,7 +634,8 @@ FO_API int fo_grouped_gemm(const fo_grouped_gemm_args* args);
  * [recv_off[u], recv_off[u + 1]) (plan.inv of them: their rows of p); its rows lie in recv at recv_off[u] (peers)
  * or in x at x_off[q] (the own block j == rank: its chunks one after another, moved in one launch). A move is p row
  * inv[r] = the unit's row r (row_bytes each, the widest of 16 / 8 / 4 / 2-byte words dividing the row, the strides
- * and the addresses). Everything is checked before the first launch: a refusal (rc 2) enqueues nothing. */
+ * and the addresses). Everything is checked before the first launch: a refusal (rc 2) enqueues nothing; a failure
+ * after it returns a code >= 100 (a CUDA error's, else 100) with the steps before it enqueued. */
 #define FO_MOE_MAX_UNITS (FO_MOE_MAX_BLOCKS * FO_MOE_MAX_PIECES)
 #define FO_MOE_MAX_TERMS 4
 typedef struct {

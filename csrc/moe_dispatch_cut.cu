@@ -8,11 +8,13 @@
 //
 // which routes/moe_expert_cut.py ran as ~10 Python steps (~360 us of host time per call at Qwen3-MoE 2048 tokens on
 // one H200, forty-fourth session, docs/results.md). Every argument is checked before the first launch (a refusal,
-// rc 2, enqueues nothing); a CUDA error after it returns its code (>= 100) with the steps before it enqueued.
+// rc 2, enqueues nothing); any failure after it returns a code >= 100 (a CUDA error's, else 100), the steps before
+// it enqueued.
 #include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "flashoverlap_sm90.h"
 #include "route_util.hpp"
@@ -55,7 +57,8 @@ int check(fo_moe_dispatch_args const& a) {
   if (a.pieces < 1 || a.pieces != a.plan.pieces) return fail_code(2, "fo_moe_dispatch_cut: pieces must be plan.pieces, >= 1");
   if (a.rank < 0 || a.rank >= blocks) return fail_code(2, "fo_moe_dispatch_cut: rank out of range");
   if (a.terms < 1 || a.terms > FO_MOE_MAX_TERMS) return fail_code(2, "fo_moe_dispatch_cut: terms out of range");
-  if (!a.x || !a.p || (blocks > 1 && !a.recv)) return fail_code(2, "fo_moe_dispatch_cut: a null pointer");
+  bool const own_rows = a.recv_off[(a.rank + 1) * a.pieces] > a.recv_off[a.rank * a.pieces];
+  if ((own_rows && !a.x) || !a.p || (blocks > 1 && !a.recv)) return fail_code(2, "fo_moe_dispatch_cut: a null pointer");
   if (a.row_bytes <= 0 || a.x_stride < a.row_bytes || a.p_stride < a.row_bytes ||
       (blocks > 1 && a.recv_stride < a.row_bytes))
     return fail_code(2, "fo_moe_dispatch_cut: the row strides must hold a row");
@@ -105,6 +108,12 @@ int move_units(fo_moe_dispatch_args const& a, int u, int last, cudaStream_t stre
   return m.rows ? fo_moe_move_rows(&m) : 0;
 }
 
+// A step's failure once the first launch is enqueued: never a refusal (rc < 100 would say nothing was enqueued).
+int after_launch(int rc) {
+  if (rc == 0 || rc >= 100) return rc;
+  return fail_code(100, std::string("fo_moe_dispatch_cut: a step failed after the first launch: ") + fo_last_error());
+}
+
 }  // namespace
 }  // namespace flashoverlap
 
@@ -117,7 +126,7 @@ FO_API int fo_moe_dispatch_cut(const fo_moe_dispatch_args* args) {
   plan.stream = a.stream;
   if (int rc = fo_moe_plan(&plan)) return rc;
   int const own = a.rank * a.pieces;  // the own block at once (its chunks lie one after another in x)
-  if (int rc = flashoverlap::move_units(a, own, own + a.pieces, stream)) return rc;
+  if (int rc = flashoverlap::move_units(a, own, own + a.pieces, stream)) return flashoverlap::after_launch(rc);
   for (int q = 0; q < a.pieces; ++q) {
     for (int i = 0; i + 1 < a.plan.blocks; ++i) {
       int const u = a.order[i] * a.pieces + q;
@@ -125,13 +134,13 @@ FO_API int fo_moe_dispatch_cut(const fo_moe_dispatch_args* args) {
         if (cudaError_t e = cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(a.landed[u]), 0); e != cudaSuccess)
           return flashoverlap::fail_code(100 + int(e), "fo_moe_dispatch_cut: waiting for a unit's transfer");
       }
-      if (int rc = flashoverlap::move_units(a, u, u + 1, stream)) return rc;
+      if (int rc = flashoverlap::move_units(a, u, u + 1, stream)) return flashoverlap::after_launch(rc);
     }
     for (int t = 0; t < a.terms; ++t) {
       fo_grouped_gemm_args g = a.gemm[t];
       g.a = a.p, g.rows = a.plan.rows, g.first = 0, g.last = g.experts;
       g.range = a.plan.bounds + q, g.stream = a.stream;
-      if (int rc = fo_grouped_gemm(&g)) return rc;
+      if (int rc = fo_grouped_gemm(&g)) return flashoverlap::after_launch(rc);
     }
   }
   return 0;

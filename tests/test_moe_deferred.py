@@ -396,3 +396,22 @@ def test_a_deferred_calls_status_reaches_the_host_through_the_kernels_mirror(mon
         moe_deferred.raise_pending(group, sync=True)
     assert not copies and bool((good == 1).all()) and bool(bad_out.isnan().all())
     assert moe_deferred.pending(group) == 0
+
+
+def test_a_poison_that_raises_leaves_the_status_pending_and_the_own_failure_first(monkeypatch):
+    """``settle_later`` whose poison raises: the call's status is still pending (judged a call later like any other);
+    a rank whose own call failed raises its own failure, one that did not the poison's error."""
+    group = OneRank("one-rank-poison-raises")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the poison broke")
+
+    monkeypatch.setattr(moe_deferred, "poison_if_bad", broken)
+    with pytest.raises(ValueError, match="own failure"):
+        moe_deferred.settle_later(ValueError("own failure"), None, [torch.ones(3)], "a call", torch.device("cpu"),
+                                  group)
+    assert moe_deferred.pending(group) == 1
+    with pytest.raises(RuntimeError, match="the poison broke"):
+        moe_deferred.settle_later(None, None, [torch.ones(3)], "a call", torch.device("cpu"), group)
+    assert moe_deferred.pending(group) == 2
+    moe_deferred.forget()

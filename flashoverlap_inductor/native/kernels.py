@@ -29,7 +29,8 @@ from flashoverlap_inductor import config, errors
 # 10: fo_fault_mark (the NCCL watchdog); 11: fo_peer_args.probe_events; 12: the fo_moe_* calls; 13: fo_gather_gemms;
 # 14: fo_gather_args.slot_set; 15: the options bit FO_GATHER_COPY_NOTIFY; 16: fo_gather_args.set_bytes;
 # 17: fo_cublaslt_bind, fo_gather_run, fo_gather_gemm_args.workspace; 18: fo_scatter_run, FO_GATHER_FLAG_INTS 9 x 8;
-# 19: fo_scatter_gemm_args.all_reduce and .cuts (the all_reduce pull route)
+# 19: fo_scatter_gemm_args.all_reduce and .cuts (the all_reduce pull route); 20: fo_grouped_gemm;
+# 21: fo_moe_dispatch_cut; 22: fo_moe_poison_args.mirror
 ABI_VERSION = 22
 LIB_ENV = "FLASHOVERLAP_LIB"
 DEFAULT_LIB = Path(__file__).resolve().parents[2] / "build" / "libflashoverlap_sm90.so"

@@ -11,7 +11,9 @@ experiment ``moe_plan_triton``) and no call was refused in this process, within 
 issued transfer is a ``moe_nccl.Transfer`` (an event the library's stream waits for; ``torch.distributed``'s works
 before the group's communicator exists go by the Python loop). Per rank, like the Python loop's library steps: the
 transfers, the settle and the results are the same on either path. A refusal of the arguments (before any launch,
-rc < 100) is logged once and every later call takes the Python loop; a CUDA error is raised (the call's failure).
+rc < 100: nothing was enqueued) is logged once and every later call takes the Python loop; a failure after the
+first launch (rc >= 100: a CUDA error, or a step that failed with earlier steps enqueued) is raised (the call's
+failure).
 """
 
 from __future__ import annotations
@@ -93,4 +95,6 @@ def run(x: torch.Tensor, recv: torch.Tensor, index: torch.Tensor, offs: torch.Te
              "dispatch cut by expert runs its Python steps from now on", message)
         return None
     stats["moe:cut_lib"] += 1
+    stats["moe:plan_lib"] += 1  # the plan and the moves by the library's kernels, as on the Python steps
+    stats["moe:move_lib"] += 1
     return facts

@@ -93,6 +93,7 @@ def settle_later(failure: BaseException | None, facts: torch.Tensor | None, outp
             moe_nccl.gather_status(every, local, group, what)
         except Exception as exc:  # noqa: BLE001 - the group itself broke: raised below
             lost = exc
+    poison_error = None
     if lost is None:  # judged later on every rank, the failing one included (its own cause is not raised twice)
         host, done = every, None
         if device.type == "cuda":
@@ -103,14 +104,19 @@ def settle_later(failure: BaseException | None, facts: torch.Tensor | None, outp
         mirrored = False
         try:  # the outputs poisoned first (a failing rank's too: never returned), the vectors mirrored by the kernel
             mirrored = poison_if_bad(outputs, every, world, host if done is not None else None)
-        finally:  # whatever the poison did, the status reaches the host behind the event before any rank raises
+        except BaseException as exc:  # noqa: BLE001 - raised below, after this rank's own failure
+            poison_error = exc
+        try:  # whatever the poison did, the status reaches the host behind the event before any rank raises
             if done is not None:
                 if not mirrored:
                     host.copy_(every, non_blocking=True)
-                done.record()
+                done.record(torch.cuda.current_stream(device))
+        finally:
             _pending.setdefault(group.group_name, []).append(Pending(host, done, what, group,
                                                                      -1 if done is None else device.index))
-    _raise_unless_exchanged(failure, lost, what, group)
+    _raise_unless_exchanged(failure, lost, what, group)  # this rank's own failure first
+    if poison_error is not None:
+        raise poison_error
     stats["moe:deferred"] += 1
 
 
@@ -151,7 +157,7 @@ def poison_if_bad(outputs: list[torch.Tensor], vectors: torch.Tensor, world: int
     if moe_plan_lib.should_poison(rest, world):
         before = len(rest)
         rest = moe_plan_lib.poison(rest, vectors, world, mirror)
-        mirrored = mirror is not None and len(rest) < before  # the first launch ran: it wrote the mirror
+        mirrored = mirror is not None and len(rest) < before and moe_plan_lib.mirrors()  # the first launch wrote it
     kernel = _poison_kernel() if rest and all(o.is_cuda and o.is_contiguous() for o in rest) and world <= 8 else None
     while rest and kernel is not None and moe_plan_kernel.run_or_fall_back(
             lambda part=rest[:POISON_SLOTS]: poison_with_kernel(kernel, part, vectors, world),

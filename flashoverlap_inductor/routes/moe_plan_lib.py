@@ -69,6 +69,7 @@ class PoisonArgs(ctypes.Structure):
 
 
 _failed: list[str] = []  # a library call's refusal (its arguments), once: the Triton kernels from then on
+_no_mirror: list[str] = []  # fo_moe_poison's refusal of a status mirror, once: the settle copies from then on
 
 
 class MoveArgs(ctypes.Structure):
@@ -192,8 +193,9 @@ def poison(outputs: list[torch.Tensor], vectors: torch.Tensor, world: int,
            mirror: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Every tensor of ``outputs`` NaN where any of the ``world`` settle vectors in ``vectors`` (int64, contiguous,
     on the outputs' device) is bad; one library call per ``POISON_SLOTS`` outputs, on the current stream; the first
-    also copies ``vectors`` into ``mirror`` where given (pinned host memory, as many int64). Returns the outputs left
-    unpoisoned (from the first the library refused: ``_called``; none normally)."""
+    also copies ``vectors`` into ``mirror`` where given (pinned host memory, as many int64; a refused mirror is
+    dropped: ``mirrors``). Returns the outputs left unpoisoned (from the first the library refused: ``_called``; none
+    normally)."""
     dev = outputs[0].device
     lib = kernels.ready(dev)
     for first in range(0, len(outputs), POISON_SLOTS):
@@ -206,10 +208,22 @@ def poison(outputs: list[torch.Tensor], vectors: torch.Tensor, world: int,
             a.out[k], a.numel[k], a.elem_bytes[k] = out.data_ptr(), out.numel(), out.element_size()
             a.nan_bits[k] = _NAN_BITS[out.dtype]
         a.stream = compat.current_raw_stream(dev.index)
-        if not _called(lib.fo_moe_poison(ctypes.byref(a)), "fo_moe_poison"):
+        rc = lib.fo_moe_poison(ctypes.byref(a))
+        if rc != 0 and rc < 100 and a.mirror:  # the mirror refused (not memory the device addresses): without it
+            _no_mirror.append(lib.fo_last_error().decode(errors="replace"))
+            note("moe:poison_mirror", logging.WARNING, "flashoverlap: fo_moe_poison refused the status mirror (%s); "
+                 "the settle copies the status from now on", _no_mirror[-1])
+            a.mirror = None
+            rc = lib.fo_moe_poison(ctypes.byref(a))
+        if not _called(rc, "fo_moe_poison"):
             return outputs[first:]
         stats["moe:poison_lib"] += 1
     return []
+
+
+def mirrors() -> bool:
+    """Whether ``poison`` writes the status mirror it is given (no refusal of one in this process)."""
+    return not _no_mirror
 
 
 def should_move(inv: torch.Tensor, moves: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
