@@ -126,3 +126,21 @@ def test_a_refused_call_enqueues_nothing_and_later_calls_take_the_python_steps(m
     assert got is None and moe_cut_lib._refused and b"order" in kernels.library().fo_last_error()
     assert p.isnan().all() and y.isnan().all()
     assert not moe_cut_lib.should_run(c["x"], c["index"], c["offs"], 3, 2, 1, [])
+
+
+def test_the_one_call_is_asked_only_within_its_limits(monkeypatch):
+    """``should_run``: within the kernels' limits (blocks, pieces, terms), every transfer an event the library's
+    stream can wait for (a ``torch.distributed`` work is not), and no refusal in this process."""
+    monkeypatch.setattr(moe_cut_lib.moe_plan_lib, "usable", lambda x: True)
+    monkeypatch.setattr(moe_cut_lib, "_refused", [])
+    x, index, offs = torch.zeros(4, 8, dtype=torch.bfloat16), torch.arange(4), torch.tensor([4], dtype=torch.int32)
+    step = moe_nccl.Transfer(None, x.device, ())
+
+    def asks(world=2, pieces=2, terms=1, landing=((1, [step]),)):
+        return moe_cut_lib.should_run(x, index, offs, world, pieces, terms, list(landing))
+
+    assert asks() and asks(world=8, pieces=8, terms=4) and asks(landing=())
+    assert not asks(world=9) and not asks(pieces=9) and not asks(pieces=0) and not asks(terms=5)
+    assert not asks(landing=((1, [object()]),))  # a torch.distributed work: the Python steps
+    monkeypatch.setattr(moe_cut_lib, "_refused", ["an earlier refusal"])
+    assert not asks()

@@ -161,3 +161,32 @@ def test_the_plans_piece_bounds_are_torchs(blocks, experts, pieces):
         assert plan.pieces.tolist() == want.tolist()
         return
     assert len(built) == 5 and built[4].tolist() == want.tolist(), (built[4].tolist(), want.tolist(), cuts)
+
+
+def test_a_refused_status_mirror_is_dropped_alone(monkeypatch):
+    """``fo_moe_poison`` refusing the status mirror (not memory the device addresses): the poison runs again without
+    it and counts, the library's other steps stay on, and later calls do not offer a mirror (``mirrors`` False)."""
+    seen = []
+
+    class Lib:
+        @staticmethod
+        def fo_moe_poison(ref):
+            seen.append(ref._obj.mirror)
+            return 2 if ref._obj.mirror else 0
+
+        @staticmethod
+        def fo_last_error():
+            return b"fo_moe_poison: mirror must be page-locked host memory the device can address"
+
+    monkeypatch.setattr(moe_plan_lib.kernels, "ready", lambda dev: Lib)
+    monkeypatch.setattr(moe_plan_lib.kernels, "library", lambda: Lib)
+    monkeypatch.setattr(moe_plan_lib.compat, "current_raw_stream", lambda index: 0)
+    monkeypatch.setattr(moe_plan_lib, "_failed", [])
+    monkeypatch.setattr(moe_plan_lib, "_no_mirror", [])
+    outs, vectors, mirror = [torch.zeros(3), torch.zeros(2)], torch.zeros(16, dtype=torch.int64), torch.zeros(16)
+    before = moe_plan_lib.stats["moe:poison_lib"]
+    assert moe_plan_lib.mirrors()
+    assert moe_plan_lib.poison(outs, vectors, 2, mirror) == []
+    assert seen == [mirror.data_ptr(), None] and not moe_plan_lib.mirrors() and not moe_plan_lib._failed
+    assert moe_plan_lib.stats["moe:poison_lib"] == before + 1
+    assert moe_plan_lib.poison(outs, vectors, 2, mirror) == [] and seen[2:] == [None]  # no mirror offered again

@@ -202,7 +202,7 @@ def poison(outputs: list[torch.Tensor], vectors: torch.Tensor, world: int,
         part = outputs[first:first + POISON_SLOTS]
         a = PoisonArgs()
         a.every, a.world, a.outputs = vectors.data_ptr(), world, len(part)
-        if first == 0 and mirror is not None:
+        if first == 0 and mirror is not None and not _no_mirror:
             a.mirror = mirror.data_ptr()
         for k, out in enumerate(part):
             a.out[k], a.numel[k], a.elem_bytes[k] = out.data_ptr(), out.numel(), out.element_size()
