@@ -24,6 +24,7 @@ import logging
 import torch
 
 from ..native import grouped, kernels
+from ..schedule.combine import offsets
 from . import moe_nccl, moe_plan_kernel, moe_plan_lib
 from .base import note, stats
 
@@ -46,10 +47,10 @@ class DispatchArgs(ctypes.Structure):
 
 def should_run(x: torch.Tensor, index: torch.Tensor, offs: torch.Tensor, world: int, pieces: int, terms: int,
                landing: list[tuple[int, list]]) -> bool:
-    """Whether ``run`` takes this call (module docstring); ``x``: the dispatch's rows (bf16, as the cut takes)."""
+    """Whether ``run`` takes this call (module docstring), for a caller that found ``moe_plan_lib.usable(x)`` (asked
+    once per call, by ``moe_expert_cut.run_dispatch``); ``x``: the dispatch's rows (bf16, as the cut takes)."""
     return (not _refused and 1 <= pieces <= moe_plan_lib.MAX_PIECES and 1 <= terms <= MAX_TERMS
             and moe_plan_kernel.fits(index, offs, world) and index.device == x.device and offs.device == x.device
-            and moe_plan_lib.usable(x)
             and all(isinstance(w, moe_nccl.Transfer) for _, works in landing for w in works))
 
 
@@ -63,10 +64,7 @@ def run(x: torch.Tensor, recv: torch.Tensor, index: torch.Tensor, offs: torch.Te
     ``moe_expert_cut.run_dispatch``'s; ``landing``: the transfers' ``(unit, works)``; ``order``: the peer blocks in
     the order their chunks are moved. Returns the plan's settle vector (``moe_fast.BlockPlan.facts``), or None where
     the library refused the arguments (nothing enqueued: the caller runs the Python loop). ``should_run`` holds."""
-    bounds = [0]
-    for rows in block_rows:
-        bounds.append(bounds[-1] + rows)
-    plan_args, (facts,) = moe_plan_lib.plan_args(index, offs, bounds, cuts, views=False)
+    plan_args, (facts,) = moe_plan_lib.plan_args(index, offs, offsets(block_rows), cuts, views=False)
     a = DispatchArgs()
     a.plan = plan_args
     a.rank, a.pieces, a.terms = rank, pieces, len(terms)
@@ -74,7 +72,7 @@ def run(x: torch.Tensor, recv: torch.Tensor, index: torch.Tensor, offs: torch.Te
     a.x, a.recv, a.p = x.data_ptr(), recv.data_ptr(), p.data_ptr()
     a.x_stride, a.p_stride, a.row_bytes = int(x.stride(0)) * x.element_size(), int(p.stride(0)) * p.element_size(), \
         row_bytes
-    a.recv_stride = int(recv.stride(0)) * recv.element_size() if recv.dim() == 2 else row_bytes
+    a.recv_stride = int(recv.stride(0)) * recv.element_size()
     a.x_off[:pieces] = send_off[rank * pieces:(rank + 1) * pieces]
     a.recv_off[:len(recv_off)] = recv_off
     for u, works in landing:
