@@ -73,10 +73,11 @@ class _Watched:
     same rows)."""
 
     def __init__(self, kind: str, fo_pass: Any) -> None:
-        from .passes import manifest
+        from .passes import manifest, moe_verdict
         from .passes.report import GraphWatch
 
         self.watch, self.before = GraphWatch(kind, inner=True), manifest.snapshot()
+        self.verdicts_before = moe_verdict.snapshot()
         self.kind, self.fo_pass, self.outer = kind, fo_pass, None
 
     def __enter__(self) -> _Watched:
@@ -91,14 +92,17 @@ class _Watched:
 
 def _agree_first(kind: str, compiled: Any, watched: _Watched) -> None:
     """Before the first run of ``compiled``, its ranks agree on the collectives it issues (``agree.check_graph``);
-    a graph with no collective needs nothing. A graph with fused MoE ops runs each time inside
+    a graph with no collective needs nothing. The MoE verdicts it was built with under ``fuse="auto"`` are offered to
+    their groups' stores again first (``moe_verdict.confirm``: a graph from the cache may hold another job's). A
+    graph with fused MoE ops runs each time inside
     ``moe_deferred.graph_run`` (its deferred calls judged per run under ``moe_judge_per_graph``): forward, inference
     and the backward that autograd calls alike."""
     import logging
 
-    from .passes import manifest
+    from .passes import manifest, moe_verdict
     from .routes import agree, moe_deferred
 
+    moe_verdict.confirm(moe_verdict.take(watched.verdicts_before))
     found = manifest.take(watched.before)
     if not found:
         return

@@ -19,9 +19,9 @@ the dispatch's terms share k, the rows moved; the combine's share n, the rows se
 Verdict (``gain.verdict``): fuse iff ``rows >= min_rows`` and ``fused <= (1 - min_gain_fraction - error) *
 sequential``; ``error`` is the data file's ``model_error`` (the fit's typical error on the measured shapes), times
 ``gain.FOREIGN_DATA_FACTOR`` when the GPU has no data of its own. The terms are per op and GPU (data file section
-``moe``); without them the verdict declines. Pure in its arguments. Its callers: ``examples/bench_moe.py`` (the
-verdict beside the measured speedup) and the pass's message under ``auto``, which does not act on it: the rows are
-per rank (``passes/moe_pass.py``).
+``moe``); without them the verdict declines. Pure in its arguments. Its callers:
+``examples/bench_moe.py`` (the verdict beside the measured speedup) and the pass under ``auto``, where it is this rank's
+offer for the group's one verdict (``passes/moe_verdict.py``).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ Flow per candidate (each ``wait_tensor`` of an ``all_to_all_single`` whose input
 
 Rank agreement. A rank never fuses where another does not: every condition above reads only the graph's structure,
 dtypes, the weights' sizes (N, K, experts) and the settings, which every rank shares (the split sizes, which are per
-rank, are never read), and the fuse mode decides alone: ``always`` fuses every match; ``auto`` declines every match
-(``skip:combine_auto``, with the cost model's prediction: ``moe_pass.decide``). The graphs' manifests
+rank, are never read); then ``always`` fuses every match and ``auto`` takes the group's verdict for the op, agreed
+through the group's store (``moe_pass.decide``, ``moe_verdict``; declined: ``skip:combine_auto``). The graphs' manifests
 (``passes/manifest.py``) list the op with its rows "per rank".
 
 Invariants of a rewrite: the wait's users see a tensor of the wait's shape and dtype; every size query of a removed
@@ -110,7 +110,7 @@ def fuse_combines(graph: torch.fx.Graph, settings: config.Settings) -> int:
     return fuse_each(graph, settings, match_combine, check, "combine", _fuse, _problem)
 
 
-def _problem(m: CombineMatch) -> MoeProblem | str:
+def _problem(m: CombineMatch) -> MoeProblem:
     """What the cost model is asked under ``auto``: the rows received back (this rank's token rows), each term's
     (K, N)."""
     return problem_of(m.wait, [g.args[1] for g in m.gemms], m.form == "loop", val(m.values).dtype,

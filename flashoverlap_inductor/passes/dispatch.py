@@ -11,9 +11,9 @@ Flow per candidate (each ``wait_tensor`` of an ``all_to_all_single`` whose one u
                                    the match hands its users over and erases itself
 
 Rank agreement. As for the combine: every condition reads only the graph's structure, dtypes, the weights' sizes and
-the settings (never the per-rank rows, split sizes or expert sizes), and the fuse mode decides alone: ``always``
-fuses every match; ``auto`` declines every match (``skip:dispatch_auto``, with the cost model's prediction:
-``moe_pass.decide``).
+the settings (never the per-rank rows, split sizes or expert sizes); then ``always`` fuses every match and ``auto``
+takes the group's verdict for the op, agreed through the group's store (``moe_pass.decide``, ``moe_verdict``;
+declined: ``skip:dispatch_auto``).
 
 Invariants of a rewrite: the permuted rows' users and each GEMM's users see tensors of the same shape and dtype (the
 op's results, checked); every size query of a removed node reads an equal size of a node that stays; no raw SymInt
@@ -86,7 +86,7 @@ def fuse_dispatches(graph: torch.fx.Graph, settings: config.Settings) -> int:
     return fuse_each(graph, settings, match_dispatch, check, "dispatch", _fuse, _problem)
 
 
-def _problem(m: DispatchMatch) -> MoeProblem | str:
+def _problem(m: DispatchMatch) -> MoeProblem:
     """What the cost model is asked under ``auto``: the rows sent (this rank's token rows), each weight's (K, N)."""
     x = m.coll.args[0]
     return problem_of(x, [g.args[1] for g in m.gemms], m.form == "loop", val(x).dtype,

@@ -3,13 +3,14 @@ all_to_all -> permutation -> experts' GEMMs): the find / check / decide / fuse l
 the group check and the grouped-GEMM form check.
 
 Rank agreement, for both: every check reads only the graph's structure, dtypes, the weights' sizes and the settings
-(never the per-rank rows or split sizes), and the fuse mode decides alone: ``always`` fuses every match; ``auto``
-declines every match (``skip:<op>_auto``), saying what the cost model (``cost_model.moe.decide_moe``) predicts
-where the graph's rows are a plain int. The verdict itself is not used: the rows are per rank (a rank's token count
-may differ from another's, and the compiled graphs' agreement check skips graphs with per-rank split sizes), so a
-verdict from them could differ between ranks and pair a fused op with another rank's all_to_all. Deciding the
-data-dependent rows per call instead (the op running its unfused reference where the model declines) was built and
-measured at 0.869x of Inductor on the qwen3-moe EP2 prefill (2 H100s), and withdrawn.
+(never the per-rank rows or split sizes). The fuse mode then decides: ``always`` fuses every match; ``auto`` asks
+the cost model (``cost_model.moe.decide_moe``) at the rows this rank compiled (its token rows: the dispatch's input,
+the combine's output; none where they are symbolic, which declines) and takes the group's verdict for the op, agreed
+through the group's store with no collective (``moe_verdict``: the first verdict offered for the op's identity,
+which leaves the rows out, holds for every rank and every later compilation). A verdict from each rank's own rows
+could differ between ranks and pair a fused op with another rank's all_to_all. Deciding per call instead (the op
+running its unfused reference where the model declines) was built and measured at 0.869x of Inductor on the
+qwen3-moe EP2 prefill (2 H100s), and withdrawn.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch.fx import Node
 from flashoverlap_inductor import _inductor_compat as compat
 from flashoverlap_inductor import config
 
+from . import moe_verdict
 from .combine_match import GROUPED_OP
 from .fx_forms import gpu_name, node_arg, val
 from .report import record_skip
@@ -41,50 +43,76 @@ def skip(slug: str, msg: str, *args: Any, level: int = logging.INFO) -> None:
 
 @dataclass(frozen=True)
 class MoeProblem:
-    """What ``auto`` decides a MoE op from (module docstring): ``rows`` per rank, the GEMM terms' ``(k, n)``, the
-    dtype name, the group's size, the GPU's name (None: the cost model's default)."""
+    """What ``auto`` decides a MoE op from (module docstring): ``rows`` per rank (None: symbolic), the GEMM terms'
+    ``(k, n)`` (as text where symbolic), ``experts`` per rank (the loop form: its GEMM pieces), the dtype name, the
+    group's size, the GPU's name (None: the cost model's default)."""
 
-    rows: int
-    gemms: tuple[tuple[int, int], ...]
+    rows: int | None
+    gemms: tuple[tuple[Any, Any], ...]
+    experts: Any
     dtype: str
     world: int
     device: str | None
 
+    def identity(self, op: str, settings: config.Settings) -> str:
+        """The op's name in the group's store (``moe_verdict``): all of the problem but the rows, the settings the
+        ranks share and the cost-model data's digest; the same on every rank that runs the same program."""
+        from flashoverlap_inductor.routes import agree
 
-def problem_of(rows_from: Node, weights: list[Node], loop: bool, dtype: torch.dtype,
-               world: int) -> MoeProblem | str:
-    """The ``MoeProblem`` of a match: ``rows_from``'s row count (dim 0: this rank's token rows) where it is a plain
-    int, the (k, n) of each weight's last two dims (one term for the per-expert loop form, whose pieces make one
-    GEMM), or why there is none (a string)."""
+        return "|".join((op, self.dtype, f"world {self.world}", f"experts {self.experts}", repr(self.gemms),
+                         agree.shared_settings_key(settings), agree.data_digest(settings.config_dir)))
+
+    def verdict(self, op: str, settings: config.Settings) -> tuple[bool, str]:
+        """This rank's own verdict and the cost model's reason (no verdict, so declined, where anything is
+        symbolic)."""
+        if self.rows is None:
+            return False, "declined: its rows are symbolic (data-dependent split sizes or dynamic shapes)"
+        if not all(isinstance(d, int) for g in self.gemms for d in g):
+            return False, "declined: its weights' sizes are symbolic"
+        from flashoverlap_inductor.cost_model import moe
+
+        found = moe.decide_moe(op, self.rows, self.gemms, self.dtype, self.world, device_name=self.device,
+                               settings=settings)
+        return found.fuse, found.reason
+
+
+def problem_of(rows_from: Node, weights: list[Node], loop: bool, dtype: torch.dtype, world: int) -> MoeProblem:
+    """The ``MoeProblem`` of a match: ``rows_from``'s row count (dim 0: this rank's token rows; a symbolic count
+    where the graph asserts it equal to an int, as Dynamo does where the split parts meet a static shape; else
+    None), the (k, n) of each weight's last two dims (one term for the per-expert loop form, whose pieces make
+    one GEMM) and the experts per rank (the loop's pieces, or a grouped weight's dim 0)."""
     like = val(rows_from)
-    rows = like.shape[0]
-    if not isinstance(rows, int):
-        return "its rows are symbolic (data-dependent split sizes or dynamic shapes)"
-    shapes = [tuple(val(w).shape[-2:]) for w in (weights[:1] if loop else weights)]
-    if not all(isinstance(d, int) for s in shapes for d in s):
-        return "its weights' sizes are symbolic"
-    return MoeProblem(rows, tuple(shapes), str(dtype).removeprefix("torch."), world, gpu_name(like))
+    rows = compat.asserted_int(like.shape[0])
+    terms = [val(w).shape for w in (weights[:1] if loop else weights)]
+
+    def plain(d: Any) -> Any:
+        return d if isinstance(d, int) else str(d)
+
+    experts = len(weights) if loop else plain(terms[0][0])
+    return MoeProblem(rows, tuple((plain(s[-2]), plain(s[-1])) for s in terms),
+                      experts, str(dtype).removeprefix("torch."), world, gpu_name(like))
 
 
-def decide(op: str, desc: str, settings: config.Settings, problem: Callable[[], MoeProblem | str]) -> str | None:
-    """The plan of a checked MoE ``op`` ("combine" / "dispatch"), or None after recording ``<op>_auto``: ``always``
-    fuses every match; ``auto`` declines every match (module docstring), its message giving the cost model's
-    prediction for ``problem()`` (asked only here, never under ``always``) or why there is none."""
+def decide(op: str, desc: str, group: str, settings: config.Settings,
+           problem: Callable[[], MoeProblem]) -> str | None:
+    """The plan of a checked MoE ``op`` ("combine" / "dispatch") over ``group``, or None after recording
+    ``<op>_auto``: ``always`` fuses every match; ``auto`` takes the group's verdict for ``problem()`` (asked only
+    here), agreed through the group's store (module docstring)."""
+    plan = EXPERT_PLAN if op == "dispatch" and "moe_dispatch_by_expert" in settings.experiments else PLAN
     if settings.fuse != "auto":  # the same settings on every rank: the same plan
-        return EXPERT_PLAN if op == "dispatch" and "moe_dispatch_by_expert" in settings.experiments else PLAN
+        return plan
+    found = problem()
     try:
-        found = problem()
-        if isinstance(found, str):
-            predicted = found
-        else:
-            from flashoverlap_inductor.cost_model import moe
-
-            predicted = moe.decide_moe(op, found.rows, found.gemms, found.dtype, found.world,
-                                       device_name=found.device, settings=settings).reason
-    except Exception as exc:  # noqa: BLE001 - only the message's prediction is lost
-        predicted = f"no prediction: {exc!r}"
-    return skip(f"{op}_auto", "%s: fused only under fuse='always' (a verdict from per-rank rows could differ between "
-                "ranks); the cost model: %s", desc, predicted)
+        mine, reason = found.verdict(op, settings)
+    except Exception as exc:  # noqa: BLE001 - this rank offers a decline; the group's verdict still holds
+        mine, reason = False, f"declined: no prediction ({exc!r})"
+    held = moe_verdict.agreed(group, found.identity(op, settings), mine, found.rows)
+    if held.fuse:
+        logging.getLogger("flashoverlap").info("flashoverlap: %s: fused under fuse='auto' (%s); the cost model "
+                                               "here: %s", desc, held.describe(), reason)
+        return plan
+    return skip(f"{op}_auto", "%s: declined under fuse='auto' (%s); the cost model here: %s", desc,
+                held.describe(), reason)
 
 
 def group_of(args: dict[str, Any], desc: str) -> str | None:
@@ -120,7 +148,7 @@ def grouped_gemm_problem(gemms: list[Node]) -> str:
 
 def fuse_each(graph: torch.fx.Graph, settings: config.Settings, match: Callable[[Node], Any],
               check: Callable[[Any, config.Settings], str | None], op: str,
-              fuse: Callable[[Any, str, str, str], bool], problem: Callable[[Any], MoeProblem | str]) -> int:
+              fuse: Callable[[Any, str, str, str], bool], problem: Callable[[Any], MoeProblem]) -> int:
     """For every ``wait_tensor`` of ``graph``: ``match(wait)`` (a match object or None), ``check(m, settings)``
     (the group name, or None after a skip), ``decide`` (with ``problem(m)``), then ``fuse(m, group, plan,
     settings_key)`` (True when it rewrote, recording the fusion); returns how many were fused. A check that raises
@@ -132,7 +160,7 @@ def fuse_each(graph: torch.fx.Graph, settings: config.Settings, match: Callable[
             continue
         try:
             group = check(m, settings)
-            plan = decide(op, m.describe(), settings, lambda m=m: problem(m)) if group is not None else None
+            plan = decide(op, m.describe(), group, settings, lambda m=m: problem(m)) if group is not None else None
         except Exception as exc:  # noqa: BLE001
             record_skip("internal_error", "%s: %r", m.describe(), exc, level=logging.WARNING, exc_info=True)
             continue

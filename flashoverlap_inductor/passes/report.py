@@ -68,15 +68,15 @@ SKIP_REASONS = {
     "weight_reads_gathered": "all_gather: a GEMM's weight or bias is computed from the gathered rows",
     "inputs_after_use": "all_gather: a GEMM's weight is computed after the gathered rows are first used, by ops "
                         "that cannot move",
-    "combine_auto": "MoE combine, under 'auto': fused only under 'always' (its rows are per rank: a verdict from "
-                    "them could differ between ranks; the message gives the cost model's prediction)",
+    "combine_auto": "MoE combine, under 'auto': the group's verdict for the op declines it (the cost model at the "
+                    "rows of the compilation that first decided it, agreed through the group's store; the message "
+                    "says which rows and whether this rank's own verdict differs)",
     "combine_gemm": "MoE combine: the experts' GEMM is not plain mm pieces of a row cat, nor torch._grouped_mm terms "
                     "sharing one int32 offsets tensor (a bias, another output dtype, batched GEMMs)",
     "combine_base": "MoE combine: the un-permutation writes into something other than a fresh empty or zero-filled "
                     "[rows, N] buffer",
     "combine_index": "MoE combine: the un-permutation is not one 1-D integer index along dim 0",
-    "dispatch_auto": "MoE dispatch, under 'auto': fused only under 'always' (its rows are per rank: a verdict from "
-                     "them could differ between ranks; the message gives the cost model's prediction)",
+    "dispatch_auto": "MoE dispatch, under 'auto': the group's verdict for the op declines it (as for combine_auto)",
     "dispatch_gemm": "MoE dispatch: the experts' GEMMs are not plain mm of row pieces, nor torch._grouped_mm terms "
                      "sharing one int32 offsets tensor (a bias, another output dtype, batched GEMMs, mixed forms)",
     "dispatch_pieces": "MoE dispatch: the permuted rows are not cut into consecutive row pieces from row 0, each "
