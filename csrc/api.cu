@@ -56,6 +56,7 @@ int peer_call_preload();  // peer_call.cu
 int ring_call_preload();  // ring_call.cu
 int gather_call_preload();  // gather_call.cu
 int moe_plan_preload();  // moe_plan.cu
+int moe_combine_preload();  // moe_combine_blocks.cu
 
 // Make everything this GPU's stream order put before this point visible to every GPU, then add 1 to *counter
 // (possibly another GPU's memory, mapped here): a peer that acquires the new value sees all of it.
@@ -177,7 +178,7 @@ using namespace flashoverlap;
 
 extern "C" {
 
-FO_API int fo_abi_version(void) { return 22; }
+FO_API int fo_abi_version(void) { return 23; }
 
 FO_API int fo_preload(void) {
   cudaFuncAttributes attr{};
@@ -194,6 +195,7 @@ FO_API int fo_preload(void) {
   if (int rc = ring_call_preload(); rc != 0) return rc;
   if (int rc = gather_call_preload(); rc != 0) return rc;
   if (int rc = moe_plan_preload(); rc != 0) return rc;
+  if (int rc = moe_combine_preload(); rc != 0) return rc;
   for (int i = 0; i < num_configs(); ++i) {
     std::string err;
     int rc = registry()[i].preload(err);

@@ -655,6 +655,31 @@ typedef struct {
 } fo_moe_dispatch_args;
 FO_API int fo_moe_dispatch_cut(const fo_moe_dispatch_args* args);
 
+/* The MoE combine's whole-block compute in one call (csrc/moe_combine_blocks.cu; Python: routes/moe_combine_lib.py,
+ * routes/moe_fast.py), on `stream`: fo_moe_plan (plan.pieces 0), then per block j of order[0 .. plan.blocks - 1]
+ * (every block once): for each term t the block's expert rows gathered from a[t] (row r = a[t] row plan.inv[s_j + r],
+ * s_j the block's first buffer row, 0 for block 0, else plan.ends[j - 1]) into scratch[t], then the term's grouped
+ * GEMM (gemm[t] with a = scratch[t], the block's rows, offs = the plan's table row j) into out[j] (t == 0) or into
+ * sum and then added into out[j] (t > 0: each term rounded to bf16, then summed in fp32 and rounded, as torch adds
+ * bf16 tensors); then ready[j] (a cudaEvent_t, or null) is recorded. out[j]: the block's rows, out_stride bytes
+ * apart. Checked before the first launch (a refusal, rc 2, enqueues nothing); a failure after it returns a code >= 100
+ * (a CUDA error's, else 100), the steps before it enqueued. */
+typedef struct {
+  fo_moe_plan_args plan;
+  int32_t terms, reserved;          /* terms in [1, FO_MOE_MAX_TERMS] */
+  const void* a[FO_MOE_MAX_TERMS];  /* plan.rows rows each (the experts' rows in expert order), a_stride[t] bytes apart */
+  int64_t a_stride[FO_MOE_MAX_TERMS];
+  void* scratch[FO_MOE_MAX_TERMS];  /* the largest block's rows of gemm[t].k bf16, contiguous */
+  void* sum;                        /* terms > 1: the largest block's rows of gemm[0].n bf16, contiguous */
+  void* out[FO_MOE_MAX_BLOCKS];     /* block j's gemm[0].n-wide bf16 rows */
+  int64_t out_stride;
+  void* ready[FO_MOE_MAX_BLOCKS];   /* cudaEvent_t per block, or null */
+  int32_t order[FO_MOE_MAX_BLOCKS];  /* each block once */
+  fo_grouped_gemm_args gemm[FO_MOE_MAX_TERMS];  /* w, n, k, experts, b_layout, workspace, device; the rest set here */
+  void* stream;
+} fo_moe_combine_args;
+FO_API int fo_moe_combine_blocks(const fo_moe_combine_args* args);
+
 #ifdef __cplusplus
 }
 #endif

@@ -55,7 +55,7 @@ LIB_NAME = "libflashoverlap_sm90.so"
 TEST_LIB_NAME = "libflashoverlap_sm90_test.so"
 # The host-side translation units (csrc/<name>.cu), each compiled once; the GEMM units come from CONFIGS.
 HOST_UNITS = ("api", "fused_call", "peer_call", "ring_call", "gather_call", "gather_gemms", "scatter_run", "moe_plan",
-              "grouped_gemm", "moe_dispatch_cut")
+              "grouped_gemm", "moe_dispatch_cut", "moe_combine_blocks")
 # The units of the test library (TEST_LIB_NAME), linked on their own.
 TEST_UNITS = ("test_api",)
 

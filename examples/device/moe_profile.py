@@ -30,6 +30,7 @@ from flashoverlap_inductor.native import grouped  # noqa: E402
 from flashoverlap_inductor.routes import (  # noqa: E402
     agree,
     combine,
+    moe_combine_lib,
     moe_cut_lib,
     moe_deferred,
     moe_dispatch,
@@ -49,7 +50,8 @@ SECTIONS = [(moe_p2p, "run_call"), (agree, "check_once"), (moe_p2p, "issue_dispa
             (moe_nccl, "gather_status"), (moe_deferred, "poison_if_bad"), (moe_deferred, "raise_pending"),
             (moe_p2p, "settle"), (moe_plan_kernel, "_launch"), (triton_launch.Launcher, "__call__"),
             (moe_expert_cut, "run_dispatch"), (moe_fast, "pieces_with_torch"), (grouped, "grouped_mm"),
-            (moe_plan_lib, "move_rows"), (moe_p2p, "upload"), (moe_fast, "BlockPlan"), (moe_cut_lib, "run")]
+            (moe_plan_lib, "move_rows"), (moe_p2p, "upload"), (moe_fast, "BlockPlan"), (moe_cut_lib, "run"),
+            (moe_combine_lib, "run")]
 # with --fine, the small steps too (what the Python around the library calls costs)
 FINE = [(moe_dispatch, "run_p2p"), (moe_dispatch, "dispatch"), (combine, "run_p2p"), (combine, "dispatch"),
         (moe_p2p, "unsupported"), (moe_expert_cut, "takes"), (moe_expert_cut, "eligible"), (moe_plan_lib, "usable"),
@@ -60,14 +62,17 @@ FINE = [(moe_dispatch, "run_p2p"), (moe_dispatch, "dispatch"), (combine, "run_p2
 
 
 def python_steps(f):
-    """``f`` with the dispatch cut by expert on its Python steps (``moe_cut_lib``'s one call off), for comparison."""
+    """``f`` with the one library calls off (``moe_cut_lib``'s dispatch cut, ``moe_combine_lib``'s combine): their
+    Python steps, for comparison."""
     def run():
-        saved = moe_cut_lib._refused[:]
-        moe_cut_lib._refused[:] = ["moe_profile: the Python steps"]
+        saved = [(lib, lib._refused[:]) for lib in (moe_cut_lib, moe_combine_lib)]
+        for lib, _ in saved:
+            lib._refused[:] = ["moe_profile: the Python steps"]
         try:
             return f()
         finally:
-            moe_cut_lib._refused[:] = saved
+            for lib, old in saved:
+                lib._refused[:] = old
     return run
 
 
@@ -116,8 +121,8 @@ def main() -> None:
                    "timed (rank 0 prints)")
     p.add_argument("--trace", default=None)
     p.add_argument("--fine", action="store_true", help="with --sections: the small steps too (FINE)")
-    p.add_argument("--steps-too", action="store_true", help="also time the dispatch cut by expert on its Python "
-                   "steps (the one library call of routes/moe_cut_lib.py off)")
+    p.add_argument("--steps-too", action="store_true", help="also time the dispatch cut by expert and the combine "
+                   "on their Python steps (the one library calls of moe_cut_lib and moe_combine_lib off)")
     args = p.parse_args()
     torch.cuda.set_device(dist.get_node_local_rank(fallback_rank=0))
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -131,9 +136,9 @@ def main() -> None:
                 plans = args.plans.split(",")
                 variants, seq = bm._variants(op, shape, r, plans, dev)
                 timed = [("seq", seq), *((plan, variants[f"fused[{plan}]"]) for plan in plans)]
-                if args.steps_too and op == "dispatch":  # the cut's Python steps beside its one library call
+                if args.steps_too:  # the Python steps beside the one library call (the cut's, the combine's)
                     timed += [(f"{plan}/steps", python_steps(variants[f"fused[{plan}]"])) for plan in plans
-                              if plan.startswith("experts")]
+                              if plan.startswith("experts" if op == "dispatch" else "blocks")]
                 for name, f in timed:
                     for _ in range(5):
                         f()

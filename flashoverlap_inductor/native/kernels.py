@@ -30,8 +30,8 @@ from flashoverlap_inductor import config, errors
 # 14: fo_gather_args.slot_set; 15: the options bit FO_GATHER_COPY_NOTIFY; 16: fo_gather_args.set_bytes;
 # 17: fo_cublaslt_bind, fo_gather_run, fo_gather_gemm_args.workspace; 18: fo_scatter_run, FO_GATHER_FLAG_INTS 9 x 8;
 # 19: fo_scatter_gemm_args.all_reduce and .cuts (the all_reduce pull route); 20: fo_grouped_gemm;
-# 21: fo_moe_dispatch_cut; 22: fo_moe_poison_args.mirror
-ABI_VERSION = 22
+# 21: fo_moe_dispatch_cut; 22: fo_moe_poison_args.mirror; 23: fo_moe_combine_blocks
+ABI_VERSION = 23
 LIB_ENV = "FLASHOVERLAP_LIB"
 DEFAULT_LIB = Path(__file__).resolve().parents[2] / "build" / "libflashoverlap_sm90.so"
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
@@ -176,6 +176,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "fo_grouped_gemm_workspace": (c_int, [c_p, ctypes.POINTER(c_i64)]),
         "fo_grouped_gemm": (c_int, [c_p]),
         "fo_moe_dispatch_cut": (c_int, [c_p]),
+        "fo_moe_combine_blocks": (c_int, [c_p]),
     }
     for name, (res, args) in sig.items():
         fn = getattr(lib, name)

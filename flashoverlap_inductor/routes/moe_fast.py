@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule.combine import offsets, ring_steps
-from . import moe_p2p, moe_plan_kernel, moe_plan_lib
+from . import moe_combine_lib, moe_nccl, moe_p2p, moe_plan_kernel, moe_plan_lib
 from .base import stats
 from .cpu import _poison, _wait_all
 
@@ -160,6 +160,16 @@ def run_combine(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor
     n, like = int(b[0].shape[-1]), a[0]
     recv_off = offsets(outs)
     out = like.new_empty(recv_off[-1], n)
+    one_call = _one_call(a, b, offs, index, ins, out[recv_off[rank]:recv_off[rank + 1]], group)
+    if one_call is not None:
+        works, keep, failure, facts = one_call
+        for dst, src in ring_steps(world, rank):
+            try:
+                works += moe_p2p.exchange(keep[0][dst], out[recv_off[src]:recv_off[src + 1]], dst, src, group,
+                                          moe_p2p.COMBINE_TAG, None if failure else keep[1][dst])
+            except BaseException as exc:  # noqa: BLE001 - as below
+                failure = failure or exc
+        return _end_combine(works, keep, failure, facts, out, what, like, group, deferred, reference)
     works, keep, failure, plan = [], [], None, None
     try:
         plan = BlockPlan(index.to(like.device), offs, list(ins))
@@ -187,10 +197,44 @@ def run_combine(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor
                 works += moe_p2p.exchange(block, into, dst, src, group, moe_p2p.COMBINE_TAG)
         except BaseException as exc:  # noqa: BLE001 - as above
             failure = failure or exc
+    return _end_combine(works, keep, failure, None if plan is None else plan.facts, out, what, like, group, deferred,
+                        reference)
+
+
+def _one_call(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor, index: torch.Tensor, ins: list[int],
+              own: torch.Tensor, group: dist.ProcessGroup) -> tuple | None:
+    """The combine's compute as one library call (``moe_combine_lib``) where it takes the call: ``(works, keep,
+    failure, facts)`` with ``keep`` = (each peer block's send rows, their ready events, the send buffer), the own
+    block already in ``own``; None where it does not (nothing enqueued). A failure after its first launch poisons
+    the send buffer and ``own`` (what leaves this rank is never mistaken for data) and is settled by the caller."""
+    world, rank, like = group.size(), group.rank(), a[0]
+    if not (like.is_cuda and moe_plan_lib.usable(like) and moe_nccl.communicator(group, like.device) is not None
+            and moe_combine_lib.should_run(a, b, offs, index, world)):
+        return None
+    bounds = offsets(ins)
+    send = like.new_empty(bounds[-1], int(b[0].shape[-1]))
+    ready = [None if j == rank or not ins[j] else torch.cuda.Event() for j in range(world)]
+    order = [dst for dst, _ in ring_steps(world, rank)] + [rank]
+    failure, facts = None, None
+    try:
+        facts = moe_combine_lib.run(a, b, offs, index.to(like.device), list(ins), order, send, own, rank, ready)
+        if facts is None:
+            return None
+    except BaseException as exc:  # noqa: BLE001 - settled by the caller, after every ring step was issued
+        failure = exc
+        _poison(send)
+        _poison(own)
+    blocks = [send[bounds[j]:bounds[j + 1]] for j in range(world)]
+    return [], (blocks, ready, send), failure, facts
+
+
+def _end_combine(works: list, keep: object, failure: BaseException | None, facts: torch.Tensor | None,
+                 out: torch.Tensor, what: str, like: torch.Tensor, group: dist.ProcessGroup, deferred: bool,
+                 reference) -> torch.Tensor:
+    """The combine's end on either path: every step waited for, the settle, the redo where a rank's premise failed."""
     failure = _wait_all(works, failure)
-    facts = None if plan is None else plan.facts
     if moe_p2p.end_call(failure, facts, [out], what, like.device, group, deferred):
-        del keep, out, plan  # the redo's memory
+        del keep, out  # the redo's memory
         return moe_p2p.redo("combine", reference)
     stats["combine:fast"] += 1
     del keep

@@ -91,11 +91,12 @@ def bound_s(group: dist.ProcessGroup) -> float:
 
 
 def transfer(comm: nccl_direct.Communicator, send: torch.Tensor | None, recv: torch.Tensor | None, dst: int, src: int,
-             group: dist.ProcessGroup, what: str) -> list[Transfer]:
+             group: dist.ProcessGroup, what: str, after: torch.cuda.Event | None = None) -> list[Transfer]:
     """``moe_p2p.exchange`` through ``comm`` (counted ``moe:nccl_direct``): send ``send`` (contiguous rows) to
     group rank ``dst`` and receive ``recv`` (contiguous) from ``src`` in one NCCL group on the side stream; an empty
-    or None side is left out (its peer's split size is the same 0). Returns the step to wait on (none when nothing
-    was issued)."""
+    or None side is left out (its peer's split size is the same 0). The side stream waits for ``after`` (recorded
+    behind the work that wrote ``send``: ``moe_combine_lib``'s block events), else for the caller's stream as it is
+    now. Returns the step to wait on (none when nothing was issued)."""
     sends = [(dst, send.data_ptr(), send.numel())] if send is not None and send.numel() else []
     recvs = [(src, recv.data_ptr(), recv.numel())] if recv is not None and recv.numel() else []
     if not sends and not recvs:
@@ -105,8 +106,10 @@ def transfer(comm: nccl_direct.Communicator, send: torch.Tensor | None, recv: to
         raise ValueError(f"flashoverlap: {what}: a transfer's rows must be contiguous")
     device = like.device
     caller, side = torch.cuda.current_stream(device), side_stream(device)
-    started = torch.cuda.Event()
-    started.record(caller)
+    started = after
+    if started is None:
+        started = torch.cuda.Event()
+        started.record(caller)
     side.wait_event(started)
     for t in (send, recv):  # the caching allocator keeps their blocks until the side stream's work on them is done,
         if t is not None and t.numel():  # whatever exits the caller takes before it waits for the step

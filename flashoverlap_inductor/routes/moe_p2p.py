@@ -175,18 +175,19 @@ def lock(kind: str, group: dist.ProcessGroup) -> threading.RLock:
 
 
 def exchange(send: torch.Tensor | None, recv: torch.Tensor | None, dst: int, src: int, group: dist.ProcessGroup,
-             tag: int) -> list:
+             tag: int, after: torch.cuda.Event | None = None) -> list:
     """One ring step's unit: send ``send`` (rows, contiguous) to group rank ``dst`` and receive ``recv`` from group
     rank ``src`` in one ``batch_isend_irecv``; an empty or None side is left out (its peer, whose split size is the
     same 0, leaves it out too), nothing is issued when both are. Returns the works to wait on. On CUDA, where the
     group's NCCL communicator is at hand, the step goes straight into NCCL instead (``moe_nccl``: none of
-    ``batch_isend_irecv``'s Python layers and work objects; the same choice on every rank)."""
+    ``batch_isend_irecv``'s Python layers and work objects; the same choice on every rank), waiting for ``after``
+    where given (``moe_nccl.transfer``; only there: callers pass it only where the communicator is at hand)."""
     like = send if send is not None else recv
     comm = moe_nccl.communicator(group, like.device) if like is not None else None
     if comm is not None:
         op = "combine" if tag < DISPATCH_TAG else "dispatch"
         return moe_nccl.transfer(comm, send, recv, dst, src, group, f"a MoE {op} transfer "
-                                 f"(to rank {dst}, from rank {src})")
+                                 f"(to rank {dst}, from rank {src})", after)
     ops = []
     if send is not None and send.numel():
         ops.append(dist.P2POp(dist.isend, send, dist.get_global_rank(group, dst), group, tag=tag))
