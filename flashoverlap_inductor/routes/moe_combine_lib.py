@@ -93,9 +93,11 @@ def run(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor, index:
     stride = int(send.stride(0)) * 2
     if int(own.stride(0)) * 2 != stride:
         raise ValueError("flashoverlap: the combine's output and send rows must share one stride")
-    for j in range(len(ins)):
+    for j, event in enumerate(ready):
         c.out[j] = own.data_ptr() if j == rank else send.data_ptr() + bounds[j] * stride
-        c.ready[j] = None if ready[j] is None else ready[j].cuda_event
+        if event is not None and not event.cuda_event:
+            event.record()  # torch creates an event at its first record (a null handle before): the library re-records
+        c.ready[j] = None if event is None else event.cuda_event
     c.out_stride = stride
     c.order[:len(order)] = order
     c.stream = plan_args.stream
