@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from . import _inductor_compat as compat
-from . import config
+from . import config, errors
 
 
 def make_pass(settings: config.Settings | dict[str, Any] | None = None) -> Any:
@@ -93,7 +93,8 @@ class _Watched:
 def _agree_first(kind: str, compiled: Any, watched: _Watched) -> None:
     """Before the first run of ``compiled``, its ranks agree on the collectives it issues (``agree.check_graph``);
     a graph with no collective needs nothing. The MoE verdicts it was built with under ``fuse="auto"`` are offered to
-    their groups' stores again first (``moe_verdict.confirm``: a graph from the cache may hold another job's). A
+    their groups' stores again first (``moe_verdict.conflicts``: a graph from the cache may hold another job's; such
+    a graph raises at each run instead). A
     graph with fused MoE ops runs each time inside
     ``moe_deferred.graph_run`` (its deferred calls judged per run under ``moe_judge_per_graph``): forward, inference
     and the backward that autograd calls alike."""
@@ -102,7 +103,14 @@ def _agree_first(kind: str, compiled: Any, watched: _Watched) -> None:
     from .passes import manifest, moe_verdict
     from .routes import agree, moe_deferred
 
-    moe_verdict.confirm(moe_verdict.take(watched.verdicts_before))
+    conflict = moe_verdict.conflicts(moe_verdict.take(watched.verdicts_before))
+    if conflict:  # at every run, before anything of the graph runs (module docstring of moe_verdict)
+        def refuse(inputs: Any) -> None:
+            raise errors.RankMismatch(conflict)
+
+        if not compat.run_first(compiled, refuse):
+            raise errors.RankMismatch(conflict)
+        return
     found = manifest.take(watched.before)
     if not found:
         return

@@ -38,11 +38,13 @@ def store(monkeypatch):
     shared = dist.HashStore()
     monkeypatch.setattr(compat, "resolve_group", lambda name: name)
     monkeypatch.setattr(compat, "group_store", lambda group: shared)
+    monkeypatch.setattr(moe_verdict, "_held", {})  # this process's memo of the group's verdicts, fresh too
     return shared
 
 
-def test_the_first_verdict_offered_holds_for_every_later_offer(store):
+def test_the_first_verdict_offered_holds_for_every_later_offer(store, monkeypatch):
     before = moe_verdict.snapshot()
+    monkeypatch.setattr(moe_verdict, "_held", {})
     first = moe_verdict.agreed("g", "dispatch|x", True, 4096)
     later = moe_verdict.agreed("g", "dispatch|x", False, 8)  # another rank (or recompilation) with fewer rows
     other = moe_verdict.agreed("g", "combine|x", False, None)  # another op: a verdict of its own
@@ -55,9 +57,11 @@ def test_the_first_verdict_offered_holds_for_every_later_offer(store):
     assert sorted(moe_verdict.take(before)) == [("g", "combine|x", False, None), ("g", "dispatch|x", True, 4096)]
 
 
-def test_a_graph_loaded_with_a_verdict_the_group_does_not_hold_raises_before_it_runs(store):
+def test_a_graph_loaded_with_a_verdict_the_group_does_not_hold_raises_at_each_run(store):
     """What an FX-graph cache hit does: the pass does not run, Inductor replays the compilation's counters (the
-    verdict it was built with), and the backend's per-graph hook offers it to the store before the graph runs."""
+    verdict it was built with), and the backend's per-graph hook offers it to the store again; the graph then raises
+    at each run, before anything of it runs (a raise at compile time could fall back to eager under Dynamo's
+    ``suppress_errors``, beside fused peers)."""
     from types import SimpleNamespace
 
     from flashoverlap_inductor import _inductor_compat as compat
@@ -65,18 +69,51 @@ def test_a_graph_loaded_with_a_verdict_the_group_does_not_hold_raises_before_it_
     from flashoverlap_inductor.passes import manifest
 
     moe_verdict.agreed("g", "combine|z", False, 64)  # the group's verdict, from a rank that compiled
-    watched = SimpleNamespace(before=manifest.snapshot(), verdicts_before=moe_verdict.snapshot())
-    compat.inductor_counters()[moe_verdict.VERDICT_PREFIX + json.dumps(["g", "combine|z", True, 64])] += 1
-    with pytest.raises(errors.RankMismatch, match="combine.*was fused under fuse='auto'.*Nothing of this graph"):
-        backend._agree_first("forward", object(), watched)
+    ran = []
+    graph = SimpleNamespace(current_callable=lambda inputs: ran.append(inputs))
+    for compiled in (graph, object()):  # an Inductor output it knows, and one it does not (raised at once)
+        watched = SimpleNamespace(before=manifest.snapshot(), verdicts_before=moe_verdict.snapshot())
+        compat.inductor_counters()[moe_verdict.VERDICT_PREFIX + json.dumps(["g", "combine|z", True, 64])] += 1
+        if compiled is graph:
+            backend._agree_first("forward", compiled, watched)
+            for _ in range(2):
+                with pytest.raises(errors.RankMismatch, match="combine.*was fused under fuse='auto'.*has run"):
+                    compiled.current_callable([1])
+            assert ran == []
+        else:
+            with pytest.raises(errors.RankMismatch, match="agreed to decline"):
+                backend._agree_first("forward", compiled, watched)
 
 
-def test_confirm_takes_an_unknown_verdict_and_raises_on_another(store):
-    moe_verdict.confirm([("g", "dispatch|y", False, 64)])  # a cached graph, first in its job: its verdict holds
+def test_conflicts_takes_an_unknown_verdict_and_names_another(store):
+    assert moe_verdict.conflicts([("g", "dispatch|y", False, 64)]) == ""  # first in its job: its verdict holds
     assert json.loads(store.get(moe_verdict.STORE_PREFIX + "dispatch|y")) == [False, 64]
-    moe_verdict.confirm([("g", "dispatch|y", False, 9)])  # the same verdict at other rows: nothing to say
-    with pytest.raises(errors.RankMismatch, match="was fused under fuse='auto', but group g agreed to decline"):
-        moe_verdict.confirm([("g", "dispatch|y", True, 64)])
+    assert moe_verdict.conflicts([("g", "dispatch|y", False, 9)]) == ""  # the same verdict at other rows
+    assert "was fused under fuse='auto', but group g agreed to decline" in \
+        moe_verdict.conflicts([("g", "dispatch|y", True, 64)])
+
+
+def test_the_store_is_asked_once_per_op_and_a_failing_store_fails_the_compilation(store, monkeypatch):
+    from flashoverlap_inductor import _inductor_compat as compat
+    from flashoverlap_inductor import config
+    from flashoverlap_inductor.passes import moe_pass
+
+    asked = []
+    real = moe_verdict._offer
+    monkeypatch.setattr(moe_verdict, "_offer", lambda *a: asked.append(a) or real(*a))
+    for _ in range(3):
+        assert moe_verdict.agreed("g", "dispatch|once", True, 8).fuse
+    assert len(asked) == 1  # the group's verdict never changes: one round trip per op and group
+
+    def broken(group):
+        raise RuntimeError("store timed out")
+
+    monkeypatch.setattr(compat, "group_store", broken)
+    problem = moe_pass.MoeProblem(4096, ((2048, 768),), 64, "bfloat16", 2, None)
+    with pytest.raises(RuntimeError, match="store timed out"):  # never a silent decline on this rank alone
+        moe_pass.decide("combine", "a combine", "g2", config.Settings(fuse="auto"), lambda: problem)
+    with pytest.raises(errors.FlashOverlapError, match="cannot name the MoE op"):
+        moe_pass.decide("combine", "a combine", "g2", config.Settings(fuse="auto"), lambda: 1 / 0)
 
 
 @pytest.fixture(scope="module")

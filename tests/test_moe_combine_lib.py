@@ -146,6 +146,7 @@ def test_the_one_call_is_asked_only_within_its_limits(monkeypatch):
     assert not asks(a=(x.float(),), b=(w.float(),))  # fp32: the Python loop
     assert not asks(b=(torch.zeros(2, 16, 12, dtype=torch.bfloat16),))  # N 12
     assert not asks(offs=offs.long())
+    assert not asks(a=(x[:3],)) and not asks(b=(torch.zeros(2, 24, 8, dtype=torch.bfloat16),))  # rows, K differ
     assert not asks(b=(torch.zeros(2, 8, 32, dtype=torch.bfloat16)[:, :, ::2],))  # neither K nor N contiguous
     monkeypatch.setattr(moe_combine_lib, "_refused", ["an earlier refusal"])
     assert not asks()

@@ -24,7 +24,7 @@ import torch
 from torch.fx import Node
 
 from flashoverlap_inductor import _inductor_compat as compat
-from flashoverlap_inductor import config
+from flashoverlap_inductor import config, errors
 
 from . import moe_verdict
 from .combine_match import GROUPED_OP
@@ -85,8 +85,8 @@ def problem_of(rows_from: Node, weights: list[Node], loop: bool, dtype: torch.dt
     rows = compat.asserted_int(like.shape[0])
     terms = [val(w).shape for w in (weights[:1] if loop else weights)]
 
-    def plain(d: Any) -> Any:
-        return d if isinstance(d, int) else str(d)
+    def plain(d: Any) -> Any:  # a symbol's name depends on the order a rank allocated it: never part of the identity
+        return d if isinstance(d, int) else "symbolic"
 
     experts = len(weights) if loop else plain(terms[0][0])
     return MoeProblem(rows, tuple((plain(s[-2]), plain(s[-1])) for s in terms),
@@ -101,12 +101,17 @@ def decide(op: str, desc: str, group: str, settings: config.Settings,
     plan = EXPERT_PLAN if op == "dispatch" and "moe_dispatch_by_expert" in settings.experiments else PLAN
     if settings.fuse != "auto":  # the same settings on every rank: the same plan
         return plan
-    found = problem()
+    try:
+        found = problem()
+        identity = found.identity(op, settings)
+    except Exception as exc:  # the op cannot be named: no rank may decide it alone (fails the compilation)
+        raise errors.FlashOverlapError(f"flashoverlap: {desc}: cannot name the MoE op for the group's verdict under "
+                                       f"fuse='auto' ({exc!r}); use fuse='always' or 'never'") from exc
     try:
         mine, reason = found.verdict(op, settings)
     except Exception as exc:  # noqa: BLE001 - this rank offers a decline; the group's verdict still holds
         mine, reason = False, f"declined: no prediction ({exc!r})"
-    held = moe_verdict.agreed(group, found.identity(op, settings), mine, found.rows)
+    held = moe_verdict.agreed(group, identity, mine, found.rows)  # raises where the store fails: see fuse_each
     if held.fuse:
         logging.getLogger("flashoverlap").info("flashoverlap: %s: fused under fuse='auto' (%s); the cost model "
                                                "here: %s", desc, held.describe(), reason)
@@ -152,7 +157,9 @@ def fuse_each(graph: torch.fx.Graph, settings: config.Settings, match: Callable[
     """For every ``wait_tensor`` of ``graph``: ``match(wait)`` (a match object or None), ``check(m, settings)``
     (the group name, or None after a skip), ``decide`` (with ``problem(m)``), then ``fuse(m, group, plan,
     settings_key)`` (True when it rewrote, recording the fusion); returns how many were fused. A check that raises
-    costs the fusion, never the compilation (``internal_error``)."""
+    costs the fusion, never the compilation (``internal_error``); a decision that raises (under ``auto``: the
+    op's identity or the group's store failed) fails the compilation, since this rank declining alone could pair a
+    plain all_to_all with its peers' fused op."""
     fused = 0
     for wait in list(graph.find_nodes(op="call_function", target=compat.c10d.wait_tensor.default)):
         m = match(wait)
@@ -160,10 +167,14 @@ def fuse_each(graph: torch.fx.Graph, settings: config.Settings, match: Callable[
             continue
         try:
             group = check(m, settings)
-            plan = decide(op, m.describe(), group, settings, lambda m=m: problem(m)) if group is not None else None
         except Exception as exc:  # noqa: BLE001
             record_skip("internal_error", "%s: %r", m.describe(), exc, level=logging.WARNING, exc_info=True)
             continue
+        if group is None:
+            continue
+        # not caught: under auto a rank that could not take the group's verdict must not decline alone (its peers
+        # may fuse), so the compilation fails on it, before any of its collectives run
+        plan = decide(op, m.describe(), group, settings, lambda m=m: problem(m))
         if plan is not None and fuse(m, group, plan, settings.key()):
             fused += 1
     return fused

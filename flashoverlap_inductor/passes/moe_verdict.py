@@ -18,10 +18,16 @@ group's, agreed at compile time without any collective:
   reason each graph reports says which rows decided it. ``fuse="always"`` / ``"never"`` decide without the store.
 
 Graphs served by Inductor's caches skip the pass. Each verdict is therefore also recorded in Inductor's counters
-(replayed on every cache hit, as ``manifest`` does), and ``confirm`` offers it to the store again before the graph's
-first run: a cached graph whose verdict differs from the group's raises ``errors.RankMismatch`` on the rank that
-loaded it, before it runs (it was compiled in an earlier job whose ranks agreed otherwise; clearing the cache, or
-``fuse="always"``, mends it).
+(replayed on every cache hit, as ``manifest`` does), and ``conflicts`` offers it to the store again when the graph
+is loaded: a cached graph whose verdict differs from the group's raises ``errors.RankMismatch`` at each of its runs
+on the rank that loaded it, before anything of it runs (the backend; a raise at compile time could be swallowed by
+Dynamo's ``suppress_errors`` into an eager run beside fused peers). It was compiled in an earlier job whose ranks
+agreed otherwise; clearing the cache, or ``fuse="always"``, mends it. (Under torch 2.13 the MoE graphs are not
+served by the FX-graph cache at all: their compiled form does not serialize.)
+
+Every rank must run the same settings and cost-model data (as everywhere: ``routes/agree.py``): both are part of
+the identity, so a rank whose differ names the op otherwise and gets a verdict of its own. A store that fails (a
+timeout) fails the compilation on that rank (``moe_pass.fuse_each``): declining alone is never the fallback.
 """
 
 from __future__ import annotations
@@ -31,7 +37,6 @@ from collections import Counter
 from dataclasses import dataclass
 
 from flashoverlap_inductor import _inductor_compat as compat
-from flashoverlap_inductor import errors
 
 VERDICT_PREFIX = "flashoverlap-moe-verdict|"  # Inductor counters: one per verdict a compilation used
 STORE_PREFIX = "flashoverlap/moe-verdict/"  # keys in the group's own (prefixed) store
@@ -67,10 +72,17 @@ def _offer(group_name: str, identity: str, fuse: bool, rows: int | None) -> tupl
     return _decode(store.compare_set(STORE_PREFIX + identity, "", _encode(fuse, rows)))
 
 
+_held: dict[tuple[str, str], tuple[bool, int | None]] = {}  # (group, identity) -> the group's verdict: it never changes
+
+
 def agreed(group_name: str, identity: str, fuse: bool, rows: int | None) -> Agreed:
     """The group's verdict for the op ``identity`` (module docstring), this rank offering ``fuse`` decided at
-    ``rows``; recorded with the graph being compiled (``confirm``)."""
-    held, at = _offer(group_name, identity, fuse, rows)
+    ``rows`` (one store round trip per op and group in this process; raises where the store fails); recorded with
+    the graph being compiled (``conflicts``)."""
+    key = (group_name, identity)
+    if key not in _held:
+        _held[key] = _offer(group_name, identity, fuse, rows)
+    held, at = _held[key]
     compat.inductor_counters()[VERDICT_PREFIX + json.dumps([group_name, identity, held, at])] += 1
     return Agreed(held, at, held == fuse)
 
@@ -86,15 +98,16 @@ def take(before: Counter) -> list[tuple[str, str, bool, int | None]]:
     return [tuple(json.loads(k[len(VERDICT_PREFIX):])) for k in snapshot() - before]
 
 
-def confirm(verdicts: list[tuple[str, str, bool, int | None]]) -> None:
-    """Offer each verdict a compiled (or cache-loaded) graph was built with to its group's store again; raise
-    ``errors.RankMismatch`` where the group holds the other verdict (module docstring)."""
+def conflicts(verdicts: list[tuple[str, str, bool, int | None]]) -> str:
+    """Offer each verdict a compiled (or cache-loaded) graph was built with to its group's store again; the message
+    naming those the group holds otherwise ("" where none: module docstring)."""
     for group_name, identity, fuse, at in verdicts:
-        held, rows = _offer(group_name, identity, fuse, at)
+        held, rows = _held.get((group_name, identity)) or _offer(group_name, identity, fuse, at)
+        _held[(group_name, identity)] = (held, rows)
         if held != fuse:
-            raise errors.RankMismatch(
-                f"flashoverlap: this rank loaded a compiled graph whose MoE op ({identity.split('|')[0]}) was "
-                f"{'fused' if fuse else 'declined'} under fuse='auto', but group {group_name} agreed to "
-                f"{'fuse' if held else 'decline'} it (first decided at {rows} rows per rank); its ranks would pair "
-                "unlike collectives. The graph came from Inductor's cache of an earlier job: clear the cache "
-                "(TORCHINDUCTOR_CACHE_DIR) or use fuse='always'. Nothing of this graph has run.")
+            return (f"flashoverlap: this rank loaded a compiled graph whose MoE op ({identity.split('|')[0]}) was "
+                    f"{'fused' if fuse else 'declined'} under fuse='auto', but group {group_name} agreed to "
+                    f"{'fuse' if held else 'decline'} it (first decided at {rows} rows per rank); its ranks would "
+                    "pair unlike collectives. The graph came from Inductor's cache of an earlier job: clear the cache "
+                    "(TORCHINDUCTOR_CACHE_DIR) or use fuse='always'. Nothing of this graph has run.")
+    return ""

@@ -8,7 +8,8 @@ event (``moe_nccl.transfer(after=...)``), so a block travels while the next comp
 The own block's rows are written straight into the output (no copy); the peers' into one send buffer, block j at
 its first buffer row. The GEMM is the library's grouped GEMM (``native/grouped.py``) where the Python loop calls
 ``torch._grouped_mm``: both accumulate in fp32 and round once, the terms rounded each and then summed as torch sums
-bf16 tensors (``tests/test_moe_combine_lib.py`` compares them).
+bf16 tensors; the two GEMMs may differ by a bf16 rounding per term (``tests/test_moe_combine_lib.py``: bit for bit
+against the library's own uncut GEMM, within that tolerance of torch's).
 
 Taken (``should_run``) on CUDA where the library's MoE steps are in use (``moe_plan_lib.usable``) and no call was
 refused in this process, for bf16 terms of the grouped form within the kernels' limits (``moe_plan_kernel.fits``;
@@ -17,6 +18,7 @@ NCCL communicator is at hand (the transfers then wait for the blocks' events; ``
 the whole stream). Per rank: the transfers, the settle and the results are those of the Python loop. A refusal of
 the arguments (rc < 100: nothing enqueued) is logged once and every later call takes the Python loop; a failure
 after the first launch (rc >= 100) raises ``KernelLibraryError`` (the caller poisons what it sends and settles).
+Transfers, settle and routing facts are those of the Python loop; the results differ from it only as the GEMMs do.
 """
 
 from __future__ import annotations
@@ -57,11 +59,12 @@ def should_run(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor,
     and the group's NCCL communicator."""
     if _refused or not 1 <= len(a) <= MAX_TERMS or not moe_plan_kernel.fits(index, offs, world):
         return False
-    n = int(b[0].shape[-1])
-    for x, w in zip(a, weights(b), strict=True):
+    n, rows = int(b[0].shape[-1]), int(index.shape[0])
+    for x, w in zip(a, weights(b), strict=True):  # the library trusts these shapes: checked again here
         if (x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.dim() != 2 or w.dim() != 3
                 or x.stride(1) != 1 or x.device != index.device or w.device != index.device
-                or grouped.b_layout_of(w) is None or int(w.shape[1]) != n or n % 8 or int(x.shape[1]) % 8):
+                or grouped.b_layout_of(w) is None or int(w.shape[1]) != n or n % 8 or int(x.shape[1]) % 8
+                or int(x.shape[0]) != rows or int(w.shape[2]) != int(x.shape[1])):
             return False
     return offs.device == index.device and offs.dtype == torch.int32
 
@@ -97,6 +100,7 @@ def run(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor, index:
         c.out[j] = own.data_ptr() if j == rank else send.data_ptr() + bounds[j] * stride
         if event is not None and not event.cuda_event:
             event.record()  # torch creates an event at its first record (a null handle before): the library re-records
+            # (on the current device's stream: the caller's usable() holds index on the current device)
         c.ready[j] = None if event is None else event.cuda_event
     c.out_stride = stride
     c.order[:len(order)] = order

@@ -208,7 +208,8 @@ def _one_call(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor, 
     block already in ``own``; None where it does not (nothing enqueued). A failure after its first launch poisons
     the send buffer and ``own`` (what leaves this rank is never mistaken for data) and is settled by the caller."""
     world, rank, like = group.size(), group.rank(), a[0]
-    if not (like.is_cuda and moe_plan_lib.usable(like) and moe_nccl.communicator(group, like.device) is not None
+    if not (like.is_cuda and moe_plan_lib.usable(like) and int(own.shape[0]) == int(ins[rank])
+            and moe_nccl.communicator(group, like.device) is not None
             and moe_combine_lib.should_run(a, b, offs, index, world)):
         return None
     bounds = offsets(ins)
