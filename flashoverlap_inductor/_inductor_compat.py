@@ -256,22 +256,14 @@ def asserted_int(size: Any) -> int | None:
     """The int that ``size`` (an int or SymInt) equals: itself, its constant, or the integer a deferred runtime
     assertion of its shape environment equates it with (``Eq(u0 + u1, 32)``: a split's parts summing to a static
     row count, which Dynamo asserts where the rows meet a static shape); None where none is known. Adds no guard."""
-    if isinstance(size, int):
-        return size
     node = getattr(size, "node", None)
-    known = node.maybe_as_int() if node is not None else None
+    known = size if isinstance(size, int) else node.maybe_as_int() if node is not None else None
     if known is not None:
         return int(known)
-    env = getattr(node, "shape_env", None)
-    for asserts in (getattr(env, "deferred_runtime_asserts", None) or {}).values():
-        for ra in asserts:
-            expr = getattr(ra, "expr", None)
-            if type(expr).__name__ != "Equality":  # sympy's Eq
-                continue
-            for side in expr.args:
-                if getattr(side, "is_Integer", False) and statically_known_true(size == int(side)):
-                    return int(side)
-    return None
+    asserts = getattr(getattr(node, "shape_env", None), "deferred_runtime_asserts", None) or {}
+    sides = (side for ras in asserts.values() for ra in ras if type(getattr(ra, "expr", None)).__name__ == "Equality"
+             for side in ra.expr.args if getattr(side, "is_Integer", False))  # sympy's Eq(expr, integer)
+    return next((int(side) for side in sides if statically_known_true(size == int(side))), None)
 
 
 def is_static_int(x: Any) -> bool:
