@@ -17,6 +17,7 @@
 #include <string>
 
 #include "flashoverlap_sm90.h"
+#include "moe_rows.hpp"
 #include "route_util.hpp"
 
 // The ctypes mirror's layout (routes/moe_combine_lib.py; tests/test_moe_combine_lib.py compares every field's offset).
@@ -32,38 +33,13 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// The widest of 16, 8, 4 and 2 bytes dividing every value (0: none).
-int word_of(int64_t row, int64_t s1, int64_t s2, void const* a, void const* b) {
-  for (int w : {16, 8, 4, 2}) {
-    if (row % w == 0 && s1 % w == 0 && s2 % w == 0 && reinterpret_cast<uintptr_t>(a) % w == 0 &&
-        reinterpret_cast<uintptr_t>(b) % w == 0)
-      return w;
-  }
-  return 0;
-}
-
-template <class W>
-__device__ __forceinline__ void copy_row(char const* src, char* dst, long long words, int lane) {
-  W const* s = reinterpret_cast<W const*>(src);
-  W* d = reinterpret_cast<W*>(dst);
-  for (long long w = lane; w < words; w += 32) d[w] = s[w];
-}
-
 // dst row r = src row inv[r] for r < rows (a warp per row); inv's entries lie in [0, src_rows) (the plan's).
 __global__ void gather_rows(char const* src, long long src_stride, char* dst, long long dst_stride,
                             long long const* inv, long long rows, long long row_bytes, int word) {
   int const lane = threadIdx.x & 31;
   long long const warps = (long long)gridDim.x * (blockDim.x >> 5);
-  long long const words = row_bytes / word;
   for (long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
-    char const* s = src + inv[r] * src_stride;
-    char* d = dst + r * dst_stride;
-    switch (word) {
-      case 16: copy_row<uint4>(s, d, words, lane); break;
-      case 8: copy_row<unsigned long long>(s, d, words, lane); break;
-      case 4: copy_row<unsigned int>(s, d, words, lane); break;
-      default: copy_row<unsigned short>(s, d, words, lane); break;
-    }
+    copy_row(src + inv[r] * src_stride, dst + r * dst_stride, row_bytes, word, lane);
   }
 }
 
@@ -122,7 +98,7 @@ int check(fo_moe_combine_args const& a) {
   for (int t = 0; t < a.terms; ++t) {
     int64_t const row_bytes = a.gemm[t].k * 2;
     if (!a.a[t] || !a.scratch[t] || a.a_stride[t] < row_bytes ||
-        !word_of(row_bytes, a.a_stride[t], row_bytes, a.a[t], a.scratch[t]))
+        !row_word(row_bytes, a.a_stride[t], row_bytes, a.a[t], a.scratch[t]))
       return fail_code(2, "fo_moe_combine_blocks: a term's rows, stride or scratch are unusable");
     if (a.gemm[t].n != n || a.gemm[t].experts != a.plan.experts)
       return fail_code(2, "fo_moe_combine_blocks: the terms must share N and the plan's experts");
@@ -139,23 +115,17 @@ int cuda_fail(char const* what, cudaError_t e) {
   return fail_code(100 + int(e), std::string("fo_moe_combine_blocks: ") + what + ": " + cudaGetErrorString(e));
 }
 
-// A step's failure once the first launch is enqueued: never a refusal (rc < 100 would say nothing was enqueued).
-int after_launch(int rc) {
-  if (rc == 0 || rc >= 100) return rc;
-  return fail_code(100, std::string("fo_moe_combine_blocks: a step failed after the first launch: ") + fo_last_error());
-}
-
 int run_block(fo_moe_combine_args const& a, int j, cudaStream_t stream) {
   int64_t const start = start_of(a, j), rows = a.plan.ends[j] - start;
   for (int t = 0; t < a.terms && rows; ++t) {
     int64_t const row_bytes = a.gemm[t].k * 2;
-    int const word = word_of(row_bytes, a.a_stride[t], row_bytes, a.a[t], a.scratch[t]);
+    int const word = row_word(row_bytes, a.a_stride[t], row_bytes, a.a[t], a.scratch[t]);
     gather_rows<<<grid_of(rows, kThreads / 32), kThreads, 0, stream>>>(
         static_cast<char const*>(a.a[t]), a.a_stride[t], static_cast<char*>(a.scratch[t]), row_bytes,
         reinterpret_cast<long long const*>(a.plan.inv + start), rows, row_bytes, word);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_fail("gather", e);
     fo_grouped_gemm_args g = block_gemm(a, t, j, rows);
-    if (int rc = fo_grouped_gemm(&g)) return after_launch(rc);
+    if (int rc = fo_grouped_gemm(&g)) return after_first_launch(rc, "fo_moe_combine_blocks");
     if (t > 0) {
       int64_t const n = a.gemm[0].n;
       add_rows<<<grid_of(rows * n, kThreads), kThreads, 0, stream>>>(
@@ -188,11 +158,9 @@ FO_API int fo_moe_combine_blocks(const fo_moe_combine_args* args) {
   fo_moe_combine_args const& a = *args;
   if (int rc = flashoverlap::check(a)) return rc;
   auto stream = static_cast<cudaStream_t>(a.stream);
-  fo_moe_plan_args plan = a.plan;
-  plan.stream = a.stream;
-  if (int rc = fo_moe_plan(&plan)) return rc;
+  if (int rc = flashoverlap::plan_on(a.plan, a.stream)) return rc;
   for (int i = 0; i < a.plan.blocks; ++i) {
-    if (int rc = flashoverlap::run_block(a, a.order[i], stream)) return flashoverlap::after_launch(rc);
+    if (int rc = flashoverlap::run_block(a, a.order[i], stream)) return flashoverlap::after_first_launch(rc, "fo_moe_combine_blocks");
   }
   return 0;
 }

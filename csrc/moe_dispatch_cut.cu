@@ -17,6 +17,7 @@
 #include <string>
 
 #include "flashoverlap_sm90.h"
+#include "moe_rows.hpp"
 #include "route_util.hpp"
 
 // The ctypes mirror's layout (routes/moe_cut_lib.py; tests/test_moe_cut_lib.py compares every field's offset).
@@ -29,16 +30,6 @@ int moe_plan_check(fo_moe_plan_args const& a);         // moe_plan.cu
 int grouped_gemm_check(fo_grouped_gemm_args const& a);  // grouped_gemm.cu
 
 namespace {
-
-// The widest of 16, 8, 4 and 2 bytes dividing every value (0: none).
-int word_of(int64_t row, int64_t s1, int64_t s2, void const* a, void const* b) {
-  for (int w : {16, 8, 4, 2}) {
-    if (row % w == 0 && s1 % w == 0 && s2 % w == 0 && reinterpret_cast<uintptr_t>(a) % w == 0 &&
-        reinterpret_cast<uintptr_t>(b) % w == 0)
-      return w;
-  }
-  return 0;
-}
 
 // Unit u's rows: x's (the own block's) or the receive buffer's.
 char const* unit_rows(fo_moe_dispatch_args const& a, int u, int64_t* stride) {
@@ -75,7 +66,7 @@ int check(fo_moe_dispatch_args const& a) {
     }
     int64_t stride = 0;
     char const* src = unit_rows(a, u, &stride);
-    if (!word_of(a.row_bytes, stride, a.p_stride, src, a.p))
+    if (!row_word(a.row_bytes, stride, a.p_stride, src, a.p))
       return fail_code(2, "fo_moe_dispatch_cut: rows, strides and addresses must be multiples of 2 bytes");
   }
   unsigned seen = 1u << a.rank;
@@ -103,15 +94,9 @@ int move_units(fo_moe_dispatch_args const& a, int u, int last, cudaStream_t stre
   m.inv = a.plan.inv + a.recv_off[u];
   m.rows = a.recv_off[last] - a.recv_off[u], m.dst_rows = a.plan.rows, m.moves = 1;
   m.dst[0] = a.p, m.row_bytes[0] = a.row_bytes, m.src_stride[0] = stride, m.dst_stride[0] = a.p_stride;
-  m.word_bytes[0] = word_of(a.row_bytes, stride, a.p_stride, m.src[0], a.p);
+  m.word_bytes[0] = row_word(a.row_bytes, stride, a.p_stride, m.src[0], a.p);
   m.stream = stream;
   return m.rows ? fo_moe_move_rows(&m) : 0;
-}
-
-// A step's failure once the first launch is enqueued: never a refusal (rc < 100 would say nothing was enqueued).
-int after_launch(int rc) {
-  if (rc == 0 || rc >= 100) return rc;
-  return fail_code(100, std::string("fo_moe_dispatch_cut: a step failed after the first launch: ") + fo_last_error());
 }
 
 }  // namespace
@@ -122,11 +107,9 @@ FO_API int fo_moe_dispatch_cut(const fo_moe_dispatch_args* args) {
   fo_moe_dispatch_args const& a = *args;
   if (int rc = flashoverlap::check(a)) return rc;
   auto stream = static_cast<cudaStream_t>(a.stream);
-  fo_moe_plan_args plan = a.plan;
-  plan.stream = a.stream;
-  if (int rc = fo_moe_plan(&plan)) return rc;
+  if (int rc = flashoverlap::plan_on(a.plan, a.stream)) return rc;
   int const own = a.rank * a.pieces;  // the own block at once (its chunks lie one after another in x)
-  if (int rc = flashoverlap::move_units(a, own, own + a.pieces, stream)) return flashoverlap::after_launch(rc);
+  if (int rc = flashoverlap::move_units(a, own, own + a.pieces, stream)) return flashoverlap::after_first_launch(rc, "fo_moe_dispatch_cut");
   for (int q = 0; q < a.pieces; ++q) {
     for (int i = 0; i + 1 < a.plan.blocks; ++i) {
       int const u = a.order[i] * a.pieces + q;
@@ -134,13 +117,13 @@ FO_API int fo_moe_dispatch_cut(const fo_moe_dispatch_args* args) {
         if (cudaError_t e = cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(a.landed[u]), 0); e != cudaSuccess)
           return flashoverlap::fail_code(100 + int(e), "fo_moe_dispatch_cut: waiting for a unit's transfer");
       }
-      if (int rc = flashoverlap::move_units(a, u, u + 1, stream)) return flashoverlap::after_launch(rc);
+      if (int rc = flashoverlap::move_units(a, u, u + 1, stream)) return flashoverlap::after_first_launch(rc, "fo_moe_dispatch_cut");
     }
     for (int t = 0; t < a.terms; ++t) {
       fo_grouped_gemm_args g = a.gemm[t];
       g.a = a.p, g.rows = a.plan.rows, g.first = 0, g.last = g.experts;
       g.range = a.plan.bounds + q, g.stream = a.stream;
-      if (int rc = fo_grouped_gemm(&g)) return flashoverlap::after_launch(rc);
+      if (int rc = fo_grouped_gemm(&g)) return flashoverlap::after_first_launch(rc, "fo_moe_dispatch_cut");
     }
   }
   return 0;

@@ -22,6 +22,7 @@
 #include <string>
 
 #include "flashoverlap_sm90.h"
+#include "moe_rows.hpp"
 #include "route_util.hpp"
 
 // The ctypes mirrors' layout (routes/moe_plan_lib.py; tests/test_moe_plan_lib.py compares every field's offset).
@@ -202,13 +203,6 @@ __global__ void moe_poison(fo_moe_poison_args a) {
 }
 
 // One warp per (row, move): dst[k] row inv[r] = src[k] row r, as W-byte words.
-template <class W>
-__device__ __forceinline__ void move_row(char const* src, char* dst, long long words, int lane) {
-  W const* s = reinterpret_cast<W const*>(src);
-  W* d = reinterpret_cast<W*>(dst);
-  for (long long w = lane; w < words; w += 32) d[w] = s[w];
-}
-
 __global__ void moe_move_rows(fo_moe_move_args a) {
   int const k = blockIdx.y;
   int const lane = threadIdx.x & 31;
@@ -217,15 +211,8 @@ __global__ void moe_move_rows(fo_moe_move_args a) {
   for (long long r = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < a.rows; r += warps) {
     long long const to = inv[r];
     if (to < 0 || to >= a.dst_rows) continue;
-    char const* src = static_cast<char const*>(a.src[k]) + r * a.src_stride[k];
-    char* dst = static_cast<char*>(a.dst[k]) + to * a.dst_stride[k];
-    long long const words = a.row_bytes[k] / a.word_bytes[k];
-    switch (a.word_bytes[k]) {
-      case 16: move_row<uint4>(src, dst, words, lane); break;
-      case 8: move_row<unsigned long long>(src, dst, words, lane); break;
-      case 4: move_row<unsigned int>(src, dst, words, lane); break;
-      default: move_row<unsigned short>(src, dst, words, lane); break;
-    }
+    copy_row(static_cast<char const*>(a.src[k]) + r * a.src_stride[k], static_cast<char*>(a.dst[k]) + to * a.dst_stride[k],
+             a.row_bytes[k], a.word_bytes[k], lane);
   }
 }
 

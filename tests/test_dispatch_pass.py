@@ -66,16 +66,18 @@ def _paying_data(tmp_path) -> str:
     path.write_text(json.dumps(doc))
     return str(out)
 
-def _block_vs_eager(ref: nn.Module, x: torch.Tensor, dy: torch.Tensor, experiments: frozenset = frozenset()) -> dict:
-    """Compiled (fuse "always") vs eager output, input and parameter gradients (bf16); the dispatch ops' lines of the
-    post-grad graphs, forward then backward; ``experts``: calls the expert cut took."""
+def _block_vs_eager(ref: nn.Module, x: torch.Tensor, dy: torch.Tensor, experiments: frozenset = frozenset(),
+                    options: dict | None = None) -> dict:
+    """Compiled (fuse "always", or as ``options`` say) vs eager output, input and parameter gradients (bf16); the
+    dispatch ops' lines of the post-grad graphs, forward then backward; ``experts``: calls the expert cut took."""
     from test_combine_pass import BF16
 
     from flashoverlap_inductor import routes
 
     got, lines = copy.deepcopy(ref), []
     options = {"flashoverlap.fuse": "always", "post_grad_custom_post_pass": lambda g: lines.extend(
-        line.strip() for line in g.python_code("self").src.splitlines() if f"flashoverlap.{OP}" in line)}
+        line.strip() for line in g.python_code("self").src.splitlines() if f"flashoverlap.{OP}" in line),
+        **(options or {})}
     if experiments:
         options["flashoverlap.experiments"] = experiments
     before = routes.stats["dispatch:experts"]

@@ -155,11 +155,12 @@ def test_auto_fuses_every_moe_op_on_every_rank_where_the_model_predicts_a_gain(p
 
 def _titan_auto_worker(tokens_by_rank: list[int], options: dict) -> dict:
     """torchtitan's expert-parallel block (``TitanStyleMoE``: 4 experts, top-2, bf16) under ``auto`` with this
-    rank's token count: compiled vs eager output and gradients, the pass's counters and the verdict lines."""
-    import copy
+    rank's token count: compiled vs eager output and gradients (``_block_vs_eager``), the pass's counters and the
+    verdict lines."""
     import logging
 
-    from test_combine_pass import BF16, TitanStyleMoE, _compare
+    from test_combine_pass import TitanStyleMoE
+    from test_dispatch_pass import _block_vs_eager
 
     lines: list[str] = []
     handler = logging.Handler()
@@ -168,19 +169,10 @@ def _titan_auto_worker(tokens_by_rank: list[int], options: dict) -> dict:
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     ref = TitanStyleMoE(64, 32, 4, 2, dist.group.WORLD).to(torch.bfloat16)
-    got = copy.deepcopy(ref)
     gen = torch.Generator().manual_seed(29 + dist.get_rank())
     x, dy = (torch.randn(tokens_by_rank[dist.get_rank()], 64, generator=gen).to(torch.bfloat16) for _ in range(2))
     try:
-        with _DispatchRun() as run:
-            compiled = torch.compile(got, backend="flashoverlap", options={"flashoverlap.fuse": "auto", **options})
-            x_ref, x_got = x.clone().requires_grad_(), x.clone().requires_grad_()
-            out_ref, out_got = ref(x_ref), compiled(x_got)
-            out_ref.backward(dy)
-            out_got.backward(dy)
-            _compare(ref, got, out_ref.detach(), out_got.detach(), BF16)
-            torch.testing.assert_close(x_got.grad.float(), x_ref.grad.float(), **BF16)
-            report = run.report()
+        report = _block_vs_eager(ref, x, dy, options={"flashoverlap.fuse": "auto", **options})
     finally:
         log.removeHandler(handler)
     return {**report, "verdicts": [line.split("(the group's verdict, ")[1].split(")")[0] for line in lines

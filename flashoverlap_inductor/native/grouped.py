@@ -60,6 +60,15 @@ def b_layout_of(w: torch.Tensor) -> int | None:
     return None
 
 
+def op_weight_fits(w: torch.Tensor) -> bool:
+    """``w`` (a term's ``[E, K, N]`` operand of ``torch._grouped_mm``) is laid out as the library reads it
+    (``b_layout_of`` of its ``[E, N, K]`` transpose: K or N contiguous), N and K multiples of 8."""
+    if w.dim() != 3:
+        return False
+    lw = w.transpose(-2, -1)
+    return b_layout_of(lw) is not None and not lw.shape[1] % 8 and not lw.shape[2] % 8
+
+
 def _check(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out: torch.Tensor | None) -> int:
     """Clear errors for what the kernel cannot take (before any device work); returns the weights' ``b_layout``."""
     if a.dim() != 2 or w.dim() != 3 or offs.dim() != 1:

@@ -258,10 +258,23 @@ def ready(device: torch.device | int | None = None) -> ctypes.CDLL:
     return _ready(str(library_path()), index)
 
 
+def last_error() -> str:
+    """The library's message for its last failed call (``fo_last_error``)."""
+    return library().fo_last_error().decode(errors="replace")
+
+
+def refusal(rc: int, what: str) -> str:
+    """For a call that may refuse its arguments before any launch (rc 1-99: nothing enqueued): "" for rc 0, the
+    library's message for a refusal; a failure after a launch (rc >= 100) raises as ``check``."""
+    if rc >= 100:
+        check(rc, what)
+    return last_error() if rc else ""
+
+
 def check(rc: int, what: str) -> None:
     """Raise ``KernelLibraryError`` with the library's message for a nonzero return code of ``what``."""
     if rc != 0:
-        msg = library().fo_last_error().decode(errors="replace")
+        msg = last_error()
         exc = KernelLibraryError(f"{what} failed (code {rc}): {msg}")
         exc.code = rc  # 300 + ncclResult_t: NCCL refused a call (the caller aborts the communicator)
         raise exc

@@ -60,11 +60,10 @@ def should_run(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor,
     if _refused or not 1 <= len(a) <= MAX_TERMS or not moe_plan_kernel.fits(index, offs, world):
         return False
     n, rows = int(b[0].shape[-1]), int(index.shape[0])
-    for x, w in zip(a, weights(b), strict=True):  # the library trusts these shapes: checked again here
-        if (x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.dim() != 2 or w.dim() != 3
+    for x, w in zip(a, b, strict=True):  # the library trusts these shapes: checked again here
+        if (x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.dim() != 2 or not grouped.op_weight_fits(w)
                 or x.stride(1) != 1 or x.device != index.device or w.device != index.device
-                or grouped.b_layout_of(w) is None or int(w.shape[1]) != n or n % 8 or int(x.shape[1]) % 8
-                or int(x.shape[0]) != rows or int(w.shape[2]) != int(x.shape[1])):
+                or int(w.shape[2]) != n or int(x.shape[0]) != rows or int(w.shape[1]) != int(x.shape[1])):
             return False
     return offs.device == index.device and offs.dtype == torch.int32
 
@@ -107,10 +106,8 @@ def run(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor, index:
     c.stream = plan_args.stream
     rc = kernels.ready(index.device).fo_moe_combine_blocks(ctypes.byref(c))
     del keep  # scratch of the current stream: a later allocation on it is ordered after these kernels
-    if rc != 0:
-        if rc >= 100:
-            kernels.check(rc, "fo_moe_combine_blocks")
-        message = kernels.library().fo_last_error().decode(errors="replace")
+    message = kernels.refusal(rc, "fo_moe_combine_blocks")
+    if message:
         _refused.append(message)
         note("moe:combine_lib", logging.WARNING, "flashoverlap: fo_moe_combine_blocks refused its arguments (%s); "
              "the combine runs its Python loop from now on", message)

@@ -83,11 +83,8 @@ def run(x: torch.Tensor, recv: torch.Tensor, index: torch.Tensor, offs: torch.Te
         a.gemm[t] = grouped.call_args(p, w, offs, y, grouped.b_layout_of(w), 0, int(w.shape[0]),
                                       stream=plan_args.stream)
     a.stream = plan_args.stream
-    rc = kernels.ready(x.device).fo_moe_dispatch_cut(ctypes.byref(a))
-    if rc != 0:
-        if rc >= 100:
-            kernels.check(rc, "fo_moe_dispatch_cut")
-        message = kernels.library().fo_last_error().decode(errors="replace")
+    message = kernels.refusal(kernels.ready(x.device).fo_moe_dispatch_cut(ctypes.byref(a)), "fo_moe_dispatch_cut")
+    if message:
         _refused.append(message)
         note("moe:cut_lib", logging.WARNING, "flashoverlap: fo_moe_dispatch_cut refused its arguments (%s); the "
              "dispatch cut by expert runs its Python steps from now on", message)

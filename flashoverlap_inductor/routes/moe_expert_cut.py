@@ -49,15 +49,6 @@ from .base import stats
 from .cpu import _wait_all
 
 
-def _weight_fits(w: torch.Tensor) -> bool:
-    """``w`` (a term's ``[E, K, N]`` operand of ``torch._grouped_mm``) is laid out as the library reads it
-    (``grouped.b_layout_of`` of its ``[E, N, K]`` transpose: K or N contiguous), N and K multiples of 8."""
-    if w.dim() != 3:
-        return False
-    lw = w.transpose(-2, -1)
-    return grouped.b_layout_of(lw) is not None and not lw.shape[1] % 8 and not lw.shape[2] % 8
-
-
 def takes(x: torch.Tensor, b: list[torch.Tensor], offs: torch.Tensor) -> bool:
     """Whether the cut can take calls of these operands at all: bf16 rows of a multiple of 8 columns, every term's
     weights a layout of the library's (the forward's Linear weights, the backward's down projection as stored) on
@@ -66,7 +57,8 @@ def takes(x: torch.Tensor, b: list[torch.Tensor], offs: torch.Tensor) -> bool:
     blocks, one chunk each). Per-rank conditions (the library loading, the whole-block premise) are ``eligible``'s: a
     rank outside them runs the general path on the same chunked transfers."""
     return (moe_p2p.grouped_kernel(x.dtype) and x.shape[1] % 8 == 0 and offs.is_contiguous()
-            and x.device.type in ("cpu", "cuda") and all(_weight_fits(w) and w.data_ptr() % 16 == 0 for w in b))
+            and x.device.type in ("cpu", "cuda")
+            and all(grouped.op_weight_fits(w) and w.data_ptr() % 16 == 0 for w in b))
 
 
 def eligible(x: torch.Tensor, index_rows: int, buffer_rows: int) -> bool:

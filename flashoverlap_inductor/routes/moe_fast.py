@@ -162,11 +162,13 @@ def run_combine(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor
     out = like.new_empty(recv_off[-1], n)
     one_call = _one_call(a, b, offs, index, ins, out[recv_off[rank]:recv_off[rank + 1]], group)
     if one_call is not None:
-        works, keep, failure, facts = one_call
+        keep, failure, facts = one_call
+        blocks, ready, _ = keep
+        works = []
         for dst, src in ring_steps(world, rank):
             try:
-                works += moe_p2p.exchange(keep[0][dst], out[recv_off[src]:recv_off[src + 1]], dst, src, group,
-                                          moe_p2p.COMBINE_TAG, None if failure else keep[1][dst])
+                works += moe_p2p.exchange(blocks[dst], out[recv_off[src]:recv_off[src + 1]], dst, src, group,
+                                          moe_p2p.COMBINE_TAG, None if failure else ready[dst])
             except BaseException as exc:  # noqa: BLE001 - as below
                 failure = failure or exc
         return _end_combine(works, keep, failure, facts, out, what, like, group, deferred, reference)
@@ -203,8 +205,8 @@ def run_combine(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor
 
 def _one_call(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor, index: torch.Tensor, ins: list[int],
               own: torch.Tensor, group: dist.ProcessGroup) -> tuple | None:
-    """The combine's compute as one library call (``moe_combine_lib``) where it takes the call: ``(works, keep,
-    failure, facts)`` with ``keep`` = (each peer block's send rows, their ready events, the send buffer), the own
+    """The combine's compute as one library call (``moe_combine_lib``) where it takes the call: ``(keep, failure,
+    facts)`` with ``keep`` = (each peer block's send rows, their ready events, the send buffer), the own
     block already in ``own``; None where it does not (nothing enqueued). A failure after its first launch poisons
     the send buffer and ``own`` (what leaves this rank is never mistaken for data) and is settled by the caller."""
     world, rank, like = group.size(), group.rank(), a[0]
@@ -226,7 +228,7 @@ def _one_call(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor, 
         _poison(send)
         _poison(own)
     blocks = [send[bounds[j]:bounds[j + 1]] for j in range(world)]
-    return [], (blocks, ready, send), failure, facts
+    return (blocks, ready, send), failure, facts
 
 
 def _end_combine(works: list, keep: object, failure: BaseException | None, facts: torch.Tensor | None,

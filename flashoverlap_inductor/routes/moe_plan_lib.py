@@ -169,11 +169,9 @@ def plan_args(index: torch.Tensor, offs: torch.Tensor, bounds: list[int], cuts: 
 def _called(rc: int, what: str) -> bool:
     """Whether the library call ``what`` returned 0; a refusal of its arguments (rc < 100) is recorded (``_failed``:
     the Triton kernels from now on) and logged once; the device's errors raise ``KernelLibraryError``."""
-    if rc == 0:
+    message = kernels.refusal(rc, what)
+    if not message:
         return True
-    if rc >= 100:
-        kernels.check(rc, what)
-    message = kernels.library().fo_last_error().decode(errors="replace")
     _failed.append(f"{what}: {message}")
     note("moe:plan_lib", logging.WARNING, "flashoverlap: %s refused its arguments (%s); the MoE plan and poison use "
          "the Triton kernels from now on", what, message)
@@ -210,7 +208,7 @@ def poison(outputs: list[torch.Tensor], vectors: torch.Tensor, world: int,
         a.stream = compat.current_raw_stream(dev.index)
         rc = lib.fo_moe_poison(ctypes.byref(a))
         if rc != 0 and rc < 100 and a.mirror:  # the mirror refused (not memory the device addresses): without it
-            _no_mirror.append(lib.fo_last_error().decode(errors="replace"))
+            _no_mirror.append(kernels.last_error())
             note("moe:poison_mirror", logging.WARNING, "flashoverlap: fo_moe_poison refused the status mirror (%s); "
                  "the settle copies the status from now on", _no_mirror[-1])
             a.mirror = None
