@@ -89,9 +89,9 @@ def model_coverage(module: torch.nn.Module, *args: Any, backward: bool | None = 
     from .runner import flashoverlap_backend
 
     opts = dict(options or {})
-    fuse = default_fuse((args, kwargs))
+    fuse = default_fuse((args, kwargs)) if "flashoverlap.fuse" not in opts else None  # the caller's mode stands
     if fuse is not None:
-        opts.setdefault("flashoverlap.fuse", fuse)
+        opts["flashoverlap.fuse"] = fuse
     capture = coverage.GraphCapture()
     existing = opts.get(compat.POST_PASS_KEY, getattr(compat.inductor_config(), compat.POST_PASS_KEY, None))
     opts[compat.POST_PASS_KEY] = compat.chain_passes(capture, existing)  # the capture, then the user's own
