@@ -178,7 +178,7 @@ using namespace flashoverlap;
 
 extern "C" {
 
-FO_API int fo_abi_version(void) { return 23; }
+FO_API int fo_abi_version(void) { return 24; }
 
 FO_API int fo_preload(void) {
   cudaFuncAttributes attr{};

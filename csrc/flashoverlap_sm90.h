@@ -403,6 +403,17 @@ FO_API int fo_ring_call(const fo_ring_args* args);
  * copy-engine write after a copy-engine copy on one stream orders the data before the flag for a peer's
  * system-scope acquire is not documented: to be checked on GPUs before the bit is relied on. */
 #define FO_GATHER_COPY_NOTIFY 4
+/* options bit, with FO_GATHER_PUSH (routes/moe_peer.py: the MoE ops' all_to_all of variable blocks): rank r pushes
+ * blocks[j] (block_bytes[j], its own size per peer, 0 allowed) into slot r of set slot_set of rank j's buffer, slot j
+ * of set b at b * set_bytes + j * slot_bytes (world * slot_bytes <= set_bytes; every block and recv_bytes <=
+ * slot_bytes). The push of block j first waits for block_events[j] where given (recorded on cur after the work that
+ * wrote it: each block travels as soon as it exists). After the wait for peer j's push, the copy stream copies
+ * recv_bytes[j] of slot j here into recv[j] (copy engine) before it records shard_events[j]. The flags, waits,
+ * notifications, finish and poisoning are the push schedule's, unchanged: both ends of a pair issue one push and one
+ * read per call whatever the sizes, so the counters stay in step. phase 1 enqueues only the begin on cur (and the
+ * fork), before the caller writes the blocks; phase 2, the same args on the same host thread, the rest; phase 0 both.
+ * Excludes copy_own and FO_GATHER_COPY_NOTIFY. */
+#define FO_GATHER_BLOCKS 8
 typedef struct {
   int32_t world, rank;
   int64_t shard_bytes;                        /* bytes of one shard ([shard_rows, K], contiguous) */
@@ -430,6 +441,15 @@ typedef struct {
   int64_t set_bytes;                          /* FO_GATHER_PUSH: bytes from one slot set to the next in every
                                                * receive buffer, >= world * shard_bytes; the same on every rank and
                                                * for every call on one workspace (its capacity / SLOT_SETS) */
+  /* FO_GATHER_BLOCKS only (zero otherwise): per peer j */
+  const void* blocks[FO_GATHER_MAX_WORLD];    /* the rows this rank sends to rank j (null where block_bytes[j] is 0) */
+  int64_t block_bytes[FO_GATHER_MAX_WORLD];   /* their bytes, 0 .. slot_bytes */
+  void* block_events[FO_GATHER_MAX_WORLD];    /* cudaEvent_t the push of block j waits for (null: the fork only) */
+  void* recv[FO_GATHER_MAX_WORLD];            /* where rank j's block (slot j here) is copied to */
+  int64_t recv_bytes[FO_GATHER_MAX_WORLD];    /* its bytes, 0 .. slot_bytes (0: not copied) */
+  int64_t slot_bytes;                         /* the slots' stride in a set, the same on every rank */
+  int32_t phase;                              /* 0: the whole call; 1: its begin only; 2: the rest, after phase 1 */
+  int32_t reserved;
 } fo_gather_args;
 
 FO_API int fo_gather_call(const fo_gather_args* args);

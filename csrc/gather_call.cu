@@ -138,6 +138,30 @@ int gp::launch_step(GatherStep const& s, cudaStream_t stream) {
 
 namespace {
 
+// FO_GATHER_BLOCKS's own fields (flashoverlap_sm90.h): a push without copy_own or copy notification; a slot stride
+// whose world slots fit one set; per peer a block and a receive copy of at most one slot, with pointers where bytes.
+int check_blocks(fo_gather_args const& p) {
+  if ((p.options & FO_GATHER_PUSH) == 0 || (p.options & FO_GATHER_COPY_NOTIFY) != 0 || p.copy_own != 0) {
+    return fail_code(2, "fo_gather_call: FO_GATHER_BLOCKS needs FO_GATHER_PUSH, without copy_own or "
+                        "FO_GATHER_COPY_NOTIFY");
+  }
+  if (p.phase < 0 || p.phase > 2) return fail_code(2, "fo_gather_call: phase must be 0, 1 or 2");
+  if (p.slot_bytes <= 0 || p.slot_bytes > p.set_bytes / p.world) {
+    return fail_code(2, "fo_gather_call: FO_GATHER_BLOCKS needs 0 < slot_bytes <= set_bytes / world");
+  }
+  for (int j = 0; j < p.world; ++j) {
+    if (j == p.rank) continue;
+    if (p.block_bytes[j] < 0 || p.block_bytes[j] > p.slot_bytes || p.recv_bytes[j] < 0 ||
+        p.recv_bytes[j] > p.slot_bytes) {
+      return fail_code(2, "fo_gather_call: every block and receive copy must fit one slot (0 .. slot_bytes)");
+    }
+    if ((p.block_bytes[j] > 0 && p.blocks[j] == nullptr) || (p.recv_bytes[j] > 0 && p.recv[j] == nullptr)) {
+      return fail_code(2, "fo_gather_call: a block or receive copy with bytes needs its pointer");
+    }
+  }
+  return 0;
+}
+
 int check_args(fo_gather_args const& p, bool finish) {
   if (p.world < 2 || p.world > kMaxWorld || p.rank < 0 || p.rank >= p.world) {
     return fail_code(2, "fo_gather: world must be in [2, FO_GATHER_MAX_WORLD] and rank in [0, world)");
@@ -156,12 +180,19 @@ int check_args(fo_gather_args const& p, bool finish) {
     }
     return 0;
   }
+  if ((p.options & kBlocks) != 0) {
+    if (int const rc = check_blocks(p); rc != 0) return rc;
+  } else if (p.phase != 0) {
+    return fail_code(2, "fo_gather_call: phase 1 and 2 need FO_GATHER_BLOCKS");
+  }
   bool const staging_needed = (p.options & FO_GATHER_PUSH) == 0 || p.copy_own != 0;
-  if (p.shard_bytes <= 0 || p.a == nullptr || (staging_needed && p.staging == nullptr) || p.epoch == nullptr) {
+  bool const a_needed = (p.options & kBlocks) == 0;
+  if (p.shard_bytes <= 0 || (a_needed && p.a == nullptr) || (staging_needed && p.staging == nullptr) ||
+      p.epoch == nullptr) {
     return fail_code(2, "fo_gather_call: shard_bytes must be positive; a, staging (but for a push without copy_own) "
                         "and epoch are required");
   }
-  if ((p.options & FO_GATHER_PUSH) != 0 && p.set_bytes < int64_t(p.world) * p.shard_bytes) {
+  if ((p.options & FO_GATHER_PUSH) != 0 && (p.options & kBlocks) == 0 && p.set_bytes < int64_t(p.world) * p.shard_bytes) {
     return fail_code(2, "fo_gather_call: FO_GATHER_PUSH needs set_bytes >= world * shard_bytes");
   }
   if ((p.options & FO_GATHER_PUSH) != 0 && (p.options & FO_GATHER_GEMM_AFTER_HANDSHAKE) != 0) {
@@ -212,26 +243,37 @@ GatherStep begin_step(fo_gather_args const& p, int first_done = kDone, int* coun
 // 1.100x), as step 5's waits queue behind every push on this one stream anyway.
 int push_call(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur, cudaStream_t copy) {
   int const W = p.world, r = p.rank, b = p.slot_set;
-  size_t const bytes = size_t(p.shard_bytes);
-  ev->push_begun = false;  // whatever an earlier call left (a finish that returned early): this call's own state
-  ev->push_fail_tag = 0;
-  // 1. on cur: begin (deadline, call counter, epoch e); every peer j done reading the slot this rank writes in set b
-  // of j's buffer (done_b[j] here reaches uses_b, this rank's pushes begun into set b so far; then uses_b + 1).
-  bool const by_copy = (p.options & FO_GATHER_COPY_NOTIFY) != 0 && W >= kCopyNotifyMinWorld;
-  GatherStep s = begin_step(p, kSetDone + b * kMaxWorld, p.flags[r] + kSetUses + b);
-  if (by_copy) s.snapshot = p.flags[r] + kSetEpoch + b;
-  int rc = launch_step(s, cur);
-  if (rc != 0) return rc;
-  ev->push_begun = true;  // from here on every notification is issued whatever fails (as fo_gather_call's)
+  bool const blocks = (p.options & kBlocks) != 0;
+  size_t const bytes = size_t(p.shard_bytes), slot = blocks ? size_t(p.slot_bytes) : bytes;
+  GatherStep s{};
+  if (p.phase == 2) {  // FO_GATHER_BLOCKS: the begin and the fork's record were phase 1's, on this thread
+    if (!ev->push_begun) return fail_code(2, "fo_gather_call: phase 2 without a phase-1 call on this host thread");
+  } else {
+    ev->push_begun = false;  // whatever an earlier call left (a finish that returned early): this call's own state
+    ev->push_fail_tag = 0;
+    // 1. on cur: begin (deadline, call counter, epoch e); every peer j done reading the slot this rank writes in
+    // set b of j's buffer (done_b[j] here reaches uses_b, this rank's pushes begun into set b so far; then uses_b +
+    // 1).
+    bool const by_copy = (p.options & FO_GATHER_COPY_NOTIFY) != 0 && W >= kCopyNotifyMinWorld;
+    s = begin_step(p, kSetDone + b * kMaxWorld, p.flags[r] + kSetUses + b);
+    if (by_copy) s.snapshot = p.flags[r] + kSetEpoch + b;
+    int rc = launch_step(s, cur);
+    if (rc != 0) return rc;
+    ev->push_begun = true;  // from here on every notification is issued whatever fails (as fo_gather_call's)
+    // 2. the fork's record: the copy stream reads `a` and the epoch after the begin (FO_GATHER_BLOCKS: each block
+    // also after its own event)
+    ev->fork_rc = cuda_check(cudaEventRecord(ev->fork, cur), "fork record");
+    if (p.phase == 1) return ev->fork_rc;  // its failure is phase 2's too (no push then: a poisoned call)
+  }
   int first = 0, fail_tag = 0;
   auto note = [&](int code, int tag) {
     if (code != 0 && first == 0) first = code;
     if (code != 0 && fail_tag == 0) fail_tag = tag;
   };
-  // 2. the fork: the copy stream reads `a` and the epoch after the begin.
-  int fork = cuda_check(cudaEventRecord(ev->fork, cur), "fork record");
+  int fork = ev->fork_rc;
   if (fork == 0) fork = cuda_check(cudaStreamWaitEvent(copy, ev->fork, 0), "fork wait");
   note(fork, kTagEnqueue);  // unforked, the pushes could read `a` before it is written: none then (poisoned call)
+  bool const by_copy = (p.options & FO_GATHER_COPY_NOTIFY) != 0 && W >= kCopyNotifyMinWorld;
   // 3. a into slot r of set b of every peer's buffer, the peer that takes it first (r + 1) first. Under
   // FO_GATHER_COPY_NOTIFY on 3+ ranks each peer is told right after its push, by copy engine (a step kernel there
   // would wait for an SM the caller's GEMM holds, and every push behind it with it): two 4-byte copies of this rank's
@@ -248,9 +290,15 @@ int push_call(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur, cudaS
     int const j = (r + d) % W;
     int* const flags_of_j[2] = {p.flags[j] + kReady + r, set_flag(p.flags[j], kSetReady, b, r)};
     int pushed = fork;
-    if (fork == 0) {
-      pushed = cuda_check(cudaMemcpyAsync(static_cast<char*>(p.buffers[j]) + set_offset + size_t(r) * bytes, p.a,
-                                          bytes, cudaMemcpyDeviceToDevice, copy), "shard push");
+    void const* const src = blocks ? p.blocks[j] : p.a;
+    size_t const nbytes = blocks ? size_t(p.block_bytes[j]) : bytes;
+    if (pushed == 0 && blocks && p.block_events[j] != nullptr) {  // block j exists once its event fired
+      pushed = cuda_check(cudaStreamWaitEvent(copy, static_cast<cudaEvent_t>(p.block_events[j]), 0), "block wait");
+      note(pushed, kTagEnqueue + d);
+    }
+    if (pushed == 0 && nbytes > 0) {
+      pushed = cuda_check(cudaMemcpyAsync(static_cast<char*>(p.buffers[j]) + set_offset + size_t(r) * slot, src,
+                                          nbytes, cudaMemcpyDeviceToDevice, copy), "shard push");
       note(pushed, kTagEnqueue + d);
     }
     for (int f = 0; f < 2; ++f) {
@@ -292,6 +340,11 @@ int push_call(fo_gather_args const& p, GatherEvents* ev, cudaStream_t cur, cudaS
       fail_tag = 0;
     } else {
       note(krc, kTagEnqueue + W + d);
+    }
+    if (blocks && p.recv_bytes[j] > 0) {  // slot j here, after its wait, into the caller's rows (copy engine)
+      char const* const from = static_cast<char const*>(p.buffers[r]) + set_offset + size_t(j) * slot;
+      note(cuda_check(cudaMemcpyAsync(p.recv[j], from, size_t(p.recv_bytes[j]), cudaMemcpyDeviceToDevice, copy),
+                      "block receive copy"), kTagEnqueue + W + d);
     }
     note(cuda_check(cudaEventRecord(static_cast<cudaEvent_t>(p.shard_events[j]), copy), "shard record"),
          kTagEnqueue + W + d);

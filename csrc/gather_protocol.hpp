@@ -28,6 +28,7 @@ constexpr int kSetReads = kSetUses + kSlotSets;  // push: reads_b at kSetReads +
 constexpr int kSetEpoch = kSetReads + kSlotSets;  // FO_GATHER_COPY_NOTIFY: at kSetEpoch + b, this rank's epoch as
                                                   // its last set-b call began (what ready[rank] in a peer's page
                                                   // reads once that call's shard is there; copied, never added)
+constexpr int kBlocks = FO_GATHER_BLOCKS;
 constexpr int kCopyNotifyMinWorld = 3;  // FO_GATHER_COPY_NOTIFY acts from this many ranks on (2: one push anyway)
 // fo_scatter_run's pieces (flashoverlap_sm90.h): piece_ready[j] at kPieceReady + j (written only by rank j, absolute:
 // the pieces it pushed here so far, by a copy-engine write), this rank's own counters sent (its pieces pushed) and
@@ -38,8 +39,9 @@ constexpr int kPieceRecv = kPieceSent + 1;
 constexpr int kPieceSrc = kPieceRecv + 1;
 constexpr int kMaxPieces = FO_SCATTER_MAX_PIECES;
 static_assert(kPieceSrc + kMaxPieces <= FO_GATHER_FLAG_INTS, "the gather flag page holds every flag and counter");
-static_assert(sizeof(fo_gather_args) == 440 && offsetof(fo_gather_args, slot_set) == 424, "fo_gather_args layout");
-static_assert(offsetof(fo_gather_args, set_bytes) == 432, "fo_gather_args layout");
+static_assert(sizeof(fo_gather_args) == 776 && offsetof(fo_gather_args, slot_set) == 424, "fo_gather_args layout");
+static_assert(offsetof(fo_gather_args, set_bytes) == 432 && offsetof(fo_gather_args, slot_bytes) == 760,
+              "fo_gather_args layout");
 constexpr int kTagReady = 3000;     // + j: rank j's shard of this call
 constexpr int kTagDone = 3100;      // + j: rank j finished reading this rank's previous shard
 constexpr int kTagEnqueue = 3200;   // + step: a part of the call this rank could not enqueue
@@ -76,6 +78,7 @@ struct GatherEvents {
   // was enqueued (then its finish owes every peer a done), and an enqueue failure no step kernel recorded yet.
   bool push_begun = false;
   int push_fail_tag = 0;
+  int fork_rc = 0;  // FO_GATHER_BLOCKS: the fork's record in phase 1, for phase 2's pushes
 };
 
 // Per host thread and device, like ring_call.cu's events (made on first use).

@@ -71,6 +71,9 @@ EXPERIMENTS = {
                               "rows (one H200, 44th session: 2 pieces 0.91-1.12x of torch's uncut grouped GEMM where "
                               "cutting by source block costs 1.15-1.76x) instead of one per source block; not yet "
                               "run on 2 GPUs",
+    "moe_peer": "move the fused MoE calls' all_to_all blocks by copy-engine pushes into the peers' symmetric memory "
+                "(one host, 2-8 ranks; routes/moe_peer.py) instead of NCCL's send/recv: no SM moves a byte; correct "
+                "with 2-3 ranks sharing one H200, never run on 2 GPUs",
     "moe_judge_two_behind": "with moe_settle_deferred, judge a deferred MoE call's status at the end of the call "
                             "after next instead of the next one (the host may run two MoE calls ahead of the GPU; "
                             "a failure raises one call later)",

@@ -160,11 +160,14 @@ def dispatch_fp64(c: dict, group) -> list[torch.Tensor]:
     return [p, *ys]
 
 
+EXPERIMENTS = {"moe_p2p_cuda"}  # tests/test_gpu_moe_peer.py's ranks add "moe_peer"
+
+
 def _p2p():
     """The settings under which CUDA calls take the P2P route (an experiment until it is measured on GPUs)."""
     from flashoverlap_inductor import config
 
-    return config.patch(experiments={"moe_p2p_cuda"})
+    return config.patch(experiments=EXPERIMENTS)
 
 
 def _combine(c: dict, g, plan: str) -> torch.Tensor:

@@ -31,7 +31,7 @@ from flashoverlap_inductor import config, errors
 # 17: fo_cublaslt_bind, fo_gather_run, fo_gather_gemm_args.workspace; 18: fo_scatter_run, FO_GATHER_FLAG_INTS 9 x 8;
 # 19: fo_scatter_gemm_args.all_reduce and .cuts (the all_reduce pull route); 20: fo_grouped_gemm;
 # 21: fo_moe_dispatch_cut; 22: fo_moe_poison_args.mirror; 23: fo_moe_combine_blocks
-ABI_VERSION = 23
+ABI_VERSION = 24
 LIB_ENV = "FLASHOVERLAP_LIB"
 DEFAULT_LIB = Path(__file__).resolve().parents[2] / "build" / "libflashoverlap_sm90.so"
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}

@@ -227,6 +227,14 @@ def _resync(group: dist.ProcessGroup, index: int, settings: config.Settings, cap
     stats["resync"] += 1
 
 
+def resync_group(group: dist.ProcessGroup, index: int, settings: config.Settings, call_id: str) -> None:
+    """``_resync`` of (device ``index``, ``group``) for a call outside the dispatcher (``moe_peer``), under the
+    device's call lock; never inside a capture (such calls decline there)."""
+    with _named_lock(("cuda", index)):
+        if faults.resync_due(index, group.group_name):
+            _resync(group, index, settings, False, call_id)
+
+
 def resync_marked() -> None:
     """Resynchronize every (device, group) a raised fault marked: the compiled wrapper's step before each run
     (``backend.checked``), since CUDA-graph replays reach no dispatcher. Every rank runs the same graphs in the same

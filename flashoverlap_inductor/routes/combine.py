@@ -170,6 +170,7 @@ def run_p2p(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | N
     send_off, recv_off = offsets(send_sizes), offsets(recv_sizes)
     send = like.new_zeros(send_off[-1], n)
     out = like.new_empty(recv_off[-1], n)
+    peer = moe_p2p.moe_peer.begin(like, n * like.element_size(), ins, outs, group, deferred, False)
     works: list = []
     failure: BaseException | None = None
     units = None
@@ -191,12 +192,16 @@ def run_p2p(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | N
             try:
                 if dst == rank:
                     into.copy_(block)
-                else:
+                elif peer is None:
                     works += moe_p2p.exchange(block, into, dst, src, group, TAG + q)
             except BaseException as exc:  # noqa: BLE001 - as above
                 failure = failure or exc
+    if peer is not None:  # every whole block in one push call, after the units above (the fork)
+        cut = [slice(send_off[j * chunks], send_off[(j + 1) * chunks]) for j in range(world)]
+        into = [slice(recv_off[j * chunks], recv_off[(j + 1) * chunks]) for j in range(world)]
+        works = [w for _, w in peer.send([send[c] for c in cut], [out[c] for c in into])]
     failure = _wait_all(works, failure)
-    if moe_p2p.end_call(failure, None, [out], what, send.device, group, deferred):  # a peer's premise failed
+    if moe_p2p.end_call(failure, None, [out], what, send.device, group, deferred, peer):  # a peer's premise failed
         del send, out
         return moe_p2p.redo("combine", redo)
     return out

@@ -102,7 +102,7 @@ log = logging.getLogger("flashoverlap")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 NAME = "gather_peer"
 # What a timeout on a group's flag page names: the routes that share its protocol
-FAULT_LABEL = "gather_peer / scatter_pull / reduce_pull"
+FAULT_LABEL = "gather_peer / scatter_pull / reduce_pull / moe_peer"
 
 
 _flags: dict[tuple[int, str], GatherFlags] = {}
@@ -128,6 +128,12 @@ def flags(group: dist.ProcessGroup, device: torch.device) -> GatherFlags:
         f = _flags[key] = GatherFlags(buf, hdl, views, epoch, torch.cuda.Stream(device=device, priority=-100),
                                       events, dom)
     return f
+
+
+def workspaces(device: torch.device, group: dist.ProcessGroup, tag: str) -> list[symmetric.SymmetricBuffer]:
+    """The workspace list of (device, group) kept under ``tag`` (another route's buffers on this flag page, e.g.
+    ``moe_peer``'s receive slots), dropped with this route's ``reset``."""
+    return _workspaces.setdefault((device.index, group.group_name, tag), [])
 
 
 def workspace(group: dist.ProcessGroup, device: torch.device, need: int,

@@ -45,7 +45,12 @@ class GatherArgs(ctypes.Structure):
                 ("num_outputs", ctypes.c_int32), ("elem_bytes", ctypes.c_int32), ("bf16", ctypes.c_int32),
                 ("options", ctypes.c_int32), ("outputs", ctypes.c_void_p * MAX_OUTPUTS),
                 ("output_numel", ctypes.c_int64 * MAX_OUTPUTS), ("slot_set", ctypes.c_int32),
-                ("set_bytes", ctypes.c_int64)]
+                ("set_bytes", ctypes.c_int64),
+                # FO_GATHER_BLOCKS (routes/moe_peer.py), per peer; zero for every other call
+                ("blocks", ctypes.c_void_p * MAX_WORLD), ("block_bytes", ctypes.c_int64 * MAX_WORLD),
+                ("block_events", ctypes.c_void_p * MAX_WORLD), ("recv", ctypes.c_void_p * MAX_WORLD),
+                ("recv_bytes", ctypes.c_int64 * MAX_WORLD), ("slot_bytes", ctypes.c_int64), ("phase", ctypes.c_int32),
+                ("reserved", ctypes.c_int32)]
 
 
 @dataclass

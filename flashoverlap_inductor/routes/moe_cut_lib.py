@@ -25,7 +25,7 @@ import torch
 
 from ..native import grouped, kernels
 from ..schedule.combine import offsets
-from . import moe_nccl, moe_plan_kernel, moe_plan_lib
+from . import moe_nccl, moe_peer, moe_plan_kernel, moe_plan_lib
 from .base import note, stats
 
 MAX_UNITS = moe_plan_lib.MAX_BLOCKS * moe_plan_lib.MAX_PIECES  # FO_MOE_MAX_UNITS
@@ -51,7 +51,7 @@ def should_run(x: torch.Tensor, index: torch.Tensor, offs: torch.Tensor, world: 
     once per call, by ``moe_expert_cut.run_dispatch``); ``x``: the dispatch's rows (bf16, as the cut takes)."""
     return (not _refused and 1 <= pieces <= moe_plan_lib.MAX_PIECES and 1 <= terms <= MAX_TERMS
             and moe_plan_kernel.fits(index, offs, world) and index.device == x.device and offs.device == x.device
-            and all(isinstance(w, moe_nccl.Transfer) for _, works in landing for w in works))
+            and all(isinstance(w, (moe_nccl.Transfer, moe_peer.Landed)) for _, works in landing for w in works))
 
 
 def run(x: torch.Tensor, recv: torch.Tensor, index: torch.Tensor, offs: torch.Tensor, block_rows: list[int],

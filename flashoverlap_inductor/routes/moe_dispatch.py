@@ -189,7 +189,7 @@ def run_p2p(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes: 
             return moe_expert_cut.run_dispatch(x, index, b, offs, outs, ins, group, chunks, what, redo, deferred)
     if offs is not None and moe_fast.eligible(True, x.dtype, chunks, int(index.shape[0]), sum(outs)):
         return moe_fast.run_dispatch(x, index, b, offs, outs, ins, group, what, redo, deferred)
-    sent = moe_p2p.issue_dispatch(x, outs, ins, chunks, group)
+    sent = moe_p2p.issue_dispatch(x, outs, ins, chunks, group, deferred)
     x, recv, send_off, recv_off, failure = sent.x, sent.recv, sent.send_off, sent.recv_off, sent.failure
     recv_sizes = chunk_sizes(outs, chunks)
     units = None
@@ -210,7 +210,7 @@ def run_p2p(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes: 
             except BaseException as exc:  # noqa: BLE001 - as above
                 failure = exc
     outputs = [] if units is None else [units.p, *units.y]
-    if moe_p2p.end_call(failure, None, outputs, what, recv.device, group, deferred):  # a peer's premise failed
+    if moe_p2p.end_call(failure, None, outputs, what, recv.device, group, deferred, sent.peer):  # redo
         del sent, recv, units, outputs
         return moe_p2p.redo("dispatch", redo)
     del sent

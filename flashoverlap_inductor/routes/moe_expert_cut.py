@@ -78,7 +78,7 @@ def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], of
     """The dispatch cut by expert into ``pieces`` (module docstring); returns ``[p, y_1, ...]``."""
     world, rank = group.size(), group.rank()
     moves_lib = moe_plan_lib.usable(x)
-    sent = moe_p2p.issue_dispatch(x, outs, ins, pieces, group)  # unit j * pieces + q: chunk q of block j
+    sent = moe_p2p.issue_dispatch(x, outs, ins, pieces, group, deferred)  # unit j * pieces + q: chunk q of block j
     x, recv, send_off, recv_off, failure = sent.x, sent.recv, sent.send_off, sent.recv_off, sent.failure
     weights = [w.transpose(-2, -1) for w in b]  # each expert's Linear weight [N, K]
     plan, result, bounds, facts = None, None, None, None
@@ -132,7 +132,7 @@ def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], of
                     grouped.grouped_mm(result[0], w, offs, out=result[1 + t], within=bounds[q:q + 2])
             except BaseException as exc:  # noqa: BLE001 - as above
                 failure = exc
-    if moe_p2p.end_call(failure, facts, result or [], what, x.device, group, deferred):
+    if moe_p2p.end_call(failure, facts, result or [], what, x.device, group, deferred, sent.peer):
         del recv, result, plan, sent  # the redo's memory
         return moe_p2p.redo("dispatch", reference)
     stats["dispatch:experts"] += 1

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule.combine import offsets, ring_steps
-from . import moe_combine_lib, moe_nccl, moe_p2p, moe_plan_kernel, moe_plan_lib
+from . import moe_combine_lib, moe_nccl, moe_p2p, moe_peer, moe_plan_kernel, moe_plan_lib
 from .base import stats
 from .cpu import _poison, _wait_all
 
@@ -160,19 +160,28 @@ def run_combine(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor
     n, like = int(b[0].shape[-1]), a[0]
     recv_off = offsets(outs)
     out = like.new_empty(recv_off[-1], n)
-    one_call = _one_call(a, b, offs, index, ins, out[recv_off[rank]:recv_off[rank + 1]], group)
+    received = [out[recv_off[j]:recv_off[j + 1]] for j in range(world)]
+    # peer transfers: the call begun before the GEMMs, so that each block's push waits only for its own event
+    peer = moe_peer.begin(like, n * like.element_size(), ins, outs, group, deferred, True)
+    one_call = _one_call(a, b, offs, index, ins, received[rank], group, peer is not None)
     if one_call is not None:
         keep, failure, facts = one_call
         blocks, ready, _ = keep
         works = []
-        for dst, src in ring_steps(world, rank):
+        if peer is not None:  # after a failure: the poisoned rows, written behind the fork, once they are
+            if failure is not None:
+                ready = [torch.cuda.Event()] * world
+                ready[0].record()
+            works = [w for _, w in peer.send(blocks, received, ready)]
+        for dst, src in ring_steps(world, rank) if peer is None else ():
             try:
-                works += moe_p2p.exchange(blocks[dst], out[recv_off[src]:recv_off[src + 1]], dst, src, group,
+                works += moe_p2p.exchange(blocks[dst], received[src], dst, src, group,
                                           moe_p2p.COMBINE_TAG, None if failure else ready[dst])
             except BaseException as exc:  # noqa: BLE001 - as below
                 failure = failure or exc
-        return _end_combine(works, keep, failure, facts, out, what, like, group, deferred, reference)
+        return _end_combine(works, keep, failure, facts, out, what, like, group, deferred, reference, peer)
     works, keep, failure, plan = [], [], None, None
+    blocks, ready = [None] * world, [None] * world
     try:
         plan = BlockPlan(index.to(like.device), offs, list(ins))
     except BaseException as exc:  # noqa: BLE001 - settled below, after every ring step was issued
@@ -195,23 +204,30 @@ def run_combine(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor
         try:
             if dst == rank:
                 into.copy_(block)
+            elif peer is not None:  # pushed by the copy engine once it exists (``send`` below)
+                blocks[dst], ready[dst] = block, torch.cuda.Event()
+                ready[dst].record()
             else:
                 works += moe_p2p.exchange(block, into, dst, src, group, moe_p2p.COMBINE_TAG)
         except BaseException as exc:  # noqa: BLE001 - as above
             failure = failure or exc
+    if peer is not None:
+        works = [w for _, w in peer.send(blocks, received, ready)]
     return _end_combine(works, keep, failure, None if plan is None else plan.facts, out, what, like, group, deferred,
-                        reference)
+                        reference, peer)
 
 
 def _one_call(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor, index: torch.Tensor, ins: list[int],
-              own: torch.Tensor, group: dist.ProcessGroup) -> tuple | None:
+              own: torch.Tensor, group: dist.ProcessGroup, peer: bool) -> tuple | None:
     """The combine's compute as one library call (``moe_combine_lib``) where it takes the call: ``(keep, failure,
     facts)`` with ``keep`` = (each peer block's send rows, their ready events, the send buffer), the own
-    block already in ``own``; None where it does not (nothing enqueued). A failure after its first launch poisons
-    the send buffer and ``own`` (what leaves this rank is never mistaken for data) and is settled by the caller."""
+    block already in ``own``; None where it does not (nothing enqueued). ``peer``: the call's transfers are peer
+    pushes (``moe_peer``), which wait for the block events as NCCL's direct transfers do. A failure after its first
+    launch poisons the send buffer and ``own`` (what leaves this rank is never mistaken for data) and is settled by
+    the caller."""
     world, rank, like = group.size(), group.rank(), a[0]
     if not (like.is_cuda and moe_plan_lib.usable(like) and int(own.shape[0]) == int(ins[rank])
-            and moe_nccl.communicator(group, like.device) is not None
+            and (peer or moe_nccl.communicator(group, like.device) is not None)
             and moe_combine_lib.should_run(a, b, offs, index, world)):
         return None
     bounds = offsets(ins)
@@ -233,10 +249,10 @@ def _one_call(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor, 
 
 def _end_combine(works: list, keep: object, failure: BaseException | None, facts: torch.Tensor | None,
                  out: torch.Tensor, what: str, like: torch.Tensor, group: dist.ProcessGroup, deferred: bool,
-                 reference) -> torch.Tensor:
+                 reference, peer: moe_peer.PeerCall | None) -> torch.Tensor:
     """The combine's end on either path: every step waited for, the settle, the redo where a rank's premise failed."""
     failure = _wait_all(works, failure)
-    if moe_p2p.end_call(failure, facts, [out], what, like.device, group, deferred):
+    if moe_p2p.end_call(failure, facts, [out], what, like.device, group, deferred, peer):
         del keep, out  # the redo's memory
         return moe_p2p.redo("combine", reference)
     stats["combine:fast"] += 1
@@ -255,7 +271,7 @@ def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], of
     is made; where the premise fails the outputs are the settle's to discard (redo) or poison (deferred)."""
     rank = group.rank()
     library = moe_plan_lib.usable(x)  # asked once per call; its kernels loaded before any transfer is in flight
-    sent = moe_p2p.issue_dispatch(x, outs, ins, 1, group)  # one unit per block: unit j is block j
+    sent = moe_p2p.issue_dispatch(x, outs, ins, 1, group, deferred)  # one unit per block: unit j is block j
     x, recv, send_off, recv_off, failure = sent.x, sent.recv, sent.send_off, sent.recv_off, sent.failure
     plan, result = None, None
 
@@ -293,7 +309,7 @@ def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], of
             except BaseException as exc:  # noqa: BLE001 - as above
                 failure = exc
     facts = None if plan is None else plan.facts
-    if moe_p2p.end_call(failure, facts, result or [], what, x.device, group, deferred):
+    if moe_p2p.end_call(failure, facts, result or [], what, x.device, group, deferred, sent.peer):
         del recv, result, plan, sent  # the redo's memory
         return moe_p2p.redo("dispatch", reference)
     stats["dispatch:fast"] += 1

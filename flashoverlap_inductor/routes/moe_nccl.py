@@ -39,6 +39,7 @@ from .. import config, errors
 from ..native import nccl_direct
 from ..runtime import nccl_watch
 from .base import stats
+from .nccl import is_nccl_group
 
 log = logging.getLogger("flashoverlap")
 _side: dict[int, torch.cuda.Stream] = {}
@@ -151,6 +152,11 @@ def gather_status(every: torch.Tensor, local: torch.Tensor, group: dist.ProcessG
     ``moe:nccl_direct_status``), else ``dist.all_gather_into_tensor``. Raises where the exchange could not be issued."""
     comm = communicator(group, local.device)
     if comm is None:
+        if local.is_cuda and not is_nccl_group(group):  # gloo with CUDA rows (moe_peer's tests): through the host
+            host = every.cpu()
+            dist.all_gather_into_tensor(host, local.cpu(), group=group)
+            every.copy_(host)
+            return
         dist.all_gather_into_tensor(every, local, group=group)
         return
     stream = torch.cuda.current_stream(local.device)

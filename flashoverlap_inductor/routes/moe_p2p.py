@@ -30,7 +30,7 @@ from flashoverlap_inductor import config
 
 from .. import _inductor_compat as compat
 from ..schedule.combine import chunk_sizes, offsets, parse_plan, ring_steps
-from . import agree, moe_deferred, moe_nccl
+from . import agree, moe_deferred, moe_nccl, moe_peer
 from .base import note, stats
 from .cpu import _poison
 from .moe_settle import (  # noqa: F401 - the status exchange's names, used through this module too
@@ -86,8 +86,8 @@ def unsupported(x: torch.Tensor, group: dist.ProcessGroup, world: int, experimen
         return "capture: the P2P route syncs the host (its routing data), which a CUDA-graph capture forbids"
     if x.dtype not in CUDA_DTYPES:
         return f"dtype: {x.dtype} (the P2P route takes bf16, fp16 and fp32)"
-    if not is_nccl_group(group):
-        return f"backend: the group's backend {dist.get_backend(group)!r} is not NCCL"
+    if not is_nccl_group(group) and (why := moe_peer.gloo_issue(x, group, experiments)) is not None:
+        return f"backend: the group's backend {dist.get_backend(group)!r} is not NCCL ({why})"
     if group.size() != world:
         return f"world: {world} split sizes for a group of {group.size()} ranks"
     if x.device.index != compat.current_device():
@@ -149,13 +149,22 @@ def run_call(op: str, x: torch.Tensor, group: dist.ProcessGroup, splits: int, pl
 
 
 def end_call(failure: BaseException | None, facts: torch.Tensor | None, outputs: list[torch.Tensor], what: str,
-             device: torch.device, group: dist.ProcessGroup, deferred: bool) -> bool:
-    """End a call on either path: ``settle`` on the host, or when ``deferred`` ``moe_deferred.settle_later`` (which
-    poisons ``outputs`` where any rank's status is bad). Returns whether every rank redoes the call (``redo``)."""
+             device: torch.device, group: dist.ProcessGroup, deferred: bool,
+             peer: moe_peer.PeerCall | None = None) -> bool:
+    """End a call on either path: the peer transfers finished first where the call took them (``outputs`` poisoned
+    on a fault; its settle vector marked where a block outgrew its slot), then ``settle`` on the host and the
+    peer's fault raised, or when ``deferred`` ``moe_deferred.settle_later`` (which poisons ``outputs`` where any
+    rank's status is bad; never with peer transfers). Returns whether every rank redoes the call (``redo``)."""
+    if peer is not None:
+        failure = peer.finish(outputs, failure)
+        facts = peer.facts(facts)
     if deferred:
         moe_deferred.settle_later(failure, facts, outputs, what, device, group)
         return False
-    return settle(failure, facts, what, device, group)
+    again = settle(failure, facts, what, device, group)
+    if peer is not None:
+        peer.raise_faults()
+    return again
 
 
 def redo(op: str, reference: Callable[[], T]) -> T:
@@ -240,13 +249,16 @@ class Issued:
     landing: list[tuple[int, list]] = field(default_factory=list)
     poisoned: list[torch.Tensor] = field(default_factory=list)
     failure: BaseException | None = None
+    peer: moe_peer.PeerCall | None = None  # the call's peer transfers (``end_call`` finishes them), else NCCL's
 
 
-def issue_dispatch(x: torch.Tensor, outs: list[int], ins: list[int], chunks: int, group: dist.ProcessGroup) -> Issued:
+def issue_dispatch(x: torch.Tensor, outs: list[int], ins: list[int], chunks: int, group: dist.ProcessGroup,
+                   deferred: bool = False) -> Issued:
     """Both dispatch paths' transfers, issued before any GEMM (NCCL's stream waits for the caller's at each issue):
     per ring step and chunk one batch (send unit ``dst * chunks + q`` of ``x``, receive unit ``src * chunks + q``),
     tag ``DISPATCH_TAG + q``; every step issued whatever fails (a rank whose ``x`` does not fit its split sizes sends
-    NaN blocks)."""
+    NaN blocks). Where the call takes peer transfers (``moe_peer.begin``), every whole block in one push call
+    instead, each unit of block ``src`` landing with it."""
     world, rank, k = group.size(), group.rank(), int(x.shape[1])
     send_off, recv_off = offsets(chunk_sizes(ins, chunks)), offsets(chunk_sizes(outs, chunks))
     out = Issued(x, x.new_empty(recv_off[-1], k), send_off, recv_off)
@@ -255,6 +267,10 @@ def issue_dispatch(x: torch.Tensor, outs: list[int], ins: list[int], chunks: int
                                  f"{x.shape[0]} rows")
     else:
         out.x = x.contiguous()
+    out.peer = moe_peer.begin(x, k * x.element_size(), ins, outs, group, deferred, False)
+    if out.peer is not None:
+        _issue_peer(out, x, world, rank, chunks)
+        return out
     for dst, src in ring_steps(world, rank):
         for q in range(chunks):
             u, v = dst * chunks + q, src * chunks + q
@@ -269,6 +285,23 @@ def issue_dispatch(x: torch.Tensor, outs: list[int], ins: list[int], chunks: int
                 out.failure, works = out.failure or exc, []
             out.landing.append((v, works))
     return out
+
+
+def _issue_peer(out: Issued, x: torch.Tensor, world: int, rank: int, chunks: int) -> None:
+    """``issue_dispatch`` by peer transfers: block ``j`` = units ``j * chunks .. (j + 1) * chunks`` (NaN where ``x``
+    does not fit its split sizes), pushed at once; ``landing`` gets every unit of each source block, in arrival
+    order."""
+    send, recv, blocks = out.send_off, out.recv_off, []
+    for j in range(world):
+        block = out.x[send[j * chunks]:send[(j + 1) * chunks]] if out.failure is None else None
+        if block is None and j != rank:
+            block = x.new_empty(send[(j + 1) * chunks] - send[j * chunks], int(x.shape[1]))
+            _poison(block)
+            out.poisoned.append(block)
+        blocks.append(block)
+    rows = [out.recv[recv[j * chunks]:recv[(j + 1) * chunks]] for j in range(world)]
+    for src, landed in out.peer.send(blocks, rows):
+        out.landing += [(src * chunks + q, [landed]) for q in range(chunks)]
 
 
 def upload(host: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

@@ -24,6 +24,19 @@ UNSENT = -1  # every entry of the gathered vectors before the exchange: FAIL == 
 HELD_BEFORE_DEFERRING = 4  # host-settled calls that qualify a group to settle without a host read (moe_deferred)
 # keyed by the group's name (the same on every rank, never reused, where an id may be after a group is destroyed)
 _held: dict[str, int] = {}
+_rows: dict[str, int] = {}  # group -> the rows bound of its peer transfers (``moe_peer``), learned alike on every rank
+
+
+def rows_bound(group: dist.ProcessGroup) -> int | None:
+    """The largest block rows the group's settles showed so far (``ROWS`` of every rank's vector; None before the
+    peer transfers' first call set it): the same on every rank."""
+    return _rows.get(group.group_name)
+
+
+def raise_rows_bound(group: dist.ProcessGroup, rows: int) -> int:
+    """Raise the group's rows bound to ``rows`` (a value every rank has); returns it."""
+    bound = _rows[group.group_name] = max(_rows.get(group.group_name, 0), int(rows))
+    return bound
 
 
 def held(group: dist.ProcessGroup) -> int:
@@ -47,6 +60,7 @@ def note_settled(group: dist.ProcessGroup, vectors: list[list[int]]) -> None:
 
 def forget() -> None:
     _held.clear()
+    _rows.clear()
 
 
 def verdicts(v: list[int]) -> tuple[bool, bool, bool]:
@@ -95,6 +109,8 @@ def settle(failure: BaseException | None, facts: torch.Tensor | None, what: str,
         flat = every.tolist()
         vectors = [flat[r * SETTLE_LEN:(r + 1) * SETTLE_LEN] for r in range(world)]
         note_settled(group, vectors)
+        if group.group_name in _rows:  # every rank's buffer rows (or, after an overflow, its largest block)
+            raise_rows_bound(group, max(v[ROWS] for v in vectors))
     _raise_unless_exchanged(failure, lost, what, group)
     return judge(vectors, what, group)
 

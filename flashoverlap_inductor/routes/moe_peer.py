@@ -1,0 +1,291 @@
+"""The MoE ops' transfers over one host's peer memory (experiment ``moe_peer``): each all_to_all block pushed by copy
+engine into its destination rank's symmetric receive slot, in place of NCCL's send/recv (``moe_nccl``). No SM moves
+a byte, and no NCCL kernel competes with the experts' GEMMs for SMs.
+
+The protocol is the all_gather push schedule's with blocks of their own size per peer (``csrc/gather_call.cu``,
+``FO_GATHER_BLOCKS``), on the group's gather flag page (``gather_peer.flags``: its counters, fault block, copy stream
+and resynchronization): per call rank ``r`` pushes its block for rank ``j`` into slot ``r`` of ``j``'s receive
+buffer as soon as the block exists (its ready event: the combine's blocks travel while later blocks compute), tells
+``j``, waits for each peer's push into its own slot ``j`` and copies it into the call's receive rows (copy engine),
+then records ``j``'s event, which the GEMMs of that block wait for. The finish joins the copy stream, tells every peer
+its slot here was read, and fills the call's outputs with NaN while the group's fault block holds a fault.
+
+Invariants (units: bytes for slots and buffers, rows for the bound):
+
+- **One choice on every rank** (``begin``): the experiment, CUDA, 2-``MAX_WORLD`` ranks, the dtype, the library,
+  the settle on the host (not ``moe_settle_deferred``), no capture, one host with torch's symmetric memory
+  (``gather_peer.group_issue``, one collective per group), and the group's rows bound (``moe_settle.rows_bound``),
+  which every rank learns alike: at the group's first call one ``all_gather_object`` of each rank's largest block,
+  afterwards from every settle's gathered vectors. A rank's routing path (whole-block or general) does not change
+  its transfers: every path of both ops calls ``begin`` once per call.
+- **Slots**: one set (``slot_set`` 0) of ``world`` slots of ``slot_bytes`` per rank, ``slot_bytes`` covering the
+  bound's rows (256-byte multiples); the workspace only grows (``symmetric.smallest_with_room``, collectively: the
+  bound is the same on every rank). A call whose block to or from some peer does not fit (rows past the bound:
+  routing data change per call) pushes and copies only the blocks that fit and marks its settle vector as a failed
+  premise (``UNNAMED``; ``ROWS`` at least its largest block where it has no routing facts): both ends of a pair
+  know the pair's rows, every rank redoes the call unfused (``moe_p2p.redo``), and the next call's workspace covers
+  the gathered bound.
+- **Failure contract**: every wait is bounded by the call's deadline (the group's wait bound); a wait that gives up
+  records the fault in every rank's block, the finish poisons the outputs, and every rank raises it after its
+  settle (``raise_faults``), or at its next call; a skipped call is recovered by ``symmetric.resync`` at the next
+  call (``begin``). Phase 1 (the begin, on the caller's stream, before the combine's GEMMs) is always followed by
+  the pushes and the finish, whatever fails in between, so every rank notifies every flag once per call.
+
+Never run on 2 GPUs yet: checked with 2-4 ranks sharing one GPU (``tests/test_gpu_moe_peer.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from flashoverlap_inductor import config
+from flashoverlap_inductor.native import kernels
+from flashoverlap_inductor.runtime import faults
+
+from .. import _inductor_compat as compat
+from . import gather_peer, gather_protocol, moe_nccl, moe_settle, symmetric
+from .base import note, stats
+from .gather_start import PUSH
+from .nccl import is_nccl_group
+
+log = logging.getLogger("flashoverlap")
+
+EXPERIMENT = "moe_peer"
+NAME = "moe_peer"
+BLOCKS = 8  # fo_gather_args.options bit FO_GATHER_BLOCKS
+SLOT_ALIGN = 256  # bytes: every slot starts on this boundary
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_args: dict[tuple, gather_protocol.GatherArgs] = {}  # (device, group, workspace serial, dtype) -> the memoized struct
+_launch_ids: dict[tuple[int, str], int] = {}
+
+
+def static_issue(x: torch.Tensor, group: dist.ProcessGroup, experiments: frozenset[str]) -> str | None:
+    """Why the peer transfers cannot carry calls like ``x`` on ``group`` for reasons every rank shares without a
+    collective (None: they can, subject to ``begin``'s group check)."""
+    if EXPERIMENT not in experiments:
+        return f"experiment: peer transfers run only under experiments={{'{EXPERIMENT}'}}"
+    if x.device.type != "cuda":
+        return f"device: {x.device.type}"
+    if not 2 <= group.size() <= gather_protocol.MAX_WORLD:
+        return f"world: {group.size()} ranks (2-{gather_protocol.MAX_WORLD})"
+    if x.dtype not in DTYPES:
+        return f"dtype: {x.dtype}"
+    if "moe_settle_deferred" in experiments:
+        return "settle: the settle without a host read (moe_settle_deferred) cannot redo a call whose block outgrew " \
+               "its slot"
+    if compat.is_capturing():
+        return "capture: the route syncs the host"
+    if not kernels.available():
+        return "library: the kernel library or an sm90 GPU is missing"
+    return None
+
+
+def gloo_issue(x: torch.Tensor, group: dist.ProcessGroup, experiments: frozenset[str]) -> str | None:
+    """Why a non-NCCL group (gloo: ranks sharing one GPU, the tests') cannot run the P2P route on CUDA tensors: only
+    the peer transfers carry them there (None: they carry every call)."""
+    why = static_issue(x, group, experiments)
+    return None if why is None else f"a {dist.get_backend(group)!r} group moves CUDA rows only by peer transfers: {why}"
+
+
+@dataclass
+class Landed:
+    """Peer ``src``'s block in the receive rows: ``wait()`` makes the caller's stream wait for it, ``done`` the event
+    recorded when it landed (as ``moe_nccl.Transfer``'s, which the library's one calls wait for)."""
+
+    done: torch.cuda.Event
+    device: torch.device
+
+    def wait(self) -> bool:
+        torch.cuda.current_stream(self.device).wait_event(self.done)
+        return True
+
+
+@dataclass
+class PeerCall:
+    """One call's transfers (``begin``): ``send`` once (phase 2 after ``begin``'s phase 1, else the whole call),
+    then ``finish`` once, before the settle."""
+
+    p: gather_protocol.GatherArgs
+    ws: symmetric.SymmetricBuffer
+    group: dist.ProcessGroup
+    device: torch.device
+    slot_bytes: int
+    fits: bool  # every block to and from this rank fits its slot
+    need_rows: int  # this rank's largest block, to or from a peer
+    begun: bool = False  # phase 1 was enqueued
+    sent: bool = False
+    failure: BaseException | None = None
+    keep: list = field(default_factory=list)  # tensors the copy stream reads or writes until the join
+
+    def _enqueue(self, phase: int) -> None:
+        self.p.phase = phase
+        rc = kernels.library().fo_gather_call(ctypes.byref(self.p))
+        if rc != 0 and self.failure is None:
+            try:
+                kernels.check(rc, "fo_gather_call (moe_peer)")
+            except BaseException as exc:  # noqa: BLE001 - raised by the settle on this rank, after every flag
+                self.failure = exc
+
+    def send(self, blocks: Sequence[torch.Tensor | None], recv: Sequence[torch.Tensor | None],
+             events: Sequence[torch.cuda.Event | None] | None = None) -> list[tuple[int, Landed]]:
+        """Push ``blocks[j]`` (contiguous rows; None or empty: nothing) to each peer ``j``, after ``events[j]`` where
+        given (recorded already), and copy each peer's block into ``recv[j]``; returns ``(src, Landed)`` in the
+        library's arrival order (``rank - 1, rank - 2, ...``). Blocks past the slot are neither pushed nor read."""
+        p, world, rank = self.p, self.group.size(), self.group.rank()
+        for j in range(world):
+            p.blocks[j], p.block_bytes[j], p.block_events[j], p.recv[j], p.recv_bytes[j] = None, 0, None, None, 0
+        for j in range(world):
+            if j == rank:
+                continue
+            for t, ptrs, sizes in ((blocks[j], p.blocks, p.block_bytes), (recv[j], p.recv, p.recv_bytes)):
+                nbytes = 0 if t is None else t.numel() * t.element_size()
+                if nbytes and nbytes <= self.slot_bytes:
+                    if not t.is_contiguous():
+                        raise ValueError("flashoverlap: moe_peer: a block's rows must be contiguous")
+                    ptrs[j], sizes[j] = t.data_ptr(), nbytes
+                    self.keep.append(t)
+            ev = None if events is None else events[j]
+            p.block_events[j] = None if ev is None else ev.cuda_event
+        self._enqueue(2 if self.begun else 0)
+        self.sent = True
+        f = self.ws.flags
+        return [((rank - d) % world, Landed(f.events[(rank - d) % world], self.device)) for d in range(1, world)]
+
+    def finish(self, outputs: Sequence[torch.Tensor], failure: BaseException | None) -> BaseException | None:
+        """Join the copy stream, tell the peers their slots here were read, poison ``outputs`` while the group's
+        fault block holds a fault; returns the call's first failure (``failure``, else this route's)."""
+        if self.begun and not self.sent:  # every flag once per call, whatever failed after the begin
+            self.send([None] * self.group.size(), [None] * self.group.size())
+        p = self.p
+        live = [t for t in outputs if t is not None and t.numel()]
+        if len(live) > gather_protocol.MAX_OUTPUTS:
+            raise ValueError(f"flashoverlap: moe_peer: {len(live)} outputs (at most {gather_protocol.MAX_OUTPUTS})")
+        p.num_outputs = len(live)
+        for i, t in enumerate(live):
+            p.outputs[i], p.output_numel[i] = t.data_ptr(), t.numel()
+        rc = gather_protocol.finish(kernels.library(), p, self.ws, tuple(self.keep), NAME)
+        self.keep = []
+        failure = failure or self.failure
+        if rc != 0 and failure is None:
+            try:
+                kernels.check(rc, "fo_gather_finish (moe_peer)")
+            except BaseException as exc:  # noqa: BLE001 - settled by the caller
+                failure = exc
+        return failure
+
+    def facts(self, facts: torch.Tensor | None) -> torch.Tensor | None:
+        """The settle vector of a call whose block outgrew its slot: a failed premise (every rank redoes the call),
+        with ``ROWS`` at least the largest block where there are no routing facts; else ``facts``."""
+        if self.fits:
+            return facts
+        note(f"{NAME}:overflow", logging.INFO, "flashoverlap: %s: a MoE block outgrew its slot (%d B): the call is "
+             "redone unfused and the slots grow", NAME, self.slot_bytes)
+        stats[f"{NAME}:overflow"] += 1
+        if facts is None:
+            host = [0] * moe_settle.SETTLE_LEN
+            host[moe_settle.ROWS], host[moe_settle.UNNAMED] = self.need_rows, 1
+            return torch.tensor(host, dtype=torch.int64, device=self.device)
+        facts = facts.clone()
+        facts[moe_settle.UNNAMED:moe_settle.UNNAMED + 1].add_(1)
+        return facts
+
+    def raise_faults(self) -> None:
+        """After the settle's host sync: the fault the finish mirrored, raised on every rank."""
+        faults.raise_pending(self.device.index)
+
+
+def _prepare(group: dist.ProcessGroup, device: torch.device, settings: config.Settings) -> None:
+    """A fault an earlier call recorded raised, and a group its raise marked resynchronized, before this call."""
+    faults.raise_pending(device.index)
+    if faults.resync_due(device.index, group.group_name):
+        from flashoverlap_inductor import routes as registry  # the registry imports this module's importers
+
+        registry.resync_group(group, device.index, settings, f"a MoE call ({NAME})")
+
+
+def _bound(group: dist.ProcessGroup, rows: int) -> int:
+    """The group's rows bound: at its first call the most rows any rank sends or receives in all (``rows``, one
+    ``all_gather_object``, the same call on every rank; what the settles' ``ROWS`` teach later, so the slots need not
+    grow at the second call), afterwards what the settles taught (``moe_settle.rows_bound``)."""
+    bound = moe_settle.rows_bound(group)
+    if bound is None:
+        got: list = [None] * group.size()
+        dist.all_gather_object(got, int(rows), group=group)
+        bound = moe_settle.raise_rows_bound(group, max(int(v) for v in got))
+    return bound
+
+
+def _workspace(group: dist.ProcessGroup, device: torch.device, need: int) -> symmetric.SymmetricBuffer:
+    """The smallest receive buffer of (device, group) with ``need`` bytes, made collectively where none has room
+    (kept in ``gather_peer``'s workspaces, so its route's ``reset`` drops it)."""
+    flags = gather_peer.flags(group, device)
+
+    def make(capacity: int) -> symmetric.SymmetricBuffer:
+        buf, hdl, views = symmetric.symmetric(capacity, group, device, False, list(range(group.size())))
+        log.info("flashoverlap %s: symmetric receive buffer of %d MiB on %s, group %s", NAME, capacity >> 20, device,
+                 group.group_name)
+        return symmetric.SymmetricBuffer(capacity, buf, hdl, views, flags, symmetric.next_serial())
+
+    made = gather_peer.workspaces(device, group, NAME)
+    return symmetric.smallest_with_room(made, need, False, make)
+
+
+def begin(like: torch.Tensor, row_bytes: int, ins: Sequence[int], outs: Sequence[int], group: dist.ProcessGroup,
+          deferred: bool, phase1: bool) -> PeerCall | None:
+    """This call's peer transfers (None: NCCL's), the choice the same on every rank (module docstring); ``phase1``:
+    the begin enqueued now on the caller's stream (the combine, before its GEMMs write the blocks). ``row_bytes``:
+    the bytes of one row of the blocks; ``ins`` / ``outs``: the rows this rank sends to / receives from each rank."""
+    if like.device.type != "cuda":  # CPU rows travel by gloo
+        return None
+    settings = config.current()
+    why = "settle: deferred" if deferred else static_issue(like, group, settings.experiments)
+    if why is None:
+        why = gather_peer.group_issue(group)  # a collective, once per group, at the same call on every rank
+    if why is not None:
+        if not is_nccl_group(group):
+            raise RuntimeError(f"flashoverlap: {NAME}: a {dist.get_backend(group)!r} group moves CUDA rows only by "
+                               f"peer transfers, which cannot run here: {why}")
+        if EXPERIMENT in settings.experiments:
+            note(f"{NAME}:{why}", logging.INFO, "flashoverlap: %s declined (NCCL transfers): %s", NAME, why)
+        return None
+    device, world, rank = like.device, group.size(), group.rank()
+    _prepare(group, device, settings)
+    need_rows = max([int(ins[j]) for j in range(world) if j != rank] + [int(outs[j]) for j in range(world)
+                                                                         if j != rank])
+    bound = _bound(group, max(sum(int(n) for n in ins), sum(int(n) for n in outs)))
+    slot_need = max(SLOT_ALIGN, -(-bound * row_bytes // SLOT_ALIGN) * SLOT_ALIGN)
+    ws = _workspace(group, device, world * slot_need)
+    slot_bytes = ws.capacity // world // SLOT_ALIGN * SLOT_ALIGN
+    key = (device.index, group.group_name, ws.serial, like.dtype)
+    p = _args.get(key)
+    if p is None:
+        p = _args[key] = gather_protocol.new_args(ws, world, rank, slot_bytes, like.dtype,
+                                                  _launch_id(group, world), 1, PUSH | BLOCKS)
+        p.set_bytes, p.slot_bytes, p.slot_set = ws.capacity, slot_bytes, 0
+    cur = compat.current_raw_stream(device.index)
+    symmetric.order_after_last(group, device, cur)
+    p.cur_stream, p.timeout_ns = cur, int(moe_nccl.bound_s(group) * 1e9)
+    call = PeerCall(p, ws, group, device, slot_bytes, need_rows * row_bytes <= slot_bytes, need_rows)
+    stats[f"moe:{NAME}"] += 1
+    if phase1:
+        call.begun = True  # set first: a failed phase 1 still owes its peers the rest (``finish``)
+        call._enqueue(1)
+    return call
+
+
+def _launch_id(group: dist.ProcessGroup, world: int) -> int:
+    key = (world, group.group_name)
+    if key not in _launch_ids:
+        _launch_ids[key] = faults.launch_id(f"a MoE all_to_all over {world} ranks ({NAME}: copy-engine pushes)")
+    return _launch_ids[key]
+
+
+def forget() -> None:
+    """Drop the memoized structs (with ``gather_peer``'s reset, which drops the workspaces they point into)."""
+    _args.clear()

@@ -1,0 +1,223 @@
+"""The MoE ops' peer transfers (experiment ``moe_peer``, ``routes/moe_peer.py``: every all_to_all block pushed by copy
+engine into its destination's symmetric receive slot) with 2 and 3 ranks sharing one GPU: a gloo group, torch's
+symmetric memory under ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``. Ranks time-slice the GPU, so these check the
+transfers, the slots and the failure contract, not speed.
+
+Skipped unless CUDA, an sm90 GPU and a library with ``fo_gather_call`` are present. The cases are
+``tests/test_gpu_moe.py``'s (its workers, run here under ``{"moe_p2p_cuda", "moe_peer"}``): both ops in bf16 on random
+uneven splits with empty pairs, the loop and grouped forms (one and two terms), the MoE permutation and a random one,
+plans ``blocks`` (the whole-block path: the combine's blocks pushed as their events fire), ``blocks:c=2`` (the general
+path) and ``experts`` (the dispatch cut by expert), against an fp64 oracle and the unfused reference, outputs
+pre-poisoned; every call must count ``moe:moe_peer`` (so no check passes on NCCL's or gloo's transfers, which cannot
+move CUDA rows of a gloo group anyway). Also: a block past its slot (routing data that grew) is redone unfused on every
+rank, exact, and the next call of that size fits; a GEMM fault on one rank raises on every rank and the next call is
+exact; a rank that comes late past the wait bound makes every rank raise ``FlashOverlapTimeout`` with poisoned
+outputs, and the next calls (resynchronized first) are exact with no reset.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import test_gpu_moe as tg
+import torch
+from dist_utils import DistPool, gather_library_ready, gpu0_setup
+
+PEER = {"moe_p2p_cuda", "moe_peer"}
+SHORT_MS = 1500.0  # the late-rank case's bound
+STALL_S = 4.0  # how late the late rank comes (> SHORT_MS)
+
+pytestmark = pytest.mark.skipif(not gather_library_ready(), reason="needs a CUDA sm90 GPU and the built library")
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
+def pool(request):
+    env = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"}
+    p = DistPool(request.param, env, timeout_s=400.0, backend="gloo", setup=gpu0_setup)
+    yield p
+    p.close()
+
+
+def _peer_calls() -> int:
+    from flashoverlap_inductor import routes
+
+    return routes.stats["moe:moe_peer"]
+
+
+def ops_worker(forms: list[str], kinds: list[str], plans: list[str], seeds: list[int]) -> list[str]:
+    """``test_gpu_moe.ops_worker`` under the peer transfers; every call counted ``moe:moe_peer``."""
+    tg.EXPERIMENTS = PEER
+    before = _peer_calls()
+    bad = tg.ops_worker(forms, kinds, plans, seeds)
+    calls = 2 * len(forms) * len(kinds) * len(plans) * len(seeds)
+    if _peer_calls() - before != calls:
+        bad.append(f"{_peer_calls() - before} calls took the peer transfers, not {calls}")
+    return bad
+
+
+def overflow_worker() -> tuple[list[str], dict[str, int]]:
+    """Calls whose blocks outgrow the slots the group learned (each op in turn, with 8x and then 64x the rows, past
+    the power-of-two rounding of the slots): every rank redoes the call (``<op>:redo``, ``moe_peer:overflow``),
+    exact; the same call again fits (the slots grew at that call, alike on every rank) and runs fused, exact.
+    Returns what went wrong and this rank's overflows per round."""
+    import torch.distributed as dist
+
+    from flashoverlap_inductor import routes
+
+    tg.EXPERIMENTS = PEER
+    g, dev, bad, overflows = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()), [], {}
+    tg._combine(tg.combine_case("grouped", "moe", 3, dev), g, "blocks")  # the group's bound: these calls' rows
+    tg._dispatch(tg.dispatch_case("grouped", "moe", 3, dev), g, "blocks")
+    saved = tg.SCALE
+    for op, scale in (("dispatch", 8), ("combine", 64)):
+        tg.SCALE = scale * saved
+        try:
+            c = tg.combine_case("grouped", "moe", 3, dev) if op == "combine" else tg.dispatch_case("grouped", "moe",
+                                                                                                   3, dev)
+        finally:
+            tg.SCALE = saved
+        want = tg.combine_fp64(c, g) if op == "combine" else tg.dispatch_fp64(c, g)
+        for round_ in ("outgrown", "grown"):
+            before = {k: routes.stats[k] for k in (f"{op}:redo", "moe_peer:overflow", "moe:moe_peer")}
+            tg._poison_allocator(dev)
+            got = tg._combine(c, g, "blocks") if op == "combine" else tg._dispatch(c, g, "blocks")
+            torch.cuda.synchronize()
+            grew = {k: routes.stats[k] - v for k, v in before.items()}
+            redo = round_ == "outgrown"
+            overflows[f"{op} {round_}"] = grew["moe_peer:overflow"]  # on the ranks of an outgrown pair
+            if grew[f"{op}:redo"] != int(redo) or grew["moe:moe_peer"] != 1:
+                bad.append(f"{op} {round_}: counters grew by {grew}")
+            if op == "combine" and tg._err(got, want) > tg.TOL:
+                bad.append(f"{op} {round_}: wrong, rel err {tg._err(got, want):.3g}")
+            if op == "dispatch" and (not torch.equal(got[0], want[0].to(got[0].dtype)) or
+                                     tg._err(got[1], want[1]) > tg.TOL):
+                bad.append(f"{op} {round_}: wrong")
+    return bad, overflows
+
+
+def fault_worker(op: str, path: str) -> list[str]:
+    """Rank 1's GEMMs raise in its first call (whichever runs them: the whole-block combine's one library call,
+    ``moe_combine_lib.run``, or its Python loop's ``torch._grouped_mm``; the dispatch's grouped GEMM; the general
+    path's units), the second call runs normally; per call and rank: "own" (rank 1), "peer" (the others, naming
+    rank 1) or "exact"."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from flashoverlap_inductor import errors
+    from flashoverlap_inductor.routes import combine as combine_route
+    from flashoverlap_inductor.routes import moe_combine_lib, moe_fast
+    from flashoverlap_inductor.routes import moe_dispatch as dispatch_route
+
+    tg.EXPERIMENTS = PEER
+    g, dev, rank = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()), dist.get_rank()
+    if path == "general":
+        targets = [(combine_route.CombineUnits, "fill") if op == "combine" else (dispatch_route.DispatchUnits,
+                                                                                  "compute")]
+        plan = "blocks:c=2"
+    else:
+        targets, plan = [(moe_fast.torch, "_grouped_mm"), (moe_combine_lib, "run")], "blocks"
+
+    def flaky(*args, **kwargs):
+        raise RuntimeError("injected GEMM fault")
+
+    c = tg.combine_case("grouped", "moe", 5, dev) if op == "combine" else tg.dispatch_case("grouped", "moe", 5, dev)
+    want = tg.combine_fp64(c, g) if op == "combine" else tg.dispatch_fp64(c, g)[1]
+    out = []
+    for i in range(2):
+        patches = [mock.patch.object(owner, name, flaky) for owner, name in targets] if i == 0 and rank == 1 else []
+        tg._poison_allocator(dev)
+        try:
+            for patch in patches:
+                patch.start()
+            try:
+                got = tg._combine(c, g, plan) if op == "combine" else tg._dispatch(c, g, plan)[1]
+            finally:
+                for patch in patches:
+                    patch.stop()
+            torch.cuda.synchronize()
+        except errors.PeerFailure as exc:
+            out.append("peer" if "rank 1 (" in str(exc) else f"peer, not naming rank 1: {exc}")
+            continue
+        except RuntimeError as exc:
+            out.append("own" if "injected" in str(exc) else f"other: {exc}")
+            continue
+        err = tg._err(got, want)
+        out.append("exact" if err <= tg.TOL else f"WRONG: rel err {err:.3g}")
+    return out
+
+
+def late_worker(op: str) -> list[str]:
+    """Rank 1 comes ``STALL_S`` late to a call bounded at ``SHORT_MS``: every rank raises ``FlashOverlapTimeout``
+    with its outputs poisoned; then, with no reset, two calls (the first resynchronizes the group) are exact."""
+    import torch.distributed as dist
+
+    from flashoverlap_inductor import config, errors, routes
+
+    tg.EXPERIMENTS = PEER
+    g, dev, rank = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()), dist.get_rank()
+    c = tg.combine_case("grouped", "moe", 6, dev) if op == "combine" else tg.dispatch_case("grouped", "moe", 6, dev)
+    want = tg.combine_fp64(c, g) if op == "combine" else tg.dispatch_fp64(c, g)[1]
+
+    def call() -> torch.Tensor:
+        return tg._combine(c, g, "blocks") if op == "combine" else tg._dispatch(c, g, "blocks")[1]
+
+    call()  # the slots and flags exist before the late call
+    torch.cuda.synchronize()
+    dist.barrier()
+    out = []
+    with config.patch(wait_timeout_ms=SHORT_MS):
+        if rank == 1:
+            time.sleep(STALL_S)
+        t0 = time.monotonic()
+        try:
+            got = call()
+            torch.cuda.synchronize()
+            out.append(f"returned (finite: {bool(torch.isfinite(got).all())})")
+        except errors.FlashOverlapTimeout:
+            out.append("timeout")
+        except Exception as exc:  # noqa: BLE001 - the outcome is the test's
+            out.append(f"{type(exc).__name__}: {exc}"[:300])
+        if time.monotonic() - t0 > STALL_S + 30:
+            out.append("too slow")
+    resyncs = routes.stats["resync"]
+    for _ in range(2):
+        got = call()
+        torch.cuda.synchronize()
+        out.append("exact" if tg._err(got, want) <= tg.TOL else f"WRONG: {tg._err(got, want):.3g}")
+    out.append(f"resyncs {routes.stats['resync'] - resyncs}")
+    return out
+
+
+def test_both_ops_match_fp64_and_the_reference_over_peer_transfers(pool):
+    bad = pool.run(ops_worker, ["grouped", "grouped2", "loop"], ["moe", "perm"], ["blocks", "blocks:c=2"], [1, 2])
+    assert bad == [[]] * pool.world_size, bad
+
+
+def test_the_expert_cut_dispatch_over_peer_transfers(pool):
+    bad = pool.run(ops_worker, ["grouped"], ["moe"], ["experts", "experts:c=3"], [1, 2])
+    assert bad == [[]] * pool.world_size, bad
+
+
+def test_a_block_past_its_slot_is_redone_on_every_rank_and_the_slots_grow(pool):
+    got = pool.run(overflow_worker)
+    assert [bad for bad, _ in got] == [[]] * pool.world_size, got
+    for op in ("dispatch", "combine"):  # some rank saw its block outgrow the slot, none once the slots grew
+        assert sum(o[f"{op} outgrown"] for _, o in got) > 0 and sum(o[f"{op} grown"] for _, o in got) == 0, got
+
+
+@pytest.mark.parametrize("op, path", [("combine", "whole-block"), ("dispatch", "whole-block"),
+                                      ("combine", "general")])
+def test_a_gemm_fault_on_one_rank_raises_on_every_rank_over_peer_transfers(pool, op, path):
+    got = pool.run(fault_worker, op, path)
+    assert got[1][0] == "own" and all(r[0] == "peer" for i, r in enumerate(got) if i != 1), got
+    assert all(r[1] == "exact" for r in got), got
+
+
+@pytest.mark.parametrize("op", ["combine", "dispatch"])
+def test_a_late_rank_makes_every_rank_raise_and_the_next_calls_are_exact(pool, op):
+    got = pool.run(late_worker, op)
+    for r in got:
+        assert r[0] == "timeout" and r[1:3] == ["exact", "exact"], got
+        assert r[3] == "resyncs 1", got
