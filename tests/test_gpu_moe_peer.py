@@ -57,10 +57,10 @@ def ops_worker(forms: list[str], kinds: list[str], plans: list[str], seeds: list
 
 
 def overflow_worker() -> tuple[list[str], dict[str, int]]:
-    """Calls whose blocks outgrow the slots the group learned (each op in turn, with 8x and then 64x the rows, past
-    the power-of-two rounding of the slots): every rank redoes the call (``<op>:redo``, ``moe_peer:overflow``),
-    exact; the same call again fits (the slots grew at that call, alike on every rank) and runs fused, exact.
-    Returns what went wrong and this rank's overflows per round."""
+    """Calls whose blocks outgrow the slots the group learned (each op in turn, with 64x and then 512x the rows,
+    past the slots' least capacity and power-of-two rounding): every rank redoes the call (``<op>:redo``,
+    ``moe_peer:overflow``), exact; the same call again fits (the slots grew at that call, alike on every rank)
+    and runs fused, exact. Returns what went wrong and this rank's overflows per round."""
     import torch.distributed as dist
 
     from flashoverlap_inductor import routes
@@ -70,7 +70,8 @@ def overflow_worker() -> tuple[list[str], dict[str, int]]:
     tg._combine(tg.combine_case("grouped", "moe", 3, dev), g, "blocks")  # the group's bound: these calls' rows
     tg._dispatch(tg.dispatch_case("grouped", "moe", 3, dev), g, "blocks")
     saved = tg.SCALE
-    for op, scale in (("dispatch", 8), ("combine", 64)):
+    # past the slots' 1 MiB least capacity, then past the bound the dispatch's redo taught (in rows)
+    for op, scale in (("dispatch", 64), ("combine", 512)):
         tg.SCALE = scale * saved
         try:
             c = tg.combine_case("grouped", "moe", 3, dev) if op == "combine" else tg.dispatch_case("grouped", "moe",
@@ -163,11 +164,11 @@ def late_worker(op: str) -> list[str]:
     def call() -> torch.Tensor:
         return tg._combine(c, g, "blocks") if op == "combine" else tg._dispatch(c, g, "blocks")[1]
 
-    call()  # the slots and flags exist before the late call
-    torch.cuda.synchronize()
-    dist.barrier()
     out = []
     with config.patch(wait_timeout_ms=SHORT_MS):
+        call()  # the slots and flags exist, and the ranks agreed on these settings (a host exchange), before
+        torch.cuda.synchronize()
+        dist.barrier()
         if rank == 1:
             time.sleep(STALL_S)
         t0 = time.monotonic()
