@@ -55,8 +55,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plans", default="blocks,blocks+deferred,experts+deferred",
                    help="the fused op's plans, one column each; '<plan>+<experiment>[+...]': that plan with those "
                         "experiments on (config.EXPERIMENTS; short forms: 'deferred' moe_settle_deferred, "
-                        "'plan_triton' moe_plan_triton, 'two_behind' moe_judge_two_behind), e.g. "
-                        "blocks+deferred,blocks+deferred+plan_triton")
+                        "'plan_triton' moe_plan_triton, 'two_behind' moe_judge_two_behind, 'peer' moe_peer: "
+                        "copy-engine pushes, one host; not with deferred), e.g. "
+                        "blocks+deferred,blocks+deferred+plan_triton,blocks+peer")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--target-ms", type=float, default=20.0)
     p.add_argument("--json", default=None)
@@ -98,7 +99,8 @@ def _relerr(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item()
 
 
-SUFFIXES = {"deferred": "moe_settle_deferred", "plan_triton": "moe_plan_triton", "two_behind": "moe_judge_two_behind"}
+SUFFIXES = {"deferred": "moe_settle_deferred", "plan_triton": "moe_plan_triton", "two_behind": "moe_judge_two_behind",
+            "peer": "moe_peer"}
 
 
 def _settings(plan: str) -> tuple[str, str]:
