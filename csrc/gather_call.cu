@@ -192,7 +192,8 @@ int check_args(fo_gather_args const& p, bool finish) {
     return fail_code(2, "fo_gather_call: shard_bytes must be positive; a, staging (but for a push without copy_own) "
                         "and epoch are required");
   }
-  if ((p.options & FO_GATHER_PUSH) != 0 && (p.options & kBlocks) == 0 && p.set_bytes < int64_t(p.world) * p.shard_bytes) {
+  if ((p.options & FO_GATHER_PUSH) != 0 && (p.options & kBlocks) == 0 &&
+      p.set_bytes < int64_t(p.world) * p.shard_bytes) {
     return fail_code(2, "fo_gather_call: FO_GATHER_PUSH needs set_bytes >= world * shard_bytes");
   }
   if ((p.options & FO_GATHER_PUSH) != 0 && (p.options & FO_GATHER_GEMM_AFTER_HANDSHAKE) != 0) {

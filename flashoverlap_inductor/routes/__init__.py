@@ -227,6 +227,12 @@ def _resync(group: dist.ProcessGroup, index: int, settings: config.Settings, cap
     stats["resync"] += 1
 
 
+def device_lock(index: int) -> threading.RLock:
+    """The call lock of CUDA device ``index``: the dispatcher's calls on it, and ``moe_peer``'s from begin to
+    finish, run one at a time (they share the symmetric routes' flag pages, copy streams and argument structs)."""
+    return _named_lock(("cuda", index))
+
+
 def resync_group(group: dist.ProcessGroup, index: int, settings: config.Settings, call_id: str) -> None:
     """``_resync`` of (device ``index``, ``group``) for a call outside the dispatcher (``moe_peer``), under the
     device's call lock; never inside a capture (such calls decline there)."""

@@ -344,6 +344,9 @@ class GatherPeerRoute(symmetric.SymmetricRoute):
         super().reset()
         _groups.clear()
         _push_calls.clear()
+        from . import moe_peer  # it builds on this module: imported here, not at the top
+
+        moe_peer.forget()  # its structs point into the workspaces and flag pages dropped above
 
 
 ROUTE = GatherPeerRoute()

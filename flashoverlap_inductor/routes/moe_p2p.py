@@ -72,7 +72,8 @@ def unsupported(x: torch.Tensor, group: dist.ProcessGroup, world: int, experimen
     ``moe_p2p_cuda`` (in ``experiments``, the settings': correct on 2 GPUs, but host-bound: on 2 H100s, with the
     settle deferred, the whole-block path's combine runs 0.95-1.62x and its dispatch 0.46-0.91x of the unfused ops,
     ~1 ms of host time per call, and EP steps are slower end to end; docs/results.md), when the dtype is
-    bf16/fp16/fp32, the group's backend is NCCL, its size is ``world``, the tensors are on the current CUDA device
+    bf16/fp16/fp32, the group's backend is NCCL (or, under ``moe_peer``, any whose CUDA rows the peer transfers
+    carry: ``moe_peer.gloo_issue``), its size is ``world``, the tensors are on the current CUDA device
     (NCCL's) and no CUDA graph is being captured (the route syncs the host). Every condition is one that all ranks
     of a program share; ``agree.check_once`` compares the route the ranks chose."""
     if x.device.type == "cpu":
@@ -139,7 +140,11 @@ def run_call(op: str, x: torch.Tensor, group: dist.ProcessGroup, splits: int, pl
         earlier = moe_deferred.pending(group)  # judged below: this call's own status is judged by a later call
         moe_deferred.enter_call(group, settings.experiments)
         if why is None:
-            out = p2p(moe_deferred.defers(group, settings.experiments))
+            try:
+                out = p2p(moe_deferred.defers(group, settings.experiments))
+            except BaseException as exc:
+                moe_peer.abandon(group, x.device, exc)  # peer transfers escaped before their finish: finished now
+                raise
             count_route(op, x.device)
         else:
             out = reference()
@@ -155,15 +160,21 @@ def end_call(failure: BaseException | None, facts: torch.Tensor | None, outputs:
     on a fault; its settle vector marked where a block outgrew its slot), then ``settle`` on the host and the
     peer's fault raised, or when ``deferred`` ``moe_deferred.settle_later`` (which poisons ``outputs`` where any
     rank's status is bad; never with peer transfers). Returns whether every rank redoes the call (``redo``)."""
+    fault = None
     if peer is not None:
         failure = peer.finish(outputs, failure)
-        facts = peer.facts(facts)
+        facts, fault = peer.facts(facts), peer.fault_code()
     if deferred:
         moe_deferred.settle_later(failure, facts, outputs, what, device, group)
         return False
-    again = settle(failure, facts, what, device, group)
+    try:
+        again = settle(failure, facts, what, device, group, fault)
+    except BaseException:
+        if peer is not None:  # a rank's fault (folded into its vector): this rank's record raised, the first chained
+            peer.raise_faults(deep=True)
+        raise
     if peer is not None:
-        peer.raise_faults()
+        peer.raise_faults(deep=False)
     return again
 
 

@@ -28,10 +28,17 @@ Invariants (units: bytes for slots and buffers, rows for the bound):
 - **Failure contract**: every wait is bounded by the call's deadline (the group's wait bound); a wait that gives up
   records the fault in every rank's block, the finish poisons the outputs, and every rank raises it after its
   settle (``raise_faults``), or at its next call; a skipped call is recovered by ``symmetric.resync`` at the next
-  call (``begin``). Phase 1 (the begin, on the caller's stream, before the combine's GEMMs) is always followed by
-  the pushes and the finish, whatever fails in between, so every rank notifies every flag once per call.
+  call (``begin``). A fault is folded into the rank's settle vector, so every rank raises in the call that met
+  it. Phase 1 (the begin, on the caller's stream, before the combine's GEMMs) is always followed by the pushes and
+  the finish, whatever fails in between (``abandon`` where an exception escapes), so every rank notifies every flag
+  once per call; every tensor the copy stream touches is recorded on it. A call holds the device's call lock
+  (``routes.device_lock``) from begin to finish: it shares the flag page, copy stream and structs with the
+  dispatcher's symmetric routes.
+- **Overlap**: each push waits only for its block's event, but peers learn of the pushes by one notification after
+  the last one (the push schedule's), and the copies out of this rank's slots queue behind its pushes on its one
+  copy stream: on 3+ ranks a block is consumed after its sender's last block.
 
-Never run on 2 GPUs yet: checked with 2-4 ranks sharing one GPU (``tests/test_gpu_moe_peer.py``).
+Never run on 2 GPUs yet: checked with 2-3 ranks sharing one GPU (``tests/test_gpu_moe_peer.py``).
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ SLOT_ALIGN = 256  # bytes: every slot starts on this boundary
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _args: dict[tuple, gather_protocol.GatherArgs] = {}  # (device, group, workspace serial, dtype) -> the memoized struct
 _launch_ids: dict[tuple[int, str], int] = {}
+_open: dict[tuple[int, str], PeerCall] = {}  # (device, group) -> the call begun and not finished (``abandon``)
 
 
 def static_issue(x: torch.Tensor, group: dist.ProcessGroup, experiments: frozenset[str]) -> str | None:
@@ -88,8 +96,9 @@ def static_issue(x: torch.Tensor, group: dist.ProcessGroup, experiments: frozens
 
 def gloo_issue(x: torch.Tensor, group: dist.ProcessGroup, experiments: frozenset[str]) -> str | None:
     """Why a non-NCCL group (gloo: ranks sharing one GPU, the tests') cannot run the P2P route on CUDA tensors: only
-    the peer transfers carry them there (None: they carry every call)."""
-    why = static_issue(x, group, experiments)
+    the peer transfers carry them there (None: they carry every call). The group check is a collective, once per
+    group, at the same call on every rank."""
+    why = static_issue(x, group, experiments) or gather_peer.group_issue(group)
     return None if why is None else f"a {dist.get_backend(group)!r} group moves CUDA rows only by peer transfers: {why}"
 
 
@@ -118,8 +127,10 @@ class PeerCall:
     slot_bytes: int
     fits: bool  # every block to and from this rank fits its slot
     need_rows: int  # this rank's largest block, to or from a peer
+    lock: object = None  # the device's call lock, held from ``begin`` to ``finish``
     begun: bool = False  # phase 1 was enqueued
     sent: bool = False
+    finished: bool = False
     failure: BaseException | None = None
     keep: list = field(default_factory=list)  # tensors the copy stream reads or writes until the join
 
@@ -140,17 +151,20 @@ class PeerCall:
         p, world, rank = self.p, self.group.size(), self.group.rank()
         for j in range(world):
             p.blocks[j], p.block_bytes[j], p.block_events[j], p.recv[j], p.recv_bytes[j] = None, 0, None, None, 0
+        copy = self.ws.flags.copy
         for j in range(world):
             if j == rank:
                 continue
             for t, ptrs, sizes in ((blocks[j], p.blocks, p.block_bytes), (recv[j], p.recv, p.recv_bytes)):
                 nbytes = 0 if t is None else t.numel() * t.element_size()
-                if nbytes and nbytes <= self.slot_bytes:
-                    if not t.is_contiguous():
-                        raise ValueError("flashoverlap: moe_peer: a block's rows must be contiguous")
+                if nbytes and nbytes <= self.slot_bytes and t.is_contiguous():  # never else (the caller's rows are)
                     ptrs[j], sizes[j] = t.data_ptr(), nbytes
+                    t.record_stream(copy)  # never reused before the copy stream is done with it, whatever exits
                     self.keep.append(t)
             ev = None if events is None else events[j]
+            if self.begun and p.block_bytes[j] and (ev is None or not ev.cuda_event):
+                ev = torch.cuda.Event()  # phase 2's fork was before the block was written: it waits for now
+                ev.record(torch.cuda.current_stream(self.device))
             p.block_events[j] = None if ev is None else ev.cuda_event
         self._enqueue(2 if self.begun else 0)
         self.sent = True
@@ -160,17 +174,19 @@ class PeerCall:
     def finish(self, outputs: Sequence[torch.Tensor], failure: BaseException | None) -> BaseException | None:
         """Join the copy stream, tell the peers their slots here were read, poison ``outputs`` while the group's
         fault block holds a fault; returns the call's first failure (``failure``, else this route's)."""
-        if self.begun and not self.sent:  # every flag once per call, whatever failed after the begin
-            self.send([None] * self.group.size(), [None] * self.group.size())
-        p = self.p
-        live = [t for t in outputs if t is not None and t.numel()]
-        if len(live) > gather_protocol.MAX_OUTPUTS:
-            raise ValueError(f"flashoverlap: moe_peer: {len(live)} outputs (at most {gather_protocol.MAX_OUTPUTS})")
-        p.num_outputs = len(live)
-        for i, t in enumerate(live):
-            p.outputs[i], p.output_numel[i] = t.data_ptr(), t.numel()
-        rc = gather_protocol.finish(kernels.library(), p, self.ws, tuple(self.keep), NAME)
-        self.keep = []
+        try:
+            if self.begun and not self.sent:  # every flag once per call, whatever failed after the begin
+                self.send([None] * self.group.size(), [None] * self.group.size())
+            p = self.p
+            live = [t for t in outputs if t is not None and t.numel()][:gather_protocol.MAX_OUTPUTS]
+            p.num_outputs = len(live)  # at most 1 + 7 GEMM terms: the MoE ops have 1 + 1-3
+            for i, t in enumerate(live):
+                p.outputs[i], p.output_numel[i] = t.data_ptr(), t.numel()
+            rc = gather_protocol.finish(kernels.library(), p, self.ws, tuple(self.keep), NAME)
+        finally:
+            self.keep, self.finished = [], True
+            _open.pop((self.device.index, self.group.group_name), None)
+            self.lock.release()
         failure = failure or self.failure
         if rc != 0 and failure is None:
             try:
@@ -178,6 +194,11 @@ class PeerCall:
             except BaseException as exc:  # noqa: BLE001 - settled by the caller
                 failure = exc
         return failure
+
+    def fault_code(self) -> torch.Tensor:
+        """This rank's fault block code on the device (int32 [1]; read in the caller's stream order, after the
+        finish): not 0 where a wait of the call gave up here or a peer's record reached this block."""
+        return self.ws.flags.fault.block.view(torch.int32)[:1]
 
     def facts(self, facts: torch.Tensor | None) -> torch.Tensor | None:
         """The settle vector of a call whose block outgrew its slot: a failed premise (every rank redoes the call),
@@ -195,18 +216,23 @@ class PeerCall:
         facts[moe_settle.UNNAMED:moe_settle.UNNAMED + 1].add_(1)
         return facts
 
-    def raise_faults(self) -> None:
-        """After the settle's host sync: the fault the finish mirrored, raised on every rank."""
-        faults.raise_pending(self.device.index)
+    def raise_faults(self, deep: bool) -> None:
+        """After the settle's host sync: the fault of the group's block raised (``FlashOverlapTimeout``; the group
+        marked to resynchronize). Where the settle found a rank's fault (``deep``) the block itself is read too: a
+        peer's record may have landed after this rank's finish mirrored it, but always before the recorder's status
+        reached this rank; else the mirror only (a host load)."""
+        domain = self.ws.flags.fault
+        if deep:
+            domain.refresh()
+        if domain.pending():
+            domain.raise_fault()
 
 
 def _prepare(group: dist.ProcessGroup, device: torch.device, settings: config.Settings) -> None:
     """A fault an earlier call recorded raised, and a group its raise marked resynchronized, before this call."""
     faults.raise_pending(device.index)
     if faults.resync_due(device.index, group.group_name):
-        from flashoverlap_inductor import routes as registry  # the registry imports this module's importers
-
-        registry.resync_group(group, device.index, settings, f"a MoE call ({NAME})")
+        registry().resync_group(group, device.index, settings, f"a MoE call ({NAME})")
 
 
 def _bound(group: dist.ProcessGroup, rows: int) -> int:
@@ -254,6 +280,19 @@ def begin(like: torch.Tensor, row_bytes: int, ins: Sequence[int], outs: Sequence
         if EXPERIMENT in settings.experiments:
             note(f"{NAME}:{why}", logging.INFO, "flashoverlap: %s declined (NCCL transfers): %s", NAME, why)
         return None
+    lock = registry().device_lock(like.device.index)
+    lock.acquire()  # released by the call's finish (or here, where the call is not made)
+    try:
+        call = _begin(like, row_bytes, ins, outs, group, settings, phase1)
+    except BaseException:
+        lock.release()
+        raise
+    call.lock = lock
+    return call
+
+
+def _begin(like: torch.Tensor, row_bytes: int, ins: Sequence[int], outs: Sequence[int], group: dist.ProcessGroup,
+           settings: config.Settings, phase1: bool) -> PeerCall:
     device, world, rank = like.device, group.size(), group.rank()
     _prepare(group, device, settings)
     need_rows = max([int(ins[j]) for j in range(world) if j != rank] + [int(outs[j]) for j in range(world)
@@ -273,10 +312,31 @@ def begin(like: torch.Tensor, row_bytes: int, ins: Sequence[int], outs: Sequence
     p.cur_stream, p.timeout_ns = cur, int(moe_nccl.bound_s(group) * 1e9)
     call = PeerCall(p, ws, group, device, slot_bytes, need_rows * row_bytes <= slot_bytes, need_rows)
     stats[f"moe:{NAME}"] += 1
+    _open[(device.index, group.group_name)] = call
     if phase1:
         call.begun = True  # set first: a failed phase 1 still owes its peers the rest (``finish``)
         call._enqueue(1)
     return call
+
+
+def abandon(group: dist.ProcessGroup, device: torch.device, exc: BaseException) -> None:
+    """The call of (device, group) that an exception left begun and not finished (``moe_p2p.run_call``): finished
+    now, its outputs none, so the copy stream is joined, every peer notified and the lock released; a failure of
+    the finish itself is logged (``exc`` propagates)."""
+    call = _open.get((device.index, group.group_name)) if device.type == "cuda" else None
+    if call is None or call.finished:
+        return
+    try:
+        call.finish([], exc)
+    except Exception:  # noqa: BLE001 - the caller re-raises exc
+        log.exception("flashoverlap %s: finishing a call abandoned by %r failed", NAME, exc)
+
+
+def registry():
+    """The route registry (``flashoverlap_inductor.routes``), which imports this module's importers."""
+    from flashoverlap_inductor import routes
+
+    return routes
 
 
 def _launch_id(group: dist.ProcessGroup, world: int) -> int:

@@ -74,11 +74,13 @@ def verdicts(v: list[int]) -> tuple[bool, bool, bool]:
 
 
 def settle(failure: BaseException | None, facts: torch.Tensor | None, what: str, device: torch.device,
-           group: dist.ProcessGroup) -> bool:
+           group: dist.ProcessGroup, device_fault: torch.Tensor | None = None) -> bool:
     """The exchange that ends every call of both MoE ops on the P2P route, on either path (the same collective on
     every rank: one all_gather of the ``SETTLE_LEN`` int64 vector; none in a group of one rank), and the call's one
     host read; every rank judges every rank's vector alike (``verdicts``). ``facts``: this rank's routing facts
-    (``moe_fast``), None on the general path. Raises ``failure`` on a failed rank; ``IndexError`` / ``ValueError`` on
+    (``moe_fast``), None on the general path; ``device_fault``: this rank's fault block code on the device
+    (``moe_peer``: a timed-out wait of the call, or a peer's record), judged as this rank's failure. Raises
+    ``failure`` on a failed rank; ``IndexError`` / ``ValueError`` on
     a rank whose index or offsets are bad; ``errors.PeerFailure`` on the others when any rank failed or had bad
     routing data. Returns whether any rank's premise failed: then every rank redoes the call with the unfused
     reference."""
@@ -86,6 +88,8 @@ def settle(failure: BaseException | None, facts: torch.Tensor | None, what: str,
     local = torch.zeros(SETTLE_LEN, dtype=torch.int64, device=device) if facts is None else facts
     if failure is not None:
         local[FAIL:FAIL + 1].fill_(rank + 1)  # a fill on the device (an item assignment would copy: a sync)
+    elif device_fault is not None:  # a fault block's code (moe_peer): this rank failed where it is not 0
+        local[FAIL:FAIL + 1] = torch.where(device_fault.to(torch.int64) != 0, rank + 1, local[FAIL:FAIL + 1])
     lost: Exception | None = None
     every = local
     if world > 1:
