@@ -567,6 +567,25 @@ def test_both_ops_match_fp64_and_the_reference_on_uneven_splits(pool):
     assert got == [[], []]
 
 
+def peer_ops_worker() -> list[str]:
+    """``ops_worker``'s cases with the blocks moved by copy-engine pushes between the GPUs (experiment ``moe_peer``,
+    an NCCL group: the settle on NCCL), every call counted ``moe:moe_peer``."""
+    from flashoverlap_inductor import routes
+
+    global EXPERIMENTS
+    EXPERIMENTS = {"moe_p2p_cuda", "moe_peer"}
+    before = routes.stats["moe:moe_peer"]
+    bad = ops_worker(["grouped", "grouped2", "loop"], ["moe", "perm"], ["blocks", "blocks:c=2", "experts"], [1, 2])
+    if routes.stats["moe:moe_peer"] - before != 2 * 3 * 2 * 3 * 2:
+        bad.append(f"{routes.stats['moe:moe_peer'] - before} calls took the peer transfers, not 72")
+    return bad
+
+
+@two_gpus
+def test_both_ops_over_peer_transfers_between_two_gpus(pool):
+    assert pool.run(peer_ops_worker) == [[], []]
+
+
 @two_gpus
 @pytest.mark.parametrize("dtype_name", ["float16", "float32"])
 def test_grouped_forms_in_fp16_and_fp32_take_the_route_without_grouped_mm(pool, dtype_name):

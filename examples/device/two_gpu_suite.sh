@@ -147,8 +147,8 @@ elif [ "$PART" = B ]; then
   cpu_side &  # on the host's other cores while the GPU steps run
   CPU_PID=$!
   if [[ "$SKIP" != *" tests "* ]]; then
-    step "GPU test rerun: ${FO_RERUN:-tests/test_gpu_moe.py tests/test_moe_plan_kernel.py tests/test_moe_plan_lib.py}"
-    timeout "$(cap ${FO_RERUN_CAP_S:-120})" python3 -m pytest -q -rs -p no:cacheprovider $(for f in ${FO_RERUN:-tests/test_gpu_moe.py tests/test_moe_plan_kernel.py tests/test_moe_plan_lib.py}; \
+    step "GPU test rerun: ${FO_RERUN:-tests/test_gpu_moe.py tests/test_gpu_moe_peer.py tests/test_moe_plan_kernel.py tests/test_moe_plan_lib.py}"
+    timeout "$(cap ${FO_RERUN_CAP_S:-120})" python3 -m pytest -q -rs -p no:cacheprovider $(for f in ${FO_RERUN:-tests/test_gpu_moe.py tests/test_gpu_moe_peer.py tests/test_moe_plan_kernel.py tests/test_moe_plan_lib.py}; \
       do echo "$REPO/$f"; done) >"$OUT/gpu_tests.log" 2>&1
     echo "gpu pytest rc=$?" | tee -a "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log"
   fi
