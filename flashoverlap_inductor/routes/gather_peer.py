@@ -69,6 +69,7 @@ import ctypes
 import importlib.util
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -110,6 +111,14 @@ _flags: dict[tuple[int, str], GatherFlags] = {}
 _workspaces: dict[tuple, list[symmetric.SymmetricBuffer]] = {}
 _groups: dict[str, str | None] = {}  # group name -> why its ranks cannot share symmetric memory (None: they can)
 _push_calls: dict[tuple[int, str], int] = {}  # (device, group) -> push calls issued (the next one's set: % SLOT_SETS)
+_reset_hooks: list[Callable[[], None]] = []  # run by this route's ``reset`` (``on_reset``)
+
+
+def on_reset(hook: Callable[[], None]) -> None:
+    """Run ``hook`` at this route's ``reset``, after its workspaces and flag pages were dropped: for the modules
+    that build on them (``moe_peer``)."""
+    if hook not in _reset_hooks:
+        _reset_hooks.append(hook)
 
 
 def flags(group: dist.ProcessGroup, device: torch.device) -> GatherFlags:
@@ -344,9 +353,8 @@ class GatherPeerRoute(symmetric.SymmetricRoute):
         super().reset()
         _groups.clear()
         _push_calls.clear()
-        from . import moe_peer  # it builds on this module: imported here, not at the top
-
-        moe_peer.forget()  # its structs point into the workspaces and flag pages dropped above
+        for hook in _reset_hooks:  # e.g. moe_peer's structs, which point into what was dropped above
+            hook()
 
 
 ROUTE = GatherPeerRoute()

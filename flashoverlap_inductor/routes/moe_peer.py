@@ -349,3 +349,6 @@ def _launch_id(group: dist.ProcessGroup, world: int) -> int:
 def forget() -> None:
     """Drop the memoized structs (with ``gather_peer``'s reset, which drops the workspaces they point into)."""
     _args.clear()
+
+
+gather_peer.on_reset(forget)
