@@ -271,45 +271,45 @@ def fallback_worker() -> list[str]:
 
 
 def fault_worker(op: str, path: str) -> list[str]:
-    """A GEMM of rank 1 raises mid-call in the first call; per call: "own", "peer" (naming rank 1) or "exact".
-    ``path`` "general": plan ``"blocks:c=2"`` (the unit GEMMs of ``CombineUnits`` / ``DispatchUnits``); "whole-block":
-    plan ``"blocks"`` (``routes/moe_fast.py``: its second grouped GEMM; in the dispatch its first, since rank 1
-    receives no rows from rank 0 (``split_counts``' pair 0 -> 1 is empty) and so runs one block GEMM, its own, while
-    its transfers are in flight)."""
+    """Rank 1's GEMMs raise in its first call, whichever runs them (``path`` "general": plan ``"blocks:c=2"``, the
+    units of ``CombineUnits`` / ``DispatchUnits``; "whole-block": plan ``"blocks"``, ``routes/moe_fast.py``: the
+    combine's one library call, ``moe_combine_lib.run``, or its Python loop's ``torch._grouped_mm``, and the
+    dispatch's grouped GEMMs); the second call runs normally. Per call and rank: "own" (rank 1), "peer" (the
+    others, naming rank 1) or "exact". Under ``EXPERIMENTS`` (``tests/test_gpu_moe_peer.py`` adds ``moe_peer``)."""
     from unittest import mock
 
     import torch.distributed as dist
 
     from flashoverlap_inductor import errors
     from flashoverlap_inductor.routes import combine as combine_route
+    from flashoverlap_inductor.routes import moe_combine_lib, moe_fast
     from flashoverlap_inductor.routes import moe_dispatch as dispatch_route
-    from flashoverlap_inductor.routes import moe_fast
 
     g, dev, rank = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()), dist.get_rank()
     if path == "general":
-        owner, name = (combine_route.CombineUnits, "fill") if op == "combine" else \
-            (dispatch_route.DispatchUnits, "compute")
+        targets = [(combine_route.CombineUnits, "fill") if op == "combine" else (dispatch_route.DispatchUnits,
+                                                                                  "compute")]
         plan = "blocks:c=2"
     else:
-        owner, name, plan = moe_fast.torch, "_grouped_mm", "blocks"
-    real, seen = getattr(owner, name), []
-    fault_at = 1 if (path, op) == ("whole-block", "dispatch") else 2
+        targets, plan = [(moe_fast.torch, "_grouped_mm"), (moe_combine_lib, "run")], "blocks"
 
     def flaky(*args, **kwargs):
-        seen.append(1)
-        if len(seen) == fault_at:
-            raise RuntimeError("injected GEMM fault")
-        return real(*args, **kwargs)
+        raise RuntimeError("injected GEMM fault")
 
     c = combine_case("grouped", "moe", 5, dev) if op == "combine" else dispatch_case("grouped", "moe", 5, dev)
     want = combine_fp64(c, g) if op == "combine" else dispatch_fp64(c, g)[1]
     out = []
     for i in range(2):
-        patch = mock.patch.object(owner, name, flaky) if i == 0 and rank == 1 else mock.patch.object(owner, name, real)
+        patches = [mock.patch.object(owner, name, flaky) for owner, name in targets] if i == 0 and rank == 1 else []
         _poison_allocator(dev)
         try:
-            with patch:
+            for patch in patches:
+                patch.start()
+            try:
                 got = _combine(c, g, plan) if op == "combine" else _dispatch(c, g, plan)[1]
+            finally:
+                for patch in patches:
+                    patch.stop()
             torch.cuda.synchronize()
         except errors.PeerFailure as exc:
             out.append("peer" if "rank 1 (" in str(exc) else f"peer, not naming rank 1: {exc}")

@@ -98,55 +98,10 @@ def overflow_worker() -> tuple[list[str], dict[str, int]]:
 
 
 def fault_worker(op: str, path: str) -> list[str]:
-    """Rank 1's GEMMs raise in its first call (whichever runs them: the whole-block combine's one library call,
-    ``moe_combine_lib.run``, or its Python loop's ``torch._grouped_mm``; the dispatch's grouped GEMM; the general
-    path's units), the second call runs normally; per call and rank: "own" (rank 1), "peer" (the others, naming
-    rank 1) or "exact"."""
-    from unittest import mock
-
-    import torch.distributed as dist
-
-    from flashoverlap_inductor import errors
-    from flashoverlap_inductor.routes import combine as combine_route
-    from flashoverlap_inductor.routes import moe_combine_lib, moe_fast
-    from flashoverlap_inductor.routes import moe_dispatch as dispatch_route
-
+    """``test_gpu_moe.fault_worker`` under the peer transfers: rank 1's injected GEMM fault raises on every rank, and
+    the next call is exact."""
     tg.EXPERIMENTS = PEER
-    g, dev, rank = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()), dist.get_rank()
-    if path == "general":
-        targets = [(combine_route.CombineUnits, "fill") if op == "combine" else (dispatch_route.DispatchUnits,
-                                                                                  "compute")]
-        plan = "blocks:c=2"
-    else:
-        targets, plan = [(moe_fast.torch, "_grouped_mm"), (moe_combine_lib, "run")], "blocks"
-
-    def flaky(*args, **kwargs):
-        raise RuntimeError("injected GEMM fault")
-
-    c = tg.combine_case("grouped", "moe", 5, dev) if op == "combine" else tg.dispatch_case("grouped", "moe", 5, dev)
-    want = tg.combine_fp64(c, g) if op == "combine" else tg.dispatch_fp64(c, g)[1]
-    out = []
-    for i in range(2):
-        patches = [mock.patch.object(owner, name, flaky) for owner, name in targets] if i == 0 and rank == 1 else []
-        tg._poison_allocator(dev)
-        try:
-            for patch in patches:
-                patch.start()
-            try:
-                got = tg._combine(c, g, plan) if op == "combine" else tg._dispatch(c, g, plan)[1]
-            finally:
-                for patch in patches:
-                    patch.stop()
-            torch.cuda.synchronize()
-        except errors.PeerFailure as exc:
-            out.append("peer" if "rank 1 (" in str(exc) else f"peer, not naming rank 1: {exc}")
-            continue
-        except RuntimeError as exc:
-            out.append("own" if "injected" in str(exc) else f"other: {exc}")
-            continue
-        err = tg._err(got, want)
-        out.append("exact" if err <= tg.TOL else f"WRONG: rel err {err:.3g}")
-    return out
+    return tg.fault_worker(op, path)
 
 
 def late_worker(op: str) -> list[str]:
