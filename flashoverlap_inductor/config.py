@@ -74,6 +74,9 @@ EXPERIMENTS = {
     "moe_peer": "move the fused MoE calls' all_to_all blocks by copy-engine pushes into the peers' symmetric memory "
                 "(one host, 2-8 ranks; routes/moe_peer.py) instead of NCCL's send/recv: no SM moves a byte; correct "
                 "with 2-3 ranks sharing one H200, never run on 2 GPUs",
+    "moe_peer_push": "with moe_peer, push the MoE combine's blocks by copy engine from a local send buffer after "
+                     "its GEMMs instead of letting its one library call write each block straight into its "
+                     "destination's receive slot over NVLink (routes/moe_peer.py; neither measured on 2 GPUs)",
     "moe_judge_two_behind": "with moe_settle_deferred, judge a deferred MoE call's status at the end of the call "
                             "after next instead of the next one (the host may run two MoE calls ahead of the GPU; "
                             "a failure raises one call later)",

@@ -6,8 +6,9 @@ transfers, the slots and the failure contract, not speed.
 Skipped unless CUDA, an sm90 GPU and a library with ``fo_gather_call`` are present. The cases are
 ``tests/test_gpu_moe.py``'s (its workers, run here under ``{"moe_p2p_cuda", "moe_peer"}``): both ops in bf16 on random
 uneven splits with empty pairs, the loop and grouped forms (one and two terms), the MoE permutation and a random one,
-plans ``blocks`` (the whole-block path: the combine's blocks pushed as their events fire), ``blocks:c=2`` (the general
-path) and ``experts`` (the dispatch cut by expert), against an fp64 oracle and the unfused reference, outputs
+plans ``blocks`` (the whole-block path: the combine's library call writes each block straight into its destination's
+slot; under ``moe_peer_push`` its blocks are pushed as their events fire), ``blocks:c=2`` (the general path) and
+``experts`` (the dispatch cut by expert), against an fp64 oracle and the unfused reference, outputs
 pre-poisoned; every call must count ``moe:moe_peer`` (so no check passes on NCCL's or gloo's transfers, which cannot
 move CUDA rows of a gloo group anyway). Also: a block past its slot (routing data that grew) is redone unfused on every
 rank, exact, and the next call of that size fits; a GEMM fault on one rank raises on every rank and the next call is
@@ -45,15 +46,19 @@ def _peer_calls() -> int:
     return routes.stats["moe:moe_peer"]
 
 
-def ops_worker(forms: list[str], kinds: list[str], plans: list[str], seeds: list[int]) -> list[str]:
-    """``test_gpu_moe.ops_worker`` under the peer transfers; every call counted ``moe:moe_peer``."""
-    tg.EXPERIMENTS = PEER
-    before = _peer_calls()
+def ops_worker(forms: list[str], kinds: list[str], plans: list[str], seeds: list[int], push: bool = False
+               ) -> tuple[list[str], int]:
+    """``test_gpu_moe.ops_worker`` under the peer transfers (``push``: with ``moe_peer_push``); every call counted
+    ``moe:moe_peer``. Returns what went wrong and how many combines wrote their blocks straight into the slots."""
+    from flashoverlap_inductor import routes
+
+    tg.EXPERIMENTS = PEER | ({"moe_peer_push"} if push else set())
+    before, direct = _peer_calls(), routes.stats["moe_peer:direct"]
     bad = tg.ops_worker(forms, kinds, plans, seeds)
     calls = 2 * len(forms) * len(kinds) * len(plans) * len(seeds)
     if _peer_calls() - before != calls:
         bad.append(f"{_peer_calls() - before} calls took the peer transfers, not {calls}")
-    return bad
+    return bad, routes.stats["moe_peer:direct"] - direct
 
 
 def overflow_worker() -> tuple[list[str], dict[str, int]]:
@@ -147,13 +152,21 @@ def late_worker(op: str) -> list[str]:
 
 
 def test_both_ops_match_fp64_and_the_reference_over_peer_transfers(pool):
-    bad = pool.run(ops_worker, ["grouped", "grouped2", "loop"], ["moe", "perm"], ["blocks", "blocks:c=2"], [1, 2])
-    assert bad == [[]] * pool.world_size, bad
+    got = pool.run(ops_worker, ["grouped", "grouped2", "loop"], ["moe", "perm"], ["blocks", "blocks:c=2"], [1, 2])
+    assert [bad for bad, _ in got] == [[]] * pool.world_size, got
+    # the whole-block combines' library call (grouped forms, plan "blocks": 8 calls, those whose blocks fit the
+    # slots) wrote their blocks straight into the peers' slots
+    assert all(1 <= direct <= 8 for _, direct in got), got
+
+
+def test_the_combine_pushed_by_copy_engine_under_moe_peer_push(pool):
+    got = pool.run(ops_worker, ["grouped", "grouped2"], ["moe"], ["blocks"], [1, 2], True)
+    assert got == [([], 0)] * pool.world_size, got
 
 
 def test_the_expert_cut_dispatch_over_peer_transfers(pool):
-    bad = pool.run(ops_worker, ["grouped"], ["moe"], ["experts", "experts:c=3"], [1, 2])
-    assert bad == [[]] * pool.world_size, bad
+    got = pool.run(ops_worker, ["grouped"], ["moe"], ["experts", "experts:c=3"], [1, 2])
+    assert [bad for bad, _ in got] == [[]] * pool.world_size, got
 
 
 def test_a_block_past_its_slot_is_redone_on_every_rank_and_the_slots_grow(pool):

@@ -69,13 +69,16 @@ def should_run(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor,
 
 
 def run(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor, index: torch.Tensor, ins: list[int],
-        order: list[int], send: torch.Tensor, own: torch.Tensor, rank: int,
-        ready: list[torch.cuda.Event | None]) -> torch.Tensor | None:
+        order: list[int], send: torch.Tensor | None, own: torch.Tensor, rank: int,
+        ready: list[torch.cuda.Event | None], targets: list[torch.Tensor | None] | None = None
+        ) -> torch.Tensor | None:
     """Enqueue the combine's compute (module docstring) on the current stream: block j's rows (``ins[j]``, the
-    input split sizes) into ``send`` at its first buffer row, the own block's (``rank``) into ``own``; ``ready[j]``
-    recorded behind block j (None: none). ``order``: every block once, in compute order. Returns the plan's settle
-    vector (``moe_fast.BlockPlan.facts``), or None where the library refused the arguments (nothing enqueued: the
-    caller runs the Python loop). ``should_run`` holds."""
+    input split sizes) into ``send`` at its first buffer row, or into ``targets[j]`` where given (``moe_peer``: the
+    destination's receive slot, mapped here; ``send`` then None), the own block's (``rank``) into ``own``;
+    ``ready[j]`` recorded behind block j (None: none). Every destination's rows share ``own``'s stride. ``order``:
+    every block once, in compute order. Returns the plan's settle vector (``moe_fast.BlockPlan.facts``), or None
+    where the library refused the arguments (nothing enqueued: the caller runs the Python loop). ``should_run``
+    holds."""
     bounds = offsets(ins)
     plan_args, (facts,) = moe_plan_lib.plan_args(index, offs, bounds, views=False)
     c = CombineArgs()
@@ -86,17 +89,19 @@ def run(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor, index:
         scratch = x.new_empty(max(largest, 1), int(x.shape[1]))
         keep.append(scratch)
         c.a[t], c.a_stride[t], c.scratch[t] = x.data_ptr(), int(x.stride(0)) * 2, scratch.data_ptr()
-        c.gemm[t] = grouped.call_args(scratch, w, offs, send, grouped.b_layout_of(w), 0, int(w.shape[0]),
-                                      stream=plan_args.stream)
+        c.gemm[t] = grouped.call_args(scratch, w, offs, own, grouped.b_layout_of(w), 0, int(w.shape[0]),
+                                      stream=plan_args.stream)  # its out pointer is each block's, set below
     if len(a) > 1:
-        total = send.new_empty(max(largest, 1), int(send.shape[1]))
+        total = own.new_empty(max(largest, 1), int(own.shape[1]))
         keep.append(total)
         c.sum = total.data_ptr()
-    stride = int(send.stride(0)) * 2
-    if int(own.stride(0)) * 2 != stride:
-        raise ValueError("flashoverlap: the combine's output and send rows must share one stride")
+    stride = int(own.stride(0)) * 2
+    dests = [send[bounds[j]:bounds[j + 1]] if targets is None else targets[j] for j in range(len(ready))]
+    if any(j != rank and ins[j] and (d is None or int(d.stride(0)) * 2 != stride or d.data_ptr() % 16)
+           for j, d in enumerate(dests)):
+        raise ValueError("flashoverlap: the combine's output and send rows must share one stride, on 16 bytes")
     for j, event in enumerate(ready):
-        c.out[j] = own.data_ptr() if j == rank else send.data_ptr() + bounds[j] * stride
+        c.out[j] = own.data_ptr() if j == rank else None if dests[j] is None else dests[j].data_ptr()
         if event is not None and not event.cuda_event:
             event.record()  # torch creates an event at its first record (a null handle before): the library re-records
             # (on the current device's stream: the caller's usable() holds index on the current device)

@@ -163,7 +163,7 @@ def run_combine(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor
     received = [out[recv_off[j]:recv_off[j + 1]] for j in range(world)]
     # peer transfers: the call begun before the GEMMs, so that each block's push waits only for its own event
     peer = moe_peer.begin(like, n * like.element_size(), ins, outs, group, deferred, True)
-    one_call = _one_call(a, b, offs, index, ins, received[rank], group, peer is not None)
+    one_call = _one_call(a, b, offs, index, ins, received[rank], group, peer)
     if one_call is not None:
         keep, failure, facts = one_call
         blocks, ready, _ = keep
@@ -218,32 +218,37 @@ def run_combine(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor
 
 
 def _one_call(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor, index: torch.Tensor, ins: list[int],
-              own: torch.Tensor, group: dist.ProcessGroup, peer: bool) -> tuple | None:
+              own: torch.Tensor, group: dist.ProcessGroup, peer: moe_peer.PeerCall | None) -> tuple | None:
     """The combine's compute as one library call (``moe_combine_lib``) where it takes the call: ``(keep, failure,
     facts)`` with ``keep`` = (each peer block's send rows, their ready events, the send buffer), the own
     block already in ``own``; None where it does not (nothing enqueued). ``peer``: the call's transfers are peer
-    pushes (``moe_peer``), which wait for the block events as NCCL's direct transfers do. A failure after its first
-    launch poisons the send buffer and ``own`` (what leaves this rank is never mistaken for data) and is settled by
+    pushes (``moe_peer``), which wait for the block events as NCCL's direct transfers do; where its slots hold every
+    block (``PeerCall.targets``), each peer block is written straight into its destination's slot (no send buffer,
+    nothing left to push: the blocks kept are None). A failure after its first launch poisons what it wrote to
+    (the send buffer or the slots, and ``own``: what leaves this rank is never mistaken for data) and is settled by
     the caller."""
     world, rank, like = group.size(), group.rank(), a[0]
     if not (like.is_cuda and moe_plan_lib.usable(like) and int(own.shape[0]) == int(ins[rank])
-            and (peer or moe_nccl.communicator(group, like.device) is not None)
+            and (peer is not None or moe_nccl.communicator(group, like.device) is not None)
             and moe_combine_lib.should_run(a, b, offs, index, world)):
         return None
-    bounds = offsets(ins)
-    send = like.new_empty(bounds[-1], int(b[0].shape[-1]))
+    bounds, n = offsets(ins), int(b[0].shape[-1])
+    targets = None if peer is None else peer.targets(ins, n, like.dtype)
+    send = like.new_empty(bounds[-1], n) if targets is None else None
     ready = [None if j == rank or not ins[j] else torch.cuda.Event() for j in range(world)]
     order = [dst for dst, _ in ring_steps(world, rank)] + [rank]
     failure, facts = None, None
     try:
-        facts = moe_combine_lib.run(a, b, offs, index.to(like.device), list(ins), order, send, own, rank, ready)
+        facts = moe_combine_lib.run(a, b, offs, index.to(like.device), list(ins), order, send, own, rank, ready,
+                                    targets)
         if facts is None:
             return None
     except BaseException as exc:  # noqa: BLE001 - settled by the caller, after every ring step was issued
         failure = exc
-        _poison(send)
-        _poison(own)
-    blocks = [send[bounds[j]:bounds[j + 1]] for j in range(world)]
+        for t in [send, own] if targets is None else [*targets, own]:
+            if t is not None:
+                _poison(t)
+    blocks = [None] * world if targets is not None else [send[bounds[j]:bounds[j + 1]] for j in range(world)]
     return (blocks, ready, send), failure, facts
 
 

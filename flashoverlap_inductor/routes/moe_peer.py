@@ -1,6 +1,8 @@
 """The MoE ops' transfers over one host's peer memory (experiment ``moe_peer``): each all_to_all block pushed by copy
-engine into its destination rank's symmetric receive slot, in place of NCCL's send/recv (``moe_nccl``). No SM moves
-a byte, and no NCCL kernel competes with the experts' GEMMs for SMs.
+engine into its destination rank's symmetric receive slot, in place of NCCL's send/recv (``moe_nccl``); the
+combine's library call (``moe_combine_lib``) writes its peer blocks straight into their slots instead (over NVLink
+from the GEMM's epilogue: no send buffer, no push; ``PeerCall.targets``; the experiment ``moe_peer_push`` keeps the
+push). No SM moves a byte outside the GEMMs, and no NCCL kernel competes with them for SMs.
 
 The protocol is the all_gather push schedule's with blocks of their own size per peer (``csrc/gather_call.cu``,
 ``FO_GATHER_BLOCKS``), on the group's gather flag page (``gather_peer.flags``: its counters, fault block, copy stream
@@ -64,6 +66,7 @@ from .nccl import is_nccl_group
 log = logging.getLogger("flashoverlap")
 
 EXPERIMENT = "moe_peer"
+PUSH_EXPERIMENT = "moe_peer_push"  # the combine's blocks pushed by copy engine, not written by its GEMM into the slots
 NAME = "moe_peer"
 BLOCKS = 8  # fo_gather_args.options bit FO_GATHER_BLOCKS
 SLOT_ALIGN = 256  # bytes: every slot starts on this boundary
@@ -194,6 +197,21 @@ class PeerCall:
             except BaseException as exc:  # noqa: BLE001 - settled by the caller
                 failure = exc
         return failure
+
+    def targets(self, ins: Sequence[int], n: int, dtype: torch.dtype) -> list[torch.Tensor | None] | None:
+        """Where the combine's GEMM writes each peer block straight into its destination's receive slot (its
+        ``ins[j]`` rows of ``n`` ``dtype`` elements at slot ``rank`` of rank ``j``'s buffer, mapped here; the
+        own block's entry None): what ``moe_combine_lib.run`` takes as ``targets``. None where some block does not
+        fit its slot, or under the experiment ``moe_peer_push`` (the blocks pushed by copy engine instead). Safe
+        to write once phase 1 ran: its begin waited, before the GEMMs, until every peer read its slot's last
+        call."""
+        if not self.fits or not self.begun or PUSH_EXPERIMENT in config.current().experiments:
+            return None
+        world, rank, itemsize = self.group.size(), self.group.rank(), torch.empty((), dtype=dtype).element_size()
+        start = rank * self.slot_bytes
+        stats[f"{NAME}:direct"] += 1
+        return [None if j == rank else self.ws.views[j][start:start + int(ins[j]) * n * itemsize].view(dtype)
+                .view(int(ins[j]), n) for j in range(world)]
 
     def fault_code(self) -> torch.Tensor:
         """This rank's fault block code on the device (int32 [1]; read in the caller's stream order, after the
