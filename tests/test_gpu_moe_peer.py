@@ -7,7 +7,8 @@ Skipped unless CUDA, an sm90 GPU and a library with ``fo_gather_call`` are prese
 ``tests/test_gpu_moe.py``'s (its workers, run here under ``{"moe_p2p_cuda", "moe_peer"}``): both ops in bf16 on random
 uneven splits with empty pairs, the loop and grouped forms (one and two terms), the MoE permutation and a random one,
 plans ``blocks`` (the whole-block path: the combine's library call writes each block straight into its destination's
-slot; under ``moe_peer_push`` its blocks are pushed as their events fire), ``blocks:c=2`` (the general path) and
+slot, under ``moe_peer_push`` its blocks are pushed as their events fire; the dispatch reads each peer block in its
+slot), ``blocks:c=2`` (the general path) and
 ``experts`` (the dispatch cut by expert), against an fp64 oracle and the unfused reference, outputs
 pre-poisoned; every call must count ``moe:moe_peer`` (so no check passes on NCCL's or gloo's transfers, which cannot
 move CUDA rows of a gloo group anyway). Also: a block past its slot (routing data that grew) is redone unfused on every
@@ -53,11 +54,13 @@ def ops_worker(forms: list[str], kinds: list[str], plans: list[str], seeds: list
     from flashoverlap_inductor import routes
 
     tg.EXPERIMENTS = PEER | ({"moe_peer_push"} if push else set())
-    before, direct = _peer_calls(), routes.stats["moe_peer:direct"]
+    before, direct, in_slots = _peer_calls(), routes.stats["moe_peer:direct"], routes.stats["moe_peer:in_slots"]
     bad = tg.ops_worker(forms, kinds, plans, seeds)
     calls = 2 * len(forms) * len(kinds) * len(plans) * len(seeds)
     if _peer_calls() - before != calls:
         bad.append(f"{_peer_calls() - before} calls took the peer transfers, not {calls}")
+    if "blocks" in plans and forms != ["loop"] and routes.stats["moe_peer:in_slots"] == in_slots:
+        bad.append("no whole-block dispatch read its peer blocks in their slots")
     return bad, routes.stats["moe_peer:direct"] - direct
 
 

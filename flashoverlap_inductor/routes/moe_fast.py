@@ -276,7 +276,8 @@ def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], of
     is made; where the premise fails the outputs are the settle's to discard (redo) or poison (deferred)."""
     rank = group.rank()
     library = moe_plan_lib.usable(x)  # asked once per call; its kernels loaded before any transfer is in flight
-    sent = moe_p2p.issue_dispatch(x, outs, ins, 1, group, deferred)  # one unit per block: unit j is block j
+    # one unit per block (unit j is block j); peer transfers: each peer block read where it landed, in its slot
+    sent = moe_p2p.issue_dispatch(x, outs, ins, 1, group, deferred, in_slots=True)
     x, recv, send_off, recv_off, failure = sent.x, sent.recv, sent.send_off, sent.recv_off, sent.failure
     plan, result = None, None
 
@@ -310,7 +311,7 @@ def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], of
         failure = _wait_all(works, failure)
         if failure is None:
             try:
-                compute(src, recv[recv_off[src]:recv_off[src + 1]])
+                compute(src, recv[recv_off[src]:recv_off[src + 1]] if sent.slots is None else sent.slots[src])
             except BaseException as exc:  # noqa: BLE001 - as above
                 failure = exc
     facts = None if plan is None else plan.facts

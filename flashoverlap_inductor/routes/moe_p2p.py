@@ -261,15 +261,17 @@ class Issued:
     poisoned: list[torch.Tensor] = field(default_factory=list)
     failure: BaseException | None = None
     peer: moe_peer.PeerCall | None = None  # the call's peer transfers (``end_call`` finishes them), else NCCL's
+    slots: list[torch.Tensor | None] | None = None  # ``in_slots``: block j's rows in this rank's receive slot j
 
 
 def issue_dispatch(x: torch.Tensor, outs: list[int], ins: list[int], chunks: int, group: dist.ProcessGroup,
-                   deferred: bool = False) -> Issued:
+                   deferred: bool = False, in_slots: bool = False) -> Issued:
     """Both dispatch paths' transfers, issued before any GEMM (NCCL's stream waits for the caller's at each issue):
     per ring step and chunk one batch (send unit ``dst * chunks + q`` of ``x``, receive unit ``src * chunks + q``),
     tag ``DISPATCH_TAG + q``; every step issued whatever fails (a rank whose ``x`` does not fit its split sizes sends
     NaN blocks). Where the call takes peer transfers (``moe_peer.begin``), every whole block in one push call
-    instead, each unit of block ``src`` landing with it."""
+    instead, each unit of block ``src`` landing with it: copied into ``recv``, or, with ``in_slots`` (a caller that
+    reads each peer block once, before ``end_call``), left in this rank's receive slot (``Issued.slots``)."""
     world, rank, k = group.size(), group.rank(), int(x.shape[1])
     send_off, recv_off = offsets(chunk_sizes(ins, chunks)), offsets(chunk_sizes(outs, chunks))
     out = Issued(x, x.new_empty(recv_off[-1], k), send_off, recv_off)
@@ -280,7 +282,7 @@ def issue_dispatch(x: torch.Tensor, outs: list[int], ins: list[int], chunks: int
         out.x = x.contiguous()
     out.peer = moe_peer.begin(x, k * x.element_size(), ins, outs, group, deferred, False)
     if out.peer is not None:
-        _issue_peer(out, x, world, rank, chunks)
+        _issue_peer(out, x, world, rank, chunks, in_slots)
         return out
     for dst, src in ring_steps(world, rank):
         for q in range(chunks):
@@ -298,10 +300,10 @@ def issue_dispatch(x: torch.Tensor, outs: list[int], ins: list[int], chunks: int
     return out
 
 
-def _issue_peer(out: Issued, x: torch.Tensor, world: int, rank: int, chunks: int) -> None:
+def _issue_peer(out: Issued, x: torch.Tensor, world: int, rank: int, chunks: int, in_slots: bool) -> None:
     """``issue_dispatch`` by peer transfers: block ``j`` = units ``j * chunks .. (j + 1) * chunks`` (NaN where ``x``
     does not fit its split sizes), pushed at once; ``landing`` gets every unit of each source block, in arrival
-    order."""
+    order; ``in_slots``: no copy out of the slots (``Issued.slots``)."""
     send, recv, blocks = out.send_off, out.recv_off, []
     for j in range(world):
         block = out.x[send[j * chunks]:send[(j + 1) * chunks]] if out.failure is None else None
@@ -311,6 +313,9 @@ def _issue_peer(out: Issued, x: torch.Tensor, world: int, rank: int, chunks: int
             out.poisoned.append(block)
         blocks.append(block)
     rows = [out.recv[recv[j * chunks]:recv[(j + 1) * chunks]] for j in range(world)]
+    if in_slots and out.peer.fits:  # else the blocks that fit are copied out as usual (the call is redone)
+        out.slots = out.peer.slots([int(r.shape[0]) for r in rows], int(x.shape[1]), x.dtype)
+        rows = [None] * world
     for src, landed in out.peer.send(blocks, rows):
         out.landing += [(src * chunks + q, [landed]) for q in range(chunks)]
 

@@ -213,6 +213,18 @@ class PeerCall:
         return [None if j == rank else self.ws.views[j][start:start + int(ins[j]) * n * itemsize].view(dtype)
                 .view(int(ins[j]), n) for j in range(world)]
 
+    def slots(self, rows: Sequence[int], n: int, dtype: torch.dtype) -> list[torch.Tensor | None]:
+        """This rank's receive slots as ``[rows[j], n]`` ``dtype`` views (the own entry None): where each peer's block
+        lands when ``send`` is given no receive rows for it. Read only between its ``Landed`` wait and ``finish``
+        (after the finish's "read", the peer may write the slot again). Only where every block fits (``fits``)."""
+        if not self.fits:
+            raise ValueError(f"flashoverlap: {NAME}: a block does not fit its slot; read the receive rows instead")
+        rank, itemsize = self.group.rank(), torch.empty((), dtype=dtype).element_size()
+        mine = self.ws.views[rank]
+        stats[f"{NAME}:in_slots"] += 1
+        return [None if j == rank else mine[j * self.slot_bytes:j * self.slot_bytes + int(rows[j]) * n * itemsize]
+                .view(dtype).view(int(rows[j]), n) for j in range(len(rows))]
+
     def fault_code(self) -> torch.Tensor:
         """This rank's fault block code on the device (int32 [1]; read in the caller's stream order, after the
         finish): not 0 where a wait of the call gave up here or a peer's record reached this block."""
