@@ -8,8 +8,9 @@ The protocol is the all_gather push schedule's with blocks of their own size per
 ``FO_GATHER_BLOCKS``), on the group's gather flag page (``gather_peer.flags``: its counters, fault block, copy stream
 and resynchronization): per call rank ``r`` pushes its block for rank ``j`` into slot ``r`` of ``j``'s receive
 buffer as soon as the block exists (its ready event: the combine's blocks travel while later blocks compute), tells
-``j``, waits for each peer's push into its own slot ``j`` and copies it into the call's receive rows (copy engine),
-then records ``j``'s event, which the GEMMs of that block wait for. The finish joins the copy stream, tells every peer
+``j``, waits for each peer's push into its own slot ``j`` and copies it into the call's receive rows (copy engine;
+the whole-block dispatch reads the slot where it lies instead: ``PeerCall.slots``), then records ``j``'s event,
+which the GEMMs of that block wait for. The finish joins the copy stream, tells every peer
 its slot here was read, and fills the call's outputs with NaN while the group's fault block holds a fault.
 
 Invariants (units: bytes for slots and buffers, rows for the bound):
@@ -17,8 +18,8 @@ Invariants (units: bytes for slots and buffers, rows for the bound):
 - **One choice on every rank** (``begin``): the experiment, CUDA, 2-``MAX_WORLD`` ranks, the dtype, the library,
   the settle on the host (not ``moe_settle_deferred``), no capture, one host with torch's symmetric memory
   (``gather_peer.group_issue``, one collective per group), and the group's rows bound (``moe_settle.rows_bound``),
-  which every rank learns alike: at the group's first call one ``all_gather_object`` of each rank's largest block,
-  afterwards from every settle's gathered vectors. A rank's routing path (whole-block or general) does not change
+  which every rank learns alike: at the group's first call one ``all_gather_object`` of the most rows each rank
+  sends or receives in all, afterwards from every settle's gathered vectors. A rank's routing path (whole-block or general) does not change
   its transfers: every path of both ops calls ``begin`` once per call.
 - **Slots**: one set (``slot_set`` 0) of ``world`` slots of ``slot_bytes`` per rank, ``slot_bytes`` covering the
   bound's rows (256-byte multiples); the workspace only grows (``symmetric.smallest_with_room``, collectively: the
@@ -37,8 +38,8 @@ Invariants (units: bytes for slots and buffers, rows for the bound):
   (``routes.device_lock``) from begin to finish: it shares the flag page, copy stream and structs with the
   dispatcher's symmetric routes.
 - **Overlap**: each push waits only for its block's event, but peers learn of the pushes by one notification after
-  the last one (the push schedule's), and the copies out of this rank's slots queue behind its pushes on its one
-  copy stream: on 3+ ranks a block is consumed after its sender's last block.
+  the last one (the push schedule's), and the copies out of this rank's slots (where made) queue behind its pushes
+  on its one copy stream: on 3+ ranks a block is consumed after its sender's last block.
 
 Never run on 2 GPUs yet: checked with 2-3 ranks sharing one GPU (``tests/test_gpu_moe_peer.py``).
 """
