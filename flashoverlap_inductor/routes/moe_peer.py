@@ -19,8 +19,8 @@ Invariants (units: bytes for slots and buffers, rows for the bound):
   the settle on the host (not ``moe_settle_deferred``), no capture, one host with torch's symmetric memory
   (``gather_peer.group_issue``, one collective per group), and the group's rows bound (``moe_settle.rows_bound``),
   which every rank learns alike: at the group's first call one ``all_gather_object`` of the most rows each rank
-  sends or receives in all, afterwards from every settle's gathered vectors. A rank's routing path (whole-block or general) does not change
-  its transfers: every path of both ops calls ``begin`` once per call.
+  sends or receives in all, afterwards from every settle's gathered vectors. A rank's routing path (whole-block or
+  general) does not change its transfers: every path of both ops calls ``begin`` once per call.
 - **Slots**: one set (``slot_set`` 0) of ``world`` slots of ``slot_bytes`` per rank, ``slot_bytes`` covering the
   bound's rows (256-byte multiples); the workspace only grows (``symmetric.smallest_with_room``, collectively: the
   bound is the same on every rank). A call whose block to or from some peer does not fit (rows past the bound:
