@@ -73,15 +73,16 @@ def test_raising_a_symmetric_fault_marks_its_group():
 
 
 def test_a_shared_protocol_fault_names_every_route_on_it():
-    """The copy-engine protocol's flag page serves the all_gather and both pull routes: a timeout names them all
-    and its wait without naming one collective (a pull route's all_reduce once read "(all_gather)")."""
+    """The copy-engine protocol's flag page serves the all_gather, both pull routes and the MoE peer transfers: a
+    timeout names them all and its wait without naming one collective (a pull route's all_reduce once read
+    "(all_gather)")."""
     dom = _domain("gather_peer", "g")
     dom.label = gather_peer.FAULT_LABEL
     _record(dom, 1, mirror=True)
     with pytest.raises(errors.FlashOverlapTimeout) as info:
         faults.raise_pending(0)
     text = str(info.value)
-    assert "gather_peer / scatter_pull / reduce_pull route" in text and "rank 5's rows of this call" in text
+    assert "gather_peer / scatter_pull / reduce_pull / moe_peer route" in text and "rank 5's rows of this call" in text
     assert "all_gather" not in text
     faults.forget("gather_peer")  # the route's reset still finds its domain by the route's name
     assert ("gather_peer", 0, "g") not in faults._domains
