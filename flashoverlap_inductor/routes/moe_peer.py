@@ -208,7 +208,7 @@ class PeerCall:
         call."""
         if not self.fits or not self.begun or PUSH_EXPERIMENT in config.current().experiments:
             return None
-        world, rank, itemsize = self.group.size(), self.group.rank(), torch.empty((), dtype=dtype).element_size()
+        world, rank, itemsize = self.group.size(), self.group.rank(), dtype.itemsize
         start = rank * self.slot_bytes
         stats[f"{NAME}:direct"] += 1
         return [None if j == rank else self.ws.views[j][start:start + int(ins[j]) * n * itemsize].view(dtype)
@@ -220,7 +220,7 @@ class PeerCall:
         (after the finish's "read", the peer may write the slot again). Only where every block fits (``fits``)."""
         if not self.fits:
             raise ValueError(f"flashoverlap: {NAME}: a block does not fit its slot; read the receive rows instead")
-        rank, itemsize = self.group.rank(), torch.empty((), dtype=dtype).element_size()
+        rank, itemsize = self.group.rank(), dtype.itemsize
         mine = self.ws.views[rank]
         stats[f"{NAME}:in_slots"] += 1
         return [None if j == rank else mine[j * self.slot_bytes:j * self.slot_bytes + int(rows[j]) * n * itemsize]
