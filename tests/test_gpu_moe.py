@@ -324,13 +324,13 @@ def fault_worker(op: str, path: str) -> list[str]:
 
 def _deferred_calls(op: str, experiments: tuple[str, ...], dev: torch.device, g) -> tuple:
     """(the fp64 reference, ``run``): one bf16 ``blocks`` call of ``op`` on the MoE form's case, under
-    ``moe_p2p_cuda`` and ``experiments`` (passed as the op's settings: no nesting); the dispatch's p and y side by
+    ``EXPERIMENTS`` and ``experiments`` (passed as the op's settings: no nesting); the dispatch's p and y side by
     side, both checked, both poisoned."""
     from flashoverlap_inductor import config
 
     c = combine_case("grouped", "moe", 2, dev) if op == "combine" else dispatch_case("grouped", "moe", 2, dev)
     want = combine_fp64(c, g) if op == "combine" else torch.cat(dispatch_fp64(c, g), dim=1)
-    key = config.current().replace(experiments={"moe_p2p_cuda", *experiments}).key()
+    key = config.current().replace(experiments={*EXPERIMENTS, *experiments}).key()
 
     def run() -> torch.Tensor:
         if op == "combine":
@@ -343,19 +343,20 @@ def _deferred_calls(op: str, experiments: tuple[str, ...], dev: torch.device, g)
     return want, run
 
 
-def deferred_worker(op: str, extra: tuple[str, ...] = ()) -> list[str]:
+def deferred_worker(op: str, extra: tuple[str, ...] = (), sync_free: bool = True) -> list[str]:
     """The settle without a host read (``routes/moe_deferred.py``) on the whole-block path: warm calls, then deferred
-    calls against fp64 (no host sync inside them: ``set_sync_debug_mode("error")``), then rank 1's GEMM raising in a
-    deferred call: rank 1 raises it, rank 0's outputs are NaN, and rank 0 raises ``PoisonedResult`` at the end of a
-    later call (after a device sync, its event is done); then exact again. Per step: an outcome word. ``extra``:
-    more experiments (``moe_plan_triton``: the plan, the poison and the moves by Triton kernels and torch ops instead
-    of the library's kernels)."""
+    calls against fp64 (no host sync inside them: ``set_sync_debug_mode("error")``, unless not ``sync_free``: a gloo
+    group's exchange goes through the host), then rank 1's GEMMs (the combine's library call or the grouped GEMMs)
+    raising in a deferred call: rank 1 raises it, the others' outputs are NaN, and they raise ``PoisonedResult`` at
+    the end of a later call (after a device sync, its event is done); then exact again. Per step: an outcome word.
+    ``extra``: more experiments (``moe_plan_triton``: the plan, the poison and the moves by Triton kernels and torch
+    ops instead of the library's kernels)."""
     from unittest import mock
 
     import torch.distributed as dist
 
     from flashoverlap_inductor import errors, routes
-    from flashoverlap_inductor.routes import moe_deferred, moe_fast
+    from flashoverlap_inductor.routes import moe_combine_lib, moe_deferred, moe_fast
 
     g, dev, rank = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()), dist.get_rank()
     moe_deferred.forget()
@@ -368,7 +369,7 @@ def deferred_worker(op: str, extra: tuple[str, ...] = ()) -> list[str]:
     keys = ("moe:plan_lib", "moe:poison_lib", "moe:move_lib")
     lib = [routes.stats[k] for k in keys]
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
+    torch.cuda.set_sync_debug_mode("error" if sync_free else 0)
     try:
         got = run()
     finally:
@@ -385,16 +386,19 @@ def deferred_worker(op: str, extra: tuple[str, ...] = ()) -> list[str]:
         out.append(f"library calls {dict(zip(keys, grew, strict=True))}")
     else:
         out.append("exact" if err <= TOL and routes.stats["moe:deferred"] == before + 1 else f"WRONG {err:.3g}")
-    real, seen = torch._grouped_mm, []
+    seen = []
 
-    def flaky(*args, **kwargs):
-        seen.append(1)
-        if rank == 1 and len(seen) == 1:
-            raise RuntimeError("injected GEMM fault")
-        return real(*args, **kwargs)
+    def flaky(real):
+        def gemms(*args, **kwargs):
+            seen.append(1)
+            if rank == 1 and len(seen) == 1:
+                raise RuntimeError("injected GEMM fault")
+            return real(*args, **kwargs)
+        return gemms
 
     try:
-        with mock.patch.object(moe_fast.torch, "_grouped_mm", flaky):
+        with mock.patch.object(moe_fast.torch, "_grouped_mm", flaky(torch._grouped_mm)), \
+                mock.patch.object(moe_combine_lib, "run", flaky(moe_combine_lib.run)):
             got = run()
         torch.cuda.synchronize()
         out.append("NaN" if bool(got.isnan().all()) else "NOT POISONED")

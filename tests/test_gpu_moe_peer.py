@@ -64,45 +64,112 @@ def ops_worker(forms: list[str], kinds: list[str], plans: list[str], seeds: list
     return bad, routes.stats["moe_peer:direct"] - direct
 
 
-def overflow_worker() -> tuple[list[str], dict[str, int]]:
-    """Calls whose blocks outgrow the slots the group learned (each op in turn, with 64x and then 512x the rows,
-    past the slots' least capacity and power-of-two rounding): every rank redoes the call (``<op>:redo``,
-    ``moe_peer:overflow``), exact; the same call again fits (the slots grew at that call, alike on every rank)
-    and runs fused, exact. Returns what went wrong and this rank's overflows per round."""
+def _scaled_case(op: str, scale: int, seed: int, dev: torch.device) -> tuple[dict, object]:
+    """``op``'s grouped MoE case with ``scale`` times ``tg.SCALE`` rows, and its fp64 reference (the dispatch's p
+    and y side by side)."""
     import torch.distributed as dist
 
+    saved, g = tg.SCALE, dist.group.WORLD
+    tg.SCALE = scale * saved
+    try:
+        c = tg.combine_case("grouped", "moe", seed, dev) if op == "combine" else tg.dispatch_case("grouped", "moe",
+                                                                                                  seed, dev)
+    finally:
+        tg.SCALE = saved
+    return c, tg.combine_fp64(c, g) if op == "combine" else torch.cat(tg.dispatch_fp64(c, g), dim=1)
+
+
+def _call(op: str, c: dict, key: str | None = None) -> torch.Tensor:
+    """One ``blocks`` call of ``op`` (under the settings of ``key``, else ``tg.EXPERIMENTS``'s); the dispatch's p
+    and y side by side."""
+    import torch.distributed as dist
+
+    g = dist.group.WORLD
+    if key is None:
+        return tg._combine(c, g, "blocks") if op == "combine" else torch.cat(tg._dispatch(c, g, "blocks"), dim=1)
+    if op == "combine":
+        return torch.ops.flashoverlap.gemm_unpermute_all_to_all(c["a"], c["b"], c["offs"], c["index"], False,
+                                                                c["outs"], c["ins"], g.group_name, "blocks", key)
+    return torch.cat(torch.ops.flashoverlap.all_to_all_permute_gemm(
+        c["x"], c["index"], c["b"], c["loop_sizes"], c["offs"], c["outs"], c["ins"], g.group_name, "blocks", key),
+        dim=1)
+
+
+SPILL_KEYS = ("moe_peer:spill", "moe:moe_peer", "dispatch:redo", "combine:redo")
+
+
+def overflow_worker() -> tuple[list[str], dict[str, int]]:
+    """Calls whose blocks outgrow the slots the group learned (each op in turn, with 64x and then 512x the rows,
+    past the slots' least capacity and power-of-two rounding): the blocks past their slots are spilled (one direct
+    exchange per rank; ``moe_peer:spill``), nothing is redone, exact; the same call again fits (the host settle
+    taught the group the rows, so the slots grew at that call, alike on every rank), exact. Returns what went wrong
+    and this rank's spills per round."""
     from flashoverlap_inductor import routes
 
     tg.EXPERIMENTS = PEER
-    g, dev, bad, overflows = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()), [], {}
-    tg._combine(tg.combine_case("grouped", "moe", 3, dev), g, "blocks")  # the group's bound: these calls' rows
-    tg._dispatch(tg.dispatch_case("grouped", "moe", 3, dev), g, "blocks")
-    saved = tg.SCALE
-    # past the slots' 1 MiB least capacity, then past the bound the dispatch's redo taught (in rows)
+    dev, bad, spills = torch.device("cuda", torch.cuda.current_device()), [], {}
+    for op in ("combine", "dispatch"):  # the group's bound: these calls' rows
+        _call(op, _scaled_case(op, 1, 3, dev)[0])
     for op, scale in (("dispatch", 64), ("combine", 512)):
-        tg.SCALE = scale * saved
-        try:
-            c = tg.combine_case("grouped", "moe", 3, dev) if op == "combine" else tg.dispatch_case("grouped", "moe",
-                                                                                                   3, dev)
-        finally:
-            tg.SCALE = saved
-        want = tg.combine_fp64(c, g) if op == "combine" else tg.dispatch_fp64(c, g)
+        c, want = _scaled_case(op, scale, 3, dev)
         for round_ in ("outgrown", "grown"):
-            before = {k: routes.stats[k] for k in (f"{op}:redo", "moe_peer:overflow", "moe:moe_peer")}
+            before = {k: routes.stats[k] for k in SPILL_KEYS}
             tg._poison_allocator(dev)
-            got = tg._combine(c, g, "blocks") if op == "combine" else tg._dispatch(c, g, "blocks")
+            got = _call(op, c)
             torch.cuda.synchronize()
             grew = {k: routes.stats[k] - v for k, v in before.items()}
-            redo = round_ == "outgrown"
-            overflows[f"{op} {round_}"] = grew["moe_peer:overflow"]  # on the ranks of an outgrown pair
-            if grew[f"{op}:redo"] != int(redo) or grew["moe:moe_peer"] != 1:
+            spills[f"{op} {round_}"] = grew["moe_peer:spill"]  # on the ranks of an outgrown pair
+            if grew[f"{op}:redo"] or grew["moe:moe_peer"] != 1:
                 bad.append(f"{op} {round_}: counters grew by {grew}")
-            if op == "combine" and tg._err(got, want) > tg.TOL:
+            if tg._err(got, want) > tg.TOL:
                 bad.append(f"{op} {round_}: wrong, rel err {tg._err(got, want):.3g}")
-            if op == "dispatch" and (not torch.equal(got[0], want[0].to(got[0].dtype)) or
-                                     tg._err(got[1], want[1]) > tg.TOL):
-                bad.append(f"{op} {round_}: wrong")
-    return bad, overflows
+    return bad, spills
+
+
+def deferred_worker(op: str) -> tuple[list[str], int]:
+    """``test_gpu_moe.deferred_worker`` under the peer transfers (the group's exchange through the host: gloo):
+    deferred calls exact, rank 1's GEMM fault raised by rank 1 in the call, NaN outputs elsewhere and
+    ``PoisonedResult`` a call later, then exact. Returns its outcomes and how many calls took the peer transfers."""
+    tg.EXPERIMENTS = PEER
+    before = _peer_calls()
+    out = tg.deferred_worker(op, (), sync_free=False)
+    return out, _peer_calls() - before
+
+
+def deferred_overflow_worker(op: str) -> list[str]:
+    """Under the deferred settle (no host read, no redo possible): a call whose blocks outgrow the slots spills
+    them and is exact, with no ``PoisonedResult``; the next call still spills (the outgrown call is judged at its
+    end, which teaches the group its rows); the one after fits. Per call: "spilled exact", "exact" or what went
+    wrong."""
+    from flashoverlap_inductor import config, errors, routes
+    from flashoverlap_inductor.routes import moe_deferred
+
+    tg.EXPERIMENTS = PEER
+    dev, out = torch.device("cuda", torch.cuda.current_device()), []
+    moe_deferred.forget()
+    key = config.current().replace(experiments={*PEER, moe_deferred.EXPERIMENT}).key()
+    small, _ = _scaled_case(op, 1, 4, dev)
+    for _ in range(moe_deferred.HELD_BEFORE_DEFERRING):
+        _call(op, small, key)
+    big, want = _scaled_case(op, 64, 4, dev)
+    for _ in range(3):
+        before = {k: routes.stats[k] for k in (*SPILL_KEYS, "moe:deferred")}
+        tg._poison_allocator(dev)
+        try:
+            got = _call(op, big, key)
+            torch.cuda.synchronize()
+        except errors.FlashOverlapError as exc:
+            out.append(f"{type(exc).__name__}: {exc}"[:300])
+            continue
+        grew = {k: routes.stats[k] - v for k, v in before.items()}
+        if grew["moe:deferred"] != 1 or grew[f"{op}:redo"]:
+            out.append(f"counters grew by {grew}")
+        elif tg._err(got, want) > tg.TOL:
+            out.append(f"WRONG: rel err {tg._err(got, want):.3g}")
+        else:
+            out.append("spilled exact" if grew["moe_peer:spill"] else "exact")
+    moe_deferred.raise_pending(sync=True)  # the last call's status: good
+    return out
 
 
 def fault_worker(op: str, path: str) -> list[str]:
@@ -154,6 +221,50 @@ def late_worker(op: str) -> list[str]:
     return out
 
 
+def late_deferred_worker(op: str) -> list[str]:
+    """Under the deferred settle, rank 1 comes ``STALL_S`` late to a call bounded at ``SHORT_MS``: that call returns
+    NaN on every rank (no host read: nothing known yet); the next raises ``PoisonedResult`` on every rank, at its
+    end, with the wait's ``FlashOverlapTimeout`` chained (the judgement of the late call, one point on every rank);
+    then two calls (the first resynchronizes the group) are exact with no reset."""
+    import torch.distributed as dist
+
+    from flashoverlap_inductor import config, errors, routes
+    from flashoverlap_inductor.routes import moe_deferred
+
+    tg.EXPERIMENTS = PEER
+    dev, rank = torch.device("cuda", torch.cuda.current_device()), dist.get_rank()
+    moe_deferred.forget()
+    c, want = _scaled_case(op, 1, 6, dev)
+    out = []
+    with config.patch(wait_timeout_ms=SHORT_MS):
+        key = config.current().replace(experiments={*PEER, moe_deferred.EXPERIMENT}).key()
+        for _ in range(moe_deferred.HELD_BEFORE_DEFERRING):  # settled on the host: the group defers from here
+            _call(op, c, key)
+        moe_deferred.raise_pending(sync=True)
+        torch.cuda.synchronize()
+        dist.barrier()
+        if rank == 1:
+            time.sleep(STALL_S)
+        resyncs, deferred = routes.stats["resync"], routes.stats["moe:deferred"]
+        for _ in range(4):
+            t0 = time.monotonic()
+            try:
+                got = _call(op, c, key)
+                torch.cuda.synchronize()
+                out.append("exact" if tg._err(got, want) <= tg.TOL else "NaN" if bool(got.isnan().all()) else
+                           f"WRONG: {tg._err(got, want):.3g}")
+            except errors.PoisonedResult as exc:
+                out.append(f"poisoned ({type(exc.__cause__).__name__})")
+            except Exception as exc:  # noqa: BLE001 - the outcome is the test's
+                out.append(f"{type(exc).__name__}: {exc}"[:300])
+            if time.monotonic() - t0 > STALL_S + 30:
+                out.append("too slow")
+        moe_deferred.raise_pending(sync=True)
+    out.append(f"resyncs {routes.stats['resync'] - resyncs}")
+    out.append(f"deferred {routes.stats['moe:deferred'] - deferred}")
+    return out
+
+
 def test_both_ops_match_fp64_and_the_reference_over_peer_transfers(pool):
     got = pool.run(ops_worker, ["grouped", "grouped2", "loop"], ["moe", "perm"], ["blocks", "blocks:c=2"], [1, 2])
     assert [bad for bad, _ in got] == [[]] * pool.world_size, got
@@ -172,11 +283,28 @@ def test_the_expert_cut_dispatch_over_peer_transfers(pool):
     assert [bad for bad, _ in got] == [[]] * pool.world_size, got
 
 
-def test_a_block_past_its_slot_is_redone_on_every_rank_and_the_slots_grow(pool):
+def test_a_block_past_its_slot_is_spilled_exact_and_the_slots_grow(pool):
     got = pool.run(overflow_worker)
     assert [bad for bad, _ in got] == [[]] * pool.world_size, got
-    for op in ("dispatch", "combine"):  # some rank saw its block outgrow the slot, none once the slots grew
+    for op in ("dispatch", "combine"):  # some rank spilled a block, none once the slots grew
         assert sum(o[f"{op} outgrown"] for _, o in got) > 0 and sum(o[f"{op} grown"] for _, o in got) == 0, got
+
+
+@pytest.mark.parametrize("op", ["combine", "dispatch"])
+def test_the_settle_without_a_host_read_over_peer_transfers(pool, op):
+    got = pool.run(deferred_worker, op)
+    calls = 4 + 1 + 1 + 2  # held on the host, one deferred, the faulted one, two after it
+    for rank, (out, peer_calls) in enumerate(got):
+        want = ["exact", "own", "exact", "exact"] if rank == 1 else ["exact", "NaN", "poisoned (PeerFailure)",
+                                                                      "exact"]
+        assert out == want and peer_calls == calls, got
+
+
+@pytest.mark.parametrize("op", ["combine", "dispatch"])
+def test_a_block_past_its_slot_under_the_deferred_settle_is_spilled_not_poisoned(pool, op):
+    got = pool.run(deferred_overflow_worker, op)
+    assert all(r[0] == "spilled exact" and r[1] in ("spilled exact", "exact") and r[2] == "exact" for r in got), got
+    assert any(r[1] == "spilled exact" for r in got), got
 
 
 @pytest.mark.parametrize("op, path", [("combine", "whole-block"), ("dispatch", "whole-block"),
@@ -193,3 +321,10 @@ def test_a_late_rank_makes_every_rank_raise_and_the_next_calls_are_exact(pool, o
     for r in got:
         assert r[0] == "timeout" and r[1:3] == ["exact", "exact"], got
         assert r[3] == "resyncs 1", got
+
+
+@pytest.mark.parametrize("op", ["combine", "dispatch"])
+def test_a_late_rank_under_the_deferred_settle_poisons_then_raises_on_every_rank_at_one_call(pool, op):
+    got = pool.run(late_deferred_worker, op)
+    assert all(r == ["NaN", "poisoned (FlashOverlapTimeout)", "exact", "exact", "resyncs 1", "deferred 4"]
+               for r in got), got

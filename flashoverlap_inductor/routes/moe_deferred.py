@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from .. import errors
+from ..runtime import faults
 from . import moe_nccl, moe_plan_kernel, moe_plan_lib, moe_settle
 from .base import stats
 from .cpu import _raise_unless_exchanged
@@ -71,6 +72,7 @@ class Pending:
     what: str
     group: dist.ProcessGroup
     device: int = -1  # the CUDA device of ``done`` (a pinned mirror's), else -1
+    fault: faults.FaultDomain | None = None  # the call's peer transfers' fault domain (``moe_peer``), else None
 
 
 def defers(group: dist.ProcessGroup, experiments: frozenset[str]) -> bool:
@@ -79,13 +81,14 @@ def defers(group: dist.ProcessGroup, experiments: frozenset[str]) -> bool:
 
 
 def settle_later(failure: BaseException | None, facts: torch.Tensor | None, outputs: list[torch.Tensor], what: str,
-                 device: torch.device, group: dist.ProcessGroup) -> None:
+                 device: torch.device, group: dist.ProcessGroup, device_fault: torch.Tensor | None = None,
+                 fault: faults.FaultDomain | None = None) -> None:
     """End a deferred call: the exchange, this rank's own failure raised, the outputs poisoned on the device where
-    any rank's vector is bad, the vectors copied to the host for ``raise_pending``; no host read, no wait."""
+    any rank's vector is bad, the vectors copied to the host for ``raise_pending``; no host read, no wait.
+    ``device_fault`` / ``fault``: the peer transfers' fault block code on the device (folded into this rank's
+    vector) and its domain, whose fault the judgement raises on every rank (``_judge``)."""
     world, rank = group.size(), group.rank()
-    local = torch.zeros(moe_settle.SETTLE_LEN, dtype=torch.int64, device=device) if facts is None else facts
-    if failure is not None:
-        local[moe_settle.FAIL:moe_settle.FAIL + 1].fill_(rank + 1)
+    local = moe_settle.local_vector(failure, facts, device, rank, device_fault)
     every, lost = local, None
     if world > 1:
         every = local.new_full((world * moe_settle.SETTLE_LEN,), moe_settle.UNSENT)  # bad unless exchanged
@@ -113,7 +116,7 @@ def settle_later(failure: BaseException | None, facts: torch.Tensor | None, outp
                 done.record(torch.cuda.current_stream(device))
         finally:
             _pending.setdefault(group.group_name, []).append(Pending(host, done, what, group,
-                                                                     -1 if done is None else device.index))
+                                                                     -1 if done is None else device.index, fault))
     _raise_unless_exchanged(failure, lost, what, group)  # this rank's own failure first
     if poison_error is not None:
         raise poison_error
@@ -282,6 +285,9 @@ def raise_pending(group: dist.ProcessGroup | None = None, sync: bool = False, li
 
 def _judge(vectors: list[list[int]], p: Pending) -> None:
     rank = p.group.rank()
+    moe_settle.learn_rows(p.group, vectors)
+    if p.fault is not None and any(v[moe_settle.FAIL] for v in vectors):
+        _raise_peer_fault(p)
     others_bad = any(v[moe_settle.FAIL] or any(moe_settle.verdicts(v)) for r, v in enumerate(vectors) if r != rank)
     if vectors[rank][moe_settle.FAIL] > 0 and not others_bad:  # this rank raised its own failure in that call
         return
@@ -295,6 +301,28 @@ def _judge(vectors: list[list[int]], p: Pending) -> None:
                                     "data not in the whole-block form (routes/moe_fast.py), which only a host settle "
                                     "can redo; its outputs were NaN on every rank (turn the experiment "
                                     f"{EXPERIMENT!r} off for such routing)")
+
+
+def _raise_peer_fault(p: Pending) -> None:
+    """A bad call's peer transfers' fault (a wait that gave up wrote every rank's block), raised on every rank at
+    this judgement as ``errors.PoisonedResult`` with the fault chained; raising it clears the block and marks the
+    group to resynchronize at its next call (``faults.FaultDomain.raise_fault``). The block held the fault until
+    now, so every later call of the group was poisoned too: the raise covers them, and their pending statuses are
+    dropped (the same calls on every rank). Nothing where the block holds no fault (the call failed otherwise, or
+    ``routes.check()`` raised it)."""
+    torch.cuda.synchronize(p.fault.device)
+    p.fault.refresh()
+    if not p.fault.pending():
+        return
+    later = _pending.get(p.group.group_name, [])
+    for q in later:
+        _recycle(q)  # complete: the device was synchronized
+    later.clear()
+    try:
+        p.fault.raise_fault()
+    except errors.FlashOverlapError as cause:
+        raise errors.PoisonedResult(f"flashoverlap: {p.what}, settled without a host read, met a fault of its peer "
+                                    "transfers (the cause below); its outputs were NaN on every rank") from cause
 
 
 def forget() -> None:

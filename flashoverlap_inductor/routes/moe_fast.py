@@ -222,11 +222,11 @@ def _one_call(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor, 
     """The combine's compute as one library call (``moe_combine_lib``) where it takes the call: ``(keep, failure,
     facts)`` with ``keep`` = (each peer block's send rows, their ready events, the send buffer), the own
     block already in ``own``; None where it does not (nothing enqueued). ``peer``: the call's transfers are peer
-    pushes (``moe_peer``), which wait for the block events as NCCL's direct transfers do; where its slots hold every
-    block (``PeerCall.targets``), each peer block is written straight into its destination's slot (no send buffer,
-    nothing left to push: the blocks kept are None). A failure after its first launch poisons what it wrote to
-    (the send buffer or the slots, and ``own``: what leaves this rank is never mistaken for data) and is settled by
-    the caller."""
+    pushes (``moe_peer``), which wait for the block events as NCCL's direct transfers do; under its ``targets``
+    each peer block is written straight into its destination's slot (no send buffer, nothing left to push: the
+    block kept is None), a block past its slot into rows of its own, spilled by ``send``. A failure after its first
+    launch poisons what it wrote to (the send buffer or the slots, and ``own``: what leaves this rank is never
+    mistaken for data) and is settled by the caller."""
     world, rank, like = group.size(), group.rank(), a[0]
     if not (like.is_cuda and moe_plan_lib.usable(like) and int(own.shape[0]) == int(ins[rank])
             and (peer is not None or moe_nccl.communicator(group, like.device) is not None)
@@ -248,7 +248,7 @@ def _one_call(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor, 
         for t in [send, own] if targets is None else [*targets, own]:
             if t is not None:
                 _poison(t)
-    blocks = [None] * world if targets is not None else [send[bounds[j]:bounds[j + 1]] for j in range(world)]
+    blocks = peer.to_push(targets) if targets is not None else [send[bounds[j]:bounds[j + 1]] for j in range(world)]
     return (blocks, ready, send), failure, facts
 
 

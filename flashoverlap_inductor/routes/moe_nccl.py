@@ -98,34 +98,104 @@ def transfer(comm: nccl_direct.Communicator, send: torch.Tensor | None, recv: to
     or None side is left out (its peer's split size is the same 0). The side stream waits for ``after`` (recorded
     behind the work that wrote ``send``: ``moe_combine_lib``'s block events), else for the caller's stream as it is
     now. Returns the step to wait on (none when nothing was issued)."""
-    sends = [(dst, send.data_ptr(), send.numel())] if send is not None and send.numel() else []
-    recvs = [(src, recv.data_ptr(), recv.numel())] if recv is not None and recv.numel() else []
+    return transfer_blocks(comm, [(dst, send, after)], [(src, recv)], group, what)
+
+
+def transfer_blocks(comm: nccl_direct.Communicator, sends: list[tuple[int, torch.Tensor | None, object]],
+                    recvs: list[tuple[int, torch.Tensor | None]], group: dist.ProcessGroup, what: str
+                    ) -> list[Transfer]:
+    """Blocks to and from several peers in one NCCL group on the side stream (no order among them to deadlock on):
+    ``sends`` = ``(group rank, contiguous rows, event or None)`` (the side stream waits for each event, recorded
+    behind the work that wrote the rows, else for the caller's stream as it is now), ``recvs`` = ``(group rank,
+    contiguous rows)``; empty or None rows are left out (their peer's split size is the same 0). Returns the one
+    step to wait on (none when nothing was issued)."""
+    sends = [(j, t, ev) for j, t, ev in sends if t is not None and t.numel()]
+    recvs = [(j, t) for j, t in recvs if t is not None and t.numel()]
     if not sends and not recvs:
         return []
-    like = send if sends else recv
-    if any(t is not None and t.numel() and not t.is_contiguous() for t in (send, recv)):
+    tensors = [t for _, t, _ in sends] + [t for _, t in recvs]
+    if any(not t.is_contiguous() for t in tensors):
         raise ValueError(f"flashoverlap: {what}: a transfer's rows must be contiguous")
-    device = like.device
+    device = tensors[0].device
     caller, side = torch.cuda.current_stream(device), side_stream(device)
-    started = after
-    if started is None:
-        started = torch.cuda.Event()
-        started.record(caller)
-    side.wait_event(started)
-    for t in (send, recv):  # the caching allocator keeps their blocks until the side stream's work on them is done,
-        if t is not None and t.numel():  # whatever exits the caller takes before it waits for the step
-            t.record_stream(side)
+    now = None
+    for _, _, ev in sends:
+        if ev is None and now is None:
+            now = torch.cuda.Event()
+            now.record(caller)
+        side.wait_event(now if ev is None else ev)
+    if not sends:
+        now = torch.cuda.Event()
+        now.record(caller)
+        side.wait_event(now)
+    started = now if now is not None else sends[0][2]
+    for t in tensors:  # the caching allocator keeps their blocks until the side stream's work on them is done,
+        t.record_stream(side)  # whatever exits the caller takes before it waits for the step
     try:
-        comm.send_recv(sends, recvs, like.dtype, side.cuda_stream)
+        comm.send_recv([(j, t.data_ptr(), t.numel()) for j, t, _ in sends],
+                       [(j, t.data_ptr(), t.numel()) for j, t in recvs], tensors[0].dtype, side.cuda_stream)
     except nccl_direct.NcclError as exc:  # the peer's half may be queued already: it must not wait forever
         caller.wait_stream(side)
         raise _refused(exc, group, f"a transfer of {what}") from exc
     done = torch.cuda.Event()
     done.record(side)
-    step = Transfer(done, device, (send, recv))
+    step = Transfer(done, device, tuple(tensors))
     _watch(started, done, group, what)
     stats["moe:nccl_direct"] += 1
     return [step]
+
+
+def exchange_blocks(sends: list[tuple[int, torch.Tensor | None, object]], recvs: list[tuple[int, torch.Tensor | None]],
+                    group: dist.ProcessGroup, what: str, tag: int) -> dict[int, Transfer | object]:
+    """``transfer_blocks`` on any group of CUDA rows (``moe_peer``'s blocks too large for their slots: both ends of
+    a pair know its rows, so both take this): one NCCL group where the group's communicator is at hand, one
+    ``batch_isend_irecv`` (tag ``tag``) on another NCCL group, and on a gloo group (the tests' ranks sharing a GPU)
+    through host copies (a host sync: the sends' rows are read after the caller's stream). Returns, per source
+    rank received from, what to ``wait()`` on (a ``Transfer``: its ``done`` event; else a ``dist`` work)."""
+    live = [t for _, t, _ in sends if t is not None and t.numel()]
+    live += [t for _, t in recvs if t is not None and t.numel()]
+    if not live:
+        return {}
+    comm = communicator(group, live[0].device)
+    srcs = [j for j, t in recvs if t is not None and t.numel()]
+    if comm is not None:
+        steps = transfer_blocks(comm, sends, recvs, group, what)
+        return dict.fromkeys(srcs, steps[0]) if steps else {}
+    if is_nccl_group(group):  # the communicator is made at the group's first collective: before it, torch's
+        ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, j), group, tag=tag)
+               for j, t, ev in sends if t is not None and t.numel()]
+        ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, j), group, tag=tag) for j, t in recvs
+                if t is not None and t.numel()]
+        works = [w for w in (dist.batch_isend_irecv(ops) or ()) if w is not None]
+        return dict.fromkeys(srcs, _Works(works))
+    caller = torch.cuda.current_stream(live[0].device)  # gloo moves host rows only
+    for _, t, ev in sends:
+        if ev is not None and t is not None and t.numel():
+            caller.wait_event(ev)
+    host_sends = [(j, t.cpu()) for j, t, _ in sends if t is not None and t.numel()]
+    host_recvs = [(j, t, torch.empty(t.shape, dtype=t.dtype)) for j, t in recvs if t is not None and t.numel()]
+    ops = [dist.P2POp(dist.isend, h, dist.get_global_rank(group, j), group, tag=tag) for j, h in host_sends]
+    ops += [dist.P2POp(dist.irecv, h, dist.get_global_rank(group, j), group, tag=tag) for j, _, h in host_recvs]
+    for w in dist.batch_isend_irecv(ops) or ():
+        if w is not None:
+            w.wait()
+    for _, t, h in host_recvs:
+        t.copy_(h)
+    done = torch.cuda.Event()
+    done.record(caller)
+    return dict.fromkeys(srcs, Transfer(done, live[0].device, ()))
+
+
+class _Works:
+    """``dist`` works waited for as one step (``wait()`` as ``Transfer``'s)."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
 
 
 def _refused(exc: nccl_direct.NcclError, group: dist.ProcessGroup, what: str) -> nccl_direct.NcclError:

@@ -157,15 +157,16 @@ def end_call(failure: BaseException | None, facts: torch.Tensor | None, outputs:
              device: torch.device, group: dist.ProcessGroup, deferred: bool,
              peer: moe_peer.PeerCall | None = None) -> bool:
     """End a call on either path: the peer transfers finished first where the call took them (``outputs`` poisoned
-    on a fault; its settle vector marked where a block outgrew its slot), then ``settle`` on the host and the
-    peer's fault raised, or when ``deferred`` ``moe_deferred.settle_later`` (which poisons ``outputs`` where any
-    rank's status is bad; never with peer transfers). Returns whether every rank redoes the call (``redo``)."""
+    on a fault, whose code is folded into the settle vector), then ``settle`` on the host and the peer's fault
+    raised, or when ``deferred`` ``moe_deferred.settle_later`` (which poisons ``outputs`` where any rank's status is
+    bad; its judgement raises the peer's fault). Returns whether every rank redoes the call (``redo``)."""
     fault = None
     if peer is not None:
         failure = peer.finish(outputs, failure)
-        facts, fault = peer.facts(facts), peer.fault_code()
+        fault = peer.fault_code()
     if deferred:
-        moe_deferred.settle_later(failure, facts, outputs, what, device, group)
+        moe_deferred.settle_later(failure, facts, outputs, what, device, group, fault,
+                                  None if peer is None else peer.ws.flags.fault)
         return False
     try:
         again = settle(failure, facts, what, device, group, fault)
@@ -313,9 +314,10 @@ def _issue_peer(out: Issued, x: torch.Tensor, world: int, rank: int, chunks: int
             out.poisoned.append(block)
         blocks.append(block)
     rows = [out.recv[recv[j * chunks]:recv[(j + 1) * chunks]] for j in range(world)]
-    if in_slots and out.peer.fits:  # else the blocks that fit are copied out as usual (the call is redone)
-        out.slots = out.peer.slots([int(r.shape[0]) for r in rows], int(x.shape[1]), x.dtype)
-        rows = [None] * world
+    if in_slots:  # a block past its slot is spilled into its receive rows, read there
+        slots = out.peer.slots([int(r.shape[0]) for r in rows], int(x.shape[1]), x.dtype)
+        out.slots = [r if s is None else s for s, r in zip(slots, rows, strict=True)]
+        rows = [r if s is None else None for s, r in zip(slots, rows, strict=True)]
     for src, landed in out.peer.send(blocks, rows):
         out.landing += [(src * chunks + q, [landed]) for q in range(chunks)]
 

@@ -16,23 +16,27 @@ its slot here was read, and fills the call's outputs with NaN while the group's 
 Invariants (units: bytes for slots and buffers, rows for the bound):
 
 - **One choice on every rank** (``begin``): the experiment, CUDA, 2-``MAX_WORLD`` ranks, the dtype, the library,
-  the settle on the host (not ``moe_settle_deferred``), no capture, one host with torch's symmetric memory
-  (``gather_peer.group_issue``, one collective per group), and the group's rows bound (``moe_settle.rows_bound``),
-  which every rank learns alike: at the group's first call one ``all_gather_object`` of the most rows each rank
-  sends or receives in all, afterwards from every settle's gathered vectors. A rank's routing path (whole-block or
-  general) does not change its transfers: every path of both ops calls ``begin`` once per call.
+  no capture, one host with torch's symmetric memory (``gather_peer.group_issue``, one collective per group), and
+  the group's rows bound (``moe_settle.rows_bound``), which every rank learns alike: at the group's first call one
+  ``all_gather_object`` of the most rows each rank sends or receives in all, afterwards from the ``ROWS`` of every
+  settle's gathered vectors (a whole-block call's buffer rows, at least its every block), on the host or in the
+  deferred settle's judgement (``moe_settle.learn_rows``). Either settle takes them. A rank's routing path
+  (whole-block or general) does not change its transfers: every path of both ops calls ``begin`` once per call.
 - **Slots**: one set (``slot_set`` 0) of ``world`` slots of ``slot_bytes`` per rank, ``slot_bytes`` covering the
   bound's rows (256-byte multiples); the workspace only grows (``symmetric.smallest_with_room``, collectively: the
-  bound is the same on every rank). A call whose block to or from some peer does not fit (rows past the bound:
-  routing data change per call) pushes and copies only the blocks that fit and marks its settle vector as a failed
-  premise (``UNNAMED``; ``ROWS`` at least its largest block where it has no routing facts): both ends of a pair
-  know the pair's rows, every rank redoes the call unfused (``moe_p2p.redo``), and the next call's workspace covers
-  the gathered bound.
+  bound is the same on every rank). A block past its slot (rows past the bound: routing data change per call) is
+  *spilled*: both ends of the pair know its rows, so both move it by one direct exchange of every such block of
+  the call (``moe_nccl.exchange_blocks``: one NCCL group; on gloo through the host), straight between the caller's
+  rows; the others go by their slots. Nothing is redone, so a call settled without a host read takes the same
+  transfers; the next settles teach the group the rows and its slots grow (a general-path call teaches none: its
+  vector has no rows).
 - **Failure contract**: every wait is bounded by the call's deadline (the group's wait bound); a wait that gives up
-  records the fault in every rank's block, the finish poisons the outputs, and every rank raises it after its
-  settle (``raise_faults``), or at its next call; a skipped call is recovered by ``symmetric.resync`` at the next
-  call (``begin``). A fault is folded into the rank's settle vector, so every rank raises in the call that met
-  it. Phase 1 (the begin, on the caller's stream, before the combine's GEMMs) is always followed by the pushes and
+  records the fault in every rank's block, the finish poisons the outputs, and the fault code is folded into the
+  rank's settle vector. On the host settle every rank raises it in the call that met it (``raise_faults``); under
+  the deferred settle every rank raises it at that call's judgement (``errors.PoisonedResult``, the fault chained:
+  ``moe_deferred._raise_peer_fault``), never at a call's start, whose timing differs per rank
+  (``faults.judged_later``); a skipped call is recovered by ``symmetric.resync`` at the next call (``begin``).
+  Phase 1 (the begin, on the caller's stream, before the combine's GEMMs) is always followed by the pushes and
   the finish, whatever fails in between (``abandon`` where an exception escapes), so every rank notifies every flag
   once per call; every tensor the copy stream touches is recorded on it. A call holds the device's call lock
   (``routes.device_lock``) from begin to finish: it shares the flag page, copy stream and structs with the
@@ -70,6 +74,7 @@ EXPERIMENT = "moe_peer"
 PUSH_EXPERIMENT = "moe_peer_push"  # the combine's blocks pushed by copy engine, not written by its GEMM into the slots
 NAME = "moe_peer"
 BLOCKS = 8  # fo_gather_args.options bit FO_GATHER_BLOCKS
+SPILL_TAG = 30870  # the P2P tag of blocks past their slots where torch's point-to-point ops carry them
 SLOT_ALIGN = 256  # bytes: every slot starts on this boundary
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _args: dict[tuple, gather_protocol.GatherArgs] = {}  # (device, group, workspace serial, dtype) -> the memoized struct
@@ -88,9 +93,6 @@ def static_issue(x: torch.Tensor, group: dist.ProcessGroup, experiments: frozens
         return f"world: {group.size()} ranks (2-{gather_protocol.MAX_WORLD})"
     if x.dtype not in DTYPES:
         return f"dtype: {x.dtype}"
-    if "moe_settle_deferred" in experiments:
-        return "settle: the settle without a host read (moe_settle_deferred) cannot redo a call whose block outgrew " \
-               "its slot"
     if compat.is_capturing():
         return "capture: the route syncs the host"
     if not kernels.available():
@@ -129,8 +131,7 @@ class PeerCall:
     group: dist.ProcessGroup
     device: torch.device
     slot_bytes: int
-    fits: bool  # every block to and from this rank fits its slot
-    need_rows: int  # this rank's largest block, to or from a peer
+    direct: frozenset = frozenset()  # peers whose block the combine's GEMM wrote straight into their slot (targets)
     lock: object = None  # the device's call lock, held from ``begin`` to ``finish``
     begun: bool = False  # phase 1 was enqueued
     sent: bool = False
@@ -148,32 +149,50 @@ class PeerCall:
                 self.failure = exc
 
     def send(self, blocks: Sequence[torch.Tensor | None], recv: Sequence[torch.Tensor | None],
-             events: Sequence[torch.cuda.Event | None] | None = None) -> list[tuple[int, Landed]]:
+             events: Sequence[torch.cuda.Event | None] | None = None) -> list[tuple[int, object]]:
         """Push ``blocks[j]`` (contiguous rows; None or empty: nothing) to each peer ``j``, after ``events[j]`` where
-        given (recorded already), and copy each peer's block into ``recv[j]``; returns ``(src, Landed)`` in the
-        library's arrival order (``rank - 1, rank - 2, ...``). Blocks past the slot are neither pushed nor read."""
+        given (recorded already), and copy each peer's block into ``recv[j]``; returns ``(src, landed)`` in the
+        library's arrival order (``rank - 1, rank - 2, ...``), ``landed.wait()`` making the caller's stream wait for
+        the block and ``landed.done`` its event. A block past the slot (both ends of the pair know its rows) is
+        *spilled*: it travels by one exchange of every such block of this rank (``moe_nccl.exchange_blocks``),
+        straight between the caller's rows, counted ``moe_peer:spill``."""
         p, world, rank = self.p, self.group.size(), self.group.rank()
         for j in range(world):
             p.blocks[j], p.block_bytes[j], p.block_events[j], p.recv[j], p.recv_bytes[j] = None, 0, None, None, 0
-        copy = self.ws.flags.copy
+        copy, spill_out, spill_in = self.ws.flags.copy, [], []
         for j in range(world):
             if j == rank:
                 continue
-            for t, ptrs, sizes in ((blocks[j], p.blocks, p.block_bytes), (recv[j], p.recv, p.recv_bytes)):
+            ev = None if events is None else events[j]
+            ev = ev if ev is not None and ev.cuda_event else None  # unrecorded: the rows exist now
+            for t, ptrs, sizes, spill in ((blocks[j], p.blocks, p.block_bytes, spill_out),
+                                          (recv[j], p.recv, p.recv_bytes, spill_in)):
                 nbytes = 0 if t is None else t.numel() * t.element_size()
-                if nbytes and nbytes <= self.slot_bytes and t.is_contiguous():  # never else (the caller's rows are)
+                if nbytes > self.slot_bytes or (nbytes and not t.is_contiguous()):
+                    spill.append((j, t.contiguous(), ev) if spill is spill_out else (j, t))
+                elif nbytes:
                     ptrs[j], sizes[j] = t.data_ptr(), nbytes
                     t.record_stream(copy)  # never reused before the copy stream is done with it, whatever exits
                     self.keep.append(t)
-            ev = None if events is None else events[j]
-            if self.begun and p.block_bytes[j] and (ev is None or not ev.cuda_event):
+            if self.begun and p.block_bytes[j] and ev is None:
                 ev = torch.cuda.Event()  # phase 2's fork was before the block was written: it waits for now
                 ev.record(torch.cuda.current_stream(self.device))
             p.block_events[j] = None if ev is None else ev.cuda_event
         self._enqueue(2 if self.begun else 0)
         self.sent = True
         f = self.ws.flags
-        return [((rank - d) % world, Landed(f.events[(rank - d) % world], self.device)) for d in range(1, world)]
+        landed: dict[int, object] = {(rank - d) % world: Landed(f.events[(rank - d) % world], self.device)
+                                     for d in range(1, world)}
+        if spill_out or spill_in:
+            stats[f"{NAME}:spill"] += 1
+            note(f"{NAME}:spill", logging.INFO, "flashoverlap: %s: a MoE block outgrew its slot (%d B): it travels "
+                 "by a direct exchange until the slots grow", NAME, self.slot_bytes)
+            try:
+                landed.update(moe_nccl.exchange_blocks(spill_out, spill_in, self.group, f"a MoE block past its "
+                                                       f"slot ({NAME})", SPILL_TAG))
+            except BaseException as exc:  # noqa: BLE001 - settled by the caller, after the finish
+                self.failure = self.failure or exc
+        return [((rank - d) % world, landed[(rank - d) % world]) for d in range(1, world)]
 
     def finish(self, outputs: Sequence[torch.Tensor], failure: BaseException | None) -> BaseException | None:
         """Join the copy stream, tell the peers their slots here were read, poison ``outputs`` while the group's
@@ -200,52 +219,46 @@ class PeerCall:
         return failure
 
     def targets(self, ins: Sequence[int], n: int, dtype: torch.dtype) -> list[torch.Tensor | None] | None:
-        """Where the combine's GEMM writes each peer block straight into its destination's receive slot (its
-        ``ins[j]`` rows of ``n`` ``dtype`` elements at slot ``rank`` of rank ``j``'s buffer, mapped here; the
-        own block's entry None): what ``moe_combine_lib.run`` takes as ``targets``. None where some block does not
-        fit its slot, or under the experiment ``moe_peer_push`` (the blocks pushed by copy engine instead). Safe
-        to write once phase 1 ran: its begin waited, before the GEMMs, until every peer read its slot's last
-        call."""
-        if not self.fits or not self.begun or PUSH_EXPERIMENT in config.current().experiments:
+        """Where the combine's GEMM writes each peer block: straight into its destination's receive slot (its
+        ``ins[j]`` rows of ``n`` ``dtype`` elements at slot ``rank`` of rank ``j``'s buffer, mapped here; ``j`` then
+        in ``direct``), or, for a block past the slot, into rows of its own that ``send`` spills; the own block's
+        entry None: what ``moe_combine_lib.run`` takes as ``targets``. None under the experiment ``moe_peer_push``
+        (the blocks pushed by copy engine instead). Safe to write once phase 1 ran: its begin waited, before the
+        GEMMs, until every peer read its slot's last call."""
+        if not self.begun or PUSH_EXPERIMENT in config.current().experiments:
             return None
         world, rank, itemsize = self.group.size(), self.group.rank(), dtype.itemsize
         start = rank * self.slot_bytes
         stats[f"{NAME}:direct"] += 1
-        return [None if j == rank else self.ws.views[j][start:start + int(ins[j]) * n * itemsize].view(dtype)
-                .view(int(ins[j]), n) for j in range(world)]
+        out: list[torch.Tensor | None] = [None] * world
+        for j in range(world):
+            rows = int(ins[j])
+            if j != rank and rows * n * itemsize <= self.slot_bytes:
+                out[j] = self.ws.views[j][start:start + rows * n * itemsize].view(dtype).view(rows, n)
+            elif j != rank:
+                out[j] = torch.empty(rows, n, dtype=dtype, device=self.device)
+        self.direct = frozenset(j for j in range(world) if j != rank and int(ins[j]) * n * itemsize <= self.slot_bytes)
+        return out
+
+    def to_push(self, targets: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """``targets``' blocks that ``send`` still moves (the spilled ones): the others are in their slots."""
+        return [None if j in self.direct else t for j, t in enumerate(targets)]
 
     def slots(self, rows: Sequence[int], n: int, dtype: torch.dtype) -> list[torch.Tensor | None]:
-        """This rank's receive slots as ``[rows[j], n]`` ``dtype`` views (the own entry None): where each peer's block
-        lands when ``send`` is given no receive rows for it. Read only between its ``Landed`` wait and ``finish``
-        (after the finish's "read", the peer may write the slot again). Only where every block fits (``fits``)."""
-        if not self.fits:
-            raise ValueError(f"flashoverlap: {NAME}: a block does not fit its slot; read the receive rows instead")
+        """This rank's receive slots as ``[rows[j], n]`` ``dtype`` views (the own entry and a block past its slot
+        None): where each peer's block lands when ``send`` is given no receive rows for it. Read only between its
+        landing's wait and ``finish`` (after the finish's "read", the peer may write the slot again)."""
         rank, itemsize = self.group.rank(), dtype.itemsize
         mine = self.ws.views[rank]
         stats[f"{NAME}:in_slots"] += 1
-        return [None if j == rank else mine[j * self.slot_bytes:j * self.slot_bytes + int(rows[j]) * n * itemsize]
-                .view(dtype).view(int(rows[j]), n) for j in range(len(rows))]
+        return [None if j == rank or int(rows[j]) * n * itemsize > self.slot_bytes else
+                mine[j * self.slot_bytes:j * self.slot_bytes + int(rows[j]) * n * itemsize].view(dtype)
+                .view(int(rows[j]), n) for j in range(len(rows))]
 
     def fault_code(self) -> torch.Tensor:
         """This rank's fault block code on the device (int32 [1]; read in the caller's stream order, after the
         finish): not 0 where a wait of the call gave up here or a peer's record reached this block."""
         return self.ws.flags.fault.block.view(torch.int32)[:1]
-
-    def facts(self, facts: torch.Tensor | None) -> torch.Tensor | None:
-        """The settle vector of a call whose block outgrew its slot: a failed premise (every rank redoes the call),
-        with ``ROWS`` at least the largest block where there are no routing facts; else ``facts``."""
-        if self.fits:
-            return facts
-        note(f"{NAME}:overflow", logging.INFO, "flashoverlap: %s: a MoE block outgrew its slot (%d B): the call is "
-             "redone unfused and the slots grow", NAME, self.slot_bytes)
-        stats[f"{NAME}:overflow"] += 1
-        if facts is None:
-            host = [0] * moe_settle.SETTLE_LEN
-            host[moe_settle.ROWS], host[moe_settle.UNNAMED] = self.need_rows, 1
-            return torch.tensor(host, dtype=torch.int64, device=self.device)
-        facts = facts.clone()
-        facts[moe_settle.UNNAMED:moe_settle.UNNAMED + 1].add_(1)
-        return facts
 
     def raise_faults(self, deep: bool) -> None:
         """After the settle's host sync: the fault of the group's block raised (``FlashOverlapTimeout``; the group
@@ -259,8 +272,12 @@ class PeerCall:
             domain.raise_fault()
 
 
-def _prepare(group: dist.ProcessGroup, device: torch.device, settings: config.Settings) -> None:
-    """A fault an earlier call recorded raised, and a group its raise marked resynchronized, before this call."""
+def _prepare(group: dist.ProcessGroup, device: torch.device, settings: config.Settings, deferred: bool) -> None:
+    """A fault an earlier call recorded raised, and a group its raise marked resynchronized, before this call; once
+    the group settles without a host read not the group's own (its mirror reaches the ranks' hosts at different
+    calls: the judgement of the faulted call raises it on every rank at one point, ``moe_deferred``)."""
+    if deferred:
+        faults.judged_later(group.group_name)
     faults.raise_pending(device.index)
     if faults.resync_due(device.index, group.group_name):
         registry().resync_group(group, device.index, settings, f"a MoE call ({NAME})")
@@ -301,7 +318,7 @@ def begin(like: torch.Tensor, row_bytes: int, ins: Sequence[int], outs: Sequence
     if like.device.type != "cuda":  # CPU rows travel by gloo
         return None
     settings = config.current()
-    why = "settle: deferred" if deferred else static_issue(like, group, settings.experiments)
+    why = static_issue(like, group, settings.experiments)
     if why is None:
         why = gather_peer.group_issue(group)  # a collective, once per group, at the same call on every rank
     if why is not None:
@@ -314,7 +331,7 @@ def begin(like: torch.Tensor, row_bytes: int, ins: Sequence[int], outs: Sequence
     lock = registry().device_lock(like.device.index)
     lock.acquire()  # released by the call's finish (or here, where the call is not made)
     try:
-        call = _begin(like, row_bytes, ins, outs, group, settings, phase1)
+        call = _begin(like, row_bytes, ins, outs, group, settings, phase1, deferred)
     except BaseException:
         lock.release()
         raise
@@ -323,11 +340,9 @@ def begin(like: torch.Tensor, row_bytes: int, ins: Sequence[int], outs: Sequence
 
 
 def _begin(like: torch.Tensor, row_bytes: int, ins: Sequence[int], outs: Sequence[int], group: dist.ProcessGroup,
-           settings: config.Settings, phase1: bool) -> PeerCall:
+           settings: config.Settings, phase1: bool, deferred: bool) -> PeerCall:
     device, world, rank = like.device, group.size(), group.rank()
-    _prepare(group, device, settings)
-    need_rows = max([int(ins[j]) for j in range(world) if j != rank] + [int(outs[j]) for j in range(world)
-                                                                         if j != rank])
+    _prepare(group, device, settings, deferred)
     bound = _bound(group, max(sum(int(n) for n in ins), sum(int(n) for n in outs)))
     slot_need = max(SLOT_ALIGN, -(-bound * row_bytes // SLOT_ALIGN) * SLOT_ALIGN)
     ws = _workspace(group, device, world * slot_need)
@@ -341,7 +356,7 @@ def _begin(like: torch.Tensor, row_bytes: int, ins: Sequence[int], outs: Sequenc
     cur = compat.current_raw_stream(device.index)
     symmetric.order_after_last(group, device, cur)
     p.cur_stream, p.timeout_ns = cur, int(moe_nccl.bound_s(group) * 1e9)
-    call = PeerCall(p, ws, group, device, slot_bytes, need_rows * row_bytes <= slot_bytes, need_rows)
+    call = PeerCall(p, ws, group, device, slot_bytes)
     stats[f"moe:{NAME}"] += 1
     _open[(device.index, group.group_name)] = call
     if phase1:

@@ -39,6 +39,26 @@ def raise_rows_bound(group: dist.ProcessGroup, rows: int) -> int:
     return bound
 
 
+def learn_rows(group: dist.ProcessGroup, vectors: list[list[int]]) -> None:
+    """Raise the group's rows bound (where its peer transfers set one) to the most ``ROWS`` of every rank's vector
+    (a whole-block call's buffer rows: at least every block of the call, in either op), at one point on every rank
+    (a settle on the host; the deferred settle's judgement)."""
+    if group.group_name in _rows:
+        raise_rows_bound(group, max(v[ROWS] for v in vectors))
+
+
+def local_vector(failure: BaseException | None, facts: torch.Tensor | None, device: torch.device, rank: int,
+                 device_fault: torch.Tensor | None) -> torch.Tensor:
+    """This rank's settle vector (no host read): ``facts`` (zeros without), ``FAIL`` = rank + 1 where ``failure``
+    is set or ``device_fault`` (a fault block's code on the device: ``moe_peer``) is not 0."""
+    local = torch.zeros(SETTLE_LEN, dtype=torch.int64, device=device) if facts is None else facts
+    if failure is not None:
+        local[FAIL:FAIL + 1].fill_(rank + 1)  # a fill on the device (an item assignment would copy: a sync)
+    elif device_fault is not None:
+        local[FAIL:FAIL + 1] = torch.where(device_fault.to(torch.int64) != 0, rank + 1, local[FAIL:FAIL + 1])
+    return local
+
+
 def held(group: dist.ProcessGroup) -> int:
     """How many calls in a row qualified ``group`` so far (``note_settled``); the same on every rank."""
     return _held.get(group.group_name, 0)
@@ -85,11 +105,7 @@ def settle(failure: BaseException | None, facts: torch.Tensor | None, what: str,
     routing data. Returns whether any rank's premise failed: then every rank redoes the call with the unfused
     reference."""
     world, rank = group.size(), group.rank()
-    local = torch.zeros(SETTLE_LEN, dtype=torch.int64, device=device) if facts is None else facts
-    if failure is not None:
-        local[FAIL:FAIL + 1].fill_(rank + 1)  # a fill on the device (an item assignment would copy: a sync)
-    elif device_fault is not None:  # a fault block's code (moe_peer): this rank failed where it is not 0
-        local[FAIL:FAIL + 1] = torch.where(device_fault.to(torch.int64) != 0, rank + 1, local[FAIL:FAIL + 1])
+    local = local_vector(failure, facts, device, rank, device_fault)
     lost: Exception | None = None
     every = local
     if world > 1:
@@ -113,8 +129,7 @@ def settle(failure: BaseException | None, facts: torch.Tensor | None, what: str,
         flat = every.tolist()
         vectors = [flat[r * SETTLE_LEN:(r + 1) * SETTLE_LEN] for r in range(world)]
         note_settled(group, vectors)
-        if group.group_name in _rows:  # every rank's buffer rows (or, after an overflow, its largest block)
-            raise_rows_bound(group, max(v[ROWS] for v in vectors))
+        learn_rows(group, vectors)
     _raise_unless_exchanged(failure, lost, what, group)
     return judge(vectors, what, group)
 

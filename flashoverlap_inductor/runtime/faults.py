@@ -196,6 +196,7 @@ class FaultDomain:
 
 _domains: dict[tuple, FaultDomain] = {}
 _resync: set[tuple[int, str]] = set()  # (device, group name) whose next call resynchronizes the group first
+_judged_later: set[str] = set()  # groups whose symmetric-memory faults the MoE judgement raises (``judged_later``)
 AFTER = {False: "The next call runs normally (no reset needed).",
          True: "The group's next call first resynchronizes its ranks (collectively; no reset needed)."}
 
@@ -216,14 +217,22 @@ def domain(key: tuple, make) -> FaultDomain:
 def raise_pending(device: int | None = None, deep: bool = False) -> None:
     """Raise the first recorded fault of ``device``'s domains (every device when None); a host read per domain.
     ``deep``: read the symmetric-memory domains' blocks too, which peers write (``FaultDomain.refresh``; the caller
-    synchronized the devices)."""
+    synchronized the devices). Without ``deep``, not the symmetric-memory domains of the groups ``judged_later``
+    named: their mirrors reach the ranks' hosts at different calls."""
     for d in tuple(_domains.values()):
-        if device is not None and d.device != device:
+        if (device is not None and d.device != device) or (d.resync and not deep and d.group in _judged_later):
             continue
         if deep and d.resync:
             d.refresh()
         if d._code.value:
             d.raise_fault()
+
+
+def judged_later(group: str) -> None:
+    """From now on the symmetric-memory faults of ``group`` are raised where every rank judges a call's status at
+    one point (``routes.moe_deferred``'s judgement of a MoE call with peer transfers, settled without a host read),
+    or by ``raise_pending(deep=True)`` (``routes.check()``), never at a call's start or a compiled run's end."""
+    _judged_later.add(group)
 
 
 def resync_due(device: int, group: str) -> bool:
@@ -248,3 +257,4 @@ def forget(route: str | None = None) -> None:
         del _domains[key]
     if route is None:
         _resync.clear()
+        _judged_later.clear()
