@@ -52,12 +52,12 @@ TOKENS = (4096, 8192, 16384)
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench_moe", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="", help="preset:tokens,... (presets: " + ", ".join(PRESETS) + ")")
-    p.add_argument("--plans", default="blocks,blocks+deferred,experts+deferred,blocks+peer",
+    p.add_argument("--plans", default="blocks,blocks+deferred,experts+deferred,blocks+peer,blocks+deferred+peer",
                    help="the fused op's plans, one column each; '<plan>+<experiment>[+...]': that plan with those "
                         "experiments on (config.EXPERIMENTS; short forms: 'deferred' moe_settle_deferred, "
                         "'plan_triton' moe_plan_triton, 'two_behind' moe_judge_two_behind, 'peer' moe_peer: "
-                        "copy-engine pushes, one host; not with deferred), e.g. "
-                        "blocks+deferred,blocks+deferred+plan_triton,blocks+peer")
+                        "copy-engine pushes and direct writes, one host), e.g. "
+                        "blocks+deferred,blocks+deferred+plan_triton,blocks+deferred+peer")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--target-ms", type=float, default=20.0)
     p.add_argument("--json", default=None)
