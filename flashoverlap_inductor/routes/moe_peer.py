@@ -22,14 +22,11 @@ Invariants (units: bytes for slots and buffers, rows for the bound):
   settle's gathered vectors (a whole-block call's buffer rows, at least its every block), on the host or in the
   deferred settle's judgement (``moe_settle.learn_rows``). Either settle takes them. A rank's routing path
   (whole-block or general) does not change its transfers: every path of both ops calls ``begin`` once per call.
-- **Slots**: one set (``slot_set`` 0) of ``world`` slots of ``slot_bytes`` per rank, ``slot_bytes`` covering the
-  bound's rows (256-byte multiples); the workspace only grows (``symmetric.smallest_with_room``, collectively: the
-  bound is the same on every rank). A block past its slot (rows past the bound: routing data change per call) is
-  *spilled*: both ends of the pair know its rows, so both move it by one direct exchange of every such block of
-  the call (``moe_nccl.exchange_blocks``: one NCCL group; on gloo through the host), straight between the caller's
-  rows; the others go by their slots. Nothing is redone, so a call settled without a host read takes the same
-  transfers; the next settles teach the group the rows and its slots grow (a general-path call teaches none: its
-  vector has no rows).
+- **Slots**: one set (``slot_set`` 0) of ``world`` slots of ``slot_bytes`` per rank (256-byte multiples) covering
+  the bound's rows; the workspace only grows (collectively: the bound is the same on every rank). A block past its
+  slot (routing data change per call) is *spilled*: both ends of the pair know its rows, so both move it by one
+  direct exchange of the call's such blocks (``moe_nccl.exchange_blocks``); nothing is redone, so either settle
+  takes it. The next settles teach the group the rows (a general-path call's vector has none).
 - **Failure contract**: every wait is bounded by the call's deadline (the group's wait bound); a wait that gives up
   records the fault in every rank's block, the finish poisons the outputs, and the fault code is folded into the
   rank's settle vector. On the host settle every rank raises it in the call that met it (``raise_faults``); under
@@ -45,8 +42,7 @@ Invariants (units: bytes for slots and buffers, rows for the bound):
   the last one (the push schedule's), and the copies out of this rank's slots (where made) queue behind its pushes
   on its one copy stream: on 3+ ranks a block is consumed after its sender's last block.
 
-Never run on 2 GPUs yet: checked with 2-3 ranks sharing one GPU (``tests/test_gpu_moe_peer.py``).
-"""
+Never run on 2 GPUs yet: checked with 2-3 ranks sharing one GPU (``tests/test_gpu_moe_peer.py``)."""
 
 from __future__ import annotations
 
@@ -165,11 +161,17 @@ class PeerCall:
                 continue
             ev = None if events is None else events[j]
             ev = ev if ev is not None and ev.cuda_event else None  # unrecorded: the rows exist now
-            for t, ptrs, sizes, spill in ((blocks[j], p.blocks, p.block_bytes, spill_out),
-                                          (recv[j], p.recv, p.recv_bytes, spill_in)):
+            block, rows = blocks[j], recv[j]
+            if block is not None and not block.is_contiguous():
+                block = block.contiguous()  # (never: the callers' blocks are) where the pushes read it
+            if rows is not None and rows.numel() and not rows.is_contiguous():  # (never) received, then the call fails:
+                self.failure = self.failure or ValueError(f"flashoverlap: {NAME}: receive rows must be contiguous")
+                rows = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)  # the pair's choice is its size's
+            for t, ptrs, sizes, spill in ((block, p.blocks, p.block_bytes, spill_out),
+                                          (rows, p.recv, p.recv_bytes, spill_in)):
                 nbytes = 0 if t is None else t.numel() * t.element_size()
-                if nbytes > self.slot_bytes or (nbytes and not t.is_contiguous()):
-                    spill.append((j, t.contiguous(), ev) if spill is spill_out else (j, t))
+                if nbytes > self.slot_bytes:  # both ends of the pair know it: both spill
+                    spill.append((j, t, ev) if spill is spill_out else (j, t))
                 elif nbytes:
                     ptrs[j], sizes[j] = t.data_ptr(), nbytes
                     t.record_stream(copy)  # never reused before the copy stream is done with it, whatever exits
