@@ -6,6 +6,10 @@ back-to-back calls, no profiler: ``SECTIONS`` wrapped in timers; rank 0).
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 examples/device/moe_profile.py [--shapes qwen3:4096]
         [--plans blocks,blocks+deferred] [--trace DIR] [--cprofile 20] [--sections 50] [--steps-too]
+
+``--backend gloo``: every rank on GPU 0 (``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``), for the peer transfers'
+plans (``+peer``) on one GPU: their host steps' time (``--sections``; the settle's exchange goes through the host
+there, so host and wall times per call are not the 2-GPU ones), never a speed.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from flashoverlap_inductor.routes import (  # noqa: E402
     moe_fast,
     moe_nccl,
     moe_p2p,
+    moe_peer,
     moe_plan_kernel,
     moe_plan_lib,
 )
@@ -51,7 +56,8 @@ SECTIONS = [(moe_p2p, "run_call"), (agree, "check_once"), (moe_p2p, "issue_dispa
             (moe_p2p, "settle"), (moe_plan_kernel, "_launch"), (triton_launch.Launcher, "__call__"),
             (moe_expert_cut, "run_dispatch"), (moe_fast, "pieces_with_torch"), (grouped, "grouped_mm"),
             (moe_plan_lib, "move_rows"), (moe_p2p, "upload"), (moe_fast, "BlockPlan"), (moe_cut_lib, "run"),
-            (moe_combine_lib, "run")]
+            (moe_combine_lib, "run"), (moe_peer, "begin"), (moe_peer.PeerCall, "send"), (moe_peer.PeerCall, "finish"),
+            (moe_nccl, "exchange_blocks")]
 # with --fine, the small steps too (what the Python around the library calls costs)
 FINE = [(moe_dispatch, "run_p2p"), (moe_dispatch, "dispatch"), (combine, "run_p2p"), (combine, "dispatch"),
         (moe_p2p, "unsupported"), (moe_expert_cut, "takes"), (moe_expert_cut, "eligible"), (moe_plan_lib, "usable"),
@@ -123,10 +129,12 @@ def main() -> None:
     p.add_argument("--fine", action="store_true", help="with --sections: the small steps too (FINE)")
     p.add_argument("--steps-too", action="store_true", help="also time the dispatch cut by expert and the combine "
                    "on their Python steps (the one library calls of moe_cut_lib and moe_combine_lib off)")
+    p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
+                   help="gloo: every rank on GPU 0, for the +peer plans' host steps (module docstring)")
     args = p.parse_args()
-    torch.cuda.set_device(dist.get_node_local_rank(fallback_rank=0))
+    torch.cuda.set_device(0 if args.backend == "gloo" else dist.get_node_local_rank(fallback_rank=0))
     dev = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group("nccl", device_id=dev)
+    dist.init_process_group(args.backend, device_id=dev if args.backend == "nccl" else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     with config.patch(experiments={"moe_p2p_cuda"}):
         for preset, tokens in bm.shapes_of(args.shapes):
