@@ -343,6 +343,31 @@ def _deferred_calls(op: str, experiments: tuple[str, ...], dev: torch.device, g)
     return want, run
 
 
+def _gemm_fault(rank: int):
+    """A context in which the first GEMM call of this process raises "injected GEMM fault" where ``rank`` is 1:
+    whichever runs the whole-block path's GEMMs (the combine's one library call, ``moe_combine_lib.run``, or
+    ``torch._grouped_mm``)."""
+    import contextlib
+    from unittest import mock
+
+    from flashoverlap_inductor.routes import moe_combine_lib, moe_fast
+
+    seen = []
+
+    def flaky(real):
+        def gemms(*args, **kwargs):
+            seen.append(1)
+            if rank == 1 and len(seen) == 1:
+                raise RuntimeError("injected GEMM fault")
+            return real(*args, **kwargs)
+        return gemms
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(moe_fast.torch, "_grouped_mm", flaky(torch._grouped_mm)))
+    stack.enter_context(mock.patch.object(moe_combine_lib, "run", flaky(moe_combine_lib.run)))
+    return stack
+
+
 def deferred_worker(op: str, extra: tuple[str, ...] = (), sync_free: bool = True) -> list[str]:
     """The settle without a host read (``routes/moe_deferred.py``) on the whole-block path: warm calls, then deferred
     calls against fp64 (no host sync inside them: ``set_sync_debug_mode("error")``, unless not ``sync_free``: a gloo
@@ -351,12 +376,10 @@ def deferred_worker(op: str, extra: tuple[str, ...] = (), sync_free: bool = True
     the end of a later call (after a device sync, its event is done); then exact again. Per step: an outcome word.
     ``extra``: more experiments (``moe_plan_triton``: the plan, the poison and the moves by Triton kernels and torch
     ops instead of the library's kernels)."""
-    from unittest import mock
-
     import torch.distributed as dist
 
     from flashoverlap_inductor import errors, routes
-    from flashoverlap_inductor.routes import moe_combine_lib, moe_deferred, moe_fast
+    from flashoverlap_inductor.routes import moe_deferred
 
     g, dev, rank = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()), dist.get_rank()
     moe_deferred.forget()
@@ -386,19 +409,8 @@ def deferred_worker(op: str, extra: tuple[str, ...] = (), sync_free: bool = True
         out.append(f"library calls {dict(zip(keys, grew, strict=True))}")
     else:
         out.append("exact" if err <= TOL and routes.stats["moe:deferred"] == before + 1 else f"WRONG {err:.3g}")
-    seen = []
-
-    def flaky(real):
-        def gemms(*args, **kwargs):
-            seen.append(1)
-            if rank == 1 and len(seen) == 1:
-                raise RuntimeError("injected GEMM fault")
-            return real(*args, **kwargs)
-        return gemms
-
     try:
-        with mock.patch.object(moe_fast.torch, "_grouped_mm", flaky(torch._grouped_mm)), \
-                mock.patch.object(moe_combine_lib, "run", flaky(moe_combine_lib.run)):
+        with _gemm_fault(rank):
             got = run()
         torch.cuda.synchronize()
         out.append("NaN" if bool(got.isnan().all()) else "NOT POISONED")
@@ -415,18 +427,19 @@ def deferred_worker(op: str, extra: tuple[str, ...] = (), sync_free: bool = True
     return out
 
 
-def per_graph_worker(op: str) -> list[str]:
+def per_graph_worker(op: str, sync_free: bool = True) -> list[str]:
     """The settle without a host read judged per graph run (the experiment ``moe_judge_per_graph``): three graph runs
     as the backend wraps a compiled graph's runs (``moe_deferred.graph_run``) of two deferred calls each, none judged
     inside its run (the calls pending at its end count them; ``set_sync_debug_mode("error")`` catches other host
-    syncs); rank 1's GEMM raises in run 2's first call. Per step an outcome word: rank 1 raises its own fault there;
-    rank 0's call is NaN, its run's second call exact, and it raises ``PoisonedResult`` at the end of run 3."""
-    from unittest import mock
+    syncs, unless not ``sync_free``: a gloo group's exchange goes through the host); rank 1's GEMMs raise in run 2's
+    first call. Per step an outcome word: rank 1 raises its own fault there; the others' call is NaN, their run's
+    second call exact, and they raise ``PoisonedResult`` at the end of run 3."""
+    import contextlib
 
     import torch.distributed as dist
 
     from flashoverlap_inductor import errors
-    from flashoverlap_inductor.routes import moe_deferred, moe_fast
+    from flashoverlap_inductor.routes import moe_deferred
 
     g, dev, rank = dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()), dist.get_rank()
     moe_deferred.forget()
@@ -435,23 +448,15 @@ def per_graph_worker(op: str) -> list[str]:
     for _ in range(moe_deferred.HELD_BEFORE_DEFERRING):
         run()
     torch.cuda.synchronize()
-    real, seen, out = torch._grouped_mm, [], []
-
-    def flaky(*args, **kwargs):
-        seen.append(1)
-        if rank == 1 and len(seen) == 1:
-            raise RuntimeError("injected GEMM fault")
-        return real(*args, **kwargs)
-
+    out = []
     for number in (1, 2, 3):
         got = []
         try:
             with moe_deferred.graph_run():
                 for call in range(2):
-                    torch.cuda.set_sync_debug_mode("error")
+                    torch.cuda.set_sync_debug_mode("error" if sync_free else 0)
                     try:
-                        with mock.patch.object(moe_fast.torch, "_grouped_mm", flaky if number == 2 and call == 0
-                                               else real):
+                        with _gemm_fault(rank) if number == 2 and call == 0 else contextlib.nullcontext():
                             got.append(run())
                     except RuntimeError as exc:
                         out.append("own" if "injected" in str(exc) else f"other: {exc}")

@@ -136,6 +136,13 @@ def deferred_worker(op: str) -> tuple[list[str], int]:
     return out, _peer_calls() - before
 
 
+def per_graph_worker(op: str) -> list[str]:
+    """``test_gpu_moe.per_graph_worker`` under the peer transfers: the deferred settle judged at the end of the next
+    graph run, rank 1's GEMM fault raised by rank 1 in its run, the others' NaN call raised at the end of run 3."""
+    tg.EXPERIMENTS = PEER
+    return tg.per_graph_worker(op, sync_free=False)
+
+
 def deferred_overflow_worker(op: str) -> list[str]:
     """Under the deferred settle (no host read, no redo possible): a call whose blocks outgrow the slots spills
     them and is exact, with no ``PoisonedResult``; the next call still spills (the outgrown call is judged at its
@@ -353,6 +360,17 @@ def test_the_settle_without_a_host_read_over_peer_transfers(pool, op):
         want = ["exact", "own", "exact", "exact"] if rank == 1 else ["exact", "NaN", "poisoned (PeerFailure)",
                                                                       "exact"]
         assert out == want and peer_calls == calls, got
+
+
+@pytest.mark.parametrize("op", ["combine", "dispatch"])
+def test_per_graph_judging_over_peer_transfers(pool, op):
+    got = pool.run(per_graph_worker, op)
+    for rank, r in enumerate(got):
+        want = ["pending 2", "exact", "exact", "run 1: ok", "own", "pending 4", "exact", "run 2: ok", "pending 4",
+                "exact", "exact", "run 3: ok"] if rank == 1 else \
+            ["pending 2", "exact", "exact", "run 1: ok", "pending 4", "NaN", "exact", "run 2: ok", "pending 4",
+             "run 3: poisoned (PeerFailure)"]
+        assert r == want, got
 
 
 @pytest.mark.parametrize("op", ["combine", "dispatch"])
