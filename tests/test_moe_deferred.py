@@ -254,8 +254,24 @@ def test_a_deferred_call_whose_own_status_never_arrived_raises():
     call is judged, and raises, even where the peers' slots look good."""
     p = moe_deferred.Pending(None, None, "a call", RankZeroOfTwo("g2"))
     with pytest.raises(errors.PoisonedResult):
-        moe_deferred._judge([UNSENT, GOOD], p)
-    moe_deferred._judge([[1, *GOOD[1:]], GOOD], p)  # its own failure, raised in its call: not again
+        moe_deferred._judge([UNSENT, GOOD], p, True)
+    moe_deferred._judge([[1, *GOOD[1:]], GOOD], p, True)  # its own failure, raised in its call: not again
+
+
+def test_only_a_judgement_every_rank_shares_teaches_the_peer_transfers_rows_bound():
+    """A deferred call's ``ROWS`` raise the group's rows bound (the peer transfers' slots grow collectively at the
+    next call) only where the judgement waited for the call, as every rank does at the same call; a judgement that
+    only queried (``routes.check(sync=False)``: what this host saw so far) leaves it."""
+    g = RankZeroOfTwo("g3")
+    moe_settle.raise_rows_bound(g, 1)
+    p, big = moe_deferred.Pending(None, None, "a call", g), [0, 9, 8, 0, 0, 0, 9, 0]
+    try:
+        moe_deferred._judge([GOOD, big], p, False)
+        assert moe_settle.rows_bound(g) == 1
+        moe_deferred._judge([GOOD, big], p, True)
+        assert moe_settle.rows_bound(g) == 9
+    finally:
+        moe_settle.forget()
 
 
 def test_wrapped_runs_outlive_the_first_run_hook():

@@ -280,14 +280,18 @@ def raise_pending(group: dist.ProcessGroup | None = None, sync: bool = False, li
             vectors = p.vectors.tolist()
             _recycle(p)  # its copy is complete (waited for or queried above) and read
             _judge([vectors[r * moe_settle.SETTLE_LEN:(r + 1) * moe_settle.SETTLE_LEN] for r in range(p.group.size())],
-                   p)
+                   p, sync)
 
 
-def _judge(vectors: list[list[int]], p: Pending) -> None:
+def _judge(vectors: list[list[int]], p: Pending, shared: bool) -> None:
+    """One deferred call's vectors judged; ``shared``: at a point every rank shares (waited for, not queried), the
+    only judgements that may teach the rows bound or raise the peer transfers' fault (both change what every rank
+    does next: the slots' collective growth, the group's resynchronization)."""
     rank = p.group.rank()
-    moe_settle.learn_rows(p.group, vectors)
-    if p.fault is not None and any(v[moe_settle.FAIL] for v in vectors):
-        _raise_peer_fault(p)
+    if shared:
+        moe_settle.learn_rows(p.group, vectors)
+        if p.fault is not None and any(v[moe_settle.FAIL] for v in vectors):
+            _raise_peer_fault(p)
     others_bad = any(v[moe_settle.FAIL] or any(moe_settle.verdicts(v)) for r, v in enumerate(vectors) if r != rank)
     if vectors[rank][moe_settle.FAIL] > 0 and not others_bad:  # this rank raised its own failure in that call
         return
