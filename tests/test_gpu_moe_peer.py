@@ -11,10 +11,13 @@ slot, under ``moe_peer_push`` its blocks are pushed as their events fire; the di
 slot), ``blocks:c=2`` (the general path) and
 ``experts`` (the dispatch cut by expert), against an fp64 oracle and the unfused reference, outputs
 pre-poisoned; every call must count ``moe:moe_peer`` (so no check passes on NCCL's or gloo's transfers, which cannot
-move CUDA rows of a gloo group anyway). Also: a block past its slot (routing data that grew) is redone unfused on every
-rank, exact, and the next call of that size fits; a GEMM fault on one rank raises on every rank and the next call is
-exact; a rank that comes late past the wait bound makes every rank raise ``FlashOverlapTimeout`` with poisoned
-outputs, and the next calls (resynchronized first) are exact with no reset.
+move CUDA rows of a gloo group anyway). Also: a block past its slot (routing data that grew) is spilled by a direct
+exchange, exact, nothing redone, and the next call of that size fits; a GEMM fault on one rank raises on every rank
+and the next call is exact; a rank that comes late past the wait bound makes every rank raise
+``FlashOverlapTimeout`` with poisoned outputs, and the next calls (resynchronized first) are exact with no reset.
+Under the deferred settle (``moe_settle_deferred``): the same three (the fault a call later as ``PoisonedResult``,
+also judged per graph run; the late rank's call NaN, the next raising on every rank), and the e2e harness's
+expert-parallel MoE block compiled over peer transfers against eager, under either settle (2 ranks).
 """
 
 from __future__ import annotations

@@ -258,6 +258,21 @@ def test_a_deferred_call_whose_own_status_never_arrived_raises():
     moe_deferred._judge([[1, *GOOD[1:]], GOOD], p, True)  # its own failure, raised in its call: not again
 
 
+def test_a_query_never_judges_a_call_over_peer_transfers():
+    """``raise_pending(sync=False)`` (``routes.check(sync=False)``: what this host saw so far) leaves a call over peer
+    transfers (``Pending.fault``) pending, whatever its status: its judgement may raise the peer fault and teach the
+    rows bound, which every rank must do at one call; a judgement that waits takes it."""
+    g = RankZeroOfTwo("g4")
+    moe_deferred._pending["g4"] = [moe_deferred.Pending(torch.tensor(GOOD * 2), None, "a call", g, fault=object())]
+    try:
+        moe_deferred.raise_pending(g, sync=False)
+        assert moe_deferred.pending(g) == 1
+        moe_deferred.raise_pending(g, sync=True)
+        assert moe_deferred.pending(g) == 0
+    finally:
+        moe_deferred._pending.pop("g4", None)
+
+
 def test_only_a_judgement_every_rank_shares_teaches_the_peer_transfers_rows_bound():
     """A deferred call's ``ROWS`` raise the group's rows bound (the peer transfers' slots grow collectively at the
     next call) only where the judgement waited for the call, as every rank does at the same call; a judgement that

@@ -44,16 +44,32 @@ def test_the_deferred_settle_is_no_reason_to_decline(monkeypatch):
 SLOT = 4096  # bytes: 256 rows of 8 bf16 elements
 
 
-def _call(rank: int = 0, world: int = 3) -> moe_peer.PeerCall:
-    ws = SimpleNamespace(views=[torch.full((world * SLOT,), r, dtype=torch.uint8) for r in range(world)])
+ROW = 16  # bytes: 8 bf16 elements
+
+
+def _call(rank: int = 0, world: int = 3, ins=(), outs=()) -> moe_peer.PeerCall:
+    """A begun call of ``rank`` whose split sizes are ``ins`` / ``outs`` (its spill plan), on CPU stand-ins."""
+    ws = SimpleNamespace(views=[torch.full((world * SLOT,), r, dtype=torch.uint8) for r in range(world)],
+                         flags=SimpleNamespace(copy=None, events=[None] * world))
     group = SimpleNamespace(size=lambda: world, rank=lambda: rank, group_name="g")
-    call = moe_peer.PeerCall(None, ws, group, torch.device("cpu"), SLOT)
+    call = moe_peer.PeerCall(None, ws, group, torch.device("cpu"), SLOT, ROW, torch.bfloat16,
+                             *moe_peer.spill_plan(ins or [0] * world, outs or [0] * world, rank, ROW, SLOT))
     call.begun = True
     return call
 
 
+def test_the_spill_plan_is_the_pairs_own():
+    ins = {0: [5, 300, 256], 1: [257, 7, 9], 2: [0, 4096, 3]}  # rank -> rows to each rank
+    outs = {r: [ins[s][r] for s in range(3)] for r in range(3)}  # what each rank receives: the same pairs
+    plans = {r: moe_peer.spill_plan(ins[r], outs[r], r, ROW, SLOT) for r in range(3)}
+    assert plans[0] == ({1: 300}, {1: 257}) and plans[1] == ({0: 257}, {0: 300, 2: 4096}) and plans[2] == ({1: 4096},
+                                                                                                            {})
+    for r in range(3):  # every block one end sends past the slot, the other end receives past it
+        assert all(plans[j][1][r] == rows for j, rows in plans[r][0].items())
+
+
 def test_the_combine_writes_blocks_that_fit_into_their_slots_and_spills_the_rest():
-    call = _call(rank=1)
+    call = _call(rank=1, ins=[300, 7, 256])
     targets = call.targets([300, 7, 256], 8, torch.bfloat16)  # to rank 0: past the slot; rank 2: exactly fits
     assert targets[1] is None and call.direct == frozenset({2})
     slot = targets[2]
@@ -65,7 +81,7 @@ def test_the_combine_writes_blocks_that_fit_into_their_slots_and_spills_the_rest
 
 
 def test_the_dispatch_reads_blocks_that_fit_in_their_slots():
-    call = _call(rank=0)
+    call = _call(rank=0, outs=[9, 12, 257])
     slots = call.slots([9, 12, 257], 8, torch.bfloat16)  # own, fits, past the slot
     assert slots[0] is None and slots[2] is None
     assert slots[1].shape == (12, 8) and slots[1].data_ptr() == call.ws.views[0].data_ptr() + SLOT
@@ -76,6 +92,61 @@ def test_the_push_experiment_keeps_the_send_rows():
 
     with config.patch(experiments={moe_peer.EXPERIMENT, moe_peer.PUSH_EXPERIMENT}):
         assert _call().targets([1, 2, 3], 8, torch.bfloat16) is None
+
+
+class _Step:
+    def __init__(self) -> None:
+        self.waited = 0
+
+    def wait(self) -> bool:
+        self.waited += 1
+        return True
+
+
+def _stub_transfers(monkeypatch, call) -> list:
+    """The library's calls stubbed out and ``exchange_blocks`` recorded (its one step returned): the exchanges."""
+    from flashoverlap_inductor.routes import moe_nccl, moe_peer_call
+
+    seen = []
+
+    def exchange(sends, recvs, group, what, tag):
+        seen.append(([(j, t.shape, bool(t.isnan().all()), ev) for j, t, ev in sends],
+                     [(j, t.shape) for j, t in recvs], _Step()))
+        return {j: seen[-1][2] for j, _ in recvs}, [seen[-1][2]]
+
+    monkeypatch.setattr(moe_nccl, "exchange_blocks", exchange)
+    monkeypatch.setattr(moe_peer_call.PeerCall, "_enqueue", lambda self, phase: None)
+    monkeypatch.setattr(moe_peer_call.gather_protocol, "finish", lambda *args: 0)
+    monkeypatch.setattr(moe_peer_call.kernels, "library", lambda: None)
+    call.p = SimpleNamespace(blocks=[None] * 3, block_bytes=[0] * 3, block_events=[None] * 3, recv=[None] * 3,
+                             recv_bytes=[0] * 3, outputs=[0] * 8, output_numel=[0] * 8, num_outputs=0)
+    call.lock = SimpleNamespace(release=lambda: None)
+    return seen
+
+
+def test_a_rank_that_only_sends_spilled_rows_waits_for_them_before_its_call_ends(monkeypatch):
+    call = _call(rank=0, ins=[0, 300, 0])
+    seen = _stub_transfers(monkeypatch, call)
+    block = torch.ones(300, 8, dtype=torch.bfloat16)
+    landed = call.send([None, block, None], [None, None, None])
+    assert [src for src, _ in landed] == [2, 1] and len(seen) == 1  # the library's arrival order, one exchange
+    assert seen[0][0] == [(1, (300, 8), False, None)] and seen[0][1] == []
+    assert call.finish([], None) is None and seen[0][2].waited == 1  # no source to wait on: the finish waits
+
+
+def test_a_call_that_never_sent_still_makes_its_planned_spills_with_nan_rows(monkeypatch):
+    call = _call(rank=2, ins=[400, 1, 0], outs=[0, 500, 0])
+    seen = _stub_transfers(monkeypatch, call)
+    assert isinstance(call.finish([], RuntimeError("before the send")), RuntimeError)
+    assert len(seen) == 1 and seen[0][0] == [(0, (400, 8), True, None)] and seen[0][1] == [(1, (500, 8))]
+    assert seen[0][2].waited == 1
+
+
+def test_a_block_of_another_size_than_planned_travels_as_nan_and_fails_the_call(monkeypatch):
+    call = _call(rank=0, ins=[0, 300, 0])
+    seen = _stub_transfers(monkeypatch, call)
+    call.send([None, torch.ones(299, 8, dtype=torch.bfloat16), None], [None, None, None])
+    assert seen[0][0] == [(1, (300, 8), True, None)] and isinstance(call.failure, ValueError)
 
 
 def test_a_fault_code_on_the_device_fails_the_rank_in_its_vector():

@@ -31,6 +31,13 @@ same MoE calls in the same graphs, so every rank judges the same calls at the sa
 calls pending on a group a call judges the excess oldest. One host thread per group (as the routes' locks assume
 for the calls' order): another thread's run ending may judge this thread's calls. A run that raises judges nothing;
 after it, ``routes.check()`` on every rank.
+
+Over peer transfers (``moe_peer``): a call's vector also carries its fault block's code (a bounded wait that gave up:
+``moe_settle.local_vector``), and its judgement, waited for at the same call on every rank (never a query:
+``raise_pending(sync=False)`` leaves such calls), reads the block and raises ``errors.PoisonedResult`` with the fault
+chained on every rank, a rank that raised its own failure in the call included; the block held the fault until then,
+so the group's later pending calls (poisoned too) are dropped with it, and the group resynchronizes at its next call.
+These judgements also teach the group's rows bound (``moe_settle.learn_rows``), which sizes the peer slots.
 """
 
 from __future__ import annotations
@@ -264,6 +271,8 @@ def raise_pending(group: dist.ProcessGroup | None = None, sync: bool = False, li
         queue = _pending.get(gid, [])
         for _ in range(len(queue) if limit is None else min(limit, len(queue))):
             p = queue[0]
+            if not sync and p.fault is not None:
+                break  # a call over peer transfers: judged only where every rank judges it (``_judge``'s shared)
             if p.done is not None:
                 if sync:
                     p.done.synchronize()
@@ -286,7 +295,8 @@ def raise_pending(group: dist.ProcessGroup | None = None, sync: bool = False, li
 def _judge(vectors: list[list[int]], p: Pending, shared: bool) -> None:
     """One deferred call's vectors judged; ``shared``: at a point every rank shares (waited for, not queried), the
     only judgements that may teach the rows bound or raise the peer transfers' fault (both change what every rank
-    does next: the slots' collective growth, the group's resynchronization)."""
+    does next: the slots' collective growth, the group's resynchronization; a call over peer transfers is never
+    judged otherwise: ``raise_pending``)."""
     rank = p.group.rank()
     if shared:
         moe_settle.learn_rows(p.group, vectors)

@@ -118,17 +118,17 @@ def transfer_blocks(comm: nccl_direct.Communicator, sends: list[tuple[int, torch
         raise ValueError(f"flashoverlap: {what}: a transfer's rows must be contiguous")
     device = tensors[0].device
     caller, side = torch.cuda.current_stream(device), side_stream(device)
-    now = None
-    for _, _, ev in sends:
-        if ev is None and now is None:
-            now = torch.cuda.Event()
-            now.record(caller)
-        side.wait_event(now if ev is None else ev)
-    if not sends:
+    waits = list(dict.fromkeys(ev for _, _, ev in sends if ev is not None))
+    if not sends or any(ev is None for _, _, ev in sends):  # a send without an event, or none: the caller's now
         now = torch.cuda.Event()
         now.record(caller)
-        side.wait_event(now)
-    started = now if now is not None else sends[0][2]
+        waits.append(now)
+    for ev in waits:
+        side.wait_event(ev)
+    started = waits[0]  # the watchdog's start: where the side stream is when the step may begin
+    if len(waits) > 1:
+        started = torch.cuda.Event()
+        started.record(side)
     for t in tensors:  # the caching allocator keeps their blocks until the side stream's work on them is done,
         t.record_stream(side)  # whatever exits the caller takes before it waits for the step
     try:
@@ -146,28 +146,30 @@ def transfer_blocks(comm: nccl_direct.Communicator, sends: list[tuple[int, torch
 
 
 def exchange_blocks(sends: list[tuple[int, torch.Tensor | None, object]], recvs: list[tuple[int, torch.Tensor | None]],
-                    group: dist.ProcessGroup, what: str, tag: int) -> dict[int, Transfer | object]:
+                    group: dist.ProcessGroup, what: str, tag: int) -> tuple[dict[int, object], list]:
     """``transfer_blocks`` on any group of CUDA rows (``moe_peer``'s blocks too large for their slots: both ends of
     a pair know its rows, so both take this): one NCCL group where the group's communicator is at hand, one
-    ``batch_isend_irecv`` (tag ``tag``) on another NCCL group, and on a gloo group (the tests' ranks sharing a GPU)
-    through host copies (a host sync: the sends' rows are read after the caller's stream). Returns, per source
-    rank received from, what to ``wait()`` on (a ``Transfer``: its ``done`` event; else a ``dist`` work)."""
+    ``batch_isend_irecv`` (tag ``tag``) on another NCCL group (watched by NCCL's own timeout only), and on a gloo
+    group (the tests' ranks sharing a GPU) through host copies (a host sync: the sends' rows are read after the
+    caller's stream; bounded by gloo's timeout only). Returns, per source rank received from, what to ``wait()`` on
+    (a ``Transfer``, with its ``done`` event, else ``dist`` works), and every step issued, which the caller's stream
+    must wait for before the call ends (a rank that only sends has no source to wait on)."""
     live = [t for _, t, _ in sends if t is not None and t.numel()]
     live += [t for _, t in recvs if t is not None and t.numel()]
     if not live:
-        return {}
+        return {}, []
     comm = communicator(group, live[0].device)
     srcs = [j for j, t in recvs if t is not None and t.numel()]
     if comm is not None:
         steps = transfer_blocks(comm, sends, recvs, group, what)
-        return dict.fromkeys(srcs, steps[0]) if steps else {}
+        return (dict.fromkeys(srcs, steps[0]) if steps else {}), steps
     if is_nccl_group(group):  # the communicator is made at the group's first collective: before it, torch's
         ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, j), group, tag=tag)
                for j, t, ev in sends if t is not None and t.numel()]
         ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, j), group, tag=tag) for j, t in recvs
                 if t is not None and t.numel()]
-        works = [w for w in (dist.batch_isend_irecv(ops) or ()) if w is not None]
-        return dict.fromkeys(srcs, _Works(works))
+        step = _Works([w for w in (dist.batch_isend_irecv(ops) or ()) if w is not None])
+        return dict.fromkeys(srcs, step), [step]
     caller = torch.cuda.current_stream(live[0].device)  # gloo moves host rows only
     for _, t, ev in sends:
         if ev is not None and t is not None and t.numel():
@@ -183,11 +185,12 @@ def exchange_blocks(sends: list[tuple[int, torch.Tensor | None, object]], recvs:
         t.copy_(h)
     done = torch.cuda.Event()
     done.record(caller)
-    return dict.fromkeys(srcs, Transfer(done, live[0].device, ()))
+    step = Transfer(done, live[0].device, ())
+    return dict.fromkeys(srcs, step), [step]
 
 
 class _Works:
-    """``dist`` works waited for as one step (``wait()`` as ``Transfer``'s)."""
+    """``dist`` works waited for as one step (``wait()`` as ``Transfer``'s: the caller's stream waits; no event)."""
 
     def __init__(self, works: list) -> None:
         self.works = works

@@ -23,6 +23,10 @@ call's last NCCL group). Invariants:
   ``raise_pending(deep=True)`` (``routes.check()``, after its device sync), which reads the blocks themselves: a
   rank that skipped the faulted call ran nothing that would copy its block, so ``routes.check()`` is where it
   raises (and is marked) before its next call, as its peers are.
+- A group whose MoE calls over peer transfers settle without a host read (``judged_later``) has its
+  symmetric-memory faults raised by those calls' judgement (one point on every rank) or ``routes.check()``, never at a
+  call's start or a compiled run's end; that includes what other routes sharing its flag page record (the
+  all_gather's on that group), whose later calls return NaN until then.
 """
 
 from __future__ import annotations
