@@ -331,16 +331,18 @@ def _deferred_calls(op: str, experiments: tuple[str, ...], dev: torch.device, g)
     c = combine_case("grouped", "moe", 2, dev) if op == "combine" else dispatch_case("grouped", "moe", 2, dev)
     want = combine_fp64(c, g) if op == "combine" else torch.cat(dispatch_fp64(c, g), dim=1)
     key = config.current().replace(experiments={*EXPERIMENTS, *experiments}).key()
+    return want, lambda: call_op(op, c, g, key)
 
-    def run() -> torch.Tensor:
-        if op == "combine":
-            return torch.ops.flashoverlap.gemm_unpermute_all_to_all(c["a"], c["b"], c["offs"], c["index"], False,
-                                                                    c["outs"], c["ins"], g.group_name, "blocks", key)
-        return torch.cat(torch.ops.flashoverlap.all_to_all_permute_gemm(
-            c["x"], c["index"], c["b"], c["loop_sizes"], c["offs"], c["outs"], c["ins"], g.group_name, "blocks",
-            key), dim=1)
 
-    return want, run
+def call_op(op: str, c: dict, g, key: str) -> torch.Tensor:
+    """One ``blocks`` call of ``op`` on case ``c`` under the settings of ``key`` (passed as the op's settings: no
+    nesting); the dispatch's p and y side by side."""
+    if op == "combine":
+        return torch.ops.flashoverlap.gemm_unpermute_all_to_all(c["a"], c["b"], c["offs"], c["index"], False,
+                                                                c["outs"], c["ins"], g.group_name, "blocks", key)
+    return torch.cat(torch.ops.flashoverlap.all_to_all_permute_gemm(
+        c["x"], c["index"], c["b"], c["loop_sizes"], c["offs"], c["outs"], c["ins"], g.group_name, "blocks", key),
+        dim=1)
 
 
 def _gemm_fault(rank: int):

@@ -87,15 +87,10 @@ def _call(op: str, c: dict, key: str | None = None) -> torch.Tensor:
     and y side by side."""
     import torch.distributed as dist
 
-    g = dist.group.WORLD
-    if key is None:
-        return tg._combine(c, g, "blocks") if op == "combine" else torch.cat(tg._dispatch(c, g, "blocks"), dim=1)
-    if op == "combine":
-        return torch.ops.flashoverlap.gemm_unpermute_all_to_all(c["a"], c["b"], c["offs"], c["index"], False,
-                                                                c["outs"], c["ins"], g.group_name, "blocks", key)
-    return torch.cat(torch.ops.flashoverlap.all_to_all_permute_gemm(
-        c["x"], c["index"], c["b"], c["loop_sizes"], c["offs"], c["outs"], c["ins"], g.group_name, "blocks", key),
-        dim=1)
+    from flashoverlap_inductor import config
+
+    key = key or config.current().replace(experiments=tg.EXPERIMENTS).key()
+    return tg.call_op(op, c, dist.group.WORLD, key)
 
 
 SPILL_KEYS = ("moe_peer:spill", "moe:moe_peer", "dispatch:redo", "combine:redo")

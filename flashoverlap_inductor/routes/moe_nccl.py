@@ -154,39 +154,39 @@ def exchange_blocks(sends: list[tuple[int, torch.Tensor | None, object]], recvs:
     caller's stream; bounded by gloo's timeout only). Returns, per source rank received from, what to ``wait()`` on
     (a ``Transfer``, with its ``done`` event, else ``dist`` works), and every step issued, which the caller's stream
     must wait for before the call ends (a rank that only sends has no source to wait on)."""
-    live = [t for _, t, _ in sends if t is not None and t.numel()]
-    live += [t for _, t in recvs if t is not None and t.numel()]
-    if not live:
+    sends = [(j, t, ev) for j, t, ev in sends if t is not None and t.numel()]
+    recvs = [(j, t) for j, t in recvs if t is not None and t.numel()]
+    if not sends and not recvs:
         return {}, []
-    comm = communicator(group, live[0].device)
-    srcs = [j for j, t in recvs if t is not None and t.numel()]
+    device = (sends[0][1] if sends else recvs[0][1]).device
+    comm = communicator(group, device)
     if comm is not None:
-        steps = transfer_blocks(comm, sends, recvs, group, what)
-        return (dict.fromkeys(srcs, steps[0]) if steps else {}), steps
-    if is_nccl_group(group):  # the communicator is made at the group's first collective: before it, torch's
-        ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, j), group, tag=tag)
-               for j, t, ev in sends if t is not None and t.numel()]
-        ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, j), group, tag=tag) for j, t in recvs
-                if t is not None and t.numel()]
-        step = _Works([w for w in (dist.batch_isend_irecv(ops) or ()) if w is not None])
-        return dict.fromkeys(srcs, step), [step]
-    caller = torch.cuda.current_stream(live[0].device)  # gloo moves host rows only
-    for _, t, ev in sends:
-        if ev is not None and t is not None and t.numel():
-            caller.wait_event(ev)
-    host_sends = [(j, t.cpu()) for j, t, _ in sends if t is not None and t.numel()]
-    host_recvs = [(j, t, torch.empty(t.shape, dtype=t.dtype)) for j, t in recvs if t is not None and t.numel()]
-    ops = [dist.P2POp(dist.isend, h, dist.get_global_rank(group, j), group, tag=tag) for j, h in host_sends]
-    ops += [dist.P2POp(dist.irecv, h, dist.get_global_rank(group, j), group, tag=tag) for j, _, h in host_recvs]
-    for w in dist.batch_isend_irecv(ops) or ():
-        if w is not None:
+        step = transfer_blocks(comm, sends, recvs, group, what)[0]
+    elif is_nccl_group(group):  # the communicator is made at the group's first collective: before it, torch's
+        step = _Works(p2p_ops([(j, t) for j, t, _ in sends], recvs, group, tag))
+    else:  # gloo moves host rows only
+        caller = torch.cuda.current_stream(device)
+        for _, _, ev in sends:
+            if ev is not None:
+                caller.wait_event(ev)
+        host_recvs = [(j, torch.empty(t.shape, dtype=t.dtype)) for j, t in recvs]
+        for w in p2p_ops([(j, t.cpu()) for j, t, _ in sends], host_recvs, group, tag):
             w.wait()
-    for _, t, h in host_recvs:
-        t.copy_(h)
-    done = torch.cuda.Event()
-    done.record(caller)
-    step = Transfer(done, live[0].device, ())
-    return dict.fromkeys(srcs, step), [step]
+        for (_, t), (_, h) in zip(recvs, host_recvs, strict=True):
+            t.copy_(h)
+        done = torch.cuda.Event()
+        done.record(caller)
+        step = Transfer(done, device, ())
+    return dict.fromkeys((j for j, _ in recvs), step), [step]
+
+
+def p2p_ops(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], group: dist.ProcessGroup,
+         tag: int) -> list:
+    """One ``batch_isend_irecv`` of ``sends`` / ``recvs`` (group rank, rows; tag ``tag``); returns its works (none
+    where both are empty)."""
+    ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, j), group, tag=tag) for j, t in sends]
+    ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, j), group, tag=tag) for j, t in recvs]
+    return [w for w in (dist.batch_isend_irecv(ops) or ()) if w is not None] if ops else []
 
 
 class _Works:

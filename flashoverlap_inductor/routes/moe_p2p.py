@@ -209,14 +209,8 @@ def exchange(send: torch.Tensor | None, recv: torch.Tensor | None, dst: int, src
         op = "combine" if tag < DISPATCH_TAG else "dispatch"
         return moe_nccl.transfer(comm, send, recv, dst, src, group, f"a MoE {op} transfer "
                                  f"(to rank {dst}, from rank {src})", after)
-    ops = []
-    if send is not None and send.numel():
-        ops.append(dist.P2POp(dist.isend, send, dist.get_global_rank(group, dst), group, tag=tag))
-    if recv is not None and recv.numel():
-        ops.append(dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, src), group, tag=tag))
-    if not ops:
-        return []
-    return [w for w in (dist.batch_isend_irecv(ops) or ()) if w is not None]
+    return moe_nccl.p2p_ops([(dst, send)] if send is not None and send.numel() else [],
+                            [(src, recv)] if recv is not None and recv.numel() else [], group, tag)
 
 
 _WIDE = (torch.complex128, torch.int64, torch.int32)  # 16-, 8- and 4-byte words, widest first

@@ -68,7 +68,6 @@ class PeerCall:
     spill_out: dict = field(default_factory=dict)  # peer -> rows of this rank's block to it, past its slot there
     spill_in: dict = field(default_factory=dict)  # peer -> rows of its block to this rank, past its slot here
     spill_steps: list = field(default_factory=list)  # the spill exchange's steps, waited for by ``finish``
-    direct: frozenset = frozenset()  # peers whose block the combine's GEMM wrote straight into their slot (targets)
     lock: object = None  # the device's call lock, held from ``begin`` to ``finish``
     begun: bool = False  # phase 1 was enqueued
     sent: bool = False
@@ -211,12 +210,17 @@ class PeerCall:
                 out[j] = self.ws.views[j][start:start + rows * n * itemsize].view(dtype).view(rows, n)
             elif j != rank:
                 out[j] = torch.empty(rows, n, dtype=dtype, device=self.device)
-        self.direct = frozenset(j for j in range(world) if j != rank and j not in self.spill_out)
         return out
 
     def to_push(self, targets: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """``targets``' blocks that ``send`` still moves (the spilled ones): the others are in their slots."""
-        return [None if j in self.direct else t for j, t in enumerate(targets)]
+        return [t if j in self.spill_out else None for j, t in enumerate(targets)]
+
+    @property
+    def direct(self) -> frozenset[int]:
+        """The peers whose block ``targets`` has the combine's GEMM write straight into their slot: every peer whose
+        block is not spilled."""
+        return frozenset(range(self.group.size())) - {self.group.rank(), *self.spill_out}
 
     def slots(self, rows: Sequence[int], n: int, dtype: torch.dtype) -> list[torch.Tensor | None]:
         """This rank's receive slots as ``[rows[j], n]`` ``dtype`` views (the own entry and a block past its slot
