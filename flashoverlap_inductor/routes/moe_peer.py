@@ -45,7 +45,8 @@ Invariants (units: bytes for slots and buffers, rows for the bound):
   the last one (the push schedule's), and the copies out of this rank's slots (where made) queue behind its pushes
   on its one copy stream: on 3+ ranks a block is consumed after its sender's last block.
 
-Never run on 2 GPUs yet: checked with 2-3 ranks sharing one GPU (``tests/test_gpu_moe_peer.py``)."""
+Checked with 2-3 ranks sharing one GPU (``tests/test_gpu_moe_peer.py``) and between 2 H200s (``tests/test_gpu_moe.py``);
+measured there in docs/results.md (forty-eighth session)."""
 
 from __future__ import annotations
 
