@@ -1,0 +1,140 @@
+"""A stack of the e2e harness's expert-parallel MoE blocks (``bench/moe.py``, HF weights of a preset), compiled by
+the flashoverlap backend under ``fuse="always"`` and each given experiments set, against the same stack run
+eagerly (without CUDA: fp32 on CPU over gloo): a correctness probe for what the e2e rows compare only at the logits (a diagnostic, not a benchmark).
+
+Each layer is ``x = x + moe(rms_norm(x))``, so a later layer's dispatch reads an earlier layer's combine. Per variant
+and step (fresh random tokens per rank), prints the norm-wise relative error of the output against eager, its
+largest per-token relative error, how many tokens are off by more than ``--row-tol``, and the counters of the fused
+calls (fused, deferred, peer, unfused). ``--train``: also the input's gradient (a backward through the fused ops).
+
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 examples/device/moe_stack_check.py --preset qwen3-moe \
+        --layers 2 --tokens 4096 --variants moe_p2p_cuda,moe_p2p_cuda+moe_settle_deferred
+
+``--share-gpu``: every rank on GPU 0 over gloo (``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``); only the peer
+transfers' variants (``+moe_peer``) carry CUDA rows there. Exit status 1 when any compared value is off by more
+than ``--tol``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+COUNTERS = ("dispatch:p2p", "combine:p2p", "moe:deferred", "moe:moe_peer", "unfused")
+
+
+class Stack(nn.Module):
+    """``layers`` pre-norm residual MoE blocks (no attention: the MoE ops are what is checked)."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(F.rms_norm(x, (x.shape[-1],)))
+        return x
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="qwen3-moe")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank and step")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--variants", default="moe_p2p_cuda,moe_p2p_cuda+moe_settle_deferred",
+                   help="comma-separated experiments sets, each joined by '+' ('none': no experiment)")
+    p.add_argument("--gemm", default="auto", choices=("auto", "grouped", "loop"), help="auto: grouped in bf16 on CUDA")
+    p.add_argument("--train", action="store_true", help="also compare the input gradient")
+    p.add_argument("--share-gpu", action="store_true", help="every rank on GPU 0 over gloo")
+    p.add_argument("--tol", type=float, default=2e-2, help="norm-wise relative error allowed (bf16)")
+    p.add_argument("--row-tol", type=float, default=0.1, help="a token's relative error counted as off")
+    return p.parse_args(argv)
+
+
+def compare(got: torch.Tensor, ref: torch.Tensor, row_tol: float) -> tuple[float, float, int]:
+    """(norm-wise relative error, largest per-token relative error, tokens off by more than ``row_tol``)."""
+    g, r = got.double().reshape(-1, got.shape[-1]), ref.double().reshape(-1, ref.shape[-1])
+    if not bool(torch.isfinite(g).all()):
+        return float("inf"), float("inf"), int((~torch.isfinite(g).all(-1)).sum())
+    rows = (g - r).norm(dim=-1) / r.norm(dim=-1).clamp_min(1e-12)
+    return float((g - r).norm() / r.norm().clamp_min(1e-12)), float(rows.max()), int((rows > row_tol).sum())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    from flashoverlap_inductor import routes
+    from flashoverlap_inductor.bench import models, moe
+    from flashoverlap_inductor.routes import moe_deferred
+
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("gloo" if args.share_gpu or not cuda else "nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if cuda:
+        torch.cuda.set_device(0 if args.share_gpu else int(os.environ.get("LOCAL_RANK", rank)))
+    dev, g = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"), dist.group.WORLD
+    dtype = torch.bfloat16 if cuda else torch.float32
+    spec = models.PRESETS[args.preset].with_overrides(layers=args.layers, vocab=256)
+    hf = models.build(spec, dev, dtype, 0, 128)
+    ref = Stack([moe.ExpertParallelMoE(layer.mlp, g, args.gemm) for layer in hf.model.layers]).to(dev)
+    del hf
+    bad = 0
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"moe_stack_check: {args.preset} x {args.layers} layers, {args.tokens} tokens/rank, world {world} "
+        f"({'nccl' if cuda and not args.share_gpu else 'gloo'}), {args.gemm}, torch {torch.__version__}"
+        f"{', train' if args.train else ', no_grad'}")
+    for name in args.variants.split(","):
+        experiments = frozenset() if name == "none" else frozenset(name.split("+"))
+        moe_deferred.forget()
+        torch._dynamo.reset()
+        got = copy.deepcopy(ref)
+        options = {"flashoverlap.fuse": "always", "flashoverlap.experiments": experiments}
+        with torch._dynamo.config.patch(capture_scalar_outputs=True):
+            compiled = torch.compile(got, backend="flashoverlap", options=options)
+            for step in range(args.steps):
+                gen = torch.Generator().manual_seed(1000 * step + rank)
+                x = torch.randn(1, args.tokens, spec.hidden, generator=gen).to(dev, dtype)
+                before = {k: routes.stats[k] for k in COUNTERS}
+                rows = []
+                if args.train:
+                    xr, xg = x.clone().requires_grad_(), x.clone().requires_grad_()
+                    out_ref, out_got = ref(xr), compiled(xg)
+                    dy = torch.randn(out_ref.shape, generator=gen).to(dev, dtype)
+                    out_ref.backward(dy)
+                    out_got.backward(dy)
+                    rows = [("out", out_got.detach(), out_ref.detach()), ("dx", xg.grad, xr.grad)]
+                else:
+                    with torch.no_grad():
+                        out_ref, out_got = ref(x), compiled(x)
+                    rows = [("out", out_got, out_ref)]
+                if cuda:
+                    torch.cuda.synchronize()
+                counts = " ".join(f"{k}={routes.stats[k] - before[k]}" for k in COUNTERS)
+                for what, a, b in rows:
+                    err, worst, off = compare(a, b, args.row_tol)
+                    flags = torch.tensor([err], dtype=torch.float64)
+                    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+                    bad += int(not float(flags[0]) <= args.tol)
+                    print(f"  [{name}] rank {rank} step {step} {what}: rel.err {err:.2e} worst token {worst:.2e} "
+                          f"off {off}/{a.numel() // a.shape[-1]}; {counts}", flush=True)
+        try:
+            routes.check()
+        except Exception as exc:  # noqa: BLE001 - reported, counted
+            bad += 1
+            print(f"  [{name}] rank {rank}: routes.check() raised {type(exc).__name__}: {exc}", flush=True)
+        del compiled, got
+        torch._dynamo.reset()
+    say(f"moe_stack_check: {'every value matched' if not bad else f'{bad} value(s) off'}")
+    dist.destroy_process_group()
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
