@@ -249,6 +249,34 @@ def test_hidden_share_from_the_bound_row():
     assert all("hidden" not in r for r in slow) and "not faster than inductor" in slow[3]["note"]
 
 
+def test_mismatched_rows_are_cross_checked_against_each_other():
+    import torch
+
+    from flashoverlap_inductor.bench.e2e import cross_check
+
+    class OneRank:
+        def reduce_max(self, values):
+            return values
+
+    def row(backend, status, values):
+        return {"backend": backend, "status": status, "tolerance": 2e-2, "note": "differ",
+                "_values": torch.tensor(values, dtype=torch.float64)}
+
+    # two fused rows off the reference alike: they agree with each other, so the reference may be the odd one
+    a, b = row("fo@x", "MISMATCH", [1.0, 2.0]), row("fo@y", "MISMATCH", [1.0, 2.001])
+    c = row("fo@z", "ok", [1.3, 2.6])
+    cross_check([a, b, c], OneRank(), "prefill")
+    assert a["agrees_with"] == ["fo@y"] and b["agrees_with"] == ["fo@x"] and "agrees_with" not in c
+    assert "the reference may be the odd one" in a["note"]
+    # a lone mismatch agrees with nobody; one that agrees with an ok row is borderline, not a bad reference
+    lone, other = row("fo@x", "MISMATCH", [5.0, 2.0]), row("fo@y", "ok", [1.0, 2.0])
+    cross_check([lone, other], OneRank(), "prefill")
+    assert lone["agrees_with"] == [] and lone["note"] == "differ"
+    near, fine = row("fo@x", "MISMATCH", [1.0, 2.0]), row("fo@y", "ok", [1.0, 2.01])
+    cross_check([near, fine], OneRank(), "prefill")
+    assert near["agrees_with"] == ["fo@y"] and "odd one" not in near["note"]
+
+
 def test_hidden_share_of_graphed_rows_like_for_like():
     """A ``-ro`` row's share is measured against ``inductor-ro`` and ``bound-ro`` where both ran (the graphs' own
     host-time saving is not hidden communication), an eager row's against ``inductor`` and ``bound``; without the

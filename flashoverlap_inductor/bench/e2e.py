@@ -172,9 +172,30 @@ def run_case(case: Case, template, env: Env, args: argparse.Namespace) -> list[d
             r["status"] = "MISMATCH"
             r["note"] = f"{case.workload} {'losses' if case.workload == 'train' else 'logits'} differ from " \
                         f"{ref['backend']} by {err:.2e} (tolerance {tol:.0e})"
+    cross_check([r for r in ran if r is not ref], env, case.workload)
+    for r in ran:
         r["values"] = r.pop("_values").flatten()[:8].tolist()  # a sample for the JSON
     add_hidden(rows)
     return rows
+
+
+def cross_check(rows: list[dict[str, Any]], env: Env, workload: str) -> None:
+    """Where a row mismatches its reference, name the other compared rows whose values it agrees with (within its
+    tolerance; errors max over ranks, one all_reduce, the same rows on every rank): mismatched rows that agree with
+    each other point at the reference as the odd one (rerun with ``eager`` among the backends to tell), a lone one at
+    the row itself.
+    Writes ``agrees_with`` on each mismatched row and a clause in its note; takes ``_values`` (before they are cut)."""
+    bad = [r for r in rows if r["status"] == "MISMATCH"]
+    pairs = [(a, b) for a in bad for b in rows if b is not a]
+    if not pairs:
+        return
+    errors = env.reduce_max([rel_error(a["_values"], b["_values"], workload) for a, b in pairs])
+    for a in bad:
+        near = [b for (x, b), err in zip(pairs, errors) if x is a and err <= a["tolerance"]]
+        a["agrees_with"] = [b["backend"] for b in near]
+        if near:
+            odd = " (the reference may be the odd one)" if all(b["status"] == "MISMATCH" for b in near) else ""
+            a["note"] += f"; agrees with {', '.join(a['agrees_with'])}{odd}"
 
 
 def add_hidden(rows: list[dict[str, Any]]) -> None:
