@@ -72,6 +72,11 @@ def header(m: dict[str, Any], args: Any) -> str:
     return "\n".join(lines)
 
 
+# the MoE calls' settle and transfer counters printed beside the routes (how many settled without a host read, how
+# many transfer steps went straight into NCCL, over peer memory or were spilled)
+RAN_MOE = ("moe:deferred", "moe:nccl_direct", "moe:moe_peer", "moe_peer:spill")
+
+
 def fusion_summary(row: dict[str, Any]) -> str:
     """``rewrite tp_sequence 4; fused AR 4 RS 2; skip cost_model 3; near add 2`` from a fusing row's compile
     counters (a rewrite: the collectives a graph rewrite replaced before the fusions)."""
@@ -85,7 +90,7 @@ def fusion_summary(row: dict[str, Any]) -> str:
         if got:
             parts.append(label + " " + " ".join(f"{SHORT.get(k, k)} {n}" for k, n in sorted(got.items())))
     ran = {k: n for k, n in row.get("runtime", {}).items()
-           if k.startswith(("route:", "fallback:")) or k.endswith((":fast", ":redo"))}
+           if k.startswith(("route:", "fallback:")) or k.endswith((":fast", ":redo")) or k in RAN_MOE}
     if ran:
         parts.append("ran " + " ".join(f"{k} {n}" for k, n in sorted(ran.items())))
     return "; ".join(parts) or "nothing to fuse"
