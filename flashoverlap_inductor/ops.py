@@ -17,7 +17,8 @@ added on every rank *before* the reduction), then a collective over ``y`` along 
   output_split_sizes, input_split_sizes)[index]`` (the permutation by expert), then the experts' first GEMM(s):
   ``y[e] = p[s_e:s_e + sizes[e]] @ b[e]`` (per-expert loop, ``offs`` None, ``s_e = sum(sizes[:e])``) or
   ``y[t] = _grouped_mm(p, b[t], offs)`` (``b[t]`` [E, K, N_t]; rows past the last offset 0). Returns ``[p, *y]``
-  (``p`` feeds the weight gradients and is saved for backward). Runtime: ``routes/moe_dispatch.py``.
+  (``p`` feeds the weight gradients and is saved for backward; under the plan suffix ``"+no_rows"``, which the
+  pass adds where the graph reads only ``y``, ``p`` is returned as ``[0, K]``). Runtime: ``routes/moe_dispatch.py``.
 
 And the other way round, a collective *before* the GEMMs:
 
@@ -55,6 +56,7 @@ from .routes import combine as combine_route
 from .routes import moe_dispatch as dispatch_route
 from .routes.unfused import reduce_scatter_into  # noqa: F401  (the version shim tools import from here)
 from .schedule import gather as gather_schedule
+from .schedule.combine import rows_kept
 from .schedule.steps import all_to_all_splits, even_splits
 
 log = logging.getLogger("flashoverlap")
@@ -326,9 +328,19 @@ def _(a, b, offs, index, accumulate, output_split_sizes, input_split_sizes, grou
     return _new_output(a[0], [sum(output_split_sizes), n])
 
 
+def _dispatch_shapes(x, index, b, sizes, offs, plan) -> tuple[list[list], str, bool]:
+    """The dispatch's output shapes ``[p, *y]`` (``p`` [0, K] under the plan suffix ``NO_ROWS``), its plan without
+    the suffix, and whether ``p`` is returned."""
+    shapes = dispatch_route.check_operands(x, index, b, sizes, offs)
+    base, keep = rows_kept(plan)
+    if not keep:
+        shapes[0] = [0, shapes[0][1]]
+    return shapes, base, keep
+
+
 def _all_to_all_permute_gemm(x, index, b, sizes, offs, output_split_sizes, input_split_sizes, group_name, plan,
                              settings=""):
-    shapes = dispatch_route.check_operands(x, index, b, sizes, offs)
+    shapes, plan, keep = _dispatch_shapes(x, index, b, sizes, offs, plan)
     group = resolve_group(group_name)
     outs, ins = [int(v) for v in output_split_sizes], [int(v) for v in input_split_sizes]
     world, rank = group.size(), group.rank()
@@ -339,7 +351,7 @@ def _all_to_all_permute_gemm(x, index, b, sizes, offs, output_split_sizes, input
     if x.shape[1] == 0:  # nothing moves on any rank (K is the ranks' shared hidden size)
         return [x.new_zeros(s) for s in shapes]
     return dispatch_route.dispatch(x, index, list(b), None if sizes is None else [int(s) for s in sizes], offs, outs,
-                                   ins, group, plan, settings)
+                                   ins, group, plan, settings, keep)
 
 
 all_to_all_permute_gemm = torch.library.custom_op(
@@ -351,7 +363,7 @@ all_to_all_permute_gemm = torch.library.custom_op(
 def _(x, index, b, sizes, offs, output_split_sizes, input_split_sizes, group_name, plan, settings=""):
     torch._check(len(output_split_sizes) == len(input_split_sizes),
                  lambda: "flashoverlap: the dispatch needs one output and one input split size per rank")
-    return [_new_output(x, s) for s in dispatch_route.check_operands(x, index, b, sizes, offs)]
+    return [_new_output(x, s) for s in _dispatch_shapes(x, index, b, sizes, offs, plan)[0]]
 
 
 # The CUDA fast path. custom_op's own layers (autograd wrapper, dynamo guard, aliasing check) cost ~130 us of host

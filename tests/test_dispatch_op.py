@@ -74,10 +74,14 @@ def op_worker(forms: list[str], index_kinds: list[str], dtype_name: str, seeds: 
     the count."""
     g = dist.group.WORLD
 
+    keep = not plan.endswith("+no_rows")
+
     def check(c: dict, dtype: torch.dtype, where: str) -> None:
         got, want = _call(c, g, plan), _reference(c, g)
         assert len(got) == len(want) == 1 + len(c["b"]), where
-        assert got[0].shape == (c["index"].shape[0], K), (where, got[0].shape)
+        assert got[0].shape == ((c["index"].shape[0] if keep else 0), K), (where, got[0].shape)
+        if not keep:  # p not returned: the GEMMs' results only
+            got, want = got[1:], want[1:]
         for x, y in zip(got, want, strict=True):
             assert x.dtype == dtype and x.shape == y.shape, where
             torch.testing.assert_close(x, y, **TOL[dtype], msg=lambda m, w=where: f"{w}: {m}")
@@ -245,6 +249,13 @@ def test_opcheck_on_gloo(pool):
 # ------------------------------------------------------------------------------------------ one process
 
 
+@pytest.mark.parametrize("plan", ["blocks+no_rows", "blocks:c=2+no_rows", "experts+no_rows"])
+def test_a_plan_without_the_rows_returns_the_gemms_alone(pool, plan):
+    """The suffix the pass adds where nothing but the GEMMs reads ``p``: ``p`` comes back as [0, K], every GEMM's
+    result equal to the reference's, on every path (whole-block, chunked, the expert cut where it runs)."""
+    assert pool.run(op_worker, ["loop", "grouped", "grouped2"], ["moe", "dup"], "bfloat16", [1, 2], plan) == [12, 12]
+
+
 def test_fake_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -260,3 +271,9 @@ def test_fake_shapes():
             [3, 3], [3, 2], "0", "blocks")
     assert [tuple(t.shape) for t in loop] == [(6, K), (2, N), (4, 8)]
     assert [tuple(t.shape) for t in grouped] == [(6, K), (6, N)]
+    with FakeTensorMode() as mode:
+        dropped = torch.ops.flashoverlap.all_to_all_permute_gemm(
+            mode.from_tensor(torch.randn(5, K)), mode.from_tensor(torch.arange(6)),
+            [mode.from_tensor(torch.randn(E, K, N))], None,
+            mode.from_tensor(torch.tensor([1, 3, 6], dtype=torch.int32)), [3, 3], [3, 2], "0", "blocks+no_rows")
+    assert [tuple(t.shape) for t in dropped] == [(0, K), (6, N)]

@@ -103,6 +103,28 @@ def grouped_block_worker(experiments: frozenset = frozenset()) -> dict:
     return _block_vs_eager(ref, x, dy, experiments)
 
 
+def inference_block_worker(form: str) -> dict:
+    """The harness's MoE block (``form``: "grouped" in bf16, "loop" in fp32) compiled under ``no_grad``: nothing but
+    the GEMMs reads the permuted rows, so the op is told not to return them (the plan suffix ``+no_rows``); the
+    output must equal eager's. Returns the counters and the op's graph lines."""
+    from test_combine_pass import BF16
+
+    from flashoverlap_inductor.bench import models, moe
+
+    dtype = torch.bfloat16 if form == "grouped" else torch.float32
+    spec = models.PRESETS["tiny-moe"].with_overrides(layers=1)
+    block = models.build(spec, torch.device("cpu"), torch.float32, 0, 16).model.layers[0].mlp
+    ref = moe.ExpertParallelMoE(block, dist.group.WORLD, form).to(dtype)
+    x = torch.randn(2, 8, spec.hidden, generator=torch.Generator().manual_seed(31 + dist.get_rank())).to(dtype)
+    lines = []
+    options = {"flashoverlap.fuse": "always", "post_grad_custom_post_pass": lambda g: lines.extend(
+        line.strip() for line in g.python_code("self").src.splitlines() if f"flashoverlap.{OP}" in line)}
+    with _DispatchRun() as run, torch.no_grad(), torch._dynamo.config.patch(capture_scalar_outputs=True):
+        got = torch.compile(copy.deepcopy(ref), backend="flashoverlap", options=options)(x)
+        torch.testing.assert_close(got.float(), ref(x).float(), **(BF16 if form == "grouped" else FP32))
+        return {**run.report(), "ops": lines}
+
+
 def titan_worker() -> dict:
     ref = TitanStyleMoE(64, 32, 4, 2, dist.group.WORLD).to(torch.bfloat16)
     gen = torch.Generator().manual_seed(23 + dist.get_rank())
@@ -202,6 +224,15 @@ def test_grouped_mm_block_in_bf16(pool):
         assert got["pass"].get("fused:all_to_all_dispatch") == 2 and got["calls"] == 2, got
         forward, backward = (_terms(line) for line in got["ops"])
         assert forward["terms"] == backward["terms"] == 1 and forward["offs"] != "None", got["ops"]
+        # training: the forward's rows are saved for the weight gradient, the backward's feed it: both returned
+        assert not any("+no_rows" in line for line in got["ops"]), got["ops"]
+
+
+@pytest.mark.parametrize("form", ["grouped", "loop"])
+def test_an_inference_dispatch_does_not_return_the_rows_nothing_reads(pool, form):
+    for got in pool.run(inference_block_worker, form, timeout_s=400):
+        assert got["pass"].get("fused:all_to_all_dispatch") == 1 and got["calls"] == 1, got
+        assert len(got["ops"]) == 1 and "+no_rows'" in got["ops"][0], got["ops"]
 
 
 def test_the_expert_cut_experiment_gives_the_dispatches_its_plan(pool):

@@ -29,6 +29,7 @@ import torch
 from torch.fx import Node
 
 from flashoverlap_inductor import config
+from flashoverlap_inductor.schedule.combine import NO_ROWS
 
 from .dispatch_match import SIZE_OP, DispatchMatch, match_dispatch
 from .fx_forms import known_eq, node_arg, val
@@ -118,14 +119,15 @@ def _rewrite(m: DispatchMatch, group: str, plan: str, settings_key: str) -> bool
     if not _place_before(anchor, [x for x in inputs if isinstance(x, Node)], order, m):
         return bool(skip("inputs_after_use", "%s: a weight is computed after the permuted rows are first used "
                           "by ops that cannot move", m.describe()))
+    keep = rows_read_elsewhere(m)
     build = _Builder(graph, m.gemms[0])
     try:
         with graph.inserting_before(anchor):
             args = (m.coll.args[0], m.perm, b, m.sizes(build), offs, list(m.args["output_split_sizes"]),
-                    list(m.args["input_split_sizes"]), group, plan, settings_key)
+                    list(m.args["input_split_sizes"]), group, plan if keep else plan + NO_ROWS, settings_key)
             op = build.call(FUSED_OP, args)
             outs = [build.call(operator.getitem, (op, i)) for i in range(1 + len(m.gemms))]
-        for want, got in zip([m.permuted, *m.gemms], outs, strict=True):
+        for want, got in zip([m.permuted, *m.gemms][0 if keep else 1:], outs[0 if keep else 1:], strict=True):
             w, g = val(want), val(got)
             if w.dtype != g.dtype or w.dim() != g.dim() or \
                     not all(known_eq(p, q) for p, q in zip(w.shape, g.shape, strict=True)):
@@ -135,7 +137,19 @@ def _rewrite(m: DispatchMatch, group: str, plan: str, settings_key: str) -> bool
         return bool(skip("shape_mismatch", "%s: %s", m.describe(), exc, level=logging.WARNING))
     with graph.inserting_before(anchor):
         m.replace_with(outs, build)
+    if not keep:  # the row views that fed the GEMMs are dead now, and with them the op's empty p
+        for node in reversed([n for n in graph.nodes if n in set([*m.rows, *m.pieces, m.split, outs[0]])]):
+            if not node.users:
+                graph.erase_node(node)
     return True
+
+
+def rows_read_elsewhere(m: DispatchMatch) -> bool:
+    """Whether anything but the match's GEMMs reads the permuted rows ``p`` (through its no-op views and the pieces
+    cut for the GEMMs): a training graph's saved ``p``, another op. Where nothing does (an inference graph), the op
+    is told not to return ``p`` (the plan suffix ``NO_ROWS``: ``ops``)."""
+    ours = {*m.gemms, *m.rows, *m.pieces, *([m.split] if m.split is not None else [])}
+    return any(u not in ours for src in ours - set(m.gemms) for u in src.users)
 
 
 def _place_before(anchor: Node, inputs: list[Node], order: dict[Node, int], m: DispatchMatch) -> bool:

@@ -174,10 +174,11 @@ class DispatchUnits:
 
 def run_p2p(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes: list[int] | None,
             offs: torch.Tensor | None, outs: list[int], ins: list[int], group: dist.ProcessGroup,
-            plan: str, deferred: bool = False) -> list:
+            plan: str, deferred: bool = False, keep_rows: bool = True) -> list:
     """The P2P route (module docstring). Transfers per call on every rank: per ring step and chunk one batch (a send
     and a receive, either left out when its rows are 0, on both sides alike), then the failure exchange (settled on
-    the host, or without a host read when ``deferred``: ``moe_deferred``)."""
+    the host, or without a host read when ``deferred``: ``moe_deferred``). ``keep_rows`` False: the whole-block path
+    never writes ``p`` (the caller drops it; the other paths compute it, as their GEMMs read it)."""
     rank = group.rank()
     chunks = parse_plan(plan, "dispatch")
     what = f"a fused all_to_all dispatch of {list(x.shape)} rows (plan {plan!r})"
@@ -188,7 +189,7 @@ def run_p2p(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes: 
         elif moe_expert_cut.eligible(x, int(index.shape[0]), sum(outs)):
             return moe_expert_cut.run_dispatch(x, index, b, offs, outs, ins, group, chunks, what, redo, deferred)
     if offs is not None and moe_fast.eligible(True, x.dtype, chunks, int(index.shape[0]), sum(outs)):
-        return moe_fast.run_dispatch(x, index, b, offs, outs, ins, group, what, redo, deferred)
+        return moe_fast.run_dispatch(x, index, b, offs, outs, ins, group, what, redo, deferred, keep_rows)
     sent = moe_p2p.issue_dispatch(x, outs, ins, chunks, group, deferred)
     x, recv, send_off, recv_off, failure = sent.x, sent.recv, sent.send_off, sent.recv_off, sent.failure
     recv_sizes = chunk_sizes(outs, chunks)
@@ -219,13 +220,17 @@ def run_p2p(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes: 
 
 def dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes: list[int] | None,
              offs: torch.Tensor | None, outs: list[int], ins: list[int], group: dist.ProcessGroup, plan: str,
-             settings_key: str) -> list:
-    """Run one call on its route (module docstring), under the settings it was compiled with."""
+             settings_key: str, keep_rows: bool = True) -> list:
+    """Run one call on its route (module docstring), under the settings it was compiled with; ``keep_rows`` False
+    (the plan suffix ``NO_ROWS``, taken off by ``ops``): ``p`` is returned as ``[0, K]`` whatever the route."""
     form = ("loop", len(sizes)) if offs is None else ("grouped", len(b), int(offs.shape[0]))
-    call = ("dispatch", form, int(x.shape[1]), [int(w.shape[-1]) for w in b], str(x.dtype), plan, group.size(),
-            x.device.type)
-    return moe_p2p.run_call(
+    call = ("dispatch", form, int(x.shape[1]), [int(w.shape[-1]) for w in b], str(x.dtype), plan, keep_rows,
+            group.size(), x.device.type)
+    out = moe_p2p.run_call(
         "dispatch", x, group, len(outs), plan, settings_key, call,
         f"a fused MoE dispatch of {list(x.shape)} rows into {len(b)} GEMM(s) {list(b[0].shape)} ({x.dtype})",
-        lambda deferred: run_p2p(x, index, b, sizes, offs, outs, ins, group, plan, deferred),
+        lambda deferred: run_p2p(x, index, b, sizes, offs, outs, ins, group, plan, deferred, keep_rows),
         lambda: reference(x, index, b, sizes, offs, outs, ins, group))
+    if not keep_rows and out[0].shape[0]:
+        out = [x.new_empty(0, x.shape[1]), *out[1:]]
+    return out

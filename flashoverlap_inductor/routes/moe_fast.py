@@ -267,13 +267,14 @@ def _end_combine(works: list, keep: object, failure: BaseException | None, facts
 
 def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], offs: torch.Tensor, outs: list[int],
                  ins: list[int], group: dist.ProcessGroup, what: str, reference,
-                 deferred: bool = False) -> list[torch.Tensor]:
+                 deferred: bool = False, keep_rows: bool = True) -> list[torch.Tensor]:
     """The dispatch on the whole-block path: every ring step's transfer issued first, the own block's GEMMs on its
     rows as they lie in ``x`` (never copied into the receive buffer), then each block's as it lands. Each block's
     rows and GEMM results are moved into expert order as soon as they exist (``p[inv[r]] = row r``, ``y[inv[r]] =
     Y_j[r]``: under the premise ``inv`` inverts the index, so this is ``p = recv[index]``, ``y = cat_j(Y_j)[index]``
     bit for bit), so the own block's moves run while the peers' rows travel and no ``cat`` of the blocks' results
-    is made; where the premise fails the outputs are the settle's to discard (redo) or poison (deferred)."""
+    is made; where the premise fails the outputs are the settle's to discard (redo) or poison (deferred).
+    ``keep_rows`` False: ``p`` is not written (returned as ``[0, K]``; its rows are read where they lie)."""
     rank = group.rank()
     library = moe_plan_lib.usable(x)  # asked once per call; its kernels loaded before any transfer is in flight
     # one unit per block (unit j is block j); peer transfers: each peer block read where it landed, in its slot
@@ -285,14 +286,15 @@ def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], of
         if not rows.shape[0]:
             return
         inv = plan.inv[recv_off[j]:recv_off[j + 1]]
-        if library:  # every move of the block in one library call where it takes them
+        if library:  # every move of the block in one library call where it takes them (p's rows where kept)
             moves = list(zip(result, [rows, *(torch._grouped_mm(_aligned(rows), w, offs=plan.offs(j)) for w in b)],
-                             strict=True))
+                             strict=True))[0 if keep_rows else 1:]
             if not (moe_plan_lib.should_move(inv, moves) and moe_plan_lib.move_rows(inv, moves)):
                 for dst, src in moves:
                     moe_p2p.copy_rows(dst, inv, src)
             return
-        moe_p2p.copy_rows(result[0], inv, rows)  # each result moved (and freed) as soon as it exists
+        if keep_rows:
+            moe_p2p.copy_rows(result[0], inv, rows)  # each result moved (and freed) as soon as it exists
         for t, w in enumerate(b):
             moe_p2p.copy_rows(result[1 + t], inv, torch._grouped_mm(_aligned(rows), w, offs=plan.offs(j)))
 
@@ -303,7 +305,7 @@ def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], of
                                  f"{outs[rank]} from it (input_split_sizes {list(ins)}, output {list(outs)})")
             plan = BlockPlan(index.to(x.device), offs, list(outs))
             rows = recv_off[-1]
-            result = [x.new_empty(rows, x.shape[1]), *(x.new_empty(rows, w.shape[-1]) for w in b)]
+            result = [x.new_empty(rows if keep_rows else 0, x.shape[1]), *(x.new_empty(rows, w.shape[-1]) for w in b)]
             compute(rank, x[send_off[rank]:send_off[rank + 1]])
     except BaseException as exc:  # noqa: BLE001 - the transfers are still waited for
         failure = failure or exc
