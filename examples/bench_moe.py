@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from flashoverlap_inductor import config, routes
 from flashoverlap_inductor.cost_model import moe
+from flashoverlap_inductor.schedule.combine import NO_ROWS
 from flashoverlap_inductor.tune import measure as tm
 
 PRESETS = {"qwen3": {"hidden": 2048, "inter": 768, "experts": 64, "top_k": 8},
@@ -56,8 +57,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the fused op's plans, one column each; '<plan>+<experiment>[+...]': that plan with those "
                         "experiments on (config.EXPERIMENTS; short forms: 'deferred' moe_settle_deferred, "
                         "'plan_triton' moe_plan_triton, 'two_behind' moe_judge_two_behind, 'peer' moe_peer: "
-                        "copy-engine pushes and direct writes, one host), e.g. "
-                        "blocks+deferred,blocks+deferred+plan_triton,blocks+deferred+peer")
+                        "copy-engine pushes and direct writes, one host; 'no_rows': the dispatch returns no permuted "
+                        "rows, as in an inference graph), e.g. "
+                        "blocks+deferred,blocks+deferred+plan_triton,blocks+deferred+peer,blocks+deferred+no_rows")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--target-ms", type=float, default=20.0)
     p.add_argument("--json", default=None)
@@ -106,8 +108,12 @@ SUFFIXES = {"deferred": "moe_settle_deferred", "plan_triton": "moe_plan_triton",
 def _settings(plan: str) -> tuple[str, str]:
     """The op's plan and settings key of a column ``<plan>[+<experiment>...]``: each ``+`` name (or its short form in
     ``SUFFIXES``) is added to the current settings' experiments, passed as the op's settings argument (no context
-    manager in the timed call). A plan without ``+`` runs under the current settings (key "")."""
+    manager in the timed call). A plan without ``+`` runs under the current settings (key ""). ``+no_rows`` is the
+    op's plan suffix instead (the dispatch returns no ``p``, as in an inference graph; ignored by the combine)."""
     plan, *extra = plan.split("+")
+    if "no_rows" in extra:
+        extra.remove("no_rows")
+        plan += NO_ROWS
     if not extra:
         return plan, ""
     now = config.current()
@@ -165,6 +171,7 @@ def _variants(op: str, shape: dict, r: dict, plans: list[str], dev: torch.device
 
         def fused(plan):
             plan, key = _settings(plan)
+            plan = plan.removesuffix(NO_ROWS)  # the combine returns no permuted rows
             return lambda: torch.ops.flashoverlap.gemm_unpermute_all_to_all(
                 [a], [w], r["offs"], r["perm"], False, r["ins"], r["outs"], name, plan, key)
 

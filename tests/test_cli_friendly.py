@@ -364,3 +364,6 @@ def test_bench_moe_plan_columns_add_experiments():
     assert config.from_key(key).experiments >= {"moe_settle_deferred", "moe_plan_triton"}
     with pytest.raises(SystemExit, match="no_such"):
         bench_moe._settings("blocks+no_such")
+    plan, key = bench_moe._settings("blocks+deferred+no_rows")  # the op's plan suffix, not an experiment
+    assert plan == "blocks+no_rows" and config.from_key(key).experiments >= {"moe_settle_deferred"}
+    assert bench_moe._settings("blocks+no_rows") == ("blocks+no_rows", "")
