@@ -28,7 +28,10 @@
 #   "--op reduce_scatter_pull --lead 2" with FO_TIMELINE_SHAPES=4096x4096x8192: the pull route's, handshake and push).
 # The MoE check alone (tests/test_gpu_moe.py, tests/test_moe_plan_kernel.py, bench_moe, moe_profile):
 #   FO_PART=B FO_SKIP="cpu coverage ops gather scatter push timeline".
-# FO_MOEPROF_SHAPES, FO_MOEPROF_PLANS: moe_profile's shapes and bench_moe plans (e.g. blocks+deferred+plan_triton).
+# FO_MOEPROF_SHAPES, FO_MOEPROF_PLANS: moe_profile's shapes and bench_moe plans (e.g. blocks+deferred+plan_triton;
+#   blocks+deferred+no_rows and blocks+deferred+peer+no_rows: the dispatch as an inference graph runs it).
+# The MoE stacks against eager (correctness, 49th session): torchrun --nproc_per_node=2
+#   examples/device/moe_stack_check.py --layers 2 --tokens 2048 --sp 4096 [--lag-ms 3] --variants ...
 # FO_OPS_CAP_S: bench_ops' cap (default 120 s; FO_OPS_SHAPES=grid, the 16-shape grid, needs ~300); FO_OPS_ARGS: more
 #   bench_ops arguments (e.g. "--ops all_to_all").
 # FO_GATHER_ARGS: more bench_gather arguments (e.g. "--warmup-shapes 3"); FO_E2E_TRACE=1: the e2e run writes a profiler
