@@ -138,7 +138,8 @@ def _rewrite(m: DispatchMatch, group: str, plan: str, settings_key: str) -> bool
     with graph.inserting_before(anchor):
         m.replace_with(outs, build)
     if not keep:  # the row views that fed the GEMMs are dead now, and with them the op's empty p
-        for node in reversed([n for n in graph.nodes if n in set([*m.rows, *m.pieces, m.split, outs[0]])]):
+        dead = {*m.rows, *m.pieces, m.split, outs[0]}
+        for node in reversed([n for n in graph.nodes if n in dead]):
             if not node.users:
                 graph.erase_node(node)
     return True

@@ -39,6 +39,8 @@ not 16-byte multiples are copied first (the grouped GEMM's alignment).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -286,17 +288,16 @@ def run_dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], of
         if not rows.shape[0]:
             return
         inv = plan.inv[recv_off[j]:recv_off[j + 1]]
-        if library:  # every move of the block in one library call where it takes them (p's rows where kept)
-            moves = list(zip(result, [rows, *(torch._grouped_mm(_aligned(rows), w, offs=plan.offs(j)) for w in b)],
-                             strict=True))[0 if keep_rows else 1:]
-            if not (moe_plan_lib.should_move(inv, moves) and moe_plan_lib.move_rows(inv, moves)):
-                for dst, src in moves:
-                    moe_p2p.copy_rows(dst, inv, src)
-            return
-        if keep_rows:
-            moe_p2p.copy_rows(result[0], inv, rows)  # each result moved (and freed) as soon as it exists
-        for t, w in enumerate(b):
-            moe_p2p.copy_rows(result[1 + t], inv, torch._grouped_mm(_aligned(rows), w, offs=plan.offs(j)))
+        # (dst, src) in order: p's rows where kept, then each GEMM's result (made lazily: moved, then freed)
+        moves = zip(result if keep_rows else result[1:], itertools.chain(
+            [rows] if keep_rows else [], (torch._grouped_mm(_aligned(rows), w, offs=plan.offs(j)) for w in b)),
+            strict=True)
+        if library:  # every move of the block in one library call where it takes them
+            moves = list(moves)
+            if moe_plan_lib.should_move(inv, moves) and moe_plan_lib.move_rows(inv, moves):
+                return
+        for dst, src in moves:
+            moe_p2p.copy_rows(dst, inv, src)
 
     try:
         if failure is None:
