@@ -170,13 +170,33 @@ def run_case(case: Case, template, env: Env, args: argparse.Namespace) -> list[d
         r["speedup"] = ref["ms"] / r["ms"] if r["ms"] > 0 else None
         if err > tol:
             r["status"] = "MISMATCH"
-            r["note"] = f"{case.workload} {'losses' if case.workload == 'train' else 'logits'} differ from " \
-                        f"{ref['backend']} by {err:.2e} (tolerance {tol:.0e})"
+            said = f"{case.workload} {'losses' if case.workload == 'train' else 'logits'} differ from " \
+                   f"{ref['backend']} by {err:.2e} (tolerance {tol:.0e})"
+            r["note"] = "; ".join(x for x in (said, r["note"]) if x)
+    later_calls(ran, ref, env, case.workload)
     cross_check([r for r in ran if r is not ref], env, case.workload)
+    for r in rows:
+        r.pop("_more_values", None)
     for r in ran:
         r["values"] = r.pop("_values").flatten()[:8].tolist()  # a sample for the JSON
     add_hidden(rows)
     return rows
+
+
+def later_calls(ran: list[dict[str, Any]], ref: dict[str, Any] | None, env: Env, workload: str) -> None:
+    """``--value-calls N``: each row's later value calls (``_more_values``, on the first input again) compared with
+    the reference's first, errors max over ranks (one all_reduce; the same rows on every rank), under
+    ``later_rel_errs`` and in the note where one is off by more than the row's tolerance while the first is not, or
+    the other way round (a stale read: the first call follows another input, the later ones the same input)."""
+    pairs = [(r, v) for r in ran for v in r.get("_more_values", [])]
+    if ref is None or not pairs:
+        return
+    errors = env.reduce_max([rel_error(v, ref["_values"], workload) for _, v in pairs])
+    for r in ran:
+        r["later_rel_errs"] = [e for (x, _), e in zip(pairs, errors, strict=True) if x is r]
+        tol = r.get("tolerance", 0.0)
+        if r["later_rel_errs"] and any((e > tol) != (r["rel_err"] > tol) for e in r["later_rel_errs"]):
+            r["note"] += f"; later value calls off by {', '.join(f'{e:.1e}' for e in r['later_rel_errs'])}"
 
 
 def cross_check(rows: list[dict[str, Any]], env: Env, workload: str) -> None:

@@ -42,7 +42,21 @@ from flashoverlap_inductor import reporting as fo
 
 from . import coverage
 from .budget import FINISH_SHARE, MEASURE_SHARE
-from .runner import FUSING, Built, Case, Env, _progress, build, finish, timed, trace, variant, warm
+from .runner import (
+    FUSING,
+    Built,
+    Case,
+    Env,
+    _progress,
+    build,
+    finish,
+    more_values,
+    shadow_calls,
+    timed,
+    trace,
+    variant,
+    warm,
+)
 
 
 @dataclass
@@ -57,6 +71,7 @@ class _Live:
     runtime: dict[str, int]
     times: list[float] = field(default_factory=list)
     host: list[float] = field(default_factory=list)  # each turn's first measured step's host time (ms; CUDA)
+    shadowed: list[str] = field(default_factory=list)  # bad calls under the experiment shadow_check (this rank's)
     outs: list[Any] = field(default_factory=list)
 
 
@@ -90,8 +105,10 @@ def _run(backends: list[str], case: Case, template: Any, data: list, env: Env, a
                 built = build(kind, case, template, data, env, args, capture,
                               tuple(dict.fromkeys((*args.experiments, *extra))))
                 first_s = warm(built.step, args.warmup, env, bar)
+            shadowed = shadow_calls()  # its warm-up's, before the report is read
             report = fo.fusion_report() if kind in FUSING else None
-            live.append(_Live(backend, built, capture, first_s, report, dict(report.runtime) if report else {}))
+            live.append(_Live(backend, built, capture, first_s, report, dict(report.runtime) if report else {},
+                              shadowed=shadowed))
         except Exception as exc:  # noqa: BLE001 - reported in the row; the exit status becomes 1
             rows[backend] = _error(backend, exc, env)
         finally:
@@ -124,6 +141,7 @@ def _run(backends: list[str], case: Case, template: Any, data: list, env: Env, a
                     continue
                 one.times += times
                 one.outs += outs
+                one.shadowed += shadow_calls()
                 _add(one.runtime, before)
             budget.timed("round", budget.now() - started)
             measured += len(turn)
@@ -135,14 +153,17 @@ def _run(backends: list[str], case: Case, template: Any, data: list, env: Env, a
         try:
             before = fo.fusion_report().runtime
             values = one.built.values(one.outs)
+            more = more_values(one.built, one.outs, case, args)
             traced = None
             if args.trace and budget.allows(env, "trace"):  # a verdict per backend, on every rank alike
                 started = budget.now()
                 traced = trace(args, case, one.backend, env, one.built.step)
                 budget.timed("trace", budget.now() - started)
+            one.shadowed += shadow_calls()
             _add(one.runtime, before)  # the calls of the values and the trace, as runner.run_backend counts them
             rows[one.backend] = finish(one.backend, case, env, one.times, one.first_s, None, one.capture,
-                                       one.compiled, one.runtime, traced, values, one.host)
+                                       one.compiled, one.runtime, traced, values, one.host, one.shadowed)
+            rows[one.backend]["_more_values"] = more
             rows[one.backend]["note"] = f"interleaved, {args.interleave} step(s) per turn" + (
                 f" after {lead} unmeasured" if lead else "") + (
                 f"; time budget: {measured} of {len(indices)} steps" if measured < len(indices) else "")

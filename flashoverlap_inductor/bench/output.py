@@ -90,7 +90,7 @@ def fusion_summary(row: dict[str, Any]) -> str:
         if got:
             parts.append(label + " " + " ".join(f"{SHORT.get(k, k)} {n}" for k, n in sorted(got.items())))
     ran = {k: n for k, n in row.get("runtime", {}).items()
-           if k.startswith(("route:", "fallback:")) or k.endswith((":fast", ":redo")) or k in RAN_MOE}
+           if k.startswith(("route:", "fallback:", "shadow:")) or k.endswith((":fast", ":redo")) or k in RAN_MOE}
     if ran:
         parts.append("ran " + " ".join(f"{k} {n}" for k, n in sorted(ran.items())))
     return "; ".join(parts) or "nothing to fuse"

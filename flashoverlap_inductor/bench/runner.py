@@ -338,24 +338,48 @@ def run_backend(backend: str, case: Case, template: nn.Module, data: list, env: 
             host: list[float] = []
             times, outs = timed(built.step, list(range(1 + n_warm, 1 + n_warm + n_steps)), env, bar, host)
             values = built.values(outs)
+            more = more_values(built, outs, case, args)
             traced = trace(args, case, backend, env, built.step)
     finally:
         bar.close()
     peak = int(env.reduce_max([torch.cuda.max_memory_allocated(env.device)])[0]) if env.cuda else None
+    shadowed = shadow_calls()  # before the report is read: its counts go into the runtime counters
     runtime = fo.fusion_report() if kind in FUSING else None
-    return finish(backend, case, env, times, first_s, peak, capture, runtime, runtime, traced, values, host)
+    row = finish(backend, case, env, times, first_s, peak, capture, runtime, runtime, traced, values, host,
+                 shadowed)
+    row["_more_values"] = more
+    return row
+
+
+def more_values(built: Built, outs: list, case: Case, args: Any) -> list[torch.Tensor]:
+    """Prefill under ``--value-calls N``: the values of N - 1 more calls on the first input (none otherwise)."""
+    calls = getattr(args, "value_calls", 1) if case.workload == "prefill" else 1
+    return [built.values(outs) for _ in range(calls - 1)]
+
+
+def shadow_calls() -> list[str]:
+    """The bad calls the experiment ``shadow_check`` found since the last ask (``routes.shadow.collect``: this
+    rank's; none where it is off)."""
+    from flashoverlap_inductor.routes import shadow
+
+    return shadow.collect()
 
 
 def finish(backend: str, case: Case, env: Env, times: list[float], first_s: float, peak: int | None,
            capture: coverage.GraphCapture, compiled: Any, runtime: Any, traced: str | None,
-           values: torch.Tensor, host: list[float] | None = None) -> dict[str, Any]:
+           values: torch.Tensor, host: list[float] | None = None, shadowed: list[str] | None = None
+           ) -> dict[str, Any]:
     """The row of a backend that ran: its times (ms: ``step_ms`` this rank's steps, ``step_ms_max`` each step's max
     over ranks, ``ms`` the median, max over ranks; a collective: every rank passes as many steps), compile time,
     ``peak`` bytes, the graphs ``capture`` saw, for a fusing backend the fusion report's compile part
     (``compiled``) and runtime counts (``runtime``), the trace's summary and ``_values``. ``host`` (CUDA: the host
     time of one step per ``timed`` call) gives ``host_ms``, the median, max over ranks (every rank passes as
-    many, or none)."""
+    many, or none). ``shadowed``: this rank's bad calls under the experiment ``shadow_check`` (``shadow_calls``),
+    kept under ``shadow_bad`` and named in the note."""
     row: dict[str, Any] = {"backend": backend, "status": "ok", "note": ""}
+    if shadowed:
+        row["shadow_bad"] = shadowed
+        row["note"] = f"shadow check (rank {env.rank}): {len(shadowed)} bad call(s), the first {shadowed[0]}"[:600]
     row["step_ms"] = [round(t, 4) for t in times]
     host_median = [float(torch.tensor(host).median())] if host else []
     *step_max, ms, first_s = env.reduce_max([*host_median, *times, float(torch.tensor(times).median()), first_s])

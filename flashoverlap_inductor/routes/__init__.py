@@ -55,6 +55,7 @@ from . import (
     reduce_pull,
     ring,
     scatter_pull,
+    shadow,
     symmetric,
     unfused,
 )
@@ -328,6 +329,9 @@ def _dispatch(collective: str, a: torch.Tensor, b: Any, bias: Any, group: dist.P
             last_launch = launch
             stats[f"fused:{collective}"] += 1
             stats[f"route:{route.name}"] += 1
+            if shadow.on(settings) and not capturing:
+                shadow.compare(collective, out, lambda: unfused.reference(collective, ctx),
+                               lambda name=route.name: f"{_what(collective, a, b, call)} on route {name}, plan {plan}")
             if capturing:
                 stats["captured"] += 1
                 stats[f"captured:{route.name}"] += 1

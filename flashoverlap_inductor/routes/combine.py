@@ -218,4 +218,5 @@ def dispatch(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | 
         "combine", a[0], group, len(outs), plan, settings_key, call,
         f"a fused MoE combine of {len(a)} x {list(a[0].shape)} rows @ {list(b[0].shape)} ({a[0].dtype})",
         lambda deferred: run_p2p(a, b, offs, index, accumulate, outs, ins, group, plan, deferred),
-        lambda: reference(a, b, offs, index, accumulate, outs, ins, group))
+        lambda: reference(a, b, offs, index, accumulate, outs, ins, group),
+        lambda: f"input_split_sizes {ins}, output_split_sizes {outs}, plan {plan}", outs)

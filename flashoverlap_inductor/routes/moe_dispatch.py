@@ -230,7 +230,8 @@ def dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes:
         "dispatch", x, group, len(outs), plan, settings_key, call,
         f"a fused MoE dispatch of {list(x.shape)} rows into {len(b)} GEMM(s) {list(b[0].shape)} ({x.dtype})",
         lambda deferred: run_p2p(x, index, b, sizes, offs, outs, ins, group, plan, deferred, keep_rows),
-        lambda: reference(x, index, b, sizes, offs, outs, ins, group))
+        lambda: reference(x, index, b, sizes, offs, outs, ins, group),
+        lambda: f"input_split_sizes {ins}, output_split_sizes {outs}, plan {plan}, rows kept {keep_rows}")
     if not keep_rows and out[0].shape[0]:
         out = [x.new_empty(0, x.shape[1]), *out[1:]]
     return out

@@ -30,7 +30,7 @@ from flashoverlap_inductor import config
 
 from .. import _inductor_compat as compat
 from ..schedule.combine import chunk_sizes, offsets, parse_plan, ring_steps
-from . import agree, moe_deferred, moe_nccl, moe_peer
+from . import agree, moe_deferred, moe_nccl, moe_peer, shadow
 from .base import note, stats
 from .cpu import _poison
 from .moe_settle import (  # noqa: F401 - the status exchange's names, used through this module too
@@ -118,7 +118,8 @@ def count_route(op: str, device: torch.device) -> None:
 
 
 def run_call(op: str, x: torch.Tensor, group: dist.ProcessGroup, splits: int, plan: str, settings_key: str,
-             call: tuple, what: str, p2p: Callable[[bool], T], reference: Callable[[], T]) -> T:
+             call: tuple, what: str, p2p: Callable[[bool], T], reference: Callable[[], T],
+             detail: Callable[[], str] = str, blocks: list[int] | None = None) -> T:
     """One call of MoE op ``op`` ("combine" or "dispatch"), its tensors like ``x``, ``splits`` split sizes: the plan
     checked (a bad one raises on every rank alike, before any transfer), the route chosen (``unsupported`` under
     the settings of ``settings_key``), the ranks' agreement on ``call`` (what decides its transfers; rows and split
@@ -126,7 +127,9 @@ def run_call(op: str, x: torch.Tensor, group: dist.ProcessGroup, splits: int, pl
     mismatch; not inside a capture), then ``p2p(deferred)`` (whether the call settles without a host read:
     ``moe_deferred.defers``) or ``reference()``, counted; then the group's earlier deferred calls whose status reached
     the host are judged (``moe_deferred.raise_pending``: after this call's collectives, so the ranks stay paired);
-    one call per (op, group) at a time."""
+    one call per (op, group) at a time. Under the experiment ``shadow_check`` a fused call is compared with
+    ``reference()`` after it (``shadow.compare``: ``detail()`` names the call; ``blocks``: its output's rows per
+    block)."""
     parse_plan(plan, op)
     settings = config.from_key(settings_key)
     why = unsupported(x, group, splits, settings.experiments)
@@ -140,12 +143,15 @@ def run_call(op: str, x: torch.Tensor, group: dist.ProcessGroup, splits: int, pl
         earlier = moe_deferred.pending(group)  # judged below: this call's own status is judged by a later call
         moe_deferred.enter_call(group, settings.experiments)
         if why is None:
+            deferred = moe_deferred.defers(group, settings.experiments)
             try:
-                out = p2p(moe_deferred.defers(group, settings.experiments))
+                out = p2p(deferred)
             except BaseException as exc:
                 moe_peer.abandon(group, x.device, exc)  # peer transfers escaped before their finish: finished now
                 raise
             count_route(op, x.device)
+            if shadow.on(settings):
+                shadow.compare(op, out, reference, lambda: f"{detail()}, deferred {deferred}", blocks)
         else:
             out = reference()
             count_fallback(op, why)

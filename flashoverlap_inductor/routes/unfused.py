@@ -59,16 +59,20 @@ def run(collective: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | 
     return out
 
 
+def reference(collective: str, ctx) -> object:
+    """The call of ``ctx`` unfused: what this route returns for it (the semantics every route has)."""
+    if collective == "all_gather":
+        return gather_then_gemms(ctx.a, ctx.b, ctx.bias, ctx.group, ctx.gather_dim, ctx.y_shape, ctx.return_gathered)
+    return run(collective, ctx.a, ctx.b, ctx.bias, ctx.group, ctx.output_split_sizes, ctx.input_split_sizes)
+
+
 class UnfusedRoute(LastResortRoute):
     name = "unfused"
     devices = ("cuda",)
 
     def execute(self, launch: tuple[str], ctx) -> torch.Tensor:
         stats["unfused"] += 1
-        if launch[0] == "all_gather":
-            return gather_then_gemms(ctx.a, ctx.b, ctx.bias, ctx.group, ctx.gather_dim, ctx.y_shape,
-                                     ctx.return_gathered)
-        return run(launch[0], ctx.a, ctx.b, ctx.bias, ctx.group, ctx.output_split_sizes, ctx.input_split_sizes)
+        return reference(launch[0], ctx)
 
 
 ROUTE = UnfusedRoute()
