@@ -277,6 +277,40 @@ def test_mismatched_rows_are_cross_checked_against_each_other():
     assert near["agrees_with"] == ["fo@y"] and "odd one" not in near["note"]
 
 
+def test_later_value_calls_show_a_stale_first_call_and_an_unstable_reference():
+    """``--value-calls``: a row whose first call is off and its later ones right (or the other way round) says so;
+    where the reference's own later calls differ from its first, every mismatched row says the reference is
+    unstable; rows without later calls are left alone."""
+    import torch
+
+    from flashoverlap_inductor.bench.e2e import later_calls
+
+    class OneRank:
+        def reduce_max(self, values):
+            return values
+
+    def row(backend, status, first, *later):
+        t = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+        return {"backend": backend, "status": status, "tolerance": 2e-2, "note": "", "rel_err": 0.0,
+                "_values": t(first), "_more_values": [t(v) for v in later]}
+
+    ref = row("inductor", "ok", [1.0, 2.0], [1.0, 2.0], [1.0, 2.0])
+    stale = row("fo@x", "MISMATCH", [1.5, 2.0], [1.0, 2.0], [1.0, 2.0])
+    stale["rel_err"] = 0.22
+    steady = row("fo@y", "ok", [1.0, 2.0], [1.0, 2.0])
+    later_calls([ref, stale, steady], ref, OneRank(), "prefill")
+    assert stale["later_rel_errs"] == [0.0, 0.0] and "later value calls off by 0.0e+00, 0.0e+00" in stale["note"]
+    assert steady["note"] == "" and "unstable" not in stale["note"]
+    shaky = row("inductor", "ok", [1.0, 2.0], [1.5, 2.0])
+    off = row("fo@x", "MISMATCH", [1.5, 2.0], [1.5, 2.0])
+    off["rel_err"] = 0.22
+    later_calls([shaky, off], shaky, OneRank(), "prefill")
+    assert "(unstable reference)" in off["note"] and "unstable" not in shaky["note"]
+    alone = row("inductor", "ok", [1.0, 2.0])
+    later_calls([alone], alone, OneRank(), "prefill")
+    assert "later_rel_errs" not in alone
+
+
 def test_hidden_share_of_graphed_rows_like_for_like():
     """A ``-ro`` row's share is measured against ``inductor-ro`` and ``bound-ro`` where both ran (the graphs' own
     host-time saving is not hidden communication), an eager row's against ``inductor`` and ``bound``; without the
