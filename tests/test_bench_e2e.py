@@ -278,7 +278,8 @@ def test_mismatched_rows_are_cross_checked_against_each_other():
 
 
 def test_later_value_calls_show_a_stale_first_call_and_an_unstable_reference():
-    """``--value-calls``: a row whose first call is off and its later ones right (or the other way round) says so;
+    """``--value-calls``: a row whose first call is off and its later ones right (or the other way round) says so
+    (its result varies from call to call);
     where the reference's own later calls differ from its first, every mismatched row says the reference is
     unstable; rows without later calls are left alone."""
     import torch
@@ -309,6 +310,32 @@ def test_later_value_calls_show_a_stale_first_call_and_an_unstable_reference():
     alone = row("inductor", "ok", [1.0, 2.0])
     later_calls([alone], alone, OneRank(), "prefill")
     assert "later_rel_errs" not in alone
+
+
+def test_the_verdict_takes_the_closest_pair_of_value_calls_and_never_a_non_finite_one():
+    """Under ``--value-calls`` a row is judged by its closest call to any of the reference's: a reference whose one
+    call is off still judges the rows right, a row none of whose calls is near is wrong, a NaN in any call is
+    wrong; with one call the first calls' error is the verdict."""
+    import torch
+
+    from flashoverlap_inductor.bench.e2e import closest_calls
+
+    class OneRank:
+        def reduce_max(self, values):
+            return values
+
+    t = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+
+    def row(first, *later):
+        return {"_values": t(first), "_more_values": [t(v) for v in later]}
+
+    ref = row([1.5, 2.0], [1.0, 2.0], [1.0, 2.0])  # the reference's first call is the odd one
+    right, wrong = row([1.0, 2.0], [1.0, 2.0]), row([3.0, 2.0], [3.0, 2.0])
+    nan = row([1.0, 2.0], [float("nan"), 2.0])
+    best = closest_calls([ref, right, wrong, nan], ref, OneRank(), "prefill")
+    assert best[0] == 0.0 and best[1] == 0.0 and best[2] > 0.5 and best[3] == float("inf")
+    one = closest_calls([row([1.0, 2.0]), row([1.1, 2.0])], row([1.0, 2.0]), OneRank(), "prefill")
+    assert one[0] == 0.0 and one[1] == pytest.approx(0.1 / 5 ** 0.5)
 
 
 def test_hidden_share_of_graphed_rows_like_for_like():
