@@ -135,13 +135,18 @@ def test_tp_and_sp_training_match_inductor_and_fuse(pool, tmp_path):
 
 
 def test_moe_expert_parallel_runs_and_reports_coverage(pool, tmp_path):
-    argv = ["--preset", "tiny-moe", "--plan", "ep", "--workload", "prefill", "--backends", "eager,flashoverlap",
-            *QUICK]
+    argv = ["--preset", "tiny-moe", "--plan", "ep", "--workload", "prefill", "--backends",
+            "eager,flashoverlap,flashoverlap@shadow_check", "--value-calls", "2", *QUICK]
     results = pool.run(bench_worker, argv, str(tmp_path / "ep.json"), timeout_s=600)
     assert [r["rc"] for r in results] == [0, 0], results[0]["stdout"]
     data = results[0]["json"]
-    eager, fo = _rows(data, plan="ep")
-    assert eager["status"] == fo["status"] == "ok" and fo["rel_err"] <= 1e-4, fo
+    eager, fo, shadowed = _rows(data, plan="ep")
+    assert eager["status"] == fo["status"] == shadowed["status"] == "ok" and fo["rel_err"] <= 1e-4, fo
+    assert len(fo["later_rel_errs"]) == 1 and fo["later_rel_errs"][0] <= 1e-4, fo  # --value-calls 2
+    # under shadow_check both MoE ops of every call were compared with their reference (CPU route), none bad
+    ran = shadowed["runtime"]
+    assert ran.get("shadow:combine", 0) >= 1 and ran.get("shadow:dispatch", 0) >= 1, ran
+    assert not any(k.endswith(":bad") for k in ran) and "shadow_bad" not in shadowed, shadowed
     assert fo["fusion"].get("fused:reduce_scatter", 0) == 1, fo["fusion"]  # the attention's o projection
     cov = data["coverage"][0]
     fwd = cov["graphs"]["inference"]["collectives"]

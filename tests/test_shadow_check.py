@@ -29,9 +29,11 @@ def _fresh():
 def test_an_exact_result_is_counted_and_not_flagged():
     ref = torch.randn(6, 8, dtype=torch.bfloat16)
     before = stats["shadow:op"], stats["shadow:op:bad"]
-    shadow.compare("op", ref.clone(), lambda: ref, lambda: "exact", blocks=[2, 4])
+    shadow.compare("op", ref.clone(), lambda: ref, shadow.Spec(lambda: "exact", [2, 4]))
+    shadow.compare("op", [ref[:0].clone(), ref.clone()], lambda: [ref[:0], ref], shadow.Spec())  # 0 rows
+    shadow.compare("op", torch.empty(0, 8), lambda: torch.empty(0, 8), shadow.Spec())
     assert shadow.collect() == []
-    assert (stats["shadow:op"], stats["shadow:op:bad"]) == (before[0] + 1, before[1])
+    assert (stats["shadow:op"], stats["shadow:op:bad"]) == (before[0] + 3, before[1])
 
 
 def test_rows_off_are_counted_per_block_and_the_call_named(caplog):
@@ -39,34 +41,59 @@ def test_rows_off_are_counted_per_block_and_the_call_named(caplog):
     got = ref.clone()
     got[4] += 10  # a row of the second block
     with caplog.at_level(logging.WARNING, logger="flashoverlap"):
-        shadow.compare("op", got, lambda: ref, lambda: "splits [2, 4]", blocks=[2, 4])
-        shadow.compare("op", ref.clone(), lambda: ref, lambda: "the next")
+        shadow.compare("op", got, lambda: ref, shadow.Spec(lambda: "splits [2, 4]", [2, 4]))
+        shadow.compare("op", ref.clone(), lambda: ref, shadow.Spec(lambda: "the next"))
         bad = shadow.collect()
     assert len(bad) == 1 and bad[0].startswith("op call ") and "(splits [2, 4])" in bad[0], bad
     assert "1 rows off (by block [0, 1])" in bad[0], bad
     assert "shadow check: op call" in caplog.text
 
 
-def test_non_finite_or_misshapen_results_are_off_and_an_output_not_returned_is_skipped():
+def test_one_wrong_row_in_many_is_bad_though_the_norm_is_within_tolerance():
+    ref = torch.randn(4096, 64, dtype=torch.bfloat16)
+    got = ref.clone()
+    got[123] *= 0.5  # a whole token row wrong: norm-wise 0.5 / sqrt(4096) = 0.008, within bf16's 0.031
+    shadow.compare("op", got, lambda: ref, shadow.Spec(lambda: "one row"))
+    bad = shadow.collect()
+    assert len(bad) == 1 and "1 rows off" in bad[0], bad
+
+
+def test_non_finite_misshapen_missing_or_extra_outputs_are_bad_and_skipped_ones_are_not():
     ref = [torch.randn(4, 8), torch.randn(4, 3)]
     nan = ref[1].clone()
     nan[0, 0] = float("nan")
-    shadow.compare("op", [torch.empty(0, 8), nan], lambda: ref, lambda: "nan")  # p not returned: y compared
-    shadow.compare("op", [ref[0].clone(), torch.randn(3, 3)], lambda: ref, lambda: "shape")
-    shadow.compare("op", [torch.empty(0, 8), ref[1].clone()], lambda: ref, lambda: "no rows")
+    nan_ref = [ref[0], nan]
+    shadow.compare("op", [torch.empty(0, 8), nan], lambda: ref, shadow.Spec(lambda: "nan", skip=(0,)))
+    shadow.compare("op", [ref[0].clone(), torch.randn(3, 3)], lambda: ref, shadow.Spec(lambda: "shape"))
+    shadow.compare("op", [torch.empty(0, 8), ref[1].clone()], lambda: ref, shadow.Spec(lambda: "no rows", skip=(0,)))
+    shadow.compare("op", [torch.empty(0, 8), ref[1].clone()], lambda: ref, shadow.Spec(lambda: "not skipped"))
+    shadow.compare("op", [ref[0].clone(), nan.clone()], lambda: nan_ref, shadow.Spec(lambda: "nan reference"))
+    shadow.compare("op", [ref[0].clone()], lambda: ref, shadow.Spec(lambda: "one output"))
     bad = shadow.collect()
-    assert len(bad) == 2, bad
-    assert "(nan): output 0: rel err inf, 1 rows off" in bad[0], bad
-    assert "(shape): output 0: rel err 0, 0 rows off; output 1: rel err inf" in bad[1], bad
+    assert len(bad) == 5, bad
+    assert "(nan): output 1: rel err inf, 1 rows off" in bad[0] and "output 0" not in bad[0], bad
+    assert "(shape): output 1: rel err inf" in bad[1] and "output 0" not in bad[1], bad
+    assert "(not skipped): output 0: rel err inf, 4 rows off" in bad[2], bad
+    assert "(nan reference): output 1: rel err inf" in bad[3], bad
+    assert "(one output): 1 outputs, the reference 2" in bad[4], bad
 
 
-def test_the_tolerance_is_the_dtypes():
+def test_the_tolerance_is_each_outputs_dtypes():
     ref = torch.randn(64, 64)
     noisy = ref * (1 + 1e-3 * torch.randn_like(ref))  # off by 1e-3: a bf16 rounding, far past fp32's
-    shadow.compare("op", noisy.bfloat16(), lambda: ref.bfloat16(), lambda: "bf16")
-    shadow.compare("op", noisy, lambda: ref, lambda: "fp32")
+    shadow.compare("op", noisy.bfloat16(), lambda: ref.bfloat16(), shadow.Spec(lambda: "bf16"))
+    shadow.compare("op", [noisy.bfloat16(), noisy], lambda: [ref.bfloat16(), ref], shadow.Spec(lambda: "both"))
     bad = shadow.collect()
-    assert len(bad) == 1 and "(fp32)" in bad[0], bad
+    assert len(bad) == 1 and "(both): output 1:" in bad[0] and "output 0" not in bad[0], bad
+
+
+def test_a_comparison_that_raises_is_recorded_not_raised():
+    class Odd:  # not a tensor: the comparison raises, the call goes on
+        pass
+
+    shadow.compare("op", [Odd()], lambda: [torch.ones(2, 2)], shadow.Spec(lambda: "odd"))
+    bad = shadow.collect()
+    assert len(bad) == 1 and "(odd): the comparison raised" in bad[0], bad
 
 
 # ------------------------------------------------------------------------------------------ 2 gloo ranks

@@ -123,9 +123,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "so the rows time the steady state, not the step after a switch of model (default 1 under "
                         "--interleave; 0 keeps the values of a run without --interleave)")
     g.add_argument("--value-calls", type=_positive, default=1, metavar="N",
-                   help="prefill: N calls after the measured steps, each compared with the reference's first "
-                        "(the row's values are its first call's; every prefill call takes the same input, so calls "
-                        "that disagree show a model or backend whose result varies from call to call)")
+                   help="prefill: N value calls after the measured steps; a row is judged by the closest pair of "
+                        "its calls and the reference's (a non-finite call is a mismatch), and its later calls are "
+                        "compared with the reference's first (every prefill call takes the same input: calls that "
+                        "disagree show a result that varies from call to call)")
     g.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (train)")
     g.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the token ids")
     g.add_argument("--expert-gemm", choices=("auto", "loop", "grouped"), default="auto",

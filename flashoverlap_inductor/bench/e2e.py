@@ -171,8 +171,9 @@ def run_case(case: Case, template, env: Env, args: argparse.Namespace) -> list[d
         r["speedup"] = ref["ms"] / r["ms"] if r["ms"] > 0 else None
         if best > tol:
             r["status"] = "MISMATCH"
-            said = f"{case.workload} {'losses' if case.workload == 'train' else 'logits'} differ from " \
-                   f"{ref['backend']} by {err:.2e} (tolerance {tol:.0e})"
+            said = (f"{case.workload} {'losses' if case.workload == 'train' else 'logits'} differ from "
+                    f"{ref['backend']} by {err:.2e} (tolerance {tol:.0e})") if err > tol \
+                else "a later value call is not finite"  # (best <= err unless a call is not finite)
             r["note"] = "; ".join(x for x in (said, r["note"]) if x)
         elif err > tol:
             r["closest_rel_err"] = best
@@ -220,12 +221,14 @@ def later_calls(ran: list[dict[str, Any]], ref: dict[str, Any] | None, env: Env,
         r["later_rel_errs"] = [e for (x, _), e in zip(pairs, errors, strict=True) if x is r]
         tol = r.get("tolerance", 0.0)
         if r["later_rel_errs"] and any((e > tol) != (r["rel_err"] > tol) for e in r["later_rel_errs"]):
-            r["note"] += f"; later value calls off by {', '.join(f'{e:.1e}' for e in r['later_rel_errs'])}"
+            said = f"later value calls off by {', '.join(f'{e:.1e}' for e in r['later_rel_errs'])}"
+            r["note"] = "; ".join(x for x in (r["note"], said) if x)
     drift = max(ref.get("later_rel_errs") or [0.0])
     if drift > ref.get("tolerance", 0.0):  # the reference's own calls disagree: its first may be the odd one
         for r in ran:
             if r["status"] == "MISMATCH":
-                r["note"] += f"; the reference's own value calls differ by up to {drift:.1e} (unstable reference)"
+                said = f"the reference's own value calls differ by up to {drift:.1e} (unstable reference)"
+                r["note"] = "; ".join(x for x in (r["note"], said) if x)
 
 
 def cross_check(rows: list[dict[str, Any]], env: Env, workload: str) -> None:

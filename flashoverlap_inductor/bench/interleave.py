@@ -97,6 +97,7 @@ def _run(backends: list[str], case: Case, template: Any, data: list, env: Env, a
             continue
         kind, extra = variant(backend)
         capture = coverage.GraphCapture()
+        shadow_calls()  # an earlier backend's, left where it raised
         fo.reset_fusion_report()
         bar = _progress(env, 1 + args.warmup, f"{case.label()} {backend} (build)")
         started = budget.now()
@@ -164,9 +165,10 @@ def _run(backends: list[str], case: Case, template: Any, data: list, env: Env, a
             rows[one.backend] = finish(one.backend, case, env, one.times, one.first_s, None, one.capture,
                                        one.compiled, one.runtime, traced, values, one.host, one.shadowed)
             rows[one.backend]["_more_values"] = more
-            rows[one.backend]["note"] = f"interleaved, {args.interleave} step(s) per turn" + (
+            said = f"interleaved, {args.interleave} step(s) per turn" + (
                 f" after {lead} unmeasured" if lead else "") + (
                 f"; time budget: {measured} of {len(indices)} steps" if measured < len(indices) else "")
+            rows[one.backend]["note"] = "; ".join(x for x in (said, rows[one.backend]["note"]) if x)
         except Exception as exc:  # noqa: BLE001 - reported in the row
             rows[one.backend] = _error(one.backend, exc, env)
     return [rows[b] for b in backends]

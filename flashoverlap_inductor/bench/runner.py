@@ -322,6 +322,7 @@ def run_backend(backend: str, case: Case, template: nn.Module, data: list, env: 
     kind, extra = variant(backend)
     capture = coverage.GraphCapture()
     torch._dynamo.reset()
+    shadow_calls()  # an earlier row's, left where it raised
     fo.reset_fusion_report()
     gc.collect()
     if env.cuda:
@@ -375,11 +376,13 @@ def finish(backend: str, case: Case, env: Env, times: list[float], first_s: floa
     (``compiled``) and runtime counts (``runtime``), the trace's summary and ``_values``. ``host`` (CUDA: the host
     time of one step per ``timed`` call) gives ``host_ms``, the median, max over ranks (every rank passes as
     many, or none). ``shadowed``: this rank's bad calls under the experiment ``shadow_check`` (``shadow_calls``),
-    kept under ``shadow_bad`` and named in the note."""
+    kept under ``shadow_bad``; the note gives the most any rank had (one all_reduce, on every rank)."""
     row: dict[str, Any] = {"backend": backend, "status": "ok", "note": ""}
-    if shadowed:
-        row["shadow_bad"] = shadowed
-        row["note"] = f"shadow check (rank {env.rank}): {len(shadowed)} bad call(s), the first {shadowed[0]}"[:600]
+    most = int(env.reduce_max([float(len(shadowed or []))])[0])  # every rank passes one value
+    if most:
+        row["shadow_bad"] = shadowed or []
+        first = f", this rank's first: {shadowed[0]}" if shadowed else ""
+        row["note"] = f"shadow check: up to {most} bad call(s) per rank (each rank's log names them){first}"[:600]
     row["step_ms"] = [round(t, 4) for t in times]
     host_median = [float(torch.tensor(host).median())] if host else []
     *step_max, ms, first_s = env.reduce_max([*host_median, *times, float(torch.tensor(times).median()), first_s])

@@ -329,15 +329,23 @@ def _dispatch(collective: str, a: torch.Tensor, b: Any, bias: Any, group: dist.P
             last_launch = launch
             stats[f"fused:{collective}"] += 1
             stats[f"route:{route.name}"] += 1
-            if shadow.on(settings) and not capturing:
-                shadow.compare(collective, out, lambda: unfused.reference(collective, ctx),
-                               lambda name=route.name: f"{_what(collective, a, b, call)} on route {name}, plan {plan}")
+            if shadow.on(settings):
+                _shadow(collective, out, ctx, call, route.name)
             if capturing:
                 stats["captured"] += 1
                 stats[f"captured:{route.name}"] += 1
                 _captured.add(key)
             return out
     raise RuntimeError(f"flashoverlap: no route ran {call}")  # unreachable: unfused and cpu always run
+
+
+def _shadow(collective: str, out: Any, ctx: Context, call: Call, route: str) -> None:
+    """The experiment ``shadow_check``: the fused call compared with its unfused reference (not while capturing)."""
+    if ctx.capturing:
+        shadow.skip_capture()
+        return
+    shadow.compare(collective, out, lambda: unfused.reference(collective, ctx), shadow.Spec(
+        lambda: f"{_what(collective, ctx.a, ctx.b, call)} on route {route}, plan {ctx.plan}"))
 
 
 def _what(collective: str, a: torch.Tensor, b: Any, call: Call) -> str:

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule.combine import chunk_sizes, cuts_by_expert, group_ends, offsets, parse_plan, plan_units, ring_steps
-from . import moe_fast, moe_p2p
+from . import moe_fast, moe_p2p, shadow
 from .cpu import _poison, _wait_all
 
 TAG = moe_p2p.COMBINE_TAG
@@ -219,4 +219,4 @@ def dispatch(a: list[torch.Tensor], b: list[torch.Tensor], offs: torch.Tensor | 
         f"a fused MoE combine of {len(a)} x {list(a[0].shape)} rows @ {list(b[0].shape)} ({a[0].dtype})",
         lambda deferred: run_p2p(a, b, offs, index, accumulate, outs, ins, group, plan, deferred),
         lambda: reference(a, b, offs, index, accumulate, outs, ins, group),
-        lambda: f"input_split_sizes {ins}, output_split_sizes {outs}, plan {plan}", outs)
+        lambda: shadow.Spec(lambda: f"input_split_sizes {ins}, output_split_sizes {outs}, plan {plan}", outs))

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule.combine import chunk_sizes, cuts_by_expert, group_ends, offsets, parse_plan, plan_units
-from . import moe_expert_cut, moe_fast, moe_p2p
+from . import moe_expert_cut, moe_fast, moe_p2p, shadow
 from .cpu import _wait_all
 
 
@@ -231,7 +231,8 @@ def dispatch(x: torch.Tensor, index: torch.Tensor, b: list[torch.Tensor], sizes:
         f"a fused MoE dispatch of {list(x.shape)} rows into {len(b)} GEMM(s) {list(b[0].shape)} ({x.dtype})",
         lambda deferred: run_p2p(x, index, b, sizes, offs, outs, ins, group, plan, deferred, keep_rows),
         lambda: reference(x, index, b, sizes, offs, outs, ins, group),
-        lambda: f"input_split_sizes {ins}, output_split_sizes {outs}, plan {plan}, rows kept {keep_rows}")
+        lambda: shadow.Spec(lambda: f"input_split_sizes {ins}, output_split_sizes {outs}, plan {plan}",
+                            skip=() if keep_rows else (0,)))
     if not keep_rows and out[0].shape[0]:
         out = [x.new_empty(0, x.shape[1]), *out[1:]]
     return out

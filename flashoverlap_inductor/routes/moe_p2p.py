@@ -119,7 +119,7 @@ def count_route(op: str, device: torch.device) -> None:
 
 def run_call(op: str, x: torch.Tensor, group: dist.ProcessGroup, splits: int, plan: str, settings_key: str,
              call: tuple, what: str, p2p: Callable[[bool], T], reference: Callable[[], T],
-             detail: Callable[[], str] = str, blocks: list[int] | None = None) -> T:
+             shadow_spec: Callable[[], shadow.Spec] = shadow.Spec) -> T:
     """One call of MoE op ``op`` ("combine" or "dispatch"), its tensors like ``x``, ``splits`` split sizes: the plan
     checked (a bad one raises on every rank alike, before any transfer), the route chosen (``unsupported`` under
     the settings of ``settings_key``), the ranks' agreement on ``call`` (what decides its transfers; rows and split
@@ -127,9 +127,8 @@ def run_call(op: str, x: torch.Tensor, group: dist.ProcessGroup, splits: int, pl
     mismatch; not inside a capture), then ``p2p(deferred)`` (whether the call settles without a host read:
     ``moe_deferred.defers``) or ``reference()``, counted; then the group's earlier deferred calls whose status reached
     the host are judged (``moe_deferred.raise_pending``: after this call's collectives, so the ranks stay paired);
-    one call per (op, group) at a time. Under the experiment ``shadow_check`` a fused call is compared with
-    ``reference()`` after it (``shadow.compare``: ``detail()`` names the call; ``blocks``: its output's rows per
-    block)."""
+    one call per (op, group) at a time. Under the experiment ``shadow_check`` a fused call outside a capture is
+    compared with ``reference()`` after it (``shadow.compare``, as ``shadow_spec()`` reads its outputs)."""
     parse_plan(plan, op)
     settings = config.from_key(settings_key)
     why = unsupported(x, group, splits, settings.experiments)
@@ -151,7 +150,12 @@ def run_call(op: str, x: torch.Tensor, group: dist.ProcessGroup, splits: int, pl
                 raise
             count_route(op, x.device)
             if shadow.on(settings):
-                shadow.compare(op, out, reference, lambda: f"{detail()}, deferred {deferred}", blocks)
+                if x.is_cuda and compat.is_capturing():
+                    shadow.skip_capture()
+                else:
+                    spec = shadow_spec()
+                    shadow.compare(op, out, reference, shadow.Spec(
+                        lambda: f"{spec.detail()}, deferred {deferred}", spec.blocks, spec.skip))
         else:
             out = reference()
             count_fallback(op, why)
