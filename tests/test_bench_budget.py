@@ -93,7 +93,8 @@ def _fake_run(clock, monkeypatch, backends, budget_s, steps, per_turn, turn_lead
             clock.now += 5.0
         return [5.0 + 0.1 * n for n in range(len(indices))], list(indices)
 
-    def finish(backend, case, env, times, first_s, peak, capture, compiled, runtime, traced, values, host=None):
+    def finish(backend, case, env, times, first_s, peak, capture, compiled, runtime, traced, values, host=None,
+               shadowed=None):
         return {"backend": backend, "status": "ok", "step_ms": times, "values": values, "note": ""}
 
     for name, fn in (("build", build), ("warm", warm), ("timed", timed), ("finish", finish),

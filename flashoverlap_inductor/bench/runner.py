@@ -354,7 +354,9 @@ def run_backend(backend: str, case: Case, template: nn.Module, data: list, env: 
 
 def more_values(built: Built, outs: list, case: Case, args: Any) -> list[torch.Tensor]:
     """Prefill under ``--value-calls N``: the values of N - 1 more calls on the first input (none otherwise)."""
-    calls = getattr(args, "value_calls", 1) if case.workload == "prefill" else 1
+    calls = getattr(args, "value_calls", 1)
+    if calls <= 1 or case.workload != "prefill":
+        return []
     return [built.values(outs) for _ in range(calls - 1)]
 
 
