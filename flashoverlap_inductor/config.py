@@ -54,10 +54,8 @@ OPTION_PREFIX = "flashoverlap."
 # Experimental variants still under study: each name turns one on (``Settings.experiments``).
 EXPERIMENTS = {
     "single_group": "run a one-group plan fused (it overlaps nothing; for tests of the fused path on tiny shapes)",
-    "shadow_check": "run every call a fused route ran again unfused right after it and compare the two on the "
-                    "device (routes/shadow.py; bench e2e reads them after each row: shadow:<op> and "
-                    "shadow:<op>:bad in its 'ran' column, each bad call logged): finds which op, call and rows a "
-                    "whole model's mismatch comes from; doubles every call's work, its timings mean nothing",
+    "shadow_check": "compare every fused call with its unfused reference run right after it, on the device "
+                    "(routes/shadow.py; bench e2e: shadow:<op>:bad under 'ran'); its timings mean nothing",
     "moe_p2p_cuda": "run the fused MoE combine and dispatch on CUDA with their point-to-point route over NCCL "
                     "(correct on 2 GPUs; with moe_settle_deferred combine 0.95-1.62x and dispatch 0.46-0.91x of "
                     "sequential on 2 H100s, slower end to end: host-bound); without it CUDA runs their unfused "
