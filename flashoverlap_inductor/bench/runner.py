@@ -378,16 +378,16 @@ def finish(backend: str, case: Case, env: Env, times: list[float], first_s: floa
     (``compiled``) and runtime counts (``runtime``), the trace's summary and ``_values``. ``host`` (CUDA: the host
     time of one step per ``timed`` call) gives ``host_ms``, the median, max over ranks (every rank passes as
     many, or none). ``shadowed``: this rank's bad calls under the experiment ``shadow_check`` (``shadow_calls``),
-    kept under ``shadow_bad``; the note gives the most any rank had (one all_reduce, on every rank)."""
+    kept under ``shadow_bad``; the note gives the most any rank had (in the times' all_reduce)."""
     row: dict[str, Any] = {"backend": backend, "status": "ok", "note": ""}
-    most = int(env.reduce_max([float(len(shadowed or []))])[0])  # every rank passes one value
+    row["step_ms"] = [round(t, 4) for t in times]
+    host_median = [float(torch.tensor(host).median())] if host else []
+    *step_max, ms, first_s, most = env.reduce_max([*host_median, *times, float(torch.tensor(times).median()),
+                                                   first_s, float(len(shadowed or []))])
     if most:
         row["shadow_bad"] = shadowed or []
         first = f", this rank's first: {shadowed[0]}" if shadowed else ""
-        row["note"] = f"shadow check: up to {most} bad call(s) per rank (each rank's log names them){first}"[:600]
-    row["step_ms"] = [round(t, 4) for t in times]
-    host_median = [float(torch.tensor(host).median())] if host else []
-    *step_max, ms, first_s = env.reduce_max([*host_median, *times, float(torch.tensor(times).median()), first_s])
+        row["note"] = f"shadow check: up to {int(most)} bad call(s) per rank (each rank's log names them){first}"[:600]
     if host_median:
         row["host_ms"], step_max = step_max[0], step_max[1:]
     row["step_ms_max"] = [round(t, 4) for t in step_max]  # per step, max over ranks (``e2e.add_hidden``'s spread)
